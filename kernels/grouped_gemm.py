@@ -1,0 +1,46 @@
+"""Grouped GEMM for MoE experts: `out[rows of e] = x[rows of e] @ w[e]`.
+
+Legend: M rows (tokens x top-k, grouped by expert), K in-features, N out-features,
+E experts.  Rows are sorted by expert; `counts_E` says how many rows each expert
+owns (zeros allowed).
+
+- `loop`: the reference, one matmul per expert; a host sync for the counts.
+- `torch`: `torch._grouped_mm` (one call, no host sync).  Its backward refuses
+  non-contiguous incoming gradients (e.g. from `.sum()`), so the output passes
+  through an identity whose backward makes the gradient contiguous.
+- `triton`: ours, added by the kernels issue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_mm_loop(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    chunks = x_MK.split(counts_E.tolist())
+    return torch.cat([xe @ w_EKN[e] for e, xe in enumerate(chunks)])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_torch(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    offs = counts_E.cumsum(0, dtype=torch.int32)
+    out = torch._grouped_mm(x_MK, w_EKN, offs=offs)
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
+GROUPED_GEMMS = {"loop": grouped_mm_loop, "torch": grouped_mm_torch}
+
+
+def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, backend: str = "torch"):
+    if backend not in GROUPED_GEMMS:
+        raise ValueError(f"grouped GEMM backend {backend!r} is not available; choose one of {sorted(GROUPED_GEMMS)}")
+    return GROUPED_GEMMS[backend](x_MK, w_EKN, counts_E)

@@ -1,0 +1,8 @@
+"""The Qwen3-VL-MoE network, free of parallelism (see DESIGN.md)."""
+
+from moevlm.model.config import ConfigError, MoEConfig, TextConfig, VisionConfig, VLMConfig
+from moevlm.model.flops import FlopCount, count_flops
+from moevlm.model.vlm import Qwen3VLMoe, VLMOutput
+
+__all__ = ["ConfigError", "FlopCount", "MoEConfig", "Qwen3VLMoe", "TextConfig", "VLMConfig", "VLMOutput",
+           "VisionConfig", "count_flops"]

@@ -1,0 +1,290 @@
+"""Model configuration: vision, text, MoE and the whole VLM.
+
+Design choices:
+- Plain dataclasses, no framework base class: Hydra's ConfigStore (trainer issue)
+  can register them as-is, and tests build them in one line.
+- Field names follow the Hugging Face config where one exists, so reading
+  `config.json` is a rename table, not a translation; the renames live in
+  `VLMConfig.from_hf` / `to_hf` and nowhere else.
+- Runtime choices that do not change the function the network computes
+  (`attn_backend`, `moe.grouped_gemm`, `moe.dispatcher`) sit beside the
+  architecture so one object describes a runnable model; they are never written
+  to an exported `config.json`.
+- `validate()` runs before any parameter exists and names the offending field
+  and what to change (STYLE 12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moevlm.kernels import GROUPED_GEMMS
+
+ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class VisionConfig:
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 2048
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch row of `pixel_values`: C*T*P*P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 6144  # dense MLP width (mlp_only_layers)
+    num_layers: int = 48
+    num_heads: int = 32
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 5_000_000.0
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    mrope_interleaved: bool = True
+    max_position_embeddings: int = 262144
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 128
+    top_k: int = 8
+    moe_intermediate_size: int = 768
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    grouped_gemm: str = "torch"  # see moevlm.kernels.GROUPED_GEMMS
+    dispatcher: str = "local"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """The reference's rule: sparse unless listed dense or off the sparse step."""
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass
+class VLMConfig:
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tie_word_embeddings: bool = False
+    attn_backend: str = "auto"
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, name: str) -> "VLMConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[name]()
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> "VLMConfig":
+        v, t, m = self.vision, self.text, self.moe
+        _check(v.hidden_size % v.num_heads == 0,
+               f"vision.hidden_size={v.hidden_size} is not divisible by vision.num_heads={v.num_heads}")
+        _check(v.head_dim % 4 == 0,
+               f"vision head dim {v.head_dim} (vision.hidden_size/vision.num_heads) must be a multiple "
+               "of 4 for the 2-D rotary embedding")
+        side = math.isqrt(v.num_position_embeddings)
+        _check(side * side == v.num_position_embeddings,
+               f"vision.num_position_embeddings={v.num_position_embeddings} must be a perfect square")
+        for i in v.deepstack_visual_indexes:
+            _check(0 <= i < v.depth,
+                   f"vision.deepstack_visual_indexes has {i}, outside 0..vision.depth-1={v.depth - 1}")
+        _check(len(v.deepstack_visual_indexes) <= t.num_layers,
+               f"{len(v.deepstack_visual_indexes)} deepstack features but only text.num_layers={t.num_layers}")
+        _check(t.num_heads % t.num_kv_heads == 0,
+               f"text.num_heads={t.num_heads} is not divisible by text.num_kv_heads={t.num_kv_heads}")
+        _check(t.head_dim % 2 == 0, f"text.head_dim={t.head_dim} must be even")
+        _check(len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2,
+               f"text.mrope_section={tuple(t.mrope_section)} must have 3 entries summing to "
+               f"text.head_dim/2={t.head_dim // 2}")
+        _check(m.num_experts >= 0, f"moe.num_experts={m.num_experts} must be >= 0")
+        if m.num_experts:
+            _check(1 <= m.top_k <= m.num_experts,
+                   f"moe.top_k={m.top_k} must be in 1..moe.num_experts={m.num_experts}")
+        _check(m.decoder_sparse_step >= 1, f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1")
+        for i in m.mlp_only_layers:
+            _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
+        _check(m.grouped_gemm in GROUPED_GEMMS,
+               f"moe.grouped_gemm={m.grouped_gemm!r}; choose one of {sorted(GROUPED_GEMMS)}")
+        _check(self.attn_backend in ATTN_BACKENDS,
+               f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}")
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            tok = getattr(self, name)
+            _check(0 <= tok < t.vocab_size, f"{name}={tok} is outside the vocabulary (text.vocab_size={t.vocab_size})")
+        return self
+
+    # ------------------------------------------------------- Hugging Face JSON
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any] | str | Path) -> "VLMConfig":
+        """Build from a Hugging Face Qwen3-VL-MoE `config.json` (dict, file or folder)."""
+        if not isinstance(hf, dict):
+            path = Path(hf)
+            path = path / "config.json" if path.is_dir() else path
+            hf = json.loads(path.read_text())
+        if hf.get("model_type") not in (None, "qwen3_vl_moe"):
+            raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}; expected 'qwen3_vl_moe'")
+        tc, vc = hf.get("text_config", {}), hf.get("vision_config", {})
+        rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", tc.get("rope_theta", TextConfig.rope_theta))
+        num_heads = tc["num_attention_heads"]
+        text = TextConfig(
+            vocab_size=tc["vocab_size"], hidden_size=tc["hidden_size"],
+            intermediate_size=tc.get("intermediate_size", TextConfig.intermediate_size),
+            num_layers=tc["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=tc.get("num_key_value_heads") or num_heads,
+            head_dim=tc.get("head_dim") or tc["hidden_size"] // num_heads,
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            mrope_section=tuple(rope.get("mrope_section", TextConfig.mrope_section)),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+            max_position_embeddings=tc.get("max_position_embeddings", TextConfig.max_position_embeddings),
+            attention_bias=tc.get("attention_bias", False), hidden_act=tc.get("hidden_act", "silu"),
+            initializer_range=tc.get("initializer_range", 0.02),
+        )
+        moe = MoEConfig(
+            num_experts=tc.get("num_experts", tc.get("num_local_experts", MoEConfig.num_experts)),
+            top_k=tc.get("num_experts_per_tok", MoEConfig.top_k),
+            moe_intermediate_size=tc.get("moe_intermediate_size", MoEConfig.moe_intermediate_size),
+            decoder_sparse_step=tc.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(tc.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=tc.get("router_aux_loss_coef", 0.001),
+        )
+        vrope = vc.get("rope_parameters") or {}
+        vision = VisionConfig(
+            depth=vc["depth"], hidden_size=vc["hidden_size"], intermediate_size=vc["intermediate_size"],
+            num_heads=vc["num_heads"], in_channels=vc.get("in_channels", 3),
+            patch_size=vc.get("patch_size", 16), temporal_patch_size=vc.get("temporal_patch_size", 2),
+            spatial_merge_size=vc.get("spatial_merge_size", 2), out_hidden_size=vc["out_hidden_size"],
+            num_position_embeddings=vc["num_position_embeddings"],
+            deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", ())),
+            hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
+            rope_theta=float(vrope.get("rope_theta", 10000.0)),
+            initializer_range=vc.get("initializer_range", 0.02),
+        )
+        return cls(
+            vision=vision, text=text, moe=moe,
+            image_token_id=hf.get("image_token_id", 151655), video_token_id=hf.get("video_token_id", 151656),
+            vision_start_token_id=hf.get("vision_start_token_id", 151652),
+            vision_end_token_id=hf.get("vision_end_token_id", 151653),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        ).validate()
+
+    def to_hf(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        """The Hugging Face `config.json` dict for this architecture."""
+        v, t, m = self.vision, self.text, self.moe
+        text_config = {
+            "model_type": "qwen3_vl_moe_text", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
+            "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
+            "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+            "rms_norm_eps": t.rms_norm_eps, "max_position_embeddings": t.max_position_embeddings,
+            "attention_bias": t.attention_bias, "hidden_act": t.hidden_act,
+            "initializer_range": t.initializer_range,
+            "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
+                                "mrope_section": list(t.mrope_section), "mrope_interleaved": t.mrope_interleaved},
+            "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.moe_intermediate_size, "decoder_sparse_step": m.decoder_sparse_step,
+            "mlp_only_layers": list(m.mlp_only_layers), "router_aux_loss_coef": m.router_aux_loss_coef,
+            "tie_word_embeddings": self.tie_word_embeddings, "dtype": dtype,
+        }
+        vision_config = {
+            "model_type": "qwen3_vl_moe_vision", "depth": v.depth, "hidden_size": v.hidden_size,
+            "intermediate_size": v.intermediate_size, "num_heads": v.num_heads, "in_channels": v.in_channels,
+            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+            "spatial_merge_size": v.spatial_merge_size, "out_hidden_size": v.out_hidden_size,
+            "num_position_embeddings": v.num_position_embeddings,
+            "deepstack_visual_indexes": list(v.deepstack_visual_indexes), "hidden_act": v.hidden_act,
+            "initializer_range": v.initializer_range,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+        }
+        return {
+            "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
+            "text_config": text_config, "vision_config": vision_config,
+            "image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id, "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings, "dtype": dtype,
+        }
+
+    def replace(self, **changes) -> "VLMConfig":
+        """A copy with top-level fields replaced (nested configs are copied too)."""
+        out = dataclasses.replace(self, vision=dataclasses.replace(self.vision),
+                                  text=dataclasses.replace(self.text), moe=dataclasses.replace(self.moe))
+        return dataclasses.replace(out, **changes)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+# ---------------------------------------------------------------------- presets
+def tiny() -> VLMConfig:
+    """CPU-test size: every architectural feature present, dims chosen so no expert
+    weight is square (2F != D, F != D) and hub/transformers layouts stay distinguishable."""
+    return VLMConfig(
+        vision=VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                            num_position_embeddings=64, deepstack_visual_indexes=(0,)),
+        text=TextConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, mrope_section=(4, 2, 2),
+                        max_position_embeddings=4096),
+        moe=MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=48),
+        image_token_id=1020, video_token_id=1021, vision_start_token_id=1018, vision_end_token_id=1019,
+    )
+
+
+def qwen3_vl_30b_a3b() -> VLMConfig:
+    """Qwen/Qwen3-VL-30B-A3B-Instruct."""
+    return VLMConfig(vision=VisionConfig(out_hidden_size=2048), text=TextConfig(), moe=MoEConfig())
+
+
+def qwen3_vl_235b_a22b() -> VLMConfig:
+    """Qwen/Qwen3-VL-235B-A22B-Instruct."""
+    return VLMConfig(
+        vision=VisionConfig(out_hidden_size=4096),
+        text=TextConfig(hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64, num_kv_heads=4),
+        moe=MoEConfig(moe_intermediate_size=1536),
+    )
+
+
+PRESETS = {"tiny": tiny, "qwen3_vl_30b_a3b": qwen3_vl_30b_a3b, "qwen3_vl_235b_a22b": qwen3_vl_235b_a22b}

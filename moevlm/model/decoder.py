@@ -1,0 +1,113 @@
+"""The MoE text decoder: embedding, GQA attention with q/k RMSNorm and
+interleaved M-RoPE, MoE or dense MLP, final norm.
+
+Legend: B batch, S sequence, D hidden, H query heads, K kv heads, hd head dim.
+
+Design choices:
+- Module and parameter names follow the reference (`self_attn.q_proj`,
+  `input_layernorm`, ...) so checkpoint import is a short rename table; the
+  router is `mlp.router` (the reference calls it `mlp.gate`).
+- Rotary cos/sin are computed once per forward and shared by all layers.
+- A layer returns `(hidden, RouterStats | None)`; nothing is stashed on
+  modules, so recompute and pipeline stages see pure functions.
+- Deepstack features are added to the hidden states of the first
+  len(deepstack) layers *after* the layer, at image-token positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from moevlm.model.attention import attention
+from moevlm.model.config import VLMConfig
+from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
+from moevlm.model.rope import apply_rotary, mrope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class TextAttention(nn.Module):
+    def __init__(self, cfg: VLMConfig):
+        super().__init__()
+        t = cfg.text
+        self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
+        self.backend = cfg.attn_backend
+        self.q_proj = nn.Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
+        self.k_proj = nn.Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
+        self.v_proj = nn.Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
+        self.o_proj = nn.Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
+        self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
+        self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
+
+    def forward(self, x_BSD, rope_cos_sin, cu_seqlens):
+        B, S, _ = x_BSD.shape
+        q = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim))
+        v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
+        cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, backend=self.backend)
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: VLMConfig, layer_idx: int):
+        super().__init__()
+        t = cfg.text
+        self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.self_attn = TextAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.is_moe = cfg.moe.is_moe_layer(layer_idx)
+        self.mlp = MoEBlock(t.hidden_size, cfg.moe) if self.is_moe else DenseMLP(t.hidden_size, t.intermediate_size)
+
+    def forward(self, h_BSD, rope_cos_sin, cu_seqlens) -> tuple[torch.Tensor, RouterStats | None]:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, cu_seqlens)
+        out = self.mlp(self.post_attention_layernorm(h_BSD))
+        if self.is_moe:
+            out, stats = out
+            return h_BSD + out, stats
+        return h_BSD + out, None
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, cfg: VLMConfig):
+        super().__init__()
+        t = cfg.text
+        self.cfg = t
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(t.num_layers))
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+
+    def forward(self, h_BSD: torch.Tensor, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = ()):
+        t = self.cfg
+        rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, h_BSD.dtype)
+        stats: list[RouterStats] = []
+        for i, layer in enumerate(self.layers):
+            h_BSD, s = layer(h_BSD, rope, cu_seqlens)
+            if s is not None:
+                stats.append(s)
+            if i < len(deepstack):
+                h_BSD = add_at_mask(h_BSD, visual_mask_BS, deepstack[i])
+        return self.norm(h_BSD), stats
+
+
+def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
+    """h with `rows` added, in order, at the positions where mask is true (out of place)."""
+    idx = mask_BS.reshape(-1).nonzero().squeeze(-1)
+    flat = h_BSD.reshape(-1, h_BSD.shape[-1]).index_add(0, idx, rows_ND.to(h_BSD.dtype))
+    return flat.view_as(h_BSD)
+
+
+__all__ = ["DecoderLayer", "RMSNorm", "TextAttention", "TextDecoder", "add_at_mask"]

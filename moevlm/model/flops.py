@@ -1,0 +1,84 @@
+"""Model FLOPs of one micro-batch, vision tower included, for TFLOP/s and MFU.
+
+Conventions (the ones `torch.utils.flop_counter.FlopCounterMode` and the
+PaLM/torchtitan MFU formula use, so the numbers are comparable):
+- a (m x k) @ (k x n) product is 2*m*k*n FLOPs; norms, activations, softmax,
+  rotary and the loss are not counted;
+- attention is counted per document, as the full L x L square (QK^T and PV),
+  not halved for the causal mask;
+- experts are counted at top-k: every token's K expert MLPs (dropless);
+- training = forward + backward = 3 x forward, except the patch embedding,
+  whose input (pixels) needs no gradient (2 x), and a frozen vision tower,
+  which runs forward only (1 x).
+Recompute (activation checkpointing) is not model FLOPs and is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from moevlm.model.config import VLMConfig
+
+
+@dataclass
+class FlopCount:
+    vision: float
+    decoder: float
+
+    @property
+    def total(self) -> float:
+        return self.vision + self.decoder
+
+
+def decoder_forward_flops(cfg: VLMConfig, doc_lens: Sequence[int]) -> float:
+    t, m = cfg.text, cfg.moe
+    T = sum(doc_lens)
+    D, hd = t.hidden_size, t.head_dim
+    q, kv = t.num_heads * hd, t.num_kv_heads * hd
+    attn_proj = 2 * T * D * (q + 2 * kv) + 2 * T * q * D
+    attn_core = sum(4 * L * L * q for L in doc_lens)
+    moe = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
+    dense = 6 * T * D * t.intermediate_size
+    n_moe = sum(m.is_moe_layer(i) for i in range(t.num_layers))
+    layers = t.num_layers * (attn_proj + attn_core) + n_moe * moe + (t.num_layers - n_moe) * dense
+    return float(layers + 2 * T * D * t.vocab_size)
+
+
+def vision_forward_flops(cfg: VLMConfig, image_grid_thw: torch.Tensor | Sequence | None) -> tuple[float, float]:
+    """(whole tower, of which patch embedding) forward FLOPs."""
+    if image_grid_thw is None or len(image_grid_thw) == 0:
+        return 0.0, 0.0
+    v = cfg.vision
+    grids = image_grid_thw.tolist() if isinstance(image_grid_thw, torch.Tensor) else list(image_grid_thw)
+    N = sum(t * h * w for t, h, w in grids)
+    d, wide = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
+    patch = 2 * N * v.patch_dim * d
+    per_block = 2 * N * d * 3 * d + 2 * N * d * d + 4 * N * d * v.intermediate_size
+    attn_core = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
+    merged = N // v.spatial_merge_size**2
+    merger = 2 * merged * wide * wide + 2 * merged * wide * v.out_hidden_size
+    total = patch + v.depth * per_block + attn_core * v.depth + merger * (1 + len(v.deepstack_visual_indexes))
+    return float(total), float(patch)
+
+
+def count_flops(cfg: VLMConfig, doc_lens: Sequence[int], image_grid_thw=None, *, training: bool = True,
+                freeze_vision: bool = False) -> FlopCount:
+    """FLOPs of one micro-batch: `doc_lens` are the text document lengths (padding
+    included: it is computed), `image_grid_thw` the images' patch grids."""
+    dec = decoder_forward_flops(cfg, doc_lens)
+    vis, patch = vision_forward_flops(cfg, image_grid_thw)
+    if training:
+        dec *= 3
+        vis = vis if freeze_vision else 3 * vis - patch
+    return FlopCount(vision=vis, decoder=dec)
+
+
+def doc_lens_of(batch: int, seq: int, cu_seqlens: torch.Tensor | None = None) -> list[int]:
+    """Document lengths of a (batch, seq) input packed with `cu_seqlens`."""
+    from moevlm.model.attention import doc_bounds
+
+    b = doc_bounds(batch, seq, cu_seqlens)
+    return [y - x for x, y in zip(b[:-1], b[1:]) if y > x]

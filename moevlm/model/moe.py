@@ -1,0 +1,106 @@
+"""The MoE MLP: fp32 top-k router, dispatcher, grouped-GEMM SwiGLU experts.
+
+Legend: T tokens, D hidden, E experts, K top-k, F expert hidden, M dispatched rows.
+
+Design choices:
+- The router runs in fp32 whatever the model dtype (logits, softmax, top-k,
+  renormalisation): routing decisions are the most precision-sensitive step.
+- Expert weights are stored `x @ W` style: `gate_up_proj` (E, D, 2F) with the
+  gate columns first, `down_proj` (E, F, D).  That is the hub checkpoint layout
+  and what grouped GEMMs take directly; `hf.py` transposes the transformers
+  in-memory layout on load/export.
+- The block never knows which dispatcher runs: `parallel/` swaps
+  `block.dispatcher`.  Router weights are applied once, in `combine`.
+- Every MoE block returns `RouterStats` (sums, not means) so the auxiliary
+  loss is formed once over all layers exactly as the reference does, and the
+  trainer can reduce the same sums over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moevlm.dispatch import build_dispatcher
+from moevlm.kernels import grouped_mm
+from moevlm.model.config import MoEConfig
+
+
+@dataclass
+class RouterStats:
+    prob_sum_E: torch.Tensor  # sum over tokens of the full softmax, fp32
+    counts_E: torch.Tensor  # top-k selections per expert, fp32
+    num_tokens: int
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        probs_TE = logits_TE.softmax(dim=-1)
+        topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
+        topk_w_TK = topk_w_TK / topk_w_TK.sum(dim=-1, keepdim=True)
+        return topk_idx_TK, topk_w_TK, probs_TE
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: str):
+        super().__init__()
+        self.grouped_gemm = grouped_gemm
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+
+    def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        h_MF2 = grouped_mm(x_MD, self.gate_up_proj, tokens_per_expert_E, self.grouped_gemm)
+        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate_MF) * up_MF, self.down_proj, tokens_per_expert_E, self.grouped_gemm)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.router = Router(hidden, cfg.num_experts, cfg.top_k)
+        self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
+        self.dispatcher = build_dispatcher(cfg.dispatcher, num_experts=cfg.num_experts, top_k=cfg.top_k)
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        topk_idx_TK, topk_w_TK, probs_TE = self.router(x_TD)
+        expert_x_MD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+        expert_y_MD = self.experts(expert_x_MD, tokens_per_expert)
+        y_TD = self.dispatcher.combine(expert_y_MD, handle)
+        counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts).float()
+        return y_TD.view_as(x_BSD), RouterStats(probs_TE.sum(0), counts_E, x_TD.shape[0])
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP of the `mlp_only_layers`."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """Switch-style auxiliary loss over all MoE layers, as the reference defines it:
+    E * sum_e (selections_e / tokens) * (mean router prob_e), with selections and
+    probabilities summed over every layer's tokens before normalising."""
+    if not stats:
+        return torch.zeros(())
+    tokens = sum(s.num_tokens for s in stats)
+    frac_tokens_E = torch.stack([s.counts_E for s in stats]).sum(0) / tokens
+    mean_prob_E = torch.stack([s.prob_sum_E for s in stats]).sum(0) / tokens
+    return num_experts * (frac_tokens_E * mean_prob_E).sum()

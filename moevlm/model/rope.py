@@ -1,0 +1,147 @@
+"""Rotary embeddings and position ids: 2-D rotary for the vision tower, interleaved
+3-D M-RoPE for the decoder, and the 3-D position ids of a (packed) sequence.
+
+Legend: B batch, S sequence, N vision patches, I images, hd head dim.
+
+Design choices:
+- Frequencies are recomputed from the config on every call (a few hundred
+  elements): no non-persistent buffers, so meta-device construction and
+  `to_empty()` need no special re-initialisation.
+- `mrope_position_ids` is pure index logic on the host, usable both inside the
+  model and in data-loader workers (the packer precomputes it).  It splits a run
+  of image tokens by the grid sizes, so two adjacent images are handled; the
+  reference groups runs and would need separators between images.  With
+  separators (the chat template always has them) both agree exactly.
+- Packed documents (`cu_seqlens`) restart positions at every document start.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moevlm.model.attention import doc_bounds
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., hd); cos/sin broadcastable to x."""
+    return x * cos + rotate_half(x) * sin
+
+
+def _inv_freq(dim: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+
+
+# --------------------------------------------------------------------- vision
+def vision_rotary(pos_hw_N2: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Axial 2-D rotary: half of the rotated pairs follow the row, half the column.
+
+    Returns fp32 cos, sin of shape (N, hd)."""
+    inv = _inv_freq(head_dim // 2, theta, pos_hw_N2.device)  # (hd/4,)
+    freqs_N2F = pos_hw_N2[..., None].float() * inv
+    freqs_NF = torch.cat((freqs_N2F[:, 0], freqs_N2F[:, 1]), dim=-1)  # (N, hd/2)
+    emb = torch.cat((freqs_NF, freqs_NF), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def vision_patch_rows_cols(grid_thw_I3: torch.Tensor, merge: int) -> torch.Tensor:
+    """(row, col) of every patch in the order the processor emits them: frame by
+    frame, merge x merge blocks in raster order, raster order inside a block.
+    Returns (N, 2) long."""
+    out = []
+    for t, h, w in grid_thw_I3.tolist():
+        rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        rc = torch.stack((rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()), dim=-1)
+        out.append(rc.repeat(t, 1))
+    return torch.cat(out).to(grid_thw_I3.device)
+
+
+def pos_embed_taps(grid_thw_I3: torch.Tensor, merge: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear (align_corners=True) resampling of the learned side x side position
+    table to each image grid, as 4 gather indices and weights per patch: (N, 4)."""
+    rc = vision_patch_rows_cols(grid_thw_I3, merge).float()
+    sizes = torch.repeat_interleave(grid_thw_I3[:, 1:].float(),
+                                    (grid_thw_I3[:, 0] * grid_thw_I3[:, 1] * grid_thw_I3[:, 2]), dim=0)
+    src = rc * (side - 1) / (sizes - 1).clamp(min=1)  # (N, 2) source coordinates
+    lo = src.floor()
+    frac = src - lo
+    lo = lo.long()
+    hi = (lo + 1).clamp(max=side - 1)
+    (h0, w0), (h1, w1) = lo.unbind(-1), hi.unbind(-1)
+    fh, fw = frac.unbind(-1)
+    idx = torch.stack((h0 * side + w0, h0 * side + w1, h1 * side + w0, h1 * side + w1), dim=-1)
+    wts = torch.stack(((1 - fh) * (1 - fw), (1 - fh) * fw, fh * (1 - fw), fh * fw), dim=-1)
+    return idx, wts
+
+
+def vision_cu_seqlens(grid_thw_I3: torch.Tensor) -> torch.Tensor:
+    """Attention segments of the vision tower: one per frame (h*w patches)."""
+    per_frame = torch.repeat_interleave(grid_thw_I3[:, 1] * grid_thw_I3[:, 2], grid_thw_I3[:, 0])
+    return torch.nn.functional.pad(per_frame.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+# ----------------------------------------------------------------------- text
+def mrope(position_ids_3BS: torch.Tensor, head_dim: int, theta: float, mrope_section, interleaved: bool = True,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rotary for the decoder. Interleaved layout (Qwen3-VL): frequency
+    slot j takes its angle from H if j % 3 == 1 (j < 3*sec_h), from W if j % 3 == 2
+    (j < 3*sec_w), else from T.  Chunked layout (Qwen2-VL): consecutive sections.
+    Returns cos, sin of shape (B, S, hd) in `dtype`."""
+    inv = _inv_freq(head_dim, theta, position_ids_3BS.device)
+    freqs_3BSF = position_ids_3BS[..., None].float() * inv
+    if interleaved:
+        freqs = freqs_3BSF[0].clone()
+        for axis in (1, 2):
+            sl = slice(axis, 3 * mrope_section[axis], 3)
+            freqs[..., sl] = freqs_3BSF[axis, ..., sl]
+    else:
+        chunks = freqs_3BSF.split(list(mrope_section), dim=-1)
+        freqs = torch.cat([c[i] for i, c in enumerate(chunks)], dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_position_ids(input_ids_BS: torch.Tensor, image_grid_thw_I3: torch.Tensor | None, image_token_id: int,
+                       merge: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """3-D (t, h, w) position ids of every token, as the reference computes them.
+
+    Text advances all three by one per token.  An image of llm grid (t, h', w')
+    starting at position p gets t-index p + frame, h-index p + row, w-index p + col;
+    the text after it continues at p + max(h', w').  `cu_seqlens` (flat over B*S)
+    restarts positions at each document.  Returns (3, B, S) long."""
+    B, S = input_ids_BS.shape
+    ids = input_ids_BS.reshape(-1).cpu()
+    bounds = doc_bounds(B, S, cu_seqlens)
+    grids = iter(image_grid_thw_I3.tolist() if image_grid_thw_I3 is not None else [])
+    out = torch.empty(3, B * S, dtype=torch.long)
+    is_img = (ids == image_token_id).tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        pos, i = 0, start
+        while i < end:
+            if is_img[i]:
+                t, h, w = next(grids)
+                hh, ww = h // merge, w // merge
+                n = t * hh * ww
+                if i + n > end or not all(is_img[i:i + n]):
+                    raise ValueError(f"image of grid ({t}, {h}, {w}) needs {n} consecutive image tokens inside one "
+                                     f"document from token {i}; input_ids does not have them")
+                tt = torch.arange(t).view(t, 1, 1).expand(t, hh, ww)
+                rr = torch.arange(hh).view(1, hh, 1).expand(t, hh, ww)
+                cc = torch.arange(ww).view(1, 1, ww).expand(t, hh, ww)
+                out[:, i:i + n] = torch.stack((tt, rr, cc)).reshape(3, n) + pos
+                pos += max(hh, ww)
+                i += n
+            else:
+                j = i
+                while j < end and not is_img[j]:
+                    j += 1
+                out[:, i:j] = torch.arange(pos, pos + j - i)
+                pos += j - i
+                i = j
+    return out.view(3, B, S).to(input_ids_BS.device)
+

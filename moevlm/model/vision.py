@@ -1,0 +1,119 @@
+"""The vision tower: patch embedding, learned + 2-D rotary positions, pre-norm
+ViT blocks with variable-length attention over images, the 2x2 merger and the
+deepstack mergers.
+
+Legend: N patches (all images), I images, d vision width, P patch dim
+(C*T*p*p), hd head dim, O text width (merger output).
+
+Design choices:
+- The Conv3d patch embedding with stride = kernel is a linear map of the
+  flattened patch; it is stored as a (d, P) linear weight (`hf.py` reshapes
+  the reference's (d, C, T, p, p) kernel).  Row order of a patch is (C, T, p, p).
+- Every grid-dependent index (rotary rows/cols, position-table taps, attention
+  segments) is computed once per forward from `grid_thw` on the host.
+- Patches arrive in merge-block order (the processor's order), so the 2x2
+  merger is a reshape of four consecutive rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moevlm.model.attention import attention
+from moevlm.model.config import VisionConfig
+from moevlm.model.rope import apply_rotary, pos_embed_taps, vision_cu_seqlens, vision_patch_rows_cols, vision_rotary
+
+_ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig, backend: str):
+        super().__init__()
+        self.num_heads, self.backend = cfg.num_heads, backend
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x_Nd, cos_sin, cu_seqlens):
+        N = x_Nd.shape[0]
+        q, k, v = self.qkv(x_Nd).view(N, 3, self.num_heads, -1).unbind(1)
+        cos, sin = (t[:, None, :] for t in cos_sin)
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        out = attention(q[None], k[None], v[None], causal=False, cu_seqlens=cu_seqlens, backend=self.backend)
+        return self.proj(out.reshape(N, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.act = _ACT[cfg.hidden_act]
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig, backend: str):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = VisionAttention(cfg, backend)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x_Nd, cos_sin, cu_seqlens):
+        x_Nd = x_Nd + self.attn(self.norm1(x_Nd), cos_sin, cu_seqlens)
+        return x_Nd + self.mlp(self.norm2(x_Nd))
+
+
+class PatchMerger(nn.Module):
+    """Four neighbouring patches -> one text token.  The main merger normalises each
+    patch (width d) before the shuffle; deepstack mergers normalise after (4d)."""
+
+    def __init__(self, cfg: VisionConfig, postshuffle_norm: bool):
+        super().__init__()
+        self.width = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden_size)
+
+    def forward(self, x_Nd: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x_Nd.reshape(-1, self.width)) if self.postshuffle_norm else self.norm(x_Nd).reshape(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig, attn_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.side = math.isqrt(cfg.num_position_embeddings)
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(cfg, attn_backend) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle_norm=False)
+        self.deepstack_mergers = nn.ModuleList(
+            PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes)
+
+    def forward(self, pixel_values_NP: torch.Tensor, grid_thw_I3: torch.Tensor):
+        """Returns (merged tokens (N/4, O), [deepstack features (N/4, O)])."""
+        cfg, merge = self.cfg, self.cfg.spatial_merge_size
+        grid_cpu = grid_thw_I3.cpu()
+        x_Nd = self.patch_embed(pixel_values_NP.to(self.patch_embed.weight.dtype))
+        idx_N4, wts_N4 = (t.to(x_Nd.device) for t in pos_embed_taps(grid_cpu, merge, self.side))
+        x_Nd = x_Nd + (self.pos_embed(idx_N4) * wts_N4[..., None].to(x_Nd.dtype)).sum(1)
+        rows_cols = vision_patch_rows_cols(grid_cpu, merge).to(x_Nd.device)
+        cos_sin = vision_rotary(rows_cols, cfg.head_dim, cfg.rope_theta)
+        cu_seqlens = vision_cu_seqlens(grid_cpu).to(x_Nd.device)
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x_Nd = block(x_Nd, cos_sin, cu_seqlens)
+            if i in cfg.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)](x_Nd))
+        return self.merger(x_Nd), deepstack
+

@@ -1,0 +1,195 @@
+"""Qwen3-VL-MoE: vision tower -> merger (+ deepstack) -> MoE decoder -> LM head.
+
+Legend: B batch, S sequence, V vocab, N patches, I images, O text width.
+
+    model = Qwen3VLMoe(VLMConfig.preset("tiny"))            # built and initialised
+    with torch.device("meta"): model = Qwen3VLMoe(cfg)      # parallelize, then
+    model.to_empty(device="cuda"); model.init_weights()    # materialise + init
+    model = Qwen3VLMoe.from_pretrained(hf_dir)              # HF checkpoint folder
+    out = model(input_ids, pixel_values, image_grid_thw, labels=labels)
+
+Design choices:
+- `labels` follow the Hugging Face convention (same positions as `input_ids`,
+  -100 = ignored; the shift happens here).  With packed documents
+  (`cu_seqlens`) the target that would cross into the next document is
+  ignored.  `lm_loss` is the mean over counted targets; `num_loss_tokens` is
+  returned so a trainer can re-normalise by a global token count.
+- `loss = lm_loss + router_aux_loss_coef * aux_loss`, the reference's training
+  objective with router logits on.
+- Inputs are validated on the host before the vision tower runs, with messages
+  naming the offending argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moevlm.model.config import VLMConfig
+from moevlm.model.decoder import RMSNorm, TextDecoder
+from moevlm.model.moe import MoEBlock, load_balancing_loss
+from moevlm.model.rope import mrope_position_ids
+from moevlm.model.vision import VisionEncoder
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class VLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    num_loss_tokens: torch.Tensor | None = None
+    expert_counts: torch.Tensor | None = None  # (MoE layers, E) top-k selections
+
+
+class Qwen3VLMoe(nn.Module):
+    def __init__(self, config: VLMConfig):
+        super().__init__()
+        self.config = config.validate()
+        self.vision = VisionEncoder(config.vision, config.attn_backend)
+        self.text = TextDecoder(config)
+        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.text.embed_tokens.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
+        _init_(self.vision, self.config.vision.initializer_range)
+        _init_(self.text, self.config.text.initializer_range)
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=self.config.text.initializer_range)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> VLMOutput:
+        cfg = self.config
+        check_inputs(cfg, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels)
+        h_BSD = self.text.embed_tokens(input_ids)
+        visual_mask_BS, deepstack = None, []
+        if pixel_values is not None:
+            image_NO, deepstack = self.vision(pixel_values, image_grid_thw)
+            visual_mask_BS = input_ids == cfg.image_token_id
+            h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO.to(h_BSD.dtype))
+        if position_ids is None:
+            position_ids = mrope_position_ids(input_ids, image_grid_thw, cfg.image_token_id,
+                                              cfg.vision.spatial_merge_size, cu_seqlens)
+        elif position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+        h_BSD, stats = self.text(h_BSD, position_ids, cu_seqlens, visual_mask_BS, deepstack)
+        out = VLMOutput(logits=self.lm_head(h_BSD))
+        if stats:
+            out.aux_loss = load_balancing_loss(stats, cfg.moe.num_experts)
+            out.expert_counts = torch.stack([s.counts_E for s in stats]).detach()
+        if labels is not None:
+            out.lm_loss, out.num_loss_tokens = causal_lm_loss(out.logits, labels, cu_seqlens)
+            out.loss = out.lm_loss
+            if out.aux_loss is not None:
+                out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
+        return out
+
+    # ------------------------------------------------------- checkpoints (HF)
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None, expert_layout: str = "auto", **overrides) -> "Qwen3VLMoe":
+        """Load a Hugging Face Qwen3-VL-MoE folder (config.json + safetensors).
+        `overrides` replace top-level config fields (e.g. attn_backend="sdpa")."""
+        from moevlm.model.hf import load_pretrained
+
+        return load_pretrained(cls, hf_dir, device=device, dtype=dtype, expert_layout=expert_layout, **overrides)
+
+    def save_pretrained(self, out_dir: str | Path, *, expert_layout: str = "hub",
+                        max_shard_bytes: int = 5 << 30) -> None:
+        """Export as a Hugging Face Qwen3-VL-MoE folder that transformers loads."""
+        from moevlm.model.hf import save_pretrained
+
+        save_pretrained(self, out_dir, expert_layout=expert_layout, max_shard_bytes=max_shard_bytes)
+
+
+def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy over counted targets, and their number."""
+    targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
+    if cu_seqlens is not None:
+        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
+        targets[last_of_doc] = IGNORE_INDEX
+    total = F.cross_entropy(logits_BSV.reshape(targets.numel(), -1).float(), targets,
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    n = (targets != IGNORE_INDEX).sum()
+    return total / n.clamp(min=1), n
+
+
+def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels):
+    """Shape and consistency checks, on the host, before any activation is allocated."""
+    _require(input_ids.ndim == 2 and not input_ids.is_floating_point(),
+             f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}")
+    B, S = input_ids.shape
+    n_img_tokens = int((input_ids == cfg.image_token_id).sum())
+    if (pixel_values is None) != (image_grid_thw is None):
+        missing = "image_grid_thw" if image_grid_thw is None else "pixel_values"
+        raise ValueError(f"{missing} is missing: pixel_values and image_grid_thw come together")
+    if pixel_values is None:
+        _require(n_img_tokens == 0, f"input_ids has {n_img_tokens} image tokens (image_token_id="
+                                    f"{cfg.image_token_id}) but no pixel_values/image_grid_thw were given")
+    else:
+        _check_images(cfg, pixel_values, image_grid_thw, n_img_tokens)
+    if cu_seqlens is not None:
+        c = cu_seqlens.tolist()
+        _require(cu_seqlens.ndim == 1 and len(c) >= 2 and c[0] == 0 and c[-1] == B * S
+                 and all(a <= b for a, b in zip(c, c[1:])),
+                 f"cu_seqlens must be non-decreasing boundaries from 0 to batch*seq={B * S}, got {c[:8]}...")
+    if position_ids is not None:
+        _require(tuple(position_ids.shape) in ((3, B, S), (B, S)),
+                 f"position_ids must be (3, {B}, {S}) or ({B}, {S}), got {tuple(position_ids.shape)}")
+    if labels is not None:
+        _require(labels.shape == input_ids.shape,
+                 f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+
+
+def _check_images(cfg: VLMConfig, pixel_values, image_grid_thw, n_img_tokens: int) -> None:
+    v = cfg.vision
+    _require(image_grid_thw.ndim == 2 and image_grid_thw.shape[1] == 3,
+             f"image_grid_thw must be (num_images, 3), got {tuple(image_grid_thw.shape)}")
+    merge = v.spatial_merge_size
+    for i, (t, h, w) in enumerate(image_grid_thw.tolist()):
+        _require(t >= 1 and h > 0 and w > 0 and h % merge == 0 and w % merge == 0,
+                 f"image_grid_thw[{i}]=({t}, {h}, {w}): t >= 1 and h, w positive multiples of "
+                 f"spatial_merge_size={merge} are required")
+    n_patches = int(image_grid_thw.prod(-1).sum())
+    _require(pixel_values.ndim == 2 and pixel_values.shape[1] == v.patch_dim,
+             f"pixel_values must be (num_patches, {v.patch_dim}) = (N, C*T*P*P), got {tuple(pixel_values.shape)}")
+    _require(pixel_values.shape[0] == n_patches,
+             f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {n_patches}")
+    _require(n_img_tokens * merge**2 == n_patches,
+             f"input_ids has {n_img_tokens} image tokens (image_token_id={cfg.image_token_id}) but image_grid_thw "
+             f"gives {n_patches // merge**2} (patches / spatial_merge_size^2)")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _init_(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+        elif isinstance(m, MoEBlock):
+            for p in (m.router.weight, m.experts.gate_up_proj, m.experts.down_proj):
+                nn.init.normal_(p, std=std)

@@ -1,0 +1,1 @@
+"""Training loop, optimizer/schedule, DCP checkpoints, metrics (trainer issue)."""
