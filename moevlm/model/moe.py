@@ -43,7 +43,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
+        logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
         topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
         topk_w_TK = topk_w_TK / topk_w_TK.sum(dim=-1, keepdim=True)

@@ -122,7 +122,8 @@ def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
     if cu_seqlens is not None:
         last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
         targets[last_of_doc] = IGNORE_INDEX
-    total = F.cross_entropy(logits_BSV.reshape(targets.numel(), -1).float(), targets,
+    logits = logits_BSV.reshape(targets.numel(), -1)
+    total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
                             ignore_index=IGNORE_INDEX, reduction="sum")
     n = (targets != IGNORE_INDEX).sum()
     return total / n.clamp(min=1), n

@@ -18,6 +18,7 @@ def hf_model(cfg: VLMConfig, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Qwen3VLMoeForConditionalGeneration(hf_cfg).eval()
     model.config._attn_implementation = "sdpa"
+    model.set_experts_implementation("eager")  # the per-expert loop: the plainest reference
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
@@ -73,7 +74,7 @@ def hf_grads_as_ours(ref, cfg: VLMConfig) -> dict[str, torch.Tensor]:
     """The reference's parameter gradients, renamed and reshaped to our layout."""
     out = {}
     for name, p in ref.named_parameters():
-        g = p.grad
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
         ours = hf_to_ours(name)
         if ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
             g = g.transpose(1, 2)  # transformers keeps (E, 2F, D) / (E, D, F) in memory
