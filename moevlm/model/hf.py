@@ -96,7 +96,7 @@ def plan_load(model: torch.nn.Module, files: list[Path], expert_layout: str = "a
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    plan, unexpected, misshaped = {}, [], []
+    plan, seen, unexpected, misshaped = {}, set(), [], []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             file_layout = (f.metadata() or {}).get(_LAYOUT_KEY)
@@ -105,13 +105,14 @@ def plan_load(model: torch.nn.Module, files: list[Path], expert_layout: str = "a
                 if ours not in expected:
                     unexpected.append(hf_name)
                     continue
+                seen.add(ours)
                 shape = tuple(f.get_slice(hf_name).get_shape())
                 transform = _transform_for(ours, shape, expected[ours], expert_layout, file_layout)
                 if transform is None:
                     misshaped.append(f"{hf_name}: checkpoint {shape}, model expects {_hf_shape(ours, expected[ours])}")
                 else:
                     plan[ours] = (path, hf_name, transform)
-    missing = [ours_to_hf(k) for k in expected if k not in plan]
+    missing = [ours_to_hf(k) for k in expected if k not in seen]
     if missing or unexpected or misshaped:
         raise CheckpointError(_mismatch_report(missing, unexpected, misshaped))
     return plan
