@@ -14,8 +14,8 @@ Backends:
   mask is O(S^2), fine for CPU and short sequences.
 - `sdpa_per_doc`: one SDPA call per document (host loop, like the reference's
   vision tower).  Does exactly the useful FLOPs; used by the FLOP-counter tests.
-- `flex`: FlexAttention with a document block mask (compile it on GPU; on CPU
-  it has no backward, see FACTS).
+- `flex`: FlexAttention with a document block mask, compiled on CUDA; eager on
+  CPU, where it has no backward (FACTS).
 - `flash`: flash-attn's varlen kernel (optional package, CUDA, fp16/bf16).
 - `auto`: `flash` when importable and the tensors are on CUDA in half
   precision, else `sdpa`.
@@ -94,7 +94,8 @@ def _flex(q, k, v, causal, cu_seqlens):
         return same & (qi >= ki) if causal else same
 
     block_mask = create_block_mask(mask_mod, B, None, S, S, device=q.device)
-    out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+    kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materialises the scores
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
                          enable_gqa=H != k.shape[2])
     return out.transpose(1, 2)
 
@@ -114,6 +115,13 @@ def doc_bounds(B: int, S: int, cu_seqlens: torch.Tensor | None) -> list[int]:
     if cu_seqlens is not None:
         rows |= set(int(c) for c in cu_seqlens.tolist())
     return sorted(rows)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 @functools.cache

@@ -60,6 +60,7 @@ CASES = [
     ("horse.png", SMALL, "RGBA: alpha composited on white"),
     ("microaneurysms.png", dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS), "102x102 L, upscaled"),
     ("chelsea.png", dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS), "Qwen3-VL defaults, 288x448"),
+    ("astronaut.png", dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS), "Qwen3-VL defaults, no resize"),
 ]
 
 

@@ -1,0 +1,14 @@
+"""The README's library example runs as written."""
+
+import re
+from pathlib import Path
+
+
+def test_readme_python_example_runs():
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    assert all(p.grad is not None for p in scope["model"].text.parameters())
+    assert scope["out"].logits.shape[-1] == scope["cfg"].text.vocab_size
