@@ -4,8 +4,8 @@ Reads a folder with `config.json` and `model.safetensors` or a sharded
 `model.safetensors.index.json`; writes the same.
 
 Design choices:
-- Names: one rename table (`_HF_TO_OURS`) applied forwards on load and
-  backwards on export.  Our module tree keeps the reference's names except the
+- Names: one table of prefixes (`_PREFIXES`) and the router suffix, read
+  forwards on load and backwards on export.  Our module tree keeps the reference's names except the
   top-level prefixes, the router (`mlp.router`), the deepstack list and the
   patch embedding (a linear weight instead of a Conv3d kernel).
 - Expert layouts: hub checkpoints store `gate_up_proj` (E, D, 2F) and
@@ -25,7 +25,6 @@ Design choices:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -34,20 +33,14 @@ from safetensors.torch import save_file
 
 from moevlm.model.config import VLMConfig
 
-_HF_TO_OURS = [
-    (r"^model\.visual\.patch_embed\.proj\.", "vision.patch_embed."),
-    (r"^model\.visual\.deepstack_merger_list\.", "vision.deepstack_mergers."),
-    (r"^model\.visual\.", "vision."),
-    (r"^model\.language_model\.(layers\.\d+\.mlp)\.gate\.weight$", r"text.\1.router.weight"),
-    (r"^model\.language_model\.", "text."),
+# (reference prefix, our prefix), most specific first; used in both directions.
+_PREFIXES = [
+    ("model.visual.patch_embed.proj.", "vision.patch_embed."),
+    ("model.visual.deepstack_merger_list.", "vision.deepstack_mergers."),
+    ("model.visual.", "vision."),
+    ("model.language_model.", "text."),
 ]
-_OURS_TO_HF = [
-    (r"^vision\.patch_embed\.", "model.visual.patch_embed.proj."),
-    (r"^vision\.deepstack_mergers\.", "model.visual.deepstack_merger_list."),
-    (r"^vision\.", "model.visual."),
-    (r"^text\.(layers\.\d+\.mlp)\.router\.weight$", r"model.language_model.\1.gate.weight"),
-    (r"^text\.", "model.language_model."),
-]
+_ROUTER = (".mlp.gate.weight", ".mlp.router.weight")  # (reference suffix, ours)
 EXPERT_LAYOUTS = ("auto", "hub", "hf")
 _LAYOUT_KEY = "moevlm_expert_layout"
 
@@ -57,18 +50,20 @@ class CheckpointError(ValueError):
 
 
 def hf_to_ours(name: str) -> str:
-    return _rename(name, _HF_TO_OURS)
+    return _rename(name, src=0, dst=1)
 
 
 def ours_to_hf(name: str) -> str:
-    return _rename(name, _OURS_TO_HF)
+    return _rename(name, src=1, dst=0)
 
 
-def _rename(name: str, table) -> str:
-    for pattern, repl in table:
-        new, n = re.subn(pattern, repl, name)
-        if n:
-            return new
+def _rename(name: str, src: int, dst: int) -> str:
+    for pair in _PREFIXES:
+        if name.startswith(pair[src]):
+            name = pair[dst] + name[len(pair[src]):]
+            break
+    if name.endswith(_ROUTER[src]):
+        name = name[: -len(_ROUTER[src])] + _ROUTER[dst]
     return name
 
 

@@ -115,33 +115,34 @@ def mrope_position_ids(input_ids_BS: torch.Tensor, image_grid_thw_I3: torch.Tens
     the text after it continues at p + max(h', w').  `cu_seqlens` (flat over B*S)
     restarts positions at each document.  Returns (3, B, S) long."""
     B, S = input_ids_BS.shape
-    ids = input_ids_BS.reshape(-1).cpu()
-    bounds = doc_bounds(B, S, cu_seqlens)
+    is_img = (input_ids_BS.reshape(-1) == image_token_id).cpu()
+    img_at = is_img.nonzero().squeeze(-1).tolist()  # Python work is per image, not per token
     grids = iter(image_grid_thw_I3.tolist() if image_grid_thw_I3 is not None else [])
     out = torch.empty(3, B * S, dtype=torch.long)
-    is_img = (ids == image_token_id).tolist()
+    bounds, k = doc_bounds(B, S, cu_seqlens), 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         pos, i = 0, start
         while i < end:
-            if is_img[i]:
-                t, h, w = next(grids)
-                hh, ww = h // merge, w // merge
-                n = t * hh * ww
-                if i + n > end or not all(is_img[i:i + n]):
-                    raise ValueError(f"image of grid ({t}, {h}, {w}) needs {n} consecutive image tokens inside one "
-                                     f"document from token {i}; input_ids does not have them")
-                tt = torch.arange(t).view(t, 1, 1).expand(t, hh, ww)
-                rr = torch.arange(hh).view(1, hh, 1).expand(t, hh, ww)
-                cc = torch.arange(ww).view(1, 1, ww).expand(t, hh, ww)
-                out[:, i:i + n] = torch.stack((tt, rr, cc)).reshape(3, n) + pos
-                pos += max(hh, ww)
-                i += n
-            else:
-                j = i
-                while j < end and not is_img[j]:
-                    j += 1
-                out[:, i:j] = torch.arange(pos, pos + j - i)
-                pos += j - i
-                i = j
+            nxt = img_at[k] if k < len(img_at) and img_at[k] < end else end
+            out[:, i:nxt] = torch.arange(pos, pos + nxt - i)  # a text run
+            pos, i = pos + nxt - i, nxt
+            if i < end:
+                n, image_pos, advance = _image_positions(next(grids), merge, pos, i, end, is_img)
+                out[:, i:i + n] = image_pos
+                pos, i, k = pos + advance, i + n, k + n
     return out.view(3, B, S).to(input_ids_BS.device)
+
+
+def _image_positions(grid, merge: int, pos: int, i: int, end: int, is_img: torch.Tensor):
+    """(tokens, (3, tokens) positions, position advance) of one image starting at token i."""
+    t, h, w = grid
+    hh, ww = h // merge, w // merge
+    n = t * hh * ww
+    if i + n > end or not bool(is_img[i:i + n].all()):
+        raise ValueError(f"image of grid ({t}, {h}, {w}) needs {n} consecutive image tokens inside one "
+                         f"document from token {i}; input_ids does not have them")
+    tt = torch.arange(t).view(t, 1, 1).expand(t, hh, ww)
+    rr = torch.arange(hh).view(1, hh, 1).expand(t, hh, ww)
+    cc = torch.arange(ww).view(1, 1, ww).expand(t, hh, ww)
+    return n, torch.stack((tt, rr, cc)).reshape(3, n) + pos, max(hh, ww)
 

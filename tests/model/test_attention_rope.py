@@ -110,7 +110,7 @@ def test_meta_construction_then_init_is_a_working_model():
         assert torch.equal(a, b), n
     norms = [p for n, p in model.named_parameters() if "norm" in n and n.endswith("weight")]
     assert all(torch.equal(p, torch.ones_like(p)) for p in norms)
-    std = model.text.layers[0].mlp.experts.gate_up_proj.std()
+    std = model.text.layers[0].mlp.experts.gate_up_proj.detach().std()
     assert abs(float(std) - cfg.text.initializer_range) < 2e-3
     ids, _, _ = sample(cfg, [])
     assert torch.isfinite(model(ids, labels=ids).loss)
