@@ -97,6 +97,8 @@ def plan_load(model: torch.nn.Module, files: list[Path], expert_layout: str = "a
             file_layout = (f.metadata() or {}).get(_LAYOUT_KEY)
             for hf_name in f.keys():
                 ours = hf_to_ours(hf_name)
+                if ours == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # tied: the embedding is the head; a stored copy is redundant
                 if ours not in expected:
                     unexpected.append(hf_name)
                     continue

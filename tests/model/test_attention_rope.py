@@ -127,3 +127,10 @@ def test_tied_embeddings_share_storage_and_export(tmp_path):
     assert torch.equal(back(ids, px, grid).logits, model(ids, px, grid).logits)
     hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path)
     assert torch.equal(hf.lm_head.weight, model.lm_head.weight)
+    # some tied checkpoints also store the head: it is the same tensor, not an error
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["lm_head.weight"] = sd["model.language_model.embed_tokens.weight"].clone()
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(Qwen3VLMoe.from_pretrained(tmp_path).lm_head.weight, model.lm_head.weight)
