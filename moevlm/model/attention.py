@@ -2,16 +2,20 @@
 
 Legend: B batch, S sequence, H query heads, K key/value heads, hd head dim.
 
-`attention(q_BSHD, k_BSKD, v_BSKD, causal, cu_seqlens, backend)`: tokens attend
-only within their document.  `cu_seqlens` are int32 boundaries over the
-flattened B*S tokens (flash-attn's convention); row ends are always boundaries.
-`None` means one document per row.  GQA is native in every backend (no
-repeat_kv copies).
+    mask = doc_mask(B, S, cu_seqlens, causal=True, backend="auto", device=..., dtype=...)
+    out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, mask)        # every layer reuses `mask`
+
+Tokens attend only within their document.  `cu_seqlens` are int32 boundaries
+over the flattened B*S tokens (flash-attn's convention); row ends are always
+boundaries; `None` means one document per row.  The mask is prepared once per
+forward (per tower) and shared by every layer: the backend is resolved, and
+whatever it needs (a boolean mask, a block mask, host-side boundaries) is built
+once.  GQA is native in every backend (no repeat_kv copies).
 
 Backends:
 - `sdpa`: one `scaled_dot_product_attention` call with a boolean document mask.
-  Works everywhere with forward and backward (CPU tests), no host sync; the
-  mask is O(S^2), fine for CPU and short sequences.
+  Works everywhere with forward and backward (CPU tests), no host sync per
+  layer; the mask is O(S^2), fine for CPU and short sequences.
 - `sdpa_per_doc`: one SDPA call per document (host loop, like the reference's
   vision tower).  Does exactly the useful FLOPs; used by the FLOP-counter tests.
 - `flex`: FlexAttention with a document block mask, compiled on CUDA; eager on
@@ -24,27 +28,51 @@ Backends:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              cu_seqlens: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    backend = resolve_backend(backend, q)
-    return _BACKENDS[backend](q, k, v, causal, cu_seqlens)
+@dataclass
+class DocMask:
+    backend: str
+    causal: bool
+    bounds: list[int]  # document boundaries over the flattened B*S tokens (host)
+    prepared: Any = None  # what the backend precomputed: bool mask, block mask, int32 bounds
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
+def doc_mask(B: int, S: int, cu_seqlens: torch.Tensor | None, *, causal: bool, backend: str = "auto",
+             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DocMask:
+    backend = resolve_backend(backend, torch.device(device), dtype)
+    mask = DocMask(backend, causal, doc_bounds(B, S, cu_seqlens))
+    mask.prepared = _PREPARE[backend](B, S, cu_seqlens, causal, mask.bounds, device)
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask) -> torch.Tensor:
+    return _BACKENDS[mask.backend](q, k, v, mask)
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     if backend == "auto":
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        return "flash" if q.is_cuda and half and _flash_varlen() is not None else "sdpa"
+        half = dtype in (torch.float16, torch.bfloat16)
+        return "flash" if device.type == "cuda" and half and _flash_varlen() is not None else "sdpa"
     if backend == "flash" and _flash_varlen() is None:
         raise RuntimeError("attn_backend='flash' needs the optional package 'flash-attn' "
                            "(pip install flash-attn); use attn_backend='sdpa' or 'auto' without it")
     if backend not in _BACKENDS:
         raise ValueError(f"attn_backend={backend!r}; choose one of {sorted(_BACKENDS) + ['auto']}")
     return backend
+
+
+def doc_bounds(B: int, S: int, cu_seqlens: torch.Tensor | None) -> list[int]:
+    """Document boundaries over the flattened B*S tokens (host list), row ends included."""
+    rows = set(range(0, B * S + 1, S))
+    if cu_seqlens is not None:
+        rows |= set(int(c) for c in cu_seqlens.tolist())
+    return sorted(rows)
 
 
 def document_ids(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -56,65 +84,76 @@ def document_ids(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> tor
     return torch.bucketize(flat, starts, right=True).view(B, S)
 
 
-def _sdpa(q, k, v, causal, cu_seqlens):
-    B, S, H, _ = q.shape
-    gqa = H != k.shape[2]
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+# ------------------------------------------------------------------ prepare
+def _prepare_sdpa(B, S, cu_seqlens, causal, bounds, device):
     if cu_seqlens is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-    else:
-        doc = document_ids(B, S, cu_seqlens, q.device)
-        mask = doc[:, :, None] == doc[:, None, :]
-        if causal:
-            mask &= torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
-    return out.transpose(1, 2)
+        return None  # SDPA's own is_causal
+    doc = document_ids(B, S, cu_seqlens, device)
+    allowed = doc[:, :, None] == doc[:, None, :]
+    if causal:
+        allowed &= torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    return allowed[:, None]  # (B, 1, S, S)
 
 
-def _sdpa_per_doc(q, k, v, causal, cu_seqlens):
-    B, S, H, _ = q.shape
-    gqa = H != k.shape[2]
-    bounds = doc_bounds(B, S, cu_seqlens)
-    qf, kf, vf = (t.reshape(B * S, t.shape[2], t.shape[3]) for t in (q, k, v))
-    outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (qf, kf, vf))
-        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=gqa)[0].transpose(0, 1))
-    return torch.cat(outs).view(B, S, H, -1)
+def _prepare_flex(B, S, cu_seqlens, causal, bounds, device):
+    from torch.nn.attention.flex_attention import create_block_mask
 
-
-def _flex(q, k, v, causal, cu_seqlens):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    B, S, H, _ = q.shape
-    doc = document_ids(B, S, cu_seqlens, q.device)
+    doc = document_ids(B, S, cu_seqlens, device)
 
     def mask_mod(b, h, qi, ki):
         same = doc[b, qi] == doc[b, ki]
         return same & (qi >= ki) if causal else same
 
-    block_mask = create_block_mask(mask_mod, B, None, S, S, device=q.device)
-    kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materialises the scores
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-                         enable_gqa=H != k.shape[2])
+    return create_block_mask(mask_mod, B, None, S, S, device=device)
+
+
+def _prepare_flash(B, S, cu_seqlens, causal, bounds, device):
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.tensor(bounds, dtype=torch.int32, device=device), max(lengths)
+
+
+_PREPARE = {"sdpa": _prepare_sdpa, "sdpa_per_doc": lambda *a: None, "flex": _prepare_flex,
+            "flash": _prepare_flash}
+
+
+# ------------------------------------------------------------------ kernels
+def _sdpa(q, k, v, mask: DocMask):
+    gqa = q.shape[2] != k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if mask.prepared is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.prepared, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
-def _flash(q, k, v, causal, cu_seqlens):
+def _sdpa_per_doc(q, k, v, mask: DocMask):
+    B, S, H, _ = q.shape
+    gqa = H != k.shape[2]
+    qf, kf, vf = (t.reshape(B * S, t.shape[2], t.shape[3]) for t in (q, k, v))
+    outs = []
+    for a, b in zip(mask.bounds[:-1], mask.bounds[1:]):
+        qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (qf, kf, vf))
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=mask.causal, enable_gqa=gqa)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs).view(B, S, H, -1)
+
+
+def _flex(q, k, v, mask: DocMask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materialises the scores
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask.prepared,
+                 enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _flash(q, k, v, mask: DocMask):
     B, S, H, hd = q.shape
-    bounds = torch.tensor(doc_bounds(B, S, cu_seqlens), dtype=torch.int32, device=q.device)
-    max_len = int((bounds[1:] - bounds[:-1]).max())
+    bounds, max_len = mask.prepared
     out = _flash_varlen()(q.reshape(B * S, H, hd), k.reshape(B * S, -1, hd), v.reshape(B * S, -1, hd),
-                          bounds, bounds, max_len, max_len, causal=causal)
+                          bounds, bounds, max_len, max_len, causal=mask.causal)
     return out.view(B, S, H, hd)
-
-
-def doc_bounds(B: int, S: int, cu_seqlens: torch.Tensor | None) -> list[int]:
-    """Document boundaries over the flattened B*S tokens (host list), row ends included."""
-    rows = set(range(0, B * S + 1, S))
-    if cu_seqlens is not None:
-        rows |= set(int(c) for c in cu_seqlens.tolist())
-    return sorted(rows)
 
 
 @functools.cache

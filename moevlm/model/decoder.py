@@ -7,7 +7,8 @@ Design choices:
 - Module and parameter names follow the reference (`self_attn.q_proj`,
   `input_layernorm`, ...) so checkpoint import is a short rename table; the
   router is `mlp.router` (the reference calls it `mlp.gate`).
-- Rotary cos/sin are computed once per forward and shared by all layers.
+- Rotary cos/sin and the document mask are built once per forward and shared
+  by all layers.
 - A layer returns `(hidden, RouterStats | None)`; nothing is stashed on
   modules, so recompute and pipeline stages see pure functions.
 - Deepstack features are added to the hidden states of the first
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from moevlm.model.attention import attention
+from moevlm.model.attention import DocMask, attention, doc_mask
 from moevlm.model.config import VLMConfig
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
 from moevlm.model.rope import apply_rotary, mrope
@@ -42,7 +43,6 @@ class TextAttention(nn.Module):
         super().__init__()
         t = cfg.text
         self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
-        self.backend = cfg.attn_backend
         self.q_proj = nn.Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
         self.k_proj = nn.Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.v_proj = nn.Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
@@ -50,14 +50,14 @@ class TextAttention(nn.Module):
         self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
         self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
 
-    def forward(self, x_BSD, rope_cos_sin, cu_seqlens):
+    def forward(self, x_BSD, rope_cos_sin, mask: DocMask):
         B, S, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
         k = self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim))
         v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
         cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, backend=self.backend)
+        out = attention(q, k, v, mask)
         return self.o_proj(out.reshape(B, S, -1))
 
 
@@ -71,8 +71,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
         self.mlp = MoEBlock(t.hidden_size, cfg.moe) if self.is_moe else DenseMLP(t.hidden_size, t.intermediate_size)
 
-    def forward(self, h_BSD, rope_cos_sin, cu_seqlens) -> tuple[torch.Tensor, RouterStats | None]:
-        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, cu_seqlens)
+    def forward(self, h_BSD, rope_cos_sin, mask: DocMask) -> tuple[torch.Tensor, RouterStats | None]:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, mask)
         out = self.mlp(self.post_attention_layernorm(h_BSD))
         if self.is_moe:
             out, stats = out
@@ -84,7 +84,7 @@ class TextDecoder(nn.Module):
     def __init__(self, cfg: VLMConfig):
         super().__init__()
         t = cfg.text
-        self.cfg = t
+        self.cfg, self.attn_backend = t, cfg.attn_backend
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
@@ -93,9 +93,12 @@ class TextDecoder(nn.Module):
                 visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = ()):
         t = self.cfg
         rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, h_BSD.dtype)
+        B, S, _ = h_BSD.shape
+        mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=h_BSD.device,
+                        dtype=h_BSD.dtype)
         stats: list[RouterStats] = []
         for i, layer in enumerate(self.layers):
-            h_BSD, s = layer(h_BSD, rope, cu_seqlens)
+            h_BSD, s = layer(h_BSD, rope, mask)
             if s is not None:
                 stats.append(s)
             if i < len(deepstack):

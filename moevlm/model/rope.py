@@ -61,10 +61,11 @@ def vision_patch_rows_cols(grid_thw_I3: torch.Tensor, merge: int) -> torch.Tenso
     return torch.cat(out).to(grid_thw_I3.device)
 
 
-def pos_embed_taps(grid_thw_I3: torch.Tensor, merge: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pos_embed_taps(rows_cols_N2: torch.Tensor, grid_thw_I3: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bilinear (align_corners=True) resampling of the learned side x side position
-    table to each image grid, as 4 gather indices and weights per patch: (N, 4)."""
-    rc = vision_patch_rows_cols(grid_thw_I3, merge).float()
+    table to each image grid, as 4 gather indices and weights per patch: (N, 4).
+    `rows_cols_N2` is `vision_patch_rows_cols(grid_thw_I3, merge)`."""
+    rc = rows_cols_N2.float()
     sizes = torch.repeat_interleave(grid_thw_I3[:, 1:].float(),
                                     (grid_thw_I3[:, 0] * grid_thw_I3[:, 1] * grid_thw_I3[:, 2]), dim=0)
     src = rc * (side - 1) / (sizes - 1).clamp(min=1)  # (N, 2) source coordinates

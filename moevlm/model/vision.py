@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moevlm.model.attention import attention
+from moevlm.model.attention import DocMask, attention, doc_mask
 from moevlm.model.config import VisionConfig
 from moevlm.model.rope import apply_rotary, pos_embed_taps, vision_cu_seqlens, vision_patch_rows_cols, vision_rotary
 
@@ -31,19 +31,19 @@ _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig, backend: str):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.num_heads, self.backend = cfg.num_heads, backend
+        self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x_Nd, cos_sin, cu_seqlens):
+    def forward(self, x_Nd, cos_sin, mask: DocMask):
         N = x_Nd.shape[0]
         q, k, v = self.qkv(x_Nd).view(N, 3, self.num_heads, -1).unbind(1)
         cos, sin = (t[:, None, :] for t in cos_sin)
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        out = attention(q[None], k[None], v[None], causal=False, cu_seqlens=cu_seqlens, backend=self.backend)
+        out = attention(q[None], k[None], v[None], mask)
         return self.proj(out.reshape(N, -1))
 
 
@@ -59,15 +59,15 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, backend: str):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.attn = VisionAttention(cfg, backend)
+        self.attn = VisionAttention(cfg)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x_Nd, cos_sin, cu_seqlens):
-        x_Nd = x_Nd + self.attn(self.norm1(x_Nd), cos_sin, cu_seqlens)
+    def forward(self, x_Nd, cos_sin, mask: DocMask):
+        x_Nd = x_Nd + self.attn(self.norm1(x_Nd), cos_sin, mask)
         return x_Nd + self.mlp(self.norm2(x_Nd))
 
 
@@ -91,11 +91,11 @@ class PatchMerger(nn.Module):
 class VisionEncoder(nn.Module):
     def __init__(self, cfg: VisionConfig, attn_backend: str = "auto"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.attn_backend = cfg, attn_backend
         self.side = math.isqrt(cfg.num_position_embeddings)
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(cfg, attn_backend) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_mergers = nn.ModuleList(
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes)
@@ -105,14 +105,15 @@ class VisionEncoder(nn.Module):
         cfg, merge = self.cfg, self.cfg.spatial_merge_size
         grid_cpu = grid_thw_I3.cpu()
         x_Nd = self.patch_embed(pixel_values_NP.to(self.patch_embed.weight.dtype))
-        idx_N4, wts_N4 = (t.to(x_Nd.device) for t in pos_embed_taps(grid_cpu, merge, self.side))
+        rows_cols_N2 = vision_patch_rows_cols(grid_cpu, merge)
+        idx_N4, wts_N4 = (t.to(x_Nd.device) for t in pos_embed_taps(rows_cols_N2, grid_cpu, self.side))
         x_Nd = x_Nd + (self.pos_embed(idx_N4) * wts_N4[..., None].to(x_Nd.dtype)).sum(1)
-        rows_cols = vision_patch_rows_cols(grid_cpu, merge).to(x_Nd.device)
-        cos_sin = vision_rotary(rows_cols, cfg.head_dim, cfg.rope_theta)
-        cu_seqlens = vision_cu_seqlens(grid_cpu).to(x_Nd.device)
+        cos_sin = vision_rotary(rows_cols_N2.to(x_Nd.device), cfg.head_dim, cfg.rope_theta)
+        mask = doc_mask(1, x_Nd.shape[0], vision_cu_seqlens(grid_cpu), causal=False, backend=self.attn_backend,
+                        device=x_Nd.device, dtype=x_Nd.dtype)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x_Nd = block(x_Nd, cos_sin, cu_seqlens)
+            x_Nd = block(x_Nd, cos_sin, mask)
             if i in cfg.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)](x_Nd))
         return self.merger(x_Nd), deepstack

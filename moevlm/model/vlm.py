@@ -68,6 +68,12 @@ class Qwen3VLMoe(nn.Module):
         if not self.config.tie_word_embeddings:
             nn.init.normal_(self.lm_head.weight, std=self.config.text.initializer_range)
 
+    def set_attn_backend(self, backend: str) -> None:
+        """Switch attention backend (the function computed does not change)."""
+        self.config.attn_backend = backend
+        self.config.validate()
+        self.vision.attn_backend = self.text.attn_backend = backend
+
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

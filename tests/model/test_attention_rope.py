@@ -6,7 +6,7 @@ import torch
 
 from hf_ref import pair, sample, transformers
 from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.model.attention import attention, document_ids
+from moevlm.model.attention import attention, doc_mask, document_ids
 from moevlm.model.rope import mrope_position_ids, pos_embed_taps, vision_patch_rows_cols
 
 
@@ -14,24 +14,29 @@ def _qkv(B=2, S=24, H=4, K=2, hd=8):
     return torch.randn(B, S, H, hd), torch.randn(B, S, K, hd), torch.randn(B, S, K, hd)
 
 
+def _attn(q, k, v, causal, cu_seqlens=None, backend="sdpa"):
+    mask = doc_mask(q.shape[0], q.shape[1], cu_seqlens, causal=causal, backend=backend)
+    return attention(q, k, v, mask)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_backends_agree_on_packed_documents(causal):
     q, k, v = _qkv()
     cu = torch.tensor([0, 5, 24, 30, 31, 48], dtype=torch.int32)  # one doc crosses the row end
-    ref = attention(q, k, v, causal=causal, cu_seqlens=cu, backend="sdpa_per_doc")
+    ref = _attn(q, k, v, causal, cu, "sdpa_per_doc")
     for backend in ("sdpa", "flex"):
-        out = attention(q, k, v, causal=causal, cu_seqlens=cu, backend=backend)
+        out = _attn(q, k, v, causal, cu, backend)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_documents_do_not_see_each_other():
     q, k, v = _qkv(B=1, S=20)
     cu = torch.tensor([0, 8, 20], dtype=torch.int32)
-    out = attention(q, k, v, causal=True, cu_seqlens=cu, backend="sdpa")
+    out = _attn(q, k, v, True, cu)
     k2, v2 = k.clone(), v.clone()
     k2[:, 8:] += 1.0
     v2[:, 8:] -= 1.0
-    out2 = attention(q, k2, v2, causal=True, cu_seqlens=cu, backend="sdpa")
+    out2 = _attn(q, k2, v2, True, cu)
     assert torch.equal(out[:, :8], out2[:, :8]) and not torch.allclose(out[:, 8:], out2[:, 8:])
     assert document_ids(1, 20, cu, "cpu").tolist() == [[0] * 8 + [1] * 12]
 
@@ -41,7 +46,7 @@ def test_gradients_through_document_mask_match_per_document():
     cu = torch.tensor([0, 7, 24, 40, 48], dtype=torch.int32)
     grads = []
     for backend in ("sdpa", "sdpa_per_doc"):
-        out = attention(q, k, v, causal=True, cu_seqlens=cu, backend=backend)
+        out = _attn(q, k, v, True, cu, backend)
         grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v)))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -50,8 +55,9 @@ def test_gradients_through_document_mask_match_per_document():
 def test_flash_backend_without_the_package_says_so():
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="flash-attn"):
-        attention(q, k, v, causal=True, backend="flash")
-    assert attention(q, k, v, causal=True, backend="auto").shape == q.shape  # auto falls back to sdpa
+        _attn(q, k, v, True, backend="flash")
+    assert doc_mask(2, 24, None, causal=True, backend="auto").backend == "sdpa"  # no flash-attn, no CUDA
+    assert _attn(q, k, v, True, backend="auto").shape == q.shape
 
 
 def test_flex_model_forward_equals_sdpa(tmp_path):
@@ -89,7 +95,7 @@ def test_vision_position_tables_equal_reference_helpers():
 
     grid = torch.tensor([[1, 4, 6], [1, 8, 8], [2, 2, 4], [1, 16, 2]])
     assert torch.equal(vision_patch_rows_cols(grid, 2), get_vision_position_ids(grid, 2))
-    idx, wts = pos_embed_taps(grid, 2, 8)
+    idx, wts = pos_embed_taps(vision_patch_rows_cols(grid, 2), grid, 8)
     ref_idx, ref_wts = get_vision_interpolation_indices_and_weights(grid, 8, "bilinear", True, 2)
     assert torch.equal(idx, ref_idx)
     torch.testing.assert_close(wts, ref_wts)

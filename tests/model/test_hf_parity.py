@@ -101,10 +101,7 @@ def test_packed_documents_equal_separate_reference_runs(tmp_path):
     ids = torch.cat([ids_a, ids_b], dim=1)
     cu = torch.tensor([0, ids_a.shape[1], ids.shape[1]], dtype=torch.int32)
     for backend in ("sdpa", "sdpa_per_doc"):
-        ours.config.attn_backend = backend
-        for m in ours.modules():
-            if hasattr(m, "backend"):
-                m.backend = backend
+        ours.set_attn_backend(backend)
         o = ours(ids, px_a, grid_a, cu_seqlens=cu, labels=ids)
         r_a = hf_forward(ref, ids_a, px_a, grid_a).logits
         r_b = hf_forward(ref, ids_b, None, None).logits
