@@ -149,6 +149,10 @@ class VLMConfig:
             _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
         _check(m.grouped_gemm in GROUPED_GEMMS,
                f"moe.grouped_gemm={m.grouped_gemm!r}; choose one of {sorted(GROUPED_GEMMS)}")
+        _check(m.grouped_gemm != "torch" or (t.hidden_size % 8 == 0 and m.moe_intermediate_size % 8 == 0),
+               f"moe.grouped_gemm='torch' (torch._grouped_mm) needs 16-byte rows: text.hidden_size="
+               f"{t.hidden_size} and moe.moe_intermediate_size={m.moe_intermediate_size} must be multiples "
+               "of 8; use moe.grouped_gemm='loop' or change the sizes")
         _check(self.attn_backend in ATTN_BACKENDS,
                f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}")
         for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):

@@ -52,6 +52,7 @@ BAD_CONFIGS = [
     (lambda c: setattr(c.moe, "mlp_only_layers", (7,)), "moe.mlp_only_layers"),
     (lambda c: setattr(c.moe, "grouped_gemm", "cutlass"), "moe.grouped_gemm='cutlass'"),
     (lambda c: setattr(c, "attn_backend", "xformers"), "attn_backend='xformers'"),
+    (lambda c: setattr(c.moe, "moe_intermediate_size", 50), "moe.moe_intermediate_size=50 must be multiples of 8"),
     (lambda c: setattr(c, "image_token_id", 5000), "image_token_id=5000"),
 ]
 
@@ -66,6 +67,22 @@ def test_bad_config_is_named_before_any_parameter_exists(mutate, message, monkey
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Qwen3VLMoe(cfg)
     assert not allocated
+
+
+def test_bf16_model_runs_with_fp32_router_and_tracks_fp32():
+    """bf16 parameters and activations; the router still decides in fp32."""
+    cfg = VLMConfig.preset("tiny").replace(attn_backend="sdpa")
+    model = Qwen3VLMoe(cfg)
+    ids, px, grid = sample(cfg, [(1, 4, 6)])
+    ref = model(ids, px, grid, labels=ids)
+    model.to(torch.bfloat16)
+    out = model(ids, px, grid, labels=ids)
+    assert out.logits.dtype == torch.bfloat16 and out.aux_loss.dtype == torch.float32
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert abs(float(out.lm_loss) - float(ref.lm_loss)) < 0.05
+    err = (out.logits.float() - ref.logits).abs().max() / ref.logits.abs().max()
+    assert float(err) < 0.05
 
 
 def test_unknown_preset_lists_the_known_ones():
