@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from moevlm.model.attention import doc_bounds
 from moevlm.model.config import VLMConfig
 
 
@@ -78,7 +79,5 @@ def count_flops(cfg: VLMConfig, doc_lens: Sequence[int], image_grid_thw=None, *,
 
 def doc_lens_of(batch: int, seq: int, cu_seqlens: torch.Tensor | None = None) -> list[int]:
     """Document lengths of a (batch, seq) input packed with `cu_seqlens`."""
-    from moevlm.model.attention import doc_bounds
-
     b = doc_bounds(batch, seq, cu_seqlens)
     return [y - x for x, y in zip(b[:-1], b[1:]) if y > x]

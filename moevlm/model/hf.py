@@ -5,9 +5,10 @@ Reads a folder with `config.json` and `model.safetensors` or a sharded
 
 Design choices:
 - Names: one table of prefixes (`_PREFIXES`) and the router suffix, read
-  forwards on load and backwards on export.  Our module tree keeps the reference's names except the
-  top-level prefixes, the router (`mlp.router`), the deepstack list and the
-  patch embedding (a linear weight instead of a Conv3d kernel).
+  forwards on load and backwards on export.  Our module tree keeps the
+  reference's names except the top-level prefixes, the router (`mlp.router`),
+  the deepstack list and the patch embedding (a linear weight instead of a
+  Conv3d kernel).
 - Expert layouts: hub checkpoints store `gate_up_proj` (E, D, 2F) and
   `down_proj` (E, F, D) (our layout); transformers >= 5 keeps and saves
   (E, 2F, D) / (E, D, F).  `expert_layout="auto"` decides by shape; when the

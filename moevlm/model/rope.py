@@ -146,4 +146,3 @@ def _image_positions(grid, merge: int, pos: int, i: int, end: int, is_img: torch
     rr = torch.arange(hh).view(1, hh, 1).expand(t, hh, ww)
     cc = torch.arange(ww).view(1, 1, ww).expand(t, hh, ww)
     return n, torch.stack((tt, rr, cc)).reshape(3, n) + pos, max(hh, ww)
-
