@@ -16,6 +16,9 @@ Design choices:
   returned so a trainer can re-normalise by a global token count.
 - `loss = lm_loss + router_aux_loss_coef * aux_loss`, the reference's training
   objective with router logits on.
+- Packed micro-batches have fixed shapes: `pixel_values` may carry trailing
+  padding patches (run as one isolated segment, output dropped) and
+  `image_grid_thw` all-zero rows (unused image slots).
 - Inputs are validated on the host before the vision tower runs, with messages
   naming the offending argument.
 """
@@ -83,7 +86,8 @@ class Qwen3VLMoe(nn.Module):
         h_BSD = self.text.embed_tokens(input_ids)
         visual_mask_BS, deepstack = None, []
         if pixel_values is not None:
-            image_NO, deepstack = self.vision(pixel_values, image_grid_thw)
+            image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]  # a packed batch's unused rows
+            image_NO, deepstack = self._encode_images(pixel_values, image_grid_thw)
             visual_mask_BS = input_ids == cfg.image_token_id
             h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO.to(h_BSD.dtype))
         if position_ids is None:
@@ -102,6 +106,18 @@ class Qwen3VLMoe(nn.Module):
             if out.aux_loss is not None:
                 out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
         return out
+
+    def _encode_images(self, pixel_values_NP, grid_thw_I3):
+        """Patches beyond the grids (a packed batch's padding) run as one extra
+        segment, isolated in attention, and their merged tokens are dropped."""
+        merge = self.config.vision.spatial_merge_size
+        used = int(grid_thw_I3.prod(-1).sum())
+        pad = pixel_values_NP.shape[0] - used
+        if pad:
+            grid_thw_I3 = torch.cat([grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])])
+        image_NO, deepstack = self.vision(pixel_values_NP, grid_thw_I3)
+        n = used // merge**2
+        return image_NO[:n], [d[:n] for d in deepstack]
 
     # ------------------------------------------------------- checkpoints (HF)
     @classmethod
@@ -168,14 +184,16 @@ def _check_images(cfg: VLMConfig, pixel_values, image_grid_thw, n_img_tokens: in
              f"image_grid_thw must be (num_images, 3), got {tuple(image_grid_thw.shape)}")
     merge = v.spatial_merge_size
     for i, (t, h, w) in enumerate(image_grid_thw.tolist()):
-        _require(t >= 1 and h > 0 and w > 0 and h % merge == 0 and w % merge == 0,
+        _require((t, h, w) == (0, 0, 0) or (t >= 1 and h > 0 and w > 0 and h % merge == 0 and w % merge == 0),
                  f"image_grid_thw[{i}]=({t}, {h}, {w}): t >= 1 and h, w positive multiples of "
-                 f"spatial_merge_size={merge} are required")
+                 f"spatial_merge_size={merge} are required (or all zeros: an unused row of a packed batch)")
     n_patches = int(image_grid_thw.prod(-1).sum())
     _require(pixel_values.ndim == 2 and pixel_values.shape[1] == v.patch_dim,
              f"pixel_values must be (num_patches, {v.patch_dim}) = (N, C*T*P*P), got {tuple(pixel_values.shape)}")
-    _require(pixel_values.shape[0] == n_patches,
-             f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {n_patches}")
+    pad = pixel_values.shape[0] - n_patches
+    _require(pad >= 0 and pad % merge**2 == 0,
+             f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {n_patches} "
+             f"(trailing padding patches are allowed in multiples of spatial_merge_size^2={merge**2})")
     _require(n_img_tokens * merge**2 == n_patches,
              f"input_ids has {n_img_tokens} image tokens (image_token_id={cfg.image_token_id}) but image_grid_thw "
              f"gives {n_patches // merge**2} (patches / spatial_merge_size^2)")

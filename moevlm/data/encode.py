@@ -1,0 +1,107 @@
+"""One raw WebDataset sample (member bytes) -> one model-ready `Sample`.
+
+Legend: L tokens of the sample, N its patches, D patch dim (3*T*P*P).
+
+    enc = SampleEncoder(tokenizer, image_cfg, pack_cfg, model_ids)
+    sample = enc(raw, pos)            # raises SkipSample(reason) for unusable input
+
+Design choices:
+- Order: json -> record (normalised) -> images decoded -> tokens.  Images go
+  first because the number of <|image_pad|> tokens is the image's merged grid.
+- Third-party shards without a `json` member but with `txt` (the common
+  image+caption layout) are read as captions of their first image.
+- A sample over a budget (seq_len tokens, max_patches patches, max_images
+  images) is skipped as `too_long`, or with `oversize: truncate` cut: the text
+  ends at seq_len or before the first image that no longer fits, whichever is
+  first; images after the cut are dropped with their pixels.  A cut that leaves
+  nothing to train on is `too_long` too.
+- 3-D M-RoPE positions are computed here, per sample, in the worker: the
+  packer only concatenates them (they restart at every document anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moevlm.data.config import ImageConfig, PackConfig
+from moevlm.data.errors import SkipSample
+from moevlm.data.image import decode_image
+from moevlm.data.packing import IGNORE, Sample
+from moevlm.data.records import normalize_record, parse_json_bytes
+from moevlm.data.text import ChatEncoder
+from moevlm.model.rope import mrope_position_ids
+
+class SampleEncoder:
+    def __init__(self, chat: ChatEncoder, image: ImageConfig, pack: PackConfig, caption_prompt: str = ""):
+        self.chat, self.image, self.pack, self.caption_prompt = chat, image, pack, caption_prompt
+        self.merge = image.merge_size
+
+    def __call__(self, raw: dict, pos: Pos) -> Sample:
+        key = raw.get("__key__", "?")
+        if "json" in raw:
+            obj = parse_json_bytes(raw["json"])
+        elif "txt" in raw:
+            obj = {"caption": _utf8(raw["txt"]), "images": [_first_image_member(raw)]}
+        else:
+            raise SkipSample("bad_json", f"sample {key} has no json (or txt) member: {sorted(raw)}")
+        rec = normalize_record(obj, caption_prompt=self.caption_prompt, default_id=key)
+        pixels, grids = self._images(raw, rec.images, rec.id)
+        if rec.text is not None:
+            ids, labels = self.chat.encode_text(rec.text)
+        else:
+            ids, labels = self.chat.encode_chat(rec.messages, [t * h * w // self.merge**2 for t, h, w in grids])
+        ids_L, labels_L = torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+        ids_L, labels_L, pixels, grids = self._fit(ids_L, labels_L, pixels, grids, rec.id)
+        grid_I3 = torch.tensor(grids, dtype=torch.long).view(-1, 3)
+        pos_3L = mrope_position_ids(ids_L[None], grid_I3, self.chat.image_pad_id, self.merge)[:, 0]
+        return Sample(rec.id, pos, ids_L, labels_L, pos_3L, pixels, grids)
+
+    def _images(self, raw: dict, names: list[str], sid: str):
+        out, grids = [], []
+        for name in names:
+            data = raw.get(name)
+            if data is None:
+                raise SkipSample("missing_image", f"{sid}: member {name!r} is not in the sample ({sorted(raw)})")
+            pixels, grid = decode_image(data, self.image)
+            out.append(pixels)
+            grids.append(tuple(grid))
+        return (torch.cat(out) if out else None), grids
+
+    def _fit(self, ids_L, labels_L, pixels, grids, sid: str):
+        p = self.pack
+        patches = [t * h * w for t, h, w in grids]
+        if ids_L.numel() <= p.seq_len and sum(patches) <= p.max_patches and len(grids) <= p.max_images:
+            return ids_L, labels_L, pixels, grids
+        what = (f"{sid}: {ids_L.numel()} tokens, {sum(patches)} patches, {len(grids)} images against budgets "
+                f"seq_len={p.seq_len}, max_patches={p.max_patches}, max_images={p.max_images}")
+        if p.oversize != "truncate":
+            raise SkipSample("too_long", what + " (pack.oversize=truncate cuts instead)")
+        starts = (ids_L == self.chat.vision_start_id).nonzero().squeeze(-1).tolist()
+        cut, keep, used = p.seq_len, 0, 0
+        for i, (start, n) in enumerate(zip(starts, patches)):
+            end = start + 2 + n // self.merge**2  # vision_start, pads, vision_end
+            if end > p.seq_len or used + n > p.max_patches or i >= p.max_images:
+                cut = min(cut, start)
+                break
+            keep, used = i + 1, used + n
+        ids_L, labels_L = ids_L[:cut], labels_L[:cut]
+        if not bool((labels_L != IGNORE).any()):
+            raise SkipSample("too_long", what + "; nothing trainable is left after truncation")
+        return ids_L, labels_L, (pixels[:used] if keep else None), grids[:keep]
+
+
+def _utf8(b: bytes) -> str:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError as exn:
+        raise SkipSample("bad_text_encoding", str(exn)) from None
+
+
+_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm")
+
+
+def _first_image_member(raw: dict) -> str:
+    names = sorted(k for k in raw if k.rsplit(".", 1)[-1].lower() in _IMAGE_EXTS)
+    if not names:
+        raise SkipSample("missing_image", f"sample {raw.get('__key__')} has a txt caption but no image member")
+    return names[0]

@@ -1,0 +1,59 @@
+"""Why a sample was skipped.
+
+Every stage of the data pipeline (shard builder, reader, decoder, tokenizer,
+packer) signals an unusable sample by raising `SkipSample(reason, detail)`.
+The stage that drives the stream catches it, adds one to `counts[reason]` and
+goes on with the next sample: bad data never crashes a worker and is never
+dropped silently.  `reason` is a short, stable key (the table below); it is
+what the builder's summary.json and the loader's stats report.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+REASONS = {
+    # records / annotations
+    "bad_record": "the annotation record is not a dict of the expected form",
+    "bad_json": "the json field is missing, not valid JSON, or not an object",
+    "bad_text_encoding": "text bytes are not valid UTF-8",
+    "image_tag_mismatch": "the text has a different number of <image> tags than the sample has images",
+    "missing_image": "the record names an image the sample does not carry (or the file is missing)",
+    # images
+    "empty_image": "the image file has zero bytes",
+    "not_an_image": "the bytes are not an image format PIL can identify",
+    "bad_image": "the image is corrupt or truncated (decoding failed)",
+    "image_too_large": "width*height is above the decompression-bomb limit",
+    "bad_image_size": "the image is degenerate (a zero side or an aspect ratio above 200)",
+    # shards
+    "truncated_shard": "a tar shard ended early or is corrupt; samples before the damage were kept",
+    "unreadable_shard": "a shard could not be opened",
+    # packing
+    "too_long": "the sample exceeds the token, patch or image budget of a micro-batch",
+    "empty_sample": "the sample has no tokens to train on",
+}
+
+
+class SkipSample(Exception):
+    """A sample that cannot be used.  `reason` is a key of REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        if reason not in REASONS:
+            raise ValueError(f"unknown skip reason {reason!r}; add it to moevlm.data.errors.REASONS")
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+class SkipCounter(Counter):
+    """reason -> count, plus the first few details of each reason for the logs."""
+
+    def __init__(self, *args, keep: int = 3, **kw):
+        super().__init__(*args, **kw)
+        self.examples: dict[str, list[str]] = {}
+        self.keep = keep
+
+    def add(self, err: SkipSample, where: str = "") -> None:
+        self[err.reason] += 1
+        ex = self.examples.setdefault(err.reason, [])
+        if len(ex) < self.keep:
+            ex.append(f"{where}: {err.detail}" if where else err.detail)

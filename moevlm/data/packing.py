@@ -1,0 +1,123 @@
+"""Packing samples into fixed-shape micro-batches.
+
+Legend: S seq_len (token budget), Np max_patches (patch budget), D patch dim,
+I max_images, J max_samples (documents), L one sample's tokens.
+
+Every micro-batch has exactly these shapes, whatever the images' resolutions:
+
+    input_ids (1, S)  labels (1, S)  position_ids (3, 1, S)  cu_seqlens (J+2,)
+    pixel_values (Np, D)  image_grid_thw (I, 3)  vision_cu_seqlens (I+2,)
+
+Design choices:
+- One packed row per micro-batch (THD layout): documents back to back, then one
+  padding document up to S.  `cu_seqlens` lists every document end, the
+  padding document's end (= S), then S repeated to the fixed length (empty
+  documents cost nothing in any attention backend).
+- Images' patches back to back, then one padding segment up to Np (zeros) that
+  the vision tower attends only within and whose merged tokens it drops (the
+  model accepts pixel_values longer than the grids describe).  Unused
+  image_grid_thw rows are zeros (0 patches).
+- First fit with lookahead: the oldest held sample always goes in (so nothing
+  waits long), then every later held sample that still fits all four budgets,
+  in arrival order.  Deterministic, so a resumed run packs identically.
+- Labels follow the Hugging Face convention (the model shifts); padding and
+  non-trained tokens are -100.  Counts of useful vs padded tokens/patches ride
+  along: tokens/s and MFU must count useful ones only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moevlm.data.config import PackConfig
+from moevlm.data.reader import Pos
+
+IGNORE = -100
+
+
+@dataclass
+class Sample:
+    id: str
+    pos: Pos
+    input_ids_L: torch.Tensor
+    labels_L: torch.Tensor
+    position_ids_3L: torch.Tensor
+    pixels_ND: torch.Tensor | None
+    grids: list[tuple[int, int, int]]
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids_L.numel()
+
+    @property
+    def patches(self) -> int:
+        return 0 if self.pixels_ND is None else self.pixels_ND.shape[0]
+
+
+class Packer:
+    """Holds up to `lookahead` samples; `pop()` returns the samples of the next micro-batch."""
+
+    def __init__(self, cfg: PackConfig):
+        self.cfg = cfg
+        self.held: list[Sample] = []
+
+    def push(self, sample: Sample) -> None:
+        self.held.append(sample)
+
+    def full(self) -> bool:
+        return len(self.held) >= self.cfg.lookahead
+
+    def pop(self) -> list[Sample]:
+        c = self.cfg
+        tokens = patches = images = 0
+        take, keep = [], []
+        for s in self.held:
+            fits = (tokens + s.tokens <= c.seq_len and patches + s.patches <= c.max_patches
+                    and images + len(s.grids) <= c.max_images and len(take) < c.max_samples)
+            (take if fits else keep).append(s)
+            if fits:
+                tokens, patches, images = tokens + s.tokens, patches + s.patches, images + len(s.grids)
+        self.held = keep
+        return take
+
+
+def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int) -> dict:
+    """Samples (that fit the budgets) -> one micro-batch dict of fixed-shape tensors + counts."""
+    S, Np, I, J = cfg.seq_len, cfg.max_patches, cfg.max_images, cfg.max_samples
+    used = sum(s.tokens for s in samples)
+    input_ids = torch.full((S,), pad_id, dtype=torch.long)
+    labels = torch.full((S,), IGNORE, dtype=torch.long)
+    position_ids = torch.zeros(3, S, dtype=torch.long)
+    cu = torch.full((J + 2,), S, dtype=torch.int32)
+    cu[0], at = 0, 0
+    for j, s in enumerate(samples):
+        input_ids[at:at + s.tokens] = s.input_ids_L
+        labels[at:at + s.tokens] = s.labels_L
+        position_ids[:, at:at + s.tokens] = s.position_ids_3L
+        at += s.tokens
+        cu[j + 1] = at
+    position_ids[:, used:] = torch.arange(S - used)  # the padding document counts from 0 like any other
+
+    grids = [g for s in samples for g in s.grids]
+    pixels = torch.zeros(Np, patch_dim, dtype=torch.float32)
+    pieces = [s.pixels_ND for s in samples if s.pixels_ND is not None]
+    patches = sum(p.shape[0] for p in pieces)
+    if pieces:
+        torch.cat(pieces, out=pixels[:patches])
+    grid_thw = torch.zeros(I, 3, dtype=torch.long)
+    if grids:
+        grid_thw[:len(grids)] = torch.tensor(grids, dtype=torch.long)
+    vcu = torch.full((I + 2,), Np, dtype=torch.int32)
+    vcu[:len(grids) + 1] = torch.tensor([0] + [t * h * w for t, h, w in grids]).cumsum(0)
+    return {
+        "input_ids": input_ids[None], "labels": labels[None], "position_ids": position_ids[:, None],
+        "cu_seqlens": cu, "pixel_values": pixels, "image_grid_thw": grid_thw, "vision_cu_seqlens": vcu,
+        "num_samples": len(samples), "num_images": len(grids),
+        "useful_tokens": used, "padded_tokens": S - used,
+        # the model's targets: labels shifted by one inside each document
+        "loss_tokens": int(sum(int((s.labels_L[1:] != IGNORE).sum()) for s in samples)),
+        "useful_patches": patches, "padded_patches": Np - patches,
+        "sample_ids": [s.id for s in samples],
+    }

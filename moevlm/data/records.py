@@ -1,0 +1,189 @@
+"""One annotation normaliser for the shard builder (build time) and the shard
+reader (read time, for our shards and third-party ones).
+
+    rec = normalize_record(parse_json_bytes(raw), default_id=key, caption_prompt="")
+    rec.messages  # [{"role": "user", "content": "<image>\\nWhat is this?"}, ...]
+
+Canonical forms (what build_shards writes as each sample's `json` member;
+`images` lists the tar field names of the sample's images, in order):
+
+    chat:    {"id": str, "images": ["img0.jpg", ...], "messages": [{"role": ..., "content": str}]}
+    caption: {"id": str, "images": ["img0.jpg"], "caption": str}
+    text:    {"id": str, "text": str}
+
+Accepted inputs, tried in this order (the first key found decides; other keys
+are ignored, so metadata riding along never makes a record ambiguous):
+
+- `messages`: canonical chat; entries may also use LLaVA's `from`/`value`.
+- `conversations`: LLaVA / ShareGPT; roles `human`|`gpt`|`system` (and
+  `user`|`assistant`).  Multi-turn, several images, or none (text-only chat).
+- `caption`: a caption pair; needs at least one image.
+- `text`: with an image it is a caption (LAION-style exports often call the
+  caption `text`); without one it is a text-only sample.
+
+Images come from `images` (canonical: a list) or `image` (LLaVA: a string or
+a list), never both.  An `id` may be a string or an int (kept as a string);
+when absent the caller's `default_id` is used (the builder passes
+"file:line", the reader the tar key).
+
+Design choices:
+- A caption keeps its own form (`Record.caption`) so the builder can store it
+  as a caption and the prompt stays a training-time choice; `messages` always
+  holds the chat the trainer sees: user "<image>" (+ "\\n" + prompt), assistant
+  caption.  With several images the user turn starts with one tag per image.
+- `<image>` tags must match the images one to one.  The only repair is
+  LLaVA's: images but no tag at all puts "<image>\\n" per image in front of
+  the first user turn.  Anything else (tags without images, a text sample
+  containing "<image>", 2 tags for 3 images) is `image_tag_mismatch`: a
+  guess there would silently misplace images.
+- Roles are not otherwise policed (no alternation rule, an assistant turn is
+  not required): a sample with nothing to train on is the packer's
+  `empty_sample`.
+- Every string must be encodable as UTF-8 (JSON allows lone surrogates, which
+  would fail later in the writer or the tokenizer): `bad_text_encoding`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from moevlm.data.errors import SkipSample
+
+IMAGE_TAG = "<image>"
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+KINDS = ("chat", "caption", "text")
+
+
+@dataclass
+class Record:
+    """A normalised sample.  `images` are paths (builder input) or tar field
+    names (reader), in the order of the `<image>` tags."""
+
+    id: str
+    images: list[str]
+    messages: list[dict] | None  # chat and caption records
+    text: str | None  # text records
+    caption: str | None = None  # caption records (also rendered into `messages`)
+
+    @property
+    def kind(self) -> str:
+        if self.text is not None:
+            return "text"
+        return "caption" if self.caption is not None else "chat"
+
+    def canonical(self, images: list[str] | None = None) -> dict:
+        """The canonical JSON object, naming `images` (default: self.images)."""
+        images = list(self.images if images is None else images)
+        if self.kind == "text":
+            return {"id": self.id, "text": self.text}
+        if self.kind == "caption":
+            return {"id": self.id, "images": images, "caption": self.caption}
+        return {"id": self.id, "images": images, "messages": self.messages}
+
+
+def parse_json_bytes(b: bytes) -> dict:
+    """UTF-8 JSON object bytes -> dict (a leading BOM is allowed)."""
+    try:
+        s = bytes(b).decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise SkipSample("bad_text_encoding", f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(s)
+    except (ValueError, RecursionError) as e:
+        raise SkipSample("bad_json", f"invalid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise SkipSample("bad_json", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def normalize_record(obj, *, default_id: str | None = None, caption_prompt: str = "") -> Record:
+    """Any accepted annotation form -> Record; raises SkipSample when unusable."""
+    if not isinstance(obj, dict):
+        raise SkipSample("bad_record", f"expected a JSON object, got {type(obj).__name__}")
+    rid, images = _record_id(obj, default_id), _images(obj)
+    if "messages" in obj or "conversations" in obj:
+        key = "messages" if "messages" in obj else "conversations"
+        rec = Record(rid, images, _messages(obj[key], key), None)
+    elif "caption" in obj or ("text" in obj and images):
+        key = "caption" if "caption" in obj else "text"
+        rec = _caption_record(rid, images, _text(obj[key], key), caption_prompt)
+    elif "text" in obj:
+        rec = Record(rid, [], None, _text(obj["text"], "text"))
+    else:
+        raise SkipSample("bad_record", f"none of messages/conversations/caption/text among keys {sorted(obj)[:8]}")
+    _match_image_tags(rec)
+    return rec
+
+
+def _record_id(obj: dict, default_id: str | None) -> str:
+    rid = obj.get("id")
+    if rid is None:
+        if default_id is None:
+            raise SkipSample("bad_record", "record has no id and the caller gave no default_id")
+        return default_id
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise SkipSample("bad_record", f"id must be a string or an int, got {type(rid).__name__}")
+    return _text(str(rid), "id")
+
+
+def _images(obj: dict) -> list[str]:
+    if "image" in obj and "images" in obj:
+        raise SkipSample("bad_record", "record has both 'image' and 'images'; keep one")
+    key = "images" if "images" in obj else "image"
+    value = obj.get(key)
+    if value is None:
+        return []
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise SkipSample("bad_record", f"{key!r} must be a non-empty string or a list of them, got {value!r:.80}")
+    return [_text(p, key) for p in paths]
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise SkipSample("bad_record", f"{what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SkipSample("bad_text_encoding", f"{what} holds a lone surrogate (not encodable as UTF-8)") from None
+    return value
+
+
+def _messages(turns, key: str) -> list[dict]:
+    if not isinstance(turns, list) or not turns:
+        raise SkipSample("bad_record", f"{key!r} must be a non-empty list, got {turns!r:.80}")
+    return [_message(turn, f"{key}[{i}]") for i, turn in enumerate(turns)]
+
+
+def _message(turn, where: str) -> dict:
+    if not isinstance(turn, dict):
+        raise SkipSample("bad_record", f"{where} must be an object, got {type(turn).__name__}")
+    role = turn.get("role", turn.get("from"))
+    if not isinstance(role, str) or role not in ROLES:
+        raise SkipSample("bad_record", f"{where} has role {role!r}; expected one of {sorted(ROLES)}")
+    content = turn.get("content", turn.get("value"))
+    return {"role": ROLES[role], "content": _text(content, f"{where} content")}
+
+
+def _caption_record(rid: str, images: list[str], caption: str, caption_prompt: str) -> Record:
+    if not images:
+        raise SkipSample("bad_record", "a caption record needs an image")
+    user = IMAGE_TAG * len(images) + ("\n" + caption_prompt if caption_prompt else "")
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": caption}]
+    return Record(rid, images, messages, None, caption)
+
+
+def _match_image_tags(rec: Record) -> None:
+    """Checks tags against images; applies LLaVA's prepend-when-untagged rule."""
+    texts = [rec.text] if rec.text is not None else [m["content"] for m in rec.messages]
+    n_tags, n_images = sum(t.count(IMAGE_TAG) for t in texts), len(rec.images)
+    if n_tags == n_images:
+        return
+    if n_tags == 0 and rec.messages is not None:
+        first_user = next((m for m in rec.messages if m["role"] == "user"), None)
+        if first_user is None:
+            raise SkipSample("bad_record", f"{n_images} image(s) but no user turn to put the <image> tags in")
+        first_user["content"] = (IMAGE_TAG + "\n") * n_images + first_user["content"]
+        return
+    raise SkipSample("image_tag_mismatch", f"{n_tags} <image> tag(s) in the text, {n_images} image(s)")

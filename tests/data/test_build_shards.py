@@ -1,0 +1,228 @@
+"""build_shards on real photos: round trip through the tars, per-shard counts,
+byte determinism, every skip reason counted, summary.json, the CLI and --sample."""
+
+import json
+import shutil
+import sys
+import tarfile
+import types
+from pathlib import Path
+
+import pytest
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
+from moevlm.data.build_shards import build_shards, main, read_annotations
+from moevlm.data.errors import SkipCounter
+from moevlm.data.image import sample_photo_paths
+from moevlm.data.records import normalize_record
+
+PHOTOS = {p.name: p for p in sample_photo_paths()}
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """An images folder (good and broken files) and annotation files naming them."""
+    images = tmp_path / "images"
+    (images / "sub").mkdir(parents=True)
+    shutil.copy(PHOTOS["rocket.jpg"], images / "rocket.JPEG")
+    shutil.copy(PHOTOS["chelsea.png"], images / "sub" / "cat.png")
+    shutil.copy(PHOTOS["coffee.png"], images / "coffee.png")
+    shutil.copy(PHOTOS["camera.png"], tmp_path / "camera_abs.png")
+    (images / "empty.jpg").write_bytes(b"")
+    (images / "text.jpg").write_bytes(b"this is not an image\n")
+    (images / "cut.jpg").write_bytes(PHOTOS["rocket.jpg"].read_bytes()[:40_000])
+    (images / "cut.png").write_bytes(PHOTOS["coffee.png"].read_bytes()[:100_000])
+
+    def conv(*turns):
+        return [{"from": r, "value": v} for r, v in zip(("human", "gpt") * 4, turns)]
+
+    llava = [
+        {"id": "a.1", "image": ["rocket.JPEG", "sub/cat.png"],
+         "conversations": conv("<image>\n<image>\nCompare.", "A rocket, a cat.", "Which is older?", "The cat.")},
+        {"id": "b", "image": "coffee.png", "conversations": conv("What is this?", "Coffee.")},
+        {"id": "c", "conversations": [{"from": "system", "value": "Be brief."}] + conv("2+2?", "4")},
+        {"id": "tags", "image": "coffee.png", "conversations": conv("<image><image>", "x")},
+        {"id": "role", "conversations": [{"from": "robot", "value": "beep"}]},
+        {"id": "miss", "image": "missing.jpg", "conversations": conv("<image>", "x")},
+        {"id": "empty", "image": "empty.jpg", "conversations": conv("<image>", "x")},
+        {"id": "text", "image": "text.jpg", "conversations": conv("<image>", "x")},
+        {"id": "cutjpg", "image": "cut.jpg", "conversations": conv("<image>", "x")},
+        {"id": "cutpng", "image": "cut.png", "conversations": conv("<image>", "x")},
+        {"id": "abs", "image": str(tmp_path / "camera_abs.png"), "conversations": conv("<image>Who?", "A man.")},
+    ]
+    (tmp_path / "llava.json").write_text(json.dumps(llava))
+    lines = [json.dumps({"image": "sub/cat.png", "caption": "A cat."}).encode(), b"{not json", b"",
+             json.dumps({"id": "dup", "image": "rocket.JPEG", "text": "A rocket."}).encode(),
+             json.dumps({"id": "dup", "text": "Plain text ü."}, ensure_ascii=False).encode(), b'{"text": "\xff"}']
+    (tmp_path / "caps.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    return tmp_path, images, [tmp_path / "llava.json", tmp_path / "caps.jsonl"]
+
+
+def build(dataset, out, per_shard=3, **kw):
+    root, images, anns = dataset
+    skips = SkipCounter()
+    return build_shards(read_annotations(anns, skips), images, out, per_shard, skips=skips, **kw)
+
+
+def read_tar(path: Path) -> dict[str, dict[str, bytes]]:
+    with tarfile.open(path) as tar:
+        samples: dict[str, dict[str, bytes]] = {}
+        for m in tar.getmembers():
+            key, field = m.name.split(".", 1)
+            samples.setdefault(key, {})[field] = tar.extractfile(m).read()
+    return samples
+
+
+def read_all(out: Path) -> dict[str, dict[str, bytes]]:
+    samples = {}
+    for shard in sorted(out.glob("shard-*.tar")):
+        samples.update(read_tar(shard))
+    return samples
+
+
+EXPECTED_IDS = ["a.1", "b", "c", "abs", "caps.jsonl:1", "dup", "dup"]
+
+
+def test_round_trip(dataset, tmp_path):
+    root, images, _ = dataset
+    build(dataset, tmp_path / "out")
+    samples = read_all(tmp_path / "out")
+    assert list(samples) == [f"{i:09d}" for i in range(7)]
+    docs = [json.loads(s["json"]) for s in samples.values()]
+    assert [d["id"] for d in docs] == EXPECTED_IDS
+    for s, d in zip(samples.values(), docs):
+        assert s["json"] == json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+        assert normalize_record(d).canonical() == d  # canonical: the reader's normaliser is a no-op on it
+        assert sorted(s) == sorted(["json"] + d.get("images", []))
+    a1, b, c, abs_, cap, cap2, text = samples.values()
+    assert docs[0]["images"] == ["img0.jpg", "img1.png"]  # .JPEG -> jpg
+    assert a1["img0.jpg"] == PHOTOS["rocket.jpg"].read_bytes() and a1["img1.png"] == PHOTOS["chelsea.png"].read_bytes()
+    assert len(docs[0]["messages"]) == 4
+    assert docs[1]["messages"][0] == {"role": "user", "content": "<image>\nWhat is this?"}  # tag prepended
+    assert b["img0.png"] == PHOTOS["coffee.png"].read_bytes()
+    assert docs[2]["images"] == [] and sorted(c) == ["json"] and docs[2]["messages"][0]["role"] == "system"
+    assert abs_["img0.png"] == PHOTOS["camera.png"].read_bytes()
+    assert docs[4] == {"id": "caps.jsonl:1", "images": ["img0.png"], "caption": "A cat."}
+    assert docs[5] == {"id": "dup", "images": ["img0.jpg"], "caption": "A rocket."}
+    assert docs[6] == {"id": "dup", "text": "Plain text ü."} and sorted(text) == ["json"]
+
+
+def test_webdataset_reads_the_shards(dataset, tmp_path):
+    build(dataset, tmp_path / "out")
+    samples = []
+    for url in sorted((tmp_path / "out").glob("*.tar")):
+        with open(url, "rb") as f:
+            samples += group_by_keys(tar_file_expander([{"url": str(url), "stream": f}]))
+    assert [json.loads(s["json"])["id"] for s in samples] == EXPECTED_IDS
+    assert samples[0]["img1.png"] == PHOTOS["chelsea.png"].read_bytes()
+
+
+def test_skip_reasons_and_summary(dataset, tmp_path):
+    summary = build(dataset, tmp_path / "out", build_args={"note": "t"})
+    assert summary["skipped"] == {"bad_image": 2, "bad_json": 1, "bad_record": 1, "bad_text_encoding": 1,
+                                  "empty_image": 1, "image_tag_mismatch": 1, "missing_image": 1, "not_an_image": 1}
+    ex = summary["skipped_examples"]
+    assert ex["bad_json"][0].startswith("caps.jsonl:2: ") and ex["bad_text_encoding"][0].startswith("caps.jsonl:6")
+    assert "missing.jpg does not exist" in ex["missing_image"][0] and ex["missing_image"][0].startswith("llava.json[5]")
+    assert {e.split(":")[0] for e in ex["bad_image"]} == {"llava.json[8]", "llava.json[9]"}
+    assert summary["samples"] == 7 and summary["kinds"] == {"chat": 4, "caption": 2, "text": 1}
+    assert summary["images"] == 6 and summary["duplicate_ids"] == 1 and summary["duplicate_id_examples"] == ["dup"]
+    assert summary["shards"] == [{"name": "shard-000000.tar", "samples": 3}, {"name": "shard-000001.tar", "samples": 3},
+                                 {"name": "shard-000002.tar", "samples": 1}]
+    for entry in summary["shards"]:
+        assert len(read_tar(tmp_path / "out" / entry["name"])) == entry["samples"]
+    assert summary["bytes"] == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.tar"))
+    assert summary["args"]["samples_per_shard"] == 3 and summary["args"]["note"] == "t"
+    assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == [e["name"] for e in summary["shards"]] + ["summary.json"]
+
+
+def test_byte_deterministic_across_runs_and_thread_counts(dataset, tmp_path):
+    build(dataset, tmp_path / "one", workers=1)
+    build(dataset, tmp_path / "two", workers=4)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_refuses_existing_shards_unless_overwrite(dataset, tmp_path):
+    out = tmp_path / "out"
+    assert len(build(dataset, out, per_shard=1)["shards"]) == 7
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        build(dataset, out)
+    build(dataset, out, per_shard=4, overwrite=True)
+    assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]  # no stale ones
+
+
+def test_caption_prompt_is_baked_into_a_chat(dataset, tmp_path):
+    build(dataset, tmp_path / "out", caption_prompt="Describe the image.")
+    doc = json.loads(read_all(tmp_path / "out")["000000004"]["json"])
+    assert doc == {"id": "caps.jsonl:1", "images": ["img0.png"], "messages": [
+        {"role": "user", "content": "<image>\nDescribe the image."}, {"role": "assistant", "content": "A cat."}]}
+
+
+def test_cli(dataset, tmp_path, capsys):
+    root, images, anns = dataset
+    argv = ["--images", str(images), "--annotations", *map(str, anns), "--out", str(tmp_path / "out"),
+            "--samples-per-shard", "2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 7 samples (chat 4, caption 2, text 1), 6 images" in printed and "4 shard(s)" in printed
+    assert "bad_json: 1   e.g. caps.jsonl:2" in printed and "duplicate ids (kept): 1" in printed
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["args"]["annotations"] == [str(a) for a in anns]
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main(argv[:-2] + ["--annotations", str(root / "nope.jsonl"), "--overwrite"]) == 2
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_bad_json_list_file_is_a_readable_setup_error(tmp_path, capsys):
+    (tmp_path / "a.json").write_text('{"id": "x"}')
+    with pytest.raises(ValueError, match="must hold a list"):
+        list(read_annotations([tmp_path / "a.json"], SkipCounter()))
+    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "a.json"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2 and "does not start with '['" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # checked before anything is written
+
+
+def test_nothing_usable_writes_no_shards(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text("nope\n")
+    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 1
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["shards"] == []
+
+
+def test_sample_mode(tmp_path, monkeypatch, capsys):
+    """--sample with a stand-in moevlm.data.sample: >= 8 shards and tokenizer.json."""
+    photos = list(PHOTOS.values())
+    records = [{"id": f"s{i}", "images": [str(photos[i % len(photos)])], "caption": f"photo {i}"} for i in range(40)]
+    records += [{"id": f"t{i}", "text": f"text {i}"} for i in range(30)]
+
+    class Tok:
+        def save(self, path):
+            Path(path).write_text("{}")
+
+    fake = types.ModuleType("moevlm.data.sample")
+    fake.sample_records, fake.sample_tokenizer = lambda: records, Tok
+    monkeypatch.setitem(sys.modules, "moevlm.data.sample", fake)
+    assert main(["--sample", str(tmp_path / "s")]) == 0
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert summary["args"]["samples_per_shard"] == 8 and len(summary["shards"]) == 9
+    assert summary["images"] == 40 and summary["kinds"]["text"] == 30 and summary["skipped"] == {}
+    assert (tmp_path / "s" / "tokenizer.json").exists()
+    for entry in summary["shards"]:  # image records are spread over all shards, not packed into the first
+        assert any("images" in json.loads(s["json"]) for s in read_tar(tmp_path / "s" / entry["name"]).values())
+    assert "sample set: 40 images, 30 text samples, 9 shards" in capsys.readouterr().out
+
+
+def test_real_sample_set(tmp_path):
+    """The bundled sample set builds cleanly into >= 8 shards with a loadable tokenizer."""
+    pytest.importorskip("moevlm.data.sample")
+    from tokenizers import Tokenizer
+
+    assert main(["--sample", str(tmp_path / "s")]) == 0
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert summary["skipped"] == {} and len(summary["shards"]) >= 8 and summary["images"] > 0
+    assert Tokenizer.from_file(str(tmp_path / "s" / "tokenizer.json")).get_vocab_size() > 0
