@@ -1,3 +1,19 @@
-"""Data: shard building, WebDataset reading, image preprocessing, tokenisation,
-packing.  `image.py` (smart resize + patchify) is here now; the data issue adds
-the rest."""
+"""Data: WebDataset shards of real images with text -> fixed-shape packed micro-batches.
+
+    build_shards.py  annotations (LLaVA JSON/JSONL, caption JSONL) + images -> tar shards; --sample
+    records.py       every record form -> one canonical Record
+    sample.py        the embedded sample set: photos and prose that installed packages ship
+    image.py         bytes -> RGB (EXIF, modes, bomb guard, JPEG draft) -> smart resize -> patches
+    text.py          tokenizer, Qwen chat template, assistant-only loss mask
+    encode.py        one raw sample -> Sample (tokens, labels, 3-D positions, pixels)
+    reader.py        shard split by rank/worker/epoch, seeded shuffle, resumable positions
+    packing.py       first-fit packing to fixed token / patch / image budgets
+    loader.py        worker processes, exact-resume state, skip statistics
+    errors.py        SkipSample reasons
+"""
+
+from moevlm.data.config import DataConfig, ImageConfig, PackConfig
+from moevlm.data.errors import REASONS, SkipSample
+from moevlm.data.loader import PackedLoader, build_loader
+
+__all__ = ["DataConfig", "ImageConfig", "PackConfig", "REASONS", "SkipSample", "PackedLoader", "build_loader"]
