@@ -31,7 +31,7 @@ class PackConfig:
     max_patches: int = 16384  # vision patches per micro-batch
     max_samples: int = 64  # documents per micro-batch (fixes the length of text cu_seqlens)
     max_images: int = 32  # images per micro-batch (fixes image_grid_thw / vision cu_seqlens)
-    lookahead: int = 16  # samples held back while filling a micro-batch (first fit over them)
+    lookahead: int = 16  # at least this many samples to choose from (first fit) once they overflow a micro-batch
     oversize: str = "skip"  # a sample over a budget: "skip" (counted) or "truncate" (its text, images that no longer fit dropped)
 
 

@@ -1,41 +1,70 @@
-"""Qwen3-VL image preprocessing: smart resize, rescale + normalise, patchify.
+"""Qwen3-VL image preprocessing: encoded bytes -> decode -> smart resize ->
+rescale + normalise -> patchify.
 
 Legend: H, W image height/width in pixels, C channels (3), T temporal patch
 (frames per patch), P patch side, M merge side, Hb/Wb merge blocks down/across
-(H / (P*M), W / (P*M)), N patches (Hb*M * Wb*M).
+(H / (P*M), W / (P*M)), N patches (Hb*M * Wb*M), Q pixels of a patch (P*P).
 
-    pixels_ND, (t, h, w) = preprocess_image(PIL.Image.open(path))
+    pixels_ND, (t, h, w) = decode_image(jpeg_bytes, ImageConfig())   # in a data worker
+    pixels_ND, (t, h, w) = preprocess_image(PIL.Image.open(path))    # a PIL image at hand
     # pixels_ND: (h*w, C*T*P*P) float32; the text needs t*h*w / M**2 image tokens
 
 Design choices:
 - The output equals, value for value, what transformers' Qwen2VLImageProcessorPil
-  emits when configured as Qwen3-VL ships it (tests/data/test_image.py).  The
+  emits when configured as Qwen3-VL ships it (tests/data/test_image.py), for
+  decode_image with jpeg_draft=False too (the reference decoding with
+  PIL.Image.open + ImageOps.exif_transpose, as its load_image does).  The
   Qwen3-VL defaults are not in transformers' source (its class defaults are
   Qwen2-VL's: patch 14, CLIP mean/std, 56*56..28*28*1280 pixels); they come from
   the hub's preprocessor_config.json: patch 16, merge 2, temporal 2, mean = std
   = 0.5, size {shortest_edge: 256*256, longest_edge: 4096*4096}.
-- Resizing is PIL bicubic on the uint8 image (as the reference), then
-  x * (1/255) in float64 cast to float32, then (x - mean) / std in float32: the
-  same arithmetic, so the result is bit-identical, not just close.
-- Transparency is composited onto white before dropping alpha (as the reference).
+- Resizing is PIL bicubic on the uint8 image (as the reference).  The reference
+  then computes x * (1/255) in float64, casts to float32 and does
+  (x - mean) / std in float32; here x / 255 is done in float32, which is the
+  same float32 number for every uint8 value (checked exhaustively in the
+  tests), so the result is bit-identical, not just close (`normalize` and
+  `patchify` keep the reference arithmetic, for tests).
+- Speed (bench/data_pipeline.py): the patchify transpose is done on the uint8
+  image (1 byte per element), the float work on compact (C, Q) patches a few
+  rows of merge blocks at a time (in cache), and the T copies of the frame are
+  only made by the write into the output.  A grey image stays one band through resize and patchify and is
+  broadcast to three channels at that same step (PIL resamples each band with
+  the same integer arithmetic, so this equals converting to RGB first).
+- Decoding treats the bytes as untrusted: only a list of raster formats is
+  tried (no EPS, which runs Ghostscript); the header's width*height is checked
+  against ImageConfig.max_image_pixels before any pixel is decoded; truncated
+  files always fail, whatever ImageFile.LOAD_TRUNCATED_IMAGES says; every
+  failure becomes a SkipSample with a reason from data/errors.py.
+- EXIF orientation is applied (as the reference's load_image), before the
+  target size is computed.  JPEG draft mode (ImageConfig.jpeg_draft) lets
+  libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is that much smaller;
+  the target comes from the original (upright) size, so the grid is unchanged
+  and only the pixel values move a little (tests bound the difference).
+- Transparency is composited onto white before dropping alpha (as the
+  reference).  16/32-bit grey and float images are scaled to 8 bits over their
+  nominal range (the reference's PIL convert clips them instead).
 - A still image is one temporal patch: its single frame is repeated T times,
   giving grid t = 1.
 - Rows come out in merge-block order: for each M x M block (raster order over
   blocks), its M*M patches in raster order.  The vision merger then groups four
   consecutive rows; within a row the order is (C, T, P, P), the Conv3d kernel's.
-- The image is kept channels-last (H, W, C) as PIL hands it over; the patchify
-  transpose moves C into place, so no separate HWC -> CHW copy is made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageFile, JpegImagePlugin
+
+from moevlm.data.config import ImageConfig
+from moevlm.data.errors import SkipSample
 
 # Qwen3-VL's preprocessor_config.json (Qwen/Qwen3-VL-* on the hub).
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 16, 2, 2
@@ -43,9 +72,37 @@ MIN_PIXELS, MAX_PIXELS = 256 * 256, 4096 * 4096
 IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
 MAX_ASPECT_RATIO = 200
 
+# Formats tried on untrusted bytes (the ones this Pillow build has are used).
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM", "AVIF")
+# JPEG draft: libjpeg decodes at the smallest scale (1/2, 1/4, 1/8) that keeps
+# at least DRAFT_GAP x the target on each side; bicubic does the rest.  1 is
+# the fastest; 2 (PIL's thumbnail default) cut the mean difference to the full
+# decode to about a third on the packaged photos, but drafts only images at
+# least 4x the target on each side, which few are.
+DRAFT_GAP = 1
+_ORIENTATION = 0x0112  # EXIF tag
+_EXIF_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+                   4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+                   6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
+_SWAPS_SIDES = (5, 6, 7, 8)
+CHUNK_BYTES = 1 << 20  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
+
 # Real photographs shipped inside the scikit-image wheel (skimage/data/).
 _SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
                    "hubble_deep_field.jpg", "camera.png")
+# Every real photograph (or micrograph / scan of a real thing) that packages
+# ship, by package: (folder in the package, file patterns).  scikit-image's
+# synthetic images (chessboard, colour wheel, logo, phantom, horse silhouette)
+# are left out; other packages are used when installed.
+PACKAGED_PHOTOS = {
+    "skimage": ("data", ("astronaut.png", "brick.png", "camera.png", "cell.png", "chelsea.png", "clock_motion.png",
+                         "coffee.png", "coins.png", "grass.png", "gravel.png", "ihc.png", "microaneurysms.png",
+                         "moon.png", "motorcycle_left.png", "motorcycle_right.png", "page.png", "text.png",
+                         "hubble_deep_field.jpg", "retina.jpg", "rocket.jpg")),
+    "sklearn": ("datasets/images", ("china.jpg", "flower.jpg")),
+    "matplotlib": ("mpl-data/sample_data", ("grace_hopper.jpg",)),
+    "caer": ("data", ("*.jpg", "*.png")),
+}
 
 
 def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
@@ -78,6 +135,111 @@ def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
     return h_bar, w_bar
 
 
+# ---------------------------------------------------------------- decoding
+
+
+def decode_image(data: bytes, cfg: ImageConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Encoded image bytes -> (pixel_values (N, 3*T*P*P) float32, grid (1, h, w)).
+
+    Raises SkipSample (empty_image, not_an_image, image_too_large,
+    bad_image_size, bad_image) for anything that cannot be used; a ValueError
+    only for a config that no image could satisfy."""
+    image = open_image(data, cfg)
+    return image_to_patches(image, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size, cfg.mean, cfg.std)
+
+
+def open_image(data: bytes, cfg: ImageConfig) -> Image.Image:
+    """Encoded bytes -> the upright image, mode "RGB" (or "L" for grey), at its
+    smart-resize target size (each side a multiple of patch * merge)."""
+    if len(data) == 0:
+        raise SkipSample("empty_image", "0 bytes")
+    with _strict_pil():
+        image, orientation = _guarded(_open_header, data, cfg.max_image_pixels)
+        height, width = (image.width, image.height) if orientation in _SWAPS_SIDES else (image.height, image.width)
+        target_hw = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
+        return _guarded(_decode_at, image, orientation, target_hw, cfg.jpeg_draft)
+
+
+def _guarded(fn, *args):
+    """fn(*args), any exception it raises turned into a SkipSample (decoding only: config errors stay outside)."""
+    try:
+        return fn(*args)
+    except SkipSample:
+        raise
+    except Image.DecompressionBombError as e:  # PIL's own limit, 2 * Image.MAX_IMAGE_PIXELS
+        raise SkipSample("image_too_large", str(e)) from None
+    except Exception as e:  # noqa: BLE001 - corrupt data raises anything (OSError, SyntaxError, ValueError, ...)
+        raise SkipSample("bad_image", f"{type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def _strict_pil():
+    """Truncated files raise even if the process set ImageFile.LOAD_TRUNCATED_IMAGES;
+    PIL's warnings are silenced: its DecompressionBombWarning (max_image_pixels
+    decides) and its notes on damaged data (which either fails, and is counted,
+    or decodes), so bad data does not flood a worker's log.
+
+    Both are process-global and restored on exit; data workers decode in one
+    thread, so the change is seen by nothing else."""
+    load_truncated = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"PIL\.")
+            yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = load_truncated
+
+
+_FORMATS: tuple[str, ...] | None = None
+
+
+def _formats() -> tuple[str, ...]:
+    global _FORMATS
+    if _FORMATS is None:
+        Image.init()
+        _FORMATS = tuple(f for f in FORMATS if f in Image.OPEN)
+    return _FORMATS
+
+
+def _open_header(data: bytes, max_image_pixels: int) -> tuple[Image.Image, int]:
+    """Parse the header (no pixels yet for JPEG): (image, EXIF orientation)."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=_formats())
+    except Image.UnidentifiedImageError:
+        raise SkipSample("not_an_image", f"{len(data):,} bytes starting {data[:8]!r} are not a "
+                                         f"{'/'.join(_formats())} image") from None
+    width, height = image.size
+    if width * height > max_image_pixels:
+        raise SkipSample("image_too_large", f"{width}x{height} = {width * height:,} pixels, above "
+                                            f"max_image_pixels={max_image_pixels:,}")
+    if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise SkipSample("bad_image_size", f"{width}x{height}: a zero side or an aspect ratio above "
+                                           f"{MAX_ASPECT_RATIO}")
+    return image, image.getexif().get(_ORIENTATION, 1)  # PNG reads pixels here: eXIf may follow IDAT
+
+
+def _decode_at(image: Image.Image, orientation, target_hw: tuple[int, int], draft: bool) -> Image.Image:
+    """Decode (at reduced JPEG scale if allowed), orient, convert, resize to target_hw."""
+    height, width = target_hw
+    if draft and isinstance(image, JpegImagePlugin.JpegImageFile):
+        # draft works on the stored orientation: swap the request back when EXIF will rotate
+        want = (height, width) if orientation in _SWAPS_SIDES else (width, height)
+        want = (want[0] * DRAFT_GAP, want[1] * DRAFT_GAP)
+        if image.width >= 2 * want[0] and image.height >= 2 * want[1]:
+            image.draft(image.mode, want)
+    image.load()
+    if (method := _EXIF_TRANSPOSE.get(orientation)) is not None:
+        image = image.transpose(method)
+    image = to_rgb_or_grey(image)
+    if image.size != (width, height):
+        image = image.resize((width, height), Image.Resampling.BICUBIC)
+    return image
+
+
+# ---------------------------------------------------------------- modes
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency (alpha band or palette/tRNS key) composited on white."""
     if "A" not in image.getbands() and image.info.get("transparency") is None:
@@ -87,8 +249,97 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
+def to_rgb_or_grey(image: Image.Image) -> Image.Image:
+    """Mode "RGB" or "L" with the pixels to_rgb would give (grey kept one band);
+    16/32-bit integer and float grey scaled to 8 bits (wide_grey_to_l)."""
+    mode = image.mode
+    if mode.startswith("I") or mode == "F":
+        return wide_grey_to_l(image)
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        return to_rgb(image)
+    if mode in ("RGB", "L"):
+        return image
+    return image.convert("L" if mode == "1" else "RGB")
+
+
+def wide_grey_to_l(image: Image.Image) -> Image.Image:
+    """I;16* -> L as round(v * 255 / 65535).  I (int32) and F (float32): values
+    within the nominal range ([0, 65535], resp. [0, 1]) are scaled from it,
+    anything else is stretched from its finite min..max; NaN becomes black; a
+    tRNS key is ignored.  (PIL's convert("L") clips at 255 instead, which turns
+    most 16-bit images white.)"""
+    x = np.asarray(image).astype(np.float64)
+    lo, hi = 0.0, 65535.0
+    if not image.mode.startswith("I;16"):
+        finite = x[np.isfinite(x)]
+        nominal = 65535.0 if image.mode == "I" else 1.0
+        if finite.size and (finite.min() < 0 or finite.max() > nominal):
+            lo, hi = float(finite.min()), float(finite.max())
+        else:
+            hi = nominal
+    y = np.rint((x - lo) * (255 / max(hi - lo, 1e-30)))
+    return Image.fromarray(np.clip(np.nan_to_num(y, nan=0.0), 0, 255).astype(np.uint8))
+
+
+# ---------------------------------------------------------------- pixels
+
+
+def image_to_patches(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+                     merge_size: int = MERGE_SIZE, mean=IMAGE_MEAN, std=IMAGE_STD
+                     ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An "RGB" or "L" image whose sides are multiples of P*M -> (pixels (N, 3*T*P*P), (1, h, w)).
+
+    Equal to patchify(normalize(RGB array)) (the reference arithmetic), faster:
+    a few rows of merge blocks at a time (about CHUNK_BYTES of float32), the
+    uint8 transpose and the float32 math go to a buffer that stays in cache,
+    then one broadcast write puts its T copies (and a grey band's 3) in place."""
+    x_HWC = np.asarray(image)
+    if x_HWC.ndim == 2:
+        x_HWC = x_HWC[:, :, None]  # grey: one band until the final broadcast
+    H, W, Cin = x_HWC.shape
+    P, M, T, C = patch_size, merge_size, temporal_patch_size, 3
+    Hb, Wb, Q = H // (P * M), W // (P * M), P * P
+    if Hb * P * M != H or Wb * P * M != W or Cin not in (1, C) or x_HWC.dtype != np.uint8:
+        raise ValueError(f"image_to_patches needs uint8 RGB or L with sides multiple of {P * M}, got "
+                         f"{image.mode} {W}x{H}; use preprocess_image")
+    mean_C, std_C = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    uniform = bool((mean_C == mean_C[0]).all() and (std_C == std_C[0]).all())
+    if Cin == 1 and not uniform:
+        x_HWC, Cin = np.repeat(x_HWC, C, axis=2), C  # per-channel mean/std on grey: three bands after all
+    mean_C11, std_C11 = (mean_C[0], std_C[0]) if uniform else (mean_C[:, None, None], std_C[:, None, None])
+    R = Wb * M * M  # patches in one row of merge blocks
+    rows = max(1, CHUNK_BYTES // (R * Cin * Q * 4))
+    x_HbMPWbMPC = x_HWC.reshape(Hb, M, P, Wb, M, P, Cin)
+    buf_RC1Q = np.empty((rows * R, Cin, 1, Q), np.float32)
+    out_NCTQ = np.empty((Hb * R, C, T, Q), np.float32)
+    for h0 in range(0, Hb, rows):
+        h1 = min(h0 + rows, Hb)
+        u8 = np.ascontiguousarray(x_HbMPWbMPC[h0:h1].transpose(0, 3, 1, 4, 6, 2, 5))  # (rows, Wb, M, M, C, P, P)
+        x_RC1Q = buf_RC1Q[:(h1 - h0) * R]
+        np.divide(u8.reshape(x_RC1Q.shape), np.float32(255), out=x_RC1Q, dtype=np.float32)
+        x_RC1Q -= mean_C11
+        x_RC1Q /= std_C11
+        out_NCTQ[h0 * R:h1 * R] = x_RC1Q  # the frame repeated T times (and a grey band 3 times)
+    return torch.from_numpy(out_NCTQ.reshape(Hb * R, C * T * Q)), (1, H // P, W // P)
+
+
+def preprocess_image(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+                     merge_size: int = MERGE_SIZE, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                     mean=IMAGE_MEAN, std=IMAGE_STD) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A PIL image -> (pixel_values (N, 3*T*P*P) float32, grid (t=1, h, w)), h*w = N.
+    No EXIF orientation is applied (decode_image does, from bytes)."""
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"preprocess_image takes a PIL.Image.Image, got {type(image).__name__}; "
+                        "open files with PIL.Image.open(path)")
+    image = to_rgb_or_grey(image)
+    height, width = smart_resize(image.height, image.width, patch_size * merge_size, min_pixels, max_pixels)
+    if (height, width) != (image.height, image.width):
+        image = image.resize((width, height), Image.Resampling.BICUBIC)
+    return image_to_patches(image, patch_size, temporal_patch_size, merge_size, mean, std)
+
+
 def normalize(x_HWC: np.ndarray, mean, std) -> np.ndarray:
-    """uint8 -> float32: x / 255, then (x - mean) / std per channel."""
+    """uint8 -> float32: x / 255, then (x - mean) / std per channel (the reference's arithmetic)."""
     x_HWC = (x_HWC.astype(np.float64) * (1 / 255)).astype(np.float32)
     return (x_HWC - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 
@@ -104,30 +355,32 @@ def patchify(x_HWC: np.ndarray, patch_size: int, temporal_patch_size: int, merge
     return x_HbWbMMCTPP.reshape(Hb * Wb * M * M, C * T * P * P)
 
 
-def preprocess_image(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
-                     merge_size: int = MERGE_SIZE, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                     mean=IMAGE_MEAN, std=IMAGE_STD) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """A PIL image -> (pixel_values (N, 3*T*P*P) float32, grid (t=1, h, w)), h*w = N."""
-    if not isinstance(image, Image.Image):
-        raise TypeError(f"preprocess_image takes a PIL.Image.Image, got {type(image).__name__}; "
-                        "open files with PIL.Image.open(path)")
-    image = to_rgb(image)
-    height, width = smart_resize(image.height, image.width, patch_size * merge_size, min_pixels, max_pixels)
-    if (height, width) != (image.height, image.width):
-        image = image.resize((width, height), Image.Resampling.BICUBIC)
-    x_HWC = normalize(np.asarray(image), mean, std)
-    x_ND = patchify(x_HWC, patch_size, temporal_patch_size, merge_size)
-    return torch.from_numpy(np.ascontiguousarray(x_ND)), (1, height // patch_size, width // patch_size)
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def sample_photo_paths() -> list[Path]:
     """Real photographs (RGB and one grayscale) from the installed scikit-image
     package; only the ones its wheel actually ships."""
-    spec = importlib.util.find_spec("skimage")
-    if spec is None or not spec.submodule_search_locations:
+    if (root := _package_dir("skimage")) is None:
         raise FileNotFoundError("sample photos come from scikit-image; `pip install scikit-image`")
-    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    data = root / "data"
     paths = [data / name for name in _SKIMAGE_PHOTOS if (data / name).is_file()]
     if not paths:
         raise FileNotFoundError(f"none of {_SKIMAGE_PHOTOS} found in {data}; reinstall scikit-image")
     return paths
+
+
+def packaged_photo_paths() -> dict[str, list[Path]]:
+    """package -> its files from PACKAGED_PHOTOS, for the installed packages (for tests and benchmarks)."""
+    found = {}
+    for pkg, (folder, patterns) in PACKAGED_PHOTOS.items():
+        if (root := _package_dir(pkg)) is not None:
+            if paths := sorted({p for pattern in patterns for p in (root / folder).glob(pattern) if p.is_file()}):
+                found[pkg] = paths
+    if not found:
+        raise FileNotFoundError("no packaged photos found; `pip install scikit-image`")
+    return found

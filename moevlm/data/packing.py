@@ -17,9 +17,10 @@ Design choices:
   the vision tower attends only within and whose merged tokens it drops (the
   model accepts pixel_values longer than the grids describe).  Unused
   image_grid_thw rows are zeros (0 patches).
-- First fit with lookahead: the oldest held sample always goes in (so nothing
-  waits long), then every later held sample that still fits all four budgets,
-  in arrival order.  Deterministic, so a resumed run packs identically.
+- First fit with lookahead: samples are held until they overflow one
+  micro-batch and at least `lookahead` are held; then the oldest goes in (so
+  nothing waits long), then every later held sample that still fits all four
+  budgets, in arrival order.  Deterministic, so a resumed run packs identically.
 - Labels follow the Hugging Face convention (the model shifts); padding and
   non-trained tokens are -100.  Counts of useful vs padded tokens/patches ride
   along: tokens/s and MFU must count useful ones only.
@@ -67,7 +68,14 @@ class Packer:
         self.held.append(sample)
 
     def full(self) -> bool:
-        return len(self.held) >= self.cfg.lookahead
+        """Ready to emit: the held samples overflow one micro-batch (so it can be
+        filled) and at least `lookahead` are held to choose from."""
+        return len(self.held) >= self.cfg.lookahead and not self._fit_all()
+
+    def _fit_all(self) -> bool:
+        c, h = self.cfg, self.held
+        return (sum(s.tokens for s in h) <= c.seq_len and sum(s.patches for s in h) <= c.max_patches
+                and sum(len(s.grids) for s in h) <= c.max_images and len(h) <= c.max_samples)
 
     def pop(self) -> list[Sample]:
         c = self.cfg

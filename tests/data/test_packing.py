@@ -111,3 +111,13 @@ def test_model_rejects_padding_that_is_not_whole_merge_blocks():
     ids = torch.cat([torch.zeros(3, dtype=torch.long), torch.full((1,), cfg.image_token_id)])[None]
     with pytest.raises(ValueError, match="trailing padding patches"):
         model(ids, torch.zeros(6, cfg.vision.patch_dim), torch.tensor([[1, 2, 2]]))
+
+
+def test_small_samples_are_held_until_they_overflow_a_micro_batch():
+    p = Packer(PackConfig(seq_len=10, lookahead=2))
+    for i in range(5):
+        p.push(fake(f"s{i}", 1))
+        assert not p.full()  # 5 tokens would leave half the row as padding
+    p.push(fake("big", 6))
+    assert p.full()
+    assert [s.id for s in p.pop()] == ["s0", "s1", "s2", "s3", "s4"] and [s.id for s in p.held] == ["big"]
