@@ -28,22 +28,25 @@ def shapes(batch):
     return {k: (tuple(v.shape), v.dtype) for k, v in batch.items() if torch.is_tensor(v)}
 
 
-def test_two_ranks_two_workers_read_every_sample_exactly_once(sample_shards):
-    seen, shape_set, stats = Counter(), set(), []
+def test_two_ranks_two_workers_read_every_sample_exactly_once_per_epoch(sample_shards):
+    seen, firsts, seconds, shape_set, stats = Counter(), [], [], set(), []
     for rank in (0, 1):
-        loader = build_loader(small_data_config(sample_shards, epochs=1), TINY, rank=rank, world=2)
+        loader = build_loader(small_data_config(sample_shards, epochs=2), TINY, rank=rank, world=2)
         for batch in loader:
-            seen.update(batch["sample_ids"])
+            for sid in batch["sample_ids"]:
+                (seconds if seen[sid] else firsts).append(sid)
+                seen[sid] += 1
             shape_set.add(tuple(sorted(shapes(batch).items())))
             assert batch["useful_tokens"] + batch["padded_tokens"] == 512
             assert batch["num_images"] == int((batch["image_grid_thw"].prod(-1) > 0).sum())
         stats.append(loader.stats())
     expected = Counter(all_ids(sample_shards))
     assert len(expected) == sum(expected.values()) > 300
-    assert seen == expected  # nothing lost, nothing duplicated
+    assert seen == Counter({sid: 2 for sid in expected})  # nothing lost, nothing duplicated, in each epoch
+    assert firsts != seconds  # the second epoch is reshuffled
     assert len(shape_set) == 1  # every micro-batch of the run has the same shapes
-    assert all(s["skipped_total"] == 0 and s["epoch"] == 1 for s in stats), stats
-    assert sum(s["samples_packed"] for s in stats) == sum(s["samples_read"] for s in stats) == len(expected)
+    assert all(s["skipped_total"] == 0 and s["epoch"] == 2 for s in stats), stats
+    assert sum(s["samples_packed"] for s in stats) == sum(s["samples_read"] for s in stats) == 2 * len(expected)
 
 
 def take(loader, n):
