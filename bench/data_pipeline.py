@@ -12,9 +12,9 @@ Sections (each a function `bench_<name>(args)`; main() runs the ones asked for):
   reference; on: same grid, close pixels).  The baseline is transformers'
   Qwen2VLImageProcessorPil configured as Qwen3-VL ships it (patch 16, temporal
   2, merge 2, mean = std = 0.5), on the same bytes decoded as its load_image
-  does (PIL.Image.open + ImageOps.exif_transpose).  Photos: every real
-  photograph a package here ships (scikit-image, scikit-learn, matplotlib, caer
-  when installed), once as stored (mostly PNG) and once re-encoded as JPEG
+  does (PIL.Image.open + ImageOps.exif_transpose).  Photos: the sample
+  set's (moevlm.data.sample.packaged_photos: real photographs scikit-image,
+  scikit-learn and, when installed, matplotlib ship), once as stored (mostly PNG) and once re-encoded as JPEG
   quality 90, the usual training format, where draft mode can act.
 
 Design choices:
@@ -37,6 +37,7 @@ import dataclasses
 import io
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,8 @@ import torch
 from PIL import Image, ImageOps
 
 from moevlm.data.config import ImageConfig
-from moevlm.data.image import decode_image, packaged_photo_paths, smart_resize, to_rgb_or_grey
+from moevlm.data.image import decode_image, smart_resize, to_rgb_or_grey
+from moevlm.data.sample import packaged_photos
 
 # (name, min_pixels, max_pixels)
 SETTINGS = (("qwen3-vl", 256 * 256, 4096 * 4096), ("train-1024", 256 * 256, 1024 * 1024),
@@ -133,10 +135,10 @@ def time_interleaved(fns: dict, blobs: list[bytes], rounds: int, warmup: int = 1
 
 
 def bench_image(args) -> None:
-    found = packaged_photo_paths()
-    sets = photo_sets([p for paths in found.values() for p in paths])
-    print(f"\n== image: bytes -> (pixel_values, grid), photos: "
-          + ", ".join(f"{pkg} {len(paths)}" for pkg, paths in found.items()))
+    photos = packaged_photos()
+    sets = photo_sets([p.path for p in photos])
+    print("\n== image: bytes -> (pixel_values, grid), photos (the sample set's): "
+          + ", ".join(f"{src} {n}" for src, n in Counter(p.source for p in photos).items()))
     print(f"{'setting':<10} {'photos':<8} {'side':<10} {'img/s':>7} {'patches/s':>9} {'x ref':>6}  "
           f"{'drafted':>7} {'|d| mean':>8} {'|d| worst':>9}")
     for name, min_pixels, max_pixels in SETTINGS:

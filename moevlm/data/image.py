@@ -53,7 +53,6 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import math
 import warnings
@@ -86,24 +85,6 @@ _EXIF_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE
                    6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
 _SWAPS_SIDES = (5, 6, 7, 8)
 CHUNK_BYTES = 1 << 20  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
-
-# Real photographs shipped inside the scikit-image wheel (skimage/data/).
-_SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
-                   "hubble_deep_field.jpg", "camera.png")
-# Every real photograph (or micrograph / scan of a real thing) that packages
-# ship, by package: (folder in the package, file patterns).  scikit-image's
-# synthetic images (chessboard, colour wheel, logo, phantom, horse silhouette)
-# are left out; other packages are used when installed.
-PACKAGED_PHOTOS = {
-    "skimage": ("data", ("astronaut.png", "brick.png", "camera.png", "cell.png", "chelsea.png", "clock_motion.png",
-                         "coffee.png", "coins.png", "grass.png", "gravel.png", "ihc.png", "microaneurysms.png",
-                         "moon.png", "motorcycle_left.png", "motorcycle_right.png", "page.png", "text.png",
-                         "hubble_deep_field.jpg", "retina.jpg", "rocket.jpg")),
-    "sklearn": ("datasets/images", ("china.jpg", "flower.jpg")),
-    "matplotlib": ("mpl-data/sample_data", ("grace_hopper.jpg",)),
-    "caer": ("data", ("*.jpg", "*.png")),
-}
-
 
 def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
                  min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
@@ -353,34 +334,3 @@ def patchify(x_HWC: np.ndarray, patch_size: int, temporal_patch_size: int, merge
     x_HbWbMMCPP = x_HbMPWbMPC.transpose(0, 3, 1, 4, 6, 2, 5)
     x_HbWbMMCTPP = np.broadcast_to(x_HbWbMMCPP[:, :, :, :, :, None], (Hb, Wb, M, M, C, T, P, P))
     return x_HbWbMMCTPP.reshape(Hb * Wb * M * M, C * T * P * P)
-
-
-def _package_dir(name: str) -> Path | None:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def sample_photo_paths() -> list[Path]:
-    """Real photographs (RGB and one grayscale) from the installed scikit-image
-    package; only the ones its wheel actually ships."""
-    if (root := _package_dir("skimage")) is None:
-        raise FileNotFoundError("sample photos come from scikit-image; `pip install scikit-image`")
-    data = root / "data"
-    paths = [data / name for name in _SKIMAGE_PHOTOS if (data / name).is_file()]
-    if not paths:
-        raise FileNotFoundError(f"none of {_SKIMAGE_PHOTOS} found in {data}; reinstall scikit-image")
-    return paths
-
-
-def packaged_photo_paths() -> dict[str, list[Path]]:
-    """package -> its files from PACKAGED_PHOTOS, for the installed packages (for tests and benchmarks)."""
-    found = {}
-    for pkg, (folder, patterns) in PACKAGED_PHOTOS.items():
-        if (root := _package_dir(pkg)) is not None:
-            if paths := sorted({p for pattern in patterns for p in (root / folder).glob(pattern) if p.is_file()}):
-                found[pkg] = paths
-    if not found:
-        raise FileNotFoundError("no packaged photos found; `pip install scikit-image`")
-    return found

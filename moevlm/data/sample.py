@@ -296,3 +296,17 @@ def sample_tokenizer() -> Tokenizer:
     texts = [f"{role}\n" for role in ROLES]
     texts += [t for r in sample_records() if "text" not in r for t in _record_texts(r)]
     return train_bpe(texts + shipped_texts(), TINY_SPECIAL_IDS)
+
+
+# A fixed handful (RGB and one grey) the tests index by position.
+_TEST_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
+                "hubble_deep_field.jpg", "camera.png")
+
+
+def sample_photo_paths() -> list[Path]:
+    """Seven scikit-image photographs in a fixed order (tests and examples use them)."""
+    by_name = {p.path.name: p.path for p in packaged_photos() if p.source == "scikit-image"}
+    paths = [by_name[n] for n in _TEST_PHOTOS if n in by_name]
+    if not paths:
+        raise FileNotFoundError(f"none of {_TEST_PHOTOS} found in scikit-image's data folder; reinstall it")
+    return paths

@@ -13,7 +13,7 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from moevlm.data.build_shards import build_shards, main, read_annotations
 from moevlm.data.errors import SkipCounter
-from moevlm.data.image import sample_photo_paths
+from moevlm.data.sample import sample_photo_paths
 from moevlm.data.records import normalize_record
 
 PHOTOS = {p.name: p for p in sample_photo_paths()}

@@ -12,7 +12,7 @@ from PIL import Image
 from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import SkipSample
-from moevlm.data.image import sample_photo_paths
+from moevlm.data.sample import sample_photo_paths
 from moevlm.data.packing import IGNORE
 from moevlm.data.sample import sample_tokenizer
 from moevlm.data.text import ChatEncoder

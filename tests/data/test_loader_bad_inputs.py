@@ -13,7 +13,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from moevlm.data.image import sample_photo_paths
+from moevlm.data.sample import sample_photo_paths
 from moevlm.data.loader import build_loader
 from moevlm.model import VLMConfig
 

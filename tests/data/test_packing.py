@@ -7,7 +7,8 @@ from PIL import Image
 
 from moevlm.data.config import PackConfig
 from moevlm.data.packing import IGNORE, Sample
-from moevlm.data.image import preprocess_image, sample_photo_paths
+from moevlm.data.image import preprocess_image
+from moevlm.data.sample import sample_photo_paths
 from moevlm.data.packing import Packer, collate
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.rope import mrope_position_ids
