@@ -24,6 +24,8 @@ Design choices:
   would have come next, so the round robin resumes at the right worker.  On
   resume a worker re-reads (never re-decodes more than) the samples it held
   and continues reading where it stopped.
+- Workers re-import the launching script as a module (forkserver, like
+  spawn): scripts need the `if __name__ == "__main__":` guard.
 - Resuming needs the same shards, seed, data-parallel size and num_workers
   (checked, with a message); anything else would change which worker reads
   which shard.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
+import os
 import time
 from collections import Counter
 
@@ -225,8 +228,6 @@ class PackedLoader:
 def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1) -> PackedLoader:
     """Checks the data config against the model's (patch geometry, special token ids,
     budgets) before any worker starts, then returns the loader."""
-    import os
-
     im, pk = cfg.image, cfg.pack
     tok = cfg.tokenizer or os.path.join(cfg.shards if os.path.isdir(cfg.shards) else os.path.dirname(cfg.shards),
                                          "tokenizer.json")
