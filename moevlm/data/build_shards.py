@@ -26,7 +26,8 @@ Design choices:
   extension is the file's own (lowercase, jpeg -> jpg; the PIL format when
   the file has none).  The reader sniffs the format from the bytes anyway.
 - Images are checked before writing, cheaply: PIL identifies the header
-  (`not_an_image`), `verify()` checks structure (PNG chunk CRCs: `bad_image`),
+  among the reader's allowed formats (image.allowed_formats, so nothing the
+  reader would refuse is written; `not_an_image`), `verify()` checks structure (PNG chunk CRCs: `bad_image`),
   and because verify() is a no-op for JPEG, a JPEG is also decoded at 1/8
   scale (libjpeg DCT scaling, a few ms), which finds truncated files.
 - Bad input is skipped and counted by reason (errors.py), never fatal: a
@@ -69,6 +70,7 @@ from tqdm import tqdm
 from webdataset import TarWriter
 
 from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.image import allowed_formats
 from moevlm.data.records import KINDS, Record, normalize_record, parse_json_bytes
 
 SHARD_NAME = "shard-{:06d}.tar"
@@ -96,7 +98,7 @@ def check_image(path: Path) -> tuple[bytes, str]:
 def verify_image(data: bytes, path: Path) -> str:
     """Header + structure check (see module docstring); returns PIL's format name."""
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(io.BytesIO(data), formats=allowed_formats()) as im:
             fmt = im.format
             im.verify()
         if fmt == "JPEG":
@@ -104,7 +106,7 @@ def verify_image(data: bytes, path: Path) -> str:
     except Image.DecompressionBombError as e:
         raise SkipSample("image_too_large", f"{path}: {e}") from None
     except UnidentifiedImageError:
-        raise SkipSample("not_an_image", f"{path}: PIL cannot identify the format") from None
+        raise SkipSample("not_an_image", f"{path}: not a {'/'.join(allowed_formats())} image") from None
     except Exception as e:  # PIL reports damage with many exception types
         raise SkipSample("bad_image", f"{path}: {type(e).__name__}: {e}") from None
     return fmt

@@ -56,7 +56,6 @@ import contextlib
 import io
 import math
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,6 +84,7 @@ _EXIF_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE
                    6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
 _SWAPS_SIDES = (5, 6, 7, 8)
 CHUNK_BYTES = 1 << 20  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
+
 
 def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
                  min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
@@ -175,7 +175,8 @@ def _strict_pil():
 _FORMATS: tuple[str, ...] | None = None
 
 
-def _formats() -> tuple[str, ...]:
+def allowed_formats() -> tuple[str, ...]:
+    """The FORMATS this Pillow build can open: what untrusted bytes may be (builder and reader alike)."""
     global _FORMATS
     if _FORMATS is None:
         Image.init()
@@ -186,10 +187,10 @@ def _formats() -> tuple[str, ...]:
 def _open_header(data: bytes, max_image_pixels: int) -> tuple[Image.Image, int]:
     """Parse the header (no pixels yet for JPEG): (image, EXIF orientation)."""
     try:
-        image = Image.open(io.BytesIO(data), formats=_formats())
+        image = Image.open(io.BytesIO(data), formats=allowed_formats())
     except Image.UnidentifiedImageError:
         raise SkipSample("not_an_image", f"{len(data):,} bytes starting {data[:8]!r} are not a "
-                                         f"{'/'.join(_formats())} image") from None
+                                         f"{'/'.join(allowed_formats())} image") from None
     width, height = image.size
     if width * height > max_image_pixels:
         raise SkipSample("image_too_large", f"{width}x{height} = {width * height:,} pixels, above "

@@ -226,3 +226,15 @@ def test_real_sample_set(tmp_path):
     summary = json.loads((tmp_path / "s" / "summary.json").read_text())
     assert summary["skipped"] == {} and len(summary["shards"]) >= 8 and summary["images"] > 0
     assert Tokenizer.from_file(str(tmp_path / "s" / "tokenizer.json")).get_vocab_size() > 0
+
+
+def test_formats_the_reader_refuses_are_not_written(tmp_path):
+    """A real photo saved as ICO is an image PIL opens, but not one the reader
+    accepts (image.allowed_formats): the builder counts it instead of writing it."""
+    from PIL import Image
+
+    Image.open(PHOTOS["chelsea.png"]).resize((64, 64)).save(tmp_path / "cat.ico")
+    summary = build_shards([{"id": "ico", "image": "cat.ico", "caption": "a cat"},
+                            {"id": "ok", "image": str(PHOTOS["coffee.png"]), "caption": "coffee"}],
+                           tmp_path, tmp_path / "out", progress=False)
+    assert summary["skipped"] == {"not_an_image": 1} and summary["samples"] == 1
