@@ -22,4 +22,4 @@ def test_readme_data_example_runs(tmp_path):
     build_sample(tmp_path, progress=False)
     scope: dict = {}
     exec(compile(block.replace('"SHARDS"', repr(str(tmp_path))), "README.md", "exec"), scope)
-    assert scope["batch"]["input_ids"].shape == (1, 4096) and scope["state"]["workers"]
+    assert scope["batch"]["input_ids"].shape == (1, 4096) and scope["state"]["states"]

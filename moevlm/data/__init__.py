@@ -6,14 +6,16 @@
     image.py         bytes -> RGB (EXIF, modes, bomb guard, JPEG draft) -> smart resize -> patches
     text.py          tokenizer, Qwen chat template, assistant-only loss mask
     encode.py        one raw sample -> Sample (tokens, labels, 3-D positions, pixels)
-    reader.py        shard split by rank/worker/epoch, seeded shuffle, resumable positions
-    packing.py       first-fit packing to fixed token / patch / image budgets
-    loader.py        worker processes, exact-resume state, skip statistics
+    reader.py        shard split per stream and epoch, seeded shuffle, resumable positions
+    packing.py       first-fit packing to fixed token / patch / image budgets; rows -> micro-batch
+    loader.py        layout-independent streams over ranks and workers, exact-resume state, skip statistics
     errors.py        SkipSample reasons
 """
 
 from moevlm.data.config import DataConfig, ImageConfig, PackConfig
 from moevlm.data.errors import REASONS, SkipSample
-from moevlm.data.loader import PackedLoader, build_loader
+from moevlm.data.loader import PackedLoader, build_loader, merge_states
+from moevlm.data.packing import stack_rows
 
-__all__ = ["DataConfig", "ImageConfig", "PackConfig", "REASONS", "SkipSample", "PackedLoader", "build_loader"]
+__all__ = ["DataConfig", "ImageConfig", "PackConfig", "REASONS", "SkipSample", "PackedLoader", "build_loader",
+           "merge_states", "stack_rows"]

@@ -42,6 +42,10 @@ class DataConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     pack: PackConfig = field(default_factory=PackConfig)
     num_workers: int = 2
+    # logical data streams of the whole job (all ranks); the rows of a global batch depend only on this,
+    # not on the data-parallel size or num_workers.  A multiple of the data-parallel size whose quotient
+    # num_workers divides.  0 = auto = dp size x max(1, num_workers): the data then depends on the layout.
+    streams: int = 0
     prefetch_factor: int = 2
     pin_memory: str = "auto"  # "auto" (when CUDA is available), "true", "false"
     start_method: str = "forkserver"  # fork is unsafe once CUDA is initialised (and with PIL + CUDA)

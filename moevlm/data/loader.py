@@ -1,38 +1,62 @@
-"""The training data loader: shards -> workers (decode, tokenize, pack) ->
-fixed-shape micro-batches, with a resumable state and skip statistics.
+"""The training data loader: shards -> logical streams (decode, tokenize, pack)
+-> fixed-shape micro-batches of one packed row, with a resumable state and skip
+statistics.
 
     loader = build_loader(cfg.data, model_cfg, rank=dp_rank, world=dp_size)
     for batch in loader:              # dict of fixed-shape tensors + counts (see packing.py)
-        ...
-    ckpt["data"] = loader.state_dict()          # what each worker has delivered
-    loader.load_state_dict(ckpt["data"])        # continues exactly there
+        ...                           # (packing.stack_rows makes one micro-batch of several rows)
+    ckpt["data"] = loader.state_dict()          # what each of this rank's streams has delivered
+    loader.load_state_dict(merge_states(saved)) # continues exactly there, on any data-parallel layout
     loader.stats()                              # skipped by reason, samples, tokens, data wait
 
 Design choices:
-- Workers pack.  Each worker runs read -> shuffle -> encode -> pack and yields
-  whole micro-batches, so the main process only pins and hands over tensors;
-  `DataLoader(batch_size=None)` keeps its order (round robin over workers).
+- Global streams.  The job reads L = data.streams logical streams.  Stream s
+  reads the shards order[s::L] of the epoch's permutation (shared by everybody)
+  through a shuffle buffer seeded by (seed, epoch, s): what it yields depends
+  on nothing else.  Global row k is row k // L of stream k % L.  Rank r of
+  `world` delivers the global rows k = r (mod world): it owns the streams
+  r, r + world, r + 2 world, ... (local index i = 0..n-1, n = L / world) and
+  delivers them cycling in that order.  So every global batch (rows jG to
+  jG + G - 1, G a multiple of world) holds the same rows whatever the
+  data-parallel size and num_workers.  data.streams = 0 (auto) means L = world x max(1, num_workers):
+  simple, but then the data changes with the layout.  `rank`/`world` are the
+  data-parallel rank and size, not the global ones (with TP/CP/PP several
+  global ranks share one data-parallel rank and must see the same rows).
+- Workers pack.  Physical worker p of W = max(1, num_workers) (W divides n)
+  serves the local streams i = offset + p (mod W), one row from each in turn,
+  starting at i = offset + p; `DataLoader(batch_size=None, in_order=True)`
+  takes one row from each worker in turn, which is exactly the cycling order
+  from local stream `offset` on.  The main process only pins and hands over
+  tensors.  A worker holds a shuffle buffer and a packer per stream it serves.
 - Worker processes start with `forkserver` (configurable): forking a process
   that has initialised CUDA (or PIL with CUDA) is unsafe; forkserver forks from
   a clean server that preloads this module, so starting is cheap too.
-- Exact resume.  Every batch carries its worker's state after producing it:
+- Exact resume.  Every row carries its stream's state after producing it:
   epoch, next read position, the positions held in the shuffle buffer and in
-  the packer, the shuffle draw count, skip counters.  The loader keeps the
-  state of the last *delivered* batch of each worker (prefetched batches do not
-  count).  Workers are logical: physical worker p plays logical worker
-  (p + offset) % W, and the saved offset is the logical worker whose batch
-  would have come next, so the round robin resumes at the right worker.  On
-  resume a worker re-reads (never re-decodes more than) the samples it held
-  and continues reading where it stopped.
+  the packer, the shuffle draw count, skip counters, rows produced.  The loader
+  keeps the state of each stream's last *delivered* row (prefetched rows do
+  not count).  On resume a stream re-reads (never re-decodes more than) the
+  samples it held and continues reading where it stopped.
+- Resuming on another layout.  The state is per stream, keyed by global stream
+  id; the trainer merges the ranks' states (`merge_states`) and each rank takes
+  its own streams (missing ones start fresh).  The data-parallel size and
+  num_workers may change; the shards, data.seed and L may not (checked, with a
+  message).  The cycle position is derived, not saved: offset = (rows its
+  streams delivered) mod n.  That is the right position whenever the rows the
+  whole job delivered are whole rounds of both the old and the new world (a
+  multiple of both data-parallel sizes, e.g. whole global batches), which the
+  trainer guarantees by saving at optimizer-step boundaries.
 - Workers re-import the launching script as a module (forkserver, like
   spawn): scripts need the `if __name__ == "__main__":` guard.
-- Resuming needs the same shards, seed, data-parallel size and num_workers
-  (checked, with a message); anything else would change which worker reads
-  which shard.
-- Streams are infinite by default (`epochs: null`): each worker starts its next
-  epoch (a new shard permutation) when its shards run out.  Exact resume is
-  guaranteed for infinite streams; with a finite `epochs` the tail after the
-  first worker runs out is not resumable (DataLoader skips exhausted workers).
+- Workers die with the training process.  A forkserver worker's parent is the
+  fork server, which itself waits for its children, so torch's parent
+  watchdog never fires after the trainer is SIGKILLed: each worker watches the
+  trainer's pid and exits when it is gone (no orphaned decoders).
+- Streams are infinite by default (`epochs: null`): each stream starts its next
+  epoch (a new shard permutation) when its shards run out.  Exact resume and
+  layout independence hold for infinite streams; with a finite `epochs` the
+  tail after the first stream runs out is neither (exhausted streams are
+  skipped).
 """
 
 from __future__ import annotations
@@ -40,6 +64,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections import Counter
 
@@ -53,33 +78,53 @@ from moevlm.data.packing import Packer, collate
 from moevlm.data.reader import ShardPlan, ShuffleBuffer, expand_shards, fingerprint, shard_counts
 from moevlm.data.text import ChatEncoder, load_tokenizer
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
-def fresh_state(worker: int) -> dict:
-    return {"worker": worker, "epoch": 0, "next": [0, 0], "shuffle": [], "draws": 0, "packer": [],
+def fresh_state(stream: int) -> dict:
+    return {"stream": stream, "epoch": 0, "next": [0, 0], "shuffle": [], "draws": 0, "packer": [],
             "skipped": {}, "read": 0, "packed": 0, "batches": 0}
 
 
-class WorkerStream:
-    """One logical worker: read -> shuffle -> encode -> pack, yielding batches with state."""
+def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> int:
+    """The job's number of logical streams L, checked against the layout and the shards."""
+    w = max(1, cfg.num_workers)
+    if not 0 <= rank < world:
+        raise ValueError(f"data-parallel rank {rank} is outside 0..{world - 1}")
+    if cfg.streams < 0:
+        raise ValueError(f"data.streams={cfg.streams}; use 0 (auto) or a positive multiple of the data-parallel size")
+    L = cfg.streams or world * w
+    if L % world:
+        raise ValueError(f"data.streams={L} is not a multiple of the data-parallel size {world}; set data.streams "
+                         f"to a multiple of {world} (e.g. {world * w} for num_workers={w})")
+    if (L // world) % w:
+        raise ValueError(f"data.streams={L} gives {L // world} streams per data-parallel rank ({world} ranks), "
+                         f"which data.num_workers={w} workers cannot share evenly; set data.num_workers to a "
+                         f"divisor of {L // world} or data.streams to a multiple of {world * w}")
+    if num_shards < L:
+        what = f"data.streams={L} streams" if cfg.streams else \
+            f"{world} data-parallel ranks x {w} workers = {L} streams (data.streams=0: auto)"
+        raise ValueError(f"{num_shards} shards cannot feed {what} (each stream needs at least one shard); "
+                         "rebuild with a smaller --samples-per-shard or use fewer data.streams / data.num_workers")
+    return L
 
-    def __init__(self, ds: PackedDataset, worker: int, num_workers: int):
+
+class Stream:
+    """One logical stream: read -> shuffle -> encode -> pack, yielding rows with state."""
+
+    def __init__(self, ds: PackedDataset, stream: int, encode: SampleEncoder):
         cfg = ds.cfg
-        self.cfg, self.ds, self.worker = cfg, ds, worker
-        self.plan = ShardPlan(ds.shards, cfg.seed, ds.rank, ds.world, worker, num_workers,
-                              cfg.shuffle_shards, ds.counts)
-        chat = ChatEncoder(load_tokenizer(ds.tokenizer_path))
-        self.pad_id = chat.eot_id
-        self.encode = SampleEncoder(chat, cfg.image, cfg.pack, cfg.caption_prompt)
+        self.cfg, self.ds, self.stream, self.encode = cfg, ds, stream, encode
+        self.plan = ShardPlan(ds.shards, cfg.seed, stream, ds.streams, cfg.shuffle_shards, ds.counts)
+        self.pad_id = encode.chat.eot_id
         self.packer = Packer(cfg.pack)
-        self.st = copy.deepcopy(ds.states.get(worker)) or fresh_state(worker)
+        self.st = copy.deepcopy(ds.states.get(stream)) or fresh_state(stream)
         self.skips = SkipCounter(self.st["skipped"])
         self.shuffle = self._new_buffer(self.st["epoch"], self.st["draws"])
         self._restore()
 
     def _new_buffer(self, epoch: int, draws: int = 0) -> ShuffleBuffer:
-        return ShuffleBuffer(self.cfg.shuffle_buffer, (self.cfg.seed, epoch, self.ds.rank, self.worker), draws)
+        return ShuffleBuffer(self.cfg.shuffle_buffer, (self.cfg.seed, epoch, self.stream), draws)
 
     def _restore(self) -> None:
         held = [tuple(p) for p in self.st["shuffle"]] + [tuple(p) for p in self.st["packer"]]
@@ -100,9 +145,9 @@ class WorkerStream:
             while (out := self.shuffle.pop()) is not None:
                 yield from self._feed(*out)
             if self.st["read"] == read_before and self.st["next"] == [0, 0]:
-                raise RuntimeError(f"worker {self.worker} of rank {self.ds.rank} read no sample in epoch "
-                                   f"{self.st['epoch']} from {self.plan.mine(self.st['epoch'])}: its shards are "
-                                   "empty or unreadable (see the skip counts)")
+                raise RuntimeError(f"data stream {self.stream} read no sample in epoch {self.st['epoch']} from "
+                                   f"{self.plan.mine(self.st['epoch'])}: its shards are empty or unreadable "
+                                   "(see the skip counts)")
             self.st["epoch"] += 1
             self.st["next"], self.st["draws"] = [0, 0], 0
             self.shuffle = self._new_buffer(self.st["epoch"])
@@ -131,18 +176,70 @@ class WorkerStream:
         return batch
 
 
-class PackedDataset(IterableDataset):
-    """What each worker process receives (pickled): config, shard list, states."""
+def round_robin(iterators):
+    """One item from each iterator in turn; an exhausted one drops out."""
+    live = list(iterators)
+    while live:
+        for it in list(live):
+            try:
+                yield next(it)
+            except StopIteration:
+                live.remove(it)
 
-    def __init__(self, cfg: DataConfig, shards, counts, tokenizer_path, patch_dim, rank, world, states, offset):
+
+class PackedDataset(IterableDataset):
+    """What each worker process receives (pickled): config, shards, this rank's
+    streams (`local`), their states and the local index of the next one due."""
+
+    def __init__(self, cfg: DataConfig, shards, counts, tokenizer_path, patch_dim, streams, local, states, offset):
         self.cfg, self.shards, self.counts, self.tokenizer_path = cfg, shards, counts, tokenizer_path
-        self.patch_dim, self.rank, self.world, self.states, self.offset = patch_dim, rank, world, states, offset
+        self.patch_dim, self.streams, self.local, self.states, self.offset = patch_dim, streams, local, states, offset
+        self.main_pid = os.getpid()  # built in the training process, pickled to the workers
+
+    def mine(self, p: int, workers: int) -> list[int]:
+        """The streams physical worker p serves, in the order it takes rows from them."""
+        n = len(self.local)
+        return [self.local[(self.offset + p + j * workers) % n] for j in range(n // workers)]
 
     def __iter__(self):
         info = get_worker_info()
-        n = info.num_workers if info is not None else 1
-        p = info.id if info is not None else 0
-        return iter(WorkerStream(self, (p + self.offset) % n, n))
+        p, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            threading.Thread(target=_exit_without, args=(self.main_pid,), daemon=True).start()
+        cfg = self.cfg
+        encode = SampleEncoder(ChatEncoder(load_tokenizer(self.tokenizer_path)), cfg.image, cfg.pack,
+                               cfg.caption_prompt)
+        return round_robin([iter(Stream(self, s, encode)) for s in self.mine(p, workers)])
+
+
+def _exit_without(pid: int, every_s: float = 1.0) -> None:
+    """Worker thread: end this process once the training process `pid` is gone."""
+    while True:
+        time.sleep(every_s)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:  # a reused pid of another user: ours is gone
+            os._exit(0)
+
+
+def merge_states(states: list[dict]) -> dict:
+    """The union of several ranks' `state_dict()`s of one job: what a loader of
+    any data-parallel size loads (each rank takes its own streams)."""
+    if not states:
+        raise ValueError("merge_states needs at least one data-loader state")
+    head = {k: v for k, v in states[0].items() if k != "states"}
+    out: dict = {}
+    for sd in states:
+        other = {k: v for k, v in sd.items() if k != "states"}
+        if other != head:
+            raise ValueError(f"cannot merge data-loader states of different jobs: {other} vs {head}")
+        for s, st in sd["states"].items():
+            if out.setdefault(s, st) != st:
+                raise ValueError(f"two data-loader states hold different states for stream {s}: merge the "
+                                 "states saved at one step, one per rank")
+    return copy.deepcopy({**head, "states": dict(sorted(out.items(), key=lambda kv: int(kv[0])))})
 
 
 class PackedLoader:
@@ -150,10 +247,10 @@ class PackedLoader:
         self.cfg, self.tokenizer_path, self.patch_dim, self.rank, self.world = cfg, tokenizer_path, patch_dim, rank, world
         self.shards = expand_shards(cfg.shards)
         self.counts = shard_counts(self.shards)
-        self.num_streams = max(1, cfg.num_workers)
-        ShardPlan(self.shards, world=world, rank=rank, num_workers=self.num_streams)  # validates the split early
+        self.streams = resolve_streams(cfg, rank, world, len(self.shards))
+        self.local = list(range(rank, self.streams, world))  # this rank's streams, in delivery order
         self.states: dict[int, dict] = {}
-        self.offset = self.delivered = 0
+        self.offset = 0  # local index of the stream whose row comes next
         self.wait_s = 0.0
         self._it = None
 
@@ -170,15 +267,14 @@ class PackedLoader:
         batch = next(self._it)
         self.wait_s += time.perf_counter() - t0
         state = batch.pop("state")
-        self.states[state["worker"]] = state
-        self.delivered += 1
+        self.states[state["stream"]] = state
+        self.offset = (self.offset + 1) % len(self.local)
         return batch
 
     def _dataloader(self) -> DataLoader:
         cfg = self.cfg
-        ds = PackedDataset(cfg, self.shards, self.counts, self.tokenizer_path, self.patch_dim, self.rank,
-                           self.world, dict(self.states), (self.offset + self.delivered) % self.num_streams)
-        self.offset, self.delivered = (self.offset + self.delivered) % self.num_streams, 0
+        ds = PackedDataset(cfg, self.shards, self.counts, self.tokenizer_path, self.patch_dim, self.streams,
+                           self.local, dict(self.states), self.offset)
         pin = torch.cuda.is_available() if cfg.pin_memory == "auto" else str(cfg.pin_memory).lower() == "true"
         if cfg.num_workers == 0:
             return DataLoader(ds, batch_size=None, num_workers=0, pin_memory=pin)
@@ -194,23 +290,26 @@ class PackedLoader:
         self._it = None
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict:
+    def _header(self) -> dict:
         return {"version": STATE_VERSION, "shards": fingerprint(self.shards), "seed": self.cfg.seed,
-                "rank": self.rank, "world": self.world, "num_workers": self.num_streams,
-                "offset": (self.offset + self.delivered) % self.num_streams,
-                "workers": {str(w): copy.deepcopy(s) for w, s in sorted(self.states.items())}}
+                "streams": self.streams}
+
+    def state_dict(self) -> dict:
+        """This rank's streams' states, keyed by global stream id (merge the ranks' with `merge_states`)."""
+        return {**self._header(), "states": {str(s): copy.deepcopy(st) for s, st in sorted(self.states.items())}}
 
     def load_state_dict(self, sd: dict) -> None:
-        want = {"version": STATE_VERSION, "shards": fingerprint(self.shards), "seed": self.cfg.seed,
-                "rank": self.rank, "world": self.world, "num_workers": self.num_streams}
-        diff = {k: (sd.get(k), v) for k, v in want.items() if sd.get(k) != v}
+        """Takes this rank's streams from `sd` (one rank's state or several merged)."""
+        diff = {k: (sd.get(k), v) for k, v in self._header().items() if sd.get(k) != v}
         if diff:
             raise ValueError("the data-loader state does not belong to this loader: "
                              + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-                             + "; resume with the same shards, data.seed, data-parallel size and data.num_workers")
+                             + "; resume with the same shards, data.seed and number of streams (data.streams; "
+                             "with data.streams=0 it is dp size x num_workers, so set data.streams to the saved "
+                             "value to change the layout)")
         self.close()
-        self.states = {int(w): copy.deepcopy(s) for w, s in sd["workers"].items()}
-        self.offset, self.delivered = int(sd["offset"]), 0
+        self.states = {int(s): copy.deepcopy(st) for s, st in sd["states"].items() if int(s) in self.local}
+        self.offset = sum(st["batches"] for st in self.states.values()) % len(self.local)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

@@ -1,12 +1,15 @@
 """Packing samples into fixed-shape micro-batches.
 
 Legend: S seq_len (token budget), Np max_patches (patch budget), D patch dim,
-I max_images, J max_samples (documents), L one sample's tokens.
+I max_images, J max_samples (documents), L one sample's tokens, B rows.
 
-Every micro-batch has exactly these shapes, whatever the images' resolutions:
+Every packed row (`collate`) has exactly these shapes, whatever the images'
+resolutions, and `stack_rows` makes a micro-batch of B rows:
 
     input_ids (1, S)  labels (1, S)  position_ids (3, 1, S)  cu_seqlens (J+2,)
     pixel_values (Np, D)  image_grid_thw (I, 3)  vision_cu_seqlens (I+2,)
+
+    stacked: (B, S)  (B, S)  (3, B, S)  (B(J+2),)  (B Np, D)  (B I, 3)  (B I + 2,)
 
 Design choices:
 - One packed row per micro-batch (THD layout): documents back to back, then one
@@ -21,6 +24,12 @@ Design choices:
   micro-batch and at least `lookahead` are held; then the oldest goes in (so
   nothing waits long), then every later held sample that still fits all four
   budgets, in arrival order.  Deterministic, so a resumed run packs identically.
+- Several rows per micro-batch (`stack_rows`): text boundaries become offsets
+  into the flattened B*S tokens (each row's cu_seqlens shifted by r*S, so the
+  rows' documents never attend across rows); the rows' real patches come first
+  in row order and all padding patches after, and the real image_grid_thw rows
+  first and the zero rows after, because the model accepts padding patches
+  only at the end.  Shapes stay fixed for a fixed B.
 - Labels follow the Hugging Face convention (the model shifts); padding and
   non-trained tokens are -100.  Counts of useful vs padded tokens/patches ride
   along: tokens/s and MFU must count useful ones only.
@@ -91,8 +100,17 @@ class Packer:
         return take
 
 
+def vision_cu_seqlens(grid_thw_I3: torch.Tensor, num_images: int, num_patches: int) -> torch.Tensor:
+    """(I+2,) patch boundaries: one per real image (the first `num_images` grid
+    rows), then the padding segment's end (= num_patches) repeated."""
+    I = grid_thw_I3.shape[0]
+    vcu = torch.full((I + 2,), num_patches, dtype=torch.int32)
+    vcu[:num_images + 1] = torch.cat([grid_thw_I3.new_zeros(1), grid_thw_I3[:num_images].prod(-1)]).cumsum(0)
+    return vcu
+
+
 def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int) -> dict:
-    """Samples (that fit the budgets) -> one micro-batch dict of fixed-shape tensors + counts."""
+    """Samples (that fit the budgets) -> one packed row: a dict of fixed-shape tensors + counts."""
     S, Np, I, J = cfg.seq_len, cfg.max_patches, cfg.max_images, cfg.max_samples
     used = sum(s.tokens for s in samples)
     input_ids = torch.full((S,), pad_id, dtype=torch.long)
@@ -117,11 +135,10 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
     grid_thw = torch.zeros(I, 3, dtype=torch.long)
     if grids:
         grid_thw[:len(grids)] = torch.tensor(grids, dtype=torch.long)
-    vcu = torch.full((I + 2,), Np, dtype=torch.int32)
-    vcu[:len(grids) + 1] = torch.tensor([0] + [t * h * w for t, h, w in grids]).cumsum(0)
     return {
         "input_ids": input_ids[None], "labels": labels[None], "position_ids": position_ids[:, None],
-        "cu_seqlens": cu, "pixel_values": pixels, "image_grid_thw": grid_thw, "vision_cu_seqlens": vcu,
+        "cu_seqlens": cu, "pixel_values": pixels, "image_grid_thw": grid_thw,
+        "vision_cu_seqlens": vision_cu_seqlens(grid_thw, len(grids), Np),
         "num_samples": len(samples), "num_images": len(grids),
         "useful_tokens": used, "padded_tokens": S - used,
         # the model's targets: labels shifted by one inside each document
@@ -129,3 +146,34 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
         "useful_patches": patches, "padded_patches": Np - patches,
         "sample_ids": [s.id for s in samples],
     }
+
+
+COUNTS = ("num_samples", "num_images", "useful_tokens", "padded_tokens", "loss_tokens", "useful_patches",
+          "padded_patches")
+
+
+def _real_first(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """The parts back to back, then zero rows up to `rows`."""
+    out = parts[0].new_zeros(rows, *parts[0].shape[1:])
+    n = sum(p.shape[0] for p in parts)
+    torch.cat(parts, out=out[:n])
+    return out
+
+
+def stack_rows(rows: list[dict]) -> dict:
+    """B packed rows (collate() dicts of one PackConfig) -> one micro-batch of B rows."""
+    S = rows[0]["input_ids"].shape[1]
+    pixels = _real_first([r["pixel_values"][:r["useful_patches"]] for r in rows],
+                         sum(r["pixel_values"].shape[0] for r in rows))
+    grid_thw = _real_first([r["image_grid_thw"][:r["num_images"]] for r in rows],
+                           sum(r["image_grid_thw"].shape[0] for r in rows))
+    out = {
+        "input_ids": torch.cat([r["input_ids"] for r in rows]), "labels": torch.cat([r["labels"] for r in rows]),
+        "position_ids": torch.cat([r["position_ids"] for r in rows], dim=1),
+        "cu_seqlens": torch.cat([r["cu_seqlens"] + i * S for i, r in enumerate(rows)]),
+        "pixel_values": pixels, "image_grid_thw": grid_thw,
+        "vision_cu_seqlens": vision_cu_seqlens(grid_thw, sum(r["num_images"] for r in rows), pixels.shape[0]),
+    }
+    out.update({k: sum(r[k] for r in rows) for k in COUNTS})
+    out["sample_ids"] = [sid for r in rows for sid in r["sample_ids"]]
+    return out

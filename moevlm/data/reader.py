@@ -1,30 +1,31 @@
-"""Reading WebDataset shards: which shards a (rank, worker) reads in an epoch,
+"""Reading WebDataset shards: which shards a data stream reads in an epoch,
 a seeded shuffle buffer, and positions that make the stream resumable.
 
     shards = expand_shards("data/shards")                 # dir, brace pattern or comma list
-    plan = ShardPlan(shards, seed=0, rank=r, world=R, worker=w, num_workers=W)
+    plan = ShardPlan(shards, seed=0, stream=s, streams=L)
     for pos, raw in plan.read(epoch, start=(0, 0), counter=skips): ...
 
 Design choices:
-- Shards are split, not samples: in epoch e every shard goes to exactly one
-  (rank, worker) (`plan.mine(e)`: one seeded permutation of all shards shared by
-  every rank, then rank-major, worker-minor striding), so each sample is read
-  once per epoch across the job and no worker reads bytes it throws away.  The
-  rank is the data-parallel rank passed in, not the global one (with TP/PP
-  many global ranks share one data shard), which is why webdataset's
-  split_by_node/split_by_worker (global rank, no epoch) are not used.
+- Shards are split, not samples, over the job's L logical streams: in epoch e
+  stream s reads `order[s::L]` of one seeded permutation of all shards shared
+  by everybody (`plan.mine(e)`), so each sample is read once per epoch across
+  the job and no reader reads bytes it throws away.  Which rank and which
+  worker process serve a stream is the loader's business (loader.py), so what
+  a stream reads does not depend on the parallel layout.  That is also why
+  webdataset's split_by_node/split_by_worker (global rank, no epoch) are not
+  used.
 - Tar parsing is webdataset's (`tar_file_expander` + `group_by_keys`), one shard
   at a time so a damaged shard cannot bleed into the next; damage is counted
   as `truncated_shard` (once per shard) and the samples before it are kept.
   A tar cut exactly between members parses without error, so a shard is also
   checked against its sample count in the builder's summary.json (when
   present) and for the tar end-of-archive zero blocks.
-- A position is (epoch, shard index in this worker's list, sample index in the
+- A position is (epoch, shard index in this stream's list, sample index in the
   shard).  Seeking to a position opens that shard and skips members without
   decoding them, so resuming never re-decodes images it does not need.
-- The shuffle buffer draws with a counter-based hash of (seed, epoch, rank,
-  worker, draw number): its whole state is the positions it holds and the
-  draw count, both small enough to checkpoint every step.
+- The shuffle buffer draws with a counter-based hash of (seed, epoch, stream,
+  draw number): its whole state is the positions it holds and the draw count,
+  both small enough to checkpoint every step.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from moevlm.data.errors import SkipCounter, SkipSample
 
-Pos = tuple[int, int, int]  # (epoch, shard index in the worker's list, sample index in the shard)
+Pos = tuple[int, int, int]  # (epoch, shard index in the stream's list, sample index in the shard)
 
 
 def expand_shards(spec: str | list[str]) -> list[str]:
@@ -93,30 +94,29 @@ def mix(*xs: int) -> int:
 
 @dataclass
 class ShardPlan:
+    """The shards of stream `stream` of `streams` (the loader checks the numbers
+    with config-level messages first)."""
+
     shards: list[str]
     seed: int = 0
-    rank: int = 0
-    world: int = 1
-    worker: int = 0
-    num_workers: int = 1
+    stream: int = 0
+    streams: int = 1
     shuffle: bool = True
     counts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
-        streams = self.world * self.num_workers
-        if len(self.shards) < streams:
-            raise ValueError(f"{len(self.shards)} shards cannot feed {self.world} data-parallel ranks x "
-                             f"{self.num_workers} workers = {streams} readers (each needs at least one shard); "
-                             "rebuild with a smaller --samples-per-shard or use fewer data.num_workers")
+        if not 0 <= self.stream < self.streams <= len(self.shards):
+            raise ValueError(f"stream {self.stream} of {self.streams}: {len(self.shards)} shards cannot feed "
+                             f"{self.streams} streams (each needs at least one shard)")
 
     def mine(self, epoch: int) -> list[str]:
         order = list(self.shards)
         if self.shuffle:
             random.Random(mix(self.seed, epoch, 0x5A4D)).shuffle(order)
-        return order[self.rank::self.world][self.worker::self.num_workers]
+        return order[self.stream::self.streams]
 
     def read(self, epoch: int, start: tuple[int, int], counter: SkipCounter | None) -> Iterator[tuple[Pos, dict]]:
-        """Raw samples (dicts of member bytes) of this worker's epoch from (shard, sample) `start` on."""
+        """Raw samples (dicts of member bytes) of this stream's epoch from (shard, sample) `start` on."""
         for s, url in enumerate(self.mine(epoch)):
             if s < start[0]:
                 continue

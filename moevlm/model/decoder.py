@@ -71,13 +71,13 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
         self.mlp = MoEBlock(t.hidden_size, cfg.moe) if self.is_moe else DenseMLP(t.hidden_size, t.intermediate_size)
 
-    def forward(self, h_BSD, rope_cos_sin, mask: DocMask) -> tuple[torch.Tensor, RouterStats | None]:
+    def forward(self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, RouterStats | None]:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, mask)
-        out = self.mlp(self.post_attention_layernorm(h_BSD))
         if self.is_moe:
-            out, stats = out
+            out, stats = self.mlp(self.post_attention_layernorm(h_BSD), token_mask_BS)
             return h_BSD + out, stats
-        return h_BSD + out, None
+        return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD)), None
 
 
 class TextDecoder(nn.Module):
@@ -90,7 +90,8 @@ class TextDecoder(nn.Module):
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
 
     def forward(self, h_BSD: torch.Tensor, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = ()):
+                visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = (),
+                token_mask_BS: torch.Tensor | None = None):
         t = self.cfg
         rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, h_BSD.dtype)
         B, S, _ = h_BSD.shape
@@ -98,7 +99,7 @@ class TextDecoder(nn.Module):
                         dtype=h_BSD.dtype)
         stats: list[RouterStats] = []
         for i, layer in enumerate(self.layers):
-            h_BSD, s = layer(h_BSD, rope, mask)
+            h_BSD, s = layer(h_BSD, rope, mask, token_mask_BS)
             if s is not None:
                 stats.append(s)
             if i < len(deepstack):

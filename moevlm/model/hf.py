@@ -174,6 +174,24 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
         model.to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.text.embed_tokens.weight
+    _copy_weights(model, plan)
+    return model
+
+
+def load_weights_(model: torch.nn.Module, hf_dir, expert_layout: str = "auto") -> None:
+    """Copy an HF checkpoint's weights into an already materialised model (in place).
+    The checkpoint's architecture must be the model's (checked: names and shapes)."""
+    hf_dir = Path(hf_dir)
+    theirs = VLMConfig.from_hf(hf_dir / "config.json")
+    mine = model.config
+    if (theirs.vision, theirs.text, theirs.moe.num_experts, theirs.moe.top_k) != (
+            mine.vision, mine.text, mine.moe.num_experts, mine.moe.top_k):
+        raise CheckpointError(f"{hf_dir} holds a different architecture than the configured model; build the "
+                              "model from its config.json (model.hf_config) or pick the matching preset")
+    _copy_weights(model, plan_load(model, checkpoint_files(hf_dir), expert_layout))
+
+
+def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:
     params = model.state_dict()
     by_file: dict[Path, list[str]] = {}
     for ours, (path, _, _) in plan.items():
@@ -184,7 +202,6 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
                 for ours in names:
                     _, hf_name, transform = plan[ours]
                     params[ours].copy_(_apply(transform, f.get_tensor(hf_name), params[ours].shape))
-    return model
 
 
 # -------------------------------------------------------------------- export

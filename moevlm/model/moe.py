@@ -33,7 +33,7 @@ from moevlm.model.config import MoEConfig
 class RouterStats:
     prob_sum_E: torch.Tensor  # sum over tokens of the full softmax, fp32
     counts_E: torch.Tensor  # top-k selections per expert, fp32
-    num_tokens: int
+    num_tokens: int | torch.Tensor  # a tensor when masked (no host sync)
 
 
 class Router(nn.Module):
@@ -72,14 +72,24 @@ class MoEBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
         self.dispatcher = build_dispatcher(cfg.dispatcher, num_experts=cfg.num_experts, top_k=cfg.top_k)
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+    def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, RouterStats]:
+        """`token_mask_BS` (True = real token) keeps padding out of the router
+        statistics (aux loss, expert load); padding is still routed and computed."""
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         topk_idx_TK, topk_w_TK, probs_TE = self.router(x_TD)
         expert_x_MD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         expert_y_MD = self.experts(expert_x_MD, tokens_per_expert)
         y_TD = self.dispatcher.combine(expert_y_MD, handle)
-        counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts).float()
-        return y_TD.view_as(x_BSD), RouterStats(probs_TE.sum(0), counts_E, x_TD.shape[0])
+        return y_TD.view_as(x_BSD), self._stats(topk_idx_TK, probs_TE, token_mask_BS)
+
+    def _stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:
+        if token_mask_BS is None:
+            counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts).float()
+            return RouterStats(probs_TE.sum(0), counts_E, topk_idx_TK.shape[0])
+        keep_T = token_mask_BS.reshape(-1).to(probs_TE.device)
+        counts_E = torch.bincount(topk_idx_TK[keep_T].reshape(-1), minlength=self.num_experts).float()
+        return RouterStats((probs_TE * keep_T[:, None]).sum(0), counts_E, keep_T.sum())
 
 
 class DenseMLP(nn.Module):

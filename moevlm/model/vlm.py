@@ -80,9 +80,12 @@ class Qwen3VLMoe(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> VLMOutput:
+                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> VLMOutput:
+        """`token_mask` (B, S), True at real tokens: padding is left out of the
+        router statistics (aux loss, `expert_counts`); it changes nothing else."""
         cfg = self.config
-        check_inputs(cfg, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels)
+        check_inputs(cfg, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels, token_mask)
         h_BSD = self.text.embed_tokens(input_ids)
         visual_mask_BS, deepstack = None, []
         if pixel_values is not None:
@@ -95,7 +98,7 @@ class Qwen3VLMoe(nn.Module):
                                               cfg.vision.spatial_merge_size, cu_seqlens)
         elif position_ids.ndim == 2:
             position_ids = position_ids[None].expand(3, -1, -1)
-        h_BSD, stats = self.text(h_BSD, position_ids, cu_seqlens, visual_mask_BS, deepstack)
+        h_BSD, stats = self.text(h_BSD, position_ids, cu_seqlens, visual_mask_BS, deepstack, token_mask)
         out = VLMOutput(logits=self.lm_head(h_BSD))
         if stats:
             out.aux_loss = load_balancing_loss(stats, cfg.moe.num_experts)
@@ -151,7 +154,8 @@ def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
     return total / n.clamp(min=1), n
 
 
-def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels):
+def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels,
+                 token_mask=None):
     """Shape and consistency checks, on the host, before any activation is allocated."""
     _require(input_ids.ndim == 2 and not input_ids.is_floating_point(),
              f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}")
@@ -173,6 +177,10 @@ def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, positi
     if position_ids is not None:
         _require(tuple(position_ids.shape) in ((3, B, S), (B, S)),
                  f"position_ids must be (3, {B}, {S}) or ({B}, {S}), got {tuple(position_ids.shape)}")
+    if token_mask is not None:
+        _require(token_mask.shape == input_ids.shape and token_mask.dtype == torch.bool,
+                 f"token_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, "
+                 f"got {tuple(token_mask.shape)} {token_mask.dtype}")
     if labels is not None:
         _require(labels.shape == input_ids.shape,
                  f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")

@@ -1,5 +1,11 @@
-"""Parallel folding (ParallelDims, TP/SP, EP/ETP, CP, PP, FSDP2/DDP, `parallelize`).
+"""Parallel folding: `ParallelDims` (mesh.py) and `parallelize` (parallelize.py).
 
-Filled by the parallel-folding issue; the model in `moevlm.model` is built
-without any process group, and this package rewrites it.
+The model in `moevlm.model` is built without any process group; this package
+rewrites it.  TP/SP, EP/ETP, CP, PP and FSDP2/DDP arrive with the
+parallel-folding issue.
 """
+
+from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.parallelize import ParallelNotBuilt, parallelize
+
+__all__ = ["ParallelDims", "ParallelNotBuilt", "parallelize"]

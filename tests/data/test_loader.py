@@ -62,16 +62,16 @@ def assert_same_batches(a, b):
 
 
 def test_resume_continues_exactly_across_workers_and_epochs(sample_shards):
-    """Four shards over two workers: epochs end within the run, the shuffle buffer
-    and the packer hold samples at the checkpoint, and the next batch is due from
-    worker 1 (an odd number of batches was delivered)."""
+    """Four shards over two streams (one per worker): epochs end within the run,
+    the shuffle buffer and the packer hold samples at the checkpoint, and the
+    next batch is due from stream 1 (an odd number of batches was delivered)."""
     shards = ",".join(str(p) for p in sorted(sample_shards.glob("shard-*.tar"))[:4])
     cfg = small_data_config(shards, tokenizer=str(sample_shards / "tokenizer.json"))
     first = build_loader(cfg, TINY)
     take(first, 7)
     state = first.state_dict()
-    assert state["offset"] == 1 and any(w["shuffle"] for w in state["workers"].values())
-    assert any(w["packer"] for w in state["workers"].values())
+    assert state["streams"] == 2 and [s["batches"] for s in state["states"].values()] == [4, 3]
+    assert any(s["shuffle"] for s in state["states"].values()) and any(s["packer"] for s in state["states"].values())
     expected = take(first, 30)
     assert first.stats()["epoch"] >= 1  # both workers went past an epoch boundary
 
@@ -81,11 +81,13 @@ def test_resume_continues_exactly_across_workers_and_epochs(sample_shards):
     assert resumed.stats()["samples_read"] == first.stats()["samples_read"]
 
 
-def test_state_from_another_layout_is_refused(sample_shards):
-    cfg = small_data_config(sample_shards, num_workers=0)
+def test_state_from_another_layout_with_auto_streams_is_refused(sample_shards):
+    cfg = small_data_config(sample_shards, num_workers=0)  # data.streams=0: one stream per rank
     state = build_loader(cfg, TINY, rank=0, world=1).state_dict()
-    with pytest.raises(ValueError, match="world saved 1 vs now 2"):
+    with pytest.raises(ValueError, match="streams saved 1 vs now 2.*set data.streams to the saved value"):
         build_loader(cfg, TINY, rank=0, world=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed saved 1 vs now 2"):
+        build_loader(small_data_config(sample_shards, num_workers=0, seed=2), TINY).load_state_dict(state)
 
 
 def test_in_process_loader_and_config_errors(sample_shards):
@@ -101,3 +103,47 @@ def test_in_process_loader_and_config_errors(sample_shards):
     other = VLMConfig.preset("tiny").replace(image_token_id=1000)
     with pytest.raises(ValueError, match="1000"):
         build_loader(small_data_config(sample_shards), other)
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+sys.path.insert(0, {helpers!r})
+from data_helpers import small_data_config
+from moevlm.data.loader import build_loader
+from moevlm.model import VLMConfig
+
+if __name__ == "__main__":
+    loader = build_loader(small_data_config({shards!r}), VLMConfig.preset("tiny"))
+    next(loader)
+    print(*[w.pid for w in loader._it._workers], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_training_process_is_killed(sample_shards, tmp_path):
+    """SIGKILL of the trainer must not leave forkserver workers decoding for nobody."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "victim.py"
+    script.write_text(ORPHAN_SCRIPT.format(helpers=str(Path(__file__).parent), shards=str(sample_shards)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 15
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)

@@ -1,5 +1,6 @@
-"""Packer and collate: hand-worked first-fit, fixed shapes, and a packed
-micro-batch through the tiny model equal to its samples run one by one."""
+"""Packer, collate and stack_rows: hand-worked first-fit, fixed shapes, and a
+packed row (or a stack of rows) through the tiny model equal to its parts run
+one by one."""
 
 import pytest
 import torch
@@ -9,9 +10,12 @@ from moevlm.data.config import PackConfig
 from moevlm.data.packing import IGNORE, Sample
 from moevlm.data.image import preprocess_image
 from moevlm.data.sample import sample_photo_paths
-from moevlm.data.packing import Packer, collate
+from moevlm.data.loader import build_loader
+from moevlm.data.packing import Packer, collate, stack_rows
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.rope import mrope_position_ids
+
+from data_helpers import small_data_config
 
 D = 3 * 2 * 16 * 16
 
@@ -122,3 +126,55 @@ def test_small_samples_are_held_until_they_overflow_a_micro_batch():
     p.push(fake("big", 6))
     assert p.full()
     assert [s.id for s in p.pop()] == ["s0", "s1", "s2", "s3", "s4"] and [s.id for s in p.held] == ["big"]
+
+
+def _forward(model, bt):
+    return model(bt["input_ids"], bt["pixel_values"], bt["image_grid_thw"], bt["position_ids"], bt["cu_seqlens"],
+                 bt["labels"])
+
+
+@pytest.fixture(scope="module")
+def real_rows(sample_shards):
+    """Two packed rows of the sample set that both hold images and padding patches."""
+    rows = [r for _, r in zip(range(12), build_loader(small_data_config(sample_shards, num_workers=0),
+                                                      VLMConfig.preset("tiny")))]
+    rows = [r for r in rows if 0 < r["num_images"] and r["padded_patches"] > 0]
+    assert len(rows) >= 2
+    return rows[:2]
+
+
+def test_stack_rows_puts_real_patches_and_grids_first(real_rows):
+    a, b = real_rows
+    st = stack_rows([a, b])
+    S, Np, I = a["input_ids"].shape[1], a["pixel_values"].shape[0], a["image_grid_thw"].shape[0]
+    assert st["input_ids"].shape == (2, S) and st["position_ids"].shape == (3, 2, S)
+    assert st["cu_seqlens"].tolist() == a["cu_seqlens"].tolist() + (b["cu_seqlens"] + S).tolist()
+    pa, pb = a["useful_patches"], b["useful_patches"]
+    assert torch.equal(st["pixel_values"][:pa + pb], torch.cat([a["pixel_values"][:pa], b["pixel_values"][:pb]]))
+    assert st["pixel_values"].shape == (2 * Np, D) and (st["pixel_values"][pa + pb:] == 0).all()
+    ia, ib = a["num_images"], b["num_images"]
+    assert st["image_grid_thw"].shape == (2 * I, 3) and (st["image_grid_thw"][ia + ib:] == 0).all()
+    assert torch.equal(st["image_grid_thw"][:ia + ib], torch.cat([a["image_grid_thw"][:ia], b["image_grid_thw"][:ib]]))
+    vcu = st["vision_cu_seqlens"].tolist()
+    assert len(vcu) == 2 * I + 2 and vcu[ia + ib] == pa + pb and vcu[ia + ib + 1:] == [2 * Np] * (2 * I + 1 - ia - ib)
+    for k in ("useful_tokens", "padded_tokens", "loss_tokens", "useful_patches", "padded_patches", "num_images"):
+        assert st[k] == a[k] + b[k], k
+    assert st["sample_ids"] == a["sample_ids"] + b["sample_ids"]
+    one = stack_rows([a])
+    assert one.keys() == a.keys() - {"state"}
+    assert all(torch.equal(v, a[k]) if torch.is_tensor(v) else v == a[k] for k, v in one.items())
+
+
+def test_stacked_rows_equal_rows_one_by_one(real_rows):
+    """Two real rows in one micro-batch: the same loss sum and target count as each row alone."""
+    torch.manual_seed(0)
+    model = Qwen3VLMoe(VLMConfig.preset("tiny")).eval()
+    with torch.no_grad():
+        both = _forward(model, stack_rows(real_rows))
+        alone = [_forward(model, r) for r in real_rows]
+    assert both.num_loss_tokens.item() == sum(r["loss_tokens"] for r in real_rows) \
+        == sum(o.num_loss_tokens.item() for o in alone)
+    for i, o in enumerate(alone):
+        torch.testing.assert_close(both.logits[i], o.logits[0], rtol=0, atol=1e-5)
+    # a sum of ~4600: fp32's default relative tolerance (1.3e-6) is a few ulps
+    torch.testing.assert_close(both.lm_loss * both.num_loss_tokens, sum(o.lm_loss * o.num_loss_tokens for o in alone))

@@ -1,0 +1,449 @@
+"""Training checkpoints on torch.distributed.checkpoint (DCP).
+
+    ckpt = CheckpointManager(run_dir / "checkpoints", keep=3)
+    if (path := ckpt.latest()) is not None:
+        got = ckpt.load(path, model=model, optimizer=opt, extra={"scheduler": sched},
+                        per_rank=["rng"])            # names (a dict works: its keys)
+        step = got["step"]; set_rng_state(got["per_rank"]["rng"])
+        data_states = ckpt.load_all_ranks(path, "data")   # every saved rank's value
+    ...
+    ckpt.save(step, model=model, optimizer=opt, extra={"scheduler": sched},
+              per_rank={"data": loader.state_dict(), "rng": rng_state()})
+
+On disk (one directory per step; DCP's files plus our marker):
+
+    checkpoints/step_00000100/__0_0.distcp ... .metadata  COMPLETE.json
+    COMPLETE.json = {"format": 1, "step": 100, "world_size": 2, "time": <unix s>,
+                     "time_utc": "...", "extra": [names], "per_rank": [names]}
+
+Design choices:
+- Model and optimizer go through DCP's state-dict API (`get_model_state_dict`,
+  `get_optimizer_state_dict`, `set_*`): keys are parameter FQNs and values may
+  be DTensors (FSDP2, TP), so DCP reshards on load; a checkpoint saved under
+  one layout or world size loads under another.
+- `extra` (identical on all ranks, e.g. the LR scheduler) and `per_rank`
+  (data-loader state, RNG) are small Python objects.  We pickle each one to
+  `bytes` and store it as one DCP byte item: DCP neither flattens it nor needs
+  a template of its structure at load time, and torch.load's weights_only rules
+  never see our objects.  `extra` is written by rank 0 only (key
+  `extra.<name>`); per-rank values under `per_rank.rank<r>.<name>`, read back
+  by the same rank, or all of them at once with `load_all_ranks`.
+- Atomic commit: DCP writes into `step_XXXXXXXX`; after every rank has returned
+  from `dcp.save` (barrier), rank 0 writes `COMPLETE.json` (tmp file, fsync,
+  os.replace, fsync of the directory).  A directory without a readable marker
+  is never returned by `latest()` and `load()` refuses it.  Deleting goes the
+  other way: marker first, then the files, so a half-deleted checkpoint is
+  never "complete".
+- Pruning (rank 0, after each save): complete checkpoints beyond the newest
+  `keep` (by step; keep <= 0 keeps all), and incomplete directories older than
+  the newest complete one.  Steps are assumed to grow: a run restarted from an
+  older checkpoint leaves newer ones that `latest()` still prefers.
+- Single process works without a process group (DCP's `no_dist`); with one,
+  `save` and `load` are collective (every rank calls them) and use
+  `process_group` or the default group.  `load_all_ranks` is not collective.
+- Checkpoints are trusted files: per-rank and extra values are unpickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"step_(\d+)$")
+_SHOW = 5  # keys named in an error message
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete or does not fit what is being loaded into it."""
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+def rng_state() -> dict[str, Any]:
+    """Python `random`, numpy's global RNG, torch CPU and (if initialised) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what `rng_state` returned (CUDA only where it was saved and CUDA exists)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------ files on disk
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The completion marker of checkpoint `path`; CheckpointError if it is incomplete."""
+    marker = Path(path) / MARKER
+    try:
+        return json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {MARKER}): its save was interrupted "
+            "or it is not a checkpoint directory; use CheckpointManager.latest()"
+        ) from None
+    except ValueError as e:
+        raise CheckpointError(f"{marker} is unreadable ({e}); treat {path} as incomplete") from None
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        read_marker(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Marker first (durably), then the files: never a half-deleted complete checkpoint."""
+    marker = path / MARKER
+    if marker.exists():
+        marker.unlink()
+        _fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _checkpoint_index(path: Path) -> dict[str, Any]:
+    """DCP's metadata: flattened key -> TensorStorageMetadata (has .size) or BytesStorageMetadata."""
+    return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+# -------------------------------------------------------------- key checks
+
+
+def _prefixes(keys: Iterable[str]) -> set[str]:
+    """Every dotted prefix of every key ("a.b.c" -> "a", "a.b", "a.b.c")."""
+    out = set()
+    for key in keys:
+        parts = key.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+def _flat_keys(prefix: str, value: Any) -> Iterator[str]:
+    """Dotted keys of the leaves of nested dicts/lists, roughly as DCP flattens them."""
+    if isinstance(value, Mapping):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        yield prefix
+        return
+    for key, item in items:
+        yield from _flat_keys(f"{prefix}.{key}", item)
+
+
+def _uncovered(keys: set[str], other: set[str]) -> list[str]:
+    """Keys of `keys` with no key of `other` equal, above or below them (flattening depth may differ)."""
+    below = _prefixes(other)
+    return sorted(k for k in keys if k not in below and not _prefixes([k]) & other)
+
+
+def _check_model_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path) -> None:
+    """Name missing/unexpected keys and wrong shapes."""
+    expected = {f"model.{k}" for k in model_sd}
+    saved_model = {k for k in saved if k.startswith("model.")}
+    missing = [k[6:] for k in _uncovered(expected, saved_model)]
+    unexpected = [k[6:] for k in _uncovered(saved_model, expected)]
+    shapes = _shape_mismatches(model_sd, saved)
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"model does not match checkpoint {path}: {len(missing)} missing {missing[:_SHOW]}, "
+            f"{len(unexpected)} unexpected {unexpected[:_SHOW]}, {len(shapes)} with another shape "
+            f"{shapes[:_SHOW]} (at most {_SHOW} of each shown)"
+        )
+
+
+def _check_optimizer_keys(optim_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path) -> None:
+    """Every optimizer entry to load must be saved (extra saved entries are ignored, as DCP does)."""
+    saved_optim = {k for k in saved if k.startswith("optim.")}
+    if not saved_optim:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state; load with optimizer=None")
+    missing = [k[6:] for k in _uncovered(set(_flat_keys("optim", optim_sd)), saved_optim)]
+    if missing:
+        hint = ""
+        if any(k.endswith("initial_lr") for k in missing):
+            hint = ("; initial_lr is added by an LR scheduler: create it before loading exactly when "
+                    "the saving run had one")
+        raise CheckpointError(
+            f"optimizer does not match checkpoint {path}: {len(missing)} missing {missing[:_SHOW]}{hint}"
+        )
+
+
+def _shape_mismatches(model_sd: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """Tensors whose global shape (DTensor.shape is global) differs from the saved one."""
+    out = []
+    for key, value in model_sd.items():
+        meta = saved.get(f"model.{key}")
+        if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
+            out.append(f"{key}: saved {tuple(meta.size)}, model {tuple(value.shape)}")
+    return out
+
+
+def _require(names: Iterable[str], saved: Mapping[str, Any], prefix: str, path: Path) -> None:
+    absent = [n for n in names if f"{prefix}.{n}" not in saved]
+    if absent:
+        have = sorted({k.split(".")[-1] for k in saved if k.startswith(prefix + ".")})
+        raise CheckpointError(f"checkpoint {path} has no {prefix} value(s) {absent}; it has {have}")
+
+
+# ---------------------------------------------------------- python values
+
+
+def _dumps(value: Any) -> bytes:
+    if hasattr(value, "state_dict"):
+        value = value.state_dict()
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _restore(target: Any, blob: bytes) -> Any:
+    """Load into `target` if it has load_state_dict (and return it), else return the value."""
+    value = pickle.loads(blob)
+    if hasattr(target, "load_state_dict"):
+        target.load_state_dict(value)
+        return target
+    return value
+
+
+@contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    """DCP warns on every single-process save/load, even when asked for one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+# ------------------------------------------------------------------ manager
+
+
+class CheckpointManager:
+    """Saves, finds, loads and prunes `root/step_XXXXXXXX` checkpoints (see module doc)."""
+
+    def __init__(self, root: str | os.PathLike, keep: int = 3, process_group: dist.ProcessGroup | None = None):
+        self.root = Path(root)
+        self.keep = keep
+        self.process_group = process_group
+
+    # -- process group
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group) if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group) if self.distributed else 1
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.process_group)
+
+    # -- finding
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = [(m, p) for p in self.root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+        return sorted((int(m.group(1)), p) for m, p in found)
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoint directories, oldest first."""
+        return [p for _, p in self._step_dirs() if _is_complete(p)]
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        done = self.complete()
+        return done[-1] if done else None
+
+    # -- saving
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write checkpoint `step` (collective); returns its directory once it is complete."""
+        path = self.step_dir(step)
+        extra, per_rank = dict(extra or {}), dict(per_rank or {})
+        if self.rank == 0:
+            self._clear(path)
+        self._barrier()
+        state = self._save_state(model, optimizer, extra, per_rank)
+        with _quiet_no_dist():
+            dcp.save(state, storage_writer=FileSystemWriter(path), process_group=self.process_group,
+                     no_dist=not self.distributed)
+        self._barrier()
+        if self.rank == 0:
+            _write_json_atomic(path / MARKER, self._marker(step, extra, per_rank))
+            self._prune()
+        self._barrier()
+        return path
+
+    def _clear(self, path: Path) -> None:
+        if path.exists():
+            log.warning("replacing existing checkpoint directory %s", path)
+            _remove_checkpoint(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        path.mkdir()
+        _fsync_dir(self.root)
+
+    def _save_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
+                    per_rank: dict) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        if extra and self.rank == 0:
+            state["extra"] = {name: _dumps(v) for name, v in extra.items()}
+        if per_rank:
+            state["per_rank"] = {f"rank{self.rank}": {name: _dumps(v) for name, v in per_rank.items()}}
+        return state
+
+    def _marker(self, step: int, extra: dict, per_rank: dict) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self.world_size,
+            "time": now,
+            "time_utc": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+            "extra": sorted(extra),
+            "per_rank": sorted(per_rank),
+        }
+
+    def _prune(self) -> None:
+        dirs = self._step_dirs()
+        done = [(s, p) for s, p in dirs if _is_complete(p)]
+        if not done:
+            return
+        doomed = [p for _, p in done[: -self.keep]] if self.keep > 0 else []
+        newest = done[-1][0]
+        doomed += [p for s, p in dirs if s < newest and not _is_complete(p)]
+        for p in doomed:
+            log.info("pruning checkpoint %s", p)
+            _remove_checkpoint(p)
+
+    # -- loading
+    def load(
+        self,
+        path: str | os.PathLike,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Any] | None = None,
+        per_rank: Iterable[str] = (),
+    ) -> dict[str, Any]:
+        """Load checkpoint `path` in place (collective).
+
+        Model and optimizer are loaded in place; `extra` values with
+        load_state_dict are loaded in place, others are only named.  Returns
+        {"step", "world_size" (at save), "extra": {name: object or saved value},
+        "per_rank": {name: this rank's saved value, None if this rank did not
+        exist at save time}}.
+        """
+        path = Path(path)
+        marker = read_marker(path)
+        saved = _checkpoint_index(path)
+        extra, names = dict(extra or {}), list(per_rank)
+        state = self._load_template(model, optimizer, extra, names, marker, saved, path)
+        with _quiet_no_dist():
+            dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.process_group,
+                     no_dist=not self.distributed)
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+        mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})
+        return {
+            "step": marker["step"],
+            "world_size": marker["world_size"],
+            "extra": {n: _restore(extra[n], state["extra"][n]) for n in extra},
+            "per_rank": {n: pickle.loads(mine[n]) if n in mine else None for n in names},
+        }
+
+    def _load_template(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
+                       names: list[str], marker: dict, saved: Mapping[str, Any], path: Path) -> dict[str, Any]:
+        """What dcp.load fills: our model/optimizer state dicts and byte placeholders."""
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        _check_model_keys(state["model"], saved, path)
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+            _check_optimizer_keys(state["optim"], saved, path)
+        if extra:
+            _require(extra, saved, "extra", path)
+            state["extra"] = {n: b"" for n in extra}
+        _require(names, saved, "per_rank.rank0", path)
+        if names and self.rank < marker["world_size"]:
+            state["per_rank"] = {f"rank{self.rank}": {n: b"" for n in names}}
+        return state
+
+    def load_all_ranks(self, path: str | os.PathLike, name: str) -> list[Any]:
+        """Every saved rank's `per_rank[name]`, in rank order (not collective)."""
+        path = Path(path)
+        world = read_marker(path)["world_size"]
+        saved = _checkpoint_index(path)
+        _require([name], saved, "per_rank.rank0", path)
+        state = {"per_rank": {f"rank{r}": {name: b""} for r in range(world)}}
+        with _quiet_no_dist():
+            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
+        return [pickle.loads(state["per_rank"][f"rank{r}"][name]) for r in range(world)]

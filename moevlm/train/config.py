@@ -1,0 +1,251 @@
+"""The job's configuration: typed dataclasses registered in Hydra's ConfigStore,
+filled by the YAML groups in `conf/` and the command line, validated before
+anything large is allocated.
+
+    python train.py                                   # embedded CPU default
+    torchrun --nproc-per-node 8 train.py +experiment=h100_fsdp data.shards=...
+    python train.py -m optim.lr=1e-3,3e-4             # a sweep: one job each
+
+Design choices:
+- Sections mirror the groups: `model`, `data` (moevlm.data.DataConfig),
+  `parallel`, `optim`, `train`.  An experiment (`conf/experiment/*.yaml`,
+  `# @package _global_`) picks groups and sets fields, named by hardware and
+  parallelism.
+- The model is a preset (torchtitan's "flavor") or an HF `config.json`, plus a
+  few proxy knobs (`num_layers`, `num_experts`, `vision_depth`) so a recipe
+  can shrink the real architecture to fit its hardware.
+- The batch is layout independent: `train.global_batch_size` packed rows per
+  optimizer step = micro_batch_size x grad accumulation x dp; accumulation is
+  derived, and `data.streams` fixes which rows form a global batch whatever the
+  layout (see moevlm.data.loader).
+- `validate()` checks everything that needs no file or device and says what
+  to change; files (shards, tokenizer, checkpoints) are checked where opened.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from moevlm.data.config import DataConfig
+from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.parallel.mesh import ParallelDims
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # tiny | qwen3_vl_30b_a3b | qwen3_vl_235b_a22b (ignored when hf_config is set)
+    hf_config: str = ""  # an HF Qwen3-VL-MoE config.json (or its folder): the architecture
+    hf_checkpoint: str = ""  # an HF folder to load weights from ("" = random init)
+    num_layers: Optional[int] = None  # proxy: fewer decoder layers
+    num_experts: Optional[int] = None  # proxy: fewer experts
+    vision_depth: Optional[int] = None  # proxy: fewer vision blocks (deepstack taps beyond it dropped)
+    attn_backend: str = "auto"
+    grouped_gemm: str = "torch"
+    dispatcher: str = "local"
+    aux_loss_coef: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
+    freeze_vision: bool = False  # the whole vision module (tower, merger, deepstack mergers) runs forward only
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = -1  # -1: world / (pp * tp * cp)
+    ep: int = 1
+    etp: int = 1
+    dp_mode: str = "fsdp"  # fsdp (FSDP2) | ddp
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    world_size: Optional[int] = None  # the recipe's GPU count; checked against the launch when set
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_norms_biases_embeddings: bool = False  # weight decay on norms, biases and embeddings too
+    implementation: str = "auto"  # auto | fused | foreach | for_loop
+    schedule: str = "cosine"  # cosine | wsd | constant (all after linear warmup)
+    warmup_steps: int = 0
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays
+    decay_shape: str = "linear"  # wsd decay: linear | cosine | sqrt
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still logged)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    global_batch_size: int = 1  # packed rows per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 1  # packed rows per forward/backward
+    seed: int = 0
+    deterministic: bool = False  # deterministic kernels (CPU runs repeat bitwise)
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    run_dir: str = ""  # "" = outputs/<date>/<time>[/<sweep job>]: one directory for all ranks
+    resume: str = "auto"  # auto (newest complete checkpoint in run_dir) | none | a checkpoint path
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    keep_checkpoints: int = 2  # the last K complete checkpoints; <= 0 keeps all
+    checkpoint_at_end: bool = True
+    export_hf: str = ""  # a folder: the final weights as HF safetensors
+    log_every: int = 1
+    tensorboard: bool = True
+    progress: Optional[bool] = None  # None: a progress bar when stdout is a terminal
+    peak_tflops: Optional[float] = None  # per device; None = from the device table (MFU null when unknown)
+    nonfinite: str = "skip"  # skip (step skipped and counted) | stop (checkpoint, message, exit 3)
+    max_nonfinite_steps: int = 10  # consecutive skipped steps before stopping anyway
+    require_loss_decrease: bool = False  # exit 1 if the mean loss of the last 3 steps is not below the first 3
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def register_configs() -> None:
+    """The schema behind conf/config.yaml (its first default): every group file
+    and override is checked against these types."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def compose_job(overrides: list[str] = (), config_dir: str | None = None):
+    """The job config as `train.py` would compose it (for notebooks and tests)."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    config_dir = config_dir or os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+# ------------------------------------------------------------------ validation
+CHOICES = {
+    "parallel.dp_mode": ("fsdp", "ddp"), "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B"),
+    "parallel.backend": ("auto", "nccl", "gloo"), "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
+    "optim.schedule": ("cosine", "wsd", "constant"), "optim.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
+    "train.nonfinite": ("skip", "stop"),
+}
+
+
+@dataclass
+class Plan:
+    """What validation derived: the model config, the layout, the accumulation."""
+    model: VLMConfig
+    dims: ParallelDims
+    grad_accum: int
+
+
+def build_model_config(m: ModelConfig) -> VLMConfig:
+    cfg = VLMConfig.from_hf(m.hf_config) if m.hf_config else VLMConfig.preset(m.preset)
+    if m.num_layers is not None:
+        cfg.text.num_layers = m.num_layers
+        cfg.moe.mlp_only_layers = tuple(i for i in cfg.moe.mlp_only_layers if i < m.num_layers)
+    if m.num_experts is not None:
+        cfg.moe.num_experts = m.num_experts
+    if m.vision_depth is not None:
+        cfg.vision.depth = m.vision_depth
+        cfg.vision.deepstack_visual_indexes = tuple(i for i in cfg.vision.deepstack_visual_indexes
+                                                    if i < m.vision_depth)
+    if m.aux_loss_coef is not None:
+        cfg.moe.router_aux_loss_coef = m.aux_loss_coef
+    cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, m.dispatcher, m.attn_backend
+    return cfg.validate()
+
+
+def validate(job, world_size: int = 1) -> Plan:
+    """Every check that needs no file and no device, in the order a user would fix them."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(job, section), name)
+        _check(value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
+    p, t, o = job.parallel, job.train, job.optim
+    _check(p.world_size is None or p.world_size == world_size,
+           f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
+           f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
+           "and a layout that fits")
+    dims = ParallelDims(world_size, tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, ep=p.ep, etp=p.etp)
+    model = build_model_config(job.model)
+    dims.check_model(model)
+    _check_dispatcher(job.model.dispatcher, dims)
+    _check_batch(t, dims)
+    _check_optim(o)
+    _check_data(job.data, model, dims)
+    return Plan(model=model, dims=dims, grad_accum=t.global_batch_size // (t.micro_batch_size * dims.dp))
+
+
+DISPATCHER_NAMES = ("local", "alltoall", "deepep", "hybridep")
+
+
+def _check_dispatcher(name: str, dims: ParallelDims) -> None:
+    _check(name in DISPATCHER_NAMES, f"model.dispatcher={name!r}; choose one of {list(DISPATCHER_NAMES)}")
+    _check(name != "local" or dims.ep == 1,
+           f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
+           "deepep or hybridep")
+
+
+def _check_batch(t, dims: ParallelDims) -> None:
+    _check(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    per_step = t.micro_batch_size * dims.dp
+    _check(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
+           f"train.global_batch_size={t.global_batch_size} must be a multiple of micro_batch_size x dp = "
+           f"{t.micro_batch_size} x {dims.dp} = {per_step}; e.g. train.global_batch_size="
+           f"{max(1, math.ceil(t.global_batch_size / per_step)) * per_step}")
+    _check(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    _check(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = at the end)")
+    _check(t.resume in ("auto", "none") or bool(t.resume), "train.resume must be auto, none or a checkpoint path")
+    _check(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 1")
+
+
+def _check_optim(o) -> None:
+    _check(o.lr > 0 and math.isfinite(o.lr), f"optim.lr={o.lr} must be a positive number")
+    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _check(all(0 <= b < 1 for b in o.betas) and len(o.betas) == 2, f"optim.betas={list(o.betas)} must be two values in [0, 1)")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _check(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+
+
+def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:
+    _check(d.shards not in ("", MISSING),
+           "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
+           "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set")
+    v, im, pk = model.vision, d.image, d.pack
+    mine, theirs = (im.patch_size, im.temporal_patch_size, im.merge_size), (
+        v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+    _check(mine == theirs, f"data.image (patch_size, temporal_patch_size, merge_size) = {mine} but the model has "
+                           f"{theirs}; set data.image to the model's values")
+    _check(im.max_pixels // im.patch_size**2 <= pk.max_patches,
+           f"one image may need {im.max_pixels // im.patch_size**2} patches (data.image.max_pixels={im.max_pixels})"
+           f" but data.pack.max_patches={pk.max_patches}; raise max_patches or lower max_pixels")
+    _check(pk.max_patches % (im.merge_size**2) == 0,
+           f"data.pack.max_patches={pk.max_patches} must be a multiple of merge_size^2={im.merge_size**2}")
+    _check(pk.seq_len <= model.text.max_position_embeddings,
+           f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
+           f"{model.text.max_position_embeddings}")
+    _check(pk.seq_len % dims.tp == 0 and pk.seq_len % (2 * dims.cp) == 0 or dims.cp == 1 and pk.seq_len % dims.tp == 0,
+           f"data.pack.seq_len={pk.seq_len} must be divisible by tp={dims.tp} (sequence parallel) and by 2*cp="
+           f"{2 * dims.cp} (load-balanced context parallel)")
+    streams = d.streams if d.streams else dims.dp * max(1, d.num_workers)
+    _check(streams % dims.dp == 0 and (streams // dims.dp) % max(1, d.num_workers) == 0,
+           f"data.streams={d.streams} must be a multiple of dp x num_workers = {dims.dp} x {max(1, d.num_workers)}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

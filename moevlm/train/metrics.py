@@ -1,0 +1,243 @@
+"""Step metrics and logging: one JSON line, TensorBoard scalars and a console line per logged step.
+
+    logger = MetricsLogger(run_dir, rank, total_steps, log_every)
+    if logger.should_log(step):
+        logger.log(step_record(step=step, loss=..., useful_tokens=..., flops=..., ...))
+    logger.close()
+
+Conventions:
+- Throughput is PER DEVICE: `tokens_per_s` = global useful tokens / step time /
+  world size, `tflops` = global model FLOPs / step time / world size / 1e12.
+  The step time is the wall time of the whole step (data wait included).
+- Useful tokens are the text tokens of real samples: padding excluded (the
+  packer's `useful_tokens`, summed over micro-batches and ranks).
+- FLOPs are model FLOPs from `moevlm.model.flops.count_flops` (2*m*k*n per
+  matmul, attention as the full L x L square per document, experts at top-k,
+  training = 3 x forward, recompute not counted).  count_flops counts whatever
+  documents it is given; the trainer passes the real documents' lengths, not
+  the padding segment, so MFU, like tokens/s, counts useful work only.
+- MFU = tflops / dense bf16 peak of the device (no sparsity), from
+  `PEAK_TFLOPS` by device name.  On CPU or an unknown GPU it is null, never
+  guessed; set config `train.peak_tflops` to override the peak.
+- `mem_gib` is the peak allocated CUDA memory since the last
+  `reset_peak_memory`, or on CPU the process's max RSS (never reset).
+- Expert load: max over layers of (max expert count / mean expert count) of the
+  routed-token counts; 1.0 is perfect balance, null without MoE layers.
+- Non-finite numbers are written to metrics.jsonl as the strings "nan", "inf",
+  "-inf" (valid JSON; `float()` reads them back), so a NaN loss stays visible
+  as such rather than looking like a missing value.
+- Only rank 0 writes; every line is flushed, so a killed run keeps its log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+# Dense peak TFLOP/s (no sparsity) by lower-case substring of torch.cuda.get_device_name();
+# the longest matching key wins ("gb200" over "b200", "h100 nvl" over "h100").
+# Sources: NVIDIA H100/H200/HGX B200/GB200 NVL72/A100/L40S and AMD MI300X datasheets
+# (sparse figures halved).  fp16 peaks equal bf16.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h100": {"bf16": 989.4, "fp8": 1978.9},  # SXM ("NVIDIA H100 80GB HBM3")
+    "h100 pcie": {"bf16": 756.0, "fp8": 1513.0},
+    "h100 nvl": {"bf16": 835.5, "fp8": 1670.5},
+    "h200": {"bf16": 989.4, "fp8": 1978.9},
+    "h200 nvl": {"bf16": 835.5, "fp8": 1670.5},
+    "gh200": {"bf16": 989.4, "fp8": 1978.9},  # Grace Hopper: an H100-class GPU
+    "b200": {"bf16": 2250.0, "fp8": 4500.0},
+    "gb200": {"bf16": 2500.0, "fp8": 5000.0},
+    "a100": {"bf16": 312.0},
+    "l40s": {"bf16": 362.0, "fp8": 733.0},
+    "mi300x": {"bf16": 1307.4, "fp8": 2614.9},
+}
+_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "bf16", "float16": "bf16", "fp8": "fp8"}
+
+
+def peak_tflops_for_name(name: str, dtype: str = "bf16") -> float | None:
+    """Table lookup by device name; None when the device or the dtype is not in the table."""
+    matches = [k for k in PEAK_TFLOPS if k in name.lower()]
+    if not matches:
+        return None
+    return PEAK_TFLOPS[max(matches, key=len)].get(_DTYPES.get(dtype, dtype))
+
+
+def device_name(device: torch.device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def device_peak_tflops(device: torch.device, dtype: str = "bf16", override: float | None = None) -> float | None:
+    """`override` (config train.peak_tflops; 0 or None = unset) wins; CPU and unknown GPUs -> None."""
+    if override:
+        return float(override)
+    if torch.device(device).type != "cuda":
+        return None
+    return peak_tflops_for_name(device_name(device), dtype)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def expert_load_max_over_mean(counts_LE: torch.Tensor | None) -> float | None:
+    """max over layers of max_e / mean_e of routed-token counts (layers x experts); empty layers ignored."""
+    if counts_LE is None or counts_LE.numel() == 0:
+        return None
+    c = counts_LE.detach().double().reshape(-1, counts_LE.shape[-1])
+    mean_L = c.mean(-1)
+    used = mean_L > 0
+    if not used.any():
+        return None
+    return float((c.max(-1).values[used] / mean_L[used]).max())
+
+
+def _num(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def step_record(*, step: int, loss, lr: float, step_time_s: float, useful_tokens: int, flops: float,
+                world_size: int, peak_tflops: float | None, aux_loss=None, grad_norm=None,
+                data_wait_s: float = 0.0, expert_counts: torch.Tensor | None = None,
+                skipped: dict[str, int] | None = None, nonfinite_steps: int = 0,
+                mem_gib: float | None = None) -> dict:
+    """The JSON record of one logged step.  Time, tokens and FLOPs may be one step's or sums over
+    the logging window; tokens and FLOPs are global (all ranks), the rates come out per device."""
+    per_dev_s = step_time_s * world_size if step_time_s > 0 else math.nan
+    tflops = flops / per_dev_s / 1e12
+    skipped = dict(sorted((skipped or {}).items()))
+    return {
+        "step": int(step), "loss": _num(loss), "aux_loss": _num(aux_loss), "grad_norm": _num(grad_norm),
+        "lr": float(lr), "tokens_per_s": useful_tokens / per_dev_s, "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None, "flops": float(flops),
+        "step_time_s": float(step_time_s),
+        "data_wait_frac": data_wait_s / step_time_s if step_time_s > 0 else None,
+        "mem_gib": _num(mem_gib), "expert_load_max_over_mean": expert_load_max_over_mean(expert_counts),
+        "bad_samples": sum(skipped.values()), "bad_samples_by_reason": skipped,
+        "nonfinite_steps": int(nonfinite_steps),
+    }
+
+
+def fmt_count(x: float) -> str:
+    """12345 -> '12.3k', 4.5e6 -> '4.5M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{suffix}"
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def json_safe(x):
+    """Replaces non-finite floats (nested in dicts/lists too) by 'nan', 'inf', '-inf'."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+_TB_TAGS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "grad_norm": "train/grad_norm",
+            "lr": "train/lr", "tokens_per_s": "perf/tokens_per_s", "tflops": "perf/tflops",
+            "mfu": "perf/mfu", "step_time_s": "perf/step_time_s", "mem_gib": "memory/peak_gib",
+            "data_wait_frac": "data/wait_frac", "expert_load_max_over_mean": "moe/load_max_over_mean",
+            "bad_samples": "data/bad_samples", "nonfinite_steps": "train/nonfinite_steps"}
+
+
+def console_line(r: dict, total_steps: int) -> str:
+    w = len(str(total_steps))
+    parts = [f"step {r['step']:>{w}}/{total_steps}", f"loss {r['loss']:.4f}"]
+    if r.get("aux_loss") is not None:
+        parts.append(f"aux {r['aux_loss']:.3g}")
+    if r.get("grad_norm") is not None:
+        parts.append(f"gnorm {r['grad_norm']:.3g}")
+    parts += [f"lr {r['lr']:.1e}", f"{fmt_count(r['tokens_per_s'])} tok/s/dev", f"{r['tflops']:.3g} TFLOP/s"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("mem_gib") is not None:
+        parts.append(f"mem {r['mem_gib']:.1f} GiB")
+    if r.get("data_wait_frac") is not None:
+        parts.append(f"data {100 * r['data_wait_frac']:.0f}%")
+    if r.get("expert_load_max_over_mean") is not None:
+        parts.append(f"load {r['expert_load_max_over_mean']:.1f}x")
+    parts.append(f"skipped {r.get('bad_samples', 0)}")
+    if r.get("nonfinite_steps"):
+        parts.append(f"nonfinite {r['nonfinite_steps']}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """metrics.jsonl + TensorBoard (run_dir/tb) + console (tqdm bar on a TTY); rank 0 only."""
+
+    def __init__(self, run_dir: Path, rank: int, total_steps: int, log_every: int,
+                 tensorboard: bool = True, progress: bool | None = None):
+        self.total_steps, self.log_every = total_steps, max(1, log_every)
+        self.active = rank == 0
+        self._file = self._tb = self._bar = None
+        if not self.active:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        if progress if progress is not None else sys.stdout.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, dynamic_ncols=True)
+
+    def should_log(self, step: int) -> bool:
+        """Every log_every steps, the first and the last (the trainer builds records only then)."""
+        return step % self.log_every == 0 or step in (1, self.total_steps)
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        self._file.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, tag in _TB_TAGS.items():
+                if record.get(key) is not None:
+                    self._tb.add_scalar(tag, record[key], step)
+            for reason, n in record.get("bad_samples_by_reason", {}).items():
+                self._tb.add_scalar(f"data/bad_samples/{reason}", n, step)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.update(max(0, step - self._bar.n))
+        self.info(console_line(record, self.total_steps))
+
+    def info(self, msg: str) -> None:
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        for h in (self._bar, self._tb, self._file):
+            if h is not None:
+                h.close()
+        self._file = self._tb = self._bar = None
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,89 @@
+"""AdamW and the learning-rate schedules.
+
+Design choices:
+- Two parameter groups: matrices (and 3-D expert weights, the router) decay;
+  norms, biases and embeddings (`embed_tokens`, the vision `pos_embed`) do not,
+  unless `optim.decay_norms_biases_embeddings=true` (the Megatron and
+  torchtitan defaults agree on excluding them).  Frozen parameters are left out.
+- `implementation=auto` takes the fused kernel where the parameters' device has
+  one (CUDA, and CPU in recent torch), else foreach; the update is the same.
+- Schedules are a multiplier of `optim.lr` after a linear warmup from lr/warmup:
+  `cosine` to `min_lr_ratio` at the last step; `wsd` (warmup-stable-decay)
+  holds the peak, then decays over the last `decay_fraction` of the steps
+  (linear, cosine or 1-sqrt) to `min_lr_ratio`; `constant`.
+  The multiplier is a picklable object, so the scheduler's state_dict
+  round-trips through checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from moevlm.model.config import ConfigError
+
+
+def param_groups(model: nn.Module, o) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exempt = p.ndim < 2 or "embed" in name
+        (no_decay if exempt and not o.decay_norms_biases_embeddings else decay).append(p)
+    groups = [{"params": decay, "weight_decay": o.weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, o) -> torch.optim.AdamW:
+    groups = param_groups(model, o)
+    if not groups:
+        raise ConfigError("no trainable parameters (is everything frozen?)")
+    kind = o.implementation
+    if kind == "auto":
+        device = groups[0]["params"][0].device
+        kind = "fused" if _has_fused(device) else "foreach"
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[kind]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, **flags)
+
+
+def _has_fused(device: torch.device) -> bool:
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        return device.type in _get_fused_kernels_supported_devices()
+    except ImportError:  # private helper moved: foreach is always available
+        return False
+
+
+class LRSchedule:
+    """lr multiplier at step s (0-based: the multiplier of the first update is f(0))."""
+
+    def __init__(self, o, steps: int):
+        self.kind, self.steps, self.warmup = o.schedule, steps, o.warmup_steps
+        self.min_ratio, self.decay_fraction, self.decay_shape = o.min_lr_ratio, o.decay_fraction, o.decay_shape
+
+    def __call__(self, s: int) -> float:
+        if s < self.warmup:
+            return (s + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "cosine":
+            span = max(1, self.steps - self.warmup - 1)
+            return self._down(min(1.0, (s - self.warmup) / span), "cosine")
+        decay_steps = max(1, round(self.decay_fraction * self.steps))
+        start = self.steps - decay_steps
+        if s < start:
+            return 1.0
+        return self._down(min(1.0, (s - start + 1) / decay_steps), self.decay_shape)
+
+    def _down(self, x: float, shape: str) -> float:
+        """From 1 at x=0 to min_ratio at x=1."""
+        frac = {"linear": 1 - x, "cosine": 0.5 * (1 + math.cos(math.pi * x)), "sqrt": 1 - math.sqrt(x)}[shape]
+        return self.min_ratio + (1 - self.min_ratio) * frac
+
+
+def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(o, steps))

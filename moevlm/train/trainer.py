@@ -1,0 +1,349 @@
+"""The training job: set up once, then optimizer steps until `train.steps`.
+
+    trainer = Trainer(job)          # validated config (moevlm.train.config)
+    code = trainer.run()            # 0 ok, 1 loss did not fall (when required), 3 stopped on non-finite
+
+Order of set-up (nothing large is allocated before the config is validated):
+validate -> process group -> run dir -> logger -> data -> model on meta ->
+`parallelize` -> materialise + init or HF load -> freeze -> optimizer +
+schedule -> resume from the newest complete checkpoint.
+
+Design choices:
+- One optimizer step = `grad_accum` micro-batches per data-parallel rank, each
+  `micro_batch_size` packed rows; all micro-batches of a step are fetched
+  first, so the loss can be normalised by the step's global count of loss
+  tokens (all micro-batches, all ranks) before any backward: every token
+  weighs the same whatever the packing, accumulation or layout.  The aux
+  loss is averaged over micro-batches.  Padding is kept out of the router
+  statistics (`token_mask`).
+- Non-finite loss or gradient norm: `skip` zeroes the gradients and skips the
+  optimizer and schedule step (the data is consumed, the step counted);
+  `stop` (or `max_nonfinite_steps` skips in a row) checkpoints and exits 3.
+- FLOPs for TFLOP/s and MFU are counted per row from the real documents and
+  images (padding excluded), so MFU, like tokens/s, is useful work.
+- Checkpoints hold model, optimizer, schedule, counters, and per rank the
+  data-loader state and RNG states; resuming continues bit-exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from moevlm.data.build_shards import build_sample
+from moevlm.data.loader import build_loader, merge_states
+from moevlm.data.packing import stack_rows
+from moevlm.model import Qwen3VLMoe, count_flops
+from moevlm.parallel import parallelize
+from moevlm.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from moevlm.train.config import validate
+from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
+                                  step_record)
+from moevlm.train.optim import build_optimizer, build_scheduler
+
+EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE = 0, 1, 3
+_STARTED = datetime.now()
+
+
+class Trainer:
+    def __init__(self, job, sweep_job: int | None = None):
+        self.job, self.t = job, job.train
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        self.plan = validate(job, self.world)
+        self.device = _device(self.t.device)
+        self._init_process_group()
+        self.run_dir = self._run_dir(sweep_job)
+        self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
+                                 self.t.progress)
+        self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
+        self.losses: list[float] = []
+        _seed(self.t.seed, self.t.deterministic)
+        self.loader = self._build_loader()
+        self.model = self._build_model()
+        self.opt = build_optimizer(self.model, job.optim)
+        self.sched = build_scheduler(self.opt, job.optim, self.t.steps)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
+        self._resume()
+        self.peak = device_peak_tflops(self.device, "bf16" if self._bf16 else "fp32", self.t.peak_tflops)
+
+    # ------------------------------------------------------------------ set-up
+    def _init_process_group(self) -> None:
+        if self.world > 1 and not dist.is_initialized():
+            backend = self.job.parallel.backend
+            if backend == "auto":
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+
+    def _run_dir(self, sweep_job: int | None) -> Path:
+        """One directory for every rank: rank 0 names it, the others receive it.
+        A sweep's jobs get a subdirectory each (their number)."""
+        path = os.path.join(self.t.run_dir or os.path.join("outputs", _STARTED.strftime("%Y-%m-%d/%H-%M-%S")),
+                            "" if sweep_job is None else str(sweep_job))
+        if self.world > 1:
+            box = [os.path.abspath(path)]
+            dist.broadcast_object_list(box, src=0)
+            path = box[0]
+        run_dir = Path(path).absolute()
+        if self.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.job))
+        return run_dir
+
+    def _build_loader(self):
+        d = self.job.data
+        if d.shards == "sample":
+            d = OmegaConf.to_object(d) if OmegaConf.is_config(d) else d
+            shards = self.run_dir / "sample_data"
+            if self.rank == 0 and not (shards / "summary.json").exists():
+                s = build_sample(shards, progress=False, overwrite=True)
+                self.log.info(f"sample set: {s['samples']} samples {s['kinds']}, {s['images']} images, "
+                              f"{len(s['shards'])} shards in {shards}")
+            _barrier()
+            d.shards = str(shards)
+        elif OmegaConf.is_config(d):
+            d = OmegaConf.to_object(d)
+        dims = self.plan.dims
+        return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp)
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg, m = self.plan.model, self.job.model
+        with torch.device("meta"):
+            model = Qwen3VLMoe(cfg)
+        model = parallelize(model, self.plan.dims, self.job)
+        model.to_empty(device=self.device)
+        model.init_weights()
+        if m.hf_checkpoint:
+            from moevlm.model.hf import load_weights_
+
+            load_weights_(model, m.hf_checkpoint)
+        if m.freeze_vision:
+            model.vision.requires_grad_(False)
+        n = sum(p.numel() for p in model.parameters())
+        self.log.info(f"model: {n / 1e6:.1f}M parameters ({self.plan.dims.describe()}), "
+                      f"{self.plan.grad_accum} micro-batches x {self.t.micro_batch_size} rows per step, "
+                      f"run dir {self.run_dir}")
+        return model
+
+    @property
+    def _bf16(self) -> bool:
+        return self.t.precision == "bf16" or (self.t.precision == "auto" and self.device.type == "cuda")
+
+    # ------------------------------------------------------------- checkpoints
+    def _resume(self) -> None:
+        r = self.t.resume
+        path = None if r == "none" else self.ckpt.latest() if r == "auto" else Path(r)
+        if path is None:
+            return
+        got = self.ckpt.load(path, model=self.model, optimizer=self.opt,
+                             extra={"scheduler": self.sched, "counters": {}}, per_rank={"rng": None})
+        counters = got["extra"]["counters"]
+        self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
+        self.losses = list(counters["losses"])
+        self.loader.load_state_dict(merge_states(self.ckpt.load_all_ranks(path, "data")))
+        if got["per_rank"].get("rng") is not None:
+            set_rng_state(got["per_rank"]["rng"])
+        self.log.info(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> Path:
+        counters = {"step": self.step, "nonfinite_steps": self.nonfinite_steps, "losses": list(self.losses)}
+        return self.ckpt.save(self.step, model=self.model, optimizer=self.opt,
+                              extra={"scheduler": self.sched, "counters": counters},
+                              per_rank={"data": self.loader.state_dict(), "rng": rng_state()})
+
+    # -------------------------------------------------------------------- loop
+    def run(self) -> int:
+        t_start, first_step = time.perf_counter(), self.step
+        window = Window()
+        code = EXIT_OK
+        try:
+            while self.step < self.t.steps:
+                ok = self.train_step(window)
+                if not ok and (self.t.nonfinite == "stop" or self.in_a_row >= self.t.max_nonfinite_steps):
+                    path = self.save()
+                    self.log.info(f"stopping at step {self.step}: non-finite loss or gradients "
+                                  f"({self.in_a_row} step(s) in a row; train.nonfinite={self.t.nonfinite}); "
+                                  f"checkpoint {path} holds the weights before this step. Lower optim.lr, "
+                                  "check the data, or use train.nonfinite=skip")
+                    return EXIT_NONFINITE
+                if self.log.should_log(self.step) or not ok:
+                    self.log.log(window.record(self))
+                    window = Window()
+                if self._checkpoint_due():
+                    self.save()
+            if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
+                self.save()
+            if self.t.export_hf and self.rank == 0:
+                self.model.save_pretrained(self.t.export_hf)
+                self.log.info(f"exported Hugging Face checkpoint to {self.t.export_hf}")
+            code = self._summary(time.perf_counter() - t_start, self.step - first_step)
+        finally:
+            self.close()
+        return code
+
+    def _checkpoint_due(self) -> bool:
+        return bool(self.t.checkpoint_every) and self.step % self.t.checkpoint_every == 0
+
+    def train_step(self, window: Window) -> bool:
+        """One optimizer step; False when it was skipped for non-finite values."""
+        t0, wait0 = time.perf_counter(), self.loader.wait_s
+        micro = [self._micro_batch() for _ in range(self.plan.grad_accum)]
+        totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
+                              sum(m["flops"] for m in micro)], self.device)
+        loss_tokens = max(totals[0], 1.0)
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum, counts = torch.zeros((), device=self.device), None
+        for mb in micro:
+            with self._autocast():
+                out = self.model(**mb["inputs"])
+            lm_sum = out.lm_loss * out.num_loss_tokens
+            aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
+            coef = self.plan.model.moe.router_aux_loss_coef
+            # gradient reduction across dp averages; scale back to a sum over ranks
+            (lm_sum * self.plan.dims.dp / loss_tokens + coef * aux / len(micro)).backward()
+            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / len(micro)
+            if out.expert_counts is not None:
+                counts = out.expert_counts if counts is None else counts + out.expert_counts
+        grad_norm = self._clip()
+        loss = _all_reduce_tensor(loss_sum) / loss_tokens
+        ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self.step += 1
+        self.losses.append(float(loss))
+        self._update(ok)
+        window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
+                   useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
+                   wait=self.loader.wait_s - wait0, counts=counts)
+        return ok
+
+    def _update(self, ok: bool) -> None:
+        self._lr_used = self.opt.param_groups[0]["lr"]
+        if ok:
+            self.opt.step()
+            self.sched.step()
+            self.in_a_row = 0
+        else:
+            self.nonfinite_steps += 1
+            self.in_a_row += 1
+        self.opt.zero_grad(set_to_none=True)
+
+    def _clip(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else math.inf
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def _micro_batch(self) -> dict:
+        rows = [next(self.loader) for _ in range(self.t.micro_batch_size)]
+        flops = sum(self._row_flops(r) for r in rows)
+        b = stack_rows(rows)
+        S = b["input_ids"].shape[1]
+        mask = torch.stack([torch.arange(S) < r["useful_tokens"] for r in rows])
+        inputs = {k: b[k].to(self.device, non_blocking=True) for k in
+                  ("input_ids", "pixel_values", "image_grid_thw", "position_ids", "cu_seqlens", "labels")}
+        inputs["token_mask"] = mask.to(self.device, non_blocking=True)
+        if b["num_images"] == 0:
+            inputs["pixel_values"] = inputs["image_grid_thw"] = None
+        return {"inputs": inputs, "loss_tokens": b["loss_tokens"], "useful_tokens": b["useful_tokens"],
+                "flops": flops}
+
+    def _row_flops(self, row: dict) -> float:
+        cu = row["cu_seqlens"][:row["num_samples"] + 1].tolist()
+        docs = [b - a for a, b in zip(cu, cu[1:])]
+        grids = row["image_grid_thw"][:row["num_images"]]
+        return count_flops(self.plan.model, docs, grids, training=True,
+                           freeze_vision=self.job.model.freeze_vision).total
+
+    def _autocast(self):
+        if self._bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------- finish
+    def _summary(self, seconds: float, steps: int) -> int:
+        real = [x for x in self.losses if math.isfinite(x)]
+        self.log.info(f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
+                      f"data {self.loader.stats()}")
+        if self.t.require_loss_decrease and len(real) >= 6:
+            first, last = sum(real[:3]) / 3, sum(real[-3:]) / 3
+            if not last < first:
+                self.log.info(f"FAIL: loss did not fall (first 3 steps {first:.4f}, last 3 {last:.4f})")
+                return EXIT_NO_PROGRESS
+            self.log.info(f"ok: mean loss of the first 3 steps {first:.4f} -> last 3 {last:.4f}")
+        return EXIT_OK
+
+    def close(self) -> None:
+        self.loader.close()
+        self.log.close()
+
+
+class Window:
+    """Sums over the steps between two log lines."""
+
+    def __init__(self):
+        self.steps, self.loss, self.aux, self.tokens, self.flops, self.seconds, self.wait = 0, 0.0, 0.0, 0, 0.0, 0.0, 0.0
+        self.counts, self.last = None, {}
+
+    def add(self, *, loss, aux, grad_norm, lr, useful_tokens, flops, seconds, wait, counts) -> None:
+        self.steps += 1
+        self.loss, self.aux = self.loss + loss, self.aux + aux
+        self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
+        self.seconds, self.wait = self.seconds + seconds, self.wait + wait
+        if counts is not None:
+            self.counts = counts if self.counts is None else self.counts + counts
+        self.last = {"grad_norm": grad_norm, "lr": lr}
+
+    def record(self, tr: Trainer) -> dict:
+        n = max(self.steps, 1)
+        stats = tr.loader.stats()
+        rec = step_record(step=tr.step, loss=self.loss / n, aux_loss=self.aux / n, lr=self.last["lr"],
+                          grad_norm=self.last["grad_norm"], step_time_s=self.seconds, useful_tokens=int(self.tokens),
+                          flops=self.flops, world_size=tr.world, peak_tflops=tr.peak, data_wait_s=self.wait,
+                          expert_counts=self.counts, skipped=stats["skipped"], nonfinite_steps=tr.nonfinite_steps,
+                          mem_gib=peak_memory_gib(tr.device))
+        rec["steps_in_window"] = self.steps
+        reset_peak_memory(tr.device)
+        return rec
+
+
+# ------------------------------------------------------------------- helpers
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(name)
+
+
+def _seed(seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_reduce(values: list[float], device: torch.device) -> list[float]:
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t

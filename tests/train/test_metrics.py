@@ -1,0 +1,106 @@
+"""Metrics: record arithmetic, peak table, JSONL/TensorBoard/console output, rank gating."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, expert_load_max_over_mean, fmt_count,
+                                  peak_memory_gib, peak_tflops_for_name, step_record)
+
+
+def strict_json(token):
+    raise ValueError(f"not valid JSON: {token}")  # json.loads accepts bare NaN/Infinity by default
+
+
+def record(**kw):
+    args = dict(step=10, loss=2.5, aux_loss=0.01, grad_norm=1.5, lr=2e-3, step_time_s=2.0, data_wait_s=0.5,
+                useful_tokens=40_000, flops=8e14, world_size=4, peak_tflops=400.0,
+                skipped={"too_long": 2, "bad_image": 1}, nonfinite_steps=0, mem_gib=1.25)
+    return step_record(**(args | kw))
+
+
+def test_record_arithmetic_per_device():
+    r = record()
+    assert r["tokens_per_s"] == pytest.approx(40_000 / 2.0 / 4)
+    assert r["tflops"] == pytest.approx(8e14 / 2.0 / 4 / 1e12)  # 100 TFLOP/s per device
+    assert r["mfu"] == pytest.approx(0.25)
+    assert r["flops"] == 8e14
+    assert r["data_wait_frac"] == pytest.approx(0.25)
+    assert r["bad_samples"] == 3 and r["bad_samples_by_reason"] == {"bad_image": 1, "too_long": 2}
+    assert r["expert_load_max_over_mean"] is None
+
+
+def test_mfu_null_without_peak_and_on_cpu():
+    cpu = torch.device("cpu")
+    assert device_peak_tflops(cpu) is None
+    assert device_peak_tflops(cpu, override=123.0) == 123.0
+    assert record(peak_tflops=device_peak_tflops(cpu))["mfu"] is None
+    assert peak_memory_gib(cpu) > 0
+
+
+@pytest.mark.parametrize("name,bf16", [
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.5),
+    ("NVIDIA H200", 989.4), ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("AMD Instinct MI300X", 1307.4),
+    ("NVIDIA GeForce GTX 1080", None),
+])
+def test_peak_table_by_name(name, bf16):
+    assert peak_tflops_for_name(name) == bf16
+    if bf16 is not None and "A100" not in name:
+        assert peak_tflops_for_name(name, "fp8") == pytest.approx(2 * bf16, rel=0.02)  # L40S: 733 vs 2 x 362
+    assert peak_tflops_for_name("NVIDIA A100-SXM4-80GB", "fp8") is None
+
+
+def test_expert_load():
+    counts_LE = torch.tensor([[10, 10, 10, 10],   # balanced: 1.0
+                              [40, 0, 0, 0],      # all on one: 4.0
+                              [0, 0, 0, 0]])      # empty layer: ignored
+    assert expert_load_max_over_mean(counts_LE) == pytest.approx(4.0)
+    assert expert_load_max_over_mean(counts_LE[:1]) == pytest.approx(1.0)
+    assert expert_load_max_over_mean(counts_LE[2:]) is None
+    assert record(expert_counts=counts_LE)["expert_load_max_over_mean"] == pytest.approx(4.0)
+
+
+def test_fmt_count():
+    assert [fmt_count(x) for x in (999, 12_345, 4.5e6, 2.5)] == ["999", "12.3k", "4.5M", "2.5"]
+
+
+def test_jsonl_tensorboard_console(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, rank=0, total_steps=100, log_every=10, progress=False) as log:
+        assert log.should_log(1) and log.should_log(20) and log.should_log(100) and not log.should_log(15)
+        log.log(record(step=10, expert_counts=torch.tensor([[3, 1]])))
+        log.log(record(step=20, loss=float("nan"), grad_norm=float("inf"), peak_tflops=None))
+        log.info("hello")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line, parse_constant=strict_json) for line in lines]
+    for r in recs:
+        assert {"step", "loss", "tokens_per_s", "tflops", "mfu"} <= r.keys()
+    assert recs[1]["loss"] == "nan" and math.isnan(float(recs[1]["loss"])) and recs[1]["grad_norm"] == "inf"
+    assert recs[1]["mfu"] is None
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step  10/100 | loss 2.5000 |") and "100 TFLOP/s" in out[0]
+    assert "5.0k tok/s/dev" in out[0] and "MFU 25.0%" in out[0] and "load 1.5x" in out[0]
+    assert "MFU" not in out[1] and out[2] == "hello"
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss", "perf/tflops", "perf/mfu", "perf/tokens_per_s", "memory/peak_gib",
+                "data/wait_frac", "moe/load_max_over_mean", "data/bad_samples", "data/bad_samples/too_long"):
+        assert tag in tags
+    assert [(e.step, e.value) for e in acc.Scalars("perf/tflops")] == [(10, 100.0), (20, 100.0)]
+    assert [e.step for e in acc.Scalars("perf/mfu")] == [10]
+
+
+def test_nonzero_rank_writes_nothing(tmp_path, capsys):
+    log = MetricsLogger(tmp_path / "run", rank=1, total_steps=10, log_every=1, progress=False)
+    log.log(record())
+    log.info("hi")
+    log.close()
+    assert not (tmp_path / "run").exists()
+    assert capsys.readouterr().out == ""

@@ -1,0 +1,202 @@
+"""The trainer end to end on the embedded default (tiny model, real sample data, CPU, fp32).
+
+In-process runs check metrics, FLOP accounting and the non-finite policies;
+subprocess runs (`train.py` as users launch it) check the exact resume after a
+SIGKILL and a Hydra multirun sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from moevlm.data.loader import build_loader
+from moevlm.model import count_flops
+from moevlm.model.config import ConfigError
+from moevlm.train.checkpoint import CheckpointManager
+from moevlm.train.config import compose_job, validate
+from moevlm.train.trainer import EXIT_NONFINITE, Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["data.num_workers=1", "data.streams=1", "train.log_every=1", "train.tensorboard=true"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_loss_per_step(run_dir: Path) -> dict[int, float]:
+    """A resumed run logs the steps after its checkpoint again: the last line per step wins."""
+    return {r["step"]: float(r["loss"]) for r in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    job = compose_job(FAST + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=2"])
+    trainer = Trainer(job)
+    code = trainer.run()
+    return job, run_dir, code
+
+
+def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
+    job, run_dir, code = default_run
+    assert code == 0
+    recs = read_metrics(run_dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        assert {"step", "loss", "tokens_per_s", "tflops", "mfu", "aux_loss", "grad_norm", "lr", "mem_gib",
+                "data_wait_frac", "expert_load_max_over_mean", "bad_samples", "nonfinite_steps"} <= set(r)
+        assert math.isfinite(r["loss"]) and r["mfu"] is None  # no peak for a CPU: MFU is not guessed
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    ckpts = CheckpointManager(run_dir / "checkpoints", keep=2).complete()
+    assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
+    """Rebuild the same loader and recount: FLOPs from the FLOP counter on each row's real documents and
+    images, tokens without padding."""
+    job, run_dir, _ = default_run
+    plan = validate(job)
+    data = job.data.copy()
+    data.shards = str(run_dir / "sample_data")
+    loader = build_loader(OmegaConf.to_object(data), plan.model)
+    rows_per_step = job.train.global_batch_size
+    for rec in read_metrics(run_dir):
+        flops = tokens = padded = 0
+        for _ in range(rows_per_step):
+            row = next(loader)
+            cu = row["cu_seqlens"].tolist()[:row["num_samples"] + 1]
+            docs = [b - a for a, b in zip(cu, cu[1:])]
+            flops += count_flops(plan.model, docs, row["image_grid_thw"][:row["num_images"]]).total
+            tokens, padded = tokens + row["useful_tokens"], padded + row["padded_tokens"]
+        assert rec["flops"] == pytest.approx(flops, rel=1e-12)
+        assert rec["tflops"] == pytest.approx(flops / rec["step_time_s"] / 1e12, rel=1e-9)
+        assert rec["tokens_per_s"] * rec["step_time_s"] == pytest.approx(tokens, rel=1e-9)
+        assert padded > 0  # the packed rows do carry padding, and it was not counted
+    loader.close()
+
+
+def _nan_at(trainer: Trainer, bad_steps: set[int]) -> None:
+    """Inject NaN into the LM head's output (so into the loss and every gradient) during the given steps."""
+    def hook(module, args, logits):
+        return logits * float("nan") if trainer.step + 1 in bad_steps else logits
+    trainer.model.lm_head.register_forward_hook(hook)
+
+
+def test_nonfinite_skip_counts_and_leaves_weights(tmp_path):
+    job = compose_job(FAST + ["train.steps=3", f"train.run_dir={tmp_path}", "train.nonfinite=skip",
+                              "train.checkpoint_at_end=false", "train.require_loss_decrease=false"])
+    trainer = Trainer(job)
+    _nan_at(trainer, {2})
+    window_steps = []
+    orig = trainer.train_step
+
+    def spy(window):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        ok = orig(window)
+        same = all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+        window_steps.append((trainer.step, ok, same))
+        return ok
+    trainer.train_step = spy
+    assert trainer.run() == 0
+    assert window_steps == [(1, True, False), (2, False, True), (3, True, False)]
+    recs = read_metrics(tmp_path)
+    assert [r["nonfinite_steps"] for r in recs] == [0, 1, 1]
+    assert recs[1]["loss"] == "nan" and trainer.sched.last_epoch == 2  # the schedule skipped it too
+
+
+def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
+    job = compose_job(FAST + ["train.steps=4", f"train.run_dir={tmp_path}", "train.nonfinite=stop"])
+    trainer = Trainer(job)
+    _nan_at(trainer, {2})
+    assert trainer.run() == EXIT_NONFINITE
+    assert "non-finite" in capsys.readouterr().out
+    latest = CheckpointManager(tmp_path / "checkpoints").latest()
+    assert latest is not None and latest.name == "step_00000002"
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["train.global_batch_size=3", "train.micro_batch_size=2"], 1, "multiple of micro_batch_size"),
+    (["parallel.world_size=8"], 1, "launch 8"),
+    (["parallel.tp=3"], 1, r"not divisible by tp\*cp"),
+    (["optim.schedule=linear"], 1, "optim.schedule='linear'"),
+    (["data.shards="], 1, "data.shards is not set"),
+    (["parallel.ep=2"], 2, "model.dispatcher='local'"),
+    (["train.global_batch_size=3"], 2, "micro_batch_size x dp = 1 x 2 = 2; e.g. train.global_batch_size=4"),
+    (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
+])
+def test_validation_says_what_to_change(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_job(overrides), world)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_and_validates(name):
+    job = compose_job([f"+experiment={name}", "data.shards='/datasets/shards/{000000..000999}.tar'"])
+    plan = validate(job, job.parallel.world_size or 1)
+    dims = plan.dims
+    assert job.train.global_batch_size == job.train.micro_batch_size * plan.grad_accum * dims.dp
+    if name.startswith(("h100", "gb200", "h200")):
+        assert plan.model.text.hidden_size == 2048 and plan.model.moe.num_experts == 128  # the real 30B-A3B widths
+
+
+# ------------------------------------------------------------------ subprocesses
+def launch(args: list[str], **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=kw.pop("cwd", REPO), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **kw)
+
+
+def test_resume_after_sigkill_is_exact(tmp_path):
+    """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
+    train.resume=auto: per-step losses equal the uninterrupted run's."""
+    common = ["train.steps=7", "train.checkpoint_every=1", "train.tensorboard=false", "train.keep_checkpoints=2"]
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    ref = launch(common + [f"train.run_dir={ref_dir}"])
+    out = ref.communicate(timeout=300)[0]
+    assert ref.returncode == 0, out
+    want = last_loss_per_step(ref_dir)
+
+    kill_after = random.Random(time.time_ns()).randint(2, 5)
+    job = launch(common + [f"train.run_dir={cut_dir}"])
+    deadline = time.time() + 300
+    while time.time() < deadline and job.poll() is None:
+        if (cut_dir / "metrics.jsonl").exists() and len(read_metrics(cut_dir)) >= kill_after:
+            break
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)  # the whole job, data workers included, as a scheduler kills it
+    job.communicate()
+    assert job.returncode == -signal.SIGKILL, f"the run ended before the kill at step {kill_after}"
+    resumed = launch(common + [f"train.run_dir={cut_dir}", "train.resume=auto"])
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out
+    got = last_loss_per_step(cut_dir)
+    assert sorted(got) == sorted(want) == list(range(1, 8))
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) <= 1e-6, (kill_after, diffs)
+
+
+def test_multirun_sweep_runs_each_job(tmp_path):
+    proc = launch(["-m", "optim.lr=1e-3,3e-4", "train.steps=2", f"train.run_dir={tmp_path}",
+                   "train.require_loss_decrease=false", "data.num_workers=1", "data.streams=1"])
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    for job, lr in ((0, 1e-3), (1, 3e-4)):
+        run = tmp_path / str(job)
+        assert OmegaConf.load(run / "config.yaml").optim.lr == lr
+        assert [r["step"] for r in read_metrics(run)] == [1, 2]
