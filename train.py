@@ -23,8 +23,8 @@ def main(cfg) -> None:
     from moevlm.train.trainer import Trainer
 
     hc = HydraConfig.get()
-    sweep_job = hc.job.num if hc.mode == RunMode.MULTIRUN else None
-    code = Trainer(cfg, sweep_job=sweep_job).run()
+    sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
+    code = Trainer(cfg, sweep=sweep).run()
     if code:
         sys.exit(code)
 

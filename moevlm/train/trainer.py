@@ -54,13 +54,13 @@ _STARTED = datetime.now()
 
 
 class Trainer:
-    def __init__(self, job, sweep_job: int | None = None):
+    def __init__(self, job, sweep: tuple[str, int] | None = None):
         self.job, self.t = job, job.train
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.plan = validate(job, self.world)
         self.device = _device(self.t.device)
         self._init_process_group()
-        self.run_dir = self._run_dir(sweep_job)
+        self.run_dir = self._run_dir(sweep)
         self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
                                  self.t.progress)
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
@@ -84,11 +84,14 @@ class Trainer:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend)
 
-    def _run_dir(self, sweep_job: int | None) -> Path:
+    def _run_dir(self, sweep: tuple[str, int] | None) -> Path:
         """One directory for every rank: rank 0 names it, the others receive it.
-        A sweep's jobs get a subdirectory each (their number)."""
-        path = os.path.join(self.t.run_dir or os.path.join("outputs", _STARTED.strftime("%Y-%m-%d/%H-%M-%S")),
-                            "" if sweep_job is None else str(sweep_job))
+        A sweep's jobs get a subdirectory each (their number) of train.run_dir,
+        or else of the sweep directory."""
+        if sweep is None:
+            path = self.t.run_dir or os.path.join("outputs", _STARTED.strftime("%Y-%m-%d/%H-%M-%S"))
+        else:
+            path = os.path.join(self.t.run_dir or sweep[0], str(sweep[1]))
         if self.world > 1:
             box = [os.path.abspath(path)]
             dist.broadcast_object_list(box, src=0)

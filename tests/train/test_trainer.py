@@ -192,11 +192,14 @@ def test_resume_after_sigkill_is_exact(tmp_path):
 
 
 def test_multirun_sweep_runs_each_job(tmp_path):
-    proc = launch(["-m", "optim.lr=1e-3,3e-4", "train.steps=2", f"train.run_dir={tmp_path}",
-                   "train.require_loss_decrease=false", "data.num_workers=1", "data.streams=1"])
+    """Run from an empty directory: the jobs land in the sweep directory, Hydra's multirun.yaml beside them."""
+    proc = launch(["-m", "optim.lr=1e-3,3e-4", "train.steps=2", "train.require_loss_decrease=false",
+                   "data.num_workers=1", "data.streams=1"], cwd=tmp_path)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out
+    (sweep_dir,) = [p.parent for p in tmp_path.glob("multirun/*/*/multirun.yaml")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
     for job, lr in ((0, 1e-3), (1, 3e-4)):
-        run = tmp_path / str(job)
+        run = sweep_dir / str(job)
         assert OmegaConf.load(run / "config.yaml").optim.lr == lr
         assert [r["step"] for r in read_metrics(run)] == [1, 2]
