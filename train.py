@@ -13,6 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
+from moevlm.model.config import ConfigError
 from moevlm.train.config import register_configs
 
 register_configs()
@@ -24,7 +25,12 @@ def main(cfg) -> None:
 
     hc = HydraConfig.get()
     sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
-    code = Trainer(cfg, sweep=sweep).run()
+    try:
+        trainer = Trainer(cfg, sweep=sweep)
+    except ConfigError as err:  # the message says what to change; a traceback would bury it
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    code = trainer.run()
     if code:
         sys.exit(code)
 

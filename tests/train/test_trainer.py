@@ -260,3 +260,12 @@ def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path):
     back = Qwen3VLMoe.from_pretrained(tmp_path / "hf_out")
     for k, v in back.state_dict().items():
         assert torch.equal(v, end[k]), k
+
+
+def test_config_error_exits_2_with_the_message_only(tmp_path):
+    proc = launch(["train.global_batch_size=3", "train.micro_batch_size=2"], cwd=tmp_path)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2
+    assert out.strip() == ("config error: train.global_batch_size=3 must be a multiple of micro_batch_size x dp = "
+                           "2 x 1 = 2; e.g. train.global_batch_size=4")
+    assert not list(tmp_path.iterdir())  # nothing was created
