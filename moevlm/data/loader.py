@@ -88,9 +88,21 @@ def fresh_state(stream: int) -> dict:
 
 def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> int:
     """The job's number of logical streams L, checked against the layout and the shards."""
-    w = max(1, cfg.num_workers)
     if not 0 <= rank < world:
         raise ValueError(f"data-parallel rank {rank} is outside 0..{world - 1}")
+    L = check_streams(cfg, world)
+    if num_shards < L:
+        w = max(1, cfg.num_workers)
+        what = f"data.streams={L} streams" if cfg.streams else \
+            f"{world} data-parallel ranks x {w} workers = {L} streams (data.streams=0: auto)"
+        raise ValueError(f"{num_shards} shards cannot feed {what} (each stream needs at least one shard); "
+                         "rebuild with a smaller --samples-per-shard or use fewer data.streams / data.num_workers")
+    return L
+
+
+def check_streams(cfg: DataConfig, world: int) -> int:
+    """L checked against the data-parallel size and the workers (no shards needed)."""
+    w = max(1, cfg.num_workers)
     if cfg.streams < 0:
         raise ValueError(f"data.streams={cfg.streams}; use 0 (auto) or a positive multiple of the data-parallel size")
     L = cfg.streams or world * w
@@ -101,11 +113,6 @@ def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> 
         raise ValueError(f"data.streams={L} gives {L // world} streams per data-parallel rank ({world} ranks), "
                          f"which data.num_workers={w} workers cannot share evenly; set data.num_workers to a "
                          f"divisor of {L // world} or data.streams to a multiple of {world * w}")
-    if num_shards < L:
-        what = f"data.streams={L} streams" if cfg.streams else \
-            f"{world} data-parallel ranks x {w} workers = {L} streams (data.streams=0: auto)"
-        raise ValueError(f"{num_shards} shards cannot feed {what} (each stream needs at least one shard); "
-                         "rebuild with a smaller --samples-per-shard or use fewer data.streams / data.num_workers")
     return L
 
 
@@ -327,12 +334,20 @@ class PackedLoader:
 def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1) -> PackedLoader:
     """Checks the data config against the model's (patch geometry, special token ids,
     budgets) before any worker starts, then returns the loader."""
-    im, pk = cfg.image, cfg.pack
+    check_config(cfg, model_cfg, world)
     tok = cfg.tokenizer or os.path.join(cfg.shards if os.path.isdir(cfg.shards) else os.path.dirname(cfg.shards),
                                          "tokenizer.json")
-    chat = ChatEncoder(load_tokenizer(tok))
     if model_cfg is not None:
-        chat.check_model(model_cfg)
+        ChatEncoder(load_tokenizer(tok)).check_model(model_cfg)
+    im = cfg.image
+    patch_dim = 3 * im.temporal_patch_size * im.patch_size**2
+    return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
+
+
+def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:
+    """Every check that needs no file: image geometry against the model, budgets, the streams' layout."""
+    im, pk = cfg.image, cfg.pack
+    if model_cfg is not None:
         v = model_cfg.vision
         mine = (im.patch_size, im.temporal_patch_size, im.merge_size)
         theirs = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
@@ -344,7 +359,9 @@ def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int =
         raise ValueError(f"one image may need up to {im.max_pixels // unit} patches (data.image.max_pixels="
                          f"{im.max_pixels}) but a micro-batch holds data.pack.max_patches={pk.max_patches}; "
                          "raise max_patches or lower max_pixels")
+    if pk.max_patches % im.merge_size**2:
+        raise ValueError(f"data.pack.max_patches={pk.max_patches} must be a multiple of merge_size^2="
+                         f"{im.merge_size**2} (the padding patches are merged like an image's)")
     if pk.oversize not in ("skip", "truncate"):
         raise ValueError(f"data.pack.oversize={pk.oversize!r}; choose 'skip' or 'truncate'")
-    patch_dim = 3 * im.temporal_patch_size * im.patch_size**2
-    return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
+    check_streams(cfg, world)

@@ -32,6 +32,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from moevlm.data.config import DataConfig
+from moevlm.data.loader import check_config as check_data_config
 from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.parallel.mesh import ParallelDims
 
@@ -225,25 +226,17 @@ def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:
     _check(d.shards not in ("", MISSING),
            "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
            "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set")
-    v, im, pk = model.vision, d.image, d.pack
-    mine, theirs = (im.patch_size, im.temporal_patch_size, im.merge_size), (
-        v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
-    _check(mine == theirs, f"data.image (patch_size, temporal_patch_size, merge_size) = {mine} but the model has "
-                           f"{theirs}; set data.image to the model's values")
-    _check(im.max_pixels // im.patch_size**2 <= pk.max_patches,
-           f"one image may need {im.max_pixels // im.patch_size**2} patches (data.image.max_pixels={im.max_pixels})"
-           f" but data.pack.max_patches={pk.max_patches}; raise max_patches or lower max_pixels")
-    _check(pk.max_patches % (im.merge_size**2) == 0,
-           f"data.pack.max_patches={pk.max_patches} must be a multiple of merge_size^2={im.merge_size**2}")
+    try:
+        check_data_config(d, model, dims.dp)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    pk = d.pack
     _check(pk.seq_len <= model.text.max_position_embeddings,
            f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
            f"{model.text.max_position_embeddings}")
     _check(pk.seq_len % dims.tp == 0 and pk.seq_len % (2 * dims.cp) == 0 or dims.cp == 1 and pk.seq_len % dims.tp == 0,
            f"data.pack.seq_len={pk.seq_len} must be divisible by tp={dims.tp} (sequence parallel) and by 2*cp="
            f"{2 * dims.cp} (load-balanced context parallel)")
-    streams = d.streams if d.streams else dims.dp * max(1, d.num_workers)
-    _check(streams % dims.dp == 0 and (streams // dims.dp) % max(1, d.num_workers) == 0,
-           f"data.streams={d.streams} must be a multiple of dp x num_workers = {dims.dp} x {max(1, d.num_workers)}")
 
 
 def _check(ok: bool, message: str) -> None:

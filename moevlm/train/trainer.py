@@ -28,6 +28,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import time
@@ -103,18 +104,14 @@ class Trainer:
         return run_dir
 
     def _build_loader(self):
-        d = self.job.data
+        d = OmegaConf.to_object(self.job.data) if OmegaConf.is_config(self.job.data) else copy.deepcopy(self.job.data)
         if d.shards == "sample":
-            d = OmegaConf.to_object(d) if OmegaConf.is_config(d) else d
-            shards = self.run_dir / "sample_data"
-            if self.rank == 0 and not (shards / "summary.json").exists():
-                s = build_sample(shards, progress=False, overwrite=True)
+            d.shards = str(self.run_dir / "sample_data")
+            if self.rank == 0 and not os.path.exists(os.path.join(d.shards, "summary.json")):
+                s = build_sample(d.shards, progress=False, overwrite=True)
                 self.log.info(f"sample set: {s['samples']} samples {s['kinds']}, {s['images']} images, "
-                              f"{len(s['shards'])} shards in {shards}")
+                              f"{len(s['shards'])} shards in {d.shards}")
             _barrier()
-            d.shards = str(shards)
-        elif OmegaConf.is_config(d):
-            d = OmegaConf.to_object(d)
         dims = self.plan.dims
         return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp)
 

@@ -137,6 +137,8 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
     (["parallel.ep=2"], 2, "model.dispatcher='local'"),
     (["train.global_batch_size=3"], 2, "micro_batch_size x dp = 1 x 2 = 2; e.g. train.global_batch_size=4"),
     (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
+    (["data.streams=3"], 1, "data.num_workers=2 workers cannot share evenly"),
+    (["data.pack.max_patches=254"], 1, "max_patches=254 must be a multiple of merge_size"),
 ])
 def test_validation_says_what_to_change(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
