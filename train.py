@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from moevlm.model.config import ConfigError
+from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import register_configs
 
 register_configs()
@@ -27,7 +28,7 @@ def main(cfg) -> None:
     sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
     try:
         trainer = Trainer(cfg, sweep=sweep)
-    except ConfigError as err:  # the message says what to change; a traceback would bury it
+    except (ConfigError, ParallelNotBuilt) as err:  # the message says what to change; a traceback would bury it
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
     code = trainer.run()

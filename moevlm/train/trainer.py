@@ -3,10 +3,10 @@
     trainer = Trainer(job)          # validated config (moevlm.train.config)
     code = trainer.run()            # 0 ok, 1 loss did not fall (when required), 3 stopped on non-finite
 
-Order of set-up (nothing large is allocated before the config is validated):
-validate -> process group -> run dir -> logger -> data -> model on meta ->
-`parallelize` -> materialise + init or HF load -> freeze -> optimizer +
-schedule -> resume from the newest complete checkpoint.
+Order of set-up (nothing large is allocated before the config, the layout and
+the data are checked): validate -> process group -> run dir -> logger -> model
+on meta -> `parallelize` -> data -> materialise + init or HF load -> freeze ->
+optimizer + schedule -> resume from the newest complete checkpoint.
 
 Design choices:
 - One optimizer step = `grad_accum` micro-batches per data-parallel rank, each
@@ -67,8 +67,9 @@ class Trainer:
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
         self.losses: list[float] = []
         _seed(self.t.seed, self.t.deterministic)
+        self.model = self._parallel_model_on_meta()
         self.loader = self._build_loader()
-        self.model = self._build_model()
+        self._materialise()
         self.opt = build_optimizer(self.model, job.optim)
         self.sched = build_scheduler(self.opt, job.optim, self.t.steps)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
@@ -115,11 +116,14 @@ class Trainer:
         dims = self.plan.dims
         return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp)
 
-    def _build_model(self) -> torch.nn.Module:
-        cfg, m = self.plan.model, self.job.model
+    def _parallel_model_on_meta(self) -> torch.nn.Module:
+        """Built and laid out without memory: a layout that cannot run fails here, before the data."""
         with torch.device("meta"):
-            model = Qwen3VLMoe(cfg)
-        model = parallelize(model, self.plan.dims, self.job)
+            model = Qwen3VLMoe(self.plan.model)
+        return parallelize(model, self.plan.dims, self.job)
+
+    def _materialise(self) -> None:
+        model, m = self.model, self.job.model
         model.to_empty(device=self.device)
         model.init_weights()
         if m.hf_checkpoint:
@@ -132,7 +136,6 @@ class Trainer:
         self.log.info(f"model: {n / 1e6:.1f}M parameters ({self.plan.dims.describe()}), "
                       f"{self.plan.grad_accum} micro-batches x {self.t.micro_batch_size} rows per step, "
                       f"run dir {self.run_dir}")
-        return model
 
     @property
     def _bf16(self) -> bool:
@@ -282,6 +285,8 @@ class Trainer:
     def close(self) -> None:
         self.loader.close()
         self.log.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a sweep's next job starts its own
 
 
 class Window:
