@@ -7,12 +7,17 @@ Two foldings over the same ranks (Megatron's "parallel folding"):
 
 `dp` and `edp` are derived when given as -1.  The pipeline groups are the
 same in both foldings.  Passed explicitly everywhere; there is no module
-global.  The device meshes are built by the parallel issue
-(`build_meshes`); one process needs none.
+global.  `groups(rank)` is the pure rank arithmetic (tested without
+processes); `build_meshes` makes the two torch DeviceMeshes from it.
+
+Rank order (Megatron's "tp-cp-ep-dp-pp", tp fastest):
+    attention  rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+    experts    rank = ((pp_i * edp + edp_i) * ep + ep_i) * etp + etp_i
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moevlm.model.config import ConfigError, VLMConfig
@@ -30,9 +35,9 @@ class ParallelDims:
     edp: int = -1
 
     def __post_init__(self):
-        for name in ("world", "tp", "cp", "pp", "ep", "etp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        _check(self.world >= 1, f"world size {self.world} must be >= 1")
+        for name in ("tp", "cp", "pp", "ep", "etp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)} must be >= 1")
         _check(self.world % self.pp == 0, f"world size {self.world} is not divisible by parallel.pp={self.pp}")
         per_stage = self.world // self.pp
         object.__setattr__(self, "dp", self._derive("dp", self.dp, per_stage, self.tp * self.cp, "tp*cp"))
@@ -50,6 +55,56 @@ class ParallelDims:
                f"parallel.{name}={value} x {what}={inner} = {value * inner} but world/pp = {per_stage}; "
                f"set parallel.{name}=-1 to derive it")
         return value
+
+    # ------------------------------------------------------------- rank groups
+    ATTN = ("pp", "dp", "cp", "tp")
+    EXPERT = ("pp", "edp", "ep", "etp")
+
+    def shape(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(getattr(self, n) for n in names)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along every dimension of both foldings."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside 0..{self.world - 1}")
+        out: dict[str, int] = {}
+        for names in (self.ATTN, self.EXPERT):
+            rest = rank
+            for name, size in reversed(list(zip(names, self.shape(names)))):
+                rest, out[name] = divmod(rest, size)
+        return out
+
+    def groups(self, rank: int) -> dict[str, list[int]]:
+        """The ranks that differ from `rank` only along one dimension, per dimension,
+        plus `dp_cp` (where dense parameters are sharded), in rank order."""
+        mine = self.coords(rank)
+        out = {}
+        for dims in (("tp",), ("cp",), ("dp",), ("pp",), ("etp",), ("ep",), ("edp",), ("dp", "cp")):
+            names = self.EXPERT if dims[0] in self.EXPERT[1:] else self.ATTN
+            members = [rank]
+            for d in dims:
+                stride = math.prod(self.shape(names[names.index(d) + 1:]))
+                members = [m + (k - mine[d]) * stride for m in members for k in range(getattr(self, d))]
+            out["_".join(dims)] = sorted(members)
+        return out
+
+    def describe_ranks(self) -> str:
+        """One line per rank: its group along every dimension."""
+        lines = [self.describe()]
+        for r in range(self.world):
+            g = self.groups(r)
+            lines.append(f"rank {r}: " + "  ".join(f"{k} {v}" for k, v in g.items() if len(v) > 1 or k == "dp"))
+        return "\n".join(lines)
+
+    def build_meshes(self, device_type: str):
+        """(attention mesh (pp, dp, cp, tp), expert mesh (pp, edp, ep, etp)) over the same ranks.
+        Collective: every rank calls it, after init_process_group."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.world)
+        return (DeviceMesh(device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN),
+                DeviceMesh(device_type, ranks.reshape(self.shape(self.EXPERT)), mesh_dim_names=self.EXPERT))
 
     def check_model(self, cfg: VLMConfig) -> None:
         """Divisibility of the model by the layout, with what to change."""
