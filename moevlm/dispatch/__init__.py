@@ -1,7 +1,8 @@
 """Token dispatchers behind one interface (see `base.py` and ../shared/DISPATCHERS.md).
 
-Present: `local` (EP=1).  The parallel issue adds `alltoall` (+ allgather for
-ETP); DeepEP and HybridEP adapters follow.
+Present: `local` (EP=1) and `alltoall` (expert parallel over a process group:
+uneven all-to-all, dropless; EP=1 is exactly `local`).  Still to come: the ETP
+all-gather/reduce-scatter, DeepEP and HybridEP adapters.
 """
 
 from moevlm.dispatch.base import (
@@ -11,7 +12,8 @@ from moevlm.dispatch.base import (
     dense_routing,
     register_dispatcher,
 )
+from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.local import LocalDispatcher
 
-__all__ = ["DISPATCHERS", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing",
+__all__ = ["DISPATCHERS", "AllToAllDispatcher", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing",
            "register_dispatcher"]

@@ -1,0 +1,168 @@
+"""The all-to-all dispatcher: expert parallel over one EP process group, dropless.
+
+Legend as in `base.py`, plus P ranks in the EP group, r this rank's index in it,
+L = E / P experts per rank (rank r owns experts [r*L, (r+1)*L)), N rows this rank
+sends (T*K), M rows it receives.
+
+    dispatch: sort the N (token, choice) rows by expert (stable, ties in token order;
+              rows for destination rank p are then one contiguous run)
+              -> exchange per-expert counts (all_to_all_single, E int64s)
+              -> uneven all_to_all_single of the rows
+              -> regroup the received (source rank, local expert) blocks expert-major
+    combine:  inverse regroup -> reverse all-to-all -> scale by router weight -> sum
+              the K rows of every token with `index_add_` (as `LocalDispatcher`)
+
+Design choices:
+- **One host sync per dispatch**: the split sizes of an uneven all-to-all must be
+  Python ints, so the send and received counts come to the host in one copy
+  (DeepEP syncs there too, for its per-expert list).  `combine` and both
+  backwards reuse those splits and sync nothing.
+- The row exchange is `all_to_all_single_autograd` (functional collectives): its
+  backward is the reverse all-to-all with swapped splits.  Every rank of the EP
+  group must therefore run backward through the same dispatches/combines.
+- Router weights are applied in `combine` on the source rank, exactly once, so
+  their gradients stay local; no weight travels.
+- Received rows are ordered by local expert, then source rank, then the source's
+  own order (token order within an expert): deterministic, and with P=1 exactly
+  the local order.
+- EP size 1 (no group, or a group of one) runs no collective and no host sync: it
+  is `LocalDispatcher` exactly.
+- The index logic lives in pure functions (`sort_rows_by_expert`, `rank_splits`,
+  `regroup_by_local_expert`, `invert_permutation`) tested without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
+
+# ----------------------------------------------------------------- pure index logic
+
+
+def sort_rows_by_expert(topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """Order of the T*K flattened (token, choice) rows sorted by expert id, stable."""
+    return torch.sort(topk_idx_TK.reshape(-1), stable=True).indices
+
+
+def rank_splits(counts_E: list[int], ep_size: int) -> list[int]:
+    """Rows per rank, given rows per expert (experts split evenly, in rank order)."""
+    per_rank = len(counts_E) // ep_size
+    return [sum(counts_E[p * per_rank:(p + 1) * per_rank]) for p in range(ep_size)]
+
+
+def regroup_by_local_expert(recv_counts_PL: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+    """Permutation `perm_M` with `grouped = received[perm_M]`.
+
+    `received` holds blocks (source p, local expert l) in p-major order with
+    `recv_counts_PL[p, l]` rows each; `grouped` holds them l-major (then p, then the
+    order within the block).  `num_rows` (= recv_counts_PL.sum()) avoids a sync."""
+    P, L = recv_counts_PL.shape
+    block_B = torch.arange(P * L, device=recv_counts_PL.device)
+    block_M = torch.repeat_interleave(block_B, recv_counts_PL.reshape(-1), output_size=num_rows)
+    expert_major_key_M = (block_M % L) * P + block_M // L
+    return torch.sort(expert_major_key_M, stable=True).indices
+
+
+def invert_permutation(perm_M: torch.Tensor) -> torch.Tensor:
+    inv_M = torch.empty_like(perm_M)
+    inv_M[perm_M] = torch.arange(perm_M.numel(), device=perm_M.device)
+    return inv_M
+
+
+def divisibility_reason(num_experts: int, ep_size: int) -> str | None:
+    if num_experts % ep_size == 0:
+        return None
+    return (f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}; "
+            f"choose an EP size that divides {num_experts}, or a number of experts that is a multiple of {ep_size}")
+
+
+# ----------------------------------------------------------------- process group
+
+
+def _resolve_group(ep_group) -> tuple[object | None, int, int]:
+    """(group, size, my index) — None/1/0 when there is no distributed run."""
+    if ep_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        ep_group = dist.group.WORLD
+    return ep_group, dist.get_world_size(ep_group), dist.get_rank(ep_group)
+
+
+def _all_to_all_rows(rows_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    # The result may be an AsyncCollectiveTensor: it waits on its first use.
+    return all_to_all_single_autograd(rows_ND.contiguous(), out_splits, in_splits, group)
+
+
+@dataclass
+class ExchangePlan:
+    send_splits: list[int]  # rows to each rank of the group (P ints)
+    recv_splits: list[int]  # rows from each rank of the group (P ints)
+    regroup_M: torch.Tensor  # grouped = received[regroup_M]
+    ungroup_M: torch.Tensor  # received = grouped[ungroup_M]
+    tokens_per_local_expert_L: torch.Tensor
+
+
+@dataclass
+class AllToAllHandle:
+    token_idx_N: torch.Tensor  # source token of every sent row (sorted order)
+    weight_N: torch.Tensor  # router weight of every sent row
+    num_tokens: int
+    plan: ExchangePlan | None  # None at EP size 1
+
+
+@register_dispatcher
+class AllToAllDispatcher(TokenDispatcher):
+    name = "alltoall"
+
+    def __init__(self, num_experts: int, top_k: int, ep_group=None):
+        super().__init__(num_experts, top_k)
+        self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
+        reason = divisibility_reason(num_experts, self.ep_size)
+        if reason is not None:
+            raise ValueError(reason)
+        self.num_local_experts = num_experts // self.ep_size
+
+    @classmethod
+    def unavailable_reason(cls, num_experts: int, ep_group=None, **kwargs) -> str | None:
+        return divisibility_reason(num_experts, _resolve_group(ep_group)[1])
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
+        order_N = sort_rows_by_expert(topk_idx_TK)
+        token_idx_N = order_N // self.top_k
+        counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
+        rows_ND = x_TD[token_idx_N]
+        weight_N = topk_w_TK.reshape(-1)[order_N]
+        if self.ep_size == 1:
+            return rows_ND, counts_E, AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], None)
+        plan = self._plan(counts_E)
+        recv_MD = _all_to_all_rows(rows_ND, plan.recv_splits, plan.send_splits, self.group)
+        handle = AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], plan)
+        return recv_MD[plan.regroup_M], plan.tokens_per_local_expert_L, handle
+
+    def _plan(self, counts_E: torch.Tensor) -> ExchangePlan:
+        """Exchange the per-expert counts; the one host sync of a dispatch."""
+        P, L = self.ep_size, self.num_local_experts
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # block p: from rank p, my L experts
+        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        send_splits = rank_splits(host[:P * L], P)
+        recv_splits = rank_splits(host[P * L:], P)
+        recv_counts_PL = recv_counts_E.view(P, L)
+        regroup_M = regroup_by_local_expert(recv_counts_PL, sum(recv_splits))
+        return ExchangePlan(send_splits, recv_splits, regroup_M, invert_permutation(regroup_M),
+                            recv_counts_PL.sum(0))
+
+    def combine(self, expert_y_MD, handle: AllToAllHandle):
+        y_ND = expert_y_MD
+        if handle.plan is not None:
+            plan = handle.plan
+            y_ND = _all_to_all_rows(expert_y_MD[plan.ungroup_M], plan.send_splits, plan.recv_splits, self.group)
+        weighted_ND = y_ND * handle.weight_N.to(y_ND.dtype)[:, None]
+        y_TD = y_ND.new_zeros(handle.num_tokens, y_ND.shape[1])
+        return y_TD.index_add_(0, handle.token_idx_N, weighted_ND)
