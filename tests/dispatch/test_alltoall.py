@@ -4,13 +4,12 @@ group) and EP=2 (two subgroups) with an unsharded `local` reference: forward,
 gradients w.r.t. x, router weights and expert weights, with idle experts, an idle
 rank and a rank that sends nothing."""
 
-import datetime
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_ranks
 from moevlm.dispatch import DISPATCHERS, LocalDispatcher, build_dispatcher
 from moevlm.dispatch.alltoall import (
     AllToAllDispatcher,
@@ -176,15 +175,5 @@ def _four_rank_checks(rank):
     assert AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=K, ep_group=subgroups[rank // 2]) is None
 
 
-def _worker(rank, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        torch.set_num_threads(1)
-        _four_rank_checks(rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_four_ranks_ep4_and_ep2_match_local(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "rdzv"),), nprocs=4, join=True)
+    run_ranks(_four_rank_checks, 4, tmp_path)

@@ -1,13 +1,9 @@
 """ParallelDims: the rank arithmetic by hand (no processes), every invalid layout's message, and the two
 DeviceMeshes built by torch over gloo agreeing with the arithmetic (one launch)."""
 
-import os
-import socket
-
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from moevlm.model import VLMConfig
 from moevlm.model.config import ConfigError
@@ -86,31 +82,16 @@ def test_kv_heads_fewer_than_tp_replicate_but_must_divide():
 
 
 # ----------------------------------------------------------------- one gloo launch
-def _mesh_worker(rank: int, world: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for kw in (dict(tp=2, ep=2), dict(cp=2, ep=4, etp=1), dict(pp=2, ep=2)):
-            d = ParallelDims(world, **kw)
-            attn, experts = d.build_meshes("cpu")
-            want = d.groups(rank)
-            for mesh, names in ((attn, d.ATTN), (experts, d.EXPERT)):
-                for name in names:
-                    got = sorted(dist.get_process_group_ranks(mesh.get_group(name)))
-                    assert got == want[name], (kw, name, got, want[name])
-    except AssertionError as err:
-        errors.put(f"rank {rank}: {err}")
-    finally:
-        dist.destroy_process_group()
+def _mesh_checks(rank: int, world: int) -> None:
+    for kw in (dict(tp=2, ep=2), dict(cp=2, ep=4, etp=1), dict(pp=2, ep=2)):
+        d = ParallelDims(world, **kw)
+        attn, experts = d.build_meshes("cpu")
+        want = d.groups(rank)
+        for mesh, names in ((attn, d.ATTN), (experts, d.EXPERT)):
+            for name in names:
+                got = sorted(dist.get_process_group_ranks(mesh.get_group(name)))
+                assert got == want[name], (kw, name, got, want[name])
 
 
-def test_device_meshes_match_the_arithmetic():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    errors = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_mesh_worker, args=(4, port, errors), nprocs=4)
-    found = []
-    while not errors.empty():
-        found.append(errors.get())
-    assert not found, found
+def test_device_meshes_match_the_arithmetic(tmp_path):
+    run_ranks(_mesh_checks, 4, tmp_path, 4)

@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from gloo_ranks import run_ranks
 from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 
 REPO = Path(__file__).parents[2]
@@ -214,15 +213,8 @@ def test_rng_state_roundtrip():
 # ------------------------------------------------------- 2 ranks, one launch
 
 
-def _two_rank_worker(rank, root, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        _two_rank_checks(rank, Path(root))
-    finally:
-        dist.destroy_process_group()
-
-
 def _two_rank_checks(rank, root):
+    root = Path(root)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -256,7 +248,7 @@ def _two_rank_checks(rank, root):
 
 def test_two_ranks_gloo(tmp_path):
     root = tmp_path / "ck"
-    mp.spawn(_two_rank_worker, args=(str(root), str(tmp_path / "rdzv")), nprocs=2, join=True)
+    run_ranks(_two_rank_checks, 2, tmp_path, str(root))
 
     # Back in one process (world size 1) from a 2-rank FSDP2 save.
     ckpt = CheckpointManager(root)

@@ -1,0 +1,27 @@
+"""Run a check on N gloo ranks in one launch (CPU, spawn, file rendezvous).
+
+    run_ranks(my_checks, 4, tmp_path, extra_arg)   # my_checks(rank, extra_arg) on every rank
+
+`my_checks` must be a module-level function (it is pickled to the ranks).  An
+exception on any rank fails the launch with that rank's traceback.
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_ranks(check, world: int, tmp_path, *args, timeout_s: int = 120) -> None:
+    mp.spawn(_rank, args=(check, world, str(tmp_path / "rdzv"), args, timeout_s), nprocs=world, join=True)
+
+
+def _rank(rank: int, check, world: int, init_file: str, args: tuple, timeout_s: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        torch.set_num_threads(1)  # N ranks share 2 cores
+        check(rank, *args)
+    finally:
+        dist.destroy_process_group()
