@@ -1,16 +1,23 @@
-"""The all-to-all dispatcher: expert parallel over one EP process group, dropless.
+"""The all-to-all dispatcher: expert parallel over an EP process group, with
+expert tensor parallel (ETP) over a second group, dropless.
 
 Legend as in `base.py`, plus P ranks in the EP group, r this rank's index in it,
 L = E / P experts per rank (rank r owns experts [r*L, (r+1)*L)), N rows this rank
-sends (T*K), M rows it receives.
+sends (T*K), M rows it receives, Q ranks in the ETP group (they own the same
+experts, each a 1/Q slice of the expert hidden dimension, and hold different
+tokens).
 
     dispatch: sort the N (token, choice) rows by expert (stable, ties in token order;
               rows for destination rank p are then one contiguous run)
               -> exchange per-expert counts (all_to_all_single, E int64s)
               -> uneven all_to_all_single of the rows
-              -> regroup the received (source rank, local expert) blocks expert-major
-    combine:  inverse regroup -> reverse all-to-all -> scale by router weight -> sum
-              the K rows of every token with `index_add_` (as `LocalDispatcher`)
+              -> ETP: all-gather the received rows over the ETP group (uneven: an
+                 all_to_all_single that sends this rank's rows to every peer)
+              -> regroup the received (ETP source, EP source, local expert) blocks
+                 expert-major
+    combine:  inverse regroup -> ETP: reduce-scatter (each peer's block back to it,
+              the Q partial sums added) -> reverse all-to-all -> scale by router
+              weight -> sum the K rows of every token with `index_add_`
 
 Design choices:
 - **One host sync per dispatch**: the split sizes of an uneven all-to-all must be
@@ -25,8 +32,12 @@ Design choices:
 - Received rows are ordered by local expert, then source rank, then the source's
   own order (token order within an expert): deterministic, and with P=1 exactly
   the local order.
-- EP size 1 (no group, or a group of one) runs no collective and no host sync: it
-  is `LocalDispatcher` exactly.
+- The expert output under ETP is a partial sum (the down projection is row
+  parallel); the reduce-scatter in `combine` adds the Q partials in ETP-rank
+  order.  The backward of the all-gather is that reduce-scatter and vice versa
+  (autograd through the two all-to-alls and the `repeat`/`sum`).
+- EP and ETP size 1 (no groups, or groups of one) run no collective and no host
+  sync: it is `LocalDispatcher` exactly.
 - The index logic lives in pure functions (`sort_rows_by_expert`, `rank_splits`,
   `regroup_by_local_expert`, `invert_permutation`) tested without processes.
 """
@@ -101,8 +112,9 @@ def _all_to_all_rows(rows_ND: torch.Tensor, out_splits: list[int], in_splits: li
 
 @dataclass
 class ExchangePlan:
-    send_splits: list[int]  # rows to each rank of the group (P ints)
-    recv_splits: list[int]  # rows from each rank of the group (P ints)
+    send_splits: list[int]  # rows to each rank of the EP group (P ints)
+    recv_splits: list[int]  # rows from each rank of the EP group (P ints)
+    etp_splits: list[int]  # rows each rank of the ETP group received over EP (Q ints; [M] without ETP)
     regroup_M: torch.Tensor  # grouped = received[regroup_M]
     ungroup_M: torch.Tensor  # received = grouped[ungroup_M]
     tokens_per_local_expert_L: torch.Tensor
@@ -120,9 +132,10 @@ class AllToAllHandle:
 class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None):
+    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None):
         super().__init__(num_experts, top_k)
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
+        self.etp_group, self.etp_size = etp_group, 1 if etp_group is None else dist.get_world_size(etp_group)
         reason = divisibility_reason(num_experts, self.ep_size)
         if reason is not None:
             raise ValueError(reason)
@@ -138,31 +151,55 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
         rows_ND = x_TD[token_idx_N]
         weight_N = topk_w_TK.reshape(-1)[order_N]
-        if self.ep_size == 1:
+        if self.ep_size == 1 and self.etp_size == 1:
             return rows_ND, counts_E, AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], None)
         plan = self._plan(counts_E)
-        recv_MD = _all_to_all_rows(rows_ND, plan.recv_splits, plan.send_splits, self.group)
+        recv_MD = rows_ND
+        if self.ep_size > 1:
+            recv_MD = _all_to_all_rows(rows_ND, plan.recv_splits, plan.send_splits, self.group)
+        if self.etp_size > 1:
+            mine = sum(plan.recv_splits)
+            recv_MD = _all_to_all_rows(recv_MD.repeat(self.etp_size, 1), plan.etp_splits, [mine] * self.etp_size,
+                                       self.etp_group)
         handle = AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], plan)
         return recv_MD[plan.regroup_M], plan.tokens_per_local_expert_L, handle
 
     def _plan(self, counts_E: torch.Tensor) -> ExchangePlan:
         """Exchange the per-expert counts; the one host sync of a dispatch."""
-        P, L = self.ep_size, self.num_local_experts
-        recv_counts_E = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # block p: from rank p, my L experts
-        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        P, L, Q = self.ep_size, self.num_local_experts, self.etp_size
+        recv_counts_E = counts_E
+        if P > 1:
+            recv_counts_E = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # block p: from rank p, my L experts
+        all_counts_E = recv_counts_E  # Q blocks of (P, L) after the ETP gather
+        if Q > 1:
+            all_counts_E = recv_counts_E.new_empty(Q * P * L)
+            dist.all_gather_into_tensor(all_counts_E, recv_counts_E, group=self.etp_group)
+        host = torch.cat([counts_E, all_counts_E]).tolist()
         send_splits = rank_splits(host[:P * L], P)
-        recv_splits = rank_splits(host[P * L:], P)
-        recv_counts_PL = recv_counts_E.view(P, L)
-        regroup_M = regroup_by_local_expert(recv_counts_PL, sum(recv_splits))
-        return ExchangePlan(send_splits, recv_splits, regroup_M, invert_permutation(regroup_M),
-                            recv_counts_PL.sum(0))
+        mine = host[P * L:][self.etp_rank * P * L:(self.etp_rank + 1) * P * L] if Q > 1 else host[P * L:]
+        recv_splits = rank_splits(mine, P)
+        etp_splits = rank_splits(host[P * L:], Q)
+        blocks_BL = all_counts_E.view(Q * P, L)
+        regroup_M = regroup_by_local_expert(blocks_BL, sum(etp_splits))
+        return ExchangePlan(send_splits, recv_splits, etp_splits, regroup_M, invert_permutation(regroup_M),
+                            blocks_BL.sum(0))
+
+    @property
+    def etp_rank(self) -> int:
+        return 0 if self.etp_group is None else dist.get_rank(self.etp_group)
 
     def combine(self, expert_y_MD, handle: AllToAllHandle):
         y_ND = expert_y_MD
         if handle.plan is not None:
             plan = handle.plan
-            y_ND = _all_to_all_rows(expert_y_MD[plan.ungroup_M], plan.send_splits, plan.recv_splits, self.group)
+            y_ND = expert_y_MD[plan.ungroup_M]
+            if self.etp_size > 1:
+                mine = sum(plan.recv_splits)
+                y_ND = _all_to_all_rows(y_ND, [mine] * self.etp_size, plan.etp_splits, self.etp_group)
+                y_ND = y_ND.view(self.etp_size, mine, -1).sum(0)
+            if self.ep_size > 1:
+                y_ND = _all_to_all_rows(y_ND, plan.send_splits, plan.recv_splits, self.group)
         weighted_ND = y_ND * handle.weight_N.to(y_ND.dtype)[:, None]
         y_TD = y_ND.new_zeros(handle.num_tokens, y_ND.shape[1])
         return y_TD.index_add_(0, handle.token_idx_N, weighted_ND)

@@ -201,18 +201,36 @@ def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:
             with safe_open(str(path), framework="pt") as f:
                 for ours in names:
                     _, hf_name, transform = plan[ours]
-                    params[ours].copy_(_apply(transform, f.get_tensor(hf_name), params[ours].shape))
+                    _assign(params[ours], _apply(transform, f.get_tensor(hf_name), params[ours].shape))
+
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole tensor into a parameter; a sharded (DTensor) parameter keeps its shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from moevlm.parallel.parallelize import copy_full_
+
+        copy_full_(param, full)
+    else:
+        param.copy_(full)
 
 
 # -------------------------------------------------------------------- export
 def export_state_dict(model: torch.nn.Module, expert_layout: str = "hub") -> dict[str, torch.Tensor]:
     if expert_layout not in ("hub", "hf"):
         raise ValueError(f"export expert_layout={expert_layout!r}; choose 'hub' or 'hf'")
+    from torch.distributed.tensor import DTensor
+
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         t = t.detach()
+        if isinstance(t, DTensor):  # a sharded model: gathered on every rank (collective)
+            from moevlm.parallel.parallelize import full_tensor
+
+            t = full_tensor(t, name)
         if name == "vision.patch_embed.weight":
             v = model.config.vision
             t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
@@ -223,9 +241,15 @@ def export_state_dict(model: torch.nn.Module, expert_layout: str = "hub") -> dic
 
 
 def save_pretrained(model, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30) -> None:
+    """Under a parallel layout every rank must call this (the weights are gathered);
+    global rank 0 writes."""
+    import torch.distributed as dist
+
+    tensors = export_state_dict(model, expert_layout)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = export_state_dict(model, expert_layout)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():

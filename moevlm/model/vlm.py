@@ -63,13 +63,25 @@ class Qwen3VLMoe(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
+    def init_rules(self) -> dict[str, tuple[str, float]]:
+        """How every parameter starts, by name: ("normal", std) for matrices,
+        ("zeros", 0) for biases, ("ones", 0) for norms.  `init_weights` applies it
+        with the global RNG; the trainer applies it per parameter with its own
+        seeded generator (`moevlm.parallel.init`), the same under any layout."""
+        rules: dict[str, tuple[str, float]] = {}
+        for prefix, tower, std in (("vision.", self.vision, self.config.vision.initializer_range),
+                                   ("text.", self.text, self.config.text.initializer_range)):
+            _init_rules(tower, prefix, std, rules)
+        if not self.config.tie_word_embeddings:
+            rules["lm_head.weight"] = ("normal", self.config.text.initializer_range)
+        return rules
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
-        _init_(self.vision, self.config.vision.initializer_range)
-        _init_(self.text, self.config.text.initializer_range)
-        if not self.config.tie_word_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=self.config.text.initializer_range)
+        params = dict(self.named_parameters())
+        for name, (kind, std) in self.init_rules().items():
+            fill_(params[name], kind, std)
 
     def set_attn_backend(self, backend: str) -> None:
         """Switch attention backend (the function computed does not change)."""
@@ -90,9 +102,9 @@ class Qwen3VLMoe(nn.Module):
         visual_mask_BS, deepstack = None, []
         if pixel_values is not None:
             image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]  # a packed batch's unused rows
-            image_NO, deepstack = self._encode_images(pixel_values, image_grid_thw)
+            image_NO, deepstack, padding_zero = self._encode_images(pixel_values, image_grid_thw)
             visual_mask_BS = input_ids == cfg.image_token_id
-            h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO.to(h_BSD.dtype))
+            h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO.to(h_BSD.dtype)) + padding_zero
         if position_ids is None:
             position_ids = mrope_position_ids(input_ids, image_grid_thw, cfg.image_token_id,
                                               cfg.vision.spatial_merge_size, cu_seqlens)
@@ -104,7 +116,7 @@ class Qwen3VLMoe(nn.Module):
             out.aux_loss = load_balancing_loss(stats, cfg.moe.num_experts)
             out.expert_counts = torch.stack([s.counts_E for s in stats]).detach()
         if labels is not None:
-            out.lm_loss, out.num_loss_tokens = causal_lm_loss(out.logits, labels, cu_seqlens)
+            out.lm_loss, out.num_loss_tokens = self.lm_loss(out.logits, labels, cu_seqlens)
             out.loss = out.lm_loss
             if out.aux_loss is not None:
                 out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
@@ -112,7 +124,9 @@ class Qwen3VLMoe(nn.Module):
 
     def _encode_images(self, pixel_values_NP, grid_thw_I3):
         """Patches beyond the grids (a packed batch's padding) run as one extra
-        segment, isolated in attention, and their merged tokens are dropped."""
+        segment, isolated in attention, and their merged tokens are dropped.
+        Returns (image tokens, deepstack features, an exact zero tied to the padding
+        outputs)."""
         merge = self.config.vision.spatial_merge_size
         used = int(grid_thw_I3.prod(-1).sum())
         pad = pixel_values_NP.shape[0] - used
@@ -120,7 +134,16 @@ class Qwen3VLMoe(nn.Module):
             grid_thw_I3 = torch.cat([grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])])
         image_NO, deepstack = self.vision(pixel_values_NP, grid_thw_I3)
         n = used // merge**2
-        return image_NO[:n], [d[:n] for d in deepstack]
+        # An exact 0 that depends on every vision output: the whole tower is in the graph even when a
+        # micro-batch holds only padding patches, so data-parallel ranks run the same backward
+        # (same FSDP reduce-scatters) whether or not they drew an image.
+        padding_zero = sum(t[n:].sum() for t in [image_NO, *deepstack]) * 0.0
+        return image_NO[:n], [d[:n] for d in deepstack], padding_zero.to(image_NO.dtype)
+
+    def lm_loss(self, logits_BSV, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean next-token loss, number of counted targets); `parallel/` overrides it
+        when the logits are sharded along the vocabulary."""
+        return causal_lm_loss(logits_BSV, labels_BS, cu_seqlens)
 
     # ------------------------------------------------------- checkpoints (HF)
     @classmethod
@@ -143,15 +166,22 @@ class Qwen3VLMoe(nn.Module):
 def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                    cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token cross-entropy over counted targets, and their number."""
-    targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
-    if cu_seqlens is not None:
-        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
-        targets[last_of_doc] = IGNORE_INDEX
+    targets = next_token_targets(labels_BS, cu_seqlens)
     logits = logits_BSV.reshape(targets.numel(), -1)
     total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
                             ignore_index=IGNORE_INDEX, reduction="sum")
     n = (targets != IGNORE_INDEX).sum()
     return total / n.clamp(min=1), n
+
+
+def next_token_targets(labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """(B*S,) target of every position: the next label, IGNORE_INDEX at the last
+    position of every row and of every packed document."""
+    targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
+    if cu_seqlens is not None:
+        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
+        targets[last_of_doc] = IGNORE_INDEX
+    return targets
 
 
 def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels,
@@ -212,17 +242,26 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _init_(module: nn.Module, std: float) -> None:
-    for m in module.modules():
+def _init_rules(module: nn.Module, prefix: str, std: float, rules: dict) -> None:
+    for mname, m in module.named_modules():
+        p = f"{prefix}{mname}." if mname else prefix
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=std)
+            rules[p + "weight"] = ("normal", std)
             if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+                rules[p + "bias"] = ("zeros", 0.0)
         elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+            rules[p + "weight"], rules[p + "bias"] = ("ones", 0.0), ("zeros", 0.0)
         elif isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
+            rules[p + "weight"] = ("ones", 0.0)
         elif isinstance(m, MoEBlock):
-            for p in (m.router.weight, m.experts.gate_up_proj, m.experts.down_proj):
-                nn.init.normal_(p, std=std)
+            for name in ("router.weight", "experts.gate_up_proj", "experts.down_proj"):
+                rules[p + name] = ("normal", std)
+
+
+def fill_(t: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None) -> None:
+    if kind == "normal":
+        t.normal_(0.0, std, generator=generator)
+    elif kind == "ones":
+        t.fill_(1.0)
+    else:
+        t.zero_()

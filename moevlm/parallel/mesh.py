@@ -112,8 +112,9 @@ class ParallelDims:
         _check(t.num_heads % self.tp == 0, f"text.num_heads={t.num_heads} is not divisible by parallel.tp={self.tp}")
         _check(t.num_kv_heads % self.tp == 0 or self.tp % t.num_kv_heads == 0,
                f"text.num_kv_heads={t.num_kv_heads} and parallel.tp={self.tp}: one must divide the other")
-        _check(cfg.vision.num_heads % self.tp == 0,
-               f"vision.num_heads={cfg.vision.num_heads} is not divisible by parallel.tp={self.tp}")
+        _check(t.vocab_size % self.tp == 0,
+               f"text.vocab_size={t.vocab_size} is not divisible by parallel.tp={self.tp} (the embedding and LM head "
+               "are split along the vocabulary); pad the vocabulary or change parallel.tp")
         _check(t.num_layers >= self.pp, f"text.num_layers={t.num_layers} < parallel.pp={self.pp}")
         if m.num_experts:
             _check(m.num_experts % self.ep == 0,

@@ -1,27 +1,196 @@
-"""`parallelize(model, dims, cfg)`: the one place a built model is rewritten
-for its parallel layout (TP/SP, EP/ETP, CP, PP, recompute, compile, FSDP2/DDP,
-in that order).
+"""`parallelize(model, dims, ...)`: the one place a model built on the meta
+device is rewritten for its parallel layout, in this order: tensor/sequence
+parallel (tensor_parallel.py), expert parallel (expert_parallel.py), data
+parallel (data_parallel.py: FSDP2 or DDP-style all-reduce).
 
-One process needs no rewriting.  Multi-process layouts arrive with the
-parallel-folding issue; until then a multi-rank launch is refused here with a
-message, before any weight is materialised, rather than silently training
-replicas that do not talk to each other.
+    with torch.device("meta"): model = Qwen3VLMoe(cfg)
+    model = parallelize(model, dims, dp_mode="fsdp", device_type="cuda", bf16=True)
+    model.to_empty(device=...)
+    init_parameters_(model, seed)            # or moevlm.model.hf.load_weights_
+    ...loss.backward() per micro-batch...
+    ctx = parallel_context(model)
+    ctx.finish_gradients(); ctx.clip_grad_norm_(max_norm)
+
+Design choices:
+- The two meshes come from `ParallelDims.build_meshes`; the model keeps a
+  `ParallelContext` (meshes, groups, gradient finish) instead of any global.
+- Initialisation is layout independent: every parameter is drawn whole from a
+  generator seeded by (seed, its name) and this rank keeps its shard, so one
+  process and any layout start from the same weights.
+- Context parallel and pipeline stages are not built yet: cp > 1 or pp > 1 is
+  refused here (`ParallelNotBuilt`) on the meta model, before data or weights.
 """
 
 from __future__ import annotations
 
-import torch.nn as nn
+import zlib
+from dataclasses import dataclass, field
 
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from moevlm.dispatch import build_dispatcher
+from moevlm.model.moe import MoEBlock
+from moevlm.model.vlm import fill_
+from moevlm.parallel.data_parallel import GradSync, apply_fsdp
+from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.tensor_parallel import apply_tensor_parallel
 
 
 class ParallelNotBuilt(NotImplementedError):
     pass
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg=None) -> nn.Module:
+@dataclass
+class ParallelContext:
+    dims: ParallelDims
+    dp_mode: str = "fsdp"
+    meshes: tuple = ()
+    groups: dict = field(default_factory=dict)  # tp, dp (data totals), dense, expert, vision
+    tp_partial: list[str] = field(default_factory=list)
+    grad_sync: GradSync | None = None
+
+    @property
+    def dp_group(self):
+        """Ranks holding different data (one per data-parallel replica)."""
+        return self.groups.get("dp")
+
+    def finish_gradients(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
+        return self.grad_sync.clip_grad_norm_(params, max_norm)
+
+
+def parallel_context(model: nn.Module) -> ParallelContext:
+    return model.__dict__["_parallel_context"]
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
+                bf16: bool = False, dispatcher: str = "local") -> nn.Module:
+    if dims.cp > 1 or dims.pp > 1:
+        raise ParallelNotBuilt(
+            f"this layout ({dims.describe()}) needs context parallel or pipeline stages, which are not built yet; "
+            "use parallel.cp=1 parallel.pp=1 (tp, ep, etp and dp fold over every rank)")
+    ctx = ParallelContext(dims, dp_mode)
+    model.__dict__["_parallel_context"] = ctx
     if dims.world == 1:
+        ctx.grad_sync = GradSync(model, fsdp=False, groups={"tp": None}, tp_partial=[], tp=1, world=1)
         return model
-    raise ParallelNotBuilt(
-        f"this layout ({dims.describe()}) needs the parallel folding (TP/EP/CP/PP, FSDP2/DDP), which is not "
-        "built yet; launch one process (python train.py ...) until it lands")
+    attn, expert = dims.build_meshes(device_type)
+    dense = attn["dp", "cp"]._flatten("dp_cp")
+    vision = attn["dp", "cp", "tp"]._flatten("dp_cp_tp")
+    ctx.meshes = (attn, expert)
+    ctx.groups = {"tp": attn["tp"].get_group(), "dp": attn["dp"].get_group(), "dense": dense.get_group(),
+                  "expert": expert["edp"].get_group(), "vision": dense.get_group()}
+    if dims.tp > 1:
+        ctx.tp_partial = apply_tensor_parallel(model, attn["tp"])
+    if model.config.moe.num_experts and dims.ep * dims.etp > 1:
+        apply_expert_parallel(model, expert, dispatcher)
+    else:  # experts whole on every rank: no token leaves its rank (the model's own
+        for block in _moe_blocks(model):  # dispatcher would default to the world group)
+            block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k)
+    if dp_mode == "fsdp":
+        apply_fsdp(model, dense, expert["edp"], vision, dims.tp, bf16)
+    ctx.grad_sync = GradSync(model, fsdp=dp_mode == "fsdp", groups=ctx.groups, tp_partial=ctx.tp_partial,
+                             tp=dims.tp, world=dims.world)
+    return model
+
+
+def _moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+# ------------------------------------------------------------------ weights
+def param_generator(seed: int, name: str, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    return g
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the unsharded value `full` into `param` (this rank's shard when it is a
+    DTensor; no communication: every rank holds `full`)."""
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_parameters_(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter by `model.init_rules()`, each drawn whole from its
+    own seeded generator, so the values do not depend on the layout."""
+    params = dict(model.named_parameters())
+    for name, (kind, std) in model.init_rules().items():
+        p = params[name]
+        device = p.to_local().device if isinstance(p, DTensor) else p.device
+        full = torch.empty(p.shape, dtype=torch.float32, device=device)
+        fill_(full, kind, std, param_generator(seed, name, device))
+        copy_full_(p, full)
+
+
+def full_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
+    """The unsharded value of parameter `name` (collective for DTensors: every rank
+    must call it).  Expert gate_up tensors are gathered through their storage view:
+    torch's redistribute refuses `_StridedShard` on two dimensions (FSDP over edp
+    on dim 0 and ETP on dim 2)."""
+    if not isinstance(t, DTensor):
+        return t
+    if name.endswith(GATE_UP):
+        return storage_view(t).full_tensor().flatten(2)
+    return t.full_tensor()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter unsharded, by name (collective)."""
+    return {n: full_tensor(p.detach(), n) for n, p in model.named_parameters()}
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient unsharded, by name (collective); parameters without one are left out."""
+    return {n: full_tensor(p.grad, n) for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------- DCP storage layout
+GATE_UP = "experts.gate_up_proj"
+
+
+def storage_view(t: torch.Tensor) -> torch.Tensor:
+    """An expert gate_up tensor (E, D, 2F) as (E, D, 2, F), sharing its storage.
+
+    Under ETP the (E, D, 2F) DTensor is `_StridedShard` on its last dimension
+    (each rank holds matching gate and up columns), which DCP cannot describe
+    as contiguous chunks; as (E, D, 2, F) the same shard is a plain `Shard(3)`.
+    Checkpoints always store this 4-D form, so they load under any etp."""
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor import Shard
+
+        from moevlm.parallel.expert_parallel import _StridedShard
+
+        loc = t._local_tensor
+        E, D, F2 = t.shape
+        placements = [Shard(3) if isinstance(p, _StridedShard) and p.dim == 2 else
+                      Shard(3) if p.is_shard() and p.dim == 2 else p for p in t.placements]
+        local4 = loc.view(loc.shape[0], loc.shape[1], 2, loc.shape[2] // 2)
+        return DTensor.from_local(local4, t.device_mesh, placements, run_check=False, shape=torch.Size((E, D, 2, F2 // 2)),
+                                  stride=(D * F2, F2, F2 // 2, 1))
+    return t.view(t.shape[0], t.shape[1], 2, t.shape[2] // 2)
+
+
+def to_storage_layout(model_sd: dict | None = None, optim_sd: dict | None = None) -> tuple[dict | None, dict | None]:
+    """Shallow copies of the model / optimizer state dicts with every expert gate_up
+    tensor (and its AdamW moments) as `storage_view`; loading into them writes the
+    originals."""
+    m = None if model_sd is None else {k: storage_view(v) if k.endswith(GATE_UP) else v for k, v in model_sd.items()}
+    o = None
+    if optim_sd is not None:
+        o = dict(optim_sd)
+        o["state"] = {fqn: ({k: storage_view(v) if torch.is_tensor(v) and v.ndim == 3 else v for k, v in st.items()}
+                            if fqn.endswith(GATE_UP) else st) for fqn, st in optim_sd["state"].items()}
+    return m, o

@@ -73,10 +73,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from moevlm.parallel.parallelize import to_storage_layout
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
-FORMAT = 1
+FORMAT = 2  # 2: expert gate_up stored as (E, D, 2, F) (moevlm.parallel.parallelize.storage_view)
 _STEP_DIR = re.compile(r"step_(\d+)$")
 _SHOW = 5  # keys named in an error message
 
@@ -351,9 +353,12 @@ class CheckpointManager:
 
     def _save_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
                     per_rank: dict) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        model_sd = get_model_state_dict(model)
+        optim_sd = get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+        model_sd, optim_sd = to_storage_layout(model_sd, optim_sd)
+        state: dict[str, Any] = {"model": model_sd}
+        if optim_sd is not None:
+            state["optim"] = optim_sd
         if extra and self.rank == 0:
             state["extra"] = {name: _dumps(v) for name, v in extra.items()}
         if per_rank:
@@ -404,15 +409,18 @@ class CheckpointManager:
         """
         path = Path(path)
         marker = read_marker(path)
+        if marker.get("format") != FORMAT:
+            raise ValueError(f"{path} was written in checkpoint format {marker.get('format')}; this version reads "
+                             f"format {FORMAT}; export it to Hugging Face format with the version that wrote it")
         saved = _checkpoint_index(path)
         extra, names = dict(extra or {}), list(per_rank)
-        state = self._load_template(model, optimizer, extra, names, marker, saved, path)
+        state, originals = self._load_template(model, optimizer, extra, names, marker, saved, path)
         with _quiet_no_dist():
             dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.process_group,
                      no_dist=not self.distributed)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, originals["model"])  # filled through the storage views
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
+            set_optimizer_state_dict(model, optimizer, originals["optim"])
         mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})
         return {
             "step": marker["step"],
@@ -423,11 +431,16 @@ class CheckpointManager:
 
     def _load_template(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
                        names: list[str], marker: dict, saved: Mapping[str, Any], path: Path) -> dict[str, Any]:
-        """What dcp.load fills: our model/optimizer state dicts and byte placeholders."""
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        _check_model_keys(state["model"], saved, path)
+        """What dcp.load fills (our model/optimizer state dicts in the storage layout, and
+        byte placeholders), and the state dicts those views write into."""
+        originals: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
+            originals["optim"] = get_optimizer_state_dict(model, optimizer)
+        model_sd, optim_sd = to_storage_layout(originals["model"], originals.get("optim"))
+        state: dict[str, Any] = {"model": model_sd}
+        _check_model_keys(state["model"], saved, path)
+        if optim_sd is not None:
+            state["optim"] = optim_sd
             _check_optimizer_keys(state["optim"], saved, path)
         if extra:
             _require(extra, saved, "extra", path)
@@ -435,7 +448,7 @@ class CheckpointManager:
         _require(names, saved, "per_rank.rank0", path)
         if names and self.rank < marker["world_size"]:
             state["per_rank"] = {f"rank{self.rank}": {n: b"" for n in names}}
-        return state
+        return state, originals
 
     def load_all_ranks(self, path: str | os.PathLike, name: str) -> list[Any]:
         """Every saved rank's `per_rank[name]`, in rank order (not collective)."""

@@ -1,10 +1,12 @@
 """AdamW and the learning-rate schedules.
 
 Design choices:
-- Two parameter groups: matrices (and 3-D expert weights, the router) decay;
+- Two kinds of parameter group: matrices (and 3-D expert weights, the router) decay;
   norms, biases and embeddings (`embed_tokens`, the vision `pos_embed`) do not,
   unless `optim.decay_norms_biases_embeddings=true` (the Megatron and
   torchtitan defaults agree on excluding them).  Frozen parameters are left out.
+  Under a parallel layout each kind is split further by device mesh (plain
+  tensors and each mesh's DTensors apart), one group each.
 - `implementation=auto` takes the fused kernel where the parameters' device has
   one (CUDA, and CPU in recent torch), else foreach; the update is the same.
 - Schedules are a multiplier of `optim.lr` after a linear warmup from lr/warmup:
@@ -32,9 +34,24 @@ def param_groups(model: nn.Module, o) -> list[dict]:
             continue
         exempt = p.ndim < 2 or "embed" in name
         (no_decay if exempt and not o.decay_norms_biases_embeddings else decay).append(p)
-    groups = [{"params": decay, "weight_decay": o.weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    return [g for g in groups if g["params"]]
+    groups = []
+    for name, params, wd in (("decay", decay, o.weight_decay), ("no_decay", no_decay, 0.0)):
+        for kind, members in _by_layout(params).items():
+            groups.append({"params": members, "weight_decay": wd, "name": name + kind})
+    return groups
+
+
+def _by_layout(params: list) -> dict[str, list]:
+    """Plain tensors and DTensors of each device mesh apart: the fused and foreach
+    kernels take one kind per call (a mixed list is refused under DDP-style data
+    parallel, where only the sharded weights are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, list] = {}
+    for p in params:
+        key = "" if not isinstance(p, DTensor) else "/" + "x".join(p.device_mesh.mesh_dim_names or ("mesh",))
+        out.setdefault(key, []).append(p)
+    return out
 
 
 def build_optimizer(model: nn.Module, o) -> torch.optim.AdamW:

@@ -43,7 +43,7 @@ from moevlm.data.build_shards import build_sample
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, count_flops
-from moevlm.parallel import parallelize
+from moevlm.parallel import init_parameters_, parallel_context, parallelize
 from moevlm.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from moevlm.train.config import validate
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
@@ -65,6 +65,7 @@ class Trainer:
         self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
                                  self.t.progress)
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
+        self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self.losses: list[float] = []
         _seed(self.t.seed, self.t.deterministic)
         self.model = self._parallel_model_on_meta()
@@ -78,7 +79,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _init_process_group(self) -> None:
+        self._owns_process_group = False
         if self.world > 1 and not dist.is_initialized():
+            self._owns_process_group = True
             backend = self.job.parallel.backend
             if backend == "auto":
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -120,12 +123,16 @@ class Trainer:
         """Built and laid out without memory: a layout that cannot run fails here, before the data."""
         with torch.device("meta"):
             model = Qwen3VLMoe(self.plan.model)
-        return parallelize(model, self.plan.dims, self.job)
+        p = self.job.parallel
+        model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
+                            dispatcher=self.job.model.dispatcher)
+        self.parallel = parallel_context(model)
+        return model
 
     def _materialise(self) -> None:
         model, m = self.model, self.job.model
         model.to_empty(device=self.device)
-        model.init_weights()
+        init_parameters_(model, self.t.seed)  # the same weights under any layout
         if m.hf_checkpoint:
             from moevlm.model.hf import load_weights_
 
@@ -185,8 +192,8 @@ class Trainer:
                     self.save()
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
-            if self.t.export_hf and self.rank == 0:
-                self.model.save_pretrained(self.t.export_hf)
+            if self.t.export_hf:
+                self.model.save_pretrained(self.t.export_hf)  # collective under a layout; rank 0 writes
                 self.log.info(f"exported Hugging Face checkpoint to {self.t.export_hf}")
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
         finally:
@@ -200,8 +207,9 @@ class Trainer:
         """One optimizer step; False when it was skipped for non-finite values."""
         t0, wait0 = time.perf_counter(), self.loader.wait_s
         micro = [self._micro_batch() for _ in range(self.plan.grad_accum)]
+        dp_group, dp = self.parallel.dp_group, self.plan.dims.dp
         totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
-                              sum(m["flops"] for m in micro)], self.device)
+                              sum(m["flops"] for m in micro)], self.device, dp_group)
         loss_tokens = max(totals[0], 1.0)
         loss_sum = torch.zeros((), device=self.device)
         aux_sum, counts = torch.zeros((), device=self.device), None
@@ -211,13 +219,18 @@ class Trainer:
             lm_sum = out.lm_loss * out.num_loss_tokens
             aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
             coef = self.plan.model.moe.router_aux_loss_coef
-            # gradient reduction across dp averages; scale back to a sum over ranks
-            (lm_sum * self.plan.dims.dp / loss_tokens + coef * aux / len(micro)).backward()
-            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / len(micro)
+            # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
+            # loss is its share of the step's objective
+            (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
+            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / (len(micro) * dp)
             if out.expert_counts is not None:
                 counts = out.expert_counts if counts is None else counts + out.expert_counts
+        self.parallel.finish_gradients()
         grad_norm = self._clip()
-        loss = _all_reduce_tensor(loss_sum) / loss_tokens
+        if self.grad_hook is not None:
+            self.grad_hook(self)
+        loss = _all_reduce_tensor(loss_sum, dp_group) / loss_tokens
+        aux_sum = _all_reduce_tensor(aux_sum, dp_group)
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1
         self.losses.append(float(loss))
@@ -241,7 +254,7 @@ class Trainer:
     def _clip(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else math.inf
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return self.parallel.clip_grad_norm_(params, max_norm)
 
     def _micro_batch(self) -> dict:
         rows = [next(self.loader) for _ in range(self.t.micro_batch_size)]
@@ -252,8 +265,11 @@ class Trainer:
         inputs = {k: b[k].to(self.device, non_blocking=True) for k in
                   ("input_ids", "pixel_values", "image_grid_thw", "position_ids", "cu_seqlens", "labels")}
         inputs["token_mask"] = mask.to(self.device, non_blocking=True)
-        if b["num_images"] == 0:
+        if inputs["pixel_values"].shape[0] == 0:  # a text-only patch budget
             inputs["pixel_values"] = inputs["image_grid_thw"] = None
+        # otherwise the tower runs even on padding patches only: its weights then get exact-zero gradients,
+        # so every step updates the same parameters (AdamW momentum, decay) under any layout, and every
+        # data-parallel rank runs the same FSDP collectives whether or not it drew an image
         return {"inputs": inputs, "loss_tokens": b["loss_tokens"], "useful_tokens": b["useful_tokens"],
                 "flops": flops}
 
@@ -285,7 +301,7 @@ class Trainer:
     def close(self) -> None:
         self.loader.close()
         self.log.close()
-        if dist.is_initialized():
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()  # a sweep's next job starts its own
 
 
@@ -339,16 +355,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _all_reduce(values: list[float], device: torch.device) -> list[float]:
-    if not dist.is_initialized():
+def _all_reduce(values: list[float], device: torch.device, group) -> list[float]:
+    """Sum over the data-parallel replicas (`group`; None when there is one)."""
+    if group is None:
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
-def _all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
+def _all_reduce_tensor(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     return t

@@ -1,0 +1,113 @@
+"""Collectives with the backward that tensor/sequence parallelism needs.
+
+Every function takes a process group and is the identity for a group of one.
+Each is the adjoint of another, so a forward/backward pair always moves the
+same bytes:
+
+    gather_seq          fwd all-gather along `dim`        bwd reduce-scatter (sum) along `dim`
+    reduce_scatter_seq  fwd reduce-scatter along `dim`     bwd all-gather along `dim`
+    split_seq           fwd keep this rank's chunk         bwd all-gather along `dim`
+    sum_replicated      fwd all-reduce (sum)               bwd identity
+
+`sum_replicated` is for values every rank of the group then uses identically
+(the loss is replicated over tensor-parallel ranks): each rank already holds
+the whole upstream gradient, so the backward passes it through unchanged.
+
+Shapes must divide evenly along `dim` (the layout checks `seq_len % tp`).
+Runs on NCCL and gloo (all_gather_into_tensor / reduce_scatter_tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    if x.shape[0] % n:
+        raise ValueError(f"reduce-scatter of {x.shape[0]} rows over {n} ranks: must divide evenly")
+    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"splitting {x.shape[dim]} positions over {n} ranks: must divide evenly")
+    return x.chunk(n, dim=dim)[r].contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.dim, ctx.group), None, None
+
+
+class _SplitSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.dim, ctx.group), None, None
+
+
+class _SumReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return x if _size(group) == 1 else _GatherSeq.apply(x, dim, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, dim, group)
+
+
+def split_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return x if _size(group) == 1 else _SplitSeq.apply(x, dim, group)
+
+
+def sum_replicated(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _SumReplicated.apply(x, group)

@@ -1,0 +1,163 @@
+"""Data parallel (FSDP2 or DDP-style all-reduce), the per-step gradient finish,
+and gradient-norm clipping over every shard of every group.
+
+Gradient convention (every reduction is a **sum**): each rank's loss is its
+share of the global objective (token losses / global loss-token count, plus
+aux / all micro-batches of the step), so the gradient of the objective is the
+sum over ranks of the local gradients.  Where a weight is computed
+identically on several ranks from the same data (the vision tower on the tp
+ranks of one data-parallel replica), the sum over those copies is divided by
+their number.
+
+    group of the reduction         weights
+    dense mesh (dp x cp)           attention, norms, router, embeddings, LM head
+    expert mesh edp                experts (each EP/ETP shard with its copies)
+    vision mesh (dp x cp x tp)     vision tower, divided by tp
+    tp (after the above)           `tp_partial` weights (sequence-parallel norms,
+                                   q/k norms, router, kv weights replicated over tp)
+
+FSDP2 (`fully_shard`): vision blocks, the vision tower, each decoder layer's
+experts (on edp), each decoder layer (on dp x cp) and the root (embeddings,
+final norm, LM head) are units; MixedPrecisionPolicy bf16 compute / fp32
+reduce when training in bf16.  Gradients are reduce-scattered after every
+micro-batch (the memory-lean default).
+
+DDP (`parallel.dp_mode=ddp`): parameters stay whole per rank; after the last
+micro-batch every gradient is all-reduced (sum) over its group in flat fp32
+buckets of `bucket_mb`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    _StridedShard = ()
+
+
+def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, bf16: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    units: list[tuple[nn.Module, float]] = []
+
+    def shard(module, mesh, divide):
+        fully_shard(module, mesh=mesh, mp_policy=mp)
+        units.append((module, divide))
+
+    for block in model.vision.blocks:
+        shard(block, vision_mesh, tp)
+    shard(model.vision, vision_mesh, tp)
+    for layer in model.text.layers:
+        if layer.is_moe:
+            shard(layer.mlp.experts, expert_mesh, 1.0)
+        shard(layer, dense_mesh, 1.0)
+    shard(model, dense_mesh, 1.0)
+    for module, divide in units:
+        module.set_gradient_divide_factor(float(divide))
+        if hasattr(module, "set_force_sum_reduction_for_comms"):  # plain SUM (+ a division): gloo has no PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(True)
+
+
+class GradSync:
+    """The per-step gradient finish: DDP all-reduces (when not FSDP) and the tp sums.
+    Parameters are looked up by name at every call (materialising a meta model
+    replaces the parameter objects)."""
+
+    def __init__(self, model: nn.Module, *, fsdp: bool, groups: dict, tp_partial: list[str], tp: int,
+                 world: int, bucket_mb: float = 64.0):
+        self.model = model
+        names = [n for n, _ in model.named_parameters()]
+        missing = sorted(set(tp_partial) - set(names))
+        if missing:
+            raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
+        self.world, self.tp, self.fsdp = world, tp, fsdp
+        self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
+        self.tp_group = groups["tp"]
+        self.tp_partial = list(tp_partial)
+        self.ddp_buckets: list[tuple[object, list[str]]] = []
+        if not fsdp:
+            by_group: dict[str, list[str]] = {"dense": [], "expert": [], "vision": []}
+            for n in names:
+                by_group["vision" if n.startswith("vision.") else "expert" if ".experts." in n else "dense"].append(n)
+            for kind, members in by_group.items():
+                group = groups.get(kind)
+                if members and group is not None and dist.get_world_size(group) > 1:
+                    self.ddp_buckets.append((group, members))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        params = dict(self.model.named_parameters())
+        for group, members in self.ddp_buckets:
+            for n in members:  # every rank reduces the same buckets, used or not this step
+                if params[n].grad is None and params[n].requires_grad:
+                    params[n].grad = torch.zeros_like(params[n])
+            _all_reduce_flat([params[n].grad for n in members if params[n].grad is not None], group,
+                             self.bucket_elems)
+        if self.tp > 1:
+            _all_reduce_flat([params[n].grad for n in self.tp_partial if params[n].grad is not None], self.tp_group,
+                             self.bucket_elems)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of all gradients (each distinct shard counted once over
+        the whole world), then scale by min(1, max_norm / norm).  One all-reduce."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        device = _local(grads[0]).device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            t = _local(g)
+            if t.numel():
+                total += t.double().pow(2).sum() / _copies(g, self.world)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(total)
+        norm = total.sqrt().float()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            locals_ = [_local(g) for g in grads]
+            torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+        return norm
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _copies(g: torch.Tensor, world: int) -> int:
+    """How many ranks hold this same shard: world / number of distinct shards."""
+    if not isinstance(g, DTensor):
+        return world
+    shards = 1
+    for i, pl in enumerate(g.placements):
+        if pl.is_shard() or isinstance(pl, _StridedShard):  # FSDP over TP uses _StridedShard (not a Shard)
+            shards *= g.device_mesh.size(i)
+    return world // shards
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group, bucket_elems: int) -> None:
+    """Sum the local tensors of `grads` over `group`, in flat fp32 buckets."""
+    locals_ = [_local(g) for g in grads]
+    start = 0
+    while start < len(locals_):
+        end, n = start, 0
+        while end < len(locals_) and (n == 0 or n + locals_[end].numel() <= bucket_elems):
+            n += locals_[end].numel()
+            end += 1
+        chunk = locals_[start:end]
+        flat = torch.cat([t.reshape(-1).float() for t in chunk])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in chunk:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        start = end

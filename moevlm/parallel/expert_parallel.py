@@ -1,0 +1,68 @@
+"""Expert parallel (EP) and expert tensor parallel (ETP) for the MoE blocks.
+
+Legend: E experts, L = E/ep local experts, D hidden, F expert hidden, etp the
+expert-tensor-parallel size.
+
+    gate_up_proj (E, D, 2F)  ->  local (L, D, 2F/etp) = [gate slice | up slice]
+    down_proj    (E, F, D)   ->  local (L, F/etp, D)
+    router                   replicated (every rank routes its own tokens)
+    dispatcher               AllToAllDispatcher(ep group, etp group)
+
+Design choices:
+- Expert weights are DTensors on the expert mesh's (ep, etp) dimensions:
+  `Shard(0)` over ep; over etp, `down_proj` is `Shard(1)` and `gate_up_proj` is
+  `_StridedShard(2, split_factor=2)` (torch's placement for "split in two, then
+  shard each half"), so each ETP rank holds matching gate and up columns and the
+  global tensor is the unsharded layout: DCP checkpoints and HF export see the
+  model's own (E, D, 2F).
+- The expert output under ETP is a partial sum; the dispatcher's combine
+  reduce-scatters it over the ETP group (see moevlm/dispatch/alltoall.py).
+- ep = etp = 1: nothing changes here (the `local` dispatcher, whole experts);
+  the experts are still data parallel over edp (= every rank of the stage).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+from moevlm.dispatch import build_dispatcher
+from moevlm.kernels import grouped_mm
+from moevlm.model.moe import Experts
+from moevlm.parallel.tensor_parallel import local, shard_param
+
+try:  # torch's placement for interleaved halves (used by FSDP2 + TP); private, present in 2.6+
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    _StridedShard = None
+
+
+class ParallelExperts(Experts):
+    def forward(self, x_MD, tokens_per_expert_L):
+        h_MF2 = grouped_mm(x_MD, local(self.gate_up_proj), tokens_per_expert_L, self.grouped_gemm)
+        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate_MF) * up_MF, local(self.down_proj), tokens_per_expert_L, self.grouped_gemm)
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "alltoall") -> None:
+    """Shard every MoE block's experts over (ep, etp) of `expert_mesh` and give it a
+    dispatcher over those groups (`local` means all-to-all over a group of one:
+    with etp > 1 the ETP gather is still needed)."""
+    sub = expert_mesh["ep", "etp"]
+    ep_group, etp_group = expert_mesh["ep"].get_group(), expert_mesh["etp"].get_group()
+    etp = expert_mesh["etp"].size()
+    if etp > 1 and _StridedShard is None:  # pragma: no cover
+        raise RuntimeError("parallel.etp > 1 needs torch's _StridedShard placement (torch >= 2.6)")
+    gate_up = [Shard(0), _StridedShard(2, split_factor=2) if etp > 1 else Shard(2)]
+    for layer in model.text.layers:
+        if not layer.is_moe:
+            continue
+        block = layer.mlp
+        cfg = model.config.moe
+        shard_param(block.experts, "gate_up_proj", sub, gate_up)
+        shard_param(block.experts, "down_proj", sub, [Shard(0), Shard(1)])
+        block.experts.__class__ = ParallelExperts
+        name = "alltoall" if dispatcher == "local" else dispatcher
+        block.dispatcher = build_dispatcher(name, num_experts=cfg.num_experts, top_k=cfg.top_k, ep_group=ep_group,
+                                            etp_group=etp_group)

@@ -1,0 +1,183 @@
+"""Every parallel layout trains exactly the step one process trains.
+
+One reference run (one process, the tiny model, real packed sample data, fp32,
+AdamW, clipping, aux loss on) records per step the loss and the clipped
+gradients, and at the end the parameters.  Each layout then runs the same job
+through the real `Trainer` on gloo ranks and must match: per-step loss,
+gathered gradients of every step, gathered parameters after the last update,
+each to 1e-5 relative (L2 norm of the difference over the norm of the
+reference, per tensor).  Several layouts share one launch per world size.
+
+A summary line per layout (max relative error of loss, gradients, parameters)
+is printed, and written to `layouts.json` under the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moevlm.data.build_shards import build_sample
+from moevlm.parallel import full_grads, full_state_dict
+from moevlm.train.config import compose_job
+from moevlm.train.trainer import Trainer
+from tests.gloo_ranks import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+TOL = 1e-5
+
+
+def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
+    return [f"data.shards={shards}", "data.num_workers=0", "data.streams=4", "train.global_batch_size=4",
+            "train.micro_batch_size=1", f"train.steps={STEPS}", f"train.run_dir={run_dir}", "train.log_every=1",
+            "train.tensorboard=false", "train.checkpoint_at_end=false", "train.checkpoint_every=0",
+            "train.require_loss_decrease=false", "train.progress=false", "model.aux_loss_coef=0.01",
+            "optim.warmup_steps=0", "optim.grad_clip=0.05", *layout]
+
+
+def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
+    """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
+    With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it."""
+    resume = "RESUME" in layout
+    layout = [x for x in layout if x != "RESUME"]
+    grads = []
+    for part in ((1, STEPS) if resume else (STEPS,)):
+        tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
+        tr.grad_hook = lambda t: grads.append({k: v.clone() for k, v in full_grads(t.model).items()})
+        try:
+            while tr.step < part:
+                assert tr.train_step(_NoWindow())
+            if part < STEPS:
+                tr.save()
+            else:
+                return {"losses": list(tr.losses), "grads": grads, "params": full_state_dict(tr.model)}
+        finally:
+            tr.close()
+
+
+class _NoWindow:
+    def add(self, **kw):
+        pass
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def compare(got: dict, ref: dict) -> dict:
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+    assert len(got["grads"]) == len(ref["grads"]) == STEPS
+    grad = 0.0
+    for g, r in zip(got["grads"], ref["grads"]):
+        # a step without images leaves the vision tower without gradients in one process and with
+        # exact zeros under a layout (the tower runs on padding so every rank reduces the same)
+        only = sorted(set(g) ^ set(r))
+        assert all(k.startswith("vision.") for k in only), only
+        for k in only:
+            assert not (g.get(k, r.get(k))).any(), k
+        grad = max(grad, *(rel(g[k], r[k]) for k in r.keys() & g.keys()))
+    assert got["params"].keys() == ref["params"].keys()
+    param = max(rel(got["params"][k], ref["params"][k]) for k in ref["params"])
+    return {"loss": loss, "grads": grad, "params": param}
+
+
+def _layouts_on_ranks(rank: int, world: int, shards: str, tmp: str, ref_path: str, layouts: list[list[str]]):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    ref = torch.load(ref_path, weights_only=False)
+    report = {}
+    if os.environ.get("ONLY"):
+        layouts = [layouts[int(os.environ["ONLY"])]]
+    for i, layout in enumerate(layouts):
+        got = run_job(shards, os.path.join(tmp, f"w{world}_{i}"), layout)
+        errors = compare(got, ref)
+        report[" ".join(layout)] = errors
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, f"layouts_w{world}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    shards = str(tmp / "shards")
+    build_sample(shards, progress=False)
+    ref = run_job(shards, str(tmp / "ref"), [])
+    torch.save(ref, tmp / "ref.pt")
+    return tmp, shards
+
+
+WORLD_2 = [["parallel.tp=2"], ["parallel.ep=2", "model.dispatcher=alltoall"],
+           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
+           ["parallel.dp_mode=fsdp"], ["parallel.dp_mode=ddp"]]
+WORLD_4 = [["parallel.ep=4", "model.dispatcher=alltoall"],
+           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall"],
+           ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1", "parallel.dp_mode=fsdp", "model.dispatcher=alltoall"],
+           ["parallel.tp=4", "parallel.ep=2", "parallel.dp_mode=ddp", "model.dispatcher=alltoall"],
+           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"]]
+
+
+@pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
+def test_layouts_match_one_process(reference, world, layouts):
+    tmp, shards = reference
+    launch_dir = tmp / f"launch_w{world}"  # its own rendezvous file
+    launch_dir.mkdir()
+    run_ranks(_layouts_on_ranks, world, launch_dir, world, shards, str(tmp), str(tmp / "ref.pt"), layouts, timeout_s=300)
+    report = json.loads((tmp / f"layouts_w{world}.json").read_text())
+    for layout, err in report.items():
+        print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
+              f"params {err['params']:.1e}")
+
+
+# ------------------------------------------------------------- train.py under torchrun, world 8
+def test_torchrun_world8_folded_layout_matches_one_process(reference, tmp_path):
+    """`torchrun --nproc-per-node 8 train.py` with attention tp2 x dp4 folded onto experts etp2 x ep2 x edp2
+    (FSDP2 over both), 5 steps: the logged per-step losses and the exported Hugging Face weights equal a
+    one-process run's (1e-5 relative); the run also writes its final DCP checkpoint."""
+    _, shards = reference
+    common = [f"data.shards={shards}", "data.num_workers=0", "data.streams=8", "train.global_batch_size=8",
+              "train.steps=5", "train.log_every=1", "train.tensorboard=false", "train.checkpoint_every=0",
+              "train.require_loss_decrease=false", "model.aux_loss_coef=0.01", "optim.warmup_steps=0"]
+    ref = Trainer(compose_job(common + [f"train.run_dir={tmp_path / 'one'}", f"train.export_hf={tmp_path / 'one_hf'}"]))
+    assert ref.run() == 0
+    layout = ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "parallel.dp_mode=fsdp", "model.dispatcher=alltoall"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", str(REPO / "train.py"),
+         *common, *layout, f"train.run_dir={tmp_path / 'eight'}", f"train.export_hf={tmp_path / 'eight_hf'}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in proc.stdout
+    one, eight = (_losses(tmp_path / d) for d in ("one", "eight"))
+    assert sorted(one) == sorted(eight) == [1, 2, 3, 4, 5]
+    loss_err = max(abs(eight[s] - one[s]) / abs(one[s]) for s in one)
+    a, b = (_safetensors(tmp_path / d) for d in ("one_hf", "eight_hf"))
+    assert a.keys() == b.keys()
+    param_err = max(rel(b[k], a[k]) for k in a)
+    print(f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
+    assert loss_err <= TOL and param_err <= TOL
+    assert (tmp_path / "eight" / "checkpoints").is_dir()
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: float(r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _safetensors(d) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
