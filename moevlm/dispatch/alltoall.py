@@ -92,6 +92,7 @@ def divisibility_reason(num_experts: int, ep_size: int) -> str | None:
 
 
 # ----------------------------------------------------------------- process group
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # new name in torch 2.12
 
 
 def _resolve_group(ep_group) -> tuple[object | None, int, int]:
@@ -174,7 +175,7 @@ class AllToAllDispatcher(TokenDispatcher):
         all_counts_E = recv_counts_E  # Q blocks of (P, L) after the ETP gather
         if Q > 1:
             all_counts_E = recv_counts_E.new_empty(Q * P * L)
-            dist.all_gather_into_tensor(all_counts_E, recv_counts_E, group=self.etp_group)
+            _all_gather(all_counts_E, recv_counts_E, group=self.etp_group)
         host = torch.cat([counts_E, all_counts_E]).tolist()
         send_splits = rank_splits(host[:P * L], P)
         mine = host[P * L:][self.etp_rank * P * L:(self.etp_rank + 1) * P * L] if Q > 1 else host[P * L:]

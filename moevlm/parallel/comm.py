@@ -14,13 +14,18 @@ same bytes:
 the whole upstream gradient, so the backward passes it through unchanged.
 
 Shapes must divide evenly along `dim` (the layout checks `seq_len % tp`).
-Runs on NCCL and gloo (all_gather_into_tensor / reduce_scatter_tensor).
+Runs on NCCL and gloo (all-gather / reduce-scatter into one flat tensor).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+# torch >= 2.12 names them *_single (the old names warn); the GPU machine's 2.11 has only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _size(group) -> int:
@@ -31,7 +36,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    _ALL_GATHER(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -41,7 +46,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.shape[0] % n:
         raise ValueError(f"reduce-scatter of {x.shape[0]} rows over {n} ranks: must divide evenly")
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _REDUCE_SCATTER(out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -23,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import dataclass, field
 
@@ -142,7 +143,8 @@ def full_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
     on dim 0 and ETP on dim 2)."""
     if not isinstance(t, DTensor):
         return t
-    if name.endswith(GATE_UP):
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # "2 sequential
+    if name.endswith(GATE_UP):  # all_gathers" for FSDP-over-TP shards, once per tensor: expected here
         return storage_view(t).full_tensor().flatten(2)
     return t.full_tensor()
 
@@ -189,8 +191,7 @@ def to_storage_layout(model_sd: dict | None = None, optim_sd: dict | None = None
     originals."""
     m = None if model_sd is None else {k: storage_view(v) if k.endswith(GATE_UP) else v for k, v in model_sd.items()}
     o = None
-    if optim_sd is not None:
-        o = dict(optim_sd)
-        o["state"] = {fqn: ({k: storage_view(v) if torch.is_tensor(v) and v.ndim == 3 else v for k, v in st.items()}
-                            if fqn.endswith(GATE_UP) else st) for fqn, st in optim_sd["state"].items()}
+    if optim_sd is not None:  # flattened: "state.<fqn>.<moment>" (DCP's flatten_optimizer_state_dict)
+        o = {k: storage_view(v) if torch.is_tensor(v) and v.ndim == 3 and k.rsplit(".", 1)[0].endswith(GATE_UP)
+             else v for k, v in optim_sd.items()}
     return m, o

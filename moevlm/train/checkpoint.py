@@ -13,7 +13,7 @@
 On disk (one directory per step; DCP's files plus our marker):
 
     checkpoints/step_00000100/__0_0.distcp ... .metadata  COMPLETE.json
-    COMPLETE.json = {"format": 1, "step": 100, "world_size": 2, "time": <unix s>,
+    COMPLETE.json = {"format": 2, "step": 100, "world_size": 2, "time": <unix s>,
                      "time_utc": "...", "extra": [names], "per_rank": [names]}
 
 Design choices:
@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    StateDictOptions,
 )
 
 from moevlm.parallel.parallelize import to_storage_layout
@@ -78,6 +79,9 @@ from moevlm.parallel.parallelize import to_storage_layout
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
+# Optimizer state flattened per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): it loads
+# whatever the parameter groups of the loading layout are (they are split by device mesh).
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 FORMAT = 2  # 2: expert gate_up stored as (E, D, 2, F) (moevlm.parallel.parallelize.storage_view)
 _STEP_DIR = re.compile(r"step_(\d+)$")
 _SHOW = 5  # keys named in an error message
@@ -354,7 +358,7 @@ class CheckpointManager:
     def _save_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
                     per_rank: dict) -> dict[str, Any]:
         model_sd = get_model_state_dict(model)
-        optim_sd = get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=_OPTIM) if optimizer is not None else None
         model_sd, optim_sd = to_storage_layout(model_sd, optim_sd)
         state: dict[str, Any] = {"model": model_sd}
         if optim_sd is not None:
@@ -418,9 +422,13 @@ class CheckpointManager:
         with _quiet_no_dist():
             dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.process_group,
                      no_dist=not self.distributed)
-        set_model_state_dict(model, originals["model"])  # filled through the storage views
+        for name in ("model", "optim"):  # DCP replaces non-tensor values (lr, betas...) in the dict it was given
+            for k, v in state.get(name, {}).items():
+                if not isinstance(v, torch.Tensor):
+                    originals[name][k] = v
+        set_model_state_dict(model, originals["model"])  # tensors were filled through the storage views
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, originals["optim"])
+            set_optimizer_state_dict(model, optimizer, originals["optim"], options=_OPTIM)
         mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})
         return {
             "step": marker["step"],
@@ -435,7 +443,7 @@ class CheckpointManager:
         byte placeholders), and the state dicts those views write into."""
         originals: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
-            originals["optim"] = get_optimizer_state_dict(model, optimizer)
+            originals["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
         model_sd, optim_sd = to_storage_layout(originals["model"], originals.get("optim"))
         state: dict[str, Any] = {"model": model_sd}
         _check_model_keys(state["model"], saved, path)

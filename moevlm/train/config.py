@@ -186,9 +186,6 @@ def validate(job, world_size: int = 1) -> Plan:
     _check_batch(t, dims)
     _check_optim(o)
     _check_data(job.data, model, dims)
-    _check(job.data.pack.seq_len % dims.tp == 0,
-           f"data.pack.seq_len={job.data.pack.seq_len} is not divisible by parallel.tp={dims.tp} (sequence parallel "
-           "splits every packed row over the tp ranks); choose a multiple of parallel.tp")
     return Plan(model=model, dims=dims, grad_accum=t.global_batch_size // (t.micro_batch_size * dims.dp))
 
 

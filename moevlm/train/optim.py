@@ -102,5 +102,23 @@ class LRSchedule:
         return self.min_ratio + (1 - self.min_ratio) * frac
 
 
-def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(o, steps))
+class Scheduler(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR with one schedule for every group, whose state does not depend on
+    the number of parameter groups (they follow the parallel layout), so a
+    checkpoint resumes under another layout."""
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "schedule": dict(self.lr_lambdas[0].__dict__)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch, self._step_count = state["last_epoch"], state["_step_count"]
+        for fn in self.lr_lambdas:
+            fn.__dict__.update(state["schedule"])
+        factor = self.lr_lambdas[0](self.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+
+def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> Scheduler:
+    return Scheduler(opt, LRSchedule(o, steps))

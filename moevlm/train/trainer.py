@@ -139,6 +139,8 @@ class Trainer:
             load_weights_(model, m.hf_checkpoint)
         if m.freeze_vision:
             model.vision.requires_grad_(False)
+        if 1 < self.world <= 64:  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
+            self.log.info(self.plan.dims.describe_ranks())
         n = sum(p.numel() for p in model.parameters())
         self.log.info(f"model: {n / 1e6:.1f}M parameters ({self.plan.dims.describe()}), "
                       f"{self.plan.grad_accum} micro-batches x {self.t.micro_batch_size} rows per step, "

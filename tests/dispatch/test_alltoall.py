@@ -51,6 +51,19 @@ def test_regroup_received_blocks_expert_major():
     assert regroup_by_local_expert(torch.zeros(2, 2, dtype=torch.long)).tolist() == []
 
 
+def test_etp_gathered_blocks_regroup_expert_major():
+    """Under ETP the rows of Q=2 ETP peers (each already holding P=2 EP-source blocks of L=2 local experts)
+    are concatenated peer-major; the same regroup over Q*P blocks puts every expert's rows together,
+    peer 0's before peer 1's, and the per-peer row counts are the ETP exchange splits."""
+    # peer 0 received (s0: e0 1, e1 2), (s1: e0 0, e1 1); peer 1 received (s0: e0 2, e1 0), (s1: e0 1, e1 1)
+    blocks = torch.tensor([[1, 2], [0, 1], [2, 0], [1, 1]])
+    assert rank_splits(blocks.reshape(-1).tolist(), 2) == [4, 4]  # rows per ETP peer
+    perm = regroup_by_local_expert(blocks, num_rows=8)
+    # rows: peer0 [0: s0e0, 1-2: s0e1, 3: s1e1], peer1 [4-5: s0e0, 6: s1e0, 7: s1e1]
+    assert perm.tolist() == [0, 4, 5, 6, 1, 2, 3, 7]
+    assert blocks.sum(0).tolist() == [4, 4]  # tokens per local expert after the gather
+
+
 def test_two_rank_exchange_simulated_by_hand():
     """The whole dispatch plan of both ranks with the collectives done by slicing."""
     sent, splits, counts = {}, {}, {}

@@ -8,8 +8,11 @@ gathered gradients of every step, gathered parameters after the last update,
 each to 1e-5 relative (L2 norm of the difference over the norm of the
 reference, per tensor).  Several layouts share one launch per world size.
 
-A summary line per layout (max relative error of loss, gradients, parameters)
-is printed, and written to `layouts.json` under the test's tmp dir.
+Two world-4 entries also check checkpoints: one saves after step 1 and a new
+Trainer resumes (same layout), the next resumes that checkpoint under another
+layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  A summary line per
+layout (max relative error of loss, gradients, parameters) is printed, and
+written to `layouts_w<world>.json` under the test's tmp dir.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from moevlm.data.build_shards import build_sample
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
-from tests.gloo_ranks import run_ranks
+from gloo_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -47,10 +50,14 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
     With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it."""
     resume = "RESUME" in layout
-    layout = [x for x in layout if x != "RESUME"]
+    start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]  # another layout's checkpoint
+    layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
+    if start:
+        layout.append(f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}")
     grads = []
     for part in ((1, STEPS) if resume else (STEPS,)):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
+        assert tr.step == 1 or not start
         tr.grad_hook = lambda t: grads.append({k: v.clone() for k, v in full_grads(t.model).items()})
         try:
             while tr.step < part:
@@ -74,9 +81,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(got: dict, ref: dict) -> dict:
     loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-    assert len(got["grads"]) == len(ref["grads"]) == STEPS
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS
     grad = 0.0
-    for g, r in zip(got["grads"], ref["grads"]):
+    for g, r in zip(got["grads"], ref["grads"][STEPS - len(got["grads"]):]):  # a resumed run: the steps it ran
         # a step without images leaves the vision tower without gradients in one process and with
         # exact zeros under a layout (the tower runs on padding so every rank reduces the same)
         only = sorted(set(g) ^ set(r))
@@ -93,8 +100,6 @@ def _layouts_on_ranks(rank: int, world: int, shards: str, tmp: str, ref_path: st
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     ref = torch.load(ref_path, weights_only=False)
     report = {}
-    if os.environ.get("ONLY"):
-        layouts = [layouts[int(os.environ["ONLY"])]]
     for i, layout in enumerate(layouts):
         got = run_job(shards, os.path.join(tmp, f"w{world}_{i}"), layout)
         errors = compare(got, ref)
@@ -124,7 +129,10 @@ WORLD_4 = [["parallel.ep=4", "model.dispatcher=alltoall"],
            ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall"],
            ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1", "parallel.dp_mode=fsdp", "model.dispatcher=alltoall"],
            ["parallel.tp=4", "parallel.ep=2", "parallel.dp_mode=ddp", "model.dispatcher=alltoall"],
-           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"]]
+           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
+           # DCP resharding: step 1's checkpoint of the etp2/FSDP layout above, resumed as tp4 ep4 etp1 DDP
+           ["parallel.tp=4", "parallel.ep=4", "parallel.etp=1", "parallel.dp_mode=ddp", "model.dispatcher=alltoall",
+            "FROM=w4_4"]]
 
 
 @pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])

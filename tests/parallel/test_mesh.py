@@ -2,6 +2,7 @@
 DeviceMeshes built by torch over gloo agreeing with the arithmetic (one launch)."""
 
 import pytest
+import torch
 import torch.distributed as dist
 from gloo_ranks import run_ranks
 
@@ -67,6 +68,24 @@ def test_invalid_layouts(world, kw, message):
 def test_layouts_the_model_cannot_take(world, kw, message):
     with pytest.raises(ConfigError, match=message):
         ParallelDims(world, **kw).check_model(TINY)
+
+
+def test_vocabulary_must_split_over_tp():
+    cfg = VLMConfig.preset("tiny")
+    cfg.text.vocab_size = 1001
+    with pytest.raises(ConfigError, match="text.vocab_size=1001 is not divisible by parallel.tp=2"):
+        ParallelDims(2, tp=2).check_model(cfg)
+
+
+@pytest.mark.parametrize("kw", [dict(cp=2), dict(pp=2)])
+def test_layouts_not_built_yet_are_refused_on_the_meta_model(kw):
+    from moevlm.model import Qwen3VLMoe
+    from moevlm.parallel import ParallelNotBuilt, parallelize
+
+    with torch.device("meta"):
+        model = Qwen3VLMoe(TINY)
+    with pytest.raises(ParallelNotBuilt, match="context parallel or pipeline stages, which are not built yet"):
+        parallelize(model, ParallelDims(4, ep=2, **kw))
 
 
 def test_kv_heads_fewer_than_tp_replicate_but_must_divide():

@@ -99,7 +99,7 @@ def test_keep_prunes_and_latest_is_newest(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000030", "step_00000040"]
     assert ckpt.latest() == ckpt.step_dir(40)
     marker = read_marker(ckpt.latest())
-    assert marker["step"] == 40 and marker["world_size"] == 1 and marker["format"] == 1
+    assert marker["step"] == 40 and marker["world_size"] == 1 and marker["format"] == 2
 
     keep_all = CheckpointManager(tmp_path / "all", keep=0)
     for step in (1, 2, 3):
@@ -198,7 +198,7 @@ def test_mismatched_model_names_keys_and_shapes(tmp_path):
         ckpt.load(path, model=model, per_rank=["rng"])
     no_sched = torch.optim.AdamW(model.parameters())  # saved without a scheduler, loaded with one
     path = ckpt.save(2, model=model, optimizer=no_sched)
-    with pytest.raises(CheckpointError, match=r"1 missing \['param_groups.0.initial_lr'\]; initial_lr is added"):
+    with pytest.raises(CheckpointError, match=r"4 missing \['param_groups.0.bias.initial_lr', .*\]; initial_lr is added"):
         ckpt.load(path, model=model, optimizer=opt)
 
 
@@ -259,3 +259,13 @@ def test_two_ranks_gloo(tmp_path):
     assert got["per_rank"]["data"] == {"rank": 0, "pos": 0} and got["world_size"] == 2
     assert_same(params(model), torch.load(root / "expected.pt"))
     assert ckpt.load_all_ranks(ckpt.latest(), "data") == [{"rank": 0, "pos": 0}, {"rank": 1, "pos": 10}]
+
+
+def test_older_format_is_refused_with_the_reason(tmp_path):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path)
+    path = ckpt.save(1, model=model, optimizer=opt)
+    marker = path / "COMPLETE.json"
+    marker.write_text(marker.read_text().replace('"format": 2', '"format": 1'))
+    with pytest.raises(ValueError, match="written in checkpoint format 1; this version reads format 2"):
+        ckpt.load(path, model=model, optimizer=opt)

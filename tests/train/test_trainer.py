@@ -139,6 +139,8 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
     (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
     (["data.streams=3"], 1, "data.num_workers=2 workers cannot share evenly"),
     (["data.pack.max_patches=254"], 1, "max_patches=254 must be a multiple of merge_size"),
+    (["parallel.tp=4", "data.pack.seq_len=1026"], 4, "seq_len=1026 must be divisible by tp=4 \\(sequence parallel\\)"),
+    (["parallel.ep=4", "parallel.etp=2", "model.dispatcher=alltoall"], 4, r"edp=-1 .*|not divisible by ep\*etp"),
 ])
 def test_validation_says_what_to_change(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
