@@ -133,8 +133,11 @@ class AllToAllHandle:
 class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None):
+    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, always_exchange: bool = False):
+        """`always_exchange` runs the exchange path (counts, host sync, all-to-all,
+        regroup) even over a group of one: for measuring its cost on one GPU."""
         super().__init__(num_experts, top_k)
+        self.always_exchange = always_exchange
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
         self.etp_group, self.etp_size = etp_group, 1 if etp_group is None else dist.get_world_size(etp_group)
         reason = divisibility_reason(num_experts, self.ep_size)
@@ -152,11 +155,11 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
         rows_ND = x_TD[token_idx_N]
         weight_N = topk_w_TK.reshape(-1)[order_N]
-        if self.ep_size == 1 and self.etp_size == 1:
+        if self.ep_size == 1 and self.etp_size == 1 and not self.always_exchange:
             return rows_ND, counts_E, AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], None)
         plan = self._plan(counts_E)
         recv_MD = rows_ND
-        if self.ep_size > 1:
+        if self.ep_size > 1 or self.always_exchange:
             recv_MD = _all_to_all_rows(rows_ND, plan.recv_splits, plan.send_splits, self.group)
         if self.etp_size > 1:
             mine = sum(plan.recv_splits)
@@ -169,7 +172,7 @@ class AllToAllDispatcher(TokenDispatcher):
         """Exchange the per-expert counts; the one host sync of a dispatch."""
         P, L, Q = self.ep_size, self.num_local_experts, self.etp_size
         recv_counts_E = counts_E
-        if P > 1:
+        if P > 1 or self.always_exchange:
             recv_counts_E = torch.empty_like(counts_E)
             dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # block p: from rank p, my L experts
         all_counts_E = recv_counts_E  # Q blocks of (P, L) after the ETP gather
@@ -199,7 +202,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 mine = sum(plan.recv_splits)
                 y_ND = _all_to_all_rows(y_ND, [mine] * self.etp_size, plan.etp_splits, self.etp_group)
                 y_ND = y_ND.view(self.etp_size, mine, -1).sum(0)
-            if self.ep_size > 1:
+            if self.ep_size > 1 or self.always_exchange:
                 y_ND = _all_to_all_rows(y_ND, plan.send_splits, plan.recv_splits, self.group)
         weighted_ND = y_ND * handle.weight_N.to(y_ND.dtype)[:, None]
         y_TD = y_ND.new_zeros(handle.num_tokens, y_ND.shape[1])

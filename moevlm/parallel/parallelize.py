@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moevlm.dispatch import build_dispatcher
+from moevlm.dispatch import DISPATCHERS, build_dispatcher
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vlm import fill_
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
@@ -76,6 +76,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
         raise ParallelNotBuilt(
             f"this layout ({dims.describe()}) needs context parallel or pipeline stages, which are not built yet; "
             "use parallel.cp=1 parallel.pp=1 (tp, ep, etp and dp fold over every rank)")
+    if model.config.moe.num_experts and dims.ep * dims.etp > 1 and dispatcher not in DISPATCHERS:
+        raise ParallelNotBuilt(f"model.dispatcher={dispatcher!r} is not built yet (its adapter arrives with its own "
+                               f"issue); available: {sorted(DISPATCHERS)}")
     ctx = ParallelContext(dims, dp_mode)
     model.__dict__["_parallel_context"] = ctx
     if dims.world == 1:

@@ -186,6 +186,62 @@ def _four_rank_checks(rank):
     with pytest.raises(RuntimeError, match="num_experts=6"):
         build_dispatcher("alltoall", num_experts=6, top_k=K)
     assert AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=K, ep_group=subgroups[rank // 2]) is None
+    _four_rank_checks_etp(rank)
+
+
+def _check_etp(rank, W1_EDF, W2_EFD):
+    """EP=2 x ETP=2 (rank = 2*ep + etp): every expert's hidden F split over the ETP pair; the dispatcher
+    all-gathers rows over ETP and reduce-scatters the partial outputs; equal to local with whole experts."""
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    etp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_i, etp_i = divmod(rank, 2)
+    d = AllToAllDispatcher(E, K, ep_group=ep_groups[etp_i], etp_group=etp_groups[ep_i])
+    L, Fh = E // 2, W1_EDF.shape[2] // 2
+    x0, idx, w0, g = _scenario("random", rank, ep_i, L)
+    mine, half = slice(ep_i * L, (ep_i + 1) * L), slice(etp_i * Fh, (etp_i + 1) * Fh)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    W1, W2 = W1_EDF[mine, :, half].clone().requires_grad_(), W2_EFD[mine, half].clone().requires_grad_()
+    ex, counts, h = d.dispatch(x, idx, w)
+    y = d.combine(grouped_mm_loop(torch.tanh(grouped_mm_loop(ex, W1, counts)), W2, counts), h)
+    (y * g).sum().backward()
+
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    W1r, W2r = W1_EDF.clone().requires_grad_(), W2_EFD.clone().requires_grad_()
+    loc = LocalDispatcher(E, K)
+    ex, counts_E, h = loc.dispatch(xr, idx, wr)
+    y_ref = loc.combine(grouped_mm_loop(torch.tanh(grouped_mm_loop(ex, W1r, counts_E)), W2r, counts_E), h)
+    (y_ref * g).sum().backward()
+    g1, g2 = _grad(W1r), _grad(W2r)
+    for t in (g1, g2, counts_E):
+        dist.all_reduce(t)  # every rank's tokens reach every expert
+    tol = dict(rtol=1e-5, atol=1e-6, msg=lambda m: f"ETP rank {rank}: {m}")
+    assert counts.tolist() == counts_E[mine].tolist()
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(_grad(x), _grad(xr), **tol)
+    torch.testing.assert_close(_grad(w), _grad(wr), **tol)
+    torch.testing.assert_close(_grad(W1), g1[mine, :, half], **tol)
+    torch.testing.assert_close(_grad(W2), g2[mine, half], **tol)
+
+
+def _check_exchange_over_one_rank(rank, W_EDD):
+    """`always_exchange` over a group of one runs the whole exchange path and equals local."""
+    solo = [dist.new_group([r]) for r in range(4)]
+    d = AllToAllDispatcher(E, K, ep_group=solo[rank], always_exchange=True)
+    x0, idx, w0, g = _scenario("random", rank, 0, E)
+    x = x0.clone().requires_grad_()
+    y, _ = _moe(d, x, idx, w0, W_EDD)
+    xr = x0.clone().requires_grad_()
+    y_ref, _ = _moe(LocalDispatcher(E, K), xr, idx, w0, W_EDD)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+def _four_rank_checks_etp(rank):
+    gen = torch.Generator().manual_seed(11)
+    _check_etp(rank, torch.randn(E, D, 6, generator=gen) / D ** 0.5, torch.randn(E, 6, D, generator=gen) / 6 ** 0.5)
+    _check_exchange_over_one_rank(rank, torch.randn(E, D, D, generator=gen) / D ** 0.5)
 
 
 def test_four_ranks_ep4_and_ep2_match_local(tmp_path):

@@ -52,6 +52,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     resume = "RESUME" in layout
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]  # another layout's checkpoint
     layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
+    layout = [x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")) for x in layout]
     if start:
         layout.append(f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}")
     grads = []
@@ -117,6 +118,9 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     shards = str(tmp / "shards")
     build_sample(shards, progress=False)
+    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [])))  # the reference's initial weights,
+    init.model.save_pretrained(tmp / "init_hf")  # for the layout that starts from a Hugging Face checkpoint
+    init.close()
     ref = run_job(shards, str(tmp / "ref"), [])
     torch.save(ref, tmp / "ref.pt")
     return tmp, shards
@@ -124,7 +128,10 @@ def reference(tmp_path_factory):
 
 WORLD_2 = [["parallel.tp=2"], ["parallel.ep=2", "model.dispatcher=alltoall"],
            ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
-           ["parallel.dp_mode=fsdp"], ["parallel.dp_mode=ddp"]]
+           ["parallel.dp_mode=fsdp"], ["parallel.dp_mode=ddp"],
+           # another seed, then the reference's initial weights from a Hugging Face folder, loaded shard by shard
+           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall", "train.seed=7",
+            "model.hf_checkpoint=@INIT_HF"]]
 WORLD_4 = [["parallel.ep=4", "model.dispatcher=alltoall"],
            ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall"],
            ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1", "parallel.dp_mode=fsdp", "model.dispatcher=alltoall"],
