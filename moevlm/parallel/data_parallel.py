@@ -12,7 +12,7 @@ their number.
     group of the reduction         weights
     dense mesh (dp x cp)           attention, norms, router, embeddings, LM head
     expert mesh edp                experts (each EP/ETP shard with its copies)
-    vision mesh (dp x cp x tp)     vision tower, divided by tp
+    vision mesh (dp x cp x tp)     vision tower, divided by tp (FSDP and DDP)
     tp (after the above)           `tp_partial` weights (sequence-parallel norms,
                                    q/k norms, router, kv weights replicated over tp)
 
@@ -83,7 +83,7 @@ class GradSync:
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
         self.tp_group = groups["tp"]
         self.tp_partial = list(tp_partial)
-        self.ddp_buckets: list[tuple[object, list[str]]] = []
+        self.ddp_buckets: list[tuple[object, float, list[str]]] = []
         if not fsdp:
             by_group: dict[str, list[str]] = {"dense": [], "expert": [], "vision": []}
             for n in names:
@@ -91,17 +91,19 @@ class GradSync:
             for kind, members in by_group.items():
                 group = groups.get(kind)
                 if members and group is not None and dist.get_world_size(group) > 1:
-                    self.ddp_buckets.append((group, members))
+                    # the vision tower: sum over dp x cp x tp, / tp (the tp copies are identical): one average
+                    # of the copies keeps them bitwise equal even where a GPU kernel is not deterministic
+                    self.ddp_buckets.append((group, 1.0 / tp if kind == "vision" else 1.0, members))
 
     @torch.no_grad()
     def finish(self) -> None:
         params = dict(self.model.named_parameters())
-        for group, members in self.ddp_buckets:
+        for group, scale, members in self.ddp_buckets:
             for n in members:  # every rank reduces the same buckets, used or not this step
                 if params[n].grad is None and params[n].requires_grad:
                     params[n].grad = torch.zeros_like(params[n])
             _all_reduce_flat([params[n].grad for n in members if params[n].grad is not None], group,
-                             self.bucket_elems)
+                             self.bucket_elems, scale)
         if self.tp > 1:
             _all_reduce_flat([params[n].grad for n in self.tp_partial if params[n].grad is not None], self.tp_group,
                              self.bucket_elems)
@@ -144,7 +146,7 @@ def _copies(g: torch.Tensor, world: int) -> int:
     return world // shards
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group, bucket_elems: int) -> None:
+def _all_reduce_flat(grads: list[torch.Tensor], group, bucket_elems: int, scale: float = 1.0) -> None:
     """Sum the local tensors of `grads` over `group`, in flat fp32 buckets."""
     locals_ = [_local(g) for g in grads]
     start = 0
@@ -156,6 +158,8 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, bucket_elems: int) -> Non
         chunk = locals_[start:end]
         flat = torch.cat([t.reshape(-1).float() for t in chunk])
         dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
         offset = 0
         for t in chunk:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

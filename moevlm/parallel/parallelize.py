@@ -89,7 +89,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
     vision = attn["dp", "cp", "tp"]._flatten("dp_cp_tp")
     ctx.meshes = (attn, expert)
     ctx.groups = {"tp": attn["tp"].get_group(), "dp": attn["dp"].get_group(), "dense": dense.get_group(),
-                  "expert": expert["edp"].get_group(), "vision": dense.get_group()}
+                  "expert": expert["edp"].get_group(), "vision": vision.get_group()}
     if dims.tp > 1:
         ctx.tp_partial = apply_tensor_parallel(model, attn["tp"])
     if model.config.moe.num_experts and dims.ep * dims.etp > 1:
