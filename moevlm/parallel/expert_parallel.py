@@ -55,11 +55,11 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "allt
     if etp > 1 and _StridedShard is None:  # pragma: no cover
         raise RuntimeError("parallel.etp > 1 needs torch's _StridedShard placement (torch >= 2.6)")
     gate_up = [Shard(0), _StridedShard(2, split_factor=2) if etp > 1 else Shard(2)]
+    cfg = model.config.moe
     for layer in model.text.layers:
         if not layer.is_moe:
             continue
         block = layer.mlp
-        cfg = model.config.moe
         shard_param(block.experts, "gate_up_proj", sub, gate_up)
         shard_param(block.experts, "down_proj", sub, [Shard(0), Shard(1)])
         block.experts.__class__ = ParallelExperts

@@ -9,7 +9,8 @@ parallel (data_parallel.py: FSDP2 or DDP-style all-reduce).
     init_parameters_(model, seed)            # or moevlm.model.hf.load_weights_
     ...loss.backward() per micro-batch...
     ctx = parallel_context(model)
-    ctx.finish_gradients(); ctx.clip_grad_norm_(max_norm)
+    ctx.finish_gradients()                   # DDP all-reduces, tp sums of partial gradients
+    norm = ctx.clip_grad_norm_(params, max_norm)
 
 Design choices:
 - The two meshes come from `ParallelDims.build_meshes`; the model keeps a

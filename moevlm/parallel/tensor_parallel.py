@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from moevlm.model.attention import DocMask, attention, doc_mask
 from moevlm.model.decoder import TextAttention, TextDecoder
@@ -234,4 +234,4 @@ def apply_tensor_parallel(model: Qwen3VLMoe, tp_mesh) -> list[str]:
     return partial
 
 
-__all__ = ["apply_tensor_parallel", "local", "shard_param", "Replicate"]
+__all__ = ["apply_tensor_parallel", "local", "shard_param"]

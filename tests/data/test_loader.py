@@ -122,7 +122,6 @@ if __name__ == "__main__":
 
 def test_workers_exit_when_the_training_process_is_killed(sample_shards, tmp_path):
     """SIGKILL of the trainer must not leave forkserver workers decoding for nobody."""
-    import os
     import signal
     import subprocess
     import sys

@@ -97,8 +97,46 @@ def compare(got: dict, ref: dict) -> dict:
     return {"loss": loss, "grads": grad, "params": param}
 
 
+def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
+    """The model pieces the tiny preset does not have: a dense MLP layer (tensor parallel gate/up/down)
+    and tied embeddings (one vocab-parallel weight for both), with an image (deepstack through
+    sequence parallel), against the unsharded model: loss, logits shard, every gathered gradient."""
+    from moevlm.model import Qwen3VLMoe, VLMConfig
+    from moevlm.parallel import ParallelDims, copy_full_, init_parameters_, parallel_context, parallelize
+
+    cfg = VLMConfig.preset("tiny")
+    cfg.moe.mlp_only_layers, cfg.tie_word_embeddings, cfg.attn_backend = (1,), True, "sdpa"
+    full = Qwen3VLMoe(cfg)
+    init_parameters_(full, seed=3)
+    with torch.device("meta"):
+        tp = Qwen3VLMoe(cfg)
+    tp = parallelize(tp, ParallelDims(world, tp=world), dp_mode="ddp")
+    tp.to_empty(device="cpu")
+    for name, p in tp.named_parameters():
+        copy_full_(p, dict(full.named_parameters())[name].detach())
+    g = torch.Generator().manual_seed(5)
+    merge = cfg.vision.spatial_merge_size
+    grid = torch.tensor([[1, 4, 4]])
+    ids = torch.randint(0, 900, (1, 32), generator=g)
+    ids[0, 5:5 + 16 // merge**2] = cfg.image_token_id
+    kw = dict(pixel_values=torch.randn(16, cfg.vision.patch_dim, generator=g), image_grid_thw=grid, labels=ids)
+    ref, out = full(ids, **kw), tp(ids, **kw)
+    ref.loss.backward()
+    out.loss.backward()
+    parallel_context(tp).finish_gradients()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    V = cfg.text.vocab_size // world
+    torch.testing.assert_close(out.logits, ref.logits[..., rank * V:(rank + 1) * V], rtol=1e-5, atol=1e-6)
+    grads, want = full_grads(tp), {n: p.grad for n, p in full.named_parameters()}
+    assert grads.keys() == want.keys() and "text.layers.1.mlp.gate_proj.weight" in grads
+    bad = {k: rel(grads[k], want[k]) for k in want if rel(grads[k], want[k]) > TOL}
+    assert not bad, bad
+
+
 def _layouts_on_ranks(rank: int, world: int, shards: str, tmp: str, ref_path: str, layouts: list[list[str]]):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    if world == 2:
+        _dense_layer_and_tied_head_under_tp(rank, world)
     ref = torch.load(ref_path, weights_only=False)
     report = {}
     for i, layout in enumerate(layouts):

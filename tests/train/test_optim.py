@@ -1,7 +1,6 @@
 """Parameter groups and learning-rate schedules (pure functions, no processes)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
