@@ -115,18 +115,16 @@ class GradSync:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        device = _local(grads[0]).device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            t = _local(g)
-            if t.numel():
-                total += t.double().pow(2).sum() / _copies(g, self.world)
+        locals_ = [_local(g) for g in grads]
+        device = locals_[0].device
+        norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2)])  # empty shards give 0
+        weights = torch.tensor([1.0 / _copies(g, self.world) for g in grads], dtype=torch.float64, device=device)
+        total = (norms.pow(2) * weights).sum()
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(total)
         norm = total.sqrt().float()
         if math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            locals_ = [_local(g) for g in grads]
             torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
         return norm
 
