@@ -98,13 +98,22 @@ class TextDecoder(nn.Module):
         mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=h_BSD.device,
                         dtype=h_BSD.dtype)
         stats: list[RouterStats] = []
+        h, token_mask = self.to_layers(h_BSD), self.to_layers(token_mask_BS)
         for i, layer in enumerate(self.layers):
-            h_BSD, s = layer(h_BSD, rope, mask, token_mask_BS)
+            h, s = layer(h, rope, mask, token_mask)
             if s is not None:
                 stats.append(s)
             if i < len(deepstack):
-                h_BSD = add_at_mask(h_BSD, visual_mask_BS, deepstack[i])
-        return self.norm(h_BSD), stats
+                h = self.add_deepstack(h, visual_mask_BS, deepstack[i])
+        return self.norm(h), stats
+
+    # What the layers see of the (B, S, ...) inputs, and how deepstack rows reach it: the whole
+    # sequence here; `parallel/tensor_parallel.py` overrides both for sequence parallel.
+    def to_layers(self, t_BS: torch.Tensor | None) -> torch.Tensor | None:
+        return t_BS
+
+    def add_deepstack(self, h: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
+        return add_at_mask(h, mask_BS, rows_ND)
 
 
 def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:

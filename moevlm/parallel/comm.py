@@ -57,37 +57,22 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[r].contiguous()
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
+def _adjoint_pair(name: str, fwd, bwd) -> type[torch.autograd.Function]:
+    """An autograd function running `fwd(x, dim, group)` forward and `bwd` backward."""
+
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+        return fwd(x, dim, group)
 
-    @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+        return bwd(g, ctx.dim, ctx.group), None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group), None, None
-
-
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group), None, None
+_GatherSeq = _adjoint_pair("_GatherSeq", _all_gather, _reduce_scatter)
+_ReduceScatterSeq = _adjoint_pair("_ReduceScatterSeq", _reduce_scatter, _all_gather)
+_SplitSeq = _adjoint_pair("_SplitSeq", _split, _all_gather)
 
 
 class _SumReplicated(torch.autograd.Function):

@@ -45,10 +45,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from moevlm.model.attention import DocMask, attention, doc_mask
-from moevlm.model.decoder import TextAttention, TextDecoder
+from moevlm.model.attention import DocMask, attention
+from moevlm.model.decoder import TextAttention, TextDecoder, add_at_mask
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
-from moevlm.model.rope import apply_rotary, mrope
+from moevlm.model.rope import apply_rotary
 from moevlm.model.vlm import IGNORE_INDEX, Qwen3VLMoe, next_token_targets
 from moevlm.parallel.comm import gather_seq, reduce_scatter_seq, split_seq, sum_replicated
 from moevlm.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -140,27 +140,17 @@ class VocabParallelHead(nn.Linear):
 
 
 class SPTextDecoder(TextDecoder):
+    """Layers see this rank's 1/tp of the sequence; deepstack rows are scattered into
+    the full sequence first, so `split_seq`'s backward hands every rank the full
+    gradient of the vision tower's features."""
     tp_group = None
 
-    def forward(self, h_BSD, position_ids_3BS, cu_seqlens=None, visual_mask_BS=None, deepstack=(),
-                token_mask_BS=None):
-        t, g = self.cfg, self.tp_group
-        rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, h_BSD.dtype)
-        B, S, D = h_BSD.shape
-        mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=h_BSD.device,
-                        dtype=h_BSD.dtype)
-        h = split_seq(h_BSD, g)
-        token_mask = None if token_mask_BS is None else split_seq(token_mask_BS, g)
-        stats: list[RouterStats] = []
-        for i, layer in enumerate(self.layers):
-            h, s = layer(h, rope, mask, token_mask)
-            if s is not None:
-                stats.append(s)
-            if i < len(deepstack):
-                idx = visual_mask_BS.reshape(-1).nonzero().squeeze(-1)
-                delta = h_BSD.new_zeros(B * S, D).index_add(0, idx, deepstack[i].to(h.dtype))
-                h = h + split_seq(delta.view(B, S, D), g)
-        return self.norm(h), stats
+    def to_layers(self, t_BS):
+        return None if t_BS is None else split_seq(t_BS, self.tp_group)
+
+    def add_deepstack(self, h_BsD, mask_BS, rows_ND):
+        delta_BSD = add_at_mask(h_BsD.new_zeros(*mask_BS.shape, h_BsD.shape[-1]), mask_BS, rows_ND)
+        return h_BsD + split_seq(delta_BSD, self.tp_group)
 
 
 class TPQwen3VLMoe(Qwen3VLMoe):
