@@ -67,7 +67,7 @@ class Qwen3VLMoe(nn.Module):
         """How every parameter starts, by name: ("normal", std) for matrices,
         ("zeros", 0) for biases, ("ones", 0) for norms.  `init_weights` applies it
         with the global RNG; the trainer applies it per parameter with its own
-        seeded generator (`moevlm.parallel.init`), the same under any layout."""
+        seeded generator (`moevlm.parallel.init_parameters_`), the same under any layout."""
         rules: dict[str, tuple[str, float]] = {}
         for prefix, tower, std in (("vision.", self.vision, self.config.vision.initializer_range),
                                    ("text.", self.text, self.config.text.initializer_range)):

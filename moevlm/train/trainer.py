@@ -132,11 +132,12 @@ class Trainer:
     def _materialise(self) -> None:
         model, m = self.model, self.job.model
         model.to_empty(device=self.device)
-        init_parameters_(model, self.t.seed)  # the same weights under any layout
-        if m.hf_checkpoint:
+        if m.hf_checkpoint:  # every parameter comes from it (a missing one is an error)
             from moevlm.model.hf import load_weights_
 
             load_weights_(model, m.hf_checkpoint)
+        else:
+            init_parameters_(model, self.t.seed)  # the same weights under any layout
         if m.freeze_vision:
             model.vision.requires_grad_(False)
         if 1 < self.world <= 64:  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
