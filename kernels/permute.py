@@ -1,0 +1,392 @@
+"""Fused permute / unpermute for top-k routing: token rows to expert-grouped rows
+and back, with a torch reference beside each Triton kernel.
+
+Legend: T tokens, K top-k choices per token, D hidden, E experts, M rows after
+permute (T*K, plus padding when `pad_multiple` > 1).
+
+    plan = permute_plan(topk_idx_TK, num_experts, pad_multiple=1)
+    x_MD = permute(x_TD, plan)                               # K copies of each token
+    y_MD = experts(x_MD, plan.rows_per_expert_E)             # e.g. grouped_mm
+    y_TD = unpermute(y_MD, plan, topk_w_TK)                  # sum_k w[t,k] * y_MD[row(t,k)]
+
+The plan: `row_of_choice_TK[t, k]` is the destination row of (token t, choice k).
+Rows are grouped by expert, experts in order, and within an expert tokens ascend:
+exactly the order of a stable sort of the flattened choices by expert, so with
+`pad_multiple=1` `permute` gives the same rows as the local dispatcher.  With
+`pad_multiple > 1` every expert's block is rounded up to a multiple of it (FP8
+GEMM alignment); padding rows follow the expert's real rows, are zeros in the
+permuted x, never read by `unpermute` and get zero gradient.
+
+Counts: `rows_per_expert_E` are the *padded* counts (what a grouped GEMM takes;
+they sum to `num_rows`), `tokens_per_expert_E` the real ones (load balancing,
+logging).  With `pad_multiple=1` they are equal.
+
+**Router weights are applied in `unpermute`, exactly once**, to the expert output
+before the per-token sum (the `combine` contract of `moevlm.dispatch.base`);
+`permute` never scales rows.
+
+Design choices:
+- The plan is index work done with torch ops (scatter_add, cumsum, a stable
+  sort); the data movement is what the kernels fuse.  `num_rows` is a Python int:
+  T*K when `pad_multiple=1` (the plan then needs no host sync), else the padded
+  total (one host sync; a static row budget is the dispatcher's business).
+  `PermutePlan` is a NamedTuple whose first three fields are (row_of_choice_TK,
+  rows_per_expert_E, num_rows); the real counts come fourth.
+- Kernels are token-major: a program owns a (BLOCK_T tokens) x (BLOCK_D hidden)
+  tile, reads it once and writes its K copies (`permute`), or reads the K rows of
+  its tokens and writes one sum (`unpermute`, `permute`'s backward).  No (T*K, D)
+  intermediate anywhere.  Tiles are ~4k elements (BLOCK_D <= 256), not tuned on
+  a GPU.
+- Four custom ops in the "moevlm" namespace, each with a fake: `permute`,
+  `unpermute` (differentiable through `register_autograd`) and their backwards
+  `permute_backward` (a gather-sum of the K rows) and `unpermute_backward`.  The
+  latter is one kernel over token tiles that walks D: per step it reads dy once,
+  writes the K scaled rows of d y_MD and, only when topk_w needs a gradient,
+  reads those K rows of y_MD to reduce d w[t,k] = <dy[t], y_MD[row(t,k)]> in
+  fp32 registers (no atomics, no second pass over dy).  Double backward is not
+  supported.
+- Sums and weighting in fp32, outputs in the input's dtype (fp32, fp16, bf16);
+  topk_w is fp32 and its gradient has its dtype.  Row offsets are 64-bit.  Data
+  inputs are read through their strides (an expanded incoming gradient needs no
+  copy); outputs are fresh contiguous tensors.  The Triton interpreter (3.9)
+  truncates fp32 -> bf16 where a GPU rounds to nearest even, so on CPU bf16
+  outputs may differ from the torch reference by one bf16 ulp.
+- Padding rows of an output are zeroed by a small kernel that writes only those
+  rows (at most pad_multiple - 1 per expert), never a memset of the whole output.
+- `backend="torch" | "triton"`, torch by default.  `triton` is imported on first
+  use, so importing this module never needs it; asking for the Triton backend
+  without it raises an ImportError naming the package.  On CPU the kernels run
+  only under the Triton interpreter (`TRITON_INTERPRET=1`, read when the kernels
+  are first built); otherwise the backend asks for CUDA tensors.
+- Topk indices must lie in [0, E): an index outside, e.g. DeepEP's -1 "skip",
+  fails in scatter_add_ (an index error on CPU, a device assert on CUDA).
+"""
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+BACKENDS = ("torch", "triton")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class PermutePlan(NamedTuple):
+    row_of_choice_TK: torch.Tensor  # int64 destination row of every (token, choice)
+    rows_per_expert_E: torch.Tensor  # int64 padded rows per expert, the grouped GEMM's counts
+    num_rows: int  # M = rows_per_expert_E.sum()
+    tokens_per_expert_E: torch.Tensor  # int64 real (unpadded) rows per expert
+
+
+def permute_plan(topk_idx_TK: torch.Tensor, num_experts: int, pad_multiple: int = 1) -> PermutePlan:
+    """Destination rows in stable expert order, each expert padded to `pad_multiple`."""
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    flat_idx = topk_idx_TK.reshape(-1).long()
+    # scatter_add_, not bincount: a fixed-size output, so no host sync on CUDA.
+    tokens_E = flat_idx.new_zeros(num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
+    rows_E = (tokens_E + pad_multiple - 1) // pad_multiple * pad_multiple
+    # A row's destination = its place in the stable sort + the padding before its expert.
+    shift_E = (rows_E.cumsum(0) - rows_E) - (tokens_E.cumsum(0) - tokens_E)
+    order = torch.sort(flat_idx, stable=True).indices
+    row = torch.empty_like(flat_idx)
+    row[order] = torch.arange(flat_idx.numel(), device=flat_idx.device)
+    row += shift_E[flat_idx]
+    num_rows = flat_idx.numel() if pad_multiple == 1 else int(rows_E.sum())
+    return PermutePlan(row.view(topk_idx_TK.shape), rows_E, num_rows, tokens_E)
+
+
+# ---------------------------------------------------------------- torch reference
+
+
+def _scatter_torch(x_TD, row_TK, w_TK, rows_E, tokens_E, num_rows):
+    """out[row(t,k)] = (w[t,k] *) x[t]; padding rows zero."""
+    T, K = row_TK.shape
+    src_TKD = x_TD[:, None, :].expand(T, K, x_TD.shape[1])
+    if w_TK is not None:
+        src_TKD = (src_TKD.float() * w_TK.float()[:, :, None]).to(x_TD.dtype)
+    out_MD = x_TD.new_zeros(num_rows, x_TD.shape[1])
+    out_MD[row_TK.reshape(-1)] = src_TKD.reshape(T * K, x_TD.shape[1])
+    return out_MD
+
+
+def _gather_torch(y_MD, row_TK, w_TK):
+    """out[t] = sum_k (w[t,k] *) y[row(t,k)], in fp32."""
+    rows_TKD = y_MD[row_TK].float()
+    if w_TK is not None:
+        rows_TKD = rows_TKD * w_TK.float()[:, :, None]
+    return rows_TKD.sum(1).to(y_MD.dtype)
+
+
+def _weight_grad_torch(dy_TD, y_MD, row_TK):
+    return (dy_TD.float()[:, None, :] * y_MD[row_TK].float()).sum(-1)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+_triton = None  # the `triton` module once imported, with `tl` below: globals the kernels read
+tl = None
+
+
+def _require_triton():
+    global _triton, tl
+    if _triton is None:
+        try:
+            import triton
+            from triton import language
+        except ImportError as e:
+            raise ImportError("permute backend='triton' needs the `triton` package (pip install triton); "
+                              "use backend='torch' without it") from e
+        _triton, tl = triton, language
+    return _triton
+
+
+@functools.cache
+def _kernels():
+    """Build the kernels on first use (so `TRITON_INTERPRET` is read then, not at import)."""
+    jit = _require_triton().jit
+
+    @jit
+    def scatter_rows(x_ptr, row_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_xd,
+                     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_t = offs_t < T
+        mask = mask_t[:, None] & (offs_d < D)[None, :]
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd, mask=mask)
+        for k in tl.static_range(K):
+            row = tl.load(row_ptr + offs_t * K + k, mask=mask_t, other=0)
+            val = x
+            if HAS_W:
+                w = tl.load(w_ptr + offs_t * K + k, mask=mask_t, other=0.0).to(tl.float32)
+                val = (x.to(tl.float32) * w[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row[:, None] * D + offs_d[None, :], val, mask=mask)
+
+    @jit
+    def gather_rows(y_ptr, row_ptr, w_ptr, out_ptr, T, D, stride_ym, stride_yd,
+                    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_t = offs_t < T
+        mask = mask_t[:, None] & (offs_d < D)[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for k in tl.static_range(K):
+            row = tl.load(row_ptr + offs_t * K + k, mask=mask_t, other=0)
+            y = tl.load(y_ptr + row[:, None] * stride_ym + offs_d[None, :] * stride_yd, mask=mask, other=0.0)
+            if HAS_W:
+                w = tl.load(w_ptr + offs_t * K + k, mask=mask_t, other=0.0).to(tl.float32)
+                acc += y.to(tl.float32) * w[:, None]
+            else:
+                acc += y.to(tl.float32)
+        tl.store(out_ptr + offs_t[:, None] * D + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @jit
+    def unpermute_bwd(dy_ptr, y_ptr, row_ptr, w_ptr, dyrows_ptr, dw_ptr, T, D,
+                      stride_dyt, stride_dyd, stride_ym, stride_yd,
+                      K: tl.constexpr, K_P2: tl.constexpr, NEED_DW: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        ks = tl.arange(0, K_P2)
+        dw = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask = mask_t[:, None] & (offs_d < D)[None, :]
+            dy = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_d[None, :] * stride_dyd,
+                         mask=mask, other=0.0).to(tl.float32)
+            for k in tl.static_range(K):
+                row = tl.load(row_ptr + offs_t * K + k, mask=mask_t, other=0)
+                w = tl.load(w_ptr + offs_t * K + k, mask=mask_t, other=0.0).to(tl.float32)
+                val = (dy * w[:, None]).to(dyrows_ptr.dtype.element_ty)
+                tl.store(dyrows_ptr + row[:, None] * D + offs_d[None, :], val, mask=mask)
+                if NEED_DW:
+                    y = tl.load(y_ptr + row[:, None] * stride_ym + offs_d[None, :] * stride_yd,
+                                mask=mask, other=0.0).to(tl.float32)
+                    dw += tl.where(ks[None, :] == k, tl.sum(dy * y, axis=1)[:, None], 0.0)
+        if NEED_DW:
+            tl.store(dw_ptr + offs_t[:, None] * K + ks[None, :], dw, mask=mask_t[:, None] & (ks < K)[None, :])
+
+    @jit
+    def zero_padding(out_ptr, ends_ptr, pads_ptr, D, BLOCK_D: tl.constexpr):
+        end = tl.load(ends_ptr + tl.program_id(0))
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        zeros = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
+        for r in range(end - tl.load(pads_ptr + tl.program_id(0)), end):
+            tl.store(out_ptr + r * D + offs_d, zeros, mask=offs_d < D)
+
+    return scatter_rows, gather_rows, unpermute_bwd, zero_padding
+
+
+def _blocks(T: int, D: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D): tiles of ~4k elements.  Not tuned on a GPU."""
+    np2 = _require_triton().next_power_of_2
+    block_d = min(np2(D), 256)
+    return max(1, min(np2(T), 4096 // block_d)), block_d
+
+
+def _zero_padding_triton(out_MD, row_TK, rows_E, tokens_E):
+    if out_MD.shape[0] == row_TK.numel() or out_MD.shape[1] == 0:
+        return  # no padding rows
+    _, block_d = _blocks(1, out_MD.shape[1])
+    grid = (rows_E.numel(), _triton.cdiv(out_MD.shape[1], block_d))
+    _kernels()[3][grid](out_MD, rows_E.cumsum(0), rows_E - tokens_E, out_MD.shape[1], BLOCK_D=block_d)
+
+
+def _scatter_triton(x_TD, row_TK, w_TK, rows_E, tokens_E, num_rows):
+    (T, K), D = row_TK.shape, x_TD.shape[1]
+    out_MD = x_TD.new_empty(num_rows, D)
+    if T * D > 0:
+        bt, bd = _blocks(T, D)
+        grid = (_triton.cdiv(T, bt), _triton.cdiv(D, bd))
+        _kernels()[0][grid](x_TD, row_TK.contiguous(), w_TK if w_TK is not None else row_TK, out_MD, T, D,
+                            *x_TD.stride(), K=K, HAS_W=w_TK is not None, BLOCK_T=bt, BLOCK_D=bd)
+    _zero_padding_triton(out_MD, row_TK, rows_E, tokens_E)
+    return out_MD
+
+
+def _gather_triton(y_MD, row_TK, w_TK):
+    (T, K), D = row_TK.shape, y_MD.shape[1]
+    out_TD = y_MD.new_empty(T, D)
+    if T * D > 0:
+        bt, bd = _blocks(T, D)
+        grid = (_triton.cdiv(T, bt), _triton.cdiv(D, bd))
+        _kernels()[1][grid](y_MD, row_TK.contiguous(), w_TK if w_TK is not None else row_TK, out_TD, T, D,
+                            *y_MD.stride(), K=K, HAS_W=w_TK is not None, BLOCK_T=bt, BLOCK_D=bd)
+    return out_TD
+
+
+def _unpermute_bwd_triton(dy_TD, y_MD, row_TK, w_TK, rows_E, tokens_E, need_dw):
+    (T, K), D = row_TK.shape, y_MD.shape[1]
+    dy_MD = y_MD.new_empty(y_MD.shape)
+    dw_TK = torch.zeros(T, K, dtype=torch.float32, device=y_MD.device) if need_dw else None
+    if T * D > 0:
+        bt, bd = _blocks(T, D)
+        _kernels()[2][(_triton.cdiv(T, bt),)](
+            dy_TD, y_MD, row_TK.contiguous(), w_TK.contiguous(), dy_MD, dw_TK if need_dw else w_TK, T, D,
+            *dy_TD.stride(),
+            *y_MD.stride(), K=K, K_P2=_triton.next_power_of_2(K), NEED_DW=need_dw, BLOCK_T=bt, BLOCK_D=bd)
+    _zero_padding_triton(dy_MD, row_TK, rows_E, tokens_E)
+    return dy_MD, dw_TK
+
+
+# ---------------------------------------------------------------- custom ops
+
+
+def _scatter(backend, *args):
+    return (_scatter_triton if backend == "triton" else _scatter_torch)(*args)
+
+
+def _gather(backend, *args):
+    return (_gather_triton if backend == "triton" else _gather_torch)(*args)
+
+
+@torch.library.custom_op("moevlm::permute", mutates_args=())
+def _permute_op(x_TD: torch.Tensor, row_TK: torch.Tensor, rows_E: torch.Tensor, tokens_E: torch.Tensor,
+                num_rows: int, backend: str) -> torch.Tensor:
+    return _scatter(backend, x_TD, row_TK, None, rows_E, tokens_E, num_rows)
+
+
+@torch.library.custom_op("moevlm::permute_backward", mutates_args=())
+def _permute_backward_op(dx_MD: torch.Tensor, row_TK: torch.Tensor, backend: str) -> torch.Tensor:
+    return _gather(backend, dx_MD, row_TK, None)
+
+
+@torch.library.custom_op("moevlm::unpermute", mutates_args=())
+def _unpermute_op(y_MD: torch.Tensor, row_TK: torch.Tensor, topk_w_TK: torch.Tensor, rows_E: torch.Tensor,
+                  tokens_E: torch.Tensor, backend: str) -> torch.Tensor:
+    return _gather(backend, y_MD, row_TK, topk_w_TK)
+
+
+@torch.library.custom_op("moevlm::unpermute_backward", mutates_args=())
+def _unpermute_backward_op(dy_TD: torch.Tensor, y_MD: torch.Tensor, row_TK: torch.Tensor, topk_w_TK: torch.Tensor,
+                           rows_E: torch.Tensor, tokens_E: torch.Tensor, need_dw: bool,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d y_MD, d topk_w_TK); the latter is empty (0, K) when not `need_dw`."""
+    if backend == "triton":
+        dy_MD, dw_TK = _unpermute_bwd_triton(dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw)
+    else:
+        dy_MD = _scatter_torch(dy_TD, row_TK, topk_w_TK, rows_E, tokens_E, y_MD.shape[0])
+        dw_TK = _weight_grad_torch(dy_TD, y_MD, row_TK) if need_dw else None
+    if dw_TK is None:
+        return dy_MD, topk_w_TK.new_empty(0, topk_w_TK.shape[1])
+    return dy_MD, dw_TK.to(topk_w_TK.dtype)
+
+
+@_permute_op.register_fake
+def _(x_TD, row_TK, rows_E, tokens_E, num_rows, backend):
+    return x_TD.new_empty(num_rows, x_TD.shape[1])
+
+
+@_permute_backward_op.register_fake
+def _(dx_MD, row_TK, backend):
+    return dx_MD.new_empty(row_TK.shape[0], dx_MD.shape[1])
+
+
+@_unpermute_op.register_fake
+def _(y_MD, row_TK, topk_w_TK, rows_E, tokens_E, backend):
+    return y_MD.new_empty(row_TK.shape[0], y_MD.shape[1])
+
+
+@_unpermute_backward_op.register_fake
+def _(dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw, backend):
+    dw_rows = topk_w_TK.shape[0] if need_dw else 0
+    return y_MD.new_empty(y_MD.shape), topk_w_TK.new_empty(dw_rows, topk_w_TK.shape[1])
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.backend = inputs[5]
+
+
+def _permute_backward(ctx, dx_MD):
+    (row_TK,) = ctx.saved_tensors
+    return _permute_backward_op(dx_MD, row_TK, ctx.backend), None, None, None, None, None
+
+
+def _unpermute_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.backend = inputs[5]
+
+
+def _unpermute_backward(ctx, dy_TD):
+    y_MD, row_TK, topk_w_TK, rows_E, tokens_E = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[2]
+    dy_MD, dw_TK = _unpermute_backward_op(dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw, ctx.backend)
+    return dy_MD, None, dw_TK if need_dw else None, None, None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def _check(backend: str, *tensors: torch.Tensor) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"permute backend {backend!r} is not available; choose one of {list(BACKENDS)}")
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"permute/unpermute take fp32, fp16 or bf16 rows, got {t.dtype}")
+    if backend == "triton":
+        _require_triton()
+        on_cpu = any(t.device.type == "cpu" for t in tensors)
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("permute backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+
+
+def permute(x_TD: torch.Tensor, plan: PermutePlan, backend: str = "torch") -> torch.Tensor:
+    """x_MD[row(t,k)] = x_TD[t] for every choice; padding rows are zeros.  Unweighted."""
+    _check(backend, x_TD)
+    return _permute_op(x_TD, plan.row_of_choice_TK, plan.rows_per_expert_E, plan.tokens_per_expert_E,
+                       plan.num_rows, backend)
+
+
+def unpermute(y_MD: torch.Tensor, plan: PermutePlan, topk_w_TK: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """y_TD[t] = sum_k topk_w[t,k] * y_MD[row(t,k)], in fp32, returned in y's dtype."""
+    _check(backend, y_MD)
+    if y_MD.shape[0] != plan.num_rows:
+        raise ValueError(f"unpermute got {y_MD.shape[0]} rows, the plan has {plan.num_rows}")
+    return _unpermute_op(y_MD, plan.row_of_choice_TK, topk_w_TK, plan.rows_per_expert_E,
+                         plan.tokens_per_expert_E, backend)
