@@ -50,13 +50,9 @@ import torch
 import torch.distributed as dist
 
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
+from moevlm.dispatch.rows import RowsState, from_expert_rows, sort_rows_by_expert, to_expert_rows  # noqa: F401
 
 # ----------------------------------------------------------------- pure index logic
-
-
-def sort_rows_by_expert(topk_idx_TK: torch.Tensor) -> torch.Tensor:
-    """Order of the T*K flattened (token, choice) rows sorted by expert id, stable."""
-    return torch.sort(topk_idx_TK.reshape(-1), stable=True).indices
 
 
 def rank_splits(counts_E: list[int], ep_size: int) -> list[int]:
@@ -123,9 +119,7 @@ class ExchangePlan:
 
 @dataclass
 class AllToAllHandle:
-    token_idx_N: torch.Tensor  # source token of every sent row (sorted order)
-    weight_N: torch.Tensor  # router weight of every sent row
-    num_tokens: int
+    rows: RowsState  # this rank's permutation of its own tokens (sorted by expert)
     plan: ExchangePlan | None  # None at EP size 1
 
 
@@ -133,11 +127,13 @@ class AllToAllHandle:
 class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, always_exchange: bool = False):
+    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, always_exchange: bool = False,
+                 permute: str = "torch"):
         """`always_exchange` runs the exchange path (counts, host sync, all-to-all,
-        regroup) even over a group of one: for measuring its cost on one GPU."""
+        regroup) even over a group of one: for measuring its cost on one GPU.
+        `permute` is the local permutation's backend (moevlm.dispatch.rows)."""
         super().__init__(num_experts, top_k)
-        self.always_exchange = always_exchange
+        self.always_exchange, self.permute = always_exchange, permute
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
         self.etp_group, self.etp_size = etp_group, 1 if etp_group is None else dist.get_world_size(etp_group)
         reason = divisibility_reason(num_experts, self.ep_size)
@@ -150,13 +146,9 @@ class AllToAllDispatcher(TokenDispatcher):
         return divisibility_reason(num_experts, _resolve_group(ep_group)[1])
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
-        order_N = sort_rows_by_expert(topk_idx_TK)
-        token_idx_N = order_N // self.top_k
-        counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
-        rows_ND = x_TD[token_idx_N]
-        weight_N = topk_w_TK.reshape(-1)[order_N]
+        rows_ND, counts_E, rows = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute)
         if self.ep_size == 1 and self.etp_size == 1 and not self.always_exchange:
-            return rows_ND, counts_E, AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], None)
+            return rows_ND, counts_E, AllToAllHandle(rows, None)
         plan = self._plan(counts_E)
         recv_MD = rows_ND
         if self.ep_size > 1 or self.always_exchange:
@@ -165,7 +157,7 @@ class AllToAllDispatcher(TokenDispatcher):
             mine = sum(plan.recv_splits)
             recv_MD = _all_to_all_rows(recv_MD.repeat(self.etp_size, 1), plan.etp_splits, [mine] * self.etp_size,
                                        self.etp_group)
-        handle = AllToAllHandle(token_idx_N, weight_N, x_TD.shape[0], plan)
+        handle = AllToAllHandle(rows, plan)
         return recv_MD[plan.regroup_M], plan.tokens_per_local_expert_L, handle
 
     def _plan(self, counts_E: torch.Tensor) -> ExchangePlan:
@@ -204,6 +196,4 @@ class AllToAllDispatcher(TokenDispatcher):
                 y_ND = y_ND.view(self.etp_size, mine, -1).sum(0)
             if self.ep_size > 1 or self.always_exchange:
                 y_ND = _all_to_all_rows(y_ND, plan.send_splits, plan.recv_splits, self.group)
-        weighted_ND = y_ND * handle.weight_N.to(y_ND.dtype)[:, None]
-        y_TD = y_ND.new_zeros(handle.num_tokens, y_ND.shape[1])
-        return y_TD.index_add_(0, handle.token_idx_N, weighted_ND)
+        return from_expert_rows(y_ND, handle.rows)

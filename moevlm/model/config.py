@@ -89,6 +89,7 @@ class MoEConfig:
     router_aux_loss_coef: float = 0.001
     grouped_gemm: str = "torch"  # see moevlm.kernels.GROUPED_GEMMS
     dispatcher: str = "local"
+    permute: str = "torch"  # token rows <-> expert rows: torch | triton (moevlm.dispatch.rows)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """The reference's rule: sparse unless listed dense or off the sparse step."""
@@ -147,6 +148,10 @@ class VLMConfig:
         _check(m.decoder_sparse_step >= 1, f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1")
         for i in m.mlp_only_layers:
             _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
+        _check(m.permute in ("torch", "triton"), f"moe.permute={m.permute!r}; choose one of ['torch', 'triton']")
+        _check("triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
+               "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "
+               "builds of torch ship it); use 'torch'")
         _check(m.grouped_gemm in GROUPED_GEMMS,
                f"moe.grouped_gemm={m.grouped_gemm!r}; choose one of {sorted(GROUPED_GEMMS)}")
         _check(m.grouped_gemm != "torch" or (t.hidden_size % 8 == 0 and m.moe_intermediate_size % 8 == 0),
@@ -292,3 +297,9 @@ def qwen3_vl_235b_a22b() -> VLMConfig:
 
 
 PRESETS = {"tiny": tiny, "qwen3_vl_30b_a3b": qwen3_vl_30b_a3b, "qwen3_vl_235b_a22b": qwen3_vl_235b_a22b}
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

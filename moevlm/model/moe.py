@@ -70,7 +70,8 @@ class MoEBlock(nn.Module):
         self.num_experts = cfg.num_experts
         self.router = Router(hidden, cfg.num_experts, cfg.top_k)
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
-        self.dispatcher = build_dispatcher(cfg.dispatcher, num_experts=cfg.num_experts, top_k=cfg.top_k)
+        self.dispatcher = build_dispatcher(cfg.dispatcher, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                                           permute=cfg.permute)
 
     def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, RouterStats]:

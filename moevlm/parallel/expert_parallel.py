@@ -65,4 +65,4 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "allt
         block.experts.__class__ = ParallelExperts
         name = "alltoall" if dispatcher == "local" else dispatcher
         block.dispatcher = build_dispatcher(name, num_experts=cfg.num_experts, top_k=cfg.top_k, ep_group=ep_group,
-                                            etp_group=etp_group)
+                                            etp_group=etp_group, permute=cfg.permute)

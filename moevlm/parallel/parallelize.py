@@ -97,7 +97,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
         apply_expert_parallel(model, expert, dispatcher)
     else:  # experts whole on every rank: no token leaves its rank (the model's own
         for block in _moe_blocks(model):  # dispatcher would default to the world group)
-            block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k)
+            block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k,
+                                                permute=model.config.moe.permute)
     if dp_mode == "fsdp":
         apply_fsdp(model, dense, expert["edp"], vision, dims.tp, bf16)
     ctx.grad_sync = GradSync(model, fsdp=dp_mode == "fsdp", groups=ctx.groups, tp_partial=ctx.tp_partial,

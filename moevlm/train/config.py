@@ -48,6 +48,7 @@ class ModelConfig:
     attn_backend: str = "auto"
     grouped_gemm: str = "torch"
     dispatcher: str = "local"
+    permute: str = "torch"  # torch | triton: the fused permute/unpermute kernels
     aux_loss_coef: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
     freeze_vision: bool = False  # the whole vision module (tower, merger, deepstack mergers) runs forward only
 
@@ -165,6 +166,7 @@ def build_model_config(m: ModelConfig) -> VLMConfig:
     if m.aux_loss_coef is not None:
         cfg.moe.router_aux_loss_coef = m.aux_loss_coef
     cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, m.dispatcher, m.attn_backend
+    cfg.moe.permute = m.permute
     return cfg.validate()
 
 

@@ -16,8 +16,8 @@ def test_dispatch_groups_rows_by_expert_in_token_order():
     # expert 0 <- tokens 0, 1, 2; expert 1 <- none; expert 2 <- tokens 0, 2; expert 3 <- token 1
     assert counts.tolist() == [3, 0, 2, 1]
     assert expert_x[:, 0].tolist() == [0, 10, 20, 0, 20, 10]
-    assert handle.token_idx_M.tolist() == [0, 1, 2, 0, 2, 1]
-    assert handle.weight_M.tolist() == pytest.approx([0.3, 0.6, 0.5, 0.7, 0.5, 0.4])
+    assert handle.token_idx_N.tolist() == [0, 1, 2, 0, 2, 1]
+    assert handle.weight_N.tolist() == pytest.approx([0.3, 0.6, 0.5, 0.7, 0.5, 0.4])
 
 
 def test_combine_applies_weights_once_and_sums_choices():

@@ -1,0 +1,69 @@
+"""Token rows to expert-grouped rows and back, on one rank: the permutation every
+dispatcher does around (or instead of) its exchange.
+
+Legend: T tokens, K top-k, D hidden, E experts, N = T*K rows.
+
+    rows_ND, counts_E, state = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, E, backend)
+    ...rows_ND grouped by expert (experts in order, tokens ascending within one)...
+    y_TD = from_expert_rows(y_ND, state)       # router weights applied here, once
+
+Backends (`moe.permute`):
+- `torch`: a stable sort by expert, a row gather, and a weighted `index_add_`
+  (any floating dtype, float64 included).
+- `triton`: `moevlm.kernels.permute` (one fused pass each way, fp32 sums;
+  fp32/fp16/bf16), the same rows in the same order.
+
+Counts come from `scatter_add_` into E slots: no host sync (`bincount` syncs on
+CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PERMUTE_BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class RowsState:
+    num_tokens: int
+    token_idx_N: torch.Tensor | None = None  # torch: source token of every row
+    weight_N: torch.Tensor | None = None  # torch: router weight of every row
+    plan: object = None  # triton: the kernels' PermutePlan
+    topk_w_TK: torch.Tensor | None = None  # triton
+
+
+def sort_rows_by_expert(topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """Order of the T*K flattened (token, choice) rows sorted by expert id, stable."""
+    return torch.sort(topk_idx_TK.reshape(-1), stable=True).indices
+
+
+def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    flat = topk_idx_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str = "torch"):
+    if backend == "triton":
+        from moevlm.kernels.permute import permute, permute_plan
+
+        plan = permute_plan(topk_idx_TK, num_experts)
+        return (permute(x_TD, plan, backend="triton"), plan.rows_per_expert_E,
+                RowsState(x_TD.shape[0], plan=plan, topk_w_TK=topk_w_TK))
+    if backend != "torch":
+        raise ValueError(f"moe.permute={backend!r}; choose one of {list(PERMUTE_BACKENDS)}")
+    order_N = sort_rows_by_expert(topk_idx_TK)
+    token_idx_N = order_N // topk_idx_TK.shape[1]
+    state = RowsState(x_TD.shape[0], token_idx_N=token_idx_N, weight_N=topk_w_TK.reshape(-1)[order_N])
+    return x_TD[token_idx_N], expert_counts(topk_idx_TK, num_experts), state
+
+
+def from_expert_rows(y_ND: torch.Tensor, state: RowsState) -> torch.Tensor:
+    if state.plan is not None:
+        from moevlm.kernels.permute import unpermute
+
+        return unpermute(y_ND, state.plan, state.topk_w_TK.float(), backend="triton")
+    weighted_ND = y_ND * state.weight_N.to(y_ND.dtype)[:, None]
+    return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(0, state.token_idx_N, weighted_ND)
