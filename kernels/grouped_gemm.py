@@ -8,12 +8,21 @@ owns (zeros allowed).
 - `torch`: `torch._grouped_mm` (one call, no host sync).  Its backward refuses
   non-contiguous incoming gradients (e.g. from `.sum()`), so the output passes
   through an identity whose backward makes the gradient contiguous.
-- `triton`: ours, added by the kernels issue.
+- `triton`: ours (`grouped_gemm_triton.py`): persistent Triton kernels, no host
+  sync, as custom ops with fakes and autograd.  Registered only when `triton`
+  imports; selecting it without triton names the package.
 """
 
 from __future__ import annotations
 
 import torch
+
+try:  # optional: the "triton" backend exists only when triton imports
+    from moevlm.kernels.grouped_gemm_triton import grouped_mm_triton
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
+    grouped_mm_triton = None
 
 
 def grouped_mm_loop(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -38,9 +47,15 @@ def grouped_mm_torch(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
 
 
 GROUPED_GEMMS = {"loop": grouped_mm_loop, "torch": grouped_mm_torch}
+if grouped_mm_triton is not None:
+    GROUPED_GEMMS["triton"] = grouped_mm_triton
 
 
 def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, backend: str = "torch"):
+    if backend == "triton" and grouped_mm_triton is None:
+        raise ImportError("grouped GEMM backend 'triton' needs the `triton` package, which is not installed: "
+                          "`pip install triton` (CUDA builds of torch bring it), "
+                          f"or choose one of {sorted(GROUPED_GEMMS)}")
     if backend not in GROUPED_GEMMS:
         raise ValueError(f"grouped GEMM backend {backend!r} is not available; choose one of {sorted(GROUPED_GEMMS)}")
     return GROUPED_GEMMS[backend](x_MK, w_EKN, counts_E)

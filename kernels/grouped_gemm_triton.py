@@ -1,0 +1,284 @@
+"""Triton grouped GEMM for MoE experts: `out[rows of e] = x[rows of e] @ w[e]`, with
+both gradients, as torch custom ops (torch.compile traces them as single nodes).
+
+Legend: M rows (tokens x top-k, sorted by expert), K in-features, N out-features,
+E experts.  `counts_E[e]` rows belong to expert e (zeros allowed); `sum(counts_E)`
+must equal M, which is not checked (checking needs a host sync).
+
+    out_MN = grouped_mm_triton(x_MK, w_EKN, counts_E)      # differentiable
+
+Two kernels, three custom ops, one autograd rule:
+    forward  out_MN  = x_MK  @ w_EKN[e]     `_grouped_mm_kernel`
+    dgrad    dx_MK   = dy_MN @ w_EKN[e]^T   the same kernel, w read through
+                                            swapped K/N strides (no copy)
+    wgrad    dw_EKN[e] = x_MK[rows e]^T @ dy_MN[rows e]   `_grouped_wgrad_kernel`
+
+Design choices:
+- No host sync.  Each program reads `counts_E` and derives every expert's first
+  row and its M tiles on the device (a cumsum over an E-wide vector).  The host
+  bounds the number of M tiles by cdiv(M, BLOCK_M) + E (each expert wastes at
+  most one partial tile), so the launch size never needs the counts.
+- Persistent forward: min(#SMs, tile bound) programs walk a flattened list of
+  (M tile, N tile) work items, N tile fastest, so neighbouring programs share a
+  block of x rows and one expert's w (which fits in L2 at MoE sizes).  Items
+  past the real end are never visited.  A tile never straddles two experts: its
+  rows are masked at the expert's end.
+- wgrad is one program per (expert, K tile, N tile), reducing over that
+  expert's rows; an expert with no rows runs zero iterations and stores exact
+  zeros.  Launch size E * tiles needs no counts either.
+- fp32 accumulation; the output has the input dtype.  fp32, fp16 and bf16 in.
+  fp32 inputs use TF32 only if `torch.backends.cuda.matmul.allow_tf32` says so
+  (torch's own default is off).
+- Strides everywhere, so expanded or transposed incoming gradients (from
+  `.sum()`, from a transpose) need no copy.  Row offsets are 64-bit.
+- Autotuned per (N, K) (and, for the forward kernel, whether it reads w or
+  w^T) over a few Hopper tiles (BLOCK_M 64/128, BLOCK_N 128/256, BLOCK_K 64,
+  4/8 warps, 3/4 stages); wgrad over (BLOCK_K, BLOCK_N) 64-128 x 128-256
+  reducing 64 rows a step.  Every config fits an H100's shared memory with
+  bf16 and fp32 inputs (compiled for sm_90 with ptxas on CPU); on smaller GPUs
+  the autotuner drops what does not fit.
+- CPU: kernels run under the Triton interpreter when `TRITON_INTERPRET=1` is set
+  before this module is imported (the tests' conftest does).  There a single
+  small config and 4 programs keep tests fast, and bf16 tiles are cast to fp32
+  before `tl.dot`, which the interpreter gets wrong for bf16 (on a GPU bf16 goes
+  to `tl.dot` directly).  The interpreter also truncates fp32 -> bf16 where a
+  GPU rounds to nearest, so bf16 results there are within one ulp, not half.
+- Importing this module needs `triton`; `moevlm.kernels.grouped_gemm` registers
+  the "triton" backend only when it imports.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INTERPRET_PROGRAMS = 4  # > 1 so the persistent loop runs several items per program
+
+
+def _configs(tiles: list[tuple[int, int, int, int, int]], names: tuple[str, str, str]) -> list[triton.Config]:
+    if _INTERPRET:  # one config (nothing to benchmark); test shapes still span several tiles of 32
+        tiles = [(32, 32, 32, 4, 1)]
+    return [triton.Config(dict(zip(names, t[:3])), num_warps=t[3], num_stages=t[4]) for t in tiles]
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+_FWD_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                         (64, 256, 64, 8, 3), (64, 128, 64, 4, 4)], ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+# (BLOCK_K, BLOCK_N, BLOCK_M): an output tile of dw, and the row chunk it reduces over.
+_WGRAD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+                           (64, 128, 64, 4, 4)], ("BLOCK_K", "BLOCK_N", "BLOCK_M"))
+
+
+@triton.jit
+def _expert_rows(counts_ptr, E, E_P2: tl.constexpr):
+    """Per expert (an E_P2-wide vector, zero past E): first row and row count."""
+    e = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
+    return e, tl.cumsum(counts, 0) - counts, counts
+
+
+@triton.jit
+def _pick(vec, e_idx, e):
+    return tl.sum(tl.where(e_idx == e, vec, 0))
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    if DOT_IN_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["N", "K", "stride_wn"])  # stride_wn: w (1) or w^T (dgrad)
+@triton.jit
+def _grouped_mm_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, N, K, E,
+                       stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                       E_P2: tl.constexpr, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e_idx, starts, counts = _expert_rows(counts_ptr, E, E_P2)
+    m_tiles = tl.cdiv(counts, BLOCK_M)
+    tile_ends = tl.cumsum(m_tiles, 0)  # expert e owns global M tiles [tile_ends[e] - m_tiles[e], tile_ends[e])
+    num_n = tl.cdiv(N, BLOCK_N)
+    total = tl.max(tile_ends, 0) * num_n
+    ms = tl.arange(0, BLOCK_M)
+    ns = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    for item in tl.range(tl.program_id(0), total, tl.num_programs(0)):
+        m_tile = item // num_n
+        ex = tl.sum((tile_ends <= m_tile).to(tl.int32), 0)  # the first expert whose tiles end past m_tile
+        local_tile = m_tile - (_pick(tile_ends, e_idx, ex) - _pick(m_tiles, e_idx, ex))
+        rows = _pick(starts, e_idx, ex) + local_tile * BLOCK_M + ms
+        row_mask = rows < _pick(starts + counts, e_idx, ex)
+        cols = (item % num_n) * BLOCK_N + ns
+        col_mask = cols < N
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk
+        w_ptrs = w_ptr + ex.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = ks < K - k
+            a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = _dot(a, b, acc, DOT_IN_FP32, PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.autotune(configs=_WGRAD_CONFIGS, key=["N", "K"])
+@triton.jit
+def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, N, K, E,
+                          stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_wn,
+                          E_P2: tl.constexpr, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(K, BLOCK_K) * num_n
+    ex = pid // tiles
+    kk = (pid % tiles) // num_n * BLOCK_K + tl.arange(0, BLOCK_K)
+    nn = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask = kk < K
+    n_mask = nn < N
+    e_idx, starts, counts = _expert_rows(counts_ptr, E, E_P2)
+    count = _pick(counts, e_idx, ex)
+    rows = _pick(starts, e_idx, ex) + tl.arange(0, BLOCK_M)
+    ms = tl.arange(0, BLOCK_M)
+    xt_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None] * stride_xk  # x^T tile (BLOCK_K, BLOCK_M)
+    dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + nn[None, :] * stride_dyn
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m in range(0, count, BLOCK_M):
+        m_mask = ms < count - m
+        a = tl.load(xt_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        b = tl.load(dy_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, DOT_IN_FP32, PRECISION)
+        xt_ptrs += BLOCK_M * stride_xm
+        dy_ptrs += BLOCK_M * stride_dym
+    dw_ptrs = dw_ptr + ex.to(tl.int64) * stride_we + kk[:, None] * stride_wk + nn[None, :] * stride_wn
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+# ------------------------------------------------------------------ launchers
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs(device: torch.device) -> int:
+    if _INTERPRET:
+        return _INTERPRET_PROGRAMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _kernel_flags(x: torch.Tensor, counts_E: torch.Tensor) -> dict:
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("the triton grouped GEMM runs on CUDA tensors, or on CPU under the Triton interpreter "
+                           "(TRITON_INTERPRET=1 set before moevlm.kernels is imported)")
+    ieee = x.dtype == torch.float32 and (_INTERPRET or not torch.backends.cuda.matmul.allow_tf32)
+    return dict(E_P2=triton.next_power_of_2(max(counts_E.shape[0], 1)),
+                DOT_IN_FP32=_INTERPRET and x.dtype == torch.bfloat16,
+                PRECISION="ieee" if ieee else "tf32")  # tf32, the default, means nothing to 16-bit inputs
+
+
+def _launch_mm(x_MK, w_EKN, counts_E, N, w_strides_EKN) -> torch.Tensor:
+    """x_MK @ w[e] -> (M, N), reading w through the given (E, K, N) strides (swapped ones read w^T)."""
+    (M, K), E = x_MK.shape, counts_E.shape[0]
+    out = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    programs = _programs(x_MK.device)
+
+    def grid(meta):
+        return (min(programs, (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    _grouped_mm_kernel[grid](x_MK, w_EKN, out, counts_E, N, K, E, *x_MK.stride(), *w_strides_EKN, *out.stride(),
+                             **_kernel_flags(x_MK, counts_E))
+    return out
+
+
+def _launch_wgrad(x_MK, dy_MN, counts_E) -> torch.Tensor:
+    (M, K), N, E = x_MK.shape, dy_MN.shape[1], counts_E.shape[0]
+    dw = torch.empty(E, K, N, dtype=x_MK.dtype, device=x_MK.device)
+    if dw.numel() == 0:
+        return dw
+
+    def grid(meta):
+        return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _grouped_wgrad_kernel[grid](x_MK, dy_MN, dw, counts_E, N, K, E, *x_MK.stride(), *dy_MN.stride(), *dw.stride(),
+                                **_kernel_flags(x_MK, counts_E))
+    return dw
+
+
+# ---------------------------------------------------------------- custom ops
+@torch.library.custom_op("moevlm::grouped_mm_triton", mutates_args=())
+def _grouped_mm_op(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    return _launch_mm(x_MK, w_EKN, counts_E, w_EKN.shape[2], w_EKN.stride())
+
+
+@torch.library.custom_op("moevlm::grouped_mm_triton_dgrad", mutates_args=())
+def _dgrad_op(dy_MN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    s_e, s_k, s_n = w_EKN.stride()
+    return _launch_mm(dy_MN, w_EKN, counts_E, w_EKN.shape[1], (s_e, s_n, s_k))  # w[e]^T: (N, K) through swapped strides
+
+
+@torch.library.custom_op("moevlm::grouped_mm_triton_wgrad", mutates_args=())
+def _wgrad_op(x_MK: torch.Tensor, dy_MN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    return _launch_wgrad(x_MK, dy_MN, counts_E)
+
+
+@_grouped_mm_op.register_fake
+def _(x_MK, w_EKN, counts_E):
+    return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
+
+
+@_dgrad_op.register_fake
+def _(dy_MN, w_EKN, counts_E):
+    return dy_MN.new_empty(dy_MN.shape[0], w_EKN.shape[1])
+
+
+@_wgrad_op.register_fake
+def _(x_MK, dy_MN, counts_E):
+    return x_MK.new_empty(counts_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    x_MK, w_EKN, counts_E = inputs
+    ctx.save_for_backward(x_MK, w_EKN, counts_E)
+
+
+def _backward(ctx, dy_MN):
+    x_MK, w_EKN, counts_E = ctx.saved_tensors
+    dx = _dgrad_op(dy_MN, w_EKN, counts_E) if ctx.needs_input_grad[0] else None
+    dw = _wgrad_op(x_MK, dy_MN, counts_E) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm_triton(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """out_MN[rows of e] = x_MK[rows of e] @ w_EKN[e]; rows grouped by expert in order, counts_E rows each."""
+    if x_MK.dim() != 2 or w_EKN.dim() != 3 or counts_E.dim() != 1:
+        raise ValueError(f"grouped_mm_triton wants x (M, K), w (E, K, N), counts (E,); got shapes "
+                         f"{tuple(x_MK.shape)}, {tuple(w_EKN.shape)}, {tuple(counts_E.shape)}")
+    if x_MK.shape[1] != w_EKN.shape[1] or counts_E.shape[0] != w_EKN.shape[0]:
+        raise ValueError(f"grouped_mm_triton: x (M, K)={tuple(x_MK.shape)}, w (E, K, N)={tuple(w_EKN.shape)} and "
+                         f"counts (E,)={tuple(counts_E.shape)} disagree on K or E")
+    if x_MK.dtype != w_EKN.dtype or x_MK.dtype not in _DTYPES:
+        raise TypeError(f"grouped_mm_triton wants x and w of one dtype among fp32/fp16/bf16; got {x_MK.dtype} "
+                        f"and {w_EKN.dtype}")
+    if counts_E.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"grouped_mm_triton wants integer counts (int32 or int64); got {counts_E.dtype}")
+    if not (x_MK.device == w_EKN.device == counts_E.device):
+        raise ValueError(f"grouped_mm_triton: x, w, counts on {x_MK.device}, {w_EKN.device}, {counts_E.device}; "
+                         "put them on one device")
+    return _grouped_mm_op(x_MK, w_EKN, counts_E)
