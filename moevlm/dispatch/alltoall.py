@@ -173,7 +173,7 @@ class AllToAllDispatcher(TokenDispatcher):
             _all_gather(all_counts_E, recv_counts_E, group=self.etp_group)
         host = torch.cat([counts_E, all_counts_E]).tolist()
         send_splits = rank_splits(host[:P * L], P)
-        mine = host[P * L:][self.etp_rank * P * L:(self.etp_rank + 1) * P * L] if Q > 1 else host[P * L:]
+        mine = host[P * L:][self.etp_rank * P * L:(self.etp_rank + 1) * P * L]  # what this rank got over EP
         recv_splits = rank_splits(mine, P)
         etp_splits = rank_splits(host[P * L:], Q)
         blocks_BL = all_counts_E.view(Q * P, L)

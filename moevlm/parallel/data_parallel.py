@@ -79,7 +79,7 @@ class GradSync:
         missing = sorted(set(tp_partial) - set(names))
         if missing:
             raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
-        self.world, self.tp, self.fsdp = world, tp, fsdp
+        self.world, self.tp = world, tp
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
         self.tp_group = groups["tp"]
         self.tp_partial = list(tp_partial)
