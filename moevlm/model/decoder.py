@@ -8,7 +8,9 @@ Design choices:
   `input_layernorm`, ...) so checkpoint import is a short rename table; the
   router is `mlp.router` (the reference calls it `mlp.gate`).
 - Rotary cos/sin and the document mask are built once per forward and shared
-  by all layers.
+  by all layers (`layer_inputs`); `run_layers` runs the layers the module
+  holds, keyed by their index in the whole decoder, so a pipeline stage that
+  holds layers 12..23 runs the same code.
 - A layer returns `(hidden, RouterStats | None)`; nothing is stashed on
   modules, so recompute and pipeline stages see pure functions.
 - Deepstack features are added to the hidden states of the first
@@ -17,6 +19,8 @@ Design choices:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -24,6 +28,12 @@ from moevlm.model.attention import DocMask, attention, doc_mask
 from moevlm.model.config import VLMConfig
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
 from moevlm.model.rope import apply_rotary, mrope
+
+
+class LayerInputs(NamedTuple):
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin
+    mask: DocMask
+    token_mask: torch.Tensor | None  # as the layers see it (to_layers)
 
 
 class RMSNorm(nn.Module):
@@ -92,20 +102,33 @@ class TextDecoder(nn.Module):
     def forward(self, h_BSD: torch.Tensor, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = (),
                 token_mask_BS: torch.Tensor | None = None):
+        ctx = self.layer_inputs(position_ids_3BS, cu_seqlens, token_mask_BS, h_BSD.dtype)
+        h, stats = self.run_layers(self.to_layers(h_BSD), ctx, visual_mask_BS, dict(enumerate(deepstack)))
+        return self.norm(h), stats
+
+    def layer_inputs(self, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                     token_mask_BS: torch.Tensor | None, dtype: torch.dtype) -> LayerInputs:
+        """What every layer shares: rotary cos/sin, the document mask, the token mask."""
         t = self.cfg
-        rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, h_BSD.dtype)
-        B, S, _ = h_BSD.shape
-        mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=h_BSD.device,
-                        dtype=h_BSD.dtype)
+        _, B, S = position_ids_3BS.shape
+        rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, dtype)
+        mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=position_ids_3BS.device,
+                        dtype=dtype)
+        return LayerInputs(rope, mask, self.to_layers(token_mask_BS))
+
+    def run_layers(self, h, ctx: LayerInputs, visual_mask_BS: torch.Tensor | None, deepstack: dict[int, torch.Tensor],
+                   layers: nn.Module | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
+        """The layers of `layers` (default: all of `self.layers`) in order, each named by its index in
+        the whole decoder (a pipeline stage holds some of them); deepstack rows `deepstack[i]` are
+        added after layer i."""
         stats: list[RouterStats] = []
-        h, token_mask = self.to_layers(h_BSD), self.to_layers(token_mask_BS)
-        for i, layer in enumerate(self.layers):
-            h, s = layer(h, rope, mask, token_mask)
+        for name, layer in (self.layers if layers is None else layers).named_children():
+            h, s = layer(h, ctx.rope, ctx.mask, ctx.token_mask)
             if s is not None:
                 stats.append(s)
-            if i < len(deepstack):
-                h = self.add_deepstack(h, visual_mask_BS, deepstack[i])
-        return self.norm(h), stats
+            if int(name) in deepstack:
+                h = self.add_deepstack(h, visual_mask_BS, deepstack[int(name)])
+        return h, stats
 
     # What the layers see of the (B, S, ...) inputs, and how deepstack rows reach it: the whole
     # sequence here; `parallel/tensor_parallel.py` overrides both for sequence parallel.
@@ -123,4 +146,4 @@ def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tenso
     return flat.view_as(h_BSD)
 
 
-__all__ = ["DecoderLayer", "RMSNorm", "TextAttention", "TextDecoder", "add_at_mask"]
+__all__ = ["DecoderLayer", "LayerInputs", "RMSNorm", "TextAttention", "TextDecoder", "add_at_mask"]

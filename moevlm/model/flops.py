@@ -35,17 +35,29 @@ class FlopCount:
 
 
 def decoder_forward_flops(cfg: VLMConfig, doc_lens: Sequence[int]) -> float:
+    """Every decoder layer and the LM head, forward."""
+    return sum(layer_forward_flops(cfg, i, doc_lens) for i in range(cfg.text.num_layers)) + \
+        head_forward_flops(cfg, sum(doc_lens))
+
+
+def layer_forward_flops(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int]) -> float:
+    """Decoder layer `layer_idx` (attention + MoE or dense MLP, the router included), forward."""
     t, m = cfg.text, cfg.moe
     T = sum(doc_lens)
     D, hd = t.hidden_size, t.head_dim
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
     attn_proj = 2 * T * D * (q + 2 * kv) + 2 * T * q * D
     attn_core = sum(4 * L * L * q for L in doc_lens)
-    moe = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
-    dense = 6 * T * D * t.intermediate_size
-    n_moe = sum(m.is_moe_layer(i) for i in range(t.num_layers))
-    layers = t.num_layers * (attn_proj + attn_core) + n_moe * moe + (t.num_layers - n_moe) * dense
-    return float(layers + 2 * T * D * t.vocab_size)
+    if m.is_moe_layer(layer_idx):
+        mlp = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
+    else:
+        mlp = 6 * T * D * t.intermediate_size
+    return float(attn_proj + attn_core + mlp)
+
+
+def head_forward_flops(cfg: VLMConfig, tokens: int) -> float:
+    """The LM head (the loss itself is not counted), forward."""
+    return float(2 * tokens * cfg.text.hidden_size * cfg.text.vocab_size)
 
 
 def vision_forward_flops(cfg: VLMConfig, image_grid_thw: torch.Tensor | Sequence | None) -> tuple[float, float]:

@@ -21,6 +21,9 @@ Design choices:
   other tools read), `expert_layout="hf"` writes transformers' own.
 - Loading streams tensor by tensor into a model materialised from the meta
   device; default dtype is the torch default (fp32 master weights).
+- This module knows whole tensors and files only: loading into a sharded or
+  pipeline-split model, and exporting one, is `moevlm.parallel.hf_io` (it
+  gathers shards and stages with the pieces here).
 """
 
 from __future__ import annotations
@@ -84,21 +87,27 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def plan_load(model: torch.nn.Module, files: list[Path], expert_layout: str = "auto") -> dict[str, tuple]:
-    """Map every checkpoint tensor to (file, hf name, transform) of our parameter,
-    from headers only; raise CheckpointError listing all mismatches."""
-    if expert_layout not in EXPERT_LAYOUTS:
-        raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
+def expected_shapes(model: torch.nn.Module) -> dict[str, tuple]:
+    """Our tensor names and (global) shapes that a checkpoint must provide (a tied head is the embedding)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    return expected
+
+
+def plan_load(expected: dict[str, tuple], files: list[Path], expert_layout: str = "auto", *,
+              tie_word_embeddings: bool = False) -> dict[str, tuple]:
+    """Map every checkpoint tensor to (file, hf name, transform) of our tensor `expected` names
+    (`expected_shapes`), from headers only; raise CheckpointError listing all mismatches."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
     plan, seen, unexpected, misshaped = {}, set(), [], []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             file_layout = (f.metadata() or {}).get(_LAYOUT_KEY)
             for hf_name in f.keys():
                 ours = hf_to_ours(hf_name)
-                if ours == "lm_head.weight" and model.config.tie_word_embeddings:
+                if ours == "lm_head.weight" and tie_word_embeddings:
                     continue  # tied: the embedding is the head; a stored copy is redundant
                 if ours not in expected:
                     unexpected.append(hf_name)
@@ -168,7 +177,8 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
         config = config.replace(**overrides).validate()
     with torch.device("meta"):
         model = cls(config)
-    plan = plan_load(model, checkpoint_files(hf_dir), expert_layout)
+    plan = plan_load(expected_shapes(model), checkpoint_files(hf_dir), expert_layout,
+                     tie_word_embeddings=config.tie_word_embeddings)
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)
@@ -178,98 +188,101 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
     return model
 
 
-def load_weights_(model: torch.nn.Module, hf_dir, expert_layout: str = "auto") -> None:
-    """Copy an HF checkpoint's weights into an already materialised model (in place).
-    The checkpoint's architecture must be the model's (checked: names and shapes)."""
-    hf_dir = Path(hf_dir)
-    theirs = VLMConfig.from_hf(hf_dir / "config.json")
-    mine = model.config
+def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
+    """The checkpoint's architecture must be the model's (weights are copied by name and shape)."""
+    theirs = VLMConfig.from_hf(Path(hf_dir) / "config.json")
     if (theirs.vision, theirs.text, theirs.moe.num_experts, theirs.moe.top_k) != (
             mine.vision, mine.text, mine.moe.num_experts, mine.moe.top_k):
         raise CheckpointError(f"{hf_dir} holds a different architecture than the configured model; build the "
                               "model from its config.json (model.hf_config) or pick the matching preset")
-    _copy_weights(model, plan_load(model, checkpoint_files(hf_dir), expert_layout))
+
+
+def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
+    """(our name, tensor in our layout) for `names` of a `plan_load` plan, file by file."""
+    by_file: dict[Path, list[str]] = {}
+    for ours in names:
+        by_file.setdefault(plan[ours][0], []).append(ours)
+    for path, members in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for ours in members:
+                _, hf_name, transform = plan[ours]
+                yield ours, _apply(transform, f.get_tensor(hf_name), shapes[ours])
 
 
 def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:
     params = model.state_dict()
-    by_file: dict[Path, list[str]] = {}
-    for ours, (path, _, _) in plan.items():
-        by_file.setdefault(path, []).append(ours)
     with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for ours in names:
-                    _, hf_name, transform = plan[ours]
-                    _assign(params[ours], _apply(transform, f.get_tensor(hf_name), params[ours].shape))
-
-
-def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a whole tensor into a parameter; a sharded (DTensor) parameter keeps its shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        from moevlm.parallel.parallelize import copy_full_
-
-        copy_full_(param, full)
-    else:
-        param.copy_(full)
+        for ours, t in read_tensors(plan, plan, {k: v.shape for k, v in params.items()}):
+            params[ours].copy_(t)
 
 
 # -------------------------------------------------------------------- export
-def export_state_dict(model: torch.nn.Module, expert_layout: str = "hub") -> dict[str, torch.Tensor]:
+def to_hf(name: str, t: torch.Tensor, cfg: VLMConfig, expert_layout: str = "hub") -> tuple[str, torch.Tensor]:
+    """One of our (whole, unsharded) tensors as the reference names and stores it."""
     if expert_layout not in ("hub", "hf"):
         raise ValueError(f"export expert_layout={expert_layout!r}; choose 'hub' or 'hf'")
-    from torch.distributed.tensor import DTensor
+    if name == "vision.patch_embed.weight":
+        v = cfg.vision
+        t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    elif _is_expert(name) and expert_layout == "hf":
+        t = t.transpose(1, 2)
+    return ours_to_hf(name), t.contiguous().cpu()
 
+
+def export_state_dict(model: torch.nn.Module, expert_layout: str = "hub") -> dict[str, torch.Tensor]:
+    """A whole (unsharded) model's tensors under the reference's names.  A model laid out by
+    `moevlm.parallel` is exported with `moevlm.parallel.save_hf` (it gathers the shards)."""
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        t = t.detach()
-        if isinstance(t, DTensor):  # a sharded model: gathered on every rank (collective)
-            from moevlm.parallel.parallelize import full_tensor
-
-            t = full_tensor(t, name)
-        if name == "vision.patch_embed.weight":
-            v = model.config.vision
-            t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-        elif _is_expert(name) and expert_layout == "hf":
-            t = t.transpose(1, 2)
-        out[ours_to_hf(name)] = t.contiguous().cpu()
+        if type(t) is not torch.Tensor:
+            raise TypeError(f"{name} is a {type(t).__name__} (a sharded model): export it with "
+                            "moevlm.parallel.save_hf(model, out_dir), which gathers the shards")
+        hf_name, t = to_hf(name, t.detach(), model.config, expert_layout)
+        out[hf_name] = t
     return out
 
 
-def save_pretrained(model, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30) -> None:
-    """Under a parallel layout every rank must call this (the weights are gathered);
-    global rank 0 writes."""
-    import torch.distributed as dist
+def shard_names(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Names in order, cut into files of at most max_shard_bytes (a larger tensor gets a file)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files
 
+
+def file_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], expert_layout: str) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt", _LAYOUT_KEY: expert_layout})
+
+
+def write_index_and_config(out_dir: Path, weight_map: dict[str, str], total_size: int, cfg: VLMConfig,
+                           dtype: torch.dtype) -> None:
+    """config.json, and the index when the weights span several files."""
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(str(dtype).removeprefix("torch.")), indent=2))
+
+
+def save_pretrained(model, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30) -> None:
+    """Write a whole model as a Hugging Face folder (sharded models: `moevlm.parallel.save_hf`)."""
     tensors = export_state_dict(model, expert_layout)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    meta = {"format": "pt", _LAYOUT_KEY: expert_layout}
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata=meta)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out_dir / fname), metadata=meta)
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    (out_dir / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2))
+    groups = shard_names({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes)
+    weight_map = {}
+    for fname, names in zip(file_names(len(groups)), groups):
+        write_file(out_dir / fname, {k: tensors[k] for k in names}, expert_layout)
+        weight_map.update({k: fname for k in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_index_and_config(out_dir, weight_map, total, model.config, next(iter(tensors.values())).dtype)

@@ -98,13 +98,8 @@ class Qwen3VLMoe(nn.Module):
         router statistics (aux loss, `expert_counts`); it changes nothing else."""
         cfg = self.config
         check_inputs(cfg, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels, token_mask)
-        h_BSD = self.text.embed_tokens(input_ids)
-        visual_mask_BS, deepstack = None, []
-        if pixel_values is not None:
-            image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]  # a packed batch's unused rows
-            image_NO, deepstack, padding_zero = self._encode_images(pixel_values, image_grid_thw)
-            visual_mask_BS = input_ids == cfg.image_token_id
-            h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO.to(h_BSD.dtype)) + padding_zero
+        h_BSD, visual_mask_BS, deepstack, n_image = self.embed(input_ids, pixel_values, image_grid_thw)
+        deepstack = [d[:n_image] for d in deepstack]
         if position_ids is None:
             position_ids = mrope_position_ids(input_ids, image_grid_thw, cfg.image_token_id,
                                               cfg.vision.spatial_merge_size, cu_seqlens)
@@ -122,23 +117,38 @@ class Qwen3VLMoe(nn.Module):
                 out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
         return out
 
-    def _encode_images(self, pixel_values_NP, grid_thw_I3):
-        """Patches beyond the grids (a packed batch's padding) run as one extra
-        segment, isolated in attention, and their merged tokens are dropped.
-        Returns (image tokens, deepstack features, an exact zero tied to the padding
-        outputs)."""
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+              image_grid_thw: torch.Tensor | None = None):
+        """Token embeddings with the image features scattered in at the image tokens.
+
+        Returns (h_BSD, visual mask or None, deepstack features, n): the deepstack
+        features keep the rows of the padding patches after their first n rows (one
+        per image token), so their shape depends only on `pixel_values`' (a pipeline
+        stage sends them whole; `forward` keeps the first n)."""
+        h_BSD = self.text.embed_tokens(input_ids)
+        if pixel_values is None:
+            return h_BSD, None, [], 0
+        image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]  # a packed batch's unused rows
+        image_NO, deepstack, n = self.encode_images(pixel_values, image_grid_thw)
+        # An exact 0 that depends on every vision output: the whole tower is in the graph even when a
+        # micro-batch holds only padding patches, so data-parallel ranks run the same backward
+        # (same FSDP reduce-scatters) whether or not they drew an image.
+        padding_zero = sum(t[n:].sum() for t in [image_NO, *deepstack]) * 0.0
+        visual_mask_BS = input_ids == self.config.image_token_id
+        h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO[:n].to(h_BSD.dtype))
+        return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, deepstack, n
+
+    def encode_images(self, pixel_values_NP, grid_thw_I3):
+        """(image tokens, deepstack features, n): patches beyond the grids (a packed
+        batch's padding) run as one extra segment, isolated in attention; their merged
+        tokens are the rows after the first n of every output."""
         merge = self.config.vision.spatial_merge_size
         used = int(grid_thw_I3.prod(-1).sum())
         pad = pixel_values_NP.shape[0] - used
         if pad:
             grid_thw_I3 = torch.cat([grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])])
         image_NO, deepstack = self.vision(pixel_values_NP, grid_thw_I3)
-        n = used // merge**2
-        # An exact 0 that depends on every vision output: the whole tower is in the graph even when a
-        # micro-batch holds only padding patches, so data-parallel ranks run the same backward
-        # (same FSDP reduce-scatters) whether or not they drew an image.
-        padding_zero = sum(t[n:].sum() for t in [image_NO, *deepstack]) * 0.0
-        return image_NO[:n], [d[:n] for d in deepstack], padding_zero.to(image_NO.dtype)
+        return image_NO, deepstack, used // merge**2
 
     def lm_loss(self, logits_BSV, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean next-token loss, number of counted targets); `parallel/` overrides it

@@ -42,25 +42,40 @@ except ImportError:  # pragma: no cover
     _StridedShard = ()
 
 
-def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, bf16: bool) -> None:
+def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, bf16: bool,
+               roots: list[nn.Module] | None = None) -> None:
+    """FSDP2 units over the parts of `model` this rank holds; `roots` (default: the model) own what
+    is left (embeddings, final norm, LM head).  Pipeline stage modules are roots of their stage: they
+    pass their inputs (activations, fp32 router statistics) through uncast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
+    def policy(cast_inputs: bool = True):
+        if not bf16:
+            return MixedPrecisionPolicy(cast_forward_inputs=cast_inputs)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=cast_inputs)
+
     units: list[tuple[nn.Module, float]] = []
 
-    def shard(module, mesh, divide):
-        fully_shard(module, mesh=mesh, mp_policy=mp)
+    # Under pipeline stages the weights stay gathered from a micro-batch's forward to its backward (torch's
+    # stage reshards them after the step): no all-gather per micro-batch, and the zero-bubble schedules'
+    # split backward finds the weights its weight-gradient pass differentiates.
+    reshard = roots is None
+
+    def shard(module, mesh, divide, cast_inputs=True):
+        fully_shard(module, mesh=mesh, mp_policy=policy(cast_inputs), reshard_after_forward=reshard)
         units.append((module, divide))
 
-    for block in model.vision.blocks:
-        shard(block, vision_mesh, tp)
-    shard(model.vision, vision_mesh, tp)
-    for layer in model.text.layers:
+    if model.vision is not None:
+        for block in model.vision.blocks:
+            shard(block, vision_mesh, tp)
+        shard(model.vision, vision_mesh, tp)
+    for layer in model.text.layers.children():
         if layer.is_moe:
             shard(layer.mlp.experts, expert_mesh, 1.0)
         shard(layer, dense_mesh, 1.0)
-    shard(model, dense_mesh, 1.0)
+    for root in roots or [model]:
+        shard(root, dense_mesh, 1.0, cast_inputs=roots is None)
     for module, divide in units:
         module.set_gradient_divide_factor(float(divide))
         if hasattr(module, "set_force_sum_reduction_for_comms"):  # plain SUM (+ a division): gloo has no PREMUL_SUM
@@ -73,13 +88,14 @@ class GradSync:
     replaces the parameter objects)."""
 
     def __init__(self, model: nn.Module, *, fsdp: bool, groups: dict, tp_partial: list[str], tp: int,
-                 world: int, bucket_mb: float = 64.0):
+                 world: int, stage_world: int | None = None, bucket_mb: float = 64.0):
         self.model = model
         names = [n for n, _ in model.named_parameters()]
         missing = sorted(set(tp_partial) - set(names))
         if missing:
             raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
         self.world, self.tp = world, tp
+        self.stage_world = stage_world or world  # the ranks holding this rank's parameters (world / pp)
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
         self.tp_group = groups["tp"]
         self.tp_partial = list(tp_partial)
@@ -111,22 +127,29 @@ class GradSync:
     @torch.no_grad()
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
         """Global L2 norm of all gradients (each distinct shard counted once over
-        the whole world), then scale by min(1, max_norm / norm).  One all-reduce."""
+        the whole world, every pipeline stage included), then scale by min(1, max_norm / norm).
+        One all-reduce."""
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
         locals_ = [_local(g) for g in grads]
-        device = locals_[0].device
-        norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2)])  # empty shards give 0
-        weights = torch.tensor([1.0 / _copies(g, self.world) for g in grads], dtype=torch.float64, device=device)
-        total = (norms.pow(2) * weights).sum()
+        device = locals_[0].device if locals_ else _device(self.model)
+        total = torch.zeros((), dtype=torch.float64, device=device)  # a rank without gradients still joins the sum
+        if grads:
+            norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2)])  # empty shards give 0
+            weights = torch.tensor([1.0 / _copies(g, self.stage_world) for g in grads], dtype=torch.float64,
+                                   device=device)
+            total = (norms.pow(2) * weights).sum()
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(total)
         norm = total.sqrt().float()
-        if math.isfinite(max_norm):
+        if math.isfinite(max_norm) and locals_:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
         return norm
+
+
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None else _local(p).device
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +157,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _copies(g: torch.Tensor, world: int) -> int:
-    """How many ranks hold this same shard: world / number of distinct shards."""
+    """How many ranks hold this same shard: the ranks holding the parameter (`world`: those of its
+    pipeline stage) / number of distinct shards."""
     if not isinstance(g, DTensor):
         return world
     shards = 1

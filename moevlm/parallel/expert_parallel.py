@@ -56,7 +56,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "allt
         raise RuntimeError("parallel.etp > 1 needs torch's _StridedShard placement (torch >= 2.6)")
     gate_up = [Shard(0), _StridedShard(2, split_factor=2) if etp > 1 else Shard(2)]
     cfg = model.config.moe
-    for layer in model.text.layers:
+    for layer in model.text.layers.children():  # a ModuleList, or a pipeline stage's ModuleDict
         if not layer.is_moe:
             continue
         block = layer.mlp

@@ -1,25 +1,28 @@
 """`parallelize(model, dims, ...)`: the one place a model built on the meta
-device is rewritten for its parallel layout, in this order: tensor/sequence
-parallel (tensor_parallel.py), expert parallel (expert_parallel.py), data
-parallel (data_parallel.py: FSDP2 or DDP-style all-reduce).
+device is rewritten for its parallel layout, in this order: pipeline stages
+(pipeline.py: this rank keeps its stages' parts), tensor/sequence parallel
+(tensor_parallel.py), expert parallel (expert_parallel.py), data parallel
+(data_parallel.py: FSDP2 or DDP-style all-reduce).
 
     with torch.device("meta"): model = Qwen3VLMoe(cfg)
-    model = parallelize(model, dims, dp_mode="fsdp", device_type="cuda", bf16=True)
-    model.to_empty(device=...)
-    init_parameters_(model, seed)            # or moevlm.model.hf.load_weights_
-    ...loss.backward() per micro-batch...
+    model = parallelize(model, dims, dp_mode="fsdp", device_type="cuda", bf16=True,
+                        pipeline=plan_pipeline(...))      # plan only when dims.pp > 1
+    materialize_(model, device)              # model.to_empty, through FSDP's pipeline roots
+    init_parameters_(model, seed)            # or moevlm.parallel.hf_io.load_hf_weights_
+    ...loss.backward() per micro-batch, or ctx.pipeline.forward_backward(...)...
     ctx = parallel_context(model)
     ctx.finish_gradients()                   # DDP all-reduces, tp sums of partial gradients
     norm = ctx.clip_grad_norm_(params, max_norm)
 
 Design choices:
 - The two meshes come from `ParallelDims.build_meshes`; the model keeps a
-  `ParallelContext` (meshes, groups, gradient finish) instead of any global.
+  `ParallelContext` (meshes, groups, pipeline, gradient finish) instead of any
+  global.
 - Initialisation is layout independent: every parameter is drawn whole from a
   generator seeded by (seed, its name) and this rank keeps its shard, so one
-  process and any layout start from the same weights.
-- Context parallel and pipeline stages are not built yet: cp > 1 or pp > 1 is
-  refused here (`ParallelNotBuilt`) on the meta model, before data or weights.
+  process and any layout (pipeline stages included) start from the same weights.
+- Context parallel is not built yet: cp > 1 is refused here
+  (`ParallelNotBuilt`) on the meta model, before data or weights.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from moevlm.model.vlm import fill_
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
 from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.pipeline import Pipeline, prune_to_stages
+from moevlm.parallel.pipeline_plan import PipelinePlan
 from moevlm.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -50,14 +55,20 @@ class ParallelContext:
     dims: ParallelDims
     dp_mode: str = "fsdp"
     meshes: tuple = ()
-    groups: dict = field(default_factory=dict)  # tp, dp (data totals), dense, expert, vision
+    groups: dict = field(default_factory=dict)  # tp, dp (data totals), dense, expert, vision, pp
     tp_partial: list[str] = field(default_factory=list)
     grad_sync: GradSync | None = None
+    pipeline: Pipeline | None = None
+    init_rules: dict | None = None  # the whole model's (a pipeline rank holds part of it)
 
     @property
     def dp_group(self):
         """Ranks holding different data (one per data-parallel replica)."""
         return self.groups.get("dp")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pp")
 
     def finish_gradients(self) -> None:
         if self.grad_sync is not None:
@@ -72,11 +83,13 @@ def parallel_context(model: nn.Module) -> ParallelContext:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
-                bf16: bool = False, dispatcher: str = "local") -> nn.Module:
-    if dims.cp > 1 or dims.pp > 1:
+                bf16: bool = False, dispatcher: str = "local", pipeline: PipelinePlan | None = None) -> nn.Module:
+    if dims.cp > 1:
         raise ParallelNotBuilt(
-            f"this layout ({dims.describe()}) needs context parallel or pipeline stages, which are not built yet; "
-            "use parallel.cp=1 parallel.pp=1 (tp, ep, etp and dp fold over every rank)")
+            f"this layout ({dims.describe()}) needs context parallel, which is not built yet; use parallel.cp=1 "
+            "(tp, pp, ep, etp and dp fold over every rank)")
+    if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
+        raise ValueError(f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)")
     if model.config.moe.num_experts and dims.ep * dims.etp > 1 and dispatcher not in DISPATCHERS:
         raise ParallelNotBuilt(f"model.dispatcher={dispatcher!r} is not built yet (its adapter arrives with its own "
                                f"issue); available: {sorted(DISPATCHERS)}")
@@ -90,7 +103,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
     vision = attn["dp", "cp", "tp"]._flatten("dp_cp_tp")
     ctx.meshes = (attn, expert)
     ctx.groups = {"tp": attn["tp"].get_group(), "dp": attn["dp"].get_group(), "dense": dense.get_group(),
-                  "expert": expert["edp"].get_group(), "vision": vision.get_group()}
+                  "expert": expert["edp"].get_group(), "vision": vision.get_group(), "pp": attn["pp"].get_group()}
+    if dims.pp > 1:  # this rank's stages only, before anything is sharded
+        ctx.init_rules = model.init_rules()
+        prune_to_stages(model, pipeline, attn["pp"].get_local_rank())
     if dims.tp > 1:
         ctx.tp_partial = apply_tensor_parallel(model, attn["tp"])
     if model.config.moe.num_experts and dims.ep * dims.etp > 1:
@@ -99,11 +115,25 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
         for block in _moe_blocks(model):  # dispatcher would default to the world group)
             block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k,
                                                 permute=model.config.moe.permute)
+    if dims.pp > 1:
+        ctx.pipeline = Pipeline(model, pipeline, attn["pp"].get_local_rank(), ctx.pp_group)
     if dp_mode == "fsdp":
-        apply_fsdp(model, dense, expert["edp"], vision, dims.tp, bf16)
+        apply_fsdp(model, dense, expert["edp"], vision, dims.tp, bf16,
+                   roots=ctx.pipeline.modules if ctx.pipeline else None)
     ctx.grad_sync = GradSync(model, fsdp=dp_mode == "fsdp", groups=ctx.groups, tp_partial=ctx.tp_partial,
-                             tp=dims.tp, world=dims.world)
+                             tp=dims.tp, world=dims.world, stage_world=dims.world // dims.pp)
     return model
+
+
+def materialize_(model: nn.Module, device) -> None:
+    """`model.to_empty(device)` for a parallelized model: under pipeline stages with FSDP the stage
+    modules are the FSDP roots, so they move their parameters (FSDP re-registers its shards)."""
+    ctx = model.__dict__.get("_parallel_context")
+    if ctx is not None and ctx.pipeline is not None and ctx.dp_mode == "fsdp":
+        for stage in ctx.pipeline.modules:
+            stage.to_empty(device=device)
+    else:
+        model.to_empty(device=device)
 
 
 def _moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -133,7 +163,11 @@ def init_parameters_(model: nn.Module, seed: int) -> None:
     """Initialise every parameter by `model.init_rules()`, each drawn whole from its
     own seeded generator, so the values do not depend on the layout."""
     params = dict(model.named_parameters())
-    for name, (kind, std) in model.init_rules().items():
+    ctx = model.__dict__.get("_parallel_context")
+    rules = ctx.init_rules if ctx is not None and ctx.init_rules is not None else model.init_rules()
+    for name, (kind, std) in rules.items():
+        if name not in params and ctx is not None and ctx.pipeline is not None:
+            continue  # held by another pipeline stage
         p = params[name]
         device = p.to_local().device if isinstance(p, DTensor) else p.device
         full = torch.empty(p.shape, dtype=torch.float32, device=device)

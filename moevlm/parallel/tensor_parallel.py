@@ -184,19 +184,22 @@ def apply_tensor_parallel(model: Qwen3VLMoe, tp_mesh) -> list[str]:
     partial: list[str] = []
     col, row = [Shard(0)], [Shard(1)]
 
-    emb = model.text.embed_tokens
-    shard_param(emb, "weight", tp_mesh, col)
-    _swap(emb, VocabParallelEmbedding, tp_group=g, vocab_start=r * V // tp)
+    emb = model.text.embed_tokens  # None on a pipeline rank without the first stage (so is lm_head without the last)
+    if emb is not None:
+        shard_param(emb, "weight", tp_mesh, col)
+        _swap(emb, VocabParallelEmbedding, tp_group=g, vocab_start=r * V // tp)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = emb.weight
-    else:
+    elif model.lm_head is not None:
         shard_param(model.lm_head, "weight", tp_mesh, col)
-    _swap(model.lm_head, VocabParallelHead, tp_group=g)
+    if model.lm_head is not None:
+        _swap(model.lm_head, VocabParallelHead, tp_group=g)
     _swap(model, TPQwen3VLMoe, tp_group=g, vocab_start=r * V // tp)
     _swap(model.text, SPTextDecoder, tp_group=g)
-    partial.append("text.norm.weight")
+    if model.text.norm is not None:
+        partial.append("text.norm.weight")
 
-    for i, layer in enumerate(model.text.layers):
+    for i, layer in model.text.layers.named_children():  # i: the layer's index in the whole decoder
         p = f"text.layers.{i}."
         partial += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                     p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]

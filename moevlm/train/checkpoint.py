@@ -199,12 +199,15 @@ def _uncovered(keys: set[str], other: set[str]) -> list[str]:
     return sorted(k for k in keys if k not in below and not _prefixes([k]) & other)
 
 
-def _check_model_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path) -> None:
-    """Name missing/unexpected keys and wrong shapes."""
+def _check_model_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path,
+                      every_rank: Iterable[str] | None = None) -> None:
+    """Name missing/unexpected keys and wrong shapes.  `every_rank`: the model keys of all ranks
+    (a pipeline rank holds part of the model; a saved key is unexpected only if no rank has it)."""
     expected = {f"model.{k}" for k in model_sd}
+    everyone = expected if every_rank is None else {f"model.{k}" for k in every_rank}
     saved_model = {k for k in saved if k.startswith("model.")}
     missing = [k[6:] for k in _uncovered(expected, saved_model)]
-    unexpected = [k[6:] for k in _uncovered(saved_model, expected)]
+    unexpected = [k[6:] for k in _uncovered(saved_model, everyone)]
     shapes = _shape_mismatches(model_sd, saved)
     if missing or unexpected or shapes:
         raise CheckpointError(
@@ -446,7 +449,7 @@ class CheckpointManager:
             originals["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
         model_sd, optim_sd = to_storage_layout(originals["model"], originals.get("optim"))
         state: dict[str, Any] = {"model": model_sd}
-        _check_model_keys(state["model"], saved, path)
+        _check_model_keys(state["model"], saved, path, self._keys_of_every_rank(state["model"]))
         if optim_sd is not None:
             state["optim"] = optim_sd
             _check_optimizer_keys(state["optim"], saved, path)
@@ -457,6 +460,13 @@ class CheckpointManager:
         if names and self.rank < marker["world_size"]:
             state["per_rank"] = {f"rank{self.rank}": {n: b"" for n in names}}
         return state, originals
+
+    def _keys_of_every_rank(self, model_sd: Mapping[str, Any]) -> set[str]:
+        if not self.distributed:
+            return set(model_sd)
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, sorted(model_sd), group=self.process_group)
+        return set().union(*every)
 
     def load_all_ranks(self, path: str | os.PathLike, name: str) -> list[Any]:
         """Every saved rank's `per_rank[name]`, in rank order (not collective)."""

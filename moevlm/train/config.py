@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -35,6 +35,7 @@ from moevlm.data.config import DataConfig
 from moevlm.data.loader import check_config as check_data_config
 from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
 
 
 @dataclass
@@ -62,7 +63,11 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 1
     dp_mode: str = "fsdp"  # fsdp (FSDP2) | ddp
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev (GPipe, 1F1B, Interleaved1F1B too)
+    vpp: Optional[int] = None  # stages per pp rank; None: 1, or 2 for interleaved_1f1b / zbv / dualpipev
+    # decoder layers per stage: auto (balanced by training FLOPs, the vision tower charged to stage 0) or a
+    # list, e.g. parallel.pp_layers=[20,28] (or the string "'20,28'")
+    pp_layers: Any = "auto"
     world_size: Optional[int] = None  # the recipe's GPU count; checked against the launch when set
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
 
@@ -136,7 +141,7 @@ def compose_job(overrides: list[str] = (), config_dir: str | None = None):
 
 # ------------------------------------------------------------------ validation
 CHOICES = {
-    "parallel.dp_mode": ("fsdp", "ddp"), "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B"),
+    "parallel.dp_mode": ("fsdp", "ddp"),
     "parallel.backend": ("auto", "nccl", "gloo"), "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "optim.schedule": ("cosine", "wsd", "constant"), "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
@@ -146,10 +151,12 @@ CHOICES = {
 
 @dataclass
 class Plan:
-    """What validation derived: the model config, the layout, the accumulation."""
+    """What validation derived: the model config, the layout, the accumulation (= the pipeline's
+    micro-batches per step), the pipeline stages (pp > 1)."""
     model: VLMConfig
     dims: ParallelDims
     grad_accum: int
+    pipeline: Optional[PipelinePlan] = None
 
 
 def build_model_config(m: ModelConfig) -> VLMConfig:
@@ -188,7 +195,22 @@ def validate(job, world_size: int = 1) -> Plan:
     _check_batch(t, dims)
     _check_optim(o)
     _check_data(job.data, model, dims)
-    return Plan(model=model, dims=dims, grad_accum=t.global_batch_size // (t.micro_batch_size * dims.dp))
+    grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
+    return Plan(model=model, dims=dims, grad_accum=grad_accum, pipeline=_plan_pipeline(job, model, dims, grad_accum))
+
+
+def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int) -> Optional[PipelinePlan]:
+    p, d = job.parallel, job.data
+    schedule_name(p.pp_schedule)  # a misspelt schedule is refused whatever pp is
+    if dims.pp == 1:
+        _check(p.pp_layers in ("auto", None) and p.vpp in (None, 1),
+               "parallel.pp_layers / parallel.vpp describe pipeline stages but parallel.pp=1; set parallel.pp > 1 "
+               "or leave them at auto / null")
+        return None
+    return plan_pipeline(model, pp=dims.pp, vpp=p.vpp, schedule=p.pp_schedule, layers=p.pp_layers,
+                         microbatches=microbatches, rows=job.train.micro_batch_size, seq_len=d.pack.seq_len,
+                         max_patches=d.pack.max_patches, image_patches=d.image.max_pixels // d.image.patch_size**2,
+                         freeze_vision=job.model.freeze_vision)
 
 
 DISPATCHER_NAMES = ("local", "alltoall", "deepep", "hybridep")

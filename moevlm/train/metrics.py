@@ -20,7 +20,13 @@ Conventions:
   `PEAK_TFLOPS` by device name.  On CPU or an unknown GPU it is null, never
   guessed; set config `train.peak_tflops` to override the peak.
 - `mem_gib` is the peak allocated CUDA memory since the last
-  `reset_peak_memory`, or on CPU the process's max RSS (never reset).
+  `reset_peak_memory`, or on CPU the process's max RSS (never reset); with
+  pipeline stages the trainer adds `mem_gib_by_pp_rank` (the largest over the
+  ranks at each pipeline position: stage memory differs, the first holding
+  the vision tower and the last the LM head).
+- With pipeline stages tokens and FLOPs are counted once per micro-batch (from
+  the first stage's inputs), not once per stage; the expert load covers the
+  layers of every stage.
 - Expert load: max over layers of (max expert count / mean expert count) of the
   routed-token counts; 1.0 is perfect balance, null without MoE layers.
 - Non-finite numbers are written to metrics.jsonl as the strings "nan", "inf",

@@ -43,7 +43,8 @@ from moevlm.data.build_shards import build_sample
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, count_flops
-from moevlm.parallel import init_parameters_, parallel_context, parallelize
+from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
+from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from moevlm.train.config import validate
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
@@ -117,6 +118,8 @@ class Trainer:
                               f"{len(s['shards'])} shards in {d.shards}")
             _barrier()
         dims = self.plan.dims
+        if self.pipeline is not None and not self.pipeline.holds_first:
+            return NoData()  # a later pipeline stage: the first stage's rank shares each micro-batch's text
         return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp)
 
     def _parallel_model_on_meta(self) -> torch.nn.Module:
@@ -125,25 +128,32 @@ class Trainer:
             model = Qwen3VLMoe(self.plan.model)
         p = self.job.parallel
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
-                            dispatcher=self.job.model.dispatcher)
+                            dispatcher=self.job.model.dispatcher, pipeline=self.plan.pipeline)
         self.parallel = parallel_context(model)
+        self.pipeline = self.parallel.pipeline
+        if self.pipeline is not None:
+            self.log.info(self.plan.pipeline.describe())
         return model
 
     def _materialise(self) -> None:
         model, m = self.model, self.job.model
-        model.to_empty(device=self.device)
+        materialize_(model, self.device)
         if m.hf_checkpoint:  # every parameter comes from it (a missing one is an error)
-            from moevlm.model.hf import load_weights_
-
-            load_weights_(model, m.hf_checkpoint)
+            load_hf_weights_(model, m.hf_checkpoint)
         else:
             init_parameters_(model, self.t.seed)  # the same weights under any layout
-        if m.freeze_vision:
+        if m.freeze_vision and model.vision is not None:  # (None on pipeline ranks without the first stage)
             model.vision.requires_grad_(False)
+        if self.pipeline is not None:
+            d = self.job.data.pack
+            self.pipeline.start(self.device, rows=self.t.micro_batch_size, seq_len=d.seq_len,
+                                max_patches=d.max_patches, tp=self.plan.dims.tp, autocast=self._autocast,
+                                **_boundary_dtypes(self._bf16, self.job.parallel.dp_mode))
         if 1 < self.world <= 64:  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
             self.log.info(self.plan.dims.describe_ranks())
         n = sum(p.numel() for p in model.parameters())
-        self.log.info(f"model: {n / 1e6:.1f}M parameters ({self.plan.dims.describe()}), "
+        held = " on pp rank 0's stages" if self.pipeline is not None else ""
+        self.log.info(f"model: {n / 1e6:.1f}M parameters{held} ({self.plan.dims.describe()}), "
                       f"{self.plan.grad_accum} micro-batches x {self.t.micro_batch_size} rows per step, "
                       f"run dir {self.run_dir}")
 
@@ -162,7 +172,7 @@ class Trainer:
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
         self.losses = list(counters["losses"])
-        self.loader.load_state_dict(merge_states(self.ckpt.load_all_ranks(path, "data")))
+        self.loader.load_state_dict(merge_states([d for d in self.ckpt.load_all_ranks(path, "data") if d is not None]))
         if got["per_rank"].get("rng") is not None:
             set_rng_state(got["per_rank"]["rng"])
         self.log.info(f"resumed from {path} at step {self.step}")
@@ -196,7 +206,7 @@ class Trainer:
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
             if self.t.export_hf:
-                self.model.save_pretrained(self.t.export_hf)  # collective under a layout; rank 0 writes
+                save_hf(self.model, self.t.export_hf)  # collective under a layout: every stage's weights
                 self.log.info(f"exported Hugging Face checkpoint to {self.t.export_hf}")
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
         finally:
@@ -209,25 +219,18 @@ class Trainer:
     def train_step(self, window: Window) -> bool:
         """One optimizer step; False when it was skipped for non-finite values."""
         t0, wait0 = time.perf_counter(), self.loader.wait_s
-        micro = [self._micro_batch() for _ in range(self.plan.grad_accum)]
+        reads = not isinstance(self.loader, NoData)
+        micro = [self._micro_batch() for _ in range(self.plan.grad_accum)] if reads else None
+        if self.pipeline is not None:
+            micro = self.pipeline.share(micro, self.device)
         dp_group, dp = self.parallel.dp_group, self.plan.dims.dp
         totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
                               sum(m["flops"] for m in micro)], self.device, dp_group)
         loss_tokens = max(totals[0], 1.0)
-        loss_sum = torch.zeros((), device=self.device)
-        aux_sum, counts = torch.zeros((), device=self.device), None
-        for mb in micro:
-            with self._autocast():
-                out = self.model(**mb["inputs"])
-            lm_sum = out.lm_loss * out.num_loss_tokens
-            aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
-            coef = self.plan.model.moe.router_aux_loss_coef
-            # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
-            # loss is its share of the step's objective
-            (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
-            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / (len(micro) * dp)
-            if out.expert_counts is not None:
-                counts = out.expert_counts if counts is None else counts + out.expert_counts
+        if self.pipeline is not None:
+            loss_sum, aux_sum, counts = self._pipeline_forward_backward(micro, loss_tokens)
+        else:
+            loss_sum, aux_sum, counts = self._forward_backward(micro, loss_tokens)
         self.parallel.finish_gradients()
         grad_norm = self._clip()
         if self.grad_hook is not None:
@@ -242,6 +245,34 @@ class Trainer:
                    useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
                    wait=self.loader.wait_s - wait0, counts=counts)
         return ok
+
+    def _forward_backward(self, micro: list[dict], loss_tokens: float):
+        """Every micro-batch through the whole model: (sum of token losses, aux share, expert counts)."""
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum, counts = torch.zeros((), device=self.device), None
+        dp = self.plan.dims.dp
+        for mb in micro:
+            with self._autocast():
+                out = self.model(**_on_device(mb["inputs"], self.device))
+            lm_sum = out.lm_loss * out.num_loss_tokens
+            aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
+            coef = self.plan.model.moe.router_aux_loss_coef
+            # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
+            # loss is its share of the step's objective
+            (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
+            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / (len(micro) * dp)
+            if out.expert_counts is not None:
+                counts = out.expert_counts if counts is None else counts + out.expert_counts
+        return loss_sum, aux_sum, counts
+
+    def _pipeline_forward_backward(self, micro: list[dict], loss_tokens: float):
+        """The step's micro-batches through the pipeline schedule; the loss sums come from the last
+        stage and are summed over the pipeline group (zero elsewhere), so every rank logs them."""
+        inputs = [dict(_on_device(mb["inputs"], self.device), n_image=mb["n_image"]) for mb in micro]
+        lm_sum, aux, counts = self.pipeline.forward_backward(inputs, loss_tokens,
+                                                             1.0 / (len(micro) * self.plan.dims.dp))
+        sums = _all_reduce_tensor(torch.stack([lm_sum, aux]).to(self.device), self.parallel.pp_group)
+        return sums[0], sums[1], counts
 
     def _update(self, ok: bool) -> None:
         self._lr_used = self.opt.param_groups[0]["lr"]
@@ -265,16 +296,17 @@ class Trainer:
         b = stack_rows(rows)
         S = b["input_ids"].shape[1]
         mask = torch.stack([torch.arange(S) < r["useful_tokens"] for r in rows])
-        inputs = {k: b[k].to(self.device, non_blocking=True) for k in
-                  ("input_ids", "pixel_values", "image_grid_thw", "position_ids", "cu_seqlens", "labels")}
-        inputs["token_mask"] = mask.to(self.device, non_blocking=True)
+        inputs = {k: b[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids", "cu_seqlens",
+                                    "labels")}
+        inputs["token_mask"] = mask
         if inputs["pixel_values"].shape[0] == 0:  # a text-only patch budget
             inputs["pixel_values"] = inputs["image_grid_thw"] = None
         # otherwise the tower runs even on padding patches only: its weights then get exact-zero gradients,
         # so every step updates the same parameters (AdamW momentum, decay) under any layout, and every
         # data-parallel rank runs the same FSDP collectives whether or not it drew an image
+        n_image = b["useful_patches"] // self.plan.model.vision.spatial_merge_size**2
         return {"inputs": inputs, "loss_tokens": b["loss_tokens"], "useful_tokens": b["useful_tokens"],
-                "flops": flops}
+                "flops": flops, "n_image": n_image}
 
     def _row_flops(self, row: dict) -> float:
         cu = row["cu_seqlens"][:row["num_samples"] + 1].tolist()
@@ -327,17 +359,69 @@ class Window:
     def record(self, tr: Trainer) -> dict:
         n = max(self.steps, 1)
         stats = tr.loader.stats()
+        mem = peak_memory_gib(tr.device)
         rec = step_record(step=tr.step, loss=self.loss / n, aux_loss=self.aux / n, lr=self.last["lr"],
                           grad_norm=self.last["grad_norm"], step_time_s=self.seconds, useful_tokens=int(self.tokens),
                           flops=self.flops, world_size=tr.world, peak_tflops=tr.peak, data_wait_s=self.wait,
-                          expert_counts=self.counts, skipped=stats["skipped"], nonfinite_steps=tr.nonfinite_steps,
-                          mem_gib=peak_memory_gib(tr.device))
+                          expert_counts=_pp_all_layers(tr, self.counts), skipped=stats["skipped"],
+                          nonfinite_steps=tr.nonfinite_steps, mem_gib=mem)
+        if tr.pipeline is not None:  # collective: every rank builds the record, rank 0 writes it
+            rec["mem_gib_by_pp_rank"] = _max_by_pp_rank(tr, mem)
         rec["steps_in_window"] = self.steps
         reset_peak_memory(tr.device)
         return rec
 
 
 # ------------------------------------------------------------------- helpers
+def _pp_all_layers(tr: Trainer, counts: torch.Tensor | None) -> torch.Tensor | None:
+    """Expert counts of every MoE layer: each pipeline rank holds its stages' layers."""
+    if tr.pipeline is None:
+        return counts
+    every: list = [None] * tr.plan.dims.pp
+    dist.all_gather_object(every, None if counts is None else counts.cpu(), group=tr.parallel.pp_group)
+    parts = [c for c in every if c is not None]
+    return torch.cat(parts) if parts else None
+
+
+def _max_by_pp_rank(tr: Trainer, value: float) -> list[float]:
+    """`value` (peak memory) per pipeline position: the largest over the ranks that hold its stages."""
+    t = torch.zeros(tr.plan.dims.pp, dtype=torch.float64, device=tr.device)
+    t[tr.pipeline.pp_rank] = value
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [round(x, 3) for x in t.tolist()]
+
+
+class NoData:
+    """The data source of a rank that reads nothing: a pipeline rank without the first stage
+    receives each micro-batch's text from that stage's rank (`Pipeline.share`)."""
+    wait_s = 0.0
+
+    def stats(self) -> dict:
+        return {"skipped": {}, "skipped_total": 0, "data_wait_s": 0.0}
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _on_device(inputs: dict, device: torch.device) -> dict:
+    return {k: None if v is None else v.to(device, non_blocking=True) for k, v in inputs.items()}
+
+
+def _boundary_dtypes(bf16: bool, dp_mode: str) -> dict:
+    """The dtypes of what crosses a pipeline stage boundary, as one process computes them: the
+    residual stream is bf16 when FSDP casts the weights to bf16 (under autocast alone it stays fp32);
+    deepstack features are sent in fp32 unless FSDP makes the whole tower bf16 (casting them up is exact)."""
+    half = bf16 and dp_mode == "fsdp"
+    dtype = torch.bfloat16 if half else torch.float32
+    return {"h_dtype": dtype, "vision_dtype": dtype}
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -52,23 +52,33 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     resume = "RESUME" in layout
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]  # another layout's checkpoint
     layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
-    layout = [x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")) for x in layout]
+    layout = [x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf"))
+              .replace("@TMP", os.path.dirname(run_dir)) for x in layout]
     if start:
         layout.append(f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}")
     grads = []
     for part in ((1, STEPS) if resume else (STEPS,)):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
         assert tr.step == 1 or not start
-        tr.grad_hook = lambda t: grads.append({k: v.clone() for k, v in full_grads(t.model).items()})
+        tr.grad_hook = lambda t: grads.append(every_stage(t, {k: v.clone() for k, v in full_grads(t.model).items()}))
         try:
             while tr.step < part:
                 assert tr.train_step(_NoWindow())
             if part < STEPS:
                 tr.save()
             else:
-                return {"losses": list(tr.losses), "grads": grads, "params": full_state_dict(tr.model)}
+                return {"losses": list(tr.losses), "grads": grads, "params": every_stage(tr, full_state_dict(tr.model))}
         finally:
             tr.close()
+
+
+def every_stage(tr: Trainer, tensors: dict) -> dict:
+    """The union of every rank's dict: a pipeline rank holds only its stages' parameters."""
+    if tr.pipeline is None:
+        return tensors
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, tensors)
+    return {k: v for d in every for k, v in d.items()}
 
 
 class _NoWindow:

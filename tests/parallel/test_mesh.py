@@ -77,15 +77,16 @@ def test_vocabulary_must_split_over_tp():
         ParallelDims(2, tp=2).check_model(cfg)
 
 
-@pytest.mark.parametrize("kw", [dict(cp=2), dict(pp=2)])
-def test_layouts_not_built_yet_are_refused_on_the_meta_model(kw):
+def test_context_parallel_is_refused_and_pipeline_stages_need_their_plan():
     from moevlm.model import Qwen3VLMoe
     from moevlm.parallel import ParallelNotBuilt, parallelize
 
     with torch.device("meta"):
         model = Qwen3VLMoe(TINY)
-    with pytest.raises(ParallelNotBuilt, match="context parallel or pipeline stages, which are not built yet"):
-        parallelize(model, ParallelDims(4, ep=2, **kw))
+    with pytest.raises(ParallelNotBuilt, match="needs context parallel, which is not built yet"):
+        parallelize(model, ParallelDims(4, ep=2, cp=2))
+    with pytest.raises(ValueError, match="parallel.pp=2 needs its PipelinePlan"):
+        parallelize(model, ParallelDims(4, ep=2, pp=2))
 
 
 def test_kv_heads_fewer_than_tp_replicate_but_must_divide():

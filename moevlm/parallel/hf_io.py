@@ -1,0 +1,113 @@
+"""Hugging Face checkpoints in and out of a model laid out by `parallelize`
+(sharded by TP/EP/FSDP, split into pipeline stages), or of a whole model.
+
+    load_hf_weights_(model, hf_dir)      # each rank copies its own shards; no communication
+    save_hf(model, out_dir)              # collective: every rank calls it
+
+Design choices:
+- `moevlm.model.hf` knows whole tensors, names, layouts and files; this
+  module adds what needs the layout: which rank holds which tensor, the
+  gathers, who writes.
+- Loading: the checkpoint is checked (names, shapes, from the headers) against
+  the whole architecture, not this rank's part, so a pipeline rank refuses a
+  checkpoint that lacks another stage's weights too; then every rank reads
+  only the tensors it holds and keeps its shard of each.
+- Export: the files are planned from the whole architecture alone (names in
+  model order, grouped by the pipeline rank that holds them, cut at
+  `max_shard_bytes`), so every rank knows every file's name without talking.
+  Each tensor is gathered over its stage's ranks (one file at a time, so no
+  rank ever holds a whole stage), the stage's first rank writes its files,
+  global rank 0 writes the index and config.json.  Without a pipeline this is
+  the usual one writer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moevlm.model import Qwen3VLMoe
+from moevlm.model import hf
+from moevlm.parallel.parallelize import copy_full_, full_tensor
+
+
+def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> None:
+    """Copy an HF checkpoint's weights into a materialised model (sharded, pipeline-split or whole)."""
+    hf_dir = Path(hf_dir)
+    hf.check_architecture(hf_dir, model.config)
+    expected = hf.expected_shapes(_whole_on_meta(model))
+    plan = hf.plan_load(expected, hf.checkpoint_files(hf_dir), expert_layout,
+                        tie_word_embeddings=model.config.tie_word_embeddings)
+    params = model.state_dict()
+    with torch.no_grad():
+        for name, t in hf.read_tensors(plan, [n for n in plan if n in params], expected):
+            copy_full_(params[name], t)
+
+
+def save_hf(model: nn.Module, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30) -> None:
+    """Write the model as a Hugging Face folder; collective when the model is laid out over ranks."""
+    out_dir = Path(out_dir)
+    ctx = model.__dict__.get("_parallel_context")
+    spread = ctx is not None and ctx.dims.world > 1 and dist.is_initialized()
+    rank = dist.get_rank() if spread else 0
+    stage_world = ctx.dims.world // ctx.dims.pp if spread else 1
+    cfg = model.config
+    params = model.state_dict()
+    dtype = next(iter(params.values())).dtype
+    files, total = _file_plan(model, dtype, max_shard_bytes)
+    mine = _my_pp_rank(ctx) if spread else 0
+    leader = rank % stage_world == 0  # the stage's first rank (dp = cp = tp = 0)
+    if leader:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    for fname, (holder, names) in files.items():
+        if holder != mine:
+            continue
+        tensors = dict(hf.to_hf(n, full_tensor(params[n].detach(), n), cfg, expert_layout) for n in names)
+        if leader:  # every rank of the stage gathered (collectives); one writes
+            hf.write_file(out_dir / fname, tensors, expert_layout)
+    if rank == 0:
+        weight_map = {hf.ours_to_hf(n): fname for fname, (_, names) in files.items() for n in names}
+        hf.write_index_and_config(out_dir, weight_map, total, cfg, dtype)
+    if spread:
+        dist.barrier()  # the folder is complete when any rank returns
+
+
+def _whole_on_meta(model: nn.Module) -> nn.Module:
+    with torch.device("meta"):
+        return Qwen3VLMoe(model.config)
+
+
+def _file_plan(model: nn.Module, dtype: torch.dtype, max_shard_bytes: int):
+    """({file name: (pp rank that writes it, our tensor names)}, total bytes), for the whole architecture."""
+    whole = _whole_on_meta(model).state_dict()
+    if model.config.tie_word_embeddings:
+        whole.pop("lm_head.weight", None)
+    ctx = model.__dict__.get("_parallel_context")
+    plan = ctx.pipeline.plan if ctx is not None and ctx.pipeline is not None else None
+    by_rank: dict[int, dict[str, int]] = {}
+    for name, t in whole.items():
+        by_rank.setdefault(_holder(plan, name), {})[name] = t.numel() * dtype.itemsize
+    groups = [(r, names) for r in sorted(by_rank) for names in hf.shard_names(by_rank[r], max_shard_bytes)]
+    return dict(zip(hf.file_names(len(groups)), groups)), sum(sum(v.values()) for v in by_rank.values())
+
+
+def _holder(plan, name: str) -> int:
+    """The pipeline rank holding parameter `name` (0 without a pipeline)."""
+    if plan is None:
+        return 0
+    if name.startswith(("vision.", "text.embed_tokens.")):
+        return plan.rank_of(0)
+    if name.startswith(("text.norm.", "lm_head.")):
+        return plan.rank_of(plan.num_stages - 1)
+    layer = int(name.split(".")[2])  # text.layers.<i>.
+    return plan.rank_of(next(s for s in range(plan.num_stages) if layer in plan.layer_range(s)))
+
+
+def _my_pp_rank(ctx) -> int:
+    return ctx.meshes[0]["pp"].get_local_rank() if ctx.meshes else 0
+
+
+__all__ = ["load_hf_weights_", "save_hf"]

@@ -1,0 +1,255 @@
+"""Pipeline parallelism: the model cut into stages, run by torch.distributed.pipelining.
+
+Legend: B rows per micro-batch, S sequence, s = S/tp (sequence parallel), D
+hidden, Np patches per micro-batch, m = Np/merge^2 merged image rows, E
+experts, M micro-batches per step.
+
+    prune_to_stages(model, plan, pp_rank)        # on meta, before TP/EP/FSDP (parallelize does it)
+    pipe = Pipeline(model, plan, pp_rank, pp_group)           # parallelize builds it; FSDP roots on its stages
+    pipe.start(device, rows=B, seq_len=S, max_patches=Np, tp=tp, ...)  # PipelineStage x local stages + schedule
+    micro = pipe.share(micro if pp_rank == 0 else None, device)      # every pp rank gets the step's inputs
+    lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_weight)
+
+What travels between stages (every tensor floating point, every one with a
+gradient coming back, static shapes from the packer's fixed budgets):
+
+    h        (B, s, D)       the residual stream (this tp rank's sequence shard)
+    ds_k     (B*m, D)        deepstack feature k for every k still to be consumed
+                             (those of layers on later stages), with the
+                             padding rows: made once by the vision tower on
+                             stage 0, never recomputed
+    stats    (2E+1,) fp32    router statistics summed over the layers so far:
+                             [sum of probabilities (E) | selections (E) | tokens]
+
+The last stage forms the step's objective for its micro-batch exactly as one
+process does: lm_sum / (global loss tokens) + coef * aux / (micro-batches x dp),
+with the aux loss from the statistics of *all* layers (it is not a sum over
+stages), so its gradient reaches every stage's router through `stats`.
+
+Design choices:
+- The model is pruned per rank (`prune_to_stages`): the decoder layers become
+  a ModuleDict keyed by their index, so parameter names, DCP checkpoints and
+  the optimizer state are those of the whole model, and a pp2 checkpoint loads
+  under pp1 or another split.  Parts a rank does not hold are set to None.
+- A stage is a `StageModule` over the rank model's own modules: it reuses the
+  model's code (`embed`, `layer_inputs`, `run_layers`, `lm_loss`), including
+  the tensor-parallel rewrites of those hooks.  Under FSDP each stage module
+  is the root of its stage's units, so torch's stage defers the gradient
+  reduce-scatter to the last micro-batch.
+- Per-micro-batch inputs (token ids, positions, document boundaries, masks,
+  labels) are not pipeline activations: every rank of a pipeline group holds
+  the step's micro-batches (the first stage's rank reads and decodes them,
+  `share` broadcasts their text part to the others, which never decode
+  images) and a stage finds its micro-batch by the index torch passes as the
+  keyword argument `mb`.
+- Stage shapes are given to torch (`input_args`/`output_args`), so no
+  shape-inference pass runs and torch 2.11 and 2.13 behave the same.
+- Gradients are not scaled by torch (`scale_grads=False`): the objective is
+  already normalised by the global token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moevlm.model.moe import RouterStats
+from moevlm.parallel.pipeline_plan import SCHEDULES, PipelinePlan
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # what only the first stage reads of a micro-batch
+
+
+def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> list[int]:
+    """Keep only the parts of the (meta) model that this pp rank's stages hold; returns the stages."""
+    stages = plan.stages_of(pp_rank)
+    keep = {i for s in stages for i in plan.layer_range(s)}
+    text = model.text
+    text.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(text.layers) if i in keep})
+    if 0 not in stages:
+        model.vision = None
+        text.embed_tokens = None
+    if plan.num_stages - 1 not in stages:
+        text.norm = None
+        model.lm_head = None
+    return stages
+
+
+class StageModule(nn.Module):
+    """Stage `index` of the pipeline, over the modules of the rank's pruned model."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, batches: list, autocast: Callable):
+        super().__init__()
+        self.__dict__["model"] = model  # not a submodule: its parameters are registered below, once
+        self.__dict__["batches"] = batches  # the step's micro-batches, filled by Pipeline.forward_backward
+        self.__dict__["autocast"] = autocast
+        cfg = model.config
+        self.index, self.first, self.last = index, index == 0, index == plan.num_stages - 1
+        span = plan.layer_range(index)
+        self.layers = nn.ModuleDict({str(i): model.text.layers[str(i)] for i in span})
+        if self.first:
+            self.vision, self.embed_tokens = model.vision, model.text.embed_tokens
+        if self.last:
+            self.norm, self.lm_head = model.text.norm, model.lm_head
+        n_ds = len(cfg.vision.deepstack_visual_indexes)
+        self.ds_in = [] if self.first else [k for k in range(n_ds) if k >= span.start]
+        self.ds_out = [] if self.last else [k for k in range(n_ds) if k >= span.stop]
+        self.num_experts = cfg.moe.num_experts
+        self.records: list[dict] = []
+
+    def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
+        model, b = self.model, self.batches[int(mb)]
+        with self.autocast():
+            if self.first:
+                h, visual_mask, ds_list, n = model.embed(b["input_ids"], b.get("pixel_values"), b.get("image_grid_thw"))
+                deepstack = dict(enumerate(ds_list))
+                h = model.text.to_layers(h)
+                stats = None
+            else:
+                h, *rows, stats = acts if self.num_experts else (*acts, None)
+                deepstack = dict(zip(self.ds_in, rows))
+                visual_mask, n = b["input_ids"] == model.config.image_token_id, b["n_image"]
+            ctx = model.text.layer_inputs(b["position_ids"], b["cu_seqlens"], b["token_mask"], h.dtype)
+            here = {k: deepstack[k][:n] for k in deepstack if str(k) in self.layers}
+            h, layer_stats = model.text.run_layers(h, ctx, visual_mask, here, self.layers)
+            stats = self._add_stats(stats, layer_stats, h)
+            if self.last:
+                return self._objective(h, b, stats)
+        return (h, *(deepstack[k] for k in self.ds_out), *(() if stats is None else (stats,)))
+
+    def _add_stats(self, stats, layer_stats: list[RouterStats], h) -> torch.Tensor | None:
+        """Accumulate this stage's router statistics into the travelling (2E+1,) vector."""
+        record = {"counts": torch.stack([s.counts_E for s in layer_stats]).detach() if layer_stats else None}
+        self.records.append(record)
+        if not self.num_experts:
+            return None
+        if layer_stats:
+            n = torch.stack([torch.as_tensor(s.num_tokens, dtype=torch.float32, device=h.device).reshape(())
+                             for s in layer_stats]).sum()
+            local = torch.cat([torch.stack([s.prob_sum_E for s in layer_stats]).sum(0),
+                               torch.stack([s.counts_E for s in layer_stats]).sum(0), n[None]]).float()
+            stats = local if stats is None else stats + local
+        elif stats is None:
+            stats = h.new_zeros(2 * self.num_experts + 1, dtype=torch.float32)
+        if not stats.requires_grad:  # a first stage without MoE layers: tie the vector to the graph (exact zero)
+            stats = stats + h.float().sum() * 0
+        return stats
+
+    def _objective(self, h, b: dict, stats) -> torch.Tensor:
+        model, cfg = self.model, self.model.config
+        logits = self.lm_head(self.norm(h))
+        lm_loss, n = model.lm_loss(logits, b["labels"], b["cu_seqlens"])
+        lm_sum = lm_loss * n
+        objective = lm_sum / b["loss_tokens_total"]
+        aux = None
+        if stats is not None:
+            E = self.num_experts
+            tokens = stats[2 * E].detach()
+            # the reference's load-balancing loss over every layer (moevlm.model.moe.load_balancing_loss)
+            aux = E * ((stats[E:2 * E].detach() / tokens) * (stats[:E] / tokens)).sum()
+            objective = objective + cfg.moe.router_aux_loss_coef * aux * b["aux_weight"]
+        self.records[-1].update(lm_sum=lm_sum.detach(), aux=None if aux is None else aux.detach())
+        return objective.reshape(1).float().clone()  # not a view: FSDP hooks outputs
+
+
+class Pipeline:
+    """This rank's stages of the pipeline and the schedule that runs them."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_group):
+        self.plan, self.pp_rank, self.group = plan, pp_rank, pp_group
+        self.batches: list[dict] = []
+        self.modules = [StageModule(model, plan, s, self.batches, contextlib.nullcontext)
+                        for s in plan.stages_of(pp_rank)]
+        self.schedule = None
+        self.first_rank = dist.get_global_rank(pp_group, 0) if pp_group is not None else 0
+
+    @property
+    def holds_first(self) -> bool:
+        return any(m.first for m in self.modules)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(m.last for m in self.modules)
+
+    # -------------------------------------------------------------- schedule
+    def start(self, device: torch.device, *, rows: int, seq_len: int, max_patches: int, tp: int,
+              h_dtype: torch.dtype, vision_dtype: torch.dtype, autocast: Callable | None = None) -> None:
+        """Build torch's PipelineStage for every local stage (with the static boundary shapes) and the
+        schedule.  `autocast` (a context factory) wraps every stage's forward."""
+        from torch.distributed import pipelining
+
+        for m in self.modules:
+            m.__dict__["autocast"] = autocast or contextlib.nullcontext
+
+        cfg = self.modules[0].model.config
+        D, merge = cfg.text.hidden_size, cfg.vision.spatial_merge_size
+        meta = dict(device="meta", requires_grad=True)
+        h = torch.empty(rows, seq_len // tp, D, dtype=h_dtype, **meta)
+        ds = torch.empty(rows * max_patches // merge**2, D, dtype=vision_dtype, **meta)
+        stats = [torch.empty(2 * cfg.moe.num_experts + 1, dtype=torch.float32, **meta)] if cfg.moe.num_experts else []
+        stages = []
+        for m in self.modules:
+            if not max_patches:  # text-only budgets: no image, no deepstack
+                m.ds_in, m.ds_out = [], []
+            ins = (torch.empty(1, dtype=torch.long, device="meta"),) if m.first else (h, *[ds] * len(m.ds_in), *stats)
+            outs = (torch.empty(1, dtype=torch.float32, **meta),) if m.last else (h, *[ds] * len(m.ds_out), *stats)
+            stages.append(pipelining.PipelineStage(m, m.index, self.plan.num_stages, device, input_args=ins,
+                                                   output_args=outs, group=self.group))
+        cls = getattr(pipelining, SCHEDULES[self.plan.schedule][0])
+        kw = dict(n_microbatches=self.plan.microbatches, loss_fn=_objective_is_the_loss, scale_grads=False)
+        self.schedule = cls(stages[0], **kw) if self.plan.vpp == 1 else cls(stages, **kw)
+
+    # ------------------------------------------------------------------ step
+    def share(self, micro: list | None, device: torch.device) -> list:
+        """The step's micro-batches on every rank of the pipeline group: the first stage's rank read
+        them; the others receive them without the pixels (one broadcast; they never decode images)."""
+        box = [_without_images(micro) if self.pp_rank == 0 else None]
+        dist.broadcast_object_list(box, src=self.first_rank, group=self.group,
+                                   device=device if device.type == "cuda" else None)
+        return micro if self.pp_rank == 0 else box[0]
+
+    def forward_backward(self, micro: list[dict], loss_tokens: float, aux_weight: float):
+        """Run the schedule over the step's micro-batches (inputs on the device, with `n_image`).
+        Returns this rank's (sum of token losses, sum of aux losses / (M x dp), expert counts of its
+        layers summed over micro-batches): the loss sums are non-zero on the last stage only."""
+        self.batches[:] = [dict(mb, loss_tokens_total=loss_tokens, aux_weight=aux_weight) for mb in micro]
+        for m in self.modules:
+            m.records.clear()
+        ids = torch.arange(len(micro))
+        args = (ids,) if self.holds_first else ()
+        self.schedule.step(*args, target=ids if self.holds_last else None, return_outputs=False, mb=ids)
+        lm_sum = aux = torch.zeros(())
+        counts = None
+        for m in self.modules:
+            for r in m.records:
+                if r.get("lm_sum") is not None:
+                    lm_sum = lm_sum + r["lm_sum"].float().cpu()
+                if r.get("aux") is not None:
+                    aux = aux + r["aux"].float().cpu() * aux_weight
+            layer_counts = [r["counts"] for r in m.records if r["counts"] is not None]
+            if layer_counts:
+                c = torch.stack(layer_counts).sum(0)
+                counts = c if counts is None else torch.cat([counts, c])
+        self.batches.clear()
+        return lm_sum, aux, counts
+
+
+def _without_images(obj):
+    """`obj` (nested dicts/lists) with the values of IMAGE_KEYS set to None."""
+    if isinstance(obj, dict):
+        return {k: None if k in IMAGE_KEYS else _without_images(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_without_images(v) for v in obj]
+    return obj
+
+
+def _objective_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage already returns its micro-batch's share of the objective (torch's schedule
+    requires a target there; it is the micro-batch index)."""
+    return output.sum()
+
+
+__all__ = ["IMAGE_KEYS", "Pipeline", "StageModule", "prune_to_stages"]

@@ -1,0 +1,282 @@
+"""The pipeline layout, planned and checked before anything is built: which
+decoder layers each stage holds, which rank holds each stage, the schedule's
+rules, and what every stage costs.
+
+Legend: pp pipeline ranks, v = vpp stages per rank, K = pp*v (virtual) stages,
+L decoder layers, M micro-batches per optimizer step.
+
+    plan = plan_pipeline(model_cfg, pp=2, vpp=None, schedule="1f1b", layers="auto",
+                         microbatches=8, rows=1, seq_len=8192, max_patches=16384, image_patches=4096)
+    plan.layers            # decoder layers per stage, e.g. (22, 26)
+    plan.stages_of(rank)   # the stages this pp rank holds
+    print(plan.describe()) # one line per stage: rank, layers, what else it holds, FLOP share
+
+Design choices:
+- Stage 0 holds the vision tower, the merger(s) and the token embedding; the
+  last stage the final norm, the LM head and the loss.  Every stage holds at
+  least one decoder layer (the split is contiguous).
+- Placement: `loop` schedules (gpipe, 1f1b, interleaved_1f1b) put stage s on
+  rank s % pp; `v` schedules (zbv, dualpipev) put stages r and 2pp-1-r on rank
+  r, so each rank holds both ends of a V (torch's placement for them).
+- `layers="auto"` balances stages by counted training FLOPs
+  (`moevlm.model.flops`, the MFU convention): each decoder layer at one
+  document of seq_len tokens per row, stage 0 charged with the vision tower at
+  the patch budget (max_patches per row, as images of the largest allowed size)
+  and the last stage with the LM head.  It minimises the most expensive stage
+  (exact, by dynamic programming over contiguous splits); ties go to the split
+  with the smaller sum of squared stage costs.  A heavy tower thus moves
+  decoder layers off stage 0 without hand-tuning.
+- `layers="a,b,..."` gives the layers of every virtual stage explicitly.
+- The schedule's own rules (torch.distributed.pipelining raises on them deep
+  inside the first step) are checked here, with what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.model.flops import head_forward_flops, layer_forward_flops, vision_forward_flops
+
+# name -> (torch.distributed.pipelining class, stage placement, stages per rank: fixed or minimum)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "loop", "=1"),
+    "1f1b": ("Schedule1F1B", "loop", "=1"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", ">=2"),
+    "zbv": ("ScheduleZBVZeroBubble", "v", "=2"),
+    "dualpipev": ("ScheduleDualPipeV", "v", "=2"),
+}
+# earlier spellings (the class names) keep working
+_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "zbvzerobubble": "zbv",
+            "zb_v": "zbv", "dualpipe_v": "dualpipev"}
+
+
+def schedule_name(name: str) -> str:
+    """The canonical schedule name for `name` (case and the class-name spellings are accepted)."""
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key.replace("_", ""), _ALIASES.get(key, key))
+    if key not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={name!r}; choose one of {list(SCHEDULES)}")
+    return key
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    pp: int
+    vpp: int
+    schedule: str
+    layers: tuple[int, ...]  # decoder layers per stage
+    flops: tuple[float, ...]  # training FLOPs per stage and micro-batch, at the budgets
+    microbatches: int
+    auto: bool = True
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def style(self) -> str:
+        return SCHEDULES[self.schedule][1]
+
+    def layer_range(self, stage: int) -> range:
+        start = sum(self.layers[:stage])
+        return range(start, start + self.layers[stage])
+
+    def rank_of(self, stage: int) -> int:
+        return _rank_of(self.schedule, self.pp, stage)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
+
+    def describe(self) -> str:
+        total = sum(self.flops) or 1.0
+        how = "auto (balanced by training FLOPs)" if self.auto else "explicit"
+        lines = [f"pipeline: {self.schedule}, pp {self.pp} x vpp {self.vpp} = {self.num_stages} stages, "
+                 f"{self.microbatches} micro-batches per step, layers {how}: {','.join(map(str, self.layers))}"]
+        for s in range(self.num_stages):
+            r = self.layer_range(s)
+            extra = (["vision tower, embedding"] if s == 0 else []) + \
+                (["norm, LM head, loss"] if s == self.num_stages - 1 else [])
+            lines.append(f"  stage {s} (pp rank {self.rank_of(s)}): decoder layers {r.start}-{r.stop - 1} "
+                         f"({len(r)})" + (f" + {' + '.join(extra)}" if extra else "") +
+                         f", {100 * self.flops[s] / total:.1f}% of the FLOPs")
+        by_rank = [sum(self.flops[s] for s in self.stages_of(r)) / total for r in range(self.pp)]
+        lines.append("  per pp rank: " + ", ".join(f"{100 * f:.1f}%" for f in by_rank))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ planning
+def plan_pipeline(cfg: VLMConfig, *, pp: int, vpp: int | None, schedule: str, layers: str | list | tuple,
+                  microbatches: int, rows: int, seq_len: int, max_patches: int, image_patches: int,
+                  freeze_vision: bool = False) -> PipelinePlan:
+    """Check the pipeline settings against the model and the batch, and choose the split.
+    `rows` packed rows of `seq_len` tokens and `max_patches` patches form one micro-batch;
+    `image_patches` is the largest image's patch count (data.image.max_pixels / patch^2)."""
+    name = schedule_name(schedule)
+    cls, _, rule = SCHEDULES[name]
+    v = _stages_per_rank(name, rule, vpp)
+    K, L = pp * v, cfg.text.num_layers
+    _check(L >= K, f"text.num_layers={L} < {K} pipeline stages (pp {pp} x vpp {v}): every stage needs at least one "
+                   "decoder layer; lower parallel.pp or parallel.vpp")
+    _check(not cfg.tie_word_embeddings,
+           "tied word embeddings (the LM head is the embedding) cannot be split over pipeline stages here: the "
+           "embedding sits on the first stage and the head on the last; use parallel.pp=1 or an untied model")
+    _check_microbatches(name, pp, K, microbatches)
+    costs = stage_costs(cfg, rows=rows, seq_len=seq_len, max_patches=max_patches, image_patches=image_patches,
+                        freeze_vision=freeze_vision)
+    auto = isinstance(layers, str) and layers.strip().lower() == "auto"
+    split = balance(costs, K, [_rank_of(name, pp, s) for s in range(K)]) if auto else _explicit(layers, K, L)
+    return PipelinePlan(pp=pp, vpp=v, schedule=name, layers=split, flops=_stage_flops(costs, split),
+                        microbatches=microbatches, auto=auto)
+
+
+def _stages_per_rank(name: str, rule: str, vpp: int | None) -> int:
+    if vpp in (None, 0):
+        return int(rule[-1])
+    _check(isinstance(vpp, int) and vpp >= 1, f"parallel.vpp={vpp} must be a positive integer (or null: auto)")
+    if rule.startswith("="):
+        _check(vpp == int(rule[1:]),
+               f"parallel.pp_schedule={name} runs {rule[1:]} stage(s) per rank but parallel.vpp={vpp}; set "
+               f"parallel.vpp={rule[1:]} (or null)" +
+               ("; for several stages per rank use interleaved_1f1b, zbv or dualpipev" if rule == "=1" else ""))
+    else:
+        _check(vpp >= 2, f"parallel.pp_schedule={name} needs parallel.vpp >= 2 stages per rank (vpp=1 is plain 1F1B: "
+                         "use parallel.pp_schedule=1f1b)")
+    return vpp
+
+
+def _check_microbatches(name: str, pp: int, K: int, M: int) -> None:
+    """torch's rules for the number of micro-batches (per data-parallel rank and step)."""
+    how = ("raise train.global_batch_size (micro-batches per step = global_batch_size / (micro_batch_size x dp)) "
+           "or lower train.micro_batch_size")
+    if name == "1f1b":
+        _check(M >= pp, f"1f1b needs at least pp={pp} micro-batches per step, got {M}; {how}")
+    elif name == "dualpipev":
+        _check(M >= K, f"dualpipev needs at least {K} micro-batches per step (2 x pp), got {M}; {how}")
+    elif name == "interleaved_1f1b":
+        rounds = max(1, M // pp)
+        _check(M % rounds == 0, f"interleaved_1f1b runs micro-batches in rounds of about pp={pp}: {M} micro-batches "
+                                f"is not a multiple of its {rounds} rounds; use a multiple of {pp}")
+
+
+def _explicit(layers, K: int, L: int) -> tuple[int, ...]:
+    try:
+        parts = [int(x) for x in (layers.split(",") if isinstance(layers, str) else layers)]
+    except ValueError:
+        raise ConfigError(f"parallel.pp_layers={layers!r}: give 'auto' or the decoder layers of every stage "
+                          f"as {K} comma-separated integers, e.g. '{_even_split(L, K)}'") from None
+    _check(len(parts) == K, f"parallel.pp_layers={layers!r} lists {len(parts)} stages but there are {K} "
+                            f"(pp x vpp); e.g. parallel.pp_layers='{_even_split(L, K)}'")
+    _check(all(p >= 1 for p in parts), f"parallel.pp_layers={layers!r}: every stage needs at least one decoder layer")
+    _check(sum(parts) == L, f"parallel.pp_layers={layers!r} sums to {sum(parts)} but the model has "
+                            f"text.num_layers={L}; e.g. parallel.pp_layers='{_even_split(L, K)}'")
+    return tuple(parts)
+
+
+def _even_split(L: int, K: int) -> str:
+    return ",".join(str(L // K + (i < L % K)) for i in range(K))
+
+
+# ------------------------------------------------------------------ costs
+@dataclass(frozen=True)
+class StageCosts:
+    """Training FLOPs of one micro-batch: the first stage's extra (vision), each layer, the last's extra (head)."""
+    first: float
+    layers: tuple[float, ...]
+    last: float
+
+
+def stage_costs(cfg: VLMConfig, *, rows: int, seq_len: int, max_patches: int, image_patches: int,
+                freeze_vision: bool = False) -> StageCosts:
+    docs = [seq_len] * rows
+    layers = tuple(3 * layer_forward_flops(cfg, i, docs) for i in range(cfg.text.num_layers))
+    vision, patch = vision_forward_flops(cfg, budget_grids(max_patches * rows, image_patches,
+                                                             cfg.vision.spatial_merge_size))
+    first = vision if freeze_vision else 3 * vision - patch
+    return StageCosts(first=first, layers=layers, last=3 * head_forward_flops(cfg, seq_len * rows))
+
+
+def budget_grids(patches: int, image_patches: int, merge: int) -> list[tuple[int, int, int]]:
+    """A patch budget as square images of the largest allowed size, the remainder as one
+    (1, merge, r / merge) image: (t, h, w) grids, h and w multiples of merge."""
+    side = max(merge, math.isqrt(max(image_patches, merge * merge)) // merge * merge)
+    n, rest = divmod(patches, side * side)
+    grids = [(1, side, side)] * n
+    if rest >= merge * merge:
+        grids.append((1, merge, rest // merge // merge * merge))
+    return grids
+
+
+def _stage_flops(c: StageCosts, split: tuple[int, ...]) -> tuple[float, ...]:
+    out, at = [], 0
+    for s, n in enumerate(split):
+        f = sum(c.layers[at:at + n]) + (c.first if s == 0 else 0.0) + (c.last if s == len(split) - 1 else 0.0)
+        out.append(f)
+        at += n
+    return tuple(out)
+
+
+def _rank_of(schedule: str, pp: int, stage: int) -> int:
+    if SCHEDULES[schedule][1] == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int, ...]:
+    """The contiguous split of the layers into K stages (each >= 1 layer) that minimises the largest
+    stage cost, then the sum of squared stage costs (exact, dynamic programming).  With several
+    stages per rank (`ranks[s]` = the rank of stage s), single layers are then moved (a layer taken from one stage and given to another, the stages between shifting by
+    one) while that lowers the busiest rank's load (then the costliest stage, then the
+    squares): in steady state a rank runs all its stages for every micro-batch."""
+    L = len(c.layers)
+    prefix = [0.0]
+    for x in c.layers:
+        prefix.append(prefix[-1] + x)
+
+    def cost(s: int, a: int, b: int) -> float:  # stage s holding layers a..b-1
+        return prefix[b] - prefix[a] + (c.first if s == 0 else 0.0) + (c.last if s == K - 1 else 0.0)
+
+    @lru_cache(maxsize=None)
+    def best(s: int, a: int) -> tuple[float, float, tuple[int, ...]]:
+        """Stages s..K-1 holding layers a..L-1: (max cost, sum of squares, split)."""
+        if s == K - 1:
+            x = cost(s, a, L)
+            return x, x * x, (L - a,)
+        options = []
+        for b in range(a + 1, L - (K - 1 - s) + 1):
+            x = cost(s, a, b)
+            mx, sq, rest = best(s + 1, b)
+            options.append((max(x, mx), sq + x * x, (b - a, *rest)))
+        return min(options)
+
+    split = best(0, 0)[2]
+    if ranks is None or len(set(ranks)) == K:
+        return split
+
+    def score(sp):
+        stage, at = [], 0
+        for s, n in enumerate(sp):
+            stage.append(cost(s, at, at + n))
+            at += n
+        load = [sum(x for x, r in zip(stage, ranks) if r == q) for q in sorted(set(ranks))]
+        return max(load), max(stage), sum(x * x for x in stage)
+
+    current = score(split)
+    while True:
+        moves = [tuple(n - (s == a) + (s == b) for s, n in enumerate(split))
+                 for a in range(K) for b in range(K) if a != b and split[a] > 1]
+        cand = min(moves, key=score, default=split)
+        if score(cand) >= current:
+            return split
+        split, current = cand, score(cand)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+__all__ = ["PipelinePlan", "SCHEDULES", "StageCosts", "balance", "budget_grids", "plan_pipeline", "schedule_name",
+           "stage_costs"]

@@ -1,0 +1,160 @@
+"""Pipeline stages train exactly the step one process trains.
+
+The test model is the tiny preset with 6 decoder layers and deepstack features
+on the first 2 (its config.json is written to the tmp dir and read through
+`model.hf_config`), so a split can leave deepstack layer 1 on a later stage:
+its feature then travels there as a stage output.  One reference run (one
+process, real packed sample data, fp32, AdamW, clipping, aux loss on) records
+the per-step loss, the clipped gradients and the final parameters; every
+pipeline layout runs the same job through the real `Trainer` on gloo ranks and
+must match each to 1e-5 relative (the gathered gradients and parameters of
+every stage, `test_layouts.compare`).  Several layouts share one launch per
+world size; resuming is checked across pipeline sizes and splits: a pp2
+checkpoint resumes under another split, and in one process (pp1) to the
+uninterrupted run's loss (1e-6).  The scaled-down `gb200_3d` recipe of the
+README runs under torchrun on 8 processes to one process's losses and
+exported weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moevlm.data.build_shards import build_sample
+from moevlm.model import VLMConfig
+from moevlm.parallel import full_state_dict
+from moevlm.train.config import compose_job
+from moevlm.train.trainer import Trainer
+from gloo_ranks import run_ranks
+from test_layouts import TOL, _losses, _safetensors, compare, job_overrides, rel, run_job
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "model.hf_config=@TMP/pipe_model.json"
+PP2 = [MODEL, "parallel.pp=2"]
+
+
+def pipe_model() -> VLMConfig:
+    cfg = VLMConfig.preset("tiny")
+    cfg.text.num_layers, cfg.vision.deepstack_visual_indexes = 6, (0, 1)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    shards = str(tmp / "shards")
+    build_sample(shards, progress=False)
+    (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
+    torch.save(run_job(shards, str(tmp / "ref"), [MODEL]), tmp / "ref.pt")
+    return tmp, shards
+
+
+# deepstack feature 1 crosses to stage 1 wherever stage 0 holds one layer ([1, ...])
+WORLD_2 = [PP2,  # 1f1b, auto split
+           [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "parallel.pp_layers=[1,2,1,2]"],
+           [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"],
+           [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,2,2,1]"],
+           [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"],
+           [*PP2, "parallel.pp_layers=[1,5]", "RESUME"],  # a checkpoint after step 1 (pipeline-split)
+           [*PP2, "parallel.pp_layers=[4,2]", "FROM=p2_5"]]  # that checkpoint under another split
+WORLD_4 = [[*PP2, "parallel.tp=2", "parallel.pp_layers=[1,5]"],
+           [*PP2, "parallel.ep=2", "model.dispatcher=alltoall"],
+           [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
+           [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,2,2]"]]
+WORLD_8 = [[*PP2, "parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall", "parallel.dp_mode=fsdp",
+            "parallel.pp_layers=[1,5]"]]
+
+
+def _pipelines_on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    ref = torch.load(os.path.join(tmp, "ref.pt"), weights_only=False)
+    report = {}
+    for i, layout in enumerate(layouts):
+        got = run_job(shards, os.path.join(tmp, f"p{world}_{i}"), layout)
+        errors = compare(got, ref)
+        report[" ".join(x for x in layout if x != MODEL)] = errors
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, f"pipelines_w{world}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+@pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4), (8, WORLD_8)],
+                         ids=["world2", "world4", "world8"])
+def test_pipeline_layouts_match_one_process(reference, world, layouts):
+    tmp, shards = reference
+    launch_dir = tmp / f"launch_w{world}"
+    launch_dir.mkdir()
+    run_ranks(_pipelines_on_ranks, world, launch_dir, world, shards, str(tmp), layouts, timeout_s=300)
+    for layout, err in json.loads((tmp / f"pipelines_w{world}.json").read_text()).items():
+        print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
+              f"params {err['params']:.1e}")
+    if world == 2:
+        _pp2_checkpoint_resumes_in_one_process(tmp, shards)
+
+
+def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
+    """The pp2 checkpoint of step 1 (layout p2_5) resumed by one process (pp1): step 2 gives the
+    uninterrupted run's loss and weights."""
+    ref = torch.load(tmp / "ref.pt", weights_only=False)
+    ckpt = tmp / "p2_5" / "checkpoints" / "step_00000001"
+    overrides = job_overrides(shards, str(tmp / "pp1_from_pp2"), [MODEL.replace("@TMP", str(tmp)),
+                                                                   f"train.resume={ckpt}"])
+    tr = Trainer(compose_job(overrides))
+    try:
+        assert tr.step == 1 and tr.pipeline is None
+        assert tr.train_step(type("NoWindow", (), {"add": lambda self, **kw: None})())
+        loss_err = abs(tr.losses[-1] - ref["losses"][-1]) / abs(ref["losses"][-1])
+        params = full_state_dict(tr.model)
+        param_err = max(rel(params[k], ref["params"][k]) for k in ref["params"])
+    finally:
+        tr.close()
+    print(f"pp2 checkpoint resumed as pp1: rel err loss {loss_err:.1e} params {param_err:.1e}")
+    assert loss_err <= 1e-6 and param_err <= TOL
+
+
+# ------------------------------------------------------- the README's scaled-down gb200_3d, torchrun, world 8
+GB200_3D_CPU = ["+experiment=gb200_3d", "model=tiny", "data=sample", "train=cpu", "parallel.world_size=8",
+                "parallel.ep=4", "data.streams=8", "train.global_batch_size=8"]
+
+
+def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
+    """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (the README's command; pp2 x dp2 x tp2
+    folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
+    Hugging Face weights (gathered from both stages) equal one process's (1e-5)."""
+    common = [*GB200_3D_CPU, "train.steps=3", "train.tensorboard=false", "train.checkpoint_every=0"]
+    one = ["parallel.world_size=1", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    runs = {"one": [sys.executable, str(REPO / "train.py"), *common, *one],
+            "eight": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                      str(REPO / "train.py"), *common]}
+    out = {}
+    for name, cmd in runs.items():
+        proc = subprocess.run([*cmd, f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        out[name] = proc.stdout
+    assert "pipeline: 1f1b, pp 2 x vpp 1 = 2 stages, 4 micro-batches per step" in out["eight"]
+    assert "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1" in out["eight"]
+    one, eight = (_losses(tmp_path / d) for d in ("one", "eight"))
+    assert sorted(one) == sorted(eight) == [1, 2, 3]
+    loss_err = max(abs(eight[s] - one[s]) / abs(one[s]) for s in one)
+    a, b = (_safetensors(tmp_path / d) for d in ("one_hf", "eight_hf"))
+    assert a.keys() == b.keys()
+    param_err = max(rel(b[k], a[k]) for k in a)
+    print(f"gb200_3d scaled down, torchrun world 8: 3 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
+    assert loss_err <= TOL and param_err <= TOL
+    rec = json.loads((tmp_path / "eight" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(rec["mem_gib_by_pp_rank"]) == 2 and rec["expert_load_max_over_mean"] is not None
