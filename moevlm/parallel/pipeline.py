@@ -118,7 +118,7 @@ class StageModule(nn.Module):
             stats = self._add_stats(stats, layer_stats, h)
             if self.last:
                 return self._objective(h, b, stats)
-        return (h, *(deepstack[k] for k in self.ds_out), *(() if stats is None else (stats,)))
+        return tuple(_not_a_view(t) for t in (h, *(deepstack[k] for k in self.ds_out), *(() if stats is None else (stats,))))
 
     def _add_stats(self, stats, layer_stats: list[RouterStats], h) -> torch.Tensor | None:
         """Accumulate this stage's router statistics into the travelling (2E+1,) vector."""
@@ -152,7 +152,7 @@ class StageModule(nn.Module):
             aux = E * ((stats[E:2 * E].detach() / tokens) * (stats[:E] / tokens)).sum()
             objective = objective + cfg.moe.router_aux_loss_coef * aux * b["aux_weight"]
         self.records[-1].update(lm_sum=lm_sum.detach(), aux=None if aux is None else aux.detach())
-        return objective.reshape(1).float().clone()  # not a view: FSDP hooks outputs
+        return _not_a_view(objective.reshape(1).float())
 
 
 class Pipeline:
@@ -235,6 +235,12 @@ class Pipeline:
                 counts = c if counts is None else torch.cat([counts, c])
         self.batches.clear()
         return lm_sum, aux, counts
+
+
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """Stage outputs own their storage: torch's zero-bubble backward detaches them in place, and FSDP's
+    hooks on a view can be lost (the vision tower's deepstack rows are views of its outputs)."""
+    return t.clone() if t._base is not None else t
 
 
 def _without_images(obj):

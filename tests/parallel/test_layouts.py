@@ -6,7 +6,10 @@ gradients, and at the end the parameters.  Each layout then runs the same job
 through the real `Trainer` on gloo ranks and must match: per-step loss,
 gathered gradients of every step, gathered parameters after the last update,
 each to 1e-5 relative (L2 norm of the difference over the norm of the
-reference, per tensor).  Several layouts share one launch per world size.
+reference, per tensor).  AdamW's eps is 1e-6 here: with 1e-8, gradient
+elements near 1e-9 (zero-initialised biases of a tower that saw one image)
+turn float32 summation-order noise into ~1e-5 relative differences of the
+updated parameters; the gradients themselves are compared directly.  Several layouts share one launch per world size.
 
 Two world-4 entries also check checkpoints: one saves after step 1 and a new
 Trainer resumes (same layout), the next resumes that checkpoint under another
@@ -43,7 +46,7 @@ def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
             "train.micro_batch_size=1", f"train.steps={STEPS}", f"train.run_dir={run_dir}", "train.log_every=1",
             "train.tensorboard=false", "train.checkpoint_at_end=false", "train.checkpoint_every=0",
             "train.require_loss_decrease=false", "train.progress=false", "model.aux_loss_coef=0.01",
-            "optim.warmup_steps=0", "optim.grad_clip=0.05", *layout]
+            "optim.warmup_steps=0", "optim.grad_clip=0.05", "optim.eps=1e-6", *layout]
 
 
 def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:

@@ -1,6 +1,6 @@
 """Pipeline stages train exactly the step one process trains.
 
-The test model is the tiny preset with 6 decoder layers and deepstack features
+The test model is the tiny preset with 4 decoder layers and deepstack features
 on the first 2 (its config.json is written to the tmp dir and read through
 `model.hf_config`), so a split can leave deepstack layer 1 on a later stage:
 its feature then travels there as a stage output.  One reference run (one
@@ -43,7 +43,7 @@ PP2 = [MODEL, "parallel.pp=2"]
 
 def pipe_model() -> VLMConfig:
     cfg = VLMConfig.preset("tiny")
-    cfg.text.num_layers, cfg.vision.deepstack_visual_indexes = 6, (0, 1)
+    cfg.text.num_layers, cfg.vision.deepstack_visual_indexes = 4, (0, 1)
     return cfg
 
 
@@ -59,18 +59,18 @@ def reference(tmp_path_factory):
 
 # deepstack feature 1 crosses to stage 1 wherever stage 0 holds one layer ([1, ...])
 WORLD_2 = [PP2,  # 1f1b, auto split
-           [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "parallel.pp_layers=[1,2,1,2]"],
+           [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "parallel.pp_layers=[1,1,1,1]"],
            [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"],
-           [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,2,2,1]"],
+           [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
            [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"],
-           [*PP2, "parallel.pp_layers=[1,5]", "RESUME"],  # a checkpoint after step 1 (pipeline-split)
-           [*PP2, "parallel.pp_layers=[4,2]", "FROM=p2_5"]]  # that checkpoint under another split
-WORLD_4 = [[*PP2, "parallel.tp=2", "parallel.pp_layers=[1,5]"],
+           [*PP2, "parallel.pp_layers=[1,3]", "RESUME"],  # a checkpoint after step 1 (pipeline-split)
+           [*PP2, "parallel.pp_layers=[3,1]", "FROM=p2_5"]]  # that checkpoint under another split
+WORLD_4 = [[*PP2, "parallel.tp=2", "parallel.pp_layers=[1,3]"],
            [*PP2, "parallel.ep=2", "model.dispatcher=alltoall"],
            [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
-           [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,2,2]"]]
+           [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"]]
 WORLD_8 = [[*PP2, "parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall", "parallel.dp_mode=fsdp",
-            "parallel.pp_layers=[1,5]"]]
+            "parallel.pp_layers=[1,3]"]]
 
 
 def _pipelines_on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
