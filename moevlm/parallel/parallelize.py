@@ -32,6 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -41,7 +42,7 @@ from moevlm.model.vlm import fill_
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
 from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
-from moevlm.parallel.pipeline import Pipeline, prune_to_stages
+from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
 from moevlm.parallel.pipeline_plan import PipelinePlan
 from moevlm.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -116,6 +117,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
             block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k,
                                                 permute=model.config.moe.permute)
     if dims.pp > 1:
+        if pipeline.style == "v" and not v_schedules_supported(dist.get_backend(ctx.pp_group)):
+            raise ParallelNotBuilt(
+                f"parallel.pp_schedule={pipeline.schedule} cannot start on gloo with this torch: its pipeline stages "
+                "open with a send from each rank to itself (the two stages a V puts on one rank), which gloo refuses; "
+                "use NCCL (GPUs), a torch whose stages skip that (2.13), or another schedule")
         ctx.pipeline = Pipeline(model, pipeline, attn["pp"].get_local_rank(), ctx.pp_group)
     if dp_mode == "fsdp":
         apply_fsdp(model, dense, expert["edp"], vision, dims.tp, bf16,

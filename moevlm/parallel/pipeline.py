@@ -237,6 +237,15 @@ class Pipeline:
         return lm_sum, aux, counts
 
 
+def v_schedules_supported(backend: str) -> bool:
+    """Whether zbv / dualpipev (two stages of one rank next to each other) can start on `backend`:
+    torch 2.11's stage start-up sends from a rank to itself, which NCCL accepts and gloo does not;
+    later torch warms stages up without it (probed by that method, not by version)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return backend != "gloo" or hasattr(PipelineStage, "_warmup_forward_vote")
+
+
 def _not_a_view(t: torch.Tensor) -> torch.Tensor:
     """Stage outputs own their storage: torch's zero-bubble backward detaches them in place, and FSDP's
     hooks on a view can be lost (the vision tower's deepstack rows are views of its outputs)."""
@@ -258,4 +267,4 @@ def _objective_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.
     return output.sum()
 
 
-__all__ = ["IMAGE_KEYS", "Pipeline", "StageModule", "prune_to_stages"]
+__all__ = ["IMAGE_KEYS", "Pipeline", "StageModule", "prune_to_stages", "v_schedules_supported"]

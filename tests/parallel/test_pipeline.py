@@ -31,6 +31,7 @@ import torch.distributed as dist
 from moevlm.data.build_shards import build_sample
 from moevlm.model import VLMConfig
 from moevlm.parallel import full_state_dict
+from moevlm.parallel.pipeline import v_schedules_supported
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
@@ -58,13 +59,14 @@ def reference(tmp_path_factory):
 
 
 # deepstack feature 1 crosses to stage 1 wherever stage 0 holds one layer ([1, ...])
-WORLD_2 = [PP2,  # 1f1b, auto split
+WORLD_2 = [[*PP2, "parallel.pp_layers=[1,3]", "RESUME"],  # 1f1b; a checkpoint after step 1 (pipeline-split)
+           [*PP2, "parallel.pp_layers=[3,1]", "FROM=p2_0"],  # that checkpoint under another split
            [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "parallel.pp_layers=[1,1,1,1]"],
-           [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"],
-           [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
-           [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"],
-           [*PP2, "parallel.pp_layers=[1,3]", "RESUME"],  # a checkpoint after step 1 (pipeline-split)
-           [*PP2, "parallel.pp_layers=[3,1]", "FROM=p2_5"]]  # that checkpoint under another split
+           [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"]]
+V_SCHEDULES = [[*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
+               [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"]]
+if v_schedules_supported("gloo"):  # torch 2.11's V stages start by sending to themselves, which gloo refuses
+    WORLD_2 += V_SCHEDULES
 WORLD_4 = [[*PP2, "parallel.tp=2", "parallel.pp_layers=[1,3]"],
            [*PP2, "parallel.ep=2", "model.dispatcher=alltoall"],
            [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
@@ -104,10 +106,10 @@ def test_pipeline_layouts_match_one_process(reference, world, layouts):
 
 
 def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
-    """The pp2 checkpoint of step 1 (layout p2_5) resumed by one process (pp1): step 2 gives the
+    """The pp2 checkpoint of step 1 (layout p2_0) resumed by one process (pp1): step 2 gives the
     uninterrupted run's loss and weights."""
     ref = torch.load(tmp / "ref.pt", weights_only=False)
-    ckpt = tmp / "p2_5" / "checkpoints" / "step_00000001"
+    ckpt = tmp / "p2_0" / "checkpoints" / "step_00000001"
     overrides = job_overrides(shards, str(tmp / "pp1_from_pp2"), [MODEL.replace("@TMP", str(tmp)),
                                                                    f"train.resume={ckpt}"])
     tr = Trainer(compose_job(overrides))
@@ -132,6 +134,8 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (the README's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
     Hugging Face weights (gathered from both stages) equal one process's (1e-5)."""
+    readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
+    assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     common = [*GB200_3D_CPU, "train.steps=3", "train.tensorboard=false", "train.checkpoint_every=0"]
     one = ["parallel.world_size=1", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
