@@ -98,6 +98,7 @@ class StageModule(nn.Module):
         self.ds_in = [] if self.first else [k for k in range(n_ds) if k >= span.start]
         self.ds_out = [] if self.last else [k for k in range(n_ds) if k >= span.stop]
         self.num_experts = cfg.moe.num_experts
+        self.h_dtype = self.vision_dtype = torch.float32  # what crosses the boundary (Pipeline.start sets them)
         self.records: list[dict] = []
 
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
@@ -118,7 +119,8 @@ class StageModule(nn.Module):
             stats = self._add_stats(stats, layer_stats, h)
             if self.last:
                 return self._objective(h, b, stats)
-        return tuple(_not_a_view(t) for t in (h, *(deepstack[k] for k in self.ds_out), *(() if stats is None else (stats,))))
+        out = [h.to(self.h_dtype), *(deepstack[k].to(self.vision_dtype) for k in self.ds_out)]
+        return tuple(_not_a_view(t) for t in (out if stats is None else [*out, stats]))
 
     def _add_stats(self, stats, layer_stats: list[RouterStats], h) -> torch.Tensor | None:
         """Accumulate this stage's router statistics into the travelling (2E+1,) vector."""
@@ -183,6 +185,7 @@ class Pipeline:
 
         for m in self.modules:
             m.__dict__["autocast"] = autocast or contextlib.nullcontext
+            m.h_dtype, m.vision_dtype = h_dtype, vision_dtype
 
         cfg = self.modules[0].model.config
         D, merge = cfg.text.hidden_size, cfg.vision.spatial_merge_size
