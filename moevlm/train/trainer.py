@@ -223,7 +223,7 @@ class Trainer:
         micro = [self._micro_batch() for _ in range(self.plan.grad_accum)] if reads else None
         if self.pipeline is not None:
             micro = self.pipeline.share(micro, self.device)
-        dp_group, dp = self.parallel.dp_group, self.plan.dims.dp
+        dp_group = self.parallel.dp_group
         totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
                               sum(m["flops"] for m in micro)], self.device, dp_group)
         loss_tokens = max(totals[0], 1.0)

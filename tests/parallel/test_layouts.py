@@ -150,17 +150,24 @@ def _layouts_on_ranks(rank: int, world: int, shards: str, tmp: str, ref_path: st
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     if world == 2:
         _dense_layer_and_tied_head_under_tp(rank, world)
+    check_layouts(rank, world, shards, tmp, ref_path, layouts, "w", f"layouts_w{world}.json")
+
+
+def check_layouts(rank: int, world: int, shards: str, tmp: str, ref_path: str, layouts: list[list[str]],
+                  prefix: str, report_name: str, hide: tuple[str, ...] = ()) -> None:
+    """Every layout against the reference (run i in <tmp>/<prefix><world>_<i>); the errors, keyed by the
+    layout without the `hide` entries, go to <tmp>/<report_name> (rank 0)."""
     ref = torch.load(ref_path, weights_only=False)
     report = {}
     for i, layout in enumerate(layouts):
-        got = run_job(shards, os.path.join(tmp, f"w{world}_{i}"), layout)
+        got = run_job(shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout)
         errors = compare(got, ref)
-        report[" ".join(layout)] = errors
+        report[" ".join(x for x in layout if x not in hide)] = errors
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
         dist.barrier()
     if rank == 0:
-        with open(os.path.join(tmp, f"layouts_w{world}.json"), "w") as f:
+        with open(os.path.join(tmp, report_name), "w") as f:
             json.dump(report, f, indent=1)
 
 
@@ -225,15 +232,20 @@ def test_torchrun_world8_folded_layout_matches_one_process(reference, tmp_path):
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in proc.stdout
-    one, eight = (_losses(tmp_path / d) for d in ("one", "eight"))
-    assert sorted(one) == sorted(eight) == [1, 2, 3, 4, 5]
-    loss_err = max(abs(eight[s] - one[s]) / abs(one[s]) for s in one)
-    a, b = (_safetensors(tmp_path / d) for d in ("one_hf", "eight_hf"))
-    assert a.keys() == b.keys()
-    param_err = max(rel(b[k], a[k]) for k in a)
+    loss_err, param_err = runs_agree(tmp_path, steps=5)
     print(f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
     assert loss_err <= TOL and param_err <= TOL
     assert (tmp_path / "eight" / "checkpoints").is_dir()
+
+
+def runs_agree(tmp_path, steps: int) -> tuple[float, float]:
+    """Max relative differences between the runs in <tmp_path>/one and /eight: per-step logged loss, and
+    the exported Hugging Face weights (one_hf, eight_hf)."""
+    one, eight = (_losses(tmp_path / d) for d in ("one", "eight"))
+    assert sorted(one) == sorted(eight) == list(range(1, steps + 1))
+    a, b = (_safetensors(tmp_path / d) for d in ("one_hf", "eight_hf"))
+    assert a.keys() == b.keys()
+    return max(abs(eight[s] - one[s]) / abs(one[s]) for s in one), max(rel(b[k], a[k]) for k in a)
 
 
 def _losses(run_dir) -> dict[int, float]:
