@@ -128,7 +128,7 @@ def plan_pipeline(cfg: VLMConfig, *, pp: int, vpp: int | None, schedule: str, la
                         freeze_vision=freeze_vision)
     auto = isinstance(layers, str) and layers.strip().lower() == "auto"
     split = balance(costs, K, [_rank_of(name, pp, s) for s in range(K)]) if auto else _explicit(layers, K, L)
-    return PipelinePlan(pp=pp, vpp=v, schedule=name, layers=split, flops=_stage_flops(costs, split),
+    return PipelinePlan(pp=pp, vpp=v, schedule=name, layers=split, flops=stage_flops(costs, split),
                         microbatches=microbatches, auto=auto)
 
 
@@ -209,7 +209,7 @@ def budget_grids(patches: int, image_patches: int, merge: int) -> list[tuple[int
     return grids
 
 
-def _stage_flops(c: StageCosts, split: tuple[int, ...]) -> tuple[float, ...]:
+def stage_flops(c: StageCosts, split: tuple[int, ...]) -> tuple[float, ...]:
     out, at = [], 0
     for s, n in enumerate(split):
         f = sum(c.layers[at:at + n]) + (c.first if s == 0 else 0.0) + (c.last if s == len(split) - 1 else 0.0)
@@ -227,9 +227,10 @@ def _rank_of(schedule: str, pp: int, stage: int) -> int:
 def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int, ...]:
     """The contiguous split of the layers into K stages (each >= 1 layer) that minimises the largest
     stage cost, then the sum of squared stage costs (exact, dynamic programming).  With several
-    stages per rank (`ranks[s]` = the rank of stage s), single layers are then moved (a layer taken from one stage and given to another, the stages between shifting by
-    one) while that lowers the busiest rank's load (then the costliest stage, then the
-    squares): in steady state a rank runs all its stages for every micro-batch."""
+    stages per rank (`ranks[s]` = the rank of stage s), single layers are then moved (taken from
+    one stage, given to another, the stages between shifting by one) while that lowers the busiest
+    rank's load (then the costliest stage, then the squares): in steady state a rank runs all its
+    stages for every micro-batch."""
     L = len(c.layers)
     prefix = [0.0]
     for x in c.layers:
@@ -279,4 +280,4 @@ def _check(ok: bool, message: str) -> None:
 
 
 __all__ = ["PipelinePlan", "SCHEDULES", "StageCosts", "balance", "budget_grids", "plan_pipeline", "schedule_name",
-           "stage_costs"]
+           "stage_costs", "stage_flops"]

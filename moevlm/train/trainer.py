@@ -23,6 +23,12 @@ Design choices:
   images (padding excluded), so MFU, like tokens/s, is useful work.
 - Checkpoints hold model, optimizer, schedule, counters, and per rank the
   data-loader state and RNG states; resuming continues bit-exactly.
+- Pipeline stages (parallel.pp > 1): the step's micro-batches are the
+  schedule's (torch.distributed.pipelining runs them; moevlm.parallel.pipeline).
+  Only the first stage's ranks read data; they share each micro-batch's text
+  with their pipeline group, so every rank computes the same token totals.  The
+  loss sums come from the last stage and are summed over the pipeline group,
+  so all ranks log and judge (non-finite policy) the same numbers.
 """
 
 from __future__ import annotations

@@ -161,9 +161,9 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
                       str(REPO / "train.py"), *common]}
     out = {}
     for name, cmd in runs.items():
-        proc = subprocess.run([*cmd, f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=600)
+        dirs = [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
+        proc = subprocess.run([*cmd, *dirs], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-4000:]
         out[name] = proc.stdout
     assert "pipeline: 1f1b, pp 2 x vpp 1 = 2 stages, 4 micro-batches per step" in out["eight"]
