@@ -60,10 +60,10 @@ def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, 
     # Under pipeline stages the weights stay gathered from a micro-batch's forward to its backward (torch's
     # stage reshards them after the step): no all-gather per micro-batch, and the zero-bubble schedules'
     # split backward finds the weights its weight-gradient pass differentiates.
-    reshard = roots is None
+    keep = {} if roots is None else {"reshard_after_forward": False}  # else torch's default (root: kept)
 
     def shard(module, mesh, divide, cast_inputs=True):
-        fully_shard(module, mesh=mesh, mp_policy=policy(cast_inputs), reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, mp_policy=policy(cast_inputs), **keep)
         units.append((module, divide))
 
     if model.vision is not None:
