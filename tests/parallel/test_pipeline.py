@@ -171,5 +171,10 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     loss_err, param_err = runs_agree(tmp_path, steps=3)
     print(f"gb200_3d scaled down, torchrun world 8: 3 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
     assert loss_err <= TOL and param_err <= TOL
-    rec = json.loads((tmp_path / "eight" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert len(rec["mem_gib_by_pp_rank"]) == 2 and rec["expert_load_max_over_mean"] is not None
+    records = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+               for d in ("one", "eight")}
+    # tokens and FLOPs are the step's, counted once (not once per stage or tp rank): one process's numbers
+    assert [r["flops"] for r in records["eight"]] == pytest.approx([r["flops"] for r in records["one"]], rel=1e-12)
+    assert all(r["tokens_per_s"] > 0 for r in records["eight"])
+    last = records["eight"][-1]
+    assert len(last["mem_gib_by_pp_rank"]) == 2 and last["expert_load_max_over_mean"] is not None
