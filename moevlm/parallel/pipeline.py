@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from moevlm.model.moe import RouterStats
+from moevlm.model.moe import RouterStats, load_balancing_loss
 from moevlm.parallel.pipeline_plan import SCHEDULES, PipelinePlan
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # what only the first stage reads of a micro-batch
@@ -147,11 +147,10 @@ class StageModule(nn.Module):
         lm_sum = lm_loss * n
         objective = lm_sum / b["loss_tokens_total"]
         aux = None
-        if stats is not None:
+        if stats is not None:  # the load-balancing loss over every layer, from the sums of all stages
             E = self.num_experts
-            tokens = stats[2 * E].detach()
-            # the reference's load-balancing loss over every layer (moevlm.model.moe.load_balancing_loss)
-            aux = E * ((stats[E:2 * E].detach() / tokens) * (stats[:E] / tokens)).sum()
+            total = RouterStats(stats[:E], counts_E=stats[E:2 * E].detach(), num_tokens=stats[2 * E].detach())
+            aux = load_balancing_loss([total], E)
             objective = objective + cfg.moe.router_aux_loss_coef * aux * b["aux_weight"]
         self.records[-1].update(lm_sum=lm_sum.detach(), aux=None if aux is None else aux.detach())
         return _not_a_view(objective.reshape(1).float())
@@ -165,7 +164,7 @@ class Pipeline:
         self.batches: list[dict] = []
         self.modules = [StageModule(model, plan, s, self.batches, contextlib.nullcontext)
                         for s in plan.stages_of(pp_rank)]
-        self.schedule = None
+        self.schedule, self.device = None, torch.device("cpu")  # both set by start()
         self.first_rank = dist.get_global_rank(pp_group, 0) if pp_group is not None else 0
 
     @property
@@ -183,6 +182,7 @@ class Pipeline:
         schedule.  `autocast` (a context factory) wraps every stage's forward."""
         from torch.distributed import pipelining
 
+        self.device = device
         for m in self.modules:
             m.__dict__["autocast"] = autocast or contextlib.nullcontext
             m.h_dtype, m.vision_dtype = h_dtype, vision_dtype
@@ -224,14 +224,14 @@ class Pipeline:
         ids = torch.arange(len(micro))
         args = (ids,) if self.holds_first else ()
         self.schedule.step(*args, target=ids if self.holds_last else None, return_outputs=False, mb=ids)
-        lm_sum = aux = torch.zeros(())
+        lm_sum = aux = torch.zeros((), device=self.device)  # summed where they were computed: no host sync
         counts = None
         for m in self.modules:
             for r in m.records:
                 if r.get("lm_sum") is not None:
-                    lm_sum = lm_sum + r["lm_sum"].float().cpu()
+                    lm_sum = lm_sum + r["lm_sum"].float()
                 if r.get("aux") is not None:
-                    aux = aux + r["aux"].float().cpu() * aux_weight
+                    aux = aux + r["aux"].float() * aux_weight
             layer_counts = [r["counts"] for r in m.records if r["counts"] is not None]
             if layer_counts:
                 c = torch.stack(layer_counts).sum(0)

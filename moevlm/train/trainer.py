@@ -277,7 +277,7 @@ class Trainer:
         inputs = [dict(_on_device(mb["inputs"], self.device), n_image=mb["n_image"]) for mb in micro]
         lm_sum, aux, counts = self.pipeline.forward_backward(inputs, loss_tokens,
                                                              1.0 / (len(micro) * self.plan.dims.dp))
-        sums = _all_reduce_tensor(torch.stack([lm_sum, aux]).to(self.device), self.parallel.pp_group)
+        sums = _all_reduce_tensor(torch.stack([lm_sum, aux]), self.parallel.pp_group)
         return sums[0], sums[1], counts
 
     def _update(self, ok: bool) -> None:
