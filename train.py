@@ -22,7 +22,8 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
-    from moevlm.train.trainer import Trainer
+    from moevlm.train.checkpoint import CheckpointError
+    from moevlm.train.trainer import EXIT_CHECKPOINT, Trainer
 
     hc = HydraConfig.get()
     sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
@@ -31,6 +32,9 @@ def main(cfg) -> None:
     except (ConfigError, ParallelNotBuilt) as err:  # the message says what to change; a traceback would bury it
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        sys.exit(EXIT_CHECKPOINT)
     code = trainer.run()
     if code:
         sys.exit(code)

@@ -14,7 +14,10 @@ On disk (one directory per step; DCP's files plus our marker):
 
     checkpoints/step_00000100/__0_0.distcp ... .metadata  COMPLETE.json
     COMPLETE.json = {"format": 2, "step": 100, "world_size": 2, "time": <unix s>,
-                     "time_utc": "...", "extra": [names], "per_rank": [names]}
+                     "time_utc": "...", "extra": [names], "per_rank": [names],
+                     "checksum": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
+    checkpoints/rejected/step_...           failed verification (moved, never deleted)
+    checkpoints/abandoned-<UTC time>/step_... newer than a checkpoint a run restarted from
 
 Design choices:
 - Model and optimizer go through DCP's state-dict API (`get_model_state_dict`,
@@ -34,10 +37,32 @@ Design choices:
   is never returned by `latest()` and `load()` refuses it.  Deleting goes the
   other way: marker first, then the files, so a half-deleted checkpoint is
   never "complete".
+- Integrity (moevlm.train.integrity): after DCP has written, every stored file
+  gets its size and CRC-32 in the marker (files split over the ranks, results
+  gathered).  `verify()` checks them (collective, the same verdict on every
+  rank); `load()` verifies first unless this manager has already;
+  `newest_verified()` goes from the newest complete checkpoint down, moves a
+  failing one aside into `rejected/` (logged, kept for inspection) and returns
+  the first that verifies.  An explicitly named checkpoint that fails is an
+  error, never silently replaced by another.  Markers without "files"
+  (written before checksums) load with a warning.
+- One line of history: `set_aside_after(step, keep)` moves checkpoints of a
+  line a run abandoned (steps after the one it restarts from, or all of them
+  for a fresh start in a used directory) into `abandoned-<time>/`, so pruning
+  by step never deletes the new line's checkpoints and `latest()` never picks
+  the old line's.
 - Pruning (rank 0, after each save): complete checkpoints beyond the newest
   `keep` (by step; keep <= 0 keeps all), and incomplete directories older than
-  the newest complete one.  Steps are assumed to grow: a run restarted from an
-  older checkpoint leaves newer ones that `latest()` still prefers.
+  the newest complete one.  The checkpoint a run resumed from (`resumed_from`)
+  stays until a newer one is complete (written and checksummed).
+- Disk room: before writing, the checkpoint's size (tensor and byte values of
+  all ranks, plus a margin) is compared with the free space of `root`; if
+  pruning would make room, older checkpoints are pruned first, oldest first
+  (never the newest complete one, nor `resumed_from`); otherwise the save
+  stops with a CheckpointError naming the folder, the bytes needed and free.
+  A write that fails anyway (the estimate was short, another writer filled
+  the disk) removes its partial directory and raises the same way; the
+  previous checkpoints are untouched, so a relaunch resumes from them.
 - Single process works without a process group (DCP's `no_dist`); with one,
   `save` and `load` are collective (every rank calls them) and use
   `process_group` or the default group.  `load_all_ranks` is not collective.
@@ -47,6 +72,7 @@ Design choices:
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -66,6 +92,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -75,6 +102,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from moevlm.parallel.parallelize import to_storage_layout
+from moevlm.train import integrity
+from moevlm.train.integrity import checksum_files, dir_bytes, file_problems, gib, state_bytes, stored_files
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +190,44 @@ def _remove_checkpoint(path: Path) -> None:
         marker.unlink()
         _fsync_dir(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+def _utc_now(compact: bool = False) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y%m%dT%H%M%SZ") if compact else now.isoformat(timespec="seconds")
+
+
+def _errors(e: BaseException) -> list[BaseException]:
+    """`e`, its causes, and the per-rank exceptions a DCP CheckpointException gathered."""
+    out, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return out
+
+
+_DISK_FULL = ("no space left", "disk quota", "unexpected pos")  # torch's zip writer reports a short write so
+
+
+def _looks_like_disk_full(e: BaseException) -> bool:
+    return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT)
+               or any(t in str(x).lower() for t in _DISK_FULL) for x in _errors(e))
+
+
+def _one_line(e: BaseException) -> str:
+    """The innermost error of a (DCP) exception, in one line."""
+    inner = [x for x in _errors(e) if not isinstance(x, CheckpointException)] or [e]
+    return f"{type(inner[0]).__name__}: {str(inner[0]).splitlines()[0] if str(inner[0]) else ''}"
 
 
 def _checkpoint_index(path: Path) -> dict[str, Any]:
@@ -280,12 +347,15 @@ def _quiet_no_dist() -> Iterator[None]:
 
 
 class CheckpointManager:
-    """Saves, finds, loads and prunes `root/step_XXXXXXXX` checkpoints (see module doc)."""
+    """Saves, finds, verifies, loads and prunes `root/step_XXXXXXXX` checkpoints (see module doc)."""
 
     def __init__(self, root: str | os.PathLike, keep: int = 3, process_group: dist.ProcessGroup | None = None):
         self.root = Path(root)
         self.keep = keep
         self.process_group = process_group
+        self.resumed_from: Path | None = None  # kept by pruning until a newer checkpoint is complete
+        self.rejected: list[tuple[Path, list[str]]] = []  # (moved to, problems) by newest_verified
+        self._verified: set[Path] = set()
 
     # -- process group
     @property
@@ -304,6 +374,21 @@ class CheckpointManager:
         if self.distributed:
             dist.barrier(group=self.process_group)
 
+    def _from_rank0(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (decisions about shared files are rank 0's)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+        return box[0]
+
+    def _gathered(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.process_group)
+        return out
+
     # -- finding
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -315,13 +400,76 @@ class CheckpointManager:
         return sorted((int(m.group(1)), p) for m, p in found)
 
     def complete(self) -> list[Path]:
-        """Complete checkpoint directories, oldest first."""
+        """Complete checkpoint directories (with a marker; not yet verified), oldest first."""
         return [p for _, p in self._step_dirs() if _is_complete(p)]
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
+        """The newest complete checkpoint, or None (`newest_verified` also checks its files)."""
         done = self.complete()
         return done[-1] if done else None
+
+    # -- verifying
+    def verify(self, path: str | os.PathLike) -> list[str]:
+        """What is wrong with checkpoint `path` ([] if it is sound; collective: every rank reads a
+        share of its files and gets the same list)."""
+        path = Path(path)
+        try:
+            files = read_marker(path).get("files")
+        except CheckpointError as e:
+            return self._from_rank0([str(e)])
+        if files is None:
+            if self.rank == 0:
+                log.warning("checkpoint %s has no checksums (written before they were added): not verified", path)
+            return []
+        names = sorted(files)
+        mine = file_problems(path, files, names[self.rank::self.world_size])
+        problems = sorted(p for part in self._gathered(mine) for p in part)
+        if not problems:
+            self._verified.add(path.absolute())
+        return problems
+
+    def newest_verified(self) -> Path | None:
+        """The newest checkpoint that verifies (collective).  Newer ones that fail are moved into
+        `root/rejected/` and listed in `self.rejected` with their problems."""
+        for path in reversed(self._from_rank0(self.complete())):
+            problems = self.verify(path)
+            if not problems:
+                return path
+            if self.rank == 0:
+                moved = self.set_aside([path], "rejected", "failed verification: " + "; ".join(problems[:_SHOW]))
+                log.warning("checkpoint %s failed verification (%s); moved to %s", path, "; ".join(problems[:_SHOW]),
+                            moved[0])
+            self.rejected.append((self.root / "rejected" / path.name, problems))
+            self._barrier()
+        return None
+
+    def set_aside(self, paths: Iterable[Path], folder: str, reason: str) -> list[Path]:
+        """Move checkpoint directories into `root/folder/` (rank 0 only), with the reason in its README."""
+        dest = self.root / folder
+        dest.mkdir(parents=True, exist_ok=True)
+        moved = []
+        for p in paths:
+            target = dest / p.name
+            if target.exists():
+                target = dest / f"{p.name}.{time.time_ns()}"
+            os.replace(p, target)
+            moved.append(target)
+        with open(dest / "README.txt", "a") as f:
+            f.write(f"{_utc_now()} moved here: {', '.join(p.name for p in moved)}: {reason}\n")
+        _fsync_dir(self.root)
+        return moved
+
+    def set_aside_after(self, step: int, keep: Path | None = None) -> list[Path]:
+        """Start one line of history at `step` (collective): move the step directories from `step` on
+        (except `keep`, the checkpoint resumed from) into `root/abandoned-<time>/`.  Returns them."""
+        moved = None
+        if self.rank == 0:
+            keep = keep.absolute() if keep is not None else None
+            doomed = [p for s, p in self._step_dirs() if s >= step and p.absolute() != keep]
+            if doomed:
+                why = f"a run restarted from step {step}" + (f" ({keep})" if keep else "")
+                moved = self.set_aside(doomed, "abandoned-" + _utc_now(compact=True), why)
+        return self._from_rank0(moved) or []
 
     # -- saving
     def save(
@@ -336,19 +484,73 @@ class CheckpointManager:
         """Write checkpoint `step` (collective); returns its directory once it is complete."""
         path = self.step_dir(step)
         extra, per_rank = dict(extra or {}), dict(per_rank or {})
+        state = self._save_state(model, optimizer, extra, per_rank)
+        need = sum(self._gathered(state_bytes(state)))
+        problem = self._from_rank0(self._make_room(need, path) if self.rank == 0 else None)
+        if problem:
+            raise CheckpointError(problem)
         if self.rank == 0:
             self._clear(path)
         self._barrier()
-        state = self._save_state(model, optimizer, extra, per_rank)
-        with _quiet_no_dist():
-            dcp.save(state, storage_writer=FileSystemWriter(path), process_group=self.process_group,
-                     no_dist=not self.distributed)
+        self._write(state, path, need)
         self._barrier()
+        names = self._from_rank0(stored_files(path, skip=[MARKER]) if self.rank == 0 else None)
+        files: dict[str, dict] = {}
+        for part in self._gathered(checksum_files(path, names[self.rank::self.world_size])):
+            files.update(part)
         if self.rank == 0:
-            _write_json_atomic(path / MARKER, self._marker(step, extra, per_rank))
+            _write_json_atomic(path / MARKER, {**self._marker(step, extra, per_rank), "checksum": "crc32",
+                                               "files": dict(sorted(files.items()))})
             self._prune()
+        self._verified.add(path.absolute())
         self._barrier()
         return path
+
+    def _write(self, state: dict, path: Path, need: int) -> None:
+        """dcp.save; a failure removes the partial directory and says whether the disk was full."""
+        try:
+            with _quiet_no_dist():
+                dcp.save(state, storage_writer=FileSystemWriter(path), process_group=self.process_group,
+                         no_dist=not self.distributed)
+        except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+            if self.rank == 0:
+                _remove_checkpoint(path)
+            free = integrity.free_bytes(self.root)
+            full = _looks_like_disk_full(e) or free < need
+            last = self.latest()
+            raise CheckpointError(
+                f"writing checkpoint {path.name} in {self.root} failed"
+                + (f": the disk is full (about {gib(need)} needed, {gib(free)} free now)" if full else f": {_one_line(e)}")
+                + "; the partial directory was removed"
+                + (f" and {last.name} is intact (resume=auto continues from it)" if last else "")
+            ) from e
+
+    def _make_room(self, need: int, path: Path) -> str | None:
+        """Rank 0: None when `need` bytes fit in root's file system, pruning older checkpoints first
+        if that makes room; else the message to stop with."""
+        free = integrity.free_bytes(self.root)
+        if free >= need:
+            return None
+        dirs = self._step_dirs()
+        done = [p for _, p in dirs if _is_complete(p)]
+        keep = {done[-1]} if done else set()
+        if self.resumed_from is not None:
+            keep.add(Path(self.resumed_from))
+        spare = [p for _, p in dirs if p not in done] + [p for p in done if p not in keep]  # half-written first
+        sizes = {p: dir_bytes(p) for p in spare}
+        if free + sum(sizes.values()) < need:
+            last = f"; {done[-1].name} is intact (resume=auto continues from it)" if done else ""
+            return (f"not enough disk space for checkpoint {path.name} in {self.root}: it needs about {gib(need)}, "
+                    f"{gib(free)} are free" + (f" and pruning older checkpoints would free only "
+                                               f"{gib(sum(sizes.values()))}" if spare else "")
+                    + f"; free space there or set train.run_dir on a larger file system{last}")
+        for p in spare:
+            if integrity.free_bytes(self.root) >= need:
+                break
+            log.warning("pruning %s (%s) to make room for checkpoint %s (%s needed)", p, gib(sizes[p]), path.name,
+                        gib(need))
+            _remove_checkpoint(p)
+        return None
 
     def _clear(self, path: Path) -> None:
         if path.exists():
@@ -391,6 +593,9 @@ class CheckpointManager:
             return
         doomed = [p for _, p in done[: -self.keep]] if self.keep > 0 else []
         newest = done[-1][0]
+        resumed = self.resumed_from.absolute() if self.resumed_from is not None else None
+        if resumed is not None and not any(s > _step_of(resumed) for s, _ in done):
+            doomed = [p for p in doomed if p.absolute() != resumed]  # until a newer one is complete
         doomed += [p for s, p in dirs if s < newest and not _is_complete(p)]
         for p in doomed:
             log.info("pruning checkpoint %s", p)
@@ -405,8 +610,10 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None = None,
         extra: Mapping[str, Any] | None = None,
         per_rank: Iterable[str] = (),
+        verify: bool = True,
     ) -> dict[str, Any]:
-        """Load checkpoint `path` in place (collective).
+        """Load checkpoint `path` in place (collective), verifying its files first (unless this
+        manager verified or wrote it already, or verify=False).
 
         Model and optimizer are loaded in place; `extra` values with
         load_state_dict are loaded in place, others are only named.  Returns
@@ -416,6 +623,13 @@ class CheckpointManager:
         """
         path = Path(path)
         marker = read_marker(path)
+        if verify and path.absolute() not in self._verified:
+            problems = self.verify(path)
+            if problems:
+                raise CheckpointError(
+                    f"checkpoint {path} failed verification ({len(problems)} problem(s): "
+                    f"{'; '.join(problems[:_SHOW])}); name an earlier checkpoint, or use resume=auto, which "
+                    "skips damaged ones")
         if marker.get("format") != FORMAT:
             raise ValueError(f"{path} was written in checkpoint format {marker.get('format')}; this version reads "
                              f"format {FORMAT}; export it to Hugging Face format with the version that wrote it")

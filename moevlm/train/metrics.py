@@ -33,12 +33,17 @@ Conventions:
   "-inf" (valid JSON; `float()` reads them back), so a NaN loss stays visible
   as such rather than looking like a missing value.
 - Only rank 0 writes; every line is flushed, so a killed run keeps its log.
+- One value per step after a resume: `resume_at(step)` drops the records of
+  the steps after the checkpoint from metrics.jsonl (rewritten atomically) and
+  reopens TensorBoard with `purge_step`, which makes readers discard the older
+  sessions' events from that step on.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -186,6 +191,14 @@ def console_line(r: dict, total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def _step_of_line(line: str) -> float:
+    """The step of a metrics.jsonl line (a torn last line counts as after everything)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     """metrics.jsonl + TensorBoard (run_dir/tb) + console (tqdm bar on a TTY); rank 0 only."""
 
@@ -196,15 +209,42 @@ class MetricsLogger:
         self._file = self._tb = self._bar = None
         if not self.active:
             return
-        run_dir = Path(run_dir)
+        self.run_dir = run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._tb = self._writer()
         if progress if progress is not None else sys.stdout.isatty():
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, dynamic_ncols=True)
+
+    def _writer(self, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge_step)
+
+    def resume_at(self, step: int, abandoned: Path | None = None) -> int:
+        """The run continues after `step`: drop the records of later steps (a crashed run logged them
+        and they will be logged again) from metrics.jsonl, and have TensorBoard discard its events
+        after `step` (its purge_step).  `abandoned`: a folder that receives the whole file first (the
+        records of a line of history the run abandons).  Returns the number of records dropped."""
+        if not self.active:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        self._file.close()
+        lines = path.read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if _step_of_line(ln) <= step]
+        if len(keep) < len(lines):
+            if abandoned is not None:
+                Path(abandoned).mkdir(parents=True, exist_ok=True)
+                (Path(abandoned) / "metrics.jsonl").write_text("".join(lines))
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(keep))
+            os.replace(tmp, path)
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = self._writer(purge_step=step + 1)
+        self._file = open(path, "a", buffering=1)
+        return len(lines) - len(keep)
 
     def should_log(self, step: int) -> bool:
         """Every log_every steps, the first and the last (the trainer builds records only then)."""

@@ -1,7 +1,8 @@
 """The training job: set up once, then optimizer steps until `train.steps`.
 
     trainer = Trainer(job)          # validated config (moevlm.train.config)
-    code = trainer.run()            # 0 ok, 1 loss did not fall (when required), 3 stopped on non-finite
+    code = trainer.run()            # 0 ok, 1 loss did not fall (when required), 3 stopped on non-finite,
+                                    # 5 a checkpoint could not be written (no room: the message says how much)
 
 Order of set-up (nothing large is allocated before the config, the layout and
 the data are checked): validate -> process group -> run dir -> logger -> model
@@ -51,13 +52,13 @@ from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
-from moevlm.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 from moevlm.train.config import validate
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
 from moevlm.train.optim import build_optimizer, build_scheduler
 
-EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE = 0, 1, 3
+EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT = 0, 1, 3, 5
 _STARTED = datetime.now()
 
 
@@ -169,16 +170,30 @@ class Trainer:
 
     # ------------------------------------------------------------- checkpoints
     def _resume(self) -> None:
-        r = self.t.resume
-        path = None if r == "none" else self.ckpt.latest() if r == "auto" else Path(r)
+        """resume=auto: the newest checkpoint that verifies (damaged newer ones are moved aside into
+        checkpoints/rejected/); a named checkpoint must verify.  Starting at step N (0 for a fresh
+        start) sets this run dir's checkpoints from step N on aside (checkpoints/abandoned-<time>/):
+        they belong to a line of history this run abandons.  Metrics after N are dropped."""
+        r, ck = self.t.resume, self.ckpt
+        path = None if r == "none" else ck.newest_verified() if r == "auto" else Path(r)
+        for moved, problems in ck.rejected:
+            self.log.info(f"checkpoint {moved.name} failed verification ({'; '.join(problems[:3])}); moved to "
+                          f"{moved.parent}")
+        step = 0 if path is None else read_marker(path)["step"]
+        moved = ck.set_aside_after(step, keep=path)
+        if moved:
+            self.log.info(f"this run restarts at step {step}: the run dir's checkpoints of the abandoned line "
+                          f"({', '.join(p.name for p in moved)}) were moved to {moved[0].parent}")
+        self.log.resume_at(step, abandoned=moved[0].parent if moved else None)
         if path is None:
             return
-        got = self.ckpt.load(path, model=self.model, optimizer=self.opt,
-                             extra={"scheduler": self.sched, "counters": {}}, per_rank={"rng": None})
+        got = ck.load(path, model=self.model, optimizer=self.opt,
+                      extra={"scheduler": self.sched, "counters": {}}, per_rank={"rng": None})
+        ck.resumed_from = path
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
         self.losses = list(counters["losses"])
-        self.loader.load_state_dict(merge_states([d for d in self.ckpt.load_all_ranks(path, "data") if d is not None]))
+        self.loader.load_state_dict(merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None]))
         if got["per_rank"].get("rng") is not None:
             set_rng_state(got["per_rank"]["rng"])
         self.log.info(f"resumed from {path} at step {self.step}")
@@ -215,6 +230,9 @@ class Trainer:
                 save_hf(self.model, self.t.export_hf)  # collective under a layout: every stage's weights
                 self.log.info(f"exported Hugging Face checkpoint to {self.t.export_hf}")
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
+        except CheckpointError as err:  # no room, or the write failed: the earlier checkpoints are intact
+            self.log.info(f"stopping at step {self.step}: {err}")
+            return EXIT_CHECKPOINT
         finally:
             self.close()
         return code

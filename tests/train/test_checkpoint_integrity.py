@@ -1,0 +1,290 @@
+"""Checkpoints are never lost or silently damaged: checksums verified on load, damaged ones skipped,
+one line of history after a restart from an older checkpoint, disk room checked before writing, and
+metrics with one value per step after a resume.
+
+Manager-level cases use a small MLP (fast); trainer-level cases run the embedded default's tiny model
+in-process and compare per-step losses with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moevlm.train import integrity
+from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker
+from moevlm.train.config import compose_job
+from moevlm.train.trainer import EXIT_CHECKPOINT, Trainer
+from tests.train.test_checkpoint import assert_same, make, params, train
+from tests.train.test_trainer import FAST, read_metrics
+
+# ------------------------------------------------------------------ damage
+
+
+def flip_byte(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def remove_metadata(path: Path) -> None:
+    (path.parent / ".metadata").unlink()
+
+
+DAMAGE = {"flipped": (flip_byte, "bytes changed"), "truncated": (truncate, "truncated"),
+          "no_metadata": (remove_metadata, ".metadata: missing")}
+
+
+def data_file(ckpt_dir: Path) -> Path:
+    return sorted(ckpt_dir.glob("*.distcp"))[0]
+
+
+# ------------------------------------------------------------ file checks
+
+
+def test_checksums_find_every_kind_of_damage(tmp_path):
+    for name, size in (("a.bin", 3 << 20), ("b.bin", 10), ("c.bin", 0)):
+        (tmp_path / name).write_bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
+    sums = integrity.checksum_files(tmp_path, ["a.bin", "b.bin", "c.bin"])
+    assert integrity.file_problems(tmp_path, sums) == []
+    flip_byte(tmp_path / "a.bin", at=0.9)  # a flipped bit late in a file read in chunks
+    truncate(tmp_path / "b.bin")
+    (tmp_path / "c.bin").unlink()
+    problems = integrity.file_problems(tmp_path, sums)
+    assert len(problems) == 3
+    assert "a.bin: checksum" in problems[0] and "bytes changed" in problems[0]
+    assert problems[1] == "b.bin: 5 bytes, 10 when saved (truncated)"
+    assert problems[2].startswith("c.bin: missing")
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_newest_is_skipped_and_an_explicit_one_refused(tmp_path, kind):
+    damage, words = DAMAGE[kind]
+    model, opt, sched = make()
+    ckpt = CheckpointManager(tmp_path, keep=0)
+    good = None
+    for step in (1, 2):
+        train(model, opt, sched, 1)
+        ckpt.save(step, model=model, optimizer=opt)
+        good = params(model) if step == 1 else good
+    files = read_marker(ckpt.step_dir(2))["files"]
+    assert set(files) == {".metadata", *[p.name for p in ckpt.step_dir(2).glob("*.distcp")]}
+    damage(data_file(ckpt.step_dir(2)))
+
+    fresh = CheckpointManager(tmp_path, keep=0)  # a relaunch: nothing verified yet
+    with pytest.raises(CheckpointError, match=f"step_00000002 failed verification .*{words}.*resume=auto"):
+        fresh.load(fresh.step_dir(2), model=model, optimizer=opt)
+    assert fresh.newest_verified() == fresh.step_dir(1)
+    moved, problems = fresh.rejected[0]
+    assert moved == tmp_path / "rejected" / "step_00000002" and moved.is_dir() and words in problems[0]
+    assert "failed verification" in (tmp_path / "rejected" / "README.txt").read_text()
+    assert fresh.latest() == fresh.step_dir(1)  # never picked again
+    model2, opt2, _ = make(seed=1)
+    fresh.load(fresh.step_dir(1), model=model2, optimizer=opt2)
+    assert_same(params(model2), good)
+
+
+def test_checkpoints_without_checksums_still_load(tmp_path):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path)
+    path = ckpt.save(1, model=model, optimizer=opt)
+    marker = read_marker(path)
+    del marker["files"], marker["checksum"]
+    (path / MARKER).write_text(json.dumps(marker))
+    assert CheckpointManager(tmp_path).newest_verified() == path
+
+
+# ------------------------------------------------------------------ disk room
+
+
+class SmallDisk:
+    """A file system of `capacity` bytes holding `root` and `other` bytes of something else."""
+
+    def __init__(self, root: Path, capacity: int, other: int = 0):
+        self.root, self.capacity, self.other = root, capacity, other
+
+    def __call__(self, path) -> int:
+        return max(0, self.capacity - self.other - integrity.dir_bytes(self.root))
+
+
+def test_disk_room_prunes_first_or_stops_with_the_numbers(tmp_path, monkeypatch):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path, keep=0)  # keep all: only the disk makes it prune
+    size = integrity.dir_bytes(ckpt.save(1, model=model, optimizer=opt))
+    disk = SmallDisk(tmp_path, capacity=int(3.5 * size))
+    monkeypatch.setattr(integrity, "free_bytes", disk)
+    for step in (2, 3):
+        ckpt.save(step, model=model, optimizer=opt)
+    assert [p.name[-1] for p in ckpt.complete()] == ["1", "2", "3"]
+    ckpt.save(4, model=model, optimizer=opt)  # no room for a fourth: the oldest goes first
+    assert [p.name[-1] for p in ckpt.complete()] == ["2", "3", "4"]
+
+    # a run whose only checkpoint must stay, an interrupted save's leftovers, a disk filled by others
+    root = tmp_path / "other_run"
+    ckpt = CheckpointManager(root, keep=0)
+    disk.root, disk.capacity = root, 10 * size
+    ckpt.save(1, model=model, optimizer=opt)
+    ckpt.step_dir(7).mkdir()
+    (ckpt.step_dir(7) / "__0_0.distcp").write_bytes(bytes(1000))
+    disk.other = 10 * size - integrity.dir_bytes(root) - size // 2
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(2, model=model, optimizer=opt)
+    msg = str(err.value)
+    assert f"not enough disk space for checkpoint step_00000002 in {root}: it needs about" in msg
+    assert "are free and pruning older checkpoints would free only" in msg and "step_00000001 is intact" in msg
+    assert ckpt.step_dir(7).exists() and not ckpt.step_dir(2).exists()  # nothing was deleted for nothing
+    assert CheckpointManager(root).newest_verified() == ckpt.step_dir(1)
+
+
+def test_a_write_that_runs_out_of_space_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path)
+    ckpt.save(1, model=model, optimizer=opt)
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs._write_item
+
+    def full(*args, **kwargs):
+        real(*args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(CheckpointError, match="step_00000002 .* failed: the disk is full .*step_00000001 is intact"):
+        ckpt.save(2, model=model, optimizer=opt)
+    assert not ckpt.step_dir(2).exists() and CheckpointManager(tmp_path).newest_verified() == ckpt.step_dir(1)
+
+
+def test_pruning_keeps_the_resumed_checkpoint_until_a_newer_one_is_complete(tmp_path):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path, keep=1)
+    ckpt.save(1, model=model)
+    ckpt.resumed_from = ckpt.step_dir(1)
+    ckpt.step_dir(2).mkdir()  # an interrupted save of step 2 (no marker) does not count as newer
+    ckpt._prune()
+    assert ckpt.complete() == [ckpt.step_dir(1)]
+    ckpt.save(2, model=model)
+    assert ckpt.complete() == [ckpt.step_dir(2)]
+
+
+# ------------------------------------------------------------ the trainer
+
+
+def run(run_dir: Path, steps: int, *more: str) -> tuple[Trainer, int]:
+    job = compose_job(FAST + [f"train.steps={steps}", f"train.run_dir={run_dir}", "train.require_loss_decrease=false",
+                              *more])
+    trainer = Trainer(job)
+    return trainer, trainer.run()
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = read_metrics(run_dir)
+    steps = [r["step"] for r in recs]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {r["step"]: float(r["loss"]) for r in recs}
+
+
+def tensorboard_steps(run_dir: Path, tag: str = "train/loss") -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """4 steps, a checkpoint after each."""
+    run_dir = tmp_path_factory.mktemp("ref")
+    _, code = run(run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=0")
+    assert code == 0
+    return run_dir, losses(run_dir)
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_trainer_resumes_from_the_previous_verified_checkpoint(reference, tmp_path, kind, capsys):
+    ref_dir, want = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    newest = run_dir / "checkpoints" / "step_00000004"
+    DAMAGE[kind][0](data_file(newest))
+    records = read_metrics(run_dir)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records + records[-1:]))
+
+    trainer, code = run(run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.resume=auto")
+    out = capsys.readouterr().out
+    assert code == 0 and trainer.ckpt.resumed_from == run_dir / "checkpoints" / "step_00000003"
+    assert "step_00000004 failed verification" in out and DAMAGE[kind][1] in out
+    assert (run_dir / "checkpoints" / "rejected" / "step_00000004").is_dir()
+    got = losses(run_dir)  # step 4 logged once (the crashed run's record dropped), recomputed exactly
+    assert sorted(got) == [1, 2, 3, 4] and abs(got[4] - want[4]) <= 1e-6
+
+
+def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, tmp_path, capsys):
+    """Resume from step 2 while steps 3 and 4 exist, be killed after saving step 3, relaunch with auto:
+    the new line's checkpoints survive pruning, the old line's are moved aside (not picked, not lost),
+    metrics and TensorBoard hold one value per step."""
+    ref_dir, want = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    ck = run_dir / "checkpoints"
+    old = {p.name: read_marker(p)["time"] for p in ck.glob("step_*")}
+
+    class Killed(Exception):
+        pass
+
+    job = compose_job(FAST + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=1",
+                              "train.keep_checkpoints=1", f"train.resume={ck / 'step_00000002'}"])
+    trainer = Trainer(job)
+    out = capsys.readouterr().out
+    assert "moved to" in out and "step_00000003, step_00000004" in out
+    abandoned = [p for p in ck.iterdir() if p.name.startswith("abandoned-")]
+    assert len(abandoned) == 1 and sorted(p.name for p in abandoned[0].glob("step_*")) == ["step_00000003",
+                                                                                             "step_00000004"]
+    assert (abandoned[0] / "metrics.jsonl").exists()  # the old line's records, kept with its checkpoints
+
+    def kill_in_step_4(tr):  # (called before the step count moves on)
+        if tr.step == 3:
+            raise Killed
+    trainer.grad_hook = kill_in_step_4
+    with pytest.raises(Killed):
+        trainer.run()
+    assert [p.name for p in trainer.ckpt.complete()] == ["step_00000003"]  # keep=1: step 2 pruned after 3 was done
+    assert read_marker(ck / "step_00000003")["time"] > old["step_00000003"]  # the new line's
+
+    capsys.readouterr()
+    trainer, code = run(run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=1", "train.resume=auto")
+    assert code == 0 and f"resumed from {ck / 'step_00000003'} at step 3" in capsys.readouterr().out
+    got = losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in got) <= 1e-6
+    assert tensorboard_steps(run_dir) == [1, 2, 3, 4]
+    assert sorted(p.name for p in abandoned[0].glob("step_*")) == ["step_00000003", "step_00000004"]
+
+
+def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(reference, tmp_path, monkeypatch,
+                                                                           capsys):
+    ref_dir, want = reference
+    size = integrity.dir_bytes(ref_dir / "checkpoints" / "step_00000002")
+    run_dir = tmp_path / "run"
+    disk = SmallDisk(run_dir / "checkpoints", capacity=int(1.6 * size))
+    monkeypatch.setattr(integrity, "free_bytes", disk)
+    trainer, code = run(run_dir, 4, "train.checkpoint_every=2", "train.keep_checkpoints=2")
+    out = capsys.readouterr().out
+    assert code == EXIT_CHECKPOINT and trainer.step == 4
+    assert f"not enough disk space for checkpoint step_00000004 in {run_dir / 'checkpoints'}" in out
+    assert [p.name for p in trainer.ckpt.complete()] == ["step_00000002"]
+
+    disk.capacity *= 4  # room was made: the relaunch resumes from the intact checkpoint
+    trainer, code = run(run_dir, 4, "train.checkpoint_every=2", "train.keep_checkpoints=2")
+    assert code == 0 and trainer.ckpt.resumed_from == run_dir / "checkpoints" / "step_00000002"
+    got = losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in got) <= 1e-6
