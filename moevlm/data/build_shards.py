@@ -1,6 +1,7 @@
 """Build WebDataset tar shards from image folders and annotation files.
 
     python -m moevlm.data.build_shards --images DIR --annotations a.json b.jsonl --out SHARDS
+        [--max-image-bytes 33554432] [--max-text-bytes 1048576]
     python -m moevlm.data.build_shards --sample SHARDS      # the bundled sample set + tokenizer.json
 
 Layout: `OUT/shard-000000.tar, ...` and `OUT/summary.json`.  Sample i (a
@@ -30,14 +31,45 @@ Design choices:
   reader would refuse is written; `not_an_image`), `verify()` checks structure (PNG chunk CRCs: `bad_image`),
   and because verify() is a no-op for JPEG, a JPEG is also decoded at 1/8
   scale (libjpeg DCT scaling, a few ms), which finds truncated files.
+- Annotation files are untrusted: image paths stay inside --images.  A path
+  is taken relative to the root; an absolute path, one starting with `~`
+  (never expanded), and one whose real path (os.path.realpath: `..` and every
+  symlink on the way, file or folder) leaves the root are `outside_images`.
+  Symlinks and `..` that stay inside are fine.  The real path is what is
+  opened (O_NOFOLLOW on its last part), so the checked path is the one read.
+  This guards against annotation files, not against someone swapping folders
+  while the build runs.
+  --images is required (the library's image_root too): there is no fallback
+  to the working directory or the annotation file's folder, so what a build
+  may read is always named.  --sample confines its records (absolute files in
+  installed packages) to their deepest common folder.
+- Skip details never show a path that was refused: they say "image path #k
+  of record 'id' is absolute / starts with '~' / leaves --images" (the file
+  and line are in front), because summary.json travels with the shards and a
+  path can itself say something private.  Paths inside the root are shown as
+  written (cut at 80 characters).
+- Byte caps are checked before anything is read: an image file's size comes
+  from stat (non-regular files are never opened: a FIFO cannot hang the
+  build) and again from fstat on the opened file, above --max-image-bytes
+  (default 32 MiB, the loader's data.max_image_bytes) it is `file_too_large`,
+  and at most cap+1 bytes are read.  --max-text-bytes (default 1 MiB) caps the
+  UTF-8 bytes of a record's text or messages (`text_too_large`); a JSONL line
+  is read at most 6 x that + 64 KiB (JSON may escape a byte as 6), a longer
+  line is skipped as `text_too_large` unparsed and never held.  A .json list
+  is one document and is read whole (use .jsonl for huge sets).
 - Bad input is skipped and counted by reason (errors.py), never fatal: a
-  malformed JSONL line (`bad_json`, with its line number), a record that does
-  not normalise, a missing / empty / broken image.  Only setup errors abort,
-  checked before anything is written: a missing annotation file, a .json file
-  that does not start with a JSON list, a non-empty OUT without --overwrite.
-  (A .json list that is broken further in is found when the file is parsed,
-  which may be after earlier files were written; the build then stops with
-  the parse error and no summary.json.)
+  malformed JSONL line (`bad_json`, with its line number; also one nested too
+  deep for the parser), a record that does not normalise, a non-string or
+  NUL-holding image path (`bad_record`), a missing / empty / broken image or
+  one whose name the file system refuses (`missing_image`, e.g. "File name too
+  long"), and any other exception while checking one record (`bad_record`).
+  Only setup errors abort, checked before anything is written: a missing
+  annotation file, a .json file that does not start with a JSON list, a
+  non-empty OUT without --overwrite.  A .json list that is broken further in
+  (invalid, or nested deeper than the parser allows) is found when the file is
+  parsed, which may be after earlier files were written: the build stops with
+  a one-line error (exit 2), finished shards stay, no summary.json is written
+  (so it does not look complete); rebuild with --overwrite.
 - Duplicate ids are kept (ids are the dataset's business) and counted in the
   summary.
 - Captions stay captions (the prompt is then a training-time setting,
@@ -47,16 +79,19 @@ Design choices:
   (sample_records() lists them by kind) so its shards, split across ranks and
   workers, each carry a similar share of the images.
 - A shard is written as `name.tmp` and renamed when complete, so a crashed
-  build never leaves a truncated `.tar` that looks finished.
+  build never leaves a truncated `.tar` that looks finished; a build stopped
+  by an exception deletes the `.tmp` it was writing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections import deque
@@ -78,24 +113,87 @@ SHARD_GLOB = "shard-*.tar"
 MTIME = 0  # fixed member mtime: the same input gives the same bytes
 SAMPLE_SHARDS_MIN = 8  # --sample: enough shards to split across ranks x workers
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
+DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
+DEFAULT_MAX_TEXT_BYTES = 1 << 20
+LINE_SLACK = 64 << 10  # JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
 
 
 # ---- images -------------------------------------------------------------
 
-def check_image(path: Path) -> tuple[bytes, str]:
-    """The file's bytes and its member extension; SkipSample when unusable."""
-    if not path.is_file():
-        raise SkipSample("missing_image", f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+def resolve_image(p: str, root: Path) -> Path:
+    """The real path of image `p`, as a record writes it, inside `root` (a real
+    path); SkipSample when it is not a path or leads outside `root`."""
+    if not isinstance(p, str):
+        raise SkipSample("bad_record", f"is a {type(p).__name__}, not a string")
+    if "\0" in p:
+        raise SkipSample("bad_record", "holds a NUL character")
+    if p.startswith("~"):
+        raise SkipSample("outside_images", "starts with '~'; image paths are relative to --images")
+    if os.path.isabs(p):
+        raise SkipSample("outside_images", "is absolute; image paths are relative to --images")
+    real = Path(os.path.realpath(root / p))  # every symlink on the way, and '..', resolved
+    if not real.is_relative_to(root):
+        raise SkipSample("outside_images", "leaves --images (through '..' or a symlink)")
+    return real
+
+
+def load_image(p: str, root: Path, max_bytes: int, label: str = "image path") -> tuple[bytes, str]:
+    """The bytes and member extension of image `p` (resolve_image); SkipSample when unusable.
+    Details start with `label`; a path is shown (as written) only once it is known to be inside `root`."""
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise SkipSample("missing_image", f"{path} cannot be read: {e.strerror or e}") from None
+        path = resolve_image(p, root)
+    except SkipSample as e:
+        raise SkipSample(e.reason, f"{label} {e.detail}") from None
+    shown = f"{label} ({_shown(p)})"
+    data = read_capped(path, max_bytes, shown)
     if not data:
-        raise SkipSample("empty_image", f"{path} has zero bytes")
-    return data, image_ext(path, verify_image(data, path))
+        raise SkipSample("empty_image", f"{shown} has zero bytes")
+    return data, image_ext(path, verify_image(data, shown))
 
 
-def verify_image(data: bytes, path: Path) -> str:
+def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:
+    """A regular file's bytes, refused (file_too_large) from its size before any is read."""
+    try:
+        _check_size(os.stat(path), max_bytes, shown)  # before opening: no FIFO or device is ever opened
+        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise SkipSample("missing_image", f"{shown} does not exist") from None
+    except OSError as e:
+        raise SkipSample("missing_image", f"{shown} cannot be read: {e.strerror or type(e).__name__}") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        _check_size(os.fstat(fd), max_bytes, shown)  # the file opened is the file checked
+        data = _read_at_most(f, max_bytes + 1)
+    if len(data) > max_bytes:  # it grew after the check
+        raise SkipSample("file_too_large", f"{shown} is larger than --max-image-bytes {max_bytes}")
+    return data
+
+
+_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _check_size(st: os.stat_result, max_bytes: int, shown: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise SkipSample("missing_image", f"{shown} is not a file")
+    if st.st_size > max_bytes:
+        raise SkipSample("file_too_large", f"{shown} has {st.st_size} bytes, above --max-image-bytes {max_bytes}")
+
+
+def _read_at_most(f, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+def _shown(p: str, limit: int = 80) -> str:
+    """A path as the record writes it, cut for the logs (only paths inside the root are shown)."""
+    return p if len(p) <= limit else p[:limit] + "..."
+
+
+def verify_image(data: bytes, shown: str) -> str:
     """Header + structure check (see module docstring); returns PIL's format name."""
     try:
         with Image.open(io.BytesIO(data), formats=allowed_formats()) as im:
@@ -104,11 +202,11 @@ def verify_image(data: bytes, path: Path) -> str:
         if fmt == "JPEG":
             _decode_small(data)
     except Image.DecompressionBombError as e:
-        raise SkipSample("image_too_large", f"{path}: {e}") from None
+        raise SkipSample("image_too_large", f"{shown}: {e}") from None
     except UnidentifiedImageError:
-        raise SkipSample("not_an_image", f"{path}: not a {'/'.join(allowed_formats())} image") from None
+        raise SkipSample("not_an_image", f"{shown}: not a {'/'.join(allowed_formats())} image") from None
     except Exception as e:  # PIL reports damage with many exception types
-        raise SkipSample("bad_image", f"{path}: {type(e).__name__}: {e}") from None
+        raise SkipSample("bad_image", f"{shown}: {type(e).__name__}: {e}") from None
     return fmt
 
 
@@ -125,18 +223,21 @@ def image_ext(path: Path, fmt: str | None) -> str:
     return "jpg" if ext == "jpeg" else ext
 
 
-def resolve_image(p: str, image_root: Path | None) -> Path:
-    path = Path(p).expanduser()
-    return path if path.is_absolute() or image_root is None else image_root / path
+def text_bytes(rec: Record) -> int:
+    """UTF-8 bytes of the sample's text (the text, or every message's content)."""
+    texts = [rec.text] if rec.text is not None else [m["content"] for m in rec.messages]
+    return sum(len(t.encode("utf-8")) for t in texts)
 
 
 # ---- annotations --------------------------------------------------------
 
-def read_annotations(paths: list[Path], skips: SkipCounter) -> Iterator[tuple[str, dict]]:
-    """(where, object) for every record of every file; bad JSONL lines go to `skips`."""
+def read_annotations(paths: list[Path], skips: SkipCounter,
+                     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> Iterator[tuple[str, dict]]:
+    """(where, object) for every record of every file; bad JSONL lines go to `skips`.
+    A JSONL line is read up to 6 x max_text_bytes + LINE_SLACK bytes, never whole."""
     for path in paths:
         if path.suffix == ".jsonl":
-            yield from _read_jsonl(path, skips)
+            yield from _read_jsonl(path, skips, 6 * max_text_bytes + LINE_SLACK)
         else:
             yield from _read_json_list(path)
 
@@ -158,16 +259,30 @@ def _first_char(path: Path) -> str:
     return head[:1]
 
 
-def _read_jsonl(path: Path, skips: SkipCounter) -> Iterator[tuple[str, dict]]:
+def _read_jsonl(path: Path, skips: SkipCounter, max_line: int) -> Iterator[tuple[str, dict]]:
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        for lineno, line in enumerate(_bounded_lines(f, max_line), 1):
             where = f"{path.name}:{lineno}"
-            try:
-                yield where, parse_json_bytes(line)
-            except SkipSample as e:
-                skips.add(e, where)
+            if line is None:
+                skips.add(SkipSample("text_too_large", f"the line is longer than {max_line} bytes "
+                                     "(6 x --max-text-bytes + 64 KiB); not parsed"), where)
+            elif line.strip():
+                try:
+                    yield where, parse_json_bytes(line)
+                except SkipSample as e:
+                    skips.add(e, where)
+
+
+def _bounded_lines(f, max_line: int) -> Iterator[bytes | None]:
+    """The lines of binary file `f`; None for a line over `max_line` bytes, which
+    is skipped through in 1 MiB pieces and never held."""
+    while line := f.readline(max_line + 1):
+        if len(line) <= max_line or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield None
 
 
 def _read_json_list(path: Path) -> Iterator[tuple[str, dict]]:
@@ -176,6 +291,10 @@ def _read_json_list(path: Path) -> Iterator[tuple[str, dict]]:
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"{path} is not valid UTF-8 JSON ({e}); a .json annotation file must hold one JSON list "
                          "(use .jsonl for one object per line)") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests JSON arrays/objects deeper than the parser allows; a .json file is one "
+                         "document, so the build stops: remove that record, or convert the file to .jsonl "
+                         "(one object per line), where such a line is skipped as bad_json") from None
     if not isinstance(items, list):
         raise ValueError(f"{path} holds a JSON {type(items).__name__}; a .json annotation file must hold a list "
                          "of records (use .jsonl for one object per line)")
@@ -215,6 +334,15 @@ class ShardSink:
         os.replace(self.out / (name + ".tmp"), self.out / name)
         self._file = self._tar = None
 
+    def discard(self) -> None:
+        """Drops the shard being written (the build is stopping); finished shards stay."""
+        if self._file is not None:
+            with contextlib.suppress(Exception):  # flushes the tar stream, so nothing writes to it later
+                self._tar.close()
+            self._file.close()
+            (self.out / (self.shards.pop()["name"] + ".tmp")).unlink(missing_ok=True)
+        self._file = self._tar = None
+
 
 def prepare_out(out: Path, overwrite: bool) -> None:
     """Creates OUT; refuses (or with overwrite clears) earlier shards there."""
@@ -242,36 +370,42 @@ def tar_sample(index: int, rec: Record, files: list[tuple[bytes, str]], bake_pro
 
 # ---- the build ----------------------------------------------------------
 
-def build_shards(records: Iterable, image_root: Path | None, out: Path, samples_per_shard: int = 1000, *,
+def build_shards(records: Iterable, image_root: Path, out: Path, samples_per_shard: int = 1000, *,
                  caption_prompt: str = "", overwrite: bool = False, skips: SkipCounter | None = None,
-                 build_args: dict | None = None, workers: int = DEFAULT_WORKERS,
-                 progress: bool | None = None) -> dict:
+                 build_args: dict | None = None, workers: int = DEFAULT_WORKERS, progress: bool | None = None,
+                 max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> dict:
     """Writes shards from `records` and returns the summary (also OUT/summary.json).
 
-    `records` yields annotation dicts, Records (images as paths, written as
-    given), or (where, dict | Record) pairs; `where` labels skip examples and is
-    the fallback id.  Relative image paths resolve against `image_root` (the
-    working directory when None).  `skips` may already be shared with the
+    `records` yields annotation dicts, Records (images as paths), or (where,
+    dict | Record) pairs; `where` labels skip examples and is the fallback id.
+    Image paths are relative to `image_root` and must stay inside it
+    (`outside_images` otherwise).  `skips` may already be shared with the
     annotation reader, which counts its bad lines there."""
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard={samples_per_shard}; it must be at least 1")
+    if samples_per_shard < 1 or max_image_bytes < 1 or max_text_bytes < 1:
+        raise ValueError(f"samples_per_shard={samples_per_shard}, max_image_bytes={max_image_bytes}, "
+                         f"max_text_bytes={max_text_bytes}; each must be at least 1")
+    root = _real_root(image_root)
     out, skips = Path(out), skips if skips is not None else SkipCounter()
     prepare_out(out, overwrite)
-    encode = _encoder(image_root, caption_prompt)
+    encode = _encoder(root, caption_prompt, max_image_bytes, max_text_bytes)
     stats = _Stats()
     sink = ShardSink(out, samples_per_shard)
-    results = _ordered_map(encode, _located(records), workers)
-    for where, result in tqdm(results, desc="build_shards", unit=" rec", file=sys.stderr,
-                              disable=None if progress is None else not progress):
-        if isinstance(result, SkipSample):
-            skips.add(result, where)
-            continue
-        rec, files = result
-        sink.write(tar_sample(stats.samples, rec, files, bool(caption_prompt)))
-        stats.count(rec, files)
-    sink.close()
-    args = {"image_root": str(image_root) if image_root else None, "samples_per_shard": samples_per_shard,
-            "caption_prompt": caption_prompt, **(build_args or {})}
+    try:
+        results = _ordered_map(encode, _located(records), workers)
+        for where, result in tqdm(results, desc="build_shards", unit=" rec", file=sys.stderr,
+                                  disable=None if progress is None else not progress):
+            if isinstance(result, SkipSample):
+                skips.add(result, where)
+                continue
+            rec, files = result
+            sink.write(tar_sample(stats.samples, rec, files, bool(caption_prompt)))
+            stats.count(rec, files)
+        sink.close()
+    except BaseException:
+        sink.discard()  # no .tmp is left behind, whatever stopped the build
+        raise
+    args = {"image_root": str(image_root), "samples_per_shard": samples_per_shard, "caption_prompt": caption_prompt,
+            "max_image_bytes": max_image_bytes, "max_text_bytes": max_text_bytes, **(build_args or {})}
     summary = stats.summary(out, sink.shards, skips, args)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     return summary
@@ -282,17 +416,34 @@ def _located(records: Iterable) -> Iterator[tuple[str, object]]:
         yield item if isinstance(item, tuple) else (f"record[{i}]", item)
 
 
-def _encoder(image_root: Path | None, caption_prompt: str) -> Callable:
+def _real_root(image_root: Path | None) -> Path:
+    if image_root is None:
+        raise ValueError("image_root is required: image paths are resolved inside it and may not leave it "
+                         "(pass the images folder, --images DIR)")
+    root = Path(os.path.realpath(image_root))
+    if not root.is_dir():
+        raise FileNotFoundError(f"--images {image_root} is not a folder")
+    return root
+
+
+def _encoder(root: Path, caption_prompt: str, max_image_bytes: int, max_text_bytes: int) -> Callable:
     """where, obj -> (where, (Record, [(bytes, ext)])) or (where, SkipSample); thread-safe."""
     def encode(item):
         where, obj = item
         try:
             rec = obj if isinstance(obj, Record) else normalize_record(
                 obj, default_id=where, caption_prompt=caption_prompt)
-            return where, (rec, [check_image(resolve_image(p, image_root)) for p in rec.images])
+            if (n := text_bytes(rec)) > max_text_bytes:
+                raise SkipSample("text_too_large", f"{n} bytes of text, above --max-text-bytes {max_text_bytes}")
+            rid = _shown(rec.id, 40)
+            return where, (rec, [load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
+                                 for k, p in enumerate(rec.images)])
         except SkipSample as e:
             return where, e
+        except Exception as e:  # one odd record never stops the build
+            return where, SkipSample("bad_record", f"{type(e).__name__} while checking it: {str(e)[:120]}")
     return encode
+
 
 
 def _ordered_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
@@ -358,13 +509,27 @@ def build_sample(out: Path, samples_per_shard: int | None = None, overwrite: boo
     """Shards of moevlm.data.sample's records (>= 8 shards) plus OUT/tokenizer.json."""
     from moevlm.data.sample import sample_records, sample_tokenizer
 
-    records, tokenizer = interleave(list(sample_records())), sample_tokenizer()
+    root, records = relative_to_common_root(interleave(list(sample_records())))
+    tokenizer = sample_tokenizer()
     if samples_per_shard is None:
         samples_per_shard = max(1, min(16, len(records) // SAMPLE_SHARDS_MIN))
-    summary = build_shards(records, None, Path(out), samples_per_shard, overwrite=overwrite,
+    summary = build_shards(records, root, Path(out), samples_per_shard, overwrite=overwrite,
                            build_args={"sample": True}, workers=workers, progress=progress)
     tokenizer.save(str(Path(out) / "tokenizer.json"))
     return summary
+
+
+def relative_to_common_root(records: list[dict]) -> tuple[Path, list[dict]]:
+    """(root, records with `images` relative to it): the sample set's records name
+    absolute files inside installed packages; their deepest common folder is the
+    image root the builder confines them to."""
+    real = {p: os.path.realpath(p) for r in records for p in r.get("images") or []}
+    if not real:
+        return Path.cwd(), records
+    root = os.path.commonpath(list(real.values()))
+    root = root if os.path.isdir(root) else os.path.dirname(root)
+    return Path(root), [{**r, "images": [os.path.relpath(real[p], root) for p in r["images"]]}
+                        if r.get("images") else r for r in records]
 
 
 def interleave(records: list[dict]) -> list[dict]:
@@ -389,6 +554,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--caption-prompt", default="", help="bake this user prompt into caption samples (as chats)")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in the output folder")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="threads reading and checking images")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, metavar="N",
+                   help="skip image files larger than this (file_too_large), checked before reading; "
+                   "default 32 MiB, as the loader's data.max_image_bytes")
+    p.add_argument("--max-text-bytes", type=int, default=DEFAULT_MAX_TEXT_BYTES, metavar="N",
+                   help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB")
     args = p.parse_args(argv)
     if args.sample is not None and (args.images or args.annotations or args.out or args.caption_prompt):
         p.error("--sample OUT takes no --images/--annotations/--out/--caption-prompt")
@@ -422,9 +592,10 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         raise FileNotFoundError(f"--images {args.images} is not a folder")
     skips = SkipCounter()
     build_args = {"annotations": [str(a) for a in args.annotations]}
-    return build_shards(read_annotations(args.annotations, skips), args.images, args.out,
+    return build_shards(read_annotations(args.annotations, skips, args.max_text_bytes), args.images, args.out,
                         args.samples_per_shard or 1000, caption_prompt=args.caption_prompt,
-                        overwrite=args.overwrite, skips=skips, build_args=build_args, workers=args.workers)
+                        overwrite=args.overwrite, skips=skips, build_args=build_args, workers=args.workers,
+                        max_image_bytes=args.max_image_bytes, max_text_bytes=args.max_text_bytes)
 
 
 if __name__ == "__main__":

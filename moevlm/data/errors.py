@@ -19,6 +19,9 @@ REASONS = {
     "bad_text_encoding": "text bytes are not valid UTF-8",
     "image_tag_mismatch": "the text has a different number of <image> tags than the sample has images",
     "missing_image": "the record names an image the sample does not carry (or the file is missing)",
+    "outside_images": "an image path is absolute, starts with ~, or leads outside the images folder ('..', symlinks)",
+    "file_too_large": "a file (image or text) is larger than its configured byte cap",
+    "text_too_large": "the sample's text is larger than its configured byte cap",
     # images
     "empty_image": "the image file has zero bytes",
     "not_an_image": "the bytes are not an image format PIL can identify",

@@ -1,7 +1,10 @@
 """build_shards on real photos: round trip through the tars, per-shard counts,
-byte determinism, every skip reason counted, summary.json, the CLI and --sample."""
+byte determinism, every skip reason counted, summary.json, the CLI and --sample;
+image paths confined to --images, byte caps checked before reading, hostile
+records skipped without stopping the build or leaving a .tmp shard."""
 
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from moevlm.data.build_shards import build_shards, main, read_annotations
+from moevlm.data.build_shards import build_shards, load_image, main, read_annotations
 from moevlm.data.errors import SkipCounter
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.records import normalize_record
@@ -27,7 +30,7 @@ def dataset(tmp_path):
     shutil.copy(PHOTOS["rocket.jpg"], images / "rocket.JPEG")
     shutil.copy(PHOTOS["chelsea.png"], images / "sub" / "cat.png")
     shutil.copy(PHOTOS["coffee.png"], images / "coffee.png")
-    shutil.copy(PHOTOS["camera.png"], tmp_path / "camera_abs.png")
+    shutil.copy(PHOTOS["camera.png"], images / "camera.png")
     (images / "empty.jpg").write_bytes(b"")
     (images / "text.jpg").write_bytes(b"this is not an image\n")
     (images / "cut.jpg").write_bytes(PHOTOS["rocket.jpg"].read_bytes()[:40_000])
@@ -48,7 +51,7 @@ def dataset(tmp_path):
         {"id": "text", "image": "text.jpg", "conversations": conv("<image>", "x")},
         {"id": "cutjpg", "image": "cut.jpg", "conversations": conv("<image>", "x")},
         {"id": "cutpng", "image": "cut.png", "conversations": conv("<image>", "x")},
-        {"id": "abs", "image": str(tmp_path / "camera_abs.png"), "conversations": conv("<image>Who?", "A man.")},
+        {"id": "up", "image": "sub/../camera.png", "conversations": conv("<image>Who?", "A man.")},  # stays inside
     ]
     (tmp_path / "llava.json").write_text(json.dumps(llava))
     lines = [json.dumps({"image": "sub/cat.png", "caption": "A cat."}).encode(), b"{not json", b"",
@@ -80,7 +83,7 @@ def read_all(out: Path) -> dict[str, dict[str, bytes]]:
     return samples
 
 
-EXPECTED_IDS = ["a.1", "b", "c", "abs", "caps.jsonl:1", "dup", "dup"]
+EXPECTED_IDS = ["a.1", "b", "c", "up", "caps.jsonl:1", "dup", "dup"]
 
 
 def test_round_trip(dataset, tmp_path):
@@ -94,14 +97,14 @@ def test_round_trip(dataset, tmp_path):
         assert s["json"] == json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
         assert normalize_record(d).canonical() == d  # canonical: the reader's normaliser is a no-op on it
         assert sorted(s) == sorted(["json"] + d.get("images", []))
-    a1, b, c, abs_, cap, cap2, text = samples.values()
+    a1, b, c, up, cap, cap2, text = samples.values()
     assert docs[0]["images"] == ["img0.jpg", "img1.png"]  # .JPEG -> jpg
     assert a1["img0.jpg"] == PHOTOS["rocket.jpg"].read_bytes() and a1["img1.png"] == PHOTOS["chelsea.png"].read_bytes()
     assert len(docs[0]["messages"]) == 4
     assert docs[1]["messages"][0] == {"role": "user", "content": "<image>\nWhat is this?"}  # tag prepended
     assert b["img0.png"] == PHOTOS["coffee.png"].read_bytes()
     assert docs[2]["images"] == [] and sorted(c) == ["json"] and docs[2]["messages"][0]["role"] == "system"
-    assert abs_["img0.png"] == PHOTOS["camera.png"].read_bytes()
+    assert up["img0.png"] == PHOTOS["camera.png"].read_bytes()
     assert docs[4] == {"id": "caps.jsonl:1", "images": ["img0.png"], "caption": "A cat."}
     assert docs[5] == {"id": "dup", "images": ["img0.jpg"], "caption": "A rocket."}
     assert docs[6] == {"id": "dup", "text": "Plain text ü."} and sorted(text) == ["json"]
@@ -123,7 +126,7 @@ def test_skip_reasons_and_summary(dataset, tmp_path):
                                   "empty_image": 1, "image_tag_mismatch": 1, "missing_image": 1, "not_an_image": 1}
     ex = summary["skipped_examples"]
     assert ex["bad_json"][0].startswith("caps.jsonl:2: ") and ex["bad_text_encoding"][0].startswith("caps.jsonl:6")
-    assert "missing.jpg does not exist" in ex["missing_image"][0] and ex["missing_image"][0].startswith("llava.json[5]")
+    assert ex["missing_image"] == ["llava.json[5]: image path #0 of record 'miss' (missing.jpg) does not exist"]
     assert {e.split(":")[0] for e in ex["bad_image"]} == {"llava.json[8]", "llava.json[9]"}
     assert summary["samples"] == 7 and summary["kinds"] == {"chat": 4, "caption": 2, "text": 1}
     assert summary["images"] == 6 and summary["duplicate_ids"] == 1 and summary["duplicate_id_examples"] == ["dup"]
@@ -234,7 +237,151 @@ def test_formats_the_reader_refuses_are_not_written(tmp_path):
     from PIL import Image
 
     Image.open(PHOTOS["chelsea.png"]).resize((64, 64)).save(tmp_path / "cat.ico")
+    shutil.copy(PHOTOS["coffee.png"], tmp_path / "coffee.png")
     summary = build_shards([{"id": "ico", "image": "cat.ico", "caption": "a cat"},
-                            {"id": "ok", "image": str(PHOTOS["coffee.png"]), "caption": "coffee"}],
+                            {"id": "ok", "image": "coffee.png", "caption": "coffee"}],
                            tmp_path, tmp_path / "out", progress=False)
     assert summary["skipped"] == {"not_an_image": 1} and summary["samples"] == 1
+
+
+def no_tmp(out: Path) -> bool:
+    return not list(out.glob("*.tmp"))
+
+
+SECRET = b"API_KEY=sk-live-0123456789abcdef"
+
+
+@pytest.fixture
+def hostile(tmp_path, monkeypatch):
+    """An images folder with good files and symlinks, a private folder beside it
+    holding a valid PPM image whose pixels are an API key, and ~ pointing there."""
+    images, private = tmp_path / "images", tmp_path / "private"
+    (images / "sub").mkdir(parents=True)
+    private.mkdir()
+    shutil.copy(PHOTOS["coffee.png"], images / "good.png")
+    shutil.copy(PHOTOS["chelsea.png"], images / "sub" / "cat.png")
+    (private / "secret.ppm").write_bytes(b"P5\n%d 1\n255\n" % len(SECRET) + SECRET)
+    (images / "link.ppm").symlink_to(private / "secret.ppm")
+    (images / "linkdir").symlink_to(private, target_is_directory=True)
+    (images / "inside_link.png").symlink_to("good.png")
+    (images / "insidedir").symlink_to("sub", target_is_directory=True)
+    os.mkfifo(images / "fifo.png")
+    monkeypatch.setenv("HOME", str(private))
+    return tmp_path, images, private
+
+
+def test_image_paths_stay_inside_images_and_secrets_stay_out(hostile, capsys):
+    """Absolute, ~, '..' and symlinked paths out of --images are skipped as
+    outside_images; the secret's bytes and its path appear in no shard, in
+    summary.json or in the output; odd records around them cost only themselves."""
+    tmp_path, images, private = hostile
+    assert SECRET in load_image("secret.ppm", Path(os.path.realpath(private)), 1 << 20)[0]  # a valid image
+    cap = {"caption": "x"}
+    escapes = [str(private / "secret.ppm"), "../private/secret.ppm", "~/secret.ppm", "link.ppm",
+               "linkdir/secret.ppm", "sub/../../private/secret.ppm"]
+    lines = [json.dumps({"id": "good", "image": "good.png", **cap})]
+    lines += [json.dumps({"id": f"esc{i}", "image": p, **cap}) for i, p in enumerate(escapes)]
+    lines += [json.dumps({"id": "in1", "image": "inside_link.png", **cap}),
+              json.dumps({"id": "in2", "image": "insidedir/cat.png", **cap}),
+              json.dumps({"id": "long", "image": "a" * 300 + ".png", **cap}),  # ENAMETOOLONG
+              "[" * 200_000,  # RecursionError in json.loads
+              json.dumps({"id": "int", "image": [1], **cap}),
+              json.dumps({"id": "nul", "image": "x\u0000.png", **cap}),
+              json.dumps({"id": "fifo", "image": "fifo.png", **cap}),  # not a file: skipped, never opened
+              json.dumps({"id": "text", "text": "plain"})]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    argv = ["--images", str(images), "--annotations", str(tmp_path / "a.jsonl"), "--out", str(out), "--workers", "2"]
+    assert main(argv) == 0
+    printed = "".join(capsys.readouterr())
+    summary_text = (out / "summary.json").read_text()
+    summary = json.loads(summary_text)
+    assert summary["skipped"] == {"outside_images": 6, "missing_image": 2, "bad_json": 1, "bad_record": 2}
+    assert summary["samples"] == 4 and summary["images"] == 3
+    assert [json.loads(s["json"])["id"] for s in read_all(out).values()] == ["good", "in1", "in2", "text"]
+    ex = summary["skipped_examples"]["outside_images"]
+    relative = "image paths are relative to --images"
+    assert ex[:3] == [f"a.jsonl:2: image path #0 of record 'esc0' is absolute; {relative}",
+                      "a.jsonl:3: image path #0 of record 'esc1' leaves --images (through '..' or a symlink)",
+                      f"a.jsonl:4: image path #0 of record 'esc2' starts with '~'; {relative}"]
+    assert "File name too long" in summary["skipped_examples"]["missing_image"][0]
+    shard_bytes = b"".join(p.read_bytes() for p in out.glob("*.tar"))
+    for text in (summary_text, printed):
+        assert "API_KEY" not in text and "secret" not in text and str(private) not in text
+    assert SECRET not in shard_bytes and b"API_KEY" not in shard_bytes
+    assert no_tmp(out)
+
+
+def test_deep_json_list_file_stops_the_build_cleanly(tmp_path, capsys):
+    """A .json list is one document: a record nested too deep for the parser is a
+    setup error with a clear message (no traceback), and no .tmp shard is left."""
+    shutil.copy(PHOTOS["coffee.png"], tmp_path / "good.png")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"image": "good.png", "caption": "c"}) + "\n")
+    (tmp_path / "b.json").write_text('[{"text": "t"}, ' + "[" * 200_000 + "]" * 200_000 + "]")
+    out = tmp_path / "out"
+    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "a.jsonl"), str(tmp_path / "b.json"),
+            "--out", str(out), "--workers", "1"]  # one thread: the first sample is written before b.json fails
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "b.json nests JSON arrays/objects deeper than the parser allows" in err and "Traceback" not in err
+    assert no_tmp(out) and not (out / "summary.json").exists()
+
+    def records():  # any exception out of the records also leaves no .tmp
+        yield {"image": "good.png", "caption": "c"}
+        raise RuntimeError("disk gone")
+    with pytest.raises(RuntimeError, match="disk gone"):
+        build_shards(records(), tmp_path, out, overwrite=True, workers=1, progress=False)
+    assert no_tmp(out)
+
+
+def _rchar() -> int:
+    """Bytes this process (all threads) has read through read() system calls."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts bytes read with Linux /proc/self/io")
+def test_image_over_the_byte_cap_is_skipped_unread(tmp_path):
+    """A sparse 4 GiB 'PNG' is refused from its size: the process reads far less
+    than the file (any whole read, in one go or in pieces, would add 4 GiB).
+    The cap is exact: a file of exactly max_image_bytes is kept."""
+    shutil.copy(PHOTOS["coffee.png"], tmp_path / "good.png")
+    with open(tmp_path / "huge.png", "wb") as f:
+        f.write(PHOTOS["coffee.png"].read_bytes()[:4096])
+        f.truncate(4 << 30)
+    records = [{"id": "huge", "image": "huge.png", "caption": "c"}, {"id": "good", "image": "good.png", "caption": "c"}]
+    before = _rchar()
+    summary = build_shards(records, tmp_path, tmp_path / "out", workers=2, progress=False)
+    assert _rchar() - before < 32 << 20
+    assert summary["skipped"] == {"file_too_large": 1} and summary["samples"] == 1
+    assert summary["skipped_examples"]["file_too_large"] == [
+        f"record[0]: image path #0 of record 'huge' (huge.png) has {4 << 30} bytes, above --max-image-bytes 33554432"]
+    size = (tmp_path / "good.png").stat().st_size
+    for cap, kept in ((size, 1), (size - 1, 0)):
+        s = build_shards(records[1:], tmp_path, tmp_path / "out", max_image_bytes=cap, overwrite=True, progress=False)
+        assert s["samples"] == kept and s["args"]["max_image_bytes"] == cap and no_tmp(tmp_path / "out")
+
+
+def test_text_over_the_byte_cap_is_skipped(tmp_path, capsys):
+    """--max-text-bytes counts UTF-8 bytes of the text or of all messages; a
+    JSONL line far over it is skipped without being parsed or held, and the
+    lines after it keep their numbers."""
+    lines = [{"id": "at_cap", "text": "ü" * 50},  # 100 bytes
+             {"id": "over", "text": "ü" * 50 + "x"},
+             {"id": "chat", "messages": [{"role": "user", "content": "q" * 60},
+                                         {"role": "assistant", "content": "a" * 41}]},
+             {"id": "huge", "text": "y" * (6 * 100 + 70_000)},
+             {"id": "last", "text": "fine"}]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in lines) + "\n")
+    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "out"),
+            "--max-text-bytes", "100"]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["skipped"] == {"text_too_large": 3} and summary["samples"] == 2
+    assert [json.loads(s["json"])["id"] for s in read_all(tmp_path / "out").values()] == ["at_cap", "last"]
+    ex = sorted(summary["skipped_examples"]["text_too_large"])  # the reader counts its lines ahead of the encoder
+    assert ex[0] == "t.jsonl:2: 101 bytes of text, above --max-text-bytes 100" and ex[1].startswith("t.jsonl:3: 101")
+    assert ex[2].startswith("t.jsonl:4: the line is longer than 66136 bytes")
+    assert summary["args"]["max_text_bytes"] == 100 and no_tmp(tmp_path / "out")
