@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from moevlm.model.config import ConfigError
+from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import register_configs
 
@@ -29,8 +30,8 @@ def main(cfg) -> None:
     sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
     try:
         trainer = Trainer(cfg, sweep=sweep)
-    except (ConfigError, ParallelNotBuilt) as err:  # the message says what to change; a traceback would bury it
-        print(f"config error: {err}", file=sys.stderr)
+    except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
+        print(f"config error: {err}", file=sys.stderr)  # it says what to change; a traceback would bury it
         sys.exit(2)
     except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)

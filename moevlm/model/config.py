@@ -11,7 +11,9 @@ Design choices:
   architecture so one object describes a runnable model; they are never written
   to an exported `config.json`.
 - `validate()` runs before any parameter exists and names the offending field
-  and what to change (STYLE 12).
+  and what to change (STYLE 12); sizes must be positive integers and
+  real-valued fields finite (a NaN or infinite coefficient is refused, not
+  trained with).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class VLMConfig:
     # --------------------------------------------------------------- validation
     def validate(self) -> "VLMConfig":
         v, t, m = self.vision, self.text, self.moe
+        self._check_numbers()
         _check(v.hidden_size % v.num_heads == 0,
                f"vision.hidden_size={v.hidden_size} is not divisible by vision.num_heads={v.num_heads}")
         _check(v.head_dim % 4 == 0,
@@ -164,6 +167,31 @@ class VLMConfig:
             tok = getattr(self, name)
             _check(0 <= tok < t.vocab_size, f"{name}={tok} is outside the vocabulary (text.vocab_size={t.vocab_size})")
         return self
+
+    def _check_numbers(self) -> None:
+        """Sizes are positive integers and real-valued fields finite (nan passes a `>= 0` test
+        written as `not x < 0`, and inf passes most): first, so no later check divides by zero."""
+        v, t, m = self.vision, self.text, self.moe
+        sizes = {"vision": ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                            "temporal_patch_size", "spatial_merge_size", "out_hidden_size",
+                            "num_position_embeddings"),
+                 "text": ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                          "num_kv_heads", "head_dim", "max_position_embeddings"),
+                 "moe": ("top_k", "moe_intermediate_size") if m.num_experts else ()}
+        for section, names in sizes.items():
+            for name in names:
+                value = getattr(getattr(self, section), name)
+                _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                       f"{section}.{name}={value!r} must be a positive integer")
+        positive = {"vision.layer_norm_eps": v.layer_norm_eps, "vision.rope_theta": v.rope_theta,
+                    "text.rms_norm_eps": t.rms_norm_eps, "text.rope_theta": t.rope_theta}
+        for name, value in positive.items():
+            _check(_real(value) and value > 0, f"{name}={value!r} must be a finite number > 0")
+        non_negative = {"moe.router_aux_loss_coef": m.router_aux_loss_coef,
+                        "vision.initializer_range": v.initializer_range,
+                        "text.initializer_range": t.initializer_range}
+        for name, value in non_negative.items():
+            _check(_real(value) and value >= 0, f"{name}={value!r} must be a finite number >= 0")
 
     # ------------------------------------------------------- Hugging Face JSON
     @classmethod
@@ -265,6 +293,11 @@ class VLMConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _real(value) -> bool:
+    """A finite int or float (not bool, not nan, not +-inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ---------------------------------------------------------------------- presets

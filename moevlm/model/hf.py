@@ -14,9 +14,11 @@ Design choices:
   (E, 2F, D) / (E, D, F).  `expert_layout="auto"` decides by shape; when the
   shapes are square (D == 2F or D == F) it uses the layout recorded in the
   file's metadata by our exporter, and otherwise asks the caller to say which.
-- Everything is checked from the safetensors headers (names and shapes only)
-  before any parameter is allocated; one error lists every missing,
-  unexpected and mis-shaped tensor.
+- Everything is checked from the safetensors headers (names, shapes and
+  dtypes) before any parameter is allocated; one error lists every missing,
+  unexpected, mis-shaped and non-floating tensor (an int or bool tensor would
+  otherwise be cast into a float weight and trained).  A float of another
+  width (a bf16 file into fp32 weights) is converted by the copy.
 - Export writes the hub layout by default (what the published checkpoints and
   other tools read), `expert_layout="hf"` writes transformers' own.
 - Loading streams tensor by tensor into a model materialised from the meta
@@ -101,7 +103,7 @@ def plan_load(expected: dict[str, tuple], files: list[Path], expert_layout: str 
     (`expected_shapes`), from headers only; raise CheckpointError listing all mismatches."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
-    plan, seen, unexpected, misshaped = {}, set(), [], []
+    plan, seen, unexpected, misshaped, not_float = {}, set(), [], [], []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             file_layout = (f.metadata() or {}).get(_LAYOUT_KEY)
@@ -113,16 +115,25 @@ def plan_load(expected: dict[str, tuple], files: list[Path], expert_layout: str 
                     unexpected.append(hf_name)
                     continue
                 seen.add(ours)
-                shape = tuple(f.get_slice(hf_name).get_shape())
+                header = f.get_slice(hf_name)
+                shape, dtype = tuple(header.get_shape()), header.get_dtype()
                 transform = _transform_for(ours, shape, expected[ours], expert_layout, file_layout)
-                if transform is None:
+                if not is_floating(dtype):
+                    not_float.append(f"{hf_name}: {dtype} in {path}")
+                elif transform is None:
                     misshaped.append(f"{hf_name}: checkpoint {shape}, model expects {_hf_shape(ours, expected[ours])}")
                 else:
                     plan[ours] = (path, hf_name, transform)
     missing = [ours_to_hf(k) for k in expected if k not in seen]
-    if missing or unexpected or misshaped:
-        raise CheckpointError(_mismatch_report(missing, unexpected, misshaped))
+    if missing or unexpected or misshaped or not_float:
+        raise CheckpointError(_mismatch_report(missing, unexpected, misshaped, not_float))
     return plan
+
+
+def is_floating(safetensors_dtype: str) -> bool:
+    """A safetensors header dtype ("F32", "BF16", "F8_E4M3", ...; integers are "I32", "U8", "BOOL")
+    that holds real numbers: only those may become our (floating-point) weights."""
+    return safetensors_dtype.startswith("F") or safetensors_dtype == "BF16"
 
 
 def _transform_for(ours: str, shape, want, expert_layout: str, file_layout: str | None):
@@ -154,9 +165,11 @@ def _hf_shape(ours: str, want) -> tuple:
     return want if ours != "vision.patch_embed.weight" else (want[0], "C*T*P*P=" + str(want[1]))
 
 
-def _mismatch_report(missing, unexpected, misshaped, limit: int = 20) -> str:
+def _mismatch_report(missing, unexpected, misshaped, not_float=(), limit: int = 20) -> str:
     lines = ["checkpoint does not match the model configuration:"]
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
+    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped),
+                         ("not floating point (integer or bool data cast to weights would train nonsense; "
+                          "re-export the checkpoint)", not_float)):
         if items:
             lines.append(f"  {len(items)} {title}: " + ", ".join(items[:limit]) + (" ..." if len(items) > limit else ""))
     return "\n".join(lines)
@@ -206,7 +219,11 @@ def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
         with safe_open(str(path), framework="pt") as f:
             for ours in members:
                 _, hf_name, transform = plan[ours]
-                yield ours, _apply(transform, f.get_tensor(hf_name), shapes[ours])
+                t = f.get_tensor(hf_name)
+                if not t.is_floating_point():  # plan_load refuses these from the headers; a file changed since
+                    raise CheckpointError(f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
+                                          "be stored as a float (F32, BF16, F16, F8)")
+                yield ours, _apply(transform, t, shapes[ours])
 
 
 def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:

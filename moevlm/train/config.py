@@ -20,20 +20,34 @@ Design choices:
   layout (see moevlm.data.loader).
 - `validate()` checks everything that needs no file or device and says what
   to change; files (shards, tokenizer, checkpoints) are checked where opened.
+  Every number is range-checked so that NaN fails too (Python compares NaN
+  False) and infinities are refused; settings that are valid but probably
+  unintended (warmup longer than the run) become `Plan.notes` for the log.
+- `check_memory()` refuses, before the model is built even on meta, a job
+  whose weights, fp32 gradients and AdamW state (16 bytes a trained
+  parameter, 4 a frozen one) exceed one rank's memory: the closed-form counts
+  of `moevlm.model.params` divided by each part's sharding, on the fullest
+  pipeline rank, against the GPU's free memory or on the CPU the machine's
+  available memory over the node's ranks (`memory_limit`).  Activations are
+  not estimated: the job is refused only when the model state alone exceeds
+  the limit, and a note is logged above 80% of it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from moevlm.data.config import DataConfig
 from moevlm.data.loader import check_config as check_data_config
 from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
 
@@ -129,8 +143,6 @@ def register_configs() -> None:
 
 def compose_job(overrides: list[str] = (), config_dir: str | None = None):
     """The job config as `train.py` would compose it (for notebooks and tests)."""
-    import os
-
     from hydra import compose, initialize_config_dir
 
     register_configs()
@@ -152,14 +164,16 @@ CHOICES = {
 @dataclass
 class Plan:
     """What validation derived: the model config, the layout, the accumulation (= the pipeline's
-    micro-batches per step), the pipeline stages (pp > 1)."""
+    micro-batches per step), the pipeline stages (pp > 1), notes for the log."""
     model: VLMConfig
     dims: ParallelDims
     grad_accum: int
     pipeline: Optional[PipelinePlan] = None
+    notes: list[str] = field(default_factory=list)  # valid but probably unintended settings, for the log
 
 
 def build_model_config(m: ModelConfig) -> VLMConfig:
+    _check_proxies(m)
     cfg = VLMConfig.from_hf(m.hf_config) if m.hf_config else VLMConfig.preset(m.preset)
     if m.num_layers is not None:
         cfg.text.num_layers = m.num_layers
@@ -175,6 +189,17 @@ def build_model_config(m: ModelConfig) -> VLMConfig:
     cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, m.dispatcher, m.attn_backend
     cfg.moe.permute = m.permute
     return cfg.validate()
+
+
+def _check_proxies(m: ModelConfig) -> None:
+    for name, least, what in (("num_layers", 1, ""), ("vision_depth", 1, ""),
+                              ("num_experts", 0, " (0: a dense MLP in every layer)")):
+        value = getattr(m, name)
+        _check(value is None or _int(value) and value >= least,
+               f"model.{name}={value!r} must be an integer >= {least}{what}, or null for the model's own")
+    _check(m.aux_loss_coef is None or _real(m.aux_loss_coef) and m.aux_loss_coef >= 0,
+           f"model.aux_loss_coef={m.aux_loss_coef!r} must be a finite number >= 0 (0 turns the aux loss off), or "
+           "null for the checkpoint's router_aux_loss_coef")
 
 
 def validate(job, world_size: int = 1) -> Plan:
@@ -193,10 +218,11 @@ def validate(job, world_size: int = 1) -> Plan:
     dims.check_model(model)
     _check_dispatcher(job.model.dispatcher, dims)
     _check_batch(t, dims)
-    _check_optim(o)
+    notes = _check_optim(o, t.steps)
     _check_data(job.data, model, dims)
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
-    return Plan(model=model, dims=dims, grad_accum=grad_accum, pipeline=_plan_pipeline(job, model, dims, grad_accum))
+    return Plan(model=model, dims=dims, grad_accum=grad_accum, pipeline=_plan_pipeline(job, model, dims, grad_accum),
+                notes=notes)
 
 
 def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int) -> Optional[PipelinePlan]:
@@ -235,15 +261,35 @@ def _check_batch(t, dims: ParallelDims) -> None:
     _check(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = at the end)")
     _check(t.resume in ("auto", "none") or bool(t.resume), "train.resume must be auto, none or a checkpoint path")
     _check(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 1")
+    _check(t.peak_tflops is None or _real(t.peak_tflops) and t.peak_tflops > 0,
+           f"train.peak_tflops={t.peak_tflops!r} must be a finite number > 0 (TFLOP/s per device), or null for "
+           "the device table")
 
 
-def _check_optim(o) -> None:
-    _check(o.lr > 0 and math.isfinite(o.lr), f"optim.lr={o.lr} must be a positive number")
-    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    _check(all(0 <= b < 1 for b in o.betas) and len(o.betas) == 2, f"optim.betas={list(o.betas)} must be two values in [0, 1)")
-    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
-    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-    _check(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+def _check_optim(o, steps: int) -> list[str]:
+    """Every real-valued field must be a finite number in its range: Python's comparisons are False for
+    NaN, so each range test is written to fail on it, and infinities are refused by name.  Returns notes
+    (valid but probably unintended settings) for the log."""
+    _check(_real(o.lr) and o.lr > 0, f"optim.lr={o.lr!r} must be a finite number > 0")
+    _check(_real(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1,
+           f"optim.min_lr_ratio={o.min_lr_ratio!r} must be a number in [0, 1] (final lr = lr x min_lr_ratio)")
+    betas = list(o.betas)
+    _check(len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas),
+           f"optim.betas={betas} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+    _check(_real(o.eps) and o.eps > 0,
+           f"optim.eps={o.eps!r} must be a finite number > 0 (AdamW divides by sqrt(v) + eps), e.g. optim.eps=1e-8")
+    _check(_real(o.weight_decay) and o.weight_decay >= 0,
+           f"optim.weight_decay={o.weight_decay!r} must be a finite number >= 0 (0 = no decay)")
+    _check(_int(o.warmup_steps) and o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps!r} must be >= 0")
+    _check(_real(o.decay_fraction) and 0 < o.decay_fraction <= 1,
+           f"optim.decay_fraction={o.decay_fraction!r} must be a number in (0, 1]")
+    _check(_real(o.grad_clip),
+           f"optim.grad_clip={o.grad_clip!r} must be a finite number (the max gradient norm; 0 or less disables "
+           "clipping)")
+    if o.warmup_steps > steps:  # the multiplier after warmup step s is (s + 1) / warmup: 1 at s = warmup - 1
+        return [f"note: optim.warmup_steps={o.warmup_steps} > train.steps={steps}: the learning rate never "
+                f"reaches optim.lr={o.lr} in this run"]
+    return []
 
 
 def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:
@@ -263,6 +309,114 @@ def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:
            f"{2 * dims.cp} (load-balanced context parallel)")
 
 
+# ---------------------------------------------------------------------- memory
+BYTES_TRAINED = 16  # fp32 master weight 4 + fp32 gradient 4 (FSDP reduces in fp32) + AdamW exp_avg, exp_avg_sq 8
+BYTES_FROZEN = 4  # a frozen weight: no gradient, no optimizer state
+MEMORY_NOTE = 0.8  # above this share of the limit, a note: activations need the rest
+# how each part of a decoder layer is sharded (see _divisors)
+_LAYER_SHARDING = {"q_o": "tp", "k_v": "kv", "norms": "whole", "router": "whole", "experts": "experts",
+                   "dense_mlp": "tp"}
+
+
+@dataclass
+class MemoryEstimate:
+    """Weights, gradients and optimizer state on the fullest rank (activations not included)."""
+    params: float  # parameters held by that rank (a shard counts its fraction)
+    bytes: float
+    total_params: int  # the whole model's
+
+    def describe(self, layout: str = "") -> str:
+        return (f"{self.bytes / 2**30:.1f} GiB per rank for weights, gradients and AdamW state "
+                f"({self.params / 1e9:.3g}B of the model's {self.total_params / 1e9:.3g}B parameters"
+                + (f"; {layout})" if layout else ")"))
+
+
+def estimate_memory(job, plan: Plan) -> MemoryEstimate:
+    """Per-rank bytes of parameters, gradients and AdamW state, from the config and the layout alone
+    (nothing is built).  Each part is divided by its sharding (`_divisors`); under pipeline stages
+    each pp rank holds its stages' layers, the first stage the vision tower and embedding, the last
+    the final norm and LM head, and the fullest pp rank counts.  Not counted: activations, FSDP's
+    transient all-gathered units, DDP's reduction buckets, uneven shard padding."""
+    cfg, pipe = plan.model, plan.pipeline
+    div = _divisors(job.parallel.dp_mode, plan.dims, cfg)
+    whole = parameter_counts(cfg)
+    frozen_bytes = BYTES_FROZEN if job.model.freeze_vision else BYTES_TRAINED
+    best = MemoryEstimate(0, 0, sum(whole.values()))
+    for r in range(pipe.pp) if pipe else [0]:
+        stages = pipe.stages_of(r) if pipe else [0]
+        last = pipe.num_stages - 1 if pipe else 0
+        trained = 0.0
+        for s in stages:
+            layers = layers_parameters(cfg, pipe.layer_range(s) if pipe else None)
+            trained += sum(n / div[_LAYER_SHARDING[k]] for k, n in layers.items())
+        vision = whole["vision"] / div["vision"] if 0 in stages else 0.0
+        if 0 in stages:
+            trained += whole["embed_tokens"] / div["tp"]  # vocab-parallel
+        if last in stages:
+            trained += whole["norm"] / div["whole"] + whole["lm_head"] / div["tp"]
+        est = MemoryEstimate(trained + vision, trained * BYTES_TRAINED + vision * frozen_bytes, best.total_params)
+        best = max(best, est, key=lambda e: e.bytes)
+    return best
+
+
+def _divisors(dp_mode: str, dims: ParallelDims, cfg: VLMConfig) -> dict[str, int]:
+    """Over how many ranks of a pipeline stage each kind of weight is split.  FSDP shards the dense
+    weights over dp x cp (after TP's split) and the experts over edp (after EP's and ETP's); DDP keeps
+    them whole per rank.  TP splits attention q/o, the dense MLP, the embedding and the LM head, and
+    k/v when there are at least tp kv heads; norms and the router stay whole per tp rank.  The vision
+    tower is not tensor parallel; FSDP shards it over dp x cp x tp."""
+    shard = dims.dp * dims.cp if dp_mode == "fsdp" else 1
+    return {"tp": dims.tp * shard, "kv": (dims.tp if cfg.text.num_kv_heads >= dims.tp else 1) * shard,
+            "whole": shard, "vision": dims.tp * shard if dp_mode == "fsdp" else 1,
+            "experts": dims.ep * dims.etp * (dims.edp if dp_mode == "fsdp" else 1)}
+
+
+def check_memory(job, plan: Plan, limit: float | None, where: str = "the device") -> MemoryEstimate:
+    """Refuse a job whose weights, gradients and AdamW state alone exceed `limit` bytes per rank (the
+    trainer passes the device's free memory: `memory_limit`), before any model is built; above
+    MEMORY_NOTE of it, add a note to `plan.notes`.  `limit=None` checks nothing."""
+    est = estimate_memory(job, plan)
+    if limit is None:
+        return est
+    have = f"{where} has {limit / 2**30:.1f} GiB"
+    _check(est.bytes <= limit,
+           f"the model needs about {est.describe(plan.dims.describe())} but {have}; use fewer layers or "
+           "experts (model.num_layers, model.num_experts) or shard more (more GPUs, parallel.dp_mode=fsdp, "
+           "parallel.ep, parallel.pp)")
+    if est.bytes > MEMORY_NOTE * limit:
+        plan.notes.append(f"note: the model needs about {est.describe()}, {100 * est.bytes / limit:.0f}% of what "
+                          f"{have}; activations need the rest")
+    return est
+
+
+def memory_limit(device) -> tuple[float, str]:
+    """(bytes one rank may use, where they come from): a GPU's free memory (torch.cuda.mem_get_info), or
+    on the CPU the machine's available memory (/proc/meminfo MemAvailable) shared by the ranks on this
+    node (LOCAL_WORLD_SIZE).  (None, ...) when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else \
+            int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        return float(torch.cuda.mem_get_info(index)[0]), f"cuda:{index} (free memory)"
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None, "the host"
+    share = f" shared by {ranks} ranks" if ranks > 1 else ""
+    return kib * 1024.0 / ranks, f"this machine (available memory{share})"
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _real(value) -> bool:
+    """A finite int or float (not bool, not NaN, not +-inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -5,7 +5,8 @@
                                     # 5 a checkpoint could not be written (no room: the message says how much)
 
 Order of set-up (nothing large is allocated before the config, the layout and
-the data are checked): validate -> process group -> run dir -> logger -> model
+the data are checked): validate -> memory estimate (weights, gradients and
+AdamW state per rank against the device's free memory) -> process group -> run dir -> logger -> model
 on meta -> `parallelize` -> data -> materialise + init or HF load -> freeze ->
 optimizer + schedule -> resume from the newest complete checkpoint.
 
@@ -53,7 +54,7 @@ from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
-from moevlm.train.config import validate
+from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
 from moevlm.train.optim import build_optimizer, build_scheduler
@@ -68,10 +69,13 @@ class Trainer:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.plan = validate(job, self.world)
         self.device = _device(self.t.device)
+        check_memory(job, self.plan, *memory_limit(self.device))  # from the config alone: before the meta build
         self._init_process_group()
         self.run_dir = self._run_dir(sweep)
         self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
                                  self.t.progress)
+        for note in self.plan.notes:
+            self.log.info(note)
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
         self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self.losses: list[float] = []

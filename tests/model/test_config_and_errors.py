@@ -54,6 +54,15 @@ BAD_CONFIGS = [
     (lambda c: setattr(c, "attn_backend", "xformers"), "attn_backend='xformers'"),
     (lambda c: setattr(c.moe, "moe_intermediate_size", 50), "moe.moe_intermediate_size=50 must be multiples of 8"),
     (lambda c: setattr(c, "image_token_id", 5000), "image_token_id=5000"),
+    # sizes are positive integers, real-valued fields finite (NaN fails no `>= 0` written as `not x < 0`)
+    (lambda c: setattr(c.vision, "num_heads", 0), "vision.num_heads=0 must be a positive integer"),
+    (lambda c: setattr(c.text, "num_layers", -1), "text.num_layers=-1 must be a positive integer"),
+    (lambda c: setattr(c.moe, "top_k", 0), "moe.top_k=0 must be a positive integer"),
+    (lambda c: setattr(c.moe, "router_aux_loss_coef", float("nan")), "moe.router_aux_loss_coef=nan must be a finite"),
+    (lambda c: setattr(c.moe, "router_aux_loss_coef", -0.1), "moe.router_aux_loss_coef=-0.1 must be a finite"),
+    (lambda c: setattr(c.text, "rms_norm_eps", 0.0), "text.rms_norm_eps=0.0 must be a finite number > 0"),
+    (lambda c: setattr(c.text, "rope_theta", float("inf")), "text.rope_theta=inf must be a finite number > 0"),
+    (lambda c: setattr(c.vision, "initializer_range", float("nan")), "vision.initializer_range=nan"),
 ]
 
 
@@ -192,3 +201,48 @@ def test_square_expert_weights_need_a_layout(tmp_path):
     back = Qwen3VLMoe.from_pretrained(tmp_path / "ours")
     for (n, a), (_, b) in zip(back.state_dict().items(), ours.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("loader", ["from_pretrained", "load_hf_weights_"])
+def test_integer_or_bool_tensor_is_refused_naming_it_its_dtype_and_file(loader, tmp_path, monkeypatch):
+    """An int32 or bool tensor where a float weight belongs would be cast and trained: refused from the
+    headers (before anything is materialised), every such tensor named with its dtype and file."""
+    from safetensors.torch import load_file, save_file
+
+    from moevlm.parallel.hf_io import load_hf_weights_
+
+    path = _saved(VLMConfig.preset("tiny"), tmp_path)
+    sd = load_file(path / "model.safetensors")
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    sd[q] = sd[q].to(torch.int32)
+    sd["model.language_model.norm.weight"] = sd["model.language_model.norm.weight"].bool()
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    if loader == "from_pretrained":
+        materialised = []
+        monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: materialised.append(1))
+        with pytest.raises(CheckpointError) as err:
+            Qwen3VLMoe.from_pretrained(path)
+        assert not materialised
+    else:
+        model = Qwen3VLMoe(VLMConfig.preset("tiny"))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(CheckpointError) as err:
+            load_hf_weights_(model, path)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing copied
+    text = str(err.value)
+    file = str(path / "model.safetensors")
+    assert "2 not floating point" in text
+    assert f"{q}: I32 in {file}" in text and f"model.language_model.norm.weight: BOOL in {file}" in text
+
+
+def test_a_float_of_another_width_loads(tmp_path):
+    """A bf16 file into fp32 weights: allowed, converted by the copy."""
+    from safetensors.torch import load_file, save_file
+
+    path = _saved(VLMConfig.preset("tiny"), tmp_path)
+    sd = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    model = Qwen3VLMoe.from_pretrained(path)
+    q = model.state_dict()["text.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.float32
+    assert torch.equal(q, sd["model.language_model.layers.0.self_attn.q_proj.weight"].float())

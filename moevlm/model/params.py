@@ -1,0 +1,88 @@
+"""Parameter counts in closed form, from the config alone (no module is built).
+
+    parameter_counts(cfg)      # {"vision": ..., "embed_tokens": ..., "layers": ..., "norm": ..., "lm_head": ...}
+    layer_parameters(cfg, i)   # decoder layer i by part: q_o, k_v, norms, router, experts, dense_mlp
+
+Design choices:
+- Used where building the model would already cost too much: the trainer
+  estimates per-rank memory before the model exists, even on the meta device
+  (100,000 decoder layers take minutes to build).  Tests hold the counts equal
+  to `sum(p.numel())` of the real model built on meta.
+- Counted by the parts a parallel layout treats differently (vision tower,
+  embedding, the attention's q/o and k/v, norms, router, experts, dense MLP,
+  LM head), so `moevlm.train.config` can divide each by its own sharding;
+  this module itself knows nothing of parallelism.
+- A tied LM head is the embedding: counted once (`lm_head` = 0).
+"""
+
+from __future__ import annotations
+
+from moevlm.model.config import VisionConfig, VLMConfig
+
+
+def linear(n_in: int, n_out: int, bias: bool = True) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def vision_parameters(v: VisionConfig) -> int:
+    """Patch embedding, position table, blocks, the merger and the deepstack mergers."""
+    h = v.hidden_size
+    block = 2 * h + linear(h, 3 * h) + linear(h, h) + 2 * h + linear(h, v.intermediate_size) + \
+        linear(v.intermediate_size, h)
+    width = h * v.spatial_merge_size**2
+    merger = linear(width, width) + linear(width, v.out_hidden_size)
+    mergers = (2 * h + merger) + len(v.deepstack_visual_indexes) * (2 * width + merger)  # pre / post-shuffle norm
+    return linear(v.patch_dim, h) + v.num_position_embeddings * h + v.depth * block + mergers
+
+
+def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
+    """Decoder layer `layer_idx` by part (an MoE layer has router + experts, a dense one dense_mlp)."""
+    t, m = cfg.text, cfg.moe
+    D, q, kv, bias = t.hidden_size, t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim, t.attention_bias
+    parts = {"q_o": linear(D, q, bias) + linear(q, D, bias), "k_v": 2 * linear(D, kv, bias),
+             "norms": 2 * D + 2 * t.head_dim, "router": 0, "experts": 0, "dense_mlp": 0}
+    if m.is_moe_layer(layer_idx):
+        parts["router"] = m.num_experts * D
+        parts["experts"] = m.num_experts * 3 * D * m.moe_intermediate_size  # gate_up (E, D, 2F) + down (E, F, D)
+    else:
+        parts["dense_mlp"] = 3 * D * t.intermediate_size
+    return parts
+
+
+def moe_layer_count(cfg: VLMConfig, layers: range | None = None) -> int:
+    """How many of `layers` (default: all) are MoE layers."""
+    layers = range(cfg.text.num_layers) if layers is None else layers
+    return sum(1 for i in layers if cfg.moe.is_moe_layer(i))
+
+
+def layers_parameters(cfg: VLMConfig, layers: range | None = None) -> dict[str, int]:
+    """`layer_parameters` summed over `layers` (default: all), without visiting each: every MoE layer
+    has the same parts, and every dense one."""
+    layers = range(cfg.text.num_layers) if layers is None else layers
+    n_moe = moe_layer_count(cfg, layers)
+    moe, dense = _moe_and_dense_layer(cfg)
+    return {k: n_moe * moe[k] + (len(layers) - n_moe) * dense[k] for k in moe}
+
+
+def _moe_and_dense_layer(cfg: VLMConfig) -> tuple[dict[str, int], dict[str, int]]:
+    moe_idx = next((i for i in range(cfg.text.num_layers) if cfg.moe.is_moe_layer(i)), None)
+    dense_idx = next((i for i in range(cfg.text.num_layers) if not cfg.moe.is_moe_layer(i)), None)
+    zero = dict.fromkeys(layer_parameters(cfg, 0), 0)
+    return (layer_parameters(cfg, moe_idx) if moe_idx is not None else zero,
+            layer_parameters(cfg, dense_idx) if dense_idx is not None else zero)
+
+
+def parameter_counts(cfg: VLMConfig) -> dict[str, int]:
+    """Parameters of `Qwen3VLMoe(cfg)` by top-level part; their sum is the model's."""
+    t = cfg.text
+    return {"vision": vision_parameters(cfg.vision), "embed_tokens": t.vocab_size * t.hidden_size,
+            "layers": sum(layers_parameters(cfg).values()), "norm": t.hidden_size,
+            "lm_head": 0 if cfg.tie_word_embeddings else t.vocab_size * t.hidden_size}
+
+
+def num_parameters(cfg: VLMConfig) -> int:
+    return sum(parameter_counts(cfg).values())
+
+
+__all__ = ["layer_parameters", "layers_parameters", "moe_layer_count", "num_parameters", "parameter_counts",
+           "vision_parameters"]
