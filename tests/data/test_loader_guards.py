@@ -143,9 +143,10 @@ def test_members_over_their_cap_are_not_read(tmp_path):
 
 
 def test_oversized_text_and_image_are_skipped_counted_and_the_rest_arrives(tmp_path, sample_shards):
-    """A ~2 MB text sample (above the 1 MiB default) and an image above a lowered
-    data.max_image_bytes sit among good samples: those two are skipped by reason
-    before parsing / decoding, every other sample of the same shards arrives."""
+    """A 2.2 MB text sample and a 1.2 MB caption (above the 1 MiB default
+    data.max_text_bytes) and an image above a lowered data.max_image_bytes sit among
+    good samples in the same shards (2 workers): those three are skipped by reason
+    before parsing / decoding, every other sample arrives."""
     photo = encoded(Image.open(sample_photo_paths()[0]).convert("RGB").resize((48, 40)), "PNG")
     goods = [good(f"g{i}", photo) for i in range(4)] + [text(f"t{i}", f"plain text {i}. " * 5) for i in range(4)]
     huge_text = text("huge", "many words " * 200_000)  # 2.2 MB of json
