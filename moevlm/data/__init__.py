@@ -9,13 +9,13 @@
     reader.py        shard split per stream and epoch, seeded shuffle, resumable positions
     packing.py       first-fit packing to fixed token / patch / image budgets; rows -> micro-batch
     loader.py        layout-independent streams over ranks and workers, exact-resume state, skip statistics
-    errors.py        SkipSample reasons
+    errors.py        SkipSample reasons; DataError (the data can feed nothing)
 """
 
 from moevlm.data.config import DataConfig, ImageConfig, PackConfig
-from moevlm.data.errors import REASONS, SkipSample
+from moevlm.data.errors import REASONS, DataError, SkipSample
 from moevlm.data.loader import PackedLoader, build_loader, merge_states
 from moevlm.data.packing import stack_rows
 
-__all__ = ["DataConfig", "ImageConfig", "PackConfig", "REASONS", "SkipSample", "PackedLoader", "build_loader",
-           "merge_states", "stack_rows"]
+__all__ = ["DataConfig", "ImageConfig", "PackConfig", "REASONS", "DataError", "SkipSample", "PackedLoader",
+           "build_loader", "merge_states", "stack_rows"]

@@ -5,6 +5,11 @@ changes the numbers the model sees (patch 16, merge 2, temporal 2, mean = std
 = 0.5, min 256*256 pixels) except `max_pixels`: the reference allows
 4096*4096 (65,536 patches, an inference setting); training defaults to
 1024*1024 (4,096 patches) so one image always fits the default patch budget.
+
+Every field is checked by `moevlm.data.loader.check_config` before any file is
+read (a one-line message naming the field, its value and what to set).
+`pack.max_patches: 0` is a text-only budget: samples with images are skipped as
+`too_long` (or, with `oversize: truncate`, cut before their first image).
 """
 
 from __future__ import annotations
@@ -54,3 +59,11 @@ class DataConfig:
     shuffle_buffer: int = 256  # samples; 0 keeps shard order
     epochs: int | None = None  # None: loop forever (the trainer counts steps)
     caption_prompt: str = ""  # user text placed after <image> for caption-only samples
+    # resource caps per tar member, checked from the tar header before the bytes are read: a json/txt
+    # member above max_text_bytes skips its sample as `text_too_large`, any other member above
+    # max_image_bytes as `file_too_large` (1 MiB of text is ~250k tokens, far above any seq_len)
+    max_text_bytes: int = 1048576  # 1 MiB
+    max_image_bytes: int = 33554432  # 32 MiB
+    # resume on shards whose size or content changed since the checkpoint (logged as a warning);
+    # false: such a resume is refused, naming the changed shards
+    allow_changed_shards: bool = False

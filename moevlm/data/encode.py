@@ -6,8 +6,11 @@ Legend: L tokens of the sample, N its patches, D patch dim (3*T*P*P).
     sample = enc(raw, pos)            # raises SkipSample(reason) for unusable input
 
 Design choices:
-- Order: json -> record (normalised) -> images decoded -> tokens.  Images go
+- Order: byte caps -> json -> record (normalised) -> images decoded -> tokens.  Images go
   first because the number of <|image_pad|> tokens is the image's merged grid.
+- A member the reader did not read because it is over its byte cap (an
+  `Oversize` marker, see reader.py) skips the sample first: `text_too_large`
+  for json/txt, `file_too_large` for an image or any other file.
 - Third-party shards without a `json` member but with `txt` (the common
   image+caption layout) are read as captions of their first image.
 - A sample over a budget (seq_len tokens, max_patches patches, max_images
@@ -27,6 +30,7 @@ from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.errors import SkipSample
 from moevlm.data.image import decode_image
 from moevlm.data.packing import IGNORE, Sample
+from moevlm.data.reader import Oversize, Pos
 from moevlm.data.records import normalize_record, parse_json_bytes
 from moevlm.data.text import ChatEncoder
 from moevlm.model.rope import mrope_position_ids
@@ -38,6 +42,10 @@ class SampleEncoder:
 
     def __call__(self, raw: dict, pos: Pos) -> Sample:
         key = raw.get("__key__", "?")
+        for m in raw.values():
+            if isinstance(m, Oversize):
+                raise SkipSample(m.reason, f"sample {key}: member {m.name} has {m.size} bytes, above the cap of "
+                                 f"{m.cap} (data.max_text_bytes / data.max_image_bytes)")
         if "json" in raw:
             obj = parse_json_bytes(raw["json"])
         elif "txt" in raw:

@@ -5,7 +5,9 @@ packer) signals an unusable sample by raising `SkipSample(reason, detail)`.
 The stage that drives the stream catches it, adds one to `counts[reason]` and
 goes on with the next sample: bad data never crashes a worker and is never
 dropped silently.  `reason` is a short, stable key (the table below); it is
-what the builder's summary.json and the loader's stats report.
+what the builder's summary.json and the loader's stats report.  When a stream
+can use nothing at all, the loader raises `DataError` instead (a RuntimeError
+whose message gives the skip counts and the fix).
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ REASONS = {
     # packing
     "too_long": "the sample exceeds the token, patch or image budget of a micro-batch",
     "empty_sample": "the sample has no tokens to train on",
+    # resource caps
+    "text_too_large": "the sample's text is larger than its configured byte cap",
+    "file_too_large": "a file (image or text) is larger than its configured byte cap",
 }
+
+
+class DataError(RuntimeError):
+    """The data cannot feed training (no shard readable, or every sample skipped):
+    the run must stop with this one-line message rather than wait forever."""
 
 
 class SkipSample(Exception):

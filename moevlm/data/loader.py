@@ -52,6 +52,32 @@ Design choices:
   fork server, which itself waits for its children, so torch's parent
   watchdog never fires after the trainer is SIGKILLed: each worker watches the
   trainer's pid and exits when it is gone (no orphaned decoders).
+- Checked before anything is read (`check_config`): every field on its own
+  (a packing budget that holds no sample, such as max_samples=0 which packed
+  empty rows forever, non-positive sizes, min_pixels > max_pixels, a zero
+  std, ...), then against the model and the layout; one line naming the field,
+  its value and what to set.  max_patches=0 is a text-only budget.
+- A stream that can pack nothing stops (`DataError`, a RuntimeError) instead
+  of reading epoch after epoch forever: when it ends an epoch, or skips
+  NO_PROGRESS_SAMPLES (10,000) samples in a row, without ever having packed or
+  held a sample.  Neither can fire on a stream that packed anything (its data
+  holds usable samples; later epochs reshuffle into them), nor while the
+  shuffle buffer fills (only samples that reached the encoder count).  The
+  message gives the skip counts by reason, the first example of each and the
+  settings to change; from a worker process it is re-raised in the training
+  process as the same one line (without torch's wrapper text) and the workers
+  are stopped at once.  A healthy
+  stream whose first 10,000 decoded samples are all unusable is stopped too:
+  such data needs fixing anyway.
+- Shards are identified in the state by name, size and a hash of both ends
+  (reader.shard_identity; 23 sample-set shards: ~20 ms, two 64 KiB reads per
+  shard whatever its size, on 16 threads).  A resume on shards whose identity
+  changed is refused naming them (at most 3), unless
+  data.allow_changed_shards=true, which logs a warning (logger
+  moevlm.data.loader) and continues.  STATE_VERSION 3; a version-2 state
+  (without identities) still loads, with a warning that the contents cannot
+  be checked.  Every rank computes the same identities, so `merge_states`
+  still finds identical headers.
 - Streams are infinite by default (`epochs: null`): each stream starts its next
   epoch (a new shard permutation) when its shards run out.  Exact resume and
   layout independence hold for infinite streams; with a finite `epochs` the
@@ -62,6 +88,7 @@ Design choices:
 from __future__ import annotations
 
 import copy
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -73,12 +100,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from moevlm.data.config import DataConfig
 from moevlm.data.encode import SampleEncoder
-from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.errors import DataError, SkipCounter, SkipSample
 from moevlm.data.packing import Packer, collate
-from moevlm.data.reader import ShardPlan, ShuffleBuffer, expand_shards, fingerprint, shard_counts
+from moevlm.data.reader import (ShardPlan, ShuffleBuffer, expand_shards, fingerprint, shard_counts,
+                                 shard_identities)
 from moevlm.data.text import ChatEncoder, load_tokenizer
 
-STATE_VERSION = 2
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 3  # 3: the header records each shard's identity ("files"); 2 (without it) still loads
+NO_PROGRESS_SAMPLES = 10_000  # a stream that never packed a sample stops after this many skipped in a row
 
 
 def fresh_state(stream: int) -> dict:
@@ -122,11 +153,13 @@ class Stream:
     def __init__(self, ds: PackedDataset, stream: int, encode: SampleEncoder):
         cfg = ds.cfg
         self.cfg, self.ds, self.stream, self.encode = cfg, ds, stream, encode
-        self.plan = ShardPlan(ds.shards, cfg.seed, stream, ds.streams, cfg.shuffle_shards, ds.counts)
+        self.plan = ShardPlan(ds.shards, cfg.seed, stream, ds.streams, cfg.shuffle_shards, ds.counts,
+                              cfg.max_text_bytes, cfg.max_image_bytes)
         self.pad_id = encode.chat.eot_id
         self.packer = Packer(cfg.pack)
         self.st = copy.deepcopy(ds.states.get(stream)) or fresh_state(stream)
         self.skips = SkipCounter(self.st["skipped"])
+        self.failed = 0  # samples skipped in a row (since the last one that encoded)
         self.shuffle = self._new_buffer(self.st["epoch"], self.st["draws"])
         self._restore()
 
@@ -152,9 +185,11 @@ class Stream:
             while (out := self.shuffle.pop()) is not None:
                 yield from self._feed(*out)
             if self.st["read"] == read_before and self.st["next"] == [0, 0]:
-                raise RuntimeError(f"data stream {self.stream} read no sample in epoch {self.st['epoch']} from "
-                                   f"{self.plan.mine(self.st['epoch'])}: its shards are empty or unreadable "
-                                   "(see the skip counts)")
+                raise DataError(f"data stream {self.stream} read no sample in epoch {self.st['epoch']} from "
+                                f"{self.plan.mine(self.st['epoch'])}: its shards are empty or unreadable "
+                                f"(skipped: {self._skip_summary()})")
+            if self._never_packed():
+                raise self._stuck(f"in all of epoch {self.st['epoch']}")
             self.st["epoch"] += 1
             self.st["next"], self.st["draws"] = [0, 0], 0
             self.shuffle = self._new_buffer(self.st["epoch"])
@@ -163,14 +198,46 @@ class Stream:
 
     def _feed(self, pos, raw):
         try:
-            self.packer.push(self.encode(raw, pos))
+            sample = self.encode(raw, pos)
         except SkipSample as err:
             self.skips.add(err, f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}")
+            self.failed += 1
+            if self.failed >= NO_PROGRESS_SAMPLES and self._never_packed():
+                raise self._stuck(f"in its first {self.failed} samples") from None
             return
+        self.failed = 0
+        self.packer.push(sample)
         while self.packer.full():
             yield self._batch(self.packer.pop())
 
+    def _never_packed(self) -> bool:
+        """No sample of this stream ever encoded: none packed into a row and none held for one."""
+        return self.st["packed"] == 0 and not self.packer.held
+
+    def _skip_summary(self) -> str:
+        counts = ", ".join(f"{r}={n}" for r, n in self.skips.most_common()) or "nothing"
+        firsts = "; ".join(ex[0] for ex in self.skips.examples.values() if ex)
+        return counts + (f"; first: {firsts}" if firsts else "")
+
+    def _stuck(self, when: str) -> DataError:
+        """The error for a stream that reads samples but can pack none (it would loop forever)."""
+        pk, fixes = self.cfg.pack, []
+        if self.skips["too_long"]:
+            fixes.append(f"raise data.pack.seq_len={pk.seq_len} / max_patches={pk.max_patches} / "
+                         f"max_images={pk.max_images}" + (" or set data.pack.oversize=truncate"
+                                                          if pk.oversize != "truncate" else ""))
+        if self.skips["text_too_large"]:
+            fixes.append(f"raise data.max_text_bytes={self.cfg.max_text_bytes}")
+        if self.skips["file_too_large"]:
+            fixes.append(f"raise data.max_image_bytes={self.cfg.max_image_bytes}")
+        fixes.append("fix the shards (skip reasons: moevlm.data.errors.REASONS)")
+        return DataError(f"data stream {self.stream} read {self.st['read']} samples but could pack none {when}: "
+                         f"every one was skipped ({self._skip_summary()}); {', or '.join(fixes)}")
+
     def _batch(self, samples) -> dict:
+        if not samples:  # check_config's budgets make this unreachable; an empty row must never train
+            raise RuntimeError(f"data stream {self.stream}: the packer produced an empty row "
+                               f"(data.pack={self.cfg.pack})")
         st = self.st
         st["packed"] += len(samples)
         st["batches"] += 1
@@ -241,7 +308,10 @@ def merge_states(states: list[dict]) -> dict:
     for sd in states:
         other = {k: v for k, v in sd.items() if k != "states"}
         if other != head:
-            raise ValueError(f"cannot merge data-loader states of different jobs: {other} vs {head}")
+            keys = sorted(k for k in head.keys() | other.keys() if head.get(k) != other.get(k))
+            shown = "; ".join(f"{k}: {other.get(k)!r} vs {head.get(k)!r}" for k in keys if k != "files")
+            raise ValueError(f"cannot merge data-loader states of different jobs: they differ in {keys} ({shown}); "
+                             "merge the states saved at one step of one run")
         for s, st in sd["states"].items():
             if out.setdefault(s, st) != st:
                 raise ValueError(f"two data-loader states hold different states for stream {s}: merge the "
@@ -254,6 +324,7 @@ class PackedLoader:
         self.cfg, self.tokenizer_path, self.patch_dim, self.rank, self.world = cfg, tokenizer_path, patch_dim, rank, world
         self.shards = expand_shards(cfg.shards)
         self.counts = shard_counts(self.shards)
+        self.files = shard_identities(self.shards)  # [name, size, hash] each, checked on resume
         self.streams = resolve_streams(cfg, rank, world, len(self.shards))
         self.local = list(range(rank, self.streams, world))  # this rank's streams, in delivery order
         self.states: dict[int, dict] = {}
@@ -271,12 +342,26 @@ class PackedLoader:
         if self._it is None:
             iter(self)
         t0 = time.perf_counter()
-        batch = next(self._it)
+        batch, error = self._next_row()
+        if error is not None:  # the workers are stopped already; a later iteration restarts them
+            raise DataError(error)
         self.wait_s += time.perf_counter() - t0
         state = batch.pop("state")
         self.states[state["stream"]] = state
         self.offset = (self.offset + 1) % len(self.local)
         return batch
+
+    def _next_row(self) -> tuple[dict | None, str | None]:
+        """The next row, or the one-line message of a DataError (from a worker, torch's text is
+        a header, the worker's traceback, then our line)."""
+        try:
+            return next(self._it), None
+        except DataError as err:
+            # torch's re-raise leaves a reference cycle through this traceback that keeps the worker
+            # iterator alive until a garbage collection, which then waits 5 s per worker: drop both now
+            err.__traceback__ = None
+            self.close()
+            return None, str(err).strip().rsplit("\n", 1)[-1].split("DataError: ", 1)[-1]
 
     def _dataloader(self) -> DataLoader:
         cfg = self.cfg
@@ -299,7 +384,7 @@ class PackedLoader:
     # ---------------------------------------------------------------- state
     def _header(self) -> dict:
         return {"version": STATE_VERSION, "shards": fingerprint(self.shards), "seed": self.cfg.seed,
-                "streams": self.streams}
+                "streams": self.streams, "files": copy.deepcopy(self.files)}
 
     def state_dict(self) -> dict:
         """This rank's streams' states, keyed by global stream id (merge the ranks' with `merge_states`)."""
@@ -307,16 +392,39 @@ class PackedLoader:
 
     def load_state_dict(self, sd: dict) -> None:
         """Takes this rank's streams from `sd` (one rank's state or several merged)."""
-        diff = {k: (sd.get(k), v) for k, v in self._header().items() if sd.get(k) != v}
+        if sd.get("version") not in (2, STATE_VERSION):
+            raise ValueError(f"data-loader state version {sd.get('version')!r} is not one this loader reads (2 or "
+                             f"{STATE_VERSION}); resume with the moevlm version that saved it or start the data fresh")
+        head = self._header()
+        diff = {k: (sd.get(k), head[k]) for k in ("shards", "seed", "streams") if sd.get(k) != head[k]}
         if diff:
             raise ValueError("the data-loader state does not belong to this loader: "
                              + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
                              + "; resume with the same shards, data.seed and number of streams (data.streams; "
                              "with data.streams=0 it is dp size x num_workers, so set data.streams to the saved "
                              "value to change the layout)")
+        self._check_files(sd.get("files"))
         self.close()
         self.states = {int(s): copy.deepcopy(st) for s, st in sd["states"].items() if int(s) in self.local}
         self.offset = sum(st["batches"] for st in self.states.values()) % len(self.local)
+
+    def _check_files(self, saved: list | None) -> None:
+        """The shards' sizes and content hashes against the state's (refused or warned)."""
+        if saved is None:
+            log.warning("the data-loader state predates shard fingerprints (state version 2): cannot check that "
+                        "the %d shards are unchanged since the checkpoint", len(self.shards))
+            return
+        changed = [(a, b) for a, b in zip(saved, self.files) if list(a) != list(b)]
+        if not changed:
+            return
+        names = ", ".join(f"{b[0]} ({a[1]} -> {b[1]} bytes)" if a[1] != b[1] else f"{b[0]} (same size, other bytes)"
+                          for a, b in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        what = f"{len(changed)} of {len(self.files)} shards changed since the checkpoint: {names}"
+        if not self.cfg.allow_changed_shards:
+            raise ValueError(f"{what}; the saved positions would point at other samples. Put the original shards "
+                             "back, or set data.allow_changed_shards=true to continue on the new contents")
+        log.warning("%s; continuing because data.allow_changed_shards=true (saved positions inside them now point "
+                    "at other samples)", what)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -345,7 +453,9 @@ def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int =
 
 
 def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:
-    """Every check that needs no file: image geometry against the model, budgets, the streams' layout."""
+    """Every check that needs no file: each field's range, image geometry against the model, budgets,
+    the streams' layout."""
+    check_fields(cfg)
     im, pk = cfg.image, cfg.pack
     if model_cfg is not None:
         v = model_cfg.vision
@@ -355,13 +465,49 @@ def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:
             raise ValueError(f"data.image (patch, temporal, merge) = {mine} but the model's vision config has "
                              f"{theirs}; set data.image to the model's values")
     unit = im.patch_size**2
-    if im.max_pixels // unit > pk.max_patches:
+    if pk.max_patches and pk.max_images and im.max_pixels // unit > pk.max_patches:  # 0: a text-only budget
         raise ValueError(f"one image may need up to {im.max_pixels // unit} patches (data.image.max_pixels="
                          f"{im.max_pixels}) but a micro-batch holds data.pack.max_patches={pk.max_patches}; "
-                         "raise max_patches or lower max_pixels")
+                         "raise max_patches or lower max_pixels (or set max_patches=0 to train on text only)")
     if pk.max_patches % im.merge_size**2:
         raise ValueError(f"data.pack.max_patches={pk.max_patches} must be a multiple of merge_size^2="
                          f"{im.merge_size**2} (the padding patches are merged like an image's)")
-    if pk.oversize not in ("skip", "truncate"):
-        raise ValueError(f"data.pack.oversize={pk.oversize!r}; choose 'skip' or 'truncate'")
     check_streams(cfg, world)
+
+
+def _require(ok: bool, field: str, value, want: str) -> None:
+    if not ok:
+        raise ValueError(f"data.{field}={value!r} is invalid: set it to {want}")
+
+
+def check_fields(cfg: DataConfig) -> None:
+    """Each DataConfig field on its own: a value that cannot work (a packing budget that holds no
+    sample, a non-positive size) is refused with the field, its value and what to set."""
+    im, pk = cfg.image, cfg.pack
+    _require(pk.seq_len >= 2, "pack.seq_len", pk.seq_len, "at least 2 tokens (a sample and its next-token target)")
+    _require(pk.max_samples >= 1, "pack.max_samples", pk.max_samples, "at least 1 (documents per packed row)")
+    _require(pk.max_patches >= 0, "pack.max_patches", pk.max_patches, "0 (text only) or more patches")
+    _require(pk.max_images >= 0, "pack.max_images", pk.max_images, "0 (text only) or more images")
+    _require(pk.lookahead >= 0, "pack.lookahead", pk.lookahead, "0 or more samples")
+    _require(pk.oversize in ("skip", "truncate"), "pack.oversize", pk.oversize, "'skip' or 'truncate'")
+    for name in ("patch_size", "temporal_patch_size", "merge_size"):
+        _require(getattr(im, name) >= 1, f"image.{name}", getattr(im, name), "a positive integer")
+    _require(im.min_pixels >= 1, "image.min_pixels", im.min_pixels, "a positive pixel count")
+    _require(im.max_pixels >= im.min_pixels, "image.max_pixels", im.max_pixels,
+             f"at least data.image.min_pixels={im.min_pixels} (or lower min_pixels)")
+    _require(im.max_image_pixels >= 1, "image.max_image_pixels", im.max_image_pixels,
+             "a positive width*height limit (default 100000000)")
+    _require(len(im.mean) == 3, "image.mean", list(im.mean), "three per-channel values (R, G, B)")
+    _require(len(im.std) == 3 and all(x > 0 for x in im.std), "image.std", list(im.std),
+             "three positive per-channel values (pixels are divided by them)")
+    _require(cfg.max_text_bytes >= 1, "max_text_bytes", cfg.max_text_bytes, "a positive byte cap (default 1048576)")
+    _require(cfg.max_image_bytes >= 1, "max_image_bytes", cfg.max_image_bytes,
+             "a positive byte cap (default 33554432)")
+    _require(cfg.num_workers >= 0, "num_workers", cfg.num_workers, "0 (read in the training process) or more")
+    _require(cfg.prefetch_factor >= 1, "prefetch_factor", cfg.prefetch_factor, "at least 1 row per worker")
+    _require(cfg.shuffle_buffer >= 0, "shuffle_buffer", cfg.shuffle_buffer, "0 (shard order) or more samples")
+    _require(cfg.epochs is None or cfg.epochs >= 1, "epochs", cfg.epochs, "null (loop forever) or at least 1")
+    _require(str(cfg.pin_memory).lower() in ("auto", "true", "false"), "pin_memory", cfg.pin_memory,
+             "'auto', 'true' or 'false'")
+    _require(cfg.start_method in mp.get_all_start_methods(), "start_method", cfg.start_method,
+             f"one of {mp.get_all_start_methods()}")

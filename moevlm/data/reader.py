@@ -14,12 +14,30 @@ Design choices:
   a stream reads does not depend on the parallel layout.  That is also why
   webdataset's split_by_node/split_by_worker (global rank, no epoch) are not
   used.
-- Tar parsing is webdataset's (`tar_file_expander` + `group_by_keys`), one shard
-  at a time so a damaged shard cannot bleed into the next; damage is counted
+- Tar members are listed with the standard `tarfile` module in stream mode
+  (`members`, the same rules as webdataset's `tar_file_iterator`: regular
+  files, no `__meta__` names) and grouped into samples by webdataset's
+  `group_by_keys`, one shard at a time so a damaged shard cannot bleed into
+  the next.  Own member loop rather than webdataset's so that a member above
+  its byte cap (data.max_text_bytes for json/txt, data.max_image_bytes for any
+  other) is never read into memory: its size comes from the tar header, its
+  bytes are passed over (tarfile's stream reader discards them in 10 KiB
+  blocks) and the sample carries an `Oversize` marker instead, which the
+  encoder turns into `text_too_large` / `file_too_large` before parsing or
+  decoding anything.  The sample stays in the stream (positions and the
+  per-shard sample counts are unchanged).  Reading the member and checking its
+  length would also have stopped the tokenizer blow-up (31 MB of text took a
+  worker to 6 GB), but a multi-GB member would still be held whole.  Damage is counted
   as `truncated_shard` (once per shard) and the samples before it are kept.
   A tar cut exactly between members parses without error, so a shard is also
   checked against its sample count in the builder's summary.json (when
   present) and for the tar end-of-archive zero blocks.
+- Each shard's identity (`shard_identity`): name, size and a hash of its
+  first and last 64 KiB (two reads per shard, whatever its size; the tail
+  covers the last member, past the tar's zero padding).  The loader state
+  records it, so shards rewritten under the same names are noticed on resume.
+  A rewrite that keeps the size and both ends is not noticed (hashing whole
+  shards would read the whole dataset on every start).
 - A position is (epoch, shard index in this stream's list, sample index in the
   shard).  Seeking to a position opens that shard and skips members without
   decoding them, so resuming never re-decodes images it does not need.
@@ -35,11 +53,14 @@ import hashlib
 import json
 import os
 import random
+import re
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from webdataset.tariterators import group_by_keys, tar_file_expander
+from webdataset.tariterators import group_by_keys
 
 from moevlm.data.errors import SkipCounter, SkipSample
 
@@ -82,6 +103,70 @@ def fingerprint(shards: list[str]) -> str:
     return hashlib.sha1("\n".join(os.path.basename(s) for s in shards).encode()).hexdigest()[:16]
 
 
+IDENTITY_BYTES = 64 * 1024  # hashed at each end of a shard
+
+
+def shard_identity(path: str) -> list:
+    """[name, size, hash of the first and last IDENTITY_BYTES]: cheap for any shard size
+    (size -1 and hash "unreadable" for a shard that cannot be opened)."""
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            h = hashlib.sha1(f.read(IDENTITY_BYTES))
+            f.seek(max(0, size - IDENTITY_BYTES))
+            h.update(f.read(IDENTITY_BYTES))
+    except OSError:
+        return [name, -1, "unreadable"]
+    return [name, size, h.hexdigest()[:16]]
+
+
+def shard_identities(shards: list[str]) -> list[list]:
+    """`shard_identity` of every shard, read on a few threads (I/O bound)."""
+    with ThreadPoolExecutor(max(1, min(16, len(shards)))) as pool:
+        return list(pool.map(shard_identity, shards))
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """Stands for a tar member whose bytes were not read: it is over its cap."""
+
+    name: str
+    size: int
+    cap: int
+
+    @property
+    def reason(self) -> str:
+        return "text_too_large" if is_text_member(self.name) else "file_too_large"
+
+
+def is_text_member(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].lower() in ("json", "txt")
+
+
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (skipped, as webdataset does)
+
+
+def members(url: str, stream, max_text: int, max_file: int, damaged: list) -> Iterator[dict]:
+    """{fname, data, __url__} for each regular member of the tar `stream` (data: the
+    bytes, or an `Oversize` marker for a member over its cap), then {} (end of
+    shard).  The first error ends the shard and is appended to `damaged`."""
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for info in tar:
+                if not info.isreg() or _META.match(info.name):
+                    continue
+                cap = max_text if is_text_member(info.name) else max_file
+                data = Oversize(info.name, info.size, cap) if info.size > cap else tar.extractfile(info).read()
+                yield {"fname": info.name, "data": data, "__url__": url}
+                tar.members = []  # stream mode keeps every header otherwise
+    except Exception as exn:  # a damaged or foreign file: keep what came before
+        damaged.append(exn)
+        return
+    yield {}
+
+
 def mix(*xs: int) -> int:
     """A 64-bit hash of integers (splitmix64 over their sequence): counter-based randomness."""
     h = 0x9E3779B97F4A7C15
@@ -103,6 +188,8 @@ class ShardPlan:
     streams: int = 1
     shuffle: bool = True
     counts: dict[str, int] = field(default_factory=dict)
+    max_text_bytes: int = 1 << 20  # member caps (data.max_text_bytes / data.max_image_bytes)
+    max_file_bytes: int = 32 << 20
 
     def __post_init__(self):
         if not 0 <= self.stream < self.streams <= len(self.shards):
@@ -140,7 +227,7 @@ class ShardPlan:
             return
         n = 0
         with stream:
-            for raw in group_by_keys(tar_file_expander([{"url": url, "stream": stream}], handler=handler),
+            for raw in group_by_keys(members(url, stream, self.max_text_bytes, self.max_file_bytes, damaged),
                                      handler=handler):
                 n += 1
                 yield raw

@@ -1,4 +1,10 @@
-"""Loader settings shared by the data tests."""
+"""Loader settings and hand-written shards shared by the data tests."""
+
+import io
+import json
+
+import webdataset as wds
+from PIL import Image
 
 from moevlm.data.config import DataConfig, ImageConfig, PackConfig
 
@@ -11,3 +17,26 @@ def small_data_config(shards, **kw) -> DataConfig:
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def encoded(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def good(key, photo_bytes, ext="png"):
+    rec = {"id": key, "images": [f"img0.{ext}"],
+           "messages": [{"role": "user", "content": "<image>\nWhat is in the photo?"},
+                        {"role": "assistant", "content": f"A photo, sample {key}."}]}
+    return {"__key__": key, "json": json.dumps(rec).encode(), f"img0.{ext}": photo_bytes}
+
+
+def text(key, body):
+    return {"__key__": key, "json": json.dumps({"id": key, "text": body}).encode()}
+
+
+def write_tar(path, samples):
+    with wds.TarWriter(str(path), encoder=False, mtime=0) as w:
+        for s in samples:
+            w.write(s)

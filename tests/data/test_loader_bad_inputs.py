@@ -3,38 +3,19 @@ skipped and counted by reason, and every good sample still arrives once.
 
 The shards are written by hand, as a third party's would be (no summary.json)."""
 
-import io
 import json
 import shutil
 import zlib
 from collections import Counter
 
 import numpy as np
-import webdataset as wds
 from PIL import Image
 
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.loader import build_loader
 from moevlm.model import VLMConfig
 
-from data_helpers import small_data_config
-
-
-def encoded(img: Image.Image, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt)
-    return buf.getvalue()
-
-
-def good(key, photo_bytes, ext="png"):
-    rec = {"id": key, "images": [f"img0.{ext}"],
-           "messages": [{"role": "user", "content": "<image>\nWhat is in the photo?"},
-                        {"role": "assistant", "content": f"A photo, sample {key}."}]}
-    return {"__key__": key, "json": json.dumps(rec).encode(), f"img0.{ext}": photo_bytes}
-
-
-def text(key, body):
-    return {"__key__": key, "json": json.dumps({"id": key, "text": body}).encode()}
+from data_helpers import encoded, good, small_data_config, text, write_tar
 
 
 def corrupt_png(png: bytes) -> bytes:
@@ -46,12 +27,6 @@ def corrupt_png(png: bytes) -> bytes:
     body[2:n - 4] = bytes(reversed(body[2:n - 4]))
     crc = zlib.crc32(b"IDAT" + bytes(body)).to_bytes(4, "big")
     return png[:at + 4] + bytes(body) + crc + png[at + 8 + n:]
-
-
-def write_tar(path, samples):
-    with wds.TarWriter(str(path), encoder=False, mtime=0) as w:
-        for s in samples:
-            w.write(s)
 
 
 def test_every_bad_input_is_skipped_counted_and_the_rest_arrives(tmp_path, sample_shards):
