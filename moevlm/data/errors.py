@@ -36,9 +36,6 @@ REASONS = {
     # packing
     "too_long": "the sample exceeds the token, patch or image budget of a micro-batch",
     "empty_sample": "the sample has no tokens to train on",
-    # resource caps
-    "text_too_large": "the sample's text is larger than its configured byte cap",
-    "file_too_large": "a file (image or text) is larger than its configured byte cap",
 }
 
 
