@@ -5,8 +5,11 @@
     python train.py -m optim.lr=1e-3,3e-4                  # a sweep, one job each
 
 Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
+Exit codes: 0 done, 2 config error, the others as moevlm.train.trainer documents.
 """
 
+import os
+import signal
 import sys
 
 import hydra
@@ -16,6 +19,7 @@ from hydra.types import RunMode
 from moevlm.model.config import ConfigError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import register_configs
+from moevlm.train.faults import EXIT_COLLECTIVE, describe_failure
 
 register_configs()
 
@@ -31,7 +35,18 @@ def main(cfg) -> None:
     except (ConfigError, ParallelNotBuilt) as err:  # the message says what to change; a traceback would bury it
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:  # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
+        line = describe_failure(err, "set-up (process group, run directory, sample data, checkpoint load)", None,
+                                cfg.parallel.timeout_s)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(EXIT_COLLECTIVE)
     code = trainer.run()
+    # the run is over (and checkpointed when it stopped early): a stop signal while the process exits, such as
+    # torchrun's SIGTERM once another rank has exited, keeps the exit code instead of turning it into 128+15
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(code))
     if code:
         sys.exit(code)
 
