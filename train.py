@@ -8,7 +8,6 @@ Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
 Exit codes: 0 done, 2 config error, the others as moevlm.train.trainer documents.
 """
 
-import os
 import signal
 import sys
 
@@ -43,10 +42,11 @@ def main(cfg) -> None:
         print(line, file=sys.stderr)
         sys.exit(EXIT_COLLECTIVE)
     code = trainer.run()
-    # the run is over (and checkpointed when it stopped early): a stop signal while the process exits, such as
-    # torchrun's SIGTERM once another rank has exited, keeps the exit code instead of turning it into 128+15
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: os._exit(code))
+    if sweep is None:  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
+        # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,
+        # not handled: Python resets its own handlers to the default while it finalises.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     if code:
         sys.exit(code)
 

@@ -309,7 +309,7 @@ def describe_failure(err: BaseException, doing: str, elapsed_s: float | None, ti
         e = e.__cause__ or e.__context__
     text = " ".join(f"{type(c).__name__}: {c}" for c in chain).lower()
     distributed = any(isinstance(c, dist.DistError) for c in chain) or "gloo" in text or "nccl" in text
-    if any(k in text for k in _TIMEOUT) and (distributed or "collective" in text or "work" in text):
+    if any(k in text for k in _TIMEOUT) and (distributed or "collective" in text):
         what = f"a collective got no answer within parallel.timeout_s={timeout_s:g}s"
     elif any(k in text for k in _PEER_LOST) and distributed:
         what = "a collective lost its connection to a peer rank"

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from moevlm.train.checkpoint import CheckpointManager
 from moevlm.train.config import compose_job
@@ -146,6 +147,9 @@ def test_collective_failures_are_recognised_and_others_are_not():
     assert "lost its connection to a peer rank" in describe_failure(lost, "checkpoint save", None, 600)
     assert describe_failure(ValueError("shapes do not match"), "step 1", 1, 600) is None
     assert describe_failure(TimeoutError("reading the shard timed out"), "step 1", 1, 600) is None
+    assert describe_failure(RuntimeError("DataLoader timed out after 5 seconds (worker 0)"), "step 1", 1, 600) is None
+    nccl = RuntimeError("NCCL communicator was aborted on rank 3 after a collective timeout")
+    assert "no answer within" in describe_failure(nccl, "step 1 (forward/backward)", 600, 600)
 
 
 # ------------------------------------------------------------------ processes ending themselves
@@ -176,6 +180,38 @@ def test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes():
     assert abort.returncode == EXIT_WATCHDOG, out
     assert "watchdog: step 3 (forward/backward) has run 1s > train.watchdog_abort_s=0.5s: aborting" in out
     assert "Thread 0x" in out and "in <module>" in out  # every thread's stack (faulthandler)
+
+
+def test_data_workers_and_fork_server_outlive_a_stop_signal(reference):
+    """Ctrl-C and a scheduler's SIGTERM reach every process of the job: the loader's fork server and workers
+    ignore them (the trainer still needs its step's rows), and end with the trainer (moevlm.data.loader)."""
+    from moevlm.data.loader import build_loader
+    from moevlm.train.config import validate
+
+    _, shards = reference
+    job = compose_job(COMMON + [f"data.shards={shards}"])
+    loader = build_loader(OmegaConf.to_object(job.data), validate(job).model)
+    try:
+        next(loader)
+        servers = [p for p in _children(os.getpid()) if b"forkserver" in _cmdline(p)]
+        helpers = servers + [c for p in servers for c in _children(p)]
+        assert len(servers) == 1 and len(helpers) >= 2, helpers  # the fork server and the data worker
+        for pid in helpers:
+            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert not any(_gone(p) for p in helpers)
+        for _ in range(3):
+            assert next(loader)["input_ids"].numel() > 0
+    finally:
+        loader.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # ------------------------------------------------------------------ the trainer
@@ -368,4 +404,4 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
     report = out.index("rank 0: watchdog: step ")
     assert report < out.index(failure[0]) and "Thread 0x" in out[report:]  # reported (with stacks) first
     assert exit_codes(out)[0] == EXIT_COLLECTIVE, out[-3000:]
-    print(f"{failure[0].strip()}\n(after {waited:.1f}s of SIGSTOP; timeout_s={timeout_s})")
+    print(out[report:out.index("\n", report)], f"\n{failure[0].strip()}\n(after {waited:.1f}s of SIGSTOP)")
