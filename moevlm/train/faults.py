@@ -1,6 +1,6 @@
 """Faults the trainer turns into a checkpoint or one clear line instead of a lost run or a silent hang.
 
-    faults = Faults(rank, world, timeout_s=600, watchdog=StepWatchdog(10, 60, None, rank=rank))
+    faults = Faults(rank, world, timeout_s=600, watchdog=StepWatchdog(10, 60, None))
     faults.start()                       # in Trainer.run: signal handlers + watchdog thread
     faults.begin_step(n); faults.at("forward/backward"); ...; faults.end_step()
     if faults.stop_requested(device):    # collective, after each step
