@@ -5,8 +5,10 @@
     python train.py -m optim.lr=1e-3,3e-4                  # a sweep, one job each
 
 Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
+Exit codes: 0 done, 2 config error, the others as moevlm.train.trainer documents.
 """
 
+import signal
 import sys
 
 import hydra
@@ -17,6 +19,7 @@ from moevlm.model.config import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import register_configs
+from moevlm.train.faults import EXIT_COLLECTIVE, describe_failure
 
 register_configs()
 
@@ -36,7 +39,19 @@ def main(cfg) -> None:
     except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)
         sys.exit(EXIT_CHECKPOINT)
+    except Exception as err:  # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
+        line = describe_failure(err, "set-up (process group, run directory, sample data, checkpoint load)", None,
+                                cfg.parallel.timeout_s)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(EXIT_COLLECTIVE)
     code = trainer.run()
+    if sweep is None:  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
+        # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,
+        # not handled: Python resets its own handlers to the default while it finalises.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     if code:
         sys.exit(code)
 

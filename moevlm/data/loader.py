@@ -78,6 +78,12 @@ Design choices:
   (without identities) still loads, with a warning that the contents cannot
   be checked.  Every rank computes the same identities, so `merge_states`
   still finds identical headers.
+- Workers and the fork server ignore SIGINT and SIGTERM: Ctrl-C and a
+  scheduler's SIGTERM reach the whole process group, and the trainer finishes
+  its step and checkpoints (moevlm.train.faults) only if its workers are still
+  there; they end with the trainer (above).  The fork server is started with
+  the two signals blocked and ignored (both survive its exec); the trainer's
+  own handlers are put back and a signal that came meanwhile is delivered.
 - Streams are infinite by default (`epochs: null`): each stream starts its next
   epoch (a new shard permutation) when its shards run out.  Exact resume and
   layout independence hold for infinite streams; with a finite `epochs` the
@@ -91,6 +97,7 @@ import copy
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -279,6 +286,8 @@ class PackedDataset(IterableDataset):
         info = get_worker_info()
         p, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
+            for s in _STOP_SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
             threading.Thread(target=_exit_without, args=(self.main_pid,), daemon=True).start()
         cfg = self.cfg
         encode = SampleEncoder(ChatEncoder(load_tokenizer(self.tokenizer_path)), cfg.image, cfg.pack,
@@ -296,6 +305,26 @@ def _exit_without(pid: int, every_s: float = 1.0) -> None:
             os._exit(0)
         except PermissionError:  # a reused pid of another user: ours is gone
             os._exit(0)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _start_forkserver_deaf_to_stop_signals() -> None:
+    """Start multiprocessing's fork server (once per process) ignoring SIGINT/SIGTERM, so do the workers it
+    forks.  Blocked meanwhile here: a signal sent during the switch waits for the handler put back."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only change in the main thread: torch's default start
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -373,6 +402,7 @@ class PackedLoader:
         ctx = mp.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
             ctx.set_forkserver_preload(["moevlm.data.loader"])
+            _start_forkserver_deaf_to_stop_signals()
         return DataLoader(ds, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin,
                           persistent_workers=True, prefetch_factor=cfg.prefetch_factor,
                           multiprocessing_context=ctx, in_order=True)

@@ -84,6 +84,9 @@ class ParallelConfig:
     pp_layers: Any = "auto"
     world_size: Optional[int] = None  # the recipe's GPU count; checked against the launch when set
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    # seconds a collective may wait for its peers before the job ends with a clear line (exit 5); torch's NCCL
+    # default, long enough for a first-step compile or a large checkpoint write (moevlm.train.faults)
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -124,6 +127,11 @@ class TrainConfig:
     nonfinite: str = "skip"  # skip (step skipped and counted) | stop (checkpoint, message, exit 3)
     max_nonfinite_steps: int = 10  # consecutive skipped steps before stopping anyway
     require_loss_decrease: bool = False  # exit 1 if the mean loss of the last 3 steps is not below the first 3
+    # step watchdog (moevlm.train.faults): after 2 warm-up steps, a step longer than watchdog_factor x the median
+    # of the last 20 and than watchdog_min_s is reported (one line + all threads' stacks); 0 turns reports off
+    watchdog_factor: float = 10.0
+    watchdog_min_s: float = 60.0
+    watchdog_abort_s: Optional[float] = None  # a step or checkpoint running longer ends the process (exit 6)
 
 
 @dataclass
@@ -219,6 +227,7 @@ def validate(job, world_size: int = 1) -> Plan:
     _check_dispatcher(job.model.dispatcher, dims)
     _check_batch(t, dims)
     notes = _check_optim(o, t.steps)
+    _check_faults(p, t)
     _check_data(job.data, model, dims)
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
     return Plan(model=model, dims=dims, grad_accum=grad_accum, pipeline=_plan_pipeline(job, model, dims, grad_accum),
@@ -290,6 +299,15 @@ def _check_optim(o, steps: int) -> list[str]:
         return [f"note: optim.warmup_steps={o.warmup_steps} > train.steps={steps}: the learning rate never "
                 f"reaches optim.lr={o.lr} in this run"]
     return []
+
+
+def _check_faults(p, t) -> None:
+    _check(_real(p.timeout_s) and p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 seconds (torch's NCCL default is 600)")
+    _check(_real(t.watchdog_factor) and (t.watchdog_factor == 0 or t.watchdog_factor > 1),
+           f"train.watchdog_factor={t.watchdog_factor} must be > 1 (x the median step time) or 0 (no reports)")
+    _check(_real(t.watchdog_min_s) and t.watchdog_min_s >= 0, f"train.watchdog_min_s={t.watchdog_min_s} must be >= 0")
+    _check(t.watchdog_abort_s is None or _real(t.watchdog_abort_s) and t.watchdog_abort_s > 0,
+           f"train.watchdog_abort_s={t.watchdog_abort_s} must be > 0 seconds, or null (never abort)")
 
 
 def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:

@@ -1,8 +1,18 @@
 """The training job: set up once, then optimizer steps until `train.steps`.
 
     trainer = Trainer(job)          # validated config (moevlm.train.config)
-    code = trainer.run()            # 0 ok, 1 loss did not fall (when required), 3 stopped on non-finite,
-                                    # 5 a checkpoint could not be written (no room: the message says how much)
+    code = trainer.run()            # an exit code (below)
+
+Exit codes (`run` returns them; train.py exits with them; moevlm.train.faults):
+    0 done; 1 the loss did not fall (train.require_loss_decrease); 2 config error (train.py, before set-up);
+    3 stopped on non-finite loss or gradients (checkpoint written);
+    4 interrupted by SIGTERM/SIGINT (checkpoint written after the current step; relaunch the same command);
+    5 a collective timed out (parallel.timeout_s) or lost a peer rank (one line names the phase);
+    6 the step watchdog aborted (train.watchdog_abort_s);
+    7 a checkpoint could not be written (no disk room: the message names the folder, the bytes needed and
+      free; the earlier checkpoints are intact) or train.resume names one that fails verification;
+    8 the data cannot feed training (moevlm.data.DataError: every sample skipped; the skip counts by reason);
+    128+signum (130, 143): a second signal, exited at once without a checkpoint.
 
 Order of set-up (nothing large is allocated before the config, the layout and
 the data are checked): validate -> memory estimate (weights, gradients and
@@ -31,6 +41,12 @@ Design choices:
   with their pipeline group, so every rank computes the same token totals.  The
   loss sums come from the last stage and are summed over the pipeline group,
   so all ranks log and judge (non-finite policy) the same numbers.
+- Faults (moevlm.train.faults): during `run`, SIGTERM/SIGINT stop every rank
+  after the same step (a MAX all-reduce of a flag after each step) with a
+  checkpoint; collectives time out after `parallel.timeout_s` and end the run
+  with one line naming what the trainer was doing; a watchdog thread reports
+  steps far slower than the recent ones (and aborts past
+  `train.watchdog_abort_s`).  Signal handlers are restored in `close`.
 """
 
 from __future__ import annotations
@@ -39,14 +55,17 @@ import contextlib
 import copy
 import math
 import os
+import signal
+import sys
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from moevlm.data import DataError
 from moevlm.data.build_shards import build_sample
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
@@ -55,11 +74,12 @@ from moevlm.parallel import init_parameters_, materialize_, parallel_context, pa
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 from moevlm.train.config import check_memory, memory_limit, validate
+from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
 from moevlm.train.optim import build_optimizer, build_scheduler
 
-EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT = 0, 1, 3, 5
+EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_DATA = 0, 1, 3, 7, 8
 _STARTED = datetime.now()
 
 
@@ -70,6 +90,10 @@ class Trainer:
         self.plan = validate(job, self.world)
         self.device = _device(self.t.device)
         check_memory(job, self.plan, *memory_limit(self.device))  # from the config alone: before the meta build
+        self.sweep = sweep
+        self.faults = Faults(self.rank, self.world, job.parallel.timeout_s, StepWatchdog(
+            self.t.watchdog_factor, self.t.watchdog_min_s, self.t.watchdog_abort_s,
+            prefix=f"rank {self.rank}: " if self.world > 1 else ""))
         self._init_process_group()
         self.run_dir = self._run_dir(sweep)
         self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
@@ -99,7 +123,7 @@ class Trainer:
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timedelta(seconds=self.job.parallel.timeout_s))
 
     def _run_dir(self, sweep: tuple[str, int] | None) -> Path:
         """One directory for every rank: rank 0 names it, the others receive it.
@@ -203,6 +227,7 @@ class Trainer:
         self.log.info(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
+        self.faults.at("checkpoint save", self.step)
         counters = {"step": self.step, "nonfinite_steps": self.nonfinite_steps, "losses": list(self.losses)}
         return self.ckpt.save(self.step, model=self.model, optimizer=self.opt,
                               extra={"scheduler": self.sched, "counters": counters},
@@ -213,6 +238,7 @@ class Trainer:
         t_start, first_step = time.perf_counter(), self.step
         window = Window()
         code = EXIT_OK
+        self.faults.start()
         try:
             while self.step < self.t.steps:
                 ok = self.train_step(window)
@@ -226,6 +252,8 @@ class Trainer:
                 if self.log.should_log(self.step) or not ok:
                     self.log.log(window.record(self))
                     window = Window()
+                if self.step < self.t.steps and (signum := self.faults.stop_requested(self.device)):
+                    return self._interrupted(signum)
                 if self._checkpoint_due():
                     self.save()
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
@@ -236,10 +264,26 @@ class Trainer:
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
         except CheckpointError as err:  # no room, or the write failed: the earlier checkpoints are intact
             self.log.info(f"stopping at step {self.step}: {err}")
-            return EXIT_CHECKPOINT
+            code = EXIT_CHECKPOINT
+        except DataError as err:  # every rank's own stream: printed where it happened
+            print(f"{'rank %d: ' % self.rank if self.world > 1 else ''}stopping at step {self.step}: {err}",
+                  file=sys.stderr, flush=True)
+            code = EXIT_DATA
+        except Exception as err:  # a failed collective: one line naming the phase instead of a traceback
+            code = self.faults.failure_code(err)
+            if code is None:
+                raise
         finally:
             self.close()
         return code
+
+    def _interrupted(self, signum: int) -> int:
+        path = self.save()
+        again = "" if self.t.run_dir and self.sweep is None else f" with train.run_dir={self.run_dir}"
+        self.log.info(f"interrupted by {signal.Signals(signum).name}: stopped after step {self.step}/{self.t.steps} "
+                      f"with checkpoint {path}; to continue, relaunch the same command{again} (train.resume=auto, "
+                      f"the default, resumes from it); exit code {EXIT_INTERRUPTED}")
+        return EXIT_INTERRUPTED
 
     def _checkpoint_due(self) -> bool:
         return bool(self.t.checkpoint_every) and self.step % self.t.checkpoint_every == 0
@@ -247,31 +291,39 @@ class Trainer:
     def train_step(self, window: Window) -> bool:
         """One optimizer step; False when it was skipped for non-finite values."""
         t0, wait0 = time.perf_counter(), self.loader.wait_s
+        self.faults.begin_step(self.step + 1)
         reads = not isinstance(self.loader, NoData)
         micro = [self._micro_batch() for _ in range(self.plan.grad_accum)] if reads else None
         if self.pipeline is not None:
+            self.faults.at("micro-batch share over the pipeline group")
             micro = self.pipeline.share(micro, self.device)
         dp_group = self.parallel.dp_group
+        self.faults.at("data-parallel token-count all-reduce")
         totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
                               sum(m["flops"] for m in micro)], self.device, dp_group)
         loss_tokens = max(totals[0], 1.0)
+        self.faults.at("forward/backward")
         if self.pipeline is not None:
             loss_sum, aux_sum, counts = self._pipeline_forward_backward(micro, loss_tokens)
         else:
             loss_sum, aux_sum, counts = self._forward_backward(micro, loss_tokens)
+        self.faults.at("gradient reduction and clipping")
         self.parallel.finish_gradients()
         grad_norm = self._clip()
         if self.grad_hook is not None:
             self.grad_hook(self)
+        self.faults.at("data-parallel loss all-reduce")
         loss = _all_reduce_tensor(loss_sum, dp_group) / loss_tokens
         aux_sum = _all_reduce_tensor(aux_sum, dp_group)
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1
         self.losses.append(float(loss))
+        self.faults.at("optimizer step")
         self._update(ok)
         window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
                    useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
                    wait=self.loader.wait_s - wait0, counts=counts)
+        self.faults.end_step()
         return ok
 
     def _forward_backward(self, micro: list[dict], loss_tokens: float):
@@ -362,10 +414,12 @@ class Trainer:
         return EXIT_OK
 
     def close(self) -> None:
+        self.faults.closing()
         self.loader.close()
         self.log.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()  # a sweep's next job starts its own
+        self.faults.close()  # the previous signal handlers, last: a signal while closing cannot cut it short
 
 
 class Window:
