@@ -360,7 +360,7 @@ def test_two_ranks_sigterm_on_one_rank_stops_both_after_the_same_step(reference,
     assert Trainer(job).run() == 0
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-5, (got, want)  # 2 ranks vs 1: layouts' tol
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (got, want)  # (measured: 0.0; pinned data streams)
 
 
 def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(reference, tmp_path):
