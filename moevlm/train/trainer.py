@@ -221,7 +221,10 @@ class Trainer:
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
         self.losses = list(counters["losses"])
-        self.loader.load_state_dict(merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None]))
+        try:
+            self.loader.load_state_dict(merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None]))
+        except ValueError as err:  # other shards, seed or streams than the checkpoint's: what to change
+            raise CheckpointError(f"cannot resume the data from {path}: {err}") from None
         if got["per_rank"].get("rng") is not None:
             set_rng_state(got["per_rank"]["rng"])
         self.log.info(f"resumed from {path} at step {self.step}")

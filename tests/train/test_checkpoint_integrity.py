@@ -288,3 +288,25 @@ def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(refe
     assert code == 0 and trainer.ckpt.resumed_from == run_dir / "checkpoints" / "step_00000002"
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in got) <= 1e-6
+
+
+def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_path, capsys):
+    """Shards rewritten under the same names since the checkpoint: a CheckpointError naming them (train.py: exit
+    7), nothing trained; data where no sample fits the budgets: exit 8 with the skip counts, no hang."""
+    ref_dir, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    shard = sorted((run_dir / "sample_data").glob("*.tar"))[0]
+    other = sorted((run_dir / "sample_data").glob("*.tar"))[1]
+    shard.write_bytes(other.read_bytes())
+    job = compose_job(FAST + ["train.steps=5", f"train.run_dir={run_dir}"])
+    with pytest.raises(CheckpointError, match=f"cannot resume the data from .*step_00000004: .*{shard.name}.*"
+                                              "allow_changed_shards=true"):
+        Trainer(job)
+    trainer, code = run(run_dir, 5, "data.allow_changed_shards=true")  # the user's explicit choice
+    assert code == 0 and trainer.step == 5
+
+    trainer, code = run(tmp_path / "tiny_budget", 2, "data.pack.seq_len=8", "data.pack.oversize=skip")
+    err = capsys.readouterr().err
+    assert code == 8 and trainer.step == 0
+    assert "stopping at step 0: data stream" in err and "could pack none" in err and "too_long=" in err
