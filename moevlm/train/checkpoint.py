@@ -72,7 +72,6 @@ Design choices:
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import logging
 import os
@@ -103,7 +102,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from moevlm.parallel.parallelize import to_storage_layout
 from moevlm.train import integrity
-from moevlm.train.integrity import checksum_files, dir_bytes, file_problems, gib, state_bytes, stored_files
+from moevlm.train.checkpoint_keys import SHOW as _SHOW
+from moevlm.train.checkpoint_keys import check_model_keys, check_optimizer_keys, require
+from moevlm.train.integrity import (CheckpointError, checksum_files, dir_bytes, file_problems, gib, looks_like_disk_full,
+                                    one_line, state_bytes, stored_files)
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +115,6 @@ MARKER = "COMPLETE.json"
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 FORMAT = 2  # 2: expert gate_up stored as (E, D, 2, F) (moevlm.parallel.parallelize.storage_view)
 _STEP_DIR = re.compile(r"step_(\d+)$")
-_SHOW = 5  # keys named in an error message
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete or does not fit what is being loaded into it."""
 
 
 # ---------------------------------------------------------------- RNG state
@@ -202,119 +199,9 @@ def _utc_now(compact: bool = False) -> str:
     return now.strftime("%Y%m%dT%H%M%SZ") if compact else now.isoformat(timespec="seconds")
 
 
-def _errors(e: BaseException) -> list[BaseException]:
-    """`e`, its causes, and the per-rank exceptions a DCP CheckpointException gathered."""
-    out, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or any(x is y for y in out):
-            continue
-        out.append(x)
-        if isinstance(x, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
-        todo += [x.__cause__, x.__context__]
-    return out
-
-
-_DISK_FULL = ("no space left", "disk quota", "unexpected pos")  # torch's zip writer reports a short write so
-
-
-def _looks_like_disk_full(e: BaseException) -> bool:
-    return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT)
-               or any(t in str(x).lower() for t in _DISK_FULL) for x in _errors(e))
-
-
-def _one_line(e: BaseException) -> str:
-    """The innermost error of a (DCP) exception, in one line."""
-    inner = [x for x in _errors(e) if not isinstance(x, CheckpointException)] or [e]
-    return f"{type(inner[0]).__name__}: {str(inner[0]).splitlines()[0] if str(inner[0]) else ''}"
-
-
 def _checkpoint_index(path: Path) -> dict[str, Any]:
     """DCP's metadata: flattened key -> TensorStorageMetadata (has .size) or BytesStorageMetadata."""
     return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
-
-
-# -------------------------------------------------------------- key checks
-
-
-def _prefixes(keys: Iterable[str]) -> set[str]:
-    """Every dotted prefix of every key ("a.b.c" -> "a", "a.b", "a.b.c")."""
-    out = set()
-    for key in keys:
-        parts = key.split(".")
-        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return out
-
-
-def _flat_keys(prefix: str, value: Any) -> Iterator[str]:
-    """Dotted keys of the leaves of nested dicts/lists, roughly as DCP flattens them."""
-    if isinstance(value, Mapping):
-        items: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        yield prefix
-        return
-    for key, item in items:
-        yield from _flat_keys(f"{prefix}.{key}", item)
-
-
-def _uncovered(keys: set[str], other: set[str]) -> list[str]:
-    """Keys of `keys` with no key of `other` equal, above or below them (flattening depth may differ)."""
-    below = _prefixes(other)
-    return sorted(k for k in keys if k not in below and not _prefixes([k]) & other)
-
-
-def _check_model_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path,
-                      every_rank: Iterable[str] | None = None) -> None:
-    """Name missing/unexpected keys and wrong shapes.  `every_rank`: the model keys of all ranks
-    (a pipeline rank holds part of the model; a saved key is unexpected only if no rank has it)."""
-    expected = {f"model.{k}" for k in model_sd}
-    everyone = expected if every_rank is None else {f"model.{k}" for k in every_rank}
-    saved_model = {k for k in saved if k.startswith("model.")}
-    missing = [k[6:] for k in _uncovered(expected, saved_model)]
-    unexpected = [k[6:] for k in _uncovered(saved_model, everyone)]
-    shapes = _shape_mismatches(model_sd, saved)
-    if missing or unexpected or shapes:
-        raise CheckpointError(
-            f"model does not match checkpoint {path}: {len(missing)} missing {missing[:_SHOW]}, "
-            f"{len(unexpected)} unexpected {unexpected[:_SHOW]}, {len(shapes)} with another shape "
-            f"{shapes[:_SHOW]} (at most {_SHOW} of each shown)"
-        )
-
-
-def _check_optimizer_keys(optim_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path) -> None:
-    """Every optimizer entry to load must be saved (extra saved entries are ignored, as DCP does)."""
-    saved_optim = {k for k in saved if k.startswith("optim.")}
-    if not saved_optim:
-        raise CheckpointError(f"checkpoint {path} has no optimizer state; load with optimizer=None")
-    missing = [k[6:] for k in _uncovered(set(_flat_keys("optim", optim_sd)), saved_optim)]
-    if missing:
-        hint = ""
-        if any(k.endswith("initial_lr") for k in missing):
-            hint = ("; initial_lr is added by an LR scheduler: create it before loading exactly when "
-                    "the saving run had one")
-        raise CheckpointError(
-            f"optimizer does not match checkpoint {path}: {len(missing)} missing {missing[:_SHOW]}{hint}"
-        )
-
-
-def _shape_mismatches(model_sd: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
-    """Tensors whose global shape (DTensor.shape is global) differs from the saved one."""
-    out = []
-    for key, value in model_sd.items():
-        meta = saved.get(f"model.{key}")
-        if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
-            out.append(f"{key}: saved {tuple(meta.size)}, model {tuple(value.shape)}")
-    return out
-
-
-def _require(names: Iterable[str], saved: Mapping[str, Any], prefix: str, path: Path) -> None:
-    absent = [n for n in names if f"{prefix}.{n}" not in saved]
-    if absent:
-        have = sorted({k.split(".")[-1] for k in saved if k.startswith(prefix + ".")})
-        raise CheckpointError(f"checkpoint {path} has no {prefix} value(s) {absent}; it has {have}")
 
 
 # ---------------------------------------------------------- python values
@@ -516,11 +403,11 @@ class CheckpointManager:
             if self.rank == 0:
                 _remove_checkpoint(path)
             free = integrity.free_bytes(self.root)
-            full = _looks_like_disk_full(e) or free < need
+            full = looks_like_disk_full(e) or free < need
             last = self.latest()
             raise CheckpointError(
                 f"writing checkpoint {path.name} in {self.root} failed"
-                + (f": the disk is full (about {gib(need)} needed, {gib(free)} free now)" if full else f": {_one_line(e)}")
+                + (f": the disk is full (about {gib(need)} needed, {gib(free)} free now)" if full else f": {one_line(e)}")
                 + "; the partial directory was removed"
                 + (f" and {last.name} is intact (resume=auto continues from it)" if last else "")
             ) from e
@@ -663,14 +550,14 @@ class CheckpointManager:
             originals["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
         model_sd, optim_sd = to_storage_layout(originals["model"], originals.get("optim"))
         state: dict[str, Any] = {"model": model_sd}
-        _check_model_keys(state["model"], saved, path, self._keys_of_every_rank(state["model"]))
+        check_model_keys(state["model"], saved, path, self._keys_of_every_rank(state["model"]))
         if optim_sd is not None:
             state["optim"] = optim_sd
-            _check_optimizer_keys(state["optim"], saved, path)
+            check_optimizer_keys(state["optim"], saved, path)
         if extra:
-            _require(extra, saved, "extra", path)
+            require(extra, saved, "extra", path)
             state["extra"] = {n: b"" for n in extra}
-        _require(names, saved, "per_rank.rank0", path)
+        require(names, saved, "per_rank.rank0", path)
         if names and self.rank < marker["world_size"]:
             state["per_rank"] = {f"rank{self.rank}": {n: b"" for n in names}}
         return state, originals
@@ -687,7 +574,7 @@ class CheckpointManager:
         path = Path(path)
         world = read_marker(path)["world_size"]
         saved = _checkpoint_index(path)
-        _require([name], saved, "per_rank.rank0", path)
+        require([name], saved, "per_rank.rank0", path)
         state = {"per_rank": {f"rank{r}": {name: b""} for r in range(world)}}
         with _quiet_no_dist():
             dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)

@@ -18,6 +18,9 @@ Design choices:
 - Files are read in 8 MiB chunks on a few threads (zlib releases the GIL), so
   memory stays flat whatever the checkpoint size.  The manager splits the
   files of a checkpoint over its ranks (moevlm.train.checkpoint).
+- A failed write is recognised as a full disk from ENOSPC/EDQUOT anywhere in
+  the exception chain, or in the per-rank errors DCP gathers (torch's zip
+  writer reports a short write as "unexpected pos ...").
 - The size estimate is the bytes of the tensors (local shards of DTensors) and
   byte values this rank hands DCP, plus a margin for DCP's per-item framing
   and metadata (measured: ~1.5 KB per item); it is compared with
@@ -26,6 +29,7 @@ Design choices:
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import zlib
@@ -35,6 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, damaged, cannot be written, or does not fit what is loaded into it."""
+
 
 CHUNK = 8 << 20
 THREADS = 4
@@ -145,3 +154,31 @@ def dir_bytes(path: str | os.PathLike) -> int:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _errors(e: BaseException) -> list[BaseException]:
+    """`e`, its causes, and the per-rank exceptions a DCP CheckpointException gathered."""
+    out, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return out
+
+
+_DISK_FULL = ("no space left", "disk quota", "unexpected pos")  # torch's zip writer reports a short write so
+
+
+def looks_like_disk_full(e: BaseException) -> bool:
+    return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT)
+               or any(t in str(x).lower() for t in _DISK_FULL) for x in _errors(e))
+
+
+def one_line(e: BaseException) -> str:
+    """The innermost error of a (DCP) exception, in one line."""
+    inner = [x for x in _errors(e) if not isinstance(x, CheckpointException)] or [e]
+    return f"{type(inner[0]).__name__}: {str(inner[0]).splitlines()[0] if str(inner[0]) else ''}"
