@@ -1,6 +1,7 @@
 """Data: WebDataset shards of real images with text -> fixed-shape packed micro-batches.
 
     build_shards.py  annotations (LLaVA JSON/JSONL, caption JSONL) + images -> tar shards; --sample
+    build_inputs.py  the build's untrusted inputs: paths kept inside --images, byte caps before reading
     records.py       every record form -> one canonical Record
     sample.py        the embedded sample set: photos and prose that installed packages ship
     image.py         bytes -> RGB (EXIF, modes, bomb guard, JPEG draft) -> smart resize -> patches

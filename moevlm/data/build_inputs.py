@@ -1,0 +1,255 @@
+"""The untrusted inputs of a shard build: annotation files and the image files they name.
+
+    for where, obj in read_annotations(paths, skips, max_text_bytes): ...
+    data, fmt = load_image(path_as_written, images_root, max_image_bytes)   # or SkipSample
+
+Design choices:
+- Images are checked before writing, cheaply: PIL identifies the header
+  among the reader's allowed formats (image.allowed_formats, so nothing the
+  reader would refuse is written; `not_an_image`), `verify()` checks structure (PNG chunk CRCs: `bad_image`),
+  and because verify() is a no-op for JPEG, a JPEG is also decoded at 1/8
+  scale (libjpeg DCT scaling, a few ms), which finds truncated files.
+- Annotation files are untrusted: image paths stay inside --images.  A path
+  is taken relative to the root; an absolute path, one starting with `~`
+  (never expanded), and one whose real path (os.path.realpath: `..` and every
+  symlink on the way, file or folder) leaves the root are `outside_images`.
+  Symlinks and `..` that stay inside are fine.  The real path is what is
+  opened (O_NOFOLLOW on its last part), so the checked path is the one read.
+  This guards against annotation files, not against someone swapping folders
+  while the build runs.
+  --images is required (the library's image_root too): there is no fallback
+  to the working directory or the annotation file's folder, so what a build
+  may read is always named.  --sample confines its records (absolute files in
+  installed packages) to their deepest common folder.
+- Skip details never show a path that was refused: they say "image path #k
+  of record 'id' is absolute / starts with '~' / leaves --images" (the file
+  and line are in front), because summary.json travels with the shards and a
+  path can itself say something private.  Paths inside the root are shown as
+  written (cut at 80 characters).
+- Byte caps are checked before anything is read: an image file's size comes
+  from stat (non-regular files are never opened: a FIFO cannot hang the
+  build) and again from fstat on the opened file, above --max-image-bytes
+  (default 32 MiB, the loader's data.max_image_bytes) it is `file_too_large`,
+  and at most cap+1 bytes are read.  --max-text-bytes (default 1 MiB) caps the
+  UTF-8 bytes of a record's text or messages (`text_too_large`); a JSONL line
+  is read at most 6 x that + 64 KiB (JSON may escape a byte as 6), a longer
+  line is skipped as `text_too_large` unparsed and never held.  A .json list
+  is one document and is read whole (use .jsonl for huge sets).
+- Bad input is skipped and counted by reason (errors.py), never fatal: a
+  malformed JSONL line (`bad_json`, with its line number; also one nested too
+  deep for the parser), a record that does not normalise, a non-string or
+  NUL-holding image path (`bad_record`), a missing / empty / broken image or
+  one whose name the file system refuses (`missing_image`, e.g. "File name too
+  long"), and any other exception while checking one record (`bad_record`).
+  Only setup errors abort, checked before anything is written: a missing
+  annotation file, a .json file that does not start with a JSON list, a
+  non-empty OUT without --overwrite.  A .json list that is broken further in
+  (invalid, or nested deeper than the parser allows) is found when the file is
+  parsed, which may be after earlier files were written: the build stops with
+  a one-line error (exit 2), finished shards stay, no summary.json is written
+  (so it does not look complete); rebuild with --overwrite.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Iterator
+
+from PIL import Image, UnidentifiedImageError
+
+from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.image import allowed_formats
+from moevlm.data.records import Record, parse_json_bytes
+
+DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
+DEFAULT_MAX_TEXT_BYTES = 1 << 20
+LINE_SLACK = 64 << 10  # JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
+
+
+# ---- images -------------------------------------------------------------
+
+def resolve_image(p: str, root: Path) -> Path:
+    """The real path of image `p`, as a record writes it, inside `root` (a real
+    path); SkipSample when it is not a path or leads outside `root`."""
+    if not isinstance(p, str):
+        raise SkipSample("bad_record", f"is a {type(p).__name__}, not a string")
+    if "\0" in p:
+        raise SkipSample("bad_record", "holds a NUL character")
+    if p.startswith("~"):
+        raise SkipSample("outside_images", "starts with '~'; image paths are relative to --images")
+    if os.path.isabs(p):
+        raise SkipSample("outside_images", "is absolute; image paths are relative to --images")
+    real = Path(os.path.realpath(root / p))  # every symlink on the way, and '..', resolved
+    if not real.is_relative_to(root):
+        raise SkipSample("outside_images", "leaves --images (through '..' or a symlink)")
+    return real
+
+
+def load_image(p: str, root: Path, max_bytes: int, label: str = "image path") -> tuple[bytes, str]:
+    """The bytes and member extension of image `p` (resolve_image); SkipSample when unusable.
+    Details start with `label`; a path is shown (as written) only once it is known to be inside `root`."""
+    try:
+        path = resolve_image(p, root)
+    except SkipSample as e:
+        raise SkipSample(e.reason, f"{label} {e.detail}") from None
+    shown = f"{label} ({display_path(p)})"
+    data = read_capped(path, max_bytes, shown)
+    if not data:
+        raise SkipSample("empty_image", f"{shown} has zero bytes")
+    return data, image_ext(path, verify_image(data, shown))
+
+
+def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:
+    """A regular file's bytes, refused (file_too_large) from its size before any is read."""
+    try:
+        _check_size(os.stat(path), max_bytes, shown)  # before opening: no FIFO or device is ever opened
+        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise SkipSample("missing_image", f"{shown} does not exist") from None
+    except OSError as e:
+        raise SkipSample("missing_image", f"{shown} cannot be read: {e.strerror or type(e).__name__}") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        _check_size(os.fstat(fd), max_bytes, shown)  # the file opened is the file checked
+        data = _read_at_most(f, max_bytes + 1)
+    if len(data) > max_bytes:  # it grew after the check
+        raise SkipSample("file_too_large", f"{shown} is larger than --max-image-bytes {max_bytes}")
+    return data
+
+
+_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _check_size(st: os.stat_result, max_bytes: int, shown: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise SkipSample("missing_image", f"{shown} is not a file")
+    if st.st_size > max_bytes:
+        raise SkipSample("file_too_large", f"{shown} has {st.st_size} bytes, above --max-image-bytes {max_bytes}")
+
+
+def _read_at_most(f, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+def display_path(p: str, limit: int = 80) -> str:
+    """A path as the record writes it, cut for the logs (only paths inside the root are shown)."""
+    return p if len(p) <= limit else p[:limit] + "..."
+
+
+def verify_image(data: bytes, shown: str) -> str:
+    """Header + structure check (see module docstring); returns PIL's format name."""
+    try:
+        with Image.open(io.BytesIO(data), formats=allowed_formats()) as im:
+            fmt = im.format
+            im.verify()
+        if fmt == "JPEG":
+            _decode_small(data)
+    except Image.DecompressionBombError as e:
+        raise SkipSample("image_too_large", f"{shown}: {e}") from None
+    except UnidentifiedImageError:
+        raise SkipSample("not_an_image", f"{shown}: not a {'/'.join(allowed_formats())} image") from None
+    except Exception as e:  # PIL reports damage with many exception types
+        raise SkipSample("bad_image", f"{shown}: {type(e).__name__}: {e}") from None
+    return fmt
+
+
+def _decode_small(data: bytes) -> None:
+    with Image.open(io.BytesIO(data)) as im:
+        im.draft(None, (max(1, im.width // 8), max(1, im.height // 8)))
+        im.load()
+
+
+def image_ext(path: Path, fmt: str | None) -> str:
+    ext = path.suffix.lower().lstrip(".")
+    if not re.fullmatch(r"[a-z0-9]{1,8}", ext):
+        ext = (fmt or "img").lower()
+    return "jpg" if ext == "jpeg" else ext
+
+
+def text_bytes(rec: Record) -> int:
+    """UTF-8 bytes of the sample's text (the text, or every message's content)."""
+    texts = [rec.text] if rec.text is not None else [m["content"] for m in rec.messages]
+    return sum(len(t.encode("utf-8")) for t in texts)
+
+
+# ---- annotations --------------------------------------------------------
+
+def read_annotations(paths: list[Path], skips: SkipCounter,
+                     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> Iterator[tuple[str, dict]]:
+    """(where, object) for every record of every file; bad JSONL lines go to `skips`.
+    A JSONL line is read up to 6 x max_text_bytes + LINE_SLACK bytes, never whole."""
+    for path in paths:
+        if path.suffix == ".jsonl":
+            yield from _read_jsonl(path, skips, 6 * max_text_bytes + LINE_SLACK)
+        else:
+            yield from _read_json_list(path)
+
+
+def check_annotation_files(paths: list[Path]) -> None:
+    for path in paths:
+        if path.suffix not in (".json", ".jsonl"):
+            raise ValueError(f"annotation file {path} must end in .json (a JSON list) or .jsonl (one object a line)")
+        if not path.is_file():
+            raise FileNotFoundError(f"annotation file {path} does not exist")
+        if path.suffix == ".json" and _first_char(path) != "[":
+            raise ValueError(f"{path} does not start with '['; a .json annotation file must hold one JSON list "
+                             "of records (use .jsonl for one object per line)")
+
+
+def _first_char(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8-sig", errors="replace").lstrip()
+    return head[:1]
+
+
+def _read_jsonl(path: Path, skips: SkipCounter, max_line: int) -> Iterator[tuple[str, dict]]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(_bounded_lines(f, max_line), 1):
+            where = f"{path.name}:{lineno}"
+            if line is None:
+                skips.add(SkipSample("text_too_large", f"the line is longer than {max_line} bytes "
+                                     "(6 x --max-text-bytes + 64 KiB); not parsed"), where)
+            elif line.strip():
+                try:
+                    yield where, parse_json_bytes(line)
+                except SkipSample as e:
+                    skips.add(e, where)
+
+
+def _bounded_lines(f, max_line: int) -> Iterator[bytes | None]:
+    """The lines of binary file `f`; None for a line over `max_line` bytes, which
+    is skipped through in 1 MiB pieces and never held."""
+    while line := f.readline(max_line + 1):
+        if len(line) <= max_line or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
+def _read_json_list(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        items = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not valid UTF-8 JSON ({e}); a .json annotation file must hold one JSON list "
+                         "(use .jsonl for one object per line)") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests JSON arrays/objects deeper than the parser allows; a .json file is one "
+                         "document, so the build stops: remove that record, or convert the file to .jsonl "
+                         "(one object per line), where such a line is skipped as bad_json") from None
+    if not isinstance(items, list):
+        raise ValueError(f"{path} holds a JSON {type(items).__name__}; a .json annotation file must hold a list "
+                         "of records (use .jsonl for one object per line)")
+    for i, obj in enumerate(items):
+        yield f"{path.name}[{i}]", obj
