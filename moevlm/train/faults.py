@@ -145,7 +145,8 @@ class StopSignals:
         elif not self.requested:
             self.requested, self.first_at = signum, now
             _say(f"{self.prefix}received {name}: finishing {self.describe()}, then writing a checkpoint and "
-                 f"exiting (code {EXIT_INTERRUPTED}); send it again to exit at once without a checkpoint")
+                 f"exiting (code {EXIT_INTERRUPTED}; 0 if that was the last step); send it again to exit at once "
+                 "without a checkpoint")
         elif now - self.first_at > self.repeat_window_s:
             _say(f"{self.prefix}received {name} again: exiting at once during {self.describe()}, without a "
                  f"checkpoint (exit code {128 + signum}); the last complete checkpoint is kept")
