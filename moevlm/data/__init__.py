@@ -11,6 +11,7 @@
     packing.py       first-fit packing to fixed token / patch / image budgets; rows -> micro-batch
     loader.py        layout-independent streams over ranks and workers, exact-resume state, skip statistics
     errors.py        SkipSample reasons; DataError (the data can feed nothing)
+    hf_files.py      tokenizer, chat template and image-processor files for an exported HF folder
 """
 
 from moevlm.data.config import DataConfig, ImageConfig, PackConfig

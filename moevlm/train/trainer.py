@@ -67,6 +67,7 @@ from omegaconf import OmegaConf
 
 from moevlm.data import DataError
 from moevlm.data.build_shards import build_sample
+from moevlm.data.hf_files import write_processor_files
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, count_flops
@@ -262,8 +263,7 @@ class Trainer:
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
             if self.t.export_hf:
-                save_hf(self.model, self.t.export_hf)  # collective under a layout: every stage's weights
-                self.log.info(f"exported Hugging Face checkpoint to {self.t.export_hf}")
+                self._export_hf(self.t.export_hf)
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
         except CheckpointError as err:  # no room, or the write failed: the earlier checkpoints are intact
             self.log.info(f"stopping at step {self.step}: {err}")
@@ -279,6 +279,16 @@ class Trainer:
         finally:
             self.close()
         return code
+
+    def _export_hf(self, out: str) -> None:
+        """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
+        stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads."""
+        save_hf(self.model, out)
+        if self.rank == 0:
+            write_processor_files(out, tokenizer=self.loader.tokenizer_path, image=self.job.data.image,
+                                  source=self.job.model.hf_checkpoint or None)
+        self.log.info(f"exported Hugging Face checkpoint to {out} (weights, config, tokenizer, chat template, "
+                      "image processor)")
 
     def _interrupted(self, signum: int) -> int:
         path = self.save()

@@ -264,6 +264,15 @@ def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path):
     back = Qwen3VLMoe.from_pretrained(tmp_path / "hf_out")
     for k, v in back.state_dict().items():
         assert torch.equal(v, end[k]), k
+    import transformers  # the folder is complete: transformers' tokenizer and the reference model load it
+
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_out")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    ref = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "hf_out")
+    ids = torch.tensor([tok("a photo of a cat")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(ref(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-4,
+                                   rtol=1e-4)
 
 
 def test_config_error_exits_2_with_the_message_only(tmp_path):
