@@ -34,7 +34,8 @@ def main(cfg) -> None:
     try:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
-        print(f"config error: {err}", file=sys.stderr)  # it says what to change; a traceback would bury it
+        for line in str(err).splitlines():  # each says what to change; a traceback would bury them
+            print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
     except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)

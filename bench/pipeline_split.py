@@ -41,9 +41,9 @@ def main() -> None:
         job = compose_job([f"+experiment={args.experiment}", "data.shards=unused", f"parallel.pp={pp}",
                            f"parallel.vpp={vpp}", f"parallel.pp_schedule={schedule}", *args.overrides])
         world = args.world or job.parallel.world_size
-        plan = validate(job, world).pipeline
+        plan = validate(job, world, environment=False).pipeline
         d, t = job.data, job.train
-        costs = stage_costs(validate(job, world).model, rows=t.micro_batch_size, seq_len=d.pack.seq_len,
+        costs = stage_costs(validate(job, world, environment=False).model, rows=t.micro_batch_size, seq_len=d.pack.seq_len,
                             max_patches=d.pack.max_patches,
                             image_patches=d.image.max_pixels // d.image.patch_size**2,
                             freeze_vision=job.model.freeze_vision)

@@ -210,28 +210,116 @@ def _check_proxies(m: ModelConfig) -> None:
            "null for the checkpoint's router_aux_loss_coef")
 
 
-def validate(job, world_size: int = 1) -> Plan:
-    """Every check that needs no file and no device, in the order a user would fix them."""
+def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
+    """Every check that needs no allocation (config values, the launch, and with `environment` the
+    device, packages and files the config names), all at once: ConfigError with one line per problem
+    (each group of checks reports its first), in the order a user would fix them.  environment=False
+    checks a recipe for another machine (a GPU recipe's arithmetic on a laptop)."""
+    problems: list[str] = []
+    run = _collector(problems)
+    p, t, o = job.parallel, job.train, job.optim
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(job, section), name)
-        _check(value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
-    p, t, o = job.parallel, job.train, job.optim
-    _check(p.world_size is None or p.world_size == world_size,
-           f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
-           f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
-           "and a layout that fits")
-    dims = ParallelDims(world_size, tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, ep=p.ep, etp=p.etp)
-    model = build_model_config(job.model)
-    dims.check_model(model)
-    _check_dispatcher(job.model.dispatcher, dims)
-    _check_batch(t, dims)
-    notes = _check_optim(o, t.steps)
-    _check_faults(p, t)
-    _check_data(job.data, model, dims)
+        run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
+    run(_check, p.world_size is None or p.world_size == world_size,
+        f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
+        f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
+        "and a layout that fits")
+    for check in environment_checks(job) if environment else ():
+        run(check)
+    dims = run(ParallelDims, world_size, tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, ep=p.ep, etp=p.etp)
+    model = run(build_model_config, job.model)
+    if dims is not None and model is not None:
+        run(dims.check_model, model)
+    if dims is not None:
+        run(_check_dispatcher, job.model.dispatcher, dims)
+        run(_check_batch, t, dims)
+    notes = run(_check_optim, o, t.steps) or []
+    run(_check_faults, p, t)
+    if dims is not None and model is not None:
+        run(_check_data, job.data, model, dims)
+    if problems:
+        raise ConfigError("\n".join(problems))
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
     return Plan(model=model, dims=dims, grad_accum=grad_accum, pipeline=_plan_pipeline(job, model, dims, grad_accum),
                 notes=notes)
+
+
+def _collector(problems: list[str]):
+    """run(fn, *args): fn's result, or None with its ConfigError's lines added to `problems`."""
+    def run(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as err:
+            problems.extend(line for line in str(err).splitlines() if line not in problems)
+            return None
+    return run
+
+
+# ---------------------------------------------------------- the environment
+TRITON_OPTIONS = ("model.grouped_gemm", "model.permute")
+NOT_BUILT = {"deepep": "the DeepEP adapter", "hybridep": "the HybridEP adapter"}
+
+
+def environment_checks(job) -> list:
+    """Checks of what the config asks of this machine (device, backend, packages) and of the files it
+    names; each a no-argument callable raising ConfigError, so every problem is reported."""
+    t, m, p = job.train, job.model, job.parallel
+    cuda = torch.cuda.is_available()
+    on_cpu = t.device == "cpu" or not cuda  # (device=cuda without CUDA is its own error)
+    checks = [
+        lambda: _check(t.device != "cuda" or cuda,
+                       f"train.device=cuda but {_why_no_cuda()}; use train.device=auto (CPU here) or cpu"),
+        lambda: _check(p.backend != "nccl" or not on_cpu,
+                       "parallel.backend=nccl needs CUDA devices but this job runs on the CPU; use parallel.backend=auto "
+                       "(gloo on the CPU)"),
+    ]
+    for key in TRITON_OPTIONS:
+        value = getattr(m, key.split(".")[1])
+        checks.append(lambda key=key, value=value: _check(
+            value != "triton" or not on_cpu or os.environ.get("TRITON_INTERPRET") == "1",
+            f"{key}=triton runs Triton kernels, which need a CUDA device; on the CPU use {key}=torch (or set "
+            "TRITON_INTERPRET=1 before launching to run them in Triton's interpreter: very slow, for tests)"))
+    checks.append(lambda: _check(m.dispatcher not in NOT_BUILT,
+                                 f"model.dispatcher={m.dispatcher}: {NOT_BUILT.get(m.dispatcher)} is not built in this "
+                                 "version yet; use model.dispatcher=alltoall"))
+    checks += [lambda: _check_path(m.hf_checkpoint, "model.hf_checkpoint", "an HF folder with config.json and "
+                                   "*.safetensors", folder=True),
+               lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
+               lambda: _check_path("" if t.resume in ("auto", "none") else t.resume, "train.resume",
+                                   "a checkpoint folder (checkpoints/step_NNNNNNNN), auto or none", folder=True),
+               lambda: _check_shards(job.data.shards)]
+    return checks
+
+
+def _why_no_cuda() -> str:
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r})"
+
+
+def _check_path(path: str, key: str, what: str, folder: bool = False) -> None:
+    if path:
+        _check(os.path.isdir(path) if folder else os.path.exists(path),
+               f"{key}={path} does not exist{' or is not a folder' if folder else ''}; give {what}")
+
+
+def _check_shards(spec: str) -> None:
+    """A shard spec that names nothing readable (the sample set and the empty value are checked elsewhere)."""
+    if spec in ("", "sample", MISSING) or not isinstance(spec, str):
+        return
+    if "{" not in spec and "," not in spec and not any(c in spec for c in "*?[") and not os.path.exists(spec):
+        raise ConfigError(f"data.shards={spec} does not exist; give a folder of .tar shards (build them with "
+                          "python -m moevlm.data.build_shards), a brace pattern or a list")
+    from moevlm.data.reader import expand_shards
+
+    try:
+        shards = expand_shards(spec)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    missing = [s for s in shards if not os.path.isfile(s)]
+    _check(not missing, f"data.shards={spec} names {len(missing)} shard(s) that do not exist, e.g. {missing[:3]}")
 
 
 def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int) -> Optional[PipelinePlan]:

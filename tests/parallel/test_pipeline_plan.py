@@ -98,7 +98,7 @@ def test_auto_split_balances_ranks_with_several_stages_each():
 def _refused(overrides: list[str], world: int, match: str):
     job = compose_job(["data.shards=/nonexistent", "train.global_batch_size=8", *overrides])
     with pytest.raises(ConfigError, match=match):
-        validate(job, world)
+        validate(job, world, environment=False)  # only the layout and config are under test
 
 
 @pytest.mark.parametrize("overrides,world,match", [
