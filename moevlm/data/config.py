@@ -6,7 +6,8 @@ changes the numbers the model sees (patch 16, merge 2, temporal 2, mean = std
 4096*4096 (65,536 patches, an inference setting); training defaults to
 1024*1024 (4,096 patches) so one image always fits the default patch budget.
 
-Every field is checked by `moevlm.data.loader.check_config` before any file is
+Every field carries its description (`metadata={"help": ...}`, shown by `python train.py --help`
+and conf/README.md: moevlm.train.options) and is checked by `moevlm.data.loader.check_config` before any file is
 read (a one-line message naming the field, its value and what to set).
 `pack.max_patches: 0` is a text-only budget: samples with images are skipped as
 `too_long` (or, with `oversize: truncate`, cut before their first image).
@@ -16,54 +17,82 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# allowed values, checked by moevlm.data.loader.check_fields and listed by `python train.py --help`
+OVERSIZE = ("skip", "truncate")
+PIN_MEMORY = ("auto", "true", "false")
+
 
 @dataclass
 class ImageConfig:
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 256 * 256
-    max_pixels: int = 1024 * 1024
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    max_image_pixels: int = 100_000_000  # decompression-bomb guard: width*height of the encoded image
-    jpeg_draft: bool = True  # let libjpeg decode at 1/2, 1/4, 1/8 scale when the target is that much smaller
+    """Image preprocessing: patch geometry, resize bounds, normalization, decode guards."""
+    patch_size: int = field(default=16, metadata={"help": "vision patch side in pixels"})
+    temporal_patch_size: int = field(default=2, metadata={
+        "help": "frames per patch (a still image is repeated to fill them)"})
+    merge_size: int = field(default=2, metadata={
+        "help": "merge_size x merge_size patches become one text-width token; image sides are multiples of "
+                "patch_size x merge_size"})
+    min_pixels: int = field(default=256 * 256, metadata={"help": "smaller images are upscaled to at least this area"})
+    max_pixels: int = field(default=1024 * 1024, metadata={
+        "help": "larger images are downscaled to at most this area (Qwen3-VL's reference allows 4096*4096)"})
+    mean: tuple[float, float, float] = field(default=(0.5, 0.5, 0.5), metadata={
+        "help": "per-channel (R, G, B) mean subtracted from pixels in [0, 1]"})
+    std: tuple[float, float, float] = field(default=(0.5, 0.5, 0.5), metadata={
+        "help": "per-channel (R, G, B) std pixels are divided by, each > 0"})
+    max_image_pixels: int = field(default=100_000_000, metadata={
+        "help": "decompression-bomb guard: width*height of the encoded image; larger ones are skipped"})
+    jpeg_draft: bool = field(default=True, metadata={
+        "help": "let libjpeg decode at 1/2, 1/4, 1/8 scale when the target is that much smaller"})
 
 
 @dataclass
 class PackConfig:
-    seq_len: int = 4096  # text tokens per micro-batch (one packed row)
-    max_patches: int = 16384  # vision patches per micro-batch
-    max_samples: int = 64  # documents per micro-batch (fixes the length of text cu_seqlens)
-    max_images: int = 32  # images per micro-batch (fixes image_grid_thw / vision cu_seqlens)
-    lookahead: int = 16  # at least this many samples to choose from (first fit) once they overflow a micro-batch
-    oversize: str = "skip"  # a sample over a budget: "skip" (counted) or "truncate" (its text, images that no longer fit dropped)
+    """Packing budgets per micro-batch row: fixed, so every tensor shape is static."""
+    seq_len: int = field(default=4096, metadata={"help": "text tokens per micro-batch (one packed row)"})
+    max_patches: int = field(default=16384, metadata={
+        "help": "vision patches per micro-batch; 0 = text only (samples with images skipped or truncated)"})
+    max_samples: int = field(default=64, metadata={
+        "help": "documents per micro-batch (fixes the length of the text cu_seqlens)"})
+    max_images: int = field(default=32, metadata={
+        "help": "images per micro-batch (fixes image_grid_thw and the vision cu_seqlens)"})
+    lookahead: int = field(default=16, metadata={
+        "help": "at least this many samples to choose from (first fit) once they overflow a micro-batch"})
+    oversize: str = field(default="skip", metadata={
+        "help": "a sample over a budget: skip (counted) or truncate (its text cut, images that no longer fit "
+                "dropped)"})
 
 
 @dataclass
 class DataConfig:
-    shards: str = ""  # a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar) or a comma list
-    tokenizer: str = ""  # tokenizer.json; empty = <shards folder>/tokenizer.json
+    """The data: WebDataset shards, tokenizer, image preprocessing, packing, the loader's workers and limits."""
+    shards: str = field(default="", metadata={
+        "help": "WebDataset shards: a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar), a comma "
+                "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"})
+    tokenizer: str = field(default="", metadata={
+        "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json"})
     image: ImageConfig = field(default_factory=ImageConfig)
     pack: PackConfig = field(default_factory=PackConfig)
-    num_workers: int = 2
-    # logical data streams of the whole job (all ranks); the rows of a global batch depend only on this,
-    # not on the data-parallel size or num_workers.  A multiple of the data-parallel size whose quotient
-    # num_workers divides.  0 = auto = dp size x max(1, num_workers): the data then depends on the layout.
-    streams: int = 0
-    prefetch_factor: int = 2
-    pin_memory: str = "auto"  # "auto" (when CUDA is available), "true", "false"
-    start_method: str = "forkserver"  # fork is unsafe once CUDA is initialised (and with PIL + CUDA)
-    seed: int = 0
-    shuffle_shards: bool = True
-    shuffle_buffer: int = 256  # samples; 0 keeps shard order
-    epochs: int | None = None  # None: loop forever (the trainer counts steps)
-    caption_prompt: str = ""  # user text placed after <image> for caption-only samples
-    # resource caps per tar member, checked from the tar header before the bytes are read: a json/txt
-    # member above max_text_bytes skips its sample as `text_too_large`, any other member above
-    # max_image_bytes as `file_too_large` (1 MiB of text is ~250k tokens, far above any seq_len)
-    max_text_bytes: int = 1048576  # 1 MiB
-    max_image_bytes: int = 33554432  # 32 MiB
-    # resume on shards whose size or content changed since the checkpoint (logged as a warning);
-    # false: such a resume is refused, naming the changed shards
-    allow_changed_shards: bool = False
+    num_workers: int = field(default=2, metadata={"help": "loader worker processes per rank; 0 = in the trainer"})
+    streams: int = field(default=0, metadata={
+        "help": "logical data streams of the whole job: the rows of a global batch depend only on this, not on "
+                "dp or num_workers; a multiple of dp whose quotient num_workers divides; 0 = dp x max(1, "
+                "num_workers) (the data then depends on the layout)"})
+    prefetch_factor: int = field(default=2, metadata={"help": "rows each worker prepares ahead"})
+    pin_memory: str = field(default="auto", metadata={
+        "help": "page-locked batches for faster host-to-GPU copies: auto (when CUDA is available), true, false"})
+    start_method: str = field(default="forkserver", metadata={
+        "help": "how workers start; fork is unsafe once CUDA is initialised (and with PIL + CUDA)"})
+    seed: int = field(default=0, metadata={"help": "seed of the shard and sample shuffles"})
+    shuffle_shards: bool = field(default=True, metadata={"help": "shuffle the shard order each epoch"})
+    shuffle_buffer: int = field(default=256, metadata={"help": "samples in the shuffle buffer; 0 keeps shard order"})
+    epochs: int | None = field(default=None, metadata={
+        "help": "passes over the shards; null = loop forever (the trainer counts steps)"})
+    caption_prompt: str = field(default="", metadata={
+        "help": "user text placed after <image> for caption-only samples"})
+    max_text_bytes: int = field(default=1048576, metadata={
+        "help": "a json/txt tar member above this many bytes skips its sample as text_too_large (checked from "
+                "the tar header; 1 MiB is ~250k tokens)"})
+    max_image_bytes: int = field(default=33554432, metadata={
+        "help": "any other tar member above this many bytes skips its sample as file_too_large (32 MiB)"})
+    allow_changed_shards: bool = field(default=False, metadata={
+        "help": "resume on shards whose size or content changed since the checkpoint (logged as a warning); "
+                "false: such a resume is refused, naming the changed shards"})

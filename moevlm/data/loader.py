@@ -105,7 +105,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from moevlm.data.config import DataConfig
+from moevlm.data.config import OVERSIZE, PIN_MEMORY, DataConfig
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import DataError, SkipCounter, SkipSample
 from moevlm.data.packing import Packer, collate
@@ -510,6 +510,11 @@ def _require(ok: bool, field: str, value, want: str) -> None:
         raise ValueError(f"data.{field}={value!r} is invalid: set it to {want}")
 
 
+def _one_of(values) -> str:
+    *head, last = map(repr, values)
+    return f"{', '.join(head)} or {last}" if head else last
+
+
 def check_fields(cfg: DataConfig) -> None:
     """Each DataConfig field on its own: a value that cannot work (a packing budget that holds no
     sample, a non-positive size) is refused with the field, its value and what to set."""
@@ -519,7 +524,7 @@ def check_fields(cfg: DataConfig) -> None:
     _require(pk.max_patches >= 0, "pack.max_patches", pk.max_patches, "0 (text only) or more patches")
     _require(pk.max_images >= 0, "pack.max_images", pk.max_images, "0 (text only) or more images")
     _require(pk.lookahead >= 0, "pack.lookahead", pk.lookahead, "0 or more samples")
-    _require(pk.oversize in ("skip", "truncate"), "pack.oversize", pk.oversize, "'skip' or 'truncate'")
+    _require(pk.oversize in OVERSIZE, "pack.oversize", pk.oversize, _one_of(OVERSIZE))
     for name in ("patch_size", "temporal_patch_size", "merge_size"):
         _require(getattr(im, name) >= 1, f"image.{name}", getattr(im, name), "a positive integer")
     _require(im.min_pixels >= 1, "image.min_pixels", im.min_pixels, "a positive pixel count")
@@ -537,7 +542,7 @@ def check_fields(cfg: DataConfig) -> None:
     _require(cfg.prefetch_factor >= 1, "prefetch_factor", cfg.prefetch_factor, "at least 1 row per worker")
     _require(cfg.shuffle_buffer >= 0, "shuffle_buffer", cfg.shuffle_buffer, "0 (shard order) or more samples")
     _require(cfg.epochs is None or cfg.epochs >= 1, "epochs", cfg.epochs, "null (loop forever) or at least 1")
-    _require(str(cfg.pin_memory).lower() in ("auto", "true", "false"), "pin_memory", cfg.pin_memory,
-             "'auto', 'true' or 'false'")
+    _require(str(cfg.pin_memory).lower() in PIN_MEMORY, "pin_memory", cfg.pin_memory,
+             _one_of(PIN_MEMORY))
     _require(cfg.start_method in mp.get_all_start_methods(), "start_method", cfg.start_method,
              f"one of {mp.get_all_start_methods()}")

@@ -28,6 +28,7 @@ from typing import Any
 from moevlm.kernels import GROUPED_GEMMS
 
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash")
+PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
 
 
 class ConfigError(ValueError):
@@ -151,7 +152,7 @@ class VLMConfig:
         _check(m.decoder_sparse_step >= 1, f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1")
         for i in m.mlp_only_layers:
             _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
-        _check(m.permute in ("torch", "triton"), f"moe.permute={m.permute!r}; choose one of ['torch', 'triton']")
+        _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
         _check("triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
                "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "
                "builds of torch ship it); use 'torch'")

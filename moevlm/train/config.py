@@ -11,6 +11,9 @@ Design choices:
   `parallel`, `optim`, `train`.  An experiment (`conf/experiment/*.yaml`,
   `# @package _global_`) picks groups and sets fields, named by hardware and
   parallelism.
+- Each field's description is its `field(metadata={"help": ...})` and each section's its class docstring:
+  the one source of `python train.py --help` and conf/README.md (moevlm.train.options, which also takes the
+  allowed values from the constants validation uses: CHOICES, DISPATCHER_NAMES, ...).
 - The model is a preset (torchtitan's "flavor") or an HF `config.json`, plus a
   few proxy knobs (`num_layers`, `num_experts`, `vision_depth`) so a recipe
   can shrink the real architecture to fit its hardware.
@@ -54,88 +57,134 @@ from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # tiny | qwen3_vl_30b_a3b | qwen3_vl_235b_a22b (ignored when hf_config is set)
-    hf_config: str = ""  # an HF Qwen3-VL-MoE config.json (or its folder): the architecture
-    hf_checkpoint: str = ""  # an HF folder to load weights from ("" = random init)
-    num_layers: Optional[int] = None  # proxy: fewer decoder layers
-    num_experts: Optional[int] = None  # proxy: fewer experts
-    vision_depth: Optional[int] = None  # proxy: fewer vision blocks (deepstack taps beyond it dropped)
-    attn_backend: str = "auto"
-    grouped_gemm: str = "torch"
-    dispatcher: str = "local"
-    permute: str = "torch"  # torch | triton: the fused permute/unpermute kernels
-    aux_loss_coef: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
-    freeze_vision: bool = False  # the whole vision module (tower, merger, deepstack mergers) runs forward only
+    """The network: a preset or an HF config, proxy knobs that shrink it, kernel and dispatcher backends."""
+    preset: str = field(default="tiny", metadata={"help": "the architecture by name (ignored when hf_config is set)"})
+    hf_config: str = field(default="", metadata={
+        "help": "an HF Qwen3-VL-MoE config.json (or its folder) as the architecture; empty = model.preset"})
+    hf_checkpoint: str = field(default="", metadata={
+        "help": "an HF folder (safetensors) to load weights from; empty = random init"})
+    num_layers: Optional[int] = field(default=None, metadata={
+        "help": "proxy: fewer decoder layers; null = the model's own"})
+    num_experts: Optional[int] = field(default=None, metadata={
+        "help": "proxy: fewer experts (0: a dense MLP in every layer); null = the model's own"})
+    vision_depth: Optional[int] = field(default=None, metadata={
+        "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own"})
+    attn_backend: str = field(default="auto", metadata={
+        "help": "attention kernel: auto (flash on CUDA in bf16/fp16 when flash-attn is installed, else sdpa), sdpa "
+                "(document mask), sdpa_per_doc, flex (FlexAttention), flash (flash-attn varlen)"})
+    grouped_gemm: str = field(default="torch", metadata={
+        "help": "expert GEMM: torch (torch._grouped_mm), loop (one matmul per expert, the reference), triton "
+                "(ours; needs the triton package)"})
+    dispatcher: str = field(default="local", metadata={
+        "help": "how tokens reach their experts (moevlm.dispatch): auto (chosen from the layout and the installed "
+                "packages), local (no expert parallelism, parallel.ep=1), alltoall, deepep, hybridep"})
+    permute: str = field(default="torch", metadata={
+        "help": "token permute/unpermute around the experts: torch, or triton (fused kernels)"})
+    aux_loss_coef: Optional[float] = field(default=None, metadata={
+        "help": "router load-balancing loss weight (0 turns it off); null = the checkpoint's router_aux_loss_coef"})
+    freeze_vision: bool = field(default=False, metadata={
+        "help": "the whole vision module (tower, merger, deepstack mergers) runs forward only, no gradients"})
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = -1  # -1: world / (pp * tp * cp)
-    ep: int = 1
-    etp: int = 1
-    dp_mode: str = "fsdp"  # fsdp (FSDP2) | ddp
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv | dualpipev (GPipe, 1F1B, Interleaved1F1B too)
-    vpp: Optional[int] = None  # stages per pp rank; None: 1, or 2 for interleaved_1f1b / zbv / dualpipev
-    # decoder layers per stage: auto (balanced by training FLOPs, the vision tower charged to stage 0) or a
-    # list, e.g. parallel.pp_layers=[20,28] (or the string "'20,28'")
-    pp_layers: Any = "auto"
-    world_size: Optional[int] = None  # the recipe's GPU count; checked against the launch when set
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    # seconds a collective may wait for its peers before the job ends with a clear line (exit 5); torch's NCCL
-    # default, long enough for a first-step compile or a large checkpoint write (moevlm.train.faults)
-    timeout_s: float = 600.0
+    """The layout over the launched processes: tp x cp x dp x pp attention ranks, ep x etp x edp expert ranks."""
+    tp: int = field(default=1, metadata={"help": "tensor (and sequence) parallel size"})
+    cp: int = field(default=1, metadata={"help": "context parallel size: each packed row split over cp ranks"})
+    pp: int = field(default=1, metadata={"help": "pipeline parallel size (stages over pp ranks)"})
+    dp: int = field(default=-1, metadata={"help": "data parallel size; -1 = world / (pp * tp * cp)"})
+    ep: int = field(default=1, metadata={"help": "expert parallel size: experts split over ep ranks"})
+    etp: int = field(default=1, metadata={"help": "expert tensor parallel size: each expert's weights split"})
+    dp_mode: str = field(default="fsdp", metadata={
+        "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"})
+    pp_schedule: str = field(default="1f1b", metadata={
+        "help": "pipeline schedule (torch.distributed.pipelining; the class names GPipe, 1F1B, Interleaved1F1B "
+                "are accepted too)"})
+    vpp: Optional[int] = field(default=None, metadata={
+        "help": "stages per pp rank; null = 1, or 2 for interleaved_1f1b / zbv / dualpipev"})
+    pp_layers: Any = field(default="auto", metadata={
+        "help": "decoder layers per stage: auto (balanced by training FLOPs, the vision tower charged to stage 0) "
+                "or a list, e.g. parallel.pp_layers=[20,28] (or the string \"'20,28'\")"})
+    world_size: Optional[int] = field(default=None, metadata={
+        "help": "the recipe's GPU count, checked against the launch; null = any"})
+    backend: str = field(default="auto", metadata={
+        "help": "process group backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo"})
+    timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds a collective may wait for its peers before the job ends with one clear line (exit 5); "
+                "torch's NCCL default, long enough for a first-step compile or a large checkpoint write"})
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    decay_norms_biases_embeddings: bool = False  # weight decay on norms, biases and embeddings too
-    implementation: str = "auto"  # auto | fused | foreach | for_loop
-    schedule: str = "cosine"  # cosine | wsd | constant (all after linear warmup)
-    warmup_steps: int = 0
-    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays
-    decay_shape: str = "linear"  # wsd decay: linear | cosine | sqrt
-    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still logged)
+    """AdamW, its weight-decay groups, the learning-rate schedule and gradient clipping."""
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate (reached after warmup)"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr = lr * min_lr_ratio, in [0, 1]"})
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={
+        "help": "AdamW betas, two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon (added to sqrt(v)), > 0"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay; 0 = none"})
+    decay_norms_biases_embeddings: bool = field(default=False, metadata={
+        "help": "weight decay on norms, biases and embeddings too (false: matrices only)"})
+    implementation: str = field(default="auto", metadata={
+        "help": "AdamW implementation: auto (fused where the device has the kernel, else foreach), fused, foreach, "
+                "for_loop"})
+    schedule: str = field(default="cosine", metadata={
+        "help": "learning rate after the linear warmup: cosine, wsd (warmup-stable-decay), constant"})
+    warmup_steps: int = field(default=0, metadata={"help": "steps of linear warmup up to lr"})
+    decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the last fraction of steps decays, in (0, 1]"})
+    decay_shape: str = field(default="linear", metadata={"help": "wsd: the decay's shape"})
+    grad_clip: float = field(default=1.0, metadata={
+        "help": "max global gradient norm; <= 0 disables clipping (the norm is still logged)"})
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
-    global_batch_size: int = 1  # packed rows per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 1  # packed rows per forward/backward
-    seed: int = 0
-    deterministic: bool = False  # deterministic kernels (CPU runs repeat bitwise)
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
-    device: str = "auto"  # auto | cpu | cuda
-    run_dir: str = ""  # "" = outputs/<date>/<time>[/<sweep job>]: one directory for all ranks
-    resume: str = "auto"  # auto (newest complete checkpoint in run_dir) | none | a checkpoint path
-    checkpoint_every: int = 0  # steps; 0 = only at the end
-    keep_checkpoints: int = 2  # the last K complete checkpoints; <= 0 keeps all
-    checkpoint_at_end: bool = True
-    export_hf: str = ""  # a folder: the final weights as HF safetensors
-    log_every: int = 1
-    tensorboard: bool = True
-    progress: Optional[bool] = None  # None: a progress bar when stdout is a terminal
-    peak_tflops: Optional[float] = None  # per device; None = from the device table (MFU null when unknown)
-    nonfinite: str = "skip"  # skip (step skipped and counted) | stop (checkpoint, message, exit 3)
-    max_nonfinite_steps: int = 10  # consecutive skipped steps before stopping anyway
-    require_loss_decrease: bool = False  # exit 1 if the mean loss of the last 3 steps is not below the first 3
-    # step watchdog (moevlm.train.faults): after 2 warm-up steps, a step longer than watchdog_factor x the median
-    # of the last 20 and than watchdog_min_s is reported (one line + all threads' stacks); 0 turns reports off
-    watchdog_factor: float = 10.0
-    watchdog_min_s: float = 60.0
-    watchdog_abort_s: Optional[float] = None  # a step or checkpoint running longer ends the process (exit 6)
+    """The loop: steps, batch sizes, precision, run directory, checkpoints, logging, fault handling."""
+    steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
+    global_batch_size: int = field(default=1, metadata={
+        "help": "packed rows per optimizer step over all data-parallel ranks; a multiple of micro_batch_size x dp "
+                "(the quotient is the gradient accumulation)"})
+    micro_batch_size: int = field(default=1, metadata={"help": "packed rows per forward/backward on one rank"})
+    seed: int = field(default=0, metadata={"help": "seed of the weight init and the RNGs"})
+    deterministic: bool = field(default=False, metadata={"help": "deterministic kernels (CPU runs repeat bitwise)"})
+    precision: str = field(default="auto", metadata={
+        "help": "compute precision: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16"})
+    device: str = field(default="auto", metadata={"help": "auto (CUDA when available), cpu, cuda"})
+    run_dir: str = field(default="", metadata={
+        "help": "the run's directory (checkpoints, logs, metrics), one for all ranks; empty = "
+                "outputs/<date>/<time>[/<sweep job>]"})
+    resume: str = field(default="auto", metadata={
+        "help": "auto (the newest complete checkpoint in run_dir, if any), none, or a checkpoint path"})
+    checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints; 0 = only at the end"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K complete checkpoints; <= 0 keeps all"})
+    checkpoint_at_end: bool = field(default=True, metadata={"help": "write a checkpoint after the last step"})
+    export_hf: str = field(default="", metadata={
+        "help": "a folder to write the final weights to as HF safetensors; empty = no export"})
+    log_every: int = field(default=1, metadata={"help": "steps between metric log lines"})
+    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files in run_dir"})
+    progress: Optional[bool] = field(default=None, metadata={
+        "help": "a progress bar; null = when stdout is a terminal"})
+    peak_tflops: Optional[float] = field(default=None, metadata={
+        "help": "peak TFLOP/s per device for MFU; null = from the device table (MFU null when unknown)"})
+    nonfinite: str = field(default="skip", metadata={
+        "help": "a NaN/inf loss or gradient: skip (the step is skipped and counted) or stop (checkpoint, message, "
+                "exit 3)"})
+    max_nonfinite_steps: int = field(default=10, metadata={
+        "help": "consecutive skipped non-finite steps before stopping anyway"})
+    require_loss_decrease: bool = field(default=False, metadata={
+        "help": "exit 1 if the mean loss of the last 3 steps is not below that of the first 3"})
+    watchdog_factor: float = field(default=10.0, metadata={
+        "help": "step watchdog: after 2 warm-up steps, a step longer than this x the median of the last 20 (and "
+                "than watchdog_min_s) is reported with all threads' stacks; 0 = no reports"})
+    watchdog_min_s: float = field(default=60.0, metadata={
+        "help": "step watchdog: steps shorter than this many seconds are never reported"})
+    watchdog_abort_s: Optional[float] = field(default=None, metadata={
+        "help": "a step or checkpoint running longer than this many seconds ends the process (exit 6); null = never"})
 
 
 @dataclass
 class JobConfig:
+    """The whole job, one section per config group."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -145,8 +194,11 @@ class JobConfig:
 
 def register_configs() -> None:
     """The schema behind conf/config.yaml (its first default): every group file
-    and override is checked against these types."""
+    and override is checked against these types; and the `${moevlm.options:}` resolver of the --help text."""
+    from moevlm.train.options import register_help_resolver  # it imports this module
+
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    register_help_resolver()
 
 
 def compose_job(overrides: list[str] = (), config_dir: str | None = None):
