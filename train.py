@@ -8,6 +8,7 @@ Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
 Exit codes: 0 done, 2 config error, the others as moevlm.train.trainer documents.
 """
 
+import os
 import signal
 import sys
 
@@ -34,7 +35,8 @@ def main(cfg) -> None:
     try:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
-        print(f"config error: {err}", file=sys.stderr)  # it says what to change; a traceback would bury it
+        if os.environ.get("RANK", "0") == "0" or not getattr(err, "same_on_every_rank", False):
+            print(f"config error: {err}", file=sys.stderr)  # it says what to change; a traceback would bury it
         sys.exit(2)
     except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)

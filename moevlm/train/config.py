@@ -50,6 +50,7 @@ from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
+from moevlm.train.scale import scale_down
 
 
 @dataclass
@@ -83,6 +84,8 @@ class ParallelConfig:
     # list, e.g. parallel.pp_layers=[20,28] (or the string "'20,28'")
     pp_layers: Any = "auto"
     world_size: Optional[int] = None  # the recipe's GPU count; checked against the launch when set
+    # +scale=cpu: at most this many processes; dp (and ep if it must) shrink to fit, the shape is kept (train/scale.py)
+    scale_to: Optional[int] = None
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     # seconds a collective may wait for its peers before the job ends with a clear line (exit 5); torch's NCCL
     # default, long enough for a first-step compile or a large checkpoint write (moevlm.train.faults)
@@ -217,6 +220,8 @@ def validate(job, world_size: int = 1) -> Plan:
         value = getattr(getattr(job, section), name)
         _check(value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
     p, t, o = job.parallel, job.train, job.optim
+    _check_dispatcher_built(job.model.dispatcher)  # before the launch size: such a recipe cannot run at all
+    scaled = scale_down(job, world_size, build_model_config)  # parallel.scale_to rewrites the layout and batch
     _check(p.world_size is None or p.world_size == world_size,
            f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
            f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
@@ -226,7 +231,7 @@ def validate(job, world_size: int = 1) -> Plan:
     dims.check_model(model)
     _check_dispatcher(job.model.dispatcher, dims)
     _check_batch(t, dims)
-    notes = _check_optim(o, t.steps)
+    notes = scaled + _check_optim(o, t.steps)
     _check_faults(p, t)
     _check_data(job.data, model, dims)
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
@@ -256,6 +261,16 @@ def _check_dispatcher(name: str, dims: ParallelDims) -> None:
     _check(name != "local" or dims.ep == 1,
            f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
            "deepep or hybridep")
+
+
+def _check_dispatcher_built(name: str) -> None:
+    """A named backend without its adapter (deepep, hybridep) is refused here, before any process group, not
+    as a traceback from the model's construction."""
+    from moevlm.dispatch import DISPATCHERS
+
+    _check(name not in DISPATCHER_NAMES or name in DISPATCHERS or name == "auto",
+           f"model.dispatcher={name!r} is not built in this version (its adapter and the package it needs, deep_ep, "
+           f"arrive with their own issue); choose one of {sorted(DISPATCHERS)}")
 
 
 def _check_batch(t, dims: ParallelDims) -> None:
