@@ -8,6 +8,7 @@ Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
 Exit codes: 0 done, 2 config error, the others as moevlm.train.trainer documents.
 """
 
+import os
 import signal
 import sys
 
@@ -34,8 +35,9 @@ def main(cfg) -> None:
     try:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
-        for line in str(err).splitlines():  # each says what to change; a traceback would bury them
-            print(f"config error: {line}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0" or not getattr(err, "same_on_every_rank", False):
+            for line in str(err).splitlines():  # each says what to change; a traceback would bury them
+                print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
     except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)

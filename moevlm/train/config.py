@@ -53,6 +53,7 @@ from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
+from moevlm.train.scale import scale_down
 
 
 @dataclass
@@ -107,6 +108,9 @@ class ParallelConfig:
                 "or a list, e.g. parallel.pp_layers=[20,28] (or the string \"'20,28'\")"})
     world_size: Optional[int] = field(default=None, metadata={
         "help": "the recipe's GPU count, checked against the launch; null = any"})
+    scale_to: Optional[int] = field(default=None, metadata={
+        "help": "+scale=cpu sets it: at most this many processes; dp (and ep if it must) shrink to fit, the "
+                "recipe's parallel shape is kept (moevlm/train/scale.py)"})
     backend: str = field(default="auto", metadata={
         "help": "process group backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo"})
     timeout_s: float = field(default=600.0, metadata={
@@ -274,6 +278,10 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         section, name = key.split(".")
         value = getattr(getattr(job, section), name)
         run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
+    run(_check_dispatcher_built, job.model.dispatcher)  # such a recipe cannot run at all
+    scaled = run(scale_down, job, world_size, build_model_config)  # parallel.scale_to rewrites the layout and batch
+    if scaled is None:  # the layout checks below would only repeat it
+        raise ConfigError("\n".join(problems))
     run(_check, p.world_size is None or p.world_size == world_size,
         f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
         f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
@@ -287,7 +295,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     if dims is not None:
         run(_check_dispatcher, job.model.dispatcher, dims)
         run(_check_batch, t, dims)
-    notes = run(_check_optim, o, t.steps) or []
+    notes = scaled + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
@@ -311,7 +319,6 @@ def _collector(problems: list[str]):
 
 # ---------------------------------------------------------- the environment
 TRITON_OPTIONS = ("model.grouped_gemm", "model.permute")
-NOT_BUILT = {"deepep": "the DeepEP adapter", "hybridep": "the HybridEP adapter"}
 
 
 def environment_checks(job) -> list:
@@ -333,9 +340,6 @@ def environment_checks(job) -> list:
             value != "triton" or not on_cpu or os.environ.get("TRITON_INTERPRET") == "1",
             f"{key}=triton runs Triton kernels, which need a CUDA device; on the CPU use {key}=torch (or set "
             "TRITON_INTERPRET=1 before launching to run them in Triton's interpreter: very slow, for tests)"))
-    checks.append(lambda: _check(m.dispatcher not in NOT_BUILT,
-                                 f"model.dispatcher={m.dispatcher}: {NOT_BUILT.get(m.dispatcher)} is not built in this "
-                                 "version yet; use model.dispatcher=alltoall"))
     checks += [lambda: _check_path(m.hf_checkpoint, "model.hf_checkpoint", "an HF folder with config.json and "
                                    "*.safetensors", folder=True),
                lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
@@ -396,6 +400,16 @@ def _check_dispatcher(name: str, dims: ParallelDims) -> None:
     _check(name != "local" or dims.ep == 1,
            f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
            "deepep or hybridep")
+
+
+def _check_dispatcher_built(name: str) -> None:
+    """A named backend without its adapter (deepep, hybridep) is refused here, before any process group, not
+    as a traceback from the model's construction."""
+    from moevlm.dispatch import DISPATCHERS
+
+    _check(name not in DISPATCHER_NAMES or name in DISPATCHERS or name == "auto",
+           f"model.dispatcher={name!r} is not built in this version (its adapter and the package it needs, deep_ep, "
+           f"arrive with their own issue); choose one of {sorted(DISPATCHERS)}")
 
 
 def _check_batch(t, dims: ParallelDims) -> None:

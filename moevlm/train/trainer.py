@@ -71,6 +71,7 @@ from moevlm.data.hf_files import write_processor_files
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, count_flops
+from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
@@ -88,7 +89,11 @@ class Trainer:
     def __init__(self, job, sweep: tuple[str, int] | None = None):
         self.job, self.t = job, job.train
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-        self.plan = validate(job, self.world)
+        try:
+            self.plan = validate(job, self.world)
+        except ConfigError as err:  # the config alone: every rank finds the same, rank 0 says it (train.py)
+            err.same_on_every_rank = True
+            raise
         self.device = _device(self.t.device)
         check_memory(job, self.plan, *memory_limit(self.device))  # from the config alone: before the meta build
         self.sweep = sweep

@@ -142,8 +142,7 @@ def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
 
 
 # ------------------------------------------------------- the README's scaled-down gb200_3d, torchrun, world 8
-GB200_3D_CPU = ["+experiment=gb200_3d", "model=tiny", "data=sample", "train=cpu", "parallel.world_size=8",
-                "parallel.ep=4", "data.streams=8", "train.global_batch_size=8"]
+GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 
 
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
@@ -153,10 +152,12 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     common = [*GB200_3D_CPU, "train.steps=3", "train.tensorboard=false", "train.checkpoint_every=0"]
-    one = ["parallel.world_size=1", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1"]
+    # one process: the scaled job's model, rows (its streams) and batch, without its layout
+    one = [*common, "parallel.scale_to=null", "parallel.world_size=1", "parallel.tp=1", "parallel.pp=1",
+           "parallel.ep=1", "data.streams=4", "train.global_batch_size=8"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    runs = {"one": [sys.executable, str(REPO / "train.py"), *common, *one],
+    runs = {"one": [sys.executable, str(REPO / "train.py"), *one],
             "eight": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
                       str(REPO / "train.py"), *common]}
     out = {}
