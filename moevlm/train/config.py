@@ -50,6 +50,9 @@ from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
+from moevlm.train.wandb_log import MISSING_PACKAGE as WANDB_MISSING
+from moevlm.train.wandb_log import MODES as WANDB_MODES
+from moevlm.train.wandb_log import wandb_installed
 
 
 @dataclass
@@ -122,6 +125,10 @@ class TrainConfig:
     export_hf: str = ""  # a folder: the final weights as HF safetensors
     log_every: int = 1
     tensorboard: bool = True
+    # Weights & Biases (moevlm.train.wandb_log; pip install wandb): disabled | online | offline (<run_dir>/wandb,
+    # no network). Entity, run name, tags: W&B's env WANDB_ENTITY, WANDB_NAME, WANDB_TAGS
+    wandb: str = "disabled"
+    wandb_project: str = "moevlm"
     progress: Optional[bool] = None  # None: a progress bar when stdout is a terminal
     peak_tflops: Optional[float] = None  # per device; None = from the device table (MFU null when unknown)
     nonfinite: str = "skip"  # skip (step skipped and counted) | stop (checkpoint, message, exit 3)
@@ -165,7 +172,7 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"), "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "optim.schedule": ("cosine", "wsd", "constant"), "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
-    "train.nonfinite": ("skip", "stop"),
+    "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
 }
 
 
@@ -217,6 +224,7 @@ def validate(job, world_size: int = 1) -> Plan:
         value = getattr(getattr(job, section), name)
         _check(value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
     p, t, o = job.parallel, job.train, job.optim
+    _check(t.wandb == "disabled" or wandb_installed(), WANDB_MISSING.format(mode=t.wandb))
     _check(p.world_size is None or p.world_size == world_size,
            f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
            f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
