@@ -11,6 +11,7 @@ the offline run's files under <run_dir>/wandb.
 from __future__ import annotations
 
 import sys
+import time
 import types
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -138,6 +139,11 @@ def test_real_wandb_offline_writes_under_run_dir(tmp_path, monkeypatch):
         log.log(record(1))
         log.log(record(2, loss=float("nan")))
     (folder,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id(run_dir)}")
-    data = (folder / f"run-{run_id(run_dir)}.wandb").read_bytes()  # protobuf records: keys are plain UTF-8
-    for tag in ("train/loss", "perf/tflops", "data/bad_samples/too_long", "wandb_project"):  # + the job config
-        assert tag.encode() in data
+    tags = [t.encode() for t in ("train/loss", "perf/tflops", "data/bad_samples/too_long", "wandb_project")]
+    deadline = time.monotonic() + 20  # wandb 0.31's service may finish writing the file just after finish()
+    while True:
+        data = (folder / f"run-{run_id(run_dir)}.wandb").read_bytes()  # protobuf records: keys are plain UTF-8
+        if all(t in data for t in tags) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [t for t in tags if t not in data] == []  # the scalars' tags and the job config
