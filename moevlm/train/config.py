@@ -54,6 +54,9 @@ from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
 from moevlm.train.scale import scale_down
+from moevlm.train.wandb_log import MISSING_PACKAGE as WANDB_MISSING
+from moevlm.train.wandb_log import MODES as WANDB_MODES
+from moevlm.train.wandb_log import wandb_installed
 
 
 @dataclass
@@ -166,6 +169,10 @@ class TrainConfig:
         "help": "a folder to write the final weights to as HF safetensors; empty = no export"})
     log_every: int = field(default=1, metadata={"help": "steps between metric log lines"})
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files in run_dir"})
+    wandb: str = field(default="disabled", metadata={
+        "help": "Weights & Biases logging (pip install wandb): disabled, online, or offline (<run_dir>/wandb, no "
+                "network); entity, run name and tags from W&B's WANDB_ENTITY, WANDB_NAME, WANDB_TAGS"})
+    wandb_project: str = field(default="moevlm", metadata={"help": "the W&B project (train.wandb on)"})
     progress: Optional[bool] = field(default=None, metadata={
         "help": "a progress bar; null = when stdout is a terminal"})
     peak_tflops: Optional[float] = field(default=None, metadata={
@@ -221,7 +228,7 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"), "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "optim.schedule": ("cosine", "wsd", "constant"), "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
-    "train.nonfinite": ("skip", "stop"),
+    "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
 }
 
 
@@ -279,6 +286,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         value = getattr(getattr(job, section), name)
         run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
     run(_check_dispatcher_built, job.model.dispatcher)  # such a recipe cannot run at all
+    run(_check, t.wandb == "disabled" or wandb_installed(), WANDB_MISSING.format(mode=t.wandb))
     scaled = run(scale_down, job, world_size, build_model_config)  # parallel.scale_to rewrites the layout and batch
     if scaled is None:  # the layout checks below would only repeat it
         raise ConfigError("\n".join(problems))

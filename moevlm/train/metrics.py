@@ -1,4 +1,4 @@
-"""Step metrics and logging: one JSON line, TensorBoard scalars and a console line per logged step.
+"""Step metrics and logging: one JSON line, TensorBoard scalars, W&B (optional) and a console line per logged step.
 
     logger = MetricsLogger(run_dir, rank, total_steps, log_every)
     if logger.should_log(step):
@@ -37,6 +37,10 @@ Conventions:
   the steps after the checkpoint from metrics.jsonl (rewritten atomically) and
   reopens TensorBoard with `purge_step`, which makes readers discard the older
   sessions' events from that step on.
+- Weights & Biases (`train.wandb`, moevlm.train.wandb_log) receives the same
+  scalars as TensorBoard under the same tags (`scalars`), with `step=`; it
+  cannot drop history on a resume (one line says which steps keep their first
+  values there).
 """
 
 from __future__ import annotations
@@ -169,6 +173,14 @@ _TB_TAGS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "grad_norm": "tr
             "bad_samples": "data/bad_samples", "nonfinite_steps": "train/nonfinite_steps"}
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """The record's numbers under their TensorBoard / W&B tags (nulls left out)."""
+    out = {tag: record[key] for key, tag in _TB_TAGS.items() if record.get(key) is not None}
+    for reason, n in record.get("bad_samples_by_reason", {}).items():
+        out[f"data/bad_samples/{reason}"] = n
+    return out
+
+
 def console_line(r: dict, total_steps: int) -> str:
     w = len(str(total_steps))
     parts = [f"step {r['step']:>{w}}/{total_steps}", f"loss {r['loss']:.4f}"]
@@ -200,13 +212,15 @@ def _step_of_line(line: str) -> float:
 
 
 class MetricsLogger:
-    """metrics.jsonl + TensorBoard (run_dir/tb) + console (tqdm bar on a TTY); rank 0 only."""
+    """metrics.jsonl + TensorBoard (run_dir/tb) + W&B (`wandb`: a moevlm.train.wandb_log.WandbLog, or
+    anything with `log(scalars, step)` and `finish()`) + console (tqdm bar on a TTY); rank 0 only."""
 
     def __init__(self, run_dir: Path, rank: int, total_steps: int, log_every: int,
-                 tensorboard: bool = True, progress: bool | None = None):
+                 tensorboard: bool = True, progress: bool | None = None, wandb=None):
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.active = rank == 0
         self._file = self._tb = self._bar = None
+        self._wandb = wandb if self.active else None
         if not self.active:
             return
         self.run_dir = run_dir = Path(run_dir)
@@ -243,6 +257,10 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.close()
                 self._tb = self._writer(purge_step=step + 1)
+            last = max((s for s in map(_step_of_line, lines) if math.isfinite(s)), default=step)
+            if self._wandb is not None and last > step:
+                self.info(f"W&B cannot drop history: its steps {step + 1}..{last} keep the values logged before "
+                          "this resume (metrics.jsonl and TensorBoard have the new ones)")
         self._file = open(path, "a", buffering=1)
         return len(lines) - len(keep)
 
@@ -255,14 +273,13 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._file.flush()
-        step = record["step"]
+        step, values = record["step"], scalars(record)
         if self._tb is not None:
-            for key, tag in _TB_TAGS.items():
-                if record.get(key) is not None:
-                    self._tb.add_scalar(tag, record[key], step)
-            for reason, n in record.get("bad_samples_by_reason", {}).items():
-                self._tb.add_scalar(f"data/bad_samples/{reason}", n, step)
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
         if self._bar is not None:
             self._bar.update(max(0, step - self._bar.n))
         self.info(console_line(record, self.total_steps))
@@ -279,7 +296,9 @@ class MetricsLogger:
         for h in (self._bar, self._tb, self._file):
             if h is not None:
                 h.close()
-        self._file = self._tb = self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._file = self._tb = self._bar = self._wandb = None
         self.active = False
 
     def __enter__(self):

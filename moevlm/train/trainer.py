@@ -80,6 +80,7 @@ from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
 from moevlm.train.optim import build_optimizer, build_scheduler
+from moevlm.train.wandb_log import start_wandb
 
 EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_DATA = 0, 1, 3, 7, 8
 _STARTED = datetime.now()
@@ -103,7 +104,7 @@ class Trainer:
         self._init_process_group()
         self.run_dir = self._run_dir(sweep)
         self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
-                                 self.t.progress)
+                                 self.t.progress, wandb=start_wandb(job, self.run_dir, self.rank))
         for note in self.plan.notes:
             self.log.info(note)
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
