@@ -43,13 +43,15 @@ class PackConfig:
 @dataclass
 class DataConfig:
     shards: str = ""  # a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar) or a comma list
-    tokenizer: str = ""  # tokenizer.json; empty = <shards folder>/tokenizer.json
+    # tokenizer.json; empty = <shards folder>/tokenizer.json, else <model.hf_checkpoint>/tokenizer.json
+    tokenizer: str = ""
     image: ImageConfig = field(default_factory=ImageConfig)
     pack: PackConfig = field(default_factory=PackConfig)
     num_workers: int = 2
-    # logical data streams of the whole job (all ranks); the rows of a global batch depend only on this,
-    # not on the data-parallel size or num_workers.  A multiple of the data-parallel size whose quotient
-    # num_workers divides.  0 = auto = dp size x max(1, num_workers): the data then depends on the layout.
+    # logical data streams of the whole job (all ranks); the rows of a global batch depend only on this
+    # (and the shards), not on the data-parallel size or num_workers.  A multiple of the data-parallel size.
+    # 0 = auto = 16 (loader.DEFAULT_STREAMS): the same rows for dp 1, 2, 4, 8, 16.  Fewer shards than
+    # streams: read as fewer streams (a divisor, logged); num_workers is lowered to fit (logged).
     streams: int = 0
     prefetch_factor: int = 2
     pin_memory: str = "auto"  # "auto" (when CUDA is available), "true", "false"
