@@ -23,3 +23,38 @@ def test_readme_data_example_runs(tmp_path):
     scope: dict = {}
     exec(compile(block.replace('"SHARDS"', repr(str(tmp_path))), "README.md", "exec"), scope)
     assert scope["batch"]["input_ids"].shape == (1, 4096) and scope["state"]["states"]
+
+
+def test_readme_own_data_commands_run(tmp_path):
+    """The Data section's commands, as written, on packaged photos and a caption JSONL
+    written here: shards with the tokenizer beside them, then a short training run."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from moevlm.data.sample import sample_photo_paths
+
+    repo = Path(__file__).parents[1]
+    text = (repo / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if "--tokenizer" in b)
+    (tmp_path / "photos").mkdir()
+    photos = sample_photo_paths()
+    for p in photos:
+        shutil.copy(p, tmp_path / "photos" / p.name)
+    (tmp_path / "captions.jsonl").write_text("".join(
+        json.dumps({"image": p.name, "caption": f"A photograph called {p.stem.replace('_', ' ')}."}) + "\n"
+        for p in photos * 2))
+    fast = " train.steps=1 train.require_loss_decrease=false train.checkpoint_every=0 train.tensorboard=false"
+    script = block.replace("python train.py", f"python {repo / 'train.py'}").replace("python ", f"{sys.executable} ")
+    script = re.sub(r"(train\.py data\.shards=\S+)", r"\1" + fast, script)
+    assert fast in script, "the README's training command is not `python train.py data.shards=...`"
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "my_shards" / "tokenizer.json").is_file()
+    assert len(json.loads((tmp_path / "my_shards" / "summary.json").read_text())["shards"]) == 2 * len(photos)
+    metrics = [json.loads(line) for line in next(tmp_path.glob("outputs/*/*/metrics.jsonl")).read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m][-1] == 1

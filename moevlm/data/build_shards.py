@@ -1,6 +1,7 @@
 """Build WebDataset tar shards from image folders and annotation files.
 
     python -m moevlm.data.build_shards --images DIR --annotations a.json b.jsonl --out SHARDS
+        [--tokenizer tokenizer.json|HF_DIR] [--samples-per-shard auto|N]
         [--max-image-bytes 33554432] [--max-text-bytes 1048576]
     python -m moevlm.data.build_shards --sample SHARDS      # the bundled sample set + tokenizer.json
 
@@ -36,6 +37,16 @@ Design choices:
 - --sample interleaves the sample set's image records with its text ones
   (sample_records() lists them by kind) so its shards, split across ranks and
   workers, each carry a similar share of the images.
+- `--samples-per-shard auto` (the default) is min(1000, ceil(n / 64)) for n
+  annotation records (counted first: JSONL newlines by a byte scan, a .json
+  list parsed once more), so a small set still gives up to 64 shards: the
+  loader needs one shard per data stream (16 by default, 64 in the largest
+  recipes) and otherwise reads fewer streams.  Large sets get 1000 per shard
+  (64,000 records and up).  Tiny shards cost a file each, nothing else.
+- `--tokenizer FILE|DIR` copies that tokenizer.json (a folder: its
+  tokenizer.json, e.g. an HF checkpoint) beside the shards, where the trainer
+  looks for it; it is loaded once first, so a wrong file stops the build before
+  anything is written.  Without it the build says where the trainer will look.
 - A shard is written as `name.tmp` and renamed when complete, so a crashed
   build never leaves a truncated `.tar` that looks finished; a build stopped
   by an exception deletes the `.tmp` it was writing.
@@ -47,6 +58,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -58,8 +70,8 @@ from typing import Callable, Iterable, Iterator
 from tqdm import tqdm
 from webdataset import TarWriter
 
-from moevlm.data.build_inputs import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_TEXT_BYTES, check_annotation_files, load_image,
-                                      read_annotations, display_path, text_bytes)
+from moevlm.data.build_inputs import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_TEXT_BYTES, check_annotation_files, count_records,
+                                      load_image, read_annotations, display_path, text_bytes)
 from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.records import KINDS, Record, normalize_record
 
@@ -67,6 +79,8 @@ SHARD_NAME = "shard-{:06d}.tar"
 SHARD_GLOB = "shard-*.tar"
 MTIME = 0  # fixed member mtime: the same input gives the same bytes
 SAMPLE_SHARDS_MIN = 8  # --sample: enough shards to split across ranks x workers
+AUTO_SHARDS = 64  # --samples-per-shard auto: up to this many shards (the largest recipes' data.streams)
+MAX_SAMPLES_PER_SHARD = 1000  # ... and never more samples than this in one
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
@@ -317,8 +331,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--annotations", type=Path, nargs="+", metavar="FILE", help=".json (LLaVA list) or .jsonl files")
     p.add_argument("--out", type=Path, help="output folder for shard-NNNNNN.tar and summary.json")
     p.add_argument("--sample", type=Path, metavar="OUT", help="build the bundled sample set (and tokenizer.json)")
-    p.add_argument("--samples-per-shard", type=int, default=None, help="default 1000 (--sample: 16 or fewer, "
-                   f"to give >= {SAMPLE_SHARDS_MIN} shards)")
+    p.add_argument("--samples-per-shard", type=_per_shard, default=None, metavar="auto|N",
+                   help=f"default auto: min({MAX_SAMPLES_PER_SHARD}, records / {AUTO_SHARDS}), so small sets still "
+                   f"give several shards (--sample: 16 or fewer, to give >= {SAMPLE_SHARDS_MIN} shards)")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE|DIR", help="copy this tokenizer.json (or DIR/tokenizer.json, "
+                   "e.g. the HF checkpoint's) beside the shards, where training finds it")
     p.add_argument("--caption-prompt", default="", help="bake this user prompt into caption samples (as chats)")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in the output folder")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="threads reading and checking images")
@@ -328,8 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-text-bytes", type=int, default=DEFAULT_MAX_TEXT_BYTES, metavar="N",
                    help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB")
     args = p.parse_args(argv)
-    if args.sample is not None and (args.images or args.annotations or args.out or args.caption_prompt):
-        p.error("--sample OUT takes no --images/--annotations/--out/--caption-prompt")
+    if args.sample is not None and (args.images or args.annotations or args.out or args.caption_prompt
+                                    or args.tokenizer):
+        p.error("--sample OUT takes no --images/--annotations/--out/--caption-prompt/--tokenizer (it trains its own)")
     if args.sample is None and not (args.images and args.annotations and args.out):
         p.error("give --images DIR --annotations FILE [FILE ...] --out DIR (or --sample OUT)")
     return args
@@ -340,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         if args.sample is not None:
-            out, summary = args.sample, build_sample(args.sample, args.samples_per_shard, args.overwrite, args.workers)
+            per_shard = None if args.samples_per_shard == "auto" else args.samples_per_shard
+            out, summary = args.sample, build_sample(args.sample, per_shard, args.overwrite, args.workers)
         else:
+            tokenizer = _checked_tokenizer(args.tokenizer)
             out, summary = args.out, _build_from_files(args)
+            _place_tokenizer(tokenizer, out)
     except (ValueError, OSError) as e:
         print(f"build_shards: error: {e}", file=sys.stderr)
         return 2
@@ -350,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample is not None:
         print(f"sample set: {summary['images']} images, {summary['kinds']['text']} text samples, "
               f"{len(summary['shards'])} shards, {summary['bytes'] / 1e6:.1f} MB, tokenizer.json")
+    elif not (out / "tokenizer.json").is_file():
+        print(f"no tokenizer.json in {out}: train with data.tokenizer=FILE or model.hf_checkpoint=DIR, or rebuild "
+              "with --tokenizer FILE")
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if summary["samples"] else 1
 
@@ -360,10 +384,53 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         raise FileNotFoundError(f"--images {args.images} is not a folder")
     skips = SkipCounter()
     build_args = {"annotations": [str(a) for a in args.annotations]}
+    per_shard = args.samples_per_shard or "auto"
+    if per_shard == "auto":
+        per_shard = auto_samples_per_shard(count_records(args.annotations))
     return build_shards(read_annotations(args.annotations, skips, args.max_text_bytes), args.images, args.out,
-                        args.samples_per_shard or 1000, caption_prompt=args.caption_prompt,
+                        per_shard, caption_prompt=args.caption_prompt,
                         overwrite=args.overwrite, skips=skips, build_args=build_args, workers=args.workers,
                         max_image_bytes=args.max_image_bytes, max_text_bytes=args.max_text_bytes)
+
+
+def auto_samples_per_shard(records: int) -> int:
+    """Samples per shard for about `records` records: up to AUTO_SHARDS shards, at most MAX_SAMPLES_PER_SHARD each."""
+    return max(1, min(MAX_SAMPLES_PER_SHARD, -(-records // AUTO_SHARDS)))
+
+
+def _per_shard(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a positive number of samples")
+    return n
+
+
+def _checked_tokenizer(path: Path | None) -> Path | None:
+    """--tokenizer's file (a folder: its tokenizer.json), loaded once to check it before the build."""
+    if path is None:
+        return None
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"--tokenizer {path}: no such file" + (" (the folder has no tokenizer.json)"
+                                                                        if path.is_dir() else ""))
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises its own Exception type
+        raise ValueError(f"--tokenizer {file} is not a tokenizer.json the tokenizers library loads "
+                         f"({str(e)[:120]})") from None
+    return file
+
+
+def _place_tokenizer(file: Path | None, out: Path) -> None:
+    if file is not None and os.path.realpath(file) != os.path.realpath(out / "tokenizer.json"):
+        shutil.copyfile(file, out / "tokenizer.json")
 
 
 if __name__ == "__main__":

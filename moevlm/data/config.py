@@ -68,14 +68,15 @@ class DataConfig:
         "help": "WebDataset shards: a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar), a comma "
                 "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"})
     tokenizer: str = field(default="", metadata={
-        "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json"})
+        "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json, else <model.hf_checkpoint>/tokenizer.json"})
     image: ImageConfig = field(default_factory=ImageConfig)
     pack: PackConfig = field(default_factory=PackConfig)
     num_workers: int = field(default=2, metadata={"help": "loader worker processes per rank; 0 = in the trainer"})
     streams: int = field(default=0, metadata={
-        "help": "logical data streams of the whole job: the rows of a global batch depend only on this, not on "
-                "dp or num_workers; a multiple of dp whose quotient num_workers divides; 0 = dp x max(1, "
-                "num_workers) (the data then depends on the layout)"})
+        "help": "logical data streams of the whole job: the rows of a global batch depend only on this (and the "
+                "shards), not on dp or num_workers; a multiple of dp; 0 = auto = 16, the same rows for dp 1, 2, 4, "
+                "8, 16; fewer shards than streams: read as fewer streams (a divisor, logged); num_workers is "
+                "lowered to fit (logged)"})
     prefetch_factor: int = field(default=2, metadata={"help": "rows each worker prepares ahead"})
     pin_memory: str = field(default="auto", metadata={
         "help": "page-locked batches for faster host-to-GPU copies: auto (when CUDA is available), true, false"})

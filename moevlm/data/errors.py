@@ -7,12 +7,17 @@ goes on with the next sample: bad data never crashes a worker and is never
 dropped silently.  `reason` is a short, stable key (the table below); it is
 what the builder's summary.json and the loader's stats report.  When a stream
 can use nothing at all, the loader raises `DataError` instead (a RuntimeError
-whose message gives the skip counts and the fix).
+whose message gives the skip counts and the fix).  Missing inputs found before
+anything is read (no shards, no tokenizer) raise `DataSetupError`, a ConfigError
+(train.py prints it as one `config error:` line, exit 2) that is also a
+FileNotFoundError.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+
+from moevlm.model.config import ConfigError
 
 REASONS = {
     # records / annotations
@@ -42,6 +47,10 @@ REASONS = {
 class DataError(RuntimeError):
     """The data cannot feed training (no shard readable, or every sample skipped):
     the run must stop with this one-line message rather than wait forever."""
+
+
+class DataSetupError(ConfigError, FileNotFoundError):
+    """The shards or the tokenizer the config names are not there (one line: which, and what to set)."""
 
 
 class SkipSample(Exception):

@@ -18,10 +18,23 @@ Design choices:
   r, r + world, r + 2 world, ... (local index i = 0..n-1, n = L / world) and
   delivers them cycling in that order.  So every global batch (rows jG to
   jG + G - 1, G a multiple of world) holds the same rows whatever the
-  data-parallel size and num_workers.  data.streams = 0 (auto) means L = world x max(1, num_workers):
-  simple, but then the data changes with the layout.  `rank`/`world` are the
+  data-parallel size and num_workers.  data.streams = 0 (auto) means L = DEFAULT_STREAMS = 16, the
+  same for every layout: dp in {1, 2, 4, 8, 16} x any num_workers read the same rows (before, auto was
+  dp x workers, so an FSDP run and a 3-D run of one recipe trained on different rows).  16, not 32 or
+  64: a small dataset needs one shard per stream, and 16 still gives each of 8 ranks 2 workers.
+  `rank`/`world` are the
   data-parallel rank and size, not the global ones (with TP/CP/PP several
   global ranks share one data-parallel rank and must see the same rows).
+- Fitted, not refused (`resolve_streams`, a logged warning each): with fewer
+  shards than L streams the job reads the largest divisor of L that the shards
+  can feed (16 -> 8 -> 4 ...: it depends on the shards only, so every layout
+  still gets the same L, and the state header records it for resume); with
+  auto streams and a dp that does not divide 16 (3, 6, 12, > 16) it reads the
+  largest multiple of dp up to max(16, dp) shards (layout-dependent, said in
+  the warning); num_workers is lowered to a divisor of the streams per rank
+  (the rows do not change).  Refused in one line only where no layout works:
+  a rank without a stream (dp above the shards), or an explicit data.streams
+  that is not a multiple of dp (or whose fitted value is not).
 - Workers pack.  Physical worker p of W = max(1, num_workers) (W divides n)
   serves the local streams i = offset + p (mod W), one row from each in turn,
   starting at i = offset + p; `DataLoader(batch_size=None, in_order=True)`
@@ -107,7 +120,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from moevlm.data.config import OVERSIZE, PIN_MEMORY, DataConfig
 from moevlm.data.encode import SampleEncoder
-from moevlm.data.errors import DataError, SkipCounter, SkipSample
+from moevlm.data.errors import DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.packing import Packer, collate
 from moevlm.data.reader import (ShardPlan, ShuffleBuffer, expand_shards, fingerprint, shard_counts,
                                  shard_identities)
@@ -124,34 +137,59 @@ def fresh_state(stream: int) -> dict:
             "skipped": {}, "read": 0, "packed": 0, "batches": 0}
 
 
-def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> int:
-    """The job's number of logical streams L, checked against the layout and the shards."""
+DEFAULT_STREAMS = 16  # data.streams=0 (auto): the same rows for dp in {1, 2, 4, 8, 16}, any num_workers
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> tuple[int, int]:
+    """(L, workers): the job's logical streams and this rank's worker processes, fitted to the shards
+    and the layout (a warning for each reduction; an error only where no stream layout can work)."""
     if not 0 <= rank < world:
         raise ValueError(f"data-parallel rank {rank} is outside 0..{world - 1}")
-    L = check_streams(cfg, world)
-    if num_shards < L:
-        w = max(1, cfg.num_workers)
-        what = f"data.streams={L} streams" if cfg.streams else \
-            f"{world} data-parallel ranks x {w} workers = {L} streams (data.streams=0: auto)"
-        raise ValueError(f"{num_shards} shards cannot feed {what} (each stream needs at least one shard); "
-                         "rebuild with a smaller --samples-per-shard or use fewer data.streams / data.num_workers")
-    return L
+    asked = check_streams(cfg, world)
+    L = _largest_divisor_at_most(asked, num_shards)  # depends on the shards only, never on the layout
+    if L < asked:
+        log.warning("%d shards cannot feed %d data streams (each needs a shard): reading them as %d streams "
+                    "(data.streams=%d%s); for more, rebuild with a smaller --samples-per-shard", num_shards, asked,
+                    L, cfg.streams, " (auto)" if not cfg.streams else "")
+    if L % world and not cfg.streams and world <= num_shards:
+        L = world * (min(max(DEFAULT_STREAMS, world), num_shards) // world)
+        log.warning("data.streams=0 (auto): the %d data-parallel ranks cannot share %d streams evenly; reading "
+                    "%d streams, so the rows of a step differ from a run on 1, 2, 4, 8 or 16 ranks; set "
+                    "data.streams to a common multiple of the data-parallel sizes you use to make them equal",
+                    world, min(DEFAULT_STREAMS, num_shards), L)
+    if L % world:
+        raise ValueError(f"{num_shards} shards cannot feed {world} data-parallel ranks with data.streams={asked}"
+                         f"{' (auto)' if not cfg.streams else ''}: they give {L} streams, not a multiple of {world}; "
+                         f"rebuild the shards with a smaller --samples-per-shard (at least {asked} shards), or "
+                         f"set data.streams to a multiple of {world} that is at most {num_shards}")
+    return L, _workers(cfg, L // world)
+
+
+def _workers(cfg: DataConfig, per_rank: int) -> int:
+    """data.num_workers, lowered (with a warning) to a divisor of the streams each rank serves."""
+    if cfg.num_workers <= 1:
+        return cfg.num_workers
+    w = _largest_divisor_at_most(per_rank, cfg.num_workers)
+    if w < cfg.num_workers:
+        log.warning("data.num_workers=%d lowered to %d: each data-parallel rank serves %d streams, which %d "
+                    "workers cannot share evenly (the rows are the same; raise data.streams for more workers)",
+                    cfg.num_workers, w, per_rank, cfg.num_workers)
+    return w
 
 
 def check_streams(cfg: DataConfig, world: int) -> int:
-    """L checked against the data-parallel size and the workers (no shards needed)."""
-    w = max(1, cfg.num_workers)
+    """The asked-for L (data.streams, or DEFAULT_STREAMS for 0), checked alone (no shards needed)."""
     if cfg.streams < 0:
-        raise ValueError(f"data.streams={cfg.streams}; use 0 (auto) or a positive multiple of the data-parallel size")
-    L = cfg.streams or world * w
-    if L % world:
-        raise ValueError(f"data.streams={L} is not a multiple of the data-parallel size {world}; set data.streams "
-                         f"to a multiple of {world} (e.g. {world * w} for num_workers={w})")
-    if (L // world) % w:
-        raise ValueError(f"data.streams={L} gives {L // world} streams per data-parallel rank ({world} ranks), "
-                         f"which data.num_workers={w} workers cannot share evenly; set data.num_workers to a "
-                         f"divisor of {L // world} or data.streams to a multiple of {world * w}")
-    return L
+        raise ValueError(f"data.streams={cfg.streams}; use 0 (auto: {DEFAULT_STREAMS}) or a positive multiple "
+                         "of the data-parallel size")
+    if cfg.streams and cfg.streams % world:
+        raise ValueError(f"data.streams={cfg.streams} is not a multiple of the data-parallel size {world}; set "
+                         f"data.streams to a multiple of {world} (or 0: auto)")
+    return cfg.streams or DEFAULT_STREAMS
 
 
 class Stream:
@@ -354,7 +392,7 @@ class PackedLoader:
         self.shards = expand_shards(cfg.shards)
         self.counts = shard_counts(self.shards)
         self.files = shard_identities(self.shards)  # [name, size, hash] each, checked on resume
-        self.streams = resolve_streams(cfg, rank, world, len(self.shards))
+        self.streams, self.workers = resolve_streams(cfg, rank, world, len(self.shards))
         self.local = list(range(rank, self.streams, world))  # this rank's streams, in delivery order
         self.states: dict[int, dict] = {}
         self.offset = 0  # local index of the stream whose row comes next
@@ -397,13 +435,13 @@ class PackedLoader:
         ds = PackedDataset(cfg, self.shards, self.counts, self.tokenizer_path, self.patch_dim, self.streams,
                            self.local, dict(self.states), self.offset)
         pin = torch.cuda.is_available() if cfg.pin_memory == "auto" else str(cfg.pin_memory).lower() == "true"
-        if cfg.num_workers == 0:
+        if self.workers == 0:
             return DataLoader(ds, batch_size=None, num_workers=0, pin_memory=pin)
         ctx = mp.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
             ctx.set_forkserver_preload(["moevlm.data.loader"])
             _start_forkserver_deaf_to_stop_signals()
-        return DataLoader(ds, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin,
+        return DataLoader(ds, batch_size=None, num_workers=self.workers, pin_memory=pin,
                           persistent_workers=True, prefetch_factor=cfg.prefetch_factor,
                           multiprocessing_context=ctx, in_order=True)
 
@@ -430,9 +468,9 @@ class PackedLoader:
         if diff:
             raise ValueError("the data-loader state does not belong to this loader: "
                              + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-                             + "; resume with the same shards, data.seed and number of streams (data.streams; "
-                             "with data.streams=0 it is dp size x num_workers, so set data.streams to the saved "
-                             "value to change the layout)")
+                             + "; resume with the same shards, data.seed and number of streams (set "
+                             "data.streams to the saved value; with data.streams=0 it is "
+                             f"{DEFAULT_STREAMS} or fewer, as many as the shards can feed)")
         self._check_files(sd.get("files"))
         self.close()
         self.states = {int(s): copy.deepcopy(st) for s, st in sd["states"].items() if int(s) in self.local}
@@ -469,17 +507,39 @@ class PackedLoader:
                 "data_wait_s": self.wait_s}
 
 
-def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1) -> PackedLoader:
+def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1,
+                 hf_checkpoint: str = "") -> PackedLoader:
     """Checks the data config against the model's (patch geometry, special token ids,
-    budgets) before any worker starts, then returns the loader."""
+    budgets) before any worker starts, then returns the loader.  `hf_checkpoint` is
+    the model.hf_checkpoint folder, the tokenizer's last fallback (`find_tokenizer`)."""
     check_config(cfg, model_cfg, world)
-    tok = cfg.tokenizer or os.path.join(cfg.shards if os.path.isdir(cfg.shards) else os.path.dirname(cfg.shards),
-                                         "tokenizer.json")
+    tok = find_tokenizer(cfg, expand_shards(cfg.shards), hf_checkpoint)
     if model_cfg is not None:
         ChatEncoder(load_tokenizer(tok)).check_model(model_cfg)
     im = cfg.image
     patch_dim = 3 * im.temporal_patch_size * im.patch_size**2
     return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
+
+
+def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") -> str:
+    """The tokenizer.json to use: data.tokenizer, else the one beside the (first) shards, else the
+    checkpoint's; one message naming all three when none is there."""
+    if cfg.tokenizer:
+        if not os.path.isfile(cfg.tokenizer):
+            raise DataSetupError(f"data.tokenizer={cfg.tokenizer} is not a file; point it at a tokenizer.json "
+                                 "(e.g. the checkpoint's) or leave it empty to use <shards folder>/tokenizer.json")
+        return cfg.tokenizer
+    beside = os.path.join(os.path.dirname(os.path.abspath(shards[0])), "tokenizer.json")
+    ckpt = os.path.join(hf_checkpoint, "tokenizer.json") if hf_checkpoint else ""
+    for path in (beside, ckpt):
+        if path and os.path.isfile(path):
+            return path
+    raise DataSetupError(
+        f"no tokenizer: data.tokenizer is not set, {beside} does not exist and "
+        + (f"{ckpt} does not either" if ckpt else "model.hf_checkpoint is not set")
+        + "; do one of: set data.tokenizer=FILE (a tokenizer.json, e.g. the checkpoint's), rebuild the shards "
+        "with `python -m moevlm.data.build_shards ... --tokenizer FILE` (copies it beside them), or set "
+        "model.hf_checkpoint=DIR (a folder holding tokenizer.json)")
 
 
 def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:

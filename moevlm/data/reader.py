@@ -62,7 +62,7 @@ from typing import Iterator
 
 from webdataset.tariterators import group_by_keys
 
-from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.errors import DataSetupError, SkipCounter, SkipSample
 
 Pos = tuple[int, int, int]  # (epoch, shard index in the stream's list, sample index in the shard)
 
@@ -78,10 +78,12 @@ def expand_shards(spec: str | list[str]) -> list[str]:
 
         out = [p for part in spec.split(",") if part for b in braceexpand.braceexpand(part.strip())
                for p in (sorted(glob.glob(b)) if any(c in b for c in "*?[") else [b])]
-    if not out:
-        raise FileNotFoundError(f"no shards found for data.shards={spec!r}; give a folder of .tar files, a brace "
-                                "pattern (dir/shard-{000000..000009}.tar) or build some with "
-                                "`python -m moevlm.data.build_shards`")
+    if not out or not any(os.path.exists(p) for p in out):  # some missing: skipped as unreadable_shard
+        what = ("is a folder without .tar shards" if isinstance(spec, str) and os.path.isdir(spec)
+                else "names no folder or file that exists")
+        raise DataSetupError(f"no shards found for data.shards={spec!r}: it {what}; give a folder of .tar files, "
+                             "a brace pattern (dir/shard-{000000..000009}.tar) or build some with "
+                             "`python -m moevlm.data.build_shards`")
     return out
 
 

@@ -162,7 +162,8 @@ class Trainer:
         dims = self.plan.dims
         if self.pipeline is not None and not self.pipeline.holds_first:
             return NoData()  # a later pipeline stage: the first stage's rank shares each micro-batch's text
-        return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp)
+        return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp,
+                            hf_checkpoint=self.job.model.hf_checkpoint)
 
     def _parallel_model_on_meta(self) -> torch.nn.Module:
         """Built and laid out without memory: a layout that cannot run fails here, before the data."""

@@ -66,7 +66,7 @@ def test_resume_continues_exactly_across_workers_and_epochs(sample_shards):
     the shuffle buffer and the packer hold samples at the checkpoint, and the
     next batch is due from stream 1 (an odd number of batches was delivered)."""
     shards = ",".join(str(p) for p in sorted(sample_shards.glob("shard-*.tar"))[:4])
-    cfg = small_data_config(shards, tokenizer=str(sample_shards / "tokenizer.json"))
+    cfg = small_data_config(shards, tokenizer=str(sample_shards / "tokenizer.json"), streams=2)
     first = build_loader(cfg, TINY)
     take(first, 7)
     state = first.state_dict()
@@ -81,13 +81,14 @@ def test_resume_continues_exactly_across_workers_and_epochs(sample_shards):
     assert resumed.stats()["samples_read"] == first.stats()["samples_read"]
 
 
-def test_state_from_another_layout_with_auto_streams_is_refused(sample_shards):
-    cfg = small_data_config(sample_shards, num_workers=0)  # data.streams=0: one stream per rank
+def test_state_of_another_stream_count_or_seed_is_refused(sample_shards):
+    """(Before the auto default was fixed at 16, data.streams=0 meant dp x workers: such a state saved 2.)"""
+    cfg = small_data_config(sample_shards, num_workers=0, streams=2)
     state = build_loader(cfg, TINY, rank=0, world=1).state_dict()
-    with pytest.raises(ValueError, match="streams saved 1 vs now 2.*set data.streams to the saved value"):
-        build_loader(cfg, TINY, rank=0, world=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="streams saved 2 vs now 16.*set data.streams to the saved value"):
+        build_loader(small_data_config(sample_shards, num_workers=0), TINY, rank=0, world=2).load_state_dict(state)
     with pytest.raises(ValueError, match="seed saved 1 vs now 2"):
-        build_loader(small_data_config(sample_shards, num_workers=0, seed=2), TINY).load_state_dict(state)
+        build_loader(small_data_config(sample_shards, num_workers=0, seed=2, streams=2), TINY).load_state_dict(state)
 
 
 def test_in_process_loader_and_config_errors(sample_shards):
@@ -98,8 +99,8 @@ def test_in_process_loader_and_config_errors(sample_shards):
     bad.image.max_pixels = 256 * 256
     with pytest.raises(ValueError, match="max_patches"):
         build_loader(bad, TINY)
-    with pytest.raises(ValueError, match=r"\d+ shards cannot feed 12 data-parallel ranks x 2 workers"):
-        build_loader(small_data_config(sample_shards), TINY, rank=0, world=12)
+    with pytest.raises(ValueError, match=r"\d+ shards cannot feed 32 data-parallel ranks"):
+        build_loader(small_data_config(sample_shards), TINY, rank=0, world=32)
     other = VLMConfig.preset("tiny").replace(image_token_id=1000)
     with pytest.raises(ValueError, match="1000"):
         build_loader(small_data_config(sample_shards), other)

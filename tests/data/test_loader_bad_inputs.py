@@ -65,7 +65,7 @@ def test_every_bad_input_is_skipped_counted_and_the_rest_arrives(tmp_path, sampl
     shards = [str(tmp_path / f"{c}.tar") for c in "abcde"] + [str(tmp_path / "missing.tar")]
     shutil.copy(sample_shards / "tokenizer.json", tmp_path / "tokenizer.json")
 
-    cfg = small_data_config(",".join(shards), tokenizer=str(tmp_path / "tokenizer.json"), epochs=1)
+    cfg = small_data_config(",".join(shards), tokenizer=str(tmp_path / "tokenizer.json"), epochs=1, streams=2)
     cfg.pack.oversize = "skip"
     cfg.image.max_image_pixels = 100_000
     loader = build_loader(cfg, VLMConfig.preset("tiny"))

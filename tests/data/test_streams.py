@@ -74,16 +74,44 @@ def test_resume_on_another_layout_continues_the_job(sample_shards, reference):
     assert ids(last, 4) == reference[10:]
 
 
-def test_layouts_that_cannot_hold_the_streams_are_refused(sample_shards):
+def test_layouts_are_fitted_with_a_warning_or_refused_in_one_line(sample_shards, caplog):
+    """Fewer workers (same rows), fewer streams than asked when the shards are too few (a divisor of the
+    asked number: it depends on the shards only), a non-power-of-two dp under auto; refused only where no
+    stream layout can work."""
     with pytest.raises(ValueError, match="data.streams=3 is not a multiple of the data-parallel size 2"):
         loader(sample_shards, world=2, streams=3)
-    with pytest.raises(ValueError, match="2 streams per data-parallel rank .* data.num_workers=4 workers cannot "
-                                         "share evenly; set data.num_workers to a divisor of 2"):
-        loader(sample_shards, world=2, num_workers=4)
-    with pytest.raises(ValueError, match=r"23 shards cannot feed data.streams=24 streams"):
-        loader(sample_shards, world=1, streams=24)
+    caplog.set_level("WARNING", "moevlm.data.loader")
+    assert loader(sample_shards, world=2, num_workers=4).workers == 2
+    assert "data.num_workers=4 lowered to 2: each data-parallel rank serves 2 streams" in caplog.text
+    assert loader(sample_shards, world=1, streams=24).streams == 12  # 23 shards: 24's largest divisor <= 23
+    assert "23 shards cannot feed 24 data streams (each needs a shard): reading them as 12 streams" in caplog.text
+    assert loader(sample_shards, world=3, streams=0).streams == 15
+    assert "the 3 data-parallel ranks cannot share 16 streams evenly; reading 15 streams" in caplog.text
+    with pytest.raises(ValueError, match=r"23 shards cannot feed 8 data-parallel ranks with data.streams=24: they "
+                                         r"give 12 streams, not a multiple of 8; rebuild .*\(at least 24 shards\)"):
+        loader(sample_shards, world=8, streams=24)
+    with pytest.raises(ValueError, match=r"23 shards cannot feed 32 data-parallel ranks with data.streams=16 \(auto\)"):
+        loader(sample_shards, world=32, streams=0)
     with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
         loader(sample_shards, world=2, rank=2)
+
+
+def test_default_streams_give_the_same_rows_on_1_2_and_4_ranks(sample_shards):
+    """data.streams and num_workers left at their defaults (16 streams, 2 workers): one rank, an FSDP-style
+    dp=2 and dp=4 deliver the same 20 global rows (16 streams and 4 into the second round), and a state
+    saved on dp=2 resumes on dp=1 (the saved stream count is the same)."""
+    def default(world, rank=0, num_workers=2):
+        return build_loader(small_data_config(sample_shards, num_workers=num_workers), TINY, rank=rank, world=world)
+
+    one = default(1)
+    want = ids(one, 20)
+    assert one.streams == 16 and one.workers == 2
+    dp2 = [default(2, r) for r in (0, 1)]
+    assert interleave(*(ids(r, 10) for r in dp2)) == want
+    assert interleave(*(ids(default(4, r), 5) for r in range(4))) == want
+    again = default(1, num_workers=0)
+    again.load_state_dict(merge_states([roundtrip(r.state_dict()) for r in dp2]))
+    assert ids(again, 4) == ids(one, 4)
 
 
 def test_merge_refuses_states_of_different_jobs_or_steps(sample_shards):

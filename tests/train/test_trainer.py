@@ -137,7 +137,7 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
     (["parallel.ep=2"], 2, "model.dispatcher='local'"),
     (["train.global_batch_size=3"], 2, "micro_batch_size x dp = 1 x 2 = 2; e.g. train.global_batch_size=4"),
     (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
-    (["data.streams=3"], 1, "data.num_workers=2 workers cannot share evenly"),
+    (["data.streams=3"], 2, "data.streams=3 is not a multiple of the data-parallel size 2"),  # workers: fitted
     (["data.pack.max_patches=254"], 1, "max_patches=254 must be a multiple of merge_size"),
     (["parallel.tp=4", "data.pack.seq_len=1026"], 4, "seq_len=1026 must be divisible by tp=4 \\(sequence parallel\\)"),
     (["parallel.ep=4", "parallel.etp=2", "model.dispatcher=alltoall"], 4, r"edp=-1 .*|not divisible by ep\*etp"),
