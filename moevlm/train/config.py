@@ -23,6 +23,10 @@ Design choices:
   Every number is range-checked so that NaN fails too (Python compares NaN
   False) and infinities are refused; settings that are valid but probably
   unintended (warmup longer than the run) become `Plan.notes` for the log.
+- `model.dispatcher=auto` (the default) is resolved once, here, from the
+  layout: `local` when parallel.ep x etp == 1, else `alltoall`; the Plan's
+  model config carries the concrete name (a note says when auto chose
+  alltoall).  An explicit name wins; `local` with ep > 1 is refused.
 - `check_memory()` refuses, before the model is built even on meta, a job
   whose weights, fp32 gradients and AdamW state (16 bytes a trained
   parameter, 4 a frozen one) exceed one rank's memory: the closed-form counts
@@ -62,7 +66,7 @@ class ModelConfig:
     vision_depth: Optional[int] = None  # proxy: fewer vision blocks (deepstack taps beyond it dropped)
     attn_backend: str = "auto"
     grouped_gemm: str = "torch"
-    dispatcher: str = "local"
+    dispatcher: str = "auto"  # auto (local when parallel.ep x etp == 1, else alltoall) | local | alltoall | deepep | hybridep
     permute: str = "torch"  # torch | triton: the fused permute/unpermute kernels
     aux_loss_coef: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
     freeze_vision: bool = False  # the whole vision module (tower, merger, deepstack mergers) runs forward only
@@ -177,7 +181,8 @@ class Plan:
     dims: ParallelDims
     grad_accum: int
     pipeline: Optional[PipelinePlan] = None
-    notes: list[str] = field(default_factory=list)  # valid but probably unintended settings, for the log
+    # for the log: valid but probably unintended settings, and what an `auto` setting chose when not the obvious
+    notes: list[str] = field(default_factory=list)
 
 
 def build_model_config(m: ModelConfig) -> VLMConfig:
@@ -194,7 +199,9 @@ def build_model_config(m: ModelConfig) -> VLMConfig:
                                                     if i < m.vision_depth)
     if m.aux_loss_coef is not None:
         cfg.moe.router_aux_loss_coef = m.aux_loss_coef
-    cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, m.dispatcher, m.attn_backend
+    # `auto` is resolved by validate() once the layout is known; the model alone (one rank) dispatches locally
+    dispatcher = "local" if m.dispatcher == "auto" else m.dispatcher
+    cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, dispatcher, m.attn_backend
     cfg.moe.permute = m.permute
     return cfg.validate()
 
@@ -225,8 +232,9 @@ def validate(job, world_size: int = 1) -> Plan:
     model = build_model_config(job.model)
     dims.check_model(model)
     _check_dispatcher(job.model.dispatcher, dims)
+    model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims)
     _check_batch(t, dims)
-    notes = _check_optim(o, t.steps)
+    notes = dispatcher_note + _check_optim(o, t.steps)
     _check_faults(p, t)
     _check_data(job.data, model, dims)
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
@@ -251,8 +259,21 @@ def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int)
 DISPATCHER_NAMES = ("local", "alltoall", "deepep", "hybridep")
 
 
+def resolve_dispatcher(name: str, dims: ParallelDims) -> tuple[str, list[str]]:
+    """The concrete dispatcher for `model.dispatcher` (already checked) under `dims`, and the log line
+    when `auto` chose one that moves tokens: `auto` is `local` when no token leaves its rank
+    (ep x etp == 1), else `alltoall` (the built backend that runs everywhere); an explicit name wins."""
+    if name != "auto":
+        return name, []
+    if dims.ep * dims.etp == 1:
+        return "local", []
+    return "alltoall", [f"model.dispatcher=auto chose alltoall: parallel.ep x etp = {dims.ep} x {dims.etp} > 1 "
+                        "moves tokens between ranks (set model.dispatcher=deepep or hybridep for another backend)"]
+
+
 def _check_dispatcher(name: str, dims: ParallelDims) -> None:
-    _check(name in DISPATCHER_NAMES, f"model.dispatcher={name!r}; choose one of {list(DISPATCHER_NAMES)}")
+    _check(name == "auto" or name in DISPATCHER_NAMES,
+           f"model.dispatcher={name!r}; choose auto or one of {list(DISPATCHER_NAMES)}")
     _check(name != "local" or dims.ep == 1,
            f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
            "deepep or hybridep")

@@ -163,7 +163,7 @@ class Trainer:
             model = Qwen3VLMoe(self.plan.model)
         p = self.job.parallel
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
-                            dispatcher=self.job.model.dispatcher, pipeline=self.plan.pipeline)
+                            dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline)
         self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
