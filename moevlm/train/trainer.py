@@ -70,6 +70,7 @@ from moevlm.data.build_shards import build_sample
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, count_flops
+from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
@@ -77,7 +78,7 @@ from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
-from moevlm.train.optim import build_optimizer, build_scheduler
+from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
 
 EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_DATA = 0, 1, 3, 7, 8
 _STARTED = datetime.now()
@@ -208,6 +209,10 @@ class Trainer:
             self.log.info(f"checkpoint {moved.name} failed verification ({'; '.join(problems[:3])}); moved to "
                           f"{moved.parent}")
         step = 0 if path is None else read_marker(path)["step"]
+        if step > self.t.steps:  # before anything is set aside
+            raise ConfigError(f"train.steps={self.t.steps} is below step {step} of the checkpoint to resume "
+                              f"({path}): set train.steps >= {step} to continue it, or train.resume=none (or "
+                              "another train.run_dir) to start over")
         moved = ck.set_aside_after(step, keep=path)
         if moved:
             self.log.info(f"this run restarts at step {step}: the run dir's checkpoints of the abandoned line "
@@ -221,6 +226,8 @@ class Trainer:
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
         self.losses = list(counters["losses"])
+        for line in fit_resumed_schedule(self.sched, self.job.optim, self.t.steps):  # a changed train.steps
+            self.log.info(line)
         try:
             self.loader.load_state_dict(merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None]))
         except ValueError as err:  # other shards, seed or streams than the checkpoint's: what to change
