@@ -26,6 +26,10 @@ Design choices:
   Every number is range-checked so that NaN fails too (Python compares NaN
   False) and infinities are refused; settings that are valid but probably
   unintended (warmup longer than the run) become `Plan.notes` for the log.
+- `model.dispatcher=auto` (the default) is resolved once, here, from the
+  layout: `local` when parallel.ep x etp == 1, else `alltoall`; the Plan's
+  model config carries the concrete name (a note says when auto chose
+  alltoall).  An explicit name wins; `local` with ep > 1 is refused.
 - `check_memory()` refuses, before the model is built even on meta, a job
   whose weights, fp32 gradients and AdamW state (16 bytes a trained
   parameter, 4 a frozen one) exceed one rank's memory: the closed-form counts
@@ -79,9 +83,9 @@ class ModelConfig:
     grouped_gemm: str = field(default="torch", metadata={
         "help": "expert GEMM: torch (torch._grouped_mm), loop (one matmul per expert, the reference), triton "
                 "(ours; needs the triton package)"})
-    dispatcher: str = field(default="local", metadata={
-        "help": "how tokens reach their experts (moevlm.dispatch): auto (chosen from the layout and the installed "
-                "packages), local (no expert parallelism, parallel.ep=1), alltoall, deepep, hybridep"})
+    dispatcher: str = field(default="auto", metadata={
+        "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
+                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep, hybridep"})
     permute: str = field(default="torch", metadata={
         "help": "token permute/unpermute around the experts: torch, or triton (fused kernels)"})
     aux_loss_coef: Optional[float] = field(default=None, metadata={
@@ -240,7 +244,8 @@ class Plan:
     dims: ParallelDims
     grad_accum: int
     pipeline: Optional[PipelinePlan] = None
-    notes: list[str] = field(default_factory=list)  # valid but probably unintended settings, for the log
+    # for the log: valid but probably unintended settings, and what an `auto` setting chose when not the obvious
+    notes: list[str] = field(default_factory=list)
 
 
 def build_model_config(m: ModelConfig) -> VLMConfig:
@@ -257,7 +262,9 @@ def build_model_config(m: ModelConfig) -> VLMConfig:
                                                     if i < m.vision_depth)
     if m.aux_loss_coef is not None:
         cfg.moe.router_aux_loss_coef = m.aux_loss_coef
-    cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, m.dispatcher, m.attn_backend
+    # `auto` is resolved by validate() once the layout is known; the model alone (one rank) dispatches locally
+    dispatcher = "local" if m.dispatcher == "auto" else m.dispatcher
+    cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, dispatcher, m.attn_backend
     cfg.moe.permute = m.permute
     return cfg.validate()
 
@@ -300,10 +307,13 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     model = run(build_model_config, job.model)
     if dims is not None and model is not None:
         run(dims.check_model, model)
+    dispatcher_note: list[str] = []
     if dims is not None:
         run(_check_dispatcher, job.model.dispatcher, dims)
         run(_check_batch, t, dims)
-    notes = scaled + (run(_check_optim, o, t.steps) or [])
+    if dims is not None and model is not None:
+        model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims)
+    notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
@@ -403,8 +413,21 @@ def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int)
 DISPATCHER_NAMES = ("local", "alltoall", "deepep", "hybridep")
 
 
+def resolve_dispatcher(name: str, dims: ParallelDims) -> tuple[str, list[str]]:
+    """The concrete dispatcher for `model.dispatcher` (already checked) under `dims`, and the log line
+    when `auto` chose one that moves tokens: `auto` is `local` when no token leaves its rank
+    (ep x etp == 1), else `alltoall` (the built backend that runs everywhere); an explicit name wins."""
+    if name != "auto":
+        return name, []
+    if dims.ep * dims.etp == 1:
+        return "local", []
+    return "alltoall", [f"model.dispatcher=auto chose alltoall: parallel.ep x etp = {dims.ep} x {dims.etp} > 1 "
+                        "moves tokens between ranks (set model.dispatcher=deepep or hybridep for another backend)"]
+
+
 def _check_dispatcher(name: str, dims: ParallelDims) -> None:
-    _check(name in DISPATCHER_NAMES, f"model.dispatcher={name!r}; choose one of {list(DISPATCHER_NAMES)}")
+    _check(name == "auto" or name in DISPATCHER_NAMES,
+           f"model.dispatcher={name!r}; choose auto or one of {list(DISPATCHER_NAMES)}")
     _check(name != "local" or dims.ep == 1,
            f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
            "deepep or hybridep")

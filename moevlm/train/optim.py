@@ -14,7 +14,15 @@ Design choices:
   holds the peak, then decays over the last `decay_fraction` of the steps
   (linear, cosine or 1-sqrt) to `min_lr_ratio`; `constant`.
   The multiplier is a picklable object, so the scheduler's state_dict
-  round-trips through checkpoints.
+  round-trips through checkpoints, with the run length it was built for.
+- Resuming with another `train.steps` rescales the schedule to the new
+  length (`fit_resumed_schedule`): the position (updates taken) is kept and
+  the lr follows the fresh `steps`-long curve from there, logged with the
+  old and new length and lr (torchtitan's behaviour, which rebuilds the
+  schedule from the config; Megatron refuses a changed length unless told to
+  override).  The other schedule fields stay the checkpoint's, with a note
+  when the config differs.  Fewer steps than already taken is refused by the
+  trainer.
 """
 
 from __future__ import annotations
@@ -105,15 +113,23 @@ class LRSchedule:
 class Scheduler(torch.optim.lr_scheduler.LambdaLR):
     """LambdaLR with one schedule for every group, whose state does not depend on
     the number of parameter groups (they follow the parallel layout), so a
-    checkpoint resumes under another layout."""
+    checkpoint resumes under another layout.  Its state holds the schedule's
+    fields, `steps` (the run length it was built for) included."""
+
+    loaded_steps: int | None = None  # the run length the loaded state was built for (None: not recorded)
 
     def state_dict(self) -> dict:
         return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "schedule": dict(self.lr_lambdas[0].__dict__)}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch, self._step_count = state["last_epoch"], state["_step_count"]
+        schedule = state.get("schedule", {})
         for fn in self.lr_lambdas:
-            fn.__dict__.update(state["schedule"])
+            fn.__dict__.update(schedule)
+        self.loaded_steps = schedule.get("steps")
+        self._set_lrs()
+
+    def _set_lrs(self) -> None:
         factor = self.lr_lambdas[0](self.last_epoch)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * factor
@@ -122,3 +138,34 @@ class Scheduler(torch.optim.lr_scheduler.LambdaLR):
 
 def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> Scheduler:
     return Scheduler(opt, LRSchedule(o, steps))
+
+
+# the optim field each schedule attribute comes from (for the resume notes)
+_FIELDS = {"kind": "schedule", "warmup": "warmup_steps", "min_ratio": "min_lr_ratio",
+           "decay_fraction": "decay_fraction", "decay_shape": "decay_shape"}
+
+
+def fit_resumed_schedule(sched: Scheduler, o, steps: int) -> list[str]:
+    """After `sched` was loaded from a checkpoint: run it to `steps` (train.steps), and return lines for
+    the log.  A changed length rescales the schedule: it is rebuilt for `steps` and keeps its position
+    (`last_epoch`, the updates taken), so the lr from here on is the one a fresh `steps`-long run has at
+    the same step (warmup is counted in steps and unchanged; extending a cosine lifts the lr from the old
+    curve's value to the new one's; extending a wsd run whose decay had begun returns it to the plateau).
+    The other schedule fields stay the checkpoint's; a differing one is noted.  A state without its
+    length (not written by this trainer) is assumed to be `steps` long."""
+    fn, fresh = sched.lr_lambdas[0], LRSchedule(o, steps)
+    lines = [(f"note: optim.{field}={getattr(fresh, attr)!r} differs from the resumed schedule's "
+              f"{getattr(fn, attr)!r}: the checkpoint's is kept") for attr, field in _FIELDS.items()
+             if getattr(fn, attr) != getattr(fresh, attr)]
+    old = sched.loaded_steps
+    if old is None:
+        return lines + [(f"note: the checkpoint does not record its lr schedule's length; assumed "
+                         f"train.steps={steps}, as now")]
+    if old == steps:
+        return lines
+    before = sched.get_last_lr()[0]
+    for f in sched.lr_lambdas:
+        f.steps = steps
+    sched._set_lrs()
+    return lines + [(f"train.steps changed from {old} to {steps}: the {fn.kind} lr schedule is rescaled to {steps} "
+                     f"steps; the next update's lr is {sched.get_last_lr()[0]:.3e} (was {before:.3e})")]

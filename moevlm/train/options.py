@@ -61,7 +61,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
     """Field path -> its allowed values, taken from the constants the validators check against."""
     return {**CHOICES,
             "model.preset": tuple(sorted(PRESETS)), "model.attn_backend": tuple(ATTN_BACKENDS),
-            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": tuple(DISPATCHER_NAMES),
+            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *DISPATCHER_NAMES),
             "model.permute": tuple(PERMUTES), "parallel.pp_schedule": tuple(SCHEDULES),
             "data.pack.oversize": OVERSIZE, "data.pin_memory": PIN_MEMORY,
             "data.start_method": tuple(sorted(mp.get_all_start_methods()))}

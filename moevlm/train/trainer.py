@@ -79,7 +79,7 @@ from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
-from moevlm.train.optim import build_optimizer, build_scheduler
+from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
 from moevlm.train.wandb_log import start_wandb
 
 EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_DATA = 0, 1, 3, 7, 8
@@ -171,7 +171,7 @@ class Trainer:
             model = Qwen3VLMoe(self.plan.model)
         p = self.job.parallel
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
-                            dispatcher=self.job.model.dispatcher, pipeline=self.plan.pipeline)
+                            dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline)
         self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
@@ -216,6 +216,10 @@ class Trainer:
             self.log.info(f"checkpoint {moved.name} failed verification ({'; '.join(problems[:3])}); moved to "
                           f"{moved.parent}")
         step = 0 if path is None else read_marker(path)["step"]
+        if step > self.t.steps:  # before anything is set aside
+            raise ConfigError(f"train.steps={self.t.steps} is below step {step} of the checkpoint to resume "
+                              f"({path}): set train.steps >= {step} to continue it, or train.resume=none (or "
+                              "another train.run_dir) to start over")
         moved = ck.set_aside_after(step, keep=path)
         if moved:
             self.log.info(f"this run restarts at step {step}: the run dir's checkpoints of the abandoned line "
@@ -229,6 +233,8 @@ class Trainer:
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
         self.losses = list(counters["losses"])
+        for line in fit_resumed_schedule(self.sched, self.job.optim, self.t.steps):  # a changed train.steps
+            self.log.info(line)
         try:
             self.loader.load_state_dict(merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None]))
         except ValueError as err:  # other shards, seed or streams than the checkpoint's: what to change

@@ -134,7 +134,7 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
     (["parallel.tp=3"], 1, r"not divisible by tp\*cp"),
     (["optim.schedule=linear"], 1, "optim.schedule='linear'"),
     (["data.shards="], 1, "data.shards is not set"),
-    (["parallel.ep=2"], 2, "model.dispatcher='local'"),
+    (["parallel.ep=2", "model.dispatcher=local"], 2, "model.dispatcher='local'"),
     (["train.global_batch_size=3"], 2, "micro_batch_size x dp = 1 x 2 = 2; e.g. train.global_batch_size=4"),
     (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
     (["data.streams=3"], 2, "data.streams=3 is not a multiple of the data-parallel size 2"),  # workers: fitted
