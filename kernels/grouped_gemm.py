@@ -6,8 +6,11 @@ owns (zeros allowed).
 
 - `loop`: the reference, one matmul per expert; a host sync for the counts.
 - `torch`: `torch._grouped_mm` (one call, no host sync).  Its backward refuses
-  non-contiguous incoming gradients (e.g. from `.sum()`), so the output passes
-  through an identity whose backward makes the gradient contiguous.
+  non-contiguous incoming gradients (e.g. from `.sum()`), so a hook on the
+  output makes its gradient contiguous first.  A hook, not an identity
+  autograd.Function: a Function returning its input returns a view of it, and
+  FSDP2 warns on every step that a wrapped module (the experts) returned a view
+  (an in-place op on it would skip FSDP's pre-backward all-gather).
 - `triton`: ours (`grouped_gemm_triton.py`): persistent Triton kernels, no host
   sync, as custom ops with fakes and autograd.  Registered only when `triton`
   imports; selecting it without triton names the package.
@@ -30,20 +33,16 @@ def grouped_mm_loop(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Ten
     return torch.cat([xe @ w_EKN[e] for e, xe in enumerate(chunks)])
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
+def _contiguous_grad(g: torch.Tensor) -> torch.Tensor:
+    return g.contiguous()
 
 
 def grouped_mm_torch(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     offs = counts_E.cumsum(0, dtype=torch.int32)
     out = torch._grouped_mm(x_MK, w_EKN, offs=offs)
-    return _ContiguousGrad.apply(out) if out.requires_grad else out
+    if out.requires_grad:
+        out.register_hook(_contiguous_grad)  # runs on the gradient before _grouped_mm's backward sees it
+    return out
 
 
 GROUPED_GEMMS = {"loop": grouped_mm_loop, "torch": grouped_mm_torch}

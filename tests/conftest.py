@@ -4,8 +4,21 @@ import os
 # set before any @triton.jit runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The sample set's cache (moevlm.data.sample_cache) is one folder per test session, built by the first test that
+# needs it and reused by the rest, subprocesses included (they inherit the environment): the user's cache is
+# neither read nor written, and CI leaves nothing behind.
+_SAMPLE_CACHE = tempfile.mkdtemp(prefix="moevlm-test-cache-")
+os.environ["MOEVLM_CACHE"] = _SAMPLE_CACHE
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SAMPLE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -14,14 +14,14 @@ def test_readme_python_example_runs():
     assert scope["out"].logits.shape[-1] == scope["cfg"].text.vocab_size
 
 
-def test_readme_data_example_runs(tmp_path):
-    from moevlm.data.build_shards import build_sample
+def test_readme_data_example_runs():
+    from moevlm.data.sample_cache import ensure_sample
 
     text = (Path(__file__).parents[1] / "README.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "build_loader" in b)
-    build_sample(tmp_path, progress=False)
+    shards = ensure_sample()[0]
     scope: dict = {}
-    exec(compile(block.replace('"SHARDS"', repr(str(tmp_path))), "README.md", "exec"), scope)
+    exec(compile(block.replace('"SHARDS"', repr(str(shards))), "README.md", "exec"), scope)
     assert scope["batch"]["input_ids"].shape == (1, 4096) and scope["state"]["states"]
 
 

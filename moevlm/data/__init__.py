@@ -4,6 +4,7 @@
     build_inputs.py  the build's untrusted inputs: paths kept inside --images, byte caps before reading
     records.py       every record form -> one canonical Record
     sample.py        the embedded sample set: photos and prose that installed packages ship
+    sample_cache.py  data.shards=sample: that set built once per content version in ~/.cache/moevlm
     image.py         bytes -> RGB (EXIF, modes, bomb guard, JPEG draft) -> smart resize -> patches
     text.py          tokenizer, Qwen chat template, assistant-only loss mask
     encode.py        one raw sample -> Sample (tokens, labels, 3-D positions, pixels)

@@ -66,10 +66,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from moevlm.data import DataError
-from moevlm.data.build_shards import build_sample
 from moevlm.data.hf_files import write_processor_files
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
+from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
@@ -153,17 +153,25 @@ class Trainer:
     def _build_loader(self):
         d = OmegaConf.to_object(self.job.data) if OmegaConf.is_config(self.job.data) else copy.deepcopy(self.job.data)
         if d.shards == "sample":
-            d.shards = str(self.run_dir / "sample_data")
-            if self.rank == 0 and not os.path.exists(os.path.join(d.shards, "summary.json")):
-                s = build_sample(d.shards, progress=False, overwrite=True)
-                self.log.info(f"sample set: {s['samples']} samples {s['kinds']}, {s['images']} images, "
-                              f"{len(s['shards'])} shards in {d.shards}")
-            _barrier()
+            d.shards = str(self._sample_set())
         dims = self.plan.dims
         if self.pipeline is not None and not self.pipeline.holds_first:
             return NoData()  # a later pipeline stage: the first stage's rank shares each micro-batch's text
         return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp,
                             hf_checkpoint=self.job.model.hf_checkpoint)
+
+    def _sample_set(self) -> Path:
+        """The cached sample set (moevlm.data.sample_cache): each machine's first rank builds or reuses it
+        while the others wait at the barrier, then finds it complete."""
+        builder = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+        if not builder:
+            _barrier()
+        path, built = ensure_sample()
+        if builder:
+            _barrier()
+        if self.rank == 0:
+            self.log.info(describe_sample(path, built))
+        return path
 
     def _parallel_model_on_meta(self) -> torch.nn.Module:
         """Built and laid out without memory: a layout that cannot run fails here, before the data."""
@@ -430,7 +438,10 @@ class Trainer:
     def _summary(self, seconds: float, steps: int) -> int:
         real = [x for x in self.losses if math.isfinite(x)]
         self.log.info(f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
-                      f"data {self.loader.stats()}")
+                      f"data: {describe_data(self.loader.stats())}")
+        if self.t.require_loss_decrease and len(real) < 6:
+            self.log.info(f"note: train.require_loss_decrease not checked: it compares the mean of the first 3 "
+                          f"and last 3 finite losses, and this run has {len(real)} (run at least 6 steps)")
         if self.t.require_loss_decrease and len(real) >= 6:
             first, last = sum(real[:3]) / 3, sum(real[-3:]) / 3
             if not last < first:
@@ -543,6 +554,16 @@ def _seed(seed: int, deterministic: bool) -> None:
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+def describe_data(stats: dict) -> str:
+    """The loader's end-of-run counts (PackedLoader.stats) as one line of text."""
+    if "samples_read" not in stats:  # NoData: a later pipeline stage reads nothing
+        return "read on the first pipeline stage"
+    skipped = stats.get("skipped") or {}
+    skips = ", ".join(f"{reason} {n}" for reason, n in skipped.items()) if skipped else "none"
+    return (f"{stats['samples_read']} samples read, {stats['samples_packed']} packed into {stats['batches']} "
+            f"batches (epoch {stats['epoch']}); skipped: {skips}; waited {stats['data_wait_s']:.1f}s for data")
 
 
 def _barrier() -> None:

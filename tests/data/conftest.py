@@ -1,11 +1,10 @@
 import pytest
 
-from moevlm.data.build_shards import build_sample
+from moevlm.data.sample_cache import ensure_sample
 
 
 @pytest.fixture(scope="session")
-def sample_shards(tmp_path_factory):
-    """The embedded sample set (real packaged photos + shipped prose), built once."""
-    out = tmp_path_factory.mktemp("sample_shards")
-    build_sample(out, progress=False)
-    return out
+def sample_shards():
+    """The embedded sample set (real packaged photos + shipped prose), built once per session (the session's
+    cache, tests/conftest.py); read only: a test that damages shards copies them first."""
+    return ensure_sample()[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moevlm.data.build_shards import build_sample
+from moevlm.data.sample_cache import ensure_sample
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
@@ -38,8 +38,7 @@ def _train(shards, run_dir, kernels: list[str], steps: int = 2) -> dict:
 
 
 def test_tiny_model_trains_with_triton_and_matches_loop(tmp_path):
-    shards = tmp_path / "shards"
-    build_sample(shards, progress=False)
+    shards = ensure_sample()[0]
     ref = _train(shards, tmp_path / "loop", ["model.grouped_gemm=loop", "model.permute=torch"])
     got = _train(shards, tmp_path / "triton", ["model.grouped_gemm=triton", "model.permute=triton"])
     for a, b in zip(got["losses"], ref["losses"]):

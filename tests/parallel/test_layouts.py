@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moevlm.data.build_shards import build_sample
+from moevlm.data.sample_cache import ensure_sample
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
@@ -174,8 +174,7 @@ def check_layouts(rank: int, world: int, shards: str, tmp: str, ref_path: str, l
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
-    shards = str(tmp / "shards")
-    build_sample(shards, progress=False)
+    shards = str(ensure_sample()[0])
     init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [])))  # the reference's initial weights,
     init.model.save_pretrained(tmp / "init_hf")  # for the layout that starts from a Hugging Face checkpoint
     init.close()
@@ -232,6 +231,7 @@ def test_torchrun_world8_folded_layout_matches_one_process(reference, tmp_path):
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in proc.stdout
+    assert "returned a view tensor" not in proc.stdout  # FSDP2's warning on the experts' output (grouped_gemm.py)
     loss_err, param_err = runs_agree(tmp_path, steps=5)
     print(f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
     assert loss_err <= TOL and param_err <= TOL

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moevlm.data.build_shards import build_sample
+from moevlm.data.sample_cache import ensure_sample
 from moevlm.model import VLMConfig
 from moevlm.parallel import full_state_dict
 from moevlm.parallel.pipeline import v_schedules_supported
@@ -50,8 +50,7 @@ def pipe_model() -> VLMConfig:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    shards = str(tmp / "shards")
-    build_sample(shards, progress=False)
+    shards = str(ensure_sample()[0])
     (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
     model = MODEL.replace("@TMP", str(tmp))
     init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [model])))  # the reference's initial

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moevlm.data.sample_cache import sample_dir
 from moevlm.train import integrity
 from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker
 from moevlm.train.config import compose_job
@@ -294,16 +295,16 @@ def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_p
     """Shards rewritten under the same names since the checkpoint: a CheckpointError naming them (train.py: exit
     7), nothing trained; data where no sample fits the budgets: exit 8 with the skip counts, no hang."""
     ref_dir, _ = reference
-    run_dir = tmp_path / "run"
+    run_dir, shards = tmp_path / "run", tmp_path / "shards"
     shutil.copytree(ref_dir, run_dir)
-    shard = sorted((run_dir / "sample_data").glob("*.tar"))[0]
-    other = sorted((run_dir / "sample_data").glob("*.tar"))[1]
+    shutil.copytree(sample_dir(), shards)  # a copy to damage: the cached set is shared by every run
+    shard, other = sorted(shards.glob("*.tar"))[:2]
     shard.write_bytes(other.read_bytes())
-    job = compose_job(FAST + ["train.steps=5", f"train.run_dir={run_dir}"])
+    job = compose_job(FAST + ["train.steps=5", f"train.run_dir={run_dir}", f"data.shards={shards}"])
     with pytest.raises(CheckpointError, match=f"cannot resume the data from .*step_00000004: .*{shard.name}.*"
                                               "allow_changed_shards=true"):
         Trainer(job)
-    trainer, code = run(run_dir, 5, "data.allow_changed_shards=true")  # the user's explicit choice
+    trainer, code = run(run_dir, 5, f"data.shards={shards}", "data.allow_changed_shards=true")  # the user's choice
     assert code == 0 and trainer.step == 5
 
     trainer, code = run(tmp_path / "tiny_budget", 2, "data.pack.seq_len=8", "data.pack.oversize=skip")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from moevlm.data.sample_cache import sample_dir
 from moevlm.train.checkpoint import CheckpointManager
 from moevlm.train.config import compose_job
 from moevlm.train.faults import (EXIT_COLLECTIVE, EXIT_INTERRUPTED, EXIT_WATCHDOG, WARMUP_STEPS, StepWatchdog,
@@ -46,7 +47,7 @@ def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref")
     trainer = Trainer(compose_job(COMMON + [f"train.steps={STEPS}", f"train.run_dir={run_dir}"]))
     assert trainer.run() == 0
-    return losses(run_dir), run_dir / "sample_data"
+    return losses(run_dir), sample_dir()
 
 
 # ------------------------------------------------------------------ pure logic

@@ -22,11 +22,12 @@ import torch
 from omegaconf import OmegaConf
 
 from moevlm.data.loader import build_loader
+from moevlm.data.sample_cache import sample_dir
 from moevlm.model import count_flops
 from moevlm.model.config import ConfigError
 from moevlm.train.checkpoint import CheckpointManager
 from moevlm.train.config import compose_job, validate
-from moevlm.train.trainer import EXIT_NONFINITE, Trainer
+from moevlm.train.trainer import EXIT_NONFINITE, NoData, Trainer, describe_data
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["data.num_workers=1", "data.streams=1", "train.log_every=1", "train.tensorboard=true"]
@@ -63,6 +64,7 @@ def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
     ckpts = CheckpointManager(run_dir / "checkpoints", keep=2).complete()
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").exists()
+    assert not (run_dir / "sample_data").exists()  # data.shards=sample reads the cached set (sample_cache.py)
 
 
 def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
@@ -71,7 +73,7 @@ def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
     job, run_dir, _ = default_run
     plan = validate(job)
     data = job.data.copy()
-    data.shards = str(run_dir / "sample_data")
+    data.shards = str(sample_dir())
     loader = build_loader(OmegaConf.to_object(data), plan.model)
     rows_per_step = job.train.global_batch_size
     for rec in read_metrics(run_dir):
@@ -163,7 +165,7 @@ def test_every_experiment_composes_and_validates(name):
 
 # ------------------------------------------------------------------ subprocesses
 def launch(args: list[str], **kw) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(kw.pop("env", os.environ), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=kw.pop("cwd", REPO), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             **kw)
@@ -200,17 +202,26 @@ def test_resume_after_sigkill_is_exact(tmp_path):
 
 
 def test_multirun_sweep_runs_each_job(tmp_path):
-    """Run from an empty directory: the jobs land in the sweep directory, Hydra's multirun.yaml beside them."""
-    proc = launch(["-m", "optim.lr=1e-3,3e-4", "train.steps=2", "train.require_loss_decrease=false",
-                   "data.num_workers=1", "data.streams=1"], cwd=tmp_path)
+    """Run from an empty directory: the jobs land in the sweep directory, Hydra's multirun.yaml beside them.
+    The sample set is built once, in the cache ($MOEVLM_CACHE, fresh here), and the second job reuses it; the
+    end-of-run line is text; a loss check with too few steps says it was not made."""
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    work.mkdir()
+    proc = launch(["-m", "optim.lr=1e-3,3e-4", "train.steps=1", "train.require_loss_decrease=true",
+                   "data.num_workers=1", "data.streams=1"], cwd=work, env={**os.environ, "MOEVLM_CACHE": str(cache)})
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out
-    (sweep_dir,) = [p.parent for p in tmp_path.glob("multirun/*/*/multirun.yaml")]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    (sweep_dir,) = [p.parent for p in work.glob("multirun/*/*/multirun.yaml")]
+    assert sorted(p.name for p in work.iterdir()) == ["multirun"]
     for job, lr in ((0, 1e-3), (1, 3e-4)):
         run = sweep_dir / str(job)
         assert OmegaConf.load(run / "config.yaml").optim.lr == lr
-        assert [r["step"] for r in read_metrics(run)] == [1, 2]
+        assert [r["step"] for r in read_metrics(run)] == [1]
+        assert not (run / "sample_data").exists()
+    (sample,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert out.count(f"sample set built: {sample} (") == 1 and out.count(f"sample set reused: {sample} (") == 1
+    assert out.count("samples read") == 2 and "{'skipped'" not in out
+    assert out.count("note: train.require_loss_decrease not checked") == 2 and "has 1 (run at least 6" in out
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -286,3 +297,12 @@ def test_config_error_exits_2_with_the_message_only(tmp_path):
     assert out.strip() == ("config error: train.global_batch_size=3 must be a multiple of micro_batch_size x dp = "
                            "2 x 1 = 2; e.g. train.global_batch_size=4")
     assert not list(tmp_path.iterdir())  # nothing was created
+
+
+def test_end_of_run_data_line_is_text():
+    stats = {"skipped": {"bad_image": 2, "too_long": 5}, "skipped_total": 7, "samples_read": 40, "samples_packed": 31,
+             "batches": 4, "epoch": 1, "data_wait_s": 0.5}
+    assert describe_data(stats) == ("40 samples read, 31 packed into 4 batches (epoch 1); skipped: bad_image 2, "
+                                    "too_long 5; waited 0.5s for data")
+    assert "skipped: none" in describe_data({**stats, "skipped": {}, "skipped_total": 0})
+    assert describe_data(NoData().stats()) == "read on the first pipeline stage"
