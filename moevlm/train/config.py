@@ -292,7 +292,10 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         section, name = key.split(".")
         value = getattr(getattr(job, section), name)
         run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
-    run(_check_dispatcher_built, job.model.dispatcher)  # such a recipe cannot run at all
+    before = len(problems)
+    run(_check_dispatcher_built, job.model.dispatcher)
+    if len(problems) > before:  # such a recipe cannot run at all: its launch size and layout do not matter
+        raise ConfigError("\n".join(problems))
     run(_check, t.wandb == "disabled" or wandb_installed(), WANDB_MISSING.format(mode=t.wandb))
     scaled = run(scale_down, job, world_size, build_model_config)  # parallel.scale_to rewrites the layout and batch
     if scaled is None:  # the layout checks below would only repeat it

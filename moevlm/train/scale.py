@@ -27,8 +27,9 @@ Design choices:
   2 x pp x vpp under a pipeline (every torch schedule's rule holds: 1f1b >= pp,
   dualpipev >= 2 pp, interleaved a multiple of pp; two per stage reach the
   1F1B steady state), else 2 (gradient accumulation exercised, as the CPU
-  default).  global_batch_size = micro x dp x that; data.streams = dp x
-  num_workers (legal for any dp).
+  default).  global_batch_size = micro x dp x that; data.streams = 0, the
+  layout-independent default (16, fitted to the sample set's shards), so an
+  FSDP and a 3-D recipe scaled down train on the same rows.
 - Order: the later config wins in Hydra, so +scale=cpu must follow
   +experiment=NAME; the other way round the recipe's own values (its lr,
   batch, budgets) would stay.  The scale file sets train.global_batch_size: 0
@@ -77,7 +78,7 @@ def scale_down(job, launched: int, build_model) -> list[str]:
     p.dp, p.world_size = dp, dp * stage
     micro = 2 * stages if p.pp > 1 else 2
     t.global_batch_size = t.micro_batch_size * dp * micro
-    job.data.streams = dp * max(1, job.data.num_workers)
+    job.data.streams = 0  # the default: layout independent, so every scaled recipe reads the same rows
     line = _report(job, s, recipe, micro)
     _check(launched == p.world_size,
            f"+scale lays this recipe out for {p.world_size} processes ({line}) but {launched} were launched; launch "

@@ -67,7 +67,7 @@ def test_gb200_3d_and_gb200_fsdp_scaled():
     scaling to exactly h100_fsdp's job (one launch below runs both)."""
     _, job, plan = scaled("gb200_3d")
     assert plan.dims.describe() == "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1"
-    assert (job.train.global_batch_size, job.data.streams, plan.grad_accum) == (8, 4, 4)
+    assert (job.train.global_batch_size, job.data.streams, plan.grad_accum) == (8, 0, 4)
     assert "world_size 32->8, dp 8->2, ep 8->4" in plan.notes[0]
     jobs = [OmegaConf.to_container(scaled(n)[1]) for n in ("gb200_fsdp", "h100_fsdp")]
     assert jobs[0] == jobs[1]
