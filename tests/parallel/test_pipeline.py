@@ -147,7 +147,9 @@ GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (the README's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
-    Hugging Face weights (gathered from both stages) equal one process's (1e-5)."""
+    Hugging Face weights (gathered from both stages) equal one process's (1e-5); and the same recipe in a
+    plain FSDP layout (dp8 x ep8, no pipeline, no tp) on 8 processes logs the same losses: with the default
+    data streams every layout trains on the same rows."""
     readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     # optim.eps=1e-6 as in test_layouts: with the CPU lr (2e-3) and eps 1e-8, AdamW turns the float noise of
@@ -159,9 +161,12 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
            "parallel.ep=1", "train.global_batch_size=8"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    runs = {"one": [sys.executable, str(REPO / "train.py"), *one],
-            "eight": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                      str(REPO / "train.py"), *common]}
+    fsdp = [*common, "parallel.scale_to=null", "parallel.world_size=8", "parallel.tp=1", "parallel.pp=1",
+            "parallel.ep=8", "train.global_batch_size=8"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                str(REPO / "train.py")]
+    runs = {"one": [sys.executable, str(REPO / "train.py"), *one], "eight": [*torchrun, *common],
+            "fsdp": [*torchrun, *fsdp]}
     out = {}
     for name, cmd in runs.items():
         dirs = [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
@@ -174,8 +179,12 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     loss_err, param_err = runs_agree(tmp_path, steps=3)
     print(f"gb200_3d scaled down, torchrun world 8: 3 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
     assert loss_err <= TOL and param_err <= TOL
+    assert "world 8 = pp 1 x dp 8 x cp 1 x tp 1 = pp 1 x edp 1 x ep 8 x etp 1" in out["fsdp"]
     records = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-               for d in ("one", "eight")}
+               for d in ("one", "eight", "fsdp")}
+    fsdp_err = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(records["one"], records["fsdp"]))
+    print(f"the same recipe as FSDP dp8 x ep8: max rel err loss {fsdp_err:.1e}")
+    assert len(records["fsdp"]) == 3 and fsdp_err <= TOL
     # tokens and FLOPs are the step's, counted once (not once per stage or tp rank): one process's numbers
     assert [r["flops"] for r in records["eight"]] == pytest.approx([r["flops"] for r in records["one"]], rel=1e-12)
     assert all(r["tokens_per_s"] > 0 for r in records["eight"])
