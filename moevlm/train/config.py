@@ -42,6 +42,7 @@ Design choices:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -320,6 +321,8 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     run(_check_faults, p, t)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
+    if environment and model is not None:
+        run(_check_tokenizer, job.data, job.model.hf_checkpoint, model)
     if problems:
         raise ConfigError("\n".join(problems))
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
@@ -361,6 +364,9 @@ def environment_checks(job) -> list:
             value != "triton" or not on_cpu or os.environ.get("TRITON_INTERPRET") == "1",
             f"{key}=triton runs Triton kernels, which need a CUDA device; on the CPU use {key}=torch (or set "
             "TRITON_INTERPRET=1 before launching to run them in Triton's interpreter: very slow, for tests)"))
+    checks.append(lambda: _check(m.attn_backend != "flash" or importlib.util.find_spec("flash_attn") is not None,
+                                 "model.attn_backend=flash needs the flash-attn package, which is not installed "
+                                 "(pip install flash-attn, CUDA only); use model.attn_backend=auto"))
     checks += [lambda: _check_path(m.hf_checkpoint, "model.hf_checkpoint", "an HF folder with config.json and "
                                    "*.safetensors", folder=True),
                lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
@@ -368,6 +374,29 @@ def environment_checks(job) -> list:
                                    "a checkpoint folder (checkpoints/step_NNNNNNNN), auto or none", folder=True),
                lambda: _check_shards(job.data.shards)]
     return checks
+
+
+def _check_tokenizer(data, hf_checkpoint: str, model: VLMConfig) -> None:
+    """Your shards' tokenizer is found (data.tokenizer, beside the shards, or the HF checkpoint's) and its
+    special tokens sit where the model expects them.  (The sample set brings its own, built later.)"""
+    if data.shards in ("", "sample", MISSING):
+        return
+    from moevlm.data.loader import find_tokenizer
+    from moevlm.data.reader import expand_shards
+    from moevlm.data.text import ChatEncoder, load_tokenizer
+
+    try:
+        shards = expand_shards(data.shards)
+    except FileNotFoundError:
+        return  # _check_shards says so
+    path = find_tokenizer(data, shards, hf_checkpoint)  # DataSetupError (a ConfigError) names the three places
+    try:
+        ChatEncoder(load_tokenizer(path)).check_model(model)
+    except ValueError as err:
+        raise ConfigError(f"the tokenizer {path} does not fit the model: {err}") from None
+    except Exception as err:  # not a tokenizer.json at all
+        raise ConfigError(f"the tokenizer {path} cannot be loaded ({type(err).__name__}: {err}); point "
+                          "data.tokenizer at a tokenizers tokenizer.json") from None
 
 
 def _why_no_cuda() -> str:

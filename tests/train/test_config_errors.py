@@ -3,6 +3,7 @@ line each, exit 2, before a process group, a run directory or the sample set exi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ MISTAKES = {
     "train.micro_batch_size=0": "train.micro_batch_size=0 must be >= 1",
     "parallel.timeout_s=-1": "parallel.timeout_s=-1",
     "train.nonfinite=ignore": "train.nonfinite='ignore'; choose one of",
+    "model.attn_backend=flash": "model.attn_backend=flash needs the flash-attn package",
 }
 
 
@@ -37,6 +39,8 @@ def no_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if __import__("torch").cuda.is_available():
         pytest.skip("checks what a CPU-only machine reports")
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("checks what a machine without flash-attn reports")
 
 
 def test_every_mistake_is_reported_at_once(no_interpreter):
@@ -71,3 +75,26 @@ def test_train_py_prints_every_line_and_creates_nothing(tmp_path):
     assert len(lines) == len(MISTAKES) and all(line.startswith("config error: ") for line in lines), lines
     assert "Traceback" not in proc.stderr + proc.stdout
     assert list(tmp_path.iterdir()) == []  # no run dir, no sample set, no outputs/
+
+
+def test_your_shards_tokenizer_is_found_and_fits_the_model(tmp_path):
+    """Before any sample set or process group: shards without a tokenizer anywhere, and a tokenizer whose
+    special tokens are not where the model expects them, are each one line."""
+    from moevlm.data.sample_cache import ensure_sample
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "shard-000000.tar").write_bytes(bytes(1024))
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job([f"data.shards={shards}"]))
+    (line,) = str(err.value).splitlines()
+    assert "data.tokenizer" in line and "--tokenizer" in line and "model.hf_checkpoint" in line
+
+    tiny_tokenizer = ensure_sample()[0] / "tokenizer.json"
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}",
+                              "model.preset=qwen3_vl_30b_a3b"]), environment=True)
+    first, *ids = str(err.value).splitlines()  # one line per special token that is elsewhere
+    assert first.startswith(f"the tokenizer {tiny_tokenizer} does not fit the model")
+    assert ids and all("the tokenizer has <|" in line for line in ids)
+    validate(compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}"]))  # the tiny model: fits
