@@ -8,9 +8,7 @@
     code = faults.failure_code(err)      # a failed collective: one line to stderr, EXIT_COLLECTIVE
     faults.close()                       # previous handlers back (library use, sweeps)
 
-Exit codes of a training process (`Trainer.run` returns them, train.py exits with them):
-    0 done   1 loss did not fall (train.require_loss_decrease)   2 config error (train.py)
-    3 stopped on non-finite loss/gradients (checkpoint written)
+Exit codes defined here (the whole table is in moevlm.train.trainer's docstring):
     4 EXIT_INTERRUPTED: SIGTERM/SIGINT, checkpoint written; relaunch the same command to continue
     5 EXIT_COLLECTIVE: a collective timed out (parallel.timeout_s) or lost its peer
     6 EXIT_WATCHDOG: a step or checkpoint ran past train.watchdog_abort_s
@@ -64,6 +62,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from moevlm.train.integrity import errors_in
 
 EXIT_INTERRUPTED, EXIT_COLLECTIVE, EXIT_WATCHDOG = 4, 5, 6
 REPEAT_WINDOW_S = 2.0
@@ -304,10 +304,7 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
 
 def describe_failure(err: BaseException, doing: str, elapsed_s: float | None, timeout_s: float) -> str | None:
     """The line for an error that says a collective failed (gloo's, torch.distributed's), else None."""
-    chain, e = [], err
-    while e is not None and len(chain) < 8:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = errors_in(err)
     text = " ".join(f"{type(c).__name__}: {c}" for c in chain).lower()
     distributed = any(isinstance(c, dist.DistError) for c in chain) or "gloo" in text or "nccl" in text
     if any(k in text for k in _TIMEOUT) and (distributed or "collective" in text):

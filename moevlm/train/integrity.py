@@ -156,8 +156,9 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
-def _errors(e: BaseException) -> list[BaseException]:
-    """`e`, its causes, and the per-rank exceptions a DCP CheckpointException gathered."""
+def errors_in(e: BaseException) -> list[BaseException]:
+    """`e` first, then its causes and contexts, and the per-rank exceptions a DCP CheckpointException
+    gathered (each once: cycles are cut)."""
     out, todo = [], [e]
     while todo:
         x = todo.pop()
@@ -175,10 +176,10 @@ _DISK_FULL = ("no space left", "disk quota", "unexpected pos")  # torch's zip wr
 
 def looks_like_disk_full(e: BaseException) -> bool:
     return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT)
-               or any(t in str(x).lower() for t in _DISK_FULL) for x in _errors(e))
+               or any(t in str(x).lower() for t in _DISK_FULL) for x in errors_in(e))
 
 
 def one_line(e: BaseException) -> str:
     """The innermost error of a (DCP) exception, in one line."""
-    inner = [x for x in _errors(e) if not isinstance(x, CheckpointException)] or [e]
+    inner = [x for x in errors_in(e) if not isinstance(x, CheckpointException)] or [e]
     return f"{type(inner[0]).__name__}: {str(inner[0]).splitlines()[0] if str(inner[0]) else ''}"

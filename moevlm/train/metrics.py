@@ -246,7 +246,8 @@ class MetricsLogger:
         path = self.run_dir / "metrics.jsonl"
         self._file.close()
         lines = path.read_text().splitlines(keepends=True)
-        keep = [ln for ln in lines if _step_of_line(ln) <= step]
+        steps = [_step_of_line(ln) for ln in lines]
+        keep = [ln for ln, s in zip(lines, steps) if s <= step]
         if len(keep) < len(lines):
             if abandoned is not None:
                 Path(abandoned).mkdir(parents=True, exist_ok=True)
@@ -257,7 +258,7 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.close()
                 self._tb = self._writer(purge_step=step + 1)
-            last = max((s for s in map(_step_of_line, lines) if math.isfinite(s)), default=step)
+            last = max((s for s in steps if math.isfinite(s)), default=step)
             if self._wandb is not None and last > step:
                 self.info(f"W&B cannot drop history: its steps {step + 1}..{last} keep the values logged before "
                           "this resume (metrics.jsonl and TensorBoard have the new ones)")
