@@ -17,6 +17,16 @@ _SAMPLE_CACHE = tempfile.mkdtemp(prefix="moevlm-test-cache-")
 os.environ["MOEVLM_CACHE"] = _SAMPLE_CACHE
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu_suite.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_SAMPLE_CACHE, ignore_errors=True)
 
