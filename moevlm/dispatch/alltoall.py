@@ -38,6 +38,10 @@ Design choices:
   (autograd through the two all-to-alls and the `repeat`/`sum`).
 - EP and ETP size 1 (no groups, or groups of one) run no collective and no host
   sync: it is `LocalDispatcher` exactly.
+- Every collective is a functional one (the counts through
+  `torch.ops._c10d_functional` ops, the rows through `all_to_all_single_autograd`), so a
+  recomputed MoE block gets its exchanges back from the selective-checkpoint
+  cache instead of running them again (moevlm/parallel/recompute.py).
 - The index logic lives in pure functions (`sort_rows_by_expert`, `rank_splits`,
   `regroup_by_local_expert`, `invert_permutation`) tested without processes.
 """
@@ -88,7 +92,16 @@ def divisibility_reason(num_experts: int, ep_size: int) -> str | None:
 
 
 # ----------------------------------------------------------------- process group
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # new name in torch 2.12
+
+_F = torch.ops._c10d_functional  # functional (out-of-place) collectives: selective recompute can keep them
+
+
+def all_to_all_flat(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name))
+
+
+def all_gather_flat(x: torch.Tensor, group) -> torch.Tensor:
+    return _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name))
 
 
 def _resolve_group(ep_group) -> tuple[object | None, int, int]:
@@ -165,12 +178,11 @@ class AllToAllDispatcher(TokenDispatcher):
         P, L, Q = self.ep_size, self.num_local_experts, self.etp_size
         recv_counts_E = counts_E
         if P > 1 or self.always_exchange:
-            recv_counts_E = torch.empty_like(counts_E)
-            dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # block p: from rank p, my L experts
+            even = [L] * P  # block p: from rank p, my L experts
+            recv_counts_E = all_to_all_flat(counts_E, even, even, self.group)
         all_counts_E = recv_counts_E  # Q blocks of (P, L) after the ETP gather
         if Q > 1:
-            all_counts_E = recv_counts_E.new_empty(Q * P * L)
-            _all_gather(all_counts_E, recv_counts_E, group=self.etp_group)
+            all_counts_E = all_gather_flat(recv_counts_E, self.etp_group)
         host = torch.cat([counts_E, all_counts_E]).tolist()
         send_splits = rank_splits(host[:P * L], P)
         mine = host[P * L:][self.etp_rank * P * L:(self.etp_rank + 1) * P * L]  # what this rank got over EP

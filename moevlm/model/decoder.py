@@ -67,8 +67,12 @@ class TextAttention(nn.Module):
         v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
         cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, mask)
+        out = self.core_attention(q, k, v, mask)
         return self.o_proj(out.reshape(B, S, -1))
+
+    def core_attention(self, q_BSHD, k_BSKD, v_BSKD, mask: DocMask) -> torch.Tensor:
+        """The attention kernel alone (a seam: recompute may wrap it per instance)."""
+        return attention(q_BSHD, k_BSKD, v_BSKD, mask)
 
 
 class DecoderLayer(nn.Module):

@@ -60,8 +60,12 @@ class Experts(nn.Module):
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         h_MF2 = grouped_mm(x_MD, self.gate_up_proj, tokens_per_expert_E, self.grouped_gemm)
+        return grouped_mm(self.activation(h_MF2), self.down_proj, tokens_per_expert_E, self.grouped_gemm)
+
+    def activation(self, h_MF2: torch.Tensor) -> torch.Tensor:
+        """SwiGLU between the two grouped GEMMs (a seam: recompute may wrap it per instance)."""
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate_MF) * up_MF, self.down_proj, tokens_per_expert_E, self.grouped_gemm)
+        return F.silu(gate_MF) * up_MF
 
 
 class MoEBlock(nn.Module):

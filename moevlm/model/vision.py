@@ -43,8 +43,12 @@ class VisionAttention(nn.Module):
         cos, sin = (t[:, None, :] for t in cos_sin)
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        out = attention(q[None], k[None], v[None], mask)
+        out = self.core_attention(q[None], k[None], v[None], mask)
         return self.proj(out.reshape(N, -1))
+
+    def core_attention(self, q_1NHD, k_1NHD, v_1NHD, mask: DocMask) -> torch.Tensor:
+        """The attention kernel alone (a seam: recompute may wrap it per instance)."""
+        return attention(q_1NHD, k_1NHD, v_1NHD, mask)
 
 
 class VisionMLP(nn.Module):

@@ -24,7 +24,6 @@ Design choices:
 from __future__ import annotations
 
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from moevlm.dispatch import build_dispatcher
@@ -41,8 +40,7 @@ except ImportError:  # pragma: no cover
 class ParallelExperts(Experts):
     def forward(self, x_MD, tokens_per_expert_L):
         h_MF2 = grouped_mm(x_MD, local(self.gate_up_proj), tokens_per_expert_L, self.grouped_gemm)
-        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate_MF) * up_MF, local(self.down_proj), tokens_per_expert_L, self.grouped_gemm)
+        return grouped_mm(self.activation(h_MF2), local(self.down_proj), tokens_per_expert_L, self.grouped_gemm)
 
 
 def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "alltoall") -> None:

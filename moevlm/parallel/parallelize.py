@@ -1,7 +1,8 @@
 """`parallelize(model, dims, ...)`: the one place a model built on the meta
 device is rewritten for its parallel layout, in this order: pipeline stages
 (pipeline.py: this rank keeps its stages' parts), tensor/sequence parallel
-(tensor_parallel.py), expert parallel (expert_parallel.py), data parallel
+(tensor_parallel.py), expert parallel (expert_parallel.py), recompute
+(recompute.py: `recompute=(mode, modules)`), data parallel
 (data_parallel.py: FSDP2 or DDP-style all-reduce).
 
     with torch.device("meta"): model = Qwen3VLMoe(cfg)
@@ -44,6 +45,7 @@ from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
 from moevlm.parallel.pipeline_plan import PipelinePlan
+from moevlm.parallel.recompute import apply_recompute
 from moevlm.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -84,7 +86,8 @@ def parallel_context(model: nn.Module) -> ParallelContext:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
-                bf16: bool = False, dispatcher: str = "local", pipeline: PipelinePlan | None = None) -> nn.Module:
+                bf16: bool = False, dispatcher: str = "local", pipeline: PipelinePlan | None = None,
+                recompute: tuple[str, tuple[str, ...]] = ("none", ())) -> nn.Module:
     if dims.cp > 1:
         raise ParallelNotBuilt(
             f"this layout ({dims.describe()}) needs context parallel, which is not built yet; use parallel.cp=1 "
@@ -97,6 +100,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
     ctx = ParallelContext(dims, dp_mode)
     model.__dict__["_parallel_context"] = ctx
     if dims.world == 1:
+        apply_recompute(model, *recompute)
         ctx.grad_sync = GradSync(model, fsdp=False, groups={"tp": None}, tp_partial=[], tp=1, world=1)
         return model
     attn, expert = dims.build_meshes(device_type)
@@ -116,6 +120,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
         for block in _moe_blocks(model):  # dispatcher would default to the world group)
             block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k,
                                                 permute=model.config.moe.permute)
+    apply_recompute(model, *recompute)
     if dims.pp > 1:
         if pipeline.style == "v" and not v_schedules_supported(dist.get_backend(ctx.pp_group)):
             raise ParallelNotBuilt(

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from moevlm.model.attention import DocMask, attention
+from moevlm.model.attention import DocMask
 from moevlm.model.decoder import TextAttention, TextDecoder, add_at_mask
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
 from moevlm.model.rope import apply_rotary
@@ -95,7 +95,7 @@ class TPTextAttention(TextAttention):
         v = v.view(B, S, -1, self.head_dim)
         cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, mask).reshape(B, S, -1)
+        out = self.core_attention(q, k, v, mask).reshape(B, S, -1)
         y = reduce_scatter_seq(F.linear(out, local(self.o_proj.weight)), self.tp_group)
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 

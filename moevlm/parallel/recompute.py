@@ -1,0 +1,204 @@
+"""Recompute (activation checkpointing): `apply_recompute(model, mode, modules)`.
+
+Legend: T tokens, D hidden, M dispatched rows, F expert hidden.
+
+    apply_recompute(model, "selective", ("core_attn", "moe_act"))   # in parallelize(), after TP/EP
+    with SavedBytes(model) as meter: loss = model(**batch).loss      # measure what forward keeps
+    meter.bytes                                                       # activations held for backward
+
+Modes and regions (each region is recomputed in backward from its inputs):
+
+    none        nothing recomputed
+    full        each decoder layer whole and each vision block whole
+    selective   the regions named in `modules`:
+      core_attn   the attention kernel call alone (q, k, v -> out), text and vision
+      layernorm   every RMSNorm / LayerNorm of the decoder and the vision tower (its
+                  internals; its output is still kept by the matmul that reads it)
+      mlp         the dense MLPs: the decoder's `mlp_only_layers` SwiGLU and each vision
+                  block's MLP
+      moe_act     the experts' SwiGLU between the two grouped GEMMs
+      moe         the whole MoE block (router, dispatch, experts, combine)
+      vision      each vision block whole
+
+Design choices:
+- torch's non-reentrant `checkpoint` with a selective-checkpoint context whose
+  policy saves the output of every functional collective
+  (`torch.ops._c10d_functional.*`: all-gather, reduce-scatter, all-reduce,
+  all-to-all and their `wait_tensor`) and recomputes everything else, so a
+  recomputed region gets its communication back from the cache and backward
+  never issues a collective twice.  For that every collective inside a region
+  is a functional one (moevlm/parallel/comm.py, the all-to-all dispatcher);
+  FSDP's parameter all-gathers run in module hooks, outside the regions.
+- Regions are per-instance method wraps (`forward`, or the model's seams
+  `core_attention` and `Experts.activation`), not wrapper modules: parameter
+  names, state dicts and checkpoints are the same under every setting, and the
+  TP/EP subclasses (which call the same seams) keep working.  A region inside a
+  bigger chosen region (norms of a vision block under `vision`, the SwiGLU
+  under `moe`) is not wrapped again.
+- Applied after TP/EP and before compile/FSDP (torchtitan's order), on this
+  rank's pipeline stages (the pruned model), so pp works unchanged.
+- Regions run plainly when autograd is off (a frozen vision tower, eval).
+- The model stays parallelism-free: it only offers the seams.
+- FLOPs and MFU stay useful work: they come from the config
+  (moevlm/model/flops.py), never from what runs, so recompute is not counted.
+- `SavedBytes` measures, per forward, the distinct storages held for backward:
+  what autograd saves outside the regions (`saved_tensors_hooks`), each
+  region's tensor inputs (the checkpoint keeps them to recompute from) and the
+  collective outputs the selective cache keeps; parameters are left out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from moevlm.model.decoder import DecoderLayer, RMSNorm, TextAttention
+from moevlm.model.moe import DenseMLP, Experts, MoEBlock
+from moevlm.model.vision import VisionAttention, VisionBlock, VisionMLP
+
+MODES = ("none", "selective", "full")
+MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
+COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+# which (module class, method) each choice wraps; `full` is decoder layers + vision blocks
+_REGIONS = {
+    "core_attn": ((TextAttention, VisionAttention), "core_attention"),
+    "layernorm": ((RMSNorm, nn.LayerNorm), "forward"),
+    "mlp": ((DenseMLP, VisionMLP), "forward"),
+    "moe_act": ((Experts,), "activation"),
+    "moe": ((MoEBlock,), "forward"),
+    "vision": ((VisionBlock,), "forward"),
+    "full": ((DecoderLayer, VisionBlock), "forward"),
+}
+_OUTER_FIRST = ("full", "vision", "moe", "mlp", "core_attn", "moe_act", "layernorm")
+
+
+def describe(mode: str, modules=()) -> str:
+    """What ran, for the metrics: "none", "full" or "selective:core_attn,moe_act"."""
+    return f"selective:{','.join(modules)}" if mode == "selective" else mode
+
+
+def check(mode: str, modules) -> str | None:
+    """The reason `mode`/`modules` cannot run, or None."""
+    if mode not in MODES:
+        return f"model.recompute={mode!r}; choose one of {', '.join(MODES)}"
+    bad = [m for m in modules if m not in MODULES]
+    if bad:
+        return f"model.recompute_modules has {bad}; choose from {', '.join(MODULES)}"
+    if mode == "selective" and not modules:
+        return "model.recompute=selective with no model.recompute_modules; name at least one of " + ", ".join(MODULES)
+    return None
+
+
+def apply_recompute(model: nn.Module, mode: str = "none", modules=()) -> None:
+    """Wrap the chosen regions of `model` (built, parallelized or not) in place."""
+    reason = check(mode, tuple(modules))
+    if reason is not None:
+        raise ValueError(reason)
+    if mode == "none":
+        return
+    choices = ["full"] if mode == "full" else [c for c in _OUTER_FIRST if c in modules]
+    covered: set[int] = set()  # modules inside an already-wrapped region
+    for choice in choices:
+        classes, method = _REGIONS[choice]
+        for m in model.modules():
+            if isinstance(m, classes) and id(m) not in covered:
+                _wrap(m, method)
+                if method == "forward":
+                    covered |= {id(sub) for sub in m.modules()}
+
+
+def _wrap(module: nn.Module, method: str) -> None:
+    fn = getattr(module, method)
+    if getattr(fn, "_recompute_wrapped", False):
+        return
+    setattr(module, method, _checkpointed(fn))
+
+
+def _checkpointed(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        for meter in _METERS:
+            meter.hold(args, kwargs.values())
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_contexts, **kwargs)
+
+    run._recompute_wrapped = True
+    return run
+
+
+def save_communication(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """The selective-checkpoint policy: keep every collective's output, recompute the rest."""
+    if func.namespace in COMM_NAMESPACES:
+        if not ctx.is_recompute:
+            for meter in _METERS:
+                meter.hold(ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,))
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Runtime ops of module hooks (FSDP2's unshard/reshard, profiler annotations) may run a different number of
+# times in forward and in recomputation; they are not the region's computation, so the selective cache neither
+# stores nor replays them (otherwise its per-op counters go out of step: "... not found in storage").
+_PASS_THROUGH = ("profiler", "fsdp", "c10d")
+
+
+@functools.cache
+def _pass_through(cls):
+    class PassThrough(cls):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in _PASS_THROUGH:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    PassThrough.__name__ = "PassThrough" + cls.__name__
+    return PassThrough
+
+
+def _sac_contexts():
+    caching, cached = create_selective_checkpoint_contexts(save_communication)
+    caching.__class__, cached.__class__ = _pass_through(type(caching)), _pass_through(type(cached))
+    return caching, cached
+
+
+# ------------------------------------------------------------------ measuring
+_METERS: list["SavedBytes"] = []  # active meters (a measurement tool: tests and bench/recompute_memory.py)
+
+
+class SavedBytes:
+    """Bytes of the distinct storages one forward keeps for backward (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._held: dict[int, torch.Tensor] = {}  # storage pointer -> a tensor on it (kept alive: no reuse)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._held.values())
+
+    def hold(self, *groups) -> None:
+        for group in groups:
+            for t in group:
+                t = getattr(t, "elem", t)  # an AsyncCollectiveTensor's data
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in self._params and ptr != 0:
+                        self._held.setdefault(ptr, t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.hold((t,))
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        _METERS.append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        _METERS.remove(self)
