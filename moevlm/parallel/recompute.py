@@ -81,6 +81,12 @@ def describe(mode: str, modules=()) -> str:
     return f"selective:{','.join(modules)}" if mode == "selective" else mode
 
 
+def recompute_setting(model_cfg) -> tuple[str, tuple[str, ...]]:
+    """(mode, modules) from the job's `model` section; modules only count for `selective`."""
+    mode = model_cfg.recompute
+    return mode, tuple(model_cfg.recompute_modules or ()) if mode == "selective" else ()
+
+
 def check(mode: str, modules) -> str | None:
     """The reason `mode`/`modules` cannot run, or None."""
     if mode not in MODES:
@@ -134,9 +140,10 @@ def _checkpointed(fn):
 def save_communication(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """The selective-checkpoint policy: keep every collective's output, recompute the rest."""
     if func.namespace in COMM_NAMESPACES:
-        if not ctx.is_recompute:
+        out = getattr(ctx, "op_output", None)  # torch >= 2.13 hands the policy the op's output (measuring only)
+        if not ctx.is_recompute and out is not None:
             for meter in _METERS:
-                meter.hold(ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,))
+                meter.hold(out if isinstance(out, (tuple, list)) else (out,))
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -46,7 +46,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -93,6 +93,13 @@ class ModelConfig:
         "help": "router load-balancing loss weight (0 turns it off); null = the checkpoint's router_aux_loss_coef"})
     freeze_vision: bool = field(default=False, metadata={
         "help": "the whole vision module (tower, merger, deepstack mergers) runs forward only, no gradients"})
+    recompute: str = field(default="none", metadata={
+        "help": "activation recompute in backward: none, selective (the regions of model.recompute_modules), full "
+                "(each decoder layer and vision block whole); collective outputs are kept, never re-run"})
+    recompute_modules: List[str] = field(default_factory=lambda: ["core_attn"], metadata={
+        "help": "regions recomputed when model.recompute=selective (ignored otherwise): core_attn (attention "
+                "kernel), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
+                "(whole MoE block), vision (each vision block)"})
 
 
 @dataclass
@@ -281,6 +288,14 @@ def _check_proxies(m: ModelConfig) -> None:
            "null for the checkpoint's router_aux_loss_coef")
 
 
+def _check_recompute(m) -> None:
+    from moevlm.parallel.recompute import check
+
+    reason = check(m.recompute, tuple(m.recompute_modules or ()))
+    if reason is not None:
+        raise ConfigError(reason)
+
+
 def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     """Every check that needs no allocation (config values, the launch, and with `environment` the
     device, packages and files the config names), all at once: ConfigError with one line per problem
@@ -319,6 +334,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
+    run(_check_recompute, job.model)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
     if environment and model is not None:

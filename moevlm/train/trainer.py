@@ -74,6 +74,8 @@ from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
+from moevlm.parallel.recompute import describe as describe_recompute
+from moevlm.parallel.recompute import recompute_setting
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
@@ -179,7 +181,8 @@ class Trainer:
             model = Qwen3VLMoe(self.plan.model)
         p = self.job.parallel
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
-                            dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline)
+                            dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline,
+                            recompute=recompute_setting(self.job.model))
         self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
@@ -487,6 +490,7 @@ class Window:
         if tr.pipeline is not None:  # collective: every rank builds the record, rank 0 writes it
             rec["mem_gib_by_pp_rank"] = _max_by_pp_rank(tr, mem)
         rec["steps_in_window"] = self.steps
+        rec["recompute"] = describe_recompute(*recompute_setting(tr.job.model))
         reset_peak_memory(tr.device)
         return rec
 
