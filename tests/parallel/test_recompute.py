@@ -5,10 +5,13 @@ and never runs a collective again in backward.
 each selective module, all of them, and full: loss and every gradient equal
 (<= 1e-6 relative); saved-activation bytes (`SavedBytes`) fall for each
 selective module and most for full.
-(b) One launch of 2 gloo ranks, tp2 x ep2 (all-to-all dispatcher, FSDP): none,
+(b) One launch of 2 gloo ranks: tp2 x ep2 (all-to-all dispatcher, FSDP): none,
 selective (all modules) and full match the one-process reference in loss and
 gathered gradients, and backward issues exactly as many collectives with
-recompute as without (forward issues some: the count sees them).
+recompute as without (forward issues some: the count sees them); then pp2
+(pipeline stages, 1F1B, the real Trainer, 2 steps): selective and full give
+none's losses and gathered gradients.
+(c) The trainer logs which recompute ran, and its FLOPs stay useful work.
 """
 
 from __future__ import annotations
@@ -111,6 +114,30 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _two_ranks(rank: int, shards: str, tmp: str) -> None:
+    import os
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))  # what the Trainer reads
+    _tp2_ep2(rank)
+    _pp2(shards, tmp)
+
+
+def _pp2(shards: str, tmp: str) -> None:
+    """Pipeline stages (pp2, 1F1B, the Trainer): full and selective recompute train the steps none trains."""
+    from test_layouts import rel as rel64, run_job
+
+    runs = {mode: run_job(shards, f"{tmp}/pp2_{mode}", ["parallel.pp=2", f"model.recompute={mode}",
+                                                       "model.recompute_modules=[core_attn,moe,vision]"])
+            for mode in ("none", "selective", "full")}
+    for mode in ("selective", "full"):
+        for a, b in zip(runs[mode]["losses"], runs["none"]["losses"]):
+            assert abs(a - b) <= TOL * abs(b), (mode, a, b)
+        for got, want in zip(runs[mode]["grads"], runs["none"]["grads"]):
+            assert got.keys() == want.keys()
+            for n in want:
+                assert rel64(got[n], want[n]) <= TOL, (mode, n)
+
+
 def _tp2_ep2(rank: int) -> None:
     from moevlm.parallel import ParallelDims, full_grads, init_parameters_, materialize_, parallelize
     from moevlm.parallel.parallelize import parallel_context
@@ -145,8 +172,11 @@ def _tp2_ep2(rank: int) -> None:
     assert counts["selective"][1] == counts["none"][1] == counts["full"][1], counts
 
 
-def test_recompute_tp2_ep2_same_gradients_no_extra_collectives(tmp_path):
-    run_ranks(_tp2_ep2, 2, tmp_path)
+def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
+    """tp2 x ep2 (FSDP, all-to-all) against one process, then pp2 stages through the Trainer."""
+    from moevlm.data.sample_cache import ensure_sample
+
+    run_ranks(_two_ranks, 2, tmp_path, str(ensure_sample()[0]), str(tmp_path), timeout_s=300)
 
 
 # ------------------------------------------------------------------ trainer
