@@ -21,13 +21,27 @@ Backends:
 - `flex`: FlexAttention with a document block mask, compiled on CUDA; eager on
   CPU, where it has no backward (FACTS).
 - `flash`: flash-attn's varlen kernel (optional package, CUDA, fp16/bf16).
-- `auto`: `flash` when importable and the tensors are on CUDA in half
-  precision, else `sdpa`.
+- `varlen`: `torch.nn.attention.varlen.varlen_attn` (torch's own flash kernel,
+  no extra package; CUDA only, fp16/bf16).  Documents are cu_seqlens over the
+  flattened tokens; it always takes the static form below (no host sync).
+  Probed, not version-compared: causal is `window_size=(-1, 0)` where the
+  function has it, else `is_causal=True`; GQA is `enable_gqa=True` where it
+  exists, else K/V heads are repeated.
+- `auto`: on CUDA in half precision the first available of `flash` (flash-attn
+  importable), `varlen` (this torch has it), `flex`, `sdpa`; otherwise `sdpa`
+  (flex has no CPU backward).
+
+`static=True` (set under torch.compile) keeps host values out of what layers
+see: flash/varlen get the boundaries as one int32 tensor of fixed length
+(cu_seqlens merged with the row ends, sorted on the device: repeated entries
+are empty documents) and max_seqlen = S, so neither the document count nor the
+longest document can change a guard.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +58,10 @@ class DocMask:
 
 
 def doc_mask(B: int, S: int, cu_seqlens: torch.Tensor | None, *, causal: bool, backend: str = "auto",
-             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DocMask:
+             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, static: bool = False) -> DocMask:
     backend = resolve_backend(backend, torch.device(device), dtype)
+    if backend in VARLEN_KERNELS and (static or backend == "varlen"):
+        return DocMask(backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S))
     mask = DocMask(backend, causal, doc_bounds(B, S, cu_seqlens))
     mask.prepared = _PREPARE[backend](B, S, cu_seqlens, causal, mask.bounds, device)
     return mask
@@ -57,11 +73,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask) 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     if backend == "auto":
-        half = dtype in (torch.float16, torch.bfloat16)
-        return "flash" if device.type == "cuda" and half and _flash_varlen() is not None else "sdpa"
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return "sdpa"
+        return next(name for name, ok in (("flash", _flash_varlen() is not None), ("varlen", varlen_available()),
+                                          ("flex", flex_available()), ("sdpa", True)) if ok)
     if backend == "flash" and _flash_varlen() is None:
         raise RuntimeError("attn_backend='flash' needs the optional package 'flash-attn' "
                            "(pip install flash-attn); use attn_backend='sdpa' or 'auto' without it")
+    if backend == "varlen" and (not varlen_available() or device.type != "cuda"):
+        raise RuntimeError(f"attn_backend='varlen' needs {varlen_missing() or 'CUDA tensors'} "
+                           f"(the tensors are on {device.type}); use attn_backend='auto'")
     if backend not in _BACKENDS:
         raise ValueError(f"attn_backend={backend!r}; choose one of {sorted(_BACKENDS) + ['auto']}")
     return backend
@@ -73,6 +94,15 @@ def doc_bounds(B: int, S: int, cu_seqlens: torch.Tensor | None) -> list[int]:
     if cu_seqlens is not None:
         rows |= set(int(c) for c in cu_seqlens.tolist())
     return sorted(rows)
+
+
+def static_bounds(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """int32 boundaries over the flattened B*S tokens with a length fixed by the inputs' shapes (no host
+    sync): `cu_seqlens` and the B+1 row ends merged and sorted; repeats are empty documents."""
+    rows = torch.arange(0, B * S + 1, S, dtype=torch.int32, device=device)
+    if cu_seqlens is None:
+        return rows
+    return torch.sort(torch.cat([cu_seqlens.to(device=device, dtype=torch.int32), rows])).values
 
 
 def document_ids(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -156,6 +186,55 @@ def _flash(q, k, v, mask: DocMask):
     return out.view(B, S, H, hd)
 
 
+def _varlen(q, k, v, mask: DocMask):
+    B, S, H, hd = q.shape
+    bounds, max_len = mask.prepared
+    fn, has_window, has_gqa = _varlen_api()
+    q, k, v = (t.reshape(B * S, t.shape[2], hd) for t in (q, k, v))
+    kwargs = {}
+    if k.shape[1] != H:
+        if has_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
+    if mask.causal:
+        kwargs.update(window_size=(-1, 0)) if has_window else kwargs.update(is_causal=True)
+    return fn(q, k, v, bounds, bounds, max_len, max_len, **kwargs).view(B, S, H, hd)
+
+
+@functools.cache
+def _varlen_api():
+    """(varlen_attn, has window_size, has enable_gqa), or None where this torch has no varlen_attn."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "window_size" in params, "enable_gqa" in params
+
+
+def varlen_missing() -> str | None:
+    """Why `varlen` cannot run here, or None."""
+    if _varlen_api() is None:
+        return "torch.nn.attention.varlen.varlen_attn, which this torch does not have"
+    if not torch.cuda.is_available():
+        return "a CUDA device (torch's varlen_attn is a flash-attention kernel)"
+    return None
+
+
+def varlen_available() -> bool:
+    return varlen_missing() is None
+
+
+@functools.cache
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -172,4 +251,5 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
-_BACKENDS = {"sdpa": _sdpa, "sdpa_per_doc": _sdpa_per_doc, "flex": _flex, "flash": _flash}
+_BACKENDS = {"sdpa": _sdpa, "sdpa_per_doc": _sdpa_per_doc, "flex": _flex, "flash": _flash, "varlen": _varlen}
+VARLEN_KERNELS = ("flash", "varlen")  # backends that take cu_seqlens + max_seqlen

@@ -27,7 +27,7 @@ from typing import Any
 
 from moevlm.kernels import GROUPED_GEMMS
 
-ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash")
+ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
 
 

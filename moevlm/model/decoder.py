@@ -95,6 +95,8 @@ class DecoderLayer(nn.Module):
 
 
 class TextDecoder(nn.Module):
+    static_mask = False  # fixed-size mask tensors only (set by moevlm.parallel.compile)
+
     def __init__(self, cfg: VLMConfig):
         super().__init__()
         t = cfg.text
@@ -117,7 +119,7 @@ class TextDecoder(nn.Module):
         _, B, S = position_ids_3BS.shape
         rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, dtype)
         mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=position_ids_3BS.device,
-                        dtype=dtype)
+                        dtype=dtype, static=self.static_mask)
         return LayerInputs(rope, mask, self.to_layers(token_mask_BS))
 
     def run_layers(self, h, ctx: LayerInputs, visual_mask_BS: torch.Tensor | None, deepstack: dict[int, torch.Tensor],

@@ -89,11 +89,15 @@ class MoEBlock(nn.Module):
         return y_TD.view_as(x_BSD), self._stats(topk_idx_TK, probs_TE, token_mask_BS)
 
     def _stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:
+        """Counts by a fixed-size `scatter_add_` (no `bincount`: its output size is data dependent,
+        which breaks a compiled graph, and it syncs on CUDA)."""
+        idx_N = topk_idx_TK.reshape(-1)
+        counts_E = torch.zeros(self.num_experts, dtype=torch.float32, device=idx_N.device)
         if token_mask_BS is None:
-            counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts).float()
+            counts_E.scatter_add_(0, idx_N, torch.ones_like(idx_N, dtype=torch.float32))
             return RouterStats(probs_TE.sum(0), counts_E, topk_idx_TK.shape[0])
         keep_T = token_mask_BS.reshape(-1).to(probs_TE.device)
-        counts_E = torch.bincount(topk_idx_TK[keep_T].reshape(-1), minlength=self.num_experts).float()
+        counts_E.scatter_add_(0, idx_N, keep_T[:, None].expand_as(topk_idx_TK).reshape(-1).to(torch.float32))
         return RouterStats((probs_TE * keep_T[:, None]).sum(0), counts_E, keep_T.sum())
 
 

@@ -93,6 +93,8 @@ class PatchMerger(nn.Module):
 
 
 class VisionEncoder(nn.Module):
+    static_mask = False  # fixed-size mask tensors only (set by moevlm.parallel.compile)
+
     def __init__(self, cfg: VisionConfig, attn_backend: str = "auto"):
         super().__init__()
         self.cfg, self.attn_backend = cfg, attn_backend
@@ -114,7 +116,7 @@ class VisionEncoder(nn.Module):
         x_Nd = x_Nd + (self.pos_embed(idx_N4) * wts_N4[..., None].to(x_Nd.dtype)).sum(1)
         cos_sin = vision_rotary(rows_cols_N2.to(x_Nd.device), cfg.head_dim, cfg.rope_theta)
         mask = doc_mask(1, x_Nd.shape[0], vision_cu_seqlens(grid_cpu), causal=False, backend=self.attn_backend,
-                        device=x_Nd.device, dtype=x_Nd.dtype)
+                        device=x_Nd.device, dtype=x_Nd.dtype, static=self.static_mask)
         deepstack = []
         for i, block in enumerate(self.blocks):
             x_Nd = block(x_Nd, cos_sin, mask)

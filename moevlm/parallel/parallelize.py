@@ -2,8 +2,8 @@
 device is rewritten for its parallel layout, in this order: pipeline stages
 (pipeline.py: this rank keeps its stages' parts), tensor/sequence parallel
 (tensor_parallel.py), expert parallel (expert_parallel.py), recompute
-(recompute.py: `recompute=(mode, modules)`), data parallel
-(data_parallel.py: FSDP2 or DDP-style all-reduce).
+(recompute.py: `recompute=(mode, modules)`), per-block torch.compile (compile.py,
+`compile=True`), data parallel (data_parallel.py: FSDP2 or DDP-style all-reduce).
 
     with torch.device("meta"): model = Qwen3VLMoe(cfg)
     model = parallelize(model, dims, dp_mode="fsdp", device_type="cuda", bf16=True,
@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from moevlm.dispatch import DISPATCHERS, build_dispatcher
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vlm import fill_
+from moevlm.parallel.compile import apply_compile
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
 from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
@@ -87,7 +88,8 @@ def parallel_context(model: nn.Module) -> ParallelContext:
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
                 bf16: bool = False, dispatcher: str = "local", pipeline: PipelinePlan | None = None,
-                recompute: tuple[str, tuple[str, ...]] = ("none", ())) -> nn.Module:
+                recompute: tuple[str, tuple[str, ...]] = ("none", ()), compile: bool = False,
+                compile_mode: str | None = None) -> nn.Module:
     if dims.cp > 1:
         raise ParallelNotBuilt(
             f"this layout ({dims.describe()}) needs context parallel, which is not built yet; use parallel.cp=1 "
@@ -101,6 +103,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
     model.__dict__["_parallel_context"] = ctx
     if dims.world == 1:
         apply_recompute(model, *recompute)
+        if compile:
+            apply_compile(model, mode=compile_mode, bf16=bf16)
         ctx.grad_sync = GradSync(model, fsdp=False, groups={"tp": None}, tp_partial=[], tp=1, world=1)
         return model
     attn, expert = dims.build_meshes(device_type)
@@ -128,6 +132,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
                 "open with a send from each rank to itself (the two stages a V puts on one rank), which gloo refuses; "
                 "use NCCL (GPUs), a torch whose stages skip that (2.13), or another schedule")
         ctx.pipeline = Pipeline(model, pipeline, attn["pp"].get_local_rank(), ctx.pp_group)
+    if compile:  # after the parallelisms (and recompute), before FSDP/DDP
+        apply_compile(model, mode=compile_mode, bf16=bf16)
     if dp_mode == "fsdp":
         apply_fsdp(model, dense, expert["edp"], vision, dims.tp, bf16,
                    roots=ctx.pipeline.modules if ctx.pipeline else None)

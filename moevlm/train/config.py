@@ -54,6 +54,7 @@ from omegaconf import MISSING
 
 from moevlm.data.config import DataConfig
 from moevlm.data.loader import check_config as check_data_config
+from moevlm.model.attention import varlen_available, varlen_missing
 from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
@@ -79,8 +80,9 @@ class ModelConfig:
     vision_depth: Optional[int] = field(default=None, metadata={
         "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own"})
     attn_backend: str = field(default="auto", metadata={
-        "help": "attention kernel: auto (flash on CUDA in bf16/fp16 when flash-attn is installed, else sdpa), sdpa "
-                "(document mask), sdpa_per_doc, flex (FlexAttention), flash (flash-attn varlen)"})
+        "help": "attention kernel: auto (on CUDA in bf16/fp16 the first available of flash, varlen, flex, sdpa; "
+                "sdpa elsewhere), sdpa (document mask), sdpa_per_doc, flex (FlexAttention), flash (flash-attn "
+                "varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra package)"})
     grouped_gemm: str = field(default="torch", metadata={
         "help": "expert GEMM: torch (torch._grouped_mm), loop (one matmul per expert, the reference), triton "
                 "(ours; needs the triton package)"})
@@ -203,6 +205,12 @@ class TrainConfig:
         "help": "step watchdog: steps shorter than this many seconds are never reported"})
     watchdog_abort_s: Optional[float] = field(default=None, metadata={
         "help": "a step or checkpoint running longer than this many seconds ends the process (exit 6); null = never"})
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile each vision block and decoder layer (moevlm/parallel/compile.py); metrics.jsonl "
+                "then logs compiled_graphs, graph_breaks and recompiles (after step 1: should stay 0)"})
+    compile_mode: str = field(default="default", metadata={
+        "help": "torch.compile mode with train.compile: default or max-autotune-no-cudagraphs (CUDA graphs are "
+                "model.cuda_graph_scope's)"})
 
 
 @dataclass
@@ -241,6 +249,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "wsd", "constant"), "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
     "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
+    "train.compile_mode": ("default", "max-autotune-no-cudagraphs"),
 }
 
 
@@ -335,6 +344,9 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
     run(_check_recompute, job.model)
+    run(_check, not (t.compile and job.model.attn_backend == "sdpa_per_doc"),
+        "train.compile=true with model.attn_backend=sdpa_per_doc: its host loop over the documents would "
+        "recompile every batch; use model.attn_backend=sdpa (or auto), or train.compile=false")
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
     if environment and model is not None:
@@ -383,6 +395,9 @@ def environment_checks(job) -> list:
     checks.append(lambda: _check(m.attn_backend != "flash" or importlib.util.find_spec("flash_attn") is not None,
                                  "model.attn_backend=flash needs the flash-attn package, which is not installed "
                                  "(pip install flash-attn, CUDA only); use model.attn_backend=auto"))
+    checks.append(lambda: _check(m.attn_backend != "varlen" or (not on_cpu and varlen_available()),
+                                 f"model.attn_backend=varlen needs {_varlen_needs(on_cpu)}; use "
+                                 "model.attn_backend=auto (sdpa on the CPU)"))
     checks += [lambda: _check_path(m.hf_checkpoint, "model.hf_checkpoint", "an HF folder with config.json and "
                                    "*.safetensors", folder=True),
                lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
@@ -390,6 +405,12 @@ def environment_checks(job) -> list:
                                    "a checkpoint folder (checkpoints/step_NNNNNNNN), auto or none", folder=True),
                lambda: _check_shards(job.data.shards)]
     return checks
+
+
+def _varlen_needs(on_cpu: bool) -> str:
+    if on_cpu:
+        return "a CUDA device (torch's varlen_attn is a flash-attention kernel) but this job runs on the CPU"
+    return varlen_missing() or "a CUDA device"
 
 
 def _check_tokenizer(data, hf_checkpoint: str, model: VLMConfig) -> None:

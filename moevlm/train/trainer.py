@@ -41,6 +41,9 @@ Design choices:
   with their pipeline group, so every rank computes the same token totals.  The
   loss sums come from the last stage and are summed over the pipeline group,
   so all ranks log and judge (non-finite policy) the same numbers.
+- `train.compile`: each record carries the dynamo counters of this process
+  since set-up (`compiled_graphs`, `graph_breaks`) and `recompiles` since the
+  end of its first step (0 when the shapes are static, as they must be).
 - Faults (moevlm.train.faults): during `run`, SIGTERM/SIGINT stop every rank
   after the same step (a MAX all-reduce of a flag after each step) with a
   checkpoint; collectives time out after `parallel.timeout_s` and end the run
@@ -73,6 +76,7 @@ from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
+from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.recompute import describe as describe_recompute
 from moevlm.parallel.recompute import recompute_setting
@@ -182,7 +186,9 @@ class Trainer:
         p = self.job.parallel
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
                             dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline,
-                            recompute=recompute_setting(self.job.model))
+                            recompute=recompute_setting(self.job.model), compile=self.t.compile,
+                            compile_mode=self.t.compile_mode)
+        self.compiled = CompileCounters() if self.t.compile else None
         self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
@@ -360,6 +366,8 @@ class Trainer:
         window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
                    useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
                    wait=self.loader.wait_s - wait0, counts=counts)
+        if self.compiled is not None and self.compiled.warm_at is None:
+            self.compiled.warm()  # every block has compiled (forward and backward): what follows is a recompile
         self.faults.end_step()
         return ok
 
@@ -442,6 +450,10 @@ class Trainer:
         real = [x for x in self.losses if math.isfinite(x)]
         self.log.info(f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
                       f"data: {describe_data(self.loader.stats())}")
+        if self.compiled is not None:
+            c = self.compiled.record()
+            self.log.info(f"compile: {c['compiled_graphs']} graphs, {c['graph_breaks']} graph breaks, "
+                          f"{c['recompiles']} recompiles after the first step")
         if self.t.require_loss_decrease and len(real) < 6:
             self.log.info(f"note: train.require_loss_decrease not checked: it compares the mean of the first 3 "
                           f"and last 3 finite losses, and this run has {len(real)} (run at least 6 steps)")
@@ -491,6 +503,8 @@ class Window:
             rec["mem_gib_by_pp_rank"] = _max_by_pp_rank(tr, mem)
         rec["steps_in_window"] = self.steps
         rec["recompute"] = describe_recompute(*recompute_setting(tr.job.model))
+        if tr.compiled is not None:  # train.compile: compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
+            rec.update(tr.compiled.record())
         reset_peak_memory(tr.device)
         return rec
 
