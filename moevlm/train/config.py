@@ -59,6 +59,7 @@ from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
 from moevlm.train.scale import scale_down
+from moevlm.train.profile import parse_profile_steps
 from moevlm.train.wandb_log import MISSING_PACKAGE as WANDB_MISSING
 from moevlm.train.wandb_log import MODES as WANDB_MODES
 from moevlm.train.wandb_log import wandb_installed
@@ -196,6 +197,14 @@ class TrainConfig:
         "help": "step watchdog: steps shorter than this many seconds are never reported"})
     watchdog_abort_s: Optional[float] = field(default=None, metadata={
         "help": "a step or checkpoint running longer than this many seconds ends the process (exit 6); null = never"})
+    profile_components: bool = field(default=False, metadata={
+        "help": "time each part of every step (data, vision encoder, merger, attention, router, dispatch, experts, "
+                "combine, LM head + loss, backward, gradient reduction + clipping, optimizer, other): "
+                "components_s in metrics.jsonl (sums over the log window) and profile_components.md at the end; "
+                "CUDA events on a GPU (one sync per step); not with train.compile"})
+    profile_steps: Any = field(default="", metadata={
+        "help": "a torch.profiler trace of steps A..B into <run_dir>/profile/rank<R>_steps<A>-<B>.json, e.g. "
+                "train.profile_steps=[3,5] (or the string \"'3,5'\"); empty = no trace"})
 
 
 @dataclass
@@ -319,6 +328,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
+    run(_check_profile, t)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
     if environment and model is not None:
@@ -522,6 +532,13 @@ def _check_faults(p, t) -> None:
     _check(_real(t.watchdog_min_s) and t.watchdog_min_s >= 0, f"train.watchdog_min_s={t.watchdog_min_s} must be >= 0")
     _check(t.watchdog_abort_s is None or _real(t.watchdog_abort_s) and t.watchdog_abort_s > 0,
            f"train.watchdog_abort_s={t.watchdog_abort_s} must be > 0 seconds, or null (never abort)")
+
+
+def _check_profile(t) -> None:
+    parse_profile_steps(t.profile_steps, t.steps)
+    _check(not (t.profile_components and getattr(t, "compile", False)),
+           "train.profile_components=true times modules with hooks, which would break the graphs of "
+           "train.compile=true; profile eagerly (train.compile=false), or drop train.profile_components")
 
 
 def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:

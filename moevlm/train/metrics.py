@@ -178,6 +178,8 @@ def scalars(record: dict) -> dict[str, float]:
     out = {tag: record[key] for key, tag in _TB_TAGS.items() if record.get(key) is not None}
     for reason, n in record.get("bad_samples_by_reason", {}).items():
         out[f"data/bad_samples/{reason}"] = n
+    for name, seconds in (record.get("components_s") or {}).items():  # train.profile_components
+        out[f"profile/{name}_s"] = seconds
     return out
 
 
