@@ -32,6 +32,8 @@ Conventions:
 - Non-finite numbers are written to metrics.jsonl as the strings "nan", "inf",
   "-inf" (valid JSON; `float()` reads them back), so a NaN loss stays visible
   as such rather than looking like a missing value.
+- `components_s` (train.profile_components; moevlm.train.profile): seconds per step component summed
+  over the log window like `step_time_s`, rank 0's own; TensorBoard/W&B tags `profile/<component>_s`.
 - Only rank 0 writes; every line is flushed, so a killed run keeps its log.
 - One value per step after a resume: `resume_at(step)` drops the records of
   the steps after the checkpoint from metrics.jsonl (rewritten atomically) and

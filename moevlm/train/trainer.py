@@ -47,6 +47,9 @@ Design choices:
   with one line naming what the trainer was doing; a watchdog thread reports
   steps far slower than the recent ones (and aborts past
   `train.watchdog_abort_s`).  Signal handlers are restored in `close`.
+- Profiling (moevlm.train.profile): `self.prof` brackets the step's own phases (data, backward,
+  gradient reduction + clipping, optimizer) with start/stop calls; the model's parts are timed by
+  hooks it attaches from outside.  With both options off every call is a no-op.
 """
 
 from __future__ import annotations
