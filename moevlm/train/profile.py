@@ -4,6 +4,7 @@
     prof.begin_step(n)                 # the trainer, at the top of step n
     prof.start("data"); ...; prof.stop("data")                  # its own phases
     prof.end_step(n)                   # one sync (CUDA), the step's intervals summed
+    prof.after_step(n)                 # after the trainer took the step time: a finished trace is written
     record["components_s"] = prof.take_window()                 # when a metrics line is written
     prof.close()                       # the end-of-run table, a trace still open
 
@@ -295,6 +296,9 @@ class Profiling:
                 self.run_total[name] += s
             self.run_step_s += total
             self.run_steps += 1
+
+    def after_step(self, step: int) -> None:
+        """After the step's time is taken: a trace whose last step this was is written."""
         if self.trace is not None:
             self.trace.end(step)
 

@@ -330,8 +330,8 @@ class Trainer:
 
     def train_step(self, window: Window) -> bool:
         """One optimizer step; False when it was skipped for non-finite values."""
+        self.prof.begin_step(self.step + 1)  # (a trace of train.profile_steps starts before the step's time)
         t0, wait0 = time.perf_counter(), self.loader.wait_s
-        self.prof.begin_step(self.step + 1)
         self.faults.begin_step(self.step + 1)
         reads = not isinstance(self.loader, NoData)
         self.prof.start("data")
@@ -371,6 +371,7 @@ class Trainer:
         window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
                    useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
                    wait=self.loader.wait_s - wait0, counts=counts)
+        self.prof.after_step(self.step)  # a trace ending here is written outside the step's time
         self.faults.end_step()
         return ok
 
