@@ -60,6 +60,7 @@ from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
 from moevlm.train.scale import scale_down
+from moevlm.train.profile import parse_profile_steps
 from moevlm.train.wandb_log import MISSING_PACKAGE as WANDB_MISSING
 from moevlm.train.wandb_log import MODES as WANDB_MODES
 from moevlm.train.wandb_log import wandb_installed
@@ -211,6 +212,14 @@ class TrainConfig:
     compile_mode: str = field(default="default", metadata={
         "help": "torch.compile mode with train.compile: default or max-autotune-no-cudagraphs (CUDA graphs are "
                 "model.cuda_graph_scope's)"})
+    profile_components: bool = field(default=False, metadata={
+        "help": "time each part of every step (data, vision encoder, merger, attention, router, dispatch, experts, "
+                "combine, LM head + loss, backward, gradient reduction + clipping, optimizer, other): "
+                "components_s in metrics.jsonl (sums over the log window) and profile_components.md at the end; "
+                "CUDA events on a GPU (one sync per step); not with train.compile"})
+    profile_steps: Any = field(default="", metadata={
+        "help": "a torch.profiler trace of steps A..B into <run_dir>/profile/rank<R>_steps<A>-<B>.json, e.g. "
+                "train.profile_steps=[3,5] (or the string \"'3,5'\"); empty = no trace"})
 
 
 @dataclass
@@ -347,6 +356,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     run(_check, not (t.compile and job.model.attn_backend == "sdpa_per_doc"),
         "train.compile=true with model.attn_backend=sdpa_per_doc: its host loop over the documents would "
         "recompile every batch; use model.attn_backend=sdpa (or auto), or train.compile=false")
+    run(_check_profile, t)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
     if environment and model is not None:
@@ -559,6 +569,13 @@ def _check_faults(p, t) -> None:
     _check(_real(t.watchdog_min_s) and t.watchdog_min_s >= 0, f"train.watchdog_min_s={t.watchdog_min_s} must be >= 0")
     _check(t.watchdog_abort_s is None or _real(t.watchdog_abort_s) and t.watchdog_abort_s > 0,
            f"train.watchdog_abort_s={t.watchdog_abort_s} must be > 0 seconds, or null (never abort)")
+
+
+def _check_profile(t) -> None:
+    parse_profile_steps(t.profile_steps, t.steps)
+    _check(not (t.profile_components and t.compile),
+           "train.profile_components=true times modules with hooks, which would break the graphs of "
+           "train.compile=true; profile eagerly (train.compile=false), or drop train.profile_components")
 
 
 def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:

@@ -32,6 +32,8 @@ Conventions:
 - Non-finite numbers are written to metrics.jsonl as the strings "nan", "inf",
   "-inf" (valid JSON; `float()` reads them back), so a NaN loss stays visible
   as such rather than looking like a missing value.
+- `components_s` (train.profile_components; moevlm.train.profile): seconds per step component summed
+  over the log window like `step_time_s`, rank 0's own; TensorBoard/W&B tags `profile/<component>_s`.
 - Only rank 0 writes; every line is flushed, so a killed run keeps its log.
 - One value per step after a resume: `resume_at(step)` drops the records of
   the steps after the checkpoint from metrics.jsonl (rewritten atomically) and
@@ -178,6 +180,8 @@ def scalars(record: dict) -> dict[str, float]:
     out = {tag: record[key] for key, tag in _TB_TAGS.items() if record.get(key) is not None}
     for reason, n in record.get("bad_samples_by_reason", {}).items():
         out[f"data/bad_samples/{reason}"] = n
+    for name, seconds in (record.get("components_s") or {}).items():  # train.profile_components
+        out[f"profile/{name}_s"] = seconds
     return out
 
 

@@ -50,6 +50,9 @@ Design choices:
   with one line naming what the trainer was doing; a watchdog thread reports
   steps far slower than the recent ones (and aborts past
   `train.watchdog_abort_s`).  Signal handlers are restored in `close`.
+- Profiling (moevlm.train.profile): `self.prof` brackets the step's own phases (data, backward,
+  gradient reduction + clipping, optimizer) with start/stop calls; the model's parts are timed by
+  hooks it attaches from outside.  With both options off every call is a no-op.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
 from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
+from moevlm.train.profile import Profiling
 from moevlm.train.wandb_log import start_wandb
 
 EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_DATA = 0, 1, 3, 7, 8
@@ -125,6 +129,8 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
         self._resume()
         self.peak = device_peak_tflops(self.device, "bf16" if self._bf16 else "fp32", self.t.peak_tflops)
+        # train.profile_components / profile_steps (moevlm.train.profile): no-ops when both are off
+        self.prof = Profiling(self.t, self.model, self.device, self.run_dir, self.rank, self.log)
 
     # ------------------------------------------------------------------ set-up
     def _init_process_group(self) -> None:
@@ -333,13 +339,16 @@ class Trainer:
 
     def train_step(self, window: Window) -> bool:
         """One optimizer step; False when it was skipped for non-finite values."""
+        self.prof.begin_step(self.step + 1)  # (a trace of train.profile_steps starts before the step's time)
         t0, wait0 = time.perf_counter(), self.loader.wait_s
         self.faults.begin_step(self.step + 1)
         reads = not isinstance(self.loader, NoData)
+        self.prof.start("data")
         micro = [self._micro_batch() for _ in range(self.plan.grad_accum)] if reads else None
         if self.pipeline is not None:
             self.faults.at("micro-batch share over the pipeline group")
             micro = self.pipeline.share(micro, self.device)
+        self.prof.stop("data")
         dp_group = self.parallel.dp_group
         self.faults.at("data-parallel token-count all-reduce")
         totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
@@ -351,8 +360,10 @@ class Trainer:
         else:
             loss_sum, aux_sum, counts = self._forward_backward(micro, loss_tokens)
         self.faults.at("gradient reduction and clipping")
+        self.prof.start("grad_reduce_clip")
         self.parallel.finish_gradients()
         grad_norm = self._clip()
+        self.prof.stop("grad_reduce_clip")
         if self.grad_hook is not None:
             self.grad_hook(self)
         self.faults.at("data-parallel loss all-reduce")
@@ -362,12 +373,16 @@ class Trainer:
         self.step += 1
         self.losses.append(float(loss))
         self.faults.at("optimizer step")
+        self.prof.start("optimizer")
         self._update(ok)
+        self.prof.stop("optimizer")
+        self.prof.end_step(self.step)
         window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
                    useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
                    wait=self.loader.wait_s - wait0, counts=counts)
         if self.compiled is not None and self.compiled.warm_at is None:
             self.compiled.warm()  # every block has compiled (forward and backward): what follows is a recompile
+        self.prof.after_step(self.step)  # a trace ending here is written outside the step's time
         self.faults.end_step()
         return ok
 
@@ -384,7 +399,9 @@ class Trainer:
             coef = self.plan.model.moe.router_aux_loss_coef
             # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
             # loss is its share of the step's objective
+            self.prof.start("backward")
             (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
+            self.prof.stop("backward")
             loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / (len(micro) * dp)
             if out.expert_counts is not None:
                 counts = out.expert_counts if counts is None else counts + out.expert_counts
@@ -394,8 +411,10 @@ class Trainer:
         """The step's micro-batches through the pipeline schedule; the loss sums come from the last
         stage and are summed over the pipeline group (zero elsewhere), so every rank logs them."""
         inputs = [dict(_on_device(mb["inputs"], self.device), n_image=mb["n_image"]) for mb in micro]
+        self.prof.start("backward")  # the schedule, less the forward components timed inside it
         lm_sum, aux, counts = self.pipeline.forward_backward(inputs, loss_tokens,
                                                              1.0 / (len(micro) * self.plan.dims.dp))
+        self.prof.stop("backward")
         sums = _all_reduce_tensor(torch.stack([lm_sum, aux]), self.parallel.pp_group)
         return sums[0], sums[1], counts
 
@@ -467,6 +486,8 @@ class Trainer:
 
     def close(self) -> None:
         self.faults.closing()
+        if hasattr(self, "prof"):
+            self.prof.close()  # the end table of train.profile_components, a trace still open
         self.loader.close()
         self.log.close()
         if self._owns_process_group and dist.is_initialized():
@@ -505,6 +526,8 @@ class Window:
         rec["recompute"] = describe_recompute(*recompute_setting(tr.job.model))
         if tr.compiled is not None:  # train.compile: compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
             rec.update(tr.compiled.record())
+        if tr.prof.timing:  # seconds per component summed over the window, like step_time_s
+            rec["components_s"] = tr.prof.take_window()
         reset_peak_memory(tr.device)
         return rec
 
