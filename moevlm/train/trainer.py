@@ -73,6 +73,7 @@ from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
+from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 from moevlm.train.config import check_memory, memory_limit, validate
@@ -195,6 +196,7 @@ class Trainer:
             init_parameters_(model, self.t.seed)  # the same weights under any layout
         if m.freeze_vision and model.vision is not None:  # (None on pipeline ranks without the first stage)
             model.vision.requires_grad_(False)
+        apply_cuda_graphs(model, m.cuda_graph_scope)  # captured lazily at the first training forward on CUDA
         if self.pipeline is not None:
             d = self.job.data.pack
             self.pipeline.start(self.device, rows=self.t.micro_batch_size, seq_len=d.seq_len,
@@ -431,7 +433,9 @@ class Trainer:
 
     def _autocast(self):
         if self._bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            # CUDA graphs are captured inside this autocast and refuse its weight cache (parallel/cuda_graphs.py)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  cache_enabled=not self.job.model.cuda_graph_scope)
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- finish
