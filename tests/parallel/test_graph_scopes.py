@@ -43,6 +43,9 @@ def test_region_tensor_form_equals_the_plain_layer(tiny, scope):
     wrapped = copy.deepcopy(tiny)
     graphs = apply_cuda_graphs(wrapped, scope)
     graphs.set_tensor_form(True)
+    built = []  # every region really runs through its tensor form (the seams are used)
+    for r in graphs.regions:
+        r.region.build = (lambda build, r: lambda key: built.append(r) or build(key))(r.region.build, r)
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 10, 24, 30, 44, 48], dtype=torch.int32)
     token_mask = torch.arange(24)[None].expand(2, 24) < torch.tensor([[24], [20]])
@@ -53,6 +56,7 @@ def test_region_tensor_form_equals_the_plain_layer(tiny, scope):
         assert grads.keys() == ref_grads.keys()
         assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), [n for n in grads
                                                                         if not torch.equal(grads[n], ref_grads[n])]
+    assert {id(r) for r in built} == {id(r) for r in graphs.regions}
     assert set(graphs.captures().values()) == {0}  # nothing is captured off CUDA
 
 
@@ -67,6 +71,20 @@ def test_regions_wrap_every_layer_and_stay_eager_on_cpu(tiny):
     ids = torch.randint(0, 1000, (1, 16))
     assert torch.equal(model(ids, labels=ids).lm_loss, tiny(ids, labels=ids).lm_loss)
     assert set(graphs.captures().values()) == {0}
+
+
+@pytest.mark.parametrize("name", ["local", "alltoall"])
+def test_dispatch_starts_from_preprocess(name):
+    """The seam a `moe_preprocess` graph replaces: `dispatch` takes its plan from `self.preprocess`."""
+    from moevlm.dispatch import build_dispatcher
+
+    d = build_dispatcher(name, num_experts=4, top_k=2)
+    x, idx = torch.randn(5, 3), torch.randint(0, 4, (5, 2))
+    w = torch.rand(5, 2)
+    rows, counts, _ = d.dispatch(x, idx, w)
+    plan = d.preprocess(idx, w)
+    d.preprocess = lambda *a: (plan[0].flip(0), plan[1], plan[2])  # a different plan must show in the rows
+    assert torch.equal(d.dispatch(x, idx, w)[0], rows.flip(0)) and torch.equal(counts, plan[2])
 
 
 def test_region_refuses_another_attention_backend(tiny):
