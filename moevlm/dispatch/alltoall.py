@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
-from moevlm.dispatch.rows import RowsState, from_expert_rows, sort_rows_by_expert, to_expert_rows  # noqa: F401
+from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan, sort_rows_by_expert, to_expert_rows  # noqa: F401
 
 # ----------------------------------------------------------------- pure index logic
 
@@ -158,8 +158,13 @@ class AllToAllDispatcher(TokenDispatcher):
     def unavailable_reason(cls, num_experts: int, ep_group=None, **kwargs) -> str | None:
         return divisibility_reason(num_experts, _resolve_group(ep_group)[1])
 
+    def preprocess(self, topk_idx_TK, topk_w_TK):
+        """The local sort before the counts exchange (the host sync comes after it)."""
+        return rows_plan(topk_idx_TK, topk_w_TK, self.num_experts) if self.permute == "torch" else None
+
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
-        rows_ND, counts_E, rows = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute)
+        rows_ND, counts_E, rows = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute,
+                                                 plan=self.preprocess(topk_idx_TK, topk_w_TK))
         if self.ep_size == 1 and self.etp_size == 1 and not self.always_exchange:
             return rows_ND, counts_E, AllToAllHandle(rows, None)
         plan = self._plan(counts_E)

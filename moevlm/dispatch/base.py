@@ -17,6 +17,12 @@ Contract (DISPATCHERS.md):
   projection, which is the same function).  `dispatch` never scales rows.
 - `handle` is opaque to the caller: whatever the backend needs to invert the
   permutation (and, for collectives, to run backward through the same plan).
+- `preprocess(topk_idx_TK, topk_w_TK)` is the routing-only part of `dispatch`
+  that comes before any exchange or host sync (the local permutation plan):
+  tensors of static shape, or None where a backend has no such part.  A backend
+  calls it through `self.preprocess` inside `dispatch`, so a wrapper can replace
+  it on the instance (a CUDA graph: moevlm.parallel.cuda_graphs) while the MoE
+  layer keeps calling `dispatch` alone.
 - A backend whose runtime package is missing, or whose constraints are not met,
   says so from `unavailable_reason`; `build_dispatcher` turns that into an error
   naming the package or constraint, or into the configured fallback, logged once.
@@ -43,6 +49,10 @@ class TokenDispatcher(ABC):
     @classmethod
     def unavailable_reason(cls, **kwargs) -> str | None:
         """Why this backend cannot run with these arguments here, or None."""
+        return None
+
+    def preprocess(self, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Routing -> the plan tensors `dispatch` starts from (static shapes, no host sync); None: none."""
         return None
 
     @abstractmethod

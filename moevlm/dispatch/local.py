@@ -11,7 +11,7 @@ kernels).
 from __future__ import annotations
 
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
-from moevlm.dispatch.rows import from_expert_rows, to_expert_rows
+from moevlm.dispatch.rows import from_expert_rows, rows_plan, to_expert_rows
 
 
 @register_dispatcher
@@ -22,8 +22,12 @@ class LocalDispatcher(TokenDispatcher):
         super().__init__(num_experts, top_k)
         self.permute = permute
 
+    def preprocess(self, topk_idx_TK, topk_w_TK):
+        return rows_plan(topk_idx_TK, topk_w_TK, self.num_experts) if self.permute == "torch" else None
+
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
-        return to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute)
+        return to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute,
+                              plan=self.preprocess(topk_idx_TK, topk_w_TK))
 
     def combine(self, expert_y_MD, handle):
         return from_expert_rows(expert_y_MD, handle)

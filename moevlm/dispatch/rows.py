@@ -14,7 +14,10 @@ Backends (`moe.permute`):
   fp32/fp16/bf16), the same rows in the same order.
 
 Counts come from `scatter_add_` into E slots: no host sync (`bincount` syncs on
-CUDA).
+CUDA).  `rows_plan` is the torch backend's routing-only half (the sort, the
+source tokens, the per-row weights, the counts: static shapes, no host sync),
+so a dispatcher's `preprocess` can hand it over on its own (a CUDA graph
+captures it: moevlm.parallel.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -45,7 +48,16 @@ def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str = "torch"):
+def rows_plan(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
+              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch backend's plan from routing alone: (source token of every row, its router weight, rows
+    per expert), rows in the stable expert order."""
+    order_N = sort_rows_by_expert(topk_idx_TK)
+    return order_N // topk_idx_TK.shape[1], topk_w_TK.reshape(-1)[order_N], expert_counts(topk_idx_TK, num_experts)
+
+
+def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str = "torch", plan=None):
+    """`plan`: `rows_plan(...)` already computed (torch backend), or None to compute it here."""
     if backend == "triton":
         from moevlm.kernels.permute import permute, permute_plan
 
@@ -54,10 +66,8 @@ def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str 
                 RowsState(x_TD.shape[0], plan=plan, topk_w_TK=topk_w_TK))
     if backend != "torch":
         raise ValueError(f"moe.permute={backend!r}; choose one of {list(PERMUTE_BACKENDS)}")
-    order_N = sort_rows_by_expert(topk_idx_TK)
-    token_idx_N = order_N // topk_idx_TK.shape[1]
-    state = RowsState(x_TD.shape[0], token_idx_N=token_idx_N, weight_N=topk_w_TK.reshape(-1)[order_N])
-    return x_TD[token_idx_N], expert_counts(topk_idx_TK, num_experts), state
+    token_idx_N, weight_N, counts_E = plan if plan is not None else rows_plan(topk_idx_TK, topk_w_TK, num_experts)
+    return x_TD[token_idx_N], counts_E, RowsState(x_TD.shape[0], token_idx_N=token_idx_N, weight_N=weight_N)
 
 
 def from_expert_rows(y_ND: torch.Tensor, state: RowsState) -> torch.Tensor:

@@ -87,11 +87,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, RouterStats | None]:
-        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, mask)
+        h_BSD = h_BSD + self.attention_part(h_BSD, rope_cos_sin, mask)
         if self.is_moe:
             out, stats = self.mlp(self.post_attention_layernorm(h_BSD), token_mask_BS)
             return h_BSD + out, stats
         return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD)), None
+
+    def attention_part(self, h_BSD, rope_cos_sin, mask: DocMask) -> torch.Tensor:
+        """The attention branch before the residual add (a seam: parallel/cuda_graphs.py graphs it)."""
+        return self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, mask)
 
 
 class TextDecoder(nn.Module):

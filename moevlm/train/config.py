@@ -103,6 +103,11 @@ class ModelConfig:
         "help": "regions recomputed when model.recompute=selective (ignored otherwise): core_attn (attention "
                 "kernel), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
                 "(whole MoE block), vision (each vision block)"})
+    cuda_graph_scope: list = field(default_factory=list, metadata={
+        "help": "decoder-layer regions captured as CUDA graphs at the first training step and replayed "
+                "(moevlm.parallel.cuda_graphs): any of attn (norm, q/k/v, rope, sdpa, o_proj; needs "
+                "attn_backend=sdpa), moe_router, moe_preprocess (the dispatcher's sort/counts before any "
+                "exchange), or full_layer alone (the whole layer; local dispatcher only); [] = none. CUDA only"})
 
 
 @dataclass
@@ -359,6 +364,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     run(_check_profile, t)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
+        run(_check_cuda_graphs, job, model, dims)
     if environment and model is not None:
         run(_check_tokenizer, job.data, job.model.hf_checkpoint, model)
     if problems:
@@ -402,6 +408,10 @@ def environment_checks(job) -> list:
             value != "triton" or not on_cpu or os.environ.get("TRITON_INTERPRET") == "1",
             f"{key}=triton runs Triton kernels, which need a CUDA device; on the CPU use {key}=torch (or set "
             "TRITON_INTERPRET=1 before launching to run them in Triton's interpreter: very slow, for tests)"))
+    checks.append(lambda: _check(not m.cuda_graph_scope or not on_cpu,
+                                 f"model.cuda_graph_scope={_scope(m)} captures CUDA graphs, which need a CUDA device; "
+                                 "this job runs on the CPU: use model.cuda_graph_scope=[] (or train.device=cuda on a "
+                                 "GPU machine)"))
     checks.append(lambda: _check(m.attn_backend != "flash" or importlib.util.find_spec("flash_attn") is not None,
                                  "model.attn_backend=flash needs the flash-attn package, which is not installed "
                                  "(pip install flash-attn, CUDA only); use model.attn_backend=auto"))
@@ -517,6 +527,54 @@ def _check_dispatcher_built(name: str) -> None:
     _check(name not in DISPATCHER_NAMES or name in DISPATCHERS or name == "auto",
            f"model.dispatcher={name!r} is not built in this version (its adapter and the package it needs, deep_ep, "
            f"arrive with their own issue); choose one of {sorted(DISPATCHERS)}")
+
+
+def _scope(m) -> str:
+    return "[" + ",".join(str(s) for s in m.cuda_graph_scope) + "]"
+
+
+def _check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims) -> None:
+    """What `model.cuda_graph_scope` cannot capture safely (moevlm.parallel.cuda_graphs), each with its reason."""
+    from moevlm.parallel.cuda_graphs import scope_problem
+
+    m, scope = job.model, [str(s) for s in job.model.cuda_graph_scope]
+    if not scope:
+        return
+    key = f"model.cuda_graph_scope={_scope(m)}"
+    problem = scope_problem(scope)
+    _check(problem is None, f"{problem}")
+    refusals = [
+        (dims.world > 1 and job.parallel.dp_mode == "fsdp",
+         "cannot run under FSDP (parallel.dp_mode=fsdp over several processes): FSDP2 frees the unsharded "
+         "parameters after each use and allocates them again at the next all-gather, so their addresses change "
+         "under a captured graph; use parallel.dp_mode=ddp"),
+        (dims.pp > 1, "cannot run with pipeline parallel (parallel.pp>1): a schedule runs several micro-batches' "
+         "forwards before their backwards, and each replay overwrites the graph's saved activations and outputs; "
+         "use parallel.pp=1"),
+        (dims.tp * dims.cp > 1, "cannot capture the tensor/context-parallel collectives; use parallel.tp=1 and cp=1"),
+        (bool(job.train.compile),
+         "and train.compile=true both capture the same code (torch.compile brings its own CUDA graphs); "
+         "choose one"),
+        (m.recompute != "none",
+         "cannot run with model.recompute (recompute re-runs a graphed forward inside backward, which is not "
+         "verified); use model.recompute=none"),
+        (("attn" in scope or "full_layer" in scope) and m.attn_backend != "sdpa",
+         f"captures attention with the sdpa backend only (its (B,1,S,S) mask is static; flash and varlen take "
+         f"cu_seqlens of varying length, flex a block mask); model.attn_backend={m.attn_backend}: set "
+         "model.attn_backend=sdpa"),
+        ("full_layer" in scope and dims.ep * dims.etp > 1,
+         "full_layer needs a static, sync-free layer, but the alltoall dispatcher (parallel.ep x etp > 1) moves a "
+         "data-dependent number of tokens after a host sync; the capacity-bounded alltoall arrives with issue 18: "
+         "until then use attn, moe_router, moe_preprocess"),
+        ("full_layer" in scope and m.grouped_gemm == "loop",
+         "full_layer cannot capture model.grouped_gemm=loop (it splits rows on the host); use torch or triton"),
+        ("moe_preprocess" in scope and m.permute != "torch",
+         "moe_preprocess captures the torch permutation plan; model.permute=triton builds its plan inside its "
+         "kernels: use model.permute=torch or leave moe_preprocess out"),
+        (bool({"moe_router", "moe_preprocess"} & set(scope)) and not model.moe.num_experts,
+         "moe_router/moe_preprocess: this model has no MoE layers (model.num_experts=0); leave them out"),
+    ]
+    _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
 
 
 def _check_batch(t, dims: ParallelDims) -> None:

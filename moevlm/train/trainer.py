@@ -80,6 +80,7 @@ from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.model.config import ConfigError
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.compile import CompileCounters
+from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.recompute import describe as describe_recompute
 from moevlm.parallel.recompute import recompute_setting
@@ -210,6 +211,7 @@ class Trainer:
             init_parameters_(model, self.t.seed)  # the same weights under any layout
         if m.freeze_vision and model.vision is not None:  # (None on pipeline ranks without the first stage)
             model.vision.requires_grad_(False)
+        apply_cuda_graphs(model, m.cuda_graph_scope)  # captured lazily at the first training forward on CUDA
         if self.pipeline is not None:
             d = self.job.data.pack
             self.pipeline.start(self.device, rows=self.t.micro_batch_size, seq_len=d.seq_len,
@@ -461,7 +463,9 @@ class Trainer:
 
     def _autocast(self):
         if self._bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            # CUDA graphs are captured inside this autocast and refuse its weight cache (parallel/cuda_graphs.py)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  cache_enabled=not self.job.model.cuda_graph_scope)
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- finish

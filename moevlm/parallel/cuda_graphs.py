@@ -1,0 +1,344 @@
+"""CUDA-graph scopes (`model.cuda_graph_scope`): parts of every decoder layer captured
+once as CUDA graphs (forward and backward) and replayed, to remove host launch overhead.
+
+Legend: B batch, S sequence, D hidden, T tokens, K top-k, E experts, N = T*K rows.
+
+    graphs = apply_cuda_graphs(model, ["attn", "moe_router", "moe_preprocess"])   # after parallelize
+    ...train: the first training forward on CUDA captures, later ones replay...
+    graphs.captures()    # {"attn": layers, "moe_router": MoE layers, ...} once shapes are fixed
+
+Regions (per decoder layer):
+- `attn`: `DecoderLayer.attention_part` = input norm, q/k/v, q/k norms, rope, the SDPA
+  kernel, o_proj; the residual add stays outside.  Inputs: h (B,S,D), rope cos/sin and
+  SDPA's (B,1,S,S) bool document mask: all static.  Only attn_backend=sdpa (flash and
+  varlen take cu_seqlens of varying length, flex a block-mask object): `validate` refuses
+  the others, and a DocMask of another backend here raises.
+- `moe_router`: `Router.forward` (fp32 logits, softmax, top-k, renormalise).
+- `moe_preprocess`: the dispatcher's `preprocess` (moevlm.dispatch.base): the stable sort
+  by expert, source tokens, per-row weights, per-expert counts, before any exchange or
+  host sync (for alltoall the counts exchange and its host copy come after, eager).
+- `full_layer`: the whole `DecoderLayer.forward`; only where the layer is static and
+  sync-free: the local dispatcher with the torch or triton grouped GEMM (`validate`
+  refuses alltoall until the capacity-bounded dispatcher of issue 18).  The router
+  statistics (`MoEBlock._stats` returns a `RouterStats` object; a graph returns tensors)
+  are deferred: inside the graph `_stats` returns its inputs (top-k ids, probabilities),
+  and the real `_stats` runs eagerly on the graph's outputs right after the replay.
+The dropless expert computation of the first three scopes stays eager (row counts depend
+on the data).
+
+Design choices:
+- torch's own `torch.cuda.make_graphed_callables` (forward graph + backward graph in one
+  autograd node, warm-up iterations on a side stream, module parameters as static inputs),
+  called lazily at a region's first training call on CUDA, so the capture sees the real
+  device, shapes, dtypes and autocast state it will replay in.  One capture per input
+  signature (shapes, dtypes, requires_grad, which optional inputs are present, autocast
+  state); the packer's fixed budgets make that one capture per region.
+- A region is a `GraphedRegion` set as an instance attribute over the method it replaces
+  (`layer.attention_part`, `layer.forward`, `router.forward`, `dispatcher.preprocess`):
+  the model keeps no knowledge of graphs (one seam, `DecoderLayer.attention_part`), the
+  MoE layer still only calls `dispatch`.  Eager (the original method) whenever the input
+  is not on CUDA, grad is off, or the owning module is in eval mode.
+- Memory pools: each capture gets its own private pool (make_graphed_callables' default).
+  Sharing one pool is only safe when graphs are captured in the order they replay (fwd 1..n,
+  bwd n..1); lazy per-layer capture goes fwd 1, bwd 1, fwd 2, ... so pools are not shared.
+  Static inputs the layers share (rope cos/sin, the mask, the token mask) are one buffer per
+  role for all layers; the hidden state and routing inputs get a buffer per region.
+- Static outputs: a replay overwrites the region's outputs and saved activations, so a
+  region must run backward before its next forward.  The trainer's accumulation loop does
+  forward+backward per micro-batch: safe.  Pipeline schedules (several forwards in flight)
+  and recompute (a second forward inside backward) are refused in `validate`.
+- Parameter gradients: make_graphed_callables returns its static gradient buffers, and
+  AccumulateGrad may adopt such a buffer as `.grad` when `.grad` is None; the next
+  micro-batch's backward replay would then overwrite it (pytorch/pytorch#181723).  A hook on
+  every graphed parameter clones its gradient in that case.
+- Autocast: capture and replay run inside the trainer's autocast; make_graphed_callables
+  refuses autocast's weight cache, so the trainer disables it (`cache_enabled=False`)
+  when a scope is set.
+- Not verified on a GPU in the session that wrote it (tests/gpu/test_cuda_graphs.py is the check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from moevlm.model.attention import DocMask
+
+SCOPES = ("attn", "moe_router", "moe_preprocess", "full_layer")
+
+
+class _Capturable(nn.Module):
+    """What make_graphed_callables graphs: `fn` over tensors, with `parts`' parameters as static inputs.
+    Kept outside the model tree (the parts keep their own parents)."""
+
+    def __init__(self, fn: Callable, parts: tuple[nn.Module, ...]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.fn = fn
+
+    def forward(self, *tensors):
+        return self.fn(*tensors)
+
+
+class _Region:
+    """How one kind of region turns its call into tensors and back.  Subclasses set `kind`, `parts`,
+    `shared` (positions of inputs every layer shares) and implement eager/flatten/build/unflatten."""
+    kind = ""
+    shared: tuple[int, ...] = ()
+
+    def __init__(self, parts: tuple[nn.Module, ...]):
+        self.parts = parts
+
+    def eager(self, *args):
+        raise NotImplementedError
+
+    def flatten(self, *args) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        raise NotImplementedError
+
+    def build(self, key: tuple) -> Callable:
+        raise NotImplementedError
+
+    def unflatten(self, outputs, args):
+        return outputs
+
+
+def _mask_tensors(mask: DocMask, region: str) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    if mask.backend != "sdpa":
+        raise RuntimeError(f"model.cuda_graph_scope={region} captures the sdpa attention only (its (B,1,S,S) mask "
+                           f"is static); this layer got attn_backend={mask.backend!r}: set model.attn_backend=sdpa")
+    return ((mask.prepared,) if mask.prepared is not None else ()), (mask.causal, mask.prepared is not None)
+
+
+def _doc_mask(causal: bool, prepared: torch.Tensor | None) -> DocMask:
+    return DocMask("sdpa", causal, [], prepared)  # sdpa reads only `prepared` / `causal`
+
+
+class AttnRegion(_Region):
+    kind, shared = "attn", (1, 2, 3)
+
+    def __init__(self, layer: nn.Module):
+        super().__init__((layer.input_layernorm, layer.self_attn))
+        self.layer = layer
+
+    def eager(self, h_BSD, rope_cos_sin, mask):
+        return type(self.layer).attention_part(self.layer, h_BSD, rope_cos_sin, mask)
+
+    def flatten(self, h_BSD, rope_cos_sin, mask):
+        mask_t, key = _mask_tensors(mask, self.kind)
+        return (h_BSD, *rope_cos_sin, *mask_t), key
+
+    def build(self, key):
+        causal, _ = key
+
+        def fn(h_BSD, cos, sin, *mask):
+            return self.eager(h_BSD, (cos, sin), _doc_mask(causal, mask[0] if mask else None))
+        return fn
+
+
+class RouterRegion(_Region):
+    kind = "moe_router"
+
+    def __init__(self, router: nn.Module):
+        super().__init__((router,))
+        self.router = router
+
+    def eager(self, x_TD):
+        return type(self.router).forward(self.router, x_TD)
+
+    def flatten(self, x_TD):
+        return (x_TD,), ()
+
+    def build(self, key):
+        return self.eager
+
+
+class PreprocessRegion(_Region):
+    kind = "moe_preprocess"
+
+    def __init__(self, dispatcher):
+        super().__init__(())
+        self.dispatcher = dispatcher
+
+    def eager(self, topk_idx_TK, topk_w_TK):
+        return type(self.dispatcher).preprocess(self.dispatcher, topk_idx_TK, topk_w_TK)
+
+    def flatten(self, topk_idx_TK, topk_w_TK):
+        return (topk_idx_TK, topk_w_TK), ()
+
+    def build(self, key):
+        return self.eager
+
+
+class FullLayerRegion(_Region):
+    kind, shared = "full_layer", (1, 2, 3, 4)
+
+    def __init__(self, layer: nn.Module):
+        super().__init__((layer,))
+        self.layer = layer
+
+    def eager(self, h_BSD, rope_cos_sin, mask, token_mask_BS=None):
+        return type(self.layer).forward(self.layer, h_BSD, rope_cos_sin, mask, token_mask_BS)
+
+    def flatten(self, h_BSD, rope_cos_sin, mask, token_mask_BS=None):
+        mask_t, key = _mask_tensors(mask, self.kind)
+        tm = (token_mask_BS,) if token_mask_BS is not None else ()
+        return (h_BSD, *rope_cos_sin, *mask_t, *tm), (*key, token_mask_BS is not None)
+
+    def build(self, key):
+        causal, has_mask, has_token_mask = key
+
+        def fn(h_BSD, cos, sin, *rest):
+            rest = list(rest)
+            mask = _doc_mask(causal, rest.pop(0) if has_mask else None)
+            token_mask = rest.pop(0) if has_token_mask else None
+            with self._stats_deferred():
+                out, raw = self.eager(h_BSD, (cos, sin), mask, token_mask)
+            return (out, *raw) if self.layer.is_moe else (out,)
+        return fn
+
+    @contextlib.contextmanager
+    def _stats_deferred(self):
+        """Inside the graph `_stats` hands back its tensor inputs; `unflatten` runs the real one."""
+        if not self.layer.is_moe:
+            yield
+            return
+        self.layer.mlp._stats = lambda topk_idx_TK, probs_TE, *rest: (topk_idx_TK, probs_TE)
+        try:
+            yield
+        finally:
+            del self.layer.mlp._stats
+
+    def unflatten(self, outputs, args):
+        if not self.layer.is_moe:
+            return outputs[0], None
+        out, topk_idx_TK, probs_TE = outputs
+        token_mask_BS = args[3] if len(args) > 3 else None
+        return out, self.layer.mlp._stats(topk_idx_TK, probs_TE, token_mask_BS)
+
+
+class GraphedRegion:
+    """One region of one layer: eager off CUDA / without grad / in eval, else captured once per input
+    signature and replayed.  `tensor_form=True` runs the exact function a capture would graph, eagerly
+    (the CPU tests check the region boundaries with it)."""
+
+    def __init__(self, region: _Region, owner: nn.Module, shared: dict, warmup: int = 3):
+        self.region, self.owner, self.shared, self.warmup = region, owner, shared, warmup
+        self.graphs: dict[tuple, Callable] = {}
+        self.tensor_form = False
+
+    def __call__(self, *args):
+        tensors, key = self.region.flatten(*args)
+        if not (tensors[0].is_cuda and torch.is_grad_enabled() and self.owner.training):
+            if self.tensor_form:
+                return self.region.unflatten(self.region.build(key)(*tensors), args)
+            return self.region.eager(*args)
+        sig = (key, _autocast_state(), tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors))
+        graphed = self.graphs.get(sig)
+        if graphed is None:
+            graphed = self.graphs[sig] = self._capture(key, tensors)
+        return self.region.unflatten(graphed(*tensors), args)
+
+    def _capture(self, key: tuple, tensors: tuple[torch.Tensor, ...]) -> Callable:
+        if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+            raise RuntimeError("model.cuda_graph_scope captures under torch.autocast only with its weight cache "
+                               "off: use torch.autocast(..., cache_enabled=False) (the trainer does)")
+        sample = tuple(self._static_input(i, t) for i, t in enumerate(tensors))
+        module = _Capturable(self.region.build(key), self.region.parts)
+        graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self.warmup,
+                                                    allow_unused_input=True)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(_clone_if_adopted(p))
+        return graphed
+
+    def _static_input(self, position: int, t: torch.Tensor) -> torch.Tensor:
+        """The buffer a replay copies this input into: per role for the inputs every layer shares."""
+        if position in self.region.shared and not t.requires_grad:
+            role = (self.region.kind, position, t.shape, t.dtype, t.device)
+            if role not in self.shared:
+                self.shared[role] = t.detach().clone()
+            return self.shared[role]
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _clone_if_adopted(p: torch.Tensor):
+    """A gradient hook: when `.grad` is None AccumulateGrad may adopt the graph's static buffer as `.grad`."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone() if p.grad is None else grad
+    return hook
+
+
+def _autocast_state() -> tuple:
+    enabled = torch.is_autocast_enabled("cuda")
+    return (enabled, torch.get_autocast_dtype("cuda") if enabled else None)
+
+
+class CudaGraphs:
+    """The regions applied to one model (kept in `model.__dict__["_cuda_graphs"]`)."""
+
+    def __init__(self, scope: tuple[str, ...]):
+        self.scope = scope
+        self.regions: list[GraphedRegion] = []
+        self.shared: dict = {}
+
+    def wrap(self, obj: Any, method: str, region: _Region, owner: nn.Module) -> None:
+        graphed = GraphedRegion(region, owner, self.shared)
+        setattr(obj, method, graphed)  # an instance attribute over the class's method
+        self.regions.append(graphed)
+
+    def captures(self) -> dict[str, int]:
+        """Graphs captured so far, per region kind (summed over layers)."""
+        out: dict[str, int] = {}
+        for r in self.regions:
+            out[r.region.kind] = out.get(r.region.kind, 0) + len(r.graphs)
+        return out
+
+    def set_tensor_form(self, on: bool = True) -> None:
+        for r in self.regions:
+            r.tensor_form = on
+
+
+def scope_problem(scope) -> str | None:
+    unknown = [s for s in scope if s not in SCOPES]
+    if unknown:
+        return f"model.cuda_graph_scope has unknown region(s) {unknown}; choose among {list(SCOPES)}"
+    if "full_layer" in scope and len(set(scope)) > 1:
+        return ("model.cuda_graph_scope: full_layer already holds attn, moe_router and moe_preprocess; "
+                "list it alone")
+    return None
+
+
+def apply_cuda_graphs(model: nn.Module, scope) -> CudaGraphs | None:
+    """Wrap the chosen regions of every decoder layer `model` holds; None for an empty scope."""
+    scope = tuple(scope or ())
+    if not scope:
+        return None
+    problem = scope_problem(scope)
+    if problem is not None:
+        raise ValueError(problem)
+    graphs = CudaGraphs(scope)
+    for layer in model.text.layers.children():
+        if "full_layer" in scope:
+            graphs.wrap(layer, "forward", FullLayerRegion(layer), layer)
+            continue
+        if "attn" in scope:
+            graphs.wrap(layer, "attention_part", AttnRegion(layer), layer)
+        if layer.is_moe and "moe_router" in scope:
+            graphs.wrap(layer.mlp.router, "forward", RouterRegion(layer.mlp.router), layer.mlp.router)
+        if layer.is_moe and "moe_preprocess" in scope:
+            if getattr(layer.mlp.dispatcher, "permute", "torch") != "torch":
+                raise ValueError("model.cuda_graph_scope=moe_preprocess captures the torch permutation plan; "
+                                 "use model.permute=torch")
+            graphs.wrap(layer.mlp.dispatcher, "preprocess", PreprocessRegion(layer.mlp.dispatcher), layer.mlp)
+    model.__dict__["_cuda_graphs"] = graphs
+    return graphs
+
+
+def cuda_graphs(model: nn.Module) -> CudaGraphs | None:
+    return model.__dict__.get("_cuda_graphs")
+
+
+__all__ = ["SCOPES", "CudaGraphs", "GraphedRegion", "apply_cuda_graphs", "cuda_graphs", "scope_problem"]
