@@ -487,6 +487,7 @@ class Window:
         if tr.pipeline is not None:  # collective: every rank builds the record, rank 0 writes it
             rec["mem_gib_by_pp_rank"] = _max_by_pp_rank(tr, mem)
         rec["steps_in_window"] = self.steps
+        rec["mock"] = tr.job.data.mock  # data.mock: "none" for real data
         reset_peak_memory(tr.device)
         return rec
 
