@@ -27,6 +27,8 @@ Design choices:
   wait; memory is the maximum; loss is the last.  A job that stopped before
   train.steps is marked incomplete.  Any dynamo counters the records carry
   (`recompiles`, `graph_breaks`) are shown as their last values.
+- A run directory (metrics.jsonl inside) instead of a sweep gives a one-row
+  table (bench/gpu_suite.sh summarises its training run so).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def _cell(v, fmt: str) -> str:
 
 def build_table(sweep_dir: Path, warmup: int = 3) -> str:
     sweep_dir = Path(sweep_dir)
+    if (sweep_dir / "metrics.jsonl").is_file():  # one run, not a sweep: a one-row table
+        return _one_run(sweep_dir, warmup)
     numbered = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     jobs = {int(p.name): read_job(p) for p in numbered}
     plan = planned_jobs(sweep_dir)
@@ -148,6 +152,16 @@ def build_table(sweep_dir: Path, warmup: int = 3) -> str:
         cells = [_cell(fig.get(k), fmt) for k, _, _, fmt in METRICS] + [_cell(fig.get(c), "d") for c in counters]
         lines.append("| " + " | ".join([str(i), *values, status, str(done), *cells]) + " |")
     return "\n".join(lines)
+
+
+def _one_run(run_dir: Path, warmup: int) -> str:
+    job = read_job(run_dir)
+    fig = summarise(job["records"], warmup) if job["records"] else {}
+    done = max((r["step"] for r in job["records"]), default=0)
+    head = ["run", "steps", *[m[1] for m in METRICS]]
+    cells = [_cell(fig.get(k), fmt) for k, _, _, fmt in METRICS]
+    return "\n".join([f"run {run_dir} (medians after step {warmup})", "", "| " + " | ".join(head) + " |",
+                      "|---|" + "---:|" * (1 + len(METRICS)), "| " + " | ".join([run_dir.name, str(done), *cells]) + " |"])
 
 
 def main(argv=None) -> int:
