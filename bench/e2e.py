@@ -24,7 +24,8 @@ Design choices:
   images as its <|image_pad|> tokens need) and given to HF as a right-padded
   batch with attention_mask, mm_token_type_ids, image_grid_thw and only the
   real patches.  Before timing, the LM losses of both on the first micro-batch
-  must agree (relative 1e-3 in fp32, 3e-2 in bf16): no ratio of two different
+  must agree (relative 1e-3 in fp32, 3e-2 in bf16; on CUDA ours is measured
+  before its steps and HF before its own): no ratio of two different
   functions is printed.
 - Ours vs HF is compute only: the micro-batches are fetched before the clock
   starts.  Real vs mock is the whole training step as train.py runs it, data
@@ -36,6 +37,11 @@ Design choices:
   proxy do not fit, so ours (real and mock modes interleaved on one model) runs
   first, is freed, and HF runs after; peak memory is per side then
   (torch.cuda.max_memory_allocated over its steps), n/a on CPU.
+- Denormals are flushed to zero (torch.set_flush_denormal, CPU arithmetic
+  only): after some dozens of AdamW steps the tiny model's CPU steps, ours and
+  HF's alike, slowed ~5x from denormal arithmetic (measured: a 20-step run took
+  4 min instead of 19 s), which would measure the CPU's denormal path, not
+  either implementation.
 - Tokens/s counts useful tokens (padding excluded), TFLOP/s and MFU count the
   model FLOPs of the real documents and images (moevlm.model.count_flops,
   vision tower included, training = 3x forward); both sides are credited the
@@ -222,18 +228,20 @@ def fetch(tr: Trainer, n: int) -> list[list[dict]]:
     return [[next(tr.loader) for _ in range(tr.t.micro_batch_size)] for _ in range(n)]
 
 
-def check_losses(tr: Trainer, hf: HFSide, rows: list[dict], hf_in: dict, bf16: bool) -> str:
+def ours_lm_loss(tr: Trainer, rows: list[dict]) -> float:
     tr.loader = Rows(rows)
     mb = tr._micro_batch()
     with torch.no_grad(), tr._autocast():
-        ours = float(tr.model(**{k: None if v is None else v.to(tr.device) for k, v in mb["inputs"].items()}).lm_loss)
-    theirs = hf.lm_loss(hf_in)
+        return float(tr.model(**{k: None if v is None else v.to(tr.device) for k, v in mb["inputs"].items()}).lm_loss)
+
+
+def compare_losses(ours: float, theirs: float, bf16: bool) -> str:
     tol = 3e-2 if bf16 else 1e-3
     rel = abs(ours - theirs) / abs(theirs)
     if rel > tol:
         raise SystemExit(f"LM losses differ on the same samples: ours {ours:.6f}, HF {theirs:.6f} (relative "
                          f"{rel:.1e} > {tol}); not timing different functions")
-    return f"LM loss on the first micro-batch: ours {ours:.6f}, HF {theirs:.6f} (relative {rel:.1e})"
+    return f"LM loss on one micro-batch before any step: ours {ours:.6f}, HF {theirs:.6f} (relative {rel:.1e})"
 
 
 def run(args) -> dict:
@@ -241,6 +249,7 @@ def run(args) -> dict:
     job, warmup, iters = compose(args.preset, args.overrides, str(Path(tmp.name) / "run"))
     if args.smoke:
         warmup, iters = 1, 2
+    warmup, iters = args.warmup if args.warmup is not None else warmup, args.iters or iters
     tr = Trainer(job)
     dev, bf16, cfg = tr.device, tr._bf16, tr.plan.model
     merge, image_id = cfg.vision.spatial_merge_size, cfg.image_token_id
@@ -259,7 +268,8 @@ def run(args) -> dict:
     timers = {k: Timer(dev) for k in ("ours", "hf", *loaders)}
     interleave = dev.type == "cpu"
     hf = HFSide(hf_dir, job, dev, bf16) if interleave else None
-    notes = [check_losses(tr, hf, micro[n], hf_in[n], bf16)] if hf else []
+    ours_loss = ours_lm_loss(tr, micro[n])  # initial weights, as HF's
+    notes = [compare_losses(ours_loss, hf.lm_loss(hf_in[n]), bf16)] if hf else []
 
     def ours_on(i):
         tr.loader = Rows(micro[i])
@@ -292,8 +302,7 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
         hf = HFSide(hf_dir, job, dev, bf16)
         experts = hf.experts
-        hf_loss = hf.lm_loss(hf_in[n])
-        notes.append(f"HF LM loss on the first micro-batch {hf_loss:.6f} (ours was freed: loss not compared)")
+        notes.append(compare_losses(ours_loss, hf.lm_loss(hf_in[n]), bf16))  # before HF's first step
         for i in range(n):
             hf_on(i)
     else:
@@ -359,11 +368,14 @@ def main(argv=None) -> int:
                                  epilog="OVERRIDE: any train.py override (section.field=value), applied last")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--smoke", action="store_true", help="1 warm-up and 2 timed steps (CI)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default: the preset's)")
+    ap.add_argument("--iters", type=int, help="timed steps (default: the preset's)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # CPU math only; see the design choices
     print(table(run(args)), flush=True)
     return 0
 

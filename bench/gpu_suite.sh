@@ -117,7 +117,7 @@ step train_table 'tail -1 "$LOG"' -- "$PY" bench/sweep_table.py "$OUT/train_run"
     echo
     echo "## $name"
     echo
-    grep -E '^(\||ours/HF:|device:|LM loss|HF LM loss)' "$OUT/$name.log" || echo "(no table: see $name.log)"
+    grep -E '^(\||ours/HF:|device:|LM loss)' "$OUT/$name.log" || echo "(no table: see $name.log)"
   done
 } > "$SUMMARY"
 rm -f "$ROWS"
