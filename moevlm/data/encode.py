@@ -30,7 +30,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-
 import zlib
 
 import torch
@@ -43,6 +42,7 @@ from moevlm.data.reader import Oversize, Pos
 from moevlm.data.records import normalize_record, parse_json_bytes
 from moevlm.data.text import IMAGE_PLACEHOLDER, ChatEncoder
 from moevlm.model.rope import mrope_position_ids
+
 
 class SampleEncoder:
     def __init__(self, chat: ChatEncoder, image: ImageConfig, pack: PackConfig, caption_prompt: str = "",

@@ -5,13 +5,12 @@ modes are refused."""
 
 import pytest
 import torch
+from data_helpers import small_data_config
 
 from moevlm.data.loader import build_loader
 from moevlm.model import VLMConfig
 from moevlm.model.config import ConfigError
 from moevlm.train.config import compose_job, validate
-
-from data_helpers import small_data_config
 
 TINY = VLMConfig.preset("tiny")
 ROWS = 3
