@@ -9,6 +9,8 @@ changes the numbers the model sees (patch 16, merge 2, temporal 2, mean = std
 Every field carries its description (`metadata={"help": ...}`, shown by `python train.py --help`
 and conf/README.md: moevlm.train.options) and is checked by `moevlm.data.loader.check_config` before any file is
 read (a one-line message naming the field, its value and what to set).
+`mock` (moevlm.data.encode) swaps only the image step, so a measurement on
+mock data runs the same reader, workers, tokenizer and packer as real data.
 `pack.max_patches: 0` is a text-only budget: samples with images are skipped as
 `too_long` (or, with `oversize: truncate`, cut before their first image).
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 # allowed values, checked by moevlm.data.loader.check_fields and listed by `python train.py --help`
 OVERSIZE = ("skip", "truncate")
 PIN_MEMORY = ("auto", "true", "false")
+MOCK = ("none", "image_free", "random_pixels")
 
 
 @dataclass
@@ -97,3 +100,8 @@ class DataConfig:
     allow_changed_shards: bool = field(default=False, metadata={
         "help": "resume on shards whose size or content changed since the checkpoint (logged as a warning); "
                 "false: such a resume is refused, naming the changed shards"})
+    mock: str = field(default="none", metadata={
+        "help": "mock data for measuring, same loader path and batch shapes: none (real), image_free (images and "
+                "their tokens dropped: text only), random_pixels (each image's real size, grid and tokens, but "
+                "seeded uniform random pixels instead of the decoded ones); part of the data identity: a resume "
+                "with another value is refused"})

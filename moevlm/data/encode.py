@@ -18,26 +18,37 @@ Design choices:
   ends at seq_len or before the first image that no longer fits, whichever is
   first; images after the cut are dropped with their pixels.  A cut that leaves
   nothing to train on is `too_long` too.
+- data.mock swaps only the image step: `image_free` drops a record's images
+  and their <image> tags before tokenizing (a caption becomes a text-only
+  chat: prompt and caption), `random_pixels` keeps each image's grid and
+  tokens from its header but fills its patches with noise seeded by
+  (sample id, member name), so two runs get the same values.
 - 3-D M-RoPE positions are computed here, per sample, in the worker: the
   packer only concatenates them (they restart at every document anyway).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
+
 import torch
 
 from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.errors import SkipSample
-from moevlm.data.image import decode_image
+from moevlm.data.image import decode_image, random_image
 from moevlm.data.packing import IGNORE, Sample
 from moevlm.data.reader import Oversize, Pos
 from moevlm.data.records import normalize_record, parse_json_bytes
-from moevlm.data.text import ChatEncoder
+from moevlm.data.text import IMAGE_PLACEHOLDER, ChatEncoder
 from moevlm.model.rope import mrope_position_ids
 
+
 class SampleEncoder:
-    def __init__(self, chat: ChatEncoder, image: ImageConfig, pack: PackConfig, caption_prompt: str = ""):
+    def __init__(self, chat: ChatEncoder, image: ImageConfig, pack: PackConfig, caption_prompt: str = "",
+                 mock: str = "none"):
         self.chat, self.image, self.pack, self.caption_prompt = chat, image, pack, caption_prompt
+        self.mock = mock
         self.merge = image.merge_size
 
     def __call__(self, raw: dict, pos: Pos) -> Sample:
@@ -53,6 +64,8 @@ class SampleEncoder:
         else:
             raise SkipSample("bad_json", f"sample {key} has no json (or txt) member: {sorted(raw)}")
         rec = normalize_record(obj, caption_prompt=self.caption_prompt, default_id=key)
+        if self.mock == "image_free":
+            rec = _without_images(rec)
         pixels, grids = self._images(raw, rec.images, rec.id)
         if rec.text is not None:
             ids, labels = self.chat.encode_text(rec.text)
@@ -70,7 +83,10 @@ class SampleEncoder:
             data = raw.get(name)
             if data is None:
                 raise SkipSample("missing_image", f"{sid}: member {name!r} is not in the sample ({sorted(raw)})")
-            pixels, grid = decode_image(data, self.image)
+            if self.mock == "random_pixels":
+                pixels, grid = random_image(data, self.image, zlib.crc32(f"{sid}/{name}".encode()))
+            else:
+                pixels, grid = decode_image(data, self.image)
             out.append(pixels)
             grids.append(tuple(grid))
         return (torch.cat(out) if out else None), grids
@@ -96,6 +112,14 @@ class SampleEncoder:
         if not bool((labels_L != IGNORE).any()):
             raise SkipSample("too_long", what + "; nothing trainable is left after truncation")
         return ids_L, labels_L, (pixels[:used] if keep else None), grids[:keep]
+
+
+def _without_images(rec):
+    """data.mock=image_free: the record as text only (images and their <image> tags dropped)."""
+    if rec.messages is None:
+        return rec
+    messages = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, "")} for m in rec.messages]
+    return dataclasses.replace(rec, images=[], messages=messages)
 
 
 def _utf8(b: bytes) -> str:

@@ -7,6 +7,7 @@ Legend: H, W image height/width in pixels, C channels (3), T temporal patch
 
     pixels_ND, (t, h, w) = decode_image(jpeg_bytes, ImageConfig())   # in a data worker
     pixels_ND, (t, h, w) = preprocess_image(PIL.Image.open(path))    # a PIL image at hand
+    pixels_ND, (t, h, w) = random_image(jpeg_bytes, cfg, seed)        # data.mock=random_pixels
     # pixels_ND: (h*w, C*T*P*P) float32; the text needs t*h*w / M**2 image tokens
 
 Design choices:
@@ -45,6 +46,10 @@ Design choices:
   nominal range (the reference's PIL convert clips them instead).
 - A still image is one temporal patch: its single frame is repeated T times,
   giving grid t = 1.
+- `random_image` (data.mock=random_pixels) reads only the header (plus EXIF;
+  for PNG, Pillow decodes to find an eXIf chunk after the pixels) and gives the
+  same grid as decode_image; its values are uniform over the normalised pixel
+  range, not N(0, 1): the same bounds as real pixels, only the content is noise.
 - Rows come out in merge-block order: for each M x M block (raster order over
   blocks), its M*M patches in raster order.  The vision merger then groups four
   consecutive rows; within a row the order is (C, T, P, P), the Conv3d kernel's.
@@ -127,6 +132,23 @@ def decode_image(data: bytes, cfg: ImageConfig) -> tuple[torch.Tensor, tuple[int
     only for a config that no image could satisfy."""
     image = open_image(data, cfg)
     return image_to_patches(image, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size, cfg.mean, cfg.std)
+
+
+def random_image(data: bytes, cfg: ImageConfig, seed: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """data.mock=random_pixels: the grid decode_image would give (same header checks, EXIF orientation,
+    smart resize), with seeded random patches instead of the decoded pixels: each value uniform over
+    what a pixel in [0, 1] normalises to on its channel, (0 - mean) / std .. (1 - mean) / std."""
+    if len(data) == 0:
+        raise SkipSample("empty_image", "0 bytes")
+    with _strict_pil():
+        image, orientation = _guarded(_open_header, data, cfg.max_image_pixels)
+    height, width = (image.width, image.height) if orientation in _SWAPS_SIDES else (image.height, image.width)
+    h, w = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
+    grid = (1, h // cfg.patch_size, w // cfg.patch_size)
+    g = torch.Generator().manual_seed(seed)
+    x_NCQ = torch.rand(grid[1] * grid[2], 3, cfg.temporal_patch_size * cfg.patch_size**2, generator=g)
+    mean, std = torch.tensor(cfg.mean).view(1, 3, 1), torch.tensor(cfg.std).view(1, 3, 1)
+    return ((x_NCQ - mean) / std).flatten(1), grid
 
 
 def open_image(data: bytes, cfg: ImageConfig) -> Image.Image:

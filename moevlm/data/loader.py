@@ -97,6 +97,10 @@ Design choices:
   there; they end with the trainer (above).  The fork server is started with
   the two signals blocked and ignored (both survive its exec); the trainer's
   own handlers are put back and a signal that came meanwhile is delivered.
+- data.mock (none, image_free, random_pixels; moevlm.data.encode) is part of
+  the data identity: the state header records it (only when not none, so
+  older states still load) and a resume with another value is refused.  One
+  warning line at build time says mock data is in use.
 - Streams are infinite by default (`epochs: null`): each stream starts its next
   epoch (a new shard permutation) when its shards run out.  Exact resume and
   layout independence hold for infinite streams; with a finite `epochs` the
@@ -118,7 +122,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from moevlm.data.config import OVERSIZE, PIN_MEMORY, DataConfig
+from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY, DataConfig
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.packing import Packer, collate
@@ -329,7 +333,7 @@ class PackedDataset(IterableDataset):
             threading.Thread(target=_exit_without, args=(self.main_pid,), daemon=True).start()
         cfg = self.cfg
         encode = SampleEncoder(ChatEncoder(load_tokenizer(self.tokenizer_path)), cfg.image, cfg.pack,
-                               cfg.caption_prompt)
+                               cfg.caption_prompt, cfg.mock)
         return round_robin([iter(Stream(self, s, encode)) for s in self.mine(p, workers)])
 
 
@@ -451,8 +455,11 @@ class PackedLoader:
 
     # ---------------------------------------------------------------- state
     def _header(self) -> dict:
-        return {"version": STATE_VERSION, "shards": fingerprint(self.shards), "seed": self.cfg.seed,
+        head = {"version": STATE_VERSION, "shards": fingerprint(self.shards), "seed": self.cfg.seed,
                 "streams": self.streams, "files": copy.deepcopy(self.files)}
+        if self.cfg.mock != "none":  # absent for real data, so states saved before data.mock existed still match
+            head["mock"] = self.cfg.mock
+        return head
 
     def state_dict(self) -> dict:
         """This rank's streams' states, keyed by global stream id (merge the ranks' with `merge_states`)."""
@@ -471,6 +478,10 @@ class PackedLoader:
                              + "; resume with the same shards, data.seed and number of streams (set "
                              "data.streams to the saved value; with data.streams=0 it is "
                              f"{DEFAULT_STREAMS} or fewer, as many as the shards can feed)")
+        if sd.get("mock", "none") != self.cfg.mock:
+            raise ValueError(f"the data-loader state was saved with data.mock={sd.get('mock', 'none')} but this run "
+                             f"has data.mock={self.cfg.mock}: mock and real data are different data; resume with "
+                             f"data.mock={sd.get('mock', 'none')}, or start a new run")
         self._check_files(sd.get("files"))
         self.close()
         self.states = {int(s): copy.deepcopy(st) for s, st in sd["states"].items() if int(s) in self.local}
@@ -518,6 +529,10 @@ def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int =
         ChatEncoder(load_tokenizer(tok)).check_model(model_cfg)
     im = cfg.image
     patch_dim = 3 * im.temporal_patch_size * im.patch_size**2
+    if cfg.mock != "none" and rank == 0:
+        log.warning("data.mock=%s: MOCK DATA, %s; the same loader path and batch shapes as real data, for "
+                    "measuring only", cfg.mock, "text only (images and their tokens dropped)"
+                    if cfg.mock == "image_free" else "random pixels in place of the decoded images")
     return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
 
 
@@ -604,5 +619,6 @@ def check_fields(cfg: DataConfig) -> None:
     _require(cfg.epochs is None or cfg.epochs >= 1, "epochs", cfg.epochs, "null (loop forever) or at least 1")
     _require(str(cfg.pin_memory).lower() in PIN_MEMORY, "pin_memory", cfg.pin_memory,
              _one_of(PIN_MEMORY))
+    _require(cfg.mock in MOCK, "mock", cfg.mock, _one_of(MOCK))
     _require(cfg.start_method in mp.get_all_start_methods(), "start_method", cfg.start_method,
              f"one of {mp.get_all_start_methods()}")

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from moevlm.data.config import OVERSIZE, PIN_MEMORY
+from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY
 from moevlm.model.config import ATTN_BACKENDS, PERMUTES, PRESETS
 from moevlm.parallel.pipeline_plan import SCHEDULES
 from moevlm.train.config import CHOICES, DISPATCHER_NAMES, JobConfig
@@ -63,7 +63,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
             "model.preset": tuple(sorted(PRESETS)), "model.attn_backend": tuple(ATTN_BACKENDS),
             "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *DISPATCHER_NAMES),
             "model.permute": tuple(PERMUTES), "parallel.pp_schedule": tuple(SCHEDULES),
-            "data.pack.oversize": OVERSIZE, "data.pin_memory": PIN_MEMORY,
+            "data.pack.oversize": OVERSIZE, "data.pin_memory": PIN_MEMORY, "data.mock": MOCK,
             "data.start_method": tuple(sorted(mp.get_all_start_methods()))}
 
 

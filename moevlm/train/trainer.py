@@ -532,6 +532,7 @@ class Window:
             rec.update(tr.compiled.record())
         if tr.prof.timing:  # seconds per component summed over the window, like step_time_s
             rec["components_s"] = tr.prof.take_window()
+        rec["mock"] = tr.job.data.mock  # data.mock: "none" for real data
         reset_peak_memory(tr.device)
         return rec
 
