@@ -38,6 +38,12 @@ Design choices:
   grouped GEMM of each MoE layer runs eagerly (`torch.compiler.disable`, one
   graph break per layer, no recompile: its shapes are static); in bf16 it is
   in the graph.
+- Recompute regions (moevlm/parallel/recompute.py, applied before compile) are
+  traced into the compiled block (checkpoint becomes a higher-order op); a graph
+  break inside a region (the fp32 grouped-GEMM seam above) makes dynamo run the
+  whole region eagerly, so fp32 MoE layers under `model.recompute=full` or
+  `moe` are not compiled on the CPU (`compiled_graphs` in metrics.jsonl shows
+  it); in bf16 they are.
 - The all-to-all exchange (a host sync for the split sizes, data-dependent row
   counts) runs outside the graph: `dispatch`/`combine` of such a dispatcher are
   wrapped in `torch.compiler.disable` (one graph break each, counted), and the

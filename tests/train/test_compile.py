@@ -110,3 +110,39 @@ def _ep2_alltoall(rank: int) -> None:
 
 def test_ep2_alltoall_exchange_outside_the_graph_without_recompiles(tmp_path):
     run_ranks(_ep2_alltoall, 2, tmp_path, timeout_s=300)
+
+
+def test_compile_traces_recompute_regions_in_one_process():
+    """Dynamo traces a recompute region (non-reentrant checkpoint with the selective policy) into the
+    compiled block: a dense tiny model with every decoder layer recomputed (full) compiles to a graph
+    without graph breaks, matches eager (loss, gradients) and does not recompile.  (A graph break inside
+    a region, such as the fp32 grouped-GEMM seam of an MoE layer on the CPU, makes dynamo run that whole
+    region eagerly: the counters show it.)"""
+    from moevlm.parallel.recompute import apply_recompute
+
+    cfg = VLMConfig.preset("tiny")
+    cfg.attn_backend, cfg.moe.num_experts = "sdpa", 0  # dense: no fp32 grouped-GEMM seam (a graph break)
+    cfg.vision.depth, cfg.vision.deepstack_visual_indexes = 1, ()
+
+    def build(cfg):
+        model = Qwen3VLMoe(cfg)
+        apply_recompute(model, "full")
+        return model
+
+    eager = Qwen3VLMoe(cfg)
+    compiled_model = build(cfg)
+    compiled_model.load_state_dict(eager.state_dict())
+    counters = CompileCounters()
+    compiled = apply_compile(compiled_model, bf16=False)
+    for step in range(2):
+        batch = _text_batch(cfg, step)
+        ref, out = eager(**batch), compiled(**batch)
+        ref.loss.backward()
+        out.loss.backward()
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+        if step == 0:
+            counters.warm()
+    c = counters.record()
+    assert c["compiled_graphs"] >= 1 and c["graph_breaks"] == 0 and c["recompiles"] == 0, c
+    w = "text.layers.0.mlp.gate_proj.weight"
+    torch.testing.assert_close(compiled.get_parameter(w).grad, eager.get_parameter(w).grad, rtol=1e-4, atol=1e-6)
