@@ -82,8 +82,10 @@ class ModelConfig:
         "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own"})
     attn_backend: str = field(default="auto", metadata={
         "help": "attention kernel: auto (on CUDA in bf16/fp16 the first available of flash, varlen, flex, sdpa; "
-                "sdpa elsewhere), sdpa (document mask), sdpa_per_doc, flex (FlexAttention), flash (flash-attn "
-                "varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra package)"})
+                "sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or sdpa under train.compile), sdpa (one call, dense "
+                "document mask), sdpa_per_doc (one call per document: only the useful scores, a host loop), flex "
+                "(FlexAttention), flash (flash-attn varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra "
+                "package)"})
     grouped_gemm: str = field(default="torch", metadata={
         "help": "expert GEMM: torch (torch._grouped_mm), loop (one matmul per expert, the reference), triton "
                 "(ours; needs the triton package)"})

@@ -24,7 +24,8 @@ def test_auto_order_on_cuda_half(monkeypatch, flash, varlen, flex, expect):
     monkeypatch.setattr(A, "flex_available", lambda: flex)
     assert resolve_backend("auto", CUDA, torch.bfloat16) == expect
     assert resolve_backend("auto", CUDA, torch.float32) == "sdpa"  # the fused kernels need half precision
-    assert resolve_backend("auto", CPU, torch.bfloat16) == "sdpa"  # flex has no CPU backward
+    assert resolve_backend("auto", CPU, torch.bfloat16) == "sdpa_per_doc"  # flex has no CPU backward; exact FLOPs
+    assert resolve_backend("auto", CPU, torch.float32, static=True) == "sdpa"  # torch.compile: no host loop
 
 
 def test_varlen_refused_on_cpu():
@@ -70,7 +71,7 @@ def test_varlen_plumbing_matches_sdpa(monkeypatch, api, causal):
     import inspect
     params = inspect.signature(api).parameters
     monkeypatch.setattr(A, "_varlen_api", lambda: (api, "window_size" in params, "enable_gqa" in params))
-    monkeypatch.setattr(A, "resolve_backend", lambda backend, device, dtype: backend)
+    monkeypatch.setattr(A, "resolve_backend", lambda backend, device, dtype, static=False: backend)
     q, k, v = torch.randn(2, 24, 4, 8), torch.randn(2, 24, 2, 8), torch.randn(2, 24, 2, 8)
     cu = torch.tensor([0, 5, 24, 30, 31, 48, 48], dtype=torch.int32)
     mask = doc_mask(2, 24, cu, causal=causal, backend="varlen")
