@@ -2,8 +2,6 @@
 availability monkeypatched, the static (compile-safe) boundaries, the call plumbing against a stand-in
 kernel on the CPU (both torch signatures), the refusal on the CPU, and on a GPU the real kernel vs SDPA."""
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
