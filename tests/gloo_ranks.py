@@ -23,5 +23,6 @@ def _rank(rank: int, check, world: int, init_file: str, args: tuple, timeout_s: 
     try:
         torch.set_num_threads(1)  # N ranks share 2 cores
         check(rank, *args)
-    finally:
+        dist.barrier()  # every rank done before any tears down (a rank once died with SIGABRT, "terminate
+    finally:  # called without an active exception", in teardown; cause not established, the barrier is cheap)
         dist.destroy_process_group()
