@@ -151,9 +151,14 @@ class Qwen3VLMoe(nn.Module):
         return image_NO, deepstack, used // merge**2
 
     def lm_loss(self, logits_BSV, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean next-token loss, number of counted targets); `parallel/` overrides it
-        when the logits are sharded along the vocabulary."""
-        return causal_lm_loss(logits_BSV, labels_BS, cu_seqlens)
+        """(mean next-token loss, number of counted targets); `parallel/` overrides it when the
+        logits hold only part of the sequence (context parallel)."""
+        return self.loss_from_targets(logits_BSV, next_token_targets(labels_BS, cu_seqlens))
+
+    def loss_from_targets(self, logits_BSV, targets_T) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean cross-entropy over counted targets, their number) for targets already shifted;
+        `parallel/` overrides it when the logits are sharded along the vocabulary."""
+        return token_loss(logits_BSV, targets_T)
 
     # ------------------------------------------------------- checkpoints (HF)
     @classmethod
@@ -176,7 +181,12 @@ class Qwen3VLMoe(nn.Module):
 def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                    cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token cross-entropy over counted targets, and their number."""
-    targets = next_token_targets(labels_BS, cu_seqlens)
+    return token_loss(logits_BSV, next_token_targets(labels_BS, cu_seqlens))
+
+
+def token_loss(logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the logits against already-shifted targets (IGNORE_INDEX not counted), and
+    the number counted."""
     logits = logits_BSV.reshape(targets.numel(), -1)
     total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
                             ignore_index=IGNORE_INDEX, reduction="sum")

@@ -1,7 +1,7 @@
 """`parallelize(model, dims, ...)`: the one place a model built on the meta
 device is rewritten for its parallel layout, in this order: pipeline stages
 (pipeline.py: this rank keeps its stages' parts), tensor/sequence parallel
-(tensor_parallel.py), expert parallel (expert_parallel.py), recompute
+(tensor_parallel.py), context parallel (context_parallel.py), expert parallel (expert_parallel.py), recompute
 (recompute.py: `recompute=(mode, modules)`), per-block torch.compile (compile.py,
 `compile=True`), data parallel (data_parallel.py: FSDP2 or DDP-style all-reduce).
 
@@ -22,8 +22,8 @@ Design choices:
 - Initialisation is layout independent: every parameter is drawn whole from a
   generator seeded by (seed, its name) and this rank keeps its shard, so one
   process and any layout (pipeline stages included) start from the same weights.
-- Context parallel is not built yet: cp > 1 is refused here
-  (`ParallelNotBuilt`) on the meta model, before data or weights.
+- Context parallel (context_parallel.py) rewrites the model after tensor
+  parallel: the sequence is sharded over cp x tp.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from moevlm.dispatch import DISPATCHERS, build_dispatcher
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vlm import fill_
 from moevlm.parallel.compile import apply_compile
+from moevlm.parallel.context_parallel import apply_context_parallel
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
 from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
@@ -71,6 +72,12 @@ class ParallelContext:
         return self.groups.get("dp")
 
     @property
+    def loss_group(self):
+        """Ranks whose token losses add up to the data-parallel replicas' (dp x cp: a cp rank holds part
+        of each row; tp ranks hold the same sums)."""
+        return self.groups.get("dense")
+
+    @property
     def pp_group(self):
         return self.groups.get("pp")
 
@@ -89,11 +96,7 @@ def parallel_context(model: nn.Module) -> ParallelContext:
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
                 bf16: bool = False, dispatcher: str = "local", pipeline: PipelinePlan | None = None,
                 recompute: tuple[str, tuple[str, ...]] = ("none", ()), compile: bool = False,
-                compile_mode: str | None = None) -> nn.Module:
-    if dims.cp > 1:
-        raise ParallelNotBuilt(
-            f"this layout ({dims.describe()}) needs context parallel, which is not built yet; use parallel.cp=1 "
-            "(tp, pp, ep, etp and dp fold over every rank)")
+                compile_mode: str | None = None, cp_comm: str = "allgather") -> nn.Module:
     if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
         raise ValueError(f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)")
     if model.config.moe.num_experts and dims.ep * dims.etp > 1 and dispatcher not in DISPATCHERS:
@@ -118,6 +121,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
         prune_to_stages(model, pipeline, attn["pp"].get_local_rank())
     if dims.tp > 1:
         ctx.tp_partial = apply_tensor_parallel(model, attn["tp"])
+    if dims.cp > 1:
+        apply_context_parallel(model, attn["cp"].get_group(), attn["cp", "tp"]._flatten("cp_tp").get_group(),
+                               cp_comm)
     if model.config.moe.num_experts and dims.ep * dims.etp > 1:
         apply_expert_parallel(model, expert, dispatcher)
     else:  # experts whole on every rank: no token leaves its rank (the model's own

@@ -6,14 +6,14 @@ experts, M micro-batches per step.
 
     prune_to_stages(model, plan, pp_rank)        # on meta, before TP/EP/FSDP (parallelize does it)
     pipe = Pipeline(model, plan, pp_rank, pp_group)           # parallelize builds it; FSDP roots on its stages
-    pipe.start(device, rows=B, seq_len=S, max_patches=Np, tp=tp, ...)  # PipelineStage x local stages + schedule
+    pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's stages + schedule
     micro = pipe.share(micro if pp_rank == 0 else None, device)      # every pp rank gets the step's inputs
     lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_weight)
 
 What travels between stages (every tensor floating point, every one with a
 gradient coming back, static shapes from the packer's fixed budgets):
 
-    h        (B, s, D)       the residual stream (this tp rank's sequence shard)
+    h        (B, s, D)       the residual stream (this rank's sequence shard, s = S/(cp x tp))
     ds_k     (B*m, D)        deepstack feature k for every k still to be consumed
                              (those of layers on later stages), with the
                              padding rows: made once by the vision tower on
@@ -176,7 +176,7 @@ class Pipeline:
         return any(m.last for m in self.modules)
 
     # -------------------------------------------------------------- schedule
-    def start(self, device: torch.device, *, rows: int, seq_len: int, max_patches: int, tp: int,
+    def start(self, device: torch.device, *, rows: int, seq_len: int, max_patches: int, seq_shards: int,
               h_dtype: torch.dtype, vision_dtype: torch.dtype, autocast: Callable | None = None) -> None:
         """Build torch's PipelineStage for every local stage (with the static boundary shapes) and the
         schedule.  `autocast` (a context factory) wraps every stage's forward."""
@@ -190,7 +190,7 @@ class Pipeline:
         cfg = self.modules[0].model.config
         D, merge = cfg.text.hidden_size, cfg.vision.spatial_merge_size
         meta = dict(device="meta", requires_grad=True)
-        h = torch.empty(rows, seq_len // tp, D, dtype=h_dtype, **meta)
+        h = torch.empty(rows, seq_len // seq_shards, D, dtype=h_dtype, **meta)  # the sequence over cp x tp
         ds = torch.empty(rows * max_patches // merge**2, D, dtype=vision_dtype, **meta)
         stats = [torch.empty(2 * cfg.moe.num_experts + 1, dtype=torch.float32, **meta)] if cfg.moe.num_experts else []
         stages = []

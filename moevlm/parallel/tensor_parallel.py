@@ -49,7 +49,7 @@ from moevlm.model.attention import DocMask
 from moevlm.model.decoder import TextAttention, TextDecoder, add_at_mask
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
 from moevlm.model.rope import apply_rotary
-from moevlm.model.vlm import IGNORE_INDEX, Qwen3VLMoe, next_token_targets
+from moevlm.model.vlm import IGNORE_INDEX, Qwen3VLMoe
 from moevlm.parallel.comm import gather_seq, reduce_scatter_seq, split_seq, sum_replicated
 from moevlm.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -158,8 +158,7 @@ class TPQwen3VLMoe(Qwen3VLMoe):
     tp_group = None
     vocab_start = 0
 
-    def lm_loss(self, logits_BSV, labels_BS, cu_seqlens):
-        targets = next_token_targets(labels_BS, cu_seqlens)
+    def loss_from_targets(self, logits_BSV, targets):
         loss_T = vocab_parallel_cross_entropy(logits_BSV.reshape(targets.numel(), -1), targets, self.vocab_start,
                                               self.tp_group, IGNORE_INDEX)
         n = (targets != IGNORE_INDEX).sum()

@@ -116,7 +116,12 @@ class ModelConfig:
 class ParallelConfig:
     """The layout over the launched processes: tp x cp x dp x pp attention ranks, ep x etp x edp expert ranks."""
     tp: int = field(default=1, metadata={"help": "tensor (and sequence) parallel size"})
-    cp: int = field(default=1, metadata={"help": "context parallel size: each packed row split over cp ranks"})
+    cp: int = field(default=1, metadata={
+        "help": "context parallel size: each packed row split over cp ranks (load-balanced: chunks r and "
+                "2cp-1-r of 2cp), images encoded in shares and gathered"})
+    cp_comm: str = field(default="allgather", metadata={
+        "help": "context parallel attention: allgather (gather the kv heads of the row, reduce-scatter their "
+                "gradients) or ring (K/V blocks passed around the cp ranks, overlapped with compute)"})
     pp: int = field(default=1, metadata={"help": "pipeline parallel size (stages over pp ranks)"})
     dp: int = field(default=-1, metadata={"help": "data parallel size; -1 = world / (pp * tp * cp)"})
     ep: int = field(default=1, metadata={"help": "expert parallel size: experts split over ep ranks"})
@@ -364,6 +369,8 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         "train.compile=true with model.attn_backend=sdpa_per_doc: its host loop over the documents would "
         "recompile every batch; use model.attn_backend=sdpa (or auto), or train.compile=false")
     run(_check_profile, t)
+    if dims is not None:
+        run(_check_context_parallel, job, dims)
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
         run(_check_cuda_graphs, job, model, dims)
@@ -650,9 +657,37 @@ def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:
     _check(pk.seq_len <= model.text.max_position_embeddings,
            f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
            f"{model.text.max_position_embeddings}")
-    _check(pk.seq_len % dims.tp == 0 and pk.seq_len % (2 * dims.cp) == 0 or dims.cp == 1 and pk.seq_len % dims.tp == 0,
-           f"data.pack.seq_len={pk.seq_len} must be divisible by tp={dims.tp} (sequence parallel) and by 2*cp="
-           f"{2 * dims.cp} (load-balanced context parallel)")
+    if dims.cp == 1:
+        _check(pk.seq_len % dims.tp == 0, f"data.pack.seq_len={pk.seq_len} must be divisible by tp={dims.tp} "
+                                          "(sequence parallel)")
+    else:
+        _check(pk.seq_len % (2 * dims.cp) == 0 and (pk.seq_len // dims.cp) % dims.tp == 0,
+               f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * dims.cp} (each row is cut into 2*cp "
+               f"chunks for load-balanced context parallel) and seq_len/cp by tp={dims.tp} (sequence parallel): "
+               f"use a multiple of {_lcm(2 * dims.cp, dims.cp * dims.tp)}")
+
+
+CP_ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc")  # the decoder then runs cp_attention (SDPA blocks)
+
+
+def _check_context_parallel(job, dims: ParallelDims) -> None:
+    from moevlm.parallel.context_parallel import CP_COMMS
+
+    p, m, t = job.parallel, job.model, job.train
+    _check(p.cp_comm in CP_COMMS, f"parallel.cp_comm={p.cp_comm!r}; choose one of {list(CP_COMMS)}")
+    if dims.cp == 1:
+        return
+    _check(m.attn_backend in CP_ATTN_BACKENDS,
+           f"parallel.cp={dims.cp} computes the decoder's attention with its own allgather/ring function over SDPA "
+           f"blocks; model.attn_backend={m.attn_backend} cannot run inside it: use model.attn_backend=auto or sdpa")
+    _check(not t.compile, f"parallel.cp={dims.cp} with train.compile=true is not supported yet (the cp attention's "
+                          "collectives are not traced); use train.compile=false")
+
+
+def _lcm(a: int, b: int) -> int:
+    import math
+
+    return a * b // math.gcd(a, b)
 
 
 # ---------------------------------------------------------------------- memory

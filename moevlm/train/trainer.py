@@ -194,7 +194,7 @@ class Trainer:
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
                             dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline,
                             recompute=recompute_setting(self.job.model), compile=self.t.compile,
-                            compile_mode=self.t.compile_mode)
+                            compile_mode=self.t.compile_mode, cp_comm=p.cp_comm)
         self.compiled = CompileCounters() if self.t.compile else None
         self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline
@@ -215,7 +215,8 @@ class Trainer:
         if self.pipeline is not None:
             d = self.job.data.pack
             self.pipeline.start(self.device, rows=self.t.micro_batch_size, seq_len=d.seq_len,
-                                max_patches=d.max_patches, tp=self.plan.dims.tp, autocast=self._autocast,
+                                max_patches=d.max_patches, seq_shards=self.plan.dims.tp * self.plan.dims.cp,
+                                autocast=self._autocast,
                                 **_boundary_dtypes(self._bf16, self.job.parallel.dp_mode))
         if 1 < self.world <= 64:  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
             self.log.info(self.plan.dims.describe_ranks())
@@ -369,7 +370,7 @@ class Trainer:
         if self.grad_hook is not None:
             self.grad_hook(self)
         self.faults.at("data-parallel loss all-reduce")
-        loss = _all_reduce_tensor(loss_sum, dp_group) / loss_tokens
+        loss = _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens  # cp ranks hold parts
         aux_sum = _all_reduce_tensor(aux_sum, dp_group)
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1

@@ -1,0 +1,195 @@
+"""Context parallel (CP) for packed multimodal rows: every row split over the cp ranks, load-balanced.
+
+Legend: B rows, S sequence (the packed row), s = S/cp this rank's tokens (s/tp between blocks under
+sequence parallel), D hidden, O text width, N patches, m = merge^2 patches per image token, L deepstack
+taps.
+
+What changes (`apply_context_parallel` rewrites a model after tensor parallel, before expert parallel,
+recompute and FSDP; parameter names do not change):
+
+    vision tower     each cp rank encodes a share of the micro-batch's whole images, balanced by
+                     patches (cp_layout.balance_images); the image tokens and deepstack features of
+                     every rank are all-gathered (backward: summed over cp, each rank keeps its own
+                     images' rows) and put back in image order
+    embedding        the full row on every cp rank (a lookup: cheap), image features scattered in, then
+                     this rank's zigzag tokens kept (cp_layout.zigzag_positions: chunks r and 2cp-1-r
+                     of 2cp); the backward of that selection is zero elsewhere, so the gradients of the
+                     replicated parts are each rank's share and FSDP/DDP's sum over dp x cp adds them up
+    position ids     the row's 3-D M-RoPE ids (from the packer) sliced like the tokens
+    attention        queries local, keys/values from every cp rank: cp_attention (allgather or ring,
+                     `parallel.cp_comm`) with the document mask from global positions and document ids
+    MoE              each rank routes its own tokens; router statistics summed over cp x tp, so the
+                     aux loss is the micro-batch's (the one-process value)
+    LM loss          next-token targets formed on the full row (a target may sit on another rank),
+                     then sliced: each rank sums its tokens' losses; the trainer divides by the global
+                     loss-token count and sums the loss over dp x cp
+
+Design choices:
+- Every cp rank of a data-parallel replica holds the whole micro-batch (ids, labels, boundaries,
+  positions: small), as the tp ranks do; only activations are split.  The loader is keyed by the dp
+  coordinate already.
+- Composition with sequence parallel: the cp split comes first, then the tp split of the cp-local
+  sequence (tokens sharded over cp x tp); the tp all-gather before attention restores the cp-local
+  sequence, whose rotary angles and mask this module builds.
+- The decoder's attention always runs through `cp_attention` when cp > 1 (SDPA blocks with a boolean
+  mask inside); `model.attn_backend` still picks the vision tower's kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moevlm.model.attention import DocMask, document_ids
+from moevlm.model.decoder import LayerInputs, add_at_mask
+from moevlm.model.moe import MoEBlock
+from moevlm.model.rope import mrope
+from moevlm.model.vlm import next_token_targets
+from moevlm.parallel.comm import all_gather_flat, all_reduce_sum
+from moevlm.parallel.cp_attention import COMMS as CP_COMMS
+from moevlm.parallel.cp_attention import cp_attention
+from moevlm.parallel.cp_layout import balance_images, take_seq, zigzag_positions
+
+
+class CPInfo:
+    """The cp group of one rank: its size, rank and the attention's communication pattern."""
+
+    def __init__(self, group, comm: str):
+        if comm not in CP_COMMS:
+            raise ValueError(f"parallel.cp_comm={comm!r}; choose one of {CP_COMMS}")
+        self.group, self.comm = group, comm
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def positions(self, S: int, device) -> torch.Tensor:
+        return zigzag_positions(S, self.size, self.rank, device)
+
+
+@functools.cache
+def _mixed(mixin: type, cls: type) -> type:
+    return type(f"{mixin.__name__.removesuffix('Mixin')}{cls.__name__}", (mixin, cls), {})
+
+
+def _mix(module: nn.Module, mixin: type, **attrs) -> None:
+    module.__class__ = _mixed(mixin, type(module))
+    for k, v in attrs.items():
+        setattr(module, k, v)
+
+
+# ---------------------------------------------------------------- the model
+class CPModelMixin:
+    """Images encoded in shares and gathered; the LM loss over this rank's tokens."""
+    cp: CPInfo
+
+    def encode_images(self, pixel_values_NP, grid_thw_I3):
+        cfg = self.config
+        merge2 = cfg.vision.spatial_merge_size ** 2
+        sizes = grid_thw_I3.prod(-1).tolist()
+        n = sum(sizes) // merge2
+        per_rank = balance_images(sizes, self.cp.size)
+        mine = per_rank[self.cp.rank]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        if mine:
+            pixels = torch.cat([pixel_values_NP[starts[i]:starts[i + 1]] for i in mine])
+        else:  # no image here: the tower still runs (one isolated padding segment), so every rank's
+            pixels = pixel_values_NP.new_zeros(merge2, pixel_values_NP.shape[1])  # backward is the same
+        out_NO, deepstack, n_mine = super().encode_images(pixels, grid_thw_I3[mine])
+        parts = [out_NO, *deepstack]
+        link = sum(t[n_mine:].sum() for t in parts) * 0.0  # this rank's padding rows, in the graph
+        rows_mine = torch.cat([t[:n_mine] for t in parts], dim=-1)
+        # every rank knows every share (same grids, same rule): the row counts need no exchange
+        counts = [sum(sizes[i] for i in share) // merge2 for share in per_rank]
+        rows = rows_mine
+        if n:  # all ranks' rows, from rank order (each rank's images ascending) to image order
+            rows = _GatherRows.apply(rows_mine, self.cp.group, counts)
+            tok = [s // merge2 for s in starts]
+            order = torch.cat([torch.arange(tok[i], tok[i + 1]) for share in per_rank for i in share])
+            rows = torch.empty_like(rows).index_copy(0, order.to(rows.device), rows)
+        pad = pixel_values_NP.shape[0] // merge2 - n  # the shape a one-process forward returns
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) + link.to(rows.dtype)
+        widths = [t.shape[1] for t in parts]
+        out_NO, *deepstack = rows.split(widths, dim=-1)
+        return out_NO, deepstack, n
+
+    def lm_loss(self, logits_BsV, labels_BS, cu_seqlens):
+        B, S = labels_BS.shape
+        targets = next_token_targets(labels_BS, cu_seqlens).view(B, S)
+        return self.loss_from_targets(logits_BsV, take_seq(targets, self.cp.positions(S, targets.device)).reshape(-1))
+
+
+class _GatherRows(torch.autograd.Function):
+    """All ranks' rows (a different count per rank) concatenated in rank order; backward: the gradient
+    summed over the group, each rank keeping its own rows."""
+
+    @staticmethod
+    def forward(ctx, rows, group, counts):
+        most = max(counts)
+        padded = torch.cat([rows, rows.new_zeros(most - rows.shape[0], *rows.shape[1:])])
+        every = all_gather_flat(padded, group).view(len(counts), most, *rows.shape[1:])
+        ctx.group, ctx.counts, ctx.rank = group, counts, dist.get_rank(group)
+        return torch.cat([every[r, :c] for r, c in enumerate(counts)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = all_reduce_sum(grad.contiguous(), ctx.group)
+        start = sum(ctx.counts[:ctx.rank])
+        return total[start:start + ctx.counts[ctx.rank]], None, None
+
+
+# ---------------------------------------------------------------- the decoder
+class CPDecoderMixin:
+    """Layers see this rank's zigzag tokens (then, under sequence parallel, its tp share of them)."""
+    cp: CPInfo
+
+    def to_layers(self, t_BS):
+        if t_BS is None:
+            return None
+        return super().to_layers(take_seq(t_BS, self.cp.positions(t_BS.shape[1], t_BS.device)))
+
+    def add_deepstack(self, h, mask_BS, rows_ND):
+        delta_BSD = add_at_mask(h.new_zeros(*mask_BS.shape, h.shape[-1]), mask_BS, rows_ND)
+        return h + self.to_layers(delta_BSD)
+
+    def layer_inputs(self, position_ids_3BS, cu_seqlens, token_mask_BS, dtype) -> LayerInputs:
+        t = self.cfg
+        _, B, S = position_ids_3BS.shape
+        device = position_ids_3BS.device
+        idx = self.cp.positions(S, device)
+        rope = mrope(take_seq(position_ids_3BS, idx, dim=2), t.head_dim, t.rope_theta, t.mrope_section,
+                     t.mrope_interleaved, dtype)
+        doc = take_seq(document_ids(B, S, cu_seqlens, device), idx)
+        mask = DocMask("cp", True, [], (idx.expand(B, -1), doc))
+        return LayerInputs(rope, mask, self.to_layers(token_mask_BS))
+
+
+class CPAttentionMixin:
+    cp: CPInfo
+
+    def core_attention(self, q_BsHD, k_BsKD, v_BsKD, mask: DocMask) -> torch.Tensor:
+        pos, doc = mask.prepared
+        return cp_attention(q_BsHD, k_BsKD, v_BsKD, pos, doc, group=self.cp.group, comm=self.cp.comm,
+                            causal=mask.causal)
+
+
+def apply_context_parallel(model: nn.Module, cp_group, seq_group, comm: str = "allgather") -> None:
+    """Rewrite `model` (after tensor parallel) for context parallel over `cp_group`; `seq_group` is the
+    group the sequence is sharded over (cp x tp), over which router statistics are summed."""
+    from moevlm.parallel.tensor_parallel import SPMoEBlock
+
+    info = CPInfo(cp_group, comm)
+    _mix(model, CPModelMixin, cp=info)
+    _mix(model.text, CPDecoderMixin, cp=info)
+    for layer in model.text.layers.children():  # a ModuleList, or a pipeline stage's ModuleDict
+        _mix(layer.self_attn, CPAttentionMixin, cp=info)
+        if layer.is_moe:
+            if not isinstance(layer.mlp, SPMoEBlock):
+                assert type(layer.mlp) is MoEBlock, type(layer.mlp)
+                layer.mlp.__class__ = SPMoEBlock
+            layer.mlp.seq_group = seq_group
+
+
+__all__ = ["CP_COMMS", "CPInfo", "apply_context_parallel"]

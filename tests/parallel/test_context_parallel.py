@@ -1,0 +1,99 @@
+"""Context parallel trains exactly the step one process trains, on real packed rows with images.
+
+The same machinery as test_layouts.py: one reference run (one process, tiny model, the embedded sample
+set, fp32, AdamW, clipping, aux loss on), then each layout through the real Trainer on gloo ranks:
+per-step loss, gathered gradients of every step and the parameters after the last update, each within
+1e-5 relative.  World 2: cp2 (allgather, ring), cp2 x ep2 (all-to-all dispatch of each cp shard's
+tokens), cp2 with full and with selective recompute.  World 4: cp4 (ring), cp2 x tp2 (the sequence over
+cp x tp), cp2 x dp2 (FSDP2 over dp x cp), cp2 x pp2 (pipeline stages pass the cp shard).  Then
+`torchrun --nproc-per-node 4 train.py parallel.cp=2 parallel.tp=2` against one process.  The errors per
+layout go to <tmp>/cp_w<world>.json and are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moevlm.data.sample_cache import ensure_sample
+from moevlm.model.config import ConfigError
+from moevlm.train.config import compose_job, validate
+from moevlm.train.trainer import Trainer
+from gloo_ranks import run_ranks
+from test_layouts import REPO, TOL, check_layouts, run_job, runs_agree
+
+WORLD_2 = [["parallel.cp=2"], ["parallel.cp=2", "parallel.cp_comm=ring"],
+           ["parallel.cp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
+           # recompute over the cp attention: its collectives must not be reissued out of step
+           ["parallel.cp=2", "parallel.cp_comm=ring", "model.recompute=full"],
+           ["parallel.cp=2", "model.recompute=selective", "model.recompute_modules=[core_attn,moe]"]]
+WORLD_4 = [["parallel.cp=4", "parallel.cp_comm=ring"], ["parallel.cp=2", "parallel.tp=2"],
+           ["parallel.cp=2", "parallel.dp_mode=fsdp"], ["parallel.cp=2", "parallel.pp=2"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp")
+    shards = str(ensure_sample()[0])
+    torch.save(run_job(shards, str(tmp / "ref"), []), tmp / "ref.pt")
+    return tmp, shards
+
+
+def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    check_layouts(rank, world, shards, tmp, os.path.join(tmp, "ref.pt"), layouts, "cp", f"cp_w{world}.json")
+
+
+@pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
+def test_context_parallel_matches_one_process(reference, world, layouts):
+    tmp, shards = reference
+    launch = tmp / f"launch_w{world}"
+    launch.mkdir()
+    run_ranks(_on_ranks, world, launch, world, shards, str(tmp), layouts, timeout_s=300)
+    for layout, err in json.loads((tmp / f"cp_w{world}.json").read_text()).items():
+        print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
+              f"params {err['params']:.1e}")
+
+
+def test_torchrun_cp2_tp2_matches_one_process(reference, tmp_path):
+    """`torchrun --standalone --nproc-per-node 4 train.py parallel.cp=2 parallel.tp=2`, 3 steps of the
+    embedded default: logged losses and exported weights equal one process's (1e-5 relative)."""
+    _, shards = reference
+    common = [f"data.shards={shards}", "data.num_workers=0", "train.steps=3", "train.log_every=1",
+              "train.tensorboard=false", "train.checkpoint_every=0", "train.require_loss_decrease=false",
+              "optim.warmup_steps=0"]
+    one = Trainer(compose_job(common + [f"train.run_dir={tmp_path / 'one'}", f"train.export_hf={tmp_path / 'one_hf'}"]))
+    assert one.run() == 0
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(REPO / "train.py"),
+         *common, "parallel.cp=2", "parallel.tp=2", f"train.run_dir={tmp_path / 'eight'}",
+         f"train.export_hf={tmp_path / 'eight_hf'}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "world 4 = pp 1 x dp 1 x cp 2 x tp 2" in proc.stdout
+    loss_err, param_err = runs_agree(tmp_path, steps=3)
+    print(f"torchrun world 4 [parallel.cp=2 parallel.tp=2]: 3 steps, max rel err loss {loss_err:.1e} "
+          f"params {param_err:.1e}")
+    assert loss_err <= TOL and param_err <= TOL
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.cp=2", "data.pack.seq_len=1026"], 2,
+     r"data.pack.seq_len=1026 must be divisible by 2\*cp=4 .* use a multiple of 4"),
+    (["parallel.cp=2", "parallel.tp=4", "data.pack.seq_len=1028"], 8, r"and seq_len/cp by tp=4 .* use a multiple of 8"),
+    (["parallel.cp=2", "model.attn_backend=flex"], 2, r"model.attn_backend=flex cannot run inside it"),
+    (["parallel.cp=2", "train.compile=true"], 2, r"parallel.cp=2 with train.compile=true is not supported"),
+    (["parallel.cp=2", "parallel.cp_comm=p2p"], 2, r"parallel.cp_comm='p2p'; choose one of \['allgather', 'ring'\]"),
+    (["parallel.cp=2", "model.cuda_graph_scope=[attn]", "model.attn_backend=sdpa"], 2,
+     r"tensor/context-parallel collectives"),
+], ids=["seq_len", "seq_len_tp", "backend", "compile", "comm", "cuda_graphs"])
+def test_context_parallel_refusals_before_anything_runs(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_job(["data.shards=sample", *overrides]), world_size=world, environment=False)
