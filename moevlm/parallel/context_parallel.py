@@ -12,9 +12,10 @@ recompute and FSDP; parameter names do not change):
                      every rank are all-gathered (backward: summed over cp, each rank keeps its own
                      images' rows) and put back in image order
     embedding        the full row on every cp rank (a lookup: cheap), image features scattered in, then
-                     this rank's zigzag tokens kept (cp_layout.zigzag_positions: chunks r and 2cp-1-r
-                     of 2cp); the backward of that selection is zero elsewhere, so the gradients of the
-                     replicated parts are each rank's share and FSDP/DDP's sum over dp x cp adds them up
+                     this rank's tokens kept (cp_layout.split_rows: every document cut into 2cp
+                     chunks, chunks r and 2cp-1-r here); the backward of that selection is zero
+                     elsewhere, so the gradients of the replicated parts are each rank's share and
+                     FSDP/DDP's sum over dp x cp adds them up
     position ids     the row's 3-D M-RoPE ids (from the packer) sliced like the tokens
     attention        queries local, keys/values from every cp rank: cp_attention (allgather or ring,
                      `parallel.cp_comm`) with the document mask from global positions and document ids
@@ -27,7 +28,8 @@ recompute and FSDP; parameter names do not change):
 Design choices:
 - Every cp rank of a data-parallel replica holds the whole micro-batch (ids, labels, boundaries,
   positions: small), as the tp ranks do; only activations are split.  The loader is keyed by the dp
-  coordinate already.
+  coordinate already.  The split of the micro-batch's rows is set where it enters the model
+  (`forward`, or a pipeline stage: `CPInfo.set_rows`) and used by every hook after it.
 - Composition with sequence parallel: the cp split comes first, then the tp split of the cp-local
   sequence (tokens sharded over cp x tp); the tp all-gather before attention restores the cp-local
   sequence, whose rotary angles and mask this module builds.
@@ -51,7 +53,7 @@ from moevlm.model.vlm import next_token_targets
 from moevlm.parallel.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
-from moevlm.parallel.cp_layout import balance_images, take_seq, zigzag_positions
+from moevlm.parallel.cp_layout import balance_images, split_rows, take_rows
 
 
 class CPInfo:
@@ -62,9 +64,17 @@ class CPInfo:
             raise ValueError(f"parallel.cp_comm={comm!r}; choose one of {CP_COMMS}")
         self.group, self.comm = group, comm
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.idx_Bs: torch.Tensor | None = None  # (B, s) this rank's positions of the current micro-batch
 
-    def positions(self, S: int, device) -> torch.Tensor:
-        return zigzag_positions(S, self.size, self.rank, device)
+    def set_rows(self, cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> None:
+        """This rank's positions of each row of the micro-batch about to run (cp_layout.split_rows);
+        called where a micro-batch enters the model (forward, a pipeline stage)."""
+        self.idx_Bs = split_rows(B, S, cu_seqlens, self.size, self.rank, device)
+
+    def take(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        if self.idx_Bs is None or self.idx_Bs.shape[0] != t.shape[dim - 1]:
+            raise RuntimeError("context parallel: no micro-batch layout set (CPInfo.set_rows) for this input")
+        return take_rows(t, self.idx_Bs, dim)
 
 
 @functools.cache
@@ -115,10 +125,13 @@ class CPModelMixin:
         out_NO, *deepstack = rows.split(widths, dim=-1)
         return out_NO, deepstack, n
 
+    def forward(self, input_ids, *args, cu_seqlens=None, **kwargs):
+        self.cp.set_rows(cu_seqlens, *input_ids.shape, input_ids.device)
+        return super().forward(input_ids, *args, cu_seqlens=cu_seqlens, **kwargs)
+
     def lm_loss(self, logits_BsV, labels_BS, cu_seqlens):
-        B, S = labels_BS.shape
-        targets = next_token_targets(labels_BS, cu_seqlens).view(B, S)
-        return self.loss_from_targets(logits_BsV, take_seq(targets, self.cp.positions(S, targets.device)).reshape(-1))
+        targets = next_token_targets(labels_BS, cu_seqlens).view(labels_BS.shape)
+        return self.loss_from_targets(logits_BsV, self.cp.take(targets).reshape(-1))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -148,7 +161,7 @@ class CPDecoderMixin:
     def to_layers(self, t_BS):
         if t_BS is None:
             return None
-        return super().to_layers(take_seq(t_BS, self.cp.positions(t_BS.shape[1], t_BS.device)))
+        return super().to_layers(self.cp.take(t_BS))
 
     def add_deepstack(self, h, mask_BS, rows_ND):
         delta_BSD = add_at_mask(h.new_zeros(*mask_BS.shape, h.shape[-1]), mask_BS, rows_ND)
@@ -157,12 +170,10 @@ class CPDecoderMixin:
     def layer_inputs(self, position_ids_3BS, cu_seqlens, token_mask_BS, dtype) -> LayerInputs:
         t = self.cfg
         _, B, S = position_ids_3BS.shape
-        device = position_ids_3BS.device
-        idx = self.cp.positions(S, device)
-        rope = mrope(take_seq(position_ids_3BS, idx, dim=2), t.head_dim, t.rope_theta, t.mrope_section,
+        rope = mrope(self.cp.take(position_ids_3BS, dim=2), t.head_dim, t.rope_theta, t.mrope_section,
                      t.mrope_interleaved, dtype)
-        doc = take_seq(document_ids(B, S, cu_seqlens, device), idx)
-        mask = DocMask("cp", True, [], (idx.expand(B, -1), doc))
+        doc = self.cp.take(document_ids(B, S, cu_seqlens, position_ids_3BS.device))
+        mask = DocMask("cp", True, [], (self.cp.idx_Bs, doc))
         return LayerInputs(rope, mask, self.to_layers(token_mask_BS))
 
 

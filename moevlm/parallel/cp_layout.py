@@ -2,20 +2,26 @@
 
 Legend: B batch, S sequence (the packed row), s = S / cp local sequence, cp the context-parallel size.
 
-    idx = zigzag_positions(S, cp, r)        # (s,) global positions rank r keeps, in its local order
-    local = take_seq(x_BS..., idx)            # rank r's tokens of any (B, S, ...) tensor
-    shares = balance_images(grid_thw, cp)     # which images each rank's vision tower encodes
+    idx_Bs = split_rows(B, S, cu_seqlens, cp, r)   # (B, s) the positions rank r keeps of each row
+    local = take_rows(x_BS, idx_Bs)                 # rank r's tokens of any (B, S, ...) tensor
+    shares = balance_images(patches, cp)            # which images each rank's vision tower encodes
 
 Design choices:
-- The row is cut into 2*cp equal chunks; rank r keeps chunk r and chunk 2*cp-1-r, in that order (the
-  "zigzag" of causal load balancing): under a causal mask the work of a query grows with its position, so
-  pairing an early chunk with its mirror from the end gives every rank about the same number of allowed
-  (query, key) pairs.  The cut is per row, not per document: a packed row has a fixed S (divisible by
-  2*cp), while its documents have any length (a per-document cut would pad every document to a multiple
-  of 2*cp, changing the data).  `attention_work` measures the balance both ways (docs/benchmarks.md).
+- Causal load balancing cuts a sequence into 2*cp chunks and gives rank r chunks r and 2*cp-1-r: the
+  work of a query grows with its position in its document, so an early chunk paired with its mirror
+  from the end gives every rank about the same number of allowed (query, key) pairs.  We cut each
+  *document* of the packed row that way (`doc_zigzag_positions`), not the row as a whole
+  (`zigzag_positions`): on 50 real packed rows of the embedded sample set (5 documents per 1024-token
+  row) the row-level cut left the busiest rank 1.14x (cp2) / 1.36x (cp4) the mean attention work, no
+  better than a contiguous split, while the per-document cut gives 1.01x / 1.03x
+  (bench/cp_balance.py, docs/benchmarks.md).  Documents are not padded (Megatron pads every sequence to
+  a multiple of 2*cp, which changes what is packed): chunk sizes differ by at most one token, the
+  extras going to the ranks holding fewest tokens, so every rank keeps exactly S/cp positions.
+- The split depends on the row's document boundaries, so it is computed per micro-batch on the host
+  (one copy of `cu_seqlens`) and differs per row; positions stay in ascending order on each rank.
 - Images are encoded where they are balanced, not where their tokens land: `balance_images` hands whole
   images to ranks, largest first to the least loaded (LPT), so the vision tower's patches are spread
-  evenly; the features are gathered afterwards.
+  as evenly as whole images allow; the features are gathered afterwards.
 """
 
 from __future__ import annotations
@@ -36,6 +42,55 @@ def zigzag_positions(S: int, cp: int, rank: int, device=None) -> torch.Tensor:
     first = torch.arange(rank * c, (rank + 1) * c, device=device)
     second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
     return torch.cat([first, second])
+
+
+def doc_zigzag_positions(bounds: list[int], cp: int) -> list[list[int]]:
+    """The positions each rank keeps of one row whose documents end at `bounds` (row-relative, from 0 to
+    S): every document cut into 2cp chunks, rank r keeps chunks r and 2cp-1-r of each.  Chunk sizes differ
+    by at most one token; the extra tokens of a document go to the ranks holding fewest tokens so far, so
+    every rank ends with exactly S/cp (falls back to `zigzag_positions` if it could not)."""
+    S, n = bounds[-1], 2 * cp
+    check_divisible(S, cp)
+    load, out = [0] * cp, [[] for _ in range(cp)]
+    for a, b in zip(bounds, bounds[1:]):
+        L = b - a
+        if L <= 0:
+            continue
+        sizes, took = [L // n] * n, [0] * cp
+        for _ in range(L % n):  # each rank has two chunks of this document to grow
+            r = min((r for r in range(cp) if took[r] < 2), key=lambda r: (load[r] + took[r], r))
+            sizes[r if took[r] == 0 else n - 1 - r] += 1
+            took[r] += 1
+        start = a
+        for j, size in enumerate(sizes):
+            out[min(j, n - 1 - j)].extend(range(start, start + size))
+            start += size
+        for r in range(cp):
+            load[r] += 2 * (L // n) + took[r]
+    if any(x != S // cp for x in load):  # pragma: no cover - the greedy keeps the spread within one token
+        return [zigzag_positions(S, cp, r).tolist() for r in range(cp)]
+    return [sorted(o) for o in out]
+
+
+def split_rows(B: int, S: int, cu_seqlens: torch.Tensor | None, cp: int, rank: int, device=None) -> torch.Tensor:
+    """(B, S/cp) the positions rank `rank` keeps of each row (`doc_zigzag_positions` of the row's
+    documents; `cu_seqlens` over the flattened B*S tokens, None = one document per row).  Host loop over
+    the documents (one device-to-host copy of `cu_seqlens`)."""
+    cu = [] if cu_seqlens is None else cu_seqlens.tolist()
+    rows = []
+    for b in range(B):
+        inner = sorted({c - b * S for c in cu if b * S < c < (b + 1) * S} | {0, S})
+        rows.append(doc_zigzag_positions(inner, cp)[rank])
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def take_rows(x: torch.Tensor, idx_Bs: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """x at positions idx_Bs[b] of each row b, along `dim` (the batch dim is dim-1); differentiable (the
+    gradient is zero at the positions not taken)."""
+    shape = [1] * x.ndim
+    shape[dim - 1], shape[dim] = idx_Bs.shape
+    index = idx_Bs.to(x.device).view(shape).expand(*x.shape[:dim], idx_Bs.shape[1], *x.shape[dim + 1:])
+    return x.gather(dim, index)
 
 
 def contiguous_positions(S: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -79,5 +134,5 @@ def balance_images(patches_per_image: list[int], cp: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-__all__ = ["attention_work", "balance_images", "check_divisible", "contiguous_positions", "inverse_order",
-           "take_seq", "zigzag_positions"]
+__all__ = ["attention_work", "balance_images", "check_divisible", "contiguous_positions", "doc_zigzag_positions",
+           "inverse_order", "split_rows", "take_rows", "take_seq", "zigzag_positions"]

@@ -103,6 +103,8 @@ class StageModule(nn.Module):
 
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
         model, b = self.model, self.batches[int(mb)]
+        if getattr(model, "cp", None) is not None:  # context parallel: this micro-batch's split of its rows
+            model.cp.set_rows(b["cu_seqlens"], *b["input_ids"].shape, b["input_ids"].device)
         with self.autocast():
             if self.first:
                 h, visual_mask, ds_list, n = model.embed(b["input_ids"], b.get("pixel_values"), b.get("image_grid_thw"))

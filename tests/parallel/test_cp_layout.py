@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from moevlm.parallel.cp_layout import (attention_work, balance_images, check_divisible, contiguous_positions,
-                                       inverse_order, take_seq, zigzag_positions)
+                                       doc_zigzag_positions, inverse_order, split_rows, take_rows, take_seq,
+                                       zigzag_positions)
 
 
 def test_zigzag_by_hand():
@@ -53,3 +54,41 @@ def test_images_balanced_largest_first():
     assert balance_images([4, 4, 4], 2) == [[0, 2], [1]]
     assert balance_images([], 2) == [[], []]
     assert balance_images([8], 3) == [[0], [], []]  # a rank without an image still runs its tower (padding)
+
+
+def test_per_document_split_by_hand():
+    # one document of 8 = the row-level zigzag
+    assert doc_zigzag_positions([0, 8], 2) == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    # documents [0, 3) and [3, 8), cp 2 (4 chunks a document): [0, 3) has no whole chunk size (3 // 4 = 0)
+    # and 3 extra tokens: rank 0 (fewest, first) takes chunk 0 = {0}, rank 1 chunk 1 = {1}, rank 0 again
+    # its chunk 3 = {2}; [3, 8): 5 = 4 x 1 + 1 extra, to rank 1 (fewest): chunks {3}, {4, 5}, {6}, {7}
+    assert doc_zigzag_positions([0, 3, 8], 2) == [[0, 2, 3, 7], [1, 4, 5, 6]]
+    # rows of a micro-batch split on their own boundaries (cu_seqlens over the flattened B*S tokens)
+    cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
+    assert split_rows(2, 8, cu, 2, 1).tolist() == [[1, 4, 5, 6], [10 - 8, 11 - 8, 12 - 8, 13 - 8]]
+    assert split_rows(2, 8, None, 2, 0).tolist() == [[0, 1, 6, 7]] * 2
+
+
+def test_per_document_split_keeps_every_token_once_balanced():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        cp = int(torch.randint(2, 6, (), generator=g))
+        S = 2 * cp * int(torch.randint(1, 30, (), generator=g))
+        cuts = torch.randperm(S - 1, generator=g)[:int(torch.randint(0, 10, (), generator=g))] + 1
+        bounds = [0, *sorted(cuts.tolist()), S]
+        out = doc_zigzag_positions(bounds, cp)
+        assert sorted(sum(out, [])) == list(range(S)) and all(len(o) == S // cp for o in out)
+        for a, b in zip(bounds, bounds[1:]):  # every rank holds 2 chunks of each document: within 2 tokens
+            n = [sum(a <= p < b for p in o) for o in out]
+            assert max(n) - min(n) <= 2, (bounds, cp, n)
+
+
+def test_take_rows_per_row_and_zero_gradient_elsewhere():
+    x = torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 6, 3).requires_grad_()
+    idx = torch.tensor([[0, 5], [2, 3]])
+    y = take_rows(x, idx)
+    assert torch.equal(y, torch.stack([x[0, [0, 5]], x[1, [2, 3]]]))
+    y.sum().backward()
+    assert x.grad.sum(-1).tolist() == [[3, 0, 0, 0, 0, 3], [0, 0, 3, 3, 0, 0]]
+    pos = torch.arange(2 * 6).view(1, 2, 6).expand(3, 2, 6)  # (3, B, S) M-RoPE ids: the sequence is dim 2
+    assert take_rows(pos, idx, dim=2)[:, 1].tolist() == [[8, 9]] * 3
