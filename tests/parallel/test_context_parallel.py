@@ -12,7 +12,6 @@ layout go to <tmp>/cp_w<world>.json and are printed.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from moevlm.model.config import ConfigError
 from moevlm.train.config import compose_job, validate
 from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
-from test_layouts import REPO, TOL, check_layouts, run_job, runs_agree
+from test_layouts import REPO, TOL, check_layouts, print_report, run_job, runs_agree
 
 WORLD_2 = [["parallel.cp=2"], ["parallel.cp=2", "parallel.cp_comm=ring"],
            ["parallel.cp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
@@ -55,9 +54,7 @@ def test_context_parallel_matches_one_process(reference, world, layouts):
     launch = tmp / f"launch_w{world}"
     launch.mkdir()
     run_ranks(_on_ranks, world, launch, world, shards, str(tmp), layouts, timeout_s=300)
-    for layout, err in json.loads((tmp / f"cp_w{world}.json").read_text()).items():
-        print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
-              f"params {err['params']:.1e}")
+    print_report(tmp / f"cp_w{world}.json", world)
 
 
 def test_torchrun_cp2_tp2_matches_one_process(reference, tmp_path):

@@ -205,8 +205,12 @@ def test_layouts_match_one_process(reference, world, layouts):
     launch_dir = tmp / f"launch_w{world}"  # its own rendezvous file
     launch_dir.mkdir()
     run_ranks(_layouts_on_ranks, world, launch_dir, world, shards, str(tmp), str(tmp / "ref.pt"), layouts, timeout_s=300)
-    report = json.loads((tmp / f"layouts_w{world}.json").read_text())
-    for layout, err in report.items():
+    print_report(tmp / f"layouts_w{world}.json", world)
+
+
+def print_report(path, world: int) -> None:
+    """One line per layout of a `check_layouts` report: its max relative errors."""
+    for layout, err in json.loads(Path(path).read_text()).items():
         print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
               f"params {err['params']:.1e}")
 

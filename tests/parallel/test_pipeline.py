@@ -34,7 +34,7 @@ from moevlm.parallel.pipeline import v_schedules_supported
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import NoData, Trainer
 from gloo_ranks import run_ranks
-from test_layouts import TOL, check_layouts, job_overrides, rel, run_job, runs_agree
+from test_layouts import TOL, check_layouts, job_overrides, print_report, rel, run_job, runs_agree
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "model.hf_config=@TMP/pipe_model.json"
@@ -113,9 +113,7 @@ def test_pipeline_layouts_match_one_process(reference, world, layouts):
     launch_dir = tmp / f"launch_w{world}"
     launch_dir.mkdir()
     run_ranks(_pipelines_on_ranks, world, launch_dir, world, shards, str(tmp), layouts, timeout_s=300)
-    for layout, err in json.loads((tmp / f"pipelines_w{world}.json").read_text()).items():
-        print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
-              f"params {err['params']:.1e}")
+    print_report(tmp / f"pipelines_w{world}.json", world)
     if world == 2:
         _pp2_checkpoint_resumes_in_one_process(tmp, shards)
 
