@@ -34,8 +34,9 @@ class RowsState:
     num_tokens: int
     token_idx_N: torch.Tensor | None = None  # torch: source token of every row
     weight_N: torch.Tensor | None = None  # torch: router weight of every row
-    plan: object = None  # triton: the kernels' PermutePlan
-    topk_w_TK: torch.Tensor | None = None  # triton
+    plan: object = None  # triton, or padded rows: the kernels' PermutePlan
+    topk_w_TK: torch.Tensor | None = None  # with plan
+    backend: str = "triton"  # with plan: the permute kernels' backend
 
 
 def sort_rows_by_expert(topk_idx_TK: torch.Tensor) -> torch.Tensor:
@@ -56,14 +57,17 @@ def rows_plan(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
     return order_N // topk_idx_TK.shape[1], topk_w_TK.reshape(-1)[order_N], expert_counts(topk_idx_TK, num_experts)
 
 
-def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str = "torch", plan=None):
-    """`plan`: `rows_plan(...)` already computed (torch backend), or None to compute it here."""
-    if backend == "triton":
+def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str = "torch", plan=None,
+                   pad_multiple: int = 1):
+    """`plan`: `rows_plan(...)` already computed (torch backend), or None to compute it here.  `pad_multiple`
+    > 1: every expert's rows padded with zero rows to a multiple of it (FP8 scale blocks; a host sync for the
+    padded total), through `moevlm.kernels.permute` with either backend; the counts are then the padded ones."""
+    if backend == "triton" or pad_multiple > 1:
         from moevlm.kernels.permute import permute, permute_plan
 
-        plan = permute_plan(topk_idx_TK, num_experts)
-        return (permute(x_TD, plan, backend="triton"), plan.rows_per_expert_E,
-                RowsState(x_TD.shape[0], plan=plan, topk_w_TK=topk_w_TK))
+        plan = permute_plan(topk_idx_TK, num_experts, pad_multiple)
+        return (permute(x_TD, plan, backend=backend), plan.rows_per_expert_E,
+                RowsState(x_TD.shape[0], plan=plan, topk_w_TK=topk_w_TK, backend=backend))
     if backend != "torch":
         raise ValueError(f"moe.permute={backend!r}; choose one of {list(PERMUTE_BACKENDS)}")
     token_idx_N, weight_N, counts_E = plan if plan is not None else rows_plan(topk_idx_TK, topk_w_TK, num_experts)
@@ -74,6 +78,6 @@ def from_expert_rows(y_ND: torch.Tensor, state: RowsState) -> torch.Tensor:
     if state.plan is not None:
         from moevlm.kernels.permute import unpermute
 
-        return unpermute(y_ND, state.plan, state.topk_w_TK.float(), backend="triton")
+        return unpermute(y_ND, state.plan, state.topk_w_TK.float(), backend=state.backend)
     weighted_ND = y_ND * state.weight_N.to(y_ND.dtype)[:, None]
     return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(0, state.token_idx_N, weighted_ND)

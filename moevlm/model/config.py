@@ -29,6 +29,10 @@ from moevlm.kernels import GROUPED_GEMMS
 
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
+# fp8 (moevlm.model.fp8): recipes, the linears it may cover, GEMM backends
+FP8_RECIPES = ("none", "blockwise", "mxfp8")
+FP8_MODULES = ("experts", "attn", "mlp", "vision")
+FP8_BACKENDS = ("auto", "triton", "torch", "emulate")
 
 
 class ConfigError(ValueError):
@@ -104,6 +108,17 @@ class MoEConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 training (moevlm.model.fp8): which recipe, for which linears, through which kernels."""
+    recipe: str = "none"  # none | blockwise | mxfp8
+    modules: tuple[str, ...] = ("experts", "attn", "mlp")  # see moevlm.model.fp8.FP8_MODULES
+    backend: str = "auto"  # auto | triton | torch | emulate
+    pow2_scales: bool = False  # blockwise scales rounded up to powers of two
+    cache_weights: bool = True  # weight codes kept from the first micro-batch of a step to its last
+    pad_experts: bool = False  # each expert's rows padded to the scale block (local dispatcher)
+
+
+@dataclass
 class VLMConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     text: TextConfig = field(default_factory=TextConfig)
@@ -114,6 +129,7 @@ class VLMConfig:
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
     attn_backend: str = "auto"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -164,10 +180,23 @@ class VLMConfig:
                "of 8; use moe.grouped_gemm='loop' or change the sizes")
         _check(self.attn_backend in ATTN_BACKENDS,
                f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}")
+        self._check_fp8()
         for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
             tok = getattr(self, name)
             _check(0 <= tok < t.vocab_size, f"{name}={tok} is outside the vocabulary (text.vocab_size={t.vocab_size})")
         return self
+
+    def _check_fp8(self) -> None:
+        f = self.fp8
+        _check(f.recipe in FP8_RECIPES, f"fp8.recipe={f.recipe!r}; choose one of {list(FP8_RECIPES)}")
+        _check(f.backend in FP8_BACKENDS, f"fp8.backend={f.backend!r}; choose one of {list(FP8_BACKENDS)}")
+        bad = sorted(set(f.modules) - set(FP8_MODULES))
+        _check(not bad, f"fp8.modules has {bad}; choose among {list(FP8_MODULES)} (the router, norms, embeddings "
+                        "and LM head always stay in high precision)")
+        _check(f.recipe == "none" or bool(f.modules), "fp8.recipe is set but fp8.modules is empty: name the "
+                                                       f"linears to run in FP8 ({list(FP8_MODULES)}) or set none")
+        _check(not f.pow2_scales or f.recipe != "mxfp8", "fp8.pow2_scales is a blockwise option (MXFP8 scales "
+                                                          "are powers of two already)")
 
     def _check_numbers(self) -> None:
         """Sizes are positive integers and real-valued fields finite (nan passes a `>= 0` test
@@ -286,8 +315,8 @@ class VLMConfig:
 
     def replace(self, **changes) -> "VLMConfig":
         """A copy with top-level fields replaced (nested configs are copied too)."""
-        out = dataclasses.replace(self, vision=dataclasses.replace(self.vision),
-                                  text=dataclasses.replace(self.text), moe=dataclasses.replace(self.moe))
+        out = dataclasses.replace(self, vision=dataclasses.replace(self.vision), text=dataclasses.replace(self.text),
+                                  moe=dataclasses.replace(self.moe), fp8=dataclasses.replace(self.fp8))
         return dataclasses.replace(out, **changes)
 
 

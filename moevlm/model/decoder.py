@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from moevlm.model.attention import DocMask, attention, doc_mask
 from moevlm.model.config import VLMConfig
+from moevlm.model.fp8 import Linear
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
 from moevlm.model.rope import apply_rotary, mrope
 
@@ -53,10 +54,10 @@ class TextAttention(nn.Module):
         super().__init__()
         t = cfg.text
         self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
-        self.q_proj = nn.Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
-        self.k_proj = nn.Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
-        self.v_proj = nn.Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
-        self.o_proj = nn.Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
+        self.q_proj = Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
+        self.k_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
+        self.v_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
+        self.o_proj = Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
         self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
         self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moevlm.dispatch import build_dispatcher
-from moevlm.kernels import grouped_mm
 from moevlm.model.config import MoEConfig
+from moevlm.model.fp8 import Fp8Plan, Linear, expert_mm
 
 
 @dataclass
@@ -44,7 +44,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
-        logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        with torch.autocast(x_TD.device.type, enabled=False):  # autocast would run this linear in bf16
+            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
         topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
         topk_w_TK = topk_w_TK / topk_w_TK.sum(dim=-1, keepdim=True)
@@ -52,6 +53,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    fp8: Fp8Plan | None = None  # set by moevlm.model.fp8.apply_fp8
+
     def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: str):
         super().__init__()
         self.grouped_gemm = grouped_gemm
@@ -59,8 +62,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden))
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        h_MF2 = grouped_mm(x_MD, self.gate_up_proj, tokens_per_expert_E, self.grouped_gemm)
-        return grouped_mm(self.activation(h_MF2), self.down_proj, tokens_per_expert_E, self.grouped_gemm)
+        return self.mlp(x_MD, self.gate_up_proj, self.down_proj, tokens_per_expert_E)
+
+    def mlp(self, x_MD, gate_up_EDF2, down_EFD, counts_E) -> torch.Tensor:
+        """The two grouped GEMMs around SwiGLU, over these weights (expert parallelism passes its shards)."""
+        h_MF2 = expert_mm(x_MD, gate_up_EDF2, counts_E, self.grouped_gemm, self.fp8, (self, "gate_up"))
+        return expert_mm(self.activation(h_MF2), down_EFD, counts_E, self.grouped_gemm, self.fp8, (self, "down"))
 
     def activation(self, h_MF2: torch.Tensor) -> torch.Tensor:
         """SwiGLU between the two grouped GEMMs (a seam: recompute may wrap it per instance)."""
@@ -106,9 +113,9 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_proj = Linear(hidden, ffn, bias=False)
+        self.up_proj = Linear(hidden, ffn, bias=False)
+        self.down_proj = Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from moevlm.model.attention import DocMask, attention, doc_mask
 from moevlm.model.config import VisionConfig
+from moevlm.model.fp8 import Linear
 from moevlm.model.rope import apply_rotary, pos_embed_taps, vision_cu_seqlens, vision_patch_rows_cols, vision_rotary
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
@@ -34,8 +35,8 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x_Nd, cos_sin, mask: DocMask):
         N = x_Nd.shape[0]
@@ -55,8 +56,8 @@ class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.act = _ACT[cfg.hidden_act]
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.linear_fc1 = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
@@ -84,8 +85,8 @@ class PatchMerger(nn.Module):
         self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.linear_fc1 = nn.Linear(self.width, self.width)
-        self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden_size)
+        self.linear_fc1 = Linear(self.width, self.width)
+        self.linear_fc2 = Linear(self.width, cfg.out_hidden_size)
 
     def forward(self, x_Nd: torch.Tensor) -> torch.Tensor:
         x = self.norm(x_Nd.reshape(-1, self.width)) if self.postshuffle_norm else self.norm(x_Nd).reshape(-1, self.width)

@@ -27,7 +27,6 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from moevlm.dispatch import build_dispatcher
-from moevlm.kernels import grouped_mm
 from moevlm.model.moe import Experts
 from moevlm.parallel.tensor_parallel import local, shard_param
 
@@ -39,8 +38,7 @@ except ImportError:  # pragma: no cover
 
 class ParallelExperts(Experts):
     def forward(self, x_MD, tokens_per_expert_L):
-        h_MF2 = grouped_mm(x_MD, local(self.gate_up_proj), tokens_per_expert_L, self.grouped_gemm)
-        return grouped_mm(self.activation(h_MF2), local(self.down_proj), tokens_per_expert_L, self.grouped_gemm)
+        return self.mlp(x_MD, local(self.gate_up_proj), local(self.down_proj), tokens_per_expert_L)
 
 
 def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "alltoall") -> None:

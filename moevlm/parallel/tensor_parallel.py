@@ -87,16 +87,16 @@ class TPTextAttention(TextAttention):
     def forward(self, x_BsD, rope_cos_sin, mask: DocMask):
         x_BSD = gather_seq(x_BsD, self.tp_group)
         B, S, _ = x_BSD.shape
-        q = F.linear(x_BSD, local(self.q_proj.weight), local(self.q_proj.bias))
-        k = F.linear(x_BSD, *self._kv_weight(self.k_proj))
-        v = F.linear(x_BSD, *self._kv_weight(self.v_proj))
+        q = self.q_proj.project(x_BSD, local(self.q_proj.weight), local(self.q_proj.bias))
+        k = self.k_proj.project(x_BSD, *self._kv_weight(self.k_proj))
+        v = self.v_proj.project(x_BSD, *self._kv_weight(self.v_proj))
         q = self.q_norm(q.view(B, S, -1, self.head_dim))
         k = self.k_norm(k.view(B, S, -1, self.head_dim))
         v = v.view(B, S, -1, self.head_dim)
         cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, mask).reshape(B, S, -1)
-        y = reduce_scatter_seq(F.linear(out, local(self.o_proj.weight)), self.tp_group)
+        y = reduce_scatter_seq(self.o_proj.project(out, local(self.o_proj.weight)), self.tp_group)
         return y if self.o_proj.bias is None else y + self.o_proj.bias
 
 
@@ -105,8 +105,9 @@ class TPDenseMLP(DenseMLP):
 
     def forward(self, x_BsD):
         x = gather_seq(x_BsD, self.tp_group)
-        h = F.silu(F.linear(x, local(self.gate_proj.weight))) * F.linear(x, local(self.up_proj.weight))
-        return reduce_scatter_seq(F.linear(h, local(self.down_proj.weight)), self.tp_group)
+        h = F.silu(self.gate_proj.project(x, local(self.gate_proj.weight))) * self.up_proj.project(
+            x, local(self.up_proj.weight))
+        return reduce_scatter_seq(self.down_proj.project(h, local(self.down_proj.weight)), self.tp_group)
 
 
 class SPMoEBlock(MoEBlock):

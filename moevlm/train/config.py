@@ -55,7 +55,7 @@ from omegaconf import MISSING
 from moevlm.data.config import DataConfig
 from moevlm.data.loader import check_config as check_data_config
 from moevlm.model.attention import varlen_available, varlen_missing
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.model.config import FP8_BACKENDS, FP8_RECIPES, ConfigError, Fp8Config, VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
@@ -105,6 +105,28 @@ class ModelConfig:
         "help": "regions recomputed when model.recompute=selective (ignored otherwise): core_attn (attention "
                 "kernel), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
                 "(whole MoE block), vision (each vision block)"})
+    fp8: str = field(default="none", metadata={
+        "help": "FP8 training of the linears in model.fp8_modules: none, blockwise (Hopper recipe: e4m3, 1x128 "
+                "activation tiles, 128x128 weight blocks, fp32 scales) or mxfp8 (Blackwell: 1x32 blocks, e8m0 "
+                "scales); fp32 master weights, the router always fp32 (moevlm.model.fp8)"})
+    fp8_modules: List[str] = field(default_factory=lambda: ["experts", "attn", "mlp"], metadata={
+        "help": "what runs in FP8 when model.fp8 is set: experts (grouped GEMMs), attn (decoder q/k/v/o), mlp "
+                "(decoder dense MLPs), vision (vision blocks and mergers); router, norms, embeddings and LM head "
+                "never"})
+    fp8_backend: str = field(default="auto", metadata={
+        "help": "FP8 kernels: auto (blockwise: ours on sm89+; mxfp8: torch where the probe finds Blackwell's "
+                "paths; refused on the CPU), triton (ours, blockwise), torch (torch._scaled_mm / _scaled_grouped_mm "
+                "where a probe finds them; pads expert rows), emulate (dequantize, fp64 GEMM: the recipe's numerics "
+                "anywhere, slow)"})
+    fp8_pow2_scales: bool = field(default=False, metadata={
+        "help": "blockwise: scales rounded up to powers of two (rescaling exact)"})
+    fp8_cache_weights: bool = field(default=True, metadata={
+        "help": "quantize each weight once per optimizer step and reuse it across micro-batches and backward (one "
+                "byte per weight element kept until the step ends, unsharded under FSDP); false = at every use"})
+    fp8_pad_experts: bool = field(default=False, metadata={
+        "help": "pad each expert's rows to the scale block (128 / 32) so no weight-gradient scale block spans two "
+                "experts (local dispatcher; up to block-1 zero rows per expert and a host sync per layer); "
+                "fp8_backend=torch always pads"})
     cuda_graph_scope: list = field(default_factory=list, metadata={
         "help": "decoder-layer regions captured as CUDA graphs at the first training step and replayed "
                 "(moevlm.parallel.cuda_graphs): any of attn (norm, q/k/v, rope, sdpa, o_proj; needs "
@@ -271,6 +293,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
     "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
     "train.compile_mode": ("default", "max-autotune-no-cudagraphs"),
+    "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS,
 }
 
 
@@ -304,6 +327,9 @@ def build_model_config(m: ModelConfig) -> VLMConfig:
     dispatcher = "local" if m.dispatcher == "auto" else m.dispatcher
     cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, dispatcher, m.attn_backend
     cfg.moe.permute = m.permute
+    cfg.fp8 = Fp8Config(recipe=m.fp8, modules=tuple(str(x) for x in m.fp8_modules), backend=m.fp8_backend,
+                        pow2_scales=m.fp8_pow2_scales, cache_weights=m.fp8_cache_weights,
+                        pad_experts=m.fp8_pad_experts)
     return cfg.validate()
 
 
@@ -374,6 +400,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     if dims is not None and model is not None:
         run(_check_data, job.data, model, dims)
         run(_check_cuda_graphs, job, model, dims)
+        run(_check_fp8, job, model, dims, environment)
     if environment and model is not None:
         run(_check_tokenizer, job.data, job.model.hf_checkpoint, model)
     if problems:
@@ -584,6 +611,42 @@ def _check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims) -> None:
          "moe_router/moe_preprocess: this model has no MoE layers (model.num_experts=0); leave them out"),
     ]
     _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
+
+
+def _check_fp8(job, model: VLMConfig, dims: ParallelDims, environment: bool) -> None:
+    """What model.fp8 cannot run with, then (with `environment`) whether its kernels run on this device."""
+    f, m = model.fp8, job.model
+    if f.recipe == "none":
+        return
+    key = f"model.fp8={f.recipe}"
+    experts = "experts" in f.modules and model.moe.num_experts > 0
+    refusals = [
+        (bool(m.cuda_graph_scope), "with model.cuda_graph_scope: a graph would replay the weight codes of the step "
+         "it was captured in; use model.cuda_graph_scope=[]"),
+        (bool(job.train.compile), "with train.compile=true is not supported yet (the FP8 autograd rule keeps "
+         "per-step weight codes on the modules, which torch.compile would trace as constants); use "
+         "train.compile=false"),
+        (experts and (f.pad_experts or f.backend == "torch") and dims.ep * dims.etp > 1,
+         "pads expert rows (model.fp8_pad_experts, or fp8_backend=torch) with the local dispatcher only; with "
+         "parallel.ep x etp > 1 use model.fp8_backend=triton without padding"),
+    ]
+    _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
+    if f.backend == "torch":
+        t, moe = model.text, model.moe
+        block = 128 if f.recipe == "blockwise" else 32
+        dims_ = {"text.hidden_size": t.hidden_size, "text.intermediate_size": t.intermediate_size,
+                 "moe.moe_intermediate_size": moe.moe_intermediate_size, "text.num_kv_heads*head_dim":
+                 t.num_kv_heads * t.head_dim}
+        bad = {k: v for k, v in dims_.items() if v % block}
+        _check(not bad, f"{key} with model.fp8_backend=torch: cuBLAS's scaled GEMMs take whole {block}-blocks, but "
+                        f"{bad} are not multiples of {block}; use model.fp8_backend=triton or emulate")
+    if environment:
+        from moevlm.model.fp8 import Fp8Unavailable, resolve_fp8
+        cuda = torch.cuda.is_available() and job.train.device != "cpu"
+        try:
+            resolve_fp8(f, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+        except Fp8Unavailable as err:
+            raise ConfigError(str(err)) from None
 
 
 def _check_batch(t, dims: ParallelDims) -> None:

@@ -78,6 +78,7 @@ from moevlm.data.packing import stack_rows
 from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.model import Qwen3VLMoe, count_flops
 from moevlm.model.config import ConfigError
+from moevlm.model.fp8 import apply_fp8, install_weight_cache, resolve_fp8, weights_changed
 from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
 from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.cuda_graphs import apply_cuda_graphs
@@ -126,9 +127,12 @@ class Trainer:
         self.loader = self._build_loader()
         self._materialise()
         self.opt = build_optimizer(self.model, job.optim)
+        if self.fp8_plan is not None and self.fp8_plan.cache_weights:
+            install_weight_cache(self.opt)  # FP8 weight codes live for one optimizer step
         self.sched = build_scheduler(self.opt, job.optim, self.t.steps)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
         self._resume()
+        weights_changed()  # (FP8 weight codes of the loaded values, if any, are made at first use)
         self.peak = device_peak_tflops(self.device, "bf16" if self._bf16 else "fp32", self.t.peak_tflops)
         # train.profile_components / profile_steps (moevlm.train.profile): no-ops when both are off
         self.prof = Profiling(self.t, self.model, self.device, self.run_dir, self.rank, self.log)
@@ -195,6 +199,10 @@ class Trainer:
                             dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline,
                             recompute=recompute_setting(self.job.model), compile=self.t.compile,
                             compile_mode=self.t.compile_mode, cp_comm=p.cp_comm)
+        fp8 = resolve_fp8(self.plan.model.fp8, self.device)  # after the layout: marks the modules each rank holds
+        self.fp8_plan, marked = fp8, apply_fp8(model, fp8, self.plan.model.fp8.modules)
+        if fp8 is not None:
+            self.log.info(f"{fp8.describe()}; {marked} modules ({', '.join(self.plan.model.fp8.modules)})")
         self.compiled = CompileCounters() if self.t.compile else None
         self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline

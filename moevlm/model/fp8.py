@@ -1,0 +1,337 @@
+"""FP8 training for the decoder's projections and the expert GEMMs: autograd rules
+over `moevlm.kernels.fp8_quant` (quantizers) and `fp8_gemm` (FP8 GEMMs).
+
+Legend: M rows (tokens, or expert-grouped rows), K in-features, N out-features,
+E experts, B the recipe's scale block (128 blockwise, 32 MXFP8).  Suffix q:
+e4m3 codes, s: their scales.
+
+    plan = resolve_fp8(cfg.fp8, device)          # None when cfg.fp8.recipe == "none"
+    apply_fp8(model, plan, cfg.fp8.modules)      # marks the chosen modules (after parallelize)
+    y = linear.project(x, weight, bias)          # FP8 when the module is marked
+    y_MN = expert_mm(x_MK, w_EKN, counts_E, backend, plan, owner)
+
+Each FP8 GEMM is an autograd Function:
+- forward: x quantized 1xB along K, the weight per the recipe (blockwise 128x128;
+  MXFP8 32x1 along K), one FP8 GEMM with fp32 accumulation, output in x's dtype
+  (the autocast dtype under autocast).  What backward needs is quantized here
+  and kept instead of x: x^T 1xB along M (the weight-gradient operand), one byte
+  per element instead of two or four.
+- backward: dy quantized 1xB along N for the input gradient (blockwise reuses
+  the forward's 128x128 weight codes, the block being square; MXFP8 quantizes
+  the weight again, 1x32 along N), dy^T 1xB along M for the weight gradient
+  (fp32, cast to the weight's dtype).
+- The router, norms, softmax, embeddings, LM head, biases and the vision patch
+  embedding never go through here; `apply_fp8` refuses to mark a router.
+
+Weights are quantized once per optimizer step (`cache_weights`): the codes are
+kept on the owning module, keyed by a generation counter that
+`install_weight_cache(optimizer)` bumps after every `optimizer.step()` (and
+`weights_changed()` after a load).  Micro-batches, backward and recompute of one
+step reuse them.  Under FSDP2 the unsharded (bf16) weight is quantized, so each
+rank keeps its gathered layers' codes until the step ends: one byte per weight
+element (its scales 1/16384 of that).  Without the optimizer hook nothing is
+cached: a model used outside the trainer quantizes at every call.
+
+Backends (`model.fp8_backend`), chosen per device when the model is built:
+- `triton`: our kernels (blockwise only), quantizers and GEMMs; CUDA with FP8
+  tensor cores (sm89+), or the CPU under TRITON_INTERPRET=1.
+- `torch`: `torch._scaled_mm` / `torch._scaled_grouped_mm`, where the probe in
+  `fp8_gemm.scaled_mm_support` found that scaling to run and agree with the
+  emulation on this device; quantizers Triton on CUDA.
+- `emulate`: the torch reference quantizers and a dequantized fp64 GEMM per expert
+  (host syncs, slow): the numerics of the recipe on any device.
+- `auto`: blockwise on sm89+: dense projections through `torch` when the probe
+  passes, else `triton`; experts always `triton`.  MXFP8: `torch` where the
+  probe finds the MXFP8 paths (Blackwell), refused elsewhere.  On the CPU auto
+  refuses: emulation must be asked for, never slipped in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moevlm.model.config import FP8_MODULES
+
+BLOCK = {"blockwise": 128, "mxfp8": 32}
+
+
+class Fp8Unavailable(RuntimeError):
+    """The FP8 recipe cannot run as asked on this device; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    recipe: str  # blockwise | mxfp8
+    dense: str  # GEMM backend of the projections: triton | torch | emulate
+    grouped: str  # GEMM backend of the experts
+    quant: str  # quantizer backend: triton | torch
+    pow2_scales: bool = False  # blockwise: scales rounded up to powers of two
+    cache_weights: bool = True
+    pad_experts: bool = False  # expert rows padded to the block by the local dispatcher
+
+    @property
+    def block(self) -> int:
+        return BLOCK[self.recipe]
+
+    def describe(self) -> str:
+        return (f"fp8 {self.recipe}: projections {self.dense}, experts {self.grouped}, quantizers {self.quant}"
+                f"{', pow2 scales' if self.pow2_scales else ''}, weights cached per step: {self.cache_weights}")
+
+
+# ------------------------------------------------------------------ resolution
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fp8_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _triton_ok(device: torch.device) -> str | None:
+    """None when our Triton FP8 kernels can run on `device`, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install triton)"
+    if device.type == "cuda":
+        return None if _fp8_cores(device) else (f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores "
+                                                "(sm89+: Ada, Hopper, Blackwell)")
+    return None if _interpreting() else "on the CPU the Triton kernels run only under TRITON_INTERPRET=1"
+
+
+def _probe(device: torch.device) -> dict[str, bool]:
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    from moevlm.kernels.fp8_gemm import scaled_mm_support
+    return scaled_mm_support(device) if device.type == "cuda" else {}
+
+
+def resolve_fp8(cfg, device) -> Fp8Plan | None:
+    """The plan for `cfg` (`model.fp8*` fields as `Fp8Config`) on `device`, or Fp8Unavailable naming the fix."""
+    if cfg.recipe == "none":
+        return None
+    device = torch.device(device)
+    where = str(device) if device.type != "cuda" else torch.cuda.get_device_name(device)
+    quant = "triton" if device.type == "cuda" or _interpreting() else "torch"
+    opts = dict(pow2_scales=cfg.pow2_scales, cache_weights=cfg.cache_weights, pad_experts=cfg.pad_experts)
+    if cfg.backend == "emulate":
+        if importlib.util.find_spec("triton") is None:
+            raise Fp8Unavailable("model.fp8_backend=emulate uses moevlm.kernels.fp8_gemm, which imports triton: "
+                                 "pip install triton")
+        return Fp8Plan(cfg.recipe, "emulate", "emulate", "torch", **opts)
+    if cfg.backend == "triton" or (cfg.backend == "auto" and cfg.recipe == "blockwise"):
+        if cfg.recipe != "blockwise":
+            raise Fp8Unavailable("model.fp8_backend=triton runs the blockwise recipe only; for model.fp8=mxfp8 use "
+                                 "model.fp8_backend=torch (Blackwell) or emulate")
+        why = _triton_ok(device)
+        if why:
+            raise Fp8Unavailable(f"model.fp8=blockwise with model.fp8_backend={cfg.backend} cannot run on {where}: "
+                                 f"{why}; set model.fp8_backend=emulate to train with the recipe's numerics "
+                                 "(slow), or model.fp8=none")
+        dense = "torch" if cfg.backend == "auto" and _probe(device).get("scaled_mm_blockwise") else "triton"
+        return Fp8Plan("blockwise", dense, "triton", "triton", **opts)
+    need = (("scaled_mm_blockwise",) if cfg.recipe == "blockwise" else
+            ("scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"))
+    found = _probe(device)
+    missing = [k for k in need if not found.get(k)]
+    if missing:
+        hint = ("model.fp8=blockwise (Hopper) or model.fp8_backend=emulate" if cfg.recipe == "mxfp8" else
+                "model.fp8_backend=triton or emulate")
+        raise Fp8Unavailable(f"model.fp8={cfg.recipe} with model.fp8_backend={cfg.backend} needs torch's "
+                             f"{', '.join(missing)} on {where}, which the probe did not find "
+                             f"({'the CPU has none' if device.type != 'cuda' else 'refused or disagreed'}); "
+                             f"use {hint}")
+    opts["pad_experts"] = True  # torch's grouped FP8 paths need whole scale blocks per expert
+    return Fp8Plan(cfg.recipe, "torch", "torch", quant, **opts)
+
+
+# ------------------------------------------------------------- weight cache
+_generation = [0]
+
+
+def weights_changed() -> None:
+    """Every cached weight code is stale (the optimizer stepped, or weights were loaded)."""
+    _generation[0] += 1
+
+
+def install_weight_cache(optimizer: torch.optim.Optimizer) -> None:
+    """Cache weight codes for one optimizer step: each step of `optimizer` starts a new generation."""
+    weights_changed()
+    optimizer.register_step_post_hook(lambda *_: weights_changed())
+    _generation.append(True)  # a hook exists: caching may be used
+
+
+def _cache_on(plan: Fp8Plan) -> bool:
+    return plan.cache_weights and len(_generation) > 1
+
+
+def _weight_codes(owner, w, plan: Fp8Plan, grouped: bool):
+    """((codes, scales) for the forward, (codes, scales) for the input gradient) of w (K, N) or (E, K, N).
+    `owner`: the module holding w, or (module, name) when it holds several; None caches nothing."""
+    module, name = owner if isinstance(owner, tuple) else (owner, "weight")
+    cache = module.__dict__.setdefault("_fp8_weight", {}) if module is not None and _cache_on(plan) else None
+    key = (_generation[0], tuple(w.shape), w.dtype, w.device, plan)
+    if cache is not None and name in cache and cache[name][0] == key:
+        return cache[name][1]
+    codes = _quant_weight(w, plan, grouped)
+    if cache is not None:
+        cache[name] = (key, codes)
+    return codes
+
+
+# ---------------------------------------------------------------- quantizers
+def _q():
+    from moevlm.kernels import fp8_quant
+    return fp8_quant
+
+
+def _quant_act(x_MK, plan):
+    """1xB along the last dim: (codes (M, K), scales (M, K/B))."""
+    if plan.recipe == "mxfp8":
+        return _q().quant_mxfp8(x_MK, dim=-1, backend=plan.quant)
+    return _q().quant_blockwise_act(x_MK, pow2_scales=plan.pow2_scales, backend=plan.quant)
+
+
+def _quant_act_t(x_MK, plan):
+    """x^T 1xB along M: (codes (K, M), scales (K, M/B))."""
+    if plan.recipe == "mxfp8":
+        codes, scales = _q().quant_mxfp8(x_MK, dim=0, backend=plan.quant)
+        return codes.t(), scales.t()
+    return _q().quant_blockwise_act_t(x_MK, pow2_scales=plan.pow2_scales, backend=plan.quant)
+
+
+def _quant_weight(w, plan, grouped):
+    if plan.recipe == "blockwise":
+        q = _q().quant_blockwise_weight(w, pow2_scales=plan.pow2_scales, backend=plan.quant)
+        return q, q  # 128x128: the same codes serve w and w^T
+    along_k = w.transpose(-2, -1)  # (.., N, K): 1x32 along K
+    cq, cs = _q().quant_mxfp8(along_k, dim=-1, backend=plan.quant)
+    return (cq.transpose(-2, -1), cs.transpose(-2, -1)), _q().quant_mxfp8(w, dim=-1, backend=plan.quant)
+
+
+# ------------------------------------------------------------------ autograd
+def _gemm():
+    from moevlm.kernels import fp8_gemm
+    return fp8_gemm
+
+
+class _Fp8Mm(torch.autograd.Function):
+    """out_MN = x_MK @ w (w (K, N), or (E, K, N) with counts_E), every GEMM in FP8."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w, counts_E, plan: Fp8Plan, owner, out_dtype):
+        grouped = counts_E is not None
+        (wq, ws), w_dgrad = _weight_codes(owner, w, plan, grouped)
+        xq, xs = _quant_act(x_MK, plan)
+        g, backend = _gemm(), plan.grouped if grouped else plan.dense
+        kw = dict(recipe=plan.recipe, backend=backend, out_dtype=out_dtype)
+        out = g.fp8_grouped_mm(xq, xs, wq, ws, counts_E, **kw) if grouped else g.fp8_linear(xq, xs, wq, ws, **kw)
+        x_t = _quant_act_t(x_MK, plan) if ctx.needs_input_grad[1] else (None, None)
+        ctx.save_for_backward(*x_t, *w_dgrad, counts_E)
+        ctx.plan, ctx.grouped, ctx.w_dtype, ctx.x_dtype = plan, grouped, w.dtype, x_MK.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        xtq, xts, wq, ws, counts_E = ctx.saved_tensors
+        plan, g = ctx.plan, _gemm()
+        kw = dict(recipe=plan.recipe, backend=plan.grouped if ctx.grouped else plan.dense)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq, dys = _quant_act(dy_MN, plan)
+            dx = (g.fp8_grouped_dgrad(dyq, dys, wq, ws, counts_E, out_dtype=ctx.x_dtype, **kw) if ctx.grouped else
+                  g.fp8_linear_dgrad(dyq, dys, wq, ws, out_dtype=ctx.x_dtype, **kw))
+        if ctx.needs_input_grad[1]:
+            dytq, dyts = _quant_act_t(dy_MN, plan)
+            dw = (g.fp8_grouped_wgrad(xtq, xts, dytq, dyts, counts_E, out_dtype=torch.float32, **kw)
+                  if ctx.grouped else g.fp8_linear_wgrad(xtq, xts, dytq, dyts, out_dtype=torch.float32, **kw))
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def fp8_mm(x_MK, w, counts_E, plan: Fp8Plan, owner=None):
+    """x_MK @ w[e] per expert (counts_E given, w (E, K, N)) or x_MK @ w (w (K, N)), in FP8."""
+    dtype = _compute_dtype(x_MK)
+    with torch.autocast(x_MK.device.type, enabled=False):
+        return _Fp8Mm.apply(x_MK.to(dtype), w, counts_E, plan, owner, dtype)
+
+
+def fp8_linear(x, weight_NK, bias, plan: Fp8Plan, owner=None):
+    """F.linear(x, weight, bias) with the GEMMs in FP8 (the bias is added in the output dtype)."""
+    out = fp8_mm(x.reshape(-1, x.shape[-1]), weight_NK.t(), None, plan, owner)
+    out = out.view(*x.shape[:-1], weight_NK.shape[0])
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose GEMMs run in FP8 once `apply_fp8` marks it (the same parameters and state dict)."""
+
+    fp8: Fp8Plan | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.weight, self.bias)
+
+    def project(self, x, weight, bias=None):
+        """x @ weight^T + bias: this module's weight, or a shard of it that tensor parallelism passes."""
+        if self.fp8 is None:
+            return F.linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, self.fp8, owner=self)
+
+
+def expert_mm(x_MK, w_EKN, counts_E, backend: str, plan: Fp8Plan | None, owner=None):
+    """The experts' grouped GEMM: FP8 when a plan is given, else `moevlm.kernels.grouped_mm(backend)`."""
+    if plan is None:
+        from moevlm.kernels import grouped_mm
+        return grouped_mm(x_MK, w_EKN, counts_E, backend)
+    return fp8_mm(x_MK, w_EKN, counts_E, plan, owner)
+
+
+# ------------------------------------------------------------------- marking
+def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
+    """The modules `model.fp8_modules` names: experts (the grouped GEMMs), attn (q/k/v/o of every decoder layer),
+    mlp (dense SwiGLU layers of the decoder), vision (vision blocks and mergers; not the patch embedding)."""
+    from moevlm.model.decoder import TextAttention
+    from moevlm.model.moe import DenseMLP, Experts, Router
+    from moevlm.model.vision import PatchMerger, VisionBlock
+    unknown = sorted(set(modules) - set(FP8_MODULES))
+    if unknown:
+        raise ValueError(f"model.fp8_modules has {unknown}; choose among {list(FP8_MODULES)} (the router, norms, "
+                         "embeddings and LM head stay in high precision)")
+    kinds = {"experts": (Experts,), "attn": (TextAttention,), "mlp": (DenseMLP,),
+             "vision": (VisionBlock, PatchMerger)}
+    chosen = tuple(k for name in modules for k in kinds[name])
+    out = []
+    for m in model.modules():
+        if isinstance(m, Experts) and isinstance(m, chosen):
+            out.append(m)
+        elif isinstance(m, chosen):
+            out += [lin for lin in m.modules() if isinstance(lin, Linear)]
+    assert not any(isinstance(m, Router) for m in out)
+    return out
+
+
+def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
+    """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
+    from moevlm.dispatch.local import LocalDispatcher
+    from moevlm.model.moe import MoEBlock
+    targets = fp8_targets(model, modules) if plan is not None else []
+    for m in model.modules():
+        if "fp8" in m.__dict__:
+            del m.fp8
+        m.__dict__.pop("_fp8_weight", None)
+        if isinstance(m, MoEBlock) and isinstance(m.dispatcher, LocalDispatcher):
+            pad = plan is not None and plan.pad_experts and "experts" in modules
+            m.dispatcher.pad_multiple = plan.block if pad else 1
+    for m in targets:
+        m.fp8 = plan
+    return len(targets)
