@@ -6,6 +6,7 @@ Legend: T tokens, K top-k, E experts, H hidden, F expert hidden, M = T*K rows.
     python bench/kernels.py                       # a GPU: the full table
     python bench/kernels.py --shapes 30b --tokens 4096 16384
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # CPU: tiny shapes, checks the script runs
+    python bench/kernels.py --no-fp8              # the bf16 tables only
 
 Grouped GEMM, for the two GEMMs of an expert MLP (gate_up: (M, H) x (E, H, 2F);
 down: (M, F) x (E, F, H)), balanced routing (M/E rows per expert) and skewed
@@ -21,6 +22,30 @@ back): GB/s of the bytes each must move (read T*H, write M*H; and the
 reverse), beside a device copy of the same number of bytes (`clone` of an
 (M, H) tensor: read + write).
 
+FP8 blockwise grouped GEMM (`kernels/fp8_gemm.py`), for the same shapes, token
+counts and routings (`--fp8/--no-fp8`; on by default on CUDA sm89+, and for
+--smoke under the interpreter), bf16 x, w and dy, bf16 out, fp32 dw:
+- fp8 ours: what a training step runs per micro-batch.  Forward = quantize x
+  1x128 along K (`quant_blockwise_act`, Triton) + `fp8_grouped_mm` (Triton).
+  Forward+backward = forward + dy 1x128 along N + `fp8_grouped_dgrad` + x^T and
+  dy^T 1x128 along M (`quant_blockwise_act_t`) + `fp8_grouped_wgrad`.  The
+  weight's 128x128 codes are made once per optimizer step, so they are
+  precomputed; their quantization is its own column (ms, and % of one f+b).
+  Expert rows are the bf16 rows' (not padded to 128: the kernel does not need it).
+- beside it, the bf16 rows of the first table (ours, torch._grouped_mm; timed
+  again in bf16 when --dtype is not bf16 or with --smoke) and their ratios
+  fp8/bf16 (TF/s over TF/s: above 1 is faster), and the quantizers' share of
+  the fp8 time ("quant %").
+- torch._scaled_grouped_mm MXFP8 (fp8_gemm backend "torch", recipe "mxfp8"),
+  only where `scaled_mm_support` finds it (sm100); else the probe's reason is
+  printed.  It needs expert rows in multiples of 128: its counts are rounded up
+  (the padding `permute_plan(pad_multiple=128)` makes), TF/s counts the unpadded
+  rows' FLOPs.  Its wgrad is fp8_gemm's per-expert `torch._scaled_mm` loop.
+- Before timing, the outputs of the timed problem (out, dx, dw) are compared
+  with the emulation (backend "emulate": dequantized operands, fp64 GEMM) on a
+  few experts (all under --smoke): each expert's rows and the 128-row scale
+  blocks around them, relative Frobenius error <= 1e-2 ("err" column).
+
 Outputs are checked against the loop / torch reference before timing.  Times
 are CUDA-event medians of --iters runs after a warm-up; the device name and
 torch/triton versions are printed with the table.
@@ -29,11 +54,15 @@ torch/triton versions are printed with the table.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
 
 import torch
 
-from moevlm.kernels import GROUPED_GEMMS, grouped_mm
+from moevlm.kernels import GROUPED_GEMMS, grouped_mm, grouped_mm_loop
+from moevlm.kernels import fp8_gemm as fg
+from moevlm.kernels import fp8_quant as fq
 
 SHAPES = {"30b": dict(E=128, K=8, H=2048, F=768), "235b": dict(E=128, K=8, H=4096, F=1536)}
 
@@ -51,7 +80,7 @@ def routing_counts(M: int, E: int, kind: str, device) -> torch.Tensor:
 
 def timed(fn, iters: int, device) -> float:
     """Median seconds of `fn()`."""
-    for _ in range(3):
+    for _ in range(1 if device.type == "cpu" else 3):  # the CPU is only the interpreter smoke run
         fn()
     out = []
     for _ in range(iters):
@@ -122,6 +151,197 @@ def bench_permute(T, K, H, E, dtype, device, iters):
     return out
 
 
+# ---------------------------------------------------------------- FP8 grouped GEMM
+
+
+def _quantizers(recipe: str):
+    """(act, act_t, weights) of a recipe, Triton quantizers: act(x_MK) 1xB along K; act_t(x_MK) -> x^T 1xB along
+    M; weights(w_EKN) -> (the mm operand, the dgrad operand) per fp8_gemm's table (once per optimizer step)."""
+    if recipe == "blockwise":
+        def weights(w):
+            q = fq.quant_blockwise_weight(w, backend="triton")
+            return q, q  # the square block serves w and w^T
+
+        return (functools.partial(fq.quant_blockwise_act, backend="triton"),
+                functools.partial(fq.quant_blockwise_act_t, backend="triton"), weights)
+
+    def act_t(x):
+        return fq.quant_mxfp8(x.t(), backend="triton")
+
+    def weights(w):  # mm: 32x1 along K (quantize w^T along its last dim); dgrad: 1x32 along N
+        q, s = fq.quant_mxfp8(w.transpose(1, 2), backend="triton")
+        return (q.transpose(1, 2), s.transpose(1, 2)), fq.quant_mxfp8(w, backend="triton")
+
+    return functools.partial(fq.quant_mxfp8, backend="triton"), act_t, weights
+
+
+def fp8_step(x, dy, wts, counts, recipe, backend):
+    """One micro-batch's expert GEMM in FP8: out (dy None), or (out, dx, dw fp32).  `wts` = weights(w)."""
+    act, act_t, _ = _quantizers(recipe)
+    (wq, ws), (wq_t, ws_t) = wts
+    out = fg.fp8_grouped_mm(*act(x), wq, ws, counts, recipe=recipe, backend=backend)
+    if dy is None:
+        return out
+    dx = fg.fp8_grouped_dgrad(*act(dy), wq_t, ws_t, counts, recipe=recipe, backend=backend)
+    return out, dx, fg.fp8_grouped_wgrad(*act_t(x), *act_t(dy), counts, recipe=recipe, backend=backend)
+
+
+def _take_expert(wts, e: int):
+    """The operands of expert e, three times: the emulated slice has two neighbours' partial blocks around it."""
+    return tuple((q[[e] * 3], s[[e] * 3]) for q, s in wts)
+
+
+def check_fp8(x, dy, wts, counts, recipe, got, experts) -> float:
+    """Worst relative Frobenius error of got = (out, dx, dw) against the emulation, over `experts`.  Expert e is
+    emulated on rows [lo, hi): its rows widened to whole B-row scale blocks (so x^T and dy^T quantize into the
+    same tiles as the full problem's), split as three experts (before, e, after)."""
+    B, M = fg.BLOCK[recipe], x.shape[0]
+    starts = (counts.cumsum(0) - counts).tolist()
+    sq = torch.zeros(3, 2, dtype=torch.float64)  # per output: sum |got - want|^2, sum |want|^2
+    for e in experts:
+        s, c = starts[e], int(counts[e])
+        lo, hi = s // B * B, min(-(-(s + c) // B) * B, M)
+        sub = torch.tensor([s - lo, c, hi - s - c], device=counts.device)
+        want = fp8_step(x[lo:hi], dy[lo:hi], _take_expert(wts, e), sub, recipe, "emulate")
+        for i, (g, w) in enumerate(zip((got[0][s:s + c], got[1][s:s + c], got[2][e]),
+                                       (want[0][s - lo:s - lo + c], want[1][s - lo:s - lo + c], want[2][1]))):
+            sq[i] += torch.stack([(g.double() - w.double()).square().sum(), w.double().square().sum()]).cpu()
+        if c == 0:
+            assert float(got[2][e].abs().max()) == 0, f"dw of empty expert {e} is not zero"
+    errs = (sq[:, 0] / sq[:, 1].clamp_min(1e-300)).sqrt().tolist()
+    assert max(errs) <= 1e-2, f"fp8 {recipe}: relative error vs emulation (out, dx, dw) {errs}"
+    return max(errs)
+
+
+def _check_experts(counts, smoke: bool) -> list[int]:
+    """Every expert under --smoke; else the first and last with rows, the middle one and the first empty one."""
+    c = counts.tolist()
+    if smoke:
+        return list(range(len(c)))
+    full = [e for e, n in enumerate(c) if n]
+    return sorted({full[0], full[-1], len(c) // 2, *[e for e, n in enumerate(c) if not n][:1]})
+
+
+def round_counts(counts, block: int = 128):
+    """Each expert's rows rounded up to a multiple of `block` (the padding permute_plan(pad_multiple) makes)."""
+    return (counts + block - 1) // block * block
+
+
+def bench_fp8(M, K, N, E, kind, device, iters, smoke):
+    """fp8 ours (blockwise, Triton): TF/s fwd and f+b, quantizer time shares, weight quantization ms and the
+    check's error."""
+    counts = routing_counts(M, E, kind, device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) / K ** 0.5
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    act, act_t, weights = _quantizers("blockwise")
+    wts = weights(w)
+    err = check_fp8(x, dy, wts, counts, "blockwise", fp8_step(x, dy, wts, counts, "blockwise", "triton"),
+                    _check_experts(counts, smoke))
+    t = {"fwd": timed(lambda: fp8_step(x, None, wts, counts, "blockwise", "triton"), iters, device),
+         "f+b": timed(lambda: fp8_step(x, dy, wts, counts, "blockwise", "triton"), iters, device),
+         "q fwd": timed(lambda: act(x), iters, device),
+         "q bwd": timed(lambda: (act(dy), act_t(x), act_t(dy)), iters, device),
+         "w": timed(lambda: weights(w), iters, device)}
+    flops = 2.0 * M * K * N
+    return dict(fwd=flops / t["fwd"] / 1e12, fb=3 * flops / t["f+b"] / 1e12, q_fwd=t["q fwd"] / t["fwd"],
+                q_fb=(t["q fwd"] + t["q bwd"]) / t["f+b"], w_ms=t["w"] * 1e3, w_share=t["w"] / t["f+b"], err=err)
+
+
+def bench_mx_torch(M, K, N, E, kind, device, iters, backend="torch"):
+    """torch._scaled_grouped_mm MXFP8 on counts rounded up to 128: (TF/s fwd, f+b over the unpadded FLOPs, check
+    error).  backend="emulate" (--smoke without the torch path): the operands' wiring checked, nothing timed."""
+    counts = round_counts(routing_counts(M, E, kind, device))
+    Mp = int(counts.sum())
+    x = torch.randn(Mp, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) / K ** 0.5
+    dy = torch.randn(Mp, N, device=device, dtype=torch.bfloat16)
+    wts = _quantizers("mxfp8")[2](w)
+    got = fp8_step(x, dy, wts, counts, "mxfp8", backend)
+    if backend == "emulate":  # against the unquantized GEMMs: the recipe's error (~4e-2), not a layout mix-up (O(1))
+        xd, wd, dyd = x.double(), w.double(), dy.double()
+        want = (grouped_mm_loop(xd, wd, counts), grouped_mm_loop(dyd, wd.transpose(1, 2), counts),
+                torch.stack([a.T @ b for a, b in zip(xd.split(counts.tolist()), dyd.split(counts.tolist()))]))
+        errs = [float((g.double() - r).norm() / r.norm()) for g, r in zip(got, want)]
+        assert max(errs) < 0.08, f"mxfp8 emulation vs unquantized (out, dx, dw): {errs}"
+        return None, None, max(errs)
+    err = check_fp8(x, dy, wts, counts, "mxfp8", got, _check_experts(counts, False))
+    flops = 2.0 * M * K * N
+    fwd = timed(lambda: fp8_step(x, None, wts, counts, "mxfp8", backend), iters, device)
+    fb = timed(lambda: fp8_step(x, dy, wts, counts, "mxfp8", backend), iters, device)
+    return flops / fwd / 1e12, 3 * flops / fb / 1e12, err
+
+
+def fp8_support(device, smoke: bool) -> tuple[bool, str]:
+    """Whether our Triton FP8 GEMM runs here, and why not."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return cap >= (8, 9), f"sm_{cap[0]}{cap[1]} has no FP8 tensor cores (sm89+ needed)"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False, "on the CPU the Triton kernels run only under TRITON_INTERPRET=1"
+    return smoke, "the CPU runs only --smoke"
+
+
+def mx_torch_support(device) -> tuple[bool, str]:
+    """The probe's verdict on the torch MXFP8 path here (torch._scaled_grouped_mm for mm and dgrad, the per-expert
+    torch._scaled_mm loop for wgrad), and its reason (first sentence)."""
+    probe = fg._probe(fg._device_key(device))
+    ok, why = probe["scaled_grouped_mm_mxfp8"]
+    if ok and not probe["scaled_mm_mxfp8"][0]:
+        ok, why = False, f"torch._scaled_mm MXFP8 (wgrad): {probe['scaled_mm_mxfp8'][1]}"
+    return ok, why.split(". ")[0]
+
+
+def _tf(v: float) -> str:
+    return f"{v:.1f}" if v >= 1 else f"{v:.2g}"
+
+
+def _ratio(v: float) -> str:
+    return f"{v:.2f}x" if v >= 0.1 else f"{v:.2g}x"
+
+
+def _fp8_cells(f: dict, r: dict) -> list[str]:
+    """bench_fp8's figures beside the bf16 rows r (ours = "triton", torch._grouped_mm = "torch")."""
+    base = ("triton", "torch")
+    return [_tf(f["fwd"]), _tf(f["fb"]), *(_tf(r[b][i]) for b in base for i in (0, 1)),
+            *(_ratio(f[k] / r[b][i]) for b in base for k, i in (("fwd", 0), ("fb", 1))),
+            f"{100 * f['q_fwd']:.0f}%", f"{100 * f['q_fb']:.0f}%", f"{f['w_ms']:.3g} ({100 * f['w_share']:.0f}%)",
+            f"{f['err']:.1e}"]
+
+
+def print_fp8_table(a, shapes, device, base):
+    """The FP8 table; `base[(shape, tokens, gemm, kind)]` = bench_gemm's rows in bf16 (timed here when absent)."""
+    mx_ok, why = mx_torch_support(device)
+    if mx_ok:
+        print(f"\ntorch._scaled_grouped_mm MXFP8: present ({why}); its rows per expert are rounded up to multiples "
+              "of 128 (padding, as permute_plan(pad_multiple=128)); its TF/s count the unpadded FLOPs")
+    else:
+        print(f"\ntorch._scaled_grouped_mm MXFP8: absent on {device} (probe: {why}); no torch mxfp8 columns")
+    mx_cols = " | torch mxfp8 fwd | torch mxfp8 f+b | mxfp8 err" if mx_ok else ""
+    print("\n| shape | tokens | GEMM | routing | fp8 ours fwd TF/s | fp8 ours f+b TF/s | bf16 ours fwd | bf16 ours f+b "
+          "| torch bf16 fwd | torch bf16 f+b | fwd fp8/bf16 ours | f+b fp8/bf16 ours | fwd fp8/torch | "
+          "f+b fp8/torch | quant % fwd | quant % f+b | w quant ms (% f+b) | err vs emulate" + mx_cols + " |")
+    print("|" + "---|" * (18 + 3 * mx_ok))
+    for s in a.shapes:
+        E, K, H, F = (shapes[s][k] for k in ("E", "K", "H", "F"))
+        for T in a.tokens:
+            for gemm, (k_in, n_out) in (("gate_up", (H, 2 * F)), ("down", (F, H))):
+                for kind in ("balanced", "skewed"):
+                    r = base.get((s, T, gemm, kind)) or bench_gemm(T * K, k_in, n_out, E, kind, torch.bfloat16,
+                                                                  device, a.iters, ("triton", "torch"))
+                    cells = _fp8_cells(bench_fp8(T * K, k_in, n_out, E, kind, device, a.iters, a.smoke), r)
+                    if mx_ok:
+                        mf, mb, me = bench_mx_torch(T * K, k_in, n_out, E, kind, device, a.iters)
+                        cells += [_tf(mf), _tf(mb), f"{me:.1e}"]
+                    print(f"| {s} | {T} | {gemm} | {kind} | " + " | ".join(cells) + " |", flush=True)
+    if not mx_ok and a.smoke:  # the mxfp8 operands' wiring, through the emulation, so the smoke run covers it
+        s = a.shapes[0]
+        E, K, H = (shapes[s][k] for k in ("E", "K", "H"))
+        err = bench_mx_torch(a.tokens[0] * K, H, H, E, "skewed", device, a.iters, backend="emulate")[2]
+        print(f"\nsmoke: the torch mxfp8 column's operands through backend='emulate' (not timed): relative error "
+              f"vs unquantized {err:.1e} (< 0.08)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["30b", "235b"], choices=list(SHAPES))
@@ -129,6 +349,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                    help="the FP8 grouped GEMM table (default: on where our FP8 kernel runs: CUDA sm89+, or --smoke "
+                         "under TRITON_INTERPRET=1)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
@@ -139,6 +362,11 @@ def main() -> None:
     elif device.type != "cuda":
         raise SystemExit("bench/kernels.py measures GPU kernels: run it on a CUDA device (or --smoke on CPU)")
     backends = [b for b in ("triton", "torch", "loop") if b in GROUPED_GEMMS]
+    fp8_ok, fp8_why = fp8_support(device, a.smoke)
+    if a.fp8 and not fp8_ok:
+        raise SystemExit(f"--fp8: our FP8 grouped GEMM cannot run here: {fp8_why} (use --no-fp8)")
+    a.fp8 = fp8_ok if a.fp8 is None else a.fp8
+    base = {}  # bf16 grouped GEMM rows, the FP8 table's baselines
     import triton
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter smoke run)"
@@ -153,10 +381,16 @@ def main() -> None:
             for gemm, (k_in, n_out) in (("gate_up", (H, 2 * F)), ("down", (F, H))):
                 for kind in ("balanced", "skewed"):
                     r = bench_gemm(T * K, k_in, n_out, E, kind, dtype, device, a.iters, backends)
+                    if dtype == torch.bfloat16 and "triton" in r and "torch" in r:
+                        base[s, T, gemm, kind] = r
                     cells = " | ".join(f"{r[b][0]:.1f} | {r[b][1]:.1f}" for b in backends)
                     ratio = (f"{r['triton'][0] / r['torch'][0]:.2f}x | {r['triton'][1] / r['torch'][1]:.2f}x"
                              if "triton" in r and "torch" in r else "- | -")
                     print(f"| {s} | {T} | {gemm} | {kind} | {cells} | {ratio} |", flush=True)
+    if a.fp8:
+        print_fp8_table(a, shapes, device, base)
+    else:
+        print(f"\nFP8 grouped GEMM: skipped ({'--no-fp8' if fp8_ok else fp8_why})")
     print("\n| shape | tokens | copy GB/s | permute torch | permute triton (% copy) | unpermute torch | unpermute triton (% copy) |")
     print("|---|---|---|---|---|---|---|")
     for s in a.shapes:

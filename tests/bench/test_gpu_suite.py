@@ -1,6 +1,6 @@
-"""bench/gpu_suite.sh --smoke on the CPU runs every step (env, the gpu-marked tests, kernels, e2e, a short
-training run and its table) into one folder with a summary, and bench/e2e.py --preset tiny prints the
-ours-vs-HF and real-vs-mock ratios after checking both models' losses agree.  Slow: one test of ~60 s on a
+"""bench/gpu_suite.sh --smoke on the CPU runs every step (env, the gpu-marked tests, kernels with its FP8 table, e2e,
+a short training run and its table) into one folder with a summary, and bench/e2e.py --preset tiny prints the
+ours-vs-HF and real-vs-mock ratios after checking both models' losses agree.  Slow: one test of ~75 s on a
 quiet 2-core machine (most of it the e2e step and the test collection of `pytest -m gpu`)."""
 
 import json
@@ -22,6 +22,10 @@ def test_gpu_suite_smoke_runs_every_step(tmp_path):
     rows = [line.split("|")[1:3] for line in summary.splitlines() if line.startswith("| ") and "| seconds |" not in line
             and line.split("|")[1].strip() in STEPS]
     assert [(n.strip(), s.strip().startswith("ok")) for n, s in rows] == [(n, True) for n in STEPS], summary
+    kernels = (out / "kernels.log").read_text()  # the FP8 table: 4 smoke rows of 18 cells, checked before timing
+    assert "| fp8 ours fwd TF/s |" in kernels and "torch._scaled_grouped_mm MXFP8: absent on cpu" in kernels
+    assert len([line for line in kernels.splitlines() if line.startswith("| smoke |") and line.count("|") == 19]) == 4
+    assert "smoke: the torch mxfp8 column's operands through backend='emulate'" in kernels
     e2e = (out / "e2e.log").read_text()
     assert "LM loss on one micro-batch before any step: ours" in e2e  # compared before timing
     assert "ours/HF: tokens/s" in e2e and "| image_free |" in e2e and "| random_pixels |" in e2e
