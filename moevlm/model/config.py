@@ -191,9 +191,10 @@ class VLMConfig:
         _check(f.recipe in FP8_RECIPES, f"fp8.recipe={f.recipe!r}; choose one of {list(FP8_RECIPES)}")
         _check(f.backend in FP8_BACKENDS, f"fp8.backend={f.backend!r}; choose one of {list(FP8_BACKENDS)}")
         bad = sorted(set(f.modules) - set(FP8_MODULES))
-        _check(not bad, f"fp8.modules has {bad}; choose among {list(FP8_MODULES)} (the router, norms, embeddings "
+        _check(not bad, f"fp8.modules (model.fp8_modules) has {bad}; choose among {list(FP8_MODULES)} (the router, norms, embeddings "
                         "and LM head always stay in high precision)")
-        _check(f.recipe == "none" or bool(f.modules), "fp8.recipe is set but fp8.modules is empty: name the "
+        _check(f.recipe == "none" or bool(f.modules), "fp8.recipe is set but fp8.modules (model.fp8_modules) is "
+                                                       "empty: name the "
                                                        f"linears to run in FP8 ({list(FP8_MODULES)}) or set none")
         _check(not f.pow2_scales or f.recipe != "mxfp8", "fp8.pow2_scales is a blockwise option (MXFP8 scales "
                                                           "are powers of two already)")

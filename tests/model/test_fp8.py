@@ -174,7 +174,7 @@ def test_which_modules_each_entry_marks():
     assert not any(m.__dict__.get("fp8") for m in model.modules())
     with pytest.raises(ValueError, match="router"):
         apply_fp8(model, plan, ("router",))
-    with pytest.raises(ConfigError, match=r"fp8.modules has \['router'\]"):
+    with pytest.raises(ConfigError, match=r"fp8.modules \(model.fp8_modules\) has \['router'\]"):
         VLMConfig.preset("tiny").replace(fp8=Fp8Config(recipe="blockwise", modules=("router",))).validate()
 
 
@@ -209,3 +209,22 @@ def test_refusals_name_the_fix(monkeypatch):
     assert (plan.dense, plan.grouped, plan.quant, plan.block) == ("emulate", "emulate", "torch", 32)
     with pytest.raises(ConfigError, match="pow2_scales is a blockwise option"):
         VLMConfig.preset("tiny").replace(fp8=Fp8Config(recipe="mxfp8", pow2_scales=True)).validate()
+
+
+def test_the_trainer_refuses_what_fp8_cannot_run_with(monkeypatch):
+    from moevlm.train.config import compose_job, validate
+
+    def problems(*overrides, world=1):
+        with pytest.raises(ConfigError) as err:
+            validate(compose_job(["model.fp8=blockwise", *overrides]), world_size=world)
+        return str(err.value)
+
+    assert "train.compile=true is not supported yet" in problems("model.fp8_backend=emulate", "train.compile=true")
+    assert "fp8_pad_experts" in problems("model.fp8_backend=emulate", "model.fp8_pad_experts=true",
+                                         "parallel.ep=2", world=2)
+    assert "not multiples of 128" in problems("model.fp8_backend=torch")  # the tiny model's 64-wide linears
+    assert "model.fp8_modules) has ['router']" in problems("model.fp8_modules=[router]")
+    assert "model.fp8='int8'" in problems("model.fp8=int8")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "set model.fp8_backend=emulate" in problems()  # auto on the CPU
+    validate(compose_job(["model.fp8=mxfp8", "model.fp8_backend=emulate", "model.fp8_modules=[experts,vision]"]))
