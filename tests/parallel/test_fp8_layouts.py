@@ -1,4 +1,4 @@
-"""FP8 (blockwise, emulated) under FSDP2, expert parallelism and tensor parallelism, against one process
+"""FP8 (blockwise, emulated) under FSDP2, EP, TP, PP and CP, against one process
 running the same FP8 job (the machinery of test_layouts.py: real packed data, the real Trainer, gloo).
 
 Why not 1e-5 as for the other layouts: FP8 rounding is a step function, and it amplifies noise.  A
@@ -7,9 +7,9 @@ now and then; each flip moves one element by up to 1/16, and through a few layer
 relative difference of dy grows to ~3e-5 and of the first layers' weight gradients to ~1e-2 (measured
 by recording dy at every FP8 GEMM in both runs; the same jobs in fp32 agree to 1e-6).  AdamW then
 turns sign flips of tiny gradient elements into full-size update differences.  So the checks are:
-- the first step's loss, which no backward has touched yet: FSDP2 (dp2) and ep2 run every FP8 tile
-  with the same values as one process (a micro-batch's rows stay whole; an expert's rows are
-  quantized row by row in the forward): within 1e-6;
+- the first step's loss, which no backward has touched yet: FSDP2 (dp2), ep2, pp2 and cp2 run every
+  forward FP8 tile with the same values as one process (activations are quantized row by row, and
+  whole weights in 128x128 blocks): within 1e-6;
 - the first step's gradients within a few percent (a wrong shard, scale or transpose is O(1)); the
   loss of both steps within 1e-3;
 - tp2 quantizes each rank's shard of q/k/v/o, whose 128x128 blocks are not the full weight's (the
@@ -38,6 +38,8 @@ LAYOUTS = {  # layout -> relative tolerance of (first loss, every loss, first st
     # its gradients differ as much as FP8's own do from fp32 (0.18 on the same job: a small change of the
     # attention output flips some tokens' top-k experts, and the experts' gradients follow)
     "tp2": (["parallel.tp=2", *FP8], (1e-3, 2e-3, 0.3)),
+    "pp2": (["parallel.pp=2", *FP8], (1e-6, 1e-3, 0.05)),
+    "cp2": (["parallel.cp=2", *FP8], (1e-6, 1e-3, 0.05)),
 }
 
 
