@@ -316,6 +316,18 @@ def _blocks(op: str, recipe: str) -> tuple[tuple[int, int], tuple[int, int]]:
     return (1, B), ((B, 1) if op == "mm" else (1, B))
 
 
+def unquantized_reference(op: str, x, w, dy, counts: list[int] | None) -> torch.Tensor:
+    """What an op approximates, from the high-precision operands, in fp64: mm x @ w[e], dgrad dy @ w[e]^T,
+    wgrad x[rows of e]^T @ dy[rows of e]; `counts` None for the dense op (w 2-D)."""
+    x, w, dy = x.double(), w.double(), dy.double()
+    if counts is None:
+        return {"mm": x @ w, "dgrad": dy @ w.T, "wgrad": x.T @ dy}[op]
+    xs, dys = x.split(counts), dy.split(counts)
+    if op == "wgrad":
+        return torch.stack([xe.T @ de for xe, de in zip(xs, dys)])
+    return torch.cat([xe @ w[e] if op == "mm" else de @ w[e].T for e, (xe, de) in enumerate(zip(xs, dys))])
+
+
 def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """fp32 values of codes `q` whose scales `s` cover blocks of shape `block` (trailing dims of q)."""
     s = s.float()

@@ -79,17 +79,6 @@ def _run(op, recipe, backend, args, counts, out_dtype=torch.float32):
     return FNS[op, True](*args, torch.tensor(counts), recipe=recipe, backend=backend, out_dtype=out_dtype)
 
 
-def _exact(op, x, w, dy, counts):
-    """The unquantized result in fp64."""
-    x, w, dy = x.double(), w.double(), dy.double()
-    if counts is None:
-        return {"mm": x @ w, "dgrad": dy @ w.T, "wgrad": x.T @ dy}[op]
-    xs, dys = x.split(counts), dy.split(counts)
-    if op == "wgrad":
-        return torch.stack([xe.T @ de for xe, de in zip(xs, dys)])
-    return torch.cat([xe @ w[e] if op == "mm" else de @ w[e].T for e, (xe, de) in enumerate(zip(xs, dys))])
-
-
 def _rel(got, want):
     return float((got.double() - want.double()).norm() / want.double().norm())
 
@@ -137,7 +126,7 @@ def test_quantization_error_vs_unquantized(recipe, gen):
         x, w, dy = _data(counts, gen)
         for op in ("mm", "dgrad", "wgrad"):
             got = _run(op, recipe, "emulate", _quantize(op, recipe, x, w, dy), counts)
-            table.append((case, op, _rel(got.reshape(-1), _exact(op, x, w, dy, counts).reshape(-1))))
+            table.append((case, op, _rel(got.reshape(-1), fg.unquantized_reference(op, x, w, dy, counts).reshape(-1))))
     print(f"\n{recipe} emulate vs unquantized fp64 (relative Frobenius error):")
     for case, op, rel in table:
         print(f"  {case:8s} {op:5s} {rel:.2e}")
