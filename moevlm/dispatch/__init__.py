@@ -1,7 +1,9 @@
 """Token dispatchers behind one interface (see `base.py` and ../shared/DISPATCHERS.md).
 
 Present: `local` (EP=1) and `alltoall` (expert parallel over a process group:
-uneven all-to-all, dropless; EP=1 is exactly `local`).  Still to come: the ETP
+uneven all-to-all, dropless; EP=1 is exactly `local`; or with a capacity
+factor, fixed-size buffers without host sync, overflow dropped and counted:
+`capacity.py`).  Still to come: the ETP
 all-gather/reduce-scatter, DeepEP and HybridEP adapters.
 """
 

@@ -1,5 +1,7 @@
 """The all-to-all dispatcher: expert parallel over an EP process group, with
-expert tensor parallel (ETP) over a second group, dropless.
+expert tensor parallel (ETP) over a second group, dropless; or, built with a
+`capacity_factor`, capacity-bounded with fixed-size buffers and no host sync
+(`capacity.py` states that mode's capacity and semantics; EP only).
 
 Legend as in `base.py`, plus P ranks in the EP group, r this rank's index in it,
 L = E / P experts per rank (rank r owns experts [r*L, (r+1)*L)), N rows this rank
@@ -48,12 +50,14 @@ Design choices:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
+from moevlm.dispatch.capacity import OVERFLOW_POLICIES, capacity_slots, expert_capacity, in_backward, slot_sources
 from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan, sort_rows_by_expert, to_expert_rows  # noqa: F401
 
 # ----------------------------------------------------------------- pure index logic
@@ -136,15 +140,24 @@ class AllToAllHandle:
     plan: ExchangePlan | None  # None at EP size 1
 
 
+@dataclass
+class CapacityHandle:
+    rows: RowsState  # this rank's rows sorted by expert: source token and router weight of each
+    slot_N: torch.Tensor  # each row's send slot; E*C (past the buffer) for a dropped row
+    capacity: int
+
+
 @register_dispatcher
 class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
 
     def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, always_exchange: bool = False,
-                 permute: str = "torch"):
+                 permute: str = "torch", capacity_factor: float | None = None, capacity_overflow: str = "drop"):
         """`always_exchange` runs the exchange path (counts, host sync, all-to-all,
         regroup) even over a group of one: for measuring its cost on one GPU.
-        `permute` is the local permutation's backend (moevlm.dispatch.rows)."""
+        `permute` is the local permutation's backend (moevlm.dispatch.rows).
+        `capacity_factor` (None = dropless) selects the capacity mode (capacity.py); `capacity_overflow`
+        is read by the trainer (drop: count; error: the step fails)."""
         super().__init__(num_experts, top_k)
         self.always_exchange, self.permute = always_exchange, permute
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
@@ -153,6 +166,10 @@ class AllToAllDispatcher(TokenDispatcher):
         if reason is not None:
             raise ValueError(reason)
         self.num_local_experts = num_experts // self.ep_size
+        self.capacity_factor, self.capacity_overflow = capacity_factor, capacity_overflow
+        self.dropped, self.routed = None, 0  # capacity mode: dropped rows (a device tensor), routed rows
+        if capacity_factor is not None:
+            _check_capacity(capacity_factor, capacity_overflow, self.etp_size)
 
     @classmethod
     def unavailable_reason(cls, num_experts: int, ep_group=None, **kwargs) -> str | None:
@@ -163,6 +180,8 @@ class AllToAllDispatcher(TokenDispatcher):
         return rows_plan(topk_idx_TK, topk_w_TK, self.num_experts) if self.permute == "torch" else None
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
+        if self.capacity_factor is not None:
+            return self._dispatch_capacity(x_TD, topk_idx_TK, topk_w_TK)
         rows_ND, counts_E, rows = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute,
                                                  plan=self.preprocess(topk_idx_TK, topk_w_TK))
         if self.ep_size == 1 and self.etp_size == 1 and not self.always_exchange:
@@ -202,7 +221,45 @@ class AllToAllDispatcher(TokenDispatcher):
     def etp_rank(self) -> int:
         return 0 if self.etp_group is None else dist.get_rank(self.etp_group)
 
+    # ----------------------------------------------------------- capacity mode (capacity.py)
+    def _exchanges(self) -> bool:
+        return self.ep_size > 1 or self.always_exchange
+
+    def _dispatch_capacity(self, x_TD, topk_idx_TK, topk_w_TK):
+        """Fixed-size buffers: every split is a Python int from shapes; nothing reads a tensor on the host."""
+        (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
+        E, P, L = self.num_experts, self.ep_size, self.num_local_experts
+        C = expert_capacity(self.capacity_factor, T, K, E)
+        plan = self.preprocess(topk_idx_TK, topk_w_TK) or rows_plan(topk_idx_TK, topk_w_TK, E)
+        token_idx_N, weight_N, counts_E = plan
+        slot_N, keep_N = capacity_slots(counts_E, T * K, C)
+        self._count(keep_N)
+        send_SD = torch.cat([x_TD, x_TD.new_zeros(1, D)])[slot_sources(slot_N, token_idx_N, E * C, T)]
+        recv_SD = _all_to_all_rows(send_SD, [L * C] * P, [L * C] * P, self.group) if self._exchanges() else send_SD
+        expert_x_MD = recv_SD.view(P, L, C, D).transpose(0, 1).reshape(L * P * C, D)
+        tokens_per_local_expert_L = torch.full((L,), P * C, dtype=torch.long, device=x_TD.device)
+        rows = RowsState(T, token_idx_N=token_idx_N, weight_N=weight_N)
+        return expert_x_MD, tokens_per_local_expert_L, CapacityHandle(rows, slot_N, C)
+
+    def _combine_capacity(self, expert_y_MD, handle: CapacityHandle):
+        P, L, C, D = self.ep_size, self.num_local_experts, handle.capacity, expert_y_MD.shape[1]
+        y_SD = expert_y_MD.view(L, P, C, D).transpose(0, 1).reshape(P * L * C, D)
+        if self._exchanges():
+            y_SD = _all_to_all_rows(y_SD, [L * C] * P, [L * C] * P, self.group)
+        y_ND = torch.cat([y_SD, y_SD.new_zeros(1, D)])[handle.slot_N]  # a dropped row reads the zero row
+        return from_expert_rows(y_ND, handle.rows)
+
+    def _count(self, keep_N: torch.Tensor) -> None:
+        """Dropped rows added on the device (no sync); a recompute re-run in backward is not counted again."""
+        if in_backward():
+            return
+        dropped = keep_N.numel() - keep_N.sum()
+        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        self.routed += keep_N.numel()
+
     def combine(self, expert_y_MD, handle: AllToAllHandle):
+        if isinstance(handle, CapacityHandle):
+            return self._combine_capacity(expert_y_MD, handle)
         y_ND = expert_y_MD
         if handle.plan is not None:
             plan = handle.plan
@@ -214,3 +271,14 @@ class AllToAllDispatcher(TokenDispatcher):
             if self.ep_size > 1 or self.always_exchange:
                 y_ND = _all_to_all_rows(y_ND, plan.send_splits, plan.recv_splits, self.group)
         return from_expert_rows(y_ND, handle.rows)
+
+
+def _check_capacity(capacity_factor, overflow: str, etp_size: int) -> None:
+    if not (isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 (None: dropless)")
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"capacity_overflow={overflow!r}; choose one of {list(OVERFLOW_POLICIES)}")
+    if etp_size > 1:
+        raise ValueError(f"the capacity all-to-all is not built for expert tensor parallel (etp={etp_size}); use "
+                         "parallel.etp=1 or model.moe_capacity_factor=null (dropless)")

@@ -29,6 +29,7 @@ from moevlm.kernels import GROUPED_GEMMS
 
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
+CAPACITY_OVERFLOWS = ("drop", "error")  # moe.capacity_overflow (moevlm.dispatch.capacity)
 # fp8 (moevlm.model.fp8): recipes, the linears it may cover, GEMM backends
 FP8_RECIPES = ("none", "blockwise", "mxfp8")
 FP8_MODULES = ("experts", "attn", "mlp", "vision")
@@ -97,6 +98,8 @@ class MoEConfig:
     grouped_gemm: str = "torch"  # see moevlm.kernels.GROUPED_GEMMS
     dispatcher: str = "local"
     permute: str = "torch"  # token rows <-> expert rows: torch | triton (moevlm.dispatch.rows)
+    capacity_factor: float | None = None  # alltoall only: None = dropless (moevlm.dispatch.capacity)
+    capacity_overflow: str = "drop"  # drop (and count) | error (the trainer fails the step)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """The reference's rule: sparse unless listed dense or off the sparse step."""
@@ -168,6 +171,10 @@ class VLMConfig:
         _check(m.decoder_sparse_step >= 1, f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1")
         for i in m.mlp_only_layers:
             _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
+        _check(m.capacity_factor is None or _real(m.capacity_factor) and m.capacity_factor > 0,
+               f"moe.capacity_factor={m.capacity_factor!r} must be a finite number > 0, or None for dropless")
+        _check(m.capacity_overflow in CAPACITY_OVERFLOWS,
+               f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}")
         _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
         _check("triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
                "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "

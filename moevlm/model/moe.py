@@ -82,7 +82,7 @@ class MoEBlock(nn.Module):
         self.router = Router(hidden, cfg.num_experts, cfg.top_k)
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
         self.dispatcher = build_dispatcher(cfg.dispatcher, num_experts=cfg.num_experts, top_k=cfg.top_k,
-                                           permute=cfg.permute)
+                                           permute=cfg.permute, **capacity_kwargs(cfg))
 
     def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, RouterStats]:
@@ -106,6 +106,13 @@ class MoEBlock(nn.Module):
         keep_T = token_mask_BS.reshape(-1).to(probs_TE.device)
         counts_E.scatter_add_(0, idx_N, keep_T[:, None].expand_as(topk_idx_TK).reshape(-1).to(torch.float32))
         return RouterStats((probs_TE * keep_T[:, None]).sum(0), counts_E, keep_T.sum())
+
+
+def capacity_kwargs(cfg: MoEConfig) -> dict:
+    """The dispatcher arguments of the capacity mode (alltoall only); none when dropless."""
+    if cfg.capacity_factor is None:
+        return {}
+    return {"capacity_factor": cfg.capacity_factor, "capacity_overflow": cfg.capacity_overflow}
 
 
 class DenseMLP(nn.Module):

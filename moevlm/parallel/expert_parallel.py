@@ -6,7 +6,7 @@ expert-tensor-parallel size.
     gate_up_proj (E, D, 2F)  ->  local (L, D, 2F/etp) = [gate slice | up slice]
     down_proj    (E, F, D)   ->  local (L, F/etp, D)
     router                   replicated (every rank routes its own tokens)
-    dispatcher               AllToAllDispatcher(ep group, etp group)
+    dispatcher               AllToAllDispatcher(ep group, etp group[, capacity_factor])
 
 Design choices:
 - Expert weights are DTensors on the expert mesh's (ep, etp) dimensions:
@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from moevlm.dispatch import build_dispatcher
-from moevlm.model.moe import Experts
+from moevlm.model.moe import Experts, capacity_kwargs
 from moevlm.parallel.tensor_parallel import local, shard_param
 
 try:  # torch's placement for interleaved halves (used by FSDP2 + TP); private, present in 2.6+
@@ -61,4 +61,4 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "allt
         block.experts.__class__ = ParallelExperts
         name = "alltoall" if dispatcher == "local" else dispatcher
         block.dispatcher = build_dispatcher(name, num_experts=cfg.num_experts, top_k=cfg.top_k, ep_group=ep_group,
-                                            etp_group=etp_group, permute=cfg.permute)
+                                            etp_group=etp_group, permute=cfg.permute, **capacity_kwargs(cfg))

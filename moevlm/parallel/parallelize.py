@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moevlm.dispatch import DISPATCHERS, build_dispatcher
-from moevlm.model.moe import MoEBlock
+from moevlm.model.moe import MoEBlock, capacity_kwargs
 from moevlm.model.vlm import fill_
 from moevlm.parallel.compile import apply_compile
 from moevlm.parallel.context_parallel import apply_context_parallel
@@ -127,9 +127,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
     if model.config.moe.num_experts and dims.ep * dims.etp > 1:
         apply_expert_parallel(model, expert, dispatcher)
     else:  # experts whole on every rank: no token leaves its rank (the model's own
-        for block in _moe_blocks(model):  # dispatcher would default to the world group)
-            block.dispatcher = build_dispatcher("local", num_experts=block.num_experts, top_k=block.router.top_k,
-                                                permute=model.config.moe.permute)
+        cfg = model.config.moe  # dispatcher would default to the world group)
+        for block in _moe_blocks(model):
+            if cfg.capacity_factor is None:
+                block.dispatcher = build_dispatcher("local", num_experts=block.num_experts,
+                                                    top_k=block.router.top_k, permute=cfg.permute)
+            else:  # the capacity all-to-all over a group of one: no exchange, the same drops as with ep > 1
+                block.dispatcher = build_dispatcher("alltoall", num_experts=block.num_experts,
+                                                    top_k=block.router.top_k, permute=cfg.permute,
+                                                    ep_group=expert["ep"].get_group(), **capacity_kwargs(cfg))
     apply_recompute(model, *recompute)
     if dims.pp > 1:
         if pipeline.style == "v" and not v_schedules_supported(dist.get_backend(ctx.pp_group)):

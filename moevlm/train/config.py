@@ -55,7 +55,7 @@ from omegaconf import MISSING
 from moevlm.data.config import DataConfig
 from moevlm.data.loader import check_config as check_data_config
 from moevlm.model.attention import varlen_available, varlen_missing
-from moevlm.model.config import FP8_BACKENDS, FP8_RECIPES, ConfigError, Fp8Config, VLMConfig
+from moevlm.model.config import CAPACITY_OVERFLOWS, FP8_BACKENDS, FP8_RECIPES, ConfigError, Fp8Config, VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
@@ -94,6 +94,16 @@ class ModelConfig:
                 "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep, hybridep"})
     permute: str = field(default="torch", metadata={
         "help": "token permute/unpermute around the experts: torch, or triton (fused kernels)"})
+    moe_capacity_factor: Optional[float] = field(default=None, metadata={
+        "help": "null = dropless (exact; the alltoall dispatcher syncs with the host once per MoE layer). A number "
+                "f > 0: the capacity all-to-all (moevlm.dispatch.capacity): each rank sends each expert at most "
+                "C = ceil(f x tokens x top_k / num_experts) rows through fixed-size buffers, no host sync; "
+                "choices over C are dropped (the earliest tokens kept) and logged as moe_dropped_tokens in "
+                "metrics.jsonl. Needs the alltoall dispatcher (model.dispatcher=alltoall, or auto with "
+                "parallel.ep > 1) and parallel.etp=1"})
+    moe_capacity_overflow: str = field(default="drop", metadata={
+        "help": "with model.moe_capacity_factor: drop (drop and count the choices over capacity) or error (the "
+                "step fails, naming the fix, when any choice is dropped)"})
     aux_loss_coef: Optional[float] = field(default=None, metadata={
         "help": "router load-balancing loss weight (0 turns it off); null = the checkpoint's router_aux_loss_coef"})
     freeze_vision: bool = field(default=False, metadata={
@@ -293,7 +303,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
     "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
     "train.compile_mode": ("default", "max-autotune-no-cudagraphs"),
-    "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS,
+    "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS, "model.moe_capacity_overflow": CAPACITY_OVERFLOWS,
 }
 
 
@@ -327,6 +337,7 @@ def build_model_config(m: ModelConfig) -> VLMConfig:
     dispatcher = "local" if m.dispatcher == "auto" else m.dispatcher
     cfg.moe.grouped_gemm, cfg.moe.dispatcher, cfg.attn_backend = m.grouped_gemm, dispatcher, m.attn_backend
     cfg.moe.permute = m.permute
+    cfg.moe.capacity_factor, cfg.moe.capacity_overflow = m.moe_capacity_factor, m.moe_capacity_overflow
     cfg.fp8 = Fp8Config(recipe=m.fp8, modules=tuple(str(x) for x in m.fp8_modules), backend=m.fp8_backend,
                         pow2_scales=m.fp8_pow2_scales, cache_weights=m.fp8_cache_weights,
                         pad_experts=m.fp8_pad_experts)
@@ -342,6 +353,10 @@ def _check_proxies(m: ModelConfig) -> None:
     _check(m.aux_loss_coef is None or _real(m.aux_loss_coef) and m.aux_loss_coef >= 0,
            f"model.aux_loss_coef={m.aux_loss_coef!r} must be a finite number >= 0 (0 turns the aux loss off), or "
            "null for the checkpoint's router_aux_loss_coef")
+    f = m.moe_capacity_factor
+    _check(f is None or _real(f) and f > 0,
+           f"model.moe_capacity_factor={f!r} must be a finite number > 0 (1.0: the balanced load per expert), or "
+           "null for the dropless all-to-all")
 
 
 def _check_recompute(m) -> None:
@@ -388,6 +403,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check_batch, t, dims)
     if dims is not None and model is not None:
         model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims)
+        run(_check_capacity, job.model, model.moe.dispatcher, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
     run(_check_recompute, job.model)
@@ -553,6 +569,17 @@ def _check_dispatcher(name: str, dims: ParallelDims) -> None:
     _check(name != "local" or dims.ep == 1,
            f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
            "deepep or hybridep")
+
+
+def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
+    """model.moe_capacity_factor is a mode of the alltoall dispatcher, without ETP (moevlm.dispatch.capacity)."""
+    if m.moe_capacity_factor is None:
+        return
+    _check(dispatcher == "alltoall",
+           f"model.moe_capacity_factor={m.moe_capacity_factor} is a mode of the alltoall dispatcher but the "
+           f"dispatcher is {dispatcher!r}; set model.dispatcher=alltoall, or model.moe_capacity_factor=null")
+    _check(dims.etp == 1, f"model.moe_capacity_factor={m.moe_capacity_factor} is not built with parallel.etp="
+                          f"{dims.etp} > 1; use parallel.etp=1, or model.moe_capacity_factor=null (dropless)")
 
 
 def _check_dispatcher_built(name: str) -> None:

@@ -41,6 +41,12 @@ Design choices:
   with their pipeline group, so every rank computes the same token totals.  The
   loss sums come from the last stage and are summed over the pipeline group,
   so all ranks log and judge (non-finite policy) the same numbers.
+- `model.moe_capacity_factor` (moevlm.dispatch.capacity): each record carries
+  `moe_dropped_tokens` (the (token, expert) choices dropped over the window,
+  summed over layers, micro-batches and ranks) and `moe_dropped_fraction`
+  (of the choices routed), read from the device once per logged step; with
+  `model.moe_capacity_overflow=error` a step that dropped any fails before its
+  update (one read per step, beside the loss's own sync).
 - `train.compile`: each record carries the dynamo counters of this process
   since set-up (`compiled_graphs`, `graph_breaks`) and `recompiles` since the
   end of its first step (0 when the shapes are static, as they must be).
@@ -87,6 +93,7 @@ from moevlm.parallel.recompute import describe as describe_recompute
 from moevlm.parallel.recompute import recompute_setting
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 from moevlm.train.config import check_memory, memory_limit, validate
+from moevlm.dispatch.capacity import OverflowCounter
 from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
 from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
                                   step_record)
@@ -208,6 +215,9 @@ class Trainer:
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
             self.log.info(self.plan.pipeline.describe())
+        moe = self.plan.model.moe  # the capacity all-to-all's dropped rows (every rank: its reads are collective)
+        self.overflow = None if moe.capacity_factor is None else OverflowCounter(
+            model, [self.parallel.loss_group, self.parallel.pp_group], moe.capacity_factor, moe.capacity_overflow)
         return model
 
     def _materialise(self) -> None:
@@ -370,6 +380,9 @@ class Trainer:
             loss_sum, aux_sum, counts = self._pipeline_forward_backward(micro, loss_tokens)
         else:
             loss_sum, aux_sum, counts = self._forward_backward(micro, loss_tokens)
+        if self.overflow is not None and self.overflow.overflow == "error":
+            self.faults.at("expert-capacity overflow check")
+            self.overflow.check(self.device, self.step + 1)  # before the update: the failing step changes nothing
         self.faults.at("gradient reduction and clipping")
         self.prof.start("grad_reduce_clip")
         self.parallel.finish_gradients()
@@ -541,6 +554,8 @@ class Window:
             rec.update(tr.compiled.record())
         if tr.prof.timing:  # seconds per component summed over the window, like step_time_s
             rec["components_s"] = tr.prof.take_window()
+        if tr.overflow is not None:  # collective: moe_dropped_tokens, moe_dropped_fraction over the window
+            rec.update(tr.overflow.record(tr.device))
         rec["mock"] = tr.job.data.mock  # data.mock: "none" for real data
         reset_peak_memory(tr.device)
         return rec

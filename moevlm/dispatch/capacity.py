@@ -1,0 +1,132 @@
+"""Capacity-bounded all-to-all (`model.moe_capacity_factor`): fixed-size exchange
+buffers, no host sync, overflow dropped and counted.  `AllToAllDispatcher` runs it
+when built with a `capacity_factor`; this module holds its index logic and the
+trainer's overflow counter.
+
+Legend as in `alltoall.py`: T tokens on this rank, K top-k, D hidden, E experts,
+P ranks in the EP group, L = E / P local experts, N = T*K rows, C the capacity,
+S = E*C send slots.
+
+Capacity (Megatron's definition, per source rank):
+
+    C = ceil(capacity_factor * T * K / E)   rows per (source rank, expert)
+
+- Per *source* rank, not per destination: C depends only on this rank's token
+  count (a shape, known on the host), so every split of the exchange is a Python
+  int known before any communication: no counts exchange, no host sync, CUDA-graph
+  safe.  A per-destination budget (C over all sources) would need the other
+  ranks' counts first, i.e. the sync this mode exists to avoid.
+- capacity_factor = 1 is the balanced load: a perfectly balanced router drops
+  nothing; E / K (C = T) can never drop (an expert gets at most one row per token).
+- Every rank of the EP group must dispatch the same T (the trainer's micro-batches
+  are fixed-shape: micro_batch_size x seq_len, over cp when cp > 1); the receive
+  sizes assume the senders' C equals this rank's.
+
+Semantics:
+
+    dispatch: sort the N rows by expert (stable: token order within an expert, as in rows.py)
+              -> position of each row within its expert; a row at position >= C is dropped
+                 (the earliest tokens are kept: deterministic)
+              -> gather x into a fixed (S, D) send buffer, slot e*C + position, unfilled slots zero
+              -> all_to_all_single, splits [L*C] * P both ways
+              -> received (P, L, C) blocks viewed (L, P, C): grouped by local expert, P*C rows
+                 each (padding included: zero rows, whose expert output is discarded)
+    combine:  the inverse view -> reverse all-to-all -> every kept row reads its slot, a
+              dropped row reads zero -> scale by router weight -> `index_add_` per token
+
+- A dropped (token, choice) contributes zero; the token still gets its other
+  choices' weighted outputs and the router weights are NOT renormalised over the
+  kept choices (a token with every choice dropped gets zero from the block: the
+  residual carries it).  The weight of a dropped choice gets a zero gradient.
+- Router weights are applied once, in `combine`, on the source rank (DISPATCHERS.md).
+- Backward goes through the same fixed-size exchanges (`all_to_all_single_autograd`
+  with swapped, equal splits) and the same gathers.
+- Dropped rows are counted on the device, per dispatch, into the dispatcher's
+  counter (a tensor add: no sync); `OverflowCounter` reads every layer's counter
+  once per logged step (summed over micro-batches, layers and the ranks holding
+  different tokens), or once per step with `model.moe_capacity_overflow=error`,
+  beside the step's existing loss sync.  A forward re-run by activation recompute
+  during backward is not counted again.
+- Not built: capacity with ETP (parallel.etp > 1), refused at construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+OVERFLOW_POLICIES = ("drop", "error")
+
+
+class CapacityOverflowError(RuntimeError):
+    """model.moe_capacity_overflow=error and some (token, expert) choice went over the capacity."""
+
+
+def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """C = ceil(capacity_factor * T * K / E), from host numbers only."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def capacity_slots(counts_E: torch.Tensor, num_rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the N rows sorted by expert (`counts_E` rows per expert): each row's send slot
+    (expert * C + position within its expert) and whether it is kept (position < C);
+    dropped rows get the slot S = E*C (one past the buffer)."""
+    E = counts_E.shape[0]
+    expert_N = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E, output_size=num_rows)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    pos_N = torch.arange(num_rows, device=counts_E.device) - start_E[expert_N]
+    keep_N = pos_N < capacity
+    return torch.where(keep_N, expert_N * capacity + pos_N, E * capacity), keep_N
+
+
+def slot_sources(slot_N: torch.Tensor, token_idx_N: torch.Tensor, num_slots: int, num_tokens: int) -> torch.Tensor:
+    """The source token of every send slot, `num_tokens` (a zero row) where no row fills it."""
+    src = torch.full((num_slots + 1,), num_tokens, dtype=torch.long, device=slot_N.device)
+    return src.scatter_(0, slot_N, token_idx_N)[:num_slots]  # (dropped rows all land in the cut-off slot)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (activation recompute re-running a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class OverflowCounter:
+    """The trainer's view of the capacity dispatchers of a model: dropped and routed rows,
+    summed over layers, micro-batches and `groups` (ranks holding different tokens).  Every
+    rank of those groups must call `totals` together (even one without MoE layers)."""
+
+    def __init__(self, model: torch.nn.Module, groups: list, capacity_factor: float, overflow: str):
+        self.dispatchers = [m.dispatcher for m in model.modules()
+                            if getattr(getattr(m, "dispatcher", None), "capacity_factor", None) is not None]
+        self.groups = [g for g in groups if g is not None]
+        self.capacity_factor, self.overflow = capacity_factor, overflow
+
+    def totals(self, device: torch.device, reset: bool) -> tuple[int, int]:
+        """(dropped, routed): one host read."""
+        t = torch.zeros(2, dtype=torch.long, device=device)
+        for d in self.dispatchers:
+            if d.dropped is not None:
+                t[0] += d.dropped.to(device)
+            t[1] += d.routed
+            if reset:
+                d.dropped, d.routed = None, 0
+        for g in self.groups:
+            dist.all_reduce(t, group=g)
+        dropped, routed = t.tolist()
+        return dropped, routed
+
+    def check(self, device: torch.device, step: int) -> None:
+        """model.moe_capacity_overflow=error: raise (on every rank alike) when anything was dropped."""
+        dropped, routed = self.totals(device, reset=False)
+        if dropped:
+            raise CapacityOverflowError(
+                f"step {step}: {dropped} of {routed} routed (token, expert) choices went over the expert capacity "
+                f"(model.moe_capacity_factor={self.capacity_factor:g}, model.moe_capacity_overflow=error); raise "
+                "model.moe_capacity_factor, set it to null for the dropless all-to-all, or set "
+                "model.moe_capacity_overflow=drop to drop and count them")
+
+    def record(self, device: torch.device) -> dict:
+        dropped, routed = self.totals(device, reset=True)
+        return {"moe_dropped_tokens": dropped, "moe_dropped_fraction": dropped / routed if routed else None}
