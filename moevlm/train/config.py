@@ -29,7 +29,9 @@ Design choices:
 - `model.dispatcher=auto` (the default) is resolved once, here, from the
   layout: `local` when parallel.ep x etp == 1, else `alltoall`; the Plan's
   model config carries the concrete name (a note says when auto chose
-  alltoall).  An explicit name wins; `local` with ep > 1 is refused.
+  alltoall).  An explicit name wins; `local` with ep > 1 is refused.  `deepep` and `hybridep` are
+  gated (moevlm.dispatch.availability: package, adapter, layout rules) and refused with the reason, or
+  replaced by `model.dispatcher_fallback` with one note.
 - `check_memory()` refuses, before the model is built even on meta, a job
   whose weights, fp32 gradients and AdamW state (16 bytes a trained
   parameter, 4 a frozen one) exceed one rank's memory: the closed-form counts
@@ -91,7 +93,13 @@ class ModelConfig:
                 "(ours; needs the triton package)"})
     dispatcher: str = field(default="auto", metadata={
         "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
-                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep, hybridep"})
+                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall; deepep and hybridep are "
+                "recognized but not built yet (their adapters, and DeepEP's deep_ep package, CUDA only): refused, "
+                "or replaced as model.dispatcher_fallback says"})
+    dispatcher_fallback: str = field(default="none", metadata={
+        "help": "when model.dispatcher (deepep, hybridep) cannot run here (package missing or broken, adapter not "
+                "built, or a layout it cannot take): none (refuse with the reason) or alltoall (run the alltoall "
+                "dispatcher instead; one note in the start-up log says why)"})
     permute: str = field(default="torch", metadata={
         "help": "token permute/unpermute around the experts: torch, or triton (fused kernels)"})
     moe_capacity_factor: Optional[float] = field(default=None, metadata={
@@ -304,6 +312,7 @@ CHOICES = {
     "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
     "train.compile_mode": ("default", "max-autotune-no-cudagraphs"),
     "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS, "model.moe_capacity_overflow": CAPACITY_OVERFLOWS,
+    "model.dispatcher_fallback": ("none", "alltoall"),
 }
 
 
@@ -380,7 +389,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         value = getattr(getattr(job, section), name)
         run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
     before = len(problems)
-    run(_check_dispatcher_built, job.model.dispatcher)
+    unavailable = run(_dispatcher_unavailable, job.model, environment)
     if len(problems) > before:  # such a recipe cannot run at all: its launch size and layout do not matter
         raise ConfigError("\n".join(problems))
     run(_check, t.wandb == "disabled" or wandb_installed(), WANDB_MISSING.format(mode=t.wandb))
@@ -402,7 +411,10 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check_dispatcher, job.model.dispatcher, dims)
         run(_check_batch, t, dims)
     if dims is not None and model is not None:
-        model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims)
+        unavailable = unavailable or run(_dispatcher_layout_problem, job.model, dims, model.moe.num_experts,
+                                         environment)
+        model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims, unavailable,
+                                                                   job.model.dispatcher_fallback)
         run(_check_capacity, job.model, model.moe.dispatcher, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
@@ -549,26 +561,32 @@ def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int)
 
 
 DISPATCHER_NAMES = ("local", "alltoall", "deepep", "hybridep")
+GATED_DISPATCHERS = ("deepep", "hybridep")  # named, but runnable only as moevlm.dispatch.availability says
 
 
-def resolve_dispatcher(name: str, dims: ParallelDims) -> tuple[str, list[str]]:
+def resolve_dispatcher(name: str, dims: ParallelDims, unavailable: str | None = None,
+                       fallback: str = "none") -> tuple[str, list[str]]:
     """The concrete dispatcher for `model.dispatcher` (already checked) under `dims`, and the log line
     when `auto` chose one that moves tokens: `auto` is `local` when no token leaves its rank
-    (ep x etp == 1), else `alltoall` (the built backend that runs everywhere); an explicit name wins."""
+    (ep x etp == 1), else `alltoall` (the built backend that runs everywhere); an explicit name wins,
+    unless it is `unavailable` (the reason) and `fallback` names what runs instead: one note says so."""
+    if unavailable is not None and fallback != "none":
+        return fallback, [f"note: model.dispatcher={name} cannot run: {unavailable}; running the {fallback} "
+                          f"dispatcher instead (model.dispatcher_fallback={fallback})"]
     if name != "auto":
         return name, []
     if dims.ep * dims.etp == 1:
         return "local", []
     return "alltoall", [f"model.dispatcher=auto chose alltoall: parallel.ep x etp = {dims.ep} x {dims.etp} > 1 "
-                        "moves tokens between ranks (set model.dispatcher=deepep or hybridep for another backend)"]
+                        "moves tokens between ranks"]
 
 
 def _check_dispatcher(name: str, dims: ParallelDims) -> None:
     _check(name == "auto" or name in DISPATCHER_NAMES,
            f"model.dispatcher={name!r}; choose auto or one of {list(DISPATCHER_NAMES)}")
     _check(name != "local" or dims.ep == 1,
-           f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall, "
-           "deepep or hybridep")
+           f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall "
+           "(or auto)")
 
 
 def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
@@ -582,14 +600,35 @@ def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
                           f"{dims.etp} > 1; use parallel.etp=1, or model.moe_capacity_factor=null (dropless)")
 
 
-def _check_dispatcher_built(name: str) -> None:
-    """A named backend without its adapter (deepep, hybridep) is refused here, before any process group, not
-    as a traceback from the model's construction."""
-    from moevlm.dispatch import DISPATCHERS
+def _dispatcher_refusal(name: str, reason: str) -> str:
+    return (f"model.dispatcher={name!r} cannot run: {reason}; use model.dispatcher=alltoall, or "
+            "model.dispatcher_fallback=alltoall to fall back to it")
 
-    _check(name not in DISPATCHER_NAMES or name in DISPATCHERS or name == "auto",
-           f"model.dispatcher={name!r} is not built in this version (its adapter and the package it needs, deep_ep, "
-           f"arrive with their own issue); choose one of {sorted(DISPATCHERS)}")
+
+def _dispatcher_unavailable(m, environment: bool) -> str | None:
+    """Why a gated backend (deepep, hybridep) cannot run: its package on this machine (with `environment`),
+    then moevlm's adapter.  Refused here, before any process group, unless model.dispatcher_fallback says
+    what runs instead; then the reason, for the note."""
+    from moevlm.dispatch.availability import unavailable_reason
+
+    if m.dispatcher not in GATED_DISPATCHERS:
+        return None
+    reason = unavailable_reason(m.dispatcher, check_package=environment)
+    _check(reason is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, reason))
+    return reason
+
+
+def _dispatcher_layout_problem(m, dims: ParallelDims, num_experts: int, environment: bool) -> str | None:
+    """A gated backend's rank and expert-count rules (moevlm.dispatch.availability) under this layout; the
+    node size is the launch's (LOCAL_WORLD_SIZE) when checking this machine, else unknown."""
+    from moevlm.dispatch.availability import LAYOUT_PROBLEMS
+
+    if m.dispatcher not in GATED_DISPATCHERS or not num_experts:
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE", "") if environment else ""
+    problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, int(local) if local.isdigit() else None)
+    _check(problem is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, problem))
+    return problem
 
 
 def _scope(m) -> str:

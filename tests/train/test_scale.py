@@ -45,7 +45,7 @@ def test_every_recipe_scales_down_keeping_its_shape(name):
     recipe, job, plan = scaled(name)
     assert all(job.parallel[k] == recipe.parallel[k] for k in SHAPE) and job.model.dispatcher == recipe.model.dispatcher
     if plan is None:  # a dispatcher without its adapter: refused before anything else, whatever the launch
-        with pytest.raises(ConfigError, match=r"model.dispatcher='deepep' is not built .* deep_ep"):
+        with pytest.raises(ConfigError, match=r"^model.dispatcher='deepep' cannot run: .*deep_ep.*not built yet"):
             validate(job, 8)
         return
     d, m = plan.dims, plan.model
@@ -98,7 +98,8 @@ def test_scaled_recipes_run_two_steps(tmp_path):
               "data.num_workers=0"]  # no loader workers: 8 ranks x 2 workers would crowd a 2-core machine
     deep = run([sys.executable, train, "+experiment=h100_deepep", *common], tmp_path)
     assert deep.returncode == 2 and deep.stderr.strip().count("\n") == 0, deep.stderr
-    assert deep.stderr.startswith("config error: model.dispatcher='deepep' is not built")
+    assert deep.stderr.startswith("config error: model.dispatcher='deepep' cannot run: ")
+    assert "model.dispatcher_fallback=alltoall" in deep.stderr
     for name, launcher, n in (("h200_1gpu", [sys.executable], 1),
                               ("h100_fsdp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                              "--nproc-per-node", "8"], 8)):

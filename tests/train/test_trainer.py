@@ -153,7 +153,8 @@ def test_validation_says_what_to_change(overrides, world, message):
 def test_every_experiment_composes_and_validates(name):
     job = compose_job([f"+experiment={name}", "data.shards='/datasets/shards/{000000..000999}.tar'"])
     if job.model.dispatcher == "deepep":  # its adapter is not built: refused in one line before any process group
-        with pytest.raises(ConfigError, match="model.dispatcher='deepep' is not built"):
+        with pytest.raises(ConfigError, match="model.dispatcher='deepep' cannot run: moevlm's deepep adapter is not "
+                                              "built yet"):
             validate(job, job.parallel.world_size, environment=False)
         return
     plan = validate(job, job.parallel.world_size or 1, environment=False)  # a GPU recipe, checked here

@@ -1,0 +1,136 @@
+"""Can the DeepEP / HybridEP dispatchers run here, and with this layout?  (../shared/DISPATCHERS.md)
+
+    reason = unavailable_reason("deepep")                      # None: runs; else one clause, why not
+    problem = deepep_layout_problem(ep=16, num_experts=128)    # None: DeepEP takes this EP group
+
+Design choices:
+- Nothing heavy at import: `deep_ep` is located with `importlib.util.find_spec` and imported only when a
+  spec exists, so a machine without it (every CPU machine) never tries; no CUDA is needed to answer.  A
+  build that exists but cannot load (ImportError / OSError from a CUDA build made for another machine) is
+  reported with the loader's own words, not as "missing".
+- Three separate facts, reported in this order: the package (installed? importable?), the class the
+  backend needs (`Buffer` or `ElasticBuffer` for DeepEP V1 / V2, `HybridEPBuffer` from DeepEP's
+  `hybrid-ep` branch), and whether moevlm's adapter for that backend is registered in
+  `moevlm.dispatch.DISPATCHERS` (today neither is).  A missing package also says when the adapter is
+  missing, so no one builds DeepEP only to meet the next refusal.
+- The layout rules are pure functions of the EP size, the expert count and the ranks per node, checked
+  by config validation before anything is allocated and, later, by the adapters' `unavailable_reason`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+PACKAGE = "deep_ep"
+DEEPEP_URL = "https://github.com/deepseek-ai/DeepEP"
+# backend -> the deep_ep classes any one of which it can use
+CLASSES = {"deepep": ("Buffer", "ElasticBuffer"), "hybridep": ("HybridEPBuffer",)}
+INSTALL = {
+    "deepep": (f"DeepEP is built from source against CUDA: git clone {DEEPEP_URL}, then pip install . in the "
+               "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub"),
+    "hybridep": (f"HybridEP is DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
+                 f"{DEEPEP_URL}, then pip install . in the clone"),
+}
+DEEPEP_INTRANODE = (2, 4, 8)  # ranks of one DeepEP group within a node
+DEEPEP_NODE = 8  # ranks per node of an internode DeepEP group (its NVLink peers)
+HYBRIDEP_ALIGN = 4  # HybridEP: experts-per-rank x ranks-per-node must be a multiple of this
+HYBRIDEP_MAX_NVLINK = 72  # the largest NVLink domain HybridEP detects
+
+
+@dataclass(frozen=True)
+class PackageStatus:
+    """What this machine has of `deep_ep`: installed (a spec is found), the import error if it does not
+    load, and which of the backends' classes it offers."""
+    installed: bool
+    error: str | None = None
+    classes: tuple[str, ...] = ()
+
+
+def probe_package(name: str = PACKAGE) -> PackageStatus:
+    """Locate `name` without importing it; import it only when it exists (every class any backend needs)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as err:  # ValueError: a module in sys.modules with no __spec__
+        return PackageStatus(True, f"{type(err).__name__}: {err}")
+    if spec is None:
+        return PackageStatus(False)
+    try:
+        module = importlib.import_module(name)
+    except (ImportError, OSError) as err:  # e.g. a CUDA extension built for another CUDA / torch
+        return PackageStatus(True, f"{type(err).__name__}: {err}")
+    wanted = dict.fromkeys(c for names in CLASSES.values() for c in names)
+    return PackageStatus(True, classes=tuple(c for c in wanted if hasattr(module, c)))
+
+
+def adapter_built(backend: str) -> bool:
+    """Is moevlm's dispatcher for `backend` registered (moevlm.dispatch.DISPATCHERS)?"""
+    from moevlm.dispatch import DISPATCHERS
+
+    return backend in DISPATCHERS
+
+
+def unavailable_reason(backend: str, check_package: bool = True) -> str | None:
+    """Why `backend` ("deepep" or "hybridep") cannot run on this machine, as one clause, or None.
+    `check_package=False` looks at moevlm alone (a recipe checked for another machine)."""
+    if backend not in CLASSES:
+        raise ValueError(f"unknown backend {backend!r}; one of {sorted(CLASSES)}")
+    built = adapter_built(backend)
+    not_built = f"moevlm's {backend} adapter is not built yet (issue 18)"
+    if not check_package:
+        return None if built else not_built
+    status = probe_package()
+    if not status.installed:
+        return (f"the {PACKAGE} package is not installed ({INSTALL[backend]})"
+                + ("" if built else f", and moevlm's {backend} adapter is not built yet either (issue 18)"))
+    if status.error is not None:
+        return (f"the {PACKAGE} package is installed but does not import ({status.error}): a build for another "
+                f"CUDA or torch; rebuild it on this machine ({INSTALL[backend]})")
+    have = [c for c in CLASSES[backend] if c in status.classes]
+    if not have:
+        return (f"the installed {PACKAGE} package has no {' or '.join(CLASSES[backend])} "
+                f"({INSTALL[backend]})")
+    return None if built else f"the {PACKAGE} package is installed (it offers {', '.join(have)}) but {not_built}"
+
+
+# ----------------------------------------------------------------- layouts
+def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None) -> str | None:
+    """Why DeepEP (normal mode) cannot take an EP group of `ep` ranks, or None: within a node 2, 4 or 8
+    ranks, across nodes a multiple of 8 with 8 ranks on each node, never one rank; the experts split
+    evenly.  `ranks_per_node`: the launch's (LOCAL_WORLD_SIZE); None takes a group of up to 8 ranks as
+    one node's."""
+    if ep < 2:
+        return f"DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep={ep}); it never runs on one"
+    if num_experts % ep:
+        return f"DeepEP splits the experts evenly: num_experts={num_experts} is not a multiple of parallel.ep={ep}"
+    within = ep <= (DEEPEP_NODE if ranks_per_node is None else ranks_per_node)
+    if within and ep not in DEEPEP_INTRANODE:
+        return f"DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep={ep})"
+    if not within and (ep % DEEPEP_NODE or (ranks_per_node or DEEPEP_NODE) < DEEPEP_NODE):
+        per_node = "" if ranks_per_node is None else f", {ranks_per_node} ranks per node"
+        return (f"DeepEP across nodes takes a multiple of {DEEPEP_NODE} ranks, {DEEPEP_NODE} on each node "
+                f"(parallel.ep={ep}{per_node})")
+    return None
+
+
+def hybridep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None,
+                            tokens_per_chunk: int | None = None) -> str | None:
+    """Why HybridEP cannot take an EP group of `ep` ranks, or None: the experts split evenly, and with R
+    the group's ranks in one NVLink domain (min(ep, ranks_per_node); ep when unknown), experts-per-rank x R
+    and tokens-per-chunk x R (when given: the adapter's setting) are multiples of 4; R is at most 72."""
+    if num_experts % ep:
+        return f"HybridEP splits the experts evenly: num_experts={num_experts} is not a multiple of parallel.ep={ep}"
+    local, nvl = num_experts // ep, min(ep, ranks_per_node or ep)
+    if nvl > HYBRIDEP_MAX_NVLINK:
+        return f"HybridEP's NVLink domain holds at most {HYBRIDEP_MAX_NVLINK} ranks ({nvl} here)"
+    if local * nvl % HYBRIDEP_ALIGN:
+        return (f"HybridEP needs experts-per-rank x ranks-per-node to be a multiple of {HYBRIDEP_ALIGN} "
+                f"({local} x {nvl} = {local * nvl}; parallel.ep={ep}, num_experts={num_experts})")
+    if tokens_per_chunk is not None and tokens_per_chunk * nvl % HYBRIDEP_ALIGN:
+        return (f"HybridEP needs tokens-per-chunk x ranks-per-node to be a multiple of {HYBRIDEP_ALIGN} "
+                f"({tokens_per_chunk} x {nvl})")
+    return None
+
+
+LAYOUT_PROBLEMS = {"deepep": deepep_layout_problem, "hybridep": hybridep_layout_problem}

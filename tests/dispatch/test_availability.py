@@ -1,0 +1,229 @@
+"""The DeepEP / HybridEP availability gate (moevlm.dispatch.availability and config validation), on the CPU.
+
+What a machine has of `deep_ep` is simulated: absent by hiding it from `find_spec`, present or broken by
+putting one of the test doubles in fake_deep_ep/ (see its README; not DeepEP) first on sys.path.  A built
+adapter is simulated by registering a test-double dispatcher under the backend's name.  The layout rules
+are pure functions, checked on hand-worked cases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from moevlm.dispatch import DISPATCHERS
+from moevlm.dispatch.availability import (
+    deepep_layout_problem,
+    hybridep_layout_problem,
+    probe_package,
+    unavailable_reason,
+)
+from moevlm.dispatch.local import LocalDispatcher
+from moevlm.model.config import ConfigError
+from moevlm.train.config import compose_job, validate
+
+FAKES = Path(__file__).parent / "fake_deep_ep"
+FALLBACK = "model.dispatcher_fallback=alltoall"
+EP2 = ["parallel.ep=2", "train.global_batch_size=2"]
+
+
+@pytest.fixture
+def no_deep_ep(monkeypatch):
+    """This machine without deep_ep, whatever is installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deep_ep" else real(name, *a))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+
+
+@pytest.fixture
+def fake_deep_ep(monkeypatch):
+    """use(variant): the test double fake_deep_ep/<variant>/deep_ep is the deep_ep this process finds."""
+    def use(variant: str) -> None:
+        monkeypatch.syspath_prepend(str(FAKES / variant))
+        monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    yield use
+    sys.modules.pop("deep_ep", None)  # the fake's module object: monkeypatch then restores any real one
+
+
+class FakeAdapter(LocalDispatcher):
+    """Test double: stands for a built deepep / hybridep adapter in the registry (never run here)."""
+
+
+@pytest.fixture
+def adapters_built(monkeypatch):
+    for name in ("deepep", "hybridep"):
+        monkeypatch.setitem(DISPATCHERS, name, FakeAdapter)
+
+
+# ------------------------------------------------------------ the package missing
+MISSING = {
+    "deepep": ("model.dispatcher='deepep' cannot run: the deep_ep package is not installed (DeepEP is built from "
+               "source against CUDA: git clone https://github.com/deepseek-ai/DeepEP, then pip install . in the "
+               "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub), and "
+               "moevlm's deepep adapter is not built yet either (issue 18); use model.dispatcher=alltoall, or "
+               "model.dispatcher_fallback=alltoall to fall back to it"),
+    "hybridep": ("model.dispatcher='hybridep' cannot run: the deep_ep package is not installed (HybridEP is "
+                 "DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
+                 "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone), and moevlm's hybridep "
+                 "adapter is not built yet either (issue 18); use model.dispatcher=alltoall, or "
+                 "model.dispatcher_fallback=alltoall to fall back to it"),
+}
+
+
+@pytest.mark.parametrize("name", ["deepep", "hybridep"])
+def test_missing_package_is_one_line_naming_package_install_and_fallback(no_deep_ep, name):
+    with pytest.raises(ConfigError) as err:  # even with a launch that does not fit: this is said first, alone
+        validate(compose_job([f"model.dispatcher={name}", *EP2]), 5)
+    assert str(err.value) == MISSING[name]
+    assert probe_package().installed is False and "deep_ep" not in sys.modules
+
+
+def test_missing_package_alone_with_a_built_adapter(no_deep_ep, adapters_built):
+    assert unavailable_reason("deepep") == MISSING["deepep"].split("cannot run: ")[1].split(", and moevlm")[0]
+
+
+@pytest.mark.parametrize("overrides, world", [([], 1), (EP2, 2)])
+def test_fallback_runs_alltoall_with_exactly_one_note(no_deep_ep, overrides, world):
+    plan = validate(compose_job(["model.dispatcher=deepep", FALLBACK, *overrides]), world)
+    assert plan.model.moe.dispatcher == "alltoall"
+    notes = [n for n in plan.notes if "dispatcher" in n]
+    assert notes == [f"note: model.dispatcher=deepep cannot run: {unavailable_reason('deepep')}; running the "
+                     "alltoall dispatcher instead (model.dispatcher_fallback=alltoall)"]
+
+
+def test_fallback_is_logged_once_by_a_trainer_run(no_deep_ep, tmp_path, capsys):
+    from moevlm.train.trainer import Trainer
+
+    job = compose_job(["model.dispatcher=deepep", FALLBACK, "train.steps=2", "data.num_workers=0", "data.streams=1",
+                       "train.tensorboard=false", "train.checkpoint_at_end=false", f"train.run_dir={tmp_path}"])
+    assert Trainer(job).run() == 0
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("model.dispatcher_fallback=alltoall") == 1
+
+
+def test_fallback_none_is_the_default_and_other_values_are_refused():
+    assert compose_job([]).model.dispatcher_fallback == "none"
+    with pytest.raises(ConfigError, match=r"model.dispatcher_fallback='local'; choose one of \['none', 'alltoall'\]"):
+        validate(compose_job(["model.dispatcher_fallback=local"]), 1)
+
+
+def test_fallback_changes_nothing_for_a_dispatcher_that_runs():
+    plan = validate(compose_job(["model.dispatcher=local", FALLBACK]), 1)
+    assert plan.model.moe.dispatcher == "local" and plan.notes == []
+
+
+# ------------------------------------------- the package present (test doubles)
+def test_present_package_without_our_adapter_says_not_built(fake_deep_ep):
+    fake_deep_ep("full")
+    assert probe_package().classes == ("Buffer", "ElasticBuffer", "HybridEPBuffer")
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
+    assert str(err.value) == ("model.dispatcher='deepep' cannot run: the deep_ep package is installed (it offers "
+                              "Buffer, ElasticBuffer) but moevlm's deepep adapter is not built yet (issue 18); use "
+                              "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it")
+    assert "not installed" not in str(err.value)
+    assert unavailable_reason("hybridep") == ("the deep_ep package is installed (it offers HybridEPBuffer) but "
+                                              "moevlm's hybridep adapter is not built yet (issue 18)")
+
+
+def test_main_branch_without_hybridep_names_the_branch(fake_deep_ep, adapters_built):
+    fake_deep_ep("no_hybrid")
+    assert unavailable_reason("deepep") is None  # Buffer / ElasticBuffer: enough for DeepEP
+    assert unavailable_reason("hybridep") == (
+        "the installed deep_ep package has no HybridEPBuffer (HybridEP is DeepEP's hybrid-ep branch, built from "
+        "source against CUDA: git clone -b hybrid-ep https://github.com/deepseek-ai/DeepEP, then pip install . in "
+        "the clone)")
+
+
+def test_broken_cuda_build_is_reported_not_missing(fake_deep_ep):
+    fake_deep_ep("broken_cuda")
+    status = probe_package()
+    assert status.installed and status.classes == ()
+    assert status.error == "OSError: libnvshmem_host.so.3: cannot open shared object file: No such file or directory"
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
+    assert str(err.value).splitlines() == [
+        "model.dispatcher='deepep' cannot run: the deep_ep package is installed but does not import (OSError: "
+        "libnvshmem_host.so.3: cannot open shared object file: No such file or directory): a build for another "
+        "CUDA or torch; rebuild it on this machine (DeepEP is built from source against CUDA: git clone "
+        "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone, with NVSHMEM for internode and "
+        "low-latency modes; the PyPI deep-ep is only a stub); use model.dispatcher=alltoall, or "
+        "model.dispatcher_fallback=alltoall to fall back to it"]
+
+
+def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep):
+    fake_deep_ep("broken_cuda")  # importing it would raise
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)
+    assert str(err.value) == ("model.dispatcher='deepep' cannot run: moevlm's deepep adapter is not built yet (issue "
+                              "18); use model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall "
+                              "back to it")
+    assert "deep_ep" not in sys.modules
+
+
+# ------------------------------------------------------------- layout rules
+@pytest.mark.parametrize("ep, experts, per_node, want", [
+    (2, 8, None, None), (4, 8, None, None), (8, 64, None, None), (16, 128, None, None), (16, 128, 8, None),
+    (32, 128, 8, None), (2, 8, 8, None),
+    (1, 8, None, "DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep=1); it never runs on one"),
+    (3, 6, None, "DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep=3)"),
+    (6, 12, 8, "DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep=6)"),
+    (8, 12, None, "DeepEP splits the experts evenly: num_experts=12 is not a multiple of parallel.ep=8"),
+    (12, 24, None, "DeepEP across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=12)"),
+    (8, 64, 4, "DeepEP across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=8, 4 ranks per node)"),
+    (16, 128, 4, "DeepEP across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=16, 4 ranks per "
+                 "node)"),
+    (16, 128, 16, "DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep=16)"),
+])
+def test_deepep_layout(ep, experts, per_node, want):
+    assert deepep_layout_problem(ep, experts, per_node) == want
+
+
+@pytest.mark.parametrize("ep, experts, per_node, chunk, want", [
+    (4, 8, None, None, None),  # 2 experts a rank x 4 ranks = 8
+    (2, 8, None, None, None),  # 4 x 2
+    (8, 8, None, None, None),  # 1 x 8
+    (6, 12, None, None, None),  # 2 x 6
+    (16, 128, 8, None, None),  # 8 x 8: the NVLink domain is the node
+    (144, 144, 72, None, None),  # 1 x 72
+    (4, 8, None, 3, None),  # tokens: 3 x 4
+    (2, 6, None, None, "HybridEP needs experts-per-rank x ranks-per-node to be a multiple of 4 (3 x 2 = 6; "
+                       "parallel.ep=2, num_experts=6)"),
+    (5, 10, None, None, "HybridEP needs experts-per-rank x ranks-per-node to be a multiple of 4 (2 x 5 = 10; "
+                        "parallel.ep=5, num_experts=10)"),
+    (16, 16, 2, None, "HybridEP needs experts-per-rank x ranks-per-node to be a multiple of 4 (1 x 2 = 2; "
+                      "parallel.ep=16, num_experts=16)"),
+    (8, 12, None, None, "HybridEP splits the experts evenly: num_experts=12 is not a multiple of parallel.ep=8"),
+    (144, 144, None, None, "HybridEP's NVLink domain holds at most 72 ranks (144 here)"),
+    (2, 8, None, 3, "HybridEP needs tokens-per-chunk x ranks-per-node to be a multiple of 4 (3 x 2)"),
+])
+def test_hybridep_layout(ep, experts, per_node, chunk, want):
+    assert hybridep_layout_problem(ep, experts, per_node, chunk) == want
+
+
+def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_ep, monkeypatch):
+    """With the adapters built (test doubles) and the package present (the fake), the layout rules decide."""
+    fake_deep_ep("full")
+    assert validate(compose_job(["model.dispatcher=deepep", *EP2]), 2).model.moe.dispatcher == "deepep"
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job(["model.dispatcher=deepep"]), 1)
+    assert str(err.value) == ("model.dispatcher='deepep' cannot run: DeepEP needs an expert-parallel group of at "
+                              "least 2 ranks (parallel.ep=1); it never runs on one; use model.dispatcher=alltoall, "
+                              "or model.dispatcher_fallback=alltoall to fall back to it")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4: the launch's node size
+    job = ["model.dispatcher=deepep", "parallel.ep=8", "train.global_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"^model.dispatcher='deepep' cannot run: DeepEP across nodes takes a "
+                                          r"multiple of 8 ranks, 8 on each node \(parallel.ep=8, 4 ranks per node\)"):
+        validate(compose_job(job), 8)
+    assert validate(compose_job(job), 8, environment=False).model.moe.dispatcher == "deepep"  # node size unknown
+    with pytest.raises(ConfigError, match=r"HybridEP needs experts-per-rank x ranks-per-node to be a multiple of 4 "
+                                          r"\(1 x 2 = 2; parallel.ep=2, num_experts=2\)"):
+        validate(compose_job(["model.dispatcher=hybridep", "model.num_experts=2", *EP2]), 2)
+    plan = validate(compose_job(["model.dispatcher=hybridep", "model.num_experts=2", FALLBACK, *EP2]), 2)
+    assert plan.model.moe.dispatcher == "alltoall" and plan.notes == [
+        "note: model.dispatcher=hybridep cannot run: HybridEP needs experts-per-rank x ranks-per-node to be a "
+        "multiple of 4 (1 x 2 = 2; parallel.ep=2, num_experts=2); running the alltoall dispatcher instead "
+        "(model.dispatcher_fallback=alltoall)"]
