@@ -72,7 +72,7 @@ def test_config_accepts_ep2():
 # ------------------------------------------------------------------ 2 ranks
 
 
-def _blocks(seed: int, capacity_factor: float | None):
+def _blocks(seed: int, capacity_factor: float | None, D: int = D, F: int = F):
     """(plain, overlapped) ep2 blocks holding this rank's experts of one seeded set of weights."""
     from moevlm.model import VLMConfig
 
@@ -133,11 +133,14 @@ def _block_case(seed: int, tokens: dict[int, int], capacity_factor=None) -> floa
     return err
 
 
-def _time_layer(T: int = 2048, reps: int = 5) -> dict[str, float]:
+TIMED = {"T": 2048, "D": 256, "F": 256}  # the timed layer: tokens per rank, hidden, expert hidden
+
+
+def _time_layer(reps: int = 5) -> dict[str, float]:
     """Seconds per forward+backward of one ep2 MoE layer (the median of `reps`), plain and overlapped."""
     out = {}
-    for name, block in zip(("plain", "overlap"), _blocks(0, None)):
-        x0 = torch.randn(1, T, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for name, block in zip(("plain", "overlap"), _blocks(0, None, TIMED["D"], TIMED["F"])):
+        x0 = torch.randn(1, TIMED["T"], TIMED["D"], generator=torch.Generator().manual_seed(dist.get_rank()))
         times = []
         for _ in range(reps + 1):
             dist.barrier()
@@ -150,30 +153,32 @@ def _time_layer(T: int = 2048, reps: int = 5) -> dict[str, float]:
 
 LAYOUTS = [  # name, the layout both runs share, what only the overlapped run adds
     ("ep2", ["parallel.ep=2", "model.dispatcher=alltoall"], []),
+    # the capacity mode where nothing can overflow (f = E/K = 4): per-chunk capacity drops nothing either
+    ("ep2_capacity", ["parallel.ep=2", "model.dispatcher=alltoall", "model.moe_capacity_factor=4"], []),
     # SPMoEBlock (router statistics summed over tp), and the block recomputed in backward
     ("tp2_ep2_recompute_moe", ["parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
      ["model.recompute=selective", "model.recompute_modules=[moe]"]),
 ]
 
 
-def _count_overlapped_dispatches() -> list[int]:
-    """A counter of the overlapped dropless dispatches run in this process from now on."""
+def _count_overlapped_chunks() -> list[int]:
+    """A counter of the overlapped chunks' expert computations run in this process from now on."""
     from moevlm.parallel import ep_overlap
 
-    calls, inner = [0], getattr(ep_overlap._dispatch_dropless, "__wrapped__", ep_overlap._dispatch_dropless)
+    calls, inner = [0], getattr(ep_overlap._grouped, "__wrapped__", ep_overlap._grouped)
 
     def counted(*args):
         calls[0] += 1
         return inner(*args)
 
     counted.__wrapped__ = inner
-    ep_overlap._dispatch_dropless = counted
+    ep_overlap._grouped = counted
     return calls
 
 
 def _trainer_runs(shards: str, tmp: str, layouts) -> dict:
     """Each layout trained plain and overlapped on these ranks: the max relative errors, by name."""
-    calls, report = _count_overlapped_dispatches(), {}
+    calls, report = _count_overlapped_chunks(), {}
     for name, layout, extra in layouts:
         ref = run_job(shards, os.path.join(tmp, f"plain_{name}"), layout)
         before = calls[0]
@@ -232,7 +237,7 @@ def test_overlap_equals_plain_ep2(tmp_path):
         print(f"ep_overlap trainer {name}: max rel err loss {t['loss']:.1e} grads {t['grads']:.1e} "
               f"params {t['params']:.1e}")
     tm = report["timing_s"]
-    print(f"one MoE layer fwd+bwd, 2 gloo ranks, 2048 tokens: plain {tm['plain'] * 1e3:.1f} ms, overlap "
+    print(f"one MoE layer fwd+bwd, 2 gloo ranks x 1 thread, {TIMED}: plain {tm['plain'] * 1e3:.1f} ms, overlap "
           f"{tm['overlap'] * 1e3:.1f} ms (ratio {tm['overlap'] / tm['plain']:.2f}; informational)")
 
 
