@@ -1,7 +1,8 @@
 """`parallelize(model, dims, ...)`: the one place a model built on the meta
 device is rewritten for its parallel layout, in this order: pipeline stages
 (pipeline.py: this rank keeps its stages' parts), tensor/sequence parallel
-(tensor_parallel.py), context parallel (context_parallel.py), expert parallel (expert_parallel.py), recompute
+(tensor_parallel.py), context parallel (context_parallel.py), expert parallel (expert_parallel.py; with
+`ep_overlap`, ep_overlap.py: each MoE block's exchanges overlapped with its expert compute), recompute
 (recompute.py: `recompute=(mode, modules)`), per-block torch.compile (compile.py,
 `compile=True`), data parallel (data_parallel.py: FSDP2 or DDP-style all-reduce).
 
@@ -43,6 +44,7 @@ from moevlm.model.vlm import fill_
 from moevlm.parallel.compile import apply_compile
 from moevlm.parallel.context_parallel import apply_context_parallel
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
+from moevlm.parallel.ep_overlap import apply_ep_overlap
 from moevlm.parallel.expert_parallel import apply_expert_parallel
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
@@ -96,7 +98,7 @@ def parallel_context(model: nn.Module) -> ParallelContext:
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
                 bf16: bool = False, dispatcher: str = "local", pipeline: PipelinePlan | None = None,
                 recompute: tuple[str, tuple[str, ...]] = ("none", ()), compile: bool = False,
-                compile_mode: str | None = None, cp_comm: str = "allgather") -> nn.Module:
+                compile_mode: str | None = None, cp_comm: str = "allgather", ep_overlap: bool = False) -> nn.Module:
     if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
         raise ValueError(f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)")
     if model.config.moe.num_experts and dims.ep * dims.etp > 1 and dispatcher not in DISPATCHERS:
@@ -104,6 +106,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
                                f"issue); available: {sorted(DISPATCHERS)}")
     ctx = ParallelContext(dims, dp_mode)
     model.__dict__["_parallel_context"] = ctx
+    if ep_overlap and not (model.config.moe.num_experts and dims.ep > 1):
+        raise ValueError("parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)")
     if dims.world == 1:
         apply_recompute(model, *recompute)
         if compile:
@@ -126,6 +130,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp", 
                                cp_comm)
     if model.config.moe.num_experts and dims.ep * dims.etp > 1:
         apply_expert_parallel(model, expert, dispatcher)
+        if ep_overlap:
+            apply_ep_overlap(model)
     else:  # experts whole on every rank: no token leaves its rank (the model's own
         cfg = model.config.moe  # dispatcher would default to the world group)
         for block in _moe_blocks(model):

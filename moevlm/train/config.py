@@ -166,6 +166,10 @@ class ParallelConfig:
     dp: int = field(default=-1, metadata={"help": "data parallel size; -1 = world / (pp * tp * cp)"})
     ep: int = field(default=1, metadata={"help": "expert parallel size: experts split over ep ranks"})
     etp: int = field(default=1, metadata={"help": "expert tensor parallel size: each expert's weights split"})
+    ep_overlap: bool = field(default=False, metadata={
+        "help": "split each MoE block's micro-batch tokens in two chunks and overlap one chunk's all-to-all with "
+                "the other's expert compute (moevlm/parallel/ep_overlap.py; same result). Needs parallel.ep > 1, "
+                "etp=1, the alltoall dispatcher; with model.moe_capacity_factor each chunk has its own capacity"})
     dp_mode: str = field(default="fsdp", metadata={
         "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"})
     pp_schedule: str = field(default="1f1b", metadata={
@@ -416,6 +420,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims, unavailable,
                                                                    job.model.dispatcher_fallback)
         run(_check_capacity, job.model, model.moe.dispatcher, dims)
+        run(_check_ep_overlap, job, model, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
     run(_check_recompute, job.model)
@@ -598,6 +603,26 @@ def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
            f"dispatcher is {dispatcher!r}; set model.dispatcher=alltoall, or model.moe_capacity_factor=null")
     _check(dims.etp == 1, f"model.moe_capacity_factor={m.moe_capacity_factor} is not built with parallel.etp="
                           f"{dims.etp} > 1; use parallel.etp=1, or model.moe_capacity_factor=null (dropless)")
+
+
+def _check_ep_overlap(job, model: VLMConfig, dims: ParallelDims) -> None:
+    """What parallel.ep_overlap (moevlm.parallel.ep_overlap) cannot run with, each with its reason."""
+    if not job.parallel.ep_overlap:
+        return
+    refusals = [
+        (not model.moe.num_experts, "has no MoE layer to overlap (model.num_experts=0); leave it false"),
+        (dims.ep == 1, "needs expert parallel: parallel.ep=1 exchanges nothing; set parallel.ep > 1"),
+        (dims.etp > 1, f"is not built with expert tensor parallel (parallel.etp={dims.etp}); use parallel.etp=1"),
+        (model.moe.dispatcher != "alltoall", f"runs the alltoall dispatcher only, not {model.moe.dispatcher!r}; set "
+                                             "model.dispatcher=alltoall (or auto)"),
+        (bool(job.train.compile), "with train.compile=true is not built (its exchanges are not kept out of the "
+                                  "compiled graph); use train.compile=false"),
+        ("moe_preprocess" in [str(s) for s in job.model.cuda_graph_scope],
+         "with model.cuda_graph_scope moe_preprocess: the overlap permutes two chunks of varying shape, which one "
+         "captured graph cannot replay; leave moe_preprocess out"),
+    ]
+    _check(not any(bad for bad, _ in refusals),
+           "\n".join(f"parallel.ep_overlap=true {why}" for bad, why in refusals if bad))
 
 
 def _dispatcher_refusal(name: str, reason: str) -> str:

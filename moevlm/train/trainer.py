@@ -205,7 +205,8 @@ class Trainer:
         model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
                             dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline,
                             recompute=recompute_setting(self.job.model), compile=self.t.compile,
-                            compile_mode=self.t.compile_mode, cp_comm=p.cp_comm)
+                            compile_mode=self.t.compile_mode, cp_comm=p.cp_comm,
+                            ep_overlap=p.ep_overlap)
         fp8 = resolve_fp8(self.plan.model.fp8, self.device)  # after the layout: marks the modules each rank holds
         self.fp8_plan, marked = fp8, apply_fp8(model, fp8, self.plan.model.fp8.modules)
         if fp8 is not None:
