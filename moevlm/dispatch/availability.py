@@ -11,7 +11,8 @@ Design choices:
 - Three separate facts, reported in this order: the package (installed? importable?), the class the
   backend needs (`Buffer` or `ElasticBuffer` for DeepEP V1 / V2, `HybridEPBuffer` from DeepEP's
   `hybrid-ep` branch), and whether moevlm's adapter for that backend is registered in
-  `moevlm.dispatch.DISPATCHERS` (today neither is).  A missing package also says when the adapter is
+  `moevlm.dispatch.DISPATCHERS` (deepep is: moevlm/dispatch/deepep.py, V1 `Buffer` only; hybridep is not
+  yet).  A missing package also says when the adapter is
   missing, so no one builds DeepEP only to meet the next refusal.
 - The layout rules are pure functions of the EP size, the expert count and the ranks per node, checked
   by config validation before anything is allocated and, later, by the adapters' `unavailable_reason`.

@@ -27,7 +27,8 @@ Design choices:
   all-to-all and their `wait_tensor`) and recomputes everything else, so a
   recomputed region gets its communication back from the cache and backward
   never issues a collective twice.  For that every collective inside a region
-  is a functional one (moevlm/parallel/comm.py, the all-to-all dispatcher);
+  is a functional one (moevlm/parallel/comm.py, the all-to-all dispatcher)
+  or a custom op of the deepep dispatcher (`moevlm_deepep::*`);
   FSDP's parameter all-gathers run in module hooks, outside the regions.
 - Regions are per-instance method wraps (`forward`, or the model's seams
   `core_attention` and `Experts.activation`), not wrapper modules: parameter
@@ -61,7 +62,7 @@ from moevlm.model.vision import VisionAttention, VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
-COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "moevlm_deepep")  # + DeepEP's ops
 
 # which (module class, method) each choice wraps; `full` is decoder layers + vision blocks
 _REGIONS = {

@@ -93,9 +93,10 @@ class ModelConfig:
                 "(ours; needs the triton package)"})
     dispatcher: str = field(default="auto", metadata={
         "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
-                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall; deepep and hybridep are "
-                "recognized but not built yet (their adapters, and DeepEP's deep_ep package, CUDA only): refused, "
-                "or replaced as model.dispatcher_fallback says"})
+                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep (DeepEP's V1 Buffer: needs "
+                "the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a multiple of 8 ranks); hybridep is "
+                "recognized but not built yet; one that cannot run is refused, or replaced as "
+                "model.dispatcher_fallback says"})
     dispatcher_fallback: str = field(default="none", metadata={
         "help": "when model.dispatcher (deepep, hybridep) cannot run here (package missing or broken, adapter not "
                 "built, or a layout it cannot take): none (refuse with the reason) or alltoall (run the alltoall "

@@ -62,9 +62,8 @@ def adapters_built(monkeypatch):
 MISSING = {
     "deepep": ("model.dispatcher='deepep' cannot run: the deep_ep package is not installed (DeepEP is built from "
                "source against CUDA: git clone https://github.com/deepseek-ai/DeepEP, then pip install . in the "
-               "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub), and "
-               "moevlm's deepep adapter is not built yet either (issue 18); use model.dispatcher=alltoall, or "
-               "model.dispatcher_fallback=alltoall to fall back to it"),
+               "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub); use "
+               "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it"),
     "hybridep": ("model.dispatcher='hybridep' cannot run: the deep_ep package is not installed (HybridEP is "
                  "DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
                  "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone), and moevlm's hybridep "
@@ -81,8 +80,11 @@ def test_missing_package_is_one_line_naming_package_install_and_fallback(no_deep
     assert probe_package().installed is False and "deep_ep" not in sys.modules
 
 
-def test_missing_package_alone_with_a_built_adapter(no_deep_ep, adapters_built):
-    assert unavailable_reason("deepep") == MISSING["deepep"].split("cannot run: ")[1].split(", and moevlm")[0]
+def test_missing_package_alone_with_a_built_adapter(no_deep_ep):
+    """moevlm's deepep adapter is built (moevlm/dispatch/deepep.py): the package alone is named."""
+    assert DISPATCHERS["deepep"].__module__ == "moevlm.dispatch.deepep"
+    assert unavailable_reason("deepep") == MISSING["deepep"].split("cannot run: ")[1].split("; use model.")[0]
+    assert "adapter" not in unavailable_reason("deepep")
 
 
 @pytest.mark.parametrize("overrides, world", [([], 1), (EP2, 2)])
@@ -116,7 +118,13 @@ def test_fallback_changes_nothing_for_a_dispatcher_that_runs():
 
 
 # ------------------------------------------- the package present (test doubles)
-def test_present_package_without_our_adapter_says_not_built(fake_deep_ep):
+@pytest.fixture
+def no_deepep_adapter(monkeypatch):
+    """moevlm as it was before its deepep adapter (the gate's words for an adapter not built)."""
+    monkeypatch.delitem(DISPATCHERS, "deepep")
+
+
+def test_present_package_without_our_adapter_says_not_built(fake_deep_ep, no_deepep_adapter):
     fake_deep_ep("full")
     assert probe_package().classes == ("Buffer", "ElasticBuffer", "HybridEPBuffer")
     with pytest.raises(ConfigError) as err:
@@ -154,8 +162,11 @@ def test_broken_cuda_build_is_reported_not_missing(fake_deep_ep):
         "model.dispatcher_fallback=alltoall to fall back to it"]
 
 
-def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep):
+def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep, monkeypatch):
     fake_deep_ep("broken_cuda")  # importing it would raise
+    plan = validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)  # the adapter is built
+    assert plan.model.moe.dispatcher == "deepep" and "deep_ep" not in sys.modules
+    monkeypatch.delitem(DISPATCHERS, "deepep")  # as before the adapter
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)
     assert str(err.value) == ("model.dispatcher='deepep' cannot run: moevlm's deepep adapter is not built yet (issue "

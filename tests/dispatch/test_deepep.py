@@ -1,0 +1,184 @@
+"""The `deepep` dispatcher (moevlm/dispatch/deepep.py) against the `alltoall` dispatcher, on CPU gloo ranks.
+
+The real DeepEP cannot run here: `deep_ep` is the TEST EMULATOR in deep_ep_emulator/ (its README says
+which upstream V1 semantics it follows), put first on sys.path.  One 4-rank launch checks DeepEP groups
+of 4 (the world) and of 2 (two subgroups): outputs and gradients w.r.t. x, router weights and expert
+weights equal to alltoall's (<= 1e-6 relative), with an idle expert and a rank nothing is routed to, and
+a rank that sends nothing; the same under selective recompute (the deepep ops' outputs saved); the handle
+cache empties; a group of one is refused.  Index logic and the
+gate's words are checked without processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from gloo_ranks import run_ranks
+from moevlm.dispatch import DISPATCHERS, build_dispatcher
+from moevlm.dispatch.deepep import _HANDLES, DeepEPDispatcher, local_rows_plan
+from moevlm.kernels.grouped_gemm import grouped_mm_loop
+from moevlm.parallel.recompute import save_communication
+
+EMULATOR = Path(__file__).parent / "deep_ep_emulator"
+E, K, D = 8, 2, 6
+REL = 1e-6
+
+
+@pytest.fixture
+def emulated_deep_ep(monkeypatch):
+    monkeypatch.syspath_prepend(str(EMULATOR))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    yield
+    sys.modules.pop("deep_ep", None)
+
+
+# ------------------------------------------------------------ no processes
+def test_local_rows_plan_by_hand():
+    # 4 received rows, top-2 as local ids (L=2), -1 = not on this rank (weight 0, as DeepEP sends it)
+    idx = torch.tensor([[1, -1], [0, 1], [-1, 0], [1, 0]])
+    w = torch.tensor([[0.6, 0.0], [0.3, 0.7], [0.0, 0.5], [0.2, 0.8]])
+    row, weight, counts = local_rows_plan(idx, w, 2, num_rows=6)
+    assert row.tolist() == [1, 2, 3, 0, 1, 3]  # e0: rows 1, 2, 3; e1: rows 0, 1, 3 (row order kept)
+    assert weight.tolist() == pytest.approx([0.3, 0.5, 0.8, 0.6, 0.7, 0.2])
+    assert counts.tolist() == [3, 3]
+    row, weight, counts = local_rows_plan(torch.full((2, 2), -1), torch.zeros(2, 2), 2, num_rows=0)
+    assert row.numel() == 0 and counts.tolist() == [0, 0]
+
+
+def test_registered_and_importable_without_deep_ep(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deep_ep" else real(n, *a))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    assert DISPATCHERS["deepep"] is DeepEPDispatcher and "deep_ep" not in sys.modules
+    reason = DeepEPDispatcher.unavailable_reason(num_experts=E, top_k=K)
+    assert reason.startswith("the deep_ep package is not installed (DeepEP is built from source against CUDA")
+    assert "adapter" not in reason
+    with pytest.raises(RuntimeError, match="dispatcher 'deepep' cannot run: the deep_ep package is not installed"):
+        build_dispatcher("deepep", num_experts=E, top_k=K)
+
+
+def test_one_rank_is_refused(emulated_deep_ep):
+    assert DeepEPDispatcher.unavailable_reason(num_experts=E, top_k=K) == (
+        "DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep=1); it never runs on one")
+
+
+# ------------------------------------------------------------ 4 ranks, one launch
+def _scenario(name, rank, ep_rank, L):
+    gen = torch.Generator().manual_seed(1000 * len(name) + rank)
+    T, allowed = 4 + rank, list(range(E))
+    if name == "idle":  # EP rank 0 receives nothing; the last expert receives nothing
+        allowed = list(range(L, E - 1))
+    if name == "silent" and ep_rank == 1:  # sends nothing
+        T = 0
+    picks = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)]
+    idx = torch.stack(picks) if picks else torch.zeros(0, K, dtype=torch.long)
+    w = torch.rand(T, K, generator=gen) + 0.1
+    return torch.randn(T, D, generator=gen), idx, w / w.sum(1, keepdim=True), torch.randn(T, D, generator=gen)
+
+
+def _moe(d, x, idx, w, W):
+    ex, counts, h = d.dispatch(x, idx, w)
+    return d.combine(grouped_mm_loop(torch.tanh(ex), W, counts), h), counts, h, ex
+
+
+def _recomputed_moe(d, x, idx, w, W):
+    """The same under selective recompute with moevlm's policy (the deepep ops' outputs saved)."""
+    context = functools.partial(create_selective_checkpoint_contexts, save_communication)
+    y, counts = checkpoint(lambda *a: _moe(*a)[:2], d, x, idx, w, W, use_reentrant=False, context_fn=context)
+    return y, counts, None, None
+
+
+def _run(d, x0, idx, w0, W0, g, recompute=False):
+    x, w, W = (t.clone().requires_grad_() for t in (x0, w0, W0))
+    y, counts, h, ex = (_recomputed_moe if recompute else _moe)(d, x, idx, w, W)
+    if isinstance(d, DeepEPDispatcher) and not recompute:  # the handle outlives its Python object while backward needs it
+        hid = int(h.handle_id)
+        del h, ex
+        gc.collect()
+        assert hid in _HANDLES
+    (y * g).sum().backward()
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (x, w, W)]
+    return [y, *grads], counts
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+def _count_layout_dispatches(buffer) -> list[int]:
+    """Counts this buffer's dispatches with a fresh layout (not the cached ones of combine's backward)."""
+    calls, real = [0], buffer.dispatch
+
+    def counted(x, handle=None, **kw):
+        calls[0] += handle is None
+        return real(x, handle=handle, **kw)
+
+    buffer.dispatch = counted
+    return calls
+
+
+def _check(name, group, W_EDD, worst):
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    L = E // P
+    x0, idx, w0, g = _scenario(name, dist.get_rank(), r, L)
+    W0 = W_EDD[r * L:(r + 1) * L]
+    deep = build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=group)
+    ref = build_dispatcher("alltoall", num_experts=E, top_k=K, ep_group=group)
+    got, counts = _run(deep, x0, idx, w0, W0, g)
+    want, counts_ref = _run(ref, x0, idx, w0, W0, g)
+    where = f"{name} EP={P} rank {dist.get_rank()}"
+    assert counts.tolist() == counts_ref.tolist(), where
+    if name == "idle":  # rank 0 gets nothing, the last expert nothing
+        assert counts.sum() == 0 or r != 0, where
+        assert counts[-1] == 0 or r != P - 1, where
+    calls = _count_layout_dispatches(deep.buffer)
+    recomputed, _ = _run(deep, x0, idx, w0, W0, g, recompute=True)
+    assert calls == [1], f"{where}: recompute ran DeepEP's dispatch again ({calls})"  # its outputs were saved
+    for label, a, b in [*zip(("y", "dx", "dw", "dW"), got, want),
+                        *zip(("recompute y", "recompute dx", "recompute dw", "recompute dW"), recomputed, want)]:
+        err = _rel(a, b)
+        worst[label] = max(worst.get(label, 0.0), err)
+        assert err <= REL, f"{where}: {label} relative error {err:.2e}"
+    with torch.no_grad():  # nothing needs backward: the handle goes at once
+        ex, _, h = deep.dispatch(x0, idx, w0)
+        deep.combine(ex, h)
+
+
+def _four_ranks(rank, emulator, out):
+    sys.path.insert(0, emulator)
+    import deep_ep
+
+    assert deep_ep.EMULATOR
+    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D ** 0.5
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    solo = [dist.new_group([p]) for p in range(4)]
+    worst = {}
+    for group in (dist.group.WORLD, pairs[rank // 2]):
+        for name in ("random", "idle", "silent"):
+            _check(name, group, W_EDD, worst)
+    gc.collect()
+    assert not _HANDLES, f"handles left: {sorted(_HANDLES)}"
+    with pytest.raises(RuntimeError, match="DeepEP needs an expert-parallel group of at least 2 ranks"):
+        build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=solo[rank])
+    errs = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(json.dumps(dict(zip(sorted(worst), errs.tolist()))))
+
+
+def test_deepep_equals_alltoall_on_4_and_2_ranks(tmp_path):
+    out = tmp_path / "errors.json"
+    run_ranks(_four_ranks, 4, tmp_path, str(EMULATOR), str(out))
+    errors = json.loads(out.read_text())
+    print("deepep vs alltoall, max relative error over ranks and scenarios:", errors)
+    assert max(errors.values()) <= REL
