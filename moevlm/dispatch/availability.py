@@ -9,7 +9,7 @@ Design choices:
   build that exists but cannot load (ImportError / OSError from a CUDA build made for another machine) is
   reported with the loader's own words, not as "missing".
 - Three separate facts, reported in this order: the package (installed? importable?), the class the
-  backend needs (`Buffer` or `ElasticBuffer` for DeepEP V1 / V2, `HybridEPBuffer` from DeepEP's
+  backend needs (`Buffer` for DeepEP: our adapter is V1; V2's `ElasticBuffer` is listed but not enough; `HybridEPBuffer` from DeepEP's
   `hybrid-ep` branch), and whether moevlm's adapter for that backend is registered in
   `moevlm.dispatch.DISPATCHERS` (deepep is: moevlm/dispatch/deepep.py, V1 `Buffer` only; hybridep is not
   yet).  A missing package also says when the adapter is
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 PACKAGE = "deep_ep"
 DEEPEP_URL = "https://github.com/deepseek-ai/DeepEP"
 # backend -> the deep_ep classes any one of which it can use
-CLASSES = {"deepep": ("Buffer", "ElasticBuffer"), "hybridep": ("HybridEPBuffer",)}
+CLASSES = {"deepep": ("Buffer",), "hybridep": ("HybridEPBuffer",)}  # what our adapters use
+REPORTED = ("Buffer", "ElasticBuffer", "HybridEPBuffer")  # what a probe lists (V2 ElasticBuffer: no adapter yet)
 INSTALL = {
     "deepep": (f"DeepEP is built from source against CUDA: git clone {DEEPEP_URL}, then pip install . in the "
                "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub"),
@@ -61,8 +62,7 @@ def probe_package(name: str = PACKAGE) -> PackageStatus:
         module = importlib.import_module(name)
     except (ImportError, OSError) as err:  # e.g. a CUDA extension built for another CUDA / torch
         return PackageStatus(True, f"{type(err).__name__}: {err}")
-    wanted = dict.fromkeys(c for names in CLASSES.values() for c in names)
-    return PackageStatus(True, classes=tuple(c for c in wanted if hasattr(module, c)))
+    return PackageStatus(True, classes=tuple(c for c in REPORTED if hasattr(module, c)))
 
 
 def adapter_built(backend: str) -> bool:
@@ -90,7 +90,9 @@ def unavailable_reason(backend: str, check_package: bool = True) -> str | None:
                 f"CUDA or torch; rebuild it on this machine ({INSTALL[backend]})")
     have = [c for c in CLASSES[backend] if c in status.classes]
     if not have:
-        return (f"the installed {PACKAGE} package has no {' or '.join(CLASSES[backend])} "
+        v2 = " (moevlm's adapter uses the V1 Buffer; V2's ElasticBuffer is not supported yet)" if (
+            backend == "deepep" and "ElasticBuffer" in status.classes) else ""
+        return (f"the installed {PACKAGE} package has no {' or '.join(CLASSES[backend])}{v2} "
                 f"({INSTALL[backend]})")
     return None if built else f"the {PACKAGE} package is installed (it offers {', '.join(have)}) but {not_built}"
 

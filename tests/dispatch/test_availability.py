@@ -130,7 +130,7 @@ def test_present_package_without_our_adapter_says_not_built(fake_deep_ep, no_dee
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
     assert str(err.value) == ("model.dispatcher='deepep' cannot run: the deep_ep package is installed (it offers "
-                              "Buffer, ElasticBuffer) but moevlm's deepep adapter is not built yet (issue 18); use "
+                              "Buffer) but moevlm's deepep adapter is not built yet (issue 18); use "
                               "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it")
     assert "not installed" not in str(err.value)
     assert unavailable_reason("hybridep") == ("the deep_ep package is installed (it offers HybridEPBuffer) but "
@@ -139,11 +139,18 @@ def test_present_package_without_our_adapter_says_not_built(fake_deep_ep, no_dee
 
 def test_main_branch_without_hybridep_names_the_branch(fake_deep_ep, adapters_built):
     fake_deep_ep("no_hybrid")
-    assert unavailable_reason("deepep") is None  # Buffer / ElasticBuffer: enough for DeepEP
+    assert unavailable_reason("deepep") is None  # Buffer: what the adapter uses
     assert unavailable_reason("hybridep") == (
         "the installed deep_ep package has no HybridEPBuffer (HybridEP is DeepEP's hybrid-ep branch, built from "
         "source against CUDA: git clone -b hybrid-ep https://github.com/deepseek-ai/DeepEP, then pip install . in "
         "the clone)")
+
+
+def test_v2_only_package_is_refused_by_our_v1_adapter(fake_deep_ep, adapters_built):
+    fake_deep_ep("v2_only")
+    assert probe_package().classes == ("ElasticBuffer",)
+    assert "has no Buffer (moevlm's adapter uses the V1 Buffer; V2's ElasticBuffer is not supported yet)" in (
+        unavailable_reason("deepep"))
 
 
 def test_broken_cuda_build_is_reported_not_missing(fake_deep_ep):
