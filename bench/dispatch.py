@@ -119,7 +119,7 @@ def main() -> None:
         byts = exchanged_bytes(idx.cpu(), E, D, x.element_size())
         variants = [("alltoall", None)] + [(f"alltoall cap {f}", f) for f in args.capacity]
         variants += [(b, b) for b in ("deepep", "hybridep") if unavailable_reason(b) is None]
-        base = None
+        base, base_t = None, None
         for label, spec in variants:
             if isinstance(spec, str):
                 disp = build_dispatcher(spec, num_experts=E, top_k=K, ep_group=dist.group.WORLD)
@@ -143,7 +143,7 @@ def main() -> None:
             gbs = torch.tensor([byts / fwd / 1e9])
             dist.all_reduce(gbs)
             if rank == 0:
-                ratio = f"{base_t / fwd:.2f}x" if label != "alltoall" else "1.00x"
+                ratio = f"{base_t / fwd:.2f}x" if base_t is not None else "1.00x"
                 print(f"| {kind} | {label} | {fwd * 1e3:.2f} | {fwd_bwd * 1e3:.2f} | {float(gbs) / P:.2f} | "
                       f"{dropped:.1%} | {ratio} |")
             if label == "alltoall":
