@@ -40,8 +40,9 @@ Backends (`model.fp8_backend`), chosen per device when the model is built:
   emulation on this device; quantizers Triton on CUDA.
 - `emulate`: the torch reference quantizers and a dequantized fp64 GEMM per expert
   (host syncs, slow): the numerics of the recipe on any device.
-- `auto`: blockwise on sm89+: dense projections through `torch` when the probe
-  passes, else `triton`; experts always `triton`.  MXFP8: `torch` where the
+- `auto`: blockwise on sm89+: `triton` for the projections and the experts (it
+  takes any size; cuBLAS wants whole 128-blocks, which `torch` checks at
+  validation, and `auto` cannot know the sizes here).  MXFP8: `torch` where the
   probe finds the MXFP8 paths (Blackwell), refused elsewhere.  On the CPU auto
   refuses: emulation must be asked for, never slipped in.
 """
@@ -132,8 +133,7 @@ def resolve_fp8(cfg, device) -> Fp8Plan | None:
             raise Fp8Unavailable(f"model.fp8=blockwise with model.fp8_backend={cfg.backend} cannot run on {where}: "
                                  f"{why}; set model.fp8_backend=emulate to train with the recipe's numerics "
                                  "(slow), or model.fp8=none")
-        dense = "torch" if cfg.backend == "auto" and _probe(device).get("scaled_mm_blockwise") else "triton"
-        return Fp8Plan("blockwise", dense, "triton", "triton", **opts)
+        return Fp8Plan("blockwise", "triton", "triton", "triton", **opts)
     need = (("scaled_mm_blockwise",) if cfg.recipe == "blockwise" else
             ("scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"))
     found = _probe(device)
