@@ -178,12 +178,6 @@ class Qwen3VLMoe(nn.Module):
         save_pretrained(self, out_dir, expert_layout=expert_layout, max_shard_bytes=max_shard_bytes)
 
 
-def causal_lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean next-token cross-entropy over counted targets, and their number."""
-    return token_loss(logits_BSV, next_token_targets(labels_BS, cu_seqlens))
-
-
 def token_loss(logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the logits against already-shifted targets (IGNORE_INDEX not counted), and
     the number counted."""
