@@ -150,23 +150,26 @@ def resolve_fp8(cfg, device) -> Fp8Plan | None:
 
 
 # ------------------------------------------------------------- weight cache
-_generation = [0]
+_generation = 0  # bumped whenever weights change; cached codes of an older generation are stale
+_hooked = False  # an optimizer bumps it after each step: only then may codes be cached
 
 
 def weights_changed() -> None:
     """Every cached weight code is stale (the optimizer stepped, or weights were loaded)."""
-    _generation[0] += 1
+    global _generation
+    _generation += 1
 
 
 def install_weight_cache(optimizer: torch.optim.Optimizer) -> None:
     """Cache weight codes for one optimizer step: each step of `optimizer` starts a new generation."""
+    global _hooked
     weights_changed()
     optimizer.register_step_post_hook(lambda *_: weights_changed())
-    _generation.append(True)  # a hook exists: caching may be used
+    _hooked = True
 
 
 def _cache_on(plan: Fp8Plan) -> bool:
-    return plan.cache_weights and len(_generation) > 1
+    return plan.cache_weights and _hooked
 
 
 def _weight_codes(owner, w, plan: Fp8Plan, grouped: bool):
@@ -174,7 +177,7 @@ def _weight_codes(owner, w, plan: Fp8Plan, grouped: bool):
     `owner`: the module holding w, or (module, name) when it holds several; None caches nothing."""
     module, name = owner if isinstance(owner, tuple) else (owner, "weight")
     cache = module.__dict__.setdefault("_fp8_weight", {}) if module is not None and _cache_on(plan) else None
-    key = (_generation[0], tuple(w.shape), w.dtype, w.device, plan)
+    key = (_generation, tuple(w.shape), w.dtype, w.device, plan)
     if cache is not None and name in cache and cache[name][0] == key:
         return cache[name][1]
     codes = _quant_weight(w, plan, grouped)

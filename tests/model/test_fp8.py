@@ -109,7 +109,7 @@ def test_weights_are_quantized_once_per_step_and_never_served_stale(monkeypatch)
     real = fp8_mod._quant_weight
     monkeypatch.setattr(fp8_mod, "_quant_weight", lambda w, plan, grouped: calls.append(w.shape) or real(w, plan,
                                                                                                        grouped))
-    monkeypatch.setattr(fp8_mod, "_generation", [0])  # no hook from another test
+    monkeypatch.setattr(fp8_mod, "_hooked", False)  # no hook from another test
     cfg = Fp8Config(recipe="blockwise", backend="emulate")
     model = _tiny(cfg)
     weights = 2 * (4 + 2)  # 2 layers of q, k, v, o and the experts' two weights (the tiny model's are MoE)
