@@ -58,6 +58,7 @@ from moevlm.data.config import DataConfig
 from moevlm.data.loader import check_config as check_data_config
 from moevlm.model.attention import varlen_available, varlen_missing
 from moevlm.model.config import CAPACITY_OVERFLOWS, FP8_BACKENDS, FP8_RECIPES, ConfigError, Fp8Config, VLMConfig
+from moevlm.model.fp8 import BLOCK
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
@@ -725,7 +726,7 @@ def _check_fp8(job, model: VLMConfig, dims: ParallelDims, environment: bool) -> 
     _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
     if f.backend == "torch":
         t, moe = model.text, model.moe
-        block = 128 if f.recipe == "blockwise" else 32
+        block = BLOCK[f.recipe]
         dims_ = {"text.hidden_size": t.hidden_size, "text.intermediate_size": t.intermediate_size,
                  "moe.moe_intermediate_size": moe.moe_intermediate_size, "text.num_kv_heads*head_dim":
                  t.num_kv_heads * t.head_dim}
@@ -819,7 +820,7 @@ def _check_data(d: DataConfig, model: VLMConfig, dims: ParallelDims) -> None:
         _check(pk.seq_len % (2 * dims.cp) == 0 and (pk.seq_len // dims.cp) % dims.tp == 0,
                f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * dims.cp} (each row is cut into 2*cp "
                f"chunks for load-balanced context parallel) and seq_len/cp by tp={dims.tp} (sequence parallel): "
-               f"use a multiple of {_lcm(2 * dims.cp, dims.cp * dims.tp)}")
+               f"use a multiple of {math.lcm(2 * dims.cp, dims.cp * dims.tp)}")
 
 
 CP_ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc")  # the decoder then runs cp_attention (SDPA blocks)
@@ -837,12 +838,6 @@ def _check_context_parallel(job, dims: ParallelDims) -> None:
            f"blocks; model.attn_backend={m.attn_backend} cannot run inside it: use model.attn_backend=auto or sdpa")
     _check(not t.compile, f"parallel.cp={dims.cp} with train.compile=true is not supported yet (the cp attention's "
                           "collectives are not traced); use train.compile=false")
-
-
-def _lcm(a: int, b: int) -> int:
-    import math
-
-    return a * b // math.gcd(a, b)
 
 
 # ---------------------------------------------------------------------- memory
