@@ -227,26 +227,54 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _dispatch_capacity(self, x_TD, topk_idx_TK, topk_w_TK):
         """Fixed-size buffers: every split is a Python int from shapes; nothing reads a tensor on the host."""
+        send_SD, handle = self.capacity_send(x_TD, topk_idx_TK, topk_w_TK)
+        splits = self.capacity_splits(handle.capacity)
+        recv_SD = _all_to_all_rows(send_SD, splits, splits, self.group) if self._exchanges() else send_SD
+        return (self.capacity_grouped(recv_SD, handle.capacity),
+                self.capacity_tokens_per_local_expert(handle.capacity, x_TD.device), handle)
+
+    def _combine_capacity(self, expert_y_MD, handle: CapacityHandle):
+        y_SD = self.capacity_ungrouped(expert_y_MD, handle.capacity)
+        if self._exchanges():
+            splits = self.capacity_splits(handle.capacity)
+            y_SD = _all_to_all_rows(y_SD, splits, splits, self.group)
+        return self.capacity_unslot(y_SD, handle)
+
+    # the capacity mode's steps around its two exchanges (also run chunk by chunk: moevlm.parallel.ep_overlap)
+    def capacity_send(self, x_TD, topk_idx_TK, topk_w_TK) -> tuple[torch.Tensor, CapacityHandle]:
+        """This rank's (E*C, D) send buffer (expert e's kept rows at slots e*C.., unfilled slots zero), and the
+        handle that brings the rows back; dropped rows counted."""
         (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
-        E, P, L = self.num_experts, self.ep_size, self.num_local_experts
+        E = self.num_experts
         C = expert_capacity(self.capacity_factor, T, K, E)
         plan = self.preprocess(topk_idx_TK, topk_w_TK) or rows_plan(topk_idx_TK, topk_w_TK, E)
         token_idx_N, weight_N, counts_E = plan
         slot_N, keep_N = capacity_slots(counts_E, T * K, C)
         self._count(keep_N)
         send_SD = torch.cat([x_TD, x_TD.new_zeros(1, D)])[slot_sources(slot_N, token_idx_N, E * C, T)]
-        recv_SD = _all_to_all_rows(send_SD, [L * C] * P, [L * C] * P, self.group) if self._exchanges() else send_SD
-        expert_x_MD = recv_SD.view(P, L, C, D).transpose(0, 1).reshape(L * P * C, D)
-        tokens_per_local_expert_L = torch.full((L,), P * C, dtype=torch.long, device=x_TD.device)
-        rows = RowsState(T, token_idx_N=token_idx_N, weight_N=weight_N)
-        return expert_x_MD, tokens_per_local_expert_L, CapacityHandle(rows, slot_N, C)
+        return send_SD, CapacityHandle(RowsState(T, token_idx_N=token_idx_N, weight_N=weight_N), slot_N, C)
 
-    def _combine_capacity(self, expert_y_MD, handle: CapacityHandle):
-        P, L, C, D = self.ep_size, self.num_local_experts, handle.capacity, expert_y_MD.shape[1]
-        y_SD = expert_y_MD.view(L, P, C, D).transpose(0, 1).reshape(P * L * C, D)
-        if self._exchanges():
-            y_SD = _all_to_all_rows(y_SD, [L * C] * P, [L * C] * P, self.group)
-        y_ND = torch.cat([y_SD, y_SD.new_zeros(1, D)])[handle.slot_N]  # a dropped row reads the zero row
+    def capacity_splits(self, capacity: int) -> list[int]:
+        """Every exchange's split sizes: L*C rows to and from each rank."""
+        return [self.num_local_experts * capacity] * self.ep_size
+
+    def capacity_grouped(self, recv_SD, capacity: int) -> torch.Tensor:
+        """Received (P, L, C) blocks -> rows grouped by local expert (P*C each, padding included)."""
+        P, L, D = self.ep_size, self.num_local_experts, recv_SD.shape[1]
+        return recv_SD.view(P, L, capacity, D).transpose(0, 1).reshape(L * P * capacity, D)
+
+    def capacity_ungrouped(self, expert_y_MD, capacity: int) -> torch.Tensor:
+        """The inverse of `capacity_grouped`: the (P, L, C) blocks to send back."""
+        P, L, D = self.ep_size, self.num_local_experts, expert_y_MD.shape[1]
+        return expert_y_MD.view(L, P, capacity, D).transpose(0, 1).reshape(P * L * capacity, D)
+
+    def capacity_tokens_per_local_expert(self, capacity: int, device) -> torch.Tensor:
+        return torch.full((self.num_local_experts,), self.ep_size * capacity, dtype=torch.long, device=device)
+
+    @staticmethod
+    def capacity_unslot(y_SD, handle: CapacityHandle) -> torch.Tensor:
+        """The returned slots -> per token: each kept row reads its slot, a dropped row zero, then weighted."""
+        y_ND = torch.cat([y_SD, y_SD.new_zeros(1, y_SD.shape[1])])[handle.slot_N]
         return from_expert_rows(y_ND, handle.rows)
 
     def _count(self, keep_N: torch.Tensor) -> None:

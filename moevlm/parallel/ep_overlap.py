@@ -55,13 +55,13 @@ import torch.nn as nn
 
 from moevlm.dispatch.alltoall import (
     AllToAllDispatcher,
+    CapacityHandle,
     _all_to_all_rows,
     all_to_all_flat,
     invert_permutation,
     rank_splits,
     regroup_by_local_expert,
 )
-from moevlm.dispatch.capacity import capacity_slots, expert_capacity, slot_sources
 from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan, to_expert_rows
 from moevlm.model.moe import MoEBlock
 
@@ -77,8 +77,7 @@ class _Chunk:
     regroup_M: torch.Tensor | None  # dropless: grouped = received[regroup_M]; None in capacity mode
     tokens_per_local_expert_L: torch.Tensor
     pending: torch.Tensor  # the dispatch all-to-all's output, then the combine's (waits on first use)
-    capacity: int = 0
-    slot_N: torch.Tensor | None = None
+    capacity_handle: CapacityHandle | None = None  # capacity mode: the dispatcher's handle
 
 
 def chunk_bounds(num_tokens: int, chunks: int = CHUNKS) -> list[tuple[int, int]]:
@@ -142,17 +141,11 @@ def _dispatch_dropless(d: AllToAllDispatcher, parts) -> list[_Chunk]:
 
 def _dispatch_capacity(d: AllToAllDispatcher, x_TD, topk_idx_TK, topk_w_TK) -> _Chunk:
     """The capacity dispatch of `AllToAllDispatcher` for one chunk, its capacity from the chunk's T."""
-    (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
-    E, P, L = d.num_experts, d.ep_size, d.num_local_experts
-    C = expert_capacity(d.capacity_factor, T, K, E)
-    token_idx_N, weight_N, counts_E = rows_plan(topk_idx_TK, topk_w_TK, E)
-    slot_N, keep_N = capacity_slots(counts_E, T * K, C)
-    d._count(keep_N)
-    send_SD = torch.cat([x_TD, x_TD.new_zeros(1, D)])[slot_sources(slot_N, token_idx_N, E * C, T)]
-    pending = _all_to_all_rows(send_SD, [L * C] * P, [L * C] * P, d.group)
-    tokens_L = torch.full((L,), P * C, dtype=torch.long, device=x_TD.device)
-    rows = RowsState(T, token_idx_N=token_idx_N, weight_N=weight_N)
-    return _Chunk(rows, [L * C] * P, [L * C] * P, None, tokens_L, pending, C, slot_N)
+    send_SD, handle = d.capacity_send(x_TD, topk_idx_TK, topk_w_TK)
+    splits = d.capacity_splits(handle.capacity)
+    pending = _all_to_all_rows(send_SD, splits, splits, d.group)
+    tokens_L = d.capacity_tokens_per_local_expert(handle.capacity, x_TD.device)
+    return _Chunk(handle.rows, splits, splits, None, tokens_L, pending, handle)
 
 
 # ----------------------------------------------------------------- both modes
@@ -162,8 +155,7 @@ def _grouped(d: AllToAllDispatcher, ch: _Chunk) -> torch.Tensor:
     """The chunk's received rows grouped by local expert (waits for its dispatch)."""
     if ch.regroup_M is not None:
         return ch.pending[ch.regroup_M]
-    P, L, C, D = d.ep_size, d.num_local_experts, ch.capacity, ch.pending.shape[1]
-    return ch.pending.view(P, L, C, D).transpose(0, 1).reshape(L * P * C, D)
+    return d.capacity_grouped(ch.pending, ch.capacity_handle.capacity)
 
 
 def _combine_start(d: AllToAllDispatcher, ch: _Chunk, expert_y_MD: torch.Tensor) -> torch.Tensor:
@@ -171,17 +163,15 @@ def _combine_start(d: AllToAllDispatcher, ch: _Chunk, expert_y_MD: torch.Tensor)
     if ch.regroup_M is not None:
         y_ND = expert_y_MD[invert_permutation(ch.regroup_M)]
     else:
-        P, L, C, D = d.ep_size, d.num_local_experts, ch.capacity, expert_y_MD.shape[1]
-        y_ND = expert_y_MD.view(L, P, C, D).transpose(0, 1).reshape(P * L * C, D)
+        y_ND = d.capacity_ungrouped(expert_y_MD, ch.capacity_handle.capacity)
     return _all_to_all_rows(y_ND, ch.send_splits, ch.recv_splits, d.group)
 
 
 def _combine_finish(d: AllToAllDispatcher, ch: _Chunk) -> torch.Tensor:
     """Wait for the chunk's return rows; weight and sum them per token."""
-    y_ND = ch.pending
-    if ch.slot_N is not None:
-        y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])[ch.slot_N]  # a dropped row reads zero
-    return from_expert_rows(y_ND, ch.rows)
+    if ch.capacity_handle is not None:
+        return d.capacity_unslot(ch.pending, ch.capacity_handle)  # a dropped row reads zero
+    return from_expert_rows(ch.pending, ch.rows)
 
 
 # ----------------------------------------------------------------- applying it
