@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 
 PACKAGE = "deep_ep"
@@ -98,6 +99,12 @@ def unavailable_reason(backend: str, check_package: bool = True) -> str | None:
 
 
 # ----------------------------------------------------------------- layouts
+def launch_ranks_per_node() -> int | None:
+    """Ranks per node of this launch (torchrun's LOCAL_WORLD_SIZE), None when not launched so."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() else None
+
+
 def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None) -> str | None:
     """Why DeepEP (normal mode) cannot take an EP group of `ep` ranks, or None: within a node 2, 4 or 8
     ranks, across nodes a multiple of 8 with 8 ranks on each node, never one rank; the experts split

@@ -41,7 +41,6 @@ Design choices:
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -214,7 +213,7 @@ class DeepEPDispatcher(TokenDispatcher):
     @classmethod
     def unavailable_reason(cls, num_experts: int, ep_group=None, etp_group=None, permute: str = "torch",
                            check_package: bool = True, **kwargs) -> str | None:
-        from moevlm.dispatch.availability import deepep_layout_problem, unavailable_reason
+        from moevlm.dispatch.availability import deepep_layout_problem, launch_ranks_per_node, unavailable_reason
 
         reason = unavailable_reason("deepep") if check_package else None
         if reason is not None:
@@ -224,8 +223,7 @@ class DeepEPDispatcher(TokenDispatcher):
                     f"{dist.get_world_size(etp_group)}); use parallel.etp=1, or model.dispatcher=alltoall")
         if permute != "torch":
             return f"moevlm's deepep adapter permutes with torch only (model.permute={permute!r})"
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        return deepep_layout_problem(_resolve_group(ep_group)[1], num_experts, int(local) if local.isdigit() else None)
+        return deepep_layout_problem(_resolve_group(ep_group)[1], num_experts, launch_ranks_per_node())
 
     def preprocess(self, topk_idx_TK, topk_w_TK):
         """DeepEP's layout of this routing (tokens per rank, per RDMA rank, per expert, token x rank map);

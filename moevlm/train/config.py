@@ -648,12 +648,11 @@ def _dispatcher_unavailable(m, environment: bool) -> str | None:
 def _dispatcher_layout_problem(m, dims: ParallelDims, num_experts: int, environment: bool) -> str | None:
     """A gated backend's rank and expert-count rules (moevlm.dispatch.availability) under this layout; the
     node size is the launch's (LOCAL_WORLD_SIZE) when checking this machine, else unknown."""
-    from moevlm.dispatch.availability import LAYOUT_PROBLEMS
+    from moevlm.dispatch.availability import LAYOUT_PROBLEMS, launch_ranks_per_node
 
     if m.dispatcher not in GATED_DISPATCHERS or not num_experts:
         return None
-    local = os.environ.get("LOCAL_WORLD_SIZE", "") if environment else ""
-    problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, int(local) if local.isdigit() else None)
+    problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, launch_ranks_per_node() if environment else None)
     _check(problem is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, problem))
     return problem
 
