@@ -8,7 +8,8 @@ Legend: T tokens per rank, K top-k, D hidden, E experts, P = EP size = world siz
 Backends, each on the same tokens and routing (checked equal to `alltoall` dropless before timing):
 - `alltoall` dropless (the baseline: counts exchange, one host sync, uneven all-to-all);
 - `alltoall` with `capacity_factor` f (fixed-size buffers, no host sync; the dropped share is printed);
-- `deepep` / `hybridep` where `moevlm.dispatch.availability` says they can run here; otherwise the reason.
+- `deepep` / `hybridep` where `moevlm.dispatch.availability` says they can run here (hybridep also with
+  each capacity factor: its static `num_permuted_tokens`); otherwise the reason.
 
 Routing: `balanced` (uniform random top-k) and `skewed` (expert e chosen with weight ~ 1/(e+1)).
 Per backend: median time of dispatch+combine forward, and of forward+backward (the gradient of x runs
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -99,7 +101,10 @@ def main() -> None:
               f"T={T} tokens/rank, D={D}, E={E}, top-{K}, {dtype}")
         for backend in ("deepep", "hybridep"):
             why = unavailable_reason(backend)
-            print(f"{backend}: " + ("available" if why is None else f"not run: {why}"))
+            emulated = why is None and getattr(sys.modules.get("deep_ep"), "EMULATOR", False)
+            print(f"{backend}: " + ("available" if why is None else f"not run: {why}")
+                  + (" (deep_ep is moevlm's TEST EMULATOR: its timings say nothing about the real package)"
+                     if emulated else ""))
         print("\n| routing | backend | fwd ms | fwd+bwd ms | useful GB/s (fwd) | tokens with a dropped choice | "
               "dropless / this (fwd) |")
         print("|---|---|---:|---:|---:|---:|---:|")
@@ -118,11 +123,14 @@ def main() -> None:
         x = torch.randn(T, D, generator=gen).to(device, dtype)
         byts = exchanged_bytes(idx.cpu(), E, D, x.element_size())
         variants = [("alltoall", None)] + [(f"alltoall cap {f}", f) for f in args.capacity]
-        variants += [(b, b) for b in ("deepep", "hybridep") if unavailable_reason(b) is None]
+        variants += [(b, (b, None)) for b in ("deepep", "hybridep") if unavailable_reason(b) is None]
+        if unavailable_reason("hybridep") is None:  # its no-sync mode: a static num_permuted_tokens
+            variants += [(f"hybridep cap {f}", ("hybridep", f)) for f in args.capacity]
         base, base_t = None, None
         for label, spec in variants:
-            if isinstance(spec, str):
-                disp = build_dispatcher(spec, num_experts=E, top_k=K, ep_group=dist.group.WORLD)
+            if isinstance(spec, tuple):
+                factor = {} if spec[1] is None else {"capacity_factor": spec[1]}
+                disp = build_dispatcher(spec[0], num_experts=E, top_k=K, ep_group=dist.group.WORLD, **factor)
             else:
                 disp = AllToAllDispatcher(E, K, dist.group.WORLD, capacity_factor=spec)
             disp.last_counts = None

@@ -3,10 +3,10 @@
 Present: `local` (EP=1), `alltoall` (expert parallel over a process group:
 uneven all-to-all, dropless; EP=1 is exactly `local`; or with a capacity
 factor, fixed-size buffers without host sync, overflow dropped and counted:
-`capacity.py`), and `deepep` (DeepEP's V1 `deep_ep.Buffer`, imported only when used: `deepep.py`; run
-here only against a test emulator).  Still to come: the HybridEP adapter and DeepEP V2;
-`availability.py` answers whether deepep / hybridep could run here (the deep_ep package, the adapter,
-their layout rules) for config validation.
+`capacity.py`), and `deepep` (DeepEP's V1 `deep_ep.Buffer`, imported only when used: `deepep.py`) and `hybridep`
+(`deep_ep.HybridEPBuffer` from DeepEP's hybrid-ep branch: `hybridep.py`), both run here only against
+test emulators.  `availability.py` answers whether deepep / hybridep could run here (the deep_ep
+package, the adapter, their layout rules) for config validation.
 """
 
 from moevlm.dispatch.base import (
@@ -18,7 +18,8 @@ from moevlm.dispatch.base import (
 )
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher
+from moevlm.dispatch.hybridep import HybridEPDispatcher
 from moevlm.dispatch.local import LocalDispatcher
 
-__all__ = ["DISPATCHERS", "AllToAllDispatcher", "DeepEPDispatcher", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing",
+__all__ = ["DISPATCHERS", "AllToAllDispatcher", "DeepEPDispatcher", "HybridEPDispatcher", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing",
            "register_dispatcher"]

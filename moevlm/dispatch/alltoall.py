@@ -167,7 +167,8 @@ class AllToAllDispatcher(TokenDispatcher):
             raise ValueError(reason)
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor, self.capacity_overflow = capacity_factor, capacity_overflow
-        self.dropped, self.routed = None, 0  # capacity mode: dropped rows (a device tensor), routed rows
+        # capacity mode: dropped rows and dispatches that dropped any (device tensors), routed rows
+        self.dropped, self.flagged, self.routed = None, None, 0
         if capacity_factor is not None:
             _check_capacity(capacity_factor, capacity_overflow, self.etp_size)
 
@@ -282,7 +283,9 @@ class AllToAllDispatcher(TokenDispatcher):
         if in_backward():
             return
         dropped = keep_N.numel() - keep_N.sum()
+        flagged = (dropped > 0).long()
         self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        self.flagged = flagged if self.flagged is None else self.flagged + flagged
         self.routed += keep_N.numel()
 
     def combine(self, expert_y_MD, handle: AllToAllHandle):

@@ -126,9 +126,11 @@ def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None 
 
 def hybridep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None,
                             tokens_per_chunk: int | None = None) -> str | None:
-    """Why HybridEP cannot take an EP group of `ep` ranks, or None: the experts split evenly, and with R
+    """Why HybridEP cannot take an EP group of `ep` ranks, or None: at least 2 ranks, the experts split evenly, and with R
     the group's ranks in one NVLink domain (min(ep, ranks_per_node); ep when unknown), experts-per-rank x R
     and tokens-per-chunk x R (when given: the adapter's setting) are multiples of 4; R is at most 72."""
+    if ep < 2:
+        return f"HybridEP needs an expert-parallel group of at least 2 ranks (parallel.ep={ep})"
     if num_experts % ep:
         return f"HybridEP splits the experts evenly: num_experts={num_experts} is not a multiple of parallel.ep={ep}"
     local, nvl = num_experts // ep, min(ep, ranks_per_node or ep)

@@ -42,7 +42,9 @@ Semantics:
 - Backward goes through the same fixed-size exchanges (`all_to_all_single_autograd`
   with swapped, equal splits) and the same gathers.
 - Dropped rows are counted on the device, per dispatch, into the dispatcher's
-  counter (a tensor add: no sync); `OverflowCounter` reads every layer's counter
+  counter (a tensor add: no sync), and so are the dispatches that dropped any (the
+  `hybridep` dispatcher's capacity mode keeps the same two counters, from HybridEP's
+  overflow flag); `OverflowCounter` reads every layer's counter
   once per logged step (summed over micro-batches, layers and the ranks holding
   different tokens), or once per step with `model.moe_capacity_overflow=error`,
   beside the step's existing loss sync.  A forward re-run by activation recompute
@@ -103,23 +105,24 @@ class OverflowCounter:
         self.groups = [g for g in groups if g is not None]
         self.capacity_factor, self.overflow = capacity_factor, overflow
 
-    def totals(self, device: torch.device, reset: bool) -> tuple[int, int]:
-        """(dropped, routed): one host read."""
-        t = torch.zeros(2, dtype=torch.long, device=device)
+    def totals(self, device: torch.device, reset: bool) -> tuple[int, int, int]:
+        """(dropped rows, routed rows, dispatches that overflowed): one host read."""
+        t = torch.zeros(3, dtype=torch.long, device=device)
         for d in self.dispatchers:
             if d.dropped is not None:
                 t[0] += d.dropped.to(device)
+                t[2] += d.flagged.to(device)
             t[1] += d.routed
             if reset:
-                d.dropped, d.routed = None, 0
+                d.dropped, d.flagged, d.routed = None, None, 0
         for g in self.groups:
             dist.all_reduce(t, group=g)
-        dropped, routed = t.tolist()
-        return dropped, routed
+        dropped, routed, flagged = t.tolist()
+        return dropped, routed, flagged
 
     def check(self, device: torch.device, step: int) -> None:
         """model.moe_capacity_overflow=error: raise (on every rank alike) when anything was dropped."""
-        dropped, routed = self.totals(device, reset=False)
+        dropped, routed, _ = self.totals(device, reset=False)
         if dropped:
             raise CapacityOverflowError(
                 f"step {step}: {dropped} of {routed} routed (token, expert) choices went over the expert capacity "
@@ -128,5 +131,6 @@ class OverflowCounter:
                 "model.moe_capacity_overflow=drop to drop and count them")
 
     def record(self, device: torch.device) -> dict:
-        dropped, routed = self.totals(device, reset=True)
-        return {"moe_dropped_tokens": dropped, "moe_dropped_fraction": dropped / routed if routed else None}
+        dropped, routed, flagged = self.totals(device, reset=True)
+        return {"moe_dropped_tokens": dropped, "moe_dropped_fraction": dropped / routed if routed else None,
+                "moe_overflowed_dispatches": flagged}

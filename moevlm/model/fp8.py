@@ -325,6 +325,7 @@ def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
 
 def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
     """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
+    from moevlm.dispatch.hybridep import HybridEPDispatcher
     from moevlm.dispatch.local import LocalDispatcher
     from moevlm.model.moe import MoEBlock
     targets = fp8_targets(model, modules) if plan is not None else []
@@ -332,7 +333,7 @@ def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
         if "fp8" in m.__dict__:
             del m.fp8
         m.__dict__.pop("_fp8_weight", None)
-        if isinstance(m, MoEBlock) and isinstance(m.dispatcher, LocalDispatcher):
+        if isinstance(m, MoEBlock) and isinstance(m.dispatcher, (LocalDispatcher, HybridEPDispatcher)):
             pad = plan is not None and plan.pad_experts and "experts" in modules
             m.dispatcher.pad_multiple = plan.block if pad else 1
     for m in targets:

@@ -62,7 +62,7 @@ from moevlm.model.vision import VisionAttention, VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
-COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "moevlm_deepep")  # + DeepEP's ops
+COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "moevlm_deepep", "moevlm_hybridep")  # + DeepEP's, HybridEP's ops
 
 # which (module class, method) each choice wraps; `full` is decoder layers + vision blocks
 _REGIONS = {

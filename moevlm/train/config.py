@@ -95,9 +95,10 @@ class ModelConfig:
     dispatcher: str = field(default="auto", metadata={
         "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
                 "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep (DeepEP's V1 Buffer: needs "
-                "the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a multiple of 8 ranks); hybridep is "
-                "recognized but not built yet; one that cannot run is refused, or replaced as "
-                "model.dispatcher_fallback says"})
+                "the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a multiple of 8 ranks), hybridep "
+                "(DeepEP's hybrid-ep branch, HybridEPBuffer: CUDA only, experts-per-rank x ranks-per-node a multiple "
+                "of 4); neither was run on a real GPU cluster by moevlm yet; one that cannot run is refused, or "
+                "replaced as model.dispatcher_fallback says"})
     dispatcher_fallback: str = field(default="none", metadata={
         "help": "when model.dispatcher (deepep, hybridep) cannot run here (package missing or broken, adapter not "
                 "built, or a layout it cannot take): none (refuse with the reason) or alltoall (run the alltoall "
@@ -110,7 +111,8 @@ class ModelConfig:
                 "C = ceil(f x tokens x top_k / num_experts) rows through fixed-size buffers, no host sync; "
                 "choices over C are dropped (the earliest tokens kept) and logged as moe_dropped_tokens in "
                 "metrics.jsonl. Needs the alltoall dispatcher (model.dispatcher=alltoall, or auto with "
-                "parallel.ep > 1) and parallel.etp=1"})
+                "parallel.ep > 1) or hybridep (a static num_permuted_tokens of E x C rows per receiving rank; "
+                "HybridEP drops the last permuted rows and flags it), and parallel.etp=1"})
     moe_capacity_overflow: str = field(default="drop", metadata={
         "help": "with model.moe_capacity_factor: drop (drop and count the choices over capacity) or error (the "
                 "step fails, naming the fix, when any choice is dropped)"})
@@ -145,7 +147,8 @@ class ModelConfig:
                 "byte per weight element kept until the step ends, unsharded under FSDP); false = at every use"})
     fp8_pad_experts: bool = field(default=False, metadata={
         "help": "pad each expert's rows to the scale block (128 / 32) so no weight-gradient scale block spans two "
-                "experts (local dispatcher; up to block-1 zero rows per expert and a host sync per layer); "
+                "experts (local dispatcher: up to block-1 zero rows per expert and a host sync per layer; hybridep: "
+                "padded by HybridEP); "
                 "fp8_backend=torch always pads"})
     cuda_graph_scope: list = field(default_factory=list, metadata={
         "help": "decoder-layer regions captured as CUDA graphs at the first training step and replayed "
@@ -597,12 +600,13 @@ def _check_dispatcher(name: str, dims: ParallelDims) -> None:
 
 
 def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
-    """model.moe_capacity_factor is a mode of the alltoall dispatcher, without ETP (moevlm.dispatch.capacity)."""
+    """model.moe_capacity_factor is a mode of the alltoall and hybridep dispatchers, without ETP
+    (moevlm.dispatch.capacity, moevlm.dispatch.hybridep)."""
     if m.moe_capacity_factor is None:
         return
-    _check(dispatcher == "alltoall",
-           f"model.moe_capacity_factor={m.moe_capacity_factor} is a mode of the alltoall dispatcher but the "
-           f"dispatcher is {dispatcher!r}; set model.dispatcher=alltoall, or model.moe_capacity_factor=null")
+    _check(dispatcher in ("alltoall", "hybridep"),
+           f"model.moe_capacity_factor={m.moe_capacity_factor} is a mode of the alltoall and hybridep dispatchers "
+           f"but the dispatcher is {dispatcher!r}; set model.dispatcher=alltoall, or model.moe_capacity_factor=null")
     _check(dims.etp == 1, f"model.moe_capacity_factor={m.moe_capacity_factor} is not built with parallel.etp="
                           f"{dims.etp} > 1; use parallel.etp=1, or model.moe_capacity_factor=null (dropless)")
 
@@ -718,9 +722,11 @@ def _check_fp8(job, model: VLMConfig, dims: ParallelDims, environment: bool) -> 
         (bool(job.train.compile), "with train.compile=true is not supported yet (the FP8 autograd rule keeps "
          "per-step weight codes on the modules, which torch.compile would trace as constants); use "
          "train.compile=false"),
-        (experts and (f.pad_experts or f.backend == "torch") and dims.ep * dims.etp > 1,
-         "pads expert rows (model.fp8_pad_experts, or fp8_backend=torch) with the local dispatcher only; with "
-         "parallel.ep x etp > 1 use model.fp8_backend=triton without padding"),
+        (experts and (f.pad_experts or f.backend == "torch") and dims.ep * dims.etp > 1
+         and model.moe.dispatcher != "hybridep",
+         "pads expert rows (model.fp8_pad_experts, or fp8_backend=torch) with the local and hybridep dispatchers "
+         "only; with parallel.ep x etp > 1 use model.dispatcher=hybridep, or model.fp8_backend=triton without "
+         "padding"),
     ]
     _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
     if f.backend == "torch":

@@ -43,8 +43,10 @@ Design choices:
   so all ranks log and judge (non-finite policy) the same numbers.
 - `model.moe_capacity_factor` (moevlm.dispatch.capacity): each record carries
   `moe_dropped_tokens` (the (token, expert) choices dropped over the window,
-  summed over layers, micro-batches and ranks) and `moe_dropped_fraction`
-  (of the choices routed), read from the device once per logged step; with
+  summed over layers, micro-batches and ranks), `moe_dropped_fraction`
+  (of the choices routed) and `moe_overflowed_dispatches` (MoE-layer dispatches
+  that dropped any: HybridEP's overflow flag with model.dispatcher=hybridep),
+  read from the device once per logged step; with
   `model.moe_capacity_overflow=error` a step that dropped any fails before its
   update (one read per step, beside the loss's own sync).
 - `train.compile`: each record carries the dynamo counters of this process
@@ -555,7 +557,7 @@ class Window:
             rec.update(tr.compiled.record())
         if tr.prof.timing:  # seconds per component summed over the window, like step_time_s
             rec["components_s"] = tr.prof.take_window()
-        if tr.overflow is not None:  # collective: moe_dropped_tokens, moe_dropped_fraction over the window
+        if tr.overflow is not None:  # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches over the window
             rec.update(tr.overflow.record(tr.device))
         rec["mock"] = tr.job.data.mock  # data.mock: "none" for real data
         reset_peak_memory(tr.device)

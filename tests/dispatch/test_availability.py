@@ -66,9 +66,8 @@ MISSING = {
                "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it"),
     "hybridep": ("model.dispatcher='hybridep' cannot run: the deep_ep package is not installed (HybridEP is "
                  "DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
-                 "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone), and moevlm's hybridep "
-                 "adapter is not built yet either (issue 18); use model.dispatcher=alltoall, or "
-                 "model.dispatcher_fallback=alltoall to fall back to it"),
+                 "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone); use "
+                 "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it"),
 }
 
 
@@ -120,8 +119,9 @@ def test_fallback_changes_nothing_for_a_dispatcher_that_runs():
 # ------------------------------------------- the package present (test doubles)
 @pytest.fixture
 def no_deepep_adapter(monkeypatch):
-    """moevlm as it was before its deepep adapter (the gate's words for an adapter not built)."""
+    """moevlm as it was before its deepep and hybridep adapters (the gate's words for an adapter not built)."""
     monkeypatch.delitem(DISPATCHERS, "deepep")
+    monkeypatch.delitem(DISPATCHERS, "hybridep")
 
 
 def test_present_package_without_our_adapter_says_not_built(fake_deep_ep, no_deepep_adapter):
@@ -217,6 +217,7 @@ def test_deepep_layout(ep, experts, per_node, want):
     (8, 12, None, None, "HybridEP splits the experts evenly: num_experts=12 is not a multiple of parallel.ep=8"),
     (144, 144, None, None, "HybridEP's NVLink domain holds at most 72 ranks (144 here)"),
     (2, 8, None, 3, "HybridEP needs tokens-per-chunk x ranks-per-node to be a multiple of 4 (3 x 2)"),
+    (1, 4, None, None, "HybridEP needs an expert-parallel group of at least 2 ranks (parallel.ep=1)"),
 ])
 def test_hybridep_layout(ep, experts, per_node, chunk, want):
     assert hybridep_layout_problem(ep, experts, per_node, chunk) == want
@@ -245,3 +246,18 @@ def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_
         "note: model.dispatcher=hybridep cannot run: HybridEP needs experts-per-rank x ranks-per-node to be a "
         "multiple of 4 (1 x 2 = 2; parallel.ep=2, num_experts=2); running the alltoall dispatcher instead "
         "(model.dispatcher_fallback=alltoall)"]
+
+
+def test_hybridep_takes_the_capacity_mode_and_fp8_padding(adapters_built, fake_deep_ep):
+    """With the package (a fake) present: model.moe_capacity_factor and model.fp8_pad_experts, refused with
+    ep > 1 for every other dispatcher, are modes of hybridep; deepep still refuses the capacity mode."""
+    fake_deep_ep("full")
+    plan = validate(compose_job(["model.dispatcher=hybridep", "model.moe_capacity_factor=1.25", *EP2]), 2)
+    assert (plan.model.moe.dispatcher, plan.model.moe.capacity_factor) == ("hybridep", 1.25)
+    pad = ["model.fp8=blockwise", "model.fp8_backend=emulate", "model.fp8_pad_experts=true", *EP2]
+    assert validate(compose_job(["model.dispatcher=hybridep", *pad]), 2).model.fp8.pad_experts
+    with pytest.raises(ConfigError, match="with the local and hybridep dispatchers only"):
+        validate(compose_job(["model.dispatcher=alltoall", *pad]), 2)
+    with pytest.raises(ConfigError, match="mode of the alltoall and hybridep dispatchers but the dispatcher is "
+                                          "'deepep'"):
+        validate(compose_job(["model.dispatcher=deepep", "model.moe_capacity_factor=1.25", *EP2]), 2)

@@ -193,6 +193,7 @@ def test_trainer_logs_dropped_tokens_and_error_mode_fails(tmp_path):
         assert rec["steps_in_window"] == 1
         assert isinstance(rec["moe_dropped_tokens"], int) and 0 < rec["moe_dropped_tokens"] < routed
         assert rec["moe_dropped_fraction"] == pytest.approx(rec["moe_dropped_tokens"] / routed)
+        assert 0 < rec["moe_overflowed_dispatches"] <= layers * tr.plan.grad_accum  # the dispatches that dropped
 
     job = compose_job(FAST + ["train.steps=2", f"train.run_dir={tmp_path / 'error'}",
                               "model.moe_capacity_factor=0.5", "model.moe_capacity_overflow=error"])
@@ -207,7 +208,8 @@ def test_bad_capacity_factors_are_refused(value):
 
 
 def test_capacity_needs_alltoall_without_etp():
-    with pytest.raises(ConfigError, match="mode of the alltoall dispatcher but the dispatcher is 'local'"):
+    with pytest.raises(ConfigError, match="mode of the alltoall and hybridep dispatchers but the dispatcher "
+                                          "is 'local'"):
         validate(compose_job(["model.moe_capacity_factor=1.25"]), 1)  # auto at ep 1: local
     with pytest.raises(ConfigError, match="moe_capacity_overflow='never'"):
         validate(compose_job(["model.moe_capacity_factor=1.25", "model.moe_capacity_overflow=never"]), 1)
