@@ -10,7 +10,8 @@ which upstream semantics it follows), put first on sys.path.  One 4-rank launch 
 - capacity mode (static num_permuted_tokens): equal to dropless when nothing overflows; with forced
   overflow the dropped rows are exactly the ones counted by hand (per rank), the overflow flag is set where
   they were dropped, `OverflowCounter` reports both, and the result equals alltoall with those choices'
-  router weights set to zero; the whole path runs on the meta device with every host read refused;
+  router weights set to zero; the whole path runs on the meta device with every host read refused, and
+  torch.compile (aot_eager) traces it with the hybridep ops inside its graphs, equal to eager;
 - a group of one is refused.
 Index logic and the gate's words are checked without processes.
 """
@@ -229,6 +230,30 @@ def _meta_no_host_reads(group):
     assert x.grad.shape == (T, D) and w.grad.shape == (T, K) and counts.shape == (E // P,)
 
 
+def _compiled_capacity(group, W_EDD, worst):
+    """torch.compile (aot_eager: dynamo, the fakes, AOT autograd) traces the capacity path with the hybridep
+    ops inside its graphs (no graph break at them) and gives eager's outputs and gradients."""
+    from torch._dynamo.utils import counters
+
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    L = E // P
+    x0, idx, w0, g = _scenario("random", dist.get_rank(), r, L, equal_tokens=True)
+    W0 = W_EDD[r * L:(r + 1) * L]
+    d = build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=1.0)
+    want, _ = _run(d, x0, idx, w0, W0, g)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_moe, backend="aot_eager")
+    x, w, W = (t.clone().requires_grad_() for t in (x0, w0, W0))
+    y, _ = compiled(d, x, idx, w, W)
+    (y * g).sum().backward()
+    breaks = " ".join(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0 and "moevlm_hybridep" not in breaks, breaks
+    _compare(f"compiled EP={P} rank {dist.get_rank()}", [y.detach(), x.grad, w.grad, W.grad], want, worst,
+             "compiled ")
+    torch._dynamo.reset()
+
+
 def _four_ranks(rank, emulator, out):
     sys.path.insert(0, emulator)
     import deep_ep
@@ -244,6 +269,7 @@ def _four_ranks(rank, emulator, out):
         for name in ("random", "idle"):
             _capacity(name, group, W_EDD, worst)
     _meta_no_host_reads(pairs[rank // 2])
+    _compiled_capacity(pairs[rank // 2], W_EDD, worst)
     gc.collect()
     assert not HANDLES, f"handles left: {sorted(HANDLES)}"
     with pytest.raises(RuntimeError, match="HybridEP needs an expert-parallel group of at least 2 ranks"):
