@@ -3,10 +3,10 @@
 Present: `local` (EP=1), `alltoall` (expert parallel over a process group:
 uneven all-to-all, dropless; EP=1 is exactly `local`; or with a capacity
 factor, fixed-size buffers without host sync, overflow dropped and counted:
-`capacity.py`), and `deepep` (DeepEP's V1 `deep_ep.Buffer`, imported only when used: `deepep.py`) and `hybridep`
-(`deep_ep.HybridEPBuffer` from DeepEP's hybrid-ep branch: `hybridep.py`), both run here only against
-test emulators.  `availability.py` answers whether deepep / hybridep could run here (the deep_ep
-package, the adapter, their layout rules) for config validation.
+`capacity.py`), `deepep` (DeepEP's V2 `deep_ep.ElasticBuffer` or V1 `deep_ep.Buffer`, imported only
+when used: `deepep.py`) and `hybridep` (`deep_ep.HybridEPBuffer` from DeepEP's hybrid-ep branch:
+`hybridep.py`), both run here only against test emulators.  `availability.py` answers whether deepep /
+hybridep could run here (the deep_ep package, the adapter, their layout rules) for config validation.
 """
 
 from moevlm.dispatch.base import (

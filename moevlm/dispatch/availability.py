@@ -8,12 +8,12 @@ Design choices:
   spec exists, so a machine without it (every CPU machine) never tries; no CUDA is needed to answer.  A
   build that exists but cannot load (ImportError / OSError from a CUDA build made for another machine) is
   reported with the loader's own words, not as "missing".
-- Three separate facts, reported in this order: the package (installed? importable?), the class the
-  backend needs (`Buffer` for DeepEP: our adapter is V1; V2's `ElasticBuffer` is listed but not enough; `HybridEPBuffer` from DeepEP's
-  `hybrid-ep` branch), and whether moevlm's adapter for that backend is registered in
-  `moevlm.dispatch.DISPATCHERS` (deepep is: moevlm/dispatch/deepep.py, V1 `Buffer` only; hybridep is not
-  yet).  A missing package also says when the adapter is
-  missing, so no one builds DeepEP only to meet the next refusal.
+- Three separate facts, reported in this order: the package (installed? importable?), a class the
+  backend can use (DeepEP: V2's `ElasticBuffer` or V1's `Buffer`, or the one the deepep adapter's `api`
+  names; `HybridEPBuffer` from DeepEP's `hybrid-ep` branch), and whether moevlm's adapter for that backend
+  is registered in `moevlm.dispatch.DISPATCHERS` (both are: moevlm/dispatch/deepep.py, either API, and
+  moevlm/dispatch/hybridep.py).  A missing package also says when the adapter is missing, so no one
+  builds DeepEP only to meet the next refusal.
 - The layout rules are pure functions of the EP size, the expert count and the ranks per node, checked
   by config validation before anything is allocated and, later, by the adapters' `unavailable_reason`.
 """
@@ -27,12 +27,14 @@ from dataclasses import dataclass
 
 PACKAGE = "deep_ep"
 DEEPEP_URL = "https://github.com/deepseek-ai/DeepEP"
-# backend -> the deep_ep classes any one of which it can use
-CLASSES = {"deepep": ("Buffer",), "hybridep": ("HybridEPBuffer",)}  # what our adapters use
-REPORTED = ("Buffer", "ElasticBuffer", "HybridEPBuffer")  # what a probe lists (V2 ElasticBuffer: no adapter yet)
+DEEPEP_API_CLASS = {"v2": "ElasticBuffer", "v1": "Buffer"}  # the deepep adapter's `api` -> the class it drives
+# backend -> the deep_ep classes any one of which it can use (deepep: in the order `api="auto"` prefers them)
+CLASSES = {"deepep": tuple(DEEPEP_API_CLASS.values()), "hybridep": ("HybridEPBuffer",)}
+REPORTED = ("Buffer", "ElasticBuffer", "HybridEPBuffer")  # what a probe lists
 INSTALL = {
     "deepep": (f"DeepEP is built from source against CUDA: git clone {DEEPEP_URL}, then pip install . in the "
-               "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub"),
+               "clone, with NCCL >= 2.30.4 for V2's ElasticBuffer and NVSHMEM for V1's internode and low-latency "
+               "modes; the PyPI deep-ep is only a stub"),
     "hybridep": (f"HybridEP is DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
                  f"{DEEPEP_URL}, then pip install . in the clone"),
 }
@@ -73,11 +75,15 @@ def adapter_built(backend: str) -> bool:
     return backend in DISPATCHERS
 
 
-def unavailable_reason(backend: str, check_package: bool = True) -> str | None:
+def unavailable_reason(backend: str, check_package: bool = True, api: str = "auto") -> str | None:
     """Why `backend` ("deepep" or "hybridep") cannot run on this machine, as one clause, or None.
-    `check_package=False` looks at moevlm alone (a recipe checked for another machine)."""
+    `check_package=False` looks at moevlm alone (a recipe checked for another machine); `api` ("v1" or
+    "v2", deepep only) asks for that DeepEP API's class rather than either."""
     if backend not in CLASSES:
         raise ValueError(f"unknown backend {backend!r}; one of {sorted(CLASSES)}")
+    if api != "auto" and (backend != "deepep" or api not in DEEPEP_API_CLASS):
+        raise ValueError(f"api={api!r} for {backend!r}; only deepep takes one: auto or one of "
+                         f"{list(DEEPEP_API_CLASS)}")
     built = adapter_built(backend)
     not_built = f"moevlm's {backend} adapter is not built yet (issue 18)"
     if not check_package:
@@ -89,12 +95,12 @@ def unavailable_reason(backend: str, check_package: bool = True) -> str | None:
     if status.error is not None:
         return (f"the {PACKAGE} package is installed but does not import ({status.error}): a build for another "
                 f"CUDA or torch; rebuild it on this machine ({INSTALL[backend]})")
-    have = [c for c in CLASSES[backend] if c in status.classes]
+    wanted = CLASSES[backend] if api == "auto" else (DEEPEP_API_CLASS[api],)
+    have = [c for c in wanted if c in status.classes]
     if not have:
-        v2 = " (moevlm's adapter uses the V1 Buffer; V2's ElasticBuffer is not supported yet)" if (
-            backend == "deepep" and "ElasticBuffer" in status.classes) else ""
-        return (f"the installed {PACKAGE} package has no {' or '.join(CLASSES[backend])}{v2} "
-                f"({INSTALL[backend]})")
+        asked = "" if api == "auto" else (f" (the deepep dispatcher's api={api!r} drives it; api='auto' takes "
+                                          f"whichever of {' or '.join(CLASSES[backend])} is there)")
+        return f"the installed {PACKAGE} package has no {' or '.join(wanted)}{asked} ({INSTALL[backend]})"
     return None if built else f"the {PACKAGE} package is installed (it offers {', '.join(have)}) but {not_built}"
 
 
@@ -108,8 +114,9 @@ def launch_ranks_per_node() -> int | None:
 def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None) -> str | None:
     """Why DeepEP (normal mode) cannot take an EP group of `ep` ranks, or None: within a node 2, 4 or 8
     ranks, across nodes a multiple of 8 with 8 ranks on each node, never one rank; the experts split
-    evenly.  `ranks_per_node`: the launch's (LOCAL_WORLD_SIZE); None takes a group of up to 8 ranks as
-    one node's."""
+    evenly.  These are V1's rules, kept for V2 too (its sources assert only the even split; what else its
+    kernels take is not established here).  `ranks_per_node`: the launch's (LOCAL_WORLD_SIZE); None takes
+    a group of up to 8 ranks as one node's."""
     if ep < 2:
         return f"DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep={ep}); it never runs on one"
     if num_experts % ep:

@@ -1,47 +1,67 @@
-"""The `deepep` dispatcher: DeepEP's V1 `deep_ep.Buffer` (normal mode) behind our interface.
+"""The `deepep` dispatcher: DeepEP behind our interface, through its V2 `deep_ep.ElasticBuffer` or its V1
+(legacy) `deep_ep.Buffer` in normal mode.
 
 Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank, R rows DeepEP delivers
 to this rank (one per (source token, this rank) pair, whatever the number of its local choices), M
-expert rows after the local permute (one per (received token, local choice)).
+expert rows after the local permute (one per (received token, local choice)), C the token bound every
+rank of the group dispatches under (V2's `num_max_tokens_per_rank`).
 
-    dispatch: preprocess = buffer.get_dispatch_layout(topk_idx, E)         (tokens per rank / expert, map)
-              -> moevlm_deepep::dispatch: buffer.dispatch(x, topk_idx, topk_w, layout) -> R rows,
-                 their top-k as local expert ids (-1: not here, weight 0), tokens per local expert
+    dispatch: V1: preprocess = buffer.get_dispatch_layout(topk_idx, E)     (tokens per rank / expert, map)
+                  -> moevlm_deepep::dispatch: buffer.dispatch(x, topk_idx, topk_w, layout)
+              V2: C = the group's largest T (an all-reduce), the buffer built or grown for it
+                  -> moevlm_deepep::dispatch_v2: buffer.dispatch(x, topk_idx, topk_w, E, C)
+              either -> R rows, their top-k as local expert ids (-1: not here), tokens per local expert
               -> local permute: each received row once per local choice, stable-sorted by local expert
     combine:  local un-permute, scaled by the received router weights (here, once), summed per row
-              -> moevlm_deepep::combine: buffer.combine(y_RD, handle) (DeepEP's sum is unweighted)
+              -> moevlm_deepep::combine: buffer.combine(y_RD, handle) (DeepEP's sum is unweighted, both APIs)
 
 Design choices:
-- `deep_ep` is imported only when a buffer is built (`_buffer`), so moevlm imports without it; the
-  availability gate (`availability.py`) refuses a missing package first, naming it.
-- One `deep_ep.Buffer` per EP group (module level, keyed by the group's name), built lazily on the first
-  dispatch with NVLink / RDMA sizes the package's own hints give (`get_dispatch_config(P)` and
-  `get_combine_config(P)`, each `get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` for the row
-  width, bf16 at least: the larger of the two); rebuilt only if a wider row needs more.
+- Which API: `api="auto"` (the default) drives V2's `ElasticBuffer` when the installed deep_ep has it,
+  else V1's `Buffer`; "v1" / "v2" force one (refused with the reason when the package lacks it).  V2
+  first: DeepEP main (v2.1) develops it and keeps V1 as legacy (`deep_ep/buffers/legacy.py`); it moves
+  the same tokens with fewer SMs, over NCCL instead of NVSHMEM, without a layout step; a V2 build still
+  carries V1, so "v1" stays one argument away (V2 needs NCCL >= 2.30.4 and torch >= 2.10).
+- `deep_ep` is imported only when a buffer is built or the API resolved (at the first dispatch), so
+  moevlm imports without it; the availability gate (`availability.py`) refuses a missing package first.
+- One buffer per EP group and API (module level, keyed by both), built lazily on the first dispatch.
+  V1: NVLink / RDMA sizes from the package's hints (`get_dispatch_config(P)` and `get_combine_config(P)`,
+  each `get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` for the row width, bf16 at least: the
+  larger of the two); rebuilt only if a wider row needs more.  V2: `ElasticBuffer.get_buffer_size_hint(
+  group, C, D, K)` with C the group's largest T rounded up to a power of two: every rank must dispatch
+  under the same C, at least its own T, so each dispatch all-reduces T (a functional collective: selective
+  recompute reuses it); rebuilt only for a larger C or D (DeepEP compiles its kernels per C).  V2 is built
+  with `explicitly_destroy=True`, as torchtitan does: its implicit destroy runs a cross-rank barrier
+  whenever Python collects the buffer; an outgrown buffer is dropped, never destroyed (rare: C doubles).
+- V2 runs its compact layout (`do_expand=False`, `do_cpu_sync=True`): exact received rows and the
+  per-expert host list in one sync.  Its rows come grouped by source rank, in an unspecified order within
+  one (source-token order when the buffer is deterministic: built so when torch's deterministic
+  algorithms are on).  Its expanding layout (rows grouped by expert in DeepEP's epilogue, combine reducing
+  them) would save our local permute: not built.
 - Router weights are applied on the expert's rank (the only place a token's per-expert outputs are
-  apart: DeepEP's combine sums them), from `recv_topk_weights`; their gradient goes back to the source
-  through the combine of `topk_weights` in dispatch's backward (each choice is local on one rank only,
-  the others carry 0).
-- The exchanges are `torch.library.custom_op`s with fakes (`moevlm_deepep::dispatch`, `combine` and
-  their backward ops) so selective recompute can save their outputs (`recompute.COMM_NAMESPACES`) and
-  torch.compile can trace around them.  An op cannot take DeepEP's opaque handle, so it lives in
-  `_HANDLES` under an int id carried by a one-element int64 CPU tensor; the entry goes when that tensor's
-  storage does (`weakref.finalize`; a detached alias, as selective recompute saves, keeps it): after
+  apart: DeepEP's combine sums them), from the received top-k weights (V1 zeroes the choices not on this
+  rank, V2 sends them all: the local permute reads the local ones only).  Their gradient goes back to
+  the source through the combine of `topk_weights` in dispatch's backward: V1 sums each slot over the
+  ranks, V2 takes it from the rank owning the slot's expert; the same here, the other ranks' being 0.
+- The exchanges are `torch.library.custom_op`s with fakes (`moevlm_deepep::dispatch`, `dispatch_v2`,
+  `combine` and the backward ops) so selective recompute can save their outputs
+  (`recompute.COMM_NAMESPACES`) and torch.compile can trace around them.  An op cannot take DeepEP's
+  opaque handle, so it lives in `moevlm.dispatch.handles` (with what a cached dispatch on it needs)
+  under an int id carried by a one-element int64 CPU tensor, until that tensor's storage goes: after
   backward, or at once when nothing needs grad.  Backward is the
-  opposite collective on the saved handle, as DeepEP's V1 tests do: dispatch's a combine (of the row
-  and the weight gradients), combine's a cached dispatch.
-- The one host sync is DeepEP's own (its per-expert list, here a CPU tensor): it sizes the local rows.
-  Received rows are in source-rank, then source-token order, so every expert's rows come out in the
-  order the `alltoall` dispatcher gives them.
-- Not built: V2 `ElasticBuffer`, low-latency mode, fp8 dispatch, `num_worst_tokens` (no-sync) mode,
-  async events / comm-stream overlap, expert tensor parallel.  Never run here against the real package:
-  the tests use an emulator of its documented API (tests/dispatch/deep_ep_emulator).
+  opposite collective on the saved handle, as DeepEP's tests do: dispatch's a combine (of the row and
+  the weight gradients), combine's a cached dispatch (V2: with the handle's SM count, since upstream
+  picks one from `num_experts` before the handle supplies it).
+- The one host sync is DeepEP's own (its per-expert list, here a CPU tensor): it sizes the local rows
+  (V2 adds the read of the all-reduced T).  Within an expert, rows keep the received order: V1 and a
+  deterministic V2 give the `alltoall` dispatcher's order (source rank, then source token).
+- Not built: V2's expanding layout and no-sync mode, V1's low-latency mode, fp8 dispatch,
+  `num_worst_tokens`, async events / comm-stream overlap, expert tensor parallel.  Rows go as they come
+  (fp32 in the tests); DeepEP takes bf16 (V2's combine asserts it).  Never run here against the real
+  package: the tests use an emulator of both APIs (tests/dispatch/deep_ep_emulator).
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,15 +70,34 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moevlm.dispatch.alltoall import _resolve_group
+from moevlm.dispatch.availability import DEEPEP_API_CLASS
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
+from moevlm.dispatch.handles import lookup, store
 from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan
 
-_BUFFERS: dict[str, object] = {}  # EP group name -> deep_ep.Buffer
-_HANDLES: dict[int, tuple[object, object]] = {}  # handle id -> (buffer, DeepEP handle)
-_ids = itertools.count()
+APIS = ("auto", *DEEPEP_API_CLASS)  # auto, v2, v1
+_BUFFERS: dict[tuple[str, str], object] = {}  # (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
 
 
-# ----------------------------------------------------------------- buffers and handles
+
+
+# ----------------------------------------------------------------- API, buffers and handles
+def resolve_api(api: str) -> str:
+    """The DeepEP API to drive for `api`: "v2" (`ElasticBuffer`) or "v1" (`Buffer`); "auto" takes V2
+    where the installed deep_ep offers it.  Imports deep_ep."""
+    from moevlm.dispatch.availability import unavailable_reason
+
+    if api not in APIS:
+        raise ValueError(f"deepep dispatcher api={api!r}; choose one of {list(APIS)}")
+    import deep_ep
+
+    if api == "auto":
+        return "v2" if hasattr(deep_ep, DEEPEP_API_CLASS["v2"]) else "v1"
+    if not hasattr(deep_ep, DEEPEP_API_CLASS[api]):
+        raise RuntimeError(f"deepep dispatcher api={api!r} cannot run: {unavailable_reason('deepep', api=api)}")
+    return api
+
+
 def _buffer(group, hidden_bytes: int):
     """The group's deep_ep.Buffer, with room for rows of `hidden_bytes` (built or grown here)."""
     from deep_ep import Buffer
@@ -68,23 +107,36 @@ def _buffer(group, hidden_bytes: int):
     for config in (Buffer.get_dispatch_config(P), Buffer.get_combine_config(P)):
         nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, P))
         rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, P))
-    have = _BUFFERS.get(group.group_name)
+    have = _BUFFERS.get(("v1", group.group_name))
     if have is None or have.num_nvl_bytes < nvl or have.num_rdma_bytes < rdma:
-        _BUFFERS[group.group_name] = have = Buffer(group, nvl, rdma)
+        _BUFFERS["v1", group.group_name] = have = Buffer(group, nvl, rdma)
     return have
 
 
-def _store(buffer, handle) -> Tensor:
-    """Keep (buffer, handle) under a fresh id, for as long as the returned id tensor lives."""
-    hid = next(_ids)
-    _HANDLES[hid] = (buffer, handle)
-    id_tensor = torch.tensor([hid], dtype=torch.int64)
-    weakref.finalize(id_tensor.untyped_storage(), _HANDLES.pop, hid, None)  # shared by its aliases (detach)
-    return id_tensor
+def _elastic_buffer(group, num_tokens: int, hidden: int, num_topk: int):
+    """The group's deep_ep.ElasticBuffer, with room for `num_tokens` tokens per rank of `hidden` (built or
+    grown here, on every rank of the group at once: `num_tokens` is the group's largest)."""
+    from deep_ep import ElasticBuffer
+
+    have = _BUFFERS.get(("v2", group.group_name))
+    if have is not None and have.num_max_tokens_per_rank >= num_tokens and have.num_bytes >= (
+            ElasticBuffer.get_buffer_size_hint(group, have.num_max_tokens_per_rank, hidden, num_topk)):
+        return have
+    bound = max(num_tokens, 1 if have is None else have.num_max_tokens_per_rank)
+    bound = 1 << (bound - 1).bit_length()  # a power of two: few rebuilds, few kernel variants
+    _BUFFERS["v2", group.group_name] = have = ElasticBuffer(
+        group, num_bytes=ElasticBuffer.get_buffer_size_hint(group, bound, hidden, num_topk),
+        num_max_tokens_per_rank=bound, hidden=hidden, num_topk=num_topk,
+        deterministic=torch.are_deterministic_algorithms_enabled(), explicitly_destroy=True)
+    return have
 
 
-def _lookup(handle_id: Tensor):
-    return _HANDLES[int(handle_id[0])]
+def _group_max_tokens(group, num_tokens: int, device) -> int:
+    """The largest token count any rank of `group` dispatches now (a functional all-reduce: selective
+    recompute reuses it; one host read)."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    return int(all_reduce(torch.tensor([num_tokens], dtype=torch.int64, device=device), "max", group)[0])
 
 
 # ----------------------------------------------------------------- the exchanges as custom ops
@@ -93,14 +145,14 @@ def deepep_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_token
                     num_tokens_per_rdma_rank: Optional[Tensor], is_token_in_rank: Tensor,
                     num_tokens_per_expert: Tensor, group_name: str
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """buffer.dispatch -> (recv_x_RD, recv_topk_idx_RK (local ids, -1), recv_topk_weights_RK, tokens per
+    """V1 buffer.dispatch -> (recv_x_RD, recv_topk_idx_RK (local ids, -1), recv_topk_weights_RK, tokens per
     local expert (CPU int64), handle id)."""
-    buffer = _BUFFERS[group_name]
+    buffer = _BUFFERS["v1", group_name]
     recv_x, recv_idx, recv_w, per_expert, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
         is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
         topk_weights=topk_weights)
-    return recv_x, recv_idx, recv_w, torch.tensor(per_expert, dtype=torch.int64), _store(buffer, handle)
+    return recv_x, recv_idx, recv_w, torch.tensor(per_expert, dtype=torch.int64), store(buffer, handle, {})
 
 
 @deepep_dispatch.register_fake
@@ -112,10 +164,29 @@ def _(x, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, 
             torch.empty(L, dtype=torch.int64), torch.empty(1, dtype=torch.int64))
 
 
+@torch.library.custom_op("moevlm_deepep::dispatch_v2", mutates_args=())
+def deepep_dispatch_v2(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, num_local_experts: int,
+                       group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """V2 buffer.dispatch (compact, with the CPU sync) under the buffer's C, as `deepep_dispatch`."""
+    buffer = _BUFFERS["v2", group_name]
+    recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+        num_max_tokens_per_rank=buffer.num_max_tokens_per_rank, do_cpu_sync=True)
+    per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
+    return recv_x, recv_idx, recv_w, per_expert, store(buffer, handle, {"num_sms": handle.num_sms})
+
+
+@deepep_dispatch_v2.register_fake
+def _(x, topk_idx, topk_weights, num_experts, num_local_experts, group_name):
+    R, K = torch.library.get_ctx().new_dynamic_size(), topk_idx.shape[1]
+    return (x.new_empty(R, x.shape[1]), topk_idx.new_empty(R, K), topk_weights.new_empty(R, K),
+            torch.empty(num_local_experts, dtype=torch.int64), torch.empty(1, dtype=torch.int64))
+
+
 @torch.library.custom_op("moevlm_deepep::combine", mutates_args=())
 def deepep_combine(y: Tensor, handle_id: Tensor, num_tokens: int) -> Tensor:
     """buffer.combine: the unweighted sum, per source token, of the rows sent back."""
-    buffer, handle = _lookup(handle_id)
+    buffer, handle, _ = lookup(handle_id)
     return buffer.combine(y, handle)[0]
 
 
@@ -128,7 +199,7 @@ def _(y, handle_id, num_tokens):
 def deepep_dispatch_backward(grad_x: Tensor, grad_weights: Tensor, handle_id: Tensor,
                              num_tokens: int) -> tuple[Tensor, Tensor]:
     """dispatch's backward: a combine of the row and the top-k weight gradients on the saved handle."""
-    buffer, handle = _lookup(handle_id)
+    buffer, handle, _ = lookup(handle_id)
     gx, gw, _ = buffer.combine(grad_x.contiguous(), handle, topk_weights=grad_weights.contiguous())
     return gx, gw
 
@@ -141,8 +212,8 @@ def _(grad_x, grad_weights, handle_id, num_tokens):
 @torch.library.custom_op("moevlm_deepep::combine_backward", mutates_args=())
 def deepep_combine_backward(grad_y: Tensor, handle_id: Tensor, num_rows: int) -> Tensor:
     """combine's backward: a cached dispatch (the saved handle's layout, no top-k)."""
-    buffer, handle = _lookup(handle_id)
-    return buffer.dispatch(grad_y.contiguous(), handle=handle)[0]
+    buffer, handle, redispatch = lookup(handle_id)
+    return buffer.dispatch(grad_y.contiguous(), handle=handle, **redispatch)[0]
 
 
 @deepep_combine_backward.register_fake
@@ -152,7 +223,7 @@ def _(grad_y, handle_id, num_rows):
 
 def _dispatch_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
-    ctx.num_tokens = inputs[0].shape[0]
+    ctx.num_tokens, ctx.num_inputs = inputs[0].shape[0], len(inputs)
     ctx.shapes, ctx.dtypes = (output[0].shape, output[2].shape), (output[0].dtype,)
 
 
@@ -161,7 +232,7 @@ def _dispatch_grad(ctx, grad_x, grad_idx, grad_w, grad_counts, grad_id):
     grad_x = torch.zeros(ctx.shapes[0], dtype=ctx.dtypes[0]) if grad_x is None else grad_x
     grad_w = torch.zeros(ctx.shapes[1], dtype=torch.float32) if grad_w is None else grad_w
     gx, gw = deepep_dispatch_backward(grad_x, grad_w, handle_id, ctx.num_tokens)
-    return gx, None, gw, None, None, None, None, None
+    return gx, None, gw, *[None] * (ctx.num_inputs - 3)  # x, topk_idx, topk_weights, then the layout / ints
 
 
 def _combine_setup(ctx, inputs, output):
@@ -175,6 +246,7 @@ def _combine_grad(ctx, grad):
 
 
 deepep_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
+deepep_dispatch_v2.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 deepep_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
 
 
@@ -192,7 +264,7 @@ def local_rows_plan(recv_topk_idx_RK: Tensor, recv_topk_w_RK: Tensor, num_local_
 @dataclass
 class DeepEPHandle:
     rows: RowsState  # the local permute: received row and router weight of every expert row
-    handle_id: Tensor  # DeepEP's handle, in _HANDLES
+    handle_id: Tensor  # DeepEP's handle, in moevlm.dispatch.handles
     num_tokens: int  # T on this rank
 
 
@@ -200,22 +272,26 @@ class DeepEPHandle:
 class DeepEPDispatcher(TokenDispatcher):
     name = "deepep"
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, permute: str = "torch"):
+    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, permute: str = "torch",
+                 api: str = "auto"):
         super().__init__(num_experts, top_k)
         reason = self.unavailable_reason(num_experts=num_experts, ep_group=ep_group, etp_group=etp_group,
-                                         permute=permute, check_package=False)
+                                         permute=permute, api=api, check_package=False)
         if reason is not None:
             raise ValueError(reason)
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
         self.num_local_experts = num_experts // self.ep_size
+        self.api, self._api = api, None  # as asked; as resolved at the first use ("v1" / "v2")
         self.buffer = None
 
     @classmethod
     def unavailable_reason(cls, num_experts: int, ep_group=None, etp_group=None, permute: str = "torch",
-                           check_package: bool = True, **kwargs) -> str | None:
+                           api: str = "auto", check_package: bool = True, **kwargs) -> str | None:
         from moevlm.dispatch.availability import deepep_layout_problem, launch_ranks_per_node, unavailable_reason
 
-        reason = unavailable_reason("deepep") if check_package else None
+        if api not in APIS:
+            return f"moevlm's deepep adapter takes api='auto', 'v2' or 'v1' (api={api!r})"
+        reason = unavailable_reason("deepep", api=api) if check_package else None
         if reason is not None:
             return reason
         if etp_group is not None and dist.get_world_size(etp_group) > 1:
@@ -225,9 +301,18 @@ class DeepEPDispatcher(TokenDispatcher):
             return f"moevlm's deepep adapter permutes with torch only (model.permute={permute!r})"
         return deepep_layout_problem(_resolve_group(ep_group)[1], num_experts, launch_ranks_per_node())
 
+    @property
+    def resolved_api(self) -> str:
+        """"v1" or "v2": the API this dispatcher drives (`resolve_api`, once; imports deep_ep)."""
+        if self._api is None:
+            self._api = resolve_api(self.api)
+        return self._api
+
     def preprocess(self, topk_idx_TK, topk_w_TK):
-        """DeepEP's layout of this routing (tokens per rank, per RDMA rank, per expert, token x rank map);
-        needs the group's buffer (built by the first `dispatch`)."""
+        """V1: DeepEP's layout of this routing (tokens per rank, per RDMA rank, per expert, token x rank map);
+        needs the group's buffer (built by the first `dispatch`).  V2 has no such step: None."""
+        if self.resolved_api == "v2":
+            return None
         if self.buffer is None:
             raise RuntimeError("DeepEPDispatcher.preprocess runs inside dispatch (the buffer is built there)")
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx_TK,
@@ -235,11 +320,18 @@ class DeepEPDispatcher(TokenDispatcher):
         return per_rank, per_rdma_rank, per_expert, in_rank
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
-        self.buffer = _buffer(self.group, x_TD.shape[1] * max(x_TD.element_size(), 2))
-        per_rank, per_rdma_rank, per_expert, in_rank = self.preprocess(topk_idx_TK, topk_w_TK)
-        recv_x_RD, recv_idx_RK, recv_w_RK, per_local_expert, handle_id = deepep_dispatch(
-            x_TD, topk_idx_TK, topk_w_TK.float(), per_rank, per_rdma_rank, in_rank, per_expert,
-            self.group.group_name)
+        topk_idx_TK, topk_w_TK = topk_idx_TK.contiguous(), topk_w_TK.float().contiguous()
+        if self.resolved_api == "v2":
+            C = _group_max_tokens(self.group, x_TD.shape[0], x_TD.device)
+            self.buffer = _elastic_buffer(self.group, C, x_TD.shape[1], self.top_k)
+            received = deepep_dispatch_v2(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.num_local_experts,
+                                          self.group.group_name)
+        else:
+            self.buffer = _buffer(self.group, x_TD.shape[1] * max(x_TD.element_size(), 2))
+            per_rank, per_rdma_rank, per_expert, in_rank = self.preprocess(topk_idx_TK, topk_w_TK)
+            received = deepep_dispatch(x_TD, topk_idx_TK, topk_w_TK, per_rank, per_rdma_rank, in_rank, per_expert,
+                                       self.group.group_name)
+        recv_x_RD, recv_idx_RK, recv_w_RK, per_local_expert, handle_id = received
         M = int(per_local_expert.sum())  # a CPU tensor: DeepEP's host list, no further sync
         row_M, weight_M, counts_L = local_rows_plan(recv_idx_RK, recv_w_RK, self.num_local_experts, M)
         rows = RowsState(recv_x_RD.shape[0], token_idx_N=row_M, weight_N=weight_M)

@@ -94,8 +94,9 @@ class ModelConfig:
                 "(ours; needs the triton package)"})
     dispatcher: str = field(default="auto", metadata={
         "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
-                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep (DeepEP's V1 Buffer: needs "
-                "the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a multiple of 8 ranks), hybridep "
+                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep (DeepEP's V2 ElasticBuffer, "
+                "else its V1 Buffer: needs the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a "
+                "multiple of 8 ranks), hybridep "
                 "(DeepEP's hybrid-ep branch, HybridEPBuffer: CUDA only, experts-per-rank x ranks-per-node a multiple "
                 "of 4); neither was run on a real GPU cluster by moevlm yet; one that cannot run is refused, or "
                 "replaced as model.dispatcher_fallback says"})

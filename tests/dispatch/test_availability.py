@@ -62,13 +62,17 @@ def adapters_built(monkeypatch):
 MISSING = {
     "deepep": ("model.dispatcher='deepep' cannot run: the deep_ep package is not installed (DeepEP is built from "
                "source against CUDA: git clone https://github.com/deepseek-ai/DeepEP, then pip install . in the "
-               "clone, with NVSHMEM for internode and low-latency modes; the PyPI deep-ep is only a stub); use "
-               "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it"),
+               "clone, with NCCL >= 2.30.4 for V2's ElasticBuffer and NVSHMEM for V1's internode and low-latency "
+               "modes; the PyPI deep-ep is only a stub); use model.dispatcher=alltoall, or "
+               "model.dispatcher_fallback=alltoall to fall back to it"),
     "hybridep": ("model.dispatcher='hybridep' cannot run: the deep_ep package is not installed (HybridEP is "
                  "DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
                  "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone); use "
                  "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it"),
 }
+
+
+INSTALL_DEEPEP = MISSING["deepep"].split("not installed (")[1].split("); use model.")[0]
 
 
 @pytest.mark.parametrize("name", ["deepep", "hybridep"])
@@ -130,7 +134,7 @@ def test_present_package_without_our_adapter_says_not_built(fake_deep_ep, no_dee
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
     assert str(err.value) == ("model.dispatcher='deepep' cannot run: the deep_ep package is installed (it offers "
-                              "Buffer) but moevlm's deepep adapter is not built yet (issue 18); use "
+                              "ElasticBuffer, Buffer) but moevlm's deepep adapter is not built yet (issue 18); use "
                               "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it")
     assert "not installed" not in str(err.value)
     assert unavailable_reason("hybridep") == ("the deep_ep package is installed (it offers HybridEPBuffer) but "
@@ -146,11 +150,26 @@ def test_main_branch_without_hybridep_names_the_branch(fake_deep_ep, adapters_bu
         "the clone)")
 
 
-def test_v2_only_package_is_refused_by_our_v1_adapter(fake_deep_ep, adapters_built):
+def test_v2_only_package_is_taken_unless_v1_is_asked(fake_deep_ep):
+    """moevlm's deepep adapter drives V2's ElasticBuffer (moevlm/dispatch/deepep.py); api='v1' asks for Buffer."""
     fake_deep_ep("v2_only")
     assert probe_package().classes == ("ElasticBuffer",)
-    assert "has no Buffer (moevlm's adapter uses the V1 Buffer; V2's ElasticBuffer is not supported yet)" in (
-        unavailable_reason("deepep"))
+    assert unavailable_reason("deepep") is None and unavailable_reason("deepep", api="v2") is None
+    assert validate(compose_job(["model.dispatcher=deepep", *EP2]), 2).model.moe.dispatcher == "deepep"
+    assert unavailable_reason("deepep", api="v1") == (
+        "the installed deep_ep package has no Buffer (the deepep dispatcher's api='v1' drives it; api='auto' takes "
+        f"whichever of ElasticBuffer or Buffer is there) ({INSTALL_DEEPEP})")
+
+
+def test_v1_only_package_is_taken_unless_v2_is_asked(fake_deep_ep):
+    fake_deep_ep("v1_only")
+    assert probe_package().classes == ("Buffer",)
+    assert unavailable_reason("deepep") is None and unavailable_reason("deepep", api="v1") is None
+    assert unavailable_reason("deepep", api="v2") == (
+        "the installed deep_ep package has no ElasticBuffer (the deepep dispatcher's api='v2' drives it; api='auto' "
+        f"takes whichever of ElasticBuffer or Buffer is there) ({INSTALL_DEEPEP})")
+    with pytest.raises(ValueError, match="api='v2' for 'hybridep'; only deepep takes one"):
+        unavailable_reason("hybridep", api="v2")
 
 
 def test_broken_cuda_build_is_reported_not_missing(fake_deep_ep):
@@ -163,9 +182,7 @@ def test_broken_cuda_build_is_reported_not_missing(fake_deep_ep):
     assert str(err.value).splitlines() == [
         "model.dispatcher='deepep' cannot run: the deep_ep package is installed but does not import (OSError: "
         "libnvshmem_host.so.3: cannot open shared object file: No such file or directory): a build for another "
-        "CUDA or torch; rebuild it on this machine (DeepEP is built from source against CUDA: git clone "
-        "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone, with NVSHMEM for internode and "
-        "low-latency modes; the PyPI deep-ep is only a stub); use model.dispatcher=alltoall, or "
+        f"CUDA or torch; rebuild it on this machine ({INSTALL_DEEPEP}); use model.dispatcher=alltoall, or "
         "model.dispatcher_fallback=alltoall to fall back to it"]
 
 

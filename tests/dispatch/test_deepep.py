@@ -1,12 +1,14 @@
 """The `deepep` dispatcher (moevlm/dispatch/deepep.py) against the `alltoall` dispatcher, on CPU gloo ranks.
 
 The real DeepEP cannot run here: `deep_ep` is the TEST EMULATOR in deep_ep_emulator/ (its README says
-which upstream V1 semantics it follows), put first on sys.path.  One 4-rank launch checks DeepEP groups
-of 4 (the world) and of 2 (two subgroups): outputs and gradients w.r.t. x, router weights and expert
-weights equal to alltoall's (<= 1e-6 relative), with an idle expert and a rank nothing is routed to, and
-a rank that sends nothing; the same under selective recompute (the deepep ops' outputs saved); the handle
-cache empties; a group of one is refused.  Index logic and the
-gate's words are checked without processes.
+which upstream V1 and V2 semantics it follows), put first on sys.path.  One 4-rank launch checks both APIs
+(api="v1": `Buffer`, api="v2": `ElasticBuffer`) on DeepEP groups of 4 (the world) and of 2 (two
+subgroups): outputs and gradients w.r.t. x, router weights and expert weights equal to alltoall's (<= 1e-6
+relative), with an idle expert and a rank nothing is routed to, and a rank that sends nothing; the same
+under selective recompute (the deepep ops' outputs saved: DeepEP's dispatch is not run again); the handle
+cache empties; api="auto" takes V2; a group of one is refused.  Index logic, the choice of API on
+packages with one of the two (the fakes in fake_deep_ep/) and the gate's words are checked without
+processes.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from gloo_ranks import run_ranks
 from moevlm.dispatch import DISPATCHERS, build_dispatcher
-from moevlm.dispatch.deepep import _HANDLES, DeepEPDispatcher, local_rows_plan
+from moevlm.dispatch.deepep import DeepEPDispatcher, local_rows_plan, resolve_api
+from moevlm.dispatch.handles import HANDLES
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.parallel.recompute import save_communication
 
 EMULATOR = Path(__file__).parent / "deep_ep_emulator"
+FAKES = Path(__file__).parent / "fake_deep_ep"
 E, K, D = 8, 2, 6
 REL = 1e-6
 
@@ -65,6 +69,37 @@ def test_registered_and_importable_without_deep_ep(monkeypatch):
     assert "adapter" not in reason
     with pytest.raises(RuntimeError, match="dispatcher 'deepep' cannot run: the deep_ep package is not installed"):
         build_dispatcher("deepep", num_experts=E, top_k=K)
+
+
+def test_api_v2_without_elastic_buffer_fails_clearly(monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKES / "v1_only"))  # a deep_ep from before V2: Buffer alone
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    try:
+        with pytest.raises(RuntimeError, match=r"^dispatcher 'deepep' cannot run: the installed deep_ep package has "
+                                               r"no ElasticBuffer \(the deepep dispatcher's api='v2' drives it; "
+                                               r"api='auto' takes whichever of ElasticBuffer or Buffer is there\)"):
+            build_dispatcher("deepep", num_experts=E, top_k=K, api="v2")
+        with pytest.raises(RuntimeError, match=r"^deepep dispatcher api='v2' cannot run: the installed deep_ep "
+                                               r"package has no ElasticBuffer"):
+            resolve_api("v2")  # what a dispatcher built directly meets at its first dispatch
+        assert resolve_api("auto") == "v1"
+        with pytest.raises(RuntimeError, match=r"cannot run: moevlm's deepep adapter takes api='auto', 'v2' or "
+                                               r"'v1' \(api='v3'\)"):
+            build_dispatcher("deepep", num_experts=E, top_k=K, api="v3")
+    finally:
+        sys.modules.pop("deep_ep", None)
+
+
+def test_auto_takes_v2_where_there(monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKES / "v2_only"))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    try:
+        assert resolve_api("auto") == "v2" and resolve_api("v2") == "v2"
+        with pytest.raises(RuntimeError, match=r"^deepep dispatcher api='v1' cannot run: the installed deep_ep "
+                                               r"package has no Buffer"):
+            resolve_api("v1")
+    finally:
+        sys.modules.pop("deep_ep", None)
 
 
 def test_one_rank_is_refused(emulated_deep_ep):
@@ -105,7 +140,7 @@ def _run(d, x0, idx, w0, W0, g, recompute=False):
         hid = int(h.handle_id)
         del h, ex
         gc.collect()
-        assert hid in _HANDLES
+        assert hid in HANDLES
     (y * g).sum().backward()
     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (x, w, W)]
     return [y, *grads], counts
@@ -127,16 +162,17 @@ def _count_layout_dispatches(buffer) -> list[int]:
     return calls
 
 
-def _check(name, group, W_EDD, worst):
+def _check(api, name, group, W_EDD, worst):
     P, r = dist.get_world_size(group), dist.get_rank(group)
     L = E // P
     x0, idx, w0, g = _scenario(name, dist.get_rank(), r, L)
     W0 = W_EDD[r * L:(r + 1) * L]
-    deep = build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=group)
+    deep = build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=group, api=api)
     ref = build_dispatcher("alltoall", num_experts=E, top_k=K, ep_group=group)
     got, counts = _run(deep, x0, idx, w0, W0, g)
     want, counts_ref = _run(ref, x0, idx, w0, W0, g)
-    where = f"{name} EP={P} rank {dist.get_rank()}"
+    where = f"{api} {name} EP={P} rank {dist.get_rank()}"
+    assert deep.resolved_api == api, where
     assert counts.tolist() == counts_ref.tolist(), where
     if name == "idle":  # rank 0 gets nothing, the last expert nothing
         assert counts.sum() == 0 or r != 0, where
@@ -144,8 +180,9 @@ def _check(name, group, W_EDD, worst):
     calls = _count_layout_dispatches(deep.buffer)
     recomputed, _ = _run(deep, x0, idx, w0, W0, g, recompute=True)
     assert calls == [1], f"{where}: recompute ran DeepEP's dispatch again ({calls})"  # its outputs were saved
-    for label, a, b in [*zip(("y", "dx", "dw", "dW"), got, want),
-                        *zip(("recompute y", "recompute dx", "recompute dw", "recompute dW"), recomputed, want)]:
+    for label, a, b in [*zip((f"{api} y", f"{api} dx", f"{api} dw", f"{api} dW"), got, want),
+                        *zip((f"{api} recompute y", f"{api} recompute dx", f"{api} recompute dw",
+                              f"{api} recompute dW"), recomputed, want)]:
         err = _rel(a, b)
         worst[label] = max(worst.get(label, 0.0), err)
         assert err <= REL, f"{where}: {label} relative error {err:.2e}"
@@ -163,11 +200,13 @@ def _four_ranks(rank, emulator, out):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     solo = [dist.new_group([p]) for p in range(4)]
     worst = {}
-    for group in (dist.group.WORLD, pairs[rank // 2]):
-        for name in ("random", "idle", "silent"):
-            _check(name, group, W_EDD, worst)
+    assert build_dispatcher("deepep", num_experts=E, top_k=K).resolved_api == "v2"  # the emulator offers both
+    for api in ("v1", "v2"):
+        for group in (dist.group.WORLD, pairs[rank // 2]):
+            for name in ("random", "idle", "silent"):
+                _check(api, name, group, W_EDD, worst)
     gc.collect()
-    assert not _HANDLES, f"handles left: {sorted(_HANDLES)}"
+    assert not HANDLES, f"handles left: {sorted(HANDLES)}"
     with pytest.raises(RuntimeError, match="DeepEP needs an expert-parallel group of at least 2 ranks"):
         build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=solo[rank])
     errs = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)

@@ -1,5 +1,5 @@
-"""TEST DOUBLE, not DeepEP: a `deep_ep` offering only the V2 `ElasticBuffer` (by name), for the gate's test
-that our V1 adapter refuses it with the reason.  Nothing here can run."""
+"""TEST DOUBLE, not DeepEP: a `deep_ep` offering only the V2 `ElasticBuffer` (by name), for the gate's tests
+that the deepep adapter takes it (and that api='v1' is refused).  Nothing here can run."""
 
 
 class ElasticBuffer:
