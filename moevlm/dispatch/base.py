@@ -74,6 +74,15 @@ def dense_routing(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
     return routing_map_TE, probs_TE
 
 
+def group_max_tokens(group, num_tokens: int, device) -> int:
+    """The largest token count any rank of `group` dispatches now, for backends that size a buffer or an
+    all-gather by it (DeepEP V2, HybridEP): a functional all-reduce (selective recompute reuses it) and one
+    host read."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    return int(all_reduce(torch.tensor([num_tokens], dtype=torch.int64, device=device), "max", group)[0])
+
+
 DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
 _fallbacks_logged: set[tuple[str, str]] = set()
 

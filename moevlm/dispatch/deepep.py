@@ -71,7 +71,7 @@ from torch import Tensor
 
 from moevlm.dispatch.alltoall import _resolve_group
 from moevlm.dispatch.availability import DEEPEP_API_CLASS
-from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
+from moevlm.dispatch.base import TokenDispatcher, group_max_tokens, register_dispatcher
 from moevlm.dispatch.handles import lookup, store
 from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan
 
@@ -129,14 +129,6 @@ def _elastic_buffer(group, num_tokens: int, hidden: int, num_topk: int):
         num_max_tokens_per_rank=bound, hidden=hidden, num_topk=num_topk,
         deterministic=torch.are_deterministic_algorithms_enabled(), explicitly_destroy=True)
     return have
-
-
-def _group_max_tokens(group, num_tokens: int, device) -> int:
-    """The largest token count any rank of `group` dispatches now (a functional all-reduce: selective
-    recompute reuses it; one host read)."""
-    from torch.distributed._functional_collectives import all_reduce
-
-    return int(all_reduce(torch.tensor([num_tokens], dtype=torch.int64, device=device), "max", group)[0])
 
 
 # ----------------------------------------------------------------- the exchanges as custom ops
@@ -322,7 +314,7 @@ class DeepEPDispatcher(TokenDispatcher):
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         topk_idx_TK, topk_w_TK = topk_idx_TK.contiguous(), topk_w_TK.float().contiguous()
         if self.resolved_api == "v2":
-            C = _group_max_tokens(self.group, x_TD.shape[0], x_TD.device)
+            C = group_max_tokens(self.group, x_TD.shape[0], x_TD.device)
             self.buffer = _elastic_buffer(self.group, C, x_TD.shape[1], self.top_k)
             received = deepep_dispatch_v2(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.num_local_experts,
                                           self.group.group_name)

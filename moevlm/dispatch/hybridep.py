@@ -56,7 +56,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from moevlm.dispatch.alltoall import _check_capacity, _resolve_group
-from moevlm.dispatch.base import TokenDispatcher, dense_routing, register_dispatcher
+from moevlm.dispatch.base import TokenDispatcher, dense_routing, group_max_tokens, register_dispatcher
 from moevlm.dispatch.capacity import expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, store
 
@@ -253,9 +253,7 @@ class HybridEPDispatcher(TokenDispatcher):
             return self.max_tokens_per_rank
         if self.capacity_factor is not None:
             return num_tokens
-        largest = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        return int(largest.item())  # the dropless mode's one extra host read
+        return group_max_tokens(self.group, num_tokens, device)  # the dropless mode's one extra host read
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         (T, K), D, E, L = topk_idx_TK.shape, x_TD.shape[1], self.num_experts, self.num_local_experts
