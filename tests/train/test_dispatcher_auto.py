@@ -60,11 +60,13 @@ def test_local_with_expert_parallel_and_unknown_names_are_refused():
 
 @pytest.mark.parametrize("path", sorted((REPO / "conf" / "experiment").glob("*.yaml")), ids=lambda p: p.stem)
 def test_experiments_resolve_to_a_concrete_dispatcher(path):
-    """The recipes with ep > 1 rely on auto for alltoall; one GPU is local; h100_deepep names deepep (its
-    adapter is built; checked for another machine, so the package is not looked for)."""
+    """The recipes with ep > 1 rely on auto for alltoall; one GPU is local; h100_deepep names deepep and
+    gb200_hybridep hybridep (their adapters are built; checked for another machine, so the package is not
+    looked for)."""
     job = compose_job([f"+experiment={path.stem}", SHARDS])
-    if path.stem == "h100_deepep":
-        assert validate(job, job.parallel.world_size, environment=False).model.moe.dispatcher == "deepep"
+    named = {"h100_deepep": "deepep", "gb200_hybridep": "hybridep"}
+    if path.stem in named:
+        assert validate(job, job.parallel.world_size, environment=False).model.moe.dispatcher == named[path.stem]
         return
     plan = validate(job, job.parallel.world_size or 1, environment=False)  # GPU recipes, checked here
     want = "alltoall" if plan.dims.ep * plan.dims.etp > 1 else "local"
