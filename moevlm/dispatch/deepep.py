@@ -72,7 +72,7 @@ from torch import Tensor
 from moevlm.dispatch.alltoall import _resolve_group
 from moevlm.dispatch.availability import DEEPEP_API_CLASS
 from moevlm.dispatch.base import TokenDispatcher, group_max_tokens, register_dispatcher
-from moevlm.dispatch.handles import lookup, store
+from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan
 
 APIS = ("auto", *DEEPEP_API_CLASS)  # auto, v2, v1
@@ -227,19 +227,9 @@ def _dispatch_grad(ctx, grad_x, grad_idx, grad_w, grad_counts, grad_id):
     return gx, None, gw, *[None] * (ctx.num_inputs - 3)  # x, topk_idx, topk_weights, then the layout / ints
 
 
-def _combine_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-    ctx.num_rows = inputs[0].shape[0]
-
-
-def _combine_grad(ctx, grad):
-    (handle_id,) = ctx.saved_tensors
-    return deepep_combine_backward(grad, handle_id, ctx.num_rows), None, None
-
-
 deepep_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 deepep_dispatch_v2.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
-deepep_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
+register_combine_autograd(deepep_combine, deepep_combine_backward)
 
 
 # ----------------------------------------------------------------- local permute (pure index logic)

@@ -31,3 +31,17 @@ def store(*entry) -> torch.Tensor:
 
 def lookup(handle_id: torch.Tensor) -> tuple:
     return HANDLES[int(handle_id[0])]
+
+
+def register_combine_autograd(combine_op, backward_op) -> None:
+    """Autograd of a `combine_op(y, handle_id, num_tokens)` exchange: the gradient of y is
+    `backward_op(grad, handle_id, rows of y)`, a cached dispatch on the same handle."""
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+        ctx.num_rows = inputs[0].shape[0]
+
+    def grad(ctx, grad_out):
+        (handle_id,) = ctx.saved_tensors
+        return backward_op(grad_out, handle_id, ctx.num_rows), None, None
+
+    combine_op.register_autograd(grad, setup_context=setup)

@@ -58,7 +58,7 @@ from torch import Tensor
 from moevlm.dispatch.alltoall import _check_capacity, _resolve_group
 from moevlm.dispatch.base import TokenDispatcher, dense_routing, group_max_tokens, register_dispatcher
 from moevlm.dispatch.capacity import expert_capacity, in_backward
-from moevlm.dispatch.handles import lookup, store
+from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 
 _BUFFERS: dict[str, tuple[object, tuple[int, int, int]]] = {}  # EP group name -> (buffer, (hidden, T', L))
 
@@ -159,18 +159,8 @@ def _dispatch_grad(ctx, grad_rows, grad_probs, grad_counts, grad_flag, grad_id):
     return gx, None, gprobs, None, None, None, None
 
 
-def _combine_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-    ctx.num_rows = inputs[0].shape[0]
-
-
-def _combine_grad(ctx, grad):
-    (handle_id,) = ctx.saved_tensors
-    return hybridep_combine_backward(grad, handle_id, ctx.num_rows), None, None
-
-
 hybridep_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
-hybridep_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
+register_combine_autograd(hybridep_combine, hybridep_combine_backward)
 
 
 # ----------------------------------------------------------------- index logic (pure, no host reads)
