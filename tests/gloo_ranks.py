@@ -7,6 +7,8 @@ exception on any rank fails the launch with that rank's traceback.
 """
 
 import datetime
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,3 +28,12 @@ def _rank(rank: int, check, world: int, init_file: str, args: tuple, timeout_s: 
         dist.barrier()  # every rank done before any tears down (a rank once died with SIGABRT, "terminate
     finally:  # called without an active exception", in teardown; cause not established, the barrier is cheap)
         dist.destroy_process_group()
+
+
+def write_max_over_ranks(values: dict, out: str) -> None:
+    """Every rank's `values` (name -> float, the same names everywhere), their max over the world written
+    by rank 0 to `out` as JSON (read back with `json.loads`)."""
+    t = torch.tensor([values[k] for k in sorted(values)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(dict(zip(sorted(values), t.tolist()))))

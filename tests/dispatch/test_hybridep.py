@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, write_max_over_ranks
 from moevlm.dispatch import DISPATCHERS, build_dispatcher
 from moevlm.dispatch.handles import HANDLES
 from moevlm.dispatch.hybridep import HybridEPDispatcher, dropped_rows, fit_counts, permuted_budget
@@ -274,10 +274,7 @@ def _four_ranks(rank, emulator, out):
     assert not HANDLES, f"handles left: {sorted(HANDLES)}"
     with pytest.raises(RuntimeError, match="HybridEP needs an expert-parallel group of at least 2 ranks"):
         build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=solo[rank])
-    errs = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)
-    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        Path(out).write_text(json.dumps(dict(zip(sorted(worst), errs.tolist()))))
+    write_max_over_ranks(worst, out)
 
 
 def test_hybridep_equals_alltoall_on_4_and_2_ranks(tmp_path):
