@@ -42,6 +42,7 @@ DEEPEP_INTRANODE = (2, 4, 8)  # ranks of one DeepEP group within a node
 DEEPEP_NODE = 8  # ranks per node of an internode DeepEP group (its NVLink peers)
 HYBRIDEP_ALIGN = 4  # HybridEP: experts-per-rank x ranks-per-node must be a multiple of this
 HYBRIDEP_MAX_NVLINK = 72  # the largest NVLink domain HybridEP detects
+HYBRIDEP_DEFAULT_DOMAIN = 8  # HybridEP's NVLink domain when NVLINK_DOMAIN_SIZE is not set
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,13 @@ def unavailable_reason(backend: str, check_package: bool = True, api: str = "aut
 
 
 # ----------------------------------------------------------------- layouts
+def hybridep_domain_size() -> int:
+    """The NVLink domain HybridEP assumes for this launch: NVLINK_DOMAIN_SIZE, which HybridEP itself reads
+    (set it to 72 on an NVL72 rack), else HybridEP's default of 8."""
+    value = os.environ.get("NVLINK_DOMAIN_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else HYBRIDEP_DEFAULT_DOMAIN
+
+
 def launch_ranks_per_node() -> int | None:
     """Ranks per node of this launch (torchrun's LOCAL_WORLD_SIZE), None when not launched so."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -133,9 +141,10 @@ def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None 
 
 def hybridep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None,
                             tokens_per_chunk: int | None = None) -> str | None:
-    """Why HybridEP cannot take an EP group of `ep` ranks, or None: at least 2 ranks, the experts split evenly, and with R
-    the group's ranks in one NVLink domain (min(ep, ranks_per_node); ep when unknown), experts-per-rank x R
-    and tokens-per-chunk x R (when given: the adapter's setting) are multiples of 4; R is at most 72."""
+    """Why HybridEP cannot take an EP group of `ep` ranks, or None: at least 2 ranks, the experts split
+    evenly, and with R the group's ranks in one NVLink domain (min(ep, ranks_per_node), the domain's size
+    being `hybridep_domain_size()` on this machine; ep when unknown), experts-per-rank x R and
+    tokens-per-chunk x R (when given: the adapter's setting) are multiples of 4; R is at most 72."""
     if ep < 2:
         return f"HybridEP needs an expert-parallel group of at least 2 ranks (parallel.ep={ep})"
     if num_experts % ep:
@@ -153,3 +162,6 @@ def hybridep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | Non
 
 
 LAYOUT_PROBLEMS = {"deepep": deepep_layout_problem, "hybridep": hybridep_layout_problem}
+# the node size each rule takes on this machine: DeepEP's NVLink peers are the launch's ranks per node,
+# HybridEP's the NVLink domain it is told of
+LAUNCH_NODE_SIZE = {"deepep": launch_ranks_per_node, "hybridep": hybridep_domain_size}

@@ -224,7 +224,7 @@ class HybridEPDispatcher(TokenDispatcher):
     @classmethod
     def unavailable_reason(cls, num_experts: int, ep_group=None, etp_group=None, check_package: bool = True,
                            **kwargs) -> str | None:
-        from moevlm.dispatch.availability import hybridep_layout_problem, launch_ranks_per_node, unavailable_reason
+        from moevlm.dispatch.availability import hybridep_domain_size, hybridep_layout_problem, unavailable_reason
 
         reason = unavailable_reason("hybridep") if check_package else None
         if reason is not None:
@@ -232,7 +232,7 @@ class HybridEPDispatcher(TokenDispatcher):
         if etp_group is not None and dist.get_world_size(etp_group) > 1:
             return (f"moevlm's hybridep adapter has no expert tensor parallel (parallel.etp="
                     f"{dist.get_world_size(etp_group)}); use parallel.etp=1, or model.dispatcher=alltoall")
-        return hybridep_layout_problem(_resolve_group(ep_group)[1], num_experts, launch_ranks_per_node())
+        return hybridep_layout_problem(_resolve_group(ep_group)[1], num_experts, hybridep_domain_size())
 
     def padded_tokens(self, num_tokens: int, device) -> int:
         """T' (see the module docstring)."""

@@ -652,12 +652,14 @@ def _dispatcher_unavailable(m, environment: bool) -> str | None:
 
 def _dispatcher_layout_problem(m, dims: ParallelDims, num_experts: int, environment: bool) -> str | None:
     """A gated backend's rank and expert-count rules (moevlm.dispatch.availability) under this layout; the
-    node size is the launch's (LOCAL_WORLD_SIZE) when checking this machine, else unknown."""
-    from moevlm.dispatch.availability import LAYOUT_PROBLEMS, launch_ranks_per_node
+    node size is this machine's when checking it (DeepEP: the launch's LOCAL_WORLD_SIZE; HybridEP: its
+    NVLINK_DOMAIN_SIZE, default 8), else unknown."""
+    from moevlm.dispatch.availability import LAUNCH_NODE_SIZE, LAYOUT_PROBLEMS
 
     if m.dispatcher not in GATED_DISPATCHERS or not num_experts:
         return None
-    problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, launch_ranks_per_node() if environment else None)
+    node = LAUNCH_NODE_SIZE[m.dispatcher]() if environment else None
+    problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, node)
     _check(problem is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, problem))
     return problem
 

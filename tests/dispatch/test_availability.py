@@ -278,3 +278,18 @@ def test_hybridep_takes_the_capacity_mode_and_fp8_padding(adapters_built, fake_d
     with pytest.raises(ConfigError, match="mode of the alltoall and hybridep dispatchers but the dispatcher is "
                                           "'deepep'"):
         validate(compose_job(["model.dispatcher=deepep", "model.moe_capacity_factor=1.25", *EP2]), 2)
+
+
+def test_hybridep_node_is_its_nvlink_domain(adapters_built, fake_deep_ep, monkeypatch):
+    """HybridEP's ranks per node are the NVLink domain it reads from NVLINK_DOMAIN_SIZE (default 8), not the
+    launch's LOCAL_WORLD_SIZE (4 GPUs per GB200 tray in a 72-GPU domain)."""
+    fake_deep_ep("full")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    job = compose_job(["model.dispatcher=hybridep", "model.num_experts=16", "parallel.ep=16",
+                       "train.global_batch_size=16"])
+    assert validate(job, 16).model.moe.dispatcher == "hybridep"  # 1 expert a rank x 8 (the default domain)
+    monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"experts-per-rank x ranks-per-node to be a multiple of 4 \(1 x 2 = 2"):
+        validate(job, 16)
+    monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "72")
+    assert validate(job, 16).model.moe.dispatcher == "hybridep"  # 1 x 16
