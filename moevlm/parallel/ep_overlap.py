@@ -19,12 +19,21 @@ Design choices:
   overlapped forward, so the TP/CP `SPMoEBlock` statistics keep working); the model knows
   nothing of it.  Applied in `parallelize` after expert parallel, before recompute.
 - It drives the `alltoall` dispatcher's pieces (its permutation, its exchange plan's pure
-  index functions, its row all-to-all) instead of calling `dispatch`/`combine`, because those
-  wait on their exchange at once.  The rows travel by `all_to_all_single_autograd` (functional
-  collectives): it returns an `AsyncCollectiveTensor` that waits on its first use, so an
+  index functions) instead of calling `dispatch`/`combine`, because those wait on their
+  exchange at once.  Each row exchange is an `_Exchange`: two autograd nodes, `start` (issue
+  the async all-to-all) and `finish` (wait for it), placed where the overlap wants them, so an
   exchange runs (on NCCL's stream, on gloo's worker thread) while the other chunk's experts
   compute.  Every rank issues the same collectives in the same order (the chunk sizes come
   from T, the splits from the exchanged counts), so nothing can deadlock.
+- Backward overlaps too, the mirror of forward: `finish`'s backward *issues* the reverse
+  all-to-all and `start`'s backward *waits* for it, and the autograd engine runs nodes in
+  reverse creation order, so chunk 0's combine gradient travels while chunk 1's experts run
+  backward, and chunk 1's dispatch gradient while chunk 0's do:
+
+      forward:  start d0, start d1 | finish d0, experts 0, start c0 | finish d1, experts 1, start c1
+                | finish c0, finish c1
+      backward: issue c1, issue c0 | wait c1, experts 1, issue d1 | wait c0, experts 0, issue d0
+                | wait d1, wait d0
 - Dropless: **one** counts exchange and **one** host sync per block for both chunks (the
   counts of chunk 0 and 1 travel in one all_to_all of 2*E ints), i.e. no extra sync compared
   with the non-overlapped path.
@@ -38,9 +47,10 @@ Design choices:
   gradients are summed over the chunks in another order (fp32 rounding, ~1e-7 relative).
 - Router statistics and routing come from one router call on all tokens, exactly as without
   overlap (the router is per token, so chunking could not change a decision anyway).
-- Backward: autograd through the same collectives (their backward is the reverse
-  all-to-all, waited before use), in the engine's order, which is the same on every rank;
-  the backward exchanges are not overlapped by this module.
+- The engine's order is the same on every rank (one device queue, nodes by creation order),
+  so the backward exchanges are issued in the same order everywhere.  A recomputed block
+  (selective recompute) issues its forward exchanges again: these are plain async
+  collectives, not functional ones the recompute cache could keep.
 - Not built: expert tensor parallel (etp > 1), the dispatcher's compile wrapping
   (train.compile), the CUDA-graphed `moe_preprocess` (it captures one static shape); the
   config refuses those (moevlm/train/config.py).
@@ -51,12 +61,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from moevlm.dispatch.alltoall import (
     AllToAllDispatcher,
     CapacityHandle,
-    _all_to_all_rows,
     all_to_all_flat,
     invert_permutation,
     rank_splits,
@@ -68,6 +78,67 @@ from moevlm.model.moe import MoEBlock
 CHUNKS = 2
 
 
+class _Exchange:
+    """One all-to-all of rows, split into two autograd nodes so that both its forward and its backward
+    exchange run while other work does:
+
+        out = ex.start(rows)     # issued, not waited: `out` is not valid yet, only `finish` may read it
+        ...                      # other work
+        rows_out = ex.finish(out)
+
+    Backward: `finish`'s issues the reverse all-to-all of the gradient; `start`'s waits for it."""
+
+    def __init__(self, group, out_splits: list[int], in_splits: list[int], what: str = ""):
+        self.group, self.out_splits, self.in_splits, self.what = group, out_splits, in_splits, what
+        self.work = self.grad_work = self.grad_in = self.grad_src = None
+        self.waited = False  # the forward exchange (for tests: nothing waited on it before `finish`)
+
+    def start(self, rows: torch.Tensor) -> torch.Tensor:
+        return _Start.apply(rows, self)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        return _Finish.apply(out, self)
+
+
+def _issue(group, src: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+    src = src.contiguous()
+    out = src.new_empty(sum(out_splits), *src.shape[1:])
+    return out, src, dist.all_to_all_single(out, src, out_splits, in_splits, group=group, async_op=True)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, ex: _Exchange):
+        ctx.ex = ex
+        out, ex.src, ex.work = _issue(ex.group, rows, ex.out_splits, ex.in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, _unused):
+        """The end of the reverse exchange `_Finish.backward` issued: the gradient of the sent rows."""
+        ex = ctx.ex
+        ex.grad_work.wait()
+        grad, ex.grad_in, ex.grad_src, ex.grad_work = ex.grad_in, None, None, None
+        return grad, None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, ex: _Exchange):
+        ctx.ex = ex
+        ex.work.wait()
+        ex.waited, ex.work, ex.src = True, None, None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        """Issue the reverse exchange of the gradient (not waited: `_Start.backward` waits); the gradient
+        handed on is a placeholder of the right shape that `_Start.backward` does not read."""
+        ex = ctx.ex
+        ex.grad_in, ex.grad_src, ex.grad_work = _issue(ex.group, grad, ex.in_splits, ex.out_splits)
+        return grad, None
+
+
 @dataclass
 class _Chunk:
     """One chunk in flight: its rows state, its exchange splits and permutations, and the pending rows."""
@@ -76,7 +147,8 @@ class _Chunk:
     recv_splits: list[int]
     regroup_M: torch.Tensor | None  # dropless: grouped = received[regroup_M]; None in capacity mode
     tokens_per_local_expert_L: torch.Tensor
-    pending: torch.Tensor  # the dispatch all-to-all's output, then the combine's (waits on first use)
+    exchange: _Exchange  # the dispatch all-to-all, then the combine's
+    pending: torch.Tensor  # its output, valid after `exchange.finish`
     capacity_handle: CapacityHandle | None = None  # capacity mode: the dispatcher's handle
 
 
@@ -101,10 +173,10 @@ class OverlappedMoE:
         if d.capacity_factor is None:
             chunks = _dispatch_dropless(d, parts)
         else:
-            chunks = [_dispatch_capacity(d, *p) for p in parts]
-        for ch in chunks:  # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
+            chunks = [_dispatch_capacity(d, c, *p) for c, p in enumerate(parts)]
+        for c, ch in enumerate(chunks):  # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
             expert_y_MD = self.experts(_grouped(d, ch), ch.tokens_per_local_expert_L)
-            ch.pending = _combine_start(d, ch, expert_y_MD)
+            _combine_start(d, ch, expert_y_MD, c)
         y_TD = torch.cat([_combine_finish(d, ch) for ch in chunks])
         return y_TD.view_as(x_BSD), self._stats(topk_idx_TK, probs_TE, token_mask_BS)
 
@@ -131,21 +203,22 @@ def _dispatch_dropless(d: AllToAllDispatcher, parts) -> list[_Chunk]:
         recv_splits = [sum(g) for g in got_PL]
         send_splits = rank_splits(sent[c * P * L:(c + 1) * P * L], P)
         regroup_M = regroup_by_local_expert(recv_PL, sum(recv_splits))
-        pending = _all_to_all_rows(rows_ND, recv_splits, send_splits, d.group)
-        chunks.append(_Chunk(rows, send_splits, recv_splits, regroup_M, recv_PL.sum(0), pending))
+        exchange = _Exchange(d.group, recv_splits, send_splits, f"dispatch {c}")
+        chunks.append(_Chunk(rows, send_splits, recv_splits, regroup_M, recv_PL.sum(0), exchange,
+                             exchange.start(rows_ND)))
     return chunks
 
 
 # ----------------------------------------------------------------- capacity
 
 
-def _dispatch_capacity(d: AllToAllDispatcher, x_TD, topk_idx_TK, topk_w_TK) -> _Chunk:
-    """The capacity dispatch of `AllToAllDispatcher` for one chunk, its capacity from the chunk's T."""
+def _dispatch_capacity(d: AllToAllDispatcher, c: int, x_TD, topk_idx_TK, topk_w_TK) -> _Chunk:
+    """The capacity dispatch of `AllToAllDispatcher` for chunk c, its capacity from the chunk's T."""
     send_SD, handle = d.capacity_send(x_TD, topk_idx_TK, topk_w_TK)
     splits = d.capacity_splits(handle.capacity)
-    pending = _all_to_all_rows(send_SD, splits, splits, d.group)
+    exchange = _Exchange(d.group, splits, splits, f"dispatch {c}")
     tokens_L = d.capacity_tokens_per_local_expert(handle.capacity, x_TD.device)
-    return _Chunk(handle.rows, splits, splits, None, tokens_L, pending, handle)
+    return _Chunk(handle.rows, splits, splits, None, tokens_L, exchange, exchange.start(send_SD), handle)
 
 
 # ----------------------------------------------------------------- both modes
@@ -153,25 +226,28 @@ def _dispatch_capacity(d: AllToAllDispatcher, x_TD, topk_idx_TK, topk_w_TK) -> _
 
 def _grouped(d: AllToAllDispatcher, ch: _Chunk) -> torch.Tensor:
     """The chunk's received rows grouped by local expert (waits for its dispatch)."""
+    received = ch.exchange.finish(ch.pending)
     if ch.regroup_M is not None:
-        return ch.pending[ch.regroup_M]
-    return d.capacity_grouped(ch.pending, ch.capacity_handle.capacity)
+        return received[ch.regroup_M]
+    return d.capacity_grouped(received, ch.capacity_handle.capacity)
 
 
-def _combine_start(d: AllToAllDispatcher, ch: _Chunk, expert_y_MD: torch.Tensor) -> torch.Tensor:
+def _combine_start(d: AllToAllDispatcher, ch: _Chunk, expert_y_MD: torch.Tensor, c: int) -> None:
     """Issue the chunk's return all-to-all (not waited)."""
     if ch.regroup_M is not None:
         y_ND = expert_y_MD[invert_permutation(ch.regroup_M)]
     else:
         y_ND = d.capacity_ungrouped(expert_y_MD, ch.capacity_handle.capacity)
-    return _all_to_all_rows(y_ND, ch.send_splits, ch.recv_splits, d.group)
+    ch.exchange = _Exchange(d.group, ch.send_splits, ch.recv_splits, f"combine {c}")
+    ch.pending = ch.exchange.start(y_ND)
 
 
 def _combine_finish(d: AllToAllDispatcher, ch: _Chunk) -> torch.Tensor:
     """Wait for the chunk's return rows; weight and sum them per token."""
+    returned = ch.exchange.finish(ch.pending)
     if ch.capacity_handle is not None:
-        return d.capacity_unslot(ch.pending, ch.capacity_handle)  # a dropped row reads zero
-    return from_expert_rows(ch.pending, ch.rows)
+        return d.capacity_unslot(returned, ch.capacity_handle)  # a dropped row reads zero
+    return from_expert_rows(returned, ch.rows)
 
 
 # ----------------------------------------------------------------- applying it

@@ -174,7 +174,8 @@ class ParallelConfig:
     etp: int = field(default=1, metadata={"help": "expert tensor parallel size: each expert's weights split"})
     ep_overlap: bool = field(default=False, metadata={
         "help": "split each MoE block's micro-batch tokens in two chunks and overlap one chunk's all-to-all with "
-                "the other's expert compute (moevlm/parallel/ep_overlap.py; same result). Needs parallel.ep > 1, "
+                "the other's expert compute, forward and backward (moevlm/parallel/ep_overlap.py; same result). Needs "
+                "parallel.ep > 1, "
                 "etp=1, the alltoall dispatcher; with model.moe_capacity_factor each chunk has its own capacity"})
     dp_mode: str = field(default="fsdp", metadata={
         "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"})

@@ -5,7 +5,9 @@ One 2-rank gloo launch:
   over several seeds with odd and unequal token counts (unequal chunks; a rank with one token, whose
   second chunk is empty) and an expert no token picks; and the capacity mode with f = E/K (nothing
   can overflow): output, router statistics, gradients of x, the router and the experts; and that each
-  chunk's exchange is first waited for only where it is used (after the other chunk's experts issued).
+  chunk's exchange is first waited for only where it is used (after the other chunk's experts issued),
+  and in backward each chunk's gradient exchange is issued before the other chunk's experts run
+  backward and waited after them.
 - the real Trainer, 2 steps with and without the flag, on ep2 alltoall and on tp2 x ep2 (SPMoEBlock)
   with the MoE block recomputed (overlapped run only): per-step loss, gathered gradients and final
   parameters (the test_layouts machinery); a counter checks the overlapped forward ran.
@@ -190,26 +192,46 @@ def _trainer_runs(shards: str, tmp: str, layouts) -> dict:
 
 
 def _check_waits_come_late() -> None:
-    """Chunk 1's dispatch and chunk 0's combine are still un-waited `AsyncCollectiveTensor`s when the
-    forward first needs them: nothing waited on them while the other chunk's experts ran."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
+    """Forward: chunk 1's dispatch and chunk 0's combine are not yet waited for when the forward first
+    needs them (nothing waited on them while the other chunk's experts ran).  Backward, the mirror: chunk
+    0's combine gradient is issued before chunk 1's experts run backward and waited after, chunk 1's
+    dispatch gradient likewise around chunk 0's experts (the events in the engine's order)."""
     from moevlm.parallel import ep_overlap
 
-    seen, grouped, finish = [], ep_overlap._grouped, ep_overlap._combine_finish
+    seen, events = [], []
+    grouped, finish = ep_overlap._grouped, ep_overlap._combine_finish
+    start_bwd, finish_bwd = ep_overlap._Start.backward, ep_overlap._Finish.backward
 
     def record(fn, what):
         def run(d, ch):
-            seen.append((what, isinstance(ch.pending, AsyncCollectiveTensor) and not ch.pending.completed))
-            return fn(d, ch)
+            seen.append((what, ch.exchange.waited))
+            out = fn(d, ch)
+            if what == "dispatch":  # its gradient is ready once the chunk's experts ran backward
+                out.register_hook(lambda g, c=ch.exchange.what[-1]: events.append(f"experts {c} backward done"))
+            return out
         return run
 
+    def issued(ctx, grad):
+        events.append(f"issue {ctx.ex.what}")
+        out = finish_bwd(ctx, grad)
+        assert ctx.ex.grad_work is not None, "the reverse exchange was waited for where it was issued"
+        return out
+
+    def waited(ctx, grad):
+        events.append(f"wait {ctx.ex.what}")
+        return start_bwd(ctx, grad)
+
     ep_overlap._grouped, ep_overlap._combine_finish = record(grouped, "dispatch"), record(finish, "combine")
+    ep_overlap._Start.backward, ep_overlap._Finish.backward = staticmethod(waited), staticmethod(issued)
     try:
         _block_case(7, {0: 9, 1: 8})
     finally:
         ep_overlap._grouped, ep_overlap._combine_finish = grouped, finish
-    assert seen == [("dispatch", True)] * 2 + [("combine", True)] * 2, seen
+        ep_overlap._Start.backward, ep_overlap._Finish.backward = staticmethod(start_bwd), staticmethod(finish_bwd)
+    assert seen == [("dispatch", False)] * 2 + [("combine", False)] * 2, seen
+    assert events == ["issue combine 1", "issue combine 0", "wait combine 1", "experts 1 backward done",
+                      "issue dispatch 1", "wait combine 0", "experts 0 backward done", "issue dispatch 0",
+                      "wait dispatch 1", "wait dispatch 0"], events
 
 
 def _two_ranks(rank: int, shards: str, tmp: str) -> None:
