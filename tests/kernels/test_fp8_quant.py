@@ -12,7 +12,6 @@ MOEVLM_TEST_SEED=<seed> replays it.
 """
 
 import os
-import random
 import subprocess
 import sys
 
@@ -28,12 +27,7 @@ M, K = 130, 200  # ragged: neither a multiple of 128 nor of 32
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def seed(_fp32_and_seed):
-    seed = int(os.environ.get("MOEVLM_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"seed={seed} (MOEVLM_TEST_SEED={seed} replays it)")
-    torch.manual_seed(seed)
-    return seed
+pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/kernels/conftest.py)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

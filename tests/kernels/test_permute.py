@@ -7,8 +7,6 @@ Inputs are fresh every run: the seed is printed (shown with a failure) and
 MOEVLM_TEST_SEED=<seed> replays it.
 """
 
-import os
-import random
 import subprocess
 import sys
 
@@ -27,12 +25,7 @@ VS_TORCH = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 VS_LOCAL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(autouse=True)
-def seed(_fp32_and_seed):
-    seed = int(os.environ.get("MOEVLM_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"seed={seed} (MOEVLM_TEST_SEED={seed} replays it)")
-    torch.manual_seed(seed)
-    return seed
+pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/kernels/conftest.py)
 
 
 def close(actual, expected, tol, seed, what):
