@@ -20,7 +20,6 @@ two modules' formats are tested together.  Inputs are fresh every run; the seed 
 in every failure message and FP8_GEMM_SEED=<seed> replays it."""
 
 import os
-import subprocess
 import sys
 import zlib
 
@@ -32,6 +31,7 @@ pytest.importorskip("triton")
 from moevlm.kernels import fp8_gemm as fg  # noqa: E402
 from moevlm.kernels.fp8_quant import (quant_blockwise_act_t_torch, quant_blockwise_act_torch,  # noqa: E402
                                       quant_blockwise_weight_torch, quant_mxfp8_torch)
+from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
 SEED = int(os.environ.get("FP8_GEMM_SEED", int.from_bytes(os.urandom(4), "little")))
 K, N = 256, 192
@@ -286,19 +286,12 @@ def test_bad_inputs_are_named(gen):
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Every autotune config compiles for sm_90 with ptxas into fp8 wgmma, within an H100's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, __file__, "--compile-sm90"], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert len(lines) == 3 * 4 and all("e4m3.e4m3" in line for line in lines), out.stdout
+    stdout = run_compile_script(__file__)
+    lines = stdout.splitlines()
+    assert len(lines) == 3 * 4 and all("e4m3.e4m3" in line for line in lines), stdout
 
 
 def _compile_sm90():
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     mm = ["stride_am", "stride_ak", "stride_asm", "stride_ask", "stride_be", "stride_bk", "stride_bn",
           "stride_bse", "stride_bsk", "stride_bsn", "stride_om", "stride_on"]
     wg = ["stride_ak", "stride_am", "stride_ask", "stride_asm", "stride_bn", "stride_bm", "stride_bsn", "stride_bsm",
@@ -312,12 +305,7 @@ def _compile_sm90():
             sig = dict(zip(fn.arg_names[:6], ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*i64"]))
             sig.update({n: "i32" for n in ["N", "K", "E", *strides]})
             consts = dict(cfg.kwargs, E_P2=128, **fixed, **{n: 1 for n in ones})
-            sig.update({n: "constexpr" for n in consts})
-            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-                     if t != "constexpr" and n != "E"}
-            src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            c = compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible=True)
             assert c.metadata.shared <= 227 * 1024, (fn.__name__, cfg, c.metadata.shared)
             mma = "wgmma e4m3.e4m3" if ".e4m3.e4m3" in c.asm["ptx"] and "wgmma" in c.asm["ptx"] else "no fp8 wgmma"
             print(fn.__name__, ones[1], cfg.kwargs, cfg.num_stages, "smem", c.metadata.shared, mma)

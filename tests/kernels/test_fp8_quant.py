@@ -11,7 +11,6 @@ Inputs are fresh every run: the seed is printed (shown with a failure) and
 MOEVLM_TEST_SEED=<seed> replays it.
 """
 
-import os
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from moevlm.kernels import fp8_quant as Q  # noqa: E402
+from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
 FP8, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 M, K = 130, 200  # ragged: neither a multiple of 128 nor of 32
@@ -360,18 +360,11 @@ def test_kernels_compile_for_hopper_with_ieee_division():
     """The interpreter never compiles: compile every kernel variant for sm_90 (ptxas, no GPU) and check the PTX
     divides with IEEE `div.rn.f32` (never the approximate `div.full`), flushes no subnormals and fuses no FMA,
     which is what keeps GPU results bit-equal to torch's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, __file__, "--compile-sm90"], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 7, out.stdout
+    stdout = run_compile_script(__file__)
+    assert stdout.count("ok") == 7, stdout
 
 
 def _compile_sm90():
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     quant = [(1, 128, 32, 128, False, False, "*i16"), (128, 128, 128, 128, False, True, "*fp32"),
              (128, 1, 128, 32, False, False, "*fp16"), (1, 32, 128, 32, True, False, "*i16"),
              (32, 1, 32, 128, True, False, "*fp32")]  # *i16: bf16 read as its bits
@@ -383,10 +376,8 @@ def _compile_sm90():
     for kernel, ptrs, n_ints, consts in cases:
         fn = kernel
         sig = dict(zip(fn.arg_names, ptrs + ["i32"] * n_ints))
-        sig.update({n: "constexpr" for n in consts})
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
         warps = 8 if consts["BLOCK_R"] * consts["BLOCK_C"] > Q._TILE_ELEMS else 4  # as the launcher picks
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+        ptx = compile_sm90(fn, sig, consts, warps).asm["ptx"]
         bad = [s for s in ("div.full", "div.approx", ".ftz", "fma.", ".local") if s in ptx]
         wants_div = kernel is Q._quant_kernel and not consts["MX"]
         print(fn.__name__, consts, "ok" if not bad and ("div.rn.f32" in ptx) == wants_div else f"BAD {bad}")

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from moevlm.kernels.grouped_gemm import GROUPED_GEMMS, grouped_mm, grouped_mm_loop  # noqa: E402
 from moevlm.kernels.grouped_gemm_triton import grouped_mm_triton  # noqa: E402
+from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
 SEED = int(os.environ.get("GROUPED_GEMM_SEED", int.from_bytes(os.urandom(4), "little")))
 E, K, N = 6, 80, 72  # K and N not multiples of the interpreter's 32-wide blocks: 3 tiles each, masked tails
@@ -149,19 +150,12 @@ def test_registry_without_triton():
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The GPU path (bf16 straight into tl.dot, software pipelining) compiles for sm_90 with ptxas: the interpreter
     never compiles, so this is what catches GPU-only compile errors on CPU."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, __file__, "--compile-sm90"], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("wgmma") == 3, out.stdout
+    stdout = run_compile_script(__file__)
+    assert stdout.count("wgmma") == 3, stdout
 
 
 def _compile_sm90():
     """Compile each kernel's first config, bf16, as a launch with contiguous operands would specialize it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from moevlm.kernels import grouped_gemm_triton as g
 
     strides = ["stride_xm", "stride_xk", "stride_we", "stride_wk", "stride_wn", "stride_om", "stride_on"]
@@ -174,12 +168,7 @@ def _compile_sm90():
         sig = dict(zip(fn.arg_names[:4], ["*bf16", "*bf16", "*bf16", "*i64"]))
         sig.update({n: "i32" for n in ["N", "K", "E", *stride_names]})
         consts = dict(cfg.kwargs, E_P2=128, DOT_IN_FP32=False, PRECISION="tf32", **{n: 1 for n in ones})
-        sig.update({n: "constexpr" for n in consts})
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-                 if t != "constexpr" and n != "E"}
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        c = compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible=True)
         assert c.metadata.shared <= 227 * 1024, (fn.__name__, c.metadata.shared)
         print(fn.__name__, ones[1], cfg, "smem", c.metadata.shared, "wgmma" if "wgmma" in c.asm["ptx"] else "no-mma")
 
