@@ -108,9 +108,12 @@ def test_one_rank_is_refused(emulated_deep_ep):
 
 
 # ------------------------------------------------------------ 4 ranks, one launch
-def _scenario(name, rank, ep_rank, L):
+def _scenario(name, rank, ep_rank, L, equal_tokens=False):
+    """(x, top-k ids, weights, output gradient) of one rank: `rank` + 4 tokens (6 everywhere with
+    `equal_tokens`); "idle": EP rank 0's experts and the last expert get nothing; "silent": EP rank 1 has
+    no tokens.  Also test_hybridep's."""
     gen = torch.Generator().manual_seed(1000 * len(name) + rank)
-    T, allowed = 4 + rank, list(range(E))
+    T, allowed = (6 if equal_tokens else 4 + rank), list(range(E))
     if name == "idle":  # EP rank 0 receives nothing; the last expert receives nothing
         allowed = list(range(L, E - 1))
     if name == "silent" and ep_rank == 1:  # sends nothing

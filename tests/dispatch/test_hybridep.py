@@ -36,10 +36,9 @@ from moevlm.dispatch.handles import HANDLES
 from moevlm.dispatch.hybridep import HybridEPDispatcher, dropped_rows, fit_counts, permuted_budget
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.parallel.recompute import save_communication
+from test_deepep import D, E, K, REL, _rel, _scenario  # the same scenarios and measure as deepep's
 
 EMULATOR = Path(__file__).parent / "hybrid_ep_emulator"
-E, K, D = 8, 2, 6
-REL = 1e-6
 
 
 # ------------------------------------------------------------ no processes
@@ -68,19 +67,6 @@ def test_registered_and_importable_without_deep_ep(monkeypatch):
 
 
 # ------------------------------------------------------------ 4 ranks, one launch
-def _scenario(name, rank, ep_rank, L, equal_tokens=False):
-    gen = torch.Generator().manual_seed(1000 * len(name) + rank)
-    T, allowed = (6 if equal_tokens else 4 + rank), list(range(E))
-    if name == "idle":  # EP rank 0 receives nothing; the last expert receives nothing
-        allowed = list(range(L, E - 1))
-    if name == "silent" and ep_rank == 1:  # sends nothing
-        T = 0
-    picks = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)]
-    idx = torch.stack(picks) if picks else torch.zeros(0, K, dtype=torch.long)
-    w = torch.rand(T, K, generator=gen) + 0.1
-    return torch.randn(T, D, generator=gen), idx, w / w.sum(1, keepdim=True), torch.randn(T, D, generator=gen)
-
-
 def _moe(d, x, idx, w, W):
     ex, counts, h = d.dispatch(x, idx, w)
     return d.combine(grouped_mm_loop(torch.tanh(ex), W, counts), h), counts
@@ -100,10 +86,6 @@ def _run(d, x0, idx, w0, W0, g, recompute=False, keep=None):
     (y * g).sum().backward()
     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (x, w, W)]
     return [y.detach(), *grads], counts
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
 
 
 def _compare(where, got, want, worst, prefix=""):
