@@ -90,8 +90,8 @@ class _Exchange:
 
     def __init__(self, group, out_splits: list[int], in_splits: list[int], what: str = ""):
         self.group, self.out_splits, self.in_splits, self.what = group, out_splits, in_splits, what
-        self.work = self.grad_work = self.grad_in = self.grad_src = None
-        self.waited = False  # the forward exchange (for tests: nothing waited on it before `finish`)
+        # the exchange in flight (None once waited), its send buffer; the same for the gradient's
+        self.work = self.src = self.grad_work = self.grad_in = self.grad_src = None
 
     def start(self, rows: torch.Tensor) -> torch.Tensor:
         return _Start.apply(rows, self)
@@ -127,7 +127,7 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, out, ex: _Exchange):
         ctx.ex = ex
         ex.work.wait()
-        ex.waited, ex.work, ex.src = True, None, None
+        ex.work, ex.src = None, None
         return out.view_as(out)
 
     @staticmethod

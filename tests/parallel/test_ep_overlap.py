@@ -204,7 +204,7 @@ def _check_waits_come_late() -> None:
 
     def record(fn, what):
         def run(d, ch):
-            seen.append((what, ch.exchange.waited))
+            seen.append((what, ch.exchange.work is None))  # waited already?
             out = fn(d, ch)
             if what == "dispatch":  # its gradient is ready once the chunk's experts ran backward
                 out.register_hook(lambda g, c=ch.exchange.what[-1]: events.append(f"experts {c} backward done"))
