@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
-from moevlm.dispatch.capacity import OVERFLOW_POLICIES, capacity_slots, expert_capacity, in_backward, slot_sources
+from moevlm.dispatch.capacity import (OVERFLOW_POLICIES, add_overflow, capacity_slots, expert_capacity, in_backward,
+                                      slot_sources)
 from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan, sort_rows_by_expert, to_expert_rows  # noqa: F401
 
 # ----------------------------------------------------------------- pure index logic
@@ -283,10 +284,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if in_backward():
             return
         dropped = keep_N.numel() - keep_N.sum()
-        flagged = (dropped > 0).long()
-        self.dropped = dropped if self.dropped is None else self.dropped + dropped
-        self.flagged = flagged if self.flagged is None else self.flagged + flagged
-        self.routed += keep_N.numel()
+        add_overflow(self, dropped, (dropped > 0).long(), keep_N.numel())
 
     def combine(self, expert_y_MD, handle: AllToAllHandle):
         if isinstance(handle, CapacityHandle):

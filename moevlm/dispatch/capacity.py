@@ -94,6 +94,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def add_overflow(dispatcher, dropped: torch.Tensor, flagged: torch.Tensor, routed: int) -> None:
+    """Add one dispatch's dropped rows and whether it overflowed (device tensors: no sync) and its routed
+    rows to `dispatcher`'s counters, which `OverflowCounter` reads."""
+    d = dispatcher
+    d.dropped = dropped if d.dropped is None else d.dropped + dropped
+    d.flagged = flagged if d.flagged is None else d.flagged + flagged
+    d.routed += routed
+
+
 class OverflowCounter:
     """The trainer's view of the capacity dispatchers of a model: dropped and routed rows,
     summed over layers, micro-batches and `groups` (ranks holding different tokens).  Every

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from moevlm.dispatch.alltoall import _check_capacity, _resolve_group
 from moevlm.dispatch.base import TokenDispatcher, dense_routing, group_max_tokens, register_dispatcher
-from moevlm.dispatch.capacity import expert_capacity, in_backward
+from moevlm.dispatch.capacity import add_overflow, expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 
 _BUFFERS: dict[str, tuple[object, tuple[int, int, int]]] = {}  # EP group name -> (buffer, (hidden, T', L))
@@ -180,6 +180,7 @@ def fit_counts(counts_L: Tensor, budget: int) -> Tensor:
     ends = torch.cat([ends[:-1], ends.new_full((1,), budget)])
     return torch.diff(ends, prepend=ends.new_zeros(1))
 
+
 def dropped_rows(routed_L: Tensor, budget: int, pad_multiple: int = 1) -> Tensor:
     """Routed rows (not padding) past `budget` in HybridEP's permuted order, from the true rows per local
     expert: expert e's rows sit at [s_e, s_e + routed_e), s_e the padded blocks before it."""
@@ -274,10 +275,7 @@ class HybridEPDispatcher(TokenDispatcher):
         per_expert_E = funcol.all_reduce(routing_map_TE.sum(0), "sum", self.group)
         L, r = self.num_local_experts, self.ep_rank
         dropped = dropped_rows(per_expert_E[r * L:(r + 1) * L], budget, self.pad_multiple)
-        flagged = (flag != 0).sum()
-        self.dropped = dropped if self.dropped is None else self.dropped + dropped
-        self.flagged = flagged if self.flagged is None else self.flagged + flagged
-        self.routed += routed
+        add_overflow(self, dropped, (flag != 0).sum(), routed)
 
     def combine(self, expert_y_MD, handle: HybridEPHandle):
         weighted_MD = expert_y_MD * handle.row_weight_M.to(expert_y_MD.dtype)[:, None]  # router weights: here, once
