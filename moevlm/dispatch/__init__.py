@@ -1,4 +1,4 @@
-"""Token dispatchers behind one interface (see `base.py` and ../shared/DISPATCHERS.md).
+"""Token dispatchers behind one interface (`moevlm.model.dispatcher`; docs/dispatchers.md).
 
 Present: `local` (EP=1), `alltoall` (expert parallel over a process group:
 uneven all-to-all, dropless; EP=1 is exactly `local`; or with a capacity

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
 from moevlm.dispatch.capacity import (OVERFLOW_POLICIES, add_overflow, capacity_slots, expert_capacity, in_backward,
                                       slot_sources)
-from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan, sort_rows_by_expert, to_expert_rows  # noqa: F401
+from moevlm.model.rows import RowsState, from_expert_rows, rows_plan, sort_rows_by_expert, to_expert_rows  # noqa: F401
 
 # ----------------------------------------------------------------- pure index logic
 
@@ -151,12 +151,13 @@ class CapacityHandle:
 @register_dispatcher
 class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
+    overlappable = True  # moevlm.parallel.ep_overlap drives its pieces chunk by chunk
 
     def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, always_exchange: bool = False,
                  permute: str = "torch", capacity_factor: float | None = None, capacity_overflow: str = "drop"):
         """`always_exchange` runs the exchange path (counts, host sync, all-to-all,
         regroup) even over a group of one: for measuring its cost on one GPU.
-        `permute` is the local permutation's backend (moevlm.dispatch.rows).
+        `permute` is the local permutation's backend (moevlm.model.rows).
         `capacity_factor` (None = dropless) selects the capacity mode (capacity.py); `capacity_overflow`
         is read by the trainer (drop: count; error: the step fails)."""
         super().__init__(num_experts, top_k)
@@ -177,6 +178,14 @@ class AllToAllDispatcher(TokenDispatcher):
     def unavailable_reason(cls, num_experts: int, ep_group=None, **kwargs) -> str | None:
         return divisibility_reason(num_experts, _resolve_group(ep_group)[1])
 
+    @property
+    def exchanges(self) -> bool:
+        return self.ep_size > 1 or self.etp_size > 1 or self.always_exchange
+
+    @property
+    def capturable_preprocess(self) -> bool:
+        return self.permute == "torch"
+
     def preprocess(self, topk_idx_TK, topk_w_TK):
         """The local sort before the counts exchange (the host sync comes after it)."""
         return rows_plan(topk_idx_TK, topk_w_TK, self.num_experts) if self.permute == "torch" else None
@@ -185,7 +194,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.capacity_factor is not None:
             return self._dispatch_capacity(x_TD, topk_idx_TK, topk_w_TK)
         rows_ND, counts_E, rows = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute,
-                                                 plan=self.preprocess(topk_idx_TK, topk_w_TK))
+                                                 plan=self.planned(topk_idx_TK, topk_w_TK))
         if self.ep_size == 1 and self.etp_size == 1 and not self.always_exchange:
             return rows_ND, counts_E, AllToAllHandle(rows, None)
         plan = self._plan(counts_E)
@@ -249,7 +258,7 @@ class AllToAllDispatcher(TokenDispatcher):
         (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
         E = self.num_experts
         C = expert_capacity(self.capacity_factor, T, K, E)
-        plan = self.preprocess(topk_idx_TK, topk_w_TK) or rows_plan(topk_idx_TK, topk_w_TK, E)
+        plan = self.planned(topk_idx_TK, topk_w_TK) or rows_plan(topk_idx_TK, topk_w_TK, E)
         token_idx_N, weight_N, counts_E = plan
         slot_N, keep_N = capacity_slots(counts_E, T * K, C)
         self._count(keep_N)

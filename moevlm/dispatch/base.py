@@ -1,4 +1,4 @@
-"""The token-dispatcher interface every backend implements.
+"""The dispatcher registry, its availability gate, and what the distributed backends share.
 
 Legend: T tokens on this rank, K top-k, D hidden, E experts in the model,
 L experts on this rank (E for the local dispatcher), M rows after dispatch.
@@ -7,62 +7,23 @@ L experts on this rank (E for the local dispatcher), M rows after dispatch.
     expert_y_MD = experts(expert_x_MD, tokens_per_expert_L)
     y_TD = d.combine(expert_y_MD, handle)
 
-Contract (DISPATCHERS.md):
-- Routing comes in as top-k indices (int64) and fp32 weights; `dense_routing`
-  gives the (T, E) bool map + probs form for backends that need it (HybridEP).
-- `dispatch` returns rows grouped by local expert, in expert order, and a
-  *tensor* of rows per local expert (no host copy unless a backend forces one).
-- **Router weights are applied in `combine`, exactly once**, to the expert
-  output before the per-token sum (the reference multiplies after the down
-  projection, which is the same function).  `dispatch` never scales rows.
-- `handle` is opaque to the caller: whatever the backend needs to invert the
-  permutation (and, for collectives, to run backward through the same plan).
-- `preprocess(topk_idx_TK, topk_w_TK)` is the routing-only part of `dispatch`
-  that comes before any exchange or host sync (the local permutation plan):
-  tensors of static shape, or None where a backend has no such part.  A backend
-  calls it through `self.preprocess` inside `dispatch`, so a wrapper can replace
-  it on the instance (a CUDA graph: moevlm.parallel.cuda_graphs) while the MoE
-  layer keeps calling `dispatch` alone.
-- A backend whose runtime package is missing, or whose constraints are not met,
-  says so from `unavailable_reason`; `build_dispatcher` turns that into an error
-  naming the package or constraint, or into the configured fallback, logged once.
+The interface itself (`TokenDispatcher`, with the contract) is the model's:
+`moevlm.model.dispatcher`, beside the single-process `LocalDispatcher`; docs/dispatchers.md
+describes every backend.  Here: the registry, `build_dispatcher` with its availability gate
+(a backend whose runtime package is missing, or whose constraints are not met, says so from
+`unavailable_reason`; that becomes an error naming the package or constraint, or the
+configured fallback, logged once), and helpers the distributed backends share.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
-from typing import Any, ClassVar
 
 import torch
 
+from moevlm.model.dispatcher import TokenDispatcher
+
 log = logging.getLogger(__name__)
-
-
-class TokenDispatcher(ABC):
-    name: ClassVar[str]
-
-    def __init__(self, num_experts: int, top_k: int):
-        self.num_experts = num_experts
-        self.top_k = top_k
-
-    @classmethod
-    def unavailable_reason(cls, **kwargs) -> str | None:
-        """Why this backend cannot run with these arguments here, or None."""
-        return None
-
-    def preprocess(self, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Routing -> the plan tensors `dispatch` starts from (static shapes, no host sync); None: none."""
-        return None
-
-    @abstractmethod
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
-                 topk_w_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        ...
-
-    @abstractmethod
-    def combine(self, expert_y_MD: torch.Tensor, handle: Any) -> torch.Tensor:
-        ...
 
 
 def dense_routing(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,

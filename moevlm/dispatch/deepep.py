@@ -73,7 +73,7 @@ from moevlm.dispatch.alltoall import _resolve_group
 from moevlm.dispatch.availability import DEEPEP_API_CLASS
 from moevlm.dispatch.base import TokenDispatcher, group_max_tokens, register_dispatcher
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
-from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan
+from moevlm.model.rows import RowsState, from_expert_rows, rows_plan
 
 APIS = ("auto", *DEEPEP_API_CLASS)  # auto, v2, v1
 _BUFFERS: dict[tuple[str, str], object] = {}  # (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
@@ -253,6 +253,10 @@ class DeepEPHandle:
 @register_dispatcher
 class DeepEPDispatcher(TokenDispatcher):
     name = "deepep"
+
+    @property
+    def exchanges(self) -> bool:
+        return self.ep_size > 1
 
     def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, permute: str = "torch",
                  api: str = "auto"):

@@ -200,7 +200,11 @@ class HybridEPHandle:
 @register_dispatcher
 class HybridEPDispatcher(TokenDispatcher):
     name = "hybridep"
-    pad_multiple = 1  # > 1: each expert's rows padded to a multiple (set for FP8 by moevlm.model.fp8)
+    pads_experts = True  # HybridEP pads each expert's rows itself (`pad_multiple`, set for FP8 by moevlm.model.fp8)
+
+    @property
+    def exchanges(self) -> bool:
+        return self.ep_size > 1
 
     def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, permute: str = "torch",
                  capacity_factor: float | None = None, capacity_overflow: str = "drop",

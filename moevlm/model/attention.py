@@ -50,7 +50,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+from moevlm.model.layout import run_region
 
 
 @dataclass
@@ -73,6 +76,14 @@ def doc_mask(B: int, S: int, cu_seqlens: torch.Tensor | None, *, causal: bool, b
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask) -> torch.Tensor:
     return _BACKENDS[mask.backend](q, k, v, mask)
+
+
+class CoreAttention(nn.Module):
+    """The attention kernel alone (q, k, v, mask -> out), a module so a build step can reach it:
+    recompute installs its region here (`region`)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask) -> torch.Tensor:
+        return run_region(self, "region", attention, q, k, v, mask)
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, static: bool = False) -> str:

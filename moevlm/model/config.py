@@ -97,7 +97,7 @@ class MoEConfig:
     router_aux_loss_coef: float = 0.001
     grouped_gemm: str = "torch"  # see moevlm.kernels.GROUPED_GEMMS
     dispatcher: str = "local"
-    permute: str = "torch"  # token rows <-> expert rows: torch | triton (moevlm.dispatch.rows)
+    permute: str = "torch"  # token rows <-> expert rows: torch | triton (moevlm.model.rows)
     capacity_factor: float | None = None  # alltoall only: None = dropless (moevlm.dispatch.capacity)
     capacity_overflow: str = "drop"  # drop (and count) | error (the trainer fails the step)
 

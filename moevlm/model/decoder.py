@@ -15,6 +15,13 @@ Design choices:
   modules, so recompute and pipeline stages see pure functions.
 - Deepstack features are added to the hidden states of the first
   len(deepstack) layers *after* the layer, at image-token positions.
+- The layout (moevlm.model.layout) is given at construction: the sequence strategy
+  decides what the layers see of the (B, S) inputs, how attention and the dense MLP
+  gather and scatter the sequence, the rotary positions and the document mask;
+  `kv_rows` which key/value rows a rank projects when there are fewer kv heads than
+  tensor-parallel ranks; the core attention is a module from the layout's factory.
+- Regions a build step may wrap: each layer (`region`), its attention branch before the
+  residual add (`attn_region`), each RMSNorm (`region`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from moevlm.model.attention import DocMask, attention, doc_mask
+from moevlm.model.attention import DocMask
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Linear
+from moevlm.model.layout import Layout, Vocab, add_at_mask, run_region
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
 from moevlm.model.rope import apply_rotary, mrope
 
@@ -44,50 +52,67 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_region(self, "region", self._forward, x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
 class TextAttention(nn.Module):
-    def __init__(self, cfg: VLMConfig):
+    """The sequence gathered before q/k/v (column parallel under tensor parallelism: this rank's heads),
+    the core attention, o_proj scattering the sequence back (row parallel)."""
+
+    def __init__(self, cfg: VLMConfig, layout: Layout | None = None):
         super().__init__()
+        layout = layout or Layout()
         t = cfg.text
         self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
+        self.seq, self.kv_rows = layout.sequence, layout.kv_rows(t.num_kv_heads, t.head_dim)
         self.q_proj = Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
         self.k_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.v_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.o_proj = Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
         self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
         self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
+        self.core = layout.attention()
 
-    def forward(self, x_BSD, rope_cos_sin, mask: DocMask):
+    def forward(self, x_BsD, rope_cos_sin, mask: DocMask):
+        x_BSD = self.seq.gather(x_BsD)
         B, S, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim))
-        v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
+        k = self.k_norm(self._kv(self.k_proj, x_BSD).view(B, S, -1, self.head_dim))
+        v = self._kv(self.v_proj, x_BSD).view(B, S, -1, self.head_dim)
         cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v, mask)
-        return self.o_proj(out.reshape(B, S, -1))
+        out = self.core(q, k, v, mask)
+        return self.seq.scatter_linear(self.o_proj, out.reshape(B, S, -1))
 
-    def core_attention(self, q_BSHD, k_BSKD, v_BSKD, mask: DocMask) -> torch.Tensor:
-        """The attention kernel alone (a seam: recompute may wrap it per instance)."""
-        return attention(q_BSHD, k_BSKD, v_BSKD, mask)
+    def _kv(self, proj: Linear, x_BSD: torch.Tensor) -> torch.Tensor:
+        """k or v of the heads this rank computes: all of the weight's rows, or `kv_rows` of them."""
+        if self.kv_rows is None:
+            return proj(x_BSD)
+        a, b = self.kv_rows
+        return proj.project(x_BSD, proj.weight[a:b], None if proj.bias is None else proj.bias[a:b])
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: VLMConfig, layer_idx: int):
+    def __init__(self, cfg: VLMConfig, layer_idx: int, layout: Layout | None = None):
         super().__init__()
         t = cfg.text
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.self_attn = TextAttention(cfg)
+        self.self_attn = TextAttention(cfg, layout)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
-        self.mlp = MoEBlock(t.hidden_size, cfg.moe) if self.is_moe else DenseMLP(t.hidden_size, t.intermediate_size)
+        self.mlp = (MoEBlock(t.hidden_size, cfg.moe, layer_idx, layout) if self.is_moe
+                    else DenseMLP(t.hidden_size, t.intermediate_size, layout))
 
     def forward(self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, RouterStats | None]:
+        return run_region(self, "region", self._forward, h_BSD, rope_cos_sin, mask, token_mask_BS)
+
+    def _forward(self, h_BSD, rope_cos_sin, mask, token_mask_BS):
         h_BSD = h_BSD + self.attention_part(h_BSD, rope_cos_sin, mask)
         if self.is_moe:
             out, stats = self.mlp(self.post_attention_layernorm(h_BSD), token_mask_BS)
@@ -95,26 +120,42 @@ class DecoderLayer(nn.Module):
         return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD)), None
 
     def attention_part(self, h_BSD, rope_cos_sin, mask: DocMask) -> torch.Tensor:
-        """The attention branch before the residual add (a seam: parallel/cuda_graphs.py graphs it)."""
+        """The attention branch before the residual add (region `attn_region`)."""
+        return run_region(self, "attn_region", self._attention_part, h_BSD, rope_cos_sin, mask)
+
+    def _attention_part(self, h_BSD, rope_cos_sin, mask):
         return self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, mask)
+
+
+class Embedding(nn.Embedding):
+    """Token embedding through the layout's vocabulary strategy (whole, or this rank's rows)."""
+
+    def __init__(self, num: int, dim: int, vocab: Vocab | None = None):
+        super().__init__(num, dim)
+        self.vocab = vocab or Vocab()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab.embed(ids, self.weight)
 
 
 class TextDecoder(nn.Module):
     static_mask = False  # fixed-size mask tensors only (set by moevlm.parallel.compile)
 
-    def __init__(self, cfg: VLMConfig):
+    def __init__(self, cfg: VLMConfig, layout: Layout | None = None):
         super().__init__()
+        layout = layout or Layout()
         t = cfg.text
         self.cfg, self.attn_backend = t, cfg.attn_backend
-        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(t.num_layers))
+        self.seq, self.router_stats = layout.sequence, layout.router_stats
+        self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, layout.vocab)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout) for i in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
 
     def forward(self, h_BSD: torch.Tensor, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = (),
                 token_mask_BS: torch.Tensor | None = None):
         ctx = self.layer_inputs(position_ids_3BS, cu_seqlens, token_mask_BS, h_BSD.dtype)
-        h, stats = self.run_layers(self.to_layers(h_BSD), ctx, visual_mask_BS, dict(enumerate(deepstack)))
+        h, stats = self.run_layers(self.seq.enter(h_BSD), ctx, visual_mask_BS, dict(enumerate(deepstack)))
         return self.norm(h), stats
 
     def layer_inputs(self, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -122,39 +163,36 @@ class TextDecoder(nn.Module):
         """What every layer shares: rotary cos/sin, the document mask, the token mask."""
         t = self.cfg
         _, B, S = position_ids_3BS.shape
-        rope = mrope(position_ids_3BS, t.head_dim, t.rope_theta, t.mrope_section, t.mrope_interleaved, dtype)
-        mask = doc_mask(B, S, cu_seqlens, causal=True, backend=self.attn_backend, device=position_ids_3BS.device,
-                        dtype=dtype, static=self.static_mask)
-        return LayerInputs(rope, mask, self.to_layers(token_mask_BS))
+        rope = mrope(self.seq.positions(position_ids_3BS), t.head_dim, t.rope_theta, t.mrope_section,
+                     t.mrope_interleaved, dtype)
+        mask = self.seq.mask(B, S, cu_seqlens, backend=self.attn_backend, device=position_ids_3BS.device,
+                             dtype=dtype, static=self.static_mask)
+        return LayerInputs(rope, mask, self.seq.enter(token_mask_BS))
 
     def run_layers(self, h, ctx: LayerInputs, visual_mask_BS: torch.Tensor | None, deepstack: dict[int, torch.Tensor],
                    layers: nn.Module | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
         """The layers of `layers` (default: all of `self.layers`) in order, each named by its index in
         the whole decoder (a pipeline stage holds some of them); deepstack rows `deepstack[i]` are
-        added after layer i."""
+        added after layer i.  Router statistics are reduced over the ranks sharing the sequence."""
         stats: list[RouterStats] = []
         for name, layer in (self.layers if layers is None else layers).named_children():
             h, s = layer(h, ctx.rope, ctx.mask, ctx.token_mask)
             if s is not None:
-                stats.append(s)
+                stats.append(self.router_stats.reduce(s))
             if int(name) in deepstack:
-                h = self.add_deepstack(h, visual_mask_BS, deepstack[int(name)])
+                h = self.seq.add_at_mask(h, visual_mask_BS, deepstack[int(name)])
         return h, stats
 
-    # What the layers see of the (B, S, ...) inputs, and how deepstack rows reach it: the whole
-    # sequence here; `parallel/tensor_parallel.py` overrides both for sequence parallel.
-    def to_layers(self, t_BS: torch.Tensor | None) -> torch.Tensor | None:
-        return t_BS
 
-    def add_deepstack(self, h: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
-        return add_at_mask(h, mask_BS, rows_ND)
+class Head(nn.Linear):
+    """The LM head through the layout's vocabulary strategy (whole, or this rank's vocabulary rows)."""
 
+    def __init__(self, hidden: int, vocab_size: int, vocab: Vocab | None = None):
+        super().__init__(hidden, vocab_size, bias=False)
+        self.vocab = vocab or Vocab()
 
-def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
-    """h with `rows` added, in order, at the positions where mask is true (out of place)."""
-    idx = mask_BS.reshape(-1).nonzero().squeeze(-1)
-    flat = h_BSD.reshape(-1, h_BSD.shape[-1]).index_add(0, idx, rows_ND.to(h_BSD.dtype))
-    return flat.view_as(h_BSD)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.vocab.head(h, self.weight)
 
 
-__all__ = ["DecoderLayer", "LayerInputs", "RMSNorm", "TextAttention", "TextDecoder", "add_at_mask"]
+__all__ = ["DecoderLayer", "Embedding", "Head", "LayerInputs", "RMSNorm", "TextAttention", "TextDecoder", "add_at_mask"]

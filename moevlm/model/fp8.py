@@ -58,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moevlm.model.config import FP8_MODULES
+from moevlm.model.layout import local
 
 BLOCK = {"blockwise": 128, "mxfp8": 32}
 
@@ -282,7 +283,7 @@ class Linear(nn.Linear):
     fp8: Fp8Plan | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.weight, self.bias)
+        return self.project(x, local(self.weight), local(self.bias))
 
     def project(self, x, weight, bias=None):
         """x @ weight^T + bias: this module's weight, or a shard of it that tensor parallelism passes."""
@@ -325,15 +326,13 @@ def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
 
 def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
     """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
-    from moevlm.dispatch.hybridep import HybridEPDispatcher
-    from moevlm.dispatch.local import LocalDispatcher
     from moevlm.model.moe import MoEBlock
     targets = fp8_targets(model, modules) if plan is not None else []
     for m in model.modules():
         if "fp8" in m.__dict__:
             del m.fp8
         m.__dict__.pop("_fp8_weight", None)
-        if isinstance(m, MoEBlock) and isinstance(m.dispatcher, (LocalDispatcher, HybridEPDispatcher)):
+        if isinstance(m, MoEBlock) and m.dispatcher.pads_experts:
             pad = plan is not None and plan.pad_experts and "experts" in modules
             m.dispatcher.pad_multiple = plan.block if pad else 1
     for m in targets:

@@ -9,11 +9,16 @@ Design choices:
   gate columns first, `down_proj` (E, F, D).  That is the hub checkpoint layout
   and what grouped GEMMs take directly; `hf.py` transposes the transformers
   in-memory layout on load/export.
-- The block never knows which dispatcher runs: `parallel/` swaps
-  `block.dispatcher`.  Router weights are applied once, in `combine`.
-- Every MoE block returns `RouterStats` (sums, not means) so the auxiliary
-  loss is formed once over all layers exactly as the reference does, and the
-  trainer can reduce the same sums over data-parallel ranks.
+- The block never knows which dispatcher runs: it is handed one when built (the local one by
+  default; `moevlm.parallel.build` builds the expert-parallel ones), and an experts runner
+  (dispatch -> experts -> combine; `parallel.ep_overlap` hands a chunked, overlapped one).
+  Router weights are applied once, in `combine`.
+- Every MoE block returns `RouterStats` of its own tokens (sums, not means) so the
+  auxiliary loss is formed once over all layers exactly as the reference does; the
+  decoder reduces them over the ranks that share the sequence (the layout's
+  `router_stats`), and the trainer the same sums over data-parallel ranks.
+- Regions a build step may wrap: the whole block (`region`), the SwiGLU between the
+  two grouped GEMMs (`act_region`); see `moevlm.model.layout`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moevlm.dispatch import build_dispatcher
 from moevlm.model.config import MoEConfig
 from moevlm.model.fp8 import Fp8Plan, Linear, expert_mm
+from moevlm.model.layout import Layout, local, run_region
 
 
 @dataclass
@@ -43,6 +48,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return run_region(self, "region", self._forward, x_TD)
+
+    def _forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
         with torch.autocast(x_TD.device.type, enabled=False):  # autocast would run this linear in bf16
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
@@ -54,6 +62,7 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     fp8: Fp8Plan | None = None  # set by moevlm.model.fp8.apply_fp8
+    compile_eager_gemm = False  # the grouped GEMMs stay out of a compiled graph (moevlm.parallel.compile)
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: str):
         super().__init__()
@@ -62,40 +71,53 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden))
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x_MD, self.gate_up_proj, self.down_proj, tokens_per_expert_E)
+        """Over this rank's shards of the weights (whole without expert parallelism)."""
+        if self.compile_eager_gemm:
+            return _eager_mlp(self, x_MD, tokens_per_expert_E)
+        return self.mlp(x_MD, tokens_per_expert_E)
 
-    def mlp(self, x_MD, gate_up_EDF2, down_EFD, counts_E) -> torch.Tensor:
-        """The two grouped GEMMs around SwiGLU, over these weights (expert parallelism passes its shards)."""
+    def mlp(self, x_MD, counts_E) -> torch.Tensor:
+        """The two grouped GEMMs around SwiGLU."""
+        gate_up_EDF2, down_EFD = local(self.gate_up_proj), local(self.down_proj)
         h_MF2 = expert_mm(x_MD, gate_up_EDF2, counts_E, self.grouped_gemm, self.fp8, (self, "gate_up"))
-        return expert_mm(self.activation(h_MF2), down_EFD, counts_E, self.grouped_gemm, self.fp8, (self, "down"))
+        h_MF = run_region(self, "act_region", swiglu, h_MF2)
+        return expert_mm(h_MF, down_EFD, counts_E, self.grouped_gemm, self.fp8, (self, "down"))
 
-    def activation(self, h_MF2: torch.Tensor) -> torch.Tensor:
-        """SwiGLU between the two grouped GEMMs (a seam: recompute may wrap it per instance)."""
-        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        return F.silu(gate_MF) * up_MF
+
+@torch.compiler.disable
+def _eager_mlp(experts: Experts, x_MD, counts_E):
+    return experts.mlp(x_MD, counts_E)
+
+
+def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU between the two grouped GEMMs (gate columns first)."""
+    gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+    return F.silu(gate_MF) * up_MF
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    def __init__(self, hidden: int, cfg: MoEConfig, layer_idx: int = 0, layout: Layout | None = None):
         super().__init__()
+        layout = layout or Layout()
         self.num_experts = cfg.num_experts
         self.router = Router(hidden, cfg.num_experts, cfg.top_k)
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
-        self.dispatcher = build_dispatcher(cfg.dispatcher, num_experts=cfg.num_experts, top_k=cfg.top_k,
-                                           permute=cfg.permute, **capacity_kwargs(cfg))
+        self.dispatcher = layout.dispatcher(layer_idx, cfg)
+        self.runner = layout.experts_runner()
 
     def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, RouterStats]:
         """`token_mask_BS` (True = real token) keeps padding out of the router
         statistics (aux loss, expert load); padding is still routed and computed."""
+        return run_region(self, "region", self._forward, x_BSD, token_mask_BS)
+
+    def _forward(self, x_BSD, token_mask_BS):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         topk_idx_TK, topk_w_TK, probs_TE = self.router(x_TD)
-        expert_x_MD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
-        expert_y_MD = self.experts(expert_x_MD, tokens_per_expert)
-        y_TD = self.dispatcher.combine(expert_y_MD, handle)
-        return y_TD.view_as(x_BSD), self._stats(topk_idx_TK, probs_TE, token_mask_BS)
+        y_TD = self.runner(x_TD, topk_idx_TK, topk_w_TK, self.dispatcher, self.experts)
+        return y_TD.view_as(x_BSD), self.stats(topk_idx_TK, probs_TE, token_mask_BS)
 
-    def _stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:
+    def stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:
         """Counts by a fixed-size `scatter_add_` (no `bincount`: its output size is data dependent,
         which breaks a compiled graph, and it syncs on CUDA)."""
         idx_N = topk_idx_TK.reshape(-1)
@@ -108,24 +130,23 @@ class MoEBlock(nn.Module):
         return RouterStats((probs_TE * keep_T[:, None]).sum(0), counts_E, keep_T.sum())
 
 
-def capacity_kwargs(cfg: MoEConfig) -> dict:
-    """The dispatcher arguments of the capacity mode (alltoall only); none when dropless."""
-    if cfg.capacity_factor is None:
-        return {}
-    return {"capacity_factor": cfg.capacity_factor, "capacity_overflow": cfg.capacity_overflow}
-
-
 class DenseMLP(nn.Module):
-    """SwiGLU MLP of the `mlp_only_layers`."""
+    """SwiGLU MLP of the `mlp_only_layers`: the sequence gathered before the gate/up projections and
+    scattered by the down projection (both no-ops in one process)."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, layout: Layout | None = None):
         super().__init__()
+        self.seq = (layout or Layout()).sequence
         self.gate_proj = Linear(hidden, ffn, bias=False)
         self.up_proj = Linear(hidden, ffn, bias=False)
         self.down_proj = Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return run_region(self, "region", self._forward, x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.seq.gather(x)
+        return self.seq.scatter_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:

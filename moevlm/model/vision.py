@@ -11,6 +11,8 @@ Design choices:
   the reference's (d, C, T, p, p) kernel).  Row order of a patch is (C, T, p, p).
 - Every grid-dependent index (rotary rows/cols, position-table taps, attention
   segments) is computed once per forward from `grid_thw` on the host.
+- Regions a build step may wrap (moevlm.model.layout): each block, its MLP, each
+  LayerNorm (`region`), the attention kernel (`attn.core`).
 - Patches arrive in merge-block order (the processor's order), so the 2x2
   merger is a reshape of four consecutive rows.
 """
@@ -23,12 +25,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moevlm.model.attention import DocMask, attention, doc_mask
+from moevlm.model.attention import CoreAttention, DocMask, doc_mask
 from moevlm.model.config import VisionConfig
 from moevlm.model.fp8 import Linear
+from moevlm.model.layout import run_region
 from moevlm.model.rope import apply_rotary, pos_embed_taps, vision_cu_seqlens, vision_patch_rows_cols, vision_rotary
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with a region a build step may wrap (`region`: recompute)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_region(self, "region", super().forward, x)
 
 
 class VisionAttention(nn.Module):
@@ -37,6 +47,7 @@ class VisionAttention(nn.Module):
         self.num_heads = cfg.num_heads
         self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.core = CoreAttention()
 
     def forward(self, x_Nd, cos_sin, mask: DocMask):
         N = x_Nd.shape[0]
@@ -44,12 +55,8 @@ class VisionAttention(nn.Module):
         cos, sin = (t[:, None, :] for t in cos_sin)
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        out = self.core_attention(q[None], k[None], v[None], mask)
+        out = self.core(q[None], k[None], v[None], mask)
         return self.proj(out.reshape(N, -1))
-
-    def core_attention(self, q_1NHD, k_1NHD, v_1NHD, mask: DocMask) -> torch.Tensor:
-        """The attention kernel alone (a seam: recompute may wrap it per instance)."""
-        return attention(q_1NHD, k_1NHD, v_1NHD, mask)
 
 
 class VisionMLP(nn.Module):
@@ -60,18 +67,24 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
+        return run_region(self, "region", self._forward, x)
+
+    def _forward(self, x):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm1 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = VisionAttention(cfg)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm2 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x_Nd, cos_sin, mask: DocMask):
+        return run_region(self, "region", self._forward, x_Nd, cos_sin, mask)
+
+    def _forward(self, x_Nd, cos_sin, mask):
         x_Nd = x_Nd + self.attn(self.norm1(x_Nd), cos_sin, mask)
         return x_Nd + self.mlp(self.norm2(x_Nd))
 
@@ -84,7 +97,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
-        self.norm = nn.LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm = LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.linear_fc1 = Linear(self.width, self.width)
         self.linear_fc2 = Linear(self.width, cfg.out_hidden_size)
 

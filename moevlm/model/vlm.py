@@ -21,6 +21,10 @@ Design choices:
   `image_grid_thw` all-zero rows (unused image slots).
 - Inputs are validated on the host before the vision tower runs, with messages
   naming the offending argument.
+- The layout (moevlm.model.layout) is a constructor argument: `Qwen3VLMoe(cfg)` is the
+  one-process model; `moevlm.parallel.build` passes the strategies of a parallel layout
+  (how images are shared, the vocabulary, the loss, the sequence...).  The model keeps
+  it as `model.layout` and never asks which one it holds.
 """
 
 from __future__ import annotations
@@ -30,15 +34,13 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from moevlm.model.config import VLMConfig
-from moevlm.model.decoder import RMSNorm, TextDecoder
+from moevlm.model.decoder import Head, RMSNorm, TextDecoder
+from moevlm.model.layout import IGNORE_INDEX, Layout, next_token_targets, token_loss
 from moevlm.model.moe import MoEBlock, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.vision import VisionEncoder
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -52,12 +54,14 @@ class VLMOutput:
 
 
 class Qwen3VLMoe(nn.Module):
-    def __init__(self, config: VLMConfig):
+    def __init__(self, config: VLMConfig, layout: Layout | None = None):
         super().__init__()
         self.config = config.validate()
+        self.layout = layout = layout or Layout()
         self.vision = VisionEncoder(config.vision, config.attn_backend)
-        self.text = TextDecoder(config)
-        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        self.text = TextDecoder(config, layout)
+        self.lm_head = Head(config.text.hidden_size, config.text.vocab_size, layout.vocab)
+        self.loss = layout.loss()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.text.embed_tokens.weight
         if not any(p.is_meta for p in self.parameters()):
@@ -98,6 +102,7 @@ class Qwen3VLMoe(nn.Module):
         router statistics (aux loss, `expert_counts`); it changes nothing else."""
         cfg = self.config
         check_inputs(cfg, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels, token_mask)
+        self.layout.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
         h_BSD, visual_mask_BS, deepstack, n_image = self.embed(input_ids, pixel_values, image_grid_thw)
         deepstack = [d[:n_image] for d in deepstack]
         if position_ids is None:
@@ -139,6 +144,12 @@ class Qwen3VLMoe(nn.Module):
         return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, deepstack, n
 
     def encode_images(self, pixel_values_NP, grid_thw_I3):
+        """(image tokens, deepstack features, n) of every image, the work shared as the layout's
+        `images` strategy says."""
+        merge = self.config.vision.spatial_merge_size
+        return self.layout.images.encode(self.encode_own_images, pixel_values_NP, grid_thw_I3, merge)
+
+    def encode_own_images(self, pixel_values_NP, grid_thw_I3):
         """(image tokens, deepstack features, n): patches beyond the grids (a packed
         batch's padding) run as one extra segment, isolated in attention; their merged
         tokens are the rows after the first n of every output."""
@@ -151,14 +162,8 @@ class Qwen3VLMoe(nn.Module):
         return image_NO, deepstack, used // merge**2
 
     def lm_loss(self, logits_BSV, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean next-token loss, number of counted targets); `parallel/` overrides it when the
-        logits hold only part of the sequence (context parallel)."""
-        return self.loss_from_targets(logits_BSV, next_token_targets(labels_BS, cu_seqlens))
-
-    def loss_from_targets(self, logits_BSV, targets_T) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean cross-entropy over counted targets, their number) for targets already shifted;
-        `parallel/` overrides it when the logits are sharded along the vocabulary."""
-        return token_loss(logits_BSV, targets_T)
+        """(mean next-token loss over the targets this rank holds, their number): the layout's loss."""
+        return self.loss(logits_BSV, labels_BS, cu_seqlens)
 
     # ------------------------------------------------------- checkpoints (HF)
     @classmethod
@@ -176,26 +181,6 @@ class Qwen3VLMoe(nn.Module):
         from moevlm.model.hf import save_pretrained
 
         save_pretrained(self, out_dir, expert_layout=expert_layout, max_shard_bytes=max_shard_bytes)
-
-
-def token_loss(logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of the logits against already-shifted targets (IGNORE_INDEX not counted), and
-    the number counted."""
-    logits = logits_BSV.reshape(targets.numel(), -1)
-    total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
-                            ignore_index=IGNORE_INDEX, reduction="sum")
-    n = (targets != IGNORE_INDEX).sum()
-    return total / n.clamp(min=1), n
-
-
-def next_token_targets(labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """(B*S,) target of every position: the next label, IGNORE_INDEX at the last
-    position of every row and of every packed document."""
-    targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
-    if cu_seqlens is not None:
-        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
-        targets[last_of_doc] = IGNORE_INDEX
-    return targets
 
 
 def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels,
@@ -279,3 +264,6 @@ def fill_(t: torch.Tensor, kind: str, std: float, generator: torch.Generator | N
         t.fill_(1.0)
     else:
         t.zero_()
+
+
+__all__ = ["IGNORE_INDEX", "Qwen3VLMoe", "VLMOutput", "check_inputs", "fill_", "next_token_targets", "token_loss"]

@@ -1,21 +1,22 @@
-"""Parallel folding: `ParallelDims` (mesh.py) and `parallelize` (parallelize.py).
+"""Parallel folding: `ParallelDims` (mesh.py) and `build_model` (build.py).
 
-The model in `moevlm.model` is built without any process group; this package
-rewrites it: tensor + sequence parallel (tensor_parallel.py), expert and
-expert-tensor parallel (expert_parallel.py, with moevlm.dispatch.alltoall),
-FSDP2 or DDP-style data parallel and the cross-group gradient clipping
-(data_parallel.py), pipeline stages (pipeline_plan.py: the split and the
-schedule's rules; pipeline.py: stage modules on torch.distributed.pipelining),
-and Hugging Face checkpoints in and out of a laid-out model (hf_io.py).
-Context parallel is refused with a message until it is built.
+The model in `moevlm.model` is built without any process group; `build_model` builds it for a
+layout: the strategies its modules receive (tensor + sequence parallel: tensor_parallel.py; context
+parallel: context_parallel.py; expert and expert-tensor parallel: expert_parallel.py, with the
+dispatchers of moevlm.dispatch; the overlapped experts runner: ep_overlap.py), the weight placements,
+recompute (recompute.py), per-block compile (compile.py), FSDP2 or DDP-style data parallel and the
+cross-group gradient clipping (data_parallel.py), CUDA-graph regions (cuda_graphs.py), pipeline
+stages (pipeline_plan.py: the split and the schedule's rules; pipeline.py: stage modules on
+torch.distributed.pipelining); Hugging Face checkpoints in and out of a laid-out model (hf_io.py);
+layout-independent initialisation and unsharded values (weights.py).
 """
 
+from moevlm.parallel.build import ParallelContext, ParallelNotBuilt, build_model, materialize_
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.mesh import ParallelDims
-from moevlm.parallel.parallelize import (ParallelContext, ParallelNotBuilt, copy_full_, full_grads, full_state_dict,
-                                         full_tensor, init_parameters_, materialize_, parallel_context, parallelize)
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from moevlm.parallel.weights import copy_full_, full_grads, full_state_dict, full_tensor, init_parameters_
 
-__all__ = ["ParallelContext", "ParallelDims", "ParallelNotBuilt", "PipelinePlan", "copy_full_", "full_grads",
-           "full_state_dict", "full_tensor", "init_parameters_", "load_hf_weights_", "materialize_",
-           "parallel_context", "parallelize", "plan_pipeline", "save_hf"]
+__all__ = ["ParallelContext", "ParallelDims", "ParallelNotBuilt", "PipelinePlan", "build_model", "copy_full_",
+           "full_grads", "full_state_dict", "full_tensor", "init_parameters_", "load_hf_weights_", "materialize_",
+           "plan_pipeline", "save_hf"]

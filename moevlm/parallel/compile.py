@@ -36,8 +36,8 @@ Design choices:
 - `torch._grouped_mm`'s fake (meta) function accepts bf16 only (torch 2.13),
   while its CPU kernel also runs fp32: in fp32 runs (the CPU) the `torch`
   grouped GEMM of each MoE layer runs eagerly (`torch.compiler.disable`, one
-  graph break per layer, no recompile: its shapes are static); in bf16 it is
-  in the graph.
+  graph break per layer, no recompile: its shapes are static; the experts' flag
+  `compile_eager_gemm`); in bf16 it is in the graph.
 - Recompute regions (moevlm/parallel/recompute.py, applied before compile) are
   traced into the compiled block (checkpoint becomes a higher-order op); a graph
   break inside a region (the fp32 grouped-GEMM seam above) makes dynamo run the
@@ -45,11 +45,12 @@ Design choices:
   `moe` are not compiled on the CPU (`compiled_graphs` in metrics.jsonl shows
   it); in bf16 they are.
 - The all-to-all exchange (a host sync for the split sizes, data-dependent row
-  counts) runs outside the graph: `dispatch`/`combine` of such a dispatcher are
-  wrapped in `torch.compiler.disable` (one graph break each, counted), and the
-  dispatched rows are marked dynamic on their row dimension before they re-enter
-  the graph, so the first compile is already shape-generic in M and varying row
-  counts never recompile.
+  counts) runs outside the graph: the MoE block's experts runner calls the
+  `dispatch`/`combine` of a dispatcher whose `exchanges` is true through
+  `torch.compiler.disable`d functions (moevlm.model.layout; one graph break each,
+  counted), and the dispatched rows are marked dynamic on their row dimension before
+  they re-enter the graph, so the first compile is already shape-generic in M and
+  varying row counts never recompile.
 - Counters come from `torch._dynamo.utils.counters` (same keys in torch 2.11
   and 2.13): `frames` = frames dynamo converted (`frames.total`: after warm-up
   every one is a recompile: a cache miss of a frame seen before), `graphs` =
@@ -58,7 +59,6 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn as nn
@@ -85,16 +85,8 @@ def apply_compile(model: nn.Module, *, mode: str | None = None, bf16: bool = Tru
             eager_gemm = m.is_moe and m.mlp.experts.grouped_gemm == "torch" and not bf16
             m.compile(fullgraph=_layer_fullgraph(m, backend) and not eager_gemm, mode=mode)
             if eager_gemm:
-                m.mlp.experts.forward = torch.compiler.disable(m.mlp.experts.forward)
-            if m.is_moe and _exchanges(m.mlp.dispatcher):
-                _exchange_out_of_graph(m.mlp)
+                m.mlp.experts.compile_eager_gemm = True
     return model
-
-
-def _exchanges(dispatcher) -> bool:
-    """Whether this dispatcher runs a collective exchange (host sync, data-dependent row counts)."""
-    return dispatcher.name != "local" and (getattr(dispatcher, "ep_size", 1) > 1 or getattr(dispatcher, "etp_size", 1) > 1
-                                           or getattr(dispatcher, "always_exchange", False))
 
 
 def _layer_fullgraph(layer: DecoderLayer, backend: str) -> bool:
@@ -103,23 +95,7 @@ def _layer_fullgraph(layer: DecoderLayer, backend: str) -> bool:
     if not layer.is_moe:
         return True
     moe: MoEBlock = layer.mlp
-    return moe.experts.grouped_gemm != "loop" and not _exchanges(moe.dispatcher)
-
-
-def _exchange_out_of_graph(moe: MoEBlock) -> None:
-    """The dispatcher's exchange runs eagerly (a graph break each side); its rows re-enter the graph
-    with a dynamic row dimension, so varying counts do not recompile."""
-    d = moe.dispatcher
-    dispatch, combine = d.dispatch, d.combine
-
-    @functools.wraps(dispatch)
-    def eager_dispatch(x_TD, topk_idx_TK, topk_w_TK):
-        rows_MD, counts_L, handle = dispatch(x_TD, topk_idx_TK, topk_w_TK)
-        torch._dynamo.maybe_mark_dynamic(rows_MD, 0)
-        return rows_MD, counts_L, handle
-
-    d.dispatch = torch.compiler.disable(eager_dispatch)
-    d.combine = torch.compiler.disable(combine)
+    return moe.experts.grouped_gemm != "loop" and not moe.dispatcher.exchanges
 
 
 # ----------------------------------------------------------------- counters

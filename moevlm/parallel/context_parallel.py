@@ -4,8 +4,8 @@ Legend: B rows, S sequence (the packed row), s = S/cp this rank's tokens (s/tp b
 sequence parallel), D hidden, O text width, N patches, m = merge^2 patches per image token, L deepstack
 taps.
 
-What changes (`apply_context_parallel` rewrites a model after tensor parallel, before expert parallel,
-recompute and FSDP; parameter names do not change):
+What changes (`cp_strategies`: the strategies a model is built with, composed over tensor parallel's;
+no weight changes, parameter names do not change):
 
     vision tower     each cp rank encodes a share of the micro-batch's whole images, balanced by
                      patches (cp_layout.balance_images); the image tokens and deepstack features of
@@ -29,7 +29,8 @@ Design choices:
 - Every cp rank of a data-parallel replica holds the whole micro-batch (ids, labels, boundaries,
   positions: small), as the tp ranks do; only activations are split.  The loader is keyed by the dp
   coordinate already.  The split of the micro-batch's rows is set where it enters the model
-  (`forward`, or a pipeline stage: `CPInfo.set_rows`) and used by every hook after it.
+  (`Sequence.begin`, called by the model's forward or a pipeline stage) and used by every strategy
+  after it.
 - Composition with sequence parallel: the cp split comes first, then the tp split of the cp-local
   sequence (tokens sharded over cp x tp); the tp all-gather before attention restores the cp-local
   sequence, whose rotary angles and mask this module builds.
@@ -39,17 +40,11 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from moevlm.model.attention import DocMask, document_ids
-from moevlm.model.decoder import LayerInputs, add_at_mask
-from moevlm.model.moe import MoEBlock
-from moevlm.model.rope import mrope
-from moevlm.model.vlm import next_token_targets
+from moevlm.model.attention import CoreAttention, DocMask, document_ids
+from moevlm.model.layout import Images, Sequence, add_at_mask, run_region
 from moevlm.parallel.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
@@ -77,25 +72,14 @@ class CPInfo:
         return take_rows(t, self.idx_Bs, dim)
 
 
-@functools.cache
-def _mixed(mixin: type, cls: type) -> type:
-    return type(f"{mixin.__name__.removesuffix('Mixin')}{cls.__name__}", (mixin, cls), {})
+class CPImages(Images):
+    """Images encoded in shares (balanced by patches) and gathered back in image order."""
 
+    def __init__(self, cp: CPInfo):
+        self.cp = cp
 
-def _mix(module: nn.Module, mixin: type, **attrs) -> None:
-    module.__class__ = _mixed(mixin, type(module))
-    for k, v in attrs.items():
-        setattr(module, k, v)
-
-
-# ---------------------------------------------------------------- the model
-class CPModelMixin:
-    """Images encoded in shares and gathered; the LM loss over this rank's tokens."""
-    cp: CPInfo
-
-    def encode_images(self, pixel_values_NP, grid_thw_I3):
-        cfg = self.config
-        merge2 = cfg.vision.spatial_merge_size ** 2
+    def encode(self, encode_fn, pixel_values_NP, grid_thw_I3, merge: int):
+        merge2 = merge ** 2
         sizes = grid_thw_I3.prod(-1).tolist()
         n = sum(sizes) // merge2
         per_rank = balance_images(sizes, self.cp.size)
@@ -107,7 +91,7 @@ class CPModelMixin:
             pixels = torch.cat([pixel_values_NP[starts[i]:starts[i + 1]] for i in mine])
         else:  # no image here: the tower still runs (one isolated padding segment), so every rank's
             pixels = pixel_values_NP.new_zeros(merge2, pixel_values_NP.shape[1])  # backward is the same
-        out_NO, deepstack, n_mine = super().encode_images(pixels, grid_thw_I3[mine])
+        out_NO, deepstack, n_mine = encode_fn(pixels, grid_thw_I3[mine])
         parts = [out_NO, *deepstack]
         link = sum(t[n_mine:].sum() for t in parts) * 0.0  # this rank's padding rows, in the graph
         rows_mine = torch.cat([t[:n_mine] for t in parts], dim=-1)
@@ -124,14 +108,6 @@ class CPModelMixin:
         widths = [t.shape[1] for t in parts]
         out_NO, *deepstack = rows.split(widths, dim=-1)
         return out_NO, deepstack, n
-
-    def forward(self, input_ids, *args, cu_seqlens=None, **kwargs):
-        self.cp.set_rows(cu_seqlens, *input_ids.shape, input_ids.device)
-        return super().forward(input_ids, *args, cu_seqlens=cu_seqlens, **kwargs)
-
-    def lm_loss(self, logits_BsV, labels_BS, cu_seqlens):
-        targets = next_token_targets(labels_BS, cu_seqlens).view(labels_BS.shape)
-        return self.loss_from_targets(logits_BsV, self.cp.take(targets).reshape(-1))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -154,53 +130,64 @@ class _GatherRows(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- the decoder
-class CPDecoderMixin:
-    """Layers see this rank's zigzag tokens (then, under sequence parallel, its tp share of them)."""
-    cp: CPInfo
+class CPSequence(Sequence):
+    """Layers see this rank's zigzag tokens, then `inner`'s share of them (tensor parallel's, or all);
+    attention sees the cp-local sequence with its global positions and document ids."""
 
-    def to_layers(self, t_BS):
-        if t_BS is None:
-            return None
-        return super().to_layers(self.cp.take(t_BS))
+    sharded = True
 
-    def add_deepstack(self, h, mask_BS, rows_ND):
+    def __init__(self, cp: CPInfo, inner: Sequence):
+        self.cp, self.inner = cp, inner
+
+    def begin(self, cu_seqlens, B, S, device):
+        self.cp.set_rows(cu_seqlens, B, S, device)
+
+    def enter(self, t_BS):
+        return None if t_BS is None else self.inner.enter(self.cp.take(t_BS))
+
+    def add_at_mask(self, h, mask_BS, rows_ND):
         delta_BSD = add_at_mask(h.new_zeros(*mask_BS.shape, h.shape[-1]), mask_BS, rows_ND)
-        return h + self.to_layers(delta_BSD)
+        return h + self.enter(delta_BSD)
 
-    def layer_inputs(self, position_ids_3BS, cu_seqlens, token_mask_BS, dtype) -> LayerInputs:
-        t = self.cfg
-        _, B, S = position_ids_3BS.shape
-        rope = mrope(self.cp.take(position_ids_3BS, dim=2), t.head_dim, t.rope_theta, t.mrope_section,
-                     t.mrope_interleaved, dtype)
-        doc = self.cp.take(document_ids(B, S, cu_seqlens, position_ids_3BS.device))
-        mask = DocMask("cp", True, [], (self.cp.idx_Bs, doc))
-        return LayerInputs(rope, mask, self.to_layers(token_mask_BS))
+    def positions(self, position_ids_3BS):
+        return self.cp.take(position_ids_3BS, dim=2)
+
+    def mask(self, B, S, cu_seqlens, *, device, **_):
+        doc = self.cp.take(document_ids(B, S, cu_seqlens, device))
+        return DocMask("cp", True, [], (self.cp.idx_Bs, doc))
+
+    def gather(self, x):
+        return self.inner.gather(x)
+
+    def scatter_linear(self, linear, x):
+        return self.inner.scatter_linear(linear, x)
 
 
-class CPAttentionMixin:
-    cp: CPInfo
+class CPCoreAttention(CoreAttention):
+    """Queries local, keys/values from every cp rank (`cp_attention`, allgather or ring)."""
 
-    def core_attention(self, q_BsHD, k_BsKD, v_BsKD, mask: DocMask) -> torch.Tensor:
+    def __init__(self, cp: CPInfo):
+        super().__init__()
+        self.cp = cp
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp.size}, comm={self.cp.comm}"
+
+    def forward(self, q_BsHD, k_BsKD, v_BsKD, mask: DocMask) -> torch.Tensor:
+        return run_region(self, "region", self._attend, q_BsHD, k_BsKD, v_BsKD, mask)
+
+    def _attend(self, q_BsHD, k_BsKD, v_BsKD, mask: DocMask) -> torch.Tensor:
         pos, doc = mask.prepared
         return cp_attention(q_BsHD, k_BsKD, v_BsKD, pos, doc, group=self.cp.group, comm=self.cp.comm,
                             causal=mask.causal)
 
 
-def apply_context_parallel(model: nn.Module, cp_group, seq_group, comm: str = "allgather") -> None:
-    """Rewrite `model` (after tensor parallel) for context parallel over `cp_group`; `seq_group` is the
-    group the sequence is sharded over (cp x tp), over which router statistics are summed."""
-    from moevlm.parallel.tensor_parallel import SPMoEBlock
-
+def cp_strategies(cp_group, comm: str, inner: Sequence) -> tuple[CPInfo, dict]:
+    """(the cp group's info, the Layout fields of context parallel over `cp_group`, composed over the
+    sequence strategy `inner`: tensor parallel's, or the whole-sequence one)."""
     info = CPInfo(cp_group, comm)
-    _mix(model, CPModelMixin, cp=info)
-    _mix(model.text, CPDecoderMixin, cp=info)
-    for layer in model.text.layers.children():  # a ModuleList, or a pipeline stage's ModuleDict
-        _mix(layer.self_attn, CPAttentionMixin, cp=info)
-        if layer.is_moe:
-            if not isinstance(layer.mlp, SPMoEBlock):
-                assert type(layer.mlp) is MoEBlock, type(layer.mlp)
-                layer.mlp.__class__ = SPMoEBlock
-            layer.mlp.seq_group = seq_group
+    return info, dict(sequence=CPSequence(info, inner), images=CPImages(info),
+                      attention=lambda: CPCoreAttention(info))
 
 
-__all__ = ["CP_COMMS", "CPInfo", "apply_context_parallel"]
+__all__ = ["CP_COMMS", "CPCoreAttention", "CPImages", "CPInfo", "CPSequence", "cp_strategies"]

@@ -22,7 +22,8 @@ Regions (per decoder layer):
   refuses alltoall until the capacity-bounded dispatcher of issue 18).  The router
   statistics (`MoEBlock._stats` returns a `RouterStats` object; a graph returns tensors)
   are deferred: inside the graph `_stats` returns its inputs (top-k ids, probabilities),
-  and the real `_stats` runs eagerly on the graph's outputs right after the replay.
+  and the router statistics leave the graph as tensors (their reduction over ranks runs
+  after it, in the decoder).
 The dropless expert computation of the first three scopes stays eager (row counts depend
 on the data).
 
@@ -33,11 +34,12 @@ Design choices:
   device, shapes, dtypes and autocast state it will replay in.  One capture per input
   signature (shapes, dtypes, requires_grad, which optional inputs are present, autocast
   state); the packer's fixed budgets make that one capture per region.
-- A region is a `GraphedRegion` set as an instance attribute over the method it replaces
-  (`layer.attention_part`, `layer.forward`, `router.forward`, `dispatcher.preprocess`):
-  the model keeps no knowledge of graphs (one seam, `DecoderLayer.attention_part`), the
-  MoE layer still only calls `dispatch`.  Eager (the original method) whenever the input
-  is not on CUDA, grad is off, or the owning module is in eval mode.
+- A region is a `GraphedRegion` module installed at one of the model's region slots
+  (moevlm.model.layout: the layer's `attn_region` and `region`, the router's `region`,
+  the dispatcher's `preprocess_region`), so `repr(model)` shows it; the model keeps no
+  knowledge of graphs, the MoE layer still only calls `dispatch`.  Eager (the wrapped
+  computation) whenever the input is not on CUDA, grad is off, or the owning module is
+  in eval mode.
 - Memory pools: each capture gets its own private pool (make_graphed_callables' default).
   Sharing one pool is only safe when graphs are captured in the order they replay (fwd 1..n,
   bwd n..1); lazy per-layer capture goes fwd 1, bwd 1, fwd 2, ... so pools are not shared.
@@ -59,13 +61,14 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from moevlm.model.attention import DocMask
+from moevlm.model.layout import Region
+from moevlm.model.moe import RouterStats
 
 SCOPES = ("attn", "moe_router", "moe_preprocess", "full_layer")
 
@@ -85,21 +88,19 @@ class _Capturable(nn.Module):
 
 class _Region:
     """How one kind of region turns its call into tensors and back.  Subclasses set `kind`, `parts`,
-    `shared` (positions of inputs every layer shares) and implement eager/flatten/build/unflatten."""
+    `shared` (positions of inputs every layer shares), `owner` (whose training flag decides) and
+    implement flatten; `build(fn, key)` is the function of tensors a capture graphs (default: `fn`)."""
     kind = ""
     shared: tuple[int, ...] = ()
 
-    def __init__(self, parts: tuple[nn.Module, ...]):
-        self.parts = parts
-
-    def eager(self, *args):
-        raise NotImplementedError
+    def __init__(self, parts: tuple[nn.Module, ...], owner: nn.Module):
+        self.parts, self.owner = parts, owner
 
     def flatten(self, *args) -> tuple[tuple[torch.Tensor, ...], tuple]:
-        raise NotImplementedError
+        return args, ()
 
-    def build(self, key: tuple) -> Callable:
-        raise NotImplementedError
+    def build(self, fn: Callable, key: tuple) -> Callable:
+        return fn
 
     def unflatten(self, outputs, args):
         return outputs
@@ -120,21 +121,17 @@ class AttnRegion(_Region):
     kind, shared = "attn", (1, 2, 3)
 
     def __init__(self, layer: nn.Module):
-        super().__init__((layer.input_layernorm, layer.self_attn))
-        self.layer = layer
-
-    def eager(self, h_BSD, rope_cos_sin, mask):
-        return type(self.layer).attention_part(self.layer, h_BSD, rope_cos_sin, mask)
+        super().__init__((layer.input_layernorm, layer.self_attn), layer)
 
     def flatten(self, h_BSD, rope_cos_sin, mask):
         mask_t, key = _mask_tensors(mask, self.kind)
         return (h_BSD, *rope_cos_sin, *mask_t), key
 
-    def build(self, key):
+    def build(self, eager, key):
         causal, _ = key
 
         def fn(h_BSD, cos, sin, *mask):
-            return self.eager(h_BSD, (cos, sin), _doc_mask(causal, mask[0] if mask else None))
+            return eager(h_BSD, (cos, sin), _doc_mask(causal, mask[0] if mask else None))
         return fn
 
 
@@ -142,111 +139,83 @@ class RouterRegion(_Region):
     kind = "moe_router"
 
     def __init__(self, router: nn.Module):
-        super().__init__((router,))
-        self.router = router
-
-    def eager(self, x_TD):
-        return type(self.router).forward(self.router, x_TD)
-
-    def flatten(self, x_TD):
-        return (x_TD,), ()
-
-    def build(self, key):
-        return self.eager
+        super().__init__((router,), router)
 
 
 class PreprocessRegion(_Region):
     kind = "moe_preprocess"
 
-    def __init__(self, dispatcher):
-        super().__init__(())
-        self.dispatcher = dispatcher
-
-    def eager(self, topk_idx_TK, topk_w_TK):
-        return type(self.dispatcher).preprocess(self.dispatcher, topk_idx_TK, topk_w_TK)
-
-    def flatten(self, topk_idx_TK, topk_w_TK):
-        return (topk_idx_TK, topk_w_TK), ()
-
-    def build(self, key):
-        return self.eager
+    def __init__(self, block: nn.Module):
+        super().__init__((), block)
 
 
 class FullLayerRegion(_Region):
     kind, shared = "full_layer", (1, 2, 3, 4)
 
     def __init__(self, layer: nn.Module):
-        super().__init__((layer,))
+        super().__init__((layer,), layer)
         self.layer = layer
-
-    def eager(self, h_BSD, rope_cos_sin, mask, token_mask_BS=None):
-        return type(self.layer).forward(self.layer, h_BSD, rope_cos_sin, mask, token_mask_BS)
 
     def flatten(self, h_BSD, rope_cos_sin, mask, token_mask_BS=None):
         mask_t, key = _mask_tensors(mask, self.kind)
         tm = (token_mask_BS,) if token_mask_BS is not None else ()
         return (h_BSD, *rope_cos_sin, *mask_t, *tm), (*key, token_mask_BS is not None)
 
-    def build(self, key):
+    def build(self, eager, key):
         causal, has_mask, has_token_mask = key
 
         def fn(h_BSD, cos, sin, *rest):
             rest = list(rest)
             mask = _doc_mask(causal, rest.pop(0) if has_mask else None)
             token_mask = rest.pop(0) if has_token_mask else None
-            with self._stats_deferred():
-                out, raw = self.eager(h_BSD, (cos, sin), mask, token_mask)
-            return (out, *raw) if self.layer.is_moe else (out,)
+            out, stats = eager(h_BSD, (cos, sin), mask, token_mask)
+            if stats is None:
+                return (out,)
+            n = (stats.num_tokens,) if has_token_mask else ()  # a tensor with a token mask, else T (shapes)
+            return (out, stats.prob_sum_E, stats.counts_E, *n)
         return fn
-
-    @contextlib.contextmanager
-    def _stats_deferred(self):
-        """Inside the graph `_stats` hands back its tensor inputs; `unflatten` runs the real one."""
-        if not self.layer.is_moe:
-            yield
-            return
-        self.layer.mlp._stats = lambda topk_idx_TK, probs_TE, *rest: (topk_idx_TK, probs_TE)
-        try:
-            yield
-        finally:
-            del self.layer.mlp._stats
 
     def unflatten(self, outputs, args):
         if not self.layer.is_moe:
             return outputs[0], None
-        out, topk_idx_TK, probs_TE = outputs
-        token_mask_BS = args[3] if len(args) > 3 else None
-        return out, self.layer.mlp._stats(topk_idx_TK, probs_TE, token_mask_BS)
+        out, prob_sum_E, counts_E, *n = outputs
+        num_tokens = n[0] if n else args[0].shape[0] * args[0].shape[1]
+        return out, RouterStats(prob_sum_E, counts_E, num_tokens)
 
 
-class GraphedRegion:
+class GraphedRegion(Region):
     """One region of one layer: eager off CUDA / without grad / in eval, else captured once per input
     signature and replayed.  `tensor_form=True` runs the exact function a capture would graph, eagerly
     (the CPU tests check the region boundaries with it)."""
 
-    def __init__(self, region: _Region, owner: nn.Module, shared: dict, warmup: int = 3):
-        self.region, self.owner, self.shared, self.warmup = region, owner, shared, warmup
+    def __init__(self, region: _Region, graphs: "CudaGraphs", warmup: int = 3):
+        super().__init__()
+        self.region, self.shared, self.warmup = region, graphs.shared, warmup
+        self.collection = graphs  # the CudaGraphs this region belongs to (a plain object, not a submodule)
         self.graphs: dict[tuple, Callable] = {}
         self.tensor_form = False
 
-    def __call__(self, *args):
+    def extra_repr(self) -> str:
+        return f"{self.region.kind}, captured={len(self.graphs)}"
+
+    def forward(self, fn: Callable, *args):
         tensors, key = self.region.flatten(*args)
-        if not (tensors[0].is_cuda and torch.is_grad_enabled() and self.owner.training):
+        if not (tensors[0].is_cuda and torch.is_grad_enabled() and self.region.owner.training):
             if self.tensor_form:
-                return self.region.unflatten(self.region.build(key)(*tensors), args)
-            return self.region.eager(*args)
+                return self.region.unflatten(self.region.build(fn, key)(*tensors), args)
+            return fn(*args)
         sig = (key, _autocast_state(), tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors))
         graphed = self.graphs.get(sig)
         if graphed is None:
-            graphed = self.graphs[sig] = self._capture(key, tensors)
+            graphed = self.graphs[sig] = self._capture(fn, key, tensors)
         return self.region.unflatten(graphed(*tensors), args)
 
-    def _capture(self, key: tuple, tensors: tuple[torch.Tensor, ...]) -> Callable:
+    def _capture(self, fn: Callable, key: tuple, tensors: tuple[torch.Tensor, ...]) -> Callable:
         if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
             raise RuntimeError("model.cuda_graph_scope captures under torch.autocast only with its weight cache "
                                "off: use torch.autocast(..., cache_enabled=False) (the trainer does)")
         sample = tuple(self._static_input(i, t) for i, t in enumerate(tensors))
-        module = _Capturable(self.region.build(key), self.region.parts)
+        module = _Capturable(self.region.build(fn, key), self.region.parts)
         graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self.warmup,
                                                     allow_unused_input=True)
         for p in module.parameters():
@@ -277,16 +246,16 @@ def _autocast_state() -> tuple:
 
 
 class CudaGraphs:
-    """The regions applied to one model (kept in `model.__dict__["_cuda_graphs"]`)."""
+    """The regions installed in one model (each `GraphedRegion` points back here: `cuda_graphs(model)`)."""
 
     def __init__(self, scope: tuple[str, ...]):
         self.scope = scope
         self.regions: list[GraphedRegion] = []
         self.shared: dict = {}
 
-    def wrap(self, obj: Any, method: str, region: _Region, owner: nn.Module) -> None:
-        graphed = GraphedRegion(region, owner, self.shared)
-        setattr(obj, method, graphed)  # an instance attribute over the class's method
+    def install(self, module: nn.Module, slot: str, region: _Region) -> None:
+        graphed = GraphedRegion(region, self)
+        module.add_module(slot, graphed)
         self.regions.append(graphed)
 
     def captures(self) -> dict[str, int]:
@@ -322,23 +291,23 @@ def apply_cuda_graphs(model: nn.Module, scope) -> CudaGraphs | None:
     graphs = CudaGraphs(scope)
     for layer in model.text.layers.children():
         if "full_layer" in scope:
-            graphs.wrap(layer, "forward", FullLayerRegion(layer), layer)
+            graphs.install(layer, "region", FullLayerRegion(layer))
             continue
         if "attn" in scope:
-            graphs.wrap(layer, "attention_part", AttnRegion(layer), layer)
+            graphs.install(layer, "attn_region", AttnRegion(layer))
         if layer.is_moe and "moe_router" in scope:
-            graphs.wrap(layer.mlp.router, "forward", RouterRegion(layer.mlp.router), layer.mlp.router)
+            graphs.install(layer.mlp.router, "region", RouterRegion(layer.mlp.router))
         if layer.is_moe and "moe_preprocess" in scope:
-            if getattr(layer.mlp.dispatcher, "permute", "torch") != "torch":
+            if not layer.mlp.dispatcher.capturable_preprocess:
                 raise ValueError("model.cuda_graph_scope=moe_preprocess captures the torch permutation plan; "
                                  "use model.permute=torch")
-            graphs.wrap(layer.mlp.dispatcher, "preprocess", PreprocessRegion(layer.mlp.dispatcher), layer.mlp)
-    model.__dict__["_cuda_graphs"] = graphs
+            graphs.install(layer.mlp.dispatcher, "preprocess_region", PreprocessRegion(layer.mlp))
     return graphs
 
 
 def cuda_graphs(model: nn.Module) -> CudaGraphs | None:
-    return model.__dict__.get("_cuda_graphs")
+    """The CudaGraphs whose regions `model` holds, or None."""
+    return next((m.collection for m in model.modules() if isinstance(m, GraphedRegion)), None)
 
 
 __all__ = ["SCOPES", "CudaGraphs", "GraphedRegion", "apply_cuda_graphs", "cuda_graphs", "scope_problem"]

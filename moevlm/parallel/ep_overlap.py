@@ -15,9 +15,9 @@ Each MoE block's micro-batch is routed once, whole, then its tokens are cut in t
     wait combine 0, combine 1 -> weighted sum per token -> concatenate the chunks
 
 Design choices:
-- A wrapper of `MoEBlock.forward` (the block's class swapped for a subclass that adds the
-  overlapped forward, so the TP/CP `SPMoEBlock` statistics keep working); the model knows
-  nothing of it.  Applied in `parallelize` after expert parallel, before recompute.
+- An experts runner (`OverlappedRunner`, the layout's `experts_runner`): the MoE block holds
+  it from construction and hands it the routed tokens, its dispatcher and its experts; the
+  block's routing and router statistics are unchanged, and the model knows nothing of it.
 - It drives the `alltoall` dispatcher's pieces (its permutation, its exchange plan's pure
   index functions) instead of calling `dispatch`/`combine`, because those wait on their
   exchange at once.  Each row exchange is an `_Exchange`: two autograd nodes, `start` (issue
@@ -72,8 +72,7 @@ from moevlm.dispatch.alltoall import (
     rank_splits,
     regroup_by_local_expert,
 )
-from moevlm.dispatch.rows import RowsState, from_expert_rows, rows_plan, to_expert_rows
-from moevlm.model.moe import MoEBlock
+from moevlm.model.rows import RowsState, from_expert_rows, rows_plan, to_expert_rows
 
 CHUNKS = 2
 
@@ -160,14 +159,11 @@ def chunk_bounds(num_tokens: int, chunks: int = CHUNKS) -> list[tuple[int, int]]
     return [(s, s + n) for s, n in zip(starts, sizes)]
 
 
-class OverlappedMoE:
-    """Mixin before a `MoEBlock` class: the forward above.  `dispatcher` must be an `AllToAllDispatcher`
-    over an EP group (etp 1)."""
+class OverlappedRunner(nn.Module):
+    """The experts runner of the overlapped forward above; `dispatcher` must be an overlappable one (the
+    `alltoall` dispatcher over an EP group, etp 1: the build checks `problem`)."""
 
-    def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None):
-        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        topk_idx_TK, topk_w_TK, probs_TE = self.router(x_TD)
-        d: AllToAllDispatcher = self.dispatcher
+    def forward(self, x_TD, topk_idx_TK, topk_w_TK, d: AllToAllDispatcher, experts) -> torch.Tensor:
         bounds = chunk_bounds(x_TD.shape[0])
         parts = [(x_TD[a:b], topk_idx_TK[a:b], topk_w_TK[a:b]) for a, b in bounds]
         if d.capacity_factor is None:
@@ -175,10 +171,9 @@ class OverlappedMoE:
         else:
             chunks = [_dispatch_capacity(d, c, *p) for c, p in enumerate(parts)]
         for c, ch in enumerate(chunks):  # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
-            expert_y_MD = self.experts(_grouped(d, ch), ch.tokens_per_local_expert_L)
+            expert_y_MD = experts(_grouped(d, ch), ch.tokens_per_local_expert_L)
             _combine_start(d, ch, expert_y_MD, c)
-        y_TD = torch.cat([_combine_finish(d, ch) for ch in chunks])
-        return y_TD.view_as(x_BSD), self._stats(topk_idx_TK, probs_TE, token_mask_BS)
+        return torch.cat([_combine_finish(d, ch) for ch in chunks])
 
 
 # ----------------------------------------------------------------- dropless
@@ -250,23 +245,10 @@ def _combine_finish(d: AllToAllDispatcher, ch: _Chunk) -> torch.Tensor:
     return from_expert_rows(returned, ch.rows)
 
 
-# ----------------------------------------------------------------- applying it
-
-_CLASSES: dict[type, type] = {}
-
-
-def overlapped_class(cls: type) -> type:
-    """`cls` (MoEBlock or a subclass) with the overlapped forward; one class per base."""
-    if issubclass(cls, OverlappedMoE):
-        return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Overlapped{cls.__name__}", (OverlappedMoE, cls), {})
-    return _CLASSES[cls]
-
-
+# ----------------------------------------------------------------- checking it
 def problem(dispatcher) -> str | None:
     """Why a block with this dispatcher cannot run the overlapped forward, or None."""
-    if not isinstance(dispatcher, AllToAllDispatcher):
+    if not dispatcher.overlappable:
         return f"parallel.ep_overlap needs the alltoall dispatcher, not {type(dispatcher).__name__}"
     if dispatcher.etp_size > 1:
         return f"parallel.ep_overlap is not built for expert tensor parallel (etp={dispatcher.etp_size})"
@@ -275,12 +257,4 @@ def problem(dispatcher) -> str | None:
     return None
 
 
-def apply_ep_overlap(model: nn.Module) -> int:
-    """Swap every MoE block of `model` (after expert parallel) to the overlapped forward; the count."""
-    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
-    for block in blocks:
-        reason = problem(block.dispatcher)
-        if reason is not None:
-            raise ValueError(reason)
-        block.__class__ = overlapped_class(type(block))
-    return len(blocks)
+__all__ = ["CHUNKS", "OverlappedRunner", "chunk_bounds", "problem"]

@@ -6,7 +6,7 @@ expert-tensor-parallel size.
     gate_up_proj (E, D, 2F)  ->  local (L, D, 2F/etp) = [gate slice | up slice]
     down_proj    (E, F, D)   ->  local (L, F/etp, D)
     router                   replicated (every rank routes its own tokens)
-    dispatcher               AllToAllDispatcher(ep group, etp group[, capacity_factor])
+    dispatcher               built per block: AllToAllDispatcher(ep group, etp group[, capacity_factor]), ...
 
 Design choices:
 - Expert weights are DTensors on the expert mesh's (ep, etp) dimensions:
@@ -19,6 +19,9 @@ Design choices:
   reduce-scatters it over the ETP group (see moevlm/dispatch/alltoall.py).
 - ep = etp = 1: nothing changes here (the `local` dispatcher, whole experts);
   the experts are still data parallel over edp (= every rank of the stage).
+- The dispatcher is built once per MoE block, with its groups, when the block is built
+  (`dispatcher_factory` is the layout's); the experts compute on their local shards
+  (`Experts` reads `local()` of its weights), so nothing of the model is rewritten here.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from moevlm.dispatch import build_dispatcher
-from moevlm.model.moe import Experts, capacity_kwargs
-from moevlm.parallel.tensor_parallel import local, shard_param
+from moevlm.parallel.tensor_parallel import shard_param
 
 try:  # torch's placement for interleaved halves (used by FSDP2 + TP); private, present in 2.6+
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -36,29 +38,31 @@ except ImportError:  # pragma: no cover
     _StridedShard = None
 
 
-class ParallelExperts(Experts):
-    def forward(self, x_MD, tokens_per_expert_L):
-        return self.mlp(x_MD, local(self.gate_up_proj), local(self.down_proj), tokens_per_expert_L)
+def dispatcher_factory(name: str, *, permute: str = "torch", capacity_factor: float | None = None,
+                       capacity_overflow: str = "drop", fallback: str | None = None, **groups):
+    """The `Layout.dispatcher` of a layout: (layer index, MoE config) -> a new dispatcher `name` over
+    `groups` (ep_group, etp_group), one per MoE block, built when the block is."""
+    kwargs = dict(permute=permute, **groups)
+    if capacity_factor is not None:
+        kwargs.update(capacity_factor=capacity_factor, capacity_overflow=capacity_overflow)
+
+    def build(layer_idx: int, moe_cfg):
+        return build_dispatcher(name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k,
+                                **({"fallback": fallback} if fallback else {}), **kwargs)
+    return build
 
 
-def apply_expert_parallel(model: nn.Module, expert_mesh, dispatcher: str = "alltoall") -> None:
-    """Shard every MoE block's experts over (ep, etp) of `expert_mesh` and give it a
-    dispatcher over those groups (`local` means all-to-all over a group of one:
-    with etp > 1 the ETP gather is still needed)."""
+def shard_experts(model: nn.Module, expert_mesh) -> None:
+    """Shard every MoE block's expert weights over (ep, etp) of `expert_mesh`."""
     sub = expert_mesh["ep", "etp"]
-    ep_group, etp_group = expert_mesh["ep"].get_group(), expert_mesh["etp"].get_group()
     etp = expert_mesh["etp"].size()
     if etp > 1 and _StridedShard is None:  # pragma: no cover
         raise RuntimeError("parallel.etp > 1 needs torch's _StridedShard placement (torch >= 2.6)")
     gate_up = [Shard(0), _StridedShard(2, split_factor=2) if etp > 1 else Shard(2)]
-    cfg = model.config.moe
     for layer in model.text.layers.children():  # a ModuleList, or a pipeline stage's ModuleDict
-        if not layer.is_moe:
-            continue
-        block = layer.mlp
-        shard_param(block.experts, "gate_up_proj", sub, gate_up)
-        shard_param(block.experts, "down_proj", sub, [Shard(0), Shard(1)])
-        block.experts.__class__ = ParallelExperts
-        name = "alltoall" if dispatcher == "local" else dispatcher
-        block.dispatcher = build_dispatcher(name, num_experts=cfg.num_experts, top_k=cfg.top_k, ep_group=ep_group,
-                                            etp_group=etp_group, permute=cfg.permute, **capacity_kwargs(cfg))
+        if layer.is_moe:
+            shard_param(layer.mlp.experts, "gate_up_proj", sub, gate_up)
+            shard_param(layer.mlp.experts, "down_proj", sub, [Shard(0), Shard(1)])
+
+
+__all__ = ["dispatcher_factory", "shard_experts"]

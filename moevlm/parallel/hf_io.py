@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from moevlm.model import Qwen3VLMoe
 from moevlm.model import hf
-from moevlm.parallel.parallelize import copy_full_, full_tensor
+from moevlm.parallel.weights import copy_full_, full_tensor
 
 
 def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> None:
@@ -47,17 +47,18 @@ def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> N
             copy_full_(params[name], t)
 
 
-def save_hf(model: nn.Module, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30) -> None:
-    """Write the model as a Hugging Face folder; collective when the model is laid out over ranks."""
+def save_hf(model: nn.Module, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30,
+            ctx=None) -> None:
+    """Write the model as a Hugging Face folder; collective when the model is laid out over ranks (`ctx`:
+    its ParallelContext)."""
     out_dir = Path(out_dir)
-    ctx = model.__dict__.get("_parallel_context")
     spread = ctx is not None and ctx.dims.world > 1 and dist.is_initialized()
     rank = dist.get_rank() if spread else 0
     stage_world = ctx.dims.world // ctx.dims.pp if spread else 1
     cfg = model.config
     params = model.state_dict()
     dtype = next(iter(params.values())).dtype
-    files, total = _file_plan(model, dtype, max_shard_bytes)
+    files, total = _file_plan(model, dtype, max_shard_bytes, ctx)
     mine = _my_pp_rank(ctx) if spread else 0
     leader = rank % stage_world == 0  # the stage's first rank (dp = cp = tp = 0)
     if leader:
@@ -80,12 +81,11 @@ def _whole_on_meta(model: nn.Module) -> nn.Module:
         return Qwen3VLMoe(model.config)
 
 
-def _file_plan(model: nn.Module, dtype: torch.dtype, max_shard_bytes: int):
+def _file_plan(model: nn.Module, dtype: torch.dtype, max_shard_bytes: int, ctx):
     """({file name: (pp rank that writes it, our tensor names)}, total bytes), for the whole architecture."""
     whole = _whole_on_meta(model).state_dict()
     if model.config.tie_word_embeddings:
         whole.pop("lm_head.weight", None)
-    ctx = model.__dict__.get("_parallel_context")
     plan = ctx.pipeline.plan if ctx is not None and ctx.pipeline is not None else None
     by_rank: dict[int, dict[str, int]] = {}
     for name, t in whole.items():

@@ -4,8 +4,8 @@ Legend: B rows per micro-batch, S sequence, s = S/tp (sequence parallel), D
 hidden, Np patches per micro-batch, m = Np/merge^2 merged image rows, E
 experts, M micro-batches per step.
 
-    prune_to_stages(model, plan, pp_rank)        # on meta, before TP/EP/FSDP (parallelize does it)
-    pipe = Pipeline(model, plan, pp_rank, pp_group)           # parallelize builds it; FSDP roots on its stages
+    prune_to_stages(model, plan, pp_rank)        # on meta, before TP/EP/FSDP (build_model does it)
+    pipe = Pipeline(model, plan, pp_rank, pp_group)           # build_model builds it; FSDP roots on its stages
     pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's stages + schedule
     micro = pipe.share(micro if pp_rank == 0 else None, device)      # every pp rank gets the step's inputs
     lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_weight)
@@ -103,13 +103,12 @@ class StageModule(nn.Module):
 
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
         model, b = self.model, self.batches[int(mb)]
-        if getattr(model, "cp", None) is not None:  # context parallel: this micro-batch's split of its rows
-            model.cp.set_rows(b["cu_seqlens"], *b["input_ids"].shape, b["input_ids"].device)
+        model.layout.sequence.begin(b["cu_seqlens"], *b["input_ids"].shape, b["input_ids"].device)
         with self.autocast():
             if self.first:
                 h, visual_mask, ds_list, n = model.embed(b["input_ids"], b.get("pixel_values"), b.get("image_grid_thw"))
                 deepstack = dict(enumerate(ds_list))
-                h = model.text.to_layers(h)
+                h = model.text.seq.enter(h)
                 stats = None
             else:
                 h, *rows, stats = acts if self.num_experts else (*acts, None)

@@ -30,12 +30,12 @@ Design choices:
   is a functional one (moevlm/parallel/comm.py, the all-to-all dispatcher)
   or a custom op of the deepep dispatcher (`moevlm_deepep::*`);
   FSDP's parameter all-gathers run in module hooks, outside the regions.
-- Regions are per-instance method wraps (`forward`, or the model's seams
-  `core_attention` and `Experts.activation`), not wrapper modules: parameter
-  names, state dicts and checkpoints are the same under every setting, and the
-  TP/EP subclasses (which call the same seams) keep working.  A region inside a
-  bigger chosen region (norms of a vision block under `vision`, the SwiGLU
-  under `moe`) is not wrapped again.
+- A region is a `Recompute` module installed at one of the model's region slots
+  (moevlm.model.layout: a module's `region`, the experts' `act_region`; the core
+  attention is its own module): parameter-free, so parameter names, state dicts and
+  checkpoints are the same under every setting, and `repr(model)` shows every
+  recomputed region.  A region inside a bigger chosen region (norms of a vision block
+  under `vision`, the SwiGLU under `moe`) is not wrapped again.
 - Applied after TP/EP and before compile/FSDP (torchtitan's order), on this
   rank's pipeline stages (the pruned model), so pp works unchanged.
 - Regions run plainly when autograd is off (a frozen vision tower, eval).
@@ -56,23 +56,26 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from moevlm.model.decoder import DecoderLayer, RMSNorm, TextAttention
+from moevlm.model.attention import CoreAttention
+from moevlm.model.decoder import DecoderLayer, RMSNorm
+from moevlm.model.layout import Region
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock
-from moevlm.model.vision import VisionAttention, VisionBlock, VisionMLP
+from moevlm.model.vision import VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
 COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "moevlm_deepep", "moevlm_hybridep")  # + DeepEP's, HybridEP's ops
 
-# which (module class, method) each choice wraps; `full` is decoder layers + vision blocks
+# which (module classes, region slot) each choice wraps (the slot `region` is the module's whole forward);
+# `full` is decoder layers + vision blocks
 _REGIONS = {
-    "core_attn": ((TextAttention, VisionAttention), "core_attention"),
-    "layernorm": ((RMSNorm, nn.LayerNorm), "forward"),
-    "mlp": ((DenseMLP, VisionMLP), "forward"),
-    "moe_act": ((Experts,), "activation"),
-    "moe": ((MoEBlock,), "forward"),
-    "vision": ((VisionBlock,), "forward"),
-    "full": ((DecoderLayer, VisionBlock), "forward"),
+    "core_attn": ((CoreAttention,), "region"),
+    "layernorm": ((RMSNorm, nn.LayerNorm), "region"),
+    "mlp": ((DenseMLP, VisionMLP), "region"),
+    "moe_act": ((Experts,), "act_region"),
+    "moe": ((MoEBlock,), "region"),
+    "vision": ((VisionBlock,), "region"),
+    "full": ((DecoderLayer, VisionBlock), "region"),
 }
 _OUTER_FIRST = ("full", "vision", "moe", "mlp", "core_attn", "moe_act", "layernorm")
 
@@ -101,7 +104,7 @@ def check(mode: str, modules) -> str | None:
 
 
 def apply_recompute(model: nn.Module, mode: str = "none", modules=()) -> None:
-    """Wrap the chosen regions of `model` (built, parallelized or not) in place."""
+    """Install `Recompute` regions at the chosen points of `model` (built, parallelized or not)."""
     reason = check(mode, tuple(modules))
     if reason is not None:
         raise ValueError(reason)
@@ -110,32 +113,24 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=()) -> None:
     choices = ["full"] if mode == "full" else [c for c in _OUTER_FIRST if c in modules]
     covered: set[int] = set()  # modules inside an already-wrapped region
     for choice in choices:
-        classes, method = _REGIONS[choice]
-        for m in model.modules():
-            if isinstance(m, classes) and id(m) not in covered:
-                _wrap(m, method)
-                if method == "forward":
+        classes, slot = _REGIONS[choice]
+        for m in list(model.modules()):
+            if isinstance(m, classes) and id(m) not in covered and not isinstance(m._modules.get(slot), Recompute):
+                m.add_module(slot, Recompute())
+                if slot == "region":
                     covered |= {id(sub) for sub in m.modules()}
 
 
-def _wrap(module: nn.Module, method: str) -> None:
-    fn = getattr(module, method)
-    if getattr(fn, "_recompute_wrapped", False):
-        return
-    setattr(module, method, _checkpointed(fn))
+class Recompute(Region):
+    """A region recomputed in backward: torch's non-reentrant checkpoint with the selective cache that
+    keeps collective outputs; plain when autograd is off."""
 
-
-def _checkpointed(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
+    def forward(self, fn, *args):
         if not torch.is_grad_enabled():
-            return fn(*args, **kwargs)
+            return fn(*args)
         for meter in _METERS:
-            meter.hold(args, kwargs.values())
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_contexts, **kwargs)
-
-    run._recompute_wrapped = True
-    return run
+            meter.hold(args)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_contexts)
 
 
 def save_communication(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -167,10 +162,17 @@ def _pass_through(cls):
     return PassThrough
 
 
+def _with_pass_through(mode):
+    """A copy of torch's selective-checkpoint mode `mode` (same state) whose class lets _PASS_THROUGH ops by."""
+    cls = _pass_through(type(mode))
+    copy = cls.__new__(cls)
+    copy.__dict__.update(mode.__dict__)
+    return copy
+
+
 def _sac_contexts():
     caching, cached = create_selective_checkpoint_contexts(save_communication)
-    caching.__class__, cached.__class__ = _pass_through(type(caching)), _pass_through(type(cached))
-    return caching, cached
+    return _with_pass_through(caching), _with_pass_through(cached)
 
 
 # ------------------------------------------------------------------ measuring

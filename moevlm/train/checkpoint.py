@@ -100,7 +100,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
 )
 
-from moevlm.parallel.parallelize import to_storage_layout
+from moevlm.parallel.weights import to_storage_layout
 from moevlm.train import integrity
 from moevlm.train.checkpoint_keys import SHOW as _SHOW
 from moevlm.train.checkpoint_keys import check_model_keys, check_optimizer_keys, require
@@ -113,7 +113,7 @@ MARKER = "COMPLETE.json"
 # Optimizer state flattened per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): it loads
 # whatever the parameter groups of the loading layout are (they are split by device mesh).
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
-FORMAT = 2  # 2: expert gate_up stored as (E, D, 2, F) (moevlm.parallel.parallelize.storage_view)
+FORMAT = 2  # 2: expert gate_up stored as (E, D, 2, F) (moevlm.parallel.weights.storage_view)
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 

@@ -32,10 +32,9 @@ Components (seconds, disjoint, they and `other` add up to the step):
 
 Design choices:
 - Attached from outside: forward pre/post hooks on the modules found by class (VisionEncoder,
-  PatchMerger, TextAttention, Router, Experts: the tensor/expert-parallel and FSDP classes are
-  subclasses, so they are found too) and per-instance wrappers around `dispatcher.dispatch`,
-  `dispatcher.combine` and `model.lm_loss`.  The model stays profiling-free; what a pipeline rank does
-  not hold is simply not timed there.
+  PatchMerger, TextAttention, Router, Experts, the experts runner's Dispatch and Combine steps, the LM
+  head and the layout's Loss: FSDP's classes are subclasses, so they are found too).  The model stays
+  profiling-free; what a pipeline rank does not hold is simply not timed there.
 - Intervals nest: each component's time is exclusive of the components opened inside it (the vision
   tower's time excludes its mergers, the pipeline schedule's excludes the forward parts), so the named
   parts never overlap and `other` = measured step - their sum, never negative beyond float noise.
@@ -61,14 +60,16 @@ from pathlib import Path
 import torch
 
 from moevlm.model.config import ConfigError
-from moevlm.model.moe import Experts, MoEBlock, Router
-from moevlm.model.decoder import TextAttention
+from moevlm.model.decoder import Head, TextAttention
+from moevlm.model.layout import Combine, Dispatch, Loss
+from moevlm.model.moe import Experts, Router
 from moevlm.model.vision import PatchMerger, VisionEncoder
 
 COMPONENTS = ("data", "vision_encoder", "merger", "attention", "router", "dispatch", "experts", "combine",
               "lm_head_loss", "backward", "grad_reduce_clip", "optimizer", "other")
 _MODULES = ((VisionEncoder, "vision_encoder"), (PatchMerger, "merger"), (TextAttention, "attention"),
-            (Router, "router"), (Experts, "experts"))
+            (Router, "router"), (Experts, "experts"), (Dispatch, "dispatch"), (Combine, "combine"),
+            (Head, "lm_head_loss"), (Loss, "lm_head_loss"))
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # probed: absent = no recompute detection
 
 
@@ -130,7 +131,6 @@ class ComponentTimer:
     def __init__(self, clock, ranges: bool = True):
         self.clock, self.ranges = clock, ranges
         self.handles: list = []
-        self.wrapped: list[tuple[object, str]] = []
         self.reset()
 
     def reset(self) -> None:
@@ -181,12 +181,6 @@ class ComponentTimer:
             for cls, name in _MODULES:
                 if isinstance(module, cls):
                     self._hook(module, name)
-            if isinstance(module, MoEBlock):
-                for method in ("dispatch", "combine"):
-                    self._wrap(module.dispatcher, method, method)
-        if getattr(model, "lm_head", None) is not None:
-            self._hook(model.lm_head, "lm_head_loss")
-            self._wrap(model, "lm_loss", "lm_head_loss")
 
     def _hook(self, module: torch.nn.Module, name: str) -> None:
         def pre(_module, _args):
@@ -199,27 +193,10 @@ class ComponentTimer:
 
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
 
-    def _wrap(self, obj, method: str, name: str) -> None:
-        inner = getattr(obj, method)
-
-        def timed(*args, **kwargs):
-            if in_autograd():
-                return inner(*args, **kwargs)
-            self.open(name)
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.close(name)
-
-        obj.__dict__[method] = timed
-        self.wrapped.append((obj, method))
-
     def detach(self) -> None:
         for h in self.handles:
             h.remove()
-        for obj, method in self.wrapped:
-            obj.__dict__.pop(method, None)
-        self.handles, self.wrapped = [], []
+        self.handles = []
 
 
 # ---------------------------------------------------------------- traces

@@ -84,12 +84,11 @@ from moevlm.data.hf_files import write_processor_files
 from moevlm.data.loader import build_loader, merge_states
 from moevlm.data.packing import stack_rows
 from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
-from moevlm.model import Qwen3VLMoe, count_flops
+from moevlm.model import count_flops
 from moevlm.model.config import ConfigError
-from moevlm.model.fp8 import apply_fp8, install_weight_cache, resolve_fp8, weights_changed
-from moevlm.parallel import init_parameters_, materialize_, parallel_context, parallelize
+from moevlm.model.fp8 import install_weight_cache, resolve_fp8, weights_changed
+from moevlm.parallel import build_model, init_parameters_, materialize_
 from moevlm.parallel.compile import CompileCounters
-from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.recompute import describe as describe_recompute
 from moevlm.parallel.recompute import recompute_setting
@@ -201,20 +200,17 @@ class Trainer:
 
     def _parallel_model_on_meta(self) -> torch.nn.Module:
         """Built and laid out without memory: a layout that cannot run fails here, before the data."""
-        with torch.device("meta"):
-            model = Qwen3VLMoe(self.plan.model)
-        p = self.job.parallel
-        model = parallelize(model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
-                            dispatcher=self.plan.model.moe.dispatcher, pipeline=self.plan.pipeline,
-                            recompute=recompute_setting(self.job.model), compile=self.t.compile,
-                            compile_mode=self.t.compile_mode, cp_comm=p.cp_comm,
-                            ep_overlap=p.ep_overlap)
-        fp8 = resolve_fp8(self.plan.model.fp8, self.device)  # after the layout: marks the modules each rank holds
-        self.fp8_plan, marked = fp8, apply_fp8(model, fp8, self.plan.model.fp8.modules)
+        p, m = self.job.parallel, self.job.model
+        self.fp8_plan = fp8 = resolve_fp8(self.plan.model.fp8, self.device)
+        model, self.parallel = build_model(
+            self.plan.model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
+            pipeline=self.plan.pipeline, recompute=recompute_setting(m), compile=self.t.compile,
+            compile_mode=self.t.compile_mode, cp_comm=p.cp_comm, ep_overlap=p.ep_overlap, fp8=fp8,
+            fp8_modules=self.plan.model.fp8.modules, cuda_graph_scope=m.cuda_graph_scope)
         if fp8 is not None:
-            self.log.info(f"{fp8.describe()}; {marked} modules ({', '.join(self.plan.model.fp8.modules)})")
+            self.log.info(f"{fp8.describe()}; {self.parallel.fp8_marked} modules "
+                          f"({', '.join(self.plan.model.fp8.modules)})")
         self.compiled = CompileCounters() if self.t.compile else None
-        self.parallel = parallel_context(model)
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
             self.log.info(self.plan.pipeline.describe())
@@ -225,14 +221,13 @@ class Trainer:
 
     def _materialise(self) -> None:
         model, m = self.model, self.job.model
-        materialize_(model, self.device)
+        materialize_(model, self.device, self.parallel)
         if m.hf_checkpoint:  # every parameter comes from it (a missing one is an error)
             load_hf_weights_(model, m.hf_checkpoint)
         else:
-            init_parameters_(model, self.t.seed)  # the same weights under any layout
+            init_parameters_(model, self.t.seed, self.parallel)  # the same weights under any layout
         if m.freeze_vision and model.vision is not None:  # (None on pipeline ranks without the first stage)
             model.vision.requires_grad_(False)
-        apply_cuda_graphs(model, m.cuda_graph_scope)  # captured lazily at the first training forward on CUDA
         if self.pipeline is not None:
             d = self.job.data.pack
             self.pipeline.start(self.device, rows=self.t.micro_batch_size, seq_len=d.seq_len,
@@ -343,7 +338,7 @@ class Trainer:
     def _export_hf(self, out: str) -> None:
         """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
         stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads."""
-        save_hf(self.model, out)
+        save_hf(self.model, out, ctx=self.parallel)
         if self.rank == 0:
             write_processor_files(out, tokenizer=self.loader.tokenizer_path, image=self.job.data.image,
                                   source=self.job.model.hf_checkpoint or None)

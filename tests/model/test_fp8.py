@@ -25,7 +25,7 @@ from moevlm.model.config import ConfigError, Fp8Config, VLMConfig
 from moevlm.model.fp8 import Fp8Unavailable, apply_fp8, fp8_mm, install_weight_cache, resolve_fp8
 from moevlm.model.moe import MoEBlock, Router
 from moevlm.model.vlm import Qwen3VLMoe
-from moevlm.parallel.parallelize import init_parameters_
+from moevlm.parallel.weights import init_parameters_
 
 COUNTS = [100, 0, 150, 50]  # an empty expert; expert boundaries at 100 and 250, inside 128-row blocks
 M, K, N = sum(COUNTS), 192, 160  # ragged: neither K nor N a multiple of 128

@@ -31,8 +31,8 @@ from moevlm.data.sample_cache import ensure_sample
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.model.config import ConfigError
 from moevlm.model.moe import MoEBlock
-from moevlm.parallel.ep_overlap import chunk_bounds, overlapped_class
-from moevlm.parallel.expert_parallel import ParallelExperts
+from moevlm.model.layout import ExpertsRunner, Layout
+from moevlm.parallel.ep_overlap import OverlappedRunner, chunk_bounds
 from moevlm.train.config import compose_job, validate
 from test_layouts import compare, run_job
 
@@ -86,15 +86,14 @@ def _blocks(seed: int, capacity_factor: float | None, D: int = D, F: int = F):
     gate_up, down = torch.randn(E, D, 2 * F, generator=gen) / D ** 0.5, torch.randn(E, F, D, generator=gen) / F ** 0.5
     r, L = dist.get_rank(), E // 2
     blocks = []
-    for cls in (MoEBlock, overlapped_class(MoEBlock)):
-        b = MoEBlock(D, cfg)
-        b.__class__ = cls
-        b.experts.__class__ = ParallelExperts
+    for runner in (ExpertsRunner, OverlappedRunner):
+        layout = Layout(dispatcher=lambda i, c: AllToAllDispatcher(E, K, capacity_factor=capacity_factor),
+                        experts_runner=runner)
+        b = MoEBlock(D, cfg, layout=layout)
         with torch.no_grad():
             b.router.weight.copy_(router)
             b.experts.gate_up_proj = torch.nn.Parameter(gate_up[r * L:(r + 1) * L].clone())
             b.experts.down_proj = torch.nn.Parameter(down[r * L:(r + 1) * L].clone())
-        b.dispatcher = AllToAllDispatcher(E, K, capacity_factor=capacity_factor)
         blocks.append(b)
     return blocks
 

@@ -47,7 +47,7 @@ def test_region_tensor_form_equals_the_plain_layer(tiny, scope):
     graphs.set_tensor_form(True)
     built = []  # every region really runs through its tensor form (the seams are used)
     for r in graphs.regions:
-        r.region.build = (lambda build, r: lambda key: built.append(r) or build(key))(r.region.build, r)
+        r.region.build = (lambda build, r: lambda fn, key: built.append(r) or build(fn, key))(r.region.build, r)
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 10, 24, 30, 44, 48], dtype=torch.int32)
     token_mask = torch.arange(24)[None].expand(2, 24) < torch.tensor([[24], [20]])

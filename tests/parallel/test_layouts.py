@@ -115,15 +115,13 @@ def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
     and tied embeddings (one vocab-parallel weight for both), with an image (deepstack through
     sequence parallel), against the unsharded model: loss, logits shard, every gathered gradient."""
     from moevlm.model import Qwen3VLMoe, VLMConfig
-    from moevlm.parallel import ParallelDims, copy_full_, init_parameters_, parallel_context, parallelize
+    from moevlm.parallel import ParallelDims, build_model, copy_full_, init_parameters_
 
     cfg = VLMConfig.preset("tiny")
     cfg.moe.mlp_only_layers, cfg.tie_word_embeddings, cfg.attn_backend = (1,), True, "sdpa"
     full = Qwen3VLMoe(cfg)
     init_parameters_(full, seed=3)
-    with torch.device("meta"):
-        tp = Qwen3VLMoe(cfg)
-    tp = parallelize(tp, ParallelDims(world, tp=world), dp_mode="ddp")
+    tp, ctx = build_model(cfg, ParallelDims(world, tp=world), dp_mode="ddp")
     tp.to_empty(device="cpu")
     for name, p in tp.named_parameters():
         copy_full_(p, dict(full.named_parameters())[name].detach())
@@ -136,7 +134,7 @@ def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
     ref, out = full(ids, **kw), tp(ids, **kw)
     ref.loss.backward()
     out.loss.backward()
-    parallel_context(tp).finish_gradients()
+    ctx.finish_gradients()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
     V = cfg.text.vocab_size // world
     torch.testing.assert_close(out.logits, ref.logits[..., rank * V:(rank + 1) * V], rtol=1e-5, atol=1e-6)

@@ -139,8 +139,7 @@ def _pp2(shards: str, tmp: str) -> None:
 
 
 def _tp2_ep2(rank: int) -> None:
-    from moevlm.parallel import ParallelDims, full_grads, init_parameters_, materialize_, parallelize
-    from moevlm.parallel.parallelize import parallel_context
+    from moevlm.parallel import ParallelDims, build_model, full_grads, init_parameters_, materialize_
 
     cfg = tiny_config()
     batch = image_batch(cfg)
@@ -151,17 +150,15 @@ def _tp2_ep2(rank: int) -> None:
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     counts = {}
     for mode, modules in (("none", ()), ("selective", MODULES), ("full", ())):
-        with torch.device("meta"):
-            model = Qwen3VLMoe(cfg)
-        model = parallelize(model, ParallelDims(2, tp=2, ep=2), dp_mode="fsdp", dispatcher="alltoall",
-                            recompute=(mode, modules))
-        materialize_(model, "cpu")
-        init_parameters_(model, 7)
+        model, ctx = build_model(cfg, ParallelDims(2, tp=2, ep=2), dp_mode="fsdp", dispatcher="alltoall",
+                                 recompute=(mode, modules))
+        materialize_(model, "cpu", ctx)
+        init_parameters_(model, 7, ctx)
         with CountCollectives() as fwd:
             out = model(**batch)
         with CountCollectives() as bwd:
             out.loss.backward()
-        parallel_context(model).finish_gradients()
+        ctx.finish_gradients()
         counts[mode] = fwd.n, bwd.n
         assert rel(out.loss.detach(), ref_out.loss.detach()) <= TOL, (mode, out.loss, ref_out.loss)
         grads = full_grads(model)

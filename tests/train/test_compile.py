@@ -79,17 +79,15 @@ def test_triton_custom_ops_compile_fullgraph():
 
 
 def _ep2_alltoall(rank: int) -> None:
-    from moevlm.parallel import ParallelDims, init_parameters_, parallelize
+    from moevlm.parallel import ParallelDims, build_model, init_parameters_
 
     cfg = VLMConfig.preset("tiny")
     cfg.attn_backend = "sdpa"
 
     def build(cfg):
-        with torch.device("meta"):
-            model = Qwen3VLMoe(cfg)
-        model = parallelize(model, ParallelDims(2, ep=2), dp_mode="ddp", dispatcher="alltoall")
+        model, ctx = build_model(cfg, ParallelDims(2, ep=2), dp_mode="ddp", dispatcher="alltoall")
         model.to_empty(device="cpu")
-        init_parameters_(model, seed=1)
+        init_parameters_(model, seed=1, ctx=ctx)
         return model
 
     eager, compiled = build(cfg), build(cfg)

@@ -1,0 +1,241 @@
+"""How the model's work is laid out over ranks: strategy objects the modules receive when
+they are built, with single-process defaults, and the regions a build step may wrap.
+
+Legend: B rows, S sequence, s this rank's share of it, D hidden, V vocabulary, N image rows.
+
+    model = Qwen3VLMoe(cfg)                                  # one process: every default below
+    model = Qwen3VLMoe(cfg, layout=Layout(sequence=..., ...))  # moevlm.parallel.build makes these
+
+The model calls its strategies at fixed points and never asks which one it holds:
+
+    sequence      where the decoder's (B, S) tensors enter the layers (`enter`: a tensor- or
+                  context-parallel rank keeps its share), how each block gathers the sequence
+                  before its column-parallel projections and scatters after its row-parallel one
+                  (`gather` / `scatter_linear`), the rotary positions and the document mask the
+                  layers see (`positions`, `mask`), and where a micro-batch starts (`begin`)
+    attention     a factory of the core attention module (q, k, v, mask -> out) of each layer
+    images        how the vision tower's work is shared (`encode`: whole here)
+    vocab         the token embedding lookup and the LM head (whole vocabulary here)
+    loss          next-token targets and the summed cross-entropy (`targets`, `token_loss`)
+    router_stats  the reduction of a MoE block's router statistics (none here)
+    kv_rows       the key/value projection rows a rank computes when heads are split (all here)
+    dispatcher    a factory of each MoE block's token dispatcher (the local one here)
+    experts_runner  a factory of the object that runs dispatch -> experts -> combine
+
+Design choices:
+- Strategies are plain objects (or parameter-free modules where a build step must reach them:
+  the core attention, the loss, the experts runner), so parameter names and checkpoints do not
+  depend on the layout.  `moevlm.parallel` provides the tensor-, context- and expert-parallel
+  versions; they compose (context parallel over tensor parallel) by holding one another.
+- A `Region` is a parameter-free child module a build step may set at a named point (`region`
+  for a module's whole forward; `attn_region`, `preprocess_region` for parts): recompute and
+  CUDA graphs install theirs there, so `repr(model)` shows what runs.  Without one the
+  computation runs plainly (`run_region`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+IGNORE_INDEX = -100
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The shard of a parameter this rank computes with (differentiable); the tensor itself when whole."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ------------------------------------------------------------------ regions
+class Region(nn.Module):
+    """A point where a computation may be wrapped; this plain one runs it."""
+
+    def forward(self, fn: Callable, *args):
+        return fn(*args)
+
+
+def run_region(module: nn.Module, slot: str, fn: Callable, *args):
+    """`fn(*args)` through the region `module` holds at `slot`, if any."""
+    region = module._modules.get(slot)
+    return fn(*args) if region is None else region(fn, *args)
+
+
+# ------------------------------------------------------------------ strategies
+class Sequence:
+    """The whole sequence on this rank."""
+
+    sharded = False
+
+    def begin(self, cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> None:
+        """A micro-batch of B rows of S tokens is about to run."""
+
+    def enter(self, t_BS: torch.Tensor | None) -> torch.Tensor | None:
+        """What the layers see of a (B, S, ...) tensor."""
+        return t_BS
+
+    def add_at_mask(self, h: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
+        """h (as the layers see it) plus `rows` at the positions where the full-sequence mask is true."""
+        return add_at_mask(h, mask_BS, rows_ND)
+
+    def positions(self, position_ids_3BS: torch.Tensor) -> torch.Tensor:
+        """The rotary position ids of the tokens the attention sees."""
+        return position_ids_3BS
+
+    def mask(self, B: int, S: int, cu_seqlens, **doc_mask_kwargs):
+        from moevlm.model.attention import doc_mask
+
+        return doc_mask(B, S, cu_seqlens, causal=True, **doc_mask_kwargs)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Before a block's column-parallel projections."""
+        return x
+
+    def scatter_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A block's row-parallel output projection (bias included), back to the layers' share."""
+        return linear(x)
+
+
+class Images:
+    """The vision tower runs on every image of the micro-batch here."""
+
+    def encode(self, encode_fn: Callable, pixel_values_NP: torch.Tensor, grid_thw_I3: torch.Tensor, merge: int):
+        return encode_fn(pixel_values_NP, grid_thw_I3)
+
+
+class Vocab:
+    """The whole vocabulary on this rank."""
+
+    def embed(self, ids: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, weight_VD)
+
+    def head(self, h: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight_VD)
+
+
+class Loss(nn.Module):
+    """(mean next-token cross-entropy, number of counted targets) of the logits this rank holds."""
+
+    def forward(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None):
+        return self.token_loss(logits_BSV, self.targets(labels_BS, cu_seqlens))
+
+    def targets(self, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        return next_token_targets(labels_BS, cu_seqlens)
+
+    def token_loss(self, logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_loss(logits_BSV, targets)
+
+
+class RouterStatsReduction:
+    """Router statistics stay this rank's."""
+
+    def reduce(self, stats):
+        return stats
+
+
+class ExpertsRunner(nn.Module):
+    """dispatch -> experts -> combine, one after the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.dispatch = Dispatch()
+        self.combine = Combine()
+
+    def forward(self, x_TD, topk_idx_TK, topk_w_TK, dispatcher, experts):
+        rows_MD, tokens_per_expert, handle = self.dispatch(dispatcher, x_TD, topk_idx_TK, topk_w_TK)
+        return self.combine(dispatcher, experts(rows_MD, tokens_per_expert), handle)
+
+
+class Dispatch(nn.Module):
+    """`dispatcher.dispatch`; an exchanging dispatcher (a host sync, data-dependent row counts) runs
+    outside a compiled graph, its rows re-entering it with a dynamic row dimension."""
+
+    def forward(self, dispatcher, x_TD, topk_idx_TK, topk_w_TK):
+        if dispatcher.exchanges:
+            return _dispatch_eager(dispatcher, x_TD, topk_idx_TK, topk_w_TK)
+        return dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+
+
+class Combine(nn.Module):
+    """`dispatcher.combine` (outside a compiled graph for an exchanging dispatcher)."""
+
+    def forward(self, dispatcher, expert_y_MD, handle):
+        if dispatcher.exchanges:
+            return _combine_eager(dispatcher, expert_y_MD, handle)
+        return dispatcher.combine(expert_y_MD, handle)
+
+
+@torch.compiler.disable
+def _dispatch_eager(dispatcher, x_TD, topk_idx_TK, topk_w_TK):
+    rows_MD, counts, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+    torch._dynamo.maybe_mark_dynamic(rows_MD, 0)
+    return rows_MD, counts, handle
+
+
+@torch.compiler.disable
+def _combine_eager(dispatcher, expert_y_MD, handle):
+    return dispatcher.combine(expert_y_MD, handle)
+
+
+def _local_dispatcher(layer_idx: int, moe_cfg):
+    from moevlm.model.dispatcher import LocalDispatcher
+
+    return LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.permute)
+
+
+def _core_attention():
+    from moevlm.model.attention import CoreAttention
+
+    return CoreAttention()
+
+
+@dataclass
+class Layout:
+    """The strategies a model is built with (see the module docstring); defaults: one process."""
+
+    sequence: Sequence = field(default_factory=Sequence)
+    attention: Callable[[], nn.Module] = _core_attention
+    images: Images = field(default_factory=Images)
+    vocab: Vocab = field(default_factory=Vocab)
+    loss: Callable[[], nn.Module] = Loss
+    router_stats: RouterStatsReduction = field(default_factory=RouterStatsReduction)
+    kv_rows: Callable[[int, int], tuple[int, int] | None] = lambda num_kv_heads, head_dim: None
+    dispatcher: Callable[[int, Any], Any] = _local_dispatcher  # (layer index, MoEConfig)
+    experts_runner: Callable[[], nn.Module] = ExpertsRunner
+
+
+# ------------------------------------------------------------------ shared pure functions
+def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
+    """h with `rows` added, in order, at the positions where mask is true (out of place)."""
+    idx = mask_BS.reshape(-1).nonzero().squeeze(-1)
+    flat = h_BSD.reshape(-1, h_BSD.shape[-1]).index_add(0, idx, rows_ND.to(h_BSD.dtype))
+    return flat.view_as(h_BSD)
+
+
+def token_loss(logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the logits against already-shifted targets (IGNORE_INDEX not counted), and
+    the number counted."""
+    logits = logits_BSV.reshape(targets.numel(), -1)
+    total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    n = (targets != IGNORE_INDEX).sum()
+    return total / n.clamp(min=1), n
+
+
+def next_token_targets(labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """(B*S,) target of every position: the next label, IGNORE_INDEX at the last
+    position of every row and of every packed document."""
+    targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
+    if cu_seqlens is not None:
+        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
+        targets[last_of_doc] = IGNORE_INDEX
+    return targets
+
+
+__all__ = ["IGNORE_INDEX", "Combine", "Dispatch", "ExpertsRunner", "Images", "Layout", "Loss", "Region",
+           "RouterStatsReduction", "Sequence", "Vocab", "add_at_mask", "local", "next_token_targets", "run_region",
+           "token_loss"]

@@ -1,0 +1,239 @@
+"""`build_model(cfg, dims, ...)`: the one place a model is built for its parallel layout, in this
+order, on the meta device:
+
+    meshes and groups   ParallelDims.build_meshes: attention (pp, dp, cp, tp), experts (pp, edp, ep, etp)
+    layouts             the strategies the model is built with (moevlm.model.layout): tensor parallel's
+                        (tensor_parallel.py) under context parallel's (context_parallel.py), the router
+                        statistics' reduction, each MoE block's dispatcher (built once, with its groups)
+                        and experts runner (ep_overlap.py with `ep_overlap`)
+    construction        Qwen3VLMoe(cfg, layout) on meta
+    pipeline stages     this rank keeps its stages' parts (pipeline.py)
+    weight shards       tensor-parallel and expert placements as DTensors
+    recompute           Recompute regions (recompute.py)
+    FP8                 the chosen modules marked (moevlm.model.fp8)
+    compile             per-block torch.compile (compile.py)
+    FSDP / DDP          data_parallel.py
+    CUDA graphs         GraphedRegion regions (cuda_graphs.py), captured at the first training forward
+    schedule            the pipeline's stages and schedule (pipeline.py)
+
+    model, ctx = build_model(cfg, dims, dp_mode="fsdp", device_type="cuda", bf16=True, dispatcher="alltoall")
+    materialize_(model, device, ctx)         # to_empty, through FSDP's pipeline roots
+    init_parameters_(model, seed, ctx)       # or moevlm.parallel.hf_io.load_hf_weights_
+    ...loss.backward() per micro-batch, or ctx.pipeline.forward_backward(...)...
+    ctx.finish_gradients()                   # DDP all-reduces, tp sums of partial gradients
+    norm = ctx.clip_grad_norm_(params, max_norm)
+
+Design choices:
+- Nothing rewrites the model: its modules receive their strategies when they are built and the
+  later steps install modules at its region slots or wrap whole modules (FSDP, compile); the
+  returned `ParallelContext` (meshes, groups, pipeline, gradient finish, CUDA graphs) is the
+  caller's, nothing is stored on the model.
+- One process is the same path with every default: no mesh, no shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moevlm.dispatch import DISPATCHERS, build_dispatcher
+from moevlm.model.config import VLMConfig
+from moevlm.model.fp8 import Fp8Plan, apply_fp8
+from moevlm.model.layout import Layout
+from moevlm.model.moe import MoEBlock
+from moevlm.model.vlm import Qwen3VLMoe
+from moevlm.parallel.compile import apply_compile
+from moevlm.parallel.context_parallel import cp_strategies
+from moevlm.parallel.cuda_graphs import CudaGraphs, apply_cuda_graphs
+from moevlm.parallel.data_parallel import GradSync, apply_fsdp
+from moevlm.parallel.ep_overlap import OverlappedRunner, problem
+from moevlm.parallel.expert_parallel import shard_experts
+from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
+from moevlm.parallel.pipeline_plan import PipelinePlan
+from moevlm.parallel.recompute import apply_recompute
+from moevlm.parallel.tensor_parallel import ParallelLoss, SumOverGroup, shard_tensor_parallel, tp_strategies
+
+
+class ParallelNotBuilt(NotImplementedError):
+    pass
+
+
+@dataclass
+class ParallelContext:
+    dims: ParallelDims
+    dp_mode: str = "fsdp"
+    meshes: tuple = ()
+    groups: dict = field(default_factory=dict)  # tp, dp (data totals), dense, expert, vision, pp
+    tp_partial: list[str] = field(default_factory=list)
+    grad_sync: GradSync | None = None
+    pipeline: Pipeline | None = None
+    init_rules: dict | None = None  # the whole model's (a pipeline rank holds part of it)
+    flat: dict = field(default_factory=dict)  # flattened meshes: dense (dp x cp), vision (dp x cp x tp)
+    cuda_graphs: CudaGraphs | None = None
+    fp8_marked: int = 0
+
+    @property
+    def dp_group(self):
+        """Ranks holding different data (one per data-parallel replica)."""
+        return self.groups.get("dp")
+
+    @property
+    def loss_group(self):
+        """Ranks whose token losses add up to the data-parallel replicas' (dp x cp: a cp rank holds part
+        of each row; tp ranks hold the same sums)."""
+        return self.groups.get("dense")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pp")
+
+    def finish_gradients(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
+        return self.grad_sync.clip_grad_norm_(params, max_norm)
+
+
+def build_model(cfg: VLMConfig, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
+                bf16: bool = False, dispatcher: str | None = None, pipeline: PipelinePlan | None = None,
+                recompute: tuple[str, tuple[str, ...]] = ("none", ()), compile: bool = False,
+                compile_mode: str | None = None, cp_comm: str = "allgather", ep_overlap: bool = False,
+                fp8: Fp8Plan | None = None, fp8_modules=(), cuda_graph_scope=()) -> tuple[nn.Module, ParallelContext]:
+    """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module docstring).
+    `dispatcher`: the MoE blocks' dispatcher by registry name; default `cfg.moe.dispatcher`."""
+    dispatcher = dispatcher or cfg.moe.dispatcher
+    _check(cfg, dims, dispatcher, pipeline, ep_overlap)
+    ctx = ParallelContext(dims, dp_mode)
+    if dims.world > 1:
+        _groups(ctx, device_type)
+    with torch.device("meta"):
+        model = Qwen3VLMoe(cfg, _layout(cfg, ctx, dispatcher, cp_comm, ep_overlap))
+    _check_runners(model)
+    if dims.pp > 1:  # this rank's stages only, before anything is sharded
+        ctx.init_rules = model.init_rules()
+        prune_to_stages(model, pipeline, ctx.meshes[0]["pp"].get_local_rank())
+    if dims.tp > 1:
+        ctx.tp_partial = shard_tensor_parallel(model, ctx.meshes[0]["tp"])
+    if cfg.moe.num_experts and dims.ep * dims.etp > 1:
+        shard_experts(model, ctx.meshes[1])
+    apply_recompute(model, *recompute)
+    ctx.fp8_marked = apply_fp8(model, fp8, fp8_modules)
+    if dims.pp > 1:
+        ctx.pipeline = _pipeline(model, pipeline, ctx)
+    if compile:  # after the parallelisms (and recompute), before FSDP/DDP
+        apply_compile(model, mode=compile_mode, bf16=bf16)
+    _data_parallel(model, ctx, bf16)
+    ctx.cuda_graphs = apply_cuda_graphs(model, cuda_graph_scope)  # captured at the first training forward
+    return model, ctx
+
+
+def _check(cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_overlap: bool) -> None:
+    if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
+        raise ValueError(f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)")
+    experts_split = cfg.moe.num_experts and dims.ep * dims.etp > 1
+    if experts_split and dispatcher not in DISPATCHERS:
+        raise ParallelNotBuilt(f"model.dispatcher={dispatcher!r} is not built yet; available: {sorted(DISPATCHERS)}")
+    if ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
+        raise ValueError("parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)")
+
+
+def _groups(ctx: ParallelContext, device_type: str) -> None:
+    attn, expert = ctx.dims.build_meshes(device_type)
+    ctx.meshes = (attn, expert)
+    ctx.flat = {"dense": attn["dp", "cp"]._flatten("dp_cp"), "vision": attn["dp", "cp", "tp"]._flatten("dp_cp_tp")}
+    ctx.groups = {"tp": attn["tp"].get_group(), "dp": attn["dp"].get_group(), "dense": ctx.flat["dense"].get_group(),
+                  "expert": expert["edp"].get_group(), "vision": ctx.flat["vision"].get_group(),
+                  "pp": attn["pp"].get_group(), "ep": expert["ep"].get_group(), "etp": expert["etp"].get_group()}
+    if ctx.dims.cp > 1:  # the ranks a row is split over: router statistics are summed over them
+        ctx.groups.update(cp=attn["cp"].get_group(), cp_tp=attn["cp", "tp"]._flatten("cp_tp").get_group())
+
+
+def _layout(cfg: VLMConfig, ctx: ParallelContext, dispatcher: str, cp_comm: str, ep_overlap: bool) -> Layout:
+    """The strategies of this layout: tensor parallel under context parallel, the dispatchers, the runner."""
+    dims, fields = ctx.dims, {}
+    loss = {}
+    if dims.tp > 1:
+        tp = tp_strategies(ctx.meshes[0]["tp"], cfg.text.vocab_size)
+        group, start = tp.pop("loss_group")
+        fields.update(tp, router_stats=SumOverGroup(ctx.groups["tp"]))
+        loss.update(group=group, vocab_start=start)
+    if dims.cp > 1:
+        info, cp = cp_strategies(ctx.groups["cp"], cp_comm, fields.get("sequence", Layout().sequence))
+        fields.update(cp, router_stats=SumOverGroup(ctx.groups["cp_tp"]))
+        loss.update(take=info.take)
+    if loss:
+        fields["loss"] = lambda: ParallelLoss(**loss)
+    fields["dispatcher"] = _dispatcher_factory(cfg, ctx, dispatcher)
+    if ep_overlap:
+        fields["experts_runner"] = OverlappedRunner
+    return Layout(**fields)
+
+
+def _dispatcher_factory(cfg: VLMConfig, ctx: ParallelContext, name: str):
+    """(layer index, MoE config) -> the block's dispatcher, built once per MoE block with its groups:
+    `name` over (ep, etp) when the experts are split; else `local`, or with a capacity factor the capacity
+    all-to-all over a group of one (the same drops as with ep > 1); one process: `name` as given."""
+    moe, dims = cfg.moe, ctx.dims
+    kwargs = {"permute": moe.permute}
+    if moe.capacity_factor is not None:
+        kwargs.update(capacity_factor=moe.capacity_factor, capacity_overflow=moe.capacity_overflow)
+    if dims.world == 1:
+        pass
+    elif dims.ep * dims.etp > 1:
+        name = "alltoall" if name == "local" else name
+        kwargs.update(ep_group=ctx.groups["ep"], etp_group=ctx.groups["etp"])
+    elif moe.capacity_factor is None:
+        name, kwargs = "local", {"permute": moe.permute}
+    else:
+        name = "alltoall"
+        kwargs.update(ep_group=ctx.groups["ep"])
+
+    def build(layer_idx: int, moe_cfg):
+        return build_dispatcher(name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k, **kwargs)
+    return build
+
+
+def _pipeline(model: nn.Module, plan: PipelinePlan, ctx: ParallelContext) -> Pipeline:
+    if plan.style == "v" and not v_schedules_supported(dist.get_backend(ctx.pp_group)):
+        raise ParallelNotBuilt(
+            f"parallel.pp_schedule={plan.schedule} cannot start on gloo with this torch: its pipeline stages "
+            "open with a send from each rank to itself (the two stages a V puts on one rank), which gloo refuses; "
+            "use NCCL (GPUs), a torch whose stages skip that (2.13), or another schedule")
+    return Pipeline(model, plan, ctx.meshes[0]["pp"].get_local_rank(), ctx.pp_group)
+
+
+def _check_runners(model: nn.Module) -> None:
+    """The overlapped experts runner drives only the dispatchers it can (EP over all-to-all, etp 1)."""
+    for block in (m for m in model.modules() if isinstance(m, MoEBlock)):
+        if isinstance(block.runner, OverlappedRunner) and problem(block.dispatcher) is not None:
+            raise ValueError(problem(block.dispatcher))
+
+
+def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
+    dims = ctx.dims
+    if dims.world == 1:
+        ctx.grad_sync = GradSync(model, fsdp=False, groups={"tp": None}, tp_partial=[], tp=1, world=1)
+        return
+    if ctx.dp_mode == "fsdp":
+        apply_fsdp(model, ctx.flat["dense"], ctx.meshes[1]["edp"], ctx.flat["vision"], dims.tp, bf16,
+                   roots=ctx.pipeline.modules if ctx.pipeline else None)
+    ctx.grad_sync = GradSync(model, fsdp=ctx.dp_mode == "fsdp", groups=ctx.groups, tp_partial=ctx.tp_partial,
+                             tp=dims.tp, world=dims.world, stage_world=dims.world // dims.pp)
+
+
+def materialize_(model: nn.Module, device, ctx: ParallelContext | None = None) -> None:
+    """`model.to_empty(device)` for a built model: under pipeline stages with FSDP the stage modules are
+    the FSDP roots, so they move their parameters (FSDP re-registers its shards)."""
+    if ctx is not None and ctx.pipeline is not None and ctx.dp_mode == "fsdp":
+        for stage in ctx.pipeline.modules:
+            stage.to_empty(device=device)
+    else:
+        model.to_empty(device=device)
+
+
+__all__ = ["ParallelContext", "ParallelNotBuilt", "build_model", "materialize_"]
