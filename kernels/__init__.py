@@ -1,10 +1,18 @@
-"""moevlm.kernels: the grouped GEMM (and, with the kernels issue, Triton kernels
-for it and for permute/unpermute), each beside its torch reference.
+"""moevlm.kernels: the MoE and FP8 kernels, each Triton kernel beside its torch reference.
+
+    grouped_gemm.py         grouped GEMM backends (loop, torch._grouped_mm, triton) behind `grouped_mm`
+    grouped_gemm_triton.py  the Triton grouped GEMM: forward, dgrad, wgrad as custom ops
+    permute.py              fused permute / unpermute of top-k routed rows (torch or triton)
+    fp8_quant.py            blockwise and MXFP8 quantization (torch reference, Triton kernels)
+    fp8_gemm.py             FP8 grouped and dense GEMMs: forward, dgrad, wgrad (triton, torch, emulate)
+    _common.py              the one triton import, interpreter detection, launch sizes, device checks
 
 Installed as `moevlm.kernels` (pyproject `package-dir`): a top-level import name
-`kernels` belongs to another PyPI package.
+`kernels` belongs to another PyPI package.  triton is optional: without it the
+torch backends run and asking for a Triton one names the package.
 """
 
-from moevlm.kernels.grouped_gemm import GROUPED_GEMMS, grouped_mm, grouped_mm_loop, grouped_mm_torch
+from moevlm.kernels.grouped_gemm import GROUPED_GEMMS, grouped_mm, grouped_mm_loop
 
-__all__ = ["GROUPED_GEMMS", "grouped_mm", "grouped_mm_loop", "grouped_mm_torch"]
+# what other packages import from the package itself (moevlm.model.config, bench, tests)
+__all__ = ["GROUPED_GEMMS", "grouped_mm", "grouped_mm_loop"]

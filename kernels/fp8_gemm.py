@@ -80,15 +80,18 @@ Backends:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-import triton
-import triton.language as tl
 
-from moevlm.kernels.grouped_gemm_triton import _expert_rows, _num_sms, _pick
+from moevlm.kernels import _common as common
+from moevlm.kernels._common import cdiv, num_programs, require_triton, tl
+from moevlm.kernels.grouped_gemm_triton import _expert_rows, _pick
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# what other packages import (moevlm, bench, tests)
+__all__ = ["BLOCK", "dequantize", "fp8_grouped_dgrad", "fp8_grouped_mm", "fp8_grouped_wgrad", "fp8_linear",
+           "fp8_linear_dgrad", "fp8_linear_wgrad", "scaled_mm_support", "unquantized_reference"]
+
+triton = require_triton("the triton fp8 GEMM")
 E4M3 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 BLOCK = {"blockwise": 128, "mxfp8": 32}  # scale block along the reduction dim
@@ -98,15 +101,9 @@ _OPS = ("mm", "dgrad", "wgrad")
 BACKENDS = ("triton", "torch", "emulate")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ------------------------------------------------------------------- kernels
 def _configs(tiles, names):
-    if _INTERPRET:  # one config; test shapes still span several tiles
-        tiles = [(64, 64, 4, 1)]
-    return [triton.Config(dict(zip(names, t[:2])), num_warps=t[2], num_stages=t[3]) for t in tiles]
+    return common.autotune_configs(tiles, names, (64, 64, 4, 1))  # interpreter: one; test shapes span several
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is 128.  The dot result and the accumulator are both
@@ -219,18 +216,6 @@ def _fp8_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, counts_ptr, N, K, E,
 
 
 # ------------------------------------------------------------ triton launchers
-def _on_kernel_device(t: torch.Tensor) -> None:
-    if not (t.is_cuda or _INTERPRET):
-        raise RuntimeError("the triton fp8 GEMM runs on CUDA tensors, or on CPU under the Triton interpreter "
-                           "(TRITON_INTERPRET=1 set before moevlm.kernels.fp8_gemm is imported)")
-
-
-def _programs(device: torch.device) -> int:
-    if _INTERPRET:
-        return 4  # > 1 so the persistent loop runs several items per program
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _launch_mm(aq, a_s, bq, b_s, counts_E, N, K, b_strides, bs_strides, out_dtype):
     """(a * a_s) @ (b[e] * b_s[e]) -> (M, N), reading b and its scales through (E, K, N)-ordered strides."""
     M, E = aq.shape[0], counts_E.shape[0]
@@ -239,8 +224,8 @@ def _launch_mm(aq, a_s, bq, b_s, counts_E, N, K, b_strides, bs_strides, out_dtyp
         return out
     if K == 0:
         return out.zero_()
-    _on_kernel_device(aq)
-    programs = _programs(aq.device)
+    common.require_kernel_device("the triton fp8 GEMM", aq)
+    programs = num_programs(aq.device)
 
     def grid(meta):
         return (min(programs, (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])),)
@@ -255,7 +240,7 @@ def _launch_wgrad(xq_KM, xs_KM, dyq_NM, dys_NM, counts_E, out_dtype):
     dw = torch.empty(E, K, N, dtype=out_dtype, device=xq_KM.device)
     if dw.numel() == 0:
         return dw
-    _on_kernel_device(xq_KM)
+    common.require_kernel_device("the triton fp8 GEMM", xq_KM)
 
     def grid(meta):
         return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -365,7 +350,7 @@ def _outer_dim_major(s):  # 1x128 scales: the non-reduced dim fastest
 def _scale_128x128(s_RC):
     """(R, C) scales of (reduction, output) 128-blocks with stride (1, R rounded up to 4), as cuBLAS wants."""
     R, C = s_RC.shape
-    buf = s_RC.new_zeros(C, _cdiv(R, 4) * 4)
+    buf = s_RC.new_zeros(C, cdiv(R, 4) * 4)
     buf[:, :R] = s_RC.t()
     return buf[:, :R].t()
 
@@ -374,7 +359,7 @@ def _swizzle_mx(s):
     """MXFP8 scales (..., rows, cols) -> (..., n) in cuBLAS's blocked layout: rows padded to 128 and cols to 4;
     in each 128x4 tile, element (32a + b, c) goes to offset 16b + 4a + c; tiles row-block-major."""
     *lead, R, C = s.shape
-    Rp, Cp = _cdiv(R, 128) * 128, _cdiv(C, 4) * 4
+    Rp, Cp = cdiv(R, 128) * 128, cdiv(C, 4) * 4
     u = torch.nn.functional.pad(s.view(torch.uint8), (0, Cp - C, 0, Rp - R))
     u = u.view(*lead, Rp // 128, 4, 32, Cp // 4, 4)
     d = len(lead)
@@ -415,7 +400,7 @@ def _torch_grouped(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):
         if start % B or (c % B and start + c != a.shape[1]):
             raise ValueError(f"fp8 wgrad backend='torch' needs every expert's rows to start on a {B}-row scale "
                              f"block (counts {counts}); pad them (permute_plan(pad_multiple=128)) or use 'triton'")
-        sl, bl = slice(start, start + c), slice(start // B, _cdiv(start + c, B))
+        sl, bl = slice(start, start + c), slice(start // B, cdiv(start + c, B))
         dw.append(_torch_dense("wgrad", recipe, a[:, sl], a_s[:, bl], b[:, sl], b_s[:, bl], out_dtype) if c else
                   a.new_zeros(a.shape[0], b.shape[0], dtype=out_dtype))
         start += c
@@ -427,7 +412,7 @@ def _scaled_grouped_mm_mx(op, a, a_s, b, b_s, counts_E, out_dtype):
         raise ValueError(f"torch._scaled_grouped_mm writes bf16 only; got out_dtype={out_dtype}")
     torch._assert_async((counts_E % 128 == 0).all(), "fp8 grouped mxfp8 backend='torch' needs expert rows in "
                                                      "multiples of 128 (permute_plan(pad_multiple=128))")
-    sa = _swizzle_mx(a_s).view(-1, _cdiv(a_s.shape[1], 4) * 4)
+    sa = _swizzle_mx(a_s).view(-1, cdiv(a_s.shape[1], 4) * 4)
     if op == "mm":  # w_EKN as (E, K, N) column-major; scales of each w[e]^T (N, K/32)
         bt, bt_s = b.transpose(1, 2), b_s.transpose(1, 2)
     else:  # dgrad: w[e]^T (N, K) is the right operand; its transpose w[e] (K, N) with scales (K, N/32)
@@ -460,7 +445,7 @@ def _probe_operands(op, recipe, grouped, device):
     out = []
     for shape, block in ((a_shape, a_block), (b_shape, b_block)):
         q = torch.randn(shape, generator=g).to(E4M3)
-        s_shape = tuple(_cdiv(d, bl) for d, bl in zip(shape, block))
+        s_shape = tuple(cdiv(d, bl) for d, bl in zip(shape, block))
         s = torch.exp2(torch.randint(-3, 4, s_shape, generator=g).float())  # powers of two: e8m0 too
         out += [q.to(device), s.to(_SCALE_DTYPE[recipe]).to(device)]
     if not grouped and op != "wgrad":
@@ -533,7 +518,7 @@ def _check(op, recipe, backend, a, a_s, b, b_s, counts_E, out_dtype, grouped):
         raise ValueError(f"{name}: codes {tuple(a.shape)} and {tuple(b.shape)} disagree on the reduction dim")
     a_block, b_block = _blocks(op, recipe)
     for what, q, s, block in (("left", a, a_s, a_block), ("right", b, b_s, b_block)):
-        want = (*q.shape[:q.dim() - 2], *(_cdiv(d, bl) for d, bl in zip(q.shape[-2:], block)))
+        want = (*q.shape[:q.dim() - 2], *(cdiv(d, bl) for d, bl in zip(q.shape[-2:], block)))
         if q.dtype != E4M3 or s.dtype != _SCALE_DTYPE[recipe] or tuple(s.shape) != want:
             raise ValueError(f"{name} ({recipe}): {what} operand wants {E4M3} codes with {_SCALE_DTYPE[recipe]} "
                              f"scales of shape {want} (blocks {block}); got {q.dtype} {tuple(q.shape)} codes, "

@@ -67,7 +67,7 @@ Design choices:
   writes codes and scales through output strides (a transposed output is just
   other strides).  A flat 1-D grid.  Block sizes not tuned on a GPU.
 - The Triton backend runs on CUDA tensors, or on CPU under the Triton interpreter
-  (TRITON_INTERPRET=1 set before this module is imported; the tests' conftest
+  (TRITON_INTERPRET=1 set before moevlm.kernels is imported; the tests' conftest
   does).  Importing this module does not need triton; asking for
   backend="triton" without it names the package.  Inputs: fp32, fp16, bf16
   (any strides); block sizes must be powers of two for Triton.
@@ -75,33 +75,25 @@ Design choices:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-try:  # optional: the Triton backend exists only when triton imports
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError as e:
-    if e.name != "triton":
-        raise
-    triton = tl = None
+from moevlm.kernels import _common as common
+from moevlm.kernels._common import FLOAT_DTYPES, cdiv, jit, tl, triton  # triton, tl: None without triton
+
+# what other packages import (moevlm, bench, tests)
+__all__ = ["BACKENDS", "dequant_blockwise", "dequant_mxfp8", "quant_blockwise_act", "quant_blockwise_act_t",
+           "quant_blockwise_act_t_torch", "quant_blockwise_act_torch", "quant_blockwise_weight",
+           "quant_blockwise_weight_torch", "quant_mxfp8", "quant_mxfp8_torch", "row_block_starts"]
 
 BACKENDS = ("torch", "triton")
 LAYOUTS = ("act", "act_t", "weight")
 E4M3_MAX = 448.0
 _MIN_SCALE = 2.0 ** -126  # smallest normal fp32
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _FP8 = torch.float8_e4m3fn
 _E8M0 = torch.float8_e8m0fnu
 _NAN_CODE = 0x7F
 _TILE_ELEMS = 4096  # elements a quantize program owns when its tiles are thin (1 x b or b x 1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------- torch reference (the spec)
@@ -121,7 +113,7 @@ def _expand(t_GRbCb: torch.Tensor, tile: tuple[int, int], R: int, C: int) -> tor
 def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow2: bool):
     """The spec for every layout: (G, R, C) in, tiles (tr, tc); codes (G, R, C), scales (G, Rb, Cb)."""
     (G, R, C), (tr, tc) = x_GRC.shape, tile
-    Rb, Cb = _cdiv(R, tr), _cdiv(C, tc)
+    Rb, Cb = cdiv(R, tr), cdiv(C, tc)
     x = x_GRC.float().contiguous()  # codes come out contiguous whatever x's strides
     t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(G, Rb, tr, Cb, tc)  # zero padding never raises an amax
     amax = t.abs().amax(dim=(2, 4))
@@ -189,7 +181,7 @@ def _mx_tile(dim: int, block: int) -> tuple[int, int]:
 
 def _mx_scale_shape(shape, dim: int, block: int) -> list[int]:
     shape = list(shape)
-    shape[dim] = _cdiv(shape[dim], block)
+    shape[dim] = cdiv(shape[dim], block)
     return shape
 
 
@@ -229,12 +221,7 @@ def dequant_mxfp8_torch(codes: torch.Tensor, scales: torch.Tensor, block: int = 
 # ---------------------------------------------------------------- Triton kernels
 
 
-def _jit(fn):
-    """triton.jit when triton imports; without it the function stays plain Python and is never launched."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _e4m3_bits(v, is_nan):
     """fp32 -> e4m3fn bit pattern (int32 in [0, 255]): saturate to +-448, round to nearest even; 0x7F where
     `is_nan`.  Integer only (bit-exact to torch's cast everywhere)."""
@@ -254,13 +241,13 @@ def _e4m3_bits(v, is_nan):
     return tl.where(is_nan, 0x7F, sign | tl.where(exp >= 121, normal, sub))
 
 
-@_jit
+@jit
 def _nan_like(x):
     """fp32 NaN (0x7FC00000, the bits of torch.nan) in x's shape."""
     return tl.full(x.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
-@_jit
+@jit
 def _e4m3_value(b):
     """e4m3fn bit pattern (int32) -> fp32, exactly; NaN for 0x7F / 0xFF."""
     normal = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
@@ -270,7 +257,7 @@ def _e4m3_value(b):
     return tl.where((b & 0x80) != 0, -mag, mag)
 
 
-@_jit
+@jit
 def _block_offsets(pid, G, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program pid of a flat grid over (G, R blocks, C blocks) -> (g, block row, block col)."""
     nr = tl.cdiv(R, BLOCK_R)
@@ -278,7 +265,7 @@ def _block_offsets(pid, G, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     return pid // (nr * nc), (pid // nc) % nr, pid % nc
 
 
-@_jit
+@jit
 def _quant_kernel(x_ptr, codes_ptr, scales_ptr, G, R, C,
                   sx_g, sx_r, sx_c, sq_g, sq_r, sq_c, ss_g, ss_r, ss_c,
                   TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -327,7 +314,7 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, G, R, C,
              scale_out, mask=smask)
 
 
-@_jit
+@jit
 def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, G, R, C,
                     sq_g, sq_r, sq_c, ss_g, ss_r, ss_c,
                     TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -368,7 +355,7 @@ def _launch_quant(x_GRC, tile, codes_GRC, scales_GRbCb, mx: bool, pow2: bool) ->
     if x_GRC.numel() == 0:
         return
     br, bc = _blocks(tile, R, C)
-    grid = (G * _cdiv(R, br) * _cdiv(C, bc),)
+    grid = (G * cdiv(R, br) * cdiv(C, bc),)
     scales = scales_GRbCb.view(torch.uint8) if mx else scales_GRbCb
     bf16 = x_GRC.dtype == torch.bfloat16
     _quant_kernel[grid](x_GRC.view(torch.int16) if bf16 else x_GRC, codes_GRC.view(torch.uint8), scales, G, R, C,
@@ -384,7 +371,7 @@ def _launch_dequant(codes_GRC, scales_GRbCb, tile, mx: bool) -> torch.Tensor:
         return out
     br, bc = _blocks((1, 128), R, C)  # any block works: scales are gathered per element
     scales = scales_GRbCb.view(torch.uint8) if mx else scales_GRbCb
-    _dequant_kernel[(G * _cdiv(R, br) * _cdiv(C, bc),)](
+    _dequant_kernel[(G * cdiv(R, br) * cdiv(C, bc),)](
         codes_GRC.view(torch.uint8), scales, out, G, R, C, *codes_GRC.stride(), *scales.stride(),
         TILE_R=tile[0], TILE_C=tile[1], BLOCK_R=br, BLOCK_C=bc, MX=mx)
     return out
@@ -400,7 +387,7 @@ def _empty_codes(shape, like):
 @torch.library.custom_op("moevlm::fp8_quant_blockwise_act", mutates_args=())
 def _quant_act_op(x_MK: torch.Tensor, block: int, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K) = x_MK.shape
-    codes, scales = _empty_codes((M, K), x_MK), x_MK.new_empty(M, _cdiv(K, block), dtype=torch.float32)
+    codes, scales = _empty_codes((M, K), x_MK), x_MK.new_empty(M, cdiv(K, block), dtype=torch.float32)
     _launch_quant(x_MK.unsqueeze(0), (1, block), codes.unsqueeze(0), scales.unsqueeze(0), False, pow2_scales)
     return codes, scales
 
@@ -408,7 +395,7 @@ def _quant_act_op(x_MK: torch.Tensor, block: int, pow2_scales: bool) -> tuple[to
 @torch.library.custom_op("moevlm::fp8_quant_blockwise_act_t", mutates_args=())
 def _quant_act_t_op(x_MK: torch.Tensor, block: int, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K) = x_MK.shape
-    codes_KM, scales = _empty_codes((K, M), x_MK), x_MK.new_empty(K, _cdiv(M, block), dtype=torch.float32)
+    codes_KM, scales = _empty_codes((K, M), x_MK), x_MK.new_empty(K, cdiv(M, block), dtype=torch.float32)
     # x read as (1, M, K) with (block, 1) tiles; codes and scales written through their transposes
     _launch_quant(x_MK.unsqueeze(0), (block, 1), codes_KM.t().unsqueeze(0), scales.t().unsqueeze(0), False,
                   pow2_scales)
@@ -418,7 +405,7 @@ def _quant_act_t_op(x_MK: torch.Tensor, block: int, pow2_scales: bool) -> tuple[
 @torch.library.custom_op("moevlm::fp8_quant_blockwise_weight", mutates_args=())
 def _quant_weight_op(w: torch.Tensor, block: int, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _empty_codes(w.shape, w)
-    scales = w.new_empty(*w.shape[:-2], _cdiv(w.shape[-2], block), _cdiv(w.shape[-1], block), dtype=torch.float32)
+    scales = w.new_empty(*w.shape[:-2], cdiv(w.shape[-2], block), cdiv(w.shape[-1], block), dtype=torch.float32)
     _launch_quant(_as_grc(w), (block, block), _as_grc(codes), _as_grc(scales), False, pow2_scales)
     return codes, scales
 
@@ -447,18 +434,18 @@ def _dequant_mx_op(codes: torch.Tensor, scales: torch.Tensor, block: int, dim: i
 @_quant_act_op.register_fake
 def _(x_MK, block, pow2_scales):
     M, K = x_MK.shape
-    return x_MK.new_empty(M, K, dtype=_FP8), x_MK.new_empty(M, _cdiv(K, block), dtype=torch.float32)
+    return x_MK.new_empty(M, K, dtype=_FP8), x_MK.new_empty(M, cdiv(K, block), dtype=torch.float32)
 
 
 @_quant_act_t_op.register_fake
 def _(x_MK, block, pow2_scales):
     M, K = x_MK.shape
-    return x_MK.new_empty(K, M, dtype=_FP8), x_MK.new_empty(K, _cdiv(M, block), dtype=torch.float32)
+    return x_MK.new_empty(K, M, dtype=_FP8), x_MK.new_empty(K, cdiv(M, block), dtype=torch.float32)
 
 
 @_quant_weight_op.register_fake
 def _(w, block, pow2_scales):
-    scales_shape = (*w.shape[:-2], _cdiv(w.shape[-2], block), _cdiv(w.shape[-1], block))
+    scales_shape = (*w.shape[:-2], cdiv(w.shape[-2], block), cdiv(w.shape[-1], block))
     return w.new_empty(w.shape, dtype=_FP8), w.new_empty(scales_shape, dtype=torch.float32)
 
 
@@ -482,7 +469,7 @@ def _(codes, scales, block, dim):
 
 
 def _check(name: str, backend: str, x: torch.Tensor, block: int, dims: tuple[int, ...],
-           dtypes: tuple[torch.dtype, ...] = _DTYPES) -> None:
+           dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"{name}: backend {backend!r} is not available; choose one of {list(BACKENDS)}")
     if x.dtype not in dtypes:
@@ -493,14 +480,10 @@ def _check(name: str, backend: str, x: torch.Tensor, block: int, dims: tuple[int
         raise ValueError(f"{name}: block must be a positive int, got {block!r}")
     if backend != "triton":
         return
-    if triton is None:
-        raise ImportError(f"{name} backend='triton' needs the `triton` package (pip install triton); "
-                          "use backend='torch' without it")
+    common.require_triton(f"{name} backend='triton'")
     if block & (block - 1):
         raise ValueError(f"{name} backend='triton' needs a power-of-two block, got {block}")
-    if x.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(f"{name} backend='triton' runs on CUDA tensors, or on CPU only under the Triton "
-                           "interpreter: set TRITON_INTERPRET=1 before moevlm.kernels.fp8_quant is imported")
+    common.require_kernel_device(f"{name} backend='triton'", x)
 
 
 def quant_blockwise_act(x_MK: torch.Tensor, block: int = 128, pow2_scales: bool = False, backend: str = "torch"):
@@ -538,7 +521,7 @@ def dequant_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int = 12
         raise ValueError(f"dequant_blockwise: layout {layout!r}; choose one of {list(LAYOUTS)}")
     _check("dequant_blockwise", backend, codes, block, (2, 3) if layout == "weight" else (2,), (_FP8,))
     tile = (block, block) if layout == "weight" else (1, block)
-    want = (*codes.shape[:-2], *(_cdiv(n, t) for n, t in zip(codes.shape[-2:], tile)))
+    want = (*codes.shape[:-2], *(cdiv(n, t) for n, t in zip(codes.shape[-2:], tile)))
     if tuple(scales.shape) != want or scales.dtype != torch.float32:
         raise ValueError(f"dequant_blockwise: codes {tuple(codes.shape)} with layout {layout!r} want fp32 scales "
                          f"{want}, got {scales.dtype} {tuple(scales.shape)}")

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import torch
 
-try:  # optional: the "triton" backend exists only when triton imports
+from moevlm.kernels._common import triton
+
+# what other packages import (moevlm, bench, tests)
+__all__ = ["GROUPED_GEMMS", "grouped_mm", "grouped_mm_loop"]
+
+grouped_mm_triton = None  # the "triton" backend exists only when triton imports
+if triton is not None:
     from moevlm.kernels.grouped_gemm_triton import grouped_mm_triton
-except ModuleNotFoundError as e:
-    if e.name != "triton":
-        raise
-    grouped_mm_triton = None
 
 
 def grouped_mm_loop(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

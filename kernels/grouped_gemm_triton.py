@@ -49,22 +49,20 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
-import triton
-import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INTERPRET_PROGRAMS = 4  # > 1 so the persistent loop runs several items per program
+from moevlm.kernels import _common as common
+from moevlm.kernels._common import FLOAT_DTYPES, num_programs, require_triton, tl
+
+# what other packages import (moevlm, bench, tests)
+__all__ = ["grouped_mm_triton"]
+
+triton = require_triton("the triton grouped GEMM")
+_INTERPRET_TILE = (32, 32, 32, 4, 1)  # one config under the interpreter; test shapes still span several tiles
 
 
-def _configs(tiles: list[tuple[int, int, int, int, int]], names: tuple[str, str, str]) -> list[triton.Config]:
-    if _INTERPRET:  # one config (nothing to benchmark); test shapes still span several tiles of 32
-        tiles = [(32, 32, 32, 4, 1)]
-    return [triton.Config(dict(zip(names, t[:3])), num_warps=t[3], num_stages=t[4]) for t in tiles]
+def _configs(tiles: list[tuple[int, int, int, int, int]], names: tuple[str, str, str]) -> list:
+    return common.autotune_configs(tiles, names, _INTERPRET_TILE)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -165,24 +163,12 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, N, K, E,
 
 
 # ------------------------------------------------------------------ launchers
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _programs(device: torch.device) -> int:
-    if _INTERPRET:
-        return _INTERPRET_PROGRAMS
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _kernel_flags(x: torch.Tensor, counts_E: torch.Tensor) -> dict:
-    if not (x.is_cuda or _INTERPRET):
-        raise RuntimeError("the triton grouped GEMM runs on CUDA tensors, or on CPU under the Triton interpreter "
-                           "(TRITON_INTERPRET=1 set before moevlm.kernels is imported)")
-    ieee = x.dtype == torch.float32 and (_INTERPRET or not torch.backends.cuda.matmul.allow_tf32)
+    common.require_kernel_device("the triton grouped GEMM", x)
+    interpret = common.INTERPRET
+    ieee = x.dtype == torch.float32 and (interpret or not torch.backends.cuda.matmul.allow_tf32)
     return dict(E_P2=triton.next_power_of_2(max(counts_E.shape[0], 1)),
-                DOT_IN_FP32=_INTERPRET and x.dtype == torch.bfloat16,
+                DOT_IN_FP32=interpret and x.dtype == torch.bfloat16,
                 PRECISION="ieee" if ieee else "tf32")  # tf32, the default, means nothing to 16-bit inputs
 
 
@@ -194,7 +180,7 @@ def _launch_mm(x_MK, w_EKN, counts_E, N, w_strides_EKN) -> torch.Tensor:
         return out
     if K == 0:
         return out.zero_()
-    programs = _programs(x_MK.device)
+    programs = num_programs(x_MK.device)
 
     def grid(meta):
         return (min(programs, (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])),)
@@ -273,7 +259,7 @@ def grouped_mm_triton(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.T
     if x_MK.shape[1] != w_EKN.shape[1] or counts_E.shape[0] != w_EKN.shape[0]:
         raise ValueError(f"grouped_mm_triton: x (M, K)={tuple(x_MK.shape)}, w (E, K, N)={tuple(w_EKN.shape)} and "
                          f"counts (E,)={tuple(counts_E.shape)} disagree on K or E")
-    if x_MK.dtype != w_EKN.dtype or x_MK.dtype not in _DTYPES:
+    if x_MK.dtype != w_EKN.dtype or x_MK.dtype not in FLOAT_DTYPES:
         raise TypeError(f"grouped_mm_triton wants x and w of one dtype among fp32/fp16/bf16; got {x_MK.dtype} "
                         f"and {w_EKN.dtype}")
     if counts_E.dtype not in (torch.int32, torch.int64):

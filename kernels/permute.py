@@ -53,23 +53,28 @@ Design choices:
   outputs may differ from the torch reference by one bf16 ulp.
 - Padding rows of an output are zeroed by a small kernel that writes only those
   rows (at most pad_multiple - 1 per expert), never a memset of the whole output.
-- `backend="torch" | "triton"`, torch by default.  `triton` is imported on first
-  use, so importing this module never needs it; asking for the Triton backend
-  without it raises an ImportError naming the package.  On CPU the kernels run
-  only under the Triton interpreter (`TRITON_INTERPRET=1`, read when the kernels
-  are first built); otherwise the backend asks for CUDA tensors.
+- `backend="torch" | "triton"`, torch by default.  Importing this module never
+  needs triton (`moevlm.kernels._common` imports it where installed) and the
+  kernels are built on first use; asking for the Triton backend without triton
+  raises an ImportError naming the package.  On CPU the kernels run only under
+  the Triton interpreter (`TRITON_INTERPRET=1` set before moevlm.kernels is
+  imported); otherwise the backend asks for CUDA tensors.
 - Topk indices must lie in [0, E): an index outside, e.g. DeepEP's -1 "skip",
   fails in scatter_add_ (an index error on CPU, a device assert on CUDA).
 """
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
+from moevlm.kernels import _common as common
+from moevlm.kernels._common import FLOAT_DTYPES, cdiv, tl  # tl: None without triton
+
+# what other packages import (moevlm, bench, tests)
+__all__ = ["permute", "permute_plan", "unpermute"]
+
 BACKENDS = ("torch", "triton")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class PermutePlan(NamedTuple):
@@ -125,26 +130,13 @@ def _weight_grad_torch(dy_TD, y_MD, row_TK):
 
 # ---------------------------------------------------------------- Triton kernels
 
-_triton = None  # the `triton` module once imported, with `tl` below: globals the kernels read
-tl = None
-
-
 def _require_triton():
-    global _triton, tl
-    if _triton is None:
-        try:
-            import triton
-            from triton import language
-        except ImportError as e:
-            raise ImportError("permute backend='triton' needs the `triton` package (pip install triton); "
-                              "use backend='torch' without it") from e
-        _triton, tl = triton, language
-    return _triton
+    return common.require_triton("permute backend='triton'")
 
 
 @functools.cache
 def _kernels():
-    """Build the kernels on first use (so `TRITON_INTERPRET` is read then, not at import)."""
+    """Build the kernels on first use (nothing to build when only the torch backend runs)."""
     jit = _require_triton().jit
 
     @jit
@@ -229,7 +221,7 @@ def _zero_padding_triton(out_MD, row_TK, rows_E, tokens_E):
     if out_MD.shape[0] == row_TK.numel() or out_MD.shape[1] == 0:
         return  # no padding rows
     _, block_d = _blocks(1, out_MD.shape[1])
-    grid = (rows_E.numel(), _triton.cdiv(out_MD.shape[1], block_d))
+    grid = (rows_E.numel(), cdiv(out_MD.shape[1], block_d))
     _kernels()[3][grid](out_MD, rows_E.cumsum(0), rows_E - tokens_E, out_MD.shape[1], BLOCK_D=block_d)
 
 
@@ -238,7 +230,7 @@ def _scatter_triton(x_TD, row_TK, w_TK, rows_E, tokens_E, num_rows):
     out_MD = x_TD.new_empty(num_rows, D)
     if T * D > 0:
         bt, bd = _blocks(T, D)
-        grid = (_triton.cdiv(T, bt), _triton.cdiv(D, bd))
+        grid = (cdiv(T, bt), cdiv(D, bd))
         _kernels()[0][grid](x_TD, row_TK.contiguous(), w_TK if w_TK is not None else row_TK, out_MD, T, D,
                             *x_TD.stride(), K=K, HAS_W=w_TK is not None, BLOCK_T=bt, BLOCK_D=bd)
     _zero_padding_triton(out_MD, row_TK, rows_E, tokens_E)
@@ -250,7 +242,7 @@ def _gather_triton(y_MD, row_TK, w_TK):
     out_TD = y_MD.new_empty(T, D)
     if T * D > 0:
         bt, bd = _blocks(T, D)
-        grid = (_triton.cdiv(T, bt), _triton.cdiv(D, bd))
+        grid = (cdiv(T, bt), cdiv(D, bd))
         _kernels()[1][grid](y_MD, row_TK.contiguous(), w_TK if w_TK is not None else row_TK, out_TD, T, D,
                             *y_MD.stride(), K=K, HAS_W=w_TK is not None, BLOCK_T=bt, BLOCK_D=bd)
     return out_TD
@@ -262,10 +254,10 @@ def _unpermute_bwd_triton(dy_TD, y_MD, row_TK, w_TK, rows_E, tokens_E, need_dw):
     dw_TK = torch.zeros(T, K, dtype=torch.float32, device=y_MD.device) if need_dw else None
     if T * D > 0:
         bt, bd = _blocks(T, D)
-        _kernels()[2][(_triton.cdiv(T, bt),)](
+        _kernels()[2][(cdiv(T, bt),)](
             dy_TD, y_MD, row_TK.contiguous(), w_TK.contiguous(), dy_MD, dw_TK if need_dw else w_TK, T, D,
             *dy_TD.stride(),
-            *y_MD.stride(), K=K, K_P2=_triton.next_power_of_2(K), NEED_DW=need_dw, BLOCK_T=bt, BLOCK_D=bd)
+            *y_MD.stride(), K=K, K_P2=_require_triton().next_power_of_2(K), NEED_DW=need_dw, BLOCK_T=bt, BLOCK_D=bd)
     _zero_padding_triton(dy_MD, row_TK, rows_E, tokens_E)
     return dy_MD, dw_TK
 
@@ -367,13 +359,11 @@ def _check(backend: str, *tensors: torch.Tensor) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"permute backend {backend!r} is not available; choose one of {list(BACKENDS)}")
     for t in tensors:
-        if t.dtype not in _DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"permute/unpermute take fp32, fp16 or bf16 rows, got {t.dtype}")
     if backend == "triton":
         _require_triton()
-        on_cpu = any(t.device.type == "cpu" for t in tensors)
-        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("permute backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+        common.require_kernel_device("permute backend='triton'", *tensors)
 
 
 def permute(x_TD: torch.Tensor, plan: PermutePlan, backend: str = "torch") -> torch.Tensor:

@@ -1,6 +1,6 @@
 import os
 
-# Triton kernels (kernels issue) run on CPU only under the interpreter; it must be
+# The Triton kernels (kernels/) run on CPU only under the interpreter; it must be
 # set before any @triton.jit runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from moevlm.kernels import _common as common  # noqa: E402
 from moevlm.kernels import fp8_quant as Q  # noqa: E402
 from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
@@ -48,7 +49,7 @@ def data(shape, tile, dtype=torch.float32):
     huge (1e30) and one of tiny (1e-37, below the scale floor) values when there are enough tiles."""
     *lead, R, C = shape
     tr, tc = tile
-    Rb, Cb = Q._cdiv(R, tr), Q._cdiv(C, tc)
+    Rb, Cb = common.cdiv(R, tr), common.cdiv(C, tc)
     mag = 10.0 ** (torch.rand(*lead, Rb, Cb) * 12 - 6)
     flat = mag.view(-1, Rb * Cb)
     flat[:, 0], flat[:, -1] = 0.0, 1e30
@@ -97,7 +98,7 @@ def test_mxfp8_triton_matches_torch(dim, dtype, seed):
     assert_bits_equal(got, want, seed, f"mxfp8 dim={dim}")
     codes, scales = want
     assert codes.dtype == FP8 and scales.dtype == E8M0
-    assert scales.shape == ((M, Q._cdiv(K, 32)) if dim == -1 else (Q._cdiv(M, 32), K))
+    assert scales.shape == ((M, common.cdiv(K, 32)) if dim == -1 else (common.cdiv(M, 32), K))
     assert_bits_equal([Q.dequant_mxfp8(codes, scales, dim=dim, backend="triton")],
                       [Q.dequant_mxfp8(codes, scales, dim=dim)], seed, f"dequant mxfp8 dim={dim}")
 
@@ -145,7 +146,7 @@ def test_e4m3_rounding_is_torchs_cast_on_every_tie():
     encoder meets torch's cast on every tie, both sides of each, subnormals and saturation."""
     grid = _e4m3_grid()
     n = grid.numel()
-    x = torch.full((Q._cdiv(n, 31), 32), 1.0)
+    x = torch.full((common.cdiv(n, 31), 32), 1.0)
     x[:, 0] = 500.0
     x.view(-1)[torch.arange(n) // 31 * 32 + 1 + torch.arange(n) % 31] = grid
     for backend in Q.BACKENDS:
@@ -204,7 +205,7 @@ def test_non_finite_tile_gets_nan_scale_and_nan_codes(fmt, seed):
         dim = int(fmt[3:])
         fn, tile = (lambda t, backend: Q.quant_mxfp8(t, dim=dim, backend=backend)), (1, 32) if dim == -1 else (32, 1)
         bad_tiles = [(0, 0), (3, 6)] if dim == -1 else [(0, 0), (4, 3)]
-    bad = torch.zeros(Q._cdiv(M, tile[0]), Q._cdiv(K, tile[1]), dtype=torch.bool)
+    bad = torch.zeros(common.cdiv(M, tile[0]), common.cdiv(K, tile[1]), dtype=torch.bool)
     for (i, j), v in zip(bad_tiles, [torch.nan, torch.inf, -torch.inf]):
         bad[i, j] = True
         x[min(i * tile[0] + tile[0] // 2, M - 1), min(j * tile[1] + tile[1] // 2, K - 1)] = v  # inside tile (i, j)
@@ -332,10 +333,10 @@ def test_bad_inputs_and_backends_are_named(monkeypatch):
         Q.dequant_blockwise(codes, scales[:, :0])
     with pytest.raises(ValueError, match="layout"):
         Q.dequant_blockwise(codes, scales, layout="rows")
-    monkeypatch.setattr(Q, "_INTERPRET", False)
+    monkeypatch.setattr(common, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         Q.quant_mxfp8(x, backend="triton")
-    monkeypatch.setattr(Q, "triton", None)
+    monkeypatch.setattr(common, "triton", None)
     with pytest.raises(ImportError, match="pip install triton"):
         Q.quant_blockwise_weight(x, backend="triton")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moevlm.dispatch.local import LocalDispatcher
-from moevlm.kernels import permute as P
+from moevlm.kernels import _common as common
 from moevlm.kernels.permute import permute, permute_plan, unpermute
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -211,15 +211,14 @@ def test_unknown_backend_is_named():
 
 
 def test_triton_on_cpu_needs_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(common, "INTERPRET", False)  # as if imported without TRITON_INTERPRET=1
     plan = permute_plan(torch.tensor([[0]]), 1)
     with pytest.raises(ValueError, match="CUDA tensors"):
         permute(torch.zeros(1, 4), plan, "triton")
 
 
 def test_missing_triton_is_named(monkeypatch):
-    monkeypatch.setattr(P, "_triton", None)
-    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.setattr(common, "triton", None)  # as if triton were not installed
     plan = permute_plan(torch.tensor([[0]]), 1)
     with pytest.raises(ImportError, match="`triton` package"):
         permute(torch.zeros(1, 4), plan, "triton")

@@ -1,5 +1,5 @@
 """The analytic FLOP count against torch's FlopCounterMode on the tiny model,
-vision and decoder separately, forward and forward+backward.  The issue asks for
+vision and decoder separately, forward and forward+backward.  MFU needs it within
 5%; the count is exact (same convention), so the tests hold it to 1e-9."""
 
 import pytest

@@ -143,7 +143,7 @@ REFUSALS = {
                      "model.attn_backend=sdpa"),
     "full_layer_alltoall": (["model.cuda_graph_scope=[full_layer]", "model.attn_backend=sdpa",
                              "parallel.dp_mode=ddp", "parallel.ep=2"], 2, None,
-                            "the capacity-bounded alltoall arrives with issue 18"),
+                            "moves a data-dependent number of tokens after a host sync"),
     "loop": (["model.cuda_graph_scope=[full_layer]", "model.attn_backend=sdpa", "model.grouped_gemm=loop"], 1,
              None, "full_layer cannot capture model.grouped_gemm=loop"),
     "permute": (OK + ["model.permute=triton"], 1, None, "moe_preprocess captures the torch permutation plan"),
