@@ -5,7 +5,7 @@
     python train.py -m optim.lr=1e-3,3e-4                  # a sweep, one job each
 
 Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
-Exit codes: 0 done, 2 config error, the others as moevlm.train.trainer documents.
+Exit codes: moevlm.train.exit_codes.ExitCode (0 done, 2 config error, ...).
 """
 
 import os
@@ -20,7 +20,8 @@ from moevlm.model.config import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import register_configs
-from moevlm.train.faults import EXIT_COLLECTIVE, describe_failure
+from moevlm.train.exit_codes import ExitCode
+from moevlm.train.faults import describe_failure
 
 register_configs()
 
@@ -28,7 +29,7 @@ register_configs()
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
     from moevlm.train.checkpoint import CheckpointError
-    from moevlm.train.trainer import EXIT_CHECKPOINT, Trainer
+    from moevlm.train.trainer import Trainer
 
     hc = HydraConfig.get()
     sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
@@ -38,17 +39,17 @@ def main(cfg) -> None:
         if os.environ.get("RANK", "0") == "0" or not getattr(err, "same_on_every_rank", False):
             for line in str(err).splitlines():  # each says what to change; a traceback would bury them
                 print(f"config error: {line}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(ExitCode.CONFIG)
     except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)
-        sys.exit(EXIT_CHECKPOINT)
+        sys.exit(ExitCode.CHECKPOINT)
     except Exception as err:  # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
         line = describe_failure(err, "set-up (process group, run directory, sample data, checkpoint load)", None,
                                 cfg.parallel.timeout_s)
         if line is None:
             raise
         print(line, file=sys.stderr)
-        sys.exit(EXIT_COLLECTIVE)
+        sys.exit(ExitCode.COLLECTIVE)
     code = trainer.run()
     if sweep is None:  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
         # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,

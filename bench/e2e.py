@@ -69,8 +69,8 @@ from moevlm.data.loader import build_loader
 from moevlm.data.packing import IGNORE
 from moevlm.parallel.hf_io import save_hf
 from moevlm.train.config import compose_job
-from moevlm.train.metrics import device_name, device_peak_tflops
-from moevlm.train.trainer import Trainer, Window
+from moevlm.train.metrics import Window, device_name, device_peak_tflops
+from moevlm.train.trainer import Trainer
 
 # preset -> (overrides, warm-up steps, timed steps); --smoke: 1 warm-up, 2 timed
 PRESETS = {

@@ -4,21 +4,14 @@
     faults.start()                       # in Trainer.run: signal handlers + watchdog thread
     faults.begin_step(n); faults.at("forward/backward"); ...; faults.end_step()
     if faults.stop_requested(device):    # collective, after each step
-        save, print, return EXIT_INTERRUPTED
-    code = faults.failure_code(err)      # a failed collective: one line to stderr, EXIT_COLLECTIVE
+        save, print, return ExitCode.INTERRUPTED
+    code = faults.failure_code(err)      # a failed collective: one line to stderr, ExitCode.COLLECTIVE
     faults.close()                       # previous handlers back (library use, sweeps)
 
-Exit codes defined here (the whole table is in moevlm.train.trainer's docstring):
-    4 EXIT_INTERRUPTED: SIGTERM/SIGINT, checkpoint written; relaunch the same command to continue
-    5 EXIT_COLLECTIVE: a collective timed out (parallel.timeout_s) or lost its peer
-    6 EXIT_WATCHDOG: a step or checkpoint ran past train.watchdog_abort_s
-    128+signum: a second SIGTERM/SIGINT, exited at once without a checkpoint (130, 143)
+The exit codes of these faults (INTERRUPTED, COLLECTIVE, WATCHDOG, and 128+signum for a second signal)
+are `moevlm.train.exit_codes.ExitCode`'s, documented there with the others.
 
 Design choices:
-- Codes 4-6 are the next free small numbers after the trainer's 0-3: a wrapper
-  script can tell "checkpoint written, relaunch" (4) from a kill (128+signum,
-  the shells' convention, kept for the second signal that skips the checkpoint)
-  and from a crash (Python's 1 for an uncaught exception is taken, by 1).
 - Signals: the Python handler does nothing; the C-level handler writes the
   signal number to a wakeup fd (`signal.set_wakeup_fd`) that a thread reads.
   So the first signal is noted and a second one exits *at once* even while
@@ -63,9 +56,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from moevlm.train.exit_codes import ExitCode, second_signal
 from moevlm.train.integrity import errors_in
 
-EXIT_INTERRUPTED, EXIT_COLLECTIVE, EXIT_WATCHDOG = 4, 5, 6
 REPEAT_WINDOW_S = 2.0
 WARMUP_STEPS, WINDOW = 2, 20
 
@@ -145,13 +138,13 @@ class StopSignals:
         elif not self.requested:
             self.requested, self.first_at = signum, now
             _say(f"{self.prefix}received {name}: finishing {self.describe()}, then writing a checkpoint and "
-                 f"exiting (code {EXIT_INTERRUPTED}; 0 if that was the last step); send it again to exit at once "
+                 f"exiting (code {ExitCode.INTERRUPTED:d}; 0 if that was the last step); send it again to exit at once "
                  "without a checkpoint")
         elif now - self.first_at > self.repeat_window_s:
             _say(f"{self.prefix}received {name} again: exiting at once during {self.describe()}, without a "
-                 f"checkpoint (exit code {128 + signum}); the last complete checkpoint is kept")
+                 f"checkpoint (exit code {second_signal(signum)}); the last complete checkpoint is kept")
             sys.stdout.flush()
-            os._exit(128 + signum)
+            os._exit(second_signal(signum))
 
 
 def _noted_by_thread(signum, frame) -> None:
@@ -213,7 +206,7 @@ class StepWatchdog:
         elapsed, what = self.elapsed(), self.describe()
         if self.abort_s is not None and elapsed > self.abort_s:
             self.abort(f"{self.prefix}watchdog: {what} has run {elapsed:.0f}s > train.watchdog_abort_s="
-                       f"{self.abort_s:g}s: aborting with exit code {EXIT_WATCHDOG}; a relaunch resumes from the "
+                       f"{self.abort_s:g}s: aborting with exit code {ExitCode.WATCHDOG:d}; a relaunch resumes from the "
                        "last checkpoint (a stopped, crashed or much slower peer rank, or a hung filesystem, is "
                        "the usual cause)")
             return
@@ -234,7 +227,7 @@ class StepWatchdog:
         if not self.reported:
             _dump_stacks()
         sys.stdout.flush()
-        os._exit(EXIT_WATCHDOG)
+        os._exit(ExitCode.WATCHDOG)
 
     # ------------------------------------------------------- the thread
     def start(self, every_s: float = 1.0) -> None:
@@ -289,12 +282,12 @@ class Faults:
         return flag
 
     def failure_code(self, err: BaseException) -> int | None:
-        """A failed collective: one line to stderr and EXIT_COLLECTIVE; None for anything else."""
+        """A failed collective: one line to stderr and ExitCode.COLLECTIVE; None for anything else."""
         line = describe_failure(err, self.watchdog.describe(), self.watchdog.elapsed(), self.timeout_s)
         if line is None:
             return None
         _say(self.prefix + line)
-        return EXIT_COLLECTIVE
+        return ExitCode.COLLECTIVE
 
 
 _TIMEOUT = ("timed out", "timeout")
@@ -317,4 +310,4 @@ def describe_failure(err: BaseException, doing: str, elapsed_s: float | None, ti
     during = doing if elapsed_s is None else f"{doing}, {elapsed_s:.0f}s in"
     return (f"collective failure during {during}: {what}. Likely cause: another rank stopped, "
             f"crashed or is much slower (see its log: out of memory, a node failure, a hung filesystem); exit code "
-            f"{EXIT_COLLECTIVE}, a relaunch resumes from the last checkpoint. [{type(err).__name__}: {first}]")
+            f"{ExitCode.COLLECTIVE:d}, a relaunch resumes from the last checkpoint. [{type(err).__name__}: {first}]")

@@ -149,6 +149,42 @@ def step_record(*, step: int, loss, lr: float, step_time_s: float, useful_tokens
     }
 
 
+class Window:
+    """Sums over the steps between two log lines (`add` after each step); `record` makes them the JSON
+    record.  It holds only what the steps report: the values of the moment (step, memory, skip counts, the
+    expert counts gathered from every pipeline stage) are the caller's, passed when the record is made."""
+
+    def __init__(self):
+        self.steps, self.loss, self.aux, self.tokens = 0, 0.0, 0.0, 0
+        self.flops, self.seconds, self.wait = 0.0, 0.0, 0.0
+        self.counts, self.last = None, {}
+
+    def add(self, *, loss, aux, grad_norm, lr, useful_tokens, flops, seconds, wait, counts) -> None:
+        self.steps += 1
+        self.loss, self.aux = self.loss + loss, self.aux + aux
+        self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
+        self.seconds, self.wait = self.seconds + seconds, self.wait + wait
+        if counts is not None:
+            self.counts = counts if self.counts is None else self.counts + counts
+        self.last = {"grad_norm": grad_norm, "lr": lr}
+
+    def record(self, *, step: int, world_size: int, peak_tflops: float | None, mem_gib: float | None,
+               expert_counts: torch.Tensor | None, skipped: dict[str, int] | None, nonfinite_steps: int,
+               mem_gib_by_pp_rank: list[float] | None = None) -> dict:
+        """`step_record` of the window's means (loss, aux) and sums (time, tokens, FLOPs, data wait), the
+        last step's grad_norm and lr; `expert_counts` is `self.counts` of every layer (all pipeline stages)."""
+        n = max(self.steps, 1)
+        rec = step_record(step=step, loss=self.loss / n, aux_loss=self.aux / n, lr=self.last["lr"],
+                          grad_norm=self.last["grad_norm"], step_time_s=self.seconds, useful_tokens=int(self.tokens),
+                          flops=self.flops, world_size=world_size, peak_tflops=peak_tflops, data_wait_s=self.wait,
+                          expert_counts=expert_counts, skipped=skipped, nonfinite_steps=nonfinite_steps,
+                          mem_gib=mem_gib)
+        if mem_gib_by_pp_rank is not None:
+            rec["mem_gib_by_pp_rank"] = mem_gib_by_pp_rank
+        rec["steps_in_window"] = self.steps
+        return rec
+
+
 def fmt_count(x: float) -> str:
     """12345 -> '12.3k', 4.5e6 -> '4.5M'."""
     for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):

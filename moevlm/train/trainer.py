@@ -3,16 +3,7 @@
     trainer = Trainer(job)          # validated config (moevlm.train.config)
     code = trainer.run()            # an exit code (below)
 
-Exit codes (`run` returns them; train.py exits with them; moevlm.train.faults):
-    0 done; 1 the loss did not fall (train.require_loss_decrease); 2 config error (train.py, before set-up);
-    3 stopped on non-finite loss or gradients (checkpoint written);
-    4 interrupted by SIGTERM/SIGINT (checkpoint written after the current step; relaunch the same command);
-    5 a collective timed out (parallel.timeout_s) or lost a peer rank (one line names the phase);
-    6 the step watchdog aborted (train.watchdog_abort_s);
-    7 a checkpoint could not be written (no disk room: the message names the folder, the bytes needed and
-      free; the earlier checkpoints are intact) or train.resume names one that fails verification;
-    8 the data cannot feed training (moevlm.data.DataError: every sample skipped; the skip counts by reason);
-    128+signum (130, 143): a second signal, exited at once without a checkpoint.
+`run` returns a `moevlm.train.exit_codes.ExitCode` (the table is there); train.py exits with it.
 
 Order of set-up (nothing large is allocated before the config, the layout and
 the data are checked): validate -> memory estimate (weights, gradients and
@@ -58,9 +49,14 @@ Design choices:
   with one line naming what the trainer was doing; a watchdog thread reports
   steps far slower than the recent ones (and aborts past
   `train.watchdog_abort_s`).  Signal handlers are restored in `close`.
-- Profiling (moevlm.train.profile): `self.prof` brackets the step's own phases (data, backward,
-  gradient reduction + clipping, optimizer) with start/stop calls; the model's parts are timed by
-  hooks it attaches from outside.  With both options off every call is a no-op.
+- A step is a sequence of phases (`_phase`): each names itself to the fault handling (a hang or a
+  failed collective reports it) and, where it is one of the profiler's components (data, backward,
+  gradient reduction + clipping, optimizer), opens and closes that span
+  (moevlm.train.profile; the model's parts are timed by hooks it attaches from outside).  With both
+  profiling options off the spans are no-ops.
+- `Window` (moevlm.train.metrics) sums the steps between two log lines; the trainer hands it the
+  values only it knows (step, peak memory, skip counts, the expert counts of every stage) when the
+  record is written.
 """
 
 from __future__ import annotations
@@ -95,14 +91,13 @@ from moevlm.parallel.recompute import recompute_setting
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
 from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.dispatch.capacity import OverflowCounter
-from moevlm.train.faults import EXIT_INTERRUPTED, Faults, StepWatchdog
-from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, peak_memory_gib, reset_peak_memory,
-                                  step_record)
+from moevlm.train.exit_codes import ExitCode
+from moevlm.train.faults import Faults, StepWatchdog
+from moevlm.train.metrics import MetricsLogger, Window, device_peak_tflops, peak_memory_gib, reset_peak_memory
 from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
 from moevlm.train.profile import Profiling
 from moevlm.train.wandb_log import start_wandb
 
-EXIT_OK, EXIT_NO_PROGRESS, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_DATA = 0, 1, 3, 7, 8
 _STARTED = datetime.now()
 
 
@@ -296,7 +291,7 @@ class Trainer:
     def run(self) -> int:
         t_start, first_step = time.perf_counter(), self.step
         window = Window()
-        code = EXIT_OK
+        code = ExitCode.OK
         self.faults.start()
         try:
             while self.step < self.t.steps:
@@ -307,9 +302,9 @@ class Trainer:
                                   f"({self.in_a_row} step(s) in a row; train.nonfinite={self.t.nonfinite}); "
                                   f"checkpoint {path} holds the weights before this step. Lower optim.lr, "
                                   "check the data, or use train.nonfinite=skip")
-                    return EXIT_NONFINITE
+                    return ExitCode.NONFINITE
                 if self.log.should_log(self.step) or not ok:
-                    self.log.log(window.record(self))
+                    self.log.log(self._record(window))
                     window = Window()
                 if self.step < self.t.steps and (signum := self.faults.stop_requested(self.device)):
                     return self._interrupted(signum)
@@ -322,11 +317,11 @@ class Trainer:
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
         except CheckpointError as err:  # no room, or the write failed: the earlier checkpoints are intact
             self.log.info(f"stopping at step {self.step}: {err}")
-            code = EXIT_CHECKPOINT
+            code = ExitCode.CHECKPOINT
         except DataError as err:  # every rank's own stream: printed where it happened
             print(f"{'rank %d: ' % self.rank if self.world > 1 else ''}stopping at step {self.step}: {err}",
                   file=sys.stderr, flush=True)
-            code = EXIT_DATA
+            code = ExitCode.DATA
         except Exception as err:  # a failed collective: one line naming the phase instead of a traceback
             code = self.faults.failure_code(err)
             if code is None:
@@ -350,8 +345,8 @@ class Trainer:
         again = "" if self.t.run_dir and self.sweep is None else f" with train.run_dir={self.run_dir}"
         self.log.info(f"interrupted by {signal.Signals(signum).name}: stopped after step {self.step}/{self.t.steps} "
                       f"with checkpoint {path}; to continue, relaunch the same command{again} (train.resume=auto, "
-                      f"the default, resumes from it); exit code {EXIT_INTERRUPTED}")
-        return EXIT_INTERRUPTED
+                      f"the default, resumes from it); exit code {ExitCode.INTERRUPTED:d}")
+        return ExitCode.INTERRUPTED
 
     def _checkpoint_due(self) -> bool:
         return bool(self.t.checkpoint_every) and self.step % self.t.checkpoint_every == 0
@@ -361,43 +356,31 @@ class Trainer:
         self.prof.begin_step(self.step + 1)  # (a trace of train.profile_steps starts before the step's time)
         t0, wait0 = time.perf_counter(), self.loader.wait_s
         self.faults.begin_step(self.step + 1)
-        reads = not isinstance(self.loader, NoData)
-        self.prof.start("data")
-        micro = [self._micro_batch() for _ in range(self.plan.grad_accum)] if reads else None
-        if self.pipeline is not None:
-            self.faults.at("micro-batch share over the pipeline group")
-            micro = self.pipeline.share(micro, self.device)
-        self.prof.stop("data")
-        dp_group = self.parallel.dp_group
-        self.faults.at("data-parallel token-count all-reduce")
-        totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
-                              sum(m["flops"] for m in micro)], self.device, dp_group)
+        with self._phase("data", span="data"):
+            micro = self._fetch()
+        with self._phase("data-parallel token-count all-reduce"):
+            totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
+                                  sum(m["flops"] for m in micro)], self.device, self.parallel.dp_group)
         loss_tokens = max(totals[0], 1.0)
-        self.faults.at("forward/backward")
-        if self.pipeline is not None:
-            loss_sum, aux_sum, counts = self._pipeline_forward_backward(micro, loss_tokens)
-        else:
-            loss_sum, aux_sum, counts = self._forward_backward(micro, loss_tokens)
+        with self._phase("forward/backward"):
+            fb = self._pipeline_forward_backward if self.pipeline is not None else self._forward_backward
+            loss_sum, aux_sum, counts = fb(micro, loss_tokens)
         if self.overflow is not None and self.overflow.overflow == "error":
-            self.faults.at("expert-capacity overflow check")
-            self.overflow.check(self.device, self.step + 1)  # before the update: the failing step changes nothing
-        self.faults.at("gradient reduction and clipping")
-        self.prof.start("grad_reduce_clip")
-        self.parallel.finish_gradients()
-        grad_norm = self._clip()
-        self.prof.stop("grad_reduce_clip")
+            with self._phase("expert-capacity overflow check"):  # before the update: the step changes nothing
+                self.overflow.check(self.device, self.step + 1)
+        with self._phase("gradient reduction and clipping", span="grad_reduce_clip"):
+            self.parallel.finish_gradients()
+            grad_norm = self._clip()
         if self.grad_hook is not None:
             self.grad_hook(self)
-        self.faults.at("data-parallel loss all-reduce")
-        loss = _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens  # cp ranks hold parts
-        aux_sum = _all_reduce_tensor(aux_sum, dp_group)
+        with self._phase("data-parallel loss all-reduce"):
+            loss = _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens  # cp ranks hold parts
+            aux_sum = _all_reduce_tensor(aux_sum, self.parallel.dp_group)
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1
         self.losses.append(float(loss))
-        self.faults.at("optimizer step")
-        self.prof.start("optimizer")
-        self._update(ok)
-        self.prof.stop("optimizer")
+        with self._phase("optimizer step", span="optimizer"):
+            self._update(ok)
         self.prof.end_step(self.step)
         window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
                    useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
@@ -407,6 +390,28 @@ class Trainer:
         self.prof.after_step(self.step)  # a trace ending here is written outside the step's time
         self.faults.end_step()
         return ok
+
+    @contextlib.contextmanager
+    def _phase(self, what: str, span: str | None = None):
+        """One phase of a step: `what` is what a hang or a failed collective reports the trainer was doing
+        (moevlm.train.faults), `span` the profiler component it is timed as (None: not one of its own).
+        A phase that raises leaves its span open: the step is lost and the run ends (`Profiling.close`)."""
+        self.faults.at(what)
+        if span is not None:
+            self.prof.start(span)
+        yield
+        if span is not None:
+            self.prof.stop(span)
+
+    def _fetch(self) -> list[dict]:
+        """The step's micro-batches: read here, or under pipeline stages shared over the pipeline group
+        (a rank without the first stage reads nothing and receives them)."""
+        reads = not isinstance(self.loader, NoData)
+        micro = [self._micro_batch() for _ in range(self.plan.grad_accum)] if reads else None
+        if self.pipeline is not None:
+            with self._phase("micro-batch share over the pipeline group"):
+                micro = self.pipeline.share(micro, self.device)
+        return micro
 
     def _forward_backward(self, micro: list[dict], loss_tokens: float):
         """Every micro-batch through the whole model: (sum of token losses, aux share, expert counts)."""
@@ -421,9 +426,8 @@ class Trainer:
             coef = self.plan.model.moe.router_aux_loss_coef
             # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
             # loss is its share of the step's objective
-            self.prof.start("backward")
-            (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
-            self.prof.stop("backward")
+            with self._phase("forward/backward", span="backward"):
+                (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
             loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / (len(micro) * dp)
             if out.expert_counts is not None:
                 counts = out.expert_counts if counts is None else counts + out.expert_counts
@@ -433,10 +437,9 @@ class Trainer:
         """The step's micro-batches through the pipeline schedule; the loss sums come from the last
         stage and are summed over the pipeline group (zero elsewhere), so every rank logs them."""
         inputs = [dict(_on_device(mb["inputs"], self.device), n_image=mb["n_image"]) for mb in micro]
-        self.prof.start("backward")  # the schedule, less the forward components timed inside it
-        lm_sum, aux, counts = self.pipeline.forward_backward(inputs, loss_tokens,
-                                                             1.0 / (len(micro) * self.plan.dims.dp))
-        self.prof.stop("backward")
+        with self._phase("forward/backward", span="backward"):  # the schedule, less the forward components
+            lm_sum, aux, counts = self.pipeline.forward_backward(inputs, loss_tokens,  # timed inside it
+                                                                 1.0 / (len(micro) * self.plan.dims.dp))
         sums = _all_reduce_tensor(torch.stack([lm_sum, aux]), self.parallel.pp_group)
         return sums[0], sums[1], counts
 
@@ -504,9 +507,28 @@ class Trainer:
             first, last = sum(real[:3]) / 3, sum(real[-3:]) / 3
             if not last < first:
                 self.log.info(f"FAIL: loss did not fall (first 3 steps {first:.4f}, last 3 {last:.4f})")
-                return EXIT_NO_PROGRESS
+                return ExitCode.NO_PROGRESS
             self.log.info(f"ok: mean loss of the first 3 steps {first:.4f} -> last 3 {last:.4f}")
-        return EXIT_OK
+        return ExitCode.OK
+
+    def _record(self, window: Window) -> dict:
+        """The log record of `window` with what only the trainer knows.  Collective under pipeline stages
+        and expert capacity: every rank builds it, rank 0 writes it."""
+        mem = peak_memory_gib(self.device)
+        rec = window.record(step=self.step, world_size=self.world, peak_tflops=self.peak, mem_gib=mem,
+                            expert_counts=_pp_all_layers(self, window.counts),
+                            mem_gib_by_pp_rank=None if self.pipeline is None else _max_by_pp_rank(self, mem),
+                            skipped=self.loader.stats()["skipped"], nonfinite_steps=self.nonfinite_steps)
+        rec["recompute"] = describe_recompute(*recompute_setting(self.job.model))
+        if self.compiled is not None:  # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
+            rec.update(self.compiled.record())
+        if self.prof.timing:  # seconds per component summed over the window, like step_time_s
+            rec["components_s"] = self.prof.take_window()
+        if self.overflow is not None:  # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches
+            rec.update(self.overflow.record(self.device))  # over the window
+        rec["mock"] = self.job.data.mock  # data.mock: "none" for real data
+        reset_peak_memory(self.device)
+        return rec
 
     def close(self) -> None:
         self.faults.closing()
@@ -517,46 +539,6 @@ class Trainer:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()  # a sweep's next job starts its own
         self.faults.close()  # the previous signal handlers, last: a signal while closing cannot cut it short
-
-
-class Window:
-    """Sums over the steps between two log lines."""
-
-    def __init__(self):
-        self.steps, self.loss, self.aux, self.tokens, self.flops, self.seconds, self.wait = 0, 0.0, 0.0, 0, 0.0, 0.0, 0.0
-        self.counts, self.last = None, {}
-
-    def add(self, *, loss, aux, grad_norm, lr, useful_tokens, flops, seconds, wait, counts) -> None:
-        self.steps += 1
-        self.loss, self.aux = self.loss + loss, self.aux + aux
-        self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
-        self.seconds, self.wait = self.seconds + seconds, self.wait + wait
-        if counts is not None:
-            self.counts = counts if self.counts is None else self.counts + counts
-        self.last = {"grad_norm": grad_norm, "lr": lr}
-
-    def record(self, tr: Trainer) -> dict:
-        n = max(self.steps, 1)
-        stats = tr.loader.stats()
-        mem = peak_memory_gib(tr.device)
-        rec = step_record(step=tr.step, loss=self.loss / n, aux_loss=self.aux / n, lr=self.last["lr"],
-                          grad_norm=self.last["grad_norm"], step_time_s=self.seconds, useful_tokens=int(self.tokens),
-                          flops=self.flops, world_size=tr.world, peak_tflops=tr.peak, data_wait_s=self.wait,
-                          expert_counts=_pp_all_layers(tr, self.counts), skipped=stats["skipped"],
-                          nonfinite_steps=tr.nonfinite_steps, mem_gib=mem)
-        if tr.pipeline is not None:  # collective: every rank builds the record, rank 0 writes it
-            rec["mem_gib_by_pp_rank"] = _max_by_pp_rank(tr, mem)
-        rec["steps_in_window"] = self.steps
-        rec["recompute"] = describe_recompute(*recompute_setting(tr.job.model))
-        if tr.compiled is not None:  # train.compile: compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
-            rec.update(tr.compiled.record())
-        if tr.prof.timing:  # seconds per component summed over the window, like step_time_s
-            rec["components_s"] = tr.prof.take_window()
-        if tr.overflow is not None:  # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches over the window
-            rec.update(tr.overflow.record(tr.device))
-        rec["mock"] = tr.job.data.mock  # data.mock: "none" for real data
-        reset_peak_memory(tr.device)
-        return rec
 
 
 # ------------------------------------------------------------------- helpers

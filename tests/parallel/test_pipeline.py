@@ -34,7 +34,8 @@ from moevlm.parallel.pipeline import v_schedules_supported
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import NoData, Trainer
 from gloo_ranks import run_ranks
-from test_layouts import TOL, check_layouts, job_overrides, print_report, rel, run_job, runs_agree
+from test_layouts import (TOL, UNCLIPPED_EPS, check_layouts, job_overrides, print_report, rel, run_job,
+                          runs_agree)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "model.hf_config=@TMP/pipe_model.json"
@@ -150,9 +151,10 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     data streams every layout trains on the same rows."""
     readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
-    # optim.eps=1e-6 as in test_layouts: with the CPU lr (2e-3) and eps 1e-8, AdamW turns the float noise of
-    # near-zero gradients into visible parameter differences
-    common = [*GB200_3D_CPU, "train.steps=3", "train.tensorboard=false", "train.checkpoint_every=0", "optim.eps=1e-6"]
+    # eps raised as in test_layouts (UNCLIPPED_EPS: this job is not clipped): with the CPU lr (2e-3) and a
+    # small eps, AdamW turns the float noise of near-zero gradients, which differs between CPU kinds, into
+    # visible parameter differences
+    common = [*GB200_3D_CPU, "train.steps=3", "train.tensorboard=false", "train.checkpoint_every=0", UNCLIPPED_EPS]
     # one process: the scaled job's model and batch without its layout; the rows are the same with the default
     # data streams on both (layout independent)
     one = [*common, "parallel.scale_to=null", "parallel.world_size=1", "parallel.tp=1", "parallel.pp=1",

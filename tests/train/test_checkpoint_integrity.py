@@ -20,7 +20,8 @@ from moevlm.data.sample_cache import sample_dir
 from moevlm.train import integrity
 from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker
 from moevlm.train.config import compose_job
-from moevlm.train.trainer import EXIT_CHECKPOINT, Trainer
+from moevlm.train.exit_codes import ExitCode
+from moevlm.train.trainer import Trainer
 from tests.train.test_checkpoint import assert_same, make, params, train
 from tests.train.test_trainer import FAST, read_metrics
 
@@ -280,7 +281,7 @@ def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(refe
     monkeypatch.setattr(integrity, "free_bytes", disk)
     trainer, code = run(run_dir, 4, "train.checkpoint_every=2", "train.keep_checkpoints=2")
     out = capsys.readouterr().out
-    assert code == EXIT_CHECKPOINT and trainer.step == 4
+    assert code == ExitCode.CHECKPOINT and trainer.step == 4
     assert f"not enough disk space for checkpoint step_00000004 in {run_dir / 'checkpoints'}" in out
     assert [p.name for p in trainer.ckpt.complete()] == ["step_00000002"]
 

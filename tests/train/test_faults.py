@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train.checkpoint import CheckpointManager
 from moevlm.train.config import compose_job
-from moevlm.train.faults import (EXIT_COLLECTIVE, EXIT_INTERRUPTED, EXIT_WATCHDOG, WARMUP_STEPS, StepWatchdog,
-                                 StopSignals, describe_failure)
+from moevlm.train.exit_codes import ExitCode
+from moevlm.train.faults import WARMUP_STEPS, StepWatchdog, StopSignals, describe_failure
 from moevlm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,6 +59,15 @@ class Clock:
         return self.now
 
 
+def test_exit_codes_are_the_readme_table():
+    """The numbers are the interface scripts branch on: README's "Exit codes", one name each."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert {c.name: int(c) for c in ExitCode} == {"OK": 0, "NO_PROGRESS": 1, "CONFIG": 2, "NONFINITE": 3,
+                                                   "INTERRUPTED": 4, "COLLECTIVE": 5, "WATCHDOG": 6,
+                                                   "CHECKPOINT": 7, "DATA": 8}
+    assert "Exit codes: 0 done, 1 the loss did not fall" in readme and "8 the data cannot feed training" in readme
+
+
 def test_watchdog_reports_a_slow_step_once_after_warmup_and_aborts_past_abort_s():
     clock, reports, aborts = Clock(), [], []
     w = StepWatchdog(10, 5, 100, clock=clock, report=reports.append, abort=aborts.append)
@@ -81,7 +90,7 @@ def test_watchdog_reports_a_slow_step_once_after_warmup_and_aborts_past_abort_s(
     clock.now += 90.0  # 106 s > abort_s
     w.poll()
     assert len(aborts) == 1 and "step 6 (forward/backward) has run 106s > train.watchdog_abort_s=100s" in aborts[0]
-    assert f"exit code {EXIT_WATCHDOG}" in aborts[0]
+    assert f"exit code {ExitCode.WATCHDOG:d}" in aborts[0]
 
 
 def test_watchdog_minimum_warmup_and_phases_outside_steps():
@@ -178,7 +187,7 @@ def test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes():
     assert "received SIGTERM again: exiting at once during step 4 (forward/backward), without a checkpoint " \
            "(exit code 143)" in out
     out = abort.communicate(timeout=60)[0]
-    assert abort.returncode == EXIT_WATCHDOG, out
+    assert abort.returncode == ExitCode.WATCHDOG, out
     assert "watchdog: step 3 (forward/backward) has run 1s > train.watchdog_abort_s=0.5s: aborting" in out
     assert "Thread 0x" in out and "in <module>" in out  # every thread's stack (faulthandler)
 
@@ -229,7 +238,7 @@ def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(ref
             while not tr.faults.signals.requested and time.time() < deadline:
                 time.sleep(0.01)
     trainer.grad_hook = preempt
-    assert trainer.run() == EXIT_INTERRUPTED
+    assert trainer.run() == ExitCode.INTERRUPTED
     assert signal.getsignal(signal.SIGTERM) is before  # a library caller's handler is back
     captured = capsys.readouterr()
     assert "received SIGTERM: finishing step 2 (gradient reduction and clipping)" in captured.err
@@ -354,7 +363,8 @@ def test_two_ranks_sigterm_on_one_rank_stops_both_after_the_same_step(reference,
     stopped = int(ckpt.name.split("_")[1])
     assert 1 <= stopped < STEPS
     assert f"interrupted by SIGTERM: stopped after step {stopped}/{STEPS} with checkpoint {ckpt}" in out
-    assert exit_codes(out) == {0: EXIT_INTERRUPTED, 1: EXIT_INTERRUPTED}, out[-3000:]  # each rank's (torchrun's report)
+    # each rank's (torchrun's report)
+    assert exit_codes(out) == {0: ExitCode.INTERRUPTED, 1: ExitCode.INTERRUPTED}, out[-3000:]
     assert "Traceback" not in out[:out.find(TORCHRUN_TRACEBACK)]  # no rank printed one
     assert sorted(losses(run_dir)) == list(range(1, stopped + 1))
     job = compose_job(COMMON + [f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.shards={shards}"])
@@ -404,5 +414,5 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
     assert waited < timeout_s + 30, waited  # the stalled step started at most one step before the stop
     report = out.index("rank 0: watchdog: step ")
     assert report < out.index(failure[0]) and "Thread 0x" in out[report:]  # reported (with stacks) first
-    assert exit_codes(out)[0] == EXIT_COLLECTIVE, out[-3000:]
+    assert exit_codes(out)[0] == ExitCode.COLLECTIVE, out[-3000:]
     print(out[report:out.index("\n", report)], f"\n{failure[0].strip()}\n(after {waited:.1f}s of SIGSTOP)")

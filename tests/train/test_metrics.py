@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from moevlm.train.metrics import (MetricsLogger, device_peak_tflops, expert_load_max_over_mean, fmt_count,
+from moevlm.train.metrics import (MetricsLogger, Window, device_peak_tflops, expert_load_max_over_mean, fmt_count,
                                   peak_memory_gib, peak_tflops_for_name, step_record)
 
 
@@ -30,6 +30,19 @@ def test_record_arithmetic_per_device():
     assert r["data_wait_frac"] == pytest.approx(0.25)
     assert r["bad_samples"] == 3 and r["bad_samples_by_reason"] == {"bad_image": 1, "too_long": 2}
     assert r["expert_load_max_over_mean"] is None
+
+
+def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
+    """Two steps in one window: loss and aux averaged, time, tokens, FLOPs and wait summed, the last
+    step's grad_norm and lr, expert counts summed; step, memory and skip counts are the caller's."""
+    w = Window()
+    for loss, counts in ((3.0, torch.tensor([[1, 3]])), (2.0, None)):
+        w.add(loss=loss, aux=0.02, grad_norm=loss / 2, lr=loss * 1e-3, useful_tokens=20_000, flops=4e14,
+              seconds=1.0, wait=0.25, counts=counts)
+    r = w.record(step=10, world_size=4, peak_tflops=400.0, mem_gib=1.25, expert_counts=w.counts,
+                 skipped={"too_long": 2, "bad_image": 1}, nonfinite_steps=0, mem_gib_by_pp_rank=[1.25, 1.0])
+    assert r == record(loss=2.5, aux_loss=0.02, grad_norm=1.0, expert_counts=torch.tensor([[1, 3]])) | {
+        "mem_gib_by_pp_rank": [1.25, 1.0], "steps_in_window": 2}
 
 
 def test_mfu_null_without_peak_and_on_cpu():

@@ -27,7 +27,8 @@ from moevlm.model import count_flops
 from moevlm.model.config import ConfigError
 from moevlm.train.checkpoint import CheckpointManager
 from moevlm.train.config import compose_job, validate
-from moevlm.train.trainer import EXIT_NONFINITE, NoData, Trainer, describe_data
+from moevlm.train.exit_codes import ExitCode
+from moevlm.train.trainer import NoData, Trainer, describe_data
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["data.num_workers=1", "data.streams=1", "train.log_every=1", "train.tensorboard=true"]
@@ -124,7 +125,7 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
     job = compose_job(FAST + ["train.steps=4", f"train.run_dir={tmp_path}", "train.nonfinite=stop"])
     trainer = Trainer(job)
     _nan_at(trainer, {2})
-    assert trainer.run() == EXIT_NONFINITE
+    assert trainer.run() == ExitCode.NONFINITE
     assert "non-finite" in capsys.readouterr().out
     latest = CheckpointManager(tmp_path / "checkpoints").latest()
     assert latest is not None and latest.name == "step_00000002"
