@@ -378,7 +378,7 @@ def check_overrides(overrides) -> None:
     by_model_path = {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
     for item in overrides:
         key = _override_key(str(item))
-        if key is None or key in known or any(key.startswith(k + ".") for k in known):
+        if key is None or key in known:
             continue
         near = [by_model_path[key]] if key in by_model_path else difflib.get_close_matches(key, known, n=3)
         raise ConfigError(f"{key} is not an option" + (f"; did you mean {' or '.join(near)}?" if near else "")
