@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from moevlm.model.config import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
-from moevlm.train.config import register_configs
+from moevlm.train.config import check_overrides, register_configs
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import describe_failure
 
@@ -60,5 +60,15 @@ def main(cfg) -> None:
         sys.exit(code)
 
 
+def _check_command_line() -> None:
+    """An override of a field the schema lacks: one line naming the nearest options (exit 2)."""
+    try:
+        check_overrides(a for a in sys.argv[1:] if not a.startswith("-"))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    _check_command_line()
     main()

@@ -8,7 +8,9 @@ changes the numbers the model sees (patch 16, merge 2, temporal 2, mean = std
 
 Every field carries its description (`metadata={"help": ...}`, shown by `python train.py --help`
 and conf/README.md: moevlm.train.options) and is checked by `moevlm.data.loader.check_config` before any file is
-read (a one-line message naming the field, its value and what to set).
+read (a one-line message naming the field, its value and what to set).  What a job asks of its data
+beyond that (shards named and present, the tokenizer fitting the model, the packed row cut evenly by the
+layout) is checked here, below the dataclasses, for moevlm.train.validate.
 `mock` (moevlm.data.encode) swaps only the image step, so a measurement on
 mock data runs the same reader, workers, tokenizer and packer as real data.
 `pack.max_patches: 0` is a text-only budget: samples with images are skipped as
@@ -17,7 +19,11 @@ mock data runs the same reader, workers, tokenizer and packer as real data.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
+
+from omegaconf import MISSING
 
 # allowed values, checked by moevlm.data.loader.check_fields and listed by `python train.py --help`
 OVERSIZE = ("skip", "truncate")
@@ -105,3 +111,70 @@ class DataConfig:
                 "their tokens dropped: text only), random_pixels (each image's real size, grid and tokens, but "
                 "seeded uniform random pixels instead of the decoded ones); part of the data identity: a resume "
                 "with another value is refused"})
+
+
+# ------------------------------------------------------------------ job checks
+def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) -> None:
+    """The data as the job uses it: shards named, each field in range and the image geometry the
+    model's (moevlm.data.loader.check_config), the packed row within the model's positions and cut
+    evenly by the layout's dp x cp x tp.  ValueError (moevlm.train.validate reports it) on the first."""
+    from moevlm.data.loader import check_config
+
+    _check(d.shards not in ("", MISSING),
+           "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
+           "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set")
+    check_config(d, model, dp)
+    pk = d.pack
+    _check(pk.seq_len <= model.text.max_position_embeddings,
+           f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
+           f"{model.text.max_position_embeddings}")
+    if cp == 1:
+        _check(pk.seq_len % tp == 0, f"data.pack.seq_len={pk.seq_len} must be divisible by tp={tp} "
+                                     "(sequence parallel)")
+    else:
+        _check(pk.seq_len % (2 * cp) == 0 and (pk.seq_len // cp) % tp == 0,
+               f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * cp} (each row is cut into 2*cp "
+               f"chunks for load-balanced context parallel) and seq_len/cp by tp={tp} (sequence parallel): "
+               f"use a multiple of {math.lcm(2 * cp, cp * tp)}")
+
+
+def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
+    """Your shards' tokenizer is found (data.tokenizer, beside the shards, or the HF checkpoint's) and its
+    special tokens sit where the model expects them.  (The sample set brings its own, built later.)"""
+    if data.shards in ("", "sample", MISSING):
+        return
+    from moevlm.data.loader import find_tokenizer
+    from moevlm.data.reader import expand_shards
+    from moevlm.data.text import ChatEncoder, load_tokenizer
+
+    try:
+        shards = expand_shards(data.shards)
+    except FileNotFoundError:
+        return  # check_shards says so
+    path = find_tokenizer(data, shards, hf_checkpoint)  # DataSetupError (a ConfigError) names the three places
+    try:
+        ChatEncoder(load_tokenizer(path)).check_model(model)
+    except ValueError as err:
+        raise ValueError(f"the tokenizer {path} does not fit the model: {err}") from None
+    except Exception as err:  # not a tokenizer.json at all
+        raise ValueError(f"the tokenizer {path} cannot be loaded ({type(err).__name__}: {err}); point "
+                         "data.tokenizer at a tokenizers tokenizer.json") from None
+
+
+def check_shards(spec: str) -> None:
+    """A shard spec that names nothing readable (the sample set and the empty value are checked elsewhere)."""
+    if spec in ("", "sample", MISSING) or not isinstance(spec, str):
+        return
+    if "{" not in spec and "," not in spec and not any(c in spec for c in "*?[") and not os.path.exists(spec):
+        raise ValueError(f"data.shards={spec} does not exist; give a folder of .tar shards (build them with "
+                         "python -m moevlm.data.build_shards), a brace pattern or a list")
+    from moevlm.data.reader import expand_shards
+
+    shards = expand_shards(spec)  # naming nothing that exists: DataSetupError
+    missing = [s for s in shards if not os.path.isfile(s)]
+    _check(not missing, f"data.shards={spec} names {len(missing)} shard(s) that do not exist, e.g. {missing[:3]}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,7 +1,7 @@
 """Model configuration: vision, text, MoE and the whole VLM.
 
 Design choices:
-- Plain dataclasses, no framework base class: Hydra's ConfigStore (trainer issue)
+- Plain dataclasses, no framework base class: Hydra's ConfigStore
   can register them as-is, and tests build them in one line.
 - Field names follow the Hugging Face config where one exists, so reading
   `config.json` is a rename table, not a translation; the renames live in
@@ -11,9 +11,10 @@ Design choices:
   architecture so one object describes a runnable model; they are never written
   to an exported `config.json`.
 - `validate()` runs before any parameter exists and names the offending field
-  and what to change (STYLE 12); sizes must be positive integers and
-  real-valued fields finite (a NaN or infinite coefficient is refused, not
-  trained with).
+  and what to change; sizes must be positive integers and real-valued fields
+  finite (a NaN or infinite coefficient is refused, not trained with).  It is
+  the one check of these fields: the trainer's job config sets them by name
+  (moevlm.train.schema) and reports this method's errors in its own keys.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ class VLMConfig:
         for i in m.mlp_only_layers:
             _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
         _check(m.capacity_factor is None or _real(m.capacity_factor) and m.capacity_factor > 0,
-               f"moe.capacity_factor={m.capacity_factor!r} must be a finite number > 0, or None for dropless")
+               f"moe.capacity_factor={m.capacity_factor!r} must be a finite number > 0 (1.0: the balanced load per "
+               "expert), or None (null) for the dropless all-to-all")
         _check(m.capacity_overflow in CAPACITY_OVERFLOWS,
                f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}")
         _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
@@ -197,9 +199,7 @@ class VLMConfig:
         f = self.fp8
         _check(f.recipe in FP8_RECIPES, f"fp8.recipe={f.recipe!r}; choose one of {list(FP8_RECIPES)}")
         _check(f.backend in FP8_BACKENDS, f"fp8.backend={f.backend!r}; choose one of {list(FP8_BACKENDS)}")
-        bad = sorted(set(f.modules) - set(FP8_MODULES))
-        _check(not bad, f"fp8.modules (model.fp8_modules) has {bad}; choose among {list(FP8_MODULES)} (the router, norms, embeddings "
-                        "and LM head always stay in high precision)")
+        check_fp8_modules(f.modules)
         _check(f.recipe == "none" or bool(f.modules), "fp8.recipe is set but fp8.modules (model.fp8_modules) is "
                                                        "empty: name the "
                                                        f"linears to run in FP8 ({list(FP8_MODULES)}) or set none")
@@ -326,6 +326,14 @@ class VLMConfig:
         out = dataclasses.replace(self, vision=dataclasses.replace(self.vision), text=dataclasses.replace(self.text),
                                   moe=dataclasses.replace(self.moe), fp8=dataclasses.replace(self.fp8))
         return dataclasses.replace(out, **changes)
+
+
+def check_fp8_modules(modules) -> None:
+    """Every name in `modules` (fp8.modules; VLMConfig.validate and moevlm.model.fp8.apply_fp8) is one of
+    FP8_MODULES."""
+    bad = sorted(set(modules) - set(FP8_MODULES))
+    _check(not bad, f"fp8.modules (model.fp8_modules) has {bad}; choose among {list(FP8_MODULES)} (the router, "
+                    "norms, embeddings and LM head always stay in high precision)")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moevlm.model.config import FP8_MODULES
+from moevlm.model.config import check_fp8_modules
 from moevlm.model.layout import local
 
 BLOCK = {"blockwise": 128, "mxfp8": 32}
@@ -307,10 +307,7 @@ def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
     from moevlm.model.decoder import TextAttention
     from moevlm.model.moe import DenseMLP, Experts, Router
     from moevlm.model.vision import PatchMerger, VisionBlock
-    unknown = sorted(set(modules) - set(FP8_MODULES))
-    if unknown:
-        raise ValueError(f"model.fp8_modules has {unknown}; choose among {list(FP8_MODULES)} (the router, norms, "
-                         "embeddings and LM head stay in high precision)")
+    check_fp8_modules(modules)  # a ConfigError (ValueError) naming the allowed ones
     kinds = {"experts": (Experts,), "attn": (TextAttention,), "mlp": (DenseMLP,),
              "vision": (VisionBlock, PatchMerger)}
     chosen = tuple(k for name in modules for k in kinds[name])

@@ -62,7 +62,7 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.act = _ACT[cfg.hidden_act]
+        self.hidden_act = cfg.hidden_act
         self.linear_fc1 = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
 
@@ -70,7 +70,7 @@ class VisionMLP(nn.Module):
         return run_region(self, "region", self._forward, x)
 
     def _forward(self, x):
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return self.linear_fc2(_ACT[self.hidden_act](self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):

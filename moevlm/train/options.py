@@ -5,14 +5,15 @@
     python -m moevlm.train.options --write-readme  # regenerate the reference in conf/README.md
 
 Design choices:
-- One source of truth: each field of the job's dataclasses (moevlm/train/config.py, moevlm/data/config.py)
+- One source of truth: each field of the job's dataclasses (moevlm/train/schema.py, moevlm/data/config.py)
   carries its description as `field(default=..., metadata={"help": ...})`, the standard slot for per-field
   data (OmegaConf reads only names, types and defaults, so the structured schema is unchanged); each
   section's description is its class docstring.  Trailing comments would need the source parsed, and a
   table beside the classes would drift from them.  `missing_help()` names every field without one and the
   tests require it to be empty.
 - Allowed values are not written twice: `allowed_values()` maps a field to the very constant its validator
-  checks against (CHOICES, DISPATCHER_NAMES, SCHEDULES, PRESETS, ...), so a value added there is listed here.
+  checks against (CHOICES, the dispatcher registry, SCHEDULES, PRESETS, ...), so a value added there is
+  listed here.  A model field that is a field of the model config (moevlm.train.schema) says which.
   The one exception is `model.grouped_gemm`: GROUPED_GEMMS holds only the backends that import on this
   machine, so the list is GROUPED_GEMM_BACKENDS, which a test keeps a superset of it.
 - Hydra's `--help` prints `hydra.help.template` (conf/config.yaml), which embeds `${moevlm.options:}`: a
@@ -38,9 +39,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY
-from moevlm.model.config import ATTN_BACKENDS, PERMUTES, PRESETS
+from moevlm.dispatch import DISPATCHERS
+from moevlm.model.config import ATTN_BACKENDS, CAPACITY_OVERFLOWS, FP8_BACKENDS, FP8_RECIPES, PERMUTES, PRESETS
 from moevlm.parallel.pipeline_plan import SCHEDULES
-from moevlm.train.config import CHOICES, DISPATCHER_NAMES, JobConfig
+from moevlm.train.schema import CHOICES, JobConfig
 
 # every grouped-GEMM backend; moevlm.kernels.GROUPED_GEMMS holds those importable here (triton needs the package)
 GROUPED_GEMM_BACKENDS = ("loop", "torch", "triton")
@@ -61,8 +63,9 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
     """Field path -> its allowed values, taken from the constants the validators check against."""
     return {**CHOICES,
             "model.preset": tuple(sorted(PRESETS)), "model.attn_backend": tuple(ATTN_BACKENDS),
-            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *DISPATCHER_NAMES),
-            "model.permute": tuple(PERMUTES), "parallel.pp_schedule": tuple(SCHEDULES),
+            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *DISPATCHERS),
+            "model.permute": tuple(PERMUTES), "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS,
+            "model.moe_capacity_overflow": CAPACITY_OVERFLOWS, "parallel.pp_schedule": tuple(SCHEDULES),
             "data.pack.oversize": OVERSIZE, "data.pin_memory": PIN_MEMORY, "data.mock": MOCK,
             "data.start_method": tuple(sorted(mp.get_all_start_methods()))}
 
@@ -78,7 +81,7 @@ def sections(cls: type = JobConfig, prefix: str = "") -> Iterator[tuple[str, str
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         leaves.append(Option(path, _type_name(hints[f.name]), default, tuple(allowed.get(path, ())),
-                             f.metadata.get("help", "")))
+                             _help(f.metadata)))
     if prefix:
         yield prefix.rstrip("."), _doc(cls), leaves
     for path, sub in nested:
@@ -155,6 +158,16 @@ def _raw(job, path: str) -> str:
     *parents, name = path.split(".")
     node = OmegaConf.select(job, ".".join(parents)) if parents else job
     return str(node._get_node(name)._value())
+
+
+def _help(metadata) -> str:
+    """The field's description, and the model config field it is (moevlm.train.schema.model_fields)."""
+    text = metadata.get("help", "")
+    if text and "sets" in metadata:
+        return f"{text} [VLMConfig.{metadata['sets']}]"
+    if text and "edits" in metadata:
+        return f"{text} [VLMConfig.{metadata['edits']} when not null]"
+    return text
 
 
 def _doc(cls: type) -> str:

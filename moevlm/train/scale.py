@@ -5,7 +5,7 @@
 `conf/scale/cpu.yaml` swaps the groups (the tiny model, the embedded sample
 set, the CPU train settings, the tiny optimizer schedule) and sets
 `parallel.scale_to: 8`; `scale_down` (called first by
-`moevlm.train.config.validate`) then rewrites what a group file cannot
+`moevlm.train.validate.validate`) then rewrites what a group file cannot
 compute: the data-parallel size, the expert-parallel size if the recipe's no
 longer fits, the global batch, the data streams, and the decoder layers if the
 pipeline needs more stages than the tiny model has layers.

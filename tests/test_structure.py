@@ -1,0 +1,126 @@
+"""The structure the code keeps: nothing rewrites a model's classes or patches its methods, the model
+imports no parallelism, and a dispatcher is built once per MoE layer by whoever builds the model."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted([*(ROOT / "moevlm").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
+
+
+def _functions_in_scope(tree: ast.AST) -> set[str]:
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _is_function_value(value: ast.AST, local_defs: set[str]) -> bool:
+    """A lambda, a locally defined function, or a call that makes a function (disable, wraps, partial)."""
+    if isinstance(value, ast.Lambda):
+        return True
+    if isinstance(value, ast.Name) and value.id in local_defs:
+        return True
+    if isinstance(value, ast.Call):
+        name = ast.unparse(value.func)
+        return name.endswith(("compiler.disable", "functools.partial", "partial", "wraps"))
+    return False
+
+
+def _problems(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    local_defs = _functions_in_scope(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and t.attr == "__class__":
+                        out.append(f"{path.name}:{node.lineno} assigns __class__")
+                    elif (isinstance(t, ast.Attribute) and _is_function_value(node.value, local_defs)
+                          and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                        out.append(f"{path.name}:{node.lineno} assigns a function to {ast.unparse(t)}")
+                    elif isinstance(t, ast.Subscript) and ast.unparse(t.value).endswith("__dict__"):
+                        if _is_function_value(node.value, local_defs):
+                            out.append(f"{path.name}:{node.lineno} puts a function in {ast.unparse(t.value)}")
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and len(node.args) == 3:
+            if _is_function_value(node.args[2], local_defs):
+                out.append(f"{path.name}:{node.lineno} setattr of a function")
+    return out
+
+
+def test_no_class_rewriting_or_method_patching_in_the_product():
+    found = [p for path in SOURCES for p in _problems(path)]
+    assert not found, found
+
+
+def test_the_check_above_finds_what_it_forbids(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n"
+                   "def f(m):\n    m.__class__ = int\n"
+                   "def g(m):\n    def run(*a):\n        return a\n    m.forward = run\n"
+                   "def h(m):\n    m.forward = torch.compiler.disable(m.forward)\n"
+                   "def k(m):\n    m.__dict__['x'] = lambda: 0\n")
+    assert len(_problems(bad)) == 4, _problems(bad)
+
+
+def test_model_imports_no_parallelism():
+    """`moevlm.model` imports nothing from parallel/, train/, data/ or dispatch/, not even lazily."""
+    banned = ("moevlm.parallel", "moevlm.train", "moevlm.data", "moevlm.dispatch")
+    for path in (ROOT / "moevlm" / "model").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.startswith(banned)], (path.name, node.lineno, names)
+    code = ("import sys, moevlm.model; "
+            "print(sorted(m for m in sys.modules if m.startswith(('moevlm.parallel', 'moevlm.dispatch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_built_model_has_no_function_attributes_and_repr_shows_what_runs():
+    """Under every build step that wraps (recompute, CUDA-graph regions), no module instance holds a function of
+    its own; the regions are modules, so `repr(model)` names them."""
+    from moevlm.model import VLMConfig
+    from moevlm.parallel import ParallelDims, build_model
+
+    cfg = VLMConfig.preset("tiny")
+    cfg.attn_backend = "sdpa"
+    model, ctx = build_model(cfg, ParallelDims(1), recompute=("selective", ("core_attn", "moe_act", "layernorm")),
+                             cuda_graph_scope=("moe_router",))
+    for name, m in model.named_modules():
+        own = {k: v for k, v in vars(m).items() if isinstance(v, (types.FunctionType, types.MethodType))}
+        assert not own, (name, own)
+    text = repr(model)
+    assert "Recompute()" in text and "GraphedRegion(moe_router" in text and "LocalDispatcher(local" in text
+    assert ctx.cuda_graphs is not None and len(ctx.cuda_graphs.regions) == sum(
+        layer.is_moe for layer in model.text.layers)
+
+
+@pytest.mark.parametrize("name", ["local", "alltoall"])
+def test_dispatcher_built_once_per_moe_layer(monkeypatch, name):
+    from moevlm.dispatch import DISPATCHERS
+    from moevlm.model import VLMConfig
+    from moevlm.model.moe import MoEBlock
+    from moevlm.parallel import ParallelDims, build_model
+
+    cls, made = DISPATCHERS[name], []
+    init = cls.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", counting)
+    cfg = VLMConfig.preset("tiny")
+    model, _ = build_model(cfg, ParallelDims(1), dispatcher=name)
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and len(made) == len(blocks)
+    assert [id(b.dispatcher) for b in blocks] == [id(d) for d in made]
+    assert all(type(b.dispatcher) is cls for b in blocks)
+    assert torch.device("meta") == next(model.parameters()).device
