@@ -1,4 +1,4 @@
-"""Can the DeepEP / HybridEP dispatchers run here, and with this layout?  (../shared/DISPATCHERS.md)
+"""Can the DeepEP / HybridEP dispatchers run here, and with this layout?  (docs/dispatchers.md)
 
     reason = unavailable_reason("deepep")                      # None: runs; else one clause, why not
     problem = deepep_layout_problem(ep=16, num_experts=128)    # None: DeepEP takes this EP group
@@ -86,13 +86,13 @@ def unavailable_reason(backend: str, check_package: bool = True, api: str = "aut
         raise ValueError(f"api={api!r} for {backend!r}; only deepep takes one: auto or one of "
                          f"{list(DEEPEP_API_CLASS)}")
     built = adapter_built(backend)
-    not_built = f"moevlm's {backend} adapter is not built yet (issue 18)"
+    not_built = f"moevlm's {backend} adapter is not built yet"
     if not check_package:
         return None if built else not_built
     status = probe_package()
     if not status.installed:
         return (f"the {PACKAGE} package is not installed ({INSTALL[backend]})"
-                + ("" if built else f", and moevlm's {backend} adapter is not built yet either (issue 18)"))
+                + ("" if built else f", and moevlm's {backend} adapter is not built yet either"))
     if status.error is not None:
         return (f"the {PACKAGE} package is installed but does not import ({status.error}): a build for another "
                 f"CUDA or torch; rebuild it on this machine ({INSTALL[backend]})")

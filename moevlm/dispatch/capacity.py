@@ -38,7 +38,7 @@ Semantics:
   choices' weighted outputs and the router weights are NOT renormalised over the
   kept choices (a token with every choice dropped gets zero from the block: the
   residual carries it).  The weight of a dropped choice gets a zero gradient.
-- Router weights are applied once, in `combine`, on the source rank (DISPATCHERS.md).
+- Router weights are applied once, in `combine`, on the source rank (docs/dispatchers.md).
 - Backward goes through the same fixed-size exchanges (`all_to_all_single_autograd`
   with swapped, equal splits) and the same gathers.
 - Dropped rows are counted on the device, per dispatch, into the dispatcher's

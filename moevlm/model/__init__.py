@@ -1,4 +1,4 @@
-"""The Qwen3-VL-MoE network, free of parallelism (see DESIGN.md)."""
+"""The Qwen3-VL-MoE network, free of parallelism (docs/architecture.md)."""
 
 from moevlm.model.config import ConfigError, MoEConfig, TextConfig, VisionConfig, VLMConfig
 from moevlm.model.flops import FlopCount, count_flops

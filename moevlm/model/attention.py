@@ -19,7 +19,7 @@ Backends:
 - `sdpa_per_doc`: one SDPA call per document (host loop, like the reference's
   vision tower).  Does exactly the useful FLOPs; used by the FLOP-counter tests.
 - `flex`: FlexAttention with a document block mask, compiled on CUDA; eager on
-  CPU, where it has no backward (FACTS).
+  CPU, where it has no backward (torch has no CPU backward for it).
 - `flash`: flash-attn's varlen kernel (optional package, CUDA, fp16/bf16).
 - `varlen`: `torch.nn.attention.varlen.varlen_attn` (torch's own flash kernel,
   no extra package; CUDA only, fp16/bf16).  Documents are cu_seqlens over the

@@ -14,16 +14,14 @@ Regions (per decoder layer):
   varlen take cu_seqlens of varying length, flex a block-mask object): `validate` refuses
   the others, and a DocMask of another backend here raises.
 - `moe_router`: `Router.forward` (fp32 logits, softmax, top-k, renormalise).
-- `moe_preprocess`: the dispatcher's `preprocess` (moevlm.dispatch.base): the stable sort
+- `moe_preprocess`: the dispatcher's `preprocess` (moevlm.model.dispatcher): the stable sort
   by expert, source tokens, per-row weights, per-expert counts, before any exchange or
   host sync (for alltoall the counts exchange and its host copy come after, eager).
 - `full_layer`: the whole `DecoderLayer.forward`; only where the layer is static and
   sync-free: the local dispatcher with the torch or triton grouped GEMM (`validate`
-  refuses alltoall until the capacity-bounded dispatcher of issue 18).  The router
-  statistics (`MoEBlock._stats` returns a `RouterStats` object; a graph returns tensors)
-  are deferred: inside the graph `_stats` returns its inputs (top-k ids, probabilities),
-  and the router statistics leave the graph as tensors (their reduction over ranks runs
-  after it, in the decoder).
+  refuses the exchanging dispatchers).  The layer's router statistics (a `RouterStats`
+  of its own tokens) leave the graph as tensors; their reduction over ranks runs
+  after it, in the decoder.
 The dropless expert computation of the first three scopes stays eager (row counts depend
 on the data).
 

@@ -352,8 +352,7 @@ def _check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims) -> None:
          "model.attn_backend=sdpa"),
         ("full_layer" in scope and dims.ep * dims.etp > 1,
          "full_layer needs a static, sync-free layer, but the alltoall dispatcher (parallel.ep x etp > 1) moves a "
-         "data-dependent number of tokens after a host sync; the capacity-bounded alltoall arrives with issue 18: "
-         "until then use attn, moe_router, moe_preprocess"),
+         "data-dependent number of tokens after a host sync; use attn, moe_router, moe_preprocess"),
         ("full_layer" in scope and m.grouped_gemm == "loop",
          "full_layer cannot capture model.grouped_gemm=loop (it splits rows on the host); use torch or triton"),
         ("moe_preprocess" in scope and m.permute != "torch",

@@ -134,11 +134,11 @@ def test_present_package_without_our_adapter_says_not_built(fake_deep_ep, no_dee
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
     assert str(err.value) == ("model.dispatcher='deepep' cannot run: the deep_ep package is installed (it offers "
-                              "ElasticBuffer, Buffer) but moevlm's deepep adapter is not built yet (issue 18); use "
+                              "ElasticBuffer, Buffer) but moevlm's deepep adapter is not built yet; use "
                               "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it")
     assert "not installed" not in str(err.value)
     assert unavailable_reason("hybridep") == ("the deep_ep package is installed (it offers HybridEPBuffer) but "
-                                              "moevlm's hybridep adapter is not built yet (issue 18)")
+                                              "moevlm's hybridep adapter is not built yet")
 
 
 def test_main_branch_without_hybridep_names_the_branch(fake_deep_ep, adapters_built):
@@ -193,8 +193,8 @@ def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep
     monkeypatch.delitem(DISPATCHERS, "deepep")  # as before the adapter
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)
-    assert str(err.value) == ("model.dispatcher='deepep' cannot run: moevlm's deepep adapter is not built yet (issue "
-                              "18); use model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall "
+    assert str(err.value) == ("model.dispatcher='deepep' cannot run: moevlm's deepep adapter is not built yet; use "
+                              "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall "
                               "back to it")
     assert "deep_ep" not in sys.modules
 
