@@ -14,13 +14,13 @@ from moevlm.dispatch.base import (
     TokenDispatcher,
     build_dispatcher,
     dense_routing,
+    dispatcher_names,
     register_dispatcher,
 )
-# registration order is the order DISPATCHERS lists the names in (--help, validation): local, the default, first
 from moevlm.dispatch.local import LocalDispatcher  # isort: skip
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher
 from moevlm.dispatch.hybridep import HybridEPDispatcher
 
-__all__ = ["DISPATCHERS", "AllToAllDispatcher", "DeepEPDispatcher", "HybridEPDispatcher", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing",
+__all__ = ["DISPATCHERS", "AllToAllDispatcher", "DeepEPDispatcher", "HybridEPDispatcher", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing", "dispatcher_names",
            "register_dispatcher"]

@@ -53,11 +53,17 @@ def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
     return cls
 
 
+def dispatcher_names() -> tuple[str, ...]:
+    """The registered names in a fixed order (`local`, the default, then alphabetical), whatever order
+    the modules were imported or registered in: --help, conf/README.md and validation messages list them so."""
+    return tuple(sorted(DISPATCHERS, key=lambda name: (name != "local", name)))
+
+
 def build_dispatcher(name: str, *, fallback: str | None = None, **kwargs) -> TokenDispatcher:
     """Construct dispatcher `name`; if it cannot run here, raise with the reason, or
     build `fallback` instead (logged once per pair)."""
     if name not in DISPATCHERS:
-        raise ValueError(f"unknown dispatcher {name!r}; choose one of {sorted(DISPATCHERS)}")
+        raise ValueError(f"unknown dispatcher {name!r}; choose one of {list(dispatcher_names())}")
     reason = DISPATCHERS[name].unavailable_reason(**kwargs)
     if reason is None:
         return DISPATCHERS[name](**kwargs)

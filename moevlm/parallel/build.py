@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from moevlm.dispatch import DISPATCHERS, build_dispatcher
+from moevlm.dispatch import DISPATCHERS, build_dispatcher, dispatcher_names
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Fp8Plan, apply_fp8
 from moevlm.model.layout import Layout
@@ -137,7 +137,7 @@ def _check(cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_ove
         raise ValueError(f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)")
     experts_split = cfg.moe.num_experts and dims.ep * dims.etp > 1
     if experts_split and dispatcher not in DISPATCHERS:
-        raise ParallelNotBuilt(f"model.dispatcher={dispatcher!r} is not built yet; available: {sorted(DISPATCHERS)}")
+        raise ParallelNotBuilt(f"model.dispatcher={dispatcher!r} is not built yet; available: {list(dispatcher_names())}")
     if ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
         raise ValueError("parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)")
 

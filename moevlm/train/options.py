@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY
-from moevlm.dispatch import DISPATCHERS
+from moevlm.dispatch import dispatcher_names
 from moevlm.model.config import ATTN_BACKENDS, CAPACITY_OVERFLOWS, FP8_BACKENDS, FP8_RECIPES, PERMUTES, PRESETS
 from moevlm.parallel.pipeline_plan import SCHEDULES
 from moevlm.train.schema import CHOICES, JobConfig
@@ -63,7 +63,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
     """Field path -> its allowed values, taken from the constants the validators check against."""
     return {**CHOICES,
             "model.preset": tuple(sorted(PRESETS)), "model.attn_backend": tuple(ATTN_BACKENDS),
-            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *DISPATCHERS),
+            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *dispatcher_names()),
             "model.permute": tuple(PERMUTES), "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS,
             "model.moe_capacity_overflow": CAPACITY_OVERFLOWS, "parallel.pp_schedule": tuple(SCHEDULES),
             "data.pack.oversize": OVERSIZE, "data.pin_memory": PIN_MEMORY, "data.mock": MOCK,

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from moevlm.data.config import check_job_data, check_shards, check_tokenizer
-from moevlm.dispatch import DISPATCHERS
+from moevlm.dispatch import dispatcher_names
 from moevlm.dispatch.availability import CLASSES as GATED_CLASSES
 from moevlm.model.attention import varlen_available, varlen_missing
 from moevlm.model.config import ConfigError, VLMConfig
@@ -223,7 +223,7 @@ def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int)
                          freeze_vision=job.model.freeze_vision)
 
 
-DISPATCHER_NAMES = tuple(DISPATCHERS)  # the registry's (moevlm.dispatch), in registration order
+DISPATCHER_NAMES = dispatcher_names()  # the registry's (moevlm.dispatch): local first, then alphabetical
 # named, but runnable only as moevlm.dispatch.availability says: the backends that need a deep_ep class
 GATED_DISPATCHERS = tuple(GATED_CLASSES)
 

@@ -77,3 +77,13 @@ def test_unavailable_backend_fails_naming_the_package_or_falls_back_once(caplog)
         del DISPATCHERS[_NeedsPackage.name]
     with pytest.raises(ValueError, match="unknown dispatcher"):
         build_dispatcher("nccl_magic", num_experts=4, top_k=2)
+
+
+def test_names_are_listed_in_one_order_whatever_the_registration_order(monkeypatch):
+    from moevlm.dispatch import dispatcher_names
+
+    before = dispatcher_names()
+    assert before[0] == "local" and list(before[1:]) == sorted(before[1:])
+    monkeypatch.delitem(DISPATCHERS, "deepep")  # re-inserted last when monkeypatch restores it
+    monkeypatch.undo()
+    assert list(DISPATCHERS)[-1] == "deepep" and dispatcher_names() == before
