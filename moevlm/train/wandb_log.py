@@ -12,7 +12,7 @@ Design choices:
   WANDB_RUN_GROUP), which W&B users already set per site or per job; without
   WANDB_NAME the run is named after the run dir's last two parts.
 - `wandb` is imported only when turned on (it is an optional dependency:
-  `pip install wandb` or the `[wandb]` extra); `moevlm.train.config.validate`
+  `pip install wandb` or the `[wandb]` extra); `moevlm.train.validate.validate`
   refuses the mode without the package in one line, before anything is built.
 - `wandb.init(dir=run_dir)`: W&B keeps its files in `<run_dir>/wandb` (offline
   runs in `offline-run-*` folders there), beside metrics.jsonl and tb/.
