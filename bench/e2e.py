@@ -65,6 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moevlm.data.batch import row_flops
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import IGNORE
 from moevlm.parallel.hf_io import save_hf
@@ -232,7 +233,7 @@ def ours_lm_loss(tr: Trainer, rows: list[dict]) -> float:
     tr.loader = Rows(rows)
     mb = tr._micro_batch()
     with torch.no_grad(), tr._autocast():
-        return float(tr.model(**{k: None if v is None else v.to(tr.device) for k, v in mb["inputs"].items()}).lm_loss)
+        return float(tr.model(**mb.to(tr.device).model_inputs()).lm_loss)
 
 
 def compare_losses(ours: float, theirs: float, bf16: bool) -> str:
@@ -258,7 +259,7 @@ def run(args) -> dict:
     save_hf(tr.model, hf_dir)  # the initial weights, before any step
     n = warmup + iters
     micro = fetch(tr, n + 1)  # +1: the loss check
-    flops = [sum(tr._row_flops(r) for r in rows) for rows in micro]
+    flops = [sum(row_flops(r, cfg, job.model.freeze_vision) for r in rows) for rows in micro]
     tokens = [sum(r["useful_tokens"] for r in rows) for rows in micro]
     hf_in = [hf_batch(unpack(rows, image_id, merge), image_id, dev) for rows in micro]
     real = tr.loader

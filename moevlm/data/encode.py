@@ -31,17 +31,38 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from dataclasses import dataclass
 
 import torch
 
 from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.errors import SkipSample
 from moevlm.data.image import decode_image, random_image
-from moevlm.data.packing import IGNORE, Sample
+from moevlm.data.packing import IGNORE
 from moevlm.data.reader import Oversize, Pos
 from moevlm.data.records import normalize_record, parse_json_bytes
 from moevlm.data.text import IMAGE_PLACEHOLDER, ChatEncoder
 from moevlm.model.rope import mrope_position_ids
+
+
+@dataclass
+class Sample:
+    """One encoded sample, what the packer places: L tokens, N patches of the images in `grids`."""
+    id: str
+    pos: Pos
+    input_ids_L: torch.Tensor
+    labels_L: torch.Tensor
+    position_ids_3L: torch.Tensor
+    pixels_ND: torch.Tensor | None
+    grids: list[tuple[int, int, int]]
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids_L.numel()
+
+    @property
+    def patches(self) -> int:
+        return 0 if self.pixels_ND is None else self.pixels_ND.shape[0]
 
 
 class SampleEncoder:

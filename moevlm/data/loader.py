@@ -4,7 +4,7 @@ statistics.
 
     loader = build_loader(cfg.data, model_cfg, rank=dp_rank, world=dp_size)
     for batch in loader:              # dict of fixed-shape tensors + counts (see packing.py)
-        ...                           # (packing.stack_rows makes one micro-batch of several rows)
+        ...                           # (batch.MicroBatch.read makes one micro-batch of several rows)
     ckpt["data"] = loader.state_dict()          # what each of this rank's streams has delivered
     loader.load_state_dict(merge_states(saved)) # continues exactly there, on any data-parallel layout
     loader.stats()                              # skipped by reason, samples, tokens, data wait

@@ -7,9 +7,9 @@ Every packed row (`collate`) has exactly these shapes, whatever the images'
 resolutions, and `stack_rows` makes a micro-batch of B rows:
 
     input_ids (1, S)  labels (1, S)  position_ids (3, 1, S)  cu_seqlens (J+2,)
-    pixel_values (Np, D)  image_grid_thw (I, 3)  vision_cu_seqlens (I+2,)
+    pixel_values (Np, D)  image_grid_thw (I, 3)
 
-    stacked: (B, S)  (B, S)  (3, B, S)  (B(J+2),)  (B Np, D)  (B I, 3)  (B I + 2,)
+    stacked: (B, S)  (B, S)  (3, B, S)  (B(J+2),)  (B Np, D)  (B I, 3)
 
 Design choices:
 - One packed row per micro-batch (THD layout): documents back to back, then one
@@ -37,33 +37,16 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moevlm.data.config import PackConfig
-from moevlm.data.reader import Pos
+
+if TYPE_CHECKING:  # encode.py imports IGNORE from here
+    from moevlm.data.encode import Sample
 
 IGNORE = -100
-
-
-@dataclass
-class Sample:
-    id: str
-    pos: Pos
-    input_ids_L: torch.Tensor
-    labels_L: torch.Tensor
-    position_ids_3L: torch.Tensor
-    pixels_ND: torch.Tensor | None
-    grids: list[tuple[int, int, int]]
-
-    @property
-    def tokens(self) -> int:
-        return self.input_ids_L.numel()
-
-    @property
-    def patches(self) -> int:
-        return 0 if self.pixels_ND is None else self.pixels_ND.shape[0]
 
 
 class Packer:
@@ -100,15 +83,6 @@ class Packer:
         return take
 
 
-def vision_cu_seqlens(grid_thw_I3: torch.Tensor, num_images: int, num_patches: int) -> torch.Tensor:
-    """(I+2,) patch boundaries: one per real image (the first `num_images` grid
-    rows), then the padding segment's end (= num_patches) repeated."""
-    I = grid_thw_I3.shape[0]
-    vcu = torch.full((I + 2,), num_patches, dtype=torch.int32)
-    vcu[:num_images + 1] = torch.cat([grid_thw_I3.new_zeros(1), grid_thw_I3[:num_images].prod(-1)]).cumsum(0)
-    return vcu
-
-
 def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int) -> dict:
     """Samples (that fit the budgets) -> one packed row: a dict of fixed-shape tensors + counts."""
     S, Np, I, J = cfg.seq_len, cfg.max_patches, cfg.max_images, cfg.max_samples
@@ -138,7 +112,6 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
     return {
         "input_ids": input_ids[None], "labels": labels[None], "position_ids": position_ids[:, None],
         "cu_seqlens": cu, "pixel_values": pixels, "image_grid_thw": grid_thw,
-        "vision_cu_seqlens": vision_cu_seqlens(grid_thw, len(grids), Np),
         "num_samples": len(samples), "num_images": len(grids),
         "useful_tokens": used, "padded_tokens": S - used,
         # the model's targets: labels shifted by one inside each document
@@ -172,7 +145,6 @@ def stack_rows(rows: list[dict]) -> dict:
         "position_ids": torch.cat([r["position_ids"] for r in rows], dim=1),
         "cu_seqlens": torch.cat([r["cu_seqlens"] + i * S for i, r in enumerate(rows)]),
         "pixel_values": pixels, "image_grid_thw": grid_thw,
-        "vision_cu_seqlens": vision_cu_seqlens(grid_thw, sum(r["num_images"] for r in rows), pixels.shape[0]),
     }
     out.update({k: sum(r[k] for r in rows) for k in COUNTS})
     out["sample_ids"] = [sid for r in rows for sid in r["sample_ids"]]

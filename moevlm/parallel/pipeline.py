@@ -8,7 +8,7 @@ experts, M micro-batches per step.
     pipe = Pipeline(model, plan, pp_rank, pp_group)           # build_model builds it; FSDP roots on its stages
     pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's stages + schedule
     micro = pipe.share(micro if pp_rank == 0 else None, device)      # every pp rank gets the step's inputs
-    lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_weight)
+    lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_divisor)
 
 What travels between stages (every tensor floating point, every one with a
 gradient coming back, static shapes from the packer's fixed budgets):
@@ -22,8 +22,8 @@ gradient coming back, static shapes from the packer's fixed budgets):
                              [sum of probabilities (E) | selections (E) | tokens]
 
 The last stage forms the step's objective for its micro-batch exactly as one
-process does: lm_sum / (global loss tokens) + coef * aux / (micro-batches x dp),
-with the aux loss from the statistics of *all* layers (it is not a sum over
+process does (`moevlm.model.objective`): lm_sum / (global loss tokens) + coef *
+aux / (micro-batches x dp), with the aux loss from the statistics of *all* layers (it is not a sum over
 stages), so its gradient reaches every stage's router through `stats`.
 
 Design choices:
@@ -58,10 +58,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moevlm.model.moe import RouterStats, load_balancing_loss
+from moevlm.model.objective import objective
 from moevlm.parallel.pipeline_plan import SCHEDULES, PipelinePlan
-
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # what only the first stage reads of a micro-batch
-
 
 def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> list[int]:
     """Keep only the parts of the (meta) model that this pp rank's stages hold; returns the stages."""
@@ -84,7 +82,7 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, batches: list, autocast: Callable):
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: its parameters are registered below, once
-        self.__dict__["batches"] = batches  # the step's micro-batches, filled by Pipeline.forward_backward
+        self.__dict__["batches"] = batches  # the step's MicroBatches, filled by Pipeline.forward_backward
         self.__dict__["autocast"] = autocast
         cfg = model.config
         self.index, self.first, self.last = index, index == 0, index == plan.num_stages - 1
@@ -100,21 +98,22 @@ class StageModule(nn.Module):
         self.num_experts = cfg.moe.num_experts
         self.h_dtype = self.vision_dtype = torch.float32  # what crosses the boundary (Pipeline.start sets them)
         self.records: list[dict] = []
+        self.loss_tokens, self.aux_divisor = 1.0, 1  # the step's objective (set by Pipeline.forward_backward)
 
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
         model, b = self.model, self.batches[int(mb)]
-        model.layout.sequence.begin(b["cu_seqlens"], *b["input_ids"].shape, b["input_ids"].device)
+        model.layout.sequence.begin(b.cu_seqlens, *b.input_ids.shape, b.input_ids.device)
         with self.autocast():
             if self.first:
-                h, visual_mask, ds_list, n = model.embed(b["input_ids"], b.get("pixel_values"), b.get("image_grid_thw"))
+                h, visual_mask, ds_list, n = model.embed(b.input_ids, b.pixel_values, b.image_grid_thw)
                 deepstack = dict(enumerate(ds_list))
                 h = model.text.seq.enter(h)
                 stats = None
             else:
                 h, *rows, stats = acts if self.num_experts else (*acts, None)
                 deepstack = dict(zip(self.ds_in, rows))
-                visual_mask, n = b["input_ids"] == model.config.image_token_id, b["n_image"]
-            ctx = model.text.layer_inputs(b["position_ids"], b["cu_seqlens"], b["token_mask"], h.dtype)
+                visual_mask, n = b.input_ids == model.config.image_token_id, b.n_image
+            ctx = model.text.layer_inputs(b.position_ids, b.cu_seqlens, b.token_mask, h.dtype)
             here = {k: deepstack[k][:n] for k in deepstack if str(k) in self.layers}
             h, layer_stats = model.text.run_layers(h, ctx, visual_mask, here, self.layers)
             stats = self._add_stats(stats, layer_stats, h)
@@ -141,20 +140,19 @@ class StageModule(nn.Module):
             stats = stats + h.float().sum() * 0
         return stats
 
-    def _objective(self, h, b: dict, stats) -> torch.Tensor:
+    def _objective(self, h, b, stats) -> torch.Tensor:
         model, cfg = self.model, self.model.config
         logits = self.lm_head(self.norm(h))
-        lm_loss, n = model.lm_loss(logits, b["labels"], b["cu_seqlens"])
+        lm_loss, n = model.lm_loss(logits, b.labels, b.cu_seqlens)
         lm_sum = lm_loss * n
-        objective = lm_sum / b["loss_tokens_total"]
         aux = None
         if stats is not None:  # the load-balancing loss over every layer, from the sums of all stages
             E = self.num_experts
             total = RouterStats(stats[:E], counts_E=stats[E:2 * E].detach(), num_tokens=stats[2 * E].detach())
             aux = load_balancing_loss([total], E)
-            objective = objective + cfg.moe.router_aux_loss_coef * aux * b["aux_weight"]
+        loss = objective(lm_sum, self.loss_tokens, aux, cfg.moe.router_aux_loss_coef, self.aux_divisor)
         self.records[-1].update(lm_sum=lm_sum.detach(), aux=None if aux is None else aux.detach())
-        return _not_a_view(objective.reshape(1).float())
+        return _not_a_view(loss.reshape(1).float())
 
 
 class Pipeline:
@@ -162,7 +160,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_group):
         self.plan, self.pp_rank, self.group = plan, pp_rank, pp_group
-        self.batches: list[dict] = []
+        self.batches: list = []  # the step's MicroBatches
         self.modules = [StageModule(model, plan, s, self.batches, contextlib.nullcontext)
                         for s in plan.stages_of(pp_rank)]
         self.schedule, self.device = None, torch.device("cpu")  # both set by start()
@@ -210,18 +208,19 @@ class Pipeline:
     def share(self, micro: list | None, device: torch.device) -> list:
         """The step's micro-batches on every rank of the pipeline group: the first stage's rank read
         them; the others receive them without the pixels (one broadcast; they never decode images)."""
-        box = [_without_images(micro) if self.pp_rank == 0 else None]
+        box = [[mb.without_images() for mb in micro] if self.pp_rank == 0 else None]
         dist.broadcast_object_list(box, src=self.first_rank, group=self.group,
                                    device=device if device.type == "cuda" else None)
         return micro if self.pp_rank == 0 else box[0]
 
-    def forward_backward(self, micro: list[dict], loss_tokens: float, aux_weight: float):
-        """Run the schedule over the step's micro-batches (inputs on the device, with `n_image`).
+    def forward_backward(self, micro: list, loss_tokens: float, aux_divisor: int):
+        """Run the schedule over the step's MicroBatches (on the device); `aux_divisor` = M x dp.
         Returns this rank's (sum of token losses, sum of aux losses / (M x dp), expert counts of its
         layers summed over micro-batches): the loss sums are non-zero on the last stage only."""
-        self.batches[:] = [dict(mb, loss_tokens_total=loss_tokens, aux_weight=aux_weight) for mb in micro]
+        self.batches[:] = micro
         for m in self.modules:
             m.records.clear()
+            m.loss_tokens, m.aux_divisor = loss_tokens, aux_divisor
         ids = torch.arange(len(micro))
         args = (ids,) if self.holds_first else ()
         self.schedule.step(*args, target=ids if self.holds_last else None, return_outputs=False, mb=ids)
@@ -232,7 +231,7 @@ class Pipeline:
                 if r.get("lm_sum") is not None:
                     lm_sum = lm_sum + r["lm_sum"].float()
                 if r.get("aux") is not None:
-                    aux = aux + r["aux"].float() * aux_weight
+                    aux = aux + r["aux"].float() / aux_divisor
             layer_counts = [r["counts"] for r in m.records if r["counts"] is not None]
             if layer_counts:
                 c = torch.stack(layer_counts).sum(0)
@@ -256,19 +255,10 @@ def _not_a_view(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t._base is not None else t
 
 
-def _without_images(obj):
-    """`obj` (nested dicts/lists) with the values of IMAGE_KEYS set to None."""
-    if isinstance(obj, dict):
-        return {k: None if k in IMAGE_KEYS else _without_images(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_without_images(v) for v in obj]
-    return obj
-
-
 def _objective_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The last stage already returns its micro-batch's share of the objective (torch's schedule
     requires a target there; it is the micro-batch index)."""
     return output.sum()
 
 
-__all__ = ["IMAGE_KEYS", "Pipeline", "StageModule", "prune_to_stages", "v_schedules_supported"]
+__all__ = ["Pipeline", "StageModule", "prune_to_stages", "v_schedules_supported"]

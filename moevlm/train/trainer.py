@@ -76,13 +76,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from moevlm.data import DataError
+from moevlm.data.batch import MicroBatch
 from moevlm.data.hf_files import write_processor_files
 from moevlm.data.loader import build_loader, merge_states
-from moevlm.data.packing import stack_rows
 from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
-from moevlm.model import count_flops
 from moevlm.model.config import ConfigError
 from moevlm.model.fp8 import install_weight_cache, resolve_fp8, weights_changed
+from moevlm.model.objective import objective
 from moevlm.parallel import build_model, init_parameters_, materialize_
 from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
@@ -359,8 +359,8 @@ class Trainer:
         with self._phase("data", span="data"):
             micro = self._fetch()
         with self._phase("data-parallel token-count all-reduce"):
-            totals = _all_reduce([sum(m["loss_tokens"] for m in micro), sum(m["useful_tokens"] for m in micro),
-                                  sum(m["flops"] for m in micro)], self.device, self.parallel.dp_group)
+            totals = _all_reduce([sum(m.loss_tokens for m in micro), sum(m.useful_tokens for m in micro),
+                                  sum(m.flops for m in micro)], self.device, self.parallel.dp_group)
         loss_tokens = max(totals[0], 1.0)
         with self._phase("forward/backward"):
             fb = self._pipeline_forward_backward if self.pipeline is not None else self._forward_backward
@@ -403,7 +403,7 @@ class Trainer:
         if span is not None:
             self.prof.stop(span)
 
-    def _fetch(self) -> list[dict]:
+    def _fetch(self) -> list[MicroBatch]:
         """The step's micro-batches: read here, or under pipeline stages shared over the pipeline group
         (a rank without the first stage reads nothing and receives them)."""
         reads = not isinstance(self.loader, NoData)
@@ -413,33 +413,33 @@ class Trainer:
                 micro = self.pipeline.share(micro, self.device)
         return micro
 
-    def _forward_backward(self, micro: list[dict], loss_tokens: float):
+    def _forward_backward(self, micro: list[MicroBatch], loss_tokens: float):
         """Every micro-batch through the whole model: (sum of token losses, aux share, expert counts)."""
         loss_sum = torch.zeros((), device=self.device)
         aux_sum, counts = torch.zeros((), device=self.device), None
-        dp = self.plan.dims.dp
+        share = len(micro) * self.plan.dims.dp  # the aux loss is averaged over micro-batches and ranks
         for mb in micro:
             with self._autocast():
-                out = self.model(**_on_device(mb["inputs"], self.device))
+                out = self.model(**mb.to(self.device).model_inputs())
             lm_sum = out.lm_loss * out.num_loss_tokens
-            aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
-            coef = self.plan.model.moe.router_aux_loss_coef
             # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
             # loss is its share of the step's objective
             with self._phase("forward/backward", span="backward"):
-                (lm_sum / loss_tokens + coef * aux / (len(micro) * dp)).backward()
-            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / (len(micro) * dp)
+                objective(lm_sum, loss_tokens, out.aux_loss, self.plan.model.moe.router_aux_loss_coef,
+                          share).backward()
+            aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
+            loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / share
             if out.expert_counts is not None:
                 counts = out.expert_counts if counts is None else counts + out.expert_counts
         return loss_sum, aux_sum, counts
 
-    def _pipeline_forward_backward(self, micro: list[dict], loss_tokens: float):
+    def _pipeline_forward_backward(self, micro: list[MicroBatch], loss_tokens: float):
         """The step's micro-batches through the pipeline schedule; the loss sums come from the last
         stage and are summed over the pipeline group (zero elsewhere), so every rank logs them."""
-        inputs = [dict(_on_device(mb["inputs"], self.device), n_image=mb["n_image"]) for mb in micro]
+        on_device = [mb.to(self.device) for mb in micro]
         with self._phase("forward/backward", span="backward"):  # the schedule, less the forward components
-            lm_sum, aux, counts = self.pipeline.forward_backward(inputs, loss_tokens,  # timed inside it
-                                                                 1.0 / (len(micro) * self.plan.dims.dp))
+            lm_sum, aux, counts = self.pipeline.forward_backward(on_device, loss_tokens,  # timed inside it
+                                                                 len(micro) * self.plan.dims.dp)
         sums = _all_reduce_tensor(torch.stack([lm_sum, aux]), self.parallel.pp_group)
         return sums[0], sums[1], counts
 
@@ -459,30 +459,10 @@ class Trainer:
         max_norm = self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else math.inf
         return self.parallel.clip_grad_norm_(params, max_norm)
 
-    def _micro_batch(self) -> dict:
-        rows = [next(self.loader) for _ in range(self.t.micro_batch_size)]
-        flops = sum(self._row_flops(r) for r in rows)
-        b = stack_rows(rows)
-        S = b["input_ids"].shape[1]
-        mask = torch.stack([torch.arange(S) < r["useful_tokens"] for r in rows])
-        inputs = {k: b[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids", "cu_seqlens",
-                                    "labels")}
-        inputs["token_mask"] = mask
-        if inputs["pixel_values"].shape[0] == 0:  # a text-only patch budget
-            inputs["pixel_values"] = inputs["image_grid_thw"] = None
-        # otherwise the tower runs even on padding patches only: its weights then get exact-zero gradients,
-        # so every step updates the same parameters (AdamW momentum, decay) under any layout, and every
-        # data-parallel rank runs the same FSDP collectives whether or not it drew an image
-        n_image = b["useful_patches"] // self.plan.model.vision.spatial_merge_size**2
-        return {"inputs": inputs, "loss_tokens": b["loss_tokens"], "useful_tokens": b["useful_tokens"],
-                "flops": flops, "n_image": n_image}
-
-    def _row_flops(self, row: dict) -> float:
-        cu = row["cu_seqlens"][:row["num_samples"] + 1].tolist()
-        docs = [b - a for a, b in zip(cu, cu[1:])]
-        grids = row["image_grid_thw"][:row["num_images"]]
-        return count_flops(self.plan.model, docs, grids, training=True,
-                           freeze_vision=self.job.model.freeze_vision).total
+    def _micro_batch(self) -> MicroBatch:
+        """`train.micro_batch_size` packed rows of this rank's loader, finished data-side (moevlm.data.batch)."""
+        return MicroBatch.read(self.loader, rows_per_batch=self.t.micro_batch_size, model=self.plan.model,
+                               freeze_vision=self.job.model.freeze_vision)
 
     def _autocast(self):
         if self._bf16:
@@ -576,10 +556,6 @@ class NoData:
 
     def close(self) -> None:
         pass
-
-
-def _on_device(inputs: dict, device: torch.device) -> dict:
-    return {k: None if v is None else v.to(device, non_blocking=True) for k, v in inputs.items()}
 
 
 def _boundary_dtypes(bf16: bool, dp_mode: str) -> dict:

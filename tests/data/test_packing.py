@@ -7,13 +7,14 @@ import torch
 from PIL import Image
 
 from moevlm.data.config import PackConfig
-from moevlm.data.packing import IGNORE, Sample
+from moevlm.data.encode import Sample
+from moevlm.data.packing import IGNORE
 from moevlm.data.image import preprocess_image
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import Packer, collate, stack_rows
 from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.model.rope import mrope_position_ids
+from moevlm.model.rope import mrope_position_ids, vision_cu_seqlens
 
 from data_helpers import small_data_config
 
@@ -56,10 +57,10 @@ def test_collate_has_fixed_shapes_and_exact_boundaries():
     for bt in batches[1:]:
         assert {k: tuple(v.shape) for k, v in bt.items() if torch.is_tensor(v)} == shapes
     assert shapes == {"input_ids": (1, 32), "labels": (1, 32), "position_ids": (3, 1, 32), "cu_seqlens": (6,),
-                      "pixel_values": (24, D), "image_grid_thw": (3, 3), "vision_cu_seqlens": (5,)}
+                      "pixel_values": (24, D), "image_grid_thw": (3, 3)}
     bt = batches[0]
     assert bt["cu_seqlens"].tolist() == [0, 10, 17, 32, 32, 32]
-    assert bt["vision_cu_seqlens"].tolist() == [0, 8, 24, 24, 24]
+    assert vision_cu_seqlens(bt["image_grid_thw"]).tolist() == [0, 8]  # the vision tower's segments
     assert bt["image_grid_thw"].tolist() == [[1, 2, 4], [0, 0, 0], [0, 0, 0]]
     assert torch.equal(bt["input_ids"][0, :10], a.input_ids_L) and (bt["input_ids"][0, 17:] == 5).all()
     assert (bt["labels"][0, 17:] == IGNORE).all()
@@ -67,7 +68,7 @@ def test_collate_has_fixed_shapes_and_exact_boundaries():
     assert (bt["pixel_values"][:8] == 1).all() and (bt["pixel_values"][8:] == 0).all()
     assert (bt["useful_tokens"], bt["padded_tokens"], bt["useful_patches"], bt["padded_patches"]) == (17, 15, 8, 16)
     assert bt["loss_tokens"] == 9 + 6 and bt["sample_ids"] == ["a", "bb"]
-    assert batches[1]["vision_cu_seqlens"].tolist() == [0, 8, 16, 24, 24]
+    assert vision_cu_seqlens(batches[1]["image_grid_thw"]).tolist() == [0, 8, 16]
 
 
 def _photo_sample(cfg, sid, path, text_before, text_after, g):
@@ -155,8 +156,8 @@ def test_stack_rows_puts_real_patches_and_grids_first(real_rows):
     ia, ib = a["num_images"], b["num_images"]
     assert st["image_grid_thw"].shape == (2 * I, 3) and (st["image_grid_thw"][ia + ib:] == 0).all()
     assert torch.equal(st["image_grid_thw"][:ia + ib], torch.cat([a["image_grid_thw"][:ia], b["image_grid_thw"][:ib]]))
-    vcu = st["vision_cu_seqlens"].tolist()
-    assert len(vcu) == 2 * I + 2 and vcu[ia + ib] == pa + pb and vcu[ia + ib + 1:] == [2 * Np] * (2 * I + 1 - ia - ib)
+    vcu = vision_cu_seqlens(st["image_grid_thw"]).tolist()
+    assert len(vcu) == ia + ib + 1 and vcu[-1] == pa + pb
     for k in ("useful_tokens", "padded_tokens", "loss_tokens", "useful_patches", "padded_patches", "num_images"):
         assert st[k] == a[k] + b[k], k
     assert st["sample_ids"] == a["sample_ids"] + b["sample_ids"]

@@ -1,0 +1,97 @@
+"""One micro-batch as the model and the trainer take it: `B` packed rows stacked, with its counts.
+
+Legend: B rows, S seq_len, J max_samples, Np max_patches, I max_images, D patch dim.
+
+    mb = MicroBatch.read(loader, rows=B, model=model_cfg, freeze_vision=False)   # B packed rows
+    mb = mb.to(device)
+    out = model(**mb.model_inputs())
+    mb.loss_tokens, mb.useful_tokens, mb.flops, mb.n_image                     # the counts ride along
+
+Design choices:
+- Typed, and finished here: the rows are stacked (`packing.stack_rows`), the token mask built, the
+  FLOPs counted, once, on the data side; the trainer and the pipeline stages read fields, and what
+  the model takes is `model_inputs()` (one list, `MODEL_INPUTS`).
+- The vision tower's attention segments (one per frame) have one definition,
+  `moevlm.model.rope.vision_cu_seqlens`, which the model applies to `image_grid_thw`: the packer does
+  not compute a copy, and callers without this data path (the Hugging Face parity and inference
+  paths) get the same segments.
+- A text-only patch budget gives `pixel_values = image_grid_thw = None`.  Otherwise the tower runs
+  even on padding patches only: its weights then get exact-zero gradients, so every step updates the
+  same parameters (AdamW momentum, decay) under any layout, and every data-parallel rank runs the same
+  FSDP collectives whether or not it drew an image.
+- FLOPs are counted per row from its real documents and images (padding excluded), so MFU, like
+  tokens/s, is useful work (`moevlm.model.flops.count_flops`, training = 3 x forward).
+- `n_image` is the number of merged image rows (real patches / merge^2): a pipeline stage after the
+  first keeps that many rows of the deepstack features it receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moevlm.data.packing import stack_rows
+from moevlm.model.flops import count_flops
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (B, S)
+    labels: torch.Tensor  # (B, S), -100 where no loss
+    position_ids: torch.Tensor  # (3, B, S) M-RoPE positions
+    cu_seqlens: torch.Tensor  # (B(J+2),) int32 document boundaries in the flattened B*S tokens
+    token_mask: torch.Tensor  # (B, S) bool, True at real tokens (padding stays out of router statistics)
+    pixel_values: torch.Tensor | None  # (B Np, D), real patches first
+    image_grid_thw: torch.Tensor | None  # (B I, 3), real grids first, zero rows after
+    loss_tokens: int  # tokens with a target
+    useful_tokens: int  # real tokens (padding excluded)
+    flops: float  # model FLOPs of the real documents and images, training
+    n_image: int  # merged image rows
+
+    MODEL_INPUTS: ClassVar[tuple[str, ...]] = ("input_ids", "pixel_values", "image_grid_thw", "position_ids",
+                                               "cu_seqlens", "labels", "token_mask")
+
+    @classmethod
+    def read(cls, rows, *, rows_per_batch: int, model, freeze_vision: bool = False) -> MicroBatch:
+        """The next `rows_per_batch` packed rows of the iterator `rows` (a loader) as one micro-batch."""
+        return cls.from_rows([next(rows) for _ in range(rows_per_batch)], model, freeze_vision)
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], model, freeze_vision: bool = False) -> MicroBatch:
+        """Packed rows (`packing.collate` dicts) of one micro-batch; `model` is the VLMConfig (FLOPs,
+        merge size)."""
+        b = stack_rows(rows)
+        S = b["input_ids"].shape[1]
+        text_only = b["pixel_values"].shape[0] == 0
+        return cls(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"],
+                   cu_seqlens=b["cu_seqlens"], token_mask=torch.stack([torch.arange(S) < r["useful_tokens"]
+                                                                       for r in rows]),
+                   pixel_values=None if text_only else b["pixel_values"],
+                   image_grid_thw=None if text_only else b["image_grid_thw"],
+                   loss_tokens=b["loss_tokens"], useful_tokens=b["useful_tokens"],
+                   flops=sum(row_flops(r, model, freeze_vision) for r in rows),
+                   n_image=b["useful_patches"] // model.vision.spatial_merge_size**2)
+
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments of the model's forward."""
+        return {k: getattr(self, k) for k in self.MODEL_INPUTS}
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """A copy with the tensors on `device` (non-blocking; counts unchanged)."""
+        moved = {k: None if v is None else v.to(device, non_blocking=True) for k, v in self.model_inputs().items()}
+        return dataclasses.replace(self, **moved)
+
+    def without_images(self) -> MicroBatch:
+        """A copy without the pixels and grids: what a pipeline stage after the first needs."""
+        return dataclasses.replace(self, pixel_values=None, image_grid_thw=None)
+
+
+def row_flops(row: dict, model, freeze_vision: bool = False) -> float:
+    """Training FLOPs of one packed row: its real documents and images, not the padding."""
+    cu = row["cu_seqlens"][:row["num_samples"] + 1].tolist()
+    docs = [b - a for a, b in zip(cu, cu[1:])]
+    grids = row["image_grid_thw"][:row["num_images"]]
+    return count_flops(model, docs, grids, training=True, freeze_vision=freeze_vision).total
