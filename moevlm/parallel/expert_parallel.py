@@ -20,7 +20,7 @@ Design choices:
 - ep = etp = 1: nothing changes here (the `local` dispatcher, whole experts);
   the experts are still data parallel over edp (= every rank of the stage).
 - The dispatcher is built once per MoE block, with its groups, when the block is built
-  (`dispatcher_factory` is the layout's); the experts compute on their local shards
+  (by `moevlm.parallel.build_model`, the layout's `dispatcher`); the experts compute on their local shards
   (`Experts` reads `local()` of its weights), so nothing of the model is rewritten here.
 """
 
@@ -29,27 +29,12 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from moevlm.dispatch import build_dispatcher
 from moevlm.parallel.tensor_parallel import shard_param
 
 try:  # torch's placement for interleaved halves (used by FSDP2 + TP); private, present in 2.6+
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover
     _StridedShard = None
-
-
-def dispatcher_factory(name: str, *, permute: str = "torch", capacity_factor: float | None = None,
-                       capacity_overflow: str = "drop", fallback: str | None = None, **groups):
-    """The `Layout.dispatcher` of a layout: (layer index, MoE config) -> a new dispatcher `name` over
-    `groups` (ep_group, etp_group), one per MoE block, built when the block is."""
-    kwargs = dict(permute=permute, **groups)
-    if capacity_factor is not None:
-        kwargs.update(capacity_factor=capacity_factor, capacity_overflow=capacity_overflow)
-
-    def build(layer_idx: int, moe_cfg):
-        return build_dispatcher(name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k,
-                                **({"fallback": fallback} if fallback else {}), **kwargs)
-    return build
 
 
 def shard_experts(model: nn.Module, expert_mesh) -> None:
@@ -65,4 +50,4 @@ def shard_experts(model: nn.Module, expert_mesh) -> None:
             shard_param(layer.mlp.experts, "down_proj", sub, [Shard(0), Shard(1)])
 
 
-__all__ = ["dispatcher_factory", "shard_experts"]
+__all__ = ["shard_experts"]
