@@ -37,21 +37,33 @@ def main(cfg) -> None:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
         if os.environ.get("RANK", "0") == "0" or not getattr(err, "same_on_every_rank", False):
-            for line in str(err).splitlines():  # each says what to change; a traceback would bury them
+            for line in str(
+                err
+            ).splitlines():  # each says what to change; a traceback would bury them
                 print(f"config error: {line}", file=sys.stderr)
         sys.exit(ExitCode.CONFIG)
-    except CheckpointError as err:  # train.resume names a checkpoint that is damaged or does not fit
+    except (
+        CheckpointError
+    ) as err:  # train.resume names a checkpoint that is damaged or does not fit
         print(f"checkpoint error: {err}", file=sys.stderr)
         sys.exit(ExitCode.CHECKPOINT)
-    except Exception as err:  # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
-        line = describe_failure(err, "set-up (process group, run directory, sample data, checkpoint load)", None,
-                                cfg.parallel.timeout_s)
+    except (
+        Exception
+    ) as err:  # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
+        line = describe_failure(
+            err,
+            "set-up (process group, run directory, sample data, checkpoint load)",
+            None,
+            cfg.parallel.timeout_s,
+        )
         if line is None:
             raise
         print(line, file=sys.stderr)
         sys.exit(ExitCode.COLLECTIVE)
     code = trainer.run()
-    if sweep is None:  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
+    if (
+        sweep is None
+    ):  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
         # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,
         # not handled: Python resets its own handlers to the default while it finalises.
         for sig in (signal.SIGTERM, signal.SIGINT):

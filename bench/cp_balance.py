@@ -24,8 +24,13 @@ import statistics
 import torch
 
 from moevlm.model.attention import document_ids
-from moevlm.parallel.cp_layout import (attention_work, balance_images, contiguous_positions, doc_zigzag_positions,
-                                       zigzag_positions)
+from moevlm.parallel.cp_layout import (
+    attention_work,
+    balance_images,
+    contiguous_positions,
+    doc_zigzag_positions,
+    zigzag_positions,
+)
 
 
 def rows_of(shards: str | None, n: int, seq_len: int | None, max_patches: int | None):
@@ -67,19 +72,25 @@ def ratio(xs) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shards", default=None, help="WebDataset shards (default: the embedded sample set)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--shards", default=None, help="WebDataset shards (default: the embedded sample set)"
+    )
     ap.add_argument("--rows", type=int, default=50)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--max-patches", type=int, default=None)
     ap.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     a = ap.parse_args()
     rows, model = rows_of(a.shards, a.rows, a.seq_len, a.max_patches)
-    merge2 = model.vision.spatial_merge_size ** 2
+    merge2 = model.vision.spatial_merge_size**2
     S = rows[0]["input_ids"].shape[-1]
     docs = statistics.mean(r["num_samples"] for r in rows)
     imgs = statistics.mean(r["num_images"] for r in rows)
-    print(f"{len(rows)} packed rows of {S} tokens: {docs:.1f} documents and {imgs:.1f} images per row on average")
+    print(
+        f"{len(rows)} packed rows of {S} tokens: {docs:.1f} documents and {imgs:.1f} images per row on average"
+    )
     print("| cp | split | attention max/mean, mean over rows | worst row | padding added |")
     print("|---:|---|---:|---:|---:|")
     vision_lines = []
@@ -88,25 +99,33 @@ def main() -> None:
         vis = {"shares (ours)": [], "where the tokens land": []}
         pad_total = 0
         for r in rows:
-            cu = r["cu_seqlens"][:r["num_samples"] + 1]
+            cu = r["cu_seqlens"][: r["num_samples"] + 1]
             bounds = sorted(set(cu.tolist()) | {0, S})
             doc = document_ids(1, S, torch.tensor(bounds, dtype=torch.int32), "cpu")
-            res["contiguous"].append(ratio(attention_work(doc, [contiguous_positions(S, cp, k) for k in range(cp)])))
-            res["zigzag-row"].append(ratio(attention_work(doc, [zigzag_positions(S, cp, k) for k in range(cp)])))
+            res["contiguous"].append(
+                ratio(attention_work(doc, [contiguous_positions(S, cp, k) for k in range(cp)]))
+            )
+            res["zigzag-row"].append(
+                ratio(attention_work(doc, [zigzag_positions(S, cp, k) for k in range(cp)]))
+            )
             ours = doc_zigzag_positions(bounds, cp)
             res["zigzag-doc"].append(ratio(attention_work(doc, [torch.tensor(o) for o in ours])))
             w, pad = per_doc_work(bounds, cp)
             res["padded-doc"].append(ratio(w))
             pad_total += pad
-            sizes = r["image_grid_thw"][:r["num_images"]].prod(-1).tolist()
+            sizes = r["image_grid_thw"][: r["num_images"]].prod(-1).tolist()
             if sizes:
                 shares = balance_images(sizes, cp)
                 vis["shares (ours)"].append(ratio([sum(sizes[i] for i in s) for s in shares]))
                 owner = torch.empty(S, dtype=torch.long)
                 for k in range(cp):
                     owner[torch.tensor(ours[k])] = k
-                image_pos = (r["input_ids"].reshape(-1) == model.image_token_id).nonzero().squeeze(-1)
-                offsets = torch.tensor([0] + sizes[:-1]).cumsum(0) // merge2  # each image's first token
+                image_pos = (
+                    (r["input_ids"].reshape(-1) == model.image_token_id).nonzero().squeeze(-1)
+                )
+                offsets = (
+                    torch.tensor([0] + sizes[:-1]).cumsum(0) // merge2
+                )  # each image's first token
                 starts = image_pos[offsets].tolist()
                 landed = [0] * cp
                 for p, size in zip(starts, sizes):
@@ -117,8 +136,12 @@ def main() -> None:
             print(f"| {cp} | {name} | {statistics.mean(xs):.3f} | {max(xs):.3f} | {pad} |")
         for name, xs in vis.items():
             if xs:
-                vision_lines.append(f"| {cp} | {name} | {statistics.mean(xs):.3f} | {max(xs):.3f} | {len(xs)} |")
-    print("\n| cp | vision patches per rank | max/mean, mean over rows | worst row | rows with images |")
+                vision_lines.append(
+                    f"| {cp} | {name} | {statistics.mean(xs):.3f} | {max(xs):.3f} | {len(xs)} |"
+                )
+    print(
+        "\n| cp | vision patches per rank | max/mean, mean over rows | worst row | rows with images |"
+    )
     print("|---:|---|---:|---:|---:|")
     print("\n".join(vision_lines))
 

@@ -49,8 +49,12 @@ from moevlm.data.image import decode_image, smart_resize, to_rgb_or_grey
 from moevlm.data.sample import packaged_photos
 
 # (name, min_pixels, max_pixels)
-SETTINGS = (("qwen3-vl", 256 * 256, 4096 * 4096), ("train-1024", 256 * 256, 1024 * 1024),
-            ("train-512", 256 * 256, 512 * 512), ("train-256", 128 * 128, 256 * 256))
+SETTINGS = (
+    ("qwen3-vl", 256 * 256, 4096 * 4096),
+    ("train-1024", 256 * 256, 1024 * 1024),
+    ("train-512", 256 * 256, 512 * 512),
+    ("train-256", 128 * 128, 256 * 256),
+)
 
 
 def cpu_name() -> str:
@@ -65,7 +69,9 @@ def photo_sets(paths: list[Path]) -> dict[str, list[bytes]]:
     jpeg = []
     for data in stored:
         buf = io.BytesIO()
-        to_rgb_or_grey(ImageOps.exif_transpose(Image.open(io.BytesIO(data)))).save(buf, "JPEG", quality=90)
+        to_rgb_or_grey(ImageOps.exif_transpose(Image.open(io.BytesIO(data)))).save(
+            buf, "JPEG", quality=90
+        )
         jpeg.append(buf.getvalue())
     return {"stored": stored, "jpeg-q90": jpeg}
 
@@ -73,8 +79,15 @@ def photo_sets(paths: list[Path]) -> dict[str, list[bytes]]:
 def reference_processor(min_pixels: int, max_pixels: int):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                                    image_std=[0.5] * 3, min_pixels=min_pixels, max_pixels=max_pixels)
+    return Qwen2VLImageProcessorPil(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
 
 
 def image_sides(min_pixels: int, max_pixels: int) -> dict:
@@ -82,25 +95,35 @@ def image_sides(min_pixels: int, max_pixels: int) -> dict:
     ref = reference_processor(min_pixels, max_pixels)
 
     def reference(data: bytes):
-        out = ref(images=[ImageOps.exif_transpose(Image.open(io.BytesIO(data)))], return_tensors="np")
+        out = ref(
+            images=[ImageOps.exif_transpose(Image.open(io.BytesIO(data)))], return_tensors="np"
+        )
         return out["pixel_values"], out["image_grid_thw"][0].tolist()
 
     def ours(cfg: ImageConfig):
         def run(data: bytes):
             pixels, grid = decode_image(data, cfg)
             return pixels, list(grid)
+
         return run
 
     cfg = ImageConfig(min_pixels=min_pixels, max_pixels=max_pixels)
 
-    def pil_only(data: bytes):  # what a bit-identical path cannot skip: full decode, EXIF, bicubic resize
+    def pil_only(
+        data: bytes,
+    ):  # what a bit-identical path cannot skip: full decode, EXIF, bicubic resize
         image = to_rgb_or_grey(ImageOps.exif_transpose(Image.open(io.BytesIO(data))))
-        height, width = smart_resize(image.height, image.width, cfg.patch_size * cfg.merge_size, min_pixels,
-                                     max_pixels)
+        height, width = smart_resize(
+            image.height, image.width, cfg.patch_size * cfg.merge_size, min_pixels, max_pixels
+        )
         return image.resize((width, height), Image.Resampling.BICUBIC)
 
-    return {"reference": reference, "ours": ours(dataclasses.replace(cfg, jpeg_draft=False)),
-            "ours+draft": ours(dataclasses.replace(cfg, jpeg_draft=True)), "pil-only": pil_only}
+    return {
+        "reference": reference,
+        "ours": ours(dataclasses.replace(cfg, jpeg_draft=False)),
+        "ours+draft": ours(dataclasses.replace(cfg, jpeg_draft=True)),
+        "pil-only": pil_only,
+    }
 
 
 def check_image_outputs(sides: dict, blobs: list[bytes]) -> tuple[int, list[float]]:
@@ -111,14 +134,18 @@ def check_image_outputs(sides: dict, blobs: list[bytes]) -> tuple[int, list[floa
         exact, grid_exact = sides["ours"](data)
         draft, grid_draft = sides["ours+draft"](data)
         if grid_exact != grid or grid_draft != grid or not np.array_equal(exact.numpy(), want):
-            raise SystemExit(f"ours differs from the reference (grid {grid} / {grid_exact} / {grid_draft}); "
-                             "not timing different functions")
+            raise SystemExit(
+                f"ours differs from the reference (grid {grid} / {grid_exact} / {grid_draft}); "
+                "not timing different functions"
+            )
         patches += want.shape[0]
         diffs.append(float(np.abs(draft.numpy() - want).mean()))
     return patches, diffs
 
 
-def time_interleaved(fns: dict, blobs: list[bytes], rounds: int, warmup: int = 1) -> dict[str, float]:
+def time_interleaved(
+    fns: dict, blobs: list[bytes], rounds: int, warmup: int = 1
+) -> dict[str, float]:
     """Median seconds of one pass over `blobs`, per callable, passes round-robin."""
     for _ in range(warmup):
         for fn in fns.values():
@@ -137,24 +164,35 @@ def time_interleaved(fns: dict, blobs: list[bytes], rounds: int, warmup: int = 1
 def bench_image(args) -> None:
     photos = packaged_photos()
     sets = photo_sets([p.path for p in photos])
-    print("\n== image: bytes -> (pixel_values, grid), photos (the sample set's): "
-          + ", ".join(f"{src} {n}" for src, n in Counter(p.source for p in photos).items()))
-    print(f"{'setting':<10} {'photos':<8} {'side':<10} {'img/s':>7} {'patches/s':>9} {'x ref':>6}  "
-          f"{'drafted':>7} {'|d| mean':>8} {'|d| worst':>9}")
+    print(
+        "\n== image: bytes -> (pixel_values, grid), photos (the sample set's): "
+        + ", ".join(f"{src} {n}" for src, n in Counter(p.source for p in photos).items())
+    )
+    print(
+        f"{'setting':<10} {'photos':<8} {'side':<10} {'img/s':>7} {'patches/s':>9} {'x ref':>6}  "
+        f"{'drafted':>7} {'|d| mean':>8} {'|d| worst':>9}"
+    )
     for name, min_pixels, max_pixels in SETTINGS:
         sides = image_sides(min_pixels, max_pixels)
         for set_name, blobs in sets.items():
             patches, diffs = check_image_outputs(sides, blobs)
             secs = time_interleaved(sides, blobs, args.rounds)
             for side, s in secs.items():
-                draft = (f"{sum(d > 0 for d in diffs):3d}/{len(diffs):<3d} {np.mean(diffs):8.4f} {max(diffs):9.4f}"
-                         if side == "ours+draft" else "")
-                print(f"{name:<10} {set_name:<8} {side:<10} {len(blobs) / s:7.1f} {patches / s:9.0f} "
-                      f"{secs['reference'] / s:5.2f}x  {draft}")
-    print("settings: qwen3-vl = min 256*256, max 4096*4096 pixels (the hub config); train-N = max N*N.\n"
-          "pil-only: PIL decode + EXIF + bicubic resize alone, no patches: the ceiling of a bit-identical path.\n"
-          "drafted: images whose pixels draft mode changed; |d|: per-image mean |ours+draft - reference| in\n"
-          "normalised units (one 8-bit level = 2/255 = 0.0078), mean over images and worst image.")
+                draft = (
+                    f"{sum(d > 0 for d in diffs):3d}/{len(diffs):<3d} {np.mean(diffs):8.4f} {max(diffs):9.4f}"
+                    if side == "ours+draft"
+                    else ""
+                )
+                print(
+                    f"{name:<10} {set_name:<8} {side:<10} {len(blobs) / s:7.1f} {patches / s:9.0f} "
+                    f"{secs['reference'] / s:5.2f}x  {draft}"
+                )
+    print(
+        "settings: qwen3-vl = min 256*256, max 4096*4096 pixels (the hub config); train-N = max N*N.\n"
+        "pil-only: PIL decode + EXIF + bicubic resize alone, no patches: the ceiling of a bit-identical path.\n"
+        "drafted: images whose pixels draft mode changed; |d|: per-image mean |ours+draft - reference| in\n"
+        "normalised units (one 8-bit level = 2/255 = 0.0078), mean over images and worst image."
+    )
 
 
 # ---------------------------------------------------------------- loader
@@ -162,9 +200,15 @@ def loader_config(shards: str, workers: int) -> "DataConfig":
     """Training-like settings: Qwen3-VL's min pixels, 1024*1024 max, 8k-token rows."""
     from moevlm.data.config import DataConfig, PackConfig
 
-    return DataConfig(shards=shards, image=ImageConfig(), num_workers=workers, shuffle_buffer=64,
-                      pack=PackConfig(seq_len=8192, max_patches=8192, max_samples=64, max_images=32,
-                                      oversize="truncate"))
+    return DataConfig(
+        shards=shards,
+        image=ImageConfig(),
+        num_workers=workers,
+        shuffle_buffer=64,
+        pack=PackConfig(
+            seq_len=8192, max_patches=8192, max_samples=64, max_images=32, oversize="truncate"
+        ),
+    )
 
 
 def run_loader(shards: str, workers: int, seconds: float) -> dict:
@@ -176,7 +220,15 @@ def run_loader(shards: str, workers: int, seconds: float) -> dict:
     loader = build_loader(loader_config(shards, workers), VLMConfig.preset("tiny"))
     it = iter(loader)
     next(it)
-    n = {"batches": 0, "samples": 0, "images": 0, "tokens": 0, "patches": 0, "budget_tokens": 0, "budget_patches": 0}
+    n = {
+        "batches": 0,
+        "samples": 0,
+        "images": 0,
+        "tokens": 0,
+        "patches": 0,
+        "budget_tokens": 0,
+        "budget_patches": 0,
+    }
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds or n["batches"] < 4:
         b = next(it)
@@ -189,8 +241,10 @@ def run_loader(shards: str, workers: int, seconds: float) -> dict:
         n["budget_patches"] += b["useful_patches"] + b["padded_patches"]
     dt = time.perf_counter() - t0
     loader.close()
-    return {k: v / dt for k, v in n.items()} | {"token_fill": n["tokens"] / n["budget_tokens"],
-                                               "patch_fill": n["patches"] / max(1, n["budget_patches"])}
+    return {k: v / dt for k, v in n.items()} | {
+        "token_fill": n["tokens"] / n["budget_tokens"],
+        "patch_fill": n["patches"] / max(1, n["budget_patches"]),
+    }
 
 
 def bench_loader(args) -> None:
@@ -205,14 +259,20 @@ def bench_loader(args) -> None:
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         s = build_sample(Path(tmp), progress=False)
-        print(f"\nloader: embedded sample set ({s['samples']} samples: {s['kinds']}, {s['images']} photos), "
-              f"seq_len 8192, 8192 patches, min 256^2 / max 1024^2 pixels, CPU {cpu_name()}, {cores} cores")
-        print(f"{'workers':>7} {'samples/s':>10} {'images/s':>9} {'tokens/s':>9} {'patches/s':>10} "
-              f"{'batches/s':>9} {'tok fill':>8} {'patch fill':>10} {'samples/s/core':>14}")
+        print(
+            f"\nloader: embedded sample set ({s['samples']} samples: {s['kinds']}, {s['images']} photos), "
+            f"seq_len 8192, 8192 patches, min 256^2 / max 1024^2 pixels, CPU {cpu_name()}, {cores} cores"
+        )
+        print(
+            f"{'workers':>7} {'samples/s':>10} {'images/s':>9} {'tokens/s':>9} {'patches/s':>10} "
+            f"{'batches/s':>9} {'tok fill':>8} {'patch fill':>10} {'samples/s/core':>14}"
+        )
         for w in sorted({1, 2, cores}):
             r = run_loader(tmp, w, args.seconds)
-            print(f"{w:>7} {r['samples']:>10.1f} {r['images']:>9.1f} {r['tokens']:>9.0f} {r['patches']:>10.0f} "
-                  f"{r['batches']:>9.2f} {r['token_fill']:>8.1%} {r['patch_fill']:>10.1%} {r['samples'] / w:>14.1f}")
+            print(
+                f"{w:>7} {r['samples']:>10.1f} {r['images']:>9.1f} {r['tokens']:>9.0f} {r['patches']:>10.0f} "
+                f"{r['batches']:>9.2f} {r['token_fill']:>8.1%} {r['patch_fill']:>10.1%} {r['samples'] / w:>14.1f}"
+            )
 
 
 SECTIONS = {"image": bench_image, "loader": bench_loader}
@@ -222,14 +282,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
     ap.add_argument("--rounds", type=int, default=7, help="timed passes per side (median reported)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (PIL decodes on one regardless)")
-    ap.add_argument("--seconds", type=float, default=20.0, help="loader: timed seconds per worker count")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (PIL decodes on one regardless)"
+    )
+    ap.add_argument(
+        "--seconds", type=float, default=20.0, help="loader: timed seconds per worker count"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
 
-    print(f"device: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"Pillow {Image.__version__}, numpy {np.__version__}, transformers {transformers.__version__}")
+    print(
+        f"device: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Pillow {Image.__version__}, numpy {np.__version__}, transformers {transformers.__version__}"
+    )
     for name, fn in SECTIONS.items():
         if args.section in (name, "all"):
             fn(args)

@@ -35,8 +35,12 @@ from moevlm.dispatch import AllToAllDispatcher, build_dispatcher
 from moevlm.dispatch.availability import unavailable_reason
 
 
-def routing(T: int, E: int, K: int, kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    weights = torch.ones(E) if kind == "balanced" else 1.0 / torch.arange(1, E + 1, dtype=torch.float32)
+def routing(
+    T: int, E: int, K: int, kind: str, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = (
+        torch.ones(E) if kind == "balanced" else 1.0 / torch.arange(1, E + 1, dtype=torch.float32)
+    )
     idx = torch.multinomial(weights.expand(T, E), K, replacement=False, generator=gen)
     w = torch.rand(T, K, generator=gen)
     return idx, w / w.sum(-1, keepdim=True)
@@ -90,31 +94,56 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    dtype = (
+        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    )
     E, K, D, T = args.experts, args.topk, args.hidden, args.tokens
     if rank == 0:
-        name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
-        print(f"device: {name}; world {P} (EP = {P}); {dist.get_backend()}; torch {torch.__version__}; "
-              f"T={T} tokens/rank, D={D}, E={E}, top-{K}, {dtype}")
+        name = (
+            torch.cuda.get_device_name(device)
+            if cuda
+            else f"CPU, {torch.get_num_threads()} threads"
+        )
+        print(
+            f"device: {name}; world {P} (EP = {P}); {dist.get_backend()}; torch {torch.__version__}; "
+            f"T={T} tokens/rank, D={D}, E={E}, top-{K}, {dtype}"
+        )
         for backend in ("deepep", "hybridep"):
             why = unavailable_reason(backend)
             emulated = why is None and getattr(sys.modules.get("deep_ep"), "EMULATOR", False)
-            print(f"{backend}: " + ("available" if why is None else f"not run: {why}")
-                  + (" (deep_ep is moevlm's TEST EMULATOR: its timings say nothing about the real package)"
-                     if emulated else ""))
-        print("\n| routing | backend | fwd ms | fwd+bwd ms | useful GB/s (fwd) | tokens with a dropped choice | "
-              "dropless / this (fwd) |")
+            print(
+                f"{backend}: "
+                + ("available" if why is None else f"not run: {why}")
+                + (
+                    " (deep_ep is moevlm's TEST EMULATOR: its timings say nothing about the real package)"
+                    if emulated
+                    else ""
+                )
+            )
+        print(
+            "\n| routing | backend | fwd ms | fwd+bwd ms | useful GB/s (fwd) | tokens with a dropped choice | "
+            "dropless / this (fwd) |"
+        )
         print("|---|---|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(1234 + rank)
-    scale = torch.randn(E // P, 1, generator=gen).to(device, dtype)  # a per-expert "expert": y = x * s_e
+    scale = torch.randn(E // P, 1, generator=gen).to(
+        device, dtype
+    )  # a per-expert "expert": y = x * s_e
 
     def experts_for(disp):
         def apply(rows):
             counts = disp.last_counts
-            return rows * scale.repeat_interleave(counts, 0, output_size=rows.shape[0]) if rows.numel() else rows
+            return (
+                rows * scale.repeat_interleave(counts, 0, output_size=rows.shape[0])
+                if rows.numel()
+                else rows
+            )
+
         return apply
 
     for kind in ("balanced", "skewed"):
@@ -123,14 +152,18 @@ def main() -> None:
         x = torch.randn(T, D, generator=gen).to(device, dtype)
         byts = exchanged_bytes(idx.cpu(), E, D, x.element_size())
         variants = [("alltoall", None)] + [(f"alltoall cap {f}", f) for f in args.capacity]
-        variants += [(b, (b, None)) for b in ("deepep", "hybridep") if unavailable_reason(b) is None]
+        variants += [
+            (b, (b, None)) for b in ("deepep", "hybridep") if unavailable_reason(b) is None
+        ]
         if unavailable_reason("hybridep") is None:  # its no-sync mode: a static num_permuted_tokens
             variants += [(f"hybridep cap {f}", ("hybridep", f)) for f in args.capacity]
         base, base_t = None, None
         for label, spec in variants:
             if isinstance(spec, tuple):
                 factor = {} if spec[1] is None else {"capacity_factor": spec[1]}
-                disp = build_dispatcher(spec[0], num_experts=E, top_k=K, ep_group=dist.group.WORLD, **factor)
+                disp = build_dispatcher(
+                    spec[0], num_experts=E, top_k=K, ep_group=dist.group.WORLD, **factor
+                )
             else:
                 disp = AllToAllDispatcher(E, K, dist.group.WORLD, capacity_factor=spec)
             disp.last_counts = None
@@ -140,20 +173,29 @@ def main() -> None:
                 rows, counts, handle = real_dispatch(x_, i_, w_)
                 disp.last_counts = counts
                 return rows, counts, handle
+
             disp.dispatch = dispatch
             experts = experts_for(disp)
             y = run_backend(disp, x, idx, w, experts)
             base = y if base is None else base
-            dropped = float((y - base).abs().amax(-1).gt(1e-4 * base.abs().amax()).float().mean()) if spec else 0.0
+            dropped = (
+                float((y - base).abs().amax(-1).gt(1e-4 * base.abs().amax()).float().mean())
+                if spec
+                else 0.0
+            )
             fwd = timed(lambda: run_backend(disp, x, idx, w, experts), device, args.iters)
             xg = x.clone().requires_grad_()
-            fwd_bwd = timed(lambda: run_backend(disp, xg, idx, w, experts).sum().backward(), device, args.iters)
+            fwd_bwd = timed(
+                lambda: run_backend(disp, xg, idx, w, experts).sum().backward(), device, args.iters
+            )
             gbs = torch.tensor([byts / fwd / 1e9])
             dist.all_reduce(gbs)
             if rank == 0:
                 ratio = f"{base_t / fwd:.2f}x" if base_t is not None else "1.00x"
-                print(f"| {kind} | {label} | {fwd * 1e3:.2f} | {fwd_bwd * 1e3:.2f} | {float(gbs) / P:.2f} | "
-                      f"{dropped:.1%} | {ratio} |")
+                print(
+                    f"| {kind} | {label} | {fwd * 1e3:.2f} | {fwd_bwd * 1e3:.2f} | {float(gbs) / P:.2f} | "
+                    f"{dropped:.1%} | {ratio} |"
+                )
             if label == "alltoall":
                 base_t = fwd
     dist.destroy_process_group()

@@ -46,8 +46,11 @@ def device_name(device: torch.device) -> str:
 
 def config(preset: str, layers: int) -> VLMConfig:
     cfg = VLMConfig.preset("tiny" if preset == "tiny" else "qwen3_vl_30b_a3b")
-    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_layers=layers or cfg.text.num_layers),
-                              attn_backend="sdpa")
+    cfg = dataclasses.replace(
+        cfg,
+        text=dataclasses.replace(cfg.text, num_layers=layers or cfg.text.num_layers),
+        attn_backend="sdpa",
+    )
     cfg.moe.grouped_gemm = "torch"
     return cfg
 
@@ -56,8 +59,13 @@ def set_dispatchers(model, kind: str) -> None:
     for m in model.modules():
         if isinstance(m, MoEBlock):
             E, K = m.num_experts, m.router.top_k
-            m.dispatcher = (LocalDispatcher(E, K) if kind == "local" else
-                            AllToAllDispatcher(E, K, dist.group.WORLD, always_exchange=kind.endswith("exchange")))
+            m.dispatcher = (
+                LocalDispatcher(E, K)
+                if kind == "local"
+                else AllToAllDispatcher(
+                    E, K, dist.group.WORLD, always_exchange=kind.endswith("exchange")
+                )
+            )
 
 
 def step(model, ids, labels) -> float:
@@ -81,14 +89,20 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
     cfg = config(a.preset, a.layers)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3VLMoe(cfg)
     model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype])
-    ids = torch.randint(0, min(cfg.image_token_id, cfg.vision_start_token_id, 1000), (a.batch, a.seq), device=device)
+    ids = torch.randint(
+        0, min(cfg.image_token_id, cfg.vision_start_token_id, 1000), (a.batch, a.seq), device=device
+    )
     labels = ids.clone()
     kinds = ["local", "alltoall", "alltoall+exchange"]
     losses = {}
@@ -109,9 +123,11 @@ def main() -> None:
             times[k].append(time.perf_counter() - t0)
     base = statistics.median(times["local"])
     t = cfg.text
-    print(f"device: {device_name(device)}, torch {torch.__version__}; {a.preset}: {t.num_layers} layers, D={t.hidden_size}, "
-          f"E={cfg.moe.num_experts}, K={cfg.moe.top_k}, F={cfg.moe.moe_intermediate_size}; B={a.batch} S={a.seq} {a.dtype}; "
-          f"median of {a.iters}")
+    print(
+        f"device: {device_name(device)}, torch {torch.__version__}; {a.preset}: {t.num_layers} layers, D={t.hidden_size}, "
+        f"E={cfg.moe.num_experts}, K={cfg.moe.top_k}, F={cfg.moe.moe_intermediate_size}; B={a.batch} S={a.seq} {a.dtype}; "
+        f"median of {a.iters}"
+    )
     print("| dispatcher | step ms | local/this |")
     print("|---|---|---|")
     for k in kinds:

@@ -99,9 +99,20 @@ class Rows:
 
 def compose(preset: str, extra: list[str], run_dir: str):
     overrides, warmup, iters = PRESETS[preset]
-    job = compose_job(overrides + [f"train.run_dir={run_dir}", "train.steps=100000", "train.tensorboard=false",
-                                   "train.progress=false", "train.checkpoint_every=0", "train.log_every=1000000",
-                                   "train.require_loss_decrease=false", "train.resume=none"] + extra)
+    job = compose_job(
+        overrides
+        + [
+            f"train.run_dir={run_dir}",
+            "train.steps=100000",
+            "train.tensorboard=false",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.log_every=1000000",
+            "train.require_loss_decrease=false",
+            "train.resume=none",
+        ]
+        + extra
+    )
     job.train.global_batch_size = job.train.micro_batch_size  # one micro-batch per step
     return job, warmup, iters
 
@@ -110,8 +121,8 @@ def unpack(rows: list[dict], image_token_id: int, merge: int) -> list[dict]:
     """Packed rows -> their samples: ids, labels, the images' grids and patches, in order."""
     samples = []
     for r in rows:
-        cu = r["cu_seqlens"][:r["num_samples"] + 1].tolist()
-        grids = r["image_grid_thw"][:r["num_images"]].tolist()
+        cu = r["cu_seqlens"][: r["num_samples"] + 1].tolist()
+        grids = r["image_grid_thw"][: r["num_images"]].tolist()
         img, patch = 0, 0
         for a, b in zip(cu, cu[1:]):
             ids = r["input_ids"][0, a:b]
@@ -121,12 +132,20 @@ def unpack(rows: list[dict], image_token_id: int, merge: int) -> list[dict]:
                 need -= grids[img][0] * grids[img][1] * grids[img][2] // merge**2
                 img += 1
             n = sum(t * h * w for t, h, w in mine)
-            samples.append({"ids": ids, "labels": r["labels"][0, a:b], "grids": mine,
-                            "pixels": r["pixel_values"][patch:patch + n]})
+            samples.append(
+                {
+                    "ids": ids,
+                    "labels": r["labels"][0, a:b],
+                    "grids": mine,
+                    "pixels": r["pixel_values"][patch : patch + n],
+                }
+            )
             patch += n
         if img != r["num_images"] or patch != r["useful_patches"]:
-            raise RuntimeError(f"unpacking a row used {img} of {r['num_images']} images and {patch} of "
-                               f"{r['useful_patches']} patches: the row's image tokens do not match its grids")
+            raise RuntimeError(
+                f"unpacking a row used {img} of {r['num_images']} images and {patch} of "
+                f"{r['useful_patches']} patches: the row's image tokens do not match its grids"
+            )
     return samples
 
 
@@ -139,8 +158,12 @@ def hf_batch(samples: list[dict], image_token_id: int, device) -> dict:
     for i, s in enumerate(samples):
         n = s["ids"].numel()
         ids_BL[i, :n], labels_BL[i, :n], mask_BL[i, :n] = s["ids"], s["labels"], 1
-    out = {"input_ids": ids_BL, "labels": labels_BL, "attention_mask": mask_BL,
-           "mm_token_type_ids": (ids_BL == image_token_id).int()}
+    out = {
+        "input_ids": ids_BL,
+        "labels": labels_BL,
+        "attention_mask": mask_BL,
+        "mm_token_type_ids": (ids_BL == image_token_id).int(),
+    }
     grids = [g for s in samples for g in s["grids"]]
     if grids:
         out["pixel_values"] = torch.cat([s["pixels"] for s in samples if s["grids"]])
@@ -156,20 +179,32 @@ class HFSide:
 
         transformers.utils.logging.disable_progress_bar()
         self.model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
-            hf_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
+            hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+        ).to(device)
         self.model.train()
         o = job.optim
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                     weight_decay=o.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
         self.clip = job.optim.grad_clip
-        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        self.autocast = (
+            (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+            if bf16
+            else contextlib.nullcontext
+        )
         self.experts = getattr(self.model.config.text_config, "_experts_implementation", "default")
 
     def lm_loss(self, batch: dict) -> float:
         with torch.no_grad(), self.autocast():
             out = self.model(**batch, output_router_logits=True)
         coef = self.model.config.text_config.router_aux_loss_coef
-        return float(out.loss - coef * out.aux_loss) if out.aux_loss is not None else float(out.loss)
+        return (
+            float(out.loss - coef * out.aux_loss) if out.aux_loss is not None else float(out.loss)
+        )
 
     def step(self, batch: dict) -> None:
         with self.autocast():
@@ -185,7 +220,14 @@ class Timer:
     """Step times (s), tokens, FLOPs, data wait and peak memory of one measured side."""
 
     def __init__(self, device):
-        self.device, self.s, self.wait, self.tokens, self.flops, self.mem = device, [], [], [], [], []
+        self.device, self.s, self.wait, self.tokens, self.flops, self.mem = (
+            device,
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
 
     @contextlib.contextmanager
     def step(self, timed: bool):
@@ -212,9 +254,14 @@ class Timer:
         s = statistics.median(self.s)
         total = sum(self.s)
         tflops = sum(self.flops) / total / 1e12
-        return {"ms": 1e3 * s, "tokens_s": sum(self.tokens) / total, "tflops": tflops,
-                "mfu": tflops / peak if peak else None, "mem": max(self.mem) if self.mem else None,
-                "wait": sum(self.wait) / total}
+        return {
+            "ms": 1e3 * s,
+            "tokens_s": sum(self.tokens) / total,
+            "tflops": tflops,
+            "mfu": tflops / peak if peak else None,
+            "mem": max(self.mem) if self.mem else None,
+            "wait": sum(self.wait) / total,
+        }
 
 
 def ours_step(tr: Trainer, timer: Timer, timed: bool) -> None:
@@ -240,8 +287,10 @@ def compare_losses(ours: float, theirs: float, bf16: bool) -> str:
     tol = 3e-2 if bf16 else 1e-3
     rel = abs(ours - theirs) / abs(theirs)
     if rel > tol:
-        raise SystemExit(f"LM losses differ on the same samples: ours {ours:.6f}, HF {theirs:.6f} (relative "
-                         f"{rel:.1e} > {tol}); not timing different functions")
+        raise SystemExit(
+            f"LM losses differ on the same samples: ours {ours:.6f}, HF {theirs:.6f} (relative "
+            f"{rel:.1e} > {tol}); not timing different functions"
+        )
     return f"LM loss on one micro-batch before any step: ours {ours:.6f}, HF {theirs:.6f} (relative {rel:.1e})"
 
 
@@ -263,8 +312,12 @@ def run(args) -> dict:
     tokens = [sum(r["useful_tokens"] for r in rows) for rows in micro]
     hf_in = [hf_batch(unpack(rows, image_id, merge), image_id, dev) for rows in micro]
     real = tr.loader
-    mocks = {m: build_loader(dataclasses.replace(real.cfg, mock=m), cfg, hf_checkpoint=job.model.hf_checkpoint)
-             for m in MOCKS}
+    mocks = {
+        m: build_loader(
+            dataclasses.replace(real.cfg, mock=m), cfg, hf_checkpoint=job.model.hf_checkpoint
+        )
+        for m in MOCKS
+    }
     loaders = {"real": real, **mocks}
     timers = {k: Timer(dev) for k in ("ours", "hf", *loaders)}
     interleave = dev.type == "cpu"
@@ -303,7 +356,9 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
         hf = HFSide(hf_dir, job, dev, bf16)
         experts = hf.experts
-        notes.append(compare_losses(ours_loss, hf.lm_loss(hf_in[n]), bf16))  # before HF's first step
+        notes.append(
+            compare_losses(ours_loss, hf.lm_loss(hf_in[n]), bf16)
+        )  # before HF's first step
         for i in range(n):
             hf_on(i)
     else:
@@ -312,12 +367,14 @@ def run(args) -> dict:
         tr.close()
     tmp.cleanup()
     rows = {k: t.row(peak) for k, t in timers.items()}
-    head = (f"device: {device_label(dev)}, torch {torch.__version__}, transformers {_tf_version()} "
-            f"(HF experts: {experts}); preset {args.preset}{' --smoke' if args.smoke else ''}"
-            f"{' ' + ' '.join(args.overrides) if args.overrides else ''}; {'bf16 autocast' if bf16 else 'fp32'}, "
-            f"micro-batch {job.train.micro_batch_size} x seq_len {job.data.pack.seq_len} "
-            f"(max_patches {job.data.pack.max_patches}); {warmup} warm-up + {iters} timed steps, "
-            f"{'interleaved' if interleave else 'ours first, then HF'}")
+    head = (
+        f"device: {device_label(dev)}, torch {torch.__version__}, transformers {_tf_version()} "
+        f"(HF experts: {experts}); preset {args.preset}{' --smoke' if args.smoke else ''}"
+        f"{' ' + ' '.join(args.overrides) if args.overrides else ''}; {'bf16 autocast' if bf16 else 'fp32'}, "
+        f"micro-batch {job.train.micro_batch_size} x seq_len {job.data.pack.seq_len} "
+        f"(max_patches {job.data.pack.max_patches}); {warmup} warm-up + {iters} timed steps, "
+        f"{'interleaved' if interleave else 'ours first, then HF'}"
+    )
     return {"head": head, "notes": notes, "rows": rows}
 
 
@@ -344,29 +401,47 @@ def _f(x, fmt: str) -> str:
 
 def table(res: dict) -> str:
     r = res["rows"]
-    lines = [res["head"], *res["notes"], "",
-             "| side (same samples, compute only) | step ms | tokens/s | TFLOP/s | MFU | peak GiB |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        res["head"],
+        *res["notes"],
+        "",
+        "| side (same samples, compute only) | step ms | tokens/s | TFLOP/s | MFU | peak GiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for k, name in (("ours", "ours (packed rows)"), ("hf", "HF transformers (padded batch)")):
         x = r[k]
-        lines.append(f"| {name} | {x['ms']:.1f} | {x['tokens_s']:.0f} | {x['tflops']:.4f} | {_f(x['mfu'], '.3f')} | "
-                     f"{_f(x['mem'], '.2f')} |")
+        lines.append(
+            f"| {name} | {x['ms']:.1f} | {x['tokens_s']:.0f} | {x['tflops']:.4f} | {_f(x['mfu'], '.3f')} | "
+            f"{_f(x['mem'], '.2f')} |"
+        )
     o, h = r["ours"], r["hf"]
     mem = f", peak memory HF/ours {h['mem'] / o['mem']:.2f}x" if o["mem"] and h["mem"] else ""
-    ratios = (f"ours/HF: tokens/s {o['tokens_s'] / h['tokens_s']:.2f}x, TFLOP/s {o['tflops'] / h['tflops']:.2f}x, "
-              f"step time HF/ours {h['ms'] / o['ms']:.2f}x{mem}")
-    lines += ["", ratios, "", "| ours, data (whole step, data wait included) | step ms | tokens/s | TFLOP/s | MFU | "
-              "peak GiB | data wait | tokens/s vs real |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios = (
+        f"ours/HF: tokens/s {o['tokens_s'] / h['tokens_s']:.2f}x, TFLOP/s {o['tflops'] / h['tflops']:.2f}x, "
+        f"step time HF/ours {h['ms'] / o['ms']:.2f}x{mem}"
+    )
+    lines += [
+        "",
+        ratios,
+        "",
+        "| ours, data (whole step, data wait included) | step ms | tokens/s | TFLOP/s | MFU | "
+        "peak GiB | data wait | tokens/s vs real |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for k in ("real", *MOCKS):
         x = r[k]
-        lines.append(f"| {k} | {x['ms']:.1f} | {x['tokens_s']:.0f} | {x['tflops']:.4f} | {_f(x['mfu'], '.3f')} | "
-                     f"{_f(x['mem'], '.2f')} | {100 * x['wait']:.1f}% | {x['tokens_s'] / r['real']['tokens_s']:.2f}x |")
+        lines.append(
+            f"| {k} | {x['ms']:.1f} | {x['tokens_s']:.0f} | {x['tflops']:.4f} | {_f(x['mfu'], '.3f')} | "
+            f"{_f(x['mem'], '.2f')} | {100 * x['wait']:.1f}% | {x['tokens_s'] / r['real']['tokens_s']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="OVERRIDE: any train.py override (section.field=value), applied last")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="OVERRIDE: any train.py override (section.field=value), applied last",
+    )
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--smoke", action="store_true", help="1 warm-up and 2 timed steps (CI)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default: the preset's)")

@@ -75,9 +75,12 @@ def inputs(seed: int, device) -> tuple[dict[str, tuple[str, torch.Tensor]], torc
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(512, 1024, generator=g)
     outliers, rest = with_outliers(x, g)
-    cases = {"gaussian act": ("act", x), OUTLIERS: ("act", outliers),
-             "weight, std 0.02": ("weight", torch.randn(1024, 768, generator=g) * 0.02),
-             "bf16 gaussian act": ("act", torch.randn(512, 1024, generator=g).bfloat16())}
+    cases = {
+        "gaussian act": ("act", x),
+        OUTLIERS: ("act", outliers),
+        "weight, std 0.02": ("weight", torch.randn(1024, 768, generator=g) * 0.02),
+        "bf16 gaussian act": ("act", torch.randn(512, 1024, generator=g).bfloat16()),
+    }
     return {k: (kind, t.to(device)) for k, (kind, t) in cases.items()}, rest.to(device)
 
 
@@ -99,7 +102,7 @@ def quantize(fmt: str, kind: str, x: torch.Tensor, backend: str, transposed: boo
 
 def per_element(t: torch.Tensor, tile: tuple[int, int], shape) -> torch.Tensor:
     """Per-tile values (R/tr, C/tc) -> per element (R, C)."""
-    return t.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[:shape[0], :shape[1]]
+    return t.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[: shape[0], : shape[1]]
 
 
 def tile_amax(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
@@ -117,11 +120,14 @@ def quant_stats(fmt: str, kind: str, x: torch.Tensor, rest: torch.Tensor | None 
     err = (deq - xd).abs()
     big = xd.abs() > 0.01 * tile_amax(xd, tile)
     u8 = codes.view(torch.uint8)
-    return {"rel": float(err.norm() / xd.norm()), "max_rel": float((err[big] / xd.abs()[big]).max()),
-            "sat": float((xd.abs() / scale > 464).double().mean()),
-            "sub": float((((u8 & 0x78) == 0) & ((u8 & 0x07) != 0)).double().mean()),
-            "flush": float(((xd != 0) & (deq == 0)).double().mean()),
-            "rel_rest": None if rest is None else float(err[:, rest].norm() / xd[:, rest].norm())}
+    return {
+        "rel": float(err.norm() / xd.norm()),
+        "max_rel": float((err[big] / xd.abs()[big]).max()),
+        "sat": float((xd.abs() / scale > 464).double().mean()),
+        "sub": float((((u8 & 0x78) == 0) & ((u8 & 0x07) != 0)).double().mean()),
+        "flush": float(((xd != 0) & (deq == 0)).double().mean()),
+        "rel_rest": None if rest is None else float(err[:, rest].norm() / xd[:, rest].norm()),
+    }
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -140,8 +146,10 @@ def triton_bit_exact(fmt: str, kind: str, x: torch.Tensor) -> str:
 
 def print_quant_table(cases: dict, rest: torch.Tensor, triton_ok: bool) -> None:
     print("\n### 1. Quantization error: dequant(quant(x)) vs x\n")
-    print("| input | format | rel. err | max rel. err (\\|x\\| > 1% tile amax) | saturated | subnormal | flushed | "
-          "Triton == torch |")
+    print(
+        "| input | format | rel. err | max rel. err (\\|x\\| > 1% tile amax) | saturated | subnormal | flushed | "
+        "Triton == torch |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---|")
     rest_err = {}
     for name, (kind, x) in cases.items():
@@ -149,12 +157,18 @@ def print_quant_table(cases: dict, rest: torch.Tensor, triton_ok: bool) -> None:
             s = quant_stats(fmt, kind, x, rest if name == OUTLIERS else None)
             rest_err[fmt] = s["rel_rest"] if name == OUTLIERS else rest_err.get(fmt)
             exact = triton_bit_exact(fmt, kind, x) if triton_ok else "-"
-            print(f"| {name} | {fmt} | {s['rel']:.2e} | {s['max_rel']:.2e} | {100 * s['sat']:.3f}% | "
-                  f"{100 * s['sub']:.3f}% | {100 * s['flush']:.3f}% | {exact} |", flush=True)
-    print(f"\nWith outliers, rel. err divides by a norm the outliers dominate (and with fp32 scales each outlier, "
-          f"its tile's amax, is exact); over the other {int(rest.sum())} columns alone it is " +
-          ", ".join(f"{e:.2e} {fmt}" for fmt, e in rest_err.items()) + ": a tile holding an outlier gets a 100x "
-          "scale, but its other values stay normal e4m3 codes (range 448 / 2^-6), so they keep their precision.")
+            print(
+                f"| {name} | {fmt} | {s['rel']:.2e} | {s['max_rel']:.2e} | {100 * s['sat']:.3f}% | "
+                f"{100 * s['sub']:.3f}% | {100 * s['flush']:.3f}% | {exact} |",
+                flush=True,
+            )
+    print(
+        f"\nWith outliers, rel. err divides by a norm the outliers dominate (and with fp32 scales each outlier, "
+        f"its tile's amax, is exact); over the other {int(rest.sum())} columns alone it is "
+        + ", ".join(f"{e:.2e} {fmt}" for fmt, e in rest_err.items())
+        + ": a tile holding an outlier gets a 100x "
+        "scale, but its other values stay normal e4m3 codes (range 448 / 2^-6), so they keep their precision."
+    )
 
 
 # ---------------------------------------------------------------- 2. GEMMs
@@ -191,7 +205,9 @@ def run(op: str, recipe: str, backend: str, args, counts) -> torch.Tensor:
 
     kw = dict(recipe=recipe, backend=backend, out_dtype=torch.float32)
     if counts is None:
-        return {"mm": fg.fp8_linear, "dgrad": fg.fp8_linear_dgrad, "wgrad": fg.fp8_linear_wgrad}[op](*args, **kw)
+        return {"mm": fg.fp8_linear, "dgrad": fg.fp8_linear_dgrad, "wgrad": fg.fp8_linear_wgrad}[
+            op
+        ](*args, **kw)
     fn = {"mm": fg.fp8_grouped_mm, "dgrad": fg.fp8_grouped_dgrad, "wgrad": fg.fp8_grouped_wgrad}[op]
     return fn(*args, torch.tensor(counts, device=args[0].device), **kw)
 
@@ -202,6 +218,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def gemm_row(op, recipe, layout, data, triton_ok) -> list[str]:
     from moevlm.kernels.fp8_gemm import unquantized_reference
+
     x, outliers, w, dy = data
     counts = None if layout == "dense" else COUNTS
     w = w[3] if counts is None else w
@@ -213,14 +230,21 @@ def gemm_row(op, recipe, layout, data, triton_ok) -> list[str]:
         return cells + ["-", "-"]
     args = operands(op, recipe, x, w, dy)
     got, want = run(op, recipe, "triton", args, counts), run(op, recipe, "emulate", args, counts)
-    return cells + [f"{rel(got, want):.1e}", f"{float((got - want).abs().max() / want.abs().max()):.1e}"]
+    return cells + [
+        f"{rel(got, want):.1e}",
+        f"{float((got - want).abs().max() / want.abs().max()):.1e}",
+    ]
 
 
 def print_gemm_table(seed: int, device, triton_ok: bool) -> None:
     data = tuple(gemm_data(seed, device))
-    print(f"\n### 2. GEMM error: K = {K}, N = {N}; grouped: expert rows {COUNTS}; dense: M = {sum(COUNTS)}\n")
-    print("| op | layout | recipe | (a) emulate vs fp64, gaussian x | (a) outlier x | (b) Triton vs emulate | "
-          "(b) max \\|diff\\| / max \\|emulate\\| |")
+    print(
+        f"\n### 2. GEMM error: K = {K}, N = {N}; grouped: expert rows {COUNTS}; dense: M = {sum(COUNTS)}\n"
+    )
+    print(
+        "| op | layout | recipe | (a) emulate vs fp64, gaussian x | (a) outlier x | (b) Triton vs emulate | "
+        "(b) max \\|diff\\| / max \\|emulate\\| |"
+    )
     print("|---|---|---|---:|---:|---:|---:|")
     for recipe in ("blockwise", "mxfp8"):
         for layout in ("dense", "grouped"):
@@ -253,16 +277,27 @@ def triton_support(device) -> tuple[bool, bool, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of every input (default 0)")
-    ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernels (torch references only)")
+    ap.add_argument(
+        "--no-triton", action="store_true", help="skip the Triton kernels (torch references only)"
+    )
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quant_ok, gemm_ok, why = (False, False, "--no-triton") if a.no_triton else triton_support(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    print(f"device: {name}; torch {torch.__version__}, triton {triton_version() or 'absent'}; "
-          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; seed {a.seed}")
+    quant_ok, gemm_ok, why = (
+        (False, False, "--no-triton") if a.no_triton else triton_support(device)
+    )
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    print(
+        f"device: {name}; torch {torch.__version__}, triton {triton_version() or 'absent'}; "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; seed {a.seed}"
+    )
     if not (quant_ok and gemm_ok):
         print(f"Triton {'GEMM' if quant_ok else 'kernels'} skipped: {why}")
     print_quant_table(*inputs(a.seed, device), quant_ok)

@@ -103,9 +103,11 @@ def timed(fn, iters: int, device) -> float:
 def bench_gemm(M, K, N, E, kind, dtype, device, iters, backends):
     counts = routing_counts(M, E, kind, device)
     x = torch.randn(M, K, device=device, dtype=dtype)
-    w = torch.randn(E, K, N, device=device, dtype=dtype) / K ** 0.5
+    w = torch.randn(E, K, N, device=device, dtype=dtype) / K**0.5
     dy = torch.randn(M, N, device=device, dtype=dtype)
-    ref = grouped_mm(x.float(), w.float(), counts, "loop")  # fp32 per-expert matmuls (_grouped_mm wants bf16 on CUDA)
+    ref = grouped_mm(
+        x.float(), w.float(), counts, "loop"
+    )  # fp32 per-expert matmuls (_grouped_mm wants bf16 on CUDA)
     rows = {}
     for b in backends:
         got = grouped_mm(x, w, counts, b).float()
@@ -121,7 +123,11 @@ def bench_gemm(M, K, N, E, kind, dtype, device, iters, backends):
             xg.grad = wg.grad = None
 
         flops = 2.0 * M * K * N
-        rows[b] = (flops / timed(fwd, iters, device) / 1e12, 3 * flops / timed(fwd_bwd, iters, device) / 1e12, err)
+        rows[b] = (
+            flops / timed(fwd, iters, device) / 1e12,
+            3 * flops / timed(fwd_bwd, iters, device) / 1e12,
+            err,
+        )
     return rows
 
 
@@ -138,16 +144,27 @@ def bench_permute(T, K, H, E, dtype, device, iters):
         y = P.unpermute(xm, plan, w, backend=backend)
         res[backend] = (xm, y)
     torch.testing.assert_close(res["triton"][0], res["torch"][0])
-    torch.testing.assert_close(res["triton"][1].float(), res["torch"][1].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        res["triton"][1].float(), res["torch"][1].float(), rtol=2e-2, atol=2e-2
+    )
     xm = res["torch"][0]
-    nbytes = (T * H + T * K * H) * x.element_size()  # each direction reads one side and writes the other
+    nbytes = (
+        T * H + T * K * H
+    ) * x.element_size()  # each direction reads one side and writes the other
     copy_src = torch.empty(T * K, H, device=device, dtype=dtype)
     copy_s = timed(lambda: copy_src.clone(), iters, device)
-    out = {"copy": 2 * copy_src.numel() * x.element_size() / copy_s / 1e9}  # bandwidth: read + write
+    out = {
+        "copy": 2 * copy_src.numel() * x.element_size() / copy_s / 1e9
+    }  # bandwidth: read + write
     for backend in ("torch", "triton"):
-        out[f"permute {backend}"] = nbytes / timed(lambda b=backend: P.permute(x, plan, backend=b), iters, device) / 1e9
-        out[f"unpermute {backend}"] = nbytes / timed(lambda b=backend: P.unpermute(xm, plan, w, backend=b), iters,
-                                                      device) / 1e9
+        out[f"permute {backend}"] = (
+            nbytes / timed(lambda b=backend: P.permute(x, plan, backend=b), iters, device) / 1e9
+        )
+        out[f"unpermute {backend}"] = (
+            nbytes
+            / timed(lambda b=backend: P.unpermute(xm, plan, w, backend=b), iters, device)
+            / 1e9
+        )
     return out
 
 
@@ -158,12 +175,16 @@ def _quantizers(recipe: str):
     """(act, act_t, weights) of a recipe, Triton quantizers: act(x_MK) 1xB along K; act_t(x_MK) -> x^T 1xB along
     M; weights(w_EKN) -> (the mm operand, the dgrad operand) per fp8_gemm's table (once per optimizer step)."""
     if recipe == "blockwise":
+
         def weights(w):
             q = fq.quant_blockwise_weight(w, backend="triton")
             return q, q  # the square block serves w and w^T
 
-        return (functools.partial(fq.quant_blockwise_act, backend="triton"),
-                functools.partial(fq.quant_blockwise_act_t, backend="triton"), weights)
+        return (
+            functools.partial(fq.quant_blockwise_act, backend="triton"),
+            functools.partial(fq.quant_blockwise_act_t, backend="triton"),
+            weights,
+        )
 
     def act_t(x):
         return fq.quant_mxfp8(x.t(), backend="triton")
@@ -183,7 +204,11 @@ def fp8_step(x, dy, wts, counts, recipe, backend):
     if dy is None:
         return out
     dx = fg.fp8_grouped_dgrad(*act(dy), wq_t, ws_t, counts, recipe=recipe, backend=backend)
-    return out, dx, fg.fp8_grouped_wgrad(*act_t(x), *act_t(dy), counts, recipe=recipe, backend=backend)
+    return (
+        out,
+        dx,
+        fg.fp8_grouped_wgrad(*act_t(x), *act_t(dy), counts, recipe=recipe, backend=backend),
+    )
 
 
 def _take_expert(wts, e: int):
@@ -203,9 +228,15 @@ def check_fp8(x, dy, wts, counts, recipe, got, experts) -> float:
         lo, hi = s // B * B, min(-(-(s + c) // B) * B, M)
         sub = torch.tensor([s - lo, c, hi - s - c], device=counts.device)
         want = fp8_step(x[lo:hi], dy[lo:hi], _take_expert(wts, e), sub, recipe, "emulate")
-        for i, (g, w) in enumerate(zip((got[0][s:s + c], got[1][s:s + c], got[2][e]),
-                                       (want[0][s - lo:s - lo + c], want[1][s - lo:s - lo + c], want[2][1]))):
-            sq[i] += torch.stack([(g.double() - w.double()).square().sum(), w.double().square().sum()]).cpu()
+        for i, (g, w) in enumerate(
+            zip(
+                (got[0][s : s + c], got[1][s : s + c], got[2][e]),
+                (want[0][s - lo : s - lo + c], want[1][s - lo : s - lo + c], want[2][1]),
+            )
+        ):
+            sq[i] += torch.stack(
+                [(g.double() - w.double()).square().sum(), w.double().square().sum()]
+            ).cpu()
         if c == 0:
             assert float(got[2][e].abs().max()) == 0, f"dw of empty expert {e} is not zero"
     errs = (sq[:, 0] / sq[:, 1].clamp_min(1e-300)).sqrt().tolist()
@@ -232,20 +263,36 @@ def bench_fp8(M, K, N, E, kind, device, iters, smoke):
     check's error."""
     counts = routing_counts(M, E, kind, device)
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-    w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) / K ** 0.5
+    w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) / K**0.5
     dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
     act, act_t, weights = _quantizers("blockwise")
     wts = weights(w)
-    err = check_fp8(x, dy, wts, counts, "blockwise", fp8_step(x, dy, wts, counts, "blockwise", "triton"),
-                    _check_experts(counts, smoke))
-    t = {"fwd": timed(lambda: fp8_step(x, None, wts, counts, "blockwise", "triton"), iters, device),
-         "f+b": timed(lambda: fp8_step(x, dy, wts, counts, "blockwise", "triton"), iters, device),
-         "q fwd": timed(lambda: act(x), iters, device),
-         "q bwd": timed(lambda: (act(dy), act_t(x), act_t(dy)), iters, device),
-         "w": timed(lambda: weights(w), iters, device)}
+    err = check_fp8(
+        x,
+        dy,
+        wts,
+        counts,
+        "blockwise",
+        fp8_step(x, dy, wts, counts, "blockwise", "triton"),
+        _check_experts(counts, smoke),
+    )
+    t = {
+        "fwd": timed(lambda: fp8_step(x, None, wts, counts, "blockwise", "triton"), iters, device),
+        "f+b": timed(lambda: fp8_step(x, dy, wts, counts, "blockwise", "triton"), iters, device),
+        "q fwd": timed(lambda: act(x), iters, device),
+        "q bwd": timed(lambda: (act(dy), act_t(x), act_t(dy)), iters, device),
+        "w": timed(lambda: weights(w), iters, device),
+    }
     flops = 2.0 * M * K * N
-    return dict(fwd=flops / t["fwd"] / 1e12, fb=3 * flops / t["f+b"] / 1e12, q_fwd=t["q fwd"] / t["fwd"],
-                q_fb=(t["q fwd"] + t["q bwd"]) / t["f+b"], w_ms=t["w"] * 1e3, w_share=t["w"] / t["f+b"], err=err)
+    return dict(
+        fwd=flops / t["fwd"] / 1e12,
+        fb=3 * flops / t["f+b"] / 1e12,
+        q_fwd=t["q fwd"] / t["fwd"],
+        q_fb=(t["q fwd"] + t["q bwd"]) / t["f+b"],
+        w_ms=t["w"] * 1e3,
+        w_share=t["w"] / t["f+b"],
+        err=err,
+    )
 
 
 def bench_mx_torch(M, K, N, E, kind, device, iters, backend="torch"):
@@ -254,14 +301,21 @@ def bench_mx_torch(M, K, N, E, kind, device, iters, backend="torch"):
     counts = round_counts(routing_counts(M, E, kind, device))
     Mp = int(counts.sum())
     x = torch.randn(Mp, K, device=device, dtype=torch.bfloat16)
-    w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) / K ** 0.5
+    w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) / K**0.5
     dy = torch.randn(Mp, N, device=device, dtype=torch.bfloat16)
     wts = _quantizers("mxfp8")[2](w)
     got = fp8_step(x, dy, wts, counts, "mxfp8", backend)
-    if backend == "emulate":  # against the unquantized GEMMs: the recipe's error (~4e-2), not a layout mix-up (O(1))
+    if (
+        backend == "emulate"
+    ):  # against the unquantized GEMMs: the recipe's error (~4e-2), not a layout mix-up (O(1))
         xd, wd, dyd = x.double(), w.double(), dy.double()
-        want = (grouped_mm_loop(xd, wd, counts), grouped_mm_loop(dyd, wd.transpose(1, 2), counts),
-                torch.stack([a.T @ b for a, b in zip(xd.split(counts.tolist()), dyd.split(counts.tolist()))]))
+        want = (
+            grouped_mm_loop(xd, wd, counts),
+            grouped_mm_loop(dyd, wd.transpose(1, 2), counts),
+            torch.stack(
+                [a.T @ b for a, b in zip(xd.split(counts.tolist()), dyd.split(counts.tolist()))]
+            ),
+        )
         errs = [float((g.double() - r).norm() / r.norm()) for g, r in zip(got, want)]
         assert max(errs) < 0.08, f"mxfp8 emulation vs unquantized (out, dx, dw): {errs}"
         return None, None, max(errs)
@@ -303,43 +357,76 @@ def _ratio(v: float) -> str:
 def _fp8_cells(f: dict, r: dict) -> list[str]:
     """bench_fp8's figures beside the bf16 rows r (ours = "triton", torch._grouped_mm = "torch")."""
     base = ("triton", "torch")
-    return [_tf(f["fwd"]), _tf(f["fb"]), *(_tf(r[b][i]) for b in base for i in (0, 1)),
-            *(_ratio(f[k] / r[b][i]) for b in base for k, i in (("fwd", 0), ("fb", 1))),
-            f"{100 * f['q_fwd']:.0f}%", f"{100 * f['q_fb']:.0f}%", f"{f['w_ms']:.3g} ({100 * f['w_share']:.0f}%)",
-            f"{f['err']:.1e}"]
+    return [
+        _tf(f["fwd"]),
+        _tf(f["fb"]),
+        *(_tf(r[b][i]) for b in base for i in (0, 1)),
+        *(_ratio(f[k] / r[b][i]) for b in base for k, i in (("fwd", 0), ("fb", 1))),
+        f"{100 * f['q_fwd']:.0f}%",
+        f"{100 * f['q_fb']:.0f}%",
+        f"{f['w_ms']:.3g} ({100 * f['w_share']:.0f}%)",
+        f"{f['err']:.1e}",
+    ]
 
 
 def print_fp8_table(a, shapes, device, base):
     """The FP8 table; `base[(shape, tokens, gemm, kind)]` = bench_gemm's rows in bf16 (timed here when absent)."""
     mx_ok, why = mx_torch_support(device)
     if mx_ok:
-        print(f"\ntorch._scaled_grouped_mm MXFP8: present ({why}); its rows per expert are rounded up to multiples "
-              "of 128 (padding, as permute_plan(pad_multiple=128)); its TF/s count the unpadded FLOPs")
+        print(
+            f"\ntorch._scaled_grouped_mm MXFP8: present ({why}); its rows per expert are rounded up to multiples "
+            "of 128 (padding, as permute_plan(pad_multiple=128)); its TF/s count the unpadded FLOPs"
+        )
     else:
-        print(f"\ntorch._scaled_grouped_mm MXFP8: absent on {device} (probe: {why}); no torch mxfp8 columns")
+        print(
+            f"\ntorch._scaled_grouped_mm MXFP8: absent on {device} (probe: {why}); no torch mxfp8 columns"
+        )
     mx_cols = " | torch mxfp8 fwd | torch mxfp8 f+b | mxfp8 err" if mx_ok else ""
-    print("\n| shape | tokens | GEMM | routing | fp8 ours fwd TF/s | fp8 ours f+b TF/s | bf16 ours fwd | bf16 ours f+b "
-          "| torch bf16 fwd | torch bf16 f+b | fwd fp8/bf16 ours | f+b fp8/bf16 ours | fwd fp8/torch | "
-          "f+b fp8/torch | quant % fwd | quant % f+b | w quant ms (% f+b) | err vs emulate" + mx_cols + " |")
+    print(
+        "\n| shape | tokens | GEMM | routing | fp8 ours fwd TF/s | fp8 ours f+b TF/s | bf16 ours fwd | bf16 ours f+b "
+        "| torch bf16 fwd | torch bf16 f+b | fwd fp8/bf16 ours | f+b fp8/bf16 ours | fwd fp8/torch | "
+        "f+b fp8/torch | quant % fwd | quant % f+b | w quant ms (% f+b) | err vs emulate"
+        + mx_cols
+        + " |"
+    )
     print("|" + "---|" * (18 + 3 * mx_ok))
     for s in a.shapes:
         E, K, H, F = (shapes[s][k] for k in ("E", "K", "H", "F"))
         for T in a.tokens:
             for gemm, (k_in, n_out) in (("gate_up", (H, 2 * F)), ("down", (F, H))):
                 for kind in ("balanced", "skewed"):
-                    r = base.get((s, T, gemm, kind)) or bench_gemm(T * K, k_in, n_out, E, kind, torch.bfloat16,
-                                                                  device, a.iters, ("triton", "torch"))
-                    cells = _fp8_cells(bench_fp8(T * K, k_in, n_out, E, kind, device, a.iters, a.smoke), r)
+                    r = base.get((s, T, gemm, kind)) or bench_gemm(
+                        T * K,
+                        k_in,
+                        n_out,
+                        E,
+                        kind,
+                        torch.bfloat16,
+                        device,
+                        a.iters,
+                        ("triton", "torch"),
+                    )
+                    cells = _fp8_cells(
+                        bench_fp8(T * K, k_in, n_out, E, kind, device, a.iters, a.smoke), r
+                    )
                     if mx_ok:
                         mf, mb, me = bench_mx_torch(T * K, k_in, n_out, E, kind, device, a.iters)
                         cells += [_tf(mf), _tf(mb), f"{me:.1e}"]
-                    print(f"| {s} | {T} | {gemm} | {kind} | " + " | ".join(cells) + " |", flush=True)
-    if not mx_ok and a.smoke:  # the mxfp8 operands' wiring, through the emulation, so the smoke run covers it
+                    print(
+                        f"| {s} | {T} | {gemm} | {kind} | " + " | ".join(cells) + " |", flush=True
+                    )
+    if (
+        not mx_ok and a.smoke
+    ):  # the mxfp8 operands' wiring, through the emulation, so the smoke run covers it
         s = a.shapes[0]
         E, K, H = (shapes[s][k] for k in ("E", "K", "H"))
-        err = bench_mx_torch(a.tokens[0] * K, H, H, E, "skewed", device, a.iters, backend="emulate")[2]
-        print(f"\nsmoke: the torch mxfp8 column's operands through backend='emulate' (not timed): relative error "
-              f"vs unquantized {err:.1e} (< 0.08)")
+        err = bench_mx_torch(
+            a.tokens[0] * K, H, H, E, "skewed", device, a.iters, backend="emulate"
+        )[2]
+        print(
+            f"\nsmoke: the torch mxfp8 column's operands through backend='emulate' (not timed): relative error "
+            f"vs unquantized {err:.1e} (< 0.08)"
+        )
 
 
 def main() -> None:
@@ -348,19 +435,32 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384, 32768])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU: TRITON_INTERPRET=1)")
-    ap.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
-                    help="the FP8 grouped GEMM table (default: on where our FP8 kernel runs: CUDA sm89+, or --smoke "
-                         "under TRITON_INTERPRET=1)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on any device (CPU: TRITON_INTERPRET=1)"
+    )
+    ap.add_argument(
+        "--fp8",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the FP8 grouped GEMM table (default: on where our FP8 kernel runs: CUDA sm89+, or --smoke "
+        "under TRITON_INTERPRET=1)",
+    )
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     shapes = dict(SHAPES)
     if a.smoke:
-        shapes, a.tokens, a.iters, dtype = {"smoke": dict(E=4, K=2, H=64, F=32)}, [64], 2, torch.float32
+        shapes, a.tokens, a.iters, dtype = (
+            {"smoke": dict(E=4, K=2, H=64, F=32)},
+            [64],
+            2,
+            torch.float32,
+        )
         a.shapes = ["smoke"]
     elif device.type != "cuda":
-        raise SystemExit("bench/kernels.py measures GPU kernels: run it on a CUDA device (or --smoke on CPU)")
+        raise SystemExit(
+            "bench/kernels.py measures GPU kernels: run it on a CUDA device (or --smoke on CPU)"
+        )
     backends = [b for b in ("triton", "torch", "loop") if b in GROUPED_GEMMS]
     fp8_ok, fp8_why = fp8_support(device, a.smoke)
     if a.fp8 and not fp8_ok:
@@ -370,10 +470,15 @@ def main() -> None:
     import triton
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter smoke run)"
-    print(f"device: {name}; torch {torch.__version__}, triton {triton.__version__}; {a.dtype if not a.smoke else 'fp32'}; "
-          f"median of {a.iters}")
-    print("\n| shape | tokens | GEMM | routing | " + " | ".join(f"{b} fwd TF/s | {b} f+b TF/s" for b in backends)
-          + " | fwd ours/torch | f+b ours/torch |")
+    print(
+        f"device: {name}; torch {torch.__version__}, triton {triton.__version__}; {a.dtype if not a.smoke else 'fp32'}; "
+        f"median of {a.iters}"
+    )
+    print(
+        "\n| shape | tokens | GEMM | routing | "
+        + " | ".join(f"{b} fwd TF/s | {b} f+b TF/s" for b in backends)
+        + " | fwd ours/torch | f+b ours/torch |"
+    )
     print("|" + "---|" * (4 + 2 * len(backends) + 2))
     for s in a.shapes:
         E, K, H, F = (shapes[s][k] for k in ("E", "K", "H", "F"))
@@ -384,22 +489,30 @@ def main() -> None:
                     if dtype == torch.bfloat16 and "triton" in r and "torch" in r:
                         base[s, T, gemm, kind] = r
                     cells = " | ".join(f"{r[b][0]:.1f} | {r[b][1]:.1f}" for b in backends)
-                    ratio = (f"{r['triton'][0] / r['torch'][0]:.2f}x | {r['triton'][1] / r['torch'][1]:.2f}x"
-                             if "triton" in r and "torch" in r else "- | -")
+                    ratio = (
+                        f"{r['triton'][0] / r['torch'][0]:.2f}x | {r['triton'][1] / r['torch'][1]:.2f}x"
+                        if "triton" in r and "torch" in r
+                        else "- | -"
+                    )
                     print(f"| {s} | {T} | {gemm} | {kind} | {cells} | {ratio} |", flush=True)
     if a.fp8:
         print_fp8_table(a, shapes, device, base)
     else:
         print(f"\nFP8 grouped GEMM: skipped ({'--no-fp8' if fp8_ok else fp8_why})")
-    print("\n| shape | tokens | copy GB/s | permute torch | permute triton (% copy) | unpermute torch | unpermute triton (% copy) |")
+    print(
+        "\n| shape | tokens | copy GB/s | permute torch | permute triton (% copy) | unpermute torch | unpermute triton (% copy) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for s in a.shapes:
         E, K, H = (shapes[s][k] for k in ("E", "K", "H"))
         for T in a.tokens:
             g = bench_permute(T, K, H, E, dtype, device, a.iters)
-            print(f"| {s} | {T} | {g['copy']:.0f} | {g['permute torch']:.0f} | {g['permute triton']:.0f} "
-                  f"({100 * g['permute triton'] / g['copy']:.0f}%) | {g['unpermute torch']:.0f} | "
-                  f"{g['unpermute triton']:.0f} ({100 * g['unpermute triton'] / g['copy']:.0f}%) |", flush=True)
+            print(
+                f"| {s} | {T} | {g['copy']:.0f} | {g['permute torch']:.0f} | {g['permute triton']:.0f} "
+                f"({100 * g['permute triton'] / g['copy']:.0f}%) | {g['unpermute torch']:.0f} | "
+                f"{g['unpermute triton']:.0f} ({100 * g['unpermute triton'] / g['copy']:.0f}%) |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,20 @@ def make_input(cfg: VLMConfig, seq: int, g: torch.Generator):
     n_img = [t * h * w // cfg.vision.spatial_merge_size**2 for t, h, w in GRIDS]
     n_text = seq - sum(n_img) - 2 * len(GRIDS)
     if n_text < len(GRIDS) + 1:
-        raise SystemExit(f"--seq {seq} is too short for grids {GRIDS}; use at least {seq - n_text + len(GRIDS) + 1}")
-    text_lens = [n_text // (len(GRIDS) + 1)] * len(GRIDS) + [n_text - n_text // (len(GRIDS) + 1) * len(GRIDS)]
+        raise SystemExit(
+            f"--seq {seq} is too short for grids {GRIDS}; use at least {seq - n_text + len(GRIDS) + 1}"
+        )
+    text_lens = [n_text // (len(GRIDS) + 1)] * len(GRIDS) + [
+        n_text - n_text // (len(GRIDS) + 1) * len(GRIDS)
+    ]
     parts = [torch.randint(0, 1000, (text_lens[0],), generator=g)]
     for n, tl in zip(n_img, text_lens[1:]):
-        parts += [torch.tensor([cfg.vision_start_token_id]), torch.full((n,), cfg.image_token_id),
-                  torch.tensor([cfg.vision_end_token_id]), torch.randint(0, 1000, (tl,), generator=g)]
+        parts += [
+            torch.tensor([cfg.vision_start_token_id]),
+            torch.full((n,), cfg.image_token_id),
+            torch.tensor([cfg.vision_end_token_id]),
+            torch.randint(0, 1000, (tl,), generator=g),
+        ]
     input_ids_BS = torch.cat(parts)[None]
     grid_I3 = torch.tensor(GRIDS)
     pixels_ND = torch.randn(int(grid_I3.prod(-1).sum()), cfg.vision.patch_dim, generator=g)
@@ -59,11 +67,17 @@ def make_input(cfg: VLMConfig, seq: int, g: torch.Generator):
 def build(cfg: VLMConfig, tmp: str):
     """(HF reference, {grouped_gemm: ours}) sharing the reference's weights."""
     torch.manual_seed(0)
-    hf = transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(**cfg.to_hf("float32")))
+    hf = transformers.Qwen3VLMoeForConditionalGeneration(
+        transformers.Qwen3VLMoeConfig(**cfg.to_hf("float32"))
+    )
     hf.config._attn_implementation = "sdpa"
     hf.save_pretrained(tmp)
-    ours = {gg: Qwen3VLMoe.from_pretrained(tmp, attn_backend="sdpa", moe=dataclasses.replace(cfg.moe, grouped_gemm=gg))
-            for gg in ("torch", "loop")}
+    ours = {
+        gg: Qwen3VLMoe.from_pretrained(
+            tmp, attn_backend="sdpa", moe=dataclasses.replace(cfg.moe, grouped_gemm=gg)
+        )
+        for gg in ("torch", "loop")
+    }
     return hf, ours
 
 
@@ -72,13 +86,20 @@ def loss_fn(model, batch, is_hf: bool):
     input_ids_BS, pixels_ND, grid_I3 = batch
     if not is_hf:
         return lambda: model(input_ids_BS, pixels_ND, grid_I3, labels=input_ids_BS).loss
-    kw = dict(input_ids=input_ids_BS, pixel_values=pixels_ND, image_grid_thw=grid_I3, labels=input_ids_BS,
-              mm_token_type_ids=(input_ids_BS == model.config.image_token_id).int(), output_router_logits=True)
+    kw = dict(
+        input_ids=input_ids_BS,
+        pixel_values=pixels_ND,
+        image_grid_thw=grid_I3,
+        labels=input_ids_BS,
+        mm_token_type_ids=(input_ids_BS == model.config.image_token_id).int(),
+        output_router_logits=True,
+    )
     return lambda: model(**kw).loss
 
 
 def passes(model, loss):
     """(forward-only, forward+backward) callables for one model."""
+
     def fwd():
         with torch.no_grad():
             loss()
@@ -120,8 +141,10 @@ def main():
     for m in models.values():
         m.train()
     losses = {k: loss_fn(m, batch, k == "hf") for k, m in models.items()}
-    print(f"device: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"transformers {transformers.__version__} (experts={hf.config.text_config._experts_implementation})")
+    print(
+        f"device: {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__} (experts={hf.config.text_config._experts_implementation})"
+    )
     check_same_loss(losses, batch)
     closures = {k: passes(models[k], fn) for k, fn in losses.items()}
     fwd = time_interleaved({k: c[0] for k, c in closures.items()}, args.iters)
@@ -137,8 +160,10 @@ def check_same_loss(losses: dict, batch) -> None:
     """Refuse to time models that do not compute the same loss."""
     with torch.no_grad():
         values = {k: fn().item() for k, fn in losses.items()}
-    print(f"input: S={batch[0].shape[1]} tokens, grids {GRIDS} ({batch[1].shape[0]} patches); loss "
-          + ", ".join(f"{k} {v:.6f}" for k, v in values.items()))
+    print(
+        f"input: S={batch[0].shape[1]} tokens, grids {GRIDS} ({batch[1].shape[0]} patches); loss "
+        + ", ".join(f"{k} {v:.6f}" for k, v in values.items())
+    )
     worst = max(abs(v - values["hf"]) / abs(values["hf"]) for v in values.values())
     if worst > 1e-4:
         raise SystemExit(f"losses differ by {worst:.2e} (relative); not timing different functions")

@@ -240,8 +240,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline ranks")
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8])
-    ap.add_argument("--vpp", type=int, nargs="+", default=[2],
-                    help="stages per rank for interleaved_1f1b (zbv/dualpipev are fixed at 2)")
+    ap.add_argument(
+        "--vpp",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="stages per rank for interleaved_1f1b (zbv/dualpipev are fixed at 2)",
+    )
     ap.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args()
@@ -252,8 +257,10 @@ def main() -> None:
             for name in args.schedules:
                 vpps = args.vpp if name == "interleaved_1f1b" else [SCHEDULES[name][1]]
                 rows.extend(bubble_row(name, pp, m, v) for v in vpps)
-    print(f"torch {torch.__version__}; costs F=1 B=2 I=1 W=1, comms free; "
-          "makespan in per-stage units (compare bubble, not makespan, across vpp)\n")
+    print(
+        f"torch {torch.__version__}; costs F=1 B=2 I=1 W=1, comms free; "
+        "makespan in per-stage units (compare bubble, not makespan, across vpp)\n"
+    )
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:

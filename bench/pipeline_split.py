@@ -30,7 +30,9 @@ def layout(spec: str) -> tuple[int, int, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experiment", default="gb200_3d")
-    ap.add_argument("--world", type=int, default=None, help="processes (default: the recipe's world_size)")
+    ap.add_argument(
+        "--world", type=int, default=None, help="processes (default: the recipe's world_size)"
+    )
     ap.add_argument("--layouts", nargs="+", default=["2", "4", "2x2:interleaved_1f1b", "2x2:zbv"])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.pack.max_patches=4096")
     args = ap.parse_args()
@@ -38,26 +40,42 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for spec in args.layouts:
         pp, vpp, schedule = layout(spec)
-        job = compose_job([f"+experiment={args.experiment}", "data.shards=unused", f"parallel.pp={pp}",
-                           f"parallel.vpp={vpp}", f"parallel.pp_schedule={schedule}", *args.overrides])
+        job = compose_job(
+            [
+                f"+experiment={args.experiment}",
+                "data.shards=unused",
+                f"parallel.pp={pp}",
+                f"parallel.vpp={vpp}",
+                f"parallel.pp_schedule={schedule}",
+                *args.overrides,
+            ]
+        )
         world = args.world or job.parallel.world_size
         plan = validate(job, world, environment=False).pipeline
         d, t = job.data, job.train
-        costs = stage_costs(validate(job, world, environment=False).model, rows=t.micro_batch_size, seq_len=d.pack.seq_len,
-                            max_patches=d.pack.max_patches,
-                            image_patches=d.image.max_pixels // d.image.patch_size**2,
-                            freeze_vision=job.model.freeze_vision)
+        costs = stage_costs(
+            validate(job, world, environment=False).model,
+            rows=t.micro_batch_size,
+            seq_len=d.pack.seq_len,
+            max_patches=d.pack.max_patches,
+            image_patches=d.image.max_pixels // d.image.patch_size**2,
+            freeze_vision=job.model.freeze_vision,
+        )
         K, L = plan.num_stages, len(costs.layers)
         even = tuple(L // K + (i < L % K) for i in range(K))
         for name, split in (("even", even), ("auto", plan.layers)):
             flops = stage_flops(costs, split)
             total = sum(flops)
             ranks = [sum(flops[s] for s in plan.stages_of(r)) / total for r in range(pp)]
-            print(f"| pp{pp} vpp{vpp} {schedule}, {name} | {','.join(map(str, split))} | "
-                  f"{', '.join(f'{100 * f / total:.1f}%' for f in flops)} | "
-                  f"{', '.join(f'{100 * r:.1f}%' for r in ranks)} | {max(flops) / (total / K):.3f} |")
-    print(f"\nper micro-batch: vision tower {costs.first / 1e12:.1f} TFLOP = {costs.first / costs.layers[-1]:.1f} "
-          f"decoder layers ({costs.layers[-1] / 1e12:.2f} TFLOP each), LM head {costs.last / 1e12:.1f} TFLOP")
+            print(
+                f"| pp{pp} vpp{vpp} {schedule}, {name} | {','.join(map(str, split))} | "
+                f"{', '.join(f'{100 * f / total:.1f}%' for f in flops)} | "
+                f"{', '.join(f'{100 * r:.1f}%' for r in ranks)} | {max(flops) / (total / K):.3f} |"
+            )
+    print(
+        f"\nper micro-batch: vision tower {costs.first / 1e12:.1f} TFLOP = {costs.first / costs.layers[-1]:.1f} "
+        f"decoder layers ({costs.layers[-1] / 1e12:.2f} TFLOP each), LM head {costs.last / 1e12:.1f} TFLOP"
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,13 @@ import torch
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.parallel.recompute import MODULES, SavedBytes, apply_recompute, describe
 
-SETTINGS = [("none", ()), *(("selective", (m,)) for m in MODULES), ("selective", ("core_attn", "moe_act")),
-            ("selective", MODULES), ("full", ())]
+SETTINGS = [
+    ("none", ()),
+    *(("selective", (m,)) for m in MODULES),
+    ("selective", ("core_attn", "moe_act")),
+    ("selective", MODULES),
+    ("full", ()),
+]
 
 
 def make_batch(cfg: VLMConfig, seq: int, image_side: int, device) -> dict:
@@ -35,10 +40,17 @@ def make_batch(cfg: VLMConfig, seq: int, image_side: int, device) -> dict:
     pixels = torch.randn(int(grid.prod(-1).sum()), cfg.vision.patch_dim, generator=g)
     n_text = seq - 2 * (per_image + 2)
     text = torch.randint(0, min(cfg.text.vocab_size, 1000), (1, n_text), generator=g)
-    image = torch.tensor([[cfg.vision_start_token_id] + [cfg.image_token_id] * per_image + [cfg.vision_end_token_id]])
+    image = torch.tensor(
+        [[cfg.vision_start_token_id] + [cfg.image_token_id] * per_image + [cfg.vision_end_token_id]]
+    )
     half = n_text // 2
     ids = torch.cat([text[:, :half], image, text[:, half:], image], 1)
-    return {k: v.to(device) for k, v in dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, labels=ids).items()}
+    return {
+        k: v.to(device)
+        for k, v in dict(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grid, labels=ids
+        ).items()
+    }
 
 
 def step_seconds(model, batch, repeat: int, device) -> float:
@@ -56,7 +68,9 @@ def step_seconds(model, batch, repeat: int, device) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (proxy)")
     ap.add_argument("--vision-depth", type=int, default=None)
@@ -71,14 +85,20 @@ def main() -> None:
         cfg.text.num_layers = a.layers
     if a.vision_depth:
         cfg.vision.depth = a.vision_depth
-        cfg.vision.deepstack_visual_indexes = tuple(i for i in cfg.vision.deepstack_visual_indexes if i < a.vision_depth)
+        cfg.vision.deepstack_visual_indexes = tuple(
+            i for i in cfg.vision.deepstack_visual_indexes if i < a.vision_depth
+        )
     cfg.moe.mlp_only_layers = (0,)  # one dense layer, so `mlp` has a decoder MLP to recompute
     device = torch.device(a.device)
     torch.manual_seed(0)
-    base = Qwen3VLMoe(cfg).to(device=device, dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+    base = Qwen3VLMoe(cfg).to(
+        device=device, dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    )
     batch = make_batch(cfg, a.seq, a.image_side, device)
-    print(f"{a.preset} ({cfg.text.num_layers} layers, vision depth {cfg.vision.depth}), {a.seq} tokens, "
-          f"2 images of {a.image_side}x{a.image_side} patches, {device.type}, {a.dtype}")
+    print(
+        f"{a.preset} ({cfg.text.num_layers} layers, vision depth {cfg.vision.depth}), {a.seq} tokens, "
+        f"2 images of {a.image_side}x{a.image_side} patches, {device.type}, {a.dtype}"
+    )
     print("| recompute | saved MiB | vs none | step time vs none |\n|---|---:|---:|---:|")
     ref = None
     for mode, modules in SETTINGS:
@@ -92,7 +112,9 @@ def main() -> None:
         del out, meter
         sec = step_seconds(model, batch, a.repeat, device)
         ref = ref or (saved, sec)
-        print(f"| {describe(mode, modules)} | {saved / 2**20:.2f} | {saved / ref[0]:.2f} | {sec / ref[1]:.2f} |")
+        print(
+            f"| {describe(mode, modules)} | {saved / 2**20:.2f} | {saved / ref[0]:.2f} | {sec / ref[1]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,15 @@ from pathlib import Path
 
 import yaml
 
-METRICS = (("tokens_per_s", "tokens/s", "median", ".0f"), ("tflops", "TFLOP/s", "median", ".4g"),
-           ("mfu", "MFU", "median", ".3f"), ("step_time_s", "step s", "median", ".3f"),
-           ("data_wait_frac", "data wait", "median", ".1%"), ("mem_gib", "peak GiB", "max", ".2f"),
-           ("loss", "last loss", "last", ".4f"))
+METRICS = (
+    ("tokens_per_s", "tokens/s", "median", ".0f"),
+    ("tflops", "TFLOP/s", "median", ".4g"),
+    ("mfu", "MFU", "median", ".3f"),
+    ("step_time_s", "step s", "median", ".3f"),
+    ("data_wait_frac", "data wait", "median", ".1%"),
+    ("mem_gib", "peak GiB", "max", ".2f"),
+    ("loss", "last loss", "last", ".4f"),
+)
 COUNTERS = ("recompiles", "graph_breaks")
 
 
@@ -58,8 +63,12 @@ def planned_jobs(sweep_dir: Path) -> tuple[list[str], list[dict[str, str]]] | No
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     hydra = yaml.safe_load(path.read_text()).get("hydra") or {}
-    params = (hydra.get("sweeper") or {}).get("params") or {}  # a config's sweep: before the command line's
-    task = [f"{k}={v}" for k, v in params.items()] + list(hydra.get("overrides", {}).get("task", []))
+    params = (hydra.get("sweeper") or {}).get(
+        "params"
+    ) or {}  # a config's sweep: before the command line's
+    task = [f"{k}={v}" for k, v in params.items()] + list(
+        hydra.get("overrides", {}).get("task", [])
+    )
     keys, lists = [], []
     for o in OverridesParser.create().parse_overrides(task):
         if o.is_sweep_override():
@@ -96,8 +105,15 @@ def summarise(records: list[dict], warmup: int) -> dict:
     for key, _, how, _ in METRICS:
         vals = [float(r[key]) for r in kept if r.get(key) is not None]
         vals = [v for v in vals if not math.isnan(v)] if how != "last" else vals
-        out[key] = None if not vals else statistics.median(vals) if how == "median" else \
-            max(vals) if how == "max" else vals[-1]
+        out[key] = (
+            None
+            if not vals
+            else statistics.median(vals)
+            if how == "median"
+            else max(vals)
+            if how == "max"
+            else vals[-1]
+        )
     for key in COUNTERS:
         vals = [r[key] for r in records if r.get(key) is not None]
         out[key] = vals[-1] if vals else None
@@ -117,7 +133,10 @@ def build_table(sweep_dir: Path, warmup: int = 3) -> str:
     sweep_dir = Path(sweep_dir)
     if (sweep_dir / "metrics.jsonl").is_file():  # one run, not a sweep: a one-row table
         return _one_run(sweep_dir, warmup)
-    numbered = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    numbered = sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+        key=lambda p: int(p.name),
+    )
     jobs = {int(p.name): read_job(p) for p in numbered}
     plan = planned_jobs(sweep_dir)
     if plan is not None:
@@ -126,18 +145,29 @@ def build_table(sweep_dir: Path, warmup: int = 3) -> str:
     else:
         configs = [j["config"] for j in jobs.values() if j["config"]]
         every = sorted(set().union(*configs)) if configs else []
-        keys = [k for k in every if k != "train.run_dir" and len({repr(c.get(k)) for c in configs}) > 1]
+        keys = [
+            k for k in every if k != "train.run_dir" and len({repr(c.get(k)) for c in configs}) > 1
+        ]
         wanted, ids = [], sorted(jobs)
-    counters = [c for c in COUNTERS if any(r.get(c) is not None for j in jobs.values() for r in j["records"])]
+    counters = [
+        c
+        for c in COUNTERS
+        if any(r.get(c) is not None for j in jobs.values() for r in j["records"])
+    ]
     head = ["job", *keys, "status", "steps", *[m[1] for m in METRICS], *counters]
-    lines = [f"sweep {sweep_dir} ({len(ids)} jobs; medians after step {warmup})", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(keys + ["job", "status"]) + "---:|" * (
-                 1 + len(METRICS) + len(counters))]
+    lines = [
+        f"sweep {sweep_dir} ({len(ids)} jobs; medians after step {warmup})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(keys + ["job", "status"]) + "---:|" * (1 + len(METRICS) + len(counters)),
+    ]
     for i in ids:
         job = jobs.get(i, {"config": None, "records": []})
         cfg = job["config"] or {}
         asked = wanted[i] if i < len(wanted) else {}
-        values = [str(cfg.get(k, asked.get(k, "?"))) if cfg else str(asked.get(k, "?")) for k in keys]
+        values = [
+            str(cfg.get(k, asked.get(k, "?"))) if cfg else str(asked.get(k, "?")) for k in keys
+        ]
         total = cfg.get("train.steps")
         done = max((r["step"] for r in job["records"]), default=0)
         if i not in jobs:
@@ -149,7 +179,9 @@ def build_table(sweep_dir: Path, warmup: int = 3) -> str:
         else:
             status = "ok"
         fig = summarise(job["records"], warmup) if job["records"] else {}
-        cells = [_cell(fig.get(k), fmt) for k, _, _, fmt in METRICS] + [_cell(fig.get(c), "d") for c in counters]
+        cells = [_cell(fig.get(k), fmt) for k, _, _, fmt in METRICS] + [
+            _cell(fig.get(c), "d") for c in counters
+        ]
         lines.append("| " + " | ".join([str(i), *values, status, str(done), *cells]) + " |")
     return "\n".join(lines)
 
@@ -160,18 +192,34 @@ def _one_run(run_dir: Path, warmup: int) -> str:
     done = max((r["step"] for r in job["records"]), default=0)
     head = ["run", "steps", *[m[1] for m in METRICS]]
     cells = [_cell(fig.get(k), fmt) for k, _, _, fmt in METRICS]
-    return "\n".join([f"run {run_dir} (medians after step {warmup})", "", "| " + " | ".join(head) + " |",
-                      "|---|" + "---:|" * (1 + len(METRICS)), "| " + " | ".join([run_dir.name, str(done), *cells]) + " |"])
+    return "\n".join(
+        [
+            f"run {run_dir} (medians after step {warmup})",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|---|" + "---:|" * (1 + len(METRICS)),
+            "| " + " | ".join([run_dir.name, str(done), *cells]) + " |",
+        ]
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep_dir", type=Path, help="the sweep directory (hydra.sweep.dir, or train.run_dir of a sweep)")
-    ap.add_argument("--warmup", type=int, default=3, help="records up to this step are left out of the medians")
+    ap.add_argument(
+        "sweep_dir",
+        type=Path,
+        help="the sweep directory (hydra.sweep.dir, or train.run_dir of a sweep)",
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="records up to this step are left out of the medians"
+    )
     ap.add_argument("--out", type=Path, help="also write the table to this file")
     args = ap.parse_args(argv)
     if not args.sweep_dir.is_dir():
-        print(f"{args.sweep_dir} is not a directory: give the sweep directory (hydra.sweep.dir)", file=sys.stderr)
+        print(
+            f"{args.sweep_dir} is not a directory: give the sweep directory (hydra.sweep.dir)",
+            file=sys.stderr,
+        )
         return 2
     text = build_table(args.sweep_dir, args.warmup)
     print(text)

@@ -33,8 +33,20 @@ except ModuleNotFoundError as e:
         raise
     triton = tl = None
 
-__all__ = ["FLOAT_DTYPES", "INTERPRET", "INTERPRET_PROGRAMS", "KernelDeviceError", "autotune_configs", "cdiv",
-           "jit", "num_programs", "require_kernel_device", "require_triton", "tl", "triton"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "INTERPRET",
+    "INTERPRET_PROGRAMS",
+    "KernelDeviceError",
+    "autotune_configs",
+    "cdiv",
+    "jit",
+    "num_programs",
+    "require_kernel_device",
+    "require_triton",
+    "tl",
+    "triton",
+]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INTERPRET_PROGRAMS = 4
@@ -59,24 +71,33 @@ def jit(fn):
 def require_triton(what: str):
     """The triton module, or a ModuleNotFoundError saying that `what` needs it."""
     if triton is None:
-        raise ModuleNotFoundError(f"{what} needs the `triton` package (pip install triton); use backend='torch' "
-                                  "without it", name="triton")
+        raise ModuleNotFoundError(
+            f"{what} needs the `triton` package (pip install triton); use backend='torch' "
+            "without it",
+            name="triton",
+        )
     return triton
 
 
 def require_kernel_device(what: str, *tensors: torch.Tensor) -> None:
     """Refuse tensors off CUDA unless the kernels run under the interpreter."""
     if not INTERPRET and any(t.device.type != "cuda" for t in tensors):
-        raise KernelDeviceError(f"{what} runs on CUDA tensors, or on CPU only under the Triton interpreter: set "
-                                "TRITON_INTERPRET=1 before moevlm.kernels is imported")
+        raise KernelDeviceError(
+            f"{what} runs on CUDA tensors, or on CPU only under the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before moevlm.kernels is imported"
+        )
 
 
-def autotune_configs(tiles: list[tuple[int, ...]], names: tuple[str, ...], interpret_tile: tuple[int, ...]):
+def autotune_configs(
+    tiles: list[tuple[int, ...]], names: tuple[str, ...], interpret_tile: tuple[int, ...]
+):
     """triton.Configs from tiles (the `names` block sizes, then num_warps, num_stages); under the interpreter
     only `interpret_tile` (nothing to benchmark there)."""
     n = len(names)
     tiles = [interpret_tile] if INTERPRET else tiles
-    return [triton.Config(dict(zip(names, t[:n])), num_warps=t[n], num_stages=t[n + 1]) for t in tiles]
+    return [
+        triton.Config(dict(zip(names, t[:n])), num_warps=t[n], num_stages=t[n + 1]) for t in tiles
+    ]
 
 
 @functools.cache

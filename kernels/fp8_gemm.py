@@ -88,8 +88,18 @@ from moevlm.kernels._common import cdiv, num_programs, require_triton, tl
 from moevlm.kernels.grouped_gemm_triton import _expert_rows, _pick
 
 # what other packages import (moevlm, bench, tests)
-__all__ = ["BLOCK", "dequantize", "fp8_grouped_dgrad", "fp8_grouped_mm", "fp8_grouped_wgrad", "fp8_linear",
-           "fp8_linear_dgrad", "fp8_linear_wgrad", "scaled_mm_support", "unquantized_reference"]
+__all__ = [
+    "BLOCK",
+    "dequantize",
+    "fp8_grouped_dgrad",
+    "fp8_grouped_mm",
+    "fp8_grouped_wgrad",
+    "fp8_linear",
+    "fp8_linear_dgrad",
+    "fp8_linear_wgrad",
+    "scaled_mm_support",
+    "unquantized_reference",
+]
 
 triton = require_triton("the triton fp8 GEMM")
 E4M3 = torch.float8_e4m3fn
@@ -103,24 +113,53 @@ BACKENDS = ("triton", "torch", "emulate")
 
 # ------------------------------------------------------------------- kernels
 def _configs(tiles, names):
-    return common.autotune_configs(tiles, names, (64, 64, 4, 1))  # interpreter: one; test shapes span several
+    return common.autotune_configs(
+        tiles, names, (64, 64, 4, 1)
+    )  # interpreter: one; test shapes span several
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is 128.  The dot result and the accumulator are both
 # live, so tiles stay at 128x128 per 8 warps (64 + 64 fp32 registers a thread).
-_MM_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4)],
-                       ("BLOCK_M", "BLOCK_N"))
+_MM_CONFIGS = _configs(
+    [(128, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4)], ("BLOCK_M", "BLOCK_N")
+)
 # (BLOCK_K, BLOCK_N) of a dw tile; it reduces over 128-row blocks.
-_WGRAD_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4)],
-                          ("BLOCK_K", "BLOCK_N"))
+_WGRAD_CONFIGS = _configs(
+    [(128, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4)], ("BLOCK_K", "BLOCK_N")
+)
 
 
-@triton.autotune(configs=_MM_CONFIGS, key=["N", "K", "stride_bn"])  # stride_bn: w (1) or w^T (dgrad)
+@triton.autotune(
+    configs=_MM_CONFIGS, key=["N", "K", "stride_bn"]
+)  # stride_bn: w (1) or w^T (dgrad)
 @triton.jit
-def _fp8_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, N, K, E,
-                   stride_am, stride_ak, stride_asm, stride_ask,
-                   stride_be, stride_bk, stride_bn, stride_bse, stride_bsk, stride_bsn, stride_om, stride_on,
-                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_mm_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    out_ptr,
+    counts_ptr,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_bse,
+    stride_bsk,
+    stride_bsn,
+    stride_om,
+    stride_on,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """out[rows of e] = (a * a_s)[rows of e] @ (b[e] * b_s[e]); a_s per (row, K block), b_s per (K block, N block)."""
     e_idx, starts, counts = _expert_rows(counts_ptr, E, E_P2)
     m_tiles = tl.cdiv(counts, BLOCK_M)
@@ -140,7 +179,12 @@ def _fp8_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, N, K, E,
         col_mask = cols < N
         rows64 = rows.to(tl.int64)
         a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = b_ptr + ex.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        b_ptrs = (
+            b_ptr
+            + ex.to(tl.int64) * stride_be
+            + ks[:, None] * stride_bk
+            + cols[None, :] * stride_bn
+        )
         as_ptrs = as_ptr + rows64 * stride_asm
         bs_ptrs = bs_ptr + ex.to(tl.int64) * stride_bse + (cols // BLOCK_K) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -154,12 +198,30 @@ def _fp8_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, N, K, E,
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(
+            out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
+        )
 
 
 @triton.jit
-def _wgrad_block(acc, a_base, b_base, as_base, bs_base, k_mask, n_mask, mb, start, end,
-                 stride_am, stride_bm, stride_asm, stride_bsm, BLOCK_M: tl.constexpr, MASK_M: tl.constexpr):
+def _wgrad_block(
+    acc,
+    a_base,
+    b_base,
+    as_base,
+    bs_base,
+    k_mask,
+    n_mask,
+    mb,
+    start,
+    end,
+    stride_am,
+    stride_bm,
+    stride_asm,
+    stride_bsm,
+    BLOCK_M: tl.constexpr,
+    MASK_M: tl.constexpr,
+):
     """acc += one BLOCK_M-row scale block mb of x^T @ dy; with MASK_M only the rows in [start, end)."""
     rows = (mb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     if MASK_M:
@@ -178,10 +240,32 @@ def _wgrad_block(acc, a_base, b_base, as_base, bs_base, k_mask, n_mask, mb, star
 
 @triton.autotune(configs=_WGRAD_CONFIGS, key=["N", "K"])
 @triton.jit
-def _fp8_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, counts_ptr, N, K, E,
-                      stride_ak, stride_am, stride_ask, stride_asm, stride_bn, stride_bm, stride_bsn, stride_bsm,
-                      stride_we, stride_wk, stride_wn,
-                      E_P2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _fp8_wgrad_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    dw_ptr,
+    counts_ptr,
+    N,
+    K,
+    E,
+    stride_ak,
+    stride_am,
+    stride_ask,
+    stride_asm,
+    stride_bn,
+    stride_bm,
+    stride_bsn,
+    stride_bsm,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    E_P2: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """dw[e] = (x^T * s)[:, rows of e] @ (dy^T * s)[:, rows of e]^T, over the global BLOCK_M-row scale blocks:
     those inside the expert unmasked, then the (at most two) it shares with a neighbour masked to its rows."""
     pid = tl.program_id(0)
@@ -203,15 +287,67 @@ def _fp8_wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, dw_ptr, counts_ptr, N, K, E,
     bs_base = bs_ptr + nn * stride_bsn
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for mb in range(full_lo, full_hi):
-        acc = _wgrad_block(acc, a_base, b_base, as_base, bs_base, k_mask, n_mask, mb, start, end,
-                           stride_am, stride_bm, stride_asm, stride_bsm, BLOCK_M, False)
+        acc = _wgrad_block(
+            acc,
+            a_base,
+            b_base,
+            as_base,
+            bs_base,
+            k_mask,
+            n_mask,
+            mb,
+            start,
+            end,
+            stride_am,
+            stride_bm,
+            stride_asm,
+            stride_bsm,
+            BLOCK_M,
+            False,
+        )
     if (end > start) & (start // BLOCK_M < full_lo):  # the block holding an unaligned start
-        acc = _wgrad_block(acc, a_base, b_base, as_base, bs_base, k_mask, n_mask, start // BLOCK_M, start, end,
-                           stride_am, stride_bm, stride_asm, stride_bsm, BLOCK_M, True)
-    if (end > start) & ((end - 1) // BLOCK_M >= full_hi):  # the block holding an unaligned end, if another one
-        acc = _wgrad_block(acc, a_base, b_base, as_base, bs_base, k_mask, n_mask, (end - 1) // BLOCK_M, start, end,
-                           stride_am, stride_bm, stride_asm, stride_bsm, BLOCK_M, True)
-    dw_ptrs = dw_ptr + ex.to(tl.int64) * stride_we + kk[:, None] * stride_wk + nn[None, :] * stride_wn
+        acc = _wgrad_block(
+            acc,
+            a_base,
+            b_base,
+            as_base,
+            bs_base,
+            k_mask,
+            n_mask,
+            start // BLOCK_M,
+            start,
+            end,
+            stride_am,
+            stride_bm,
+            stride_asm,
+            stride_bsm,
+            BLOCK_M,
+            True,
+        )
+    if (end > start) & (
+        (end - 1) // BLOCK_M >= full_hi
+    ):  # the block holding an unaligned end, if another one
+        acc = _wgrad_block(
+            acc,
+            a_base,
+            b_base,
+            as_base,
+            bs_base,
+            k_mask,
+            n_mask,
+            (end - 1) // BLOCK_M,
+            start,
+            end,
+            stride_am,
+            stride_bm,
+            stride_asm,
+            stride_bsm,
+            BLOCK_M,
+            True,
+        )
+    dw_ptrs = (
+        dw_ptr + ex.to(tl.int64) * stride_we + kk[:, None] * stride_wk + nn[None, :] * stride_wn
+    )
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
 
 
@@ -228,10 +364,28 @@ def _launch_mm(aq, a_s, bq, b_s, counts_E, N, K, b_strides, bs_strides, out_dtyp
     programs = num_programs(aq.device)
 
     def grid(meta):
-        return (min(programs, (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (
+            min(programs, (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])),
+        )
 
-    _fp8_mm_kernel[grid](aq, a_s, bq, b_s, out, counts_E, N, K, E, *aq.stride(), *a_s.stride(), *b_strides,
-                         *bs_strides, *out.stride(), E_P2=triton.next_power_of_2(max(E, 1)), BLOCK_K=128)
+    _fp8_mm_kernel[grid](
+        aq,
+        a_s,
+        bq,
+        b_s,
+        out,
+        counts_E,
+        N,
+        K,
+        E,
+        *aq.stride(),
+        *a_s.stride(),
+        *b_strides,
+        *bs_strides,
+        *out.stride(),
+        E_P2=triton.next_power_of_2(max(E, 1)),
+        BLOCK_K=128,
+    )
     return out
 
 
@@ -245,30 +399,67 @@ def _launch_wgrad(xq_KM, xs_KM, dyq_NM, dys_NM, counts_E, out_dtype):
     def grid(meta):
         return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _fp8_wgrad_kernel[grid](xq_KM, xs_KM, dyq_NM, dys_NM, dw, counts_E, N, K, E, *xq_KM.stride(), *xs_KM.stride(),
-                            *dyq_NM.stride(), *dys_NM.stride(), *dw.stride(),
-                            E_P2=triton.next_power_of_2(max(E, 1)), BLOCK_M=128)
+    _fp8_wgrad_kernel[grid](
+        xq_KM,
+        xs_KM,
+        dyq_NM,
+        dys_NM,
+        dw,
+        counts_E,
+        N,
+        K,
+        E,
+        *xq_KM.stride(),
+        *xs_KM.stride(),
+        *dyq_NM.stride(),
+        *dys_NM.stride(),
+        *dw.stride(),
+        E_P2=triton.next_power_of_2(max(E, 1)),
+        BLOCK_M=128,
+    )
     return dw
 
 
 # ---------------------------------------------------------------- custom ops
 @torch.library.custom_op("moevlm::fp8_grouped_mm_blockwise", mutates_args=())
-def _mm_op(xq_MK: torch.Tensor, xs: torch.Tensor, wq_EKN: torch.Tensor, ws: torch.Tensor, counts_E: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
+def _mm_op(
+    xq_MK: torch.Tensor,
+    xs: torch.Tensor,
+    wq_EKN: torch.Tensor,
+    ws: torch.Tensor,
+    counts_E: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     _, K, N = wq_EKN.shape
-    return _launch_mm(xq_MK, xs, wq_EKN, ws, counts_E, N, K, wq_EKN.stride(), ws.stride(), out_dtype)
+    return _launch_mm(
+        xq_MK, xs, wq_EKN, ws, counts_E, N, K, wq_EKN.stride(), ws.stride(), out_dtype
+    )
 
 
 @torch.library.custom_op("moevlm::fp8_grouped_dgrad_blockwise", mutates_args=())
-def _dgrad_op(dyq_MN: torch.Tensor, dys: torch.Tensor, wq_EKN: torch.Tensor, ws: torch.Tensor, counts_E: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+def _dgrad_op(
+    dyq_MN: torch.Tensor,
+    dys: torch.Tensor,
+    wq_EKN: torch.Tensor,
+    ws: torch.Tensor,
+    counts_E: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     (_, K, N), (s_e, s_k, s_n), (t_e, t_k, t_n) = wq_EKN.shape, wq_EKN.stride(), ws.stride()
-    return _launch_mm(dyq_MN, dys, wq_EKN, ws, counts_E, K, N, (s_e, s_n, s_k), (t_e, t_n, t_k), out_dtype)  # w^T
+    return _launch_mm(
+        dyq_MN, dys, wq_EKN, ws, counts_E, K, N, (s_e, s_n, s_k), (t_e, t_n, t_k), out_dtype
+    )  # w^T
 
 
 @torch.library.custom_op("moevlm::fp8_grouped_wgrad_blockwise", mutates_args=())
-def _wgrad_op(xq_KM: torch.Tensor, xs_KM: torch.Tensor, dyq_NM: torch.Tensor, dys_NM: torch.Tensor,
-              counts_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _wgrad_op(
+    xq_KM: torch.Tensor,
+    xs_KM: torch.Tensor,
+    dyq_NM: torch.Tensor,
+    dys_NM: torch.Tensor,
+    counts_E: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     return _launch_wgrad(xq_KM, xs_KM, dyq_NM, dys_NM, counts_E, out_dtype)
 
 
@@ -310,7 +501,9 @@ def unquantized_reference(op: str, x, w, dy, counts: list[int] | None) -> torch.
     xs, dys = x.split(counts), dy.split(counts)
     if op == "wgrad":
         return torch.stack([xe.T @ de for xe, de in zip(xs, dys)])
-    return torch.cat([xe @ w[e] if op == "mm" else de @ w[e].T for e, (xe, de) in enumerate(zip(xs, dys))])
+    return torch.cat(
+        [xe @ w[e] if op == "mm" else de @ w[e].T for e, (xe, de) in enumerate(zip(xs, dys))]
+    )
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
@@ -329,7 +522,11 @@ def _emulate(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):
     counts = counts_E.tolist()
     if op == "wgrad":  # a = x^T (K, M), b = dy^T (N, M)
         parts = [xe @ ye.T for xe, ye in zip(a.split(counts, 1), b.split(counts, 1))]
-        return torch.stack(parts).to(out_dtype) if parts else a.new_empty(0, a.shape[0], b.shape[0], dtype=out_dtype)
+        return (
+            torch.stack(parts).to(out_dtype)
+            if parts
+            else a.new_empty(0, a.shape[0], b.shape[0], dtype=out_dtype)
+        )
     w = b if op == "mm" else b.transpose(1, 2)
     return torch.cat([ae @ w[e] for e, ae in enumerate(a.split(counts))]).to(out_dtype)
 
@@ -381,10 +578,14 @@ def _scaled_mm_torch(recipe, a, a_s, bt, bt_s, out_dtype, square_b=False):
 def _torch_dense(op, recipe, a, a_s, b, b_s, out_dtype):
     square = recipe == "blockwise"
     if op == "mm":  # b = w_KN
-        return _scaled_mm_torch(recipe, a, a_s, b.t(), b_s if square else b_s.t(), out_dtype, square)
+        return _scaled_mm_torch(
+            recipe, a, a_s, b.t(), b_s if square else b_s.t(), out_dtype, square
+        )
     if op == "dgrad":  # dx = dy @ w^T: bt = w_KN
         return _scaled_mm_torch(recipe, a, a_s, b, b_s.t() if square else b_s, out_dtype, square)
-    return _scaled_mm_torch(recipe, a, a_s, b, b_s, out_dtype)  # wgrad: x^T (K, M) @ (dy^T (N, M))^T
+    return _scaled_mm_torch(
+        recipe, a, a_s, b, b_s, out_dtype
+    )  # wgrad: x^T (K, M) @ (dy^T (N, M))^T
 
 
 def _torch_grouped(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):
@@ -392,17 +593,29 @@ def _torch_grouped(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):
         return _scaled_grouped_mm_mx(op, a, a_s, b, b_s, counts_E, out_dtype)
     counts = counts_E.tolist()  # host sync: one _scaled_mm per expert
     if op != "wgrad":
-        parts = [_torch_dense(op, recipe, ae, se, b[e], b_s[e], out_dtype)
-                 for e, (ae, se) in enumerate(zip(a.split(counts), a_s.split(counts))) if counts[e]]
-        return torch.cat(parts) if parts else a.new_empty(0, b.shape[2 if op == "mm" else 1], dtype=out_dtype)
+        parts = [
+            _torch_dense(op, recipe, ae, se, b[e], b_s[e], out_dtype)
+            for e, (ae, se) in enumerate(zip(a.split(counts), a_s.split(counts)))
+            if counts[e]
+        ]
+        return (
+            torch.cat(parts)
+            if parts
+            else a.new_empty(0, b.shape[2 if op == "mm" else 1], dtype=out_dtype)
+        )
     B, start, dw = BLOCK[recipe], 0, []
     for c in counts:
         if start % B or (c % B and start + c != a.shape[1]):
-            raise ValueError(f"fp8 wgrad backend='torch' needs every expert's rows to start on a {B}-row scale "
-                             f"block (counts {counts}); pad them (permute_plan(pad_multiple=128)) or use 'triton'")
+            raise ValueError(
+                f"fp8 wgrad backend='torch' needs every expert's rows to start on a {B}-row scale "
+                f"block (counts {counts}); pad them (permute_plan(pad_multiple=128)) or use 'triton'"
+            )
         sl, bl = slice(start, start + c), slice(start // B, cdiv(start + c, B))
-        dw.append(_torch_dense("wgrad", recipe, a[:, sl], a_s[:, bl], b[:, sl], b_s[:, bl], out_dtype) if c else
-                  a.new_zeros(a.shape[0], b.shape[0], dtype=out_dtype))
+        dw.append(
+            _torch_dense("wgrad", recipe, a[:, sl], a_s[:, bl], b[:, sl], b_s[:, bl], out_dtype)
+            if c
+            else a.new_zeros(a.shape[0], b.shape[0], dtype=out_dtype)
+        )
         start += c
     return torch.stack(dw) if dw else a.new_empty(0, a.shape[0], b.shape[0], dtype=out_dtype)
 
@@ -410,8 +623,11 @@ def _torch_grouped(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):
 def _scaled_grouped_mm_mx(op, a, a_s, b, b_s, counts_E, out_dtype):
     if out_dtype != torch.bfloat16:
         raise ValueError(f"torch._scaled_grouped_mm writes bf16 only; got out_dtype={out_dtype}")
-    torch._assert_async((counts_E % 128 == 0).all(), "fp8 grouped mxfp8 backend='torch' needs expert rows in "
-                                                     "multiples of 128 (permute_plan(pad_multiple=128))")
+    torch._assert_async(
+        (counts_E % 128 == 0).all(),
+        "fp8 grouped mxfp8 backend='torch' needs expert rows in "
+        "multiples of 128 (permute_plan(pad_multiple=128))",
+    )
     sa = _swizzle_mx(a_s).view(-1, cdiv(a_s.shape[1], 4) * 4)
     if op == "mm":  # w_EKN as (E, K, N) column-major; scales of each w[e]^T (N, K/32)
         bt, bt_s = b.transpose(1, 2), b_s.transpose(1, 2)
@@ -420,15 +636,29 @@ def _scaled_grouped_mm_mx(op, a, a_s, b, b_s, counts_E, out_dtype):
     mat_b = bt.transpose(1, 2)
     if not (mat_b.stride(1) == 1 and mat_b.stride(2) >= mat_b.shape[1]):
         mat_b = bt.contiguous().transpose(1, 2)
-    return torch._scaled_grouped_mm(_row_major(a), mat_b, sa, _swizzle_mx(bt_s.contiguous()),
-                                    offs=counts_E.cumsum(0, dtype=torch.int32), out_dtype=out_dtype)
+    return torch._scaled_grouped_mm(
+        _row_major(a),
+        mat_b,
+        sa,
+        _swizzle_mx(bt_s.contiguous()),
+        offs=counts_E.cumsum(0, dtype=torch.int32),
+        out_dtype=out_dtype,
+    )
 
 
 # ------------------------------------------------------------------------ probe
 _PROBES = {  # key -> (what the torch path needs, recipe, grouped)
-    "scaled_mm_blockwise": ("torch._scaled_mm with blockwise 1x128/128x128 fp32 scales", "blockwise", False),
+    "scaled_mm_blockwise": (
+        "torch._scaled_mm with blockwise 1x128/128x128 fp32 scales",
+        "blockwise",
+        False,
+    ),
     "scaled_mm_mxfp8": ("torch._scaled_mm with MXFP8 1x32 float8_e8m0fnu scales", "mxfp8", False),
-    "scaled_grouped_mm_mxfp8": ("torch._scaled_grouped_mm with MXFP8 1x32 float8_e8m0fnu scales", "mxfp8", True),
+    "scaled_grouped_mm_mxfp8": (
+        "torch._scaled_grouped_mm with MXFP8 1x32 float8_e8m0fnu scales",
+        "mxfp8",
+        True,
+    ),
 }
 
 
@@ -436,7 +666,11 @@ def _probe_operands(op, recipe, grouped, device):
     """Random codes and scales of the tiny probe problem, already on `device` (M = 256, K = N = 256)."""
     g = torch.Generator().manual_seed(0)
     M = K = N = 256
-    counts = torch.tensor([128, 128], dtype=torch.int32) if grouped else torch.tensor([M], dtype=torch.int32)
+    counts = (
+        torch.tensor([128, 128], dtype=torch.int32)
+        if grouped
+        else torch.tensor([M], dtype=torch.int32)
+    )
     E = counts.numel()
     a_shape = {"mm": (M, K), "dgrad": (M, N), "wgrad": (K, M)}[op]
     b_shape = (N, M) if op == "wgrad" else (E, K, N)
@@ -446,7 +680,9 @@ def _probe_operands(op, recipe, grouped, device):
     for shape, block in ((a_shape, a_block), (b_shape, b_block)):
         q = torch.randn(shape, generator=g).to(E4M3)
         s_shape = tuple(cdiv(d, bl) for d, bl in zip(shape, block))
-        s = torch.exp2(torch.randint(-3, 4, s_shape, generator=g).float())  # powers of two: e8m0 too
+        s = torch.exp2(
+            torch.randint(-3, 4, s_shape, generator=g).float()
+        )  # powers of two: e8m0 too
         out += [q.to(device), s.to(_SCALE_DTYPE[recipe]).to(device)]
     if not grouped and op != "wgrad":
         out[2], out[3] = out[2][0], out[3][0]
@@ -457,17 +693,27 @@ def _probe_one(key: str, device: str) -> tuple[bool, str]:
     _, recipe, grouped = _PROBES[key]
     worst = 0.0
     try:
-        for op in (("mm", "dgrad") if grouped else _OPS):
+        for op in ("mm", "dgrad") if grouped else _OPS:
             a, a_s, b, b_s, counts = _probe_operands(op, recipe, grouped, device)
             if grouped:
                 got = _torch_grouped(op, recipe, a, a_s, b, b_s, counts, torch.bfloat16)
             else:
                 got = _torch_dense(op, recipe, a, a_s, b, b_s, torch.bfloat16)
-            want = _emulate(op, recipe, a, a_s, *((b, b_s) if grouped or op == "wgrad" else
-                                                  (b.unsqueeze(0), b_s.unsqueeze(0))), counts, torch.float32)
+            want = _emulate(
+                op,
+                recipe,
+                a,
+                a_s,
+                *((b, b_s) if grouped or op == "wgrad" else (b.unsqueeze(0), b_s.unsqueeze(0))),
+                counts,
+                torch.float32,
+            )
             worst = max(worst, float((got.float() - want.reshape(got.shape)).norm() / want.norm()))
     except Exception as e:  # refused, not implemented on this device, ...: missing
-        return False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        return (
+            False,
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}",
+        )
     if worst > 1e-2:  # bf16 output: ~2e-3; a misread scale layout: O(1)
         return False, f"ran, but disagreed with the emulation (relative error {worst:.2g})"
     return True, f"agrees with the emulation (relative error {worst:.2g})"
@@ -491,43 +737,69 @@ def scaled_mm_support(device) -> dict[str, bool]:
 
 
 def _require_torch_path(op, recipe, grouped, device):
-    key = "scaled_grouped_mm_mxfp8" if grouped and recipe == "mxfp8" and op != "wgrad" else f"scaled_mm_{recipe}"
+    key = (
+        "scaled_grouped_mm_mxfp8"
+        if grouped and recipe == "mxfp8" and op != "wgrad"
+        else f"scaled_mm_{recipe}"
+    )
     ok, why = _probe(_device_key(device))[key]
     if not ok:
         other = "backend='triton' or 'emulate'" if recipe == "blockwise" else "backend='emulate'"
-        raise RuntimeError(f"fp8 {'grouped' if grouped else 'dense'} {op} ({recipe}) with backend='torch' needs "
-                           f"{_PROBES[key][0]}, which the probe found missing on {device} ({why}); use {other}")
+        raise RuntimeError(
+            f"fp8 {'grouped' if grouped else 'dense'} {op} ({recipe}) with backend='torch' needs "
+            f"{_PROBES[key][0]}, which the probe found missing on {device} ({why}); use {other}"
+        )
 
 
 # ----------------------------------------------------------------- entry points
 def _check(op, recipe, backend, a, a_s, b, b_s, counts_E, out_dtype, grouped):
     name = f"fp8 {'grouped ' if grouped else ''}{op}"
     if recipe not in BLOCK or backend not in BACKENDS:
-        raise ValueError(f"{name}: recipe {recipe!r} / backend {backend!r}; choose a recipe among {sorted(BLOCK)} "
-                         f"and a backend among {BACKENDS}")
+        raise ValueError(
+            f"{name}: recipe {recipe!r} / backend {backend!r}; choose a recipe among {sorted(BLOCK)} "
+            f"and a backend among {BACKENDS}"
+        )
     if backend == "triton" and recipe != "blockwise":
-        raise ValueError(f"{name}: the triton backend is blockwise only; use backend='torch' or 'emulate' for "
-                         f"{recipe}")
+        raise ValueError(
+            f"{name}: the triton backend is blockwise only; use backend='torch' or 'emulate' for "
+            f"{recipe}"
+        )
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"{name}: out_dtype {out_dtype} is not one of {_OUT_DTYPES}")
     b_dims = 2 if op == "wgrad" or not grouped else 3
     if a.dim() != 2 or b.dim() != b_dims:
-        raise ValueError(f"{name}: codes must be 2-D and {b_dims}-D; got {tuple(a.shape)} and {tuple(b.shape)}")
-    red = {"mm": (a.shape[1], b.shape[-2]), "dgrad": (a.shape[1], b.shape[-1]), "wgrad": (a.shape[1], b.shape[1])}
+        raise ValueError(
+            f"{name}: codes must be 2-D and {b_dims}-D; got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    red = {
+        "mm": (a.shape[1], b.shape[-2]),
+        "dgrad": (a.shape[1], b.shape[-1]),
+        "wgrad": (a.shape[1], b.shape[1]),
+    }
     if red[op][0] != red[op][1]:
-        raise ValueError(f"{name}: codes {tuple(a.shape)} and {tuple(b.shape)} disagree on the reduction dim")
+        raise ValueError(
+            f"{name}: codes {tuple(a.shape)} and {tuple(b.shape)} disagree on the reduction dim"
+        )
     a_block, b_block = _blocks(op, recipe)
     for what, q, s, block in (("left", a, a_s, a_block), ("right", b, b_s, b_block)):
-        want = (*q.shape[:q.dim() - 2], *(cdiv(d, bl) for d, bl in zip(q.shape[-2:], block)))
+        want = (*q.shape[: q.dim() - 2], *(cdiv(d, bl) for d, bl in zip(q.shape[-2:], block)))
         if q.dtype != E4M3 or s.dtype != _SCALE_DTYPE[recipe] or tuple(s.shape) != want:
-            raise ValueError(f"{name} ({recipe}): {what} operand wants {E4M3} codes with {_SCALE_DTYPE[recipe]} "
-                             f"scales of shape {want} (blocks {block}); got {q.dtype} {tuple(q.shape)} codes, "
-                             f"{s.dtype} {tuple(s.shape)} scales")
+            raise ValueError(
+                f"{name} ({recipe}): {what} operand wants {E4M3} codes with {_SCALE_DTYPE[recipe]} "
+                f"scales of shape {want} (blocks {block}); got {q.dtype} {tuple(q.shape)} codes, "
+                f"{s.dtype} {tuple(s.shape)} scales"
+            )
     if grouped:
         E = b.shape[0] if op != "wgrad" else counts_E.shape[0]
-        if counts_E.dim() != 1 or counts_E.shape[0] != E or counts_E.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: counts_E must be int32/int64 of shape ({E},); got {counts_E.dtype} "
-                             f"{tuple(counts_E.shape)}")
+        if (
+            counts_E.dim() != 1
+            or counts_E.shape[0] != E
+            or counts_E.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"{name}: counts_E must be int32/int64 of shape ({E},); got {counts_E.dtype} "
+                f"{tuple(counts_E.shape)}"
+            )
     devices = {t.device for t in (a, a_s, b, b_s, *((counts_E,) if grouped else ()))}
     if len(devices) > 1:
         raise ValueError(f"{name}: operands on {sorted(map(str, devices))}; put them on one device")
@@ -543,7 +815,9 @@ def _gemm(op, a, a_s, b, b_s, counts_E, recipe, backend, out_dtype, grouped):
     if not grouped:  # one expert owning every row
         if op != "wgrad":
             b, b_s = b.unsqueeze(0), b_s.unsqueeze(0)
-        counts_E = torch.full((1,), a.shape[1 if op == "wgrad" else 0], dtype=torch.int32, device=a.device)
+        counts_E = torch.full(
+            (1,), a.shape[1 if op == "wgrad" else 0], dtype=torch.int32, device=a.device
+        )
     if backend == "emulate":
         out = _emulate(op, recipe, a, a_s, b, b_s, counts_E, out_dtype)
     else:
@@ -551,35 +825,73 @@ def _gemm(op, a, a_s, b, b_s, counts_E, recipe, backend, out_dtype, grouped):
     return out if grouped or op != "wgrad" else out[0]
 
 
-def fp8_grouped_mm(xq_MK, xs, wq_EKN, ws, counts_E, *, recipe="blockwise", backend="triton",
-                   out_dtype=torch.bfloat16):
+def fp8_grouped_mm(
+    xq_MK,
+    xs,
+    wq_EKN,
+    ws,
+    counts_E,
+    *,
+    recipe="blockwise",
+    backend="triton",
+    out_dtype=torch.bfloat16,
+):
     """out_MN[rows of e] = x[rows of e] @ w[e] from codes and scales (module docstring's table)."""
     return _gemm("mm", xq_MK, xs, wq_EKN, ws, counts_E, recipe, backend, out_dtype, grouped=True)
 
 
-def fp8_grouped_dgrad(dyq_MN, dys, wq_EKN, ws, counts_E, *, recipe="blockwise", backend="triton",
-                      out_dtype=torch.bfloat16):
+def fp8_grouped_dgrad(
+    dyq_MN,
+    dys,
+    wq_EKN,
+    ws,
+    counts_E,
+    *,
+    recipe="blockwise",
+    backend="triton",
+    out_dtype=torch.bfloat16,
+):
     """dx_MK[rows of e] = dy[rows of e] @ w[e]^T; blockwise ws as in forward, mxfp8 ws 1x32 along N."""
-    return _gemm("dgrad", dyq_MN, dys, wq_EKN, ws, counts_E, recipe, backend, out_dtype, grouped=True)
+    return _gemm(
+        "dgrad", dyq_MN, dys, wq_EKN, ws, counts_E, recipe, backend, out_dtype, grouped=True
+    )
 
 
-def fp8_grouped_wgrad(xq_KM, xs_KM, dyq_NM, dys_NM, counts_E, *, recipe="blockwise", backend="triton",
-                      out_dtype=torch.float32):
+def fp8_grouped_wgrad(
+    xq_KM,
+    xs_KM,
+    dyq_NM,
+    dys_NM,
+    counts_E,
+    *,
+    recipe="blockwise",
+    backend="triton",
+    out_dtype=torch.float32,
+):
     """dw_EKN[e] = x[rows of e]^T @ dy[rows of e], from x^T and dy^T quantized 1xB along M."""
-    return _gemm("wgrad", xq_KM, xs_KM, dyq_NM, dys_NM, counts_E, recipe, backend, out_dtype, grouped=True)
+    return _gemm(
+        "wgrad", xq_KM, xs_KM, dyq_NM, dys_NM, counts_E, recipe, backend, out_dtype, grouped=True
+    )
 
 
-def fp8_linear(xq_MK, xs, wq_KN, ws, *, recipe="blockwise", backend="triton", out_dtype=torch.bfloat16):
+def fp8_linear(
+    xq_MK, xs, wq_KN, ws, *, recipe="blockwise", backend="triton", out_dtype=torch.bfloat16
+):
     """out_MN = x @ w (w_KN: nn.Linear's weight transposed)."""
     return _gemm("mm", xq_MK, xs, wq_KN, ws, None, recipe, backend, out_dtype, grouped=False)
 
 
-def fp8_linear_dgrad(dyq_MN, dys, wq_KN, ws, *, recipe="blockwise", backend="triton", out_dtype=torch.bfloat16):
+def fp8_linear_dgrad(
+    dyq_MN, dys, wq_KN, ws, *, recipe="blockwise", backend="triton", out_dtype=torch.bfloat16
+):
     """dx_MK = dy @ w^T."""
     return _gemm("dgrad", dyq_MN, dys, wq_KN, ws, None, recipe, backend, out_dtype, grouped=False)
 
 
-def fp8_linear_wgrad(xq_KM, xs_KM, dyq_NM, dys_NM, *, recipe="blockwise", backend="triton",
-                     out_dtype=torch.float32):
+def fp8_linear_wgrad(
+    xq_KM, xs_KM, dyq_NM, dys_NM, *, recipe="blockwise", backend="triton", out_dtype=torch.float32
+):
     """dw_KN = x^T @ dy, from x^T and dy^T quantized 1xB along M."""
-    return _gemm("wgrad", xq_KM, xs_KM, dyq_NM, dys_NM, None, recipe, backend, out_dtype, grouped=False)
+    return _gemm(
+        "wgrad", xq_KM, xs_KM, dyq_NM, dys_NM, None, recipe, backend, out_dtype, grouped=False
+    )

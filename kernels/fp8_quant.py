@@ -79,17 +79,34 @@ import torch
 import torch.nn.functional as F
 
 from moevlm.kernels import _common as common
-from moevlm.kernels._common import FLOAT_DTYPES, cdiv, jit, tl, triton  # triton, tl: None without triton
+from moevlm.kernels._common import (
+    FLOAT_DTYPES,
+    cdiv,
+    jit,
+    tl,
+    triton,
+)  # triton, tl: None without triton
 
 # what other packages import (moevlm, bench, tests)
-__all__ = ["BACKENDS", "dequant_blockwise", "dequant_mxfp8", "quant_blockwise_act", "quant_blockwise_act_t",
-           "quant_blockwise_act_t_torch", "quant_blockwise_act_torch", "quant_blockwise_weight",
-           "quant_blockwise_weight_torch", "quant_mxfp8", "quant_mxfp8_torch", "row_block_starts"]
+__all__ = [
+    "BACKENDS",
+    "dequant_blockwise",
+    "dequant_mxfp8",
+    "quant_blockwise_act",
+    "quant_blockwise_act_t",
+    "quant_blockwise_act_t_torch",
+    "quant_blockwise_act_torch",
+    "quant_blockwise_weight",
+    "quant_blockwise_weight_torch",
+    "quant_mxfp8",
+    "quant_mxfp8_torch",
+    "row_block_starts",
+]
 
 BACKENDS = ("torch", "triton")
 LAYOUTS = ("act", "act_t", "weight")
 E4M3_MAX = 448.0
-_MIN_SCALE = 2.0 ** -126  # smallest normal fp32
+_MIN_SCALE = 2.0**-126  # smallest normal fp32
 _FP8 = torch.float8_e4m3fn
 _E8M0 = torch.float8_e8m0fnu
 _NAN_CODE = 0x7F
@@ -115,7 +132,9 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
     (G, R, C), (tr, tc) = x_GRC.shape, tile
     Rb, Cb = cdiv(R, tr), cdiv(C, tc)
     x = x_GRC.float().contiguous()  # codes come out contiguous whatever x's strides
-    t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(G, Rb, tr, Cb, tc)  # zero padding never raises an amax
+    t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(
+        G, Rb, tr, Cb, tc
+    )  # zero padding never raises an amax
     amax = t.abs().amax(dim=(2, 4))
     bad = ~t.isfinite().all(dim=4).all(dim=2)
     if mx:
@@ -126,7 +145,9 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
     else:
         s = (amax / E4M3_MAX).clamp_min(_MIN_SCALE)
         if pow2:
-            m, ex = torch.frexp(s)  # s = m * 2^ex, m in [0.5, 1): ceil to 2^ex, or 2^(ex-1) when m == 0.5
+            m, ex = torch.frexp(
+                s
+            )  # s = m * 2^ex, m in [0.5, 1): ceil to 2^ex, or 2^(ex-1) when m == 0.5
             s = _exp2i(torch.where(bad, 0, torch.where(m == 0.5, ex - 1, ex)))
         scales = torch.where(bad, torch.nan, torch.where(amax == 0, 1.0, s))
         scaled = x / _expand(scales, tile, R, C)
@@ -144,13 +165,17 @@ def row_block_starts(counts_E: torch.Tensor, block: int = 128) -> torch.Tensor:
     """Each expert's first tile (scale column of `quant_blockwise_act_t`), int64 (E,).  Host check: every
     count must be a multiple of `block`, so no tile crosses two experts."""
     if counts_E.dim() != 1 or counts_E.dtype.is_floating_point:
-        raise TypeError(f"counts_E must be a 1-D integer tensor of rows per expert, got {counts_E.dtype} "
-                        f"{tuple(counts_E.shape)}")
+        raise TypeError(
+            f"counts_E must be a 1-D integer tensor of rows per expert, got {counts_E.dtype} "
+            f"{tuple(counts_E.shape)}"
+        )
     bad = (counts_E % block != 0).nonzero().flatten().tolist()  # host sync
     if bad:
-        raise ValueError(f"quant_blockwise_act_t: rows per expert must be multiples of block={block} so no 1x{block} "
-                         f"tile crosses two experts; experts {bad[:8]} have counts "
-                         f"{counts_E[bad[:8]].tolist()} (permute with pad_multiple={block})")
+        raise ValueError(
+            f"quant_blockwise_act_t: rows per expert must be multiples of block={block} so no 1x{block} "
+            f"tile crosses two experts; experts {bad[:8]} have counts "
+            f"{counts_E[bad[:8]].tolist()} (permute with pad_multiple={block})"
+        )
     return (counts_E.cumsum(0) - counts_E).long() // block
 
 
@@ -159,7 +184,9 @@ def _check_counts(counts_E, M: int, block: int) -> None:
         return
     row_block_starts(counts_E, block)
     if int(counts_E.sum()) != M:
-        raise ValueError(f"quant_blockwise_act_t: counts_E sum to {int(counts_E.sum())}, x has {M} rows")
+        raise ValueError(
+            f"quant_blockwise_act_t: counts_E sum to {int(counts_E.sum())}, x has {M} rows"
+        )
 
 
 def _as_grc(x: torch.Tensor) -> torch.Tensor:
@@ -190,8 +217,12 @@ def quant_blockwise_act_torch(x_MK: torch.Tensor, block: int = 128, pow2_scales:
     return codes[0], scales[0]
 
 
-def quant_blockwise_act_t_torch(x_MK: torch.Tensor, block: int = 128, pow2_scales: bool = False,
-                                counts_E: torch.Tensor | None = None):
+def quant_blockwise_act_t_torch(
+    x_MK: torch.Tensor,
+    block: int = 128,
+    pow2_scales: bool = False,
+    counts_E: torch.Tensor | None = None,
+):
     _check_counts(counts_E, x_MK.shape[0], block)
     return quant_blockwise_act_torch(x_MK.t(), block, pow2_scales)
 
@@ -201,7 +232,9 @@ def quant_blockwise_weight_torch(w: torch.Tensor, block: int = 128, pow2_scales:
     return codes.view(w.shape), scales.view(*w.shape[:-2], *scales.shape[1:])
 
 
-def dequant_blockwise_torch(codes: torch.Tensor, scales: torch.Tensor, block: int = 128, layout: str = "act"):
+def dequant_blockwise_torch(
+    codes: torch.Tensor, scales: torch.Tensor, block: int = 128, layout: str = "act"
+):
     tile = (block, block) if layout == "weight" else (1, block)
     return _dequant_tiles_torch(_as_grc(codes), _as_grc(scales), tile).view(codes.shape)
 
@@ -266,18 +299,43 @@ def _block_offsets(pid, G, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @jit
-def _quant_kernel(x_ptr, codes_ptr, scales_ptr, G, R, C,
-                  sx_g, sx_r, sx_c, sq_g, sq_r, sq_c, ss_g, ss_r, ss_c,
-                  TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                  MX: tl.constexpr, POW2: tl.constexpr, BF16_BITS: tl.constexpr):
+def _quant_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    G,
+    R,
+    C,
+    sx_g,
+    sx_r,
+    sx_c,
+    sq_g,
+    sq_r,
+    sq_c,
+    ss_g,
+    ss_r,
+    ss_c,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    MX: tl.constexpr,
+    POW2: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
     g, br, bc = _block_offsets(tl.program_id(0), G, R, C, BLOCK_R, BLOCK_C)
     rows = br * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = bc * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     g64 = g.to(tl.int64)
-    x = tl.load(x_ptr + g64 * sx_g + rows.to(tl.int64)[:, None] * sx_r + cols.to(tl.int64)[None, :] * sx_c, mask=mask,
-                other=0)
-    if BF16_BITS:  # bf16 read as int16: its bits are the top half of the fp32's (exact, subnormals included)
+    x = tl.load(
+        x_ptr + g64 * sx_g + rows.to(tl.int64)[:, None] * sx_r + cols.to(tl.int64)[None, :] * sx_c,
+        mask=mask,
+        other=0,
+    )
+    if (
+        BF16_BITS
+    ):  # bf16 read as int16: its bits are the top half of the fp32's (exact, subnormals included)
         x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     else:
         x = x.to(tl.float32)
@@ -293,7 +351,9 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, G, R, C,
         scale_out = tl.where(bad, 0xFF, byte).to(tl.uint8)
     else:
         amax = amax_bits.to(tl.float32, bitcast=True)
-        s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.1754943508222875e-38)  # 2^-126
+        s = tl.maximum(
+            tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.1754943508222875e-38
+        )  # 2^-126
         if POW2:
             s_bits = s.to(tl.int32, bitcast=True)
             s_bits = tl.where((s_bits & 0x7FFFFF) != 0, (s_bits & 0x7F800000) + 0x800000, s_bits)
@@ -303,37 +363,68 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, G, R, C,
         scaled = tl.div_rn(x, tl.broadcast_to(s, x.shape))
         scale_out = s
     codes = _e4m3_bits(scaled, tl.broadcast_to(bad, x.shape)).to(tl.uint8)
-    tl.store(codes_ptr + g64 * sq_g + rows.to(tl.int64)[:, None] * sq_r + cols.to(tl.int64)[None, :] * sq_c, codes,
-             mask=mask)
+    tl.store(
+        codes_ptr
+        + g64 * sq_g
+        + rows.to(tl.int64)[:, None] * sq_r
+        + cols.to(tl.int64)[None, :] * sq_c,
+        codes,
+        mask=mask,
+    )
     SR: tl.constexpr = BLOCK_R // TILE_R
     SC: tl.constexpr = BLOCK_C // TILE_C
     srows = br * SR + tl.arange(0, SR)
     scols = bc * SC + tl.arange(0, SC)
     smask = (srows < tl.cdiv(R, TILE_R))[:, None] & (scols < tl.cdiv(C, TILE_C))[None, :]
-    tl.store(scales_ptr + g64 * ss_g + srows.to(tl.int64)[:, None] * ss_r + scols.to(tl.int64)[None, :] * ss_c,
-             scale_out, mask=smask)
+    tl.store(
+        scales_ptr
+        + g64 * ss_g
+        + srows.to(tl.int64)[:, None] * ss_r
+        + scols.to(tl.int64)[None, :] * ss_c,
+        scale_out,
+        mask=smask,
+    )
 
 
 @jit
-def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, G, R, C,
-                    sq_g, sq_r, sq_c, ss_g, ss_r, ss_c,
-                    TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                    MX: tl.constexpr):
+def _dequant_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    G,
+    R,
+    C,
+    sq_g,
+    sq_r,
+    sq_c,
+    ss_g,
+    ss_r,
+    ss_c,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    MX: tl.constexpr,
+):
     g, br, bc = _block_offsets(tl.program_id(0), G, R, C, BLOCK_R, BLOCK_C)
     rows = br * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = bc * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     g64, r64, c64 = g.to(tl.int64), rows.to(tl.int64), cols.to(tl.int64)
-    b = tl.load(codes_ptr + g64 * sq_g + r64[:, None] * sq_r + c64[None, :] * sq_c, mask=mask, other=0)
+    b = tl.load(
+        codes_ptr + g64 * sq_g + r64[:, None] * sq_r + c64[None, :] * sq_c, mask=mask, other=0
+    )
     b = b.to(tl.int32) & 0xFF
-    s = tl.load(scales_ptr + g64 * ss_g + (r64 // TILE_R)[:, None] * ss_r + (c64 // TILE_C)[None, :] * ss_c, mask=mask,
-                other=0)  # per element: a gather the cache serves
+    s = tl.load(
+        scales_ptr + g64 * ss_g + (r64 // TILE_R)[:, None] * ss_r + (c64 // TILE_C)[None, :] * ss_c,
+        mask=mask,
+        other=0,
+    )  # per element: a gather the cache serves
     if MX:  # e8m0 byte -> 2^(byte - 127); byte 0 is the fp32 subnormal 2^-127, 0xFF is NaN
         byte = s.to(tl.int32) & 0xFF  # whether u8 -> i32 sign-extends or not
         s = tl.where(byte == 0, 0x400000, byte << 23).to(tl.float32, bitcast=True)
         s = tl.where(byte == 0xFF, _nan_like(s), s)
-    tl.store(out_ptr + g64 * R * C + r64[:, None] * C + c64[None, :],
-             _e4m3_value(b) * s, mask=mask)
+    tl.store(out_ptr + g64 * R * C + r64[:, None] * C + c64[None, :], _e4m3_value(b) * s, mask=mask)
 
 
 # ---------------------------------------------------------------- launchers
@@ -358,10 +449,25 @@ def _launch_quant(x_GRC, tile, codes_GRC, scales_GRbCb, mx: bool, pow2: bool) ->
     grid = (G * cdiv(R, br) * cdiv(C, bc),)
     scales = scales_GRbCb.view(torch.uint8) if mx else scales_GRbCb
     bf16 = x_GRC.dtype == torch.bfloat16
-    _quant_kernel[grid](x_GRC.view(torch.int16) if bf16 else x_GRC, codes_GRC.view(torch.uint8), scales, G, R, C,
-                        *x_GRC.stride(), *codes_GRC.stride(), *scales.stride(), TILE_R=tile[0], TILE_C=tile[1],
-                        BLOCK_R=br, BLOCK_C=bc, MX=mx, POW2=pow2, BF16_BITS=bf16,
-                        num_warps=8 if br * bc > _TILE_ELEMS else 4)
+    _quant_kernel[grid](
+        x_GRC.view(torch.int16) if bf16 else x_GRC,
+        codes_GRC.view(torch.uint8),
+        scales,
+        G,
+        R,
+        C,
+        *x_GRC.stride(),
+        *codes_GRC.stride(),
+        *scales.stride(),
+        TILE_R=tile[0],
+        TILE_C=tile[1],
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        MX=mx,
+        POW2=pow2,
+        BF16_BITS=bf16,
+        num_warps=8 if br * bc > _TILE_ELEMS else 4,
+    )
 
 
 def _launch_dequant(codes_GRC, scales_GRbCb, tile, mx: bool) -> torch.Tensor:
@@ -372,8 +478,20 @@ def _launch_dequant(codes_GRC, scales_GRbCb, tile, mx: bool) -> torch.Tensor:
     br, bc = _blocks((1, 128), R, C)  # any block works: scales are gathered per element
     scales = scales_GRbCb.view(torch.uint8) if mx else scales_GRbCb
     _dequant_kernel[(G * cdiv(R, br) * cdiv(C, bc),)](
-        codes_GRC.view(torch.uint8), scales, out, G, R, C, *codes_GRC.stride(), *scales.stride(),
-        TILE_R=tile[0], TILE_C=tile[1], BLOCK_R=br, BLOCK_C=bc, MX=mx)
+        codes_GRC.view(torch.uint8),
+        scales,
+        out,
+        G,
+        R,
+        C,
+        *codes_GRC.stride(),
+        *scales.stride(),
+        TILE_R=tile[0],
+        TILE_C=tile[1],
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        MX=mx,
+    )
     return out
 
 
@@ -385,27 +503,49 @@ def _empty_codes(shape, like):
 
 
 @torch.library.custom_op("moevlm::fp8_quant_blockwise_act", mutates_args=())
-def _quant_act_op(x_MK: torch.Tensor, block: int, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_act_op(
+    x_MK: torch.Tensor, block: int, pow2_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K) = x_MK.shape
-    codes, scales = _empty_codes((M, K), x_MK), x_MK.new_empty(M, cdiv(K, block), dtype=torch.float32)
-    _launch_quant(x_MK.unsqueeze(0), (1, block), codes.unsqueeze(0), scales.unsqueeze(0), False, pow2_scales)
+    codes, scales = (
+        _empty_codes((M, K), x_MK),
+        x_MK.new_empty(M, cdiv(K, block), dtype=torch.float32),
+    )
+    _launch_quant(
+        x_MK.unsqueeze(0), (1, block), codes.unsqueeze(0), scales.unsqueeze(0), False, pow2_scales
+    )
     return codes, scales
 
 
 @torch.library.custom_op("moevlm::fp8_quant_blockwise_act_t", mutates_args=())
-def _quant_act_t_op(x_MK: torch.Tensor, block: int, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_act_t_op(
+    x_MK: torch.Tensor, block: int, pow2_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     (M, K) = x_MK.shape
-    codes_KM, scales = _empty_codes((K, M), x_MK), x_MK.new_empty(K, cdiv(M, block), dtype=torch.float32)
+    codes_KM, scales = (
+        _empty_codes((K, M), x_MK),
+        x_MK.new_empty(K, cdiv(M, block), dtype=torch.float32),
+    )
     # x read as (1, M, K) with (block, 1) tiles; codes and scales written through their transposes
-    _launch_quant(x_MK.unsqueeze(0), (block, 1), codes_KM.t().unsqueeze(0), scales.t().unsqueeze(0), False,
-                  pow2_scales)
+    _launch_quant(
+        x_MK.unsqueeze(0),
+        (block, 1),
+        codes_KM.t().unsqueeze(0),
+        scales.t().unsqueeze(0),
+        False,
+        pow2_scales,
+    )
     return codes_KM, scales
 
 
 @torch.library.custom_op("moevlm::fp8_quant_blockwise_weight", mutates_args=())
-def _quant_weight_op(w: torch.Tensor, block: int, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_weight_op(
+    w: torch.Tensor, block: int, pow2_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _empty_codes(w.shape, w)
-    scales = w.new_empty(*w.shape[:-2], cdiv(w.shape[-2], block), cdiv(w.shape[-1], block), dtype=torch.float32)
+    scales = w.new_empty(
+        *w.shape[:-2], cdiv(w.shape[-2], block), cdiv(w.shape[-1], block), dtype=torch.float32
+    )
     _launch_quant(_as_grc(w), (block, block), _as_grc(codes), _as_grc(scales), False, pow2_scales)
     return codes, scales
 
@@ -415,7 +555,9 @@ def _quant_mx_op(x: torch.Tensor, block: int, dim: int) -> tuple[torch.Tensor, t
     x_GRC, dim = _mx_view(x, dim)
     codes = _empty_codes(x.shape, x)
     scales = torch.empty(_mx_scale_shape(x.shape, dim, block), dtype=_E8M0, device=x.device)
-    _launch_quant(x_GRC, _mx_tile(dim, block), _mx_view(codes, dim)[0], _mx_view(scales, dim)[0], True, False)
+    _launch_quant(
+        x_GRC, _mx_tile(dim, block), _mx_view(codes, dim)[0], _mx_view(scales, dim)[0], True, False
+    )
     return codes, scales
 
 
@@ -428,7 +570,9 @@ def _dequant_op(codes: torch.Tensor, scales: torch.Tensor, block: int, layout: s
 @torch.library.custom_op("moevlm::fp8_dequant_mxfp8", mutates_args=())
 def _dequant_mx_op(codes: torch.Tensor, scales: torch.Tensor, block: int, dim: int) -> torch.Tensor:
     codes_GRC, dim = _mx_view(codes, dim)
-    return _launch_dequant(codes_GRC, _mx_view(scales, dim)[0], _mx_tile(dim, block), True).view(codes.shape)
+    return _launch_dequant(codes_GRC, _mx_view(scales, dim)[0], _mx_tile(dim, block), True).view(
+        codes.shape
+    )
 
 
 @_quant_act_op.register_fake
@@ -452,7 +596,9 @@ def _(w, block, pow2_scales):
 @_quant_mx_op.register_fake
 def _(x, block, dim):
     dim = -1 if dim in (-1, x.dim() - 1) else dim
-    return x.new_empty(x.shape, dtype=_FP8), x.new_empty(_mx_scale_shape(x.shape, dim, block), dtype=_E8M0)
+    return x.new_empty(x.shape, dtype=_FP8), x.new_empty(
+        _mx_scale_shape(x.shape, dim, block), dtype=_E8M0
+    )
 
 
 @_dequant_op.register_fake
@@ -468,14 +614,24 @@ def _(codes, scales, block, dim):
 # ---------------------------------------------------------------- public API
 
 
-def _check(name: str, backend: str, x: torch.Tensor, block: int, dims: tuple[int, ...],
-           dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+def _check(
+    name: str,
+    backend: str,
+    x: torch.Tensor,
+    block: int,
+    dims: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"{name}: backend {backend!r} is not available; choose one of {list(BACKENDS)}")
+        raise ValueError(
+            f"{name}: backend {backend!r} is not available; choose one of {list(BACKENDS)}"
+        )
     if x.dtype not in dtypes:
         raise TypeError(f"{name} takes {', '.join(str(d) for d in dtypes)} input, got {x.dtype}")
     if x.dim() not in dims:
-        raise ValueError(f"{name} takes a tensor of {' or '.join(map(str, dims))} dims, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} takes a tensor of {' or '.join(map(str, dims))} dims, got shape {tuple(x.shape)}"
+        )
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"{name}: block must be a positive int, got {block!r}")
     if backend != "triton":
@@ -486,7 +642,9 @@ def _check(name: str, backend: str, x: torch.Tensor, block: int, dims: tuple[int
     common.require_kernel_device(f"{name} backend='triton'", x)
 
 
-def quant_blockwise_act(x_MK: torch.Tensor, block: int = 128, pow2_scales: bool = False, backend: str = "torch"):
+def quant_blockwise_act(
+    x_MK: torch.Tensor, block: int = 128, pow2_scales: bool = False, backend: str = "torch"
+):
     """(codes_MK e4m3, scales (M, ceil(K/block)) fp32): 1 x block tiles along K."""
     _check("quant_blockwise_act", backend, x_MK, block, (2,))
     if backend == "torch":
@@ -494,8 +652,13 @@ def quant_blockwise_act(x_MK: torch.Tensor, block: int = 128, pow2_scales: bool 
     return _quant_act_op(x_MK, block, pow2_scales)
 
 
-def quant_blockwise_act_t(x_MK: torch.Tensor, block: int = 128, pow2_scales: bool = False,
-                          counts_E: torch.Tensor | None = None, backend: str = "torch"):
+def quant_blockwise_act_t(
+    x_MK: torch.Tensor,
+    block: int = 128,
+    pow2_scales: bool = False,
+    counts_E: torch.Tensor | None = None,
+    backend: str = "torch",
+):
     """(codes_KM e4m3 = x^T contiguous, scales (K, ceil(M/block)) fp32): 1 x block tiles along M of x^T.  With
     `counts_E` (rows per expert) every count must be a multiple of block (host check)."""
     _check("quant_blockwise_act_t", backend, x_MK, block, (2,))
@@ -505,7 +668,9 @@ def quant_blockwise_act_t(x_MK: torch.Tensor, block: int = 128, pow2_scales: boo
     return _quant_act_t_op(x_MK, block, pow2_scales)
 
 
-def quant_blockwise_weight(w: torch.Tensor, block: int = 128, pow2_scales: bool = False, backend: str = "torch"):
+def quant_blockwise_weight(
+    w: torch.Tensor, block: int = 128, pow2_scales: bool = False, backend: str = "torch"
+):
     """w (K, N) or (E, K, N) -> (codes e4m3, scales (..., ceil(K/block), ceil(N/block)) fp32): block x block."""
     _check("quant_blockwise_weight", backend, w, block, (2, 3))
     if backend == "torch":
@@ -513,18 +678,27 @@ def quant_blockwise_weight(w: torch.Tensor, block: int = 128, pow2_scales: bool 
     return _quant_weight_op(w, block, pow2_scales)
 
 
-def dequant_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: int = 128, layout: str = "act",
-                      backend: str = "torch") -> torch.Tensor:
+def dequant_blockwise(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = 128,
+    layout: str = "act",
+    backend: str = "torch",
+) -> torch.Tensor:
     """fp32 codes * scales for a layout: "act" (M, K), "act_t" (K, M) (both 1 x block tiles along the last dim)
     or "weight" ((E,) K, N; block x block)."""
     if layout not in LAYOUTS:
         raise ValueError(f"dequant_blockwise: layout {layout!r}; choose one of {list(LAYOUTS)}")
-    _check("dequant_blockwise", backend, codes, block, (2, 3) if layout == "weight" else (2,), (_FP8,))
+    _check(
+        "dequant_blockwise", backend, codes, block, (2, 3) if layout == "weight" else (2,), (_FP8,)
+    )
     tile = (block, block) if layout == "weight" else (1, block)
     want = (*codes.shape[:-2], *(cdiv(n, t) for n, t in zip(codes.shape[-2:], tile)))
     if tuple(scales.shape) != want or scales.dtype != torch.float32:
-        raise ValueError(f"dequant_blockwise: codes {tuple(codes.shape)} with layout {layout!r} want fp32 scales "
-                         f"{want}, got {scales.dtype} {tuple(scales.shape)}")
+        raise ValueError(
+            f"dequant_blockwise: codes {tuple(codes.shape)} with layout {layout!r} want fp32 scales "
+            f"{want}, got {scales.dtype} {tuple(scales.shape)}"
+        )
     if backend == "torch":
         return dequant_blockwise_torch(codes, scales, block, layout)
     return _dequant_op(codes, scales, block, layout)
@@ -539,13 +713,20 @@ def quant_mxfp8(x: torch.Tensor, block: int = 32, dim: int = -1, backend: str = 
     return _quant_mx_op(x, block, dim)
 
 
-def dequant_mxfp8(codes: torch.Tensor, scales: torch.Tensor, block: int = 32, dim: int = -1,
-                  backend: str = "torch") -> torch.Tensor:
+def dequant_mxfp8(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int = 32,
+    dim: int = -1,
+    backend: str = "torch",
+) -> torch.Tensor:
     _check("dequant_mxfp8", backend, codes, block, tuple(range(1, 9)), (_FP8,))
     want = _mx_scale_shape(codes.shape, _mx_view(codes, dim)[1], block)
     if list(scales.shape) != want or scales.dtype != _E8M0:
-        raise ValueError(f"dequant_mxfp8: codes {tuple(codes.shape)} with dim={dim} want e8m0 scales {tuple(want)}, "
-                         f"got {scales.dtype} {tuple(scales.shape)}")
+        raise ValueError(
+            f"dequant_mxfp8: codes {tuple(codes.shape)} with dim={dim} want e8m0 scales {tuple(want)}, "
+            f"got {scales.dtype} {tuple(scales.shape)}"
+        )
     if backend == "torch":
         return dequant_mxfp8_torch(codes, scales, block, dim)
     return _dequant_mx_op(codes, scales, block, dim)

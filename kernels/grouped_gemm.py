@@ -30,7 +30,9 @@ if triton is not None:
     from moevlm.kernels.grouped_gemm_triton import grouped_mm_triton
 
 
-def grouped_mm_loop(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm_loop(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
     chunks = x_MK.split(counts_E.tolist())
     return torch.cat([xe @ w_EKN[e] for e, xe in enumerate(chunks)])
 
@@ -39,11 +41,15 @@ def _contiguous_grad(g: torch.Tensor) -> torch.Tensor:
     return g.contiguous()
 
 
-def grouped_mm_torch(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm_torch(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
     offs = counts_E.cumsum(0, dtype=torch.int32)
     out = torch._grouped_mm(x_MK, w_EKN, offs=offs)
     if out.requires_grad:
-        out.register_hook(_contiguous_grad)  # runs on the gradient before _grouped_mm's backward sees it
+        out.register_hook(
+            _contiguous_grad
+        )  # runs on the gradient before _grouped_mm's backward sees it
     return out
 
 
@@ -52,11 +58,17 @@ if grouped_mm_triton is not None:
     GROUPED_GEMMS["triton"] = grouped_mm_triton
 
 
-def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, backend: str = "torch"):
+def grouped_mm(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, backend: str = "torch"
+):
     if backend == "triton" and grouped_mm_triton is None:
-        raise ImportError("grouped GEMM backend 'triton' needs the `triton` package, which is not installed: "
-                          "`pip install triton` (CUDA builds of torch bring it), "
-                          f"or choose one of {sorted(GROUPED_GEMMS)}")
+        raise ImportError(
+            "grouped GEMM backend 'triton' needs the `triton` package, which is not installed: "
+            "`pip install triton` (CUDA builds of torch bring it), "
+            f"or choose one of {sorted(GROUPED_GEMMS)}"
+        )
     if backend not in GROUPED_GEMMS:
-        raise ValueError(f"grouped GEMM backend {backend!r} is not available; choose one of {sorted(GROUPED_GEMMS)}")
+        raise ValueError(
+            f"grouped GEMM backend {backend!r} is not available; choose one of {sorted(GROUPED_GEMMS)}"
+        )
     return GROUPED_GEMMS[backend](x_MK, w_EKN, counts_E)

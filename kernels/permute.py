@@ -130,6 +130,7 @@ def _weight_grad_torch(dy_TD, y_MD, row_TK):
 
 # ---------------------------------------------------------------- Triton kernels
 
+
 def _require_triton():
     return common.require_triton("permute backend='triton'")
 
@@ -140,8 +141,20 @@ def _kernels():
     jit = _require_triton().jit
 
     @jit
-    def scatter_rows(x_ptr, row_ptr, w_ptr, out_ptr, T, D, stride_xt, stride_xd,
-                     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def scatter_rows(
+        x_ptr,
+        row_ptr,
+        w_ptr,
+        out_ptr,
+        T,
+        D,
+        stride_xt,
+        stride_xd,
+        K: tl.constexpr,
+        HAS_W: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_t = offs_t < T
@@ -156,8 +169,20 @@ def _kernels():
             tl.store(out_ptr + row[:, None] * D + offs_d[None, :], val, mask=mask)
 
     @jit
-    def gather_rows(y_ptr, row_ptr, w_ptr, out_ptr, T, D, stride_ym, stride_yd,
-                    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def gather_rows(
+        y_ptr,
+        row_ptr,
+        w_ptr,
+        out_ptr,
+        T,
+        D,
+        stride_ym,
+        stride_yd,
+        K: tl.constexpr,
+        HAS_W: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_t = offs_t < T
@@ -165,19 +190,40 @@ def _kernels():
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for k in tl.static_range(K):
             row = tl.load(row_ptr + offs_t * K + k, mask=mask_t, other=0)
-            y = tl.load(y_ptr + row[:, None] * stride_ym + offs_d[None, :] * stride_yd, mask=mask, other=0.0)
+            y = tl.load(
+                y_ptr + row[:, None] * stride_ym + offs_d[None, :] * stride_yd, mask=mask, other=0.0
+            )
             if HAS_W:
                 w = tl.load(w_ptr + offs_t * K + k, mask=mask_t, other=0.0).to(tl.float32)
                 acc += y.to(tl.float32) * w[:, None]
             else:
                 acc += y.to(tl.float32)
-        tl.store(out_ptr + offs_t[:, None] * D + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + offs_t[:, None] * D + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
     @jit
-    def unpermute_bwd(dy_ptr, y_ptr, row_ptr, w_ptr, dyrows_ptr, dw_ptr, T, D,
-                      stride_dyt, stride_dyd, stride_ym, stride_yd,
-                      K: tl.constexpr, K_P2: tl.constexpr, NEED_DW: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def unpermute_bwd(
+        dy_ptr,
+        y_ptr,
+        row_ptr,
+        w_ptr,
+        dyrows_ptr,
+        dw_ptr,
+        T,
+        D,
+        stride_dyt,
+        stride_dyd,
+        stride_ym,
+        stride_yd,
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        NEED_DW: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         ks = tl.arange(0, K_P2)
@@ -185,19 +231,29 @@ def _kernels():
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask = mask_t[:, None] & (offs_d < D)[None, :]
-            dy = tl.load(dy_ptr + offs_t[:, None] * stride_dyt + offs_d[None, :] * stride_dyd,
-                         mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(
+                dy_ptr + offs_t[:, None] * stride_dyt + offs_d[None, :] * stride_dyd,
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
             for k in tl.static_range(K):
                 row = tl.load(row_ptr + offs_t * K + k, mask=mask_t, other=0)
                 w = tl.load(w_ptr + offs_t * K + k, mask=mask_t, other=0.0).to(tl.float32)
                 val = (dy * w[:, None]).to(dyrows_ptr.dtype.element_ty)
                 tl.store(dyrows_ptr + row[:, None] * D + offs_d[None, :], val, mask=mask)
                 if NEED_DW:
-                    y = tl.load(y_ptr + row[:, None] * stride_ym + offs_d[None, :] * stride_yd,
-                                mask=mask, other=0.0).to(tl.float32)
+                    y = tl.load(
+                        y_ptr + row[:, None] * stride_ym + offs_d[None, :] * stride_yd,
+                        mask=mask,
+                        other=0.0,
+                    ).to(tl.float32)
                     dw += tl.where(ks[None, :] == k, tl.sum(dy * y, axis=1)[:, None], 0.0)
         if NEED_DW:
-            tl.store(dw_ptr + offs_t[:, None] * K + ks[None, :], dw, mask=mask_t[:, None] & (ks < K)[None, :])
+            tl.store(
+                dw_ptr + offs_t[:, None] * K + ks[None, :],
+                dw,
+                mask=mask_t[:, None] & (ks < K)[None, :],
+            )
 
     @jit
     def zero_padding(out_ptr, ends_ptr, pads_ptr, D, BLOCK_D: tl.constexpr):
@@ -222,7 +278,9 @@ def _zero_padding_triton(out_MD, row_TK, rows_E, tokens_E):
         return  # no padding rows
     _, block_d = _blocks(1, out_MD.shape[1])
     grid = (rows_E.numel(), cdiv(out_MD.shape[1], block_d))
-    _kernels()[3][grid](out_MD, rows_E.cumsum(0), rows_E - tokens_E, out_MD.shape[1], BLOCK_D=block_d)
+    _kernels()[3][grid](
+        out_MD, rows_E.cumsum(0), rows_E - tokens_E, out_MD.shape[1], BLOCK_D=block_d
+    )
 
 
 def _scatter_triton(x_TD, row_TK, w_TK, rows_E, tokens_E, num_rows):
@@ -231,8 +289,19 @@ def _scatter_triton(x_TD, row_TK, w_TK, rows_E, tokens_E, num_rows):
     if T * D > 0:
         bt, bd = _blocks(T, D)
         grid = (cdiv(T, bt), cdiv(D, bd))
-        _kernels()[0][grid](x_TD, row_TK.contiguous(), w_TK if w_TK is not None else row_TK, out_MD, T, D,
-                            *x_TD.stride(), K=K, HAS_W=w_TK is not None, BLOCK_T=bt, BLOCK_D=bd)
+        _kernels()[0][grid](
+            x_TD,
+            row_TK.contiguous(),
+            w_TK if w_TK is not None else row_TK,
+            out_MD,
+            T,
+            D,
+            *x_TD.stride(),
+            K=K,
+            HAS_W=w_TK is not None,
+            BLOCK_T=bt,
+            BLOCK_D=bd,
+        )
     _zero_padding_triton(out_MD, row_TK, rows_E, tokens_E)
     return out_MD
 
@@ -243,8 +312,19 @@ def _gather_triton(y_MD, row_TK, w_TK):
     if T * D > 0:
         bt, bd = _blocks(T, D)
         grid = (cdiv(T, bt), cdiv(D, bd))
-        _kernels()[1][grid](y_MD, row_TK.contiguous(), w_TK if w_TK is not None else row_TK, out_TD, T, D,
-                            *y_MD.stride(), K=K, HAS_W=w_TK is not None, BLOCK_T=bt, BLOCK_D=bd)
+        _kernels()[1][grid](
+            y_MD,
+            row_TK.contiguous(),
+            w_TK if w_TK is not None else row_TK,
+            out_TD,
+            T,
+            D,
+            *y_MD.stride(),
+            K=K,
+            HAS_W=w_TK is not None,
+            BLOCK_T=bt,
+            BLOCK_D=bd,
+        )
     return out_TD
 
 
@@ -255,9 +335,22 @@ def _unpermute_bwd_triton(dy_TD, y_MD, row_TK, w_TK, rows_E, tokens_E, need_dw):
     if T * D > 0:
         bt, bd = _blocks(T, D)
         _kernels()[2][(cdiv(T, bt),)](
-            dy_TD, y_MD, row_TK.contiguous(), w_TK.contiguous(), dy_MD, dw_TK if need_dw else w_TK, T, D,
+            dy_TD,
+            y_MD,
+            row_TK.contiguous(),
+            w_TK.contiguous(),
+            dy_MD,
+            dw_TK if need_dw else w_TK,
+            T,
+            D,
             *dy_TD.stride(),
-            *y_MD.stride(), K=K, K_P2=_require_triton().next_power_of_2(K), NEED_DW=need_dw, BLOCK_T=bt, BLOCK_D=bd)
+            *y_MD.stride(),
+            K=K,
+            K_P2=_require_triton().next_power_of_2(K),
+            NEED_DW=need_dw,
+            BLOCK_T=bt,
+            BLOCK_D=bd,
+        )
     _zero_padding_triton(dy_MD, row_TK, rows_E, tokens_E)
     return dy_MD, dw_TK
 
@@ -274,8 +367,14 @@ def _gather(backend, *args):
 
 
 @torch.library.custom_op("moevlm::permute", mutates_args=())
-def _permute_op(x_TD: torch.Tensor, row_TK: torch.Tensor, rows_E: torch.Tensor, tokens_E: torch.Tensor,
-                num_rows: int, backend: str) -> torch.Tensor:
+def _permute_op(
+    x_TD: torch.Tensor,
+    row_TK: torch.Tensor,
+    rows_E: torch.Tensor,
+    tokens_E: torch.Tensor,
+    num_rows: int,
+    backend: str,
+) -> torch.Tensor:
     return _scatter(backend, x_TD, row_TK, None, rows_E, tokens_E, num_rows)
 
 
@@ -285,18 +384,33 @@ def _permute_backward_op(dx_MD: torch.Tensor, row_TK: torch.Tensor, backend: str
 
 
 @torch.library.custom_op("moevlm::unpermute", mutates_args=())
-def _unpermute_op(y_MD: torch.Tensor, row_TK: torch.Tensor, topk_w_TK: torch.Tensor, rows_E: torch.Tensor,
-                  tokens_E: torch.Tensor, backend: str) -> torch.Tensor:
+def _unpermute_op(
+    y_MD: torch.Tensor,
+    row_TK: torch.Tensor,
+    topk_w_TK: torch.Tensor,
+    rows_E: torch.Tensor,
+    tokens_E: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
     return _gather(backend, y_MD, row_TK, topk_w_TK)
 
 
 @torch.library.custom_op("moevlm::unpermute_backward", mutates_args=())
-def _unpermute_backward_op(dy_TD: torch.Tensor, y_MD: torch.Tensor, row_TK: torch.Tensor, topk_w_TK: torch.Tensor,
-                           rows_E: torch.Tensor, tokens_E: torch.Tensor, need_dw: bool,
-                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpermute_backward_op(
+    dy_TD: torch.Tensor,
+    y_MD: torch.Tensor,
+    row_TK: torch.Tensor,
+    topk_w_TK: torch.Tensor,
+    rows_E: torch.Tensor,
+    tokens_E: torch.Tensor,
+    need_dw: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d y_MD, d topk_w_TK); the latter is empty (0, K) when not `need_dw`."""
     if backend == "triton":
-        dy_MD, dw_TK = _unpermute_bwd_triton(dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw)
+        dy_MD, dw_TK = _unpermute_bwd_triton(
+            dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw
+        )
     else:
         dy_MD = _scatter_torch(dy_TD, row_TK, topk_w_TK, rows_E, tokens_E, y_MD.shape[0])
         dw_TK = _weight_grad_torch(dy_TD, y_MD, row_TK) if need_dw else None
@@ -344,7 +458,9 @@ def _unpermute_setup(ctx, inputs, output):
 def _unpermute_backward(ctx, dy_TD):
     y_MD, row_TK, topk_w_TK, rows_E, tokens_E = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[2]
-    dy_MD, dw_TK = _unpermute_backward_op(dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw, ctx.backend)
+    dy_MD, dw_TK = _unpermute_backward_op(
+        dy_TD, y_MD, row_TK, topk_w_TK, rows_E, tokens_E, need_dw, ctx.backend
+    )
     return dy_MD, None, dw_TK if need_dw else None, None, None, None
 
 
@@ -357,7 +473,9 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_se
 
 def _check(backend: str, *tensors: torch.Tensor) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"permute backend {backend!r} is not available; choose one of {list(BACKENDS)}")
+        raise ValueError(
+            f"permute backend {backend!r} is not available; choose one of {list(BACKENDS)}"
+        )
     for t in tensors:
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"permute/unpermute take fp32, fp16 or bf16 rows, got {t.dtype}")
@@ -369,14 +487,28 @@ def _check(backend: str, *tensors: torch.Tensor) -> None:
 def permute(x_TD: torch.Tensor, plan: PermutePlan, backend: str = "torch") -> torch.Tensor:
     """x_MD[row(t,k)] = x_TD[t] for every choice; padding rows are zeros.  Unweighted."""
     _check(backend, x_TD)
-    return _permute_op(x_TD, plan.row_of_choice_TK, plan.rows_per_expert_E, plan.tokens_per_expert_E,
-                       plan.num_rows, backend)
+    return _permute_op(
+        x_TD,
+        plan.row_of_choice_TK,
+        plan.rows_per_expert_E,
+        plan.tokens_per_expert_E,
+        plan.num_rows,
+        backend,
+    )
 
 
-def unpermute(y_MD: torch.Tensor, plan: PermutePlan, topk_w_TK: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+def unpermute(
+    y_MD: torch.Tensor, plan: PermutePlan, topk_w_TK: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
     """y_TD[t] = sum_k topk_w[t,k] * y_MD[row(t,k)], in fp32, returned in y's dtype."""
     _check(backend, y_MD)
     if y_MD.shape[0] != plan.num_rows:
         raise ValueError(f"unpermute got {y_MD.shape[0]} rows, the plan has {plan.num_rows}")
-    return _unpermute_op(y_MD, plan.row_of_choice_TK, topk_w_TK, plan.rows_per_expert_E,
-                         plan.tokens_per_expert_E, backend)
+    return _unpermute_op(
+        y_MD,
+        plan.row_of_choice_TK,
+        topk_w_TK,
+        plan.rows_per_expert_E,
+        plan.tokens_per_expert_E,
+        backend,
+    )

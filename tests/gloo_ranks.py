@@ -16,12 +16,19 @@ import torch.multiprocessing as mp
 
 
 def run_ranks(check, world: int, tmp_path, *args, timeout_s: int = 120) -> None:
-    mp.spawn(_rank, args=(check, world, str(tmp_path / "rdzv"), args, timeout_s), nprocs=world, join=True)
+    mp.spawn(
+        _rank, args=(check, world, str(tmp_path / "rdzv"), args, timeout_s), nprocs=world, join=True
+    )
 
 
 def _rank(rank: int, check, world: int, init_file: str, args: tuple, timeout_s: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         torch.set_num_threads(1)  # N ranks share 2 cores
         check(rank, *args)

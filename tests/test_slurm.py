@@ -50,21 +50,46 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path), "FAKE_SRUN": srun_mode,
-           "SLURM_JOB_ID": "4711", "SLURM_JOB_NAME": "vlm", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_GPUS_ON_NODE": "4"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path),
+        "FAKE_SRUN": srun_mode,
+        "SLURM_JOB_ID": "4711",
+        "SLURM_JOB_NAME": "vlm",
+        "SLURM_JOB_NODELIST": "gpu-a[17-18]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "SLURM_GPUS_ON_NODE": "4",
+    }
     env.pop("RUN_DIR", None)
-    proc = subprocess.Popen(["bash", str(SCRIPT), *overrides], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), *overrides], env=env, stdout=subprocess.PIPE, text=True
+    )
     if send is not None:
         deadline = time.monotonic() + 20
         while not (tmp_path / "srun.ready").exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "the fake srun never started"
+            assert time.monotonic() < deadline and proc.poll() is None, (
+                "the fake srun never started"
+            )
             time.sleep(0.05)
         proc.send_signal(send)
     out, _ = proc.communicate(timeout=30)
-    requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
-    signals = (tmp_path / "srun.signals").read_text().split() if (tmp_path / "srun.signals").exists() else []
-    return proc.returncode, (tmp_path / "srun.args").read_text().splitlines(), requeued, signals, out
+    requeued = (
+        (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+    )
+    signals = (
+        (tmp_path / "srun.signals").read_text().split()
+        if (tmp_path / "srun.signals").exists()
+        else []
+    )
+    return (
+        proc.returncode,
+        (tmp_path / "srun.args").read_text().splitlines(),
+        requeued,
+        signals,
+        out,
+    )
 
 
 def test_script_is_valid_bash_with_the_documented_settings():
@@ -76,15 +101,22 @@ def test_script_is_valid_bash_with_the_documented_settings():
 
 def test_one_torchrun_per_node_with_c10d_rendezvous_and_overrides_passed_through(tmp_path):
     shards = "data.shards='/data/shard-{000000..000099}.tar'"
-    code, args, requeued, _, out = run_script(tmp_path, "exit0", None, "+experiment=gb200_3d", shards, "optim.lr=1e-4")
+    code, args, requeued, _, out = run_script(
+        tmp_path, "exit0", None, "+experiment=gb200_3d", shards, "optim.lr=1e-4"
+    )
     assert code == 0 and requeued == []
     i = args.index("torchrun")
     assert "--ntasks-per-node=1" in args[:i]
-    ns = get_args_parser().parse_args(args[i + 1:])  # torchrun accepts every flag
+    ns = get_args_parser().parse_args(args[i + 1 :])  # torchrun accepts every flag
     assert (ns.nnodes, ns.nproc_per_node, ns.rdzv_backend) == ("2", "4", "c10d")
     assert (ns.rdzv_id, ns.rdzv_endpoint, ns.shutdown_timeout) == ("4711", "gpu-a17:29500", 110)
     assert ns.training_script == "train.py"
-    assert ns.training_script_args == ["train.run_dir=runs/vlm-4711", "+experiment=gb200_3d", shards, "optim.lr=1e-4"]
+    assert ns.training_script_args == [
+        "train.run_dir=runs/vlm-4711",
+        "+experiment=gb200_3d",
+        shards,
+        "optim.lr=1e-4",
+    ]
     assert "rendezvous at gpu-a17:29500, run dir runs/vlm-4711" in out
 
 
@@ -100,9 +132,11 @@ def test_time_limit_warning_checkpoints_and_requeues(tmp_path, send, requeue):
 
 def test_readme_multinode_torchrun_command_parses():
     text = (REPO / "README.md").read_text()
-    section = text[text.index("### Multi-node"):text.index("## The model as a library")]
+    section = text[text.index("### Multi-node") : text.index("## The model as a library")]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).replace("\\\n", " ")
     (line,) = [ln for ln in block.splitlines() if ln.startswith("torchrun")]
     ns = get_args_parser().parse_args(shlex.split(line)[1:])
     assert ns.rdzv_backend == "c10d" and ns.nnodes == "4" and ns.rdzv_endpoint == "node001:29500"
-    assert ns.training_script == "train.py" and any(a.startswith("train.run_dir=") for a in ns.training_script_args)
+    assert ns.training_script == "train.py" and any(
+        a.startswith("train.run_dir=") for a in ns.training_script_args
+    )

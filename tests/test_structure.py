@@ -17,7 +17,9 @@ SOURCES = sorted([*(ROOT / "moevlm").rglob("*.py"), *(ROOT / "kernels").rglob("*
 
 
 def _functions_in_scope(tree: ast.AST) -> set[str]:
-    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {
+        n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
 
 
 def _is_function_value(value: ast.AST, local_defs: set[str]) -> bool:
@@ -39,16 +41,27 @@ def _problems(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             for target in node.targets:
-                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
                     if isinstance(t, ast.Attribute) and t.attr == "__class__":
                         out.append(f"{path.name}:{node.lineno} assigns __class__")
-                    elif (isinstance(t, ast.Attribute) and _is_function_value(node.value, local_defs)
-                          and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
-                        out.append(f"{path.name}:{node.lineno} assigns a function to {ast.unparse(t)}")
+                    elif (
+                        isinstance(t, ast.Attribute)
+                        and _is_function_value(node.value, local_defs)
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                    ):
+                        out.append(
+                            f"{path.name}:{node.lineno} assigns a function to {ast.unparse(t)}"
+                        )
                     elif isinstance(t, ast.Subscript) and ast.unparse(t.value).endswith("__dict__"):
                         if _is_function_value(node.value, local_defs):
-                            out.append(f"{path.name}:{node.lineno} puts a function in {ast.unparse(t.value)}")
-        if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and len(node.args) == 3:
+                            out.append(
+                                f"{path.name}:{node.lineno} puts a function in {ast.unparse(t.value)}"
+                            )
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "setattr"
+            and len(node.args) == 3
+        ):
             if _is_function_value(node.args[2], local_defs):
                 out.append(f"{path.name}:{node.lineno} setattr of a function")
     return out
@@ -61,11 +74,13 @@ def test_no_class_rewriting_or_method_patching_in_the_product():
 
 def test_the_check_above_finds_what_it_forbids(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch\n"
-                   "def f(m):\n    m.__class__ = int\n"
-                   "def g(m):\n    def run(*a):\n        return a\n    m.forward = run\n"
-                   "def h(m):\n    m.forward = torch.compiler.disable(m.forward)\n"
-                   "def k(m):\n    m.__dict__['x'] = lambda: 0\n")
+    bad.write_text(
+        "import torch\n"
+        "def f(m):\n    m.__class__ = int\n"
+        "def g(m):\n    def run(*a):\n        return a\n    m.forward = run\n"
+        "def h(m):\n    m.forward = torch.compiler.disable(m.forward)\n"
+        "def k(m):\n    m.__dict__['x'] = lambda: 0\n"
+    )
     assert len(_problems(bad)) == 4, _problems(bad)
 
 
@@ -74,12 +89,21 @@ def test_model_imports_no_parallelism():
     banned = ("moevlm.parallel", "moevlm.train", "moevlm.data", "moevlm.dispatch")
     for path in (ROOT / "moevlm" / "model").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not [n for n in names if n.startswith(banned)], (path.name, node.lineno, names)
-    code = ("import sys, moevlm.model; "
-            "print(sorted(m for m in sys.modules if m.startswith(('moevlm.parallel', 'moevlm.dispatch'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys, moevlm.model; "
+        "print(sorted(m for m in sys.modules if m.startswith(('moevlm.parallel', 'moevlm.dispatch'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]", out
 
 
@@ -91,15 +115,28 @@ def test_built_model_has_no_function_attributes_and_repr_shows_what_runs():
 
     cfg = VLMConfig.preset("tiny")
     cfg.attn_backend = "sdpa"
-    model, ctx = build_model(cfg, ParallelDims(1), recompute=("selective", ("core_attn", "moe_act", "layernorm")),
-                             cuda_graph_scope=("moe_router",))
+    model, ctx = build_model(
+        cfg,
+        ParallelDims(1),
+        recompute=("selective", ("core_attn", "moe_act", "layernorm")),
+        cuda_graph_scope=("moe_router",),
+    )
     for name, m in model.named_modules():
-        own = {k: v for k, v in vars(m).items() if isinstance(v, (types.FunctionType, types.MethodType))}
+        own = {
+            k: v
+            for k, v in vars(m).items()
+            if isinstance(v, (types.FunctionType, types.MethodType))
+        }
         assert not own, (name, own)
     text = repr(model)
-    assert "Recompute()" in text and "GraphedRegion(moe_router" in text and "LocalDispatcher(local" in text
+    assert (
+        "Recompute()" in text
+        and "GraphedRegion(moe_router" in text
+        and "LocalDispatcher(local" in text
+    )
     assert ctx.cuda_graphs is not None and len(ctx.cuda_graphs.regions) == sum(
-        layer.is_moe for layer in model.text.layers)
+        layer.is_moe for layer in model.text.layers
+    )
 
 
 @pytest.mark.parametrize("name", ["local", "alltoall"])

@@ -43,7 +43,9 @@ class MicroBatch:
     labels: torch.Tensor  # (B, S), -100 where no loss
     position_ids: torch.Tensor  # (3, B, S) M-RoPE positions
     cu_seqlens: torch.Tensor  # (B(J+2),) int32 document boundaries in the flattened B*S tokens
-    token_mask: torch.Tensor  # (B, S) bool, True at real tokens (padding stays out of router statistics)
+    token_mask: (
+        torch.Tensor
+    )  # (B, S) bool, True at real tokens (padding stays out of router statistics)
     pixel_values: torch.Tensor | None  # (B Np, D), real patches first
     image_grid_thw: torch.Tensor | None  # (B I, 3), real grids first, zero rows after
     loss_tokens: int  # tokens with a target
@@ -51,8 +53,15 @@ class MicroBatch:
     flops: float  # model FLOPs of the real documents and images, training
     n_image: int  # merged image rows
 
-    MODEL_INPUTS: ClassVar[tuple[str, ...]] = ("input_ids", "pixel_values", "image_grid_thw", "position_ids",
-                                               "cu_seqlens", "labels", "token_mask")
+    MODEL_INPUTS: ClassVar[tuple[str, ...]] = (
+        "input_ids",
+        "pixel_values",
+        "image_grid_thw",
+        "position_ids",
+        "cu_seqlens",
+        "labels",
+        "token_mask",
+    )
 
     @classmethod
     def read(cls, rows, *, rows_per_batch: int, model, freeze_vision: bool = False) -> MicroBatch:
@@ -66,14 +75,19 @@ class MicroBatch:
         b = stack_rows(rows)
         S = b["input_ids"].shape[1]
         text_only = b["pixel_values"].shape[0] == 0
-        return cls(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"],
-                   cu_seqlens=b["cu_seqlens"], token_mask=torch.stack([torch.arange(S) < r["useful_tokens"]
-                                                                       for r in rows]),
-                   pixel_values=None if text_only else b["pixel_values"],
-                   image_grid_thw=None if text_only else b["image_grid_thw"],
-                   loss_tokens=b["loss_tokens"], useful_tokens=b["useful_tokens"],
-                   flops=sum(row_flops(r, model, freeze_vision) for r in rows),
-                   n_image=b["useful_patches"] // model.vision.spatial_merge_size**2)
+        return cls(
+            input_ids=b["input_ids"],
+            labels=b["labels"],
+            position_ids=b["position_ids"],
+            cu_seqlens=b["cu_seqlens"],
+            token_mask=torch.stack([torch.arange(S) < r["useful_tokens"] for r in rows]),
+            pixel_values=None if text_only else b["pixel_values"],
+            image_grid_thw=None if text_only else b["image_grid_thw"],
+            loss_tokens=b["loss_tokens"],
+            useful_tokens=b["useful_tokens"],
+            flops=sum(row_flops(r, model, freeze_vision) for r in rows),
+            n_image=b["useful_patches"] // model.vision.spatial_merge_size**2,
+        )
 
     def model_inputs(self) -> dict[str, torch.Tensor | None]:
         """The keyword arguments of the model's forward."""
@@ -81,7 +95,10 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """A copy with the tensors on `device` (non-blocking; counts unchanged)."""
-        moved = {k: None if v is None else v.to(device, non_blocking=True) for k, v in self.model_inputs().items()}
+        moved = {
+            k: None if v is None else v.to(device, non_blocking=True)
+            for k, v in self.model_inputs().items()
+        }
         return dataclasses.replace(self, **moved)
 
     def without_images(self) -> MicroBatch:
@@ -91,7 +108,7 @@ class MicroBatch:
 
 def row_flops(row: dict, model, freeze_vision: bool = False) -> float:
     """Training FLOPs of one packed row: its real documents and images, not the padding."""
-    cu = row["cu_seqlens"][:row["num_samples"] + 1].tolist()
+    cu = row["cu_seqlens"][: row["num_samples"] + 1].tolist()
     docs = [b - a for a, b in zip(cu, cu[1:])]
-    grids = row["image_grid_thw"][:row["num_images"]]
+    grids = row["image_grid_thw"][: row["num_images"]]
     return count_flops(model, docs, grids, training=True, freeze_vision=freeze_vision).total

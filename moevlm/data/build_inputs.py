@@ -69,10 +69,13 @@ from moevlm.data.records import Record, parse_json_bytes
 
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
-LINE_SLACK = 64 << 10  # JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
+LINE_SLACK = (
+    64 << 10
+)  # JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
 
 
 # ---- images -------------------------------------------------------------
+
 
 def resolve_image(p: str, root: Path) -> Path:
     """The real path of image `p`, as a record writes it, inside `root` (a real
@@ -108,12 +111,16 @@ def load_image(p: str, root: Path, max_bytes: int, label: str = "image path") ->
 def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:
     """A regular file's bytes, refused (file_too_large) from its size before any is read."""
     try:
-        _check_size(os.stat(path), max_bytes, shown)  # before opening: no FIFO or device is ever opened
+        _check_size(
+            os.stat(path), max_bytes, shown
+        )  # before opening: no FIFO or device is ever opened
         fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
     except FileNotFoundError:
         raise SkipSample("missing_image", f"{shown} does not exist") from None
     except OSError as e:
-        raise SkipSample("missing_image", f"{shown} cannot be read: {e.strerror or type(e).__name__}") from None
+        raise SkipSample(
+            "missing_image", f"{shown} cannot be read: {e.strerror or type(e).__name__}"
+        ) from None
     with os.fdopen(fd, "rb", buffering=0) as f:
         _check_size(os.fstat(fd), max_bytes, shown)  # the file opened is the file checked
         data = _read_at_most(f, max_bytes + 1)
@@ -129,7 +136,9 @@ def _check_size(st: os.stat_result, max_bytes: int, shown: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise SkipSample("missing_image", f"{shown} is not a file")
     if st.st_size > max_bytes:
-        raise SkipSample("file_too_large", f"{shown} has {st.st_size} bytes, above --max-image-bytes {max_bytes}")
+        raise SkipSample(
+            "file_too_large", f"{shown} has {st.st_size} bytes, above --max-image-bytes {max_bytes}"
+        )
 
 
 def _read_at_most(f, n: int) -> bytes:
@@ -158,7 +167,9 @@ def verify_image(data: bytes, shown: str) -> str:
     except Image.DecompressionBombError as e:
         raise SkipSample("image_too_large", f"{shown}: {e}") from None
     except UnidentifiedImageError:
-        raise SkipSample("not_an_image", f"{shown}: not a {'/'.join(allowed_formats())} image") from None
+        raise SkipSample(
+            "not_an_image", f"{shown}: not a {'/'.join(allowed_formats())} image"
+        ) from None
     except Exception as e:  # PIL reports damage with many exception types
         raise SkipSample("bad_image", f"{shown}: {type(e).__name__}: {e}") from None
     return fmt
@@ -185,8 +196,10 @@ def text_bytes(rec: Record) -> int:
 
 # ---- annotations --------------------------------------------------------
 
-def read_annotations(paths: list[Path], skips: SkipCounter,
-                     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> Iterator[tuple[str, dict]]:
+
+def read_annotations(
+    paths: list[Path], skips: SkipCounter, max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES
+) -> Iterator[tuple[str, dict]]:
     """(where, object) for every record of every file; bad JSONL lines go to `skips`.
     A JSONL line is read up to 6 x max_text_bytes + LINE_SLACK bytes, never whole."""
     for path in paths:
@@ -220,12 +233,16 @@ def count_records(paths: list[Path]) -> int:
 def check_annotation_files(paths: list[Path]) -> None:
     for path in paths:
         if path.suffix not in (".json", ".jsonl"):
-            raise ValueError(f"annotation file {path} must end in .json (a JSON list) or .jsonl (one object a line)")
+            raise ValueError(
+                f"annotation file {path} must end in .json (a JSON list) or .jsonl (one object a line)"
+            )
         if not path.is_file():
             raise FileNotFoundError(f"annotation file {path} does not exist")
         if path.suffix == ".json" and _first_char(path) != "[":
-            raise ValueError(f"{path} does not start with '['; a .json annotation file must hold one JSON list "
-                             "of records (use .jsonl for one object per line)")
+            raise ValueError(
+                f"{path} does not start with '['; a .json annotation file must hold one JSON list "
+                "of records (use .jsonl for one object per line)"
+            )
 
 
 def _first_char(path: Path) -> str:
@@ -239,8 +256,14 @@ def _read_jsonl(path: Path, skips: SkipCounter, max_line: int) -> Iterator[tuple
         for lineno, line in enumerate(_bounded_lines(f, max_line), 1):
             where = f"{path.name}:{lineno}"
             if line is None:
-                skips.add(SkipSample("text_too_large", f"the line is longer than {max_line} bytes "
-                                     "(6 x --max-text-bytes + 64 KiB); not parsed"), where)
+                skips.add(
+                    SkipSample(
+                        "text_too_large",
+                        f"the line is longer than {max_line} bytes "
+                        "(6 x --max-text-bytes + 64 KiB); not parsed",
+                    ),
+                    where,
+                )
             elif line.strip():
                 try:
                     yield where, parse_json_bytes(line)
@@ -264,14 +287,20 @@ def _read_json_list(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         items = json.loads(path.read_bytes().decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{path} is not valid UTF-8 JSON ({e}); a .json annotation file must hold one JSON list "
-                         "(use .jsonl for one object per line)") from None
+        raise ValueError(
+            f"{path} is not valid UTF-8 JSON ({e}); a .json annotation file must hold one JSON list "
+            "(use .jsonl for one object per line)"
+        ) from None
     except RecursionError:
-        raise ValueError(f"{path} nests JSON arrays/objects deeper than the parser allows; a .json file is one "
-                         "document, so the build stops: remove that record, or convert the file to .jsonl "
-                         "(one object per line), where such a line is skipped as bad_json") from None
+        raise ValueError(
+            f"{path} nests JSON arrays/objects deeper than the parser allows; a .json file is one "
+            "document, so the build stops: remove that record, or convert the file to .jsonl "
+            "(one object per line), where such a line is skipped as bad_json"
+        ) from None
     if not isinstance(items, list):
-        raise ValueError(f"{path} holds a JSON {type(items).__name__}; a .json annotation file must hold a list "
-                         "of records (use .jsonl for one object per line)")
+        raise ValueError(
+            f"{path} holds a JSON {type(items).__name__}; a .json annotation file must hold a list "
+            "of records (use .jsonl for one object per line)"
+        )
     for i, obj in enumerate(items):
         yield f"{path.name}[{i}]", obj

@@ -70,8 +70,16 @@ from typing import Callable, Iterable, Iterator
 from tqdm import tqdm
 from webdataset import TarWriter
 
-from moevlm.data.build_inputs import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_TEXT_BYTES, check_annotation_files, count_records,
-                                      load_image, read_annotations, display_path, text_bytes)
+from moevlm.data.build_inputs import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_TEXT_BYTES,
+    check_annotation_files,
+    count_records,
+    load_image,
+    read_annotations,
+    display_path,
+    text_bytes,
+)
 from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.records import KINDS, Record, normalize_record
 
@@ -79,12 +87,15 @@ SHARD_NAME = "shard-{:06d}.tar"
 SHARD_GLOB = "shard-*.tar"
 MTIME = 0  # fixed member mtime: the same input gives the same bytes
 SAMPLE_SHARDS_MIN = 8  # --sample: enough shards to split across ranks x workers
-AUTO_SHARDS = 64  # --samples-per-shard auto: up to this many shards (the largest recipes' data.streams)
+AUTO_SHARDS = (
+    64  # --samples-per-shard auto: up to this many shards (the largest recipes' data.streams)
+)
 MAX_SAMPLES_PER_SHARD = 1000  # ... and never more samples than this in one
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
 # ---- writing ------------------------------------------------------------
+
 
 class ShardSink:
     """Writes samples into OUT/shard-NNNNNN.tar, `per_shard` each (tmp + rename)."""
@@ -119,7 +130,9 @@ class ShardSink:
     def discard(self) -> None:
         """Drops the shard being written (the build is stopping); finished shards stay."""
         if self._file is not None:
-            with contextlib.suppress(Exception):  # flushes the tar stream, so nothing writes to it later
+            with contextlib.suppress(
+                Exception
+            ):  # flushes the tar stream, so nothing writes to it later
                 self._tar.close()
             self._file.close()
             (self.out / (self.shards.pop()["name"] + ".tmp")).unlink(missing_ok=True)
@@ -133,8 +146,10 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         stale.unlink()
     old = sorted(out.glob(SHARD_GLOB))
     if old and not overwrite:
-        raise FileExistsError(f"{out} already holds {len(old)} shard(s) ({old[0].name} ...); pass --overwrite "
-                              "(overwrite=True) to replace them, or choose another --out")
+        raise FileExistsError(
+            f"{out} already holds {len(old)} shard(s) ({old[0].name} ...); pass --overwrite "
+            "(overwrite=True) to replace them, or choose another --out"
+        )
     for path in old + [out / "summary.json"]:
         path.unlink(missing_ok=True)
 
@@ -144,7 +159,9 @@ def tar_sample(index: int, rec: Record, files: list[tuple[bytes, str]], bake_pro
     names = [f"img{k}.{ext}" for k, (_, ext) in enumerate(files)]
     if bake_prompt and rec.caption is not None:
         rec = replace(rec, caption=None)  # written as the chat that carries the prompt
-    doc = json.dumps(rec.canonical(names), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    doc = json.dumps(
+        rec.canonical(names), sort_keys=True, ensure_ascii=False, separators=(",", ":")
+    )
     sample = {"__key__": f"{index:09d}", "json": doc.encode("utf-8")}
     sample.update((name, data) for name, (data, _) in zip(names, files))
     return sample
@@ -152,10 +169,22 @@ def tar_sample(index: int, rec: Record, files: list[tuple[bytes, str]], bake_pro
 
 # ---- the build ----------------------------------------------------------
 
-def build_shards(records: Iterable, image_root: Path, out: Path, samples_per_shard: int = 1000, *,
-                 caption_prompt: str = "", overwrite: bool = False, skips: SkipCounter | None = None,
-                 build_args: dict | None = None, workers: int = DEFAULT_WORKERS, progress: bool | None = None,
-                 max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> dict:
+
+def build_shards(
+    records: Iterable,
+    image_root: Path,
+    out: Path,
+    samples_per_shard: int = 1000,
+    *,
+    caption_prompt: str = "",
+    overwrite: bool = False,
+    skips: SkipCounter | None = None,
+    build_args: dict | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool | None = None,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
+) -> dict:
     """Writes shards from `records` and returns the summary (also OUT/summary.json).
 
     `records` yields annotation dicts, Records (images as paths), or (where,
@@ -164,8 +193,10 @@ def build_shards(records: Iterable, image_root: Path, out: Path, samples_per_sha
     (`outside_images` otherwise).  `skips` may already be shared with the
     annotation reader, which counts its bad lines there."""
     if samples_per_shard < 1 or max_image_bytes < 1 or max_text_bytes < 1:
-        raise ValueError(f"samples_per_shard={samples_per_shard}, max_image_bytes={max_image_bytes}, "
-                         f"max_text_bytes={max_text_bytes}; each must be at least 1")
+        raise ValueError(
+            f"samples_per_shard={samples_per_shard}, max_image_bytes={max_image_bytes}, "
+            f"max_text_bytes={max_text_bytes}; each must be at least 1"
+        )
     root = _real_root(image_root)
     out, skips = Path(out), skips if skips is not None else SkipCounter()
     prepare_out(out, overwrite)
@@ -174,8 +205,13 @@ def build_shards(records: Iterable, image_root: Path, out: Path, samples_per_sha
     sink = ShardSink(out, samples_per_shard)
     try:
         results = _ordered_map(encode, _located(records), workers)
-        for where, result in tqdm(results, desc="build_shards", unit=" rec", file=sys.stderr,
-                                  disable=None if progress is None else not progress):
+        for where, result in tqdm(
+            results,
+            desc="build_shards",
+            unit=" rec",
+            file=sys.stderr,
+            disable=None if progress is None else not progress,
+        ):
             if isinstance(result, SkipSample):
                 skips.add(result, where)
                 continue
@@ -186,8 +222,14 @@ def build_shards(records: Iterable, image_root: Path, out: Path, samples_per_sha
     except BaseException:
         sink.discard()  # no .tmp is left behind, whatever stopped the build
         raise
-    args = {"image_root": str(image_root), "samples_per_shard": samples_per_shard, "caption_prompt": caption_prompt,
-            "max_image_bytes": max_image_bytes, "max_text_bytes": max_text_bytes, **(build_args or {})}
+    args = {
+        "image_root": str(image_root),
+        "samples_per_shard": samples_per_shard,
+        "caption_prompt": caption_prompt,
+        "max_image_bytes": max_image_bytes,
+        "max_text_bytes": max_text_bytes,
+        **(build_args or {}),
+    }
     summary = stats.summary(out, sink.shards, skips, args)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     return summary
@@ -200,32 +242,49 @@ def _located(records: Iterable) -> Iterator[tuple[str, object]]:
 
 def _real_root(image_root: Path | None) -> Path:
     if image_root is None:
-        raise ValueError("image_root is required: image paths are resolved inside it and may not leave it "
-                         "(pass the images folder, --images DIR)")
+        raise ValueError(
+            "image_root is required: image paths are resolved inside it and may not leave it "
+            "(pass the images folder, --images DIR)"
+        )
     root = Path(os.path.realpath(image_root))
     if not root.is_dir():
         raise FileNotFoundError(f"--images {image_root} is not a folder")
     return root
 
 
-def _encoder(root: Path, caption_prompt: str, max_image_bytes: int, max_text_bytes: int) -> Callable:
+def _encoder(
+    root: Path, caption_prompt: str, max_image_bytes: int, max_text_bytes: int
+) -> Callable:
     """where, obj -> (where, (Record, [(bytes, ext)])) or (where, SkipSample); thread-safe."""
+
     def encode(item):
         where, obj = item
         try:
-            rec = obj if isinstance(obj, Record) else normalize_record(
-                obj, default_id=where, caption_prompt=caption_prompt)
+            rec = (
+                obj
+                if isinstance(obj, Record)
+                else normalize_record(obj, default_id=where, caption_prompt=caption_prompt)
+            )
             if (n := text_bytes(rec)) > max_text_bytes:
-                raise SkipSample("text_too_large", f"{n} bytes of text, above --max-text-bytes {max_text_bytes}")
+                raise SkipSample(
+                    "text_too_large", f"{n} bytes of text, above --max-text-bytes {max_text_bytes}"
+                )
             rid = display_path(rec.id, 40)
-            return where, (rec, [load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
-                                 for k, p in enumerate(rec.images)])
+            return where, (
+                rec,
+                [
+                    load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
+                    for k, p in enumerate(rec.images)
+                ],
+            )
         except SkipSample as e:
             return where, e
         except Exception as e:  # one odd record never stops the build
-            return where, SkipSample("bad_record", f"{type(e).__name__} while checking it: {str(e)[:120]}")
-    return encode
+            return where, SkipSample(
+                "bad_record", f"{type(e).__name__} while checking it: {str(e)[:120]}"
+            )
 
+    return encode
 
 
 def _ordered_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
@@ -263,31 +322,47 @@ class _Stats:
 
     def summary(self, out: Path, shards: list[dict], skips: SkipCounter, args: dict) -> dict:
         return {
-            "samples": self.samples, "kinds": self.kinds, "images": self.images,
-            "image_bytes": self.image_bytes, "bytes": sum((out / s["name"]).stat().st_size for s in shards),
-            "skipped": dict(sorted(skips.items())), "skipped_examples": dict(sorted(skips.examples.items())),
-            "duplicate_ids": len(self.duplicates), "duplicate_id_examples": self.duplicates[:3],
-            "shards": shards, "args": args,
+            "samples": self.samples,
+            "kinds": self.kinds,
+            "images": self.images,
+            "image_bytes": self.image_bytes,
+            "bytes": sum((out / s["name"]).stat().st_size for s in shards),
+            "skipped": dict(sorted(skips.items())),
+            "skipped_examples": dict(sorted(skips.examples.items())),
+            "duplicate_ids": len(self.duplicates),
+            "duplicate_id_examples": self.duplicates[:3],
+            "shards": shards,
+            "args": args,
         }
 
 
 def format_summary(s: dict, out: Path) -> str:
     kinds = ", ".join(f"{k} {n}" for k, n in s["kinds"].items())
-    lines = [f"wrote {s['samples']} samples ({kinds}), {s['images']} images, {s['bytes'] / 1e6:.1f} MB "
-             f"in {len(s['shards'])} shard(s) to {out}"]
+    lines = [
+        f"wrote {s['samples']} samples ({kinds}), {s['images']} images, {s['bytes'] / 1e6:.1f} MB "
+        f"in {len(s['shards'])} shard(s) to {out}"
+    ]
     skipped = sum(s["skipped"].values())
     lines.append(f"skipped {skipped} record(s)" + (":" if skipped else ""))
     for reason, n in s["skipped"].items():
         lines.append(f"  {reason}: {n}   e.g. " + " | ".join(s["skipped_examples"].get(reason, [])))
     if s["duplicate_ids"]:
-        lines.append(f"duplicate ids (kept): {s['duplicate_ids']}, e.g. {s['duplicate_id_examples']}")
+        lines.append(
+            f"duplicate ids (kept): {s['duplicate_ids']}, e.g. {s['duplicate_id_examples']}"
+        )
     return "\n".join(lines)
 
 
 # ---- the sample set ------------------------------------------------------
 
-def build_sample(out: Path, samples_per_shard: int | None = None, overwrite: bool = False,
-                 workers: int = DEFAULT_WORKERS, progress: bool | None = None) -> dict:
+
+def build_sample(
+    out: Path,
+    samples_per_shard: int | None = None,
+    overwrite: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool | None = None,
+) -> dict:
     """Shards of moevlm.data.sample's records (>= 8 shards) plus OUT/tokenizer.json."""
     from moevlm.data.sample import sample_records, sample_tokenizer
 
@@ -295,8 +370,16 @@ def build_sample(out: Path, samples_per_shard: int | None = None, overwrite: boo
     tokenizer = sample_tokenizer()
     if samples_per_shard is None:
         samples_per_shard = max(1, min(16, len(records) // SAMPLE_SHARDS_MIN))
-    summary = build_shards(records, root, Path(out), samples_per_shard, overwrite=overwrite,
-                           build_args={"sample": True}, workers=workers, progress=progress)
+    summary = build_shards(
+        records,
+        root,
+        Path(out),
+        samples_per_shard,
+        overwrite=overwrite,
+        build_args={"sample": True},
+        workers=workers,
+        progress=progress,
+    )
     tokenizer.save(str(Path(out) / "tokenizer.json"))
     return summary
 
@@ -310,8 +393,12 @@ def relative_to_common_root(records: list[dict]) -> tuple[Path, list[dict]]:
         return Path.cwd(), records
     root = os.path.commonpath(list(real.values()))
     root = root if os.path.isdir(root) else os.path.dirname(root)
-    return Path(root), [{**r, "images": [os.path.relpath(real[p], root) for p in r["images"]]}
-                        if r.get("images") else r for r in records]
+    return Path(root), [
+        {**r, "images": [os.path.relpath(real[p], root) for p in r["images"]]}
+        if r.get("images")
+        else r
+        for r in records
+    ]
 
 
 def interleave(records: list[dict]) -> list[dict]:
@@ -325,29 +412,74 @@ def interleave(records: list[dict]) -> list[dict]:
 
 # ---- command line --------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moevlm.data.build_shards", description=__doc__.split("\n")[0])
-    p.add_argument("--images", type=Path, help="folder that relative image paths are resolved against")
-    p.add_argument("--annotations", type=Path, nargs="+", metavar="FILE", help=".json (LLaVA list) or .jsonl files")
+    p = argparse.ArgumentParser(
+        prog="python -m moevlm.data.build_shards", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--images", type=Path, help="folder that relative image paths are resolved against"
+    )
+    p.add_argument(
+        "--annotations",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help=".json (LLaVA list) or .jsonl files",
+    )
     p.add_argument("--out", type=Path, help="output folder for shard-NNNNNN.tar and summary.json")
-    p.add_argument("--sample", type=Path, metavar="OUT", help="build the bundled sample set (and tokenizer.json)")
-    p.add_argument("--samples-per-shard", type=_per_shard, default=None, metavar="auto|N",
-                   help=f"default auto: min({MAX_SAMPLES_PER_SHARD}, records / {AUTO_SHARDS}), so small sets still "
-                   f"give several shards (--sample: 16 or fewer, to give >= {SAMPLE_SHARDS_MIN} shards)")
-    p.add_argument("--tokenizer", type=Path, metavar="FILE|DIR", help="copy this tokenizer.json (or DIR/tokenizer.json, "
-                   "e.g. the HF checkpoint's) beside the shards, where training finds it")
-    p.add_argument("--caption-prompt", default="", help="bake this user prompt into caption samples (as chats)")
-    p.add_argument("--overwrite", action="store_true", help="replace shards already in the output folder")
-    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="threads reading and checking images")
-    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, metavar="N",
-                   help="skip image files larger than this (file_too_large), checked before reading; "
-                   "default 32 MiB, as the loader's data.max_image_bytes")
-    p.add_argument("--max-text-bytes", type=int, default=DEFAULT_MAX_TEXT_BYTES, metavar="N",
-                   help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB")
+    p.add_argument(
+        "--sample",
+        type=Path,
+        metavar="OUT",
+        help="build the bundled sample set (and tokenizer.json)",
+    )
+    p.add_argument(
+        "--samples-per-shard",
+        type=_per_shard,
+        default=None,
+        metavar="auto|N",
+        help=f"default auto: min({MAX_SAMPLES_PER_SHARD}, records / {AUTO_SHARDS}), so small sets still "
+        f"give several shards (--sample: 16 or fewer, to give >= {SAMPLE_SHARDS_MIN} shards)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="FILE|DIR",
+        help="copy this tokenizer.json (or DIR/tokenizer.json, "
+        "e.g. the HF checkpoint's) beside the shards, where training finds it",
+    )
+    p.add_argument(
+        "--caption-prompt", default="", help="bake this user prompt into caption samples (as chats)"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace shards already in the output folder"
+    )
+    p.add_argument(
+        "--workers", type=int, default=DEFAULT_WORKERS, help="threads reading and checking images"
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        metavar="N",
+        help="skip image files larger than this (file_too_large), checked before reading; "
+        "default 32 MiB, as the loader's data.max_image_bytes",
+    )
+    p.add_argument(
+        "--max-text-bytes",
+        type=int,
+        default=DEFAULT_MAX_TEXT_BYTES,
+        metavar="N",
+        help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB",
+    )
     args = p.parse_args(argv)
-    if args.sample is not None and (args.images or args.annotations or args.out or args.caption_prompt
-                                    or args.tokenizer):
-        p.error("--sample OUT takes no --images/--annotations/--out/--caption-prompt/--tokenizer (it trains its own)")
+    if args.sample is not None and (
+        args.images or args.annotations or args.out or args.caption_prompt or args.tokenizer
+    ):
+        p.error(
+            "--sample OUT takes no --images/--annotations/--out/--caption-prompt/--tokenizer (it trains its own)"
+        )
     if args.sample is None and not (args.images and args.annotations and args.out):
         p.error("give --images DIR --annotations FILE [FILE ...] --out DIR (or --sample OUT)")
     return args
@@ -359,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.sample is not None:
             per_shard = None if args.samples_per_shard == "auto" else args.samples_per_shard
-            out, summary = args.sample, build_sample(args.sample, per_shard, args.overwrite, args.workers)
+            out, summary = (
+                args.sample,
+                build_sample(args.sample, per_shard, args.overwrite, args.workers),
+            )
         else:
             tokenizer = _checked_tokenizer(args.tokenizer)
             out, summary = args.out, _build_from_files(args)
@@ -369,11 +504,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_summary(summary, out))
     if args.sample is not None:
-        print(f"sample set: {summary['images']} images, {summary['kinds']['text']} text samples, "
-              f"{len(summary['shards'])} shards, {summary['bytes'] / 1e6:.1f} MB, tokenizer.json")
+        print(
+            f"sample set: {summary['images']} images, {summary['kinds']['text']} text samples, "
+            f"{len(summary['shards'])} shards, {summary['bytes'] / 1e6:.1f} MB, tokenizer.json"
+        )
     elif not (out / "tokenizer.json").is_file():
-        print(f"no tokenizer.json in {out}: train with data.tokenizer=FILE or model.hf_checkpoint=DIR, or rebuild "
-              "with --tokenizer FILE")
+        print(
+            f"no tokenizer.json in {out}: train with data.tokenizer=FILE or model.hf_checkpoint=DIR, or rebuild "
+            "with --tokenizer FILE"
+        )
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if summary["samples"] else 1
 
@@ -387,10 +526,19 @@ def _build_from_files(args: argparse.Namespace) -> dict:
     per_shard = args.samples_per_shard or "auto"
     if per_shard == "auto":
         per_shard = auto_samples_per_shard(count_records(args.annotations))
-    return build_shards(read_annotations(args.annotations, skips, args.max_text_bytes), args.images, args.out,
-                        per_shard, caption_prompt=args.caption_prompt,
-                        overwrite=args.overwrite, skips=skips, build_args=build_args, workers=args.workers,
-                        max_image_bytes=args.max_image_bytes, max_text_bytes=args.max_text_bytes)
+    return build_shards(
+        read_annotations(args.annotations, skips, args.max_text_bytes),
+        args.images,
+        args.out,
+        per_shard,
+        caption_prompt=args.caption_prompt,
+        overwrite=args.overwrite,
+        skips=skips,
+        build_args=build_args,
+        workers=args.workers,
+        max_image_bytes=args.max_image_bytes,
+        max_text_bytes=args.max_text_bytes,
+    )
 
 
 def auto_samples_per_shard(records: int) -> int:
@@ -406,7 +554,9 @@ def _per_shard(text: str) -> int | str:
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a positive number of samples")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither 'auto' nor a positive number of samples"
+        )
     return n
 
 
@@ -416,15 +566,19 @@ def _checked_tokenizer(path: Path | None) -> Path | None:
         return None
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"--tokenizer {path}: no such file" + (" (the folder has no tokenizer.json)"
-                                                                        if path.is_dir() else ""))
+        raise FileNotFoundError(
+            f"--tokenizer {path}: no such file"
+            + (" (the folder has no tokenizer.json)" if path.is_dir() else "")
+        )
     from tokenizers import Tokenizer
 
     try:
         Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises its own Exception type
-        raise ValueError(f"--tokenizer {file} is not a tokenizer.json the tokenizers library loads "
-                         f"({str(e)[:120]})") from None
+        raise ValueError(
+            f"--tokenizer {file} is not a tokenizer.json the tokenizers library loads "
+            f"({str(e)[:120]})"
+        ) from None
     return file
 
 

@@ -34,83 +34,174 @@ MOCK = ("none", "image_free", "random_pixels")
 @dataclass
 class ImageConfig:
     """Image preprocessing: patch geometry, resize bounds, normalization, decode guards."""
+
     patch_size: int = field(default=16, metadata={"help": "vision patch side in pixels"})
-    temporal_patch_size: int = field(default=2, metadata={
-        "help": "frames per patch (a still image is repeated to fill them)"})
-    merge_size: int = field(default=2, metadata={
-        "help": "merge_size x merge_size patches become one text-width token; image sides are multiples of "
-                "patch_size x merge_size"})
-    min_pixels: int = field(default=256 * 256, metadata={"help": "smaller images are upscaled to at least this area"})
-    max_pixels: int = field(default=1024 * 1024, metadata={
-        "help": "larger images are downscaled to at most this area (Qwen3-VL's reference allows 4096*4096)"})
-    mean: tuple[float, float, float] = field(default=(0.5, 0.5, 0.5), metadata={
-        "help": "per-channel (R, G, B) mean subtracted from pixels in [0, 1]"})
-    std: tuple[float, float, float] = field(default=(0.5, 0.5, 0.5), metadata={
-        "help": "per-channel (R, G, B) std pixels are divided by, each > 0"})
-    max_image_pixels: int = field(default=100_000_000, metadata={
-        "help": "decompression-bomb guard: width*height of the encoded image; larger ones are skipped"})
-    jpeg_draft: bool = field(default=True, metadata={
-        "help": "let libjpeg decode at 1/2, 1/4, 1/8 scale when the target is that much smaller"})
+    temporal_patch_size: int = field(
+        default=2, metadata={"help": "frames per patch (a still image is repeated to fill them)"}
+    )
+    merge_size: int = field(
+        default=2,
+        metadata={
+            "help": "merge_size x merge_size patches become one text-width token; image sides are multiples of "
+            "patch_size x merge_size"
+        },
+    )
+    min_pixels: int = field(
+        default=256 * 256, metadata={"help": "smaller images are upscaled to at least this area"}
+    )
+    max_pixels: int = field(
+        default=1024 * 1024,
+        metadata={
+            "help": "larger images are downscaled to at most this area (Qwen3-VL's reference allows 4096*4096)"
+        },
+    )
+    mean: tuple[float, float, float] = field(
+        default=(0.5, 0.5, 0.5),
+        metadata={"help": "per-channel (R, G, B) mean subtracted from pixels in [0, 1]"},
+    )
+    std: tuple[float, float, float] = field(
+        default=(0.5, 0.5, 0.5),
+        metadata={"help": "per-channel (R, G, B) std pixels are divided by, each > 0"},
+    )
+    max_image_pixels: int = field(
+        default=100_000_000,
+        metadata={
+            "help": "decompression-bomb guard: width*height of the encoded image; larger ones are skipped"
+        },
+    )
+    jpeg_draft: bool = field(
+        default=True,
+        metadata={
+            "help": "let libjpeg decode at 1/2, 1/4, 1/8 scale when the target is that much smaller"
+        },
+    )
 
 
 @dataclass
 class PackConfig:
     """Packing budgets per micro-batch row: fixed, so every tensor shape is static."""
-    seq_len: int = field(default=4096, metadata={"help": "text tokens per micro-batch (one packed row)"})
-    max_patches: int = field(default=16384, metadata={
-        "help": "vision patches per micro-batch; 0 = text only (samples with images skipped or truncated)"})
-    max_samples: int = field(default=64, metadata={
-        "help": "documents per micro-batch (fixes the length of the text cu_seqlens)"})
-    max_images: int = field(default=32, metadata={
-        "help": "images per micro-batch (fixes image_grid_thw and the vision cu_seqlens)"})
-    lookahead: int = field(default=16, metadata={
-        "help": "at least this many samples to choose from (first fit) once they overflow a micro-batch"})
-    oversize: str = field(default="skip", metadata={
-        "help": "a sample over a budget: skip (counted) or truncate (its text cut, images that no longer fit "
-                "dropped)"})
+
+    seq_len: int = field(
+        default=4096, metadata={"help": "text tokens per micro-batch (one packed row)"}
+    )
+    max_patches: int = field(
+        default=16384,
+        metadata={
+            "help": "vision patches per micro-batch; 0 = text only (samples with images skipped or truncated)"
+        },
+    )
+    max_samples: int = field(
+        default=64,
+        metadata={"help": "documents per micro-batch (fixes the length of the text cu_seqlens)"},
+    )
+    max_images: int = field(
+        default=32,
+        metadata={
+            "help": "images per micro-batch (fixes image_grid_thw and the vision cu_seqlens)"
+        },
+    )
+    lookahead: int = field(
+        default=16,
+        metadata={
+            "help": "at least this many samples to choose from (first fit) once they overflow a micro-batch"
+        },
+    )
+    oversize: str = field(
+        default="skip",
+        metadata={
+            "help": "a sample over a budget: skip (counted) or truncate (its text cut, images that no longer fit "
+            "dropped)"
+        },
+    )
 
 
 @dataclass
 class DataConfig:
     """The data: WebDataset shards, tokenizer, image preprocessing, packing, the loader's workers and limits."""
-    shards: str = field(default="", metadata={
-        "help": "WebDataset shards: a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar), a comma "
-                "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"})
-    tokenizer: str = field(default="", metadata={
-        "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json, else <model.hf_checkpoint>/tokenizer.json"})
+
+    shards: str = field(
+        default="",
+        metadata={
+            "help": "WebDataset shards: a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar), a comma "
+            "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"
+        },
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json, else <model.hf_checkpoint>/tokenizer.json"
+        },
+    )
     image: ImageConfig = field(default_factory=ImageConfig)
     pack: PackConfig = field(default_factory=PackConfig)
-    num_workers: int = field(default=2, metadata={"help": "loader worker processes per rank; 0 = in the trainer"})
-    streams: int = field(default=0, metadata={
-        "help": "logical data streams of the whole job: the rows of a global batch depend only on this (and the "
-                "shards), not on dp or num_workers; a multiple of dp; 0 = auto = 16, the same rows for dp 1, 2, 4, "
-                "8, 16; fewer shards than streams: read as fewer streams (a divisor, logged); num_workers is "
-                "lowered to fit (logged)"})
+    num_workers: int = field(
+        default=2, metadata={"help": "loader worker processes per rank; 0 = in the trainer"}
+    )
+    streams: int = field(
+        default=0,
+        metadata={
+            "help": "logical data streams of the whole job: the rows of a global batch depend only on this (and the "
+            "shards), not on dp or num_workers; a multiple of dp; 0 = auto = 16, the same rows for dp 1, 2, 4, "
+            "8, 16; fewer shards than streams: read as fewer streams (a divisor, logged); num_workers is "
+            "lowered to fit (logged)"
+        },
+    )
     prefetch_factor: int = field(default=2, metadata={"help": "rows each worker prepares ahead"})
-    pin_memory: str = field(default="auto", metadata={
-        "help": "page-locked batches for faster host-to-GPU copies: auto (when CUDA is available), true, false"})
-    start_method: str = field(default="forkserver", metadata={
-        "help": "how workers start; fork is unsafe once CUDA is initialised (and with PIL + CUDA)"})
+    pin_memory: str = field(
+        default="auto",
+        metadata={
+            "help": "page-locked batches for faster host-to-GPU copies: auto (when CUDA is available), true, false"
+        },
+    )
+    start_method: str = field(
+        default="forkserver",
+        metadata={
+            "help": "how workers start; fork is unsafe once CUDA is initialised (and with PIL + CUDA)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of the shard and sample shuffles"})
-    shuffle_shards: bool = field(default=True, metadata={"help": "shuffle the shard order each epoch"})
-    shuffle_buffer: int = field(default=256, metadata={"help": "samples in the shuffle buffer; 0 keeps shard order"})
-    epochs: int | None = field(default=None, metadata={
-        "help": "passes over the shards; null = loop forever (the trainer counts steps)"})
-    caption_prompt: str = field(default="", metadata={
-        "help": "user text placed after <image> for caption-only samples"})
-    max_text_bytes: int = field(default=1048576, metadata={
-        "help": "a json/txt tar member above this many bytes skips its sample as text_too_large (checked from "
-                "the tar header; 1 MiB is ~250k tokens)"})
-    max_image_bytes: int = field(default=33554432, metadata={
-        "help": "any other tar member above this many bytes skips its sample as file_too_large (32 MiB)"})
-    allow_changed_shards: bool = field(default=False, metadata={
-        "help": "resume on shards whose size or content changed since the checkpoint (logged as a warning); "
-                "false: such a resume is refused, naming the changed shards"})
-    mock: str = field(default="none", metadata={
-        "help": "mock data for measuring, same loader path and batch shapes: none (real), image_free (images and "
-                "their tokens dropped: text only), random_pixels (each image's real size, grid and tokens, but "
-                "seeded uniform random pixels instead of the decoded ones); part of the data identity: a resume "
-                "with another value is refused"})
+    shuffle_shards: bool = field(
+        default=True, metadata={"help": "shuffle the shard order each epoch"}
+    )
+    shuffle_buffer: int = field(
+        default=256, metadata={"help": "samples in the shuffle buffer; 0 keeps shard order"}
+    )
+    epochs: int | None = field(
+        default=None,
+        metadata={"help": "passes over the shards; null = loop forever (the trainer counts steps)"},
+    )
+    caption_prompt: str = field(
+        default="", metadata={"help": "user text placed after <image> for caption-only samples"}
+    )
+    max_text_bytes: int = field(
+        default=1048576,
+        metadata={
+            "help": "a json/txt tar member above this many bytes skips its sample as text_too_large (checked from "
+            "the tar header; 1 MiB is ~250k tokens)"
+        },
+    )
+    max_image_bytes: int = field(
+        default=33554432,
+        metadata={
+            "help": "any other tar member above this many bytes skips its sample as file_too_large (32 MiB)"
+        },
+    )
+    allow_changed_shards: bool = field(
+        default=False,
+        metadata={
+            "help": "resume on shards whose size or content changed since the checkpoint (logged as a warning); "
+            "false: such a resume is refused, naming the changed shards"
+        },
+    )
+    mock: str = field(
+        default="none",
+        metadata={
+            "help": "mock data for measuring, same loader path and batch shapes: none (real), image_free (images and "
+            "their tokens dropped: text only), random_pixels (each image's real size, grid and tokens, but "
+            "seeded uniform random pixels instead of the decoded ones); part of the data identity: a resume "
+            "with another value is refused"
+        },
+    )
 
 
 # ------------------------------------------------------------------ job checks
@@ -120,22 +211,30 @@ def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) 
     evenly by the layout's dp x cp x tp.  ValueError (moevlm.train.validate reports it) on the first."""
     from moevlm.data.loader import check_config
 
-    _check(d.shards not in ("", MISSING),
-           "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
-           "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set")
+    _check(
+        d.shards not in ("", MISSING),
+        "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
+        "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set",
+    )
     check_config(d, model, dp)
     pk = d.pack
-    _check(pk.seq_len <= model.text.max_position_embeddings,
-           f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
-           f"{model.text.max_position_embeddings}")
+    _check(
+        pk.seq_len <= model.text.max_position_embeddings,
+        f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
+        f"{model.text.max_position_embeddings}",
+    )
     if cp == 1:
-        _check(pk.seq_len % tp == 0, f"data.pack.seq_len={pk.seq_len} must be divisible by tp={tp} "
-                                     "(sequence parallel)")
+        _check(
+            pk.seq_len % tp == 0,
+            f"data.pack.seq_len={pk.seq_len} must be divisible by tp={tp} (sequence parallel)",
+        )
     else:
-        _check(pk.seq_len % (2 * cp) == 0 and (pk.seq_len // cp) % tp == 0,
-               f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * cp} (each row is cut into 2*cp "
-               f"chunks for load-balanced context parallel) and seq_len/cp by tp={tp} (sequence parallel): "
-               f"use a multiple of {math.lcm(2 * cp, cp * tp)}")
+        _check(
+            pk.seq_len % (2 * cp) == 0 and (pk.seq_len // cp) % tp == 0,
+            f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * cp} (each row is cut into 2*cp "
+            f"chunks for load-balanced context parallel) and seq_len/cp by tp={tp} (sequence parallel): "
+            f"use a multiple of {math.lcm(2 * cp, cp * tp)}",
+        )
 
 
 def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
@@ -151,28 +250,42 @@ def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
         shards = expand_shards(data.shards)
     except FileNotFoundError:
         return  # check_shards says so
-    path = find_tokenizer(data, shards, hf_checkpoint)  # DataSetupError (a ConfigError) names the three places
+    path = find_tokenizer(
+        data, shards, hf_checkpoint
+    )  # DataSetupError (a ConfigError) names the three places
     try:
         ChatEncoder(load_tokenizer(path)).check_model(model)
     except ValueError as err:
         raise ValueError(f"the tokenizer {path} does not fit the model: {err}") from None
     except Exception as err:  # not a tokenizer.json at all
-        raise ValueError(f"the tokenizer {path} cannot be loaded ({type(err).__name__}: {err}); point "
-                         "data.tokenizer at a tokenizers tokenizer.json") from None
+        raise ValueError(
+            f"the tokenizer {path} cannot be loaded ({type(err).__name__}: {err}); point "
+            "data.tokenizer at a tokenizers tokenizer.json"
+        ) from None
 
 
 def check_shards(spec: str) -> None:
     """A shard spec that names nothing readable (the sample set and the empty value are checked elsewhere)."""
     if spec in ("", "sample", MISSING) or not isinstance(spec, str):
         return
-    if "{" not in spec and "," not in spec and not any(c in spec for c in "*?[") and not os.path.exists(spec):
-        raise ValueError(f"data.shards={spec} does not exist; give a folder of .tar shards (build them with "
-                         "python -m moevlm.data.build_shards), a brace pattern or a list")
+    if (
+        "{" not in spec
+        and "," not in spec
+        and not any(c in spec for c in "*?[")
+        and not os.path.exists(spec)
+    ):
+        raise ValueError(
+            f"data.shards={spec} does not exist; give a folder of .tar shards (build them with "
+            "python -m moevlm.data.build_shards), a brace pattern or a list"
+        )
     from moevlm.data.reader import expand_shards
 
     shards = expand_shards(spec)  # naming nothing that exists: DataSetupError
     missing = [s for s in shards if not os.path.isfile(s)]
-    _check(not missing, f"data.shards={spec} names {len(missing)} shard(s) that do not exist, e.g. {missing[:3]}")
+    _check(
+        not missing,
+        f"data.shards={spec} names {len(missing)} shard(s) that do not exist, e.g. {missing[:3]}",
+    )
 
 
 def _check(ok: bool, message: str) -> None:

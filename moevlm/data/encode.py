@@ -48,6 +48,7 @@ from moevlm.model.rope import mrope_position_ids
 @dataclass
 class Sample:
     """One encoded sample, what the packer places: L tokens, N patches of the images in `grids`."""
+
     id: str
     pos: Pos
     input_ids_L: torch.Tensor
@@ -66,8 +67,14 @@ class Sample:
 
 
 class SampleEncoder:
-    def __init__(self, chat: ChatEncoder, image: ImageConfig, pack: PackConfig, caption_prompt: str = "",
-                 mock: str = "none"):
+    def __init__(
+        self,
+        chat: ChatEncoder,
+        image: ImageConfig,
+        pack: PackConfig,
+        caption_prompt: str = "",
+        mock: str = "none",
+    ):
         self.chat, self.image, self.pack, self.caption_prompt = chat, image, pack, caption_prompt
         self.mock = mock
         self.merge = image.merge_size
@@ -76,8 +83,11 @@ class SampleEncoder:
         key = raw.get("__key__", "?")
         for m in raw.values():
             if isinstance(m, Oversize):
-                raise SkipSample(m.reason, f"sample {key}: member {m.name} has {m.size} bytes, above the cap of "
-                                 f"{m.cap} (data.max_text_bytes / data.max_image_bytes)")
+                raise SkipSample(
+                    m.reason,
+                    f"sample {key}: member {m.name} has {m.size} bytes, above the cap of "
+                    f"{m.cap} (data.max_text_bytes / data.max_image_bytes)",
+                )
         if "json" in raw:
             obj = parse_json_bytes(raw["json"])
         elif "txt" in raw:
@@ -91,8 +101,13 @@ class SampleEncoder:
         if rec.text is not None:
             ids, labels = self.chat.encode_text(rec.text)
         else:
-            ids, labels = self.chat.encode_chat(rec.messages, [t * h * w // self.merge**2 for t, h, w in grids])
-        ids_L, labels_L = torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+            ids, labels = self.chat.encode_chat(
+                rec.messages, [t * h * w // self.merge**2 for t, h, w in grids]
+            )
+        ids_L, labels_L = (
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(labels, dtype=torch.long),
+        )
         ids_L, labels_L, pixels, grids = self._fit(ids_L, labels_L, pixels, grids, rec.id)
         grid_I3 = torch.tensor(grids, dtype=torch.long).view(-1, 3)
         pos_3L = mrope_position_ids(ids_L[None], grid_I3, self.chat.image_pad_id, self.merge)[:, 0]
@@ -103,7 +118,9 @@ class SampleEncoder:
         for name in names:
             data = raw.get(name)
             if data is None:
-                raise SkipSample("missing_image", f"{sid}: member {name!r} is not in the sample ({sorted(raw)})")
+                raise SkipSample(
+                    "missing_image", f"{sid}: member {name!r} is not in the sample ({sorted(raw)})"
+                )
             if self.mock == "random_pixels":
                 pixels, grid = random_image(data, self.image, zlib.crc32(f"{sid}/{name}".encode()))
             else:
@@ -115,10 +132,16 @@ class SampleEncoder:
     def _fit(self, ids_L, labels_L, pixels, grids, sid: str):
         p = self.pack
         patches = [t * h * w for t, h, w in grids]
-        if ids_L.numel() <= p.seq_len and sum(patches) <= p.max_patches and len(grids) <= p.max_images:
+        if (
+            ids_L.numel() <= p.seq_len
+            and sum(patches) <= p.max_patches
+            and len(grids) <= p.max_images
+        ):
             return ids_L, labels_L, pixels, grids
-        what = (f"{sid}: {ids_L.numel()} tokens, {sum(patches)} patches, {len(grids)} images against budgets "
-                f"seq_len={p.seq_len}, max_patches={p.max_patches}, max_images={p.max_images}")
+        what = (
+            f"{sid}: {ids_L.numel()} tokens, {sum(patches)} patches, {len(grids)} images against budgets "
+            f"seq_len={p.seq_len}, max_patches={p.max_patches}, max_images={p.max_images}"
+        )
         if p.oversize != "truncate":
             raise SkipSample("too_long", what + " (pack.oversize=truncate cuts instead)")
         starts = (ids_L == self.chat.vision_start_id).nonzero().squeeze(-1).tolist()
@@ -156,5 +179,7 @@ _IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm")
 def _first_image_member(raw: dict) -> str:
     names = sorted(k for k in raw if k.rsplit(".", 1)[-1].lower() in _IMAGE_EXTS)
     if not names:
-        raise SkipSample("missing_image", f"sample {raw.get('__key__')} has a txt caption but no image member")
+        raise SkipSample(
+            "missing_image", f"sample {raw.get('__key__')} has a txt caption but no image member"
+        )
     return names[0]

@@ -58,7 +58,9 @@ class SkipSample(Exception):
 
     def __init__(self, reason: str, detail: str = ""):
         if reason not in REASONS:
-            raise ValueError(f"unknown skip reason {reason!r}; add it to moevlm.data.errors.REASONS")
+            raise ValueError(
+                f"unknown skip reason {reason!r}; add it to moevlm.data.errors.REASONS"
+            )
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.detail = reason, detail
 

@@ -35,9 +35,18 @@ from pathlib import Path
 from moevlm.data.config import ImageConfig
 from moevlm.data.text import IMAGE_PLACEHOLDER
 
-COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-          "chat_template.json", "preprocessor_config.json", "video_preprocessor_config.json", "vocab.json",
-          "merges.txt", "generation_config.json")
+COPIED = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 
 _VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 CHAT_TEMPLATE = (
@@ -56,8 +65,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_processor_files(out_dir: str | Path, *, tokenizer: str | Path, image: ImageConfig,
-                          source: str | Path | None = None) -> list[str]:
+def write_processor_files(
+    out_dir: str | Path,
+    *,
+    tokenizer: str | Path,
+    image: ImageConfig,
+    source: str | Path | None = None,
+) -> list[str]:
     """Tokenizer, chat template and image-processor files in `out_dir`; returns the names written."""
     out_dir, tokenizer = Path(out_dir), Path(tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,8 +82,10 @@ def write_processor_files(out_dir: str | Path, *, tokenizer: str | Path, image: 
             if (folder / name).is_file() and not (out_dir / name).exists():
                 shutil.copyfile(folder / name, out_dir / name)
                 written.append(name)
-    for name, content in (("tokenizer_config.json", tokenizer_config()),
-                          ("preprocessor_config.json", preprocessor_config(image))):
+    for name, content in (
+        ("tokenizer_config.json", tokenizer_config()),
+        ("preprocessor_config.json", preprocessor_config(image)),
+    ):
         if not (out_dir / name).exists():
             (out_dir / name).write_text(json.dumps(content, indent=2) + "\n")
             written.append(name)
@@ -77,14 +93,32 @@ def write_processor_files(out_dir: str | Path, *, tokenizer: str | Path, image: 
 
 
 def tokenizer_config() -> dict:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-            "bos_token": None, "add_bos_token": False, "model_max_length": 262144, "chat_template": CHAT_TEMPLATE}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "model_max_length": 262144,
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 def preprocessor_config(image: ImageConfig) -> dict:
-    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-            "patch_size": image.patch_size, "temporal_patch_size": image.temporal_patch_size,
-            "merge_size": image.merge_size, "min_pixels": image.min_pixels, "max_pixels": image.max_pixels,
-            "size": {"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels},
-            "image_mean": list(image.mean), "image_std": list(image.std), "do_rescale": True,
-            "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "do_convert_rgb": True}
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": image.patch_size,
+        "temporal_patch_size": image.temporal_patch_size,
+        "merge_size": image.merge_size,
+        "min_pixels": image.min_pixels,
+        "max_pixels": image.max_pixels,
+        "size": {"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels},
+        "image_mean": list(image.mean),
+        "image_std": list(image.std),
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_resize": True,
+        "do_convert_rgb": True,
+    }

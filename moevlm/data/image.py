@@ -84,15 +84,28 @@ FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM", "AVIF")
 # least 4x the target on each side, which few are.
 DRAFT_GAP = 1
 _ORIENTATION = 0x0112  # EXIF tag
-_EXIF_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
-                   4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
-                   6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
+_EXIF_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 _SWAPS_SIDES = (5, 6, 7, 8)
-CHUNK_BYTES = 1 << 20  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
+CHUNK_BYTES = (
+    1 << 20
+)  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
 
 
-def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
-                 min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = PATCH_SIZE * MERGE_SIZE,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> tuple[int, int]:
     """The (height, width) an image is resized to: each side a multiple of
     `factor` (= patch * merge), area within [min_pixels, max_pixels] where the
     rounding allows, aspect ratio kept as closely as possible.
@@ -104,8 +117,10 @@ def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
         raise ValueError(f"image has height={height}, width={width}; both must be positive")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(f"image of height={height}, width={width} has aspect ratio {ratio:.1f}, above the "
-                         f"{MAX_ASPECT_RATIO} Qwen3-VL accepts; crop or pad it first")
+        raise ValueError(
+            f"image of height={height}, width={width} has aspect ratio {ratio:.1f}, above the "
+            f"{MAX_ASPECT_RATIO} Qwen3-VL accepts; crop or pad it first"
+        )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
@@ -116,8 +131,10 @@ def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     if h_bar == 0 or w_bar == 0:  # only possible when min_pixels < factor**2
-        raise ValueError(f"height={height}, width={width} rounds to {h_bar}x{w_bar} pixels; "
-                         f"raise min_pixels={min_pixels} to at least factor**2={factor * factor}")
+        raise ValueError(
+            f"height={height}, width={width} rounds to {h_bar}x{w_bar} pixels; "
+            f"raise min_pixels={min_pixels} to at least factor**2={factor * factor}"
+        )
     return h_bar, w_bar
 
 
@@ -131,10 +148,14 @@ def decode_image(data: bytes, cfg: ImageConfig) -> tuple[torch.Tensor, tuple[int
     bad_image_size, bad_image) for anything that cannot be used; a ValueError
     only for a config that no image could satisfy."""
     image = open_image(data, cfg)
-    return image_to_patches(image, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size, cfg.mean, cfg.std)
+    return image_to_patches(
+        image, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size, cfg.mean, cfg.std
+    )
 
 
-def random_image(data: bytes, cfg: ImageConfig, seed: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def random_image(
+    data: bytes, cfg: ImageConfig, seed: int
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """data.mock=random_pixels: the grid decode_image would give (same header checks, EXIF orientation,
     smart resize), with seeded random patches instead of the decoded pixels: each value uniform over
     what a pixel in [0, 1] normalises to on its channel, (0 - mean) / std .. (1 - mean) / std."""
@@ -142,11 +163,17 @@ def random_image(data: bytes, cfg: ImageConfig, seed: int) -> tuple[torch.Tensor
         raise SkipSample("empty_image", "0 bytes")
     with _strict_pil():
         image, orientation = _guarded(_open_header, data, cfg.max_image_pixels)
-    height, width = (image.width, image.height) if orientation in _SWAPS_SIDES else (image.height, image.width)
-    h, w = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
+    height, width = (
+        (image.width, image.height) if orientation in _SWAPS_SIDES else (image.height, image.width)
+    )
+    h, w = smart_resize(
+        height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels
+    )
     grid = (1, h // cfg.patch_size, w // cfg.patch_size)
     g = torch.Generator().manual_seed(seed)
-    x_NCQ = torch.rand(grid[1] * grid[2], 3, cfg.temporal_patch_size * cfg.patch_size**2, generator=g)
+    x_NCQ = torch.rand(
+        grid[1] * grid[2], 3, cfg.temporal_patch_size * cfg.patch_size**2, generator=g
+    )
     mean, std = torch.tensor(cfg.mean).view(1, 3, 1), torch.tensor(cfg.std).view(1, 3, 1)
     return ((x_NCQ - mean) / std).flatten(1), grid
 
@@ -158,8 +185,14 @@ def open_image(data: bytes, cfg: ImageConfig) -> Image.Image:
         raise SkipSample("empty_image", "0 bytes")
     with _strict_pil():
         image, orientation = _guarded(_open_header, data, cfg.max_image_pixels)
-        height, width = (image.width, image.height) if orientation in _SWAPS_SIDES else (image.height, image.width)
-        target_hw = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
+        height, width = (
+            (image.width, image.height)
+            if orientation in _SWAPS_SIDES
+            else (image.height, image.width)
+        )
+        target_hw = smart_resize(
+            height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels
+        )
         return _guarded(_decode_at, image, orientation, target_hw, cfg.jpeg_draft)
 
 
@@ -211,19 +244,31 @@ def _open_header(data: bytes, max_image_pixels: int) -> tuple[Image.Image, int]:
     try:
         image = Image.open(io.BytesIO(data), formats=allowed_formats())
     except Image.UnidentifiedImageError:
-        raise SkipSample("not_an_image", f"{len(data):,} bytes starting {data[:8]!r} are not a "
-                                         f"{'/'.join(allowed_formats())} image") from None
+        raise SkipSample(
+            "not_an_image",
+            f"{len(data):,} bytes starting {data[:8]!r} are not a "
+            f"{'/'.join(allowed_formats())} image",
+        ) from None
     width, height = image.size
     if width * height > max_image_pixels:
-        raise SkipSample("image_too_large", f"{width}x{height} = {width * height:,} pixels, above "
-                                            f"max_image_pixels={max_image_pixels:,}")
+        raise SkipSample(
+            "image_too_large",
+            f"{width}x{height} = {width * height:,} pixels, above "
+            f"max_image_pixels={max_image_pixels:,}",
+        )
     if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-        raise SkipSample("bad_image_size", f"{width}x{height}: a zero side or an aspect ratio above "
-                                           f"{MAX_ASPECT_RATIO}")
-    return image, image.getexif().get(_ORIENTATION, 1)  # PNG reads pixels here: eXIf may follow IDAT
+        raise SkipSample(
+            "bad_image_size",
+            f"{width}x{height}: a zero side or an aspect ratio above {MAX_ASPECT_RATIO}",
+        )
+    return image, image.getexif().get(
+        _ORIENTATION, 1
+    )  # PNG reads pixels here: eXIf may follow IDAT
 
 
-def _decode_at(image: Image.Image, orientation, target_hw: tuple[int, int], draft: bool) -> Image.Image:
+def _decode_at(
+    image: Image.Image, orientation, target_hw: tuple[int, int], draft: bool
+) -> Image.Image:
     """Decode (at reduced JPEG scale if allowed), orient, convert, resize to target_hw."""
     height, width = target_hw
     if draft and isinstance(image, JpegImagePlugin.JpegImageFile):
@@ -288,9 +333,14 @@ def wide_grey_to_l(image: Image.Image) -> Image.Image:
 # ---------------------------------------------------------------- pixels
 
 
-def image_to_patches(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
-                     merge_size: int = MERGE_SIZE, mean=IMAGE_MEAN, std=IMAGE_STD
-                     ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def image_to_patches(
+    image: Image.Image,
+    patch_size: int = PATCH_SIZE,
+    temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+    merge_size: int = MERGE_SIZE,
+    mean=IMAGE_MEAN,
+    std=IMAGE_STD,
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """An "RGB" or "L" image whose sides are multiples of P*M -> (pixels (N, 3*T*P*P), (1, h, w)).
 
     Equal to patchify(normalize(RGB array)) (the reference arithmetic), faster:
@@ -304,13 +354,20 @@ def image_to_patches(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_
     P, M, T, C = patch_size, merge_size, temporal_patch_size, 3
     Hb, Wb, Q = H // (P * M), W // (P * M), P * P
     if Hb * P * M != H or Wb * P * M != W or Cin not in (1, C) or x_HWC.dtype != np.uint8:
-        raise ValueError(f"image_to_patches needs uint8 RGB or L with sides multiple of {P * M}, got "
-                         f"{image.mode} {W}x{H}; use preprocess_image")
+        raise ValueError(
+            f"image_to_patches needs uint8 RGB or L with sides multiple of {P * M}, got "
+            f"{image.mode} {W}x{H}; use preprocess_image"
+        )
     mean_C, std_C = np.asarray(mean, np.float32), np.asarray(std, np.float32)
     uniform = bool((mean_C == mean_C[0]).all() and (std_C == std_C[0]).all())
     if Cin == 1 and not uniform:
-        x_HWC, Cin = np.repeat(x_HWC, C, axis=2), C  # per-channel mean/std on grey: three bands after all
-    mean_C11, std_C11 = (mean_C[0], std_C[0]) if uniform else (mean_C[:, None, None], std_C[:, None, None])
+        x_HWC, Cin = (
+            np.repeat(x_HWC, C, axis=2),
+            C,
+        )  # per-channel mean/std on grey: three bands after all
+    mean_C11, std_C11 = (
+        (mean_C[0], std_C[0]) if uniform else (mean_C[:, None, None], std_C[:, None, None])
+    )
     R = Wb * M * M  # patches in one row of merge blocks
     rows = max(1, CHUNK_BYTES // (R * Cin * Q * 4))
     x_HbMPWbMPC = x_HWC.reshape(Hb, M, P, Wb, M, P, Cin)
@@ -318,25 +375,38 @@ def image_to_patches(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_
     out_NCTQ = np.empty((Hb * R, C, T, Q), np.float32)
     for h0 in range(0, Hb, rows):
         h1 = min(h0 + rows, Hb)
-        u8 = np.ascontiguousarray(x_HbMPWbMPC[h0:h1].transpose(0, 3, 1, 4, 6, 2, 5))  # (rows, Wb, M, M, C, P, P)
-        x_RC1Q = buf_RC1Q[:(h1 - h0) * R]
+        u8 = np.ascontiguousarray(
+            x_HbMPWbMPC[h0:h1].transpose(0, 3, 1, 4, 6, 2, 5)
+        )  # (rows, Wb, M, M, C, P, P)
+        x_RC1Q = buf_RC1Q[: (h1 - h0) * R]
         np.divide(u8.reshape(x_RC1Q.shape), np.float32(255), out=x_RC1Q, dtype=np.float32)
         x_RC1Q -= mean_C11
         x_RC1Q /= std_C11
-        out_NCTQ[h0 * R:h1 * R] = x_RC1Q  # the frame repeated T times (and a grey band 3 times)
+        out_NCTQ[h0 * R : h1 * R] = x_RC1Q  # the frame repeated T times (and a grey band 3 times)
     return torch.from_numpy(out_NCTQ.reshape(Hb * R, C * T * Q)), (1, H // P, W // P)
 
 
-def preprocess_image(image: Image.Image, patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
-                     merge_size: int = MERGE_SIZE, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                     mean=IMAGE_MEAN, std=IMAGE_STD) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def preprocess_image(
+    image: Image.Image,
+    patch_size: int = PATCH_SIZE,
+    temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+    merge_size: int = MERGE_SIZE,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+    mean=IMAGE_MEAN,
+    std=IMAGE_STD,
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """A PIL image -> (pixel_values (N, 3*T*P*P) float32, grid (t=1, h, w)), h*w = N.
     No EXIF orientation is applied (decode_image does, from bytes)."""
     if not isinstance(image, Image.Image):
-        raise TypeError(f"preprocess_image takes a PIL.Image.Image, got {type(image).__name__}; "
-                        "open files with PIL.Image.open(path)")
+        raise TypeError(
+            f"preprocess_image takes a PIL.Image.Image, got {type(image).__name__}; "
+            "open files with PIL.Image.open(path)"
+        )
     image = to_rgb_or_grey(image)
-    height, width = smart_resize(image.height, image.width, patch_size * merge_size, min_pixels, max_pixels)
+    height, width = smart_resize(
+        image.height, image.width, patch_size * merge_size, min_pixels, max_pixels
+    )
     if (height, width) != (image.height, image.width):
         image = image.resize((width, height), Image.Resampling.BICUBIC)
     return image_to_patches(image, patch_size, temporal_patch_size, merge_size, mean, std)
@@ -348,7 +418,9 @@ def normalize(x_HWC: np.ndarray, mean, std) -> np.ndarray:
     return (x_HWC - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 
 
-def patchify(x_HWC: np.ndarray, patch_size: int, temporal_patch_size: int, merge_size: int) -> np.ndarray:
+def patchify(
+    x_HWC: np.ndarray, patch_size: int, temporal_patch_size: int, merge_size: int
+) -> np.ndarray:
     """(H, W, C) -> (N, C*T*P*P) in merge-block order, the frame repeated T times."""
     H, W, C = x_HWC.shape
     P, M, T = patch_size, merge_size, temporal_patch_size

@@ -126,22 +126,44 @@ from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY, DataConfig
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.packing import Packer, collate
-from moevlm.data.reader import (ShardPlan, ShuffleBuffer, expand_shards, fingerprint, shard_counts,
-                                 shard_identities)
+from moevlm.data.reader import (
+    ShardPlan,
+    ShuffleBuffer,
+    expand_shards,
+    fingerprint,
+    shard_counts,
+    shard_identities,
+)
 from moevlm.data.text import ChatEncoder, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 3  # 3: the header records each shard's identity ("files"); 2 (without it) still loads
-NO_PROGRESS_SAMPLES = 10_000  # a stream that never packed a sample stops after this many skipped in a row
+STATE_VERSION = (
+    3  # 3: the header records each shard's identity ("files"); 2 (without it) still loads
+)
+NO_PROGRESS_SAMPLES = (
+    10_000  # a stream that never packed a sample stops after this many skipped in a row
+)
 
 
 def fresh_state(stream: int) -> dict:
-    return {"stream": stream, "epoch": 0, "next": [0, 0], "shuffle": [], "draws": 0, "packer": [],
-            "skipped": {}, "read": 0, "packed": 0, "batches": 0}
+    return {
+        "stream": stream,
+        "epoch": 0,
+        "next": [0, 0],
+        "shuffle": [],
+        "draws": 0,
+        "packer": [],
+        "skipped": {},
+        "read": 0,
+        "packed": 0,
+        "batches": 0,
+    }
 
 
-DEFAULT_STREAMS = 16  # data.streams=0 (auto): the same rows for dp in {1, 2, 4, 8, 16}, any num_workers
+DEFAULT_STREAMS = (
+    16  # data.streams=0 (auto): the same rows for dp in {1, 2, 4, 8, 16}, any num_workers
+)
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -154,22 +176,36 @@ def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> 
     if not 0 <= rank < world:
         raise ValueError(f"data-parallel rank {rank} is outside 0..{world - 1}")
     asked = check_streams(cfg, world)
-    L = _largest_divisor_at_most(asked, num_shards)  # depends on the shards only, never on the layout
+    L = _largest_divisor_at_most(
+        asked, num_shards
+    )  # depends on the shards only, never on the layout
     if L < asked:
-        log.warning("%d shards cannot feed %d data streams (each needs a shard): reading them as %d streams "
-                    "(data.streams=%d%s); for more, rebuild with a smaller --samples-per-shard", num_shards, asked,
-                    L, cfg.streams, " (auto)" if not cfg.streams else "")
+        log.warning(
+            "%d shards cannot feed %d data streams (each needs a shard): reading them as %d streams "
+            "(data.streams=%d%s); for more, rebuild with a smaller --samples-per-shard",
+            num_shards,
+            asked,
+            L,
+            cfg.streams,
+            " (auto)" if not cfg.streams else "",
+        )
     if L % world and not cfg.streams and world <= num_shards:
         L = world * (min(max(DEFAULT_STREAMS, world), num_shards) // world)
-        log.warning("data.streams=0 (auto): the %d data-parallel ranks cannot share %d streams evenly; reading "
-                    "%d streams, so the rows of a step differ from a run on 1, 2, 4, 8 or 16 ranks; set "
-                    "data.streams to a common multiple of the data-parallel sizes you use to make them equal",
-                    world, min(DEFAULT_STREAMS, num_shards), L)
+        log.warning(
+            "data.streams=0 (auto): the %d data-parallel ranks cannot share %d streams evenly; reading "
+            "%d streams, so the rows of a step differ from a run on 1, 2, 4, 8 or 16 ranks; set "
+            "data.streams to a common multiple of the data-parallel sizes you use to make them equal",
+            world,
+            min(DEFAULT_STREAMS, num_shards),
+            L,
+        )
     if L % world:
-        raise ValueError(f"{num_shards} shards cannot feed {world} data-parallel ranks with data.streams={asked}"
-                         f"{' (auto)' if not cfg.streams else ''}: they give {L} streams, not a multiple of {world}; "
-                         f"rebuild the shards with a smaller --samples-per-shard (at least {asked} shards), or "
-                         f"set data.streams to a multiple of {world} that is at most {num_shards}")
+        raise ValueError(
+            f"{num_shards} shards cannot feed {world} data-parallel ranks with data.streams={asked}"
+            f"{' (auto)' if not cfg.streams else ''}: they give {L} streams, not a multiple of {world}; "
+            f"rebuild the shards with a smaller --samples-per-shard (at least {asked} shards), or "
+            f"set data.streams to a multiple of {world} that is at most {num_shards}"
+        )
     return L, _workers(cfg, L // world)
 
 
@@ -179,20 +215,29 @@ def _workers(cfg: DataConfig, per_rank: int) -> int:
         return cfg.num_workers
     w = _largest_divisor_at_most(per_rank, cfg.num_workers)
     if w < cfg.num_workers:
-        log.warning("data.num_workers=%d lowered to %d: each data-parallel rank serves %d streams, which %d "
-                    "workers cannot share evenly (the rows are the same; raise data.streams for more workers)",
-                    cfg.num_workers, w, per_rank, cfg.num_workers)
+        log.warning(
+            "data.num_workers=%d lowered to %d: each data-parallel rank serves %d streams, which %d "
+            "workers cannot share evenly (the rows are the same; raise data.streams for more workers)",
+            cfg.num_workers,
+            w,
+            per_rank,
+            cfg.num_workers,
+        )
     return w
 
 
 def check_streams(cfg: DataConfig, world: int) -> int:
     """The asked-for L (data.streams, or DEFAULT_STREAMS for 0), checked alone (no shards needed)."""
     if cfg.streams < 0:
-        raise ValueError(f"data.streams={cfg.streams}; use 0 (auto: {DEFAULT_STREAMS}) or a positive multiple "
-                         "of the data-parallel size")
+        raise ValueError(
+            f"data.streams={cfg.streams}; use 0 (auto: {DEFAULT_STREAMS}) or a positive multiple "
+            "of the data-parallel size"
+        )
     if cfg.streams and cfg.streams % world:
-        raise ValueError(f"data.streams={cfg.streams} is not a multiple of the data-parallel size {world}; set "
-                         f"data.streams to a multiple of {world} (or 0: auto)")
+        raise ValueError(
+            f"data.streams={cfg.streams} is not a multiple of the data-parallel size {world}; set "
+            f"data.streams to a multiple of {world} (or 0: auto)"
+        )
     return cfg.streams or DEFAULT_STREAMS
 
 
@@ -202,8 +247,16 @@ class Stream:
     def __init__(self, ds: PackedDataset, stream: int, encode: SampleEncoder):
         cfg = ds.cfg
         self.cfg, self.ds, self.stream, self.encode = cfg, ds, stream, encode
-        self.plan = ShardPlan(ds.shards, cfg.seed, stream, ds.streams, cfg.shuffle_shards, ds.counts,
-                              cfg.max_text_bytes, cfg.max_image_bytes)
+        self.plan = ShardPlan(
+            ds.shards,
+            cfg.seed,
+            stream,
+            ds.streams,
+            cfg.shuffle_shards,
+            ds.counts,
+            cfg.max_text_bytes,
+            cfg.max_image_bytes,
+        )
         self.pad_id = encode.chat.eot_id
         self.packer = Packer(cfg.pack)
         self.st = copy.deepcopy(ds.states.get(stream)) or fresh_state(stream)
@@ -220,7 +273,9 @@ class Stream:
         raw = self.plan.fetch(held) if held else {}
         self.shuffle.items = [(tuple(p), raw[tuple(p)]) for p in self.st["shuffle"]]
         for p in self.st["packer"]:
-            self.packer.push(self.encode(raw[tuple(p)], tuple(p)))  # encoded fine before the checkpoint
+            self.packer.push(
+                self.encode(raw[tuple(p)], tuple(p))
+            )  # encoded fine before the checkpoint
 
     def __iter__(self):
         epochs = self.cfg.epochs
@@ -234,9 +289,11 @@ class Stream:
             while (out := self.shuffle.pop()) is not None:
                 yield from self._feed(*out)
             if self.st["read"] == read_before and self.st["next"] == [0, 0]:
-                raise DataError(f"data stream {self.stream} read no sample in epoch {self.st['epoch']} from "
-                                f"{self.plan.mine(self.st['epoch'])}: its shards are empty or unreadable "
-                                f"(skipped: {self._skip_summary()})")
+                raise DataError(
+                    f"data stream {self.stream} read no sample in epoch {self.st['epoch']} from "
+                    f"{self.plan.mine(self.st['epoch'])}: its shards are empty or unreadable "
+                    f"(skipped: {self._skip_summary()})"
+                )
             if self._never_packed():
                 raise self._stuck(f"in all of epoch {self.st['epoch']}")
             self.st["epoch"] += 1
@@ -272,21 +329,29 @@ class Stream:
         """The error for a stream that reads samples but can pack none (it would loop forever)."""
         pk, fixes = self.cfg.pack, []
         if self.skips["too_long"]:
-            fixes.append(f"raise data.pack.seq_len={pk.seq_len} / max_patches={pk.max_patches} / "
-                         f"max_images={pk.max_images}" + (" or set data.pack.oversize=truncate"
-                                                          if pk.oversize != "truncate" else ""))
+            fixes.append(
+                f"raise data.pack.seq_len={pk.seq_len} / max_patches={pk.max_patches} / "
+                f"max_images={pk.max_images}"
+                + (" or set data.pack.oversize=truncate" if pk.oversize != "truncate" else "")
+            )
         if self.skips["text_too_large"]:
             fixes.append(f"raise data.max_text_bytes={self.cfg.max_text_bytes}")
         if self.skips["file_too_large"]:
             fixes.append(f"raise data.max_image_bytes={self.cfg.max_image_bytes}")
         fixes.append("fix the shards (skip reasons: moevlm.data.errors.REASONS)")
-        return DataError(f"data stream {self.stream} read {self.st['read']} samples but could pack none {when}: "
-                         f"every one was skipped ({self._skip_summary()}); {', or '.join(fixes)}")
+        return DataError(
+            f"data stream {self.stream} read {self.st['read']} samples but could pack none {when}: "
+            f"every one was skipped ({self._skip_summary()}); {', or '.join(fixes)}"
+        )
 
     def _batch(self, samples) -> dict:
-        if not samples:  # check_config's budgets make this unreachable; an empty row must never train
-            raise RuntimeError(f"data stream {self.stream}: the packer produced an empty row "
-                               f"(data.pack={self.cfg.pack})")
+        if (
+            not samples
+        ):  # check_config's budgets make this unreachable; an empty row must never train
+            raise RuntimeError(
+                f"data stream {self.stream}: the packer produced an empty row "
+                f"(data.pack={self.cfg.pack})"
+            )
         st = self.st
         st["packed"] += len(samples)
         st["batches"] += 1
@@ -314,9 +379,31 @@ class PackedDataset(IterableDataset):
     """What each worker process receives (pickled): config, shards, this rank's
     streams (`local`), their states and the local index of the next one due."""
 
-    def __init__(self, cfg: DataConfig, shards, counts, tokenizer_path, patch_dim, streams, local, states, offset):
-        self.cfg, self.shards, self.counts, self.tokenizer_path = cfg, shards, counts, tokenizer_path
-        self.patch_dim, self.streams, self.local, self.states, self.offset = patch_dim, streams, local, states, offset
+    def __init__(
+        self,
+        cfg: DataConfig,
+        shards,
+        counts,
+        tokenizer_path,
+        patch_dim,
+        streams,
+        local,
+        states,
+        offset,
+    ):
+        self.cfg, self.shards, self.counts, self.tokenizer_path = (
+            cfg,
+            shards,
+            counts,
+            tokenizer_path,
+        )
+        self.patch_dim, self.streams, self.local, self.states, self.offset = (
+            patch_dim,
+            streams,
+            local,
+            states,
+            offset,
+        )
         self.main_pid = os.getpid()  # built in the training process, pickled to the workers
 
     def mine(self, p: int, workers: int) -> list[int]:
@@ -332,8 +419,13 @@ class PackedDataset(IterableDataset):
                 signal.signal(s, signal.SIG_IGN)
             threading.Thread(target=_exit_without, args=(self.main_pid,), daemon=True).start()
         cfg = self.cfg
-        encode = SampleEncoder(ChatEncoder(load_tokenizer(self.tokenizer_path)), cfg.image, cfg.pack,
-                               cfg.caption_prompt, cfg.mock)
+        encode = SampleEncoder(
+            ChatEncoder(load_tokenizer(self.tokenizer_path)),
+            cfg.image,
+            cfg.pack,
+            cfg.caption_prompt,
+            cfg.mock,
+        )
         return round_robin([iter(Stream(self, s, encode)) for s in self.mine(p, workers)])
 
 
@@ -380,24 +472,40 @@ def merge_states(states: list[dict]) -> dict:
         other = {k: v for k, v in sd.items() if k != "states"}
         if other != head:
             keys = sorted(k for k in head.keys() | other.keys() if head.get(k) != other.get(k))
-            shown = "; ".join(f"{k}: {other.get(k)!r} vs {head.get(k)!r}" for k in keys if k != "files")
-            raise ValueError(f"cannot merge data-loader states of different jobs: they differ in {keys} ({shown}); "
-                             "merge the states saved at one step of one run")
+            shown = "; ".join(
+                f"{k}: {other.get(k)!r} vs {head.get(k)!r}" for k in keys if k != "files"
+            )
+            raise ValueError(
+                f"cannot merge data-loader states of different jobs: they differ in {keys} ({shown}); "
+                "merge the states saved at one step of one run"
+            )
         for s, st in sd["states"].items():
             if out.setdefault(s, st) != st:
-                raise ValueError(f"two data-loader states hold different states for stream {s}: merge the "
-                                 "states saved at one step, one per rank")
+                raise ValueError(
+                    f"two data-loader states hold different states for stream {s}: merge the "
+                    "states saved at one step, one per rank"
+                )
     return copy.deepcopy({**head, "states": dict(sorted(out.items(), key=lambda kv: int(kv[0])))})
 
 
 class PackedLoader:
-    def __init__(self, cfg: DataConfig, *, tokenizer_path: str, patch_dim: int, rank: int = 0, world: int = 1):
-        self.cfg, self.tokenizer_path, self.patch_dim, self.rank, self.world = cfg, tokenizer_path, patch_dim, rank, world
+    def __init__(
+        self, cfg: DataConfig, *, tokenizer_path: str, patch_dim: int, rank: int = 0, world: int = 1
+    ):
+        self.cfg, self.tokenizer_path, self.patch_dim, self.rank, self.world = (
+            cfg,
+            tokenizer_path,
+            patch_dim,
+            rank,
+            world,
+        )
         self.shards = expand_shards(cfg.shards)
         self.counts = shard_counts(self.shards)
         self.files = shard_identities(self.shards)  # [name, size, hash] each, checked on resume
         self.streams, self.workers = resolve_streams(cfg, rank, world, len(self.shards))
-        self.local = list(range(rank, self.streams, world))  # this rank's streams, in delivery order
+        self.local = list(
+            range(rank, self.streams, world)
+        )  # this rank's streams, in delivery order
         self.states: dict[int, dict] = {}
         self.offset = 0  # local index of the stream whose row comes next
         self.wait_s = 0.0
@@ -436,18 +544,38 @@ class PackedLoader:
 
     def _dataloader(self) -> DataLoader:
         cfg = self.cfg
-        ds = PackedDataset(cfg, self.shards, self.counts, self.tokenizer_path, self.patch_dim, self.streams,
-                           self.local, dict(self.states), self.offset)
-        pin = torch.cuda.is_available() if cfg.pin_memory == "auto" else str(cfg.pin_memory).lower() == "true"
+        ds = PackedDataset(
+            cfg,
+            self.shards,
+            self.counts,
+            self.tokenizer_path,
+            self.patch_dim,
+            self.streams,
+            self.local,
+            dict(self.states),
+            self.offset,
+        )
+        pin = (
+            torch.cuda.is_available()
+            if cfg.pin_memory == "auto"
+            else str(cfg.pin_memory).lower() == "true"
+        )
         if self.workers == 0:
             return DataLoader(ds, batch_size=None, num_workers=0, pin_memory=pin)
         ctx = mp.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
             ctx.set_forkserver_preload(["moevlm.data.loader"])
             _start_forkserver_deaf_to_stop_signals()
-        return DataLoader(ds, batch_size=None, num_workers=self.workers, pin_memory=pin,
-                          persistent_workers=True, prefetch_factor=cfg.prefetch_factor,
-                          multiprocessing_context=ctx, in_order=True)
+        return DataLoader(
+            ds,
+            batch_size=None,
+            num_workers=self.workers,
+            pin_memory=pin,
+            persistent_workers=True,
+            prefetch_factor=cfg.prefetch_factor,
+            multiprocessing_context=ctx,
+            in_order=True,
+        )
 
     def close(self) -> None:
         """Stops the worker processes (a later iteration starts new ones from the current state)."""
@@ -455,71 +583,107 @@ class PackedLoader:
 
     # ---------------------------------------------------------------- state
     def _header(self) -> dict:
-        head = {"version": STATE_VERSION, "shards": fingerprint(self.shards), "seed": self.cfg.seed,
-                "streams": self.streams, "files": copy.deepcopy(self.files)}
-        if self.cfg.mock != "none":  # absent for real data, so states saved before data.mock existed still match
+        head = {
+            "version": STATE_VERSION,
+            "shards": fingerprint(self.shards),
+            "seed": self.cfg.seed,
+            "streams": self.streams,
+            "files": copy.deepcopy(self.files),
+        }
+        if (
+            self.cfg.mock != "none"
+        ):  # absent for real data, so states saved before data.mock existed still match
             head["mock"] = self.cfg.mock
         return head
 
     def state_dict(self) -> dict:
         """This rank's streams' states, keyed by global stream id (merge the ranks' with `merge_states`)."""
-        return {**self._header(), "states": {str(s): copy.deepcopy(st) for s, st in sorted(self.states.items())}}
+        return {
+            **self._header(),
+            "states": {str(s): copy.deepcopy(st) for s, st in sorted(self.states.items())},
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Takes this rank's streams from `sd` (one rank's state or several merged)."""
         if sd.get("version") not in (2, STATE_VERSION):
-            raise ValueError(f"data-loader state version {sd.get('version')!r} is not one this loader reads (2 or "
-                             f"{STATE_VERSION}); resume with the moevlm version that saved it or start the data fresh")
+            raise ValueError(
+                f"data-loader state version {sd.get('version')!r} is not one this loader reads (2 or "
+                f"{STATE_VERSION}); resume with the moevlm version that saved it or start the data fresh"
+            )
         head = self._header()
-        diff = {k: (sd.get(k), head[k]) for k in ("shards", "seed", "streams") if sd.get(k) != head[k]}
+        diff = {
+            k: (sd.get(k), head[k]) for k in ("shards", "seed", "streams") if sd.get(k) != head[k]
+        }
         if diff:
-            raise ValueError("the data-loader state does not belong to this loader: "
-                             + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-                             + "; resume with the same shards, data.seed and number of streams (set "
-                             "data.streams to the saved value; with data.streams=0 it is "
-                             f"{DEFAULT_STREAMS} or fewer, as many as the shards can feed)")
+            raise ValueError(
+                "the data-loader state does not belong to this loader: "
+                + ", ".join(f"{k} saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+                + "; resume with the same shards, data.seed and number of streams (set "
+                "data.streams to the saved value; with data.streams=0 it is "
+                f"{DEFAULT_STREAMS} or fewer, as many as the shards can feed)"
+            )
         if sd.get("mock", "none") != self.cfg.mock:
-            raise ValueError(f"the data-loader state was saved with data.mock={sd.get('mock', 'none')} but this run "
-                             f"has data.mock={self.cfg.mock}: mock and real data are different data; resume with "
-                             f"data.mock={sd.get('mock', 'none')}, or start a new run")
+            raise ValueError(
+                f"the data-loader state was saved with data.mock={sd.get('mock', 'none')} but this run "
+                f"has data.mock={self.cfg.mock}: mock and real data are different data; resume with "
+                f"data.mock={sd.get('mock', 'none')}, or start a new run"
+            )
         self._check_files(sd.get("files"))
         self.close()
-        self.states = {int(s): copy.deepcopy(st) for s, st in sd["states"].items() if int(s) in self.local}
+        self.states = {
+            int(s): copy.deepcopy(st) for s, st in sd["states"].items() if int(s) in self.local
+        }
         self.offset = sum(st["batches"] for st in self.states.values()) % len(self.local)
 
     def _check_files(self, saved: list | None) -> None:
         """The shards' sizes and content hashes against the state's (refused or warned)."""
         if saved is None:
-            log.warning("the data-loader state predates shard fingerprints (state version 2): cannot check that "
-                        "the %d shards are unchanged since the checkpoint", len(self.shards))
+            log.warning(
+                "the data-loader state predates shard fingerprints (state version 2): cannot check that "
+                "the %d shards are unchanged since the checkpoint",
+                len(self.shards),
+            )
             return
         changed = [(a, b) for a, b in zip(saved, self.files) if list(a) != list(b)]
         if not changed:
             return
-        names = ", ".join(f"{b[0]} ({a[1]} -> {b[1]} bytes)" if a[1] != b[1] else f"{b[0]} (same size, other bytes)"
-                          for a, b in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        names = ", ".join(
+            f"{b[0]} ({a[1]} -> {b[1]} bytes)"
+            if a[1] != b[1]
+            else f"{b[0]} (same size, other bytes)"
+            for a, b in changed[:3]
+        ) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         what = f"{len(changed)} of {len(self.files)} shards changed since the checkpoint: {names}"
         if not self.cfg.allow_changed_shards:
-            raise ValueError(f"{what}; the saved positions would point at other samples. Put the original shards "
-                             "back, or set data.allow_changed_shards=true to continue on the new contents")
-        log.warning("%s; continuing because data.allow_changed_shards=true (saved positions inside them now point "
-                    "at other samples)", what)
+            raise ValueError(
+                f"{what}; the saved positions would point at other samples. Put the original shards "
+                "back, or set data.allow_changed_shards=true to continue on the new contents"
+            )
+        log.warning(
+            "%s; continuing because data.allow_changed_shards=true (saved positions inside them now point "
+            "at other samples)",
+            what,
+        )
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         skipped = Counter()
         for s in self.states.values():
             skipped.update(s["skipped"])
-        return {"skipped": dict(sorted(skipped.items())), "skipped_total": sum(skipped.values()),
-                "samples_read": sum(s["read"] for s in self.states.values()),
-                "samples_packed": sum(s["packed"] for s in self.states.values()),
-                "batches": sum(s["batches"] for s in self.states.values()),
-                "epoch": min((s["epoch"] for s in self.states.values()), default=0),
-                "data_wait_s": self.wait_s}
+        return {
+            "skipped": dict(sorted(skipped.items())),
+            "skipped_total": sum(skipped.values()),
+            "samples_read": sum(s["read"] for s in self.states.values()),
+            "samples_packed": sum(s["packed"] for s in self.states.values()),
+            "batches": sum(s["batches"] for s in self.states.values()),
+            "epoch": min((s["epoch"] for s in self.states.values()), default=0),
+            "data_wait_s": self.wait_s,
+        }
 
 
-def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1,
-                 hf_checkpoint: str = "") -> PackedLoader:
+def build_loader(
+    cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1, hf_checkpoint: str = ""
+) -> PackedLoader:
     """Checks the data config against the model's (patch geometry, special token ids,
     budgets) before any worker starts, then returns the loader.  `hf_checkpoint` is
     the model.hf_checkpoint folder, the tokenizer's last fallback (`find_tokenizer`)."""
@@ -530,9 +694,14 @@ def build_loader(cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int =
     im = cfg.image
     patch_dim = 3 * im.temporal_patch_size * im.patch_size**2
     if cfg.mock != "none" and rank == 0:
-        log.warning("data.mock=%s: MOCK DATA, %s; the same loader path and batch shapes as real data, for "
-                    "measuring only", cfg.mock, "text only (images and their tokens dropped)"
-                    if cfg.mock == "image_free" else "random pixels in place of the decoded images")
+        log.warning(
+            "data.mock=%s: MOCK DATA, %s; the same loader path and batch shapes as real data, for "
+            "measuring only",
+            cfg.mock,
+            "text only (images and their tokens dropped)"
+            if cfg.mock == "image_free"
+            else "random pixels in place of the decoded images",
+        )
     return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
 
 
@@ -541,8 +710,10 @@ def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") 
     checkpoint's; one message naming all three when none is there."""
     if cfg.tokenizer:
         if not os.path.isfile(cfg.tokenizer):
-            raise DataSetupError(f"data.tokenizer={cfg.tokenizer} is not a file; point it at a tokenizer.json "
-                                 "(e.g. the checkpoint's) or leave it empty to use <shards folder>/tokenizer.json")
+            raise DataSetupError(
+                f"data.tokenizer={cfg.tokenizer} is not a file; point it at a tokenizer.json "
+                "(e.g. the checkpoint's) or leave it empty to use <shards folder>/tokenizer.json"
+            )
         return cfg.tokenizer
     beside = os.path.join(os.path.dirname(os.path.abspath(shards[0])), "tokenizer.json")
     ckpt = os.path.join(hf_checkpoint, "tokenizer.json") if hf_checkpoint else ""
@@ -554,7 +725,8 @@ def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") 
         + (f"{ckpt} does not either" if ckpt else "model.hf_checkpoint is not set")
         + "; do one of: set data.tokenizer=FILE (a tokenizer.json, e.g. the checkpoint's), rebuild the shards "
         "with `python -m moevlm.data.build_shards ... --tokenizer FILE` (copies it beside them), or set "
-        "model.hf_checkpoint=DIR (a folder holding tokenizer.json)")
+        "model.hf_checkpoint=DIR (a folder holding tokenizer.json)"
+    )
 
 
 def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:
@@ -567,16 +739,24 @@ def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:
         mine = (im.patch_size, im.temporal_patch_size, im.merge_size)
         theirs = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
         if mine != theirs:
-            raise ValueError(f"data.image (patch, temporal, merge) = {mine} but the model's vision config has "
-                             f"{theirs}; set data.image to the model's values")
+            raise ValueError(
+                f"data.image (patch, temporal, merge) = {mine} but the model's vision config has "
+                f"{theirs}; set data.image to the model's values"
+            )
     unit = im.patch_size**2
-    if pk.max_patches and pk.max_images and im.max_pixels // unit > pk.max_patches:  # 0: a text-only budget
-        raise ValueError(f"one image may need up to {im.max_pixels // unit} patches (data.image.max_pixels="
-                         f"{im.max_pixels}) but a micro-batch holds data.pack.max_patches={pk.max_patches}; "
-                         "raise max_patches or lower max_pixels (or set max_patches=0 to train on text only)")
+    if (
+        pk.max_patches and pk.max_images and im.max_pixels // unit > pk.max_patches
+    ):  # 0: a text-only budget
+        raise ValueError(
+            f"one image may need up to {im.max_pixels // unit} patches (data.image.max_pixels="
+            f"{im.max_pixels}) but a micro-batch holds data.pack.max_patches={pk.max_patches}; "
+            "raise max_patches or lower max_pixels (or set max_patches=0 to train on text only)"
+        )
     if pk.max_patches % im.merge_size**2:
-        raise ValueError(f"data.pack.max_patches={pk.max_patches} must be a multiple of merge_size^2="
-                         f"{im.merge_size**2} (the padding patches are merged like an image's)")
+        raise ValueError(
+            f"data.pack.max_patches={pk.max_patches} must be a multiple of merge_size^2="
+            f"{im.merge_size**2} (the padding patches are merged like an image's)"
+        )
     check_streams(cfg, world)
 
 
@@ -594,31 +774,89 @@ def check_fields(cfg: DataConfig) -> None:
     """Each DataConfig field on its own: a value that cannot work (a packing budget that holds no
     sample, a non-positive size) is refused with the field, its value and what to set."""
     im, pk = cfg.image, cfg.pack
-    _require(pk.seq_len >= 2, "pack.seq_len", pk.seq_len, "at least 2 tokens (a sample and its next-token target)")
-    _require(pk.max_samples >= 1, "pack.max_samples", pk.max_samples, "at least 1 (documents per packed row)")
-    _require(pk.max_patches >= 0, "pack.max_patches", pk.max_patches, "0 (text only) or more patches")
+    _require(
+        pk.seq_len >= 2,
+        "pack.seq_len",
+        pk.seq_len,
+        "at least 2 tokens (a sample and its next-token target)",
+    )
+    _require(
+        pk.max_samples >= 1,
+        "pack.max_samples",
+        pk.max_samples,
+        "at least 1 (documents per packed row)",
+    )
+    _require(
+        pk.max_patches >= 0, "pack.max_patches", pk.max_patches, "0 (text only) or more patches"
+    )
     _require(pk.max_images >= 0, "pack.max_images", pk.max_images, "0 (text only) or more images")
     _require(pk.lookahead >= 0, "pack.lookahead", pk.lookahead, "0 or more samples")
     _require(pk.oversize in OVERSIZE, "pack.oversize", pk.oversize, _one_of(OVERSIZE))
     for name in ("patch_size", "temporal_patch_size", "merge_size"):
         _require(getattr(im, name) >= 1, f"image.{name}", getattr(im, name), "a positive integer")
     _require(im.min_pixels >= 1, "image.min_pixels", im.min_pixels, "a positive pixel count")
-    _require(im.max_pixels >= im.min_pixels, "image.max_pixels", im.max_pixels,
-             f"at least data.image.min_pixels={im.min_pixels} (or lower min_pixels)")
-    _require(im.max_image_pixels >= 1, "image.max_image_pixels", im.max_image_pixels,
-             "a positive width*height limit (default 100000000)")
+    _require(
+        im.max_pixels >= im.min_pixels,
+        "image.max_pixels",
+        im.max_pixels,
+        f"at least data.image.min_pixels={im.min_pixels} (or lower min_pixels)",
+    )
+    _require(
+        im.max_image_pixels >= 1,
+        "image.max_image_pixels",
+        im.max_image_pixels,
+        "a positive width*height limit (default 100000000)",
+    )
     _require(len(im.mean) == 3, "image.mean", list(im.mean), "three per-channel values (R, G, B)")
-    _require(len(im.std) == 3 and all(x > 0 for x in im.std), "image.std", list(im.std),
-             "three positive per-channel values (pixels are divided by them)")
-    _require(cfg.max_text_bytes >= 1, "max_text_bytes", cfg.max_text_bytes, "a positive byte cap (default 1048576)")
-    _require(cfg.max_image_bytes >= 1, "max_image_bytes", cfg.max_image_bytes,
-             "a positive byte cap (default 33554432)")
-    _require(cfg.num_workers >= 0, "num_workers", cfg.num_workers, "0 (read in the training process) or more")
-    _require(cfg.prefetch_factor >= 1, "prefetch_factor", cfg.prefetch_factor, "at least 1 row per worker")
-    _require(cfg.shuffle_buffer >= 0, "shuffle_buffer", cfg.shuffle_buffer, "0 (shard order) or more samples")
-    _require(cfg.epochs is None or cfg.epochs >= 1, "epochs", cfg.epochs, "null (loop forever) or at least 1")
-    _require(str(cfg.pin_memory).lower() in PIN_MEMORY, "pin_memory", cfg.pin_memory,
-             _one_of(PIN_MEMORY))
+    _require(
+        len(im.std) == 3 and all(x > 0 for x in im.std),
+        "image.std",
+        list(im.std),
+        "three positive per-channel values (pixels are divided by them)",
+    )
+    _require(
+        cfg.max_text_bytes >= 1,
+        "max_text_bytes",
+        cfg.max_text_bytes,
+        "a positive byte cap (default 1048576)",
+    )
+    _require(
+        cfg.max_image_bytes >= 1,
+        "max_image_bytes",
+        cfg.max_image_bytes,
+        "a positive byte cap (default 33554432)",
+    )
+    _require(
+        cfg.num_workers >= 0,
+        "num_workers",
+        cfg.num_workers,
+        "0 (read in the training process) or more",
+    )
+    _require(
+        cfg.prefetch_factor >= 1,
+        "prefetch_factor",
+        cfg.prefetch_factor,
+        "at least 1 row per worker",
+    )
+    _require(
+        cfg.shuffle_buffer >= 0,
+        "shuffle_buffer",
+        cfg.shuffle_buffer,
+        "0 (shard order) or more samples",
+    )
+    _require(
+        cfg.epochs is None or cfg.epochs >= 1,
+        "epochs",
+        cfg.epochs,
+        "null (loop forever) or at least 1",
+    )
+    _require(
+        str(cfg.pin_memory).lower() in PIN_MEMORY, "pin_memory", cfg.pin_memory, _one_of(PIN_MEMORY)
+    )
     _require(cfg.mock in MOCK, "mock", cfg.mock, _one_of(MOCK))
-    _require(cfg.start_method in mp.get_all_start_methods(), "start_method", cfg.start_method,
-             f"one of {mp.get_all_start_methods()}")
+    _require(
+        cfg.start_method in mp.get_all_start_methods(),
+        "start_method",
+        cfg.start_method,
+        f"one of {mp.get_all_start_methods()}",
+    )

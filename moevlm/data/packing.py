@@ -66,19 +66,31 @@ class Packer:
 
     def _fit_all(self) -> bool:
         c, h = self.cfg, self.held
-        return (sum(s.tokens for s in h) <= c.seq_len and sum(s.patches for s in h) <= c.max_patches
-                and sum(len(s.grids) for s in h) <= c.max_images and len(h) <= c.max_samples)
+        return (
+            sum(s.tokens for s in h) <= c.seq_len
+            and sum(s.patches for s in h) <= c.max_patches
+            and sum(len(s.grids) for s in h) <= c.max_images
+            and len(h) <= c.max_samples
+        )
 
     def pop(self) -> list[Sample]:
         c = self.cfg
         tokens = patches = images = 0
         take, keep = [], []
         for s in self.held:
-            fits = (tokens + s.tokens <= c.seq_len and patches + s.patches <= c.max_patches
-                    and images + len(s.grids) <= c.max_images and len(take) < c.max_samples)
+            fits = (
+                tokens + s.tokens <= c.seq_len
+                and patches + s.patches <= c.max_patches
+                and images + len(s.grids) <= c.max_images
+                and len(take) < c.max_samples
+            )
             (take if fits else keep).append(s)
             if fits:
-                tokens, patches, images = tokens + s.tokens, patches + s.patches, images + len(s.grids)
+                tokens, patches, images = (
+                    tokens + s.tokens,
+                    patches + s.patches,
+                    images + len(s.grids),
+                )
         self.held = keep
         return take
 
@@ -93,12 +105,14 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
     cu = torch.full((J + 2,), S, dtype=torch.int32)
     cu[0], at = 0, 0
     for j, s in enumerate(samples):
-        input_ids[at:at + s.tokens] = s.input_ids_L
-        labels[at:at + s.tokens] = s.labels_L
-        position_ids[:, at:at + s.tokens] = s.position_ids_3L
+        input_ids[at : at + s.tokens] = s.input_ids_L
+        labels[at : at + s.tokens] = s.labels_L
+        position_ids[:, at : at + s.tokens] = s.position_ids_3L
         at += s.tokens
         cu[j + 1] = at
-    position_ids[:, used:] = torch.arange(S - used)  # the padding document counts from 0 like any other
+    position_ids[:, used:] = torch.arange(
+        S - used
+    )  # the padding document counts from 0 like any other
 
     grids = [g for s in samples for g in s.grids]
     pixels = torch.zeros(Np, patch_dim, dtype=torch.float32)
@@ -108,21 +122,35 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
         torch.cat(pieces, out=pixels[:patches])
     grid_thw = torch.zeros(I, 3, dtype=torch.long)
     if grids:
-        grid_thw[:len(grids)] = torch.tensor(grids, dtype=torch.long)
+        grid_thw[: len(grids)] = torch.tensor(grids, dtype=torch.long)
     return {
-        "input_ids": input_ids[None], "labels": labels[None], "position_ids": position_ids[:, None],
-        "cu_seqlens": cu, "pixel_values": pixels, "image_grid_thw": grid_thw,
-        "num_samples": len(samples), "num_images": len(grids),
-        "useful_tokens": used, "padded_tokens": S - used,
+        "input_ids": input_ids[None],
+        "labels": labels[None],
+        "position_ids": position_ids[:, None],
+        "cu_seqlens": cu,
+        "pixel_values": pixels,
+        "image_grid_thw": grid_thw,
+        "num_samples": len(samples),
+        "num_images": len(grids),
+        "useful_tokens": used,
+        "padded_tokens": S - used,
         # the model's targets: labels shifted by one inside each document
         "loss_tokens": int(sum(int((s.labels_L[1:] != IGNORE).sum()) for s in samples)),
-        "useful_patches": patches, "padded_patches": Np - patches,
+        "useful_patches": patches,
+        "padded_patches": Np - patches,
         "sample_ids": [s.id for s in samples],
     }
 
 
-COUNTS = ("num_samples", "num_images", "useful_tokens", "padded_tokens", "loss_tokens", "useful_patches",
-          "padded_patches")
+COUNTS = (
+    "num_samples",
+    "num_images",
+    "useful_tokens",
+    "padded_tokens",
+    "loss_tokens",
+    "useful_patches",
+    "padded_patches",
+)
 
 
 def _real_first(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
@@ -136,15 +164,21 @@ def _real_first(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
 def stack_rows(rows: list[dict]) -> dict:
     """B packed rows (collate() dicts of one PackConfig) -> one micro-batch of B rows."""
     S = rows[0]["input_ids"].shape[1]
-    pixels = _real_first([r["pixel_values"][:r["useful_patches"]] for r in rows],
-                         sum(r["pixel_values"].shape[0] for r in rows))
-    grid_thw = _real_first([r["image_grid_thw"][:r["num_images"]] for r in rows],
-                           sum(r["image_grid_thw"].shape[0] for r in rows))
+    pixels = _real_first(
+        [r["pixel_values"][: r["useful_patches"]] for r in rows],
+        sum(r["pixel_values"].shape[0] for r in rows),
+    )
+    grid_thw = _real_first(
+        [r["image_grid_thw"][: r["num_images"]] for r in rows],
+        sum(r["image_grid_thw"].shape[0] for r in rows),
+    )
     out = {
-        "input_ids": torch.cat([r["input_ids"] for r in rows]), "labels": torch.cat([r["labels"] for r in rows]),
+        "input_ids": torch.cat([r["input_ids"] for r in rows]),
+        "labels": torch.cat([r["labels"] for r in rows]),
         "position_ids": torch.cat([r["position_ids"] for r in rows], dim=1),
         "cu_seqlens": torch.cat([r["cu_seqlens"] + i * S for i, r in enumerate(rows)]),
-        "pixel_values": pixels, "image_grid_thw": grid_thw,
+        "pixel_values": pixels,
+        "image_grid_thw": grid_thw,
     }
     out.update({k: sum(r[k] for r in rows) for k in COUNTS})
     out["sample_ids"] = [sid for r in rows for sid in r["sample_ids"]]

@@ -72,18 +72,32 @@ def expand_shards(spec: str | list[str]) -> list[str]:
     if isinstance(spec, (list, tuple)):
         out = [str(s) for s in spec]
     elif os.path.isdir(spec):
-        out = sorted(p for ext in ("*.tar", "*.tar.gz", "*.tgz") for p in glob.glob(os.path.join(spec, ext)))
+        out = sorted(
+            p for ext in ("*.tar", "*.tar.gz", "*.tgz") for p in glob.glob(os.path.join(spec, ext))
+        )
     else:
         import braceexpand
 
-        out = [p for part in spec.split(",") if part for b in braceexpand.braceexpand(part.strip())
-               for p in (sorted(glob.glob(b)) if any(c in b for c in "*?[") else [b])]
-    if not out or not any(os.path.exists(p) for p in out):  # some missing: skipped as unreadable_shard
-        what = ("is a folder without .tar shards" if isinstance(spec, str) and os.path.isdir(spec)
-                else "names no folder or file that exists")
-        raise DataSetupError(f"no shards found for data.shards={spec!r}: it {what}; give a folder of .tar files, "
-                             "a brace pattern (dir/shard-{000000..000009}.tar) or build some with "
-                             "`python -m moevlm.data.build_shards`")
+        out = [
+            p
+            for part in spec.split(",")
+            if part
+            for b in braceexpand.braceexpand(part.strip())
+            for p in (sorted(glob.glob(b)) if any(c in b for c in "*?[") else [b])
+        ]
+    if not out or not any(
+        os.path.exists(p) for p in out
+    ):  # some missing: skipped as unreadable_shard
+        what = (
+            "is a folder without .tar shards"
+            if isinstance(spec, str) and os.path.isdir(spec)
+            else "names no folder or file that exists"
+        )
+        raise DataSetupError(
+            f"no shards found for data.shards={spec!r}: it {what}; give a folder of .tar files, "
+            "a brace pattern (dir/shard-{000000..000009}.tar) or build some with "
+            "`python -m moevlm.data.build_shards`"
+        )
     return out
 
 
@@ -160,7 +174,11 @@ def members(url: str, stream, max_text: int, max_file: int, damaged: list) -> It
                 if not info.isreg() or _META.match(info.name):
                     continue
                 cap = max_text if is_text_member(info.name) else max_file
-                data = Oversize(info.name, info.size, cap) if info.size > cap else tar.extractfile(info).read()
+                data = (
+                    Oversize(info.name, info.size, cap)
+                    if info.size > cap
+                    else tar.extractfile(info).read()
+                )
                 yield {"fname": info.name, "data": data, "__url__": url}
                 tar.members = []  # stream mode keeps every header otherwise
     except Exception as exn:  # a damaged or foreign file: keep what came before
@@ -195,16 +213,20 @@ class ShardPlan:
 
     def __post_init__(self):
         if not 0 <= self.stream < self.streams <= len(self.shards):
-            raise ValueError(f"stream {self.stream} of {self.streams}: {len(self.shards)} shards cannot feed "
-                             f"{self.streams} streams (each needs at least one shard)")
+            raise ValueError(
+                f"stream {self.stream} of {self.streams}: {len(self.shards)} shards cannot feed "
+                f"{self.streams} streams (each needs at least one shard)"
+            )
 
     def mine(self, epoch: int) -> list[str]:
         order = list(self.shards)
         if self.shuffle:
             random.Random(mix(self.seed, epoch, 0x5A4D)).shuffle(order)
-        return order[self.stream::self.streams]
+        return order[self.stream :: self.streams]
 
-    def read(self, epoch: int, start: tuple[int, int], counter: SkipCounter | None) -> Iterator[tuple[Pos, dict]]:
+    def read(
+        self, epoch: int, start: tuple[int, int], counter: SkipCounter | None
+    ) -> Iterator[tuple[Pos, dict]]:
         """Raw samples (dicts of member bytes) of this stream's epoch from (shard, sample) `start` on."""
         for s, url in enumerate(self.mine(epoch)):
             if s < start[0]:
@@ -229,8 +251,10 @@ class ShardPlan:
             return
         n = 0
         with stream:
-            for raw in group_by_keys(members(url, stream, self.max_text_bytes, self.max_file_bytes, damaged),
-                                     handler=handler):
+            for raw in group_by_keys(
+                members(url, stream, self.max_text_bytes, self.max_file_bytes, damaged),
+                handler=handler,
+            ):
                 n += 1
                 yield raw
         problem = self._damage(url, n, damaged)
@@ -240,7 +264,9 @@ class ShardPlan:
     def _damage(self, url: str, n: int, errors: list[Exception]) -> str:
         expected = self.counts.get(os.path.abspath(url))
         if errors:
-            return f"{errors[0]!r}; {n} samples read" + (f" of {expected}" if expected is not None else "")
+            return f"{errors[0]!r}; {n} samples read" + (
+                f" of {expected}" if expected is not None else ""
+            )
         if expected is not None and n < expected:
             return f"{n} of {expected} samples (per summary.json) read"
         if url.endswith(".tar") and not _has_end_of_archive(url):
@@ -263,8 +289,10 @@ class ShardPlan:
                     break
         missing = [p for p in positions if p not in out]
         if missing:
-            raise RuntimeError(f"resume: samples at positions {missing[:4]} are gone; were the shards "
-                               "rewritten since the checkpoint?")
+            raise RuntimeError(
+                f"resume: samples at positions {missing[:4]} are gone; were the shards "
+                "rewritten since the checkpoint?"
+            )
         return out
 
 

@@ -51,7 +51,13 @@ from dataclasses import dataclass
 from moevlm.data.errors import SkipSample
 
 IMAGE_TAG = "<image>"
-ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+ROLES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "system": "system",
+}
 KINDS = ("chat", "caption", "text")
 
 
@@ -111,7 +117,10 @@ def normalize_record(obj, *, default_id: str | None = None, caption_prompt: str 
     elif "text" in obj:
         rec = Record(rid, [], None, _text(obj["text"], "text"))
     else:
-        raise SkipSample("bad_record", f"none of messages/conversations/caption/text among keys {sorted(obj)[:8]}")
+        raise SkipSample(
+            "bad_record",
+            f"none of messages/conversations/caption/text among keys {sorted(obj)[:8]}",
+        )
     _match_image_tags(rec)
     return rec
 
@@ -136,7 +145,9 @@ def _images(obj: dict) -> list[str]:
         return []
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise SkipSample("bad_record", f"{key!r} must be a non-empty string or a list of them, got {value!r:.80}")
+        raise SkipSample(
+            "bad_record", f"{key!r} must be a non-empty string or a list of them, got {value!r:.80}"
+        )
     return [_text(p, key) for p in paths]
 
 
@@ -146,7 +157,9 @@ def _text(value, what: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise SkipSample("bad_text_encoding", f"{what} holds a lone surrogate (not encodable as UTF-8)") from None
+        raise SkipSample(
+            "bad_text_encoding", f"{what} holds a lone surrogate (not encodable as UTF-8)"
+        ) from None
     return value
 
 
@@ -161,7 +174,9 @@ def _message(turn, where: str) -> dict:
         raise SkipSample("bad_record", f"{where} must be an object, got {type(turn).__name__}")
     role = turn.get("role", turn.get("from"))
     if not isinstance(role, str) or role not in ROLES:
-        raise SkipSample("bad_record", f"{where} has role {role!r}; expected one of {sorted(ROLES)}")
+        raise SkipSample(
+            "bad_record", f"{where} has role {role!r}; expected one of {sorted(ROLES)}"
+        )
     content = turn.get("content", turn.get("value"))
     return {"role": ROLES[role], "content": _text(content, f"{where} content")}
 
@@ -183,7 +198,11 @@ def _match_image_tags(rec: Record) -> None:
     if n_tags == 0 and rec.messages is not None:
         first_user = next((m for m in rec.messages if m["role"] == "user"), None)
         if first_user is None:
-            raise SkipSample("bad_record", f"{n_images} image(s) but no user turn to put the <image> tags in")
+            raise SkipSample(
+                "bad_record", f"{n_images} image(s) but no user turn to put the <image> tags in"
+            )
         first_user["content"] = (IMAGE_TAG + "\n") * n_images + first_user["content"]
         return
-    raise SkipSample("image_tag_mismatch", f"{n_tags} <image> tag(s) in the text, {n_images} image(s)")
+    raise SkipSample(
+        "image_tag_mismatch", f"{n_tags} <image> tag(s) in the text, {n_images} image(s)"
+    )

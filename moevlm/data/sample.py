@@ -46,68 +46,131 @@ _SOURCES = {"skimage": "scikit-image", "sklearn": "scikit-learn", "matplotlib": 
 
 # (import name, path inside the package, caption).  Order is the output order.
 _PHOTOS = (
-    ("skimage", "data/astronaut.png",
-     "A portrait of NASA astronaut Eileen Collins in her orange launch suit, smiling, with her helmet at her "
-     "side. An American flag and a model of the space shuttle stand behind her. She piloted the shuttle on "
-     "mission STS-63 in 1995."),
-    ("skimage", "data/camera.png",
-     "A black-and-white photograph of a man in a dark coat looking through a camera mounted on a tripod. "
-     "He stands on a lawn with buildings low on the horizon behind him."),
-    ("skimage", "data/chelsea.png",
-     "A close-up of Chelsea, a tabby cat, looking straight at the camera with wide yellow-green eyes. Her "
-     "striped fur and white whiskers are sharp against a soft, blurred background."),
-    ("skimage", "data/coffee.png",
-     "A red cup of espresso on a matching red saucer, a small spoon beside it, on a wooden table. It was "
-     "taken at the Pikolo Espresso Bar; the smooth round porcelain contrasts with the coarse grain of the wood."),
-    ("skimage", "data/coins.png",
-     "Ancient Greek coins from Pompeii laid out in neat rows on a grey background, photographed in black "
-     "and white. The picture comes from the Brooklyn Museum's collection."),
-    ("skimage", "data/rocket.jpg",
-     "A SpaceX Falcon 9 rocket standing on its launch pad at Cape Canaveral under a deep blue evening sky, "
-     "lit by floodlights between tall lightning towers. It carried the DSCOVR satellite into space."),
-    ("skimage", "data/hubble_deep_field.jpg",
-     "The Hubble eXtreme Deep Field: a tiny patch of black sky in which nearly every speck of light is a "
-     "distant galaxy. It is the farthest look into the universe the Hubble Space Telescope has taken."),
-    ("skimage", "data/moon.png",
-     "A grey, low-contrast photograph of the Moon's surface, with a few small craters and darker patches "
-     "of rough ground."),
-    ("skimage", "data/motorcycle_left.png",
-     "A red motorcycle parked in a workshop, with shelves of boxes and equipment behind it. It is the left "
-     "view of a stereo pair from the Middlebury 2014 stereo benchmark."),
-    ("skimage", "data/motorcycle_right.png",
-     "The same red motorcycle in the workshop, seen by the right camera of the stereo pair; everything is "
-     "shifted slightly sideways compared with the left view."),
-    ("skimage", "data/retina.jpg",
-     "A fundus photograph of a healthy human left eye: the orange-red retina fills a circle on a black "
-     "background, with the bright optic disc near one side and blood vessels branching out from it."),
-    ("skimage", "data/ihc.png",
-     "A microscope view of colonic glands stained by immunohistochemistry. Brown DAB stain shows where the "
-     "FHL2 protein is expressed, and blue hematoxylin colours the rest of the tissue."),
-    ("skimage", "data/page.png",
-     "A scanned book page headed 'Region-based segmentation', with a paragraph about marking the coins and "
-     "the background and a line of Python code below it. The lighting is uneven across the page."),
-    ("skimage", "data/text.png",
-     "A grey photograph of a sheet of paper covered in handwritten mathematical symbols, taken at a steep "
-     "angle so the lines run diagonally across the frame."),
-    ("skimage", "data/clock_motion.png",
-     "A wall clock photographed while the camera was moving sideways, so the round clock face is smeared "
-     "into a horizontal blur."),
-    ("skimage", "data/brick.png",
-     "A brick wall seen at an angle in shades of grey: rows of long, narrow bricks separated by pale lines "
-     "of mortar."),
-    ("skimage", "data/grass.png",
-     "A close-up of grass in black and white, a dense and tangled texture of thin blades."),
-    ("skimage", "data/gravel.png",
-     "Gravel seen from above in shades of grey: many small, angular stones packed closely together."),
-    ("sklearn", "datasets/images/china.jpg",
-     "A tall, many-tiered Chinese pavilion with red pillars and ornate green and gold eaves, rising above "
-     "trees. A lake and a hazy sky stretch out behind it."),
-    ("sklearn", "datasets/images/flower.jpg",
-     "A single orange dahlia in full bloom, its many petals curled in tight rings, against dark green "
-     "leaves."),
-    ("matplotlib", "mpl-data/sample_data/grace_hopper.jpg",
-     "A portrait of Grace Hopper, the American computer scientist and US Navy rear admiral, in her navy "
-     "dress uniform."),
+    (
+        "skimage",
+        "data/astronaut.png",
+        "A portrait of NASA astronaut Eileen Collins in her orange launch suit, smiling, with her helmet at her "
+        "side. An American flag and a model of the space shuttle stand behind her. She piloted the shuttle on "
+        "mission STS-63 in 1995.",
+    ),
+    (
+        "skimage",
+        "data/camera.png",
+        "A black-and-white photograph of a man in a dark coat looking through a camera mounted on a tripod. "
+        "He stands on a lawn with buildings low on the horizon behind him.",
+    ),
+    (
+        "skimage",
+        "data/chelsea.png",
+        "A close-up of Chelsea, a tabby cat, looking straight at the camera with wide yellow-green eyes. Her "
+        "striped fur and white whiskers are sharp against a soft, blurred background.",
+    ),
+    (
+        "skimage",
+        "data/coffee.png",
+        "A red cup of espresso on a matching red saucer, a small spoon beside it, on a wooden table. It was "
+        "taken at the Pikolo Espresso Bar; the smooth round porcelain contrasts with the coarse grain of the wood.",
+    ),
+    (
+        "skimage",
+        "data/coins.png",
+        "Ancient Greek coins from Pompeii laid out in neat rows on a grey background, photographed in black "
+        "and white. The picture comes from the Brooklyn Museum's collection.",
+    ),
+    (
+        "skimage",
+        "data/rocket.jpg",
+        "A SpaceX Falcon 9 rocket standing on its launch pad at Cape Canaveral under a deep blue evening sky, "
+        "lit by floodlights between tall lightning towers. It carried the DSCOVR satellite into space.",
+    ),
+    (
+        "skimage",
+        "data/hubble_deep_field.jpg",
+        "The Hubble eXtreme Deep Field: a tiny patch of black sky in which nearly every speck of light is a "
+        "distant galaxy. It is the farthest look into the universe the Hubble Space Telescope has taken.",
+    ),
+    (
+        "skimage",
+        "data/moon.png",
+        "A grey, low-contrast photograph of the Moon's surface, with a few small craters and darker patches "
+        "of rough ground.",
+    ),
+    (
+        "skimage",
+        "data/motorcycle_left.png",
+        "A red motorcycle parked in a workshop, with shelves of boxes and equipment behind it. It is the left "
+        "view of a stereo pair from the Middlebury 2014 stereo benchmark.",
+    ),
+    (
+        "skimage",
+        "data/motorcycle_right.png",
+        "The same red motorcycle in the workshop, seen by the right camera of the stereo pair; everything is "
+        "shifted slightly sideways compared with the left view.",
+    ),
+    (
+        "skimage",
+        "data/retina.jpg",
+        "A fundus photograph of a healthy human left eye: the orange-red retina fills a circle on a black "
+        "background, with the bright optic disc near one side and blood vessels branching out from it.",
+    ),
+    (
+        "skimage",
+        "data/ihc.png",
+        "A microscope view of colonic glands stained by immunohistochemistry. Brown DAB stain shows where the "
+        "FHL2 protein is expressed, and blue hematoxylin colours the rest of the tissue.",
+    ),
+    (
+        "skimage",
+        "data/page.png",
+        "A scanned book page headed 'Region-based segmentation', with a paragraph about marking the coins and "
+        "the background and a line of Python code below it. The lighting is uneven across the page.",
+    ),
+    (
+        "skimage",
+        "data/text.png",
+        "A grey photograph of a sheet of paper covered in handwritten mathematical symbols, taken at a steep "
+        "angle so the lines run diagonally across the frame.",
+    ),
+    (
+        "skimage",
+        "data/clock_motion.png",
+        "A wall clock photographed while the camera was moving sideways, so the round clock face is smeared "
+        "into a horizontal blur.",
+    ),
+    (
+        "skimage",
+        "data/brick.png",
+        "A brick wall seen at an angle in shades of grey: rows of long, narrow bricks separated by pale lines "
+        "of mortar.",
+    ),
+    (
+        "skimage",
+        "data/grass.png",
+        "A close-up of grass in black and white, a dense and tangled texture of thin blades.",
+    ),
+    (
+        "skimage",
+        "data/gravel.png",
+        "Gravel seen from above in shades of grey: many small, angular stones packed closely together.",
+    ),
+    (
+        "sklearn",
+        "datasets/images/china.jpg",
+        "A tall, many-tiered Chinese pavilion with red pillars and ornate green and gold eaves, rising above "
+        "trees. A lake and a hazy sky stretch out behind it.",
+    ),
+    (
+        "sklearn",
+        "datasets/images/flower.jpg",
+        "A single orange dahlia in full bloom, its many petals curled in tight rings, against dark green "
+        "leaves.",
+    ),
+    (
+        "matplotlib",
+        "mpl-data/sample_data/grace_hopper.jpg",
+        "A portrait of Grace Hopper, the American computer scientist and US Navy rear admiral, in her navy "
+        "dress uniform.",
+    ),
 )
 
 _QUESTIONS = (
@@ -144,15 +207,19 @@ def _package_dir(name: str) -> Path | None:
 def packaged_photos() -> list[Photo]:
     """The real photographs installed packages ship, with captions."""
     if _package_dir("skimage") is None:
-        raise FileNotFoundError("the sample photos come from scikit-image, which is not installed; "
-                                "`pip install scikit-image`")
+        raise FileNotFoundError(
+            "the sample photos come from scikit-image, which is not installed; "
+            "`pip install scikit-image`"
+        )
     photos = []
     for package, rel, caption in _PHOTOS:
         root = _package_dir(package)
         if root is not None and (root / rel).is_file():
             photos.append(Photo(root / rel, caption, _SOURCES[package]))
     if not photos:
-        raise FileNotFoundError("scikit-image is installed but ships none of its sample photos; reinstall it")
+        raise FileNotFoundError(
+            "scikit-image is installed but ships none of its sample photos; reinstall it"
+        )
     return photos
 
 
@@ -216,35 +283,58 @@ def _caption_record(photo: Photo) -> dict:
 
 def _chat_record(i: int, photo: Photo) -> dict:
     """One image, one question; every third photo gets a second turn."""
-    messages = [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{_QUESTIONS[i % len(_QUESTIONS)]}"},
-                {"role": "assistant", "content": photo.caption}]
+    messages = [
+        {"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{_QUESTIONS[i % len(_QUESTIONS)]}"},
+        {"role": "assistant", "content": photo.caption},
+    ]
     if i % 3 == 0:
-        messages += [{"role": "user", "content": _FOLLOW_UP},
-                     {"role": "assistant", "content": f"It is the file {photo.path.name} that ships with the "
-                                                      f"{photo.source} Python package."}]
+        messages += [
+            {"role": "user", "content": _FOLLOW_UP},
+            {
+                "role": "assistant",
+                "content": f"It is the file {photo.path.name} that ships with the "
+                f"{photo.source} Python package.",
+            },
+        ]
     if i == 1:
-        messages.insert(0, {"role": "system", "content": "You are a careful assistant who describes images."})
+        messages.insert(
+            0, {"role": "system", "content": "You are a careful assistant who describes images."}
+        )
     return {"id": f"chat-{photo.name}", "images": [str(photo.path)], "messages": messages}
 
 
 def _pair_record(a: Photo, b: Photo) -> dict:
     """A chat about two images at once."""
     if {a.name, b.name} == {"motorcycle_left", "motorcycle_right"}:
-        question, answer = ("How are these two pictures related?",
-                            "They are a stereo pair: the same red motorcycle in a workshop, photographed by two "
-                            "cameras a short distance apart, so the scene is shifted sideways from one to the other.")
+        question, answer = (
+            "How are these two pictures related?",
+            "They are a stereo pair: the same red motorcycle in a workshop, photographed by two "
+            "cameras a short distance apart, so the scene is shifted sideways from one to the other.",
+        )
     else:
-        question, answer = "Describe both images.", f"The first image: {a.caption} The second image: {b.caption}"
+        question, answer = (
+            "Describe both images.",
+            f"The first image: {a.caption} The second image: {b.caption}",
+        )
     content = f"{IMAGE_PLACEHOLDER}\n{IMAGE_PLACEHOLDER}\n{question}"
-    return {"id": f"pair-{a.name}-{b.name}", "images": [str(a.path), str(b.path)],
-            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]}
+    return {
+        "id": f"pair-{a.name}-{b.name}",
+        "images": [str(a.path), str(b.path)],
+        "messages": [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": answer},
+        ],
+    }
 
 
 def _pairs(photos: list[Photo]) -> list[tuple[Photo, Photo]]:
     """The stereo pair (when shipped) and a few neighbouring pairs."""
     by_name = {p.name: p for p in photos}
-    pairs = [(by_name["motorcycle_left"], by_name["motorcycle_right"])] if {
-        "motorcycle_left", "motorcycle_right"} <= by_name.keys() else []
+    pairs = (
+        [(by_name["motorcycle_left"], by_name["motorcycle_right"])]
+        if {"motorcycle_left", "motorcycle_right"} <= by_name.keys()
+        else []
+    )
     return pairs + [(photos[i], photos[i + 1]) for i in range(0, min(len(photos) - 1, 8), 2)]
 
 
@@ -265,9 +355,16 @@ def _text_chat_records() -> list[dict]:
     for topic in _spread(sorted(first_docs), TEXT_CHATS):
         title, body = _strip_heading(first_docs[topic])
         question = f"Explain this part of the Python documentation: {title or topic}."
-        records.append({"id": f"textchat-{topic}", "images": [],
-                        "messages": [{"role": "user", "content": question},
-                                     {"role": "assistant", "content": body}]})
+        records.append(
+            {
+                "id": f"textchat-{topic}",
+                "images": [],
+                "messages": [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": body},
+                ],
+            }
+        )
     return records
 
 
@@ -278,10 +375,14 @@ def sample_records() -> list[dict]:
     records += [_chat_record(i, p) for i, p in enumerate(photos)]
     records += [_pair_record(a, b) for a, b in _pairs(photos)]
     records += _text_chat_records()
-    records += [{"id": f"text-{i:05d}", "text": doc} for i, doc in enumerate(shipped_texts(TEXT_RECORDS))]
+    records += [
+        {"id": f"text-{i:05d}", "text": doc} for i, doc in enumerate(shipped_texts(TEXT_RECORDS))
+    ]
     ids = [r["id"] for r in records]
     if len(set(ids)) != len(ids):
-        raise RuntimeError(f"duplicate sample record ids: {sorted({i for i in ids if ids.count(i) > 1})}")
+        raise RuntimeError(
+            f"duplicate sample record ids: {sorted({i for i in ids if ids.count(i) > 1})}"
+        )
     return records
 
 
@@ -299,8 +400,15 @@ def sample_tokenizer() -> Tokenizer:
 
 
 # A fixed handful (RGB and one grey) the tests index by position.
-_TEST_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
-                "hubble_deep_field.jpg", "camera.png")
+_TEST_PHOTOS = (
+    "astronaut.png",
+    "chelsea.png",
+    "coffee.png",
+    "rocket.jpg",
+    "motorcycle_left.png",
+    "hubble_deep_field.jpg",
+    "camera.png",
+)
 
 
 def sample_photo_paths() -> list[Path]:
@@ -308,5 +416,7 @@ def sample_photo_paths() -> list[Path]:
     by_name = {p.path.name: p.path for p in packaged_photos() if p.source == "scikit-image"}
     paths = [by_name[n] for n in _TEST_PHOTOS if n in by_name]
     if not paths:
-        raise FileNotFoundError(f"none of {_TEST_PHOTOS} found in scikit-image's data folder; reinstall it")
+        raise FileNotFoundError(
+            f"none of {_TEST_PHOTOS} found in scikit-image's data folder; reinstall it"
+        )
     return paths

@@ -75,8 +75,12 @@ def sample_version() -> str:
     for path in sorted({p for r in records for p in r.get("images") or []}):
         st = os.stat(path)
         files[path] = [st.st_size, st.st_mtime_ns]
-    key = {"format": SAMPLE_FORMAT, "records": records, "files": files,
-           "packages": {p: _package_version(p) for p in _PACKAGES}}
+    key = {
+        "format": SAMPLE_FORMAT,
+        "records": records,
+        "files": files,
+        "packages": {p: _package_version(p) for p in _PACKAGES},
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -46,26 +46,61 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from moevlm.data.errors import SkipSample
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 # Qwen3-VL's tokenizer.json (Qwen/Qwen3-VL-* on the hub).
-QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
-                    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
-                    "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+QWEN_SPECIAL_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
 # The tiny preset (vocab 1024): regular tokens 0..1013, specials 1014..1021.
-TINY_SPECIAL_IDS = {"<|endoftext|>": 1014, "<|im_start|>": 1015, "<|im_end|>": 1016, "<|vision_pad|>": 1017,
-                    "<|vision_start|>": 1018, "<|vision_end|>": 1019, "<|image_pad|>": 1020, "<|video_pad|>": 1021}
+TINY_SPECIAL_IDS = {
+    "<|endoftext|>": 1014,
+    "<|im_start|>": 1015,
+    "<|im_end|>": 1016,
+    "<|vision_pad|>": 1017,
+    "<|vision_start|>": 1018,
+    "<|vision_end|>": 1019,
+    "<|image_pad|>": 1020,
+    "<|video_pad|>": 1021,
+}
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
 ROLES = ("system", "user", "assistant")
 # model config field -> the token whose id it must equal
-_MODEL_TOKEN_FIELDS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-                       "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+_MODEL_TOKEN_FIELDS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
 _BYTE_ALPHABET = 256
 
 
@@ -77,11 +112,15 @@ def _first_special_id(special_ids: dict[str, int]) -> int:
     ids = sorted(special_ids.values())
     first = ids[0]
     if ids != list(range(first, first + len(ids))):
-        raise ValueError(f"special token ids must be one contiguous block (they go right after the learned "
-                         f"vocabulary), got {dict(sorted(special_ids.items(), key=lambda kv: kv[1]))}")
+        raise ValueError(
+            f"special token ids must be one contiguous block (they go right after the learned "
+            f"vocabulary), got {dict(sorted(special_ids.items(), key=lambda kv: kv[1]))}"
+        )
     if first <= _BYTE_ALPHABET:
-        raise ValueError(f"the smallest special id is {first}, but the byte-level vocabulary needs at least "
-                         f"{_BYTE_ALPHABET + 1} regular tokens before it; move the special ids up")
+        raise ValueError(
+            f"the smallest special id is {first}, but the byte-level vocabulary needs at least "
+            f"{_BYTE_ALPHABET + 1} regular tokens before it; move the special ids up"
+        )
     return first
 
 
@@ -99,18 +138,26 @@ def train_bpe(texts: Iterable[str], special_ids: dict[str, int]) -> Tokenizer:
     `to_str()` byte for byte."""
     first = _first_special_id(special_ids)
     tok = _empty_byte_bpe()
-    trainer = trainers.BpeTrainer(vocab_size=first, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=first,
+        show_progress=False,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     if tok.get_vocab_size() != first:
-        raise ValueError(f"the texts yielded only {tok.get_vocab_size()} BPE tokens but the special tokens start "
-                         f"at id {first}; train on more text or move the special ids down")
+        raise ValueError(
+            f"the texts yielded only {tok.get_vocab_size()} BPE tokens but the special tokens start "
+            f"at id {first}; train on more text or move the special ids down"
+        )
     in_id_order = sorted(special_ids, key=special_ids.get)
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in in_id_order])
     placed = {s: tok.token_to_id(s) for s in in_id_order}
     if placed != {s: special_ids[s] for s in in_id_order}:
-        raise ValueError(f"special tokens landed at {placed}, expected {special_ids} (a special string is "
-                         f"probably also a learned token)")
+        raise ValueError(
+            f"special tokens landed at {placed}, expected {special_ids} (a special string is "
+            f"probably also a learned token)"
+        )
     return tok
 
 
@@ -120,7 +167,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(
             f"no tokenizer file at {path}; use the checkpoint's tokenizer.json, or write the sample one with "
-            f"`python -m moevlm.data.build_shards --sample DIR` (it creates DIR/tokenizer.json)")
+            f"`python -m moevlm.data.build_shards --sample DIR` (it creates DIR/tokenizer.json)"
+        )
     return Tokenizer.from_file(str(path))
 
 
@@ -132,16 +180,25 @@ def _check_messages(messages) -> None:
         raise SkipSample("bad_record", f"messages is a {type(messages).__name__}, expected a list")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise SkipSample("bad_record", f"message {i} is a {type(msg).__name__}, expected a dict")
+            raise SkipSample(
+                "bad_record", f"message {i} is a {type(msg).__name__}, expected a dict"
+            )
         role, content = msg.get("role"), msg.get("content")
         if role not in ROLES:
-            raise SkipSample("bad_record", f"message {i} has role {role!r}; expected one of {ROLES}")
+            raise SkipSample(
+                "bad_record", f"message {i} has role {role!r}; expected one of {ROLES}"
+            )
         if not isinstance(content, str):
-            raise SkipSample("bad_record", f"message {i} ({role}) has content of type {type(content).__name__}, "
-                                           f"expected str")
+            raise SkipSample(
+                "bad_record",
+                f"message {i} ({role}) has content of type {type(content).__name__}, expected str",
+            )
         if role == "system" and i > 0:
-            raise SkipSample("bad_record", f"message {i} is a system message; Qwen3-VL's template renders "
-                                           f"one only as the first message")
+            raise SkipSample(
+                "bad_record",
+                f"message {i} is a system message; Qwen3-VL's template renders "
+                f"one only as the first message",
+            )
 
 
 def _plain_text_copy(tokenizer: Tokenizer) -> Tokenizer:
@@ -159,10 +216,16 @@ class ChatEncoder:
         ids = {s: tokenizer.token_to_id(s) for s in SPECIAL_TOKENS}
         missing = [s for s, i in ids.items() if i is None]
         if missing:
-            raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s); use a Qwen3-VL tokenizer.json "
-                             f"or one made by moevlm.data.text.train_bpe(texts, TINY_SPECIAL_IDS)")
+            raise ValueError(
+                f"the tokenizer has no {', '.join(missing)} token(s); use a Qwen3-VL tokenizer.json "
+                f"or one made by moevlm.data.text.train_bpe(texts, TINY_SPECIAL_IDS)"
+            )
         self.special_ids: dict[str, int] = ids
-        self.eot_id, self.im_start_id, self.im_end_id = ids["<|endoftext|>"], ids["<|im_start|>"], ids["<|im_end|>"]
+        self.eot_id, self.im_start_id, self.im_end_id = (
+            ids["<|endoftext|>"],
+            ids["<|im_start|>"],
+            ids["<|im_end|>"],
+        )
         self.vision_start_id, self.vision_end_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
         self.image_pad_id = ids["<|image_pad|>"]
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
@@ -185,25 +248,35 @@ class ChatEncoder:
         for name, token in _MODEL_TOKEN_FIELDS.items():
             tok_id, cfg_id = self.special_ids[token], getattr(cfg, name)
             if tok_id != cfg_id:
-                problems.append(f"the tokenizer has {token} = {tok_id} but the model config has {name} = {cfg_id}; "
-                                f"set {name}={tok_id} in the model config (or use the model's own tokenizer)")
+                problems.append(
+                    f"the tokenizer has {token} = {tok_id} but the model config has {name} = {cfg_id}; "
+                    f"set {name}={tok_id} in the model config (or use the model's own tokenizer)"
+                )
         if self.vocab_size > cfg.text.vocab_size:
-            problems.append(f"the tokenizer has {self.vocab_size} ids but the model config has text.vocab_size = "
-                            f"{cfg.text.vocab_size}; raise text.vocab_size to at least {self.vocab_size} "
-                            f"(or use a smaller tokenizer)")
+            problems.append(
+                f"the tokenizer has {self.vocab_size} ids but the model config has text.vocab_size = "
+                f"{cfg.text.vocab_size}; raise text.vocab_size to at least {self.vocab_size} "
+                f"(or use a smaller tokenizer)"
+            )
         if problems:
             raise ValueError("tokenizer and model do not match:\n  " + "\n  ".join(problems))
 
     def _text(self, text: str) -> list[int]:
         return self._text_tok.encode(text, add_special_tokens=False).ids if text else []
 
-    def _content(self, content: str, images: Iterator[int], trained: bool) -> tuple[list[int], list[int]]:
+    def _content(
+        self, content: str, images: Iterator[int], trained: bool
+    ) -> tuple[list[int], list[int]]:
         """Ids and labels of one message's content, each <image> expanded to its span."""
         ids: list[int] = []
         labels: list[int] = []
         for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
             if i > 0:
-                span = [self.vision_start_id] + [self.image_pad_id] * next(images) + [self.vision_end_id]
+                span = (
+                    [self.vision_start_id]
+                    + [self.image_pad_id] * next(images)
+                    + [self.vision_end_id]
+                )
                 ids += span
                 labels += [IGNORE_INDEX] * len(span)
             piece_ids = self._text(piece)
@@ -211,14 +284,18 @@ class ChatEncoder:
             labels += piece_ids if trained else [IGNORE_INDEX] * len(piece_ids)
         return ids, labels
 
-    def encode_chat(self, messages: list[dict], image_tokens: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    def encode_chat(
+        self, messages: list[dict], image_tokens: Sequence[int] = ()
+    ) -> tuple[list[int], list[int]]:
         """(input_ids, labels) of a conversation; the i-th <image> placeholder
         becomes image_tokens[i] <|image_pad|> tokens inside a vision span."""
         _check_messages(messages)
         n_tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
         if n_tags != len(image_tokens):
-            raise SkipSample("image_tag_mismatch", f"{n_tags} {IMAGE_PLACEHOLDER} tags in the text, "
-                                                   f"{len(image_tokens)} images")
+            raise SkipSample(
+                "image_tag_mismatch",
+                f"{n_tags} {IMAGE_PLACEHOLDER} tags in the text, {len(image_tokens)} images",
+            )
         counts = [int(n) for n in image_tokens]
         if any(n < 1 for n in counts):
             raise ValueError(f"image_tokens must be positive, got {counts}")
@@ -232,8 +309,12 @@ class ChatEncoder:
             n_trained += sum(label != IGNORE_INDEX for label in body_labels)
             head = self._headers[msg["role"]]
             ids += head + body_ids + [self.im_end_id] + self._newline
-            labels += ([IGNORE_INDEX] * len(head) + body_labels
-                       + [self.im_end_id if trained else IGNORE_INDEX] + [IGNORE_INDEX] * len(self._newline))
+            labels += (
+                [IGNORE_INDEX] * len(head)
+                + body_labels
+                + [self.im_end_id if trained else IGNORE_INDEX]
+                + [IGNORE_INDEX] * len(self._newline)
+            )
         if n_trained == 0:
             raise SkipSample("empty_sample", "no assistant message with text to train on")
         return ids, labels

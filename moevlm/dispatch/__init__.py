@@ -22,5 +22,15 @@ from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher
 from moevlm.dispatch.hybridep import HybridEPDispatcher
 
-__all__ = ["DISPATCHERS", "AllToAllDispatcher", "DeepEPDispatcher", "HybridEPDispatcher", "LocalDispatcher", "TokenDispatcher", "build_dispatcher", "dense_routing", "dispatcher_names",
-           "register_dispatcher"]
+__all__ = [
+    "DISPATCHERS",
+    "AllToAllDispatcher",
+    "DeepEPDispatcher",
+    "HybridEPDispatcher",
+    "LocalDispatcher",
+    "TokenDispatcher",
+    "build_dispatcher",
+    "dense_routing",
+    "dispatcher_names",
+    "register_dispatcher",
+]

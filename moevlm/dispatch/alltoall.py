@@ -57,9 +57,21 @@ import torch
 import torch.distributed as dist
 
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
-from moevlm.dispatch.capacity import (OVERFLOW_POLICIES, add_overflow, capacity_slots, expert_capacity, in_backward,
-                                      slot_sources)
-from moevlm.model.rows import RowsState, from_expert_rows, rows_plan, sort_rows_by_expert, to_expert_rows  # noqa: F401
+from moevlm.dispatch.capacity import (
+    OVERFLOW_POLICIES,
+    add_overflow,
+    capacity_slots,
+    expert_capacity,
+    in_backward,
+    slot_sources,
+)
+from moevlm.model.rows import (
+    RowsState,
+    from_expert_rows,
+    rows_plan,
+    sort_rows_by_expert,
+    to_expert_rows,
+)  # noqa: F401
 
 # ----------------------------------------------------------------- pure index logic
 
@@ -67,10 +79,12 @@ from moevlm.model.rows import RowsState, from_expert_rows, rows_plan, sort_rows_
 def rank_splits(counts_E: list[int], ep_size: int) -> list[int]:
     """Rows per rank, given rows per expert (experts split evenly, in rank order)."""
     per_rank = len(counts_E) // ep_size
-    return [sum(counts_E[p * per_rank:(p + 1) * per_rank]) for p in range(ep_size)]
+    return [sum(counts_E[p * per_rank : (p + 1) * per_rank]) for p in range(ep_size)]
 
 
-def regroup_by_local_expert(recv_counts_PL: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+def regroup_by_local_expert(
+    recv_counts_PL: torch.Tensor, num_rows: int | None = None
+) -> torch.Tensor:
     """Permutation `perm_M` with `grouped = received[perm_M]`.
 
     `received` holds blocks (source p, local expert l) in p-major order with
@@ -92,21 +106,31 @@ def invert_permutation(perm_M: torch.Tensor) -> torch.Tensor:
 def divisibility_reason(num_experts: int, ep_size: int) -> str | None:
     if num_experts % ep_size == 0:
         return None
-    return (f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}; "
-            f"choose an EP size that divides {num_experts}, or a number of experts that is a multiple of {ep_size}")
+    return (
+        f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}; "
+        f"choose an EP size that divides {num_experts}, or a number of experts that is a multiple of {ep_size}"
+    )
 
 
 # ----------------------------------------------------------------- process group
 
-_F = torch.ops._c10d_functional  # functional (out-of-place) collectives: selective recompute can keep them
+_F = (
+    torch.ops._c10d_functional
+)  # functional (out-of-place) collectives: selective recompute can keep them
 
 
-def all_to_all_flat(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name))
+def all_to_all_flat(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+) -> torch.Tensor:
+    return _F.wait_tensor(
+        _F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    )
 
 
 def all_gather_flat(x: torch.Tensor, group) -> torch.Tensor:
-    return _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name))
+    return _F.wait_tensor(
+        _F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name)
+    )
 
 
 def _resolve_group(ep_group) -> tuple[object | None, int, int]:
@@ -118,7 +142,9 @@ def _resolve_group(ep_group) -> tuple[object | None, int, int]:
     return ep_group, dist.get_world_size(ep_group), dist.get_rank(ep_group)
 
 
-def _all_to_all_rows(rows_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def _all_to_all_rows(
+    rows_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     # The result may be an AsyncCollectiveTensor: it waits on its first use.
@@ -129,7 +155,9 @@ def _all_to_all_rows(rows_ND: torch.Tensor, out_splits: list[int], in_splits: li
 class ExchangePlan:
     send_splits: list[int]  # rows to each rank of the EP group (P ints)
     recv_splits: list[int]  # rows from each rank of the EP group (P ints)
-    etp_splits: list[int]  # rows each rank of the ETP group received over EP (Q ints; [M] without ETP)
+    etp_splits: list[
+        int
+    ]  # rows each rank of the ETP group received over EP (Q ints; [M] without ETP)
     regroup_M: torch.Tensor  # grouped = received[regroup_M]
     ungroup_M: torch.Tensor  # received = grouped[ungroup_M]
     tokens_per_local_expert_L: torch.Tensor
@@ -153,8 +181,17 @@ class AllToAllDispatcher(TokenDispatcher):
     name = "alltoall"
     overlappable = True  # moevlm.parallel.ep_overlap drives its pieces chunk by chunk
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, always_exchange: bool = False,
-                 permute: str = "torch", capacity_factor: float | None = None, capacity_overflow: str = "drop"):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        ep_group=None,
+        etp_group=None,
+        always_exchange: bool = False,
+        permute: str = "torch",
+        capacity_factor: float | None = None,
+        capacity_overflow: str = "drop",
+    ):
         """`always_exchange` runs the exchange path (counts, host sync, all-to-all,
         regroup) even over a group of one: for measuring its cost on one GPU.
         `permute` is the local permutation's backend (moevlm.model.rows).
@@ -163,7 +200,10 @@ class AllToAllDispatcher(TokenDispatcher):
         super().__init__(num_experts, top_k)
         self.always_exchange, self.permute = always_exchange, permute
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
-        self.etp_group, self.etp_size = etp_group, 1 if etp_group is None else dist.get_world_size(etp_group)
+        self.etp_group, self.etp_size = (
+            etp_group,
+            1 if etp_group is None else dist.get_world_size(etp_group),
+        )
         reason = divisibility_reason(num_experts, self.ep_size)
         if reason is not None:
             raise ValueError(reason)
@@ -188,13 +228,21 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def preprocess(self, topk_idx_TK, topk_w_TK):
         """The local sort before the counts exchange (the host sync comes after it)."""
-        return rows_plan(topk_idx_TK, topk_w_TK, self.num_experts) if self.permute == "torch" else None
+        return (
+            rows_plan(topk_idx_TK, topk_w_TK, self.num_experts) if self.permute == "torch" else None
+        )
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         if self.capacity_factor is not None:
             return self._dispatch_capacity(x_TD, topk_idx_TK, topk_w_TK)
-        rows_ND, counts_E, rows = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute,
-                                                 plan=self.planned(topk_idx_TK, topk_w_TK))
+        rows_ND, counts_E, rows = to_expert_rows(
+            x_TD,
+            topk_idx_TK,
+            topk_w_TK,
+            self.num_experts,
+            self.permute,
+            plan=self.planned(topk_idx_TK, topk_w_TK),
+        )
         if self.ep_size == 1 and self.etp_size == 1 and not self.always_exchange:
             return rows_ND, counts_E, AllToAllHandle(rows, None)
         plan = self._plan(counts_E)
@@ -203,8 +251,12 @@ class AllToAllDispatcher(TokenDispatcher):
             recv_MD = _all_to_all_rows(rows_ND, plan.recv_splits, plan.send_splits, self.group)
         if self.etp_size > 1:
             mine = sum(plan.recv_splits)
-            recv_MD = _all_to_all_rows(recv_MD.repeat(self.etp_size, 1), plan.etp_splits, [mine] * self.etp_size,
-                                       self.etp_group)
+            recv_MD = _all_to_all_rows(
+                recv_MD.repeat(self.etp_size, 1),
+                plan.etp_splits,
+                [mine] * self.etp_size,
+                self.etp_group,
+            )
         handle = AllToAllHandle(rows, plan)
         return recv_MD[plan.regroup_M], plan.tokens_per_local_expert_L, handle
 
@@ -219,14 +271,22 @@ class AllToAllDispatcher(TokenDispatcher):
         if Q > 1:
             all_counts_E = all_gather_flat(recv_counts_E, self.etp_group)
         host = torch.cat([counts_E, all_counts_E]).tolist()
-        send_splits = rank_splits(host[:P * L], P)
-        mine = host[P * L:][self.etp_rank * P * L:(self.etp_rank + 1) * P * L]  # what this rank got over EP
+        send_splits = rank_splits(host[: P * L], P)
+        mine = host[P * L :][
+            self.etp_rank * P * L : (self.etp_rank + 1) * P * L
+        ]  # what this rank got over EP
         recv_splits = rank_splits(mine, P)
-        etp_splits = rank_splits(host[P * L:], Q)
+        etp_splits = rank_splits(host[P * L :], Q)
         blocks_BL = all_counts_E.view(Q * P, L)
         regroup_M = regroup_by_local_expert(blocks_BL, sum(etp_splits))
-        return ExchangePlan(send_splits, recv_splits, etp_splits, regroup_M, invert_permutation(regroup_M),
-                            blocks_BL.sum(0))
+        return ExchangePlan(
+            send_splits,
+            recv_splits,
+            etp_splits,
+            regroup_M,
+            invert_permutation(regroup_M),
+            blocks_BL.sum(0),
+        )
 
     @property
     def etp_rank(self) -> int:
@@ -240,9 +300,14 @@ class AllToAllDispatcher(TokenDispatcher):
         """Fixed-size buffers: every split is a Python int from shapes; nothing reads a tensor on the host."""
         send_SD, handle = self.capacity_send(x_TD, topk_idx_TK, topk_w_TK)
         splits = self.capacity_splits(handle.capacity)
-        recv_SD = _all_to_all_rows(send_SD, splits, splits, self.group) if self._exchanges() else send_SD
-        return (self.capacity_grouped(recv_SD, handle.capacity),
-                self.capacity_tokens_per_local_expert(handle.capacity, x_TD.device), handle)
+        recv_SD = (
+            _all_to_all_rows(send_SD, splits, splits, self.group) if self._exchanges() else send_SD
+        )
+        return (
+            self.capacity_grouped(recv_SD, handle.capacity),
+            self.capacity_tokens_per_local_expert(handle.capacity, x_TD.device),
+            handle,
+        )
 
     def _combine_capacity(self, expert_y_MD, handle: CapacityHandle):
         y_SD = self.capacity_ungrouped(expert_y_MD, handle.capacity)
@@ -262,8 +327,12 @@ class AllToAllDispatcher(TokenDispatcher):
         token_idx_N, weight_N, counts_E = plan
         slot_N, keep_N = capacity_slots(counts_E, T * K, C)
         self._count(keep_N)
-        send_SD = torch.cat([x_TD, x_TD.new_zeros(1, D)])[slot_sources(slot_N, token_idx_N, E * C, T)]
-        return send_SD, CapacityHandle(RowsState(T, token_idx_N=token_idx_N, weight_N=weight_N), slot_N, C)
+        send_SD = torch.cat([x_TD, x_TD.new_zeros(1, D)])[
+            slot_sources(slot_N, token_idx_N, E * C, T)
+        ]
+        return send_SD, CapacityHandle(
+            RowsState(T, token_idx_N=token_idx_N, weight_N=weight_N), slot_N, C
+        )
 
     def capacity_splits(self, capacity: int) -> list[int]:
         """Every exchange's split sizes: L*C rows to and from each rank."""
@@ -280,7 +349,9 @@ class AllToAllDispatcher(TokenDispatcher):
         return expert_y_MD.view(L, P, capacity, D).transpose(0, 1).reshape(P * L * capacity, D)
 
     def capacity_tokens_per_local_expert(self, capacity: int, device) -> torch.Tensor:
-        return torch.full((self.num_local_experts,), self.ep_size * capacity, dtype=torch.long, device=device)
+        return torch.full(
+            (self.num_local_experts,), self.ep_size * capacity, dtype=torch.long, device=device
+        )
 
     @staticmethod
     def capacity_unslot(y_SD, handle: CapacityHandle) -> torch.Tensor:
@@ -304,7 +375,9 @@ class AllToAllDispatcher(TokenDispatcher):
             y_ND = expert_y_MD[plan.ungroup_M]
             if self.etp_size > 1:
                 mine = sum(plan.recv_splits)
-                y_ND = _all_to_all_rows(y_ND, [mine] * self.etp_size, plan.etp_splits, self.etp_group)
+                y_ND = _all_to_all_rows(
+                    y_ND, [mine] * self.etp_size, plan.etp_splits, self.etp_group
+                )
                 y_ND = y_ND.view(self.etp_size, mine, -1).sum(0)
             if self.ep_size > 1 or self.always_exchange:
                 y_ND = _all_to_all_rows(y_ND, plan.send_splits, plan.recv_splits, self.group)
@@ -312,11 +385,19 @@ class AllToAllDispatcher(TokenDispatcher):
 
 
 def _check_capacity(capacity_factor, overflow: str, etp_size: int) -> None:
-    if not (isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
-            and math.isfinite(capacity_factor) and capacity_factor > 0):
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 (None: dropless)")
+    if not (
+        isinstance(capacity_factor, (int, float))
+        and not isinstance(capacity_factor, bool)
+        and math.isfinite(capacity_factor)
+        and capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor={capacity_factor!r} must be a finite number > 0 (None: dropless)"
+        )
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"capacity_overflow={overflow!r}; choose one of {list(OVERFLOW_POLICIES)}")
     if etp_size > 1:
-        raise ValueError(f"the capacity all-to-all is not built for expert tensor parallel (etp={etp_size}); use "
-                         "parallel.etp=1 or model.moe_capacity_factor=null (dropless)")
+        raise ValueError(
+            f"the capacity all-to-all is not built for expert tensor parallel (etp={etp_size}); use "
+            "parallel.etp=1 or model.moe_capacity_factor=null (dropless)"
+        )

@@ -27,16 +27,23 @@ from dataclasses import dataclass
 
 PACKAGE = "deep_ep"
 DEEPEP_URL = "https://github.com/deepseek-ai/DeepEP"
-DEEPEP_API_CLASS = {"v2": "ElasticBuffer", "v1": "Buffer"}  # the deepep adapter's `api` -> the class it drives
+DEEPEP_API_CLASS = {
+    "v2": "ElasticBuffer",
+    "v1": "Buffer",
+}  # the deepep adapter's `api` -> the class it drives
 # backend -> the deep_ep classes any one of which it can use (deepep: in the order `api="auto"` prefers them)
 CLASSES = {"deepep": tuple(DEEPEP_API_CLASS.values()), "hybridep": ("HybridEPBuffer",)}
 REPORTED = ("Buffer", "ElasticBuffer", "HybridEPBuffer")  # what a probe lists
 INSTALL = {
-    "deepep": (f"DeepEP is built from source against CUDA: git clone {DEEPEP_URL}, then pip install . in the "
-               "clone, with NCCL >= 2.30.4 for V2's ElasticBuffer and NVSHMEM for V1's internode and low-latency "
-               "modes; the PyPI deep-ep is only a stub"),
-    "hybridep": (f"HybridEP is DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
-                 f"{DEEPEP_URL}, then pip install . in the clone"),
+    "deepep": (
+        f"DeepEP is built from source against CUDA: git clone {DEEPEP_URL}, then pip install . in the "
+        "clone, with NCCL >= 2.30.4 for V2's ElasticBuffer and NVSHMEM for V1's internode and low-latency "
+        "modes; the PyPI deep-ep is only a stub"
+    ),
+    "hybridep": (
+        f"HybridEP is DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
+        f"{DEEPEP_URL}, then pip install . in the clone"
+    ),
 }
 DEEPEP_INTRANODE = (2, 4, 8)  # ranks of one DeepEP group within a node
 DEEPEP_NODE = 8  # ranks per node of an internode DeepEP group (its NVLink peers)
@@ -49,6 +56,7 @@ HYBRIDEP_DEFAULT_DOMAIN = 8  # HybridEP's NVLink domain when NVLINK_DOMAIN_SIZE 
 class PackageStatus:
     """What this machine has of `deep_ep`: installed (a spec is found), the import error if it does not
     load, and which of the backends' classes it offers."""
+
     installed: bool
     error: str | None = None
     classes: tuple[str, ...] = ()
@@ -83,26 +91,41 @@ def unavailable_reason(backend: str, check_package: bool = True, api: str = "aut
     if backend not in CLASSES:
         raise ValueError(f"unknown backend {backend!r}; one of {sorted(CLASSES)}")
     if api != "auto" and (backend != "deepep" or api not in DEEPEP_API_CLASS):
-        raise ValueError(f"api={api!r} for {backend!r}; only deepep takes one: auto or one of "
-                         f"{list(DEEPEP_API_CLASS)}")
+        raise ValueError(
+            f"api={api!r} for {backend!r}; only deepep takes one: auto or one of "
+            f"{list(DEEPEP_API_CLASS)}"
+        )
     built = adapter_built(backend)
     not_built = f"moevlm's {backend} adapter is not built yet"
     if not check_package:
         return None if built else not_built
     status = probe_package()
     if not status.installed:
-        return (f"the {PACKAGE} package is not installed ({INSTALL[backend]})"
-                + ("" if built else f", and moevlm's {backend} adapter is not built yet either"))
+        return f"the {PACKAGE} package is not installed ({INSTALL[backend]})" + (
+            "" if built else f", and moevlm's {backend} adapter is not built yet either"
+        )
     if status.error is not None:
-        return (f"the {PACKAGE} package is installed but does not import ({status.error}): a build for another "
-                f"CUDA or torch; rebuild it on this machine ({INSTALL[backend]})")
+        return (
+            f"the {PACKAGE} package is installed but does not import ({status.error}): a build for another "
+            f"CUDA or torch; rebuild it on this machine ({INSTALL[backend]})"
+        )
     wanted = CLASSES[backend] if api == "auto" else (DEEPEP_API_CLASS[api],)
     have = [c for c in wanted if c in status.classes]
     if not have:
-        asked = "" if api == "auto" else (f" (the deepep dispatcher's api={api!r} drives it; api='auto' takes "
-                                          f"whichever of {' or '.join(CLASSES[backend])} is there)")
+        asked = (
+            ""
+            if api == "auto"
+            else (
+                f" (the deepep dispatcher's api={api!r} drives it; api='auto' takes "
+                f"whichever of {' or '.join(CLASSES[backend])} is there)"
+            )
+        )
         return f"the installed {PACKAGE} package has no {' or '.join(wanted)}{asked} ({INSTALL[backend]})"
-    return None if built else f"the {PACKAGE} package is installed (it offers {', '.join(have)}) but {not_built}"
+    return (
+        None
+        if built
+        else f"the {PACKAGE} package is installed (it offers {', '.join(have)}) but {not_built}"
+    )
 
 
 # ----------------------------------------------------------------- layouts
@@ -119,7 +142,9 @@ def launch_ranks_per_node() -> int | None:
     return int(local) if local.isdigit() else None
 
 
-def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None) -> str | None:
+def deepep_layout_problem(
+    ep: int, num_experts: int, ranks_per_node: int | None = None
+) -> str | None:
     """Why DeepEP (normal mode) cannot take an EP group of `ep` ranks, or None: within a node 2, 4 or 8
     ranks, across nodes a multiple of 8 with 8 ranks on each node, never one rank; the experts split
     evenly.  These are V1's rules, kept for V2 too (its sources assert only the even split; what else its
@@ -134,13 +159,19 @@ def deepep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None 
         return f"DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep={ep})"
     if not within and (ep % DEEPEP_NODE or (ranks_per_node or DEEPEP_NODE) < DEEPEP_NODE):
         per_node = "" if ranks_per_node is None else f", {ranks_per_node} ranks per node"
-        return (f"DeepEP across nodes takes a multiple of {DEEPEP_NODE} ranks, {DEEPEP_NODE} on each node "
-                f"(parallel.ep={ep}{per_node})")
+        return (
+            f"DeepEP across nodes takes a multiple of {DEEPEP_NODE} ranks, {DEEPEP_NODE} on each node "
+            f"(parallel.ep={ep}{per_node})"
+        )
     return None
 
 
-def hybridep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | None = None,
-                            tokens_per_chunk: int | None = None) -> str | None:
+def hybridep_layout_problem(
+    ep: int,
+    num_experts: int,
+    ranks_per_node: int | None = None,
+    tokens_per_chunk: int | None = None,
+) -> str | None:
     """Why HybridEP cannot take an EP group of `ep` ranks, or None: at least 2 ranks, the experts split
     evenly, and with R the group's ranks in one NVLink domain (min(ep, ranks_per_node), the domain's size
     being `hybridep_domain_size()` on this machine; ep when unknown), experts-per-rank x R and
@@ -153,11 +184,15 @@ def hybridep_layout_problem(ep: int, num_experts: int, ranks_per_node: int | Non
     if nvl > HYBRIDEP_MAX_NVLINK:
         return f"HybridEP's NVLink domain holds at most {HYBRIDEP_MAX_NVLINK} ranks ({nvl} here)"
     if local * nvl % HYBRIDEP_ALIGN:
-        return (f"HybridEP needs experts-per-rank x ranks-per-node to be a multiple of {HYBRIDEP_ALIGN} "
-                f"({local} x {nvl} = {local * nvl}; parallel.ep={ep}, num_experts={num_experts})")
+        return (
+            f"HybridEP needs experts-per-rank x ranks-per-node to be a multiple of {HYBRIDEP_ALIGN} "
+            f"({local} x {nvl} = {local * nvl}; parallel.ep={ep}, num_experts={num_experts})"
+        )
     if tokens_per_chunk is not None and tokens_per_chunk * nvl % HYBRIDEP_ALIGN:
-        return (f"HybridEP needs tokens-per-chunk x ranks-per-node to be a multiple of {HYBRIDEP_ALIGN} "
-                f"({tokens_per_chunk} x {nvl})")
+        return (
+            f"HybridEP needs tokens-per-chunk x ranks-per-node to be a multiple of {HYBRIDEP_ALIGN} "
+            f"({tokens_per_chunk} x {nvl})"
+        )
     return None
 
 

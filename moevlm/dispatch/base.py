@@ -26,10 +26,13 @@ from moevlm.model.dispatcher import TokenDispatcher
 log = logging.getLogger(__name__)
 
 
-def dense_routing(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
-                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_routing(
+    topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing as a (T, E) bool map and (T, E) fp32 probabilities."""
-    probs_TE = torch.zeros(topk_idx_TK.shape[0], num_experts, dtype=torch.float32, device=topk_idx_TK.device)
+    probs_TE = torch.zeros(
+        topk_idx_TK.shape[0], num_experts, dtype=torch.float32, device=topk_idx_TK.device
+    )
     probs_TE.scatter_(1, topk_idx_TK, topk_w_TK.float())
     routing_map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, topk_idx_TK, True)
     return routing_map_TE, probs_TE
@@ -41,7 +44,9 @@ def group_max_tokens(group, num_tokens: int, device) -> int:
     host read."""
     from torch.distributed._functional_collectives import all_reduce
 
-    return int(all_reduce(torch.tensor([num_tokens], dtype=torch.int64, device=device), "max", group)[0])
+    return int(
+        all_reduce(torch.tensor([num_tokens], dtype=torch.int64, device=device), "max", group)[0]
+    )
 
 
 DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
@@ -71,5 +76,10 @@ def build_dispatcher(name: str, *, fallback: str | None = None, **kwargs) -> Tok
         raise RuntimeError(f"dispatcher {name!r} cannot run: {reason}")
     if (name, fallback) not in _fallbacks_logged:
         _fallbacks_logged.add((name, fallback))
-        log.warning("dispatcher %r cannot run (%s); falling back to %r as configured", name, reason, fallback)
+        log.warning(
+            "dispatcher %r cannot run (%s); falling back to %r as configured",
+            name,
+            reason,
+            fallback,
+        )
     return build_dispatcher(fallback, **kwargs)

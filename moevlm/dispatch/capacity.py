@@ -71,22 +71,30 @@ def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_exp
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def capacity_slots(counts_E: torch.Tensor, num_rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def capacity_slots(
+    counts_E: torch.Tensor, num_rows: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For the N rows sorted by expert (`counts_E` rows per expert): each row's send slot
     (expert * C + position within its expert) and whether it is kept (position < C);
     dropped rows get the slot S = E*C (one past the buffer)."""
     E = counts_E.shape[0]
-    expert_N = torch.repeat_interleave(torch.arange(E, device=counts_E.device), counts_E, output_size=num_rows)
+    expert_N = torch.repeat_interleave(
+        torch.arange(E, device=counts_E.device), counts_E, output_size=num_rows
+    )
     start_E = torch.cumsum(counts_E, 0) - counts_E
     pos_N = torch.arange(num_rows, device=counts_E.device) - start_E[expert_N]
     keep_N = pos_N < capacity
     return torch.where(keep_N, expert_N * capacity + pos_N, E * capacity), keep_N
 
 
-def slot_sources(slot_N: torch.Tensor, token_idx_N: torch.Tensor, num_slots: int, num_tokens: int) -> torch.Tensor:
+def slot_sources(
+    slot_N: torch.Tensor, token_idx_N: torch.Tensor, num_slots: int, num_tokens: int
+) -> torch.Tensor:
     """The source token of every send slot, `num_tokens` (a zero row) where no row fills it."""
     src = torch.full((num_slots + 1,), num_tokens, dtype=torch.long, device=slot_N.device)
-    return src.scatter_(0, slot_N, token_idx_N)[:num_slots]  # (dropped rows all land in the cut-off slot)
+    return src.scatter_(0, slot_N, token_idx_N)[
+        :num_slots
+    ]  # (dropped rows all land in the cut-off slot)
 
 
 def in_backward() -> bool:
@@ -109,8 +117,11 @@ class OverflowCounter:
     rank of those groups must call `totals` together (even one without MoE layers)."""
 
     def __init__(self, model: torch.nn.Module, groups: list, capacity_factor: float, overflow: str):
-        self.dispatchers = [m.dispatcher for m in model.modules()
-                            if getattr(getattr(m, "dispatcher", None), "capacity_factor", None) is not None]
+        self.dispatchers = [
+            m.dispatcher
+            for m in model.modules()
+            if getattr(getattr(m, "dispatcher", None), "capacity_factor", None) is not None
+        ]
         self.groups = [g for g in groups if g is not None]
         self.capacity_factor, self.overflow = capacity_factor, overflow
 
@@ -137,9 +148,13 @@ class OverflowCounter:
                 f"step {step}: {dropped} of {routed} routed (token, expert) choices went over the expert capacity "
                 f"(model.moe_capacity_factor={self.capacity_factor:g}, model.moe_capacity_overflow=error); raise "
                 "model.moe_capacity_factor, set it to null for the dropless all-to-all, or set "
-                "model.moe_capacity_overflow=drop to drop and count them")
+                "model.moe_capacity_overflow=drop to drop and count them"
+            )
 
     def record(self, device: torch.device) -> dict:
         dropped, routed, flagged = self.totals(device, reset=True)
-        return {"moe_dropped_tokens": dropped, "moe_dropped_fraction": dropped / routed if routed else None,
-                "moe_overflowed_dispatches": flagged}
+        return {
+            "moe_dropped_tokens": dropped,
+            "moe_dropped_fraction": dropped / routed if routed else None,
+            "moe_overflowed_dispatches": flagged,
+        }

@@ -76,9 +76,9 @@ from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 from moevlm.model.rows import RowsState, from_expert_rows, rows_plan
 
 APIS = ("auto", *DEEPEP_API_CLASS)  # auto, v2, v1
-_BUFFERS: dict[tuple[str, str], object] = {}  # (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
-
-
+_BUFFERS: dict[
+    tuple[str, str], object
+] = {}  # (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
 
 
 # ----------------------------------------------------------------- API, buffers and handles
@@ -94,7 +94,9 @@ def resolve_api(api: str) -> str:
     if api == "auto":
         return "v2" if hasattr(deep_ep, DEEPEP_API_CLASS["v2"]) else "v1"
     if not hasattr(deep_ep, DEEPEP_API_CLASS[api]):
-        raise RuntimeError(f"deepep dispatcher api={api!r} cannot run: {unavailable_reason('deepep', api=api)}")
+        raise RuntimeError(
+            f"deepep dispatcher api={api!r} cannot run: {unavailable_reason('deepep', api=api)}"
+        )
     return api
 
 
@@ -119,51 +121,105 @@ def _elastic_buffer(group, num_tokens: int, hidden: int, num_topk: int):
     from deep_ep import ElasticBuffer
 
     have = _BUFFERS.get(("v2", group.group_name))
-    if have is not None and have.num_max_tokens_per_rank >= num_tokens and have.num_bytes >= (
-            ElasticBuffer.get_buffer_size_hint(group, have.num_max_tokens_per_rank, hidden, num_topk)):
+    if (
+        have is not None
+        and have.num_max_tokens_per_rank >= num_tokens
+        and have.num_bytes
+        >= (
+            ElasticBuffer.get_buffer_size_hint(
+                group, have.num_max_tokens_per_rank, hidden, num_topk
+            )
+        )
+    ):
         return have
     bound = max(num_tokens, 1 if have is None else have.num_max_tokens_per_rank)
     bound = 1 << (bound - 1).bit_length()  # a power of two: few rebuilds, few kernel variants
     _BUFFERS["v2", group.group_name] = have = ElasticBuffer(
-        group, num_bytes=ElasticBuffer.get_buffer_size_hint(group, bound, hidden, num_topk),
-        num_max_tokens_per_rank=bound, hidden=hidden, num_topk=num_topk,
-        deterministic=torch.are_deterministic_algorithms_enabled(), explicitly_destroy=True)
+        group,
+        num_bytes=ElasticBuffer.get_buffer_size_hint(group, bound, hidden, num_topk),
+        num_max_tokens_per_rank=bound,
+        hidden=hidden,
+        num_topk=num_topk,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        explicitly_destroy=True,
+    )
     return have
 
 
 # ----------------------------------------------------------------- the exchanges as custom ops
 @torch.library.custom_op("moevlm_deepep::dispatch", mutates_args=())
-def deepep_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_tokens_per_rank: Tensor,
-                    num_tokens_per_rdma_rank: Optional[Tensor], is_token_in_rank: Tensor,
-                    num_tokens_per_expert: Tensor, group_name: str
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def deepep_dispatch(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    num_tokens_per_rank: Tensor,
+    num_tokens_per_rdma_rank: Optional[Tensor],
+    is_token_in_rank: Tensor,
+    num_tokens_per_expert: Tensor,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """V1 buffer.dispatch -> (recv_x_RD, recv_topk_idx_RK (local ids, -1), recv_topk_weights_RK, tokens per
     local expert (CPU int64), handle id)."""
     buffer = _BUFFERS["v1", group_name]
     recv_x, recv_idx, recv_w, per_expert, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-        is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
-        topk_weights=topk_weights)
-    return recv_x, recv_idx, recv_w, torch.tensor(per_expert, dtype=torch.int64), store(buffer, handle, {})
+        x,
+        num_tokens_per_rank=num_tokens_per_rank,
+        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        is_token_in_rank=is_token_in_rank,
+        num_tokens_per_expert=num_tokens_per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
+    return (
+        recv_x,
+        recv_idx,
+        recv_w,
+        torch.tensor(per_expert, dtype=torch.int64),
+        store(buffer, handle, {}),
+    )
 
 
 @deepep_dispatch.register_fake
-def _(x, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-      num_tokens_per_expert, group_name):
+def _(
+    x,
+    topk_idx,
+    topk_weights,
+    num_tokens_per_rank,
+    num_tokens_per_rdma_rank,
+    is_token_in_rank,
+    num_tokens_per_expert,
+    group_name,
+):
     R, K = torch.library.get_ctx().new_dynamic_size(), topk_idx.shape[1]
     L = num_tokens_per_expert.shape[0] // num_tokens_per_rank.shape[0]
-    return (x.new_empty(R, x.shape[1]), topk_idx.new_empty(R, K), topk_weights.new_empty(R, K),
-            torch.empty(L, dtype=torch.int64), torch.empty(1, dtype=torch.int64))
+    return (
+        x.new_empty(R, x.shape[1]),
+        topk_idx.new_empty(R, K),
+        topk_weights.new_empty(R, K),
+        torch.empty(L, dtype=torch.int64),
+        torch.empty(1, dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("moevlm_deepep::dispatch_v2", mutates_args=())
-def deepep_dispatch_v2(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, num_local_experts: int,
-                       group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def deepep_dispatch_v2(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    num_experts: int,
+    num_local_experts: int,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """V2 buffer.dispatch (compact, with the CPU sync) under the buffer's C, as `deepep_dispatch`."""
     buffer = _BUFFERS["v2", group_name]
     recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
-        x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-        num_max_tokens_per_rank=buffer.num_max_tokens_per_rank, do_cpu_sync=True)
+        x,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        num_experts=num_experts,
+        num_max_tokens_per_rank=buffer.num_max_tokens_per_rank,
+        do_cpu_sync=True,
+    )
     per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
     return recv_x, recv_idx, recv_w, per_expert, store(buffer, handle, {"num_sms": handle.num_sms})
 
@@ -171,8 +227,13 @@ def deepep_dispatch_v2(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_ex
 @deepep_dispatch_v2.register_fake
 def _(x, topk_idx, topk_weights, num_experts, num_local_experts, group_name):
     R, K = torch.library.get_ctx().new_dynamic_size(), topk_idx.shape[1]
-    return (x.new_empty(R, x.shape[1]), topk_idx.new_empty(R, K), topk_weights.new_empty(R, K),
-            torch.empty(num_local_experts, dtype=torch.int64), torch.empty(1, dtype=torch.int64))
+    return (
+        x.new_empty(R, x.shape[1]),
+        topk_idx.new_empty(R, K),
+        topk_weights.new_empty(R, K),
+        torch.empty(num_local_experts, dtype=torch.int64),
+        torch.empty(1, dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("moevlm_deepep::combine", mutates_args=())
@@ -188,8 +249,9 @@ def _(y, handle_id, num_tokens):
 
 
 @torch.library.custom_op("moevlm_deepep::dispatch_backward", mutates_args=())
-def deepep_dispatch_backward(grad_x: Tensor, grad_weights: Tensor, handle_id: Tensor,
-                             num_tokens: int) -> tuple[Tensor, Tensor]:
+def deepep_dispatch_backward(
+    grad_x: Tensor, grad_weights: Tensor, handle_id: Tensor, num_tokens: int
+) -> tuple[Tensor, Tensor]:
     """dispatch's backward: a combine of the row and the top-k weight gradients on the saved handle."""
     buffer, handle, _ = lookup(handle_id)
     gx, gw, _ = buffer.combine(grad_x.contiguous(), handle, topk_weights=grad_weights.contiguous())
@@ -198,7 +260,9 @@ def deepep_dispatch_backward(grad_x: Tensor, grad_weights: Tensor, handle_id: Te
 
 @deepep_dispatch_backward.register_fake
 def _(grad_x, grad_weights, handle_id, num_tokens):
-    return grad_x.new_empty(num_tokens, grad_x.shape[1]), grad_weights.new_empty(num_tokens, grad_weights.shape[1])
+    return grad_x.new_empty(num_tokens, grad_x.shape[1]), grad_weights.new_empty(
+        num_tokens, grad_weights.shape[1]
+    )
 
 
 @torch.library.custom_op("moevlm_deepep::combine_backward", mutates_args=())
@@ -224,7 +288,12 @@ def _dispatch_grad(ctx, grad_x, grad_idx, grad_w, grad_counts, grad_id):
     grad_x = torch.zeros(ctx.shapes[0], dtype=ctx.dtypes[0]) if grad_x is None else grad_x
     grad_w = torch.zeros(ctx.shapes[1], dtype=torch.float32) if grad_w is None else grad_w
     gx, gw = deepep_dispatch_backward(grad_x, grad_w, handle_id, ctx.num_tokens)
-    return gx, None, gw, *[None] * (ctx.num_inputs - 3)  # x, topk_idx, topk_weights, then the layout / ints
+    return (
+        gx,
+        None,
+        gw,
+        *[None] * (ctx.num_inputs - 3),
+    )  # x, topk_idx, topk_weights, then the layout / ints
 
 
 deepep_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
@@ -233,8 +302,9 @@ register_combine_autograd(deepep_combine, deepep_combine_backward)
 
 
 # ----------------------------------------------------------------- local permute (pure index logic)
-def local_rows_plan(recv_topk_idx_RK: Tensor, recv_topk_w_RK: Tensor, num_local_experts: int,
-                    num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+def local_rows_plan(
+    recv_topk_idx_RK: Tensor, recv_topk_w_RK: Tensor, num_local_experts: int, num_rows: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """(received row of every expert row, its router weight, rows per local expert) for the `num_rows`
     local choices of the received rows, stable-sorted by local expert; -1 (not here) sorts last, dropped."""
     L = num_local_experts
@@ -258,11 +328,24 @@ class DeepEPDispatcher(TokenDispatcher):
     def exchanges(self) -> bool:
         return self.ep_size > 1
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, permute: str = "torch",
-                 api: str = "auto"):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        ep_group=None,
+        etp_group=None,
+        permute: str = "torch",
+        api: str = "auto",
+    ):
         super().__init__(num_experts, top_k)
-        reason = self.unavailable_reason(num_experts=num_experts, ep_group=ep_group, etp_group=etp_group,
-                                         permute=permute, api=api, check_package=False)
+        reason = self.unavailable_reason(
+            num_experts=num_experts,
+            ep_group=ep_group,
+            etp_group=etp_group,
+            permute=permute,
+            api=api,
+            check_package=False,
+        )
         if reason is not None:
             raise ValueError(reason)
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
@@ -271,9 +354,21 @@ class DeepEPDispatcher(TokenDispatcher):
         self.buffer = None
 
     @classmethod
-    def unavailable_reason(cls, num_experts: int, ep_group=None, etp_group=None, permute: str = "torch",
-                           api: str = "auto", check_package: bool = True, **kwargs) -> str | None:
-        from moevlm.dispatch.availability import deepep_layout_problem, launch_ranks_per_node, unavailable_reason
+    def unavailable_reason(
+        cls,
+        num_experts: int,
+        ep_group=None,
+        etp_group=None,
+        permute: str = "torch",
+        api: str = "auto",
+        check_package: bool = True,
+        **kwargs,
+    ) -> str | None:
+        from moevlm.dispatch.availability import (
+            deepep_layout_problem,
+            launch_ranks_per_node,
+            unavailable_reason,
+        )
 
         if api not in APIS:
             return f"moevlm's deepep adapter takes api='auto', 'v2' or 'v1' (api={api!r})"
@@ -281,15 +376,19 @@ class DeepEPDispatcher(TokenDispatcher):
         if reason is not None:
             return reason
         if etp_group is not None and dist.get_world_size(etp_group) > 1:
-            return (f"moevlm's deepep adapter has no expert tensor parallel (parallel.etp="
-                    f"{dist.get_world_size(etp_group)}); use parallel.etp=1, or model.dispatcher=alltoall")
+            return (
+                f"moevlm's deepep adapter has no expert tensor parallel (parallel.etp="
+                f"{dist.get_world_size(etp_group)}); use parallel.etp=1, or model.dispatcher=alltoall"
+            )
         if permute != "torch":
             return f"moevlm's deepep adapter permutes with torch only (model.permute={permute!r})"
-        return deepep_layout_problem(_resolve_group(ep_group)[1], num_experts, launch_ranks_per_node())
+        return deepep_layout_problem(
+            _resolve_group(ep_group)[1], num_experts, launch_ranks_per_node()
+        )
 
     @property
     def resolved_api(self) -> str:
-        """"v1" or "v2": the API this dispatcher drives (`resolve_api`, once; imports deep_ep)."""
+        """ "v1" or "v2": the API this dispatcher drives (`resolve_api`, once; imports deep_ep)."""
         if self._api is None:
             self._api = resolve_api(self.api)
         return self._api
@@ -300,9 +399,12 @@ class DeepEPDispatcher(TokenDispatcher):
         if self.resolved_api == "v2":
             return None
         if self.buffer is None:
-            raise RuntimeError("DeepEPDispatcher.preprocess runs inside dispatch (the buffer is built there)")
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx_TK,
-                                                                                         self.num_experts)
+            raise RuntimeError(
+                "DeepEPDispatcher.preprocess runs inside dispatch (the buffer is built there)"
+            )
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+            topk_idx_TK, self.num_experts
+        )
         return per_rank, per_rdma_rank, per_expert, in_rank
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
@@ -310,16 +412,32 @@ class DeepEPDispatcher(TokenDispatcher):
         if self.resolved_api == "v2":
             C = group_max_tokens(self.group, x_TD.shape[0], x_TD.device)
             self.buffer = _elastic_buffer(self.group, C, x_TD.shape[1], self.top_k)
-            received = deepep_dispatch_v2(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.num_local_experts,
-                                          self.group.group_name)
+            received = deepep_dispatch_v2(
+                x_TD,
+                topk_idx_TK,
+                topk_w_TK,
+                self.num_experts,
+                self.num_local_experts,
+                self.group.group_name,
+            )
         else:
             self.buffer = _buffer(self.group, x_TD.shape[1] * max(x_TD.element_size(), 2))
             per_rank, per_rdma_rank, per_expert, in_rank = self.preprocess(topk_idx_TK, topk_w_TK)
-            received = deepep_dispatch(x_TD, topk_idx_TK, topk_w_TK, per_rank, per_rdma_rank, in_rank, per_expert,
-                                       self.group.group_name)
+            received = deepep_dispatch(
+                x_TD,
+                topk_idx_TK,
+                topk_w_TK,
+                per_rank,
+                per_rdma_rank,
+                in_rank,
+                per_expert,
+                self.group.group_name,
+            )
         recv_x_RD, recv_idx_RK, recv_w_RK, per_local_expert, handle_id = received
         M = int(per_local_expert.sum())  # a CPU tensor: DeepEP's host list, no further sync
-        row_M, weight_M, counts_L = local_rows_plan(recv_idx_RK, recv_w_RK, self.num_local_experts, M)
+        row_M, weight_M, counts_L = local_rows_plan(
+            recv_idx_RK, recv_w_RK, self.num_local_experts, M
+        )
         rows = RowsState(recv_x_RD.shape[0], token_idx_N=row_M, weight_N=weight_M)
         return recv_x_RD[row_M], counts_L, DeepEPHandle(rows, handle_id, x_TD.shape[0])
 

@@ -36,6 +36,7 @@ def lookup(handle_id: torch.Tensor) -> tuple:
 def register_combine_autograd(combine_op, backward_op) -> None:
     """Autograd of a `combine_op(y, handle_id, num_tokens)` exchange: the gradient of y is
     `backward_op(grad, handle_id, rows of y)`, a cached dispatch on the same handle."""
+
     def setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[1])
         ctx.num_rows = inputs[0].shape[0]

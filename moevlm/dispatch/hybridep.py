@@ -56,11 +56,18 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from moevlm.dispatch.alltoall import _check_capacity, _resolve_group
-from moevlm.dispatch.base import TokenDispatcher, dense_routing, group_max_tokens, register_dispatcher
+from moevlm.dispatch.base import (
+    TokenDispatcher,
+    dense_routing,
+    group_max_tokens,
+    register_dispatcher,
+)
 from moevlm.dispatch.capacity import add_overflow, expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 
-_BUFFERS: dict[str, tuple[object, tuple[int, int, int]]] = {}  # EP group name -> (buffer, (hidden, T', L))
+_BUFFERS: dict[
+    str, tuple[object, tuple[int, int, int]]
+] = {}  # EP group name -> (buffer, (hidden, T', L))
 
 
 def _buffer(group, hidden: int, max_tokens: int, num_local_experts: int):
@@ -68,20 +75,36 @@ def _buffer(group, hidden: int, max_tokens: int, num_local_experts: int):
     from deep_ep import HybridEPBuffer
 
     have = _BUFFERS.get(group.group_name)
-    if have is not None and have[1][0] >= hidden and have[1][1] >= max_tokens and have[1][2] == num_local_experts:
+    if (
+        have is not None
+        and have[1][0] >= hidden
+        and have[1][1] >= max_tokens
+        and have[1][2] == num_local_experts
+    ):
         return have[0]
     if have is not None:  # grow to cover both
         hidden, max_tokens = max(hidden, have[1][0]), max(max_tokens, have[1][1])
-    buffer = HybridEPBuffer(group=group, hidden_dim=hidden, max_num_of_tokens_per_rank=max_tokens,
-                            num_local_experts=num_local_experts)
+    buffer = HybridEPBuffer(
+        group=group,
+        hidden_dim=hidden,
+        max_num_of_tokens_per_rank=max_tokens,
+        num_local_experts=num_local_experts,
+    )
     _BUFFERS[group.group_name] = (buffer, (hidden, max_tokens, num_local_experts))
     return buffer
 
 
 # ----------------------------------------------------------------- the exchanges as custom ops
 @torch.library.custom_op("moevlm_hybridep::dispatch", mutates_args=())
-def hybridep_dispatch(x: Tensor, routing_map: Tensor, probs: Tensor, group_name: str, num_local_experts: int,
-                      num_permuted_tokens: int, pad_multiple: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def hybridep_dispatch(
+    x: Tensor,
+    routing_map: Tensor,
+    probs: Tensor,
+    group_name: str,
+    num_local_experts: int,
+    num_permuted_tokens: int,
+    pad_multiple: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """buffer.dispatch_with_permute -> (rows_MD grouped by local expert, router weight per row (fp32), rows per
     local expert (int64, x's device), overflow flag (int32, 1 element), handle id).  `num_permuted_tokens` < 0:
     HybridEP sizes M itself (a host sync)."""
@@ -89,18 +112,38 @@ def hybridep_dispatch(x: Tensor, routing_map: Tensor, probs: Tensor, group_name:
     budget = None if num_permuted_tokens < 0 else num_permuted_tokens
     pad = pad_multiple if pad_multiple > 1 else None
     rows, row_probs, _, per_expert, handle = buffer.dispatch_with_permute(
-        hidden=x, routing_map=routing_map, probs=probs, num_of_experts_per_rank=num_local_experts,
-        num_permuted_tokens=budget, pad_multiple=pad, non_blocking=budget is not None)
+        hidden=x,
+        routing_map=routing_map,
+        probs=probs,
+        num_of_experts_per_rank=num_local_experts,
+        num_permuted_tokens=budget,
+        pad_multiple=pad,
+        non_blocking=budget is not None,
+    )
     flag = handle[-1].reshape(1).to(device=x.device, dtype=torch.int32, copy=True)
-    return (rows, row_probs.float(), per_expert.to(device=x.device, dtype=torch.int64, copy=True), flag,
-            store(buffer, handle, pad))
+    return (
+        rows,
+        row_probs.float(),
+        per_expert.to(device=x.device, dtype=torch.int64, copy=True),
+        flag,
+        store(buffer, handle, pad),
+    )
 
 
 @hybridep_dispatch.register_fake
 def _(x, routing_map, probs, group_name, num_local_experts, num_permuted_tokens, pad_multiple):
-    M = num_permuted_tokens if num_permuted_tokens >= 0 else torch.library.get_ctx().new_dynamic_size()
-    return (x.new_empty(M, x.shape[1]), probs.new_empty(M), x.new_empty(num_local_experts, dtype=torch.int64),
-            x.new_empty(1, dtype=torch.int32), torch.empty(1, dtype=torch.int64))
+    M = (
+        num_permuted_tokens
+        if num_permuted_tokens >= 0
+        else torch.library.get_ctx().new_dynamic_size()
+    )
+    return (
+        x.new_empty(M, x.shape[1]),
+        probs.new_empty(M),
+        x.new_empty(num_local_experts, dtype=torch.int64),
+        x.new_empty(1, dtype=torch.int32),
+        torch.empty(1, dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("moevlm_hybridep::combine", mutates_args=())
@@ -116,28 +159,36 @@ def _(y, handle_id, num_tokens):
 
 
 @torch.library.custom_op("moevlm_hybridep::dispatch_backward", mutates_args=())
-def hybridep_dispatch_backward(grad_rows: Tensor, grad_probs: Tensor, handle_id: Tensor, num_tokens: int,
-                               num_experts: int) -> tuple[Tensor, Tensor]:
+def hybridep_dispatch_backward(
+    grad_rows: Tensor, grad_probs: Tensor, handle_id: Tensor, num_tokens: int, num_experts: int
+) -> tuple[Tensor, Tensor]:
     """dispatch's backward: combine_with_unpermute of the row and per-row weight gradients -> (T', D), and
     the dense (T', E) probs gradient."""
     buffer, handle, pad = lookup(handle_id)
-    gx, gprobs = buffer.combine_with_unpermute(hidden=grad_rows.contiguous(), probs=grad_probs.contiguous(),
-                                               handle=handle, pad_multiple=pad)
+    gx, gprobs = buffer.combine_with_unpermute(
+        hidden=grad_rows.contiguous(),
+        probs=grad_probs.contiguous(),
+        handle=handle,
+        pad_multiple=pad,
+    )
     return gx, gprobs.float()
 
 
 @hybridep_dispatch_backward.register_fake
 def _(grad_rows, grad_probs, handle_id, num_tokens, num_experts):
-    return (grad_rows.new_empty(num_tokens, grad_rows.shape[1]),
-            grad_probs.new_empty(num_tokens, num_experts, dtype=torch.float32))
+    return (
+        grad_rows.new_empty(num_tokens, grad_rows.shape[1]),
+        grad_probs.new_empty(num_tokens, num_experts, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("moevlm_hybridep::combine_backward", mutates_args=())
 def hybridep_combine_backward(grad_y: Tensor, handle_id: Tensor, num_rows: int) -> Tensor:
     """combine's backward: a cached dispatch_with_permute of the gradient (the saved layout, no probs)."""
     buffer, handle, pad = lookup(handle_id)
-    return buffer.dispatch_with_permute(hidden=grad_y.contiguous(), handle=handle, num_permuted_tokens=num_rows,
-                                        pad_multiple=pad)[0]
+    return buffer.dispatch_with_permute(
+        hidden=grad_y.contiguous(), handle=handle, num_permuted_tokens=num_rows, pad_multiple=pad
+    )[0]
 
 
 @hybridep_combine_backward.register_fake
@@ -154,8 +205,12 @@ def _dispatch_setup(ctx, inputs, output):
 def _dispatch_grad(ctx, grad_rows, grad_probs, grad_counts, grad_flag, grad_id):
     (handle_id,) = ctx.saved_tensors
     grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.dtype) if grad_rows is None else grad_rows
-    grad_probs = torch.zeros(ctx.rows_shape[0], dtype=torch.float32) if grad_probs is None else grad_probs
-    gx, gprobs = hybridep_dispatch_backward(grad_rows, grad_probs, handle_id, ctx.num_tokens, ctx.num_experts)
+    grad_probs = (
+        torch.zeros(ctx.rows_shape[0], dtype=torch.float32) if grad_probs is None else grad_probs
+    )
+    gx, gprobs = hybridep_dispatch_backward(
+        grad_rows, grad_probs, handle_id, ctx.num_tokens, ctx.num_experts
+    )
     return gx, None, gprobs, None, None, None, None
 
 
@@ -164,8 +219,14 @@ register_combine_autograd(hybridep_combine, hybridep_combine_backward)
 
 
 # ----------------------------------------------------------------- index logic (pure, no host reads)
-def permuted_budget(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int, num_local_experts: int,
-                    pad_multiple: int = 1) -> int:
+def permuted_budget(
+    capacity_factor: float,
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    num_local_experts: int,
+    pad_multiple: int = 1,
+) -> int:
     """`num_permuted_tokens` of the capacity mode: E*C rows (C as the capacity all-to-all's), room for each
     local expert's padding, rounded up to the pad."""
     rows = num_experts * expert_capacity(capacity_factor, num_tokens, top_k, num_experts)
@@ -206,14 +267,23 @@ class HybridEPDispatcher(TokenDispatcher):
     def exchanges(self) -> bool:
         return self.ep_size > 1
 
-    def __init__(self, num_experts: int, top_k: int, ep_group=None, etp_group=None, permute: str = "torch",
-                 capacity_factor: float | None = None, capacity_overflow: str = "drop",
-                 max_tokens_per_rank: int | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        ep_group=None,
+        etp_group=None,
+        permute: str = "torch",
+        capacity_factor: float | None = None,
+        capacity_overflow: str = "drop",
+        max_tokens_per_rank: int | None = None,
+    ):
         """`capacity_factor` (None = dropless) selects the no-sync mode (see the module docstring);
         `max_tokens_per_rank`: a static T' (no all-reduce of token counts)."""
         super().__init__(num_experts, top_k)
-        reason = self.unavailable_reason(num_experts=num_experts, ep_group=ep_group, etp_group=etp_group,
-                                         check_package=False)
+        reason = self.unavailable_reason(
+            num_experts=num_experts, ep_group=ep_group, etp_group=etp_group, check_package=False
+        )
         if reason is not None:
             raise ValueError(reason)
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
@@ -227,28 +297,41 @@ class HybridEPDispatcher(TokenDispatcher):
         self.dropped, self.flagged, self.routed = None, None, 0
 
     @classmethod
-    def unavailable_reason(cls, num_experts: int, ep_group=None, etp_group=None, check_package: bool = True,
-                           **kwargs) -> str | None:
-        from moevlm.dispatch.availability import hybridep_domain_size, hybridep_layout_problem, unavailable_reason
+    def unavailable_reason(
+        cls, num_experts: int, ep_group=None, etp_group=None, check_package: bool = True, **kwargs
+    ) -> str | None:
+        from moevlm.dispatch.availability import (
+            hybridep_domain_size,
+            hybridep_layout_problem,
+            unavailable_reason,
+        )
 
         reason = unavailable_reason("hybridep") if check_package else None
         if reason is not None:
             return reason
         if etp_group is not None and dist.get_world_size(etp_group) > 1:
-            return (f"moevlm's hybridep adapter has no expert tensor parallel (parallel.etp="
-                    f"{dist.get_world_size(etp_group)}); use parallel.etp=1, or model.dispatcher=alltoall")
-        return hybridep_layout_problem(_resolve_group(ep_group)[1], num_experts, hybridep_domain_size())
+            return (
+                f"moevlm's hybridep adapter has no expert tensor parallel (parallel.etp="
+                f"{dist.get_world_size(etp_group)}); use parallel.etp=1, or model.dispatcher=alltoall"
+            )
+        return hybridep_layout_problem(
+            _resolve_group(ep_group)[1], num_experts, hybridep_domain_size()
+        )
 
     def padded_tokens(self, num_tokens: int, device) -> int:
         """T' (see the module docstring)."""
         if self.max_tokens_per_rank is not None:
             if num_tokens > self.max_tokens_per_rank:
-                raise ValueError(f"{num_tokens} tokens on this rank exceed the hybridep dispatcher's "
-                                 f"max_tokens_per_rank={self.max_tokens_per_rank}")
+                raise ValueError(
+                    f"{num_tokens} tokens on this rank exceed the hybridep dispatcher's "
+                    f"max_tokens_per_rank={self.max_tokens_per_rank}"
+                )
             return self.max_tokens_per_rank
         if self.capacity_factor is not None:
             return num_tokens
-        return group_max_tokens(self.group, num_tokens, device)  # the dropless mode's one extra host read
+        return group_max_tokens(
+            self.group, num_tokens, device
+        )  # the dropless mode's one extra host read
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         (T, K), D, E, L = topk_idx_TK.shape, x_TD.shape[1], self.num_experts, self.num_local_experts
@@ -263,8 +346,14 @@ class HybridEPDispatcher(TokenDispatcher):
         if self.capacity_factor is not None:
             budget = permuted_budget(self.capacity_factor, T_pad, K, E, L, self.pad_multiple)
         rows_MD, weight_M, counts_L, flag, handle_id = hybridep_dispatch(
-            x_TD, routing_map_TE, probs_TE, self.group.group_name, L, -1 if budget is None else budget,
-            self.pad_multiple)
+            x_TD,
+            routing_map_TE,
+            probs_TE,
+            self.group.group_name,
+            L,
+            -1 if budget is None else budget,
+            self.pad_multiple,
+        )
         if budget is not None:
             self._count(routing_map_TE, flag, budget, T * K)
             counts_L = fit_counts(counts_L, budget)
@@ -278,10 +367,13 @@ class HybridEPDispatcher(TokenDispatcher):
             return
         per_expert_E = funcol.all_reduce(routing_map_TE.sum(0), "sum", self.group)
         L, r = self.num_local_experts, self.ep_rank
-        dropped = dropped_rows(per_expert_E[r * L:(r + 1) * L], budget, self.pad_multiple)
+        dropped = dropped_rows(per_expert_E[r * L : (r + 1) * L], budget, self.pad_multiple)
         add_overflow(self, dropped, (flag != 0).sum(), routed)
 
     def combine(self, expert_y_MD, handle: HybridEPHandle):
-        weighted_MD = expert_y_MD * handle.row_weight_M.to(expert_y_MD.dtype)[:, None]  # router weights: here, once
-        return hybridep_combine(weighted_MD, handle.handle_id, handle.padded_tokens)[:handle.num_tokens]
-
+        weighted_MD = (
+            expert_y_MD * handle.row_weight_M.to(expert_y_MD.dtype)[:, None]
+        )  # router weights: here, once
+        return hybridep_combine(weighted_MD, handle.handle_id, handle.padded_tokens)[
+            : handle.num_tokens
+        ]

@@ -4,5 +4,14 @@ from moevlm.model.config import ConfigError, MoEConfig, TextConfig, VisionConfig
 from moevlm.model.flops import FlopCount, count_flops
 from moevlm.model.vlm import Qwen3VLMoe, VLMOutput
 
-__all__ = ["ConfigError", "FlopCount", "MoEConfig", "Qwen3VLMoe", "TextConfig", "VLMConfig", "VLMOutput",
-           "VisionConfig", "count_flops"]
+__all__ = [
+    "ConfigError",
+    "FlopCount",
+    "MoEConfig",
+    "Qwen3VLMoe",
+    "TextConfig",
+    "VLMConfig",
+    "VLMOutput",
+    "VisionConfig",
+    "count_flops",
+]

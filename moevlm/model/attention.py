@@ -64,8 +64,17 @@ class DocMask:
     prepared: Any = None  # what the backend precomputed: bool mask, block mask, int32 bounds
 
 
-def doc_mask(B: int, S: int, cu_seqlens: torch.Tensor | None, *, causal: bool, backend: str = "auto",
-             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, static: bool = False) -> DocMask:
+def doc_mask(
+    B: int,
+    S: int,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    causal: bool,
+    backend: str = "auto",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    static: bool = False,
+) -> DocMask:
     backend = resolve_backend(backend, torch.device(device), dtype, static)
     if backend in VARLEN_KERNELS and (static or backend == "varlen"):
         return DocMask(backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S))
@@ -82,24 +91,40 @@ class CoreAttention(nn.Module):
     """The attention kernel alone (q, k, v, mask -> out), a module so a build step can reach it:
     recompute installs its region here (`region`)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask
+    ) -> torch.Tensor:
         return run_region(self, "region", attention, q, k, v, mask)
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, static: bool = False) -> str:
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype, static: bool = False
+) -> str:
     if backend == "auto":
         if device.type != "cuda":
             return "sdpa" if static else "sdpa_per_doc"
         if dtype not in (torch.float16, torch.bfloat16):
             return "sdpa"
-        return next(name for name, ok in (("flash", _flash_varlen() is not None), ("varlen", varlen_available()),
-                                          ("flex", flex_available()), ("sdpa", True)) if ok)
+        return next(
+            name
+            for name, ok in (
+                ("flash", _flash_varlen() is not None),
+                ("varlen", varlen_available()),
+                ("flex", flex_available()),
+                ("sdpa", True),
+            )
+            if ok
+        )
     if backend == "flash" and _flash_varlen() is None:
-        raise RuntimeError("attn_backend='flash' needs the optional package 'flash-attn' "
-                           "(pip install flash-attn); use attn_backend='sdpa' or 'auto' without it")
+        raise RuntimeError(
+            "attn_backend='flash' needs the optional package 'flash-attn' "
+            "(pip install flash-attn); use attn_backend='sdpa' or 'auto' without it"
+        )
     if backend == "varlen" and (not varlen_available() or device.type != "cuda"):
-        raise RuntimeError(f"attn_backend='varlen' needs {varlen_missing() or 'CUDA tensors'} "
-                           f"(the tensors are on {device.type}); use attn_backend='auto'")
+        raise RuntimeError(
+            f"attn_backend='varlen' needs {varlen_missing() or 'CUDA tensors'} "
+            f"(the tensors are on {device.type}); use attn_backend='auto'"
+        )
     if backend not in _BACKENDS:
         raise ValueError(f"attn_backend={backend!r}; choose one of {sorted(_BACKENDS) + ['auto']}")
     return backend
@@ -159,8 +184,12 @@ def _prepare_flash(B, S, cu_seqlens, causal, bounds, device):
     return torch.tensor(bounds, dtype=torch.int32, device=device), max(lengths)
 
 
-_PREPARE = {"sdpa": _prepare_sdpa, "sdpa_per_doc": lambda *a: None, "flex": _prepare_flex,
-            "flash": _prepare_flash}
+_PREPARE = {
+    "sdpa": _prepare_sdpa,
+    "sdpa_per_doc": lambda *a: None,
+    "flex": _prepare_flex,
+    "flash": _prepare_flash,
+}
 
 
 # ------------------------------------------------------------------ kernels
@@ -190,16 +219,29 @@ def _flex(q, k, v, mask: DocMask):
     from torch.nn.attention.flex_attention import flex_attention
 
     kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materialises the scores
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask.prepared,
-                 enable_gqa=q.shape[2] != k.shape[2])
+    out = kernel(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=mask.prepared,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)
 
 
 def _flash(q, k, v, mask: DocMask):
     B, S, H, hd = q.shape
     bounds, max_len = mask.prepared
-    out = _flash_varlen()(q.reshape(B * S, H, hd), k.reshape(B * S, -1, hd), v.reshape(B * S, -1, hd),
-                          bounds, bounds, max_len, max_len, causal=mask.causal)
+    out = _flash_varlen()(
+        q.reshape(B * S, H, hd),
+        k.reshape(B * S, -1, hd),
+        v.reshape(B * S, -1, hd),
+        bounds,
+        bounds,
+        max_len,
+        max_len,
+        causal=mask.causal,
+    )
     return out.view(B, S, H, hd)
 
 
@@ -268,5 +310,11 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
-_BACKENDS = {"sdpa": _sdpa, "sdpa_per_doc": _sdpa_per_doc, "flex": _flex, "flash": _flash, "varlen": _varlen}
+_BACKENDS = {
+    "sdpa": _sdpa,
+    "sdpa_per_doc": _sdpa_per_doc,
+    "flex": _flex,
+    "flash": _flash,
+    "varlen": _varlen,
+}
 VARLEN_KERNELS = ("flash", "varlen")  # backends that take cu_seqlens + max_seqlen

@@ -99,7 +99,9 @@ class MoEConfig:
     grouped_gemm: str = "torch"  # see moevlm.kernels.GROUPED_GEMMS
     dispatcher: str = "local"
     permute: str = "torch"  # token rows <-> expert rows: torch | triton (moevlm.model.rows)
-    capacity_factor: float | None = None  # alltoall only: None = dropless (moevlm.dispatch.capacity)
+    capacity_factor: float | None = (
+        None  # alltoall only: None = dropless (moevlm.dispatch.capacity)
+    )
     capacity_overflow: str = "drop"  # drop (and count) | error (the trainer fails the step)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -114,6 +116,7 @@ class MoEConfig:
 @dataclass
 class Fp8Config:
     """FP8 training (moevlm.model.fp8): which recipe, for which linears, through which kernels."""
+
     recipe: str = "none"  # none | blockwise | mxfp8
     modules: tuple[str, ...] = ("experts", "attn", "mlp")  # see moevlm.model.fp8.FP8_MODULES
     backend: str = "auto"  # auto | triton | torch | emulate
@@ -146,88 +149,167 @@ class VLMConfig:
     def validate(self) -> "VLMConfig":
         v, t, m = self.vision, self.text, self.moe
         self._check_numbers()
-        _check(v.hidden_size % v.num_heads == 0,
-               f"vision.hidden_size={v.hidden_size} is not divisible by vision.num_heads={v.num_heads}")
-        _check(v.head_dim % 4 == 0,
-               f"vision head dim {v.head_dim} (vision.hidden_size/vision.num_heads) must be a multiple "
-               "of 4 for the 2-D rotary embedding")
+        _check(
+            v.hidden_size % v.num_heads == 0,
+            f"vision.hidden_size={v.hidden_size} is not divisible by vision.num_heads={v.num_heads}",
+        )
+        _check(
+            v.head_dim % 4 == 0,
+            f"vision head dim {v.head_dim} (vision.hidden_size/vision.num_heads) must be a multiple "
+            "of 4 for the 2-D rotary embedding",
+        )
         side = math.isqrt(v.num_position_embeddings)
-        _check(side * side == v.num_position_embeddings,
-               f"vision.num_position_embeddings={v.num_position_embeddings} must be a perfect square")
+        _check(
+            side * side == v.num_position_embeddings,
+            f"vision.num_position_embeddings={v.num_position_embeddings} must be a perfect square",
+        )
         for i in v.deepstack_visual_indexes:
-            _check(0 <= i < v.depth,
-                   f"vision.deepstack_visual_indexes has {i}, outside 0..vision.depth-1={v.depth - 1}")
-        _check(len(v.deepstack_visual_indexes) <= t.num_layers,
-               f"{len(v.deepstack_visual_indexes)} deepstack features but only text.num_layers={t.num_layers}")
-        _check(t.num_heads % t.num_kv_heads == 0,
-               f"text.num_heads={t.num_heads} is not divisible by text.num_kv_heads={t.num_kv_heads}")
+            _check(
+                0 <= i < v.depth,
+                f"vision.deepstack_visual_indexes has {i}, outside 0..vision.depth-1={v.depth - 1}",
+            )
+        _check(
+            len(v.deepstack_visual_indexes) <= t.num_layers,
+            f"{len(v.deepstack_visual_indexes)} deepstack features but only text.num_layers={t.num_layers}",
+        )
+        _check(
+            t.num_heads % t.num_kv_heads == 0,
+            f"text.num_heads={t.num_heads} is not divisible by text.num_kv_heads={t.num_kv_heads}",
+        )
         _check(t.head_dim % 2 == 0, f"text.head_dim={t.head_dim} must be even")
-        _check(len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2,
-               f"text.mrope_section={tuple(t.mrope_section)} must have 3 entries summing to "
-               f"text.head_dim/2={t.head_dim // 2}")
+        _check(
+            len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2,
+            f"text.mrope_section={tuple(t.mrope_section)} must have 3 entries summing to "
+            f"text.head_dim/2={t.head_dim // 2}",
+        )
         _check(m.num_experts >= 0, f"moe.num_experts={m.num_experts} must be >= 0")
         if m.num_experts:
-            _check(1 <= m.top_k <= m.num_experts,
-                   f"moe.top_k={m.top_k} must be in 1..moe.num_experts={m.num_experts}")
-        _check(m.decoder_sparse_step >= 1, f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1")
+            _check(
+                1 <= m.top_k <= m.num_experts,
+                f"moe.top_k={m.top_k} must be in 1..moe.num_experts={m.num_experts}",
+            )
+        _check(
+            m.decoder_sparse_step >= 1,
+            f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1",
+        )
         for i in m.mlp_only_layers:
-            _check(0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}")
-        _check(m.capacity_factor is None or _real(m.capacity_factor) and m.capacity_factor > 0,
-               f"moe.capacity_factor={m.capacity_factor!r} must be a finite number > 0 (1.0: the balanced load per "
-               "expert), or None (null) for the dropless all-to-all")
-        _check(m.capacity_overflow in CAPACITY_OVERFLOWS,
-               f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}")
+            _check(
+                0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}"
+            )
+        _check(
+            m.capacity_factor is None or _real(m.capacity_factor) and m.capacity_factor > 0,
+            f"moe.capacity_factor={m.capacity_factor!r} must be a finite number > 0 (1.0: the balanced load per "
+            "expert), or None (null) for the dropless all-to-all",
+        )
+        _check(
+            m.capacity_overflow in CAPACITY_OVERFLOWS,
+            f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}",
+        )
         _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
-        _check("triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
-               "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "
-               "builds of torch ship it); use 'torch'")
-        _check(m.grouped_gemm in GROUPED_GEMMS,
-               f"moe.grouped_gemm={m.grouped_gemm!r}; choose one of {sorted(GROUPED_GEMMS)}")
-        _check(m.grouped_gemm != "torch" or (t.hidden_size % 8 == 0 and m.moe_intermediate_size % 8 == 0),
-               f"moe.grouped_gemm='torch' (torch._grouped_mm) needs 16-byte rows: text.hidden_size="
-               f"{t.hidden_size} and moe.moe_intermediate_size={m.moe_intermediate_size} must be multiples "
-               "of 8; use moe.grouped_gemm='loop' or change the sizes")
-        _check(self.attn_backend in ATTN_BACKENDS,
-               f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}")
+        _check(
+            "triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
+            "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "
+            "builds of torch ship it); use 'torch'",
+        )
+        _check(
+            m.grouped_gemm in GROUPED_GEMMS,
+            f"moe.grouped_gemm={m.grouped_gemm!r}; choose one of {sorted(GROUPED_GEMMS)}",
+        )
+        _check(
+            m.grouped_gemm != "torch"
+            or (t.hidden_size % 8 == 0 and m.moe_intermediate_size % 8 == 0),
+            f"moe.grouped_gemm='torch' (torch._grouped_mm) needs 16-byte rows: text.hidden_size="
+            f"{t.hidden_size} and moe.moe_intermediate_size={m.moe_intermediate_size} must be multiples "
+            "of 8; use moe.grouped_gemm='loop' or change the sizes",
+        )
+        _check(
+            self.attn_backend in ATTN_BACKENDS,
+            f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}",
+        )
         self._check_fp8()
-        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        for name in (
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        ):
             tok = getattr(self, name)
-            _check(0 <= tok < t.vocab_size, f"{name}={tok} is outside the vocabulary (text.vocab_size={t.vocab_size})")
+            _check(
+                0 <= tok < t.vocab_size,
+                f"{name}={tok} is outside the vocabulary (text.vocab_size={t.vocab_size})",
+            )
         return self
 
     def _check_fp8(self) -> None:
         f = self.fp8
-        _check(f.recipe in FP8_RECIPES, f"fp8.recipe={f.recipe!r}; choose one of {list(FP8_RECIPES)}")
-        _check(f.backend in FP8_BACKENDS, f"fp8.backend={f.backend!r}; choose one of {list(FP8_BACKENDS)}")
+        _check(
+            f.recipe in FP8_RECIPES, f"fp8.recipe={f.recipe!r}; choose one of {list(FP8_RECIPES)}"
+        )
+        _check(
+            f.backend in FP8_BACKENDS,
+            f"fp8.backend={f.backend!r}; choose one of {list(FP8_BACKENDS)}",
+        )
         check_fp8_modules(f.modules)
-        _check(f.recipe == "none" or bool(f.modules), "fp8.recipe is set but fp8.modules (model.fp8_modules) is "
-                                                       "empty: name the "
-                                                       f"linears to run in FP8 ({list(FP8_MODULES)}) or set none")
-        _check(not f.pow2_scales or f.recipe != "mxfp8", "fp8.pow2_scales is a blockwise option (MXFP8 scales "
-                                                          "are powers of two already)")
+        _check(
+            f.recipe == "none" or bool(f.modules),
+            "fp8.recipe is set but fp8.modules (model.fp8_modules) is "
+            "empty: name the "
+            f"linears to run in FP8 ({list(FP8_MODULES)}) or set none",
+        )
+        _check(
+            not f.pow2_scales or f.recipe != "mxfp8",
+            "fp8.pow2_scales is a blockwise option (MXFP8 scales are powers of two already)",
+        )
 
     def _check_numbers(self) -> None:
         """Sizes are positive integers and real-valued fields finite (nan passes a `>= 0` test
         written as `not x < 0`, and inf passes most): first, so no later check divides by zero."""
         v, t, m = self.vision, self.text, self.moe
-        sizes = {"vision": ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
-                            "temporal_patch_size", "spatial_merge_size", "out_hidden_size",
-                            "num_position_embeddings"),
-                 "text": ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                          "num_kv_heads", "head_dim", "max_position_embeddings"),
-                 "moe": ("top_k", "moe_intermediate_size") if m.num_experts else ()}
+        sizes = {
+            "vision": (
+                "depth",
+                "hidden_size",
+                "intermediate_size",
+                "num_heads",
+                "in_channels",
+                "patch_size",
+                "temporal_patch_size",
+                "spatial_merge_size",
+                "out_hidden_size",
+                "num_position_embeddings",
+            ),
+            "text": (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "max_position_embeddings",
+            ),
+            "moe": ("top_k", "moe_intermediate_size") if m.num_experts else (),
+        }
         for section, names in sizes.items():
             for name in names:
                 value = getattr(getattr(self, section), name)
-                _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                       f"{section}.{name}={value!r} must be a positive integer")
-        positive = {"vision.layer_norm_eps": v.layer_norm_eps, "vision.rope_theta": v.rope_theta,
-                    "text.rms_norm_eps": t.rms_norm_eps, "text.rope_theta": t.rope_theta}
+                _check(
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"{section}.{name}={value!r} must be a positive integer",
+                )
+        positive = {
+            "vision.layer_norm_eps": v.layer_norm_eps,
+            "vision.rope_theta": v.rope_theta,
+            "text.rms_norm_eps": t.rms_norm_eps,
+            "text.rope_theta": t.rope_theta,
+        }
         for name, value in positive.items():
             _check(_real(value) and value > 0, f"{name}={value!r} must be a finite number > 0")
-        non_negative = {"moe.router_aux_loss_coef": m.router_aux_loss_coef,
-                        "vision.initializer_range": v.initializer_range,
-                        "text.initializer_range": t.initializer_range}
+        non_negative = {
+            "moe.router_aux_loss_coef": m.router_aux_loss_coef,
+            "vision.initializer_range": v.initializer_range,
+            "text.initializer_range": t.initializer_range,
+        }
         for name, value in non_negative.items():
             _check(_real(value) and value >= 0, f"{name}={value!r} must be a finite number >= 0")
 
@@ -240,22 +322,30 @@ class VLMConfig:
             path = path / "config.json" if path.is_dir() else path
             hf = json.loads(path.read_text())
         if hf.get("model_type") not in (None, "qwen3_vl_moe"):
-            raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}; expected 'qwen3_vl_moe'")
+            raise ConfigError(
+                f"config.json has model_type={hf.get('model_type')!r}; expected 'qwen3_vl_moe'"
+            )
         tc, vc = hf.get("text_config", {}), hf.get("vision_config", {})
         rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
         theta = rope.get("rope_theta", tc.get("rope_theta", TextConfig.rope_theta))
         num_heads = tc["num_attention_heads"]
         text = TextConfig(
-            vocab_size=tc["vocab_size"], hidden_size=tc["hidden_size"],
+            vocab_size=tc["vocab_size"],
+            hidden_size=tc["hidden_size"],
             intermediate_size=tc.get("intermediate_size", TextConfig.intermediate_size),
-            num_layers=tc["num_hidden_layers"], num_heads=num_heads,
+            num_layers=tc["num_hidden_layers"],
+            num_heads=num_heads,
             num_kv_heads=tc.get("num_key_value_heads") or num_heads,
             head_dim=tc.get("head_dim") or tc["hidden_size"] // num_heads,
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
             mrope_section=tuple(rope.get("mrope_section", TextConfig.mrope_section)),
             mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-            max_position_embeddings=tc.get("max_position_embeddings", TextConfig.max_position_embeddings),
-            attention_bias=tc.get("attention_bias", False), hidden_act=tc.get("hidden_act", "silu"),
+            max_position_embeddings=tc.get(
+                "max_position_embeddings", TextConfig.max_position_embeddings
+            ),
+            attention_bias=tc.get("attention_bias", False),
+            hidden_act=tc.get("hidden_act", "silu"),
             initializer_range=tc.get("initializer_range", 0.02),
         )
         moe = MoEConfig(
@@ -268,10 +358,15 @@ class VLMConfig:
         )
         vrope = vc.get("rope_parameters") or {}
         vision = VisionConfig(
-            depth=vc["depth"], hidden_size=vc["hidden_size"], intermediate_size=vc["intermediate_size"],
-            num_heads=vc["num_heads"], in_channels=vc.get("in_channels", 3),
-            patch_size=vc.get("patch_size", 16), temporal_patch_size=vc.get("temporal_patch_size", 2),
-            spatial_merge_size=vc.get("spatial_merge_size", 2), out_hidden_size=vc["out_hidden_size"],
+            depth=vc["depth"],
+            hidden_size=vc["hidden_size"],
+            intermediate_size=vc["intermediate_size"],
+            num_heads=vc["num_heads"],
+            in_channels=vc.get("in_channels", 3),
+            patch_size=vc.get("patch_size", 16),
+            temporal_patch_size=vc.get("temporal_patch_size", 2),
+            spatial_merge_size=vc.get("spatial_merge_size", 2),
+            out_hidden_size=vc["out_hidden_size"],
             num_position_embeddings=vc["num_position_embeddings"],
             deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", ())),
             hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
@@ -279,8 +374,11 @@ class VLMConfig:
             initializer_range=vc.get("initializer_range", 0.02),
         )
         return cls(
-            vision=vision, text=text, moe=moe,
-            image_token_id=hf.get("image_token_id", 151655), video_token_id=hf.get("video_token_id", 151656),
+            vision=vision,
+            text=text,
+            moe=moe,
+            image_token_id=hf.get("image_token_id", 151655),
+            video_token_id=hf.get("video_token_id", 151656),
             vision_start_token_id=hf.get("vision_start_token_id", 151652),
             vision_end_token_id=hf.get("vision_end_token_id", 151653),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
@@ -290,41 +388,73 @@ class VLMConfig:
         """The Hugging Face `config.json` dict for this architecture."""
         v, t, m = self.vision, self.text, self.moe
         text_config = {
-            "model_type": "qwen3_vl_moe_text", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
-            "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
-            "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
-            "rms_norm_eps": t.rms_norm_eps, "max_position_embeddings": t.max_position_embeddings,
-            "attention_bias": t.attention_bias, "hidden_act": t.hidden_act,
+            "model_type": "qwen3_vl_moe_text",
+            "vocab_size": t.vocab_size,
+            "hidden_size": t.hidden_size,
+            "intermediate_size": t.intermediate_size,
+            "num_hidden_layers": t.num_layers,
+            "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads,
+            "head_dim": t.head_dim,
+            "rms_norm_eps": t.rms_norm_eps,
+            "max_position_embeddings": t.max_position_embeddings,
+            "attention_bias": t.attention_bias,
+            "hidden_act": t.hidden_act,
             "initializer_range": t.initializer_range,
-            "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
-                                "mrope_section": list(t.mrope_section), "mrope_interleaved": t.mrope_interleaved},
-            "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.moe_intermediate_size, "decoder_sparse_step": m.decoder_sparse_step,
-            "mlp_only_layers": list(m.mlp_only_layers), "router_aux_loss_coef": m.router_aux_loss_coef,
-            "tie_word_embeddings": self.tie_word_embeddings, "dtype": dtype,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": t.rope_theta,
+                "mrope_section": list(t.mrope_section),
+                "mrope_interleaved": t.mrope_interleaved,
+            },
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.moe_intermediate_size,
+            "decoder_sparse_step": m.decoder_sparse_step,
+            "mlp_only_layers": list(m.mlp_only_layers),
+            "router_aux_loss_coef": m.router_aux_loss_coef,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": dtype,
         }
         vision_config = {
-            "model_type": "qwen3_vl_moe_vision", "depth": v.depth, "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size, "num_heads": v.num_heads, "in_channels": v.in_channels,
-            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size, "out_hidden_size": v.out_hidden_size,
+            "model_type": "qwen3_vl_moe_vision",
+            "depth": v.depth,
+            "hidden_size": v.hidden_size,
+            "intermediate_size": v.intermediate_size,
+            "num_heads": v.num_heads,
+            "in_channels": v.in_channels,
+            "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "spatial_merge_size": v.spatial_merge_size,
+            "out_hidden_size": v.out_hidden_size,
             "num_position_embeddings": v.num_position_embeddings,
-            "deepstack_visual_indexes": list(v.deepstack_visual_indexes), "hidden_act": v.hidden_act,
+            "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
+            "hidden_act": v.hidden_act,
             "initializer_range": v.initializer_range,
             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
         }
         return {
-            "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
-            "text_config": text_config, "vision_config": vision_config,
-            "image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id, "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings, "dtype": dtype,
+            "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+            "model_type": "qwen3_vl_moe",
+            "text_config": text_config,
+            "vision_config": vision_config,
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": dtype,
         }
 
     def replace(self, **changes) -> "VLMConfig":
         """A copy with top-level fields replaced (nested configs are copied too)."""
-        out = dataclasses.replace(self, vision=dataclasses.replace(self.vision), text=dataclasses.replace(self.text),
-                                  moe=dataclasses.replace(self.moe), fp8=dataclasses.replace(self.fp8))
+        out = dataclasses.replace(
+            self,
+            vision=dataclasses.replace(self.vision),
+            text=dataclasses.replace(self.text),
+            moe=dataclasses.replace(self.moe),
+            fp8=dataclasses.replace(self.fp8),
+        )
         return dataclasses.replace(out, **changes)
 
 
@@ -332,8 +462,11 @@ def check_fp8_modules(modules) -> None:
     """Every name in `modules` (fp8.modules; VLMConfig.validate and moevlm.model.fp8.apply_fp8) is one of
     FP8_MODULES."""
     bad = sorted(set(modules) - set(FP8_MODULES))
-    _check(not bad, f"fp8.modules (model.fp8_modules) has {bad}; choose among {list(FP8_MODULES)} (the router, "
-                    "norms, embeddings and LM head always stay in high precision)")
+    _check(
+        not bad,
+        f"fp8.modules (model.fp8_modules) has {bad}; choose among {list(FP8_MODULES)} (the router, "
+        "norms, embeddings and LM head always stay in high precision)",
+    )
 
 
 def _check(ok: bool, message: str) -> None:
@@ -351,13 +484,32 @@ def tiny() -> VLMConfig:
     """CPU-test size: every architectural feature present, dims chosen so no expert
     weight is square (2F != D, F != D) and hub/transformers layouts stay distinguishable."""
     return VLMConfig(
-        vision=VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                            num_position_embeddings=64, deepstack_visual_indexes=(0,)),
-        text=TextConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, mrope_section=(4, 2, 2),
-                        max_position_embeddings=4096),
+        vision=VisionConfig(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=(0,),
+        ),
+        text=TextConfig(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=10000.0,
+            mrope_section=(4, 2, 2),
+            max_position_embeddings=4096,
+        ),
         moe=MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=48),
-        image_token_id=1020, video_token_id=1021, vision_start_token_id=1018, vision_end_token_id=1019,
+        image_token_id=1020,
+        video_token_id=1021,
+        vision_start_token_id=1018,
+        vision_end_token_id=1019,
     )
 
 
@@ -370,12 +522,18 @@ def qwen3_vl_235b_a22b() -> VLMConfig:
     """Qwen/Qwen3-VL-235B-A22B-Instruct."""
     return VLMConfig(
         vision=VisionConfig(out_hidden_size=4096),
-        text=TextConfig(hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64, num_kv_heads=4),
+        text=TextConfig(
+            hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64, num_kv_heads=4
+        ),
         moe=MoEConfig(moe_intermediate_size=1536),
     )
 
 
-PRESETS = {"tiny": tiny, "qwen3_vl_30b_a3b": qwen3_vl_30b_a3b, "qwen3_vl_235b_a22b": qwen3_vl_235b_a22b}
+PRESETS = {
+    "tiny": tiny,
+    "qwen3_vl_30b_a3b": qwen3_vl_30b_a3b,
+    "qwen3_vl_235b_a22b": qwen3_vl_235b_a22b,
+}
 
 
 def _has_triton() -> bool:

@@ -105,11 +105,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = TextAttention(cfg, layout)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
-        self.mlp = (MoEBlock(t.hidden_size, cfg.moe, layer_idx, layout) if self.is_moe
-                    else DenseMLP(t.hidden_size, t.intermediate_size, layout))
+        self.mlp = (
+            MoEBlock(t.hidden_size, cfg.moe, layer_idx, layout)
+            if self.is_moe
+            else DenseMLP(t.hidden_size, t.intermediate_size, layout)
+        )
 
-    def forward(self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, RouterStats | None]:
+    def forward(
+        self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RouterStats | None]:
         return run_region(self, "region", self._forward, h_BSD, rope_cos_sin, mask, token_mask_BS)
 
     def _forward(self, h_BSD, rope_cos_sin, mask, token_mask_BS):
@@ -151,26 +155,58 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout) for i in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
 
-    def forward(self, h_BSD: torch.Tensor, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                visual_mask_BS: torch.Tensor | None = None, deepstack: list[torch.Tensor] = (),
-                token_mask_BS: torch.Tensor | None = None):
+    def forward(
+        self,
+        h_BSD: torch.Tensor,
+        position_ids_3BS: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        visual_mask_BS: torch.Tensor | None = None,
+        deepstack: list[torch.Tensor] = (),
+        token_mask_BS: torch.Tensor | None = None,
+    ):
         ctx = self.layer_inputs(position_ids_3BS, cu_seqlens, token_mask_BS, h_BSD.dtype)
-        h, stats = self.run_layers(self.seq.enter(h_BSD), ctx, visual_mask_BS, dict(enumerate(deepstack)))
+        h, stats = self.run_layers(
+            self.seq.enter(h_BSD), ctx, visual_mask_BS, dict(enumerate(deepstack))
+        )
         return self.norm(h), stats
 
-    def layer_inputs(self, position_ids_3BS: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                     token_mask_BS: torch.Tensor | None, dtype: torch.dtype) -> LayerInputs:
+    def layer_inputs(
+        self,
+        position_ids_3BS: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        token_mask_BS: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> LayerInputs:
         """What every layer shares: rotary cos/sin, the document mask, the token mask."""
         t = self.cfg
         _, B, S = position_ids_3BS.shape
-        rope = mrope(self.seq.positions(position_ids_3BS), t.head_dim, t.rope_theta, t.mrope_section,
-                     t.mrope_interleaved, dtype)
-        mask = self.seq.mask(B, S, cu_seqlens, backend=self.attn_backend, device=position_ids_3BS.device,
-                             dtype=dtype, static=self.static_mask)
+        rope = mrope(
+            self.seq.positions(position_ids_3BS),
+            t.head_dim,
+            t.rope_theta,
+            t.mrope_section,
+            t.mrope_interleaved,
+            dtype,
+        )
+        mask = self.seq.mask(
+            B,
+            S,
+            cu_seqlens,
+            backend=self.attn_backend,
+            device=position_ids_3BS.device,
+            dtype=dtype,
+            static=self.static_mask,
+        )
         return LayerInputs(rope, mask, self.seq.enter(token_mask_BS))
 
-    def run_layers(self, h, ctx: LayerInputs, visual_mask_BS: torch.Tensor | None, deepstack: dict[int, torch.Tensor],
-                   layers: nn.Module | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
+    def run_layers(
+        self,
+        h,
+        ctx: LayerInputs,
+        visual_mask_BS: torch.Tensor | None,
+        deepstack: dict[int, torch.Tensor],
+        layers: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, list[RouterStats]]:
         """The layers of `layers` (default: all of `self.layers`) in order, each named by its index in
         the whole decoder (a pipeline stage holds some of them); deepstack rows `deepstack[i]` are
         added after layer i.  Router statistics are reduced over the ranks sharing the sequence."""
@@ -195,4 +231,13 @@ class Head(nn.Linear):
         return self.vocab.head(h, self.weight)
 
 
-__all__ = ["DecoderLayer", "Embedding", "Head", "LayerInputs", "RMSNorm", "TextAttention", "TextDecoder", "add_at_mask"]
+__all__ = [
+    "DecoderLayer",
+    "Embedding",
+    "Head",
+    "LayerInputs",
+    "RMSNorm",
+    "TextAttention",
+    "TextDecoder",
+    "add_at_mask",
+]

@@ -47,7 +47,9 @@ class TokenDispatcher(nn.Module):
     exchanges = False
     pads_experts = False
     overlappable = False
-    pad_multiple = 1  # > 1: each expert's rows padded to a multiple (FP8 scale blocks), where pads_experts
+    pad_multiple = (
+        1  # > 1: each expert's rows padded to a multiple (FP8 scale blocks), where pads_experts
+    )
 
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
@@ -66,7 +68,9 @@ class TokenDispatcher(nn.Module):
     def capturable_preprocess(self) -> bool:
         return False
 
-    def preprocess(self, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def preprocess(
+        self, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, ...] | None:
         """Routing -> the plan tensors `dispatch` starts from (static shapes, no host sync); None: none."""
         return None
 
@@ -74,8 +78,9 @@ class TokenDispatcher(nn.Module):
         """`preprocess` through the region at `preprocess_region`, if one is installed."""
         return run_region(self, "preprocess_region", self.preprocess, topk_idx_TK, topk_w_TK)
 
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
-                 topk_w_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement dispatch")
 
     def combine(self, expert_y_MD: torch.Tensor, handle: Any) -> torch.Tensor:
@@ -107,8 +112,15 @@ class LocalDispatcher(TokenDispatcher):
         return rows_plan(topk_idx_TK, topk_w_TK, self.num_experts)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
-        return to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, self.num_experts, self.permute,
-                              plan=self.planned(topk_idx_TK, topk_w_TK), pad_multiple=self.pad_multiple)
+        return to_expert_rows(
+            x_TD,
+            topk_idx_TK,
+            topk_w_TK,
+            self.num_experts,
+            self.permute,
+            plan=self.planned(topk_idx_TK, topk_w_TK),
+            pad_multiple=self.pad_multiple,
+        )
 
     def combine(self, expert_y_MD, handle):
         return from_expert_rows(expert_y_MD, handle)

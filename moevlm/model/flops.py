@@ -36,8 +36,9 @@ class FlopCount:
 
 def decoder_forward_flops(cfg: VLMConfig, doc_lens: Sequence[int]) -> float:
     """Every decoder layer and the LM head, forward."""
-    return sum(layer_forward_flops(cfg, i, doc_lens) for i in range(cfg.text.num_layers)) + \
-        head_forward_flops(cfg, sum(doc_lens))
+    return sum(
+        layer_forward_flops(cfg, i, doc_lens) for i in range(cfg.text.num_layers)
+    ) + head_forward_flops(cfg, sum(doc_lens))
 
 
 def layer_forward_flops(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int]) -> float:
@@ -60,12 +61,18 @@ def head_forward_flops(cfg: VLMConfig, tokens: int) -> float:
     return float(2 * tokens * cfg.text.hidden_size * cfg.text.vocab_size)
 
 
-def vision_forward_flops(cfg: VLMConfig, image_grid_thw: torch.Tensor | Sequence | None) -> tuple[float, float]:
+def vision_forward_flops(
+    cfg: VLMConfig, image_grid_thw: torch.Tensor | Sequence | None
+) -> tuple[float, float]:
     """(whole tower, of which patch embedding) forward FLOPs."""
     if image_grid_thw is None or len(image_grid_thw) == 0:
         return 0.0, 0.0
     v = cfg.vision
-    grids = image_grid_thw.tolist() if isinstance(image_grid_thw, torch.Tensor) else list(image_grid_thw)
+    grids = (
+        image_grid_thw.tolist()
+        if isinstance(image_grid_thw, torch.Tensor)
+        else list(image_grid_thw)
+    )
     N = sum(t * h * w for t, h, w in grids)
     d, wide = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
     patch = 2 * N * v.patch_dim * d
@@ -73,12 +80,23 @@ def vision_forward_flops(cfg: VLMConfig, image_grid_thw: torch.Tensor | Sequence
     attn_core = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
     merged = N // v.spatial_merge_size**2
     merger = 2 * merged * wide * wide + 2 * merged * wide * v.out_hidden_size
-    total = patch + v.depth * per_block + attn_core * v.depth + merger * (1 + len(v.deepstack_visual_indexes))
+    total = (
+        patch
+        + v.depth * per_block
+        + attn_core * v.depth
+        + merger * (1 + len(v.deepstack_visual_indexes))
+    )
     return float(total), float(patch)
 
 
-def count_flops(cfg: VLMConfig, doc_lens: Sequence[int], image_grid_thw=None, *, training: bool = True,
-                freeze_vision: bool = False) -> FlopCount:
+def count_flops(
+    cfg: VLMConfig,
+    doc_lens: Sequence[int],
+    image_grid_thw=None,
+    *,
+    training: bool = True,
+    freeze_vision: bool = False,
+) -> FlopCount:
     """FLOPs of one micro-batch: `doc_lens` are the text document lengths (padding
     included: it is computed), `image_grid_thw` the images' patch grids."""
     dec = decoder_forward_flops(cfg, doc_lens)

@@ -82,8 +82,10 @@ class Fp8Plan:
         return BLOCK[self.recipe]
 
     def describe(self) -> str:
-        return (f"fp8 {self.recipe}: projections {self.dense}, experts {self.grouped}, quantizers {self.quant}"
-                f"{', pow2 scales' if self.pow2_scales else ''}, weights cached per step: {self.cache_weights}")
+        return (
+            f"fp8 {self.recipe}: projections {self.dense}, experts {self.grouped}, quantizers {self.quant}"
+            f"{', pow2 scales' if self.pow2_scales else ''}, weights cached per step: {self.cache_weights}"
+        )
 
 
 # ------------------------------------------------------------------ resolution
@@ -100,15 +102,26 @@ def _triton_ok(device: torch.device) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (pip install triton)"
     if device.type == "cuda":
-        return None if _fp8_cores(device) else (f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores "
-                                                "(sm89+: Ada, Hopper, Blackwell)")
-    return None if _interpreting() else "on the CPU the Triton kernels run only under TRITON_INTERPRET=1"
+        return (
+            None
+            if _fp8_cores(device)
+            else (
+                f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores "
+                "(sm89+: Ada, Hopper, Blackwell)"
+            )
+        )
+    return (
+        None
+        if _interpreting()
+        else "on the CPU the Triton kernels run only under TRITON_INTERPRET=1"
+    )
 
 
 def _probe(device: torch.device) -> dict[str, bool]:
     if importlib.util.find_spec("triton") is None:
         return {}
     from moevlm.kernels.fp8_gemm import scaled_mm_support
+
     return scaled_mm_support(device) if device.type == "cuda" else {}
 
 
@@ -119,33 +132,49 @@ def resolve_fp8(cfg, device) -> Fp8Plan | None:
     device = torch.device(device)
     where = str(device) if device.type != "cuda" else torch.cuda.get_device_name(device)
     quant = "triton" if device.type == "cuda" or _interpreting() else "torch"
-    opts = dict(pow2_scales=cfg.pow2_scales, cache_weights=cfg.cache_weights, pad_experts=cfg.pad_experts)
+    opts = dict(
+        pow2_scales=cfg.pow2_scales, cache_weights=cfg.cache_weights, pad_experts=cfg.pad_experts
+    )
     if cfg.backend == "emulate":
         if importlib.util.find_spec("triton") is None:
-            raise Fp8Unavailable("model.fp8_backend=emulate uses moevlm.kernels.fp8_gemm, which imports triton: "
-                                 "pip install triton")
+            raise Fp8Unavailable(
+                "model.fp8_backend=emulate uses moevlm.kernels.fp8_gemm, which imports triton: "
+                "pip install triton"
+            )
         return Fp8Plan(cfg.recipe, "emulate", "emulate", "torch", **opts)
     if cfg.backend == "triton" or (cfg.backend == "auto" and cfg.recipe == "blockwise"):
         if cfg.recipe != "blockwise":
-            raise Fp8Unavailable("model.fp8_backend=triton runs the blockwise recipe only; for model.fp8=mxfp8 use "
-                                 "model.fp8_backend=torch (Blackwell) or emulate")
+            raise Fp8Unavailable(
+                "model.fp8_backend=triton runs the blockwise recipe only; for model.fp8=mxfp8 use "
+                "model.fp8_backend=torch (Blackwell) or emulate"
+            )
         why = _triton_ok(device)
         if why:
-            raise Fp8Unavailable(f"model.fp8=blockwise with model.fp8_backend={cfg.backend} cannot run on {where}: "
-                                 f"{why}; set model.fp8_backend=emulate to train with the recipe's numerics "
-                                 "(slow), or model.fp8=none")
+            raise Fp8Unavailable(
+                f"model.fp8=blockwise with model.fp8_backend={cfg.backend} cannot run on {where}: "
+                f"{why}; set model.fp8_backend=emulate to train with the recipe's numerics "
+                "(slow), or model.fp8=none"
+            )
         return Fp8Plan("blockwise", "triton", "triton", "triton", **opts)
-    need = (("scaled_mm_blockwise",) if cfg.recipe == "blockwise" else
-            ("scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"))
+    need = (
+        ("scaled_mm_blockwise",)
+        if cfg.recipe == "blockwise"
+        else ("scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8")
+    )
     found = _probe(device)
     missing = [k for k in need if not found.get(k)]
     if missing:
-        hint = ("model.fp8=blockwise (Hopper) or model.fp8_backend=emulate" if cfg.recipe == "mxfp8" else
-                "model.fp8_backend=triton or emulate")
-        raise Fp8Unavailable(f"model.fp8={cfg.recipe} with model.fp8_backend={cfg.backend} needs torch's "
-                             f"{', '.join(missing)} on {where}, which the probe did not find "
-                             f"({'the CPU has none' if device.type != 'cuda' else 'refused or disagreed'}); "
-                             f"use {hint}")
+        hint = (
+            "model.fp8=blockwise (Hopper) or model.fp8_backend=emulate"
+            if cfg.recipe == "mxfp8"
+            else "model.fp8_backend=triton or emulate"
+        )
+        raise Fp8Unavailable(
+            f"model.fp8={cfg.recipe} with model.fp8_backend={cfg.backend} needs torch's "
+            f"{', '.join(missing)} on {where}, which the probe did not find "
+            f"({'the CPU has none' if device.type != 'cuda' else 'refused or disagreed'}); "
+            f"use {hint}"
+        )
     opts["pad_experts"] = True  # torch's grouped FP8 paths need whole scale blocks per expert
     return Fp8Plan(cfg.recipe, "torch", "torch", quant, **opts)
 
@@ -177,7 +206,11 @@ def _weight_codes(owner, w, plan: Fp8Plan, grouped: bool):
     """((codes, scales) for the forward, (codes, scales) for the input gradient) of w (K, N) or (E, K, N).
     `owner`: the module holding w, or (module, name) when it holds several; None caches nothing."""
     module, name = owner if isinstance(owner, tuple) else (owner, "weight")
-    cache = module.__dict__.setdefault("_fp8_weight", {}) if module is not None and _cache_on(plan) else None
+    cache = (
+        module.__dict__.setdefault("_fp8_weight", {})
+        if module is not None and _cache_on(plan)
+        else None
+    )
     key = (_generation, tuple(w.shape), w.dtype, w.device, plan)
     if cache is not None and name in cache and cache[name][0] == key:
         return cache[name][1]
@@ -190,6 +223,7 @@ def _weight_codes(owner, w, plan: Fp8Plan, grouped: bool):
 # ---------------------------------------------------------------- quantizers
 def _q():
     from moevlm.kernels import fp8_quant
+
     return fp8_quant
 
 
@@ -214,12 +248,15 @@ def _quant_weight(w, plan, grouped):
         return q, q  # 128x128: the same codes serve w and w^T
     along_k = w.transpose(-2, -1)  # (.., N, K): 1x32 along K
     cq, cs = _q().quant_mxfp8(along_k, dim=-1, backend=plan.quant)
-    return (cq.transpose(-2, -1), cs.transpose(-2, -1)), _q().quant_mxfp8(w, dim=-1, backend=plan.quant)
+    return (cq.transpose(-2, -1), cs.transpose(-2, -1)), _q().quant_mxfp8(
+        w, dim=-1, backend=plan.quant
+    )
 
 
 # ------------------------------------------------------------------ autograd
 def _gemm():
     from moevlm.kernels import fp8_gemm
+
     return fp8_gemm
 
 
@@ -233,7 +270,11 @@ class _Fp8Mm(torch.autograd.Function):
         xq, xs = _quant_act(x_MK, plan)
         g, backend = _gemm(), plan.grouped if grouped else plan.dense
         kw = dict(recipe=plan.recipe, backend=backend, out_dtype=out_dtype)
-        out = g.fp8_grouped_mm(xq, xs, wq, ws, counts_E, **kw) if grouped else g.fp8_linear(xq, xs, wq, ws, **kw)
+        out = (
+            g.fp8_grouped_mm(xq, xs, wq, ws, counts_E, **kw)
+            if grouped
+            else g.fp8_linear(xq, xs, wq, ws, **kw)
+        )
         x_t = _quant_act_t(x_MK, plan) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*x_t, *w_dgrad, counts_E)
         ctx.plan, ctx.grouped, ctx.w_dtype, ctx.x_dtype = plan, grouped, w.dtype, x_MK.dtype
@@ -247,12 +288,18 @@ class _Fp8Mm(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq, dys = _quant_act(dy_MN, plan)
-            dx = (g.fp8_grouped_dgrad(dyq, dys, wq, ws, counts_E, out_dtype=ctx.x_dtype, **kw) if ctx.grouped else
-                  g.fp8_linear_dgrad(dyq, dys, wq, ws, out_dtype=ctx.x_dtype, **kw))
+            dx = (
+                g.fp8_grouped_dgrad(dyq, dys, wq, ws, counts_E, out_dtype=ctx.x_dtype, **kw)
+                if ctx.grouped
+                else g.fp8_linear_dgrad(dyq, dys, wq, ws, out_dtype=ctx.x_dtype, **kw)
+            )
         if ctx.needs_input_grad[1]:
             dytq, dyts = _quant_act_t(dy_MN, plan)
-            dw = (g.fp8_grouped_wgrad(xtq, xts, dytq, dyts, counts_E, out_dtype=torch.float32, **kw)
-                  if ctx.grouped else g.fp8_linear_wgrad(xtq, xts, dytq, dyts, out_dtype=torch.float32, **kw))
+            dw = (
+                g.fp8_grouped_wgrad(xtq, xts, dytq, dyts, counts_E, out_dtype=torch.float32, **kw)
+                if ctx.grouped
+                else g.fp8_linear_wgrad(xtq, xts, dytq, dyts, out_dtype=torch.float32, **kw)
+            )
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None
 
@@ -296,6 +343,7 @@ def expert_mm(x_MK, w_EKN, counts_E, backend: str, plan: Fp8Plan | None, owner=N
     """The experts' grouped GEMM: FP8 when a plan is given, else `moevlm.kernels.grouped_mm(backend)`."""
     if plan is None:
         from moevlm.kernels import grouped_mm
+
         return grouped_mm(x_MK, w_EKN, counts_E, backend)
     return fp8_mm(x_MK, w_EKN, counts_E, plan, owner)
 
@@ -307,9 +355,14 @@ def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
     from moevlm.model.decoder import TextAttention
     from moevlm.model.moe import DenseMLP, Experts, Router
     from moevlm.model.vision import PatchMerger, VisionBlock
+
     check_fp8_modules(modules)  # a ConfigError (ValueError) naming the allowed ones
-    kinds = {"experts": (Experts,), "attn": (TextAttention,), "mlp": (DenseMLP,),
-             "vision": (VisionBlock, PatchMerger)}
+    kinds = {
+        "experts": (Experts,),
+        "attn": (TextAttention,),
+        "mlp": (DenseMLP,),
+        "vision": (VisionBlock, PatchMerger),
+    }
     chosen = tuple(k for name in modules for k in kinds[name])
     out = []
     for m in model.modules():
@@ -324,6 +377,7 @@ def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
 def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
     """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
     from moevlm.model.moe import MoEBlock
+
     targets = fp8_targets(model, modules) if plan is not None else []
     for m in model.modules():
         if "fp8" in m.__dict__:

@@ -66,7 +66,7 @@ def ours_to_hf(name: str) -> str:
 def _rename(name: str, src: int, dst: int) -> str:
     for pair in _PREFIXES:
         if name.startswith(pair[src]):
-            name = pair[dst] + name[len(pair[src]):]
+            name = pair[dst] + name[len(pair[src]) :]
             break
     if name.endswith(_ROUTER[src]):
         name = name[: -len(_ROUTER[src])] + _ROUTER[dst]
@@ -86,7 +86,9 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
     single = hf_dir / "model.safetensors"
     if single.exists():
         return [single]
-    raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+    raise FileNotFoundError(
+        f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json"
+    )
 
 
 def expected_shapes(model: torch.nn.Module) -> dict[str, tuple]:
@@ -97,8 +99,13 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple]:
     return expected
 
 
-def plan_load(expected: dict[str, tuple], files: list[Path], expert_layout: str = "auto", *,
-              tie_word_embeddings: bool = False) -> dict[str, tuple]:
+def plan_load(
+    expected: dict[str, tuple],
+    files: list[Path],
+    expert_layout: str = "auto",
+    *,
+    tie_word_embeddings: bool = False,
+) -> dict[str, tuple]:
     """Map every checkpoint tensor to (file, hf name, transform) of our tensor `expected` names
     (`expected_shapes`), from headers only; raise CheckpointError listing all mismatches."""
     if expert_layout not in EXPERT_LAYOUTS:
@@ -121,7 +128,9 @@ def plan_load(expected: dict[str, tuple], files: list[Path], expert_layout: str 
                 if not is_floating(dtype):
                     not_float.append(f"{hf_name}: {dtype} in {path}")
                 elif transform is None:
-                    misshaped.append(f"{hf_name}: checkpoint {shape}, model expects {_hf_shape(ours, expected[ours])}")
+                    misshaped.append(
+                        f"{hf_name}: checkpoint {shape}, model expects {_hf_shape(ours, expected[ours])}"
+                    )
                 else:
                     plan[ours] = (path, hf_name, transform)
     missing = [ours_to_hf(k) for k in expected if k not in seen]
@@ -139,7 +148,11 @@ def is_floating(safetensors_dtype: str) -> bool:
 def _transform_for(ours: str, shape, want, expert_layout: str, file_layout: str | None):
     """'copy', 'transpose' or 'flatten' to turn a checkpoint tensor into ours, or None."""
     if ours == "vision.patch_embed.weight":
-        return "flatten" if len(shape) == 5 and (shape[0], int(torch.Size(shape[1:]).numel())) == want else None
+        return (
+            "flatten"
+            if len(shape) == 5 and (shape[0], int(torch.Size(shape[1:]).numel())) == want
+            else None
+        )
     if not _is_expert(ours):
         return "copy" if shape == want else None
     transposed = (want[0], want[2], want[1])
@@ -156,9 +169,11 @@ def _transform_for(ours: str, shape, want, expert_layout: str, file_layout: str 
 
 
 def _ambiguous(ours: str):
-    raise CheckpointError(f"{ours} is square, so its layout cannot be told from its shape: pass "
-                          "expert_layout='hub' (published checkpoints: (E, D, 2F)/(E, F, D)) or 'hf' "
-                          "(transformers >= 5 saves: (E, 2F, D)/(E, D, F))")
+    raise CheckpointError(
+        f"{ours} is square, so its layout cannot be told from its shape: pass "
+        "expert_layout='hub' (published checkpoints: (E, D, 2F)/(E, F, D)) or 'hf' "
+        "(transformers >= 5 saves: (E, 2F, D)/(E, D, F))"
+    )
 
 
 def _hf_shape(ours: str, want) -> tuple:
@@ -167,11 +182,22 @@ def _hf_shape(ours: str, want) -> tuple:
 
 def _mismatch_report(missing, unexpected, misshaped, not_float=(), limit: int = 20) -> str:
     lines = ["checkpoint does not match the model configuration:"]
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped),
-                         ("not floating point (integer or bool data cast to weights would train nonsense; "
-                          "re-export the checkpoint)", not_float)):
+    for title, items in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("wrong shape", misshaped),
+        (
+            "not floating point (integer or bool data cast to weights would train nonsense; "
+            "re-export the checkpoint)",
+            not_float,
+        ),
+    ):
         if items:
-            lines.append(f"  {len(items)} {title}: " + ", ".join(items[:limit]) + (" ..." if len(items) > limit else ""))
+            lines.append(
+                f"  {len(items)} {title}: "
+                + ", ".join(items[:limit])
+                + (" ..." if len(items) > limit else "")
+            )
     return "\n".join(lines)
 
 
@@ -190,8 +216,12 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
         config = config.replace(**overrides).validate()
     with torch.device("meta"):
         model = cls(config)
-    plan = plan_load(expected_shapes(model), checkpoint_files(hf_dir), expert_layout,
-                     tie_word_embeddings=config.tie_word_embeddings)
+    plan = plan_load(
+        expected_shapes(model),
+        checkpoint_files(hf_dir),
+        expert_layout,
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)
@@ -205,9 +235,15 @@ def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
     """The checkpoint's architecture must be the model's (weights are copied by name and shape)."""
     theirs = VLMConfig.from_hf(Path(hf_dir) / "config.json")
     if (theirs.vision, theirs.text, theirs.moe.num_experts, theirs.moe.top_k) != (
-            mine.vision, mine.text, mine.moe.num_experts, mine.moe.top_k):
-        raise CheckpointError(f"{hf_dir} holds a different architecture than the configured model; build the "
-                              "model from its config.json (model.hf_config) or pick the matching preset")
+        mine.vision,
+        mine.text,
+        mine.moe.num_experts,
+        mine.moe.top_k,
+    ):
+        raise CheckpointError(
+            f"{hf_dir} holds a different architecture than the configured model; build the "
+            "model from its config.json (model.hf_config) or pick the matching preset"
+        )
 
 
 def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
@@ -220,9 +256,13 @@ def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
             for ours in members:
                 _, hf_name, transform = plan[ours]
                 t = f.get_tensor(hf_name)
-                if not t.is_floating_point():  # plan_load refuses these from the headers; a file changed since
-                    raise CheckpointError(f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
-                                          "be stored as a float (F32, BF16, F16, F8)")
+                if (
+                    not t.is_floating_point()
+                ):  # plan_load refuses these from the headers; a file changed since
+                    raise CheckpointError(
+                        f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
+                        "be stored as a float (F32, BF16, F16, F8)"
+                    )
                 yield ours, _apply(transform, t, shapes[ours])
 
 
@@ -234,7 +274,9 @@ def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:
 
 
 # -------------------------------------------------------------------- export
-def to_hf(name: str, t: torch.Tensor, cfg: VLMConfig, expert_layout: str = "hub") -> tuple[str, torch.Tensor]:
+def to_hf(
+    name: str, t: torch.Tensor, cfg: VLMConfig, expert_layout: str = "hub"
+) -> tuple[str, torch.Tensor]:
     """One of our (whole, unsharded) tensors as the reference names and stores it."""
     if expert_layout not in ("hub", "hf"):
         raise ValueError(f"export expert_layout={expert_layout!r}; choose 'hub' or 'hf'")
@@ -246,7 +288,9 @@ def to_hf(name: str, t: torch.Tensor, cfg: VLMConfig, expert_layout: str = "hub"
     return ours_to_hf(name), t.contiguous().cpu()
 
 
-def export_state_dict(model: torch.nn.Module, expert_layout: str = "hub") -> dict[str, torch.Tensor]:
+def export_state_dict(
+    model: torch.nn.Module, expert_layout: str = "hub"
+) -> dict[str, torch.Tensor]:
     """A whole (unsharded) model's tensors under the reference's names.  A model laid out by
     `moevlm.parallel` is exported with `moevlm.parallel.save_hf` (it gathers the shards)."""
     out = {}
@@ -254,8 +298,10 @@ def export_state_dict(model: torch.nn.Module, expert_layout: str = "hub") -> dic
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         if type(t) is not torch.Tensor:
-            raise TypeError(f"{name} is a {type(t).__name__} (a sharded model): export it with "
-                            "moevlm.parallel.save_hf(model, out_dir), which gathers the shards")
+            raise TypeError(
+                f"{name} is a {type(t).__name__} (a sharded model): export it with "
+                "moevlm.parallel.save_hf(model, out_dir), which gathers the shards"
+            )
         hf_name, t = to_hf(name, t.detach(), model.config, expert_layout)
         out[hf_name] = t
     return out
@@ -275,31 +321,44 @@ def shard_names(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def file_names(n: int) -> list[str]:
-    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], expert_layout: str) -> None:
     save_file(tensors, str(path), metadata={"format": "pt", _LAYOUT_KEY: expert_layout})
 
 
-def write_index_and_config(out_dir: Path, weight_map: dict[str, str], total_size: int, cfg: VLMConfig,
-                           dtype: torch.dtype) -> None:
+def write_index_and_config(
+    out_dir: Path, weight_map: dict[str, str], total_size: int, cfg: VLMConfig, dtype: torch.dtype
+) -> None:
     """config.json, and the index when the weights span several files."""
     if len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(str(dtype).removeprefix("torch.")), indent=2))
+    (out_dir / "config.json").write_text(
+        json.dumps(cfg.to_hf(str(dtype).removeprefix("torch.")), indent=2)
+    )
 
 
-def save_pretrained(model, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30) -> None:
+def save_pretrained(
+    model, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30
+) -> None:
     """Write a whole model as a Hugging Face folder (sharded models: `moevlm.parallel.save_hf`)."""
     tensors = export_state_dict(model, expert_layout)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups = shard_names({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes)
+    groups = shard_names(
+        {k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes
+    )
     weight_map = {}
     for fname, names in zip(file_names(len(groups)), groups):
         write_file(out_dir / fname, {k: tensors[k] for k in names}, expert_layout)
         weight_map.update({k: fname for k in names})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_index_and_config(out_dir, weight_map, total, model.config, next(iter(tensors.values())).dtype)
+    write_index_and_config(
+        out_dir, weight_map, total, model.config, next(iter(tensors.values())).dtype
+    )

@@ -78,7 +78,9 @@ class Sequence:
         """What the layers see of a (B, S, ...) tensor."""
         return t_BS
 
-    def add_at_mask(self, h: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
+    def add_at_mask(
+        self, h: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor
+    ) -> torch.Tensor:
         """h (as the layers see it) plus `rows` at the positions where the full-sequence mask is true."""
         return add_at_mask(h, mask_BS, rows_ND)
 
@@ -103,7 +105,13 @@ class Sequence:
 class Images:
     """The vision tower runs on every image of the micro-batch here."""
 
-    def encode(self, encode_fn: Callable, pixel_values_NP: torch.Tensor, grid_thw_I3: torch.Tensor, merge: int):
+    def encode(
+        self,
+        encode_fn: Callable,
+        pixel_values_NP: torch.Tensor,
+        grid_thw_I3: torch.Tensor,
+        merge: int,
+    ):
         return encode_fn(pixel_values_NP, grid_thw_I3)
 
 
@@ -120,13 +128,17 @@ class Vocab:
 class Loss(nn.Module):
     """(mean next-token cross-entropy, number of counted targets) of the logits this rank holds."""
 
-    def forward(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    def forward(
+        self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ):
         return self.token_loss(logits_BSV, self.targets(labels_BS, cu_seqlens))
 
     def targets(self, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return next_token_targets(labels_BS, cu_seqlens)
 
-    def token_loss(self, logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_loss(
+        self, logits_BSV: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return token_loss(logits_BSV, targets)
 
 
@@ -216,12 +228,18 @@ def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tenso
     return flat.view_as(h_BSD)
 
 
-def token_loss(logits_BSV: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss(
+    logits_BSV: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the logits against already-shifted targets (IGNORE_INDEX not counted), and
     the number counted."""
     logits = logits_BSV.reshape(targets.numel(), -1)
-    total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
-                            ignore_index=IGNORE_INDEX, reduction="sum")
+    total = F.cross_entropy(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)),
+        targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     n = (targets != IGNORE_INDEX).sum()
     return total / n.clamp(min=1), n
 
@@ -236,6 +254,21 @@ def next_token_targets(labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None)
     return targets
 
 
-__all__ = ["IGNORE_INDEX", "Combine", "Dispatch", "ExpertsRunner", "Images", "Layout", "Loss", "Region",
-           "RouterStatsReduction", "Sequence", "Vocab", "add_at_mask", "local", "next_token_targets", "run_region",
-           "token_loss"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Combine",
+    "Dispatch",
+    "ExpertsRunner",
+    "Images",
+    "Layout",
+    "Loss",
+    "Region",
+    "RouterStatsReduction",
+    "Sequence",
+    "Vocab",
+    "add_at_mask",
+    "local",
+    "next_token_targets",
+    "run_region",
+    "token_loss",
+]

@@ -52,7 +52,9 @@ class Router(nn.Module):
 
     def _forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
-        with torch.autocast(x_TD.device.type, enabled=False):  # autocast would run this linear in bf16
+        with torch.autocast(
+            x_TD.device.type, enabled=False
+        ):  # autocast would run this linear in bf16
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
         topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
@@ -62,7 +64,9 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     fp8: Fp8Plan | None = None  # set by moevlm.model.fp8.apply_fp8
-    compile_eager_gemm = False  # the grouped GEMMs stay out of a compiled graph (moevlm.parallel.compile)
+    compile_eager_gemm = (
+        False  # the grouped GEMMs stay out of a compiled graph (moevlm.parallel.compile)
+    )
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: str):
         super().__init__()
@@ -79,7 +83,9 @@ class Experts(nn.Module):
     def mlp(self, x_MD, counts_E) -> torch.Tensor:
         """The two grouped GEMMs around SwiGLU."""
         gate_up_EDF2, down_EFD = local(self.gate_up_proj), local(self.down_proj)
-        h_MF2 = expert_mm(x_MD, gate_up_EDF2, counts_E, self.grouped_gemm, self.fp8, (self, "gate_up"))
+        h_MF2 = expert_mm(
+            x_MD, gate_up_EDF2, counts_E, self.grouped_gemm, self.fp8, (self, "gate_up")
+        )
         h_MF = run_region(self, "act_region", swiglu, h_MF2)
         return expert_mm(h_MF, down_EFD, counts_E, self.grouped_gemm, self.fp8, (self, "down"))
 
@@ -96,7 +102,9 @@ def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden: int, cfg: MoEConfig, layer_idx: int = 0, layout: Layout | None = None):
+    def __init__(
+        self, hidden: int, cfg: MoEConfig, layer_idx: int = 0, layout: Layout | None = None
+    ):
         super().__init__()
         layout = layout or Layout()
         self.num_experts = cfg.num_experts
@@ -105,8 +113,9 @@ class MoEBlock(nn.Module):
         self.dispatcher = layout.dispatcher(layer_idx, cfg)
         self.runner = layout.experts_runner()
 
-    def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, RouterStats]:
+    def forward(
+        self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RouterStats]:
         """`token_mask_BS` (True = real token) keeps padding out of the router
         statistics (aux loss, expert load); padding is still routed and computed."""
         return run_region(self, "region", self._forward, x_BSD, token_mask_BS)
@@ -126,7 +135,9 @@ class MoEBlock(nn.Module):
             counts_E.scatter_add_(0, idx_N, torch.ones_like(idx_N, dtype=torch.float32))
             return RouterStats(probs_TE.sum(0), counts_E, topk_idx_TK.shape[0])
         keep_T = token_mask_BS.reshape(-1).to(probs_TE.device)
-        counts_E.scatter_add_(0, idx_N, keep_T[:, None].expand_as(topk_idx_TK).reshape(-1).to(torch.float32))
+        counts_E.scatter_add_(
+            0, idx_N, keep_T[:, None].expand_as(topk_idx_TK).reshape(-1).to(torch.float32)
+        )
         return RouterStats((probs_TE * keep_T[:, None]).sum(0), counts_E, keep_T.sum())
 
 

@@ -19,8 +19,13 @@ from __future__ import annotations
 import torch
 
 
-def objective(lm_sum: torch.Tensor, loss_tokens: float, aux: torch.Tensor | None, aux_coef: float,
-              aux_divisor: int) -> torch.Tensor:
+def objective(
+    lm_sum: torch.Tensor,
+    loss_tokens: float,
+    aux: torch.Tensor | None,
+    aux_coef: float,
+    aux_divisor: int,
+) -> torch.Tensor:
     """lm_sum / loss_tokens + aux_coef * aux / aux_divisor (the second term only with an aux loss)."""
     loss = lm_sum / loss_tokens
     if aux is not None:

@@ -27,23 +27,44 @@ def linear(n_in: int, n_out: int, bias: bool = True) -> int:
 def vision_parameters(v: VisionConfig) -> int:
     """Patch embedding, position table, blocks, the merger and the deepstack mergers."""
     h = v.hidden_size
-    block = 2 * h + linear(h, 3 * h) + linear(h, h) + 2 * h + linear(h, v.intermediate_size) + \
-        linear(v.intermediate_size, h)
+    block = (
+        2 * h
+        + linear(h, 3 * h)
+        + linear(h, h)
+        + 2 * h
+        + linear(h, v.intermediate_size)
+        + linear(v.intermediate_size, h)
+    )
     width = h * v.spatial_merge_size**2
     merger = linear(width, width) + linear(width, v.out_hidden_size)
-    mergers = (2 * h + merger) + len(v.deepstack_visual_indexes) * (2 * width + merger)  # pre / post-shuffle norm
+    mergers = (2 * h + merger) + len(v.deepstack_visual_indexes) * (
+        2 * width + merger
+    )  # pre / post-shuffle norm
     return linear(v.patch_dim, h) + v.num_position_embeddings * h + v.depth * block + mergers
 
 
 def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
     """Decoder layer `layer_idx` by part (an MoE layer has router + experts, a dense one dense_mlp)."""
     t, m = cfg.text, cfg.moe
-    D, q, kv, bias = t.hidden_size, t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim, t.attention_bias
-    parts = {"q_o": linear(D, q, bias) + linear(q, D, bias), "k_v": 2 * linear(D, kv, bias),
-             "norms": 2 * D + 2 * t.head_dim, "router": 0, "experts": 0, "dense_mlp": 0}
+    D, q, kv, bias = (
+        t.hidden_size,
+        t.num_heads * t.head_dim,
+        t.num_kv_heads * t.head_dim,
+        t.attention_bias,
+    )
+    parts = {
+        "q_o": linear(D, q, bias) + linear(q, D, bias),
+        "k_v": 2 * linear(D, kv, bias),
+        "norms": 2 * D + 2 * t.head_dim,
+        "router": 0,
+        "experts": 0,
+        "dense_mlp": 0,
+    }
     if m.is_moe_layer(layer_idx):
         parts["router"] = m.num_experts * D
-        parts["experts"] = m.num_experts * 3 * D * m.moe_intermediate_size  # gate_up (E, D, 2F) + down (E, F, D)
+        parts["experts"] = (
+            m.num_experts * 3 * D * m.moe_intermediate_size
+        )  # gate_up (E, D, 2F) + down (E, F, D)
     else:
         parts["dense_mlp"] = 3 * D * t.intermediate_size
     return parts
@@ -68,21 +89,33 @@ def _moe_and_dense_layer(cfg: VLMConfig) -> tuple[dict[str, int], dict[str, int]
     moe_idx = next((i for i in range(cfg.text.num_layers) if cfg.moe.is_moe_layer(i)), None)
     dense_idx = next((i for i in range(cfg.text.num_layers) if not cfg.moe.is_moe_layer(i)), None)
     zero = dict.fromkeys(layer_parameters(cfg, 0), 0)
-    return (layer_parameters(cfg, moe_idx) if moe_idx is not None else zero,
-            layer_parameters(cfg, dense_idx) if dense_idx is not None else zero)
+    return (
+        layer_parameters(cfg, moe_idx) if moe_idx is not None else zero,
+        layer_parameters(cfg, dense_idx) if dense_idx is not None else zero,
+    )
 
 
 def parameter_counts(cfg: VLMConfig) -> dict[str, int]:
     """Parameters of `Qwen3VLMoe(cfg)` by top-level part; their sum is the model's."""
     t = cfg.text
-    return {"vision": vision_parameters(cfg.vision), "embed_tokens": t.vocab_size * t.hidden_size,
-            "layers": sum(layers_parameters(cfg).values()), "norm": t.hidden_size,
-            "lm_head": 0 if cfg.tie_word_embeddings else t.vocab_size * t.hidden_size}
+    return {
+        "vision": vision_parameters(cfg.vision),
+        "embed_tokens": t.vocab_size * t.hidden_size,
+        "layers": sum(layers_parameters(cfg).values()),
+        "norm": t.hidden_size,
+        "lm_head": 0 if cfg.tie_word_embeddings else t.vocab_size * t.hidden_size,
+    }
 
 
 def num_parameters(cfg: VLMConfig) -> int:
     return sum(parameter_counts(cfg).values())
 
 
-__all__ = ["layer_parameters", "layers_parameters", "moe_layer_count", "num_parameters", "parameter_counts",
-           "vision_parameters"]
+__all__ = [
+    "layer_parameters",
+    "layers_parameters",
+    "moe_layer_count",
+    "num_parameters",
+    "parameter_counts",
+    "vision_parameters",
+]

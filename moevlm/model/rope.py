@@ -37,7 +37,9 @@ def _inv_freq(dim: int, theta: float, device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- vision
-def vision_rotary(pos_hw_N2: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def vision_rotary(
+    pos_hw_N2: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Axial 2-D rotary: half of the rotated pairs follow the row, half the column.
 
     Returns fp32 cos, sin of shape (N, hd)."""
@@ -61,13 +63,18 @@ def vision_patch_rows_cols(grid_thw_I3: torch.Tensor, merge: int) -> torch.Tenso
     return torch.cat(out).to(grid_thw_I3.device)
 
 
-def pos_embed_taps(rows_cols_N2: torch.Tensor, grid_thw_I3: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pos_embed_taps(
+    rows_cols_N2: torch.Tensor, grid_thw_I3: torch.Tensor, side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Bilinear (align_corners=True) resampling of the learned side x side position
     table to each image grid, as 4 gather indices and weights per patch: (N, 4).
     `rows_cols_N2` is `vision_patch_rows_cols(grid_thw_I3, merge)`."""
     rc = rows_cols_N2.float()
-    sizes = torch.repeat_interleave(grid_thw_I3[:, 1:].float(),
-                                    (grid_thw_I3[:, 0] * grid_thw_I3[:, 1] * grid_thw_I3[:, 2]), dim=0)
+    sizes = torch.repeat_interleave(
+        grid_thw_I3[:, 1:].float(),
+        (grid_thw_I3[:, 0] * grid_thw_I3[:, 1] * grid_thw_I3[:, 2]),
+        dim=0,
+    )
     src = rc * (side - 1) / (sizes - 1).clamp(min=1)  # (N, 2) source coordinates
     lo = src.floor()
     frac = src - lo
@@ -87,8 +94,14 @@ def vision_cu_seqlens(grid_thw_I3: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- text
-def mrope(position_ids_3BS: torch.Tensor, head_dim: int, theta: float, mrope_section, interleaved: bool = True,
-          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def mrope(
+    position_ids_3BS: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    mrope_section,
+    interleaved: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal rotary for the decoder. Interleaved layout (Qwen3-VL): frequency
     slot j takes its angle from H if j % 3 == 1 (j < 3*sec_h), from W if j % 3 == 2
     (j < 3*sec_w), else from T.  Chunked layout (Qwen2-VL): consecutive sections.
@@ -107,8 +120,13 @@ def mrope(position_ids_3BS: torch.Tensor, head_dim: int, theta: float, mrope_sec
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def mrope_position_ids(input_ids_BS: torch.Tensor, image_grid_thw_I3: torch.Tensor | None, image_token_id: int,
-                       merge: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def mrope_position_ids(
+    input_ids_BS: torch.Tensor,
+    image_grid_thw_I3: torch.Tensor | None,
+    image_token_id: int,
+    merge: int,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """3-D (t, h, w) position ids of every token, as the reference computes them.
 
     Text advances all three by one per token.  An image of llm grid (t, h', w')
@@ -129,7 +147,7 @@ def mrope_position_ids(input_ids_BS: torch.Tensor, image_grid_thw_I3: torch.Tens
             pos, i = pos + nxt - i, nxt
             if i < end:
                 n, image_pos, advance = _image_positions(next(grids), merge, pos, i, end, is_img)
-                out[:, i:i + n] = image_pos
+                out[:, i : i + n] = image_pos
                 pos, i, k = pos + advance, i + n, k + n
     return out.view(3, B, S).to(input_ids_BS.device)
 
@@ -139,9 +157,11 @@ def _image_positions(grid, merge: int, pos: int, i: int, end: int, is_img: torch
     t, h, w = grid
     hh, ww = h // merge, w // merge
     n = t * hh * ww
-    if i + n > end or not bool(is_img[i:i + n].all()):
-        raise ValueError(f"image of grid ({t}, {h}, {w}) needs {n} consecutive image tokens inside one "
-                         f"document from token {i}; input_ids does not have them")
+    if i + n > end or not bool(is_img[i : i + n].all()):
+        raise ValueError(
+            f"image of grid ({t}, {h}, {w}) needs {n} consecutive image tokens inside one "
+            f"document from token {i}; input_ids does not have them"
+        )
     tt = torch.arange(t).view(t, 1, 1).expand(t, hh, ww)
     rr = torch.arange(hh).view(1, hh, 1).expand(t, hh, ww)
     cc = torch.arange(ww).view(1, 1, ww).expand(t, hh, ww)

@@ -46,19 +46,33 @@ def sort_rows_by_expert(topk_idx_TK: torch.Tensor) -> torch.Tensor:
 
 def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     flat = topk_idx_TK.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
 
 
-def rows_plan(topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
-              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rows_plan(
+    topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch backend's plan from routing alone: (source token of every row, its router weight, rows
     per expert), rows in the stable expert order."""
     order_N = sort_rows_by_expert(topk_idx_TK)
-    return order_N // topk_idx_TK.shape[1], topk_w_TK.reshape(-1)[order_N], expert_counts(topk_idx_TK, num_experts)
+    return (
+        order_N // topk_idx_TK.shape[1],
+        topk_w_TK.reshape(-1)[order_N],
+        expert_counts(topk_idx_TK, num_experts),
+    )
 
 
-def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str = "torch", plan=None,
-                   pad_multiple: int = 1):
+def to_expert_rows(
+    x_TD,
+    topk_idx_TK,
+    topk_w_TK,
+    num_experts: int,
+    backend: str = "torch",
+    plan=None,
+    pad_multiple: int = 1,
+):
     """`plan`: `rows_plan(...)` already computed (torch backend), or None to compute it here.  `pad_multiple`
     > 1: every expert's rows padded with zero rows to a multiple of it (FP8 scale blocks; a host sync for the
     padded total), through `moevlm.kernels.permute` with either backend; the counts are then the padded ones."""
@@ -66,12 +80,21 @@ def to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, num_experts: int, backend: str 
         from moevlm.kernels.permute import permute, permute_plan
 
         plan = permute_plan(topk_idx_TK, num_experts, pad_multiple)
-        return (permute(x_TD, plan, backend=backend), plan.rows_per_expert_E,
-                RowsState(x_TD.shape[0], plan=plan, topk_w_TK=topk_w_TK, backend=backend))
+        return (
+            permute(x_TD, plan, backend=backend),
+            plan.rows_per_expert_E,
+            RowsState(x_TD.shape[0], plan=plan, topk_w_TK=topk_w_TK, backend=backend),
+        )
     if backend != "torch":
         raise ValueError(f"moe.permute={backend!r}; choose one of {list(PERMUTE_BACKENDS)}")
-    token_idx_N, weight_N, counts_E = plan if plan is not None else rows_plan(topk_idx_TK, topk_w_TK, num_experts)
-    return x_TD[token_idx_N], counts_E, RowsState(x_TD.shape[0], token_idx_N=token_idx_N, weight_N=weight_N)
+    token_idx_N, weight_N, counts_E = (
+        plan if plan is not None else rows_plan(topk_idx_TK, topk_w_TK, num_experts)
+    )
+    return (
+        x_TD[token_idx_N],
+        counts_E,
+        RowsState(x_TD.shape[0], token_idx_N=token_idx_N, weight_N=weight_N),
+    )
 
 
 def from_expert_rows(y_ND: torch.Tensor, state: RowsState) -> torch.Tensor:
@@ -80,4 +103,6 @@ def from_expert_rows(y_ND: torch.Tensor, state: RowsState) -> torch.Tensor:
 
         return unpermute(y_ND, state.plan, state.topk_w_TK.float(), backend=state.backend)
     weighted_ND = y_ND * state.weight_N.to(y_ND.dtype)[:, None]
-    return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(0, state.token_idx_N, weighted_ND)
+    return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(
+        0, state.token_idx_N, weighted_ND
+    )

@@ -29,9 +29,19 @@ from moevlm.model.attention import CoreAttention, DocMask, doc_mask
 from moevlm.model.config import VisionConfig
 from moevlm.model.fp8 import Linear
 from moevlm.model.layout import run_region
-from moevlm.model.rope import apply_rotary, pos_embed_taps, vision_cu_seqlens, vision_patch_rows_cols, vision_rotary
+from moevlm.model.rope import (
+    apply_rotary,
+    pos_embed_taps,
+    vision_cu_seqlens,
+    vision_patch_rows_cols,
+    vision_rotary,
+)
 
-_ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+_ACT = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
 
 
 class LayerNorm(nn.LayerNorm):
@@ -97,12 +107,18 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
-        self.norm = LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.norm = LayerNorm(
+            self.width if postshuffle_norm else cfg.hidden_size, eps=cfg.layer_norm_eps
+        )
         self.linear_fc1 = Linear(self.width, self.width)
         self.linear_fc2 = Linear(self.width, cfg.out_hidden_size)
 
     def forward(self, x_Nd: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x_Nd.reshape(-1, self.width)) if self.postshuffle_norm else self.norm(x_Nd).reshape(-1, self.width)
+        x = (
+            self.norm(x_Nd.reshape(-1, self.width))
+            if self.postshuffle_norm
+            else self.norm(x_Nd).reshape(-1, self.width)
+        )
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
@@ -118,7 +134,8 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_mergers = nn.ModuleList(
-            PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes)
+            PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
+        )
 
     def forward(self, pixel_values_NP: torch.Tensor, grid_thw_I3: torch.Tensor):
         """Returns (merged tokens (N/4, O), [deepstack features (N/4, O)])."""
@@ -126,15 +143,26 @@ class VisionEncoder(nn.Module):
         grid_cpu = grid_thw_I3.cpu()
         x_Nd = self.patch_embed(pixel_values_NP.to(self.patch_embed.weight.dtype))
         rows_cols_N2 = vision_patch_rows_cols(grid_cpu, merge)
-        idx_N4, wts_N4 = (t.to(x_Nd.device) for t in pos_embed_taps(rows_cols_N2, grid_cpu, self.side))
+        idx_N4, wts_N4 = (
+            t.to(x_Nd.device) for t in pos_embed_taps(rows_cols_N2, grid_cpu, self.side)
+        )
         x_Nd = x_Nd + (self.pos_embed(idx_N4) * wts_N4[..., None].to(x_Nd.dtype)).sum(1)
         cos_sin = vision_rotary(rows_cols_N2.to(x_Nd.device), cfg.head_dim, cfg.rope_theta)
-        mask = doc_mask(1, x_Nd.shape[0], vision_cu_seqlens(grid_cpu), causal=False, backend=self.attn_backend,
-                        device=x_Nd.device, dtype=x_Nd.dtype, static=self.static_mask)
+        mask = doc_mask(
+            1,
+            x_Nd.shape[0],
+            vision_cu_seqlens(grid_cpu),
+            causal=False,
+            backend=self.attn_backend,
+            device=x_Nd.device,
+            dtype=x_Nd.dtype,
+            static=self.static_mask,
+        )
         deepstack = []
         for i, block in enumerate(self.blocks):
             x_Nd = block(x_Nd, cos_sin, mask)
             if i in cfg.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)](x_Nd))
+                deepstack.append(
+                    self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)](x_Nd)
+                )
         return self.merger(x_Nd), deepstack
-

@@ -73,8 +73,10 @@ class Qwen3VLMoe(nn.Module):
         with the global RNG; the trainer applies it per parameter with its own
         seeded generator (`moevlm.parallel.init_parameters_`), the same under any layout."""
         rules: dict[str, tuple[str, float]] = {}
-        for prefix, tower, std in (("vision.", self.vision, self.config.vision.initializer_range),
-                                   ("text.", self.text, self.config.text.initializer_range)):
+        for prefix, tower, std in (
+            ("vision.", self.vision, self.config.vision.initializer_range),
+            ("text.", self.text, self.config.text.initializer_range),
+        ):
             _init_rules(tower, prefix, std, rules)
         if not self.config.tie_word_embeddings:
             rules["lm_head.weight"] = ("normal", self.config.text.initializer_range)
@@ -94,23 +96,47 @@ class Qwen3VLMoe(nn.Module):
         self.vision.attn_backend = self.text.attn_backend = backend
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                image_grid_thw: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None) -> VLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> VLMOutput:
         """`token_mask` (B, S), True at real tokens: padding is left out of the
         router statistics (aux loss, `expert_counts`); it changes nothing else."""
         cfg = self.config
-        check_inputs(cfg, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels, token_mask)
+        check_inputs(
+            cfg,
+            input_ids,
+            pixel_values,
+            image_grid_thw,
+            position_ids,
+            cu_seqlens,
+            labels,
+            token_mask,
+        )
         self.layout.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
-        h_BSD, visual_mask_BS, deepstack, n_image = self.embed(input_ids, pixel_values, image_grid_thw)
+        h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
+            input_ids, pixel_values, image_grid_thw
+        )
         deepstack = [d[:n_image] for d in deepstack]
         if position_ids is None:
-            position_ids = mrope_position_ids(input_ids, image_grid_thw, cfg.image_token_id,
-                                              cfg.vision.spatial_merge_size, cu_seqlens)
+            position_ids = mrope_position_ids(
+                input_ids,
+                image_grid_thw,
+                cfg.image_token_id,
+                cfg.vision.spatial_merge_size,
+                cu_seqlens,
+            )
         elif position_ids.ndim == 2:
             position_ids = position_ids[None].expand(3, -1, -1)
-        h_BSD, stats = self.text(h_BSD, position_ids, cu_seqlens, visual_mask_BS, deepstack, token_mask)
+        h_BSD, stats = self.text(
+            h_BSD, position_ids, cu_seqlens, visual_mask_BS, deepstack, token_mask
+        )
         out = VLMOutput(logits=self.lm_head(h_BSD))
         if stats:
             out.aux_loss = load_balancing_loss(stats, cfg.moe.num_experts)
@@ -122,8 +148,12 @@ class Qwen3VLMoe(nn.Module):
                 out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
         return out
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-              image_grid_thw: torch.Tensor | None = None):
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ):
         """Token embeddings with the image features scattered in at the image tokens.
 
         Returns (h_BSD, visual mask or None, deepstack features, n): the deepstack
@@ -147,7 +177,9 @@ class Qwen3VLMoe(nn.Module):
         """(image tokens, deepstack features, n) of every image, the work shared as the layout's
         `images` strategy says."""
         merge = self.config.vision.spatial_merge_size
-        return self.layout.images.encode(self.encode_own_images, pixel_values_NP, grid_thw_I3, merge)
+        return self.layout.images.encode(
+            self.encode_own_images, pixel_values_NP, grid_thw_I3, merge
+        )
 
     def encode_own_images(self, pixel_values_NP, grid_thw_I3):
         """(image tokens, deepstack features, n): patches beyond the grids (a packed
@@ -157,7 +189,9 @@ class Qwen3VLMoe(nn.Module):
         used = int(grid_thw_I3.prod(-1).sum())
         pad = pixel_values_NP.shape[0] - used
         if pad:
-            grid_thw_I3 = torch.cat([grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])])
+            grid_thw_I3 = torch.cat(
+                [grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])]
+            )
         image_NO, deepstack = self.vision(pixel_values_NP, grid_thw_I3)
         return image_NO, deepstack, used // merge**2
 
@@ -167,73 +201,118 @@ class Qwen3VLMoe(nn.Module):
 
     # ------------------------------------------------------- checkpoints (HF)
     @classmethod
-    def from_pretrained(cls, hf_dir: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None, expert_layout: str = "auto", **overrides) -> "Qwen3VLMoe":
+    def from_pretrained(
+        cls,
+        hf_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        expert_layout: str = "auto",
+        **overrides,
+    ) -> "Qwen3VLMoe":
         """Load a Hugging Face Qwen3-VL-MoE folder (config.json + safetensors).
         `overrides` replace top-level config fields (e.g. attn_backend="sdpa")."""
         from moevlm.model.hf import load_pretrained
 
-        return load_pretrained(cls, hf_dir, device=device, dtype=dtype, expert_layout=expert_layout, **overrides)
+        return load_pretrained(
+            cls, hf_dir, device=device, dtype=dtype, expert_layout=expert_layout, **overrides
+        )
 
-    def save_pretrained(self, out_dir: str | Path, *, expert_layout: str = "hub",
-                        max_shard_bytes: int = 5 << 30) -> None:
+    def save_pretrained(
+        self, out_dir: str | Path, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30
+    ) -> None:
         """Export as a Hugging Face Qwen3-VL-MoE folder that transformers loads."""
         from moevlm.model.hf import save_pretrained
 
         save_pretrained(self, out_dir, expert_layout=expert_layout, max_shard_bytes=max_shard_bytes)
 
 
-def check_inputs(cfg: VLMConfig, input_ids, pixel_values, image_grid_thw, position_ids, cu_seqlens, labels,
-                 token_mask=None):
+def check_inputs(
+    cfg: VLMConfig,
+    input_ids,
+    pixel_values,
+    image_grid_thw,
+    position_ids,
+    cu_seqlens,
+    labels,
+    token_mask=None,
+):
     """Shape and consistency checks, on the host, before any activation is allocated."""
-    _require(input_ids.ndim == 2 and not input_ids.is_floating_point(),
-             f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}")
+    _require(
+        input_ids.ndim == 2 and not input_ids.is_floating_point(),
+        f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}",
+    )
     B, S = input_ids.shape
     n_img_tokens = int((input_ids == cfg.image_token_id).sum())
     if (pixel_values is None) != (image_grid_thw is None):
         missing = "image_grid_thw" if image_grid_thw is None else "pixel_values"
         raise ValueError(f"{missing} is missing: pixel_values and image_grid_thw come together")
     if pixel_values is None:
-        _require(n_img_tokens == 0, f"input_ids has {n_img_tokens} image tokens (image_token_id="
-                                    f"{cfg.image_token_id}) but no pixel_values/image_grid_thw were given")
+        _require(
+            n_img_tokens == 0,
+            f"input_ids has {n_img_tokens} image tokens (image_token_id="
+            f"{cfg.image_token_id}) but no pixel_values/image_grid_thw were given",
+        )
     else:
         _check_images(cfg, pixel_values, image_grid_thw, n_img_tokens)
     if cu_seqlens is not None:
         c = cu_seqlens.tolist()
-        _require(cu_seqlens.ndim == 1 and len(c) >= 2 and c[0] == 0 and c[-1] == B * S
-                 and all(a <= b for a, b in zip(c, c[1:])),
-                 f"cu_seqlens must be non-decreasing boundaries from 0 to batch*seq={B * S}, got {c[:8]}...")
+        _require(
+            cu_seqlens.ndim == 1
+            and len(c) >= 2
+            and c[0] == 0
+            and c[-1] == B * S
+            and all(a <= b for a, b in zip(c, c[1:])),
+            f"cu_seqlens must be non-decreasing boundaries from 0 to batch*seq={B * S}, got {c[:8]}...",
+        )
     if position_ids is not None:
-        _require(tuple(position_ids.shape) in ((3, B, S), (B, S)),
-                 f"position_ids must be (3, {B}, {S}) or ({B}, {S}), got {tuple(position_ids.shape)}")
+        _require(
+            tuple(position_ids.shape) in ((3, B, S), (B, S)),
+            f"position_ids must be (3, {B}, {S}) or ({B}, {S}), got {tuple(position_ids.shape)}",
+        )
     if token_mask is not None:
-        _require(token_mask.shape == input_ids.shape and token_mask.dtype == torch.bool,
-                 f"token_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, "
-                 f"got {tuple(token_mask.shape)} {token_mask.dtype}")
+        _require(
+            token_mask.shape == input_ids.shape and token_mask.dtype == torch.bool,
+            f"token_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(token_mask.shape)} {token_mask.dtype}",
+        )
     if labels is not None:
-        _require(labels.shape == input_ids.shape,
-                 f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        _require(
+            labels.shape == input_ids.shape,
+            f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}",
+        )
 
 
 def _check_images(cfg: VLMConfig, pixel_values, image_grid_thw, n_img_tokens: int) -> None:
     v = cfg.vision
-    _require(image_grid_thw.ndim == 2 and image_grid_thw.shape[1] == 3,
-             f"image_grid_thw must be (num_images, 3), got {tuple(image_grid_thw.shape)}")
+    _require(
+        image_grid_thw.ndim == 2 and image_grid_thw.shape[1] == 3,
+        f"image_grid_thw must be (num_images, 3), got {tuple(image_grid_thw.shape)}",
+    )
     merge = v.spatial_merge_size
     for i, (t, h, w) in enumerate(image_grid_thw.tolist()):
-        _require((t, h, w) == (0, 0, 0) or (t >= 1 and h > 0 and w > 0 and h % merge == 0 and w % merge == 0),
-                 f"image_grid_thw[{i}]=({t}, {h}, {w}): t >= 1 and h, w positive multiples of "
-                 f"spatial_merge_size={merge} are required (or all zeros: an unused row of a packed batch)")
+        _require(
+            (t, h, w) == (0, 0, 0)
+            or (t >= 1 and h > 0 and w > 0 and h % merge == 0 and w % merge == 0),
+            f"image_grid_thw[{i}]=({t}, {h}, {w}): t >= 1 and h, w positive multiples of "
+            f"spatial_merge_size={merge} are required (or all zeros: an unused row of a packed batch)",
+        )
     n_patches = int(image_grid_thw.prod(-1).sum())
-    _require(pixel_values.ndim == 2 and pixel_values.shape[1] == v.patch_dim,
-             f"pixel_values must be (num_patches, {v.patch_dim}) = (N, C*T*P*P), got {tuple(pixel_values.shape)}")
+    _require(
+        pixel_values.ndim == 2 and pixel_values.shape[1] == v.patch_dim,
+        f"pixel_values must be (num_patches, {v.patch_dim}) = (N, C*T*P*P), got {tuple(pixel_values.shape)}",
+    )
     pad = pixel_values.shape[0] - n_patches
-    _require(pad >= 0 and pad % merge**2 == 0,
-             f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {n_patches} "
-             f"(trailing padding patches are allowed in multiples of spatial_merge_size^2={merge**2})")
-    _require(n_img_tokens * merge**2 == n_patches,
-             f"input_ids has {n_img_tokens} image tokens (image_token_id={cfg.image_token_id}) but image_grid_thw "
-             f"gives {n_patches // merge**2} (patches / spatial_merge_size^2)")
+    _require(
+        pad >= 0 and pad % merge**2 == 0,
+        f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {n_patches} "
+        f"(trailing padding patches are allowed in multiples of spatial_merge_size^2={merge**2})",
+    )
+    _require(
+        n_img_tokens * merge**2 == n_patches,
+        f"input_ids has {n_img_tokens} image tokens (image_token_id={cfg.image_token_id}) but image_grid_thw "
+        f"gives {n_patches // merge**2} (patches / spatial_merge_size^2)",
+    )
 
 
 def _require(ok: bool, message: str) -> None:
@@ -266,4 +345,12 @@ def fill_(t: torch.Tensor, kind: str, std: float, generator: torch.Generator | N
         t.zero_()
 
 
-__all__ = ["IGNORE_INDEX", "Qwen3VLMoe", "VLMOutput", "check_inputs", "fill_", "next_token_targets", "token_loss"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Qwen3VLMoe",
+    "VLMOutput",
+    "check_inputs",
+    "fill_",
+    "next_token_targets",
+    "token_loss",
+]

@@ -15,8 +15,27 @@ from moevlm.parallel.build import ParallelContext, ParallelNotBuilt, build_model
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline
-from moevlm.parallel.weights import copy_full_, full_grads, full_state_dict, full_tensor, init_parameters_
+from moevlm.parallel.weights import (
+    copy_full_,
+    full_grads,
+    full_state_dict,
+    full_tensor,
+    init_parameters_,
+)
 
-__all__ = ["ParallelContext", "ParallelDims", "ParallelNotBuilt", "PipelinePlan", "build_model", "copy_full_",
-           "full_grads", "full_state_dict", "full_tensor", "init_parameters_", "load_hf_weights_", "materialize_",
-           "plan_pipeline", "save_hf"]
+__all__ = [
+    "ParallelContext",
+    "ParallelDims",
+    "ParallelNotBuilt",
+    "PipelinePlan",
+    "build_model",
+    "copy_full_",
+    "full_grads",
+    "full_state_dict",
+    "full_tensor",
+    "init_parameters_",
+    "load_hf_weights_",
+    "materialize_",
+    "plan_pipeline",
+    "save_hf",
+]

@@ -55,7 +55,12 @@ from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
 from moevlm.parallel.pipeline_plan import PipelinePlan
 from moevlm.parallel.recompute import apply_recompute
-from moevlm.parallel.tensor_parallel import ParallelLoss, SumOverGroup, shard_tensor_parallel, tp_strategies
+from moevlm.parallel.tensor_parallel import (
+    ParallelLoss,
+    SumOverGroup,
+    shard_tensor_parallel,
+    tp_strategies,
+)
 
 
 class ParallelNotBuilt(NotImplementedError):
@@ -72,7 +77,9 @@ class ParallelContext:
     grad_sync: GradSync | None = None
     pipeline: Pipeline | None = None
     init_rules: dict | None = None  # the whole model's (a pipeline rank holds part of it)
-    flat: dict = field(default_factory=dict)  # flattened meshes: dense (dp x cp), vision (dp x cp x tp)
+    flat: dict = field(
+        default_factory=dict
+    )  # flattened meshes: dense (dp x cp), vision (dp x cp x tp)
     cuda_graphs: CudaGraphs | None = None
     fp8_marked: int = 0
 
@@ -99,11 +106,24 @@ class ParallelContext:
         return self.grad_sync.clip_grad_norm_(params, max_norm)
 
 
-def build_model(cfg: VLMConfig, dims: ParallelDims, *, dp_mode: str = "fsdp", device_type: str = "cpu",
-                bf16: bool = False, dispatcher: str | None = None, pipeline: PipelinePlan | None = None,
-                recompute: tuple[str, tuple[str, ...]] = ("none", ()), compile: bool = False,
-                compile_mode: str | None = None, cp_comm: str = "allgather", ep_overlap: bool = False,
-                fp8: Fp8Plan | None = None, fp8_modules=(), cuda_graph_scope=()) -> tuple[nn.Module, ParallelContext]:
+def build_model(
+    cfg: VLMConfig,
+    dims: ParallelDims,
+    *,
+    dp_mode: str = "fsdp",
+    device_type: str = "cpu",
+    bf16: bool = False,
+    dispatcher: str | None = None,
+    pipeline: PipelinePlan | None = None,
+    recompute: tuple[str, tuple[str, ...]] = ("none", ()),
+    compile: bool = False,
+    compile_mode: str | None = None,
+    cp_comm: str = "allgather",
+    ep_overlap: bool = False,
+    fp8: Fp8Plan | None = None,
+    fp8_modules=(),
+    cuda_graph_scope=(),
+) -> tuple[nn.Module, ParallelContext]:
     """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module docstring).
     `dispatcher`: the MoE blocks' dispatcher by registry name; default `cfg.moe.dispatcher`."""
     dispatcher = dispatcher or cfg.moe.dispatcher
@@ -128,32 +148,54 @@ def build_model(cfg: VLMConfig, dims: ParallelDims, *, dp_mode: str = "fsdp", de
     if compile:  # after the parallelisms (and recompute), before FSDP/DDP
         apply_compile(model, mode=compile_mode, bf16=bf16)
     _data_parallel(model, ctx, bf16)
-    ctx.cuda_graphs = apply_cuda_graphs(model, cuda_graph_scope)  # captured at the first training forward
+    ctx.cuda_graphs = apply_cuda_graphs(
+        model, cuda_graph_scope
+    )  # captured at the first training forward
     return model, ctx
 
 
 def _check(cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_overlap: bool) -> None:
     if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
-        raise ValueError(f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)")
+        raise ValueError(
+            f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)"
+        )
     experts_split = cfg.moe.num_experts and dims.ep * dims.etp > 1
     if experts_split and dispatcher not in DISPATCHERS:
-        raise ParallelNotBuilt(f"model.dispatcher={dispatcher!r} is not built yet; available: {list(dispatcher_names())}")
+        raise ParallelNotBuilt(
+            f"model.dispatcher={dispatcher!r} is not built yet; available: {list(dispatcher_names())}"
+        )
     if ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
-        raise ValueError("parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)")
+        raise ValueError(
+            "parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)"
+        )
 
 
 def _groups(ctx: ParallelContext, device_type: str) -> None:
     attn, expert = ctx.dims.build_meshes(device_type)
     ctx.meshes = (attn, expert)
-    ctx.flat = {"dense": attn["dp", "cp"]._flatten("dp_cp"), "vision": attn["dp", "cp", "tp"]._flatten("dp_cp_tp")}
-    ctx.groups = {"tp": attn["tp"].get_group(), "dp": attn["dp"].get_group(), "dense": ctx.flat["dense"].get_group(),
-                  "expert": expert["edp"].get_group(), "vision": ctx.flat["vision"].get_group(),
-                  "pp": attn["pp"].get_group(), "ep": expert["ep"].get_group(), "etp": expert["etp"].get_group()}
+    ctx.flat = {
+        "dense": attn["dp", "cp"]._flatten("dp_cp"),
+        "vision": attn["dp", "cp", "tp"]._flatten("dp_cp_tp"),
+    }
+    ctx.groups = {
+        "tp": attn["tp"].get_group(),
+        "dp": attn["dp"].get_group(),
+        "dense": ctx.flat["dense"].get_group(),
+        "expert": expert["edp"].get_group(),
+        "vision": ctx.flat["vision"].get_group(),
+        "pp": attn["pp"].get_group(),
+        "ep": expert["ep"].get_group(),
+        "etp": expert["etp"].get_group(),
+    }
     if ctx.dims.cp > 1:  # the ranks a row is split over: router statistics are summed over them
-        ctx.groups.update(cp=attn["cp"].get_group(), cp_tp=attn["cp", "tp"]._flatten("cp_tp").get_group())
+        ctx.groups.update(
+            cp=attn["cp"].get_group(), cp_tp=attn["cp", "tp"]._flatten("cp_tp").get_group()
+        )
 
 
-def _layout(cfg: VLMConfig, ctx: ParallelContext, dispatcher: str, cp_comm: str, ep_overlap: bool) -> Layout:
+def _layout(
+    cfg: VLMConfig, ctx: ParallelContext, dispatcher: str, cp_comm: str, ep_overlap: bool
+) -> Layout:
     """The strategies of this layout: tensor parallel under context parallel, the dispatchers, the runner."""
     dims, fields = ctx.dims, {}
     loss = {}
@@ -163,7 +205,9 @@ def _layout(cfg: VLMConfig, ctx: ParallelContext, dispatcher: str, cp_comm: str,
         fields.update(tp, router_stats=SumOverGroup(ctx.groups["tp"]))
         loss.update(group=group, vocab_start=start)
     if dims.cp > 1:
-        info, cp = cp_strategies(ctx.groups["cp"], cp_comm, fields.get("sequence", Layout().sequence))
+        info, cp = cp_strategies(
+            ctx.groups["cp"], cp_comm, fields.get("sequence", Layout().sequence)
+        )
         fields.update(cp, router_stats=SumOverGroup(ctx.groups["cp_tp"]))
         loss.update(take=info.take)
     if loss:
@@ -194,7 +238,10 @@ def _dispatcher_factory(cfg: VLMConfig, ctx: ParallelContext, name: str):
         kwargs.update(ep_group=ctx.groups["ep"])
 
     def build(layer_idx: int, moe_cfg):
-        return build_dispatcher(name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k, **kwargs)
+        return build_dispatcher(
+            name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k, **kwargs
+        )
+
     return build
 
 
@@ -203,7 +250,8 @@ def _pipeline(model: nn.Module, plan: PipelinePlan, ctx: ParallelContext) -> Pip
         raise ParallelNotBuilt(
             f"parallel.pp_schedule={plan.schedule} cannot start on gloo with this torch: its pipeline stages "
             "open with a send from each rank to itself (the two stages a V puts on one rank), which gloo refuses; "
-            "use NCCL (GPUs), a torch whose stages skip that (2.13), or another schedule")
+            "use NCCL (GPUs), a torch whose stages skip that (2.13), or another schedule"
+        )
     return Pipeline(model, plan, ctx.meshes[0]["pp"].get_local_rank(), ctx.pp_group)
 
 
@@ -217,13 +265,29 @@ def _check_runners(model: nn.Module) -> None:
 def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
     dims = ctx.dims
     if dims.world == 1:
-        ctx.grad_sync = GradSync(model, fsdp=False, groups={"tp": None}, tp_partial=[], tp=1, world=1)
+        ctx.grad_sync = GradSync(
+            model, fsdp=False, groups={"tp": None}, tp_partial=[], tp=1, world=1
+        )
         return
     if ctx.dp_mode == "fsdp":
-        apply_fsdp(model, ctx.flat["dense"], ctx.meshes[1]["edp"], ctx.flat["vision"], dims.tp, bf16,
-                   roots=ctx.pipeline.modules if ctx.pipeline else None)
-    ctx.grad_sync = GradSync(model, fsdp=ctx.dp_mode == "fsdp", groups=ctx.groups, tp_partial=ctx.tp_partial,
-                             tp=dims.tp, world=dims.world, stage_world=dims.world // dims.pp)
+        apply_fsdp(
+            model,
+            ctx.flat["dense"],
+            ctx.meshes[1]["edp"],
+            ctx.flat["vision"],
+            dims.tp,
+            bf16,
+            roots=ctx.pipeline.modules if ctx.pipeline else None,
+        )
+    ctx.grad_sync = GradSync(
+        model,
+        fsdp=ctx.dp_mode == "fsdp",
+        groups=ctx.groups,
+        tp_partial=ctx.tp_partial,
+        tp=dims.tp,
+        world=dims.world,
+        stage_world=dims.world // dims.pp,
+    )
 
 
 def materialize_(model: nn.Module, device, ctx: ParallelContext | None = None) -> None:

@@ -40,7 +40,9 @@ def _size(group) -> int:
 
 def all_gather_flat(x: torch.Tensor, group) -> torch.Tensor:
     """The group's tensors concatenated along dim 0 (functional: recompute can keep it)."""
-    return _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name))
+    return _F.wait_tensor(
+        _F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name)
+    )
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -48,9 +50,13 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return _F.wait_tensor(_F.all_reduce(x.contiguous(), "sum", group.group_name))
 
 
-def all_to_all_flat(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all_flat(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+) -> torch.Tensor:
     """Uneven all-to-all of rows (no autograd; functional: recompute can keep it)."""
-    return _F.wait_tensor(_F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name))
+    return _F.wait_tensor(
+        _F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    )
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -83,7 +89,11 @@ def _adjoint_pair(name: str, fwd, bwd) -> type[torch.autograd.Function]:
     def backward(ctx, g):
         return bwd(g, ctx.dim, ctx.group), None, None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
 
 
 _GatherSeq = _adjoint_pair("_GatherSeq", _all_gather, _reduce_scatter)

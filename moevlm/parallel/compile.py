@@ -67,13 +67,17 @@ from moevlm.model.decoder import DecoderLayer, TextDecoder
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vision import VisionBlock, VisionEncoder
 
-RECOMPILE_LIMIT = 64  # per code object: variants (MoE/dense, dispatcher), not layers; the default is 8
+RECOMPILE_LIMIT = (
+    64  # per code object: variants (MoE/dense, dispatcher), not layers; the default is 8
+)
 
 
 def apply_compile(model: nn.Module, *, mode: str | None = None, bf16: bool = True) -> nn.Module:
     """Compile every vision block and decoder layer of `model` in place (see the module docstring).
     `bf16`: the experts compute in bf16 (autocast); otherwise the `torch` grouped GEMM stays eager."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = max(
+        torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+    )
     backend = model.config.attn_backend
     for m in model.modules():
         if isinstance(m, (TextDecoder, VisionEncoder)):
@@ -103,8 +107,11 @@ def compile_counters() -> dict[str, int]:
     """Process-wide dynamo counters (monotonic): frames converted, graphs compiled, graph breaks."""
     from torch._dynamo.utils import counters
 
-    return {"frames": int(counters["frames"]["total"]), "graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "frames": int(counters["frames"]["total"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 class CompileCounters:
@@ -119,6 +126,8 @@ class CompileCounters:
     def record(self) -> dict[str, int]:
         now = compile_counters()
         warm = self.warm_at or now
-        return {"compiled_graphs": now["graphs"] - self.start["graphs"],
-                "graph_breaks": now["graph_breaks"] - self.start["graph_breaks"],
-                "recompiles": now["frames"] - warm["frames"]}
+        return {
+            "compiled_graphs": now["graphs"] - self.start["graphs"],
+            "graph_breaks": now["graph_breaks"] - self.start["graph_breaks"],
+            "recompiles": now["frames"] - warm["frames"],
+        }

@@ -59,7 +59,9 @@ class CPInfo:
             raise ValueError(f"parallel.cp_comm={comm!r}; choose one of {CP_COMMS}")
         self.group, self.comm = group, comm
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.idx_Bs: torch.Tensor | None = None  # (B, s) this rank's positions of the current micro-batch
+        self.idx_Bs: torch.Tensor | None = (
+            None  # (B, s) this rank's positions of the current micro-batch
+        )
 
     def set_rows(self, cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> None:
         """This rank's positions of each row of the micro-batch about to run (cp_layout.split_rows);
@@ -68,7 +70,9 @@ class CPInfo:
 
     def take(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         if self.idx_Bs is None or self.idx_Bs.shape[0] != t.shape[dim - 1]:
-            raise RuntimeError("context parallel: no micro-batch layout set (CPInfo.set_rows) for this input")
+            raise RuntimeError(
+                "context parallel: no micro-batch layout set (CPInfo.set_rows) for this input"
+            )
         return take_rows(t, self.idx_Bs, dim)
 
 
@@ -79,7 +83,7 @@ class CPImages(Images):
         self.cp = cp
 
     def encode(self, encode_fn, pixel_values_NP, grid_thw_I3, merge: int):
-        merge2 = merge ** 2
+        merge2 = merge**2
         sizes = grid_thw_I3.prod(-1).tolist()
         n = sum(sizes) // merge2
         per_rank = balance_images(sizes, self.cp.size)
@@ -88,9 +92,11 @@ class CPImages(Images):
         for size in sizes:
             starts.append(starts[-1] + size)
         if mine:
-            pixels = torch.cat([pixel_values_NP[starts[i]:starts[i + 1]] for i in mine])
+            pixels = torch.cat([pixel_values_NP[starts[i] : starts[i + 1]] for i in mine])
         else:  # no image here: the tower still runs (one isolated padding segment), so every rank's
-            pixels = pixel_values_NP.new_zeros(merge2, pixel_values_NP.shape[1])  # backward is the same
+            pixels = pixel_values_NP.new_zeros(
+                merge2, pixel_values_NP.shape[1]
+            )  # backward is the same
         out_NO, deepstack, n_mine = encode_fn(pixels, grid_thw_I3[mine])
         parts = [out_NO, *deepstack]
         link = sum(t[n_mine:].sum() for t in parts) * 0.0  # this rank's padding rows, in the graph
@@ -101,7 +107,9 @@ class CPImages(Images):
         if n:  # all ranks' rows, from rank order (each rank's images ascending) to image order
             rows = _GatherRows.apply(rows_mine, self.cp.group, counts)
             tok = [s // merge2 for s in starts]
-            order = torch.cat([torch.arange(tok[i], tok[i + 1]) for share in per_rank for i in share])
+            order = torch.cat(
+                [torch.arange(tok[i], tok[i + 1]) for share in per_rank for i in share]
+            )
             rows = torch.empty_like(rows).index_copy(0, order.to(rows.device), rows)
         pad = pixel_values_NP.shape[0] // merge2 - n  # the shape a one-process forward returns
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) + link.to(rows.dtype)
@@ -125,8 +133,8 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         total = all_reduce_sum(grad.contiguous(), ctx.group)
-        start = sum(ctx.counts[:ctx.rank])
-        return total[start:start + ctx.counts[ctx.rank]], None, None
+        start = sum(ctx.counts[: ctx.rank])
+        return total[start : start + ctx.counts[ctx.rank]], None, None
 
 
 # ---------------------------------------------------------------- the decoder
@@ -178,16 +186,27 @@ class CPCoreAttention(CoreAttention):
 
     def _attend(self, q_BsHD, k_BsKD, v_BsKD, mask: DocMask) -> torch.Tensor:
         pos, doc = mask.prepared
-        return cp_attention(q_BsHD, k_BsKD, v_BsKD, pos, doc, group=self.cp.group, comm=self.cp.comm,
-                            causal=mask.causal)
+        return cp_attention(
+            q_BsHD,
+            k_BsKD,
+            v_BsKD,
+            pos,
+            doc,
+            group=self.cp.group,
+            comm=self.cp.comm,
+            causal=mask.causal,
+        )
 
 
 def cp_strategies(cp_group, comm: str, inner: Sequence) -> tuple[CPInfo, dict]:
     """(the cp group's info, the Layout fields of context parallel over `cp_group`, composed over the
     sequence strategy `inner`: tensor parallel's, or the whole-sequence one)."""
     info = CPInfo(cp_group, comm)
-    return info, dict(sequence=CPSequence(info, inner), images=CPImages(info),
-                      attention=lambda: CPCoreAttention(info))
+    return info, dict(
+        sequence=CPSequence(info, inner),
+        images=CPImages(info),
+        attention=lambda: CPCoreAttention(info),
+    )
 
 
 __all__ = ["CP_COMMS", "CPCoreAttention", "CPImages", "CPInfo", "CPSequence", "cp_strategies"]

@@ -57,9 +57,18 @@ _F = torch.ops._c10d_functional
 _TAG_KV, _TAG_DKV = 0, 1
 
 
-def cp_attention(q_BsHD: torch.Tensor, k_BsKD: torch.Tensor, v_BsKD: torch.Tensor, pos_Bs: torch.Tensor,
-                 doc_Bs: torch.Tensor, *, group, comm: str = "allgather", causal: bool = True,
-                 scale: float | None = None) -> torch.Tensor:
+def cp_attention(
+    q_BsHD: torch.Tensor,
+    k_BsKD: torch.Tensor,
+    v_BsKD: torch.Tensor,
+    pos_Bs: torch.Tensor,
+    doc_Bs: torch.Tensor,
+    *,
+    group,
+    comm: str = "allgather",
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """(B, s, H, hd) attention of this rank's queries to the keys of every rank of `group` (like q)."""
     _check(q_BsHD, k_BsKD, v_BsKD, pos_Bs, doc_Bs, comm)
     scale = q_BsHD.shape[-1] ** -0.5 if scale is None else scale
@@ -74,21 +83,30 @@ def _check(q, k, v, pos, doc, comm: str) -> None:
     if comm not in COMMS:
         raise ValueError(f"cp_attention comm={comm!r}; choose one of {list(COMMS)}")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"cp_attention expects q (B, s, H, hd) and k, v (B, s, K, hd) of one shape; got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"cp_attention expects q (B, s, H, hd) and k, v (B, s, K, hd) of one shape; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     (B, s, H, hd), K = q.shape, k.shape[2]
     if k.shape[:2] != (B, s) or k.shape[3] != hd:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, sequence or head dim")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} differ in batch, sequence or head dim"
+        )
     if H % K:
-        raise ValueError(f"{H} query heads cannot share {K} kv heads: H must be a multiple of K (GQA)")
+        raise ValueError(
+            f"{H} query heads cannot share {K} kv heads: H must be a multiple of K (GQA)"
+        )
     for name, ids in (("pos", pos), ("doc", doc)):
         if ids.shape != (B, s) or ids.is_floating_point():
-            raise ValueError(f"cp_attention {name}_Bs must be integer ids of shape (B, s) = {(B, s)} (each "
-                             f"local token's global position / document id); got {ids.dtype} {tuple(ids.shape)}")
+            raise ValueError(
+                f"cp_attention {name}_Bs must be integer ids of shape (B, s) = {(B, s)} (each "
+                f"local token's global position / document id); got {ids.dtype} {tuple(ids.shape)}"
+            )
 
 
-def allowed_mask(pos_q: torch.Tensor, doc_q: torch.Tensor, pos_k: torch.Tensor, doc_k: torch.Tensor,
-                 causal: bool) -> torch.Tensor:
+def allowed_mask(
+    pos_q: torch.Tensor, doc_q: torch.Tensor, pos_k: torch.Tensor, doc_k: torch.Tensor, causal: bool
+) -> torch.Tensor:
     """(B, sq, sk) bool: same document and, when causal, key position <= query position."""
     allowed = doc_q[:, :, None] == doc_k[:, None, :]
     if causal:
@@ -98,9 +116,14 @@ def allowed_mask(pos_q: torch.Tensor, doc_q: torch.Tensor, pos_k: torch.Tensor, 
 
 def _sdpa(q, k, v, allowed, scale):
     """SDPA in the (B, s, H, hd) layout with a (B, sq, sk) boolean mask; GQA native."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=allowed[:, None], scale=scale,
-                                         enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=allowed[:, None],
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)
 
 
@@ -153,7 +176,9 @@ def _reduce_scatter_kv(dk_all, dv_all, group) -> tuple[torch.Tensor, torch.Tenso
     cp = dist.get_world_size(group)
     B, S = dk_all.shape[:2]
     dkv = torch.stack([dk_all, dv_all]).unflatten(2, (cp, S // cp)).movedim(2, 0).contiguous()
-    mine = _F.wait_tensor(_F.reduce_scatter_tensor(dkv, "sum", cp, group.group_name))  # (1, 2, B, s, K, hd)
+    mine = _F.wait_tensor(
+        _F.reduce_scatter_tensor(dkv, "sum", cp, group.group_name)
+    )  # (1, 2, B, s, K, hd)
     return mine[0, 0], mine[0, 1]
 
 
@@ -216,8 +241,10 @@ def _shift(x: torch.Tensor, group, tag: int) -> tuple[list, torch.Tensor]:
     """Post: send `x` to the next rank, receive the previous rank's into a new buffer (wait on the list)."""
     r, n = _rank_size(group)
     nxt = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, dist.get_global_rank(group, (r + 1) % n), group, tag),
-           dist.P2POp(dist.irecv, nxt, dist.get_global_rank(group, (r - 1) % n), group, tag)]
+    ops = [
+        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (r + 1) % n), group, tag),
+        dist.P2POp(dist.irecv, nxt, dist.get_global_rank(group, (r - 1) % n), group, tag),
+    ]
     return dist.batch_isend_irecv(ops), nxt
 
 
@@ -273,8 +300,16 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_works)
                 kv = kv_next
         _wait(dkv_works)
-        return (dq.to(q.dtype), dkv_next[0].to(k.dtype), dkv_next[1].to(v.dtype),
-                None, None, None, None, None)
+        return (
+            dq.to(q.dtype),
+            dkv_next[0].to(k.dtype),
+            dkv_next[1].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 __all__ = ["COMMS", "allowed_mask", "cp_attention"]

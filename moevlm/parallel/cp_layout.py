@@ -31,8 +31,10 @@ import torch
 
 def check_divisible(S: int, cp: int) -> None:
     if S % (2 * cp):
-        raise ValueError(f"a packed row of {S} tokens cannot be cut into 2*cp = {2 * cp} equal chunks: set "
-                         f"data.seq_len to a multiple of {2 * cp}")
+        raise ValueError(
+            f"a packed row of {S} tokens cannot be cut into 2*cp = {2 * cp} equal chunks: set "
+            f"data.seq_len to a multiple of {2 * cp}"
+        )
 
 
 def zigzag_positions(S: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -67,12 +69,16 @@ def doc_zigzag_positions(bounds: list[int], cp: int) -> list[list[int]]:
             start += size
         for r in range(cp):
             load[r] += 2 * (L // n) + took[r]
-    if any(x != S // cp for x in load):  # pragma: no cover - the greedy keeps the spread within one token
+    if any(
+        x != S // cp for x in load
+    ):  # pragma: no cover - the greedy keeps the spread within one token
         return [zigzag_positions(S, cp, r).tolist() for r in range(cp)]
     return [sorted(o) for o in out]
 
 
-def split_rows(B: int, S: int, cu_seqlens: torch.Tensor | None, cp: int, rank: int, device=None) -> torch.Tensor:
+def split_rows(
+    B: int, S: int, cu_seqlens: torch.Tensor | None, cp: int, rank: int, device=None
+) -> torch.Tensor:
     """(B, S/cp) the positions rank `rank` keeps of each row (`doc_zigzag_positions` of the row's
     documents; `cu_seqlens` over the flattened B*S tokens, None = one document per row).  Host loop over
     the documents (one device-to-host copy of `cu_seqlens`)."""
@@ -89,7 +95,9 @@ def take_rows(x: torch.Tensor, idx_Bs: torch.Tensor, dim: int = 1) -> torch.Tens
     gradient is zero at the positions not taken)."""
     shape = [1] * x.ndim
     shape[dim - 1], shape[dim] = idx_Bs.shape
-    index = idx_Bs.to(x.device).view(shape).expand(*x.shape[:dim], idx_Bs.shape[1], *x.shape[dim + 1:])
+    index = (
+        idx_Bs.to(x.device).view(shape).expand(*x.shape[:dim], idx_Bs.shape[1], *x.shape[dim + 1 :])
+    )
     return x.gather(dim, index)
 
 
@@ -110,7 +118,9 @@ def inverse_order(S: int, cp: int, device=None) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(S, device=device))
 
 
-def attention_work(doc_BS: torch.Tensor, positions: list[torch.Tensor], causal: bool = True) -> list[int]:
+def attention_work(
+    doc_BS: torch.Tensor, positions: list[torch.Tensor], causal: bool = True
+) -> list[int]:
     """Allowed (query, key) pairs each rank computes: its queries against the whole row, same document,
     and key <= query when causal.  `doc_BS` holds each token's document id, `positions[r]` rank r's."""
     B, S = doc_BS.shape
@@ -134,5 +144,15 @@ def balance_images(patches_per_image: list[int], cp: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-__all__ = ["attention_work", "balance_images", "check_divisible", "contiguous_positions", "doc_zigzag_positions",
-           "inverse_order", "split_rows", "take_rows", "take_seq", "zigzag_positions"]
+__all__ = [
+    "attention_work",
+    "balance_images",
+    "check_divisible",
+    "contiguous_positions",
+    "doc_zigzag_positions",
+    "inverse_order",
+    "split_rows",
+    "take_rows",
+    "take_seq",
+    "zigzag_positions",
+]

@@ -88,6 +88,7 @@ class _Region:
     """How one kind of region turns its call into tensors and back.  Subclasses set `kind`, `parts`,
     `shared` (positions of inputs every layer shares), `owner` (whose training flag decides) and
     implement flatten; `build(fn, key)` is the function of tensors a capture graphs (default: `fn`)."""
+
     kind = ""
     shared: tuple[int, ...] = ()
 
@@ -106,9 +107,14 @@ class _Region:
 
 def _mask_tensors(mask: DocMask, region: str) -> tuple[tuple[torch.Tensor, ...], tuple]:
     if mask.backend != "sdpa":
-        raise RuntimeError(f"model.cuda_graph_scope={region} captures the sdpa attention only (its (B,1,S,S) mask "
-                           f"is static); this layer got attn_backend={mask.backend!r}: set model.attn_backend=sdpa")
-    return ((mask.prepared,) if mask.prepared is not None else ()), (mask.causal, mask.prepared is not None)
+        raise RuntimeError(
+            f"model.cuda_graph_scope={region} captures the sdpa attention only (its (B,1,S,S) mask "
+            f"is static); this layer got attn_backend={mask.backend!r}: set model.attn_backend=sdpa"
+        )
+    return ((mask.prepared,) if mask.prepared is not None else ()), (
+        mask.causal,
+        mask.prepared is not None,
+    )
 
 
 def _doc_mask(causal: bool, prepared: torch.Tensor | None) -> DocMask:
@@ -130,6 +136,7 @@ class AttnRegion(_Region):
 
         def fn(h_BSD, cos, sin, *mask):
             return eager(h_BSD, (cos, sin), _doc_mask(causal, mask[0] if mask else None))
+
         return fn
 
 
@@ -169,8 +176,11 @@ class FullLayerRegion(_Region):
             out, stats = eager(h_BSD, (cos, sin), mask, token_mask)
             if stats is None:
                 return (out,)
-            n = (stats.num_tokens,) if has_token_mask else ()  # a tensor with a token mask, else T (shapes)
+            n = (
+                (stats.num_tokens,) if has_token_mask else ()
+            )  # a tensor with a token mask, else T (shapes)
             return (out, stats.prob_sum_E, stats.counts_E, *n)
+
         return fn
 
     def unflatten(self, outputs, args):
@@ -189,7 +199,9 @@ class GraphedRegion(Region):
     def __init__(self, region: _Region, graphs: "CudaGraphs", warmup: int = 3):
         super().__init__()
         self.region, self.shared, self.warmup = region, graphs.shared, warmup
-        self.collection = graphs  # the CudaGraphs this region belongs to (a plain object, not a submodule)
+        self.collection = (
+            graphs  # the CudaGraphs this region belongs to (a plain object, not a submodule)
+        )
         self.graphs: dict[tuple, Callable] = {}
         self.tensor_form = False
 
@@ -202,7 +214,11 @@ class GraphedRegion(Region):
             if self.tensor_form:
                 return self.region.unflatten(self.region.build(fn, key)(*tensors), args)
             return fn(*args)
-        sig = (key, _autocast_state(), tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors))
+        sig = (
+            key,
+            _autocast_state(),
+            tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+        )
         graphed = self.graphs.get(sig)
         if graphed is None:
             graphed = self.graphs[sig] = self._capture(fn, key, tensors)
@@ -210,12 +226,15 @@ class GraphedRegion(Region):
 
     def _capture(self, fn: Callable, key: tuple, tensors: tuple[torch.Tensor, ...]) -> Callable:
         if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
-            raise RuntimeError("model.cuda_graph_scope captures under torch.autocast only with its weight cache "
-                               "off: use torch.autocast(..., cache_enabled=False) (the trainer does)")
+            raise RuntimeError(
+                "model.cuda_graph_scope captures under torch.autocast only with its weight cache "
+                "off: use torch.autocast(..., cache_enabled=False) (the trainer does)"
+            )
         sample = tuple(self._static_input(i, t) for i, t in enumerate(tensors))
         module = _Capturable(self.region.build(fn, key), self.region.parts)
-        graphed = torch.cuda.make_graphed_callables(module, sample, num_warmup_iters=self.warmup,
-                                                    allow_unused_input=True)
+        graphed = torch.cuda.make_graphed_callables(
+            module, sample, num_warmup_iters=self.warmup, allow_unused_input=True
+        )
         for p in module.parameters():
             if p.requires_grad:
                 p.register_hook(_clone_if_adopted(p))
@@ -233,8 +252,10 @@ class GraphedRegion(Region):
 
 def _clone_if_adopted(p: torch.Tensor):
     """A gradient hook: when `.grad` is None AccumulateGrad may adopt the graph's static buffer as `.grad`."""
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         return grad.clone() if p.grad is None else grad
+
     return hook
 
 
@@ -271,10 +292,14 @@ class CudaGraphs:
 def scope_problem(scope) -> str | None:
     unknown = [s for s in scope if s not in SCOPES]
     if unknown:
-        return f"model.cuda_graph_scope has unknown region(s) {unknown}; choose among {list(SCOPES)}"
+        return (
+            f"model.cuda_graph_scope has unknown region(s) {unknown}; choose among {list(SCOPES)}"
+        )
     if "full_layer" in scope and len(set(scope)) > 1:
-        return ("model.cuda_graph_scope: full_layer already holds attn, moe_router and moe_preprocess; "
-                "list it alone")
+        return (
+            "model.cuda_graph_scope: full_layer already holds attn, moe_router and moe_preprocess; "
+            "list it alone"
+        )
     return None
 
 
@@ -297,8 +322,10 @@ def apply_cuda_graphs(model: nn.Module, scope) -> CudaGraphs | None:
             graphs.install(layer.mlp.router, "region", RouterRegion(layer.mlp.router))
         if layer.is_moe and "moe_preprocess" in scope:
             if not layer.mlp.dispatcher.capturable_preprocess:
-                raise ValueError("model.cuda_graph_scope=moe_preprocess captures the torch permutation plan; "
-                                 "use model.permute=torch")
+                raise ValueError(
+                    "model.cuda_graph_scope=moe_preprocess captures the torch permutation plan; "
+                    "use model.permute=torch"
+                )
             graphs.install(layer.mlp.dispatcher, "preprocess_region", PreprocessRegion(layer.mlp))
     return graphs
 
@@ -308,4 +335,11 @@ def cuda_graphs(model: nn.Module) -> CudaGraphs | None:
     return next((m.collection for m in model.modules() if isinstance(m, GraphedRegion)), None)
 
 
-__all__ = ["SCOPES", "CudaGraphs", "GraphedRegion", "apply_cuda_graphs", "cuda_graphs", "scope_problem"]
+__all__ = [
+    "SCOPES",
+    "CudaGraphs",
+    "GraphedRegion",
+    "apply_cuda_graphs",
+    "cuda_graphs",
+    "scope_problem",
+]

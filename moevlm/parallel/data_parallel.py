@@ -42,8 +42,15 @@ except ImportError:  # pragma: no cover
     _StridedShard = ()
 
 
-def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, bf16: bool,
-               roots: list[nn.Module] | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dense_mesh,
+    expert_mesh,
+    vision_mesh,
+    tp: int,
+    bf16: bool,
+    roots: list[nn.Module] | None = None,
+) -> None:
     """FSDP2 units over the parts of `model` this rank holds; `roots` (default: the model) own what
     is left (embeddings, final norm, LM head).  Pipeline stage modules are roots of their stage: they
     pass their inputs (activations, fp32 router statistics) through uncast."""
@@ -52,15 +59,18 @@ def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, 
     def policy(cast_inputs: bool = True):
         if not bf16:
             return MixedPrecisionPolicy(cast_forward_inputs=cast_inputs)
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    cast_forward_inputs=cast_inputs)
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs
+        )
 
     units: list[tuple[nn.Module, float]] = []
 
     # Under pipeline stages the weights stay gathered from a micro-batch's forward to its backward (torch's
     # stage reshards them after the step): no all-gather per micro-batch, and the zero-bubble schedules'
     # split backward finds the weights its weight-gradient pass differentiates.
-    keep = {} if roots is None else {"reshard_after_forward": False}  # else torch's default (root: kept)
+    keep = (
+        {} if roots is None else {"reshard_after_forward": False}
+    )  # else torch's default (root: kept)
 
     def shard(module, mesh, divide, cast_inputs=True):
         fully_shard(module, mesh=mesh, mp_policy=policy(cast_inputs), **keep)
@@ -78,7 +88,9 @@ def apply_fsdp(model: nn.Module, dense_mesh, expert_mesh, vision_mesh, tp: int, 
         shard(root, dense_mesh, 1.0, cast_inputs=roots is None)
     for module, divide in units:
         module.set_gradient_divide_factor(float(divide))
-        if hasattr(module, "set_force_sum_reduction_for_comms"):  # plain SUM (+ a division): gloo has no PREMUL_SUM
+        if hasattr(
+            module, "set_force_sum_reduction_for_comms"
+        ):  # plain SUM (+ a division): gloo has no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
 
 
@@ -87,15 +99,27 @@ class GradSync:
     Parameters are looked up by name at every call (materialising a meta model
     replaces the parameter objects)."""
 
-    def __init__(self, model: nn.Module, *, fsdp: bool, groups: dict, tp_partial: list[str], tp: int,
-                 world: int, stage_world: int | None = None, bucket_mb: float = 64.0):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        fsdp: bool,
+        groups: dict,
+        tp_partial: list[str],
+        tp: int,
+        world: int,
+        stage_world: int | None = None,
+        bucket_mb: float = 64.0,
+    ):
         self.model = model
         names = [n for n, _ in model.named_parameters()]
         missing = sorted(set(tp_partial) - set(names))
         if missing:
             raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
         self.world, self.tp = world, tp
-        self.stage_world = stage_world or world  # the ranks holding this rank's parameters (world / pp)
+        self.stage_world = (
+            stage_world or world
+        )  # the ranks holding this rank's parameters (world / pp)
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
         self.tp_group = groups["tp"]
         self.tp_partial = list(tp_partial)
@@ -103,7 +127,13 @@ class GradSync:
         if not fsdp:
             by_group: dict[str, list[str]] = {"dense": [], "expert": [], "vision": []}
             for n in names:
-                by_group["vision" if n.startswith("vision.") else "expert" if ".experts." in n else "dense"].append(n)
+                by_group[
+                    "vision"
+                    if n.startswith("vision.")
+                    else "expert"
+                    if ".experts." in n
+                    else "dense"
+                ].append(n)
             for kind, members in by_group.items():
                 group = groups.get(kind)
                 if members and group is not None and dist.get_world_size(group) > 1:
@@ -118,11 +148,18 @@ class GradSync:
             for n in members:  # every rank reduces the same buckets, used or not this step
                 if params[n].grad is None and params[n].requires_grad:
                     params[n].grad = torch.zeros_like(params[n])
-            _all_reduce_flat([params[n].grad for n in members if params[n].grad is not None], group,
-                             self.bucket_elems, scale)
+            _all_reduce_flat(
+                [params[n].grad for n in members if params[n].grad is not None],
+                group,
+                self.bucket_elems,
+                scale,
+            )
         if self.tp > 1:
-            _all_reduce_flat([params[n].grad for n in self.tp_partial if params[n].grad is not None], self.tp_group,
-                             self.bucket_elems)
+            _all_reduce_flat(
+                [params[n].grad for n in self.tp_partial if params[n].grad is not None],
+                self.tp_group,
+                self.bucket_elems,
+            )
 
     @torch.no_grad()
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
@@ -132,11 +169,18 @@ class GradSync:
         grads = [p.grad for p in params if p.grad is not None]
         locals_ = [_local(g) for g in grads]
         device = locals_[0].device if locals_ else _device(self.model)
-        total = torch.zeros((), dtype=torch.float64, device=device)  # a rank without gradients still joins the sum
+        total = torch.zeros(
+            (), dtype=torch.float64, device=device
+        )  # a rank without gradients still joins the sum
         if grads:
-            norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2)])  # empty shards give 0
-            weights = torch.tensor([1.0 / _copies(g, self.stage_world) for g in grads], dtype=torch.float64,
-                                   device=device)
+            norms = torch.stack(
+                [n.double() for n in torch._foreach_norm(locals_, 2)]
+            )  # empty shards give 0
+            weights = torch.tensor(
+                [1.0 / _copies(g, self.stage_world) for g in grads],
+                dtype=torch.float64,
+                device=device,
+            )
             total = (norms.pow(2) * weights).sum()
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(total)
@@ -163,12 +207,16 @@ def _copies(g: torch.Tensor, world: int) -> int:
         return world
     shards = 1
     for i, pl in enumerate(g.placements):
-        if pl.is_shard() or isinstance(pl, _StridedShard):  # FSDP over TP uses _StridedShard (not a Shard)
+        if pl.is_shard() or isinstance(
+            pl, _StridedShard
+        ):  # FSDP over TP uses _StridedShard (not a Shard)
             shards *= g.device_mesh.size(i)
     return world // shards
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group, bucket_elems: int, scale: float = 1.0) -> None:
+def _all_reduce_flat(
+    grads: list[torch.Tensor], group, bucket_elems: int, scale: float = 1.0
+) -> None:
     """Sum the local tensors of `grads` over `group`, in flat fp32 buckets."""
     locals_ = [_local(g) for g in grads]
     start = 0
@@ -184,6 +232,6 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, bucket_elems: int, scale:
             flat.mul_(scale)
         offset = 0
         for t in chunk:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         start = end

@@ -102,7 +102,11 @@ class _Exchange:
 def _issue(group, src: torch.Tensor, out_splits: list[int], in_splits: list[int]):
     src = src.contiguous()
     out = src.new_empty(sum(out_splits), *src.shape[1:])
-    return out, src, dist.all_to_all_single(out, src, out_splits, in_splits, group=group, async_op=True)
+    return (
+        out,
+        src,
+        dist.all_to_all_single(out, src, out_splits, in_splits, group=group, async_op=True),
+    )
 
 
 class _Start(torch.autograd.Function):
@@ -141,6 +145,7 @@ class _Finish(torch.autograd.Function):
 @dataclass
 class _Chunk:
     """One chunk in flight: its rows state, its exchange splits and permutations, and the pending rows."""
+
     rows: RowsState
     send_splits: list[int]
     recv_splits: list[int]
@@ -170,7 +175,9 @@ class OverlappedRunner(nn.Module):
             chunks = _dispatch_dropless(d, parts)
         else:
             chunks = [_dispatch_capacity(d, c, *p) for c, p in enumerate(parts)]
-        for c, ch in enumerate(chunks):  # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
+        for c, ch in enumerate(
+            chunks
+        ):  # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
             expert_y_MD = experts(_grouped(d, ch), ch.tokens_per_local_expert_L)
             _combine_start(d, ch, expert_y_MD, c)
         return torch.cat([_combine_finish(d, ch) for ch in chunks])
@@ -182,25 +189,44 @@ class OverlappedRunner(nn.Module):
 def _dispatch_dropless(d: AllToAllDispatcher, parts) -> list[_Chunk]:
     """Permute every chunk, exchange all chunks' counts at once (the one host sync), issue every chunk's rows."""
     P, L = d.ep_size, d.num_local_experts
-    permuted = [to_expert_rows(x, idx, w, d.num_experts, d.permute,
-                               plan=rows_plan(idx, w, d.num_experts) if d.permute == "torch" else None)
-                for x, idx, w in parts]
+    permuted = [
+        to_expert_rows(
+            x,
+            idx,
+            w,
+            d.num_experts,
+            d.permute,
+            plan=rows_plan(idx, w, d.num_experts) if d.permute == "torch" else None,
+        )
+        for x, idx, w in parts
+    ]
     counts_CE = torch.stack([counts_E for _, counts_E, _ in permuted])
     C = counts_CE.shape[0]
-    send_PCL = counts_CE.view(C, P, L).transpose(0, 1).contiguous()  # block p: every chunk's counts for rank p
+    send_PCL = (
+        counts_CE.view(C, P, L).transpose(0, 1).contiguous()
+    )  # block p: every chunk's counts for rank p
     recv_PCL = all_to_all_flat(send_PCL.view(-1), [C * L] * P, [C * L] * P, d.group).view(P, C, L)
     host = torch.cat([counts_CE.view(-1), recv_PCL.view(-1)]).tolist()
-    sent, got = host[:C * P * L], host[C * P * L:]
+    sent, got = host[: C * P * L], host[C * P * L :]
     chunks = []
     for c, (rows_ND, _, rows) in enumerate(permuted):
         recv_PL = recv_PCL[:, c]
-        got_PL = [got[(p * C + c) * L:(p * C + c + 1) * L] for p in range(P)]
+        got_PL = [got[(p * C + c) * L : (p * C + c + 1) * L] for p in range(P)]
         recv_splits = [sum(g) for g in got_PL]
-        send_splits = rank_splits(sent[c * P * L:(c + 1) * P * L], P)
+        send_splits = rank_splits(sent[c * P * L : (c + 1) * P * L], P)
         regroup_M = regroup_by_local_expert(recv_PL, sum(recv_splits))
         exchange = _Exchange(d.group, recv_splits, send_splits, f"dispatch {c}")
-        chunks.append(_Chunk(rows, send_splits, recv_splits, regroup_M, recv_PL.sum(0), exchange,
-                             exchange.start(rows_ND)))
+        chunks.append(
+            _Chunk(
+                rows,
+                send_splits,
+                recv_splits,
+                regroup_M,
+                recv_PL.sum(0),
+                exchange,
+                exchange.start(rows_ND),
+            )
+        )
     return chunks
 
 
@@ -213,7 +239,9 @@ def _dispatch_capacity(d: AllToAllDispatcher, c: int, x_TD, topk_idx_TK, topk_w_
     splits = d.capacity_splits(handle.capacity)
     exchange = _Exchange(d.group, splits, splits, f"dispatch {c}")
     tokens_L = d.capacity_tokens_per_local_expert(handle.capacity, x_TD.device)
-    return _Chunk(handle.rows, splits, splits, None, tokens_L, exchange, exchange.start(send_SD), handle)
+    return _Chunk(
+        handle.rows, splits, splits, None, tokens_L, exchange, exchange.start(send_SD), handle
+    )
 
 
 # ----------------------------------------------------------------- both modes

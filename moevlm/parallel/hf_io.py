@@ -39,16 +39,26 @@ def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> N
     hf_dir = Path(hf_dir)
     hf.check_architecture(hf_dir, model.config)
     expected = hf.expected_shapes(_whole_on_meta(model))
-    plan = hf.plan_load(expected, hf.checkpoint_files(hf_dir), expert_layout,
-                        tie_word_embeddings=model.config.tie_word_embeddings)
+    plan = hf.plan_load(
+        expected,
+        hf.checkpoint_files(hf_dir),
+        expert_layout,
+        tie_word_embeddings=model.config.tie_word_embeddings,
+    )
     params = model.state_dict()
     with torch.no_grad():
         for name, t in hf.read_tensors(plan, [n for n in plan if n in params], expected):
             copy_full_(params[name], t)
 
 
-def save_hf(model: nn.Module, out_dir, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30,
-            ctx=None) -> None:
+def save_hf(
+    model: nn.Module,
+    out_dir,
+    *,
+    expert_layout: str = "hub",
+    max_shard_bytes: int = 5 << 30,
+    ctx=None,
+) -> None:
     """Write the model as a Hugging Face folder; collective when the model is laid out over ranks (`ctx`:
     its ParallelContext)."""
     out_dir = Path(out_dir)
@@ -66,7 +76,9 @@ def save_hf(model: nn.Module, out_dir, *, expert_layout: str = "hub", max_shard_
     for fname, (holder, names) in files.items():
         if holder != mine:
             continue
-        tensors = dict(hf.to_hf(n, full_tensor(params[n].detach(), n), cfg, expert_layout) for n in names)
+        tensors = dict(
+            hf.to_hf(n, full_tensor(params[n].detach(), n), cfg, expert_layout) for n in names
+        )
         if leader:  # every rank of the stage gathered (collectives); one writes
             hf.write_file(out_dir / fname, tensors, expert_layout)
     if rank == 0:
@@ -90,8 +102,12 @@ def _file_plan(model: nn.Module, dtype: torch.dtype, max_shard_bytes: int, ctx):
     by_rank: dict[int, dict[str, int]] = {}
     for name, t in whole.items():
         by_rank.setdefault(_holder(plan, name), {})[name] = t.numel() * dtype.itemsize
-    groups = [(r, names) for r in sorted(by_rank) for names in hf.shard_names(by_rank[r], max_shard_bytes)]
-    return dict(zip(hf.file_names(len(groups)), groups)), sum(sum(v.values()) for v in by_rank.values())
+    groups = [
+        (r, names) for r in sorted(by_rank) for names in hf.shard_names(by_rank[r], max_shard_bytes)
+    ]
+    return dict(zip(hf.file_names(len(groups)), groups)), sum(
+        sum(v.values()) for v in by_rank.values()
+    )
 
 
 def _holder(plan, name: str) -> int:

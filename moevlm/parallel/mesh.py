@@ -38,22 +38,33 @@ class ParallelDims:
         _check(self.world >= 1, f"world size {self.world} must be >= 1")
         for name in ("tp", "cp", "pp", "ep", "etp"):
             _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)} must be >= 1")
-        _check(self.world % self.pp == 0, f"world size {self.world} is not divisible by parallel.pp={self.pp}")
+        _check(
+            self.world % self.pp == 0,
+            f"world size {self.world} is not divisible by parallel.pp={self.pp}",
+        )
         per_stage = self.world // self.pp
-        object.__setattr__(self, "dp", self._derive("dp", self.dp, per_stage, self.tp * self.cp, "tp*cp"))
-        object.__setattr__(self, "edp", self._derive("edp", self.edp, per_stage, self.ep * self.etp, "ep*etp"))
+        object.__setattr__(
+            self, "dp", self._derive("dp", self.dp, per_stage, self.tp * self.cp, "tp*cp")
+        )
+        object.__setattr__(
+            self, "edp", self._derive("edp", self.edp, per_stage, self.ep * self.etp, "ep*etp")
+        )
 
     @staticmethod
     def _derive(name: str, value: int, per_stage: int, inner: int, what: str) -> int:
         if value == -1:
-            _check(per_stage % inner == 0,
-                   f"world/pp = {per_stage} ranks per pipeline stage is not divisible by {what} = {inner}; "
-                   f"change parallel.{what.replace('*', ' or parallel.')} or the number of processes")
+            _check(
+                per_stage % inner == 0,
+                f"world/pp = {per_stage} ranks per pipeline stage is not divisible by {what} = {inner}; "
+                f"change parallel.{what.replace('*', ' or parallel.')} or the number of processes",
+            )
             return per_stage // inner
         _check(value >= 1, f"parallel.{name}={value} must be >= 1 or -1 (derived)")
-        _check(value * inner == per_stage,
-               f"parallel.{name}={value} x {what}={inner} = {value * inner} but world/pp = {per_stage}; "
-               f"set parallel.{name}=-1 to derive it")
+        _check(
+            value * inner == per_stage,
+            f"parallel.{name}={value} x {what}={inner} = {value * inner} but world/pp = {per_stage}; "
+            f"set parallel.{name}=-1 to derive it",
+        )
         return value
 
     # ------------------------------------------------------------- rank groups
@@ -83,8 +94,10 @@ class ParallelDims:
             names = self.EXPERT if dims[0] in self.EXPERT[1:] else self.ATTN
             members = [rank]
             for d in dims:
-                stride = math.prod(self.shape(names[names.index(d) + 1:]))
-                members = [m + (k - mine[d]) * stride for m in members for k in range(getattr(self, d))]
+                stride = math.prod(self.shape(names[names.index(d) + 1 :]))
+                members = [
+                    m + (k - mine[d]) * stride for m in members for k in range(getattr(self, d))
+                ]
             out["_".join(dims)] = sorted(members)
         return out
 
@@ -93,7 +106,10 @@ class ParallelDims:
         lines = [self.describe()]
         for r in range(self.world):
             g = self.groups(r)
-            lines.append(f"rank {r}: " + "  ".join(f"{k} {v}" for k, v in g.items() if len(v) > 1 or k == "dp"))
+            lines.append(
+                f"rank {r}: "
+                + "  ".join(f"{k} {v}" for k, v in g.items() if len(v) > 1 or k == "dp")
+            )
         return "\n".join(lines)
 
     def build_meshes(self, device_type: str):
@@ -103,30 +119,47 @@ class ParallelDims:
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = torch.arange(self.world)
-        return (DeviceMesh(device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN),
-                DeviceMesh(device_type, ranks.reshape(self.shape(self.EXPERT)), mesh_dim_names=self.EXPERT))
+        return (
+            DeviceMesh(device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN),
+            DeviceMesh(
+                device_type, ranks.reshape(self.shape(self.EXPERT)), mesh_dim_names=self.EXPERT
+            ),
+        )
 
     def check_model(self, cfg: VLMConfig) -> None:
         """Divisibility of the model by the layout, with what to change."""
         t, m = cfg.text, cfg.moe
-        _check(t.num_heads % self.tp == 0, f"text.num_heads={t.num_heads} is not divisible by parallel.tp={self.tp}")
-        _check(t.num_kv_heads % self.tp == 0 or self.tp % t.num_kv_heads == 0,
-               f"text.num_kv_heads={t.num_kv_heads} and parallel.tp={self.tp}: one must divide the other")
-        _check(t.vocab_size % self.tp == 0,
-               f"text.vocab_size={t.vocab_size} is not divisible by parallel.tp={self.tp} (the embedding and LM head "
-               "are split along the vocabulary); pad the vocabulary or change parallel.tp")
+        _check(
+            t.num_heads % self.tp == 0,
+            f"text.num_heads={t.num_heads} is not divisible by parallel.tp={self.tp}",
+        )
+        _check(
+            t.num_kv_heads % self.tp == 0 or self.tp % t.num_kv_heads == 0,
+            f"text.num_kv_heads={t.num_kv_heads} and parallel.tp={self.tp}: one must divide the other",
+        )
+        _check(
+            t.vocab_size % self.tp == 0,
+            f"text.vocab_size={t.vocab_size} is not divisible by parallel.tp={self.tp} (the embedding and LM head "
+            "are split along the vocabulary); pad the vocabulary or change parallel.tp",
+        )
         _check(t.num_layers >= self.pp, f"text.num_layers={t.num_layers} < parallel.pp={self.pp}")
         if m.num_experts:
-            _check(m.num_experts % self.ep == 0,
-                   f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={self.ep}")
-            _check(m.moe_intermediate_size % self.etp == 0,
-                   f"moe.moe_intermediate_size={m.moe_intermediate_size} is not divisible by parallel.etp={self.etp}")
+            _check(
+                m.num_experts % self.ep == 0,
+                f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={self.ep}",
+            )
+            _check(
+                m.moe_intermediate_size % self.etp == 0,
+                f"moe.moe_intermediate_size={m.moe_intermediate_size} is not divisible by parallel.etp={self.etp}",
+            )
         elif self.ep > 1 or self.etp > 1:
             raise ConfigError("parallel.ep/etp > 1 need a MoE model (moe.num_experts > 0)")
 
     def describe(self) -> str:
-        return (f"world {self.world} = pp {self.pp} x dp {self.dp} x cp {self.cp} x tp {self.tp} "
-                f"= pp {self.pp} x edp {self.edp} x ep {self.ep} x etp {self.etp}")
+        return (
+            f"world {self.world} = pp {self.pp} x dp {self.dp} x cp {self.cp} x tp {self.tp} "
+            f"= pp {self.pp} x edp {self.edp} x ep {self.ep} x etp {self.etp}"
+        )
 
 
 def _check(ok: bool, message: str) -> None:

@@ -61,6 +61,7 @@ from moevlm.model.moe import RouterStats, load_balancing_loss
 from moevlm.model.objective import objective
 from moevlm.parallel.pipeline_plan import SCHEDULES, PipelinePlan
 
+
 def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> list[int]:
     """Keep only the parts of the (meta) model that this pp rank's stages hold; returns the stages."""
     stages = plan.stages_of(pp_rank)
@@ -79,10 +80,14 @@ def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> list[
 class StageModule(nn.Module):
     """Stage `index` of the pipeline, over the modules of the rank's pruned model."""
 
-    def __init__(self, model: nn.Module, plan: PipelinePlan, index: int, batches: list, autocast: Callable):
+    def __init__(
+        self, model: nn.Module, plan: PipelinePlan, index: int, batches: list, autocast: Callable
+    ):
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: its parameters are registered below, once
-        self.__dict__["batches"] = batches  # the step's MicroBatches, filled by Pipeline.forward_backward
+        self.__dict__["batches"] = (
+            batches  # the step's MicroBatches, filled by Pipeline.forward_backward
+        )
         self.__dict__["autocast"] = autocast
         cfg = model.config
         self.index, self.first, self.last = index, index == 0, index == plan.num_stages - 1
@@ -96,16 +101,23 @@ class StageModule(nn.Module):
         self.ds_in = [] if self.first else [k for k in range(n_ds) if k >= span.start]
         self.ds_out = [] if self.last else [k for k in range(n_ds) if k >= span.stop]
         self.num_experts = cfg.moe.num_experts
-        self.h_dtype = self.vision_dtype = torch.float32  # what crosses the boundary (Pipeline.start sets them)
+        self.h_dtype = self.vision_dtype = (
+            torch.float32
+        )  # what crosses the boundary (Pipeline.start sets them)
         self.records: list[dict] = []
-        self.loss_tokens, self.aux_divisor = 1.0, 1  # the step's objective (set by Pipeline.forward_backward)
+        self.loss_tokens, self.aux_divisor = (
+            1.0,
+            1,
+        )  # the step's objective (set by Pipeline.forward_backward)
 
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
         model, b = self.model, self.batches[int(mb)]
         model.layout.sequence.begin(b.cu_seqlens, *b.input_ids.shape, b.input_ids.device)
         with self.autocast():
             if self.first:
-                h, visual_mask, ds_list, n = model.embed(b.input_ids, b.pixel_values, b.image_grid_thw)
+                h, visual_mask, ds_list, n = model.embed(
+                    b.input_ids, b.pixel_values, b.image_grid_thw
+                )
                 deepstack = dict(enumerate(ds_list))
                 h = model.text.seq.enter(h)
                 stats = None
@@ -124,19 +136,34 @@ class StageModule(nn.Module):
 
     def _add_stats(self, stats, layer_stats: list[RouterStats], h) -> torch.Tensor | None:
         """Accumulate this stage's router statistics into the travelling (2E+1,) vector."""
-        record = {"counts": torch.stack([s.counts_E for s in layer_stats]).detach() if layer_stats else None}
+        record = {
+            "counts": torch.stack([s.counts_E for s in layer_stats]).detach()
+            if layer_stats
+            else None
+        }
         self.records.append(record)
         if not self.num_experts:
             return None
         if layer_stats:
-            n = torch.stack([torch.as_tensor(s.num_tokens, dtype=torch.float32, device=h.device).reshape(())
-                             for s in layer_stats]).sum()
-            local = torch.cat([torch.stack([s.prob_sum_E for s in layer_stats]).sum(0),
-                               torch.stack([s.counts_E for s in layer_stats]).sum(0), n[None]]).float()
+            n = torch.stack(
+                [
+                    torch.as_tensor(s.num_tokens, dtype=torch.float32, device=h.device).reshape(())
+                    for s in layer_stats
+                ]
+            ).sum()
+            local = torch.cat(
+                [
+                    torch.stack([s.prob_sum_E for s in layer_stats]).sum(0),
+                    torch.stack([s.counts_E for s in layer_stats]).sum(0),
+                    n[None],
+                ]
+            ).float()
             stats = local if stats is None else stats + local
         elif stats is None:
             stats = h.new_zeros(2 * self.num_experts + 1, dtype=torch.float32)
-        if not stats.requires_grad:  # a first stage without MoE layers: tie the vector to the graph (exact zero)
+        if (
+            not stats.requires_grad
+        ):  # a first stage without MoE layers: tie the vector to the graph (exact zero)
             stats = stats + h.float().sum() * 0
         return stats
 
@@ -146,11 +173,17 @@ class StageModule(nn.Module):
         lm_loss, n = model.lm_loss(logits, b.labels, b.cu_seqlens)
         lm_sum = lm_loss * n
         aux = None
-        if stats is not None:  # the load-balancing loss over every layer, from the sums of all stages
+        if (
+            stats is not None
+        ):  # the load-balancing loss over every layer, from the sums of all stages
             E = self.num_experts
-            total = RouterStats(stats[:E], counts_E=stats[E:2 * E].detach(), num_tokens=stats[2 * E].detach())
+            total = RouterStats(
+                stats[:E], counts_E=stats[E : 2 * E].detach(), num_tokens=stats[2 * E].detach()
+            )
             aux = load_balancing_loss([total], E)
-        loss = objective(lm_sum, self.loss_tokens, aux, cfg.moe.router_aux_loss_coef, self.aux_divisor)
+        loss = objective(
+            lm_sum, self.loss_tokens, aux, cfg.moe.router_aux_loss_coef, self.aux_divisor
+        )
         self.records[-1].update(lm_sum=lm_sum.detach(), aux=None if aux is None else aux.detach())
         return _not_a_view(loss.reshape(1).float())
 
@@ -161,8 +194,10 @@ class Pipeline:
     def __init__(self, model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_group):
         self.plan, self.pp_rank, self.group = plan, pp_rank, pp_group
         self.batches: list = []  # the step's MicroBatches
-        self.modules = [StageModule(model, plan, s, self.batches, contextlib.nullcontext)
-                        for s in plan.stages_of(pp_rank)]
+        self.modules = [
+            StageModule(model, plan, s, self.batches, contextlib.nullcontext)
+            for s in plan.stages_of(pp_rank)
+        ]
         self.schedule, self.device = None, torch.device("cpu")  # both set by start()
         self.first_rank = dist.get_global_rank(pp_group, 0) if pp_group is not None else 0
 
@@ -175,8 +210,18 @@ class Pipeline:
         return any(m.last for m in self.modules)
 
     # -------------------------------------------------------------- schedule
-    def start(self, device: torch.device, *, rows: int, seq_len: int, max_patches: int, seq_shards: int,
-              h_dtype: torch.dtype, vision_dtype: torch.dtype, autocast: Callable | None = None) -> None:
+    def start(
+        self,
+        device: torch.device,
+        *,
+        rows: int,
+        seq_len: int,
+        max_patches: int,
+        seq_shards: int,
+        h_dtype: torch.dtype,
+        vision_dtype: torch.dtype,
+        autocast: Callable | None = None,
+    ) -> None:
         """Build torch's PipelineStage for every local stage (with the static boundary shapes) and the
         schedule.  `autocast` (a context factory) wraps every stage's forward."""
         from torch.distributed import pipelining
@@ -189,19 +234,44 @@ class Pipeline:
         cfg = self.modules[0].model.config
         D, merge = cfg.text.hidden_size, cfg.vision.spatial_merge_size
         meta = dict(device="meta", requires_grad=True)
-        h = torch.empty(rows, seq_len // seq_shards, D, dtype=h_dtype, **meta)  # the sequence over cp x tp
+        h = torch.empty(
+            rows, seq_len // seq_shards, D, dtype=h_dtype, **meta
+        )  # the sequence over cp x tp
         ds = torch.empty(rows * max_patches // merge**2, D, dtype=vision_dtype, **meta)
-        stats = [torch.empty(2 * cfg.moe.num_experts + 1, dtype=torch.float32, **meta)] if cfg.moe.num_experts else []
+        stats = (
+            [torch.empty(2 * cfg.moe.num_experts + 1, dtype=torch.float32, **meta)]
+            if cfg.moe.num_experts
+            else []
+        )
         stages = []
         for m in self.modules:
             if not max_patches:  # text-only budgets: no image, no deepstack
                 m.ds_in, m.ds_out = [], []
-            ins = (torch.empty(1, dtype=torch.long, device="meta"),) if m.first else (h, *[ds] * len(m.ds_in), *stats)
-            outs = (torch.empty(1, dtype=torch.float32, **meta),) if m.last else (h, *[ds] * len(m.ds_out), *stats)
-            stages.append(pipelining.PipelineStage(m, m.index, self.plan.num_stages, device, input_args=ins,
-                                                   output_args=outs, group=self.group))
+            ins = (
+                (torch.empty(1, dtype=torch.long, device="meta"),)
+                if m.first
+                else (h, *[ds] * len(m.ds_in), *stats)
+            )
+            outs = (
+                (torch.empty(1, dtype=torch.float32, **meta),)
+                if m.last
+                else (h, *[ds] * len(m.ds_out), *stats)
+            )
+            stages.append(
+                pipelining.PipelineStage(
+                    m,
+                    m.index,
+                    self.plan.num_stages,
+                    device,
+                    input_args=ins,
+                    output_args=outs,
+                    group=self.group,
+                )
+            )
         cls = getattr(pipelining, SCHEDULES[self.plan.schedule][0])
-        kw = dict(n_microbatches=self.plan.microbatches, loss_fn=_objective_is_the_loss, scale_grads=False)
+        kw = dict(
+            n_microbatches=self.plan.microbatches, loss_fn=_objective_is_the_loss, scale_grads=False
+        )
         self.schedule = cls(stages[0], **kw) if self.plan.vpp == 1 else cls(stages, **kw)
 
     # ------------------------------------------------------------------ step
@@ -209,8 +279,12 @@ class Pipeline:
         """The step's micro-batches on every rank of the pipeline group: the first stage's rank read
         them; the others receive them without the pixels (one broadcast; they never decode images)."""
         box = [[mb.without_images() for mb in micro] if self.pp_rank == 0 else None]
-        dist.broadcast_object_list(box, src=self.first_rank, group=self.group,
-                                   device=device if device.type == "cuda" else None)
+        dist.broadcast_object_list(
+            box,
+            src=self.first_rank,
+            group=self.group,
+            device=device if device.type == "cuda" else None,
+        )
         return micro if self.pp_rank == 0 else box[0]
 
     def forward_backward(self, micro: list, loss_tokens: float, aux_divisor: int):
@@ -223,8 +297,12 @@ class Pipeline:
             m.loss_tokens, m.aux_divisor = loss_tokens, aux_divisor
         ids = torch.arange(len(micro))
         args = (ids,) if self.holds_first else ()
-        self.schedule.step(*args, target=ids if self.holds_last else None, return_outputs=False, mb=ids)
-        lm_sum = aux = torch.zeros((), device=self.device)  # summed where they were computed: no host sync
+        self.schedule.step(
+            *args, target=ids if self.holds_last else None, return_outputs=False, mb=ids
+        )
+        lm_sum = aux = torch.zeros(
+            (), device=self.device
+        )  # summed where they were computed: no host sync
         counts = None
         for m in self.modules:
             for r in m.records:

@@ -49,8 +49,14 @@ SCHEDULES = {
     "dualpipev": ("ScheduleDualPipeV", "v", "=2"),
 }
 # earlier spellings (the class names) keep working
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "zbvzerobubble": "zbv",
-            "zb_v": "zbv", "dualpipe_v": "dualpipev"}
+_ALIASES = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved1f1b": "interleaved_1f1b",
+    "zbvzerobubble": "zbv",
+    "zb_v": "zbv",
+    "dualpipe_v": "dualpipev",
+}
 
 
 def schedule_name(name: str) -> str:
@@ -93,24 +99,41 @@ class PipelinePlan:
     def describe(self) -> str:
         total = sum(self.flops) or 1.0
         how = "auto (balanced by training FLOPs)" if self.auto else "explicit"
-        lines = [f"pipeline: {self.schedule}, pp {self.pp} x vpp {self.vpp} = {self.num_stages} stages, "
-                 f"{self.microbatches} micro-batches per step, layers {how}: {','.join(map(str, self.layers))}"]
+        lines = [
+            f"pipeline: {self.schedule}, pp {self.pp} x vpp {self.vpp} = {self.num_stages} stages, "
+            f"{self.microbatches} micro-batches per step, layers {how}: {','.join(map(str, self.layers))}"
+        ]
         for s in range(self.num_stages):
             r = self.layer_range(s)
-            extra = (["vision tower, embedding"] if s == 0 else []) + \
-                (["norm, LM head, loss"] if s == self.num_stages - 1 else [])
-            lines.append(f"  stage {s} (pp rank {self.rank_of(s)}): decoder layers {r.start}-{r.stop - 1} "
-                         f"({len(r)})" + (f" + {' + '.join(extra)}" if extra else "") +
-                         f", {100 * self.flops[s] / total:.1f}% of the FLOPs")
+            extra = (["vision tower, embedding"] if s == 0 else []) + (
+                ["norm, LM head, loss"] if s == self.num_stages - 1 else []
+            )
+            lines.append(
+                f"  stage {s} (pp rank {self.rank_of(s)}): decoder layers {r.start}-{r.stop - 1} "
+                f"({len(r)})"
+                + (f" + {' + '.join(extra)}" if extra else "")
+                + f", {100 * self.flops[s] / total:.1f}% of the FLOPs"
+            )
         by_rank = [sum(self.flops[s] for s in self.stages_of(r)) / total for r in range(self.pp)]
         lines.append("  per pp rank: " + ", ".join(f"{100 * f:.1f}%" for f in by_rank))
         return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ planning
-def plan_pipeline(cfg: VLMConfig, *, pp: int, vpp: int | None, schedule: str, layers: str | list | tuple,
-                  microbatches: int, rows: int, seq_len: int, max_patches: int, image_patches: int,
-                  freeze_vision: bool = False) -> PipelinePlan:
+def plan_pipeline(
+    cfg: VLMConfig,
+    *,
+    pp: int,
+    vpp: int | None,
+    schedule: str,
+    layers: str | list | tuple,
+    microbatches: int,
+    rows: int,
+    seq_len: int,
+    max_patches: int,
+    image_patches: int,
+    freeze_vision: bool = False,
+) -> PipelinePlan:
     """Check the pipeline settings against the model and the batch, and choose the split.
     `rows` packed rows of `seq_len` tokens and `max_patches` patches form one micro-batch;
     `image_patches` is the largest image's patch count (data.image.max_pixels / patch^2)."""
@@ -118,60 +141,112 @@ def plan_pipeline(cfg: VLMConfig, *, pp: int, vpp: int | None, schedule: str, la
     cls, _, rule = SCHEDULES[name]
     v = _stages_per_rank(name, rule, vpp)
     K, L = pp * v, cfg.text.num_layers
-    _check(L >= K, f"text.num_layers={L} < {K} pipeline stages (pp {pp} x vpp {v}): every stage needs at least one "
-                   "decoder layer; lower parallel.pp or parallel.vpp")
-    _check(not cfg.tie_word_embeddings,
-           "tied word embeddings (the LM head is the embedding) cannot be split over pipeline stages here: the "
-           "embedding sits on the first stage and the head on the last; use parallel.pp=1 or an untied model")
+    _check(
+        L >= K,
+        f"text.num_layers={L} < {K} pipeline stages (pp {pp} x vpp {v}): every stage needs at least one "
+        "decoder layer; lower parallel.pp or parallel.vpp",
+    )
+    _check(
+        not cfg.tie_word_embeddings,
+        "tied word embeddings (the LM head is the embedding) cannot be split over pipeline stages here: the "
+        "embedding sits on the first stage and the head on the last; use parallel.pp=1 or an untied model",
+    )
     _check_microbatches(name, pp, K, microbatches)
-    costs = stage_costs(cfg, rows=rows, seq_len=seq_len, max_patches=max_patches, image_patches=image_patches,
-                        freeze_vision=freeze_vision)
+    costs = stage_costs(
+        cfg,
+        rows=rows,
+        seq_len=seq_len,
+        max_patches=max_patches,
+        image_patches=image_patches,
+        freeze_vision=freeze_vision,
+    )
     auto = isinstance(layers, str) and layers.strip().lower() == "auto"
-    split = balance(costs, K, [_rank_of(name, pp, s) for s in range(K)]) if auto else _explicit(layers, K, L)
-    return PipelinePlan(pp=pp, vpp=v, schedule=name, layers=split, flops=stage_flops(costs, split),
-                        microbatches=microbatches, auto=auto)
+    split = (
+        balance(costs, K, [_rank_of(name, pp, s) for s in range(K)])
+        if auto
+        else _explicit(layers, K, L)
+    )
+    return PipelinePlan(
+        pp=pp,
+        vpp=v,
+        schedule=name,
+        layers=split,
+        flops=stage_flops(costs, split),
+        microbatches=microbatches,
+        auto=auto,
+    )
 
 
 def _stages_per_rank(name: str, rule: str, vpp: int | None) -> int:
     if vpp in (None, 0):
         return int(rule[-1])
-    _check(isinstance(vpp, int) and vpp >= 1, f"parallel.vpp={vpp} must be a positive integer (or null: auto)")
+    _check(
+        isinstance(vpp, int) and vpp >= 1,
+        f"parallel.vpp={vpp} must be a positive integer (or null: auto)",
+    )
     if rule.startswith("="):
-        _check(vpp == int(rule[1:]),
-               f"parallel.pp_schedule={name} runs {rule[1:]} stage(s) per rank but parallel.vpp={vpp}; set "
-               f"parallel.vpp={rule[1:]} (or null)" +
-               ("; for several stages per rank use interleaved_1f1b, zbv or dualpipev" if rule == "=1" else ""))
+        _check(
+            vpp == int(rule[1:]),
+            f"parallel.pp_schedule={name} runs {rule[1:]} stage(s) per rank but parallel.vpp={vpp}; set "
+            f"parallel.vpp={rule[1:]} (or null)"
+            + (
+                "; for several stages per rank use interleaved_1f1b, zbv or dualpipev"
+                if rule == "=1"
+                else ""
+            ),
+        )
     else:
-        _check(vpp >= 2, f"parallel.pp_schedule={name} needs parallel.vpp >= 2 stages per rank (vpp=1 is plain 1F1B: "
-                         "use parallel.pp_schedule=1f1b)")
+        _check(
+            vpp >= 2,
+            f"parallel.pp_schedule={name} needs parallel.vpp >= 2 stages per rank (vpp=1 is plain 1F1B: "
+            "use parallel.pp_schedule=1f1b)",
+        )
     return vpp
 
 
 def _check_microbatches(name: str, pp: int, K: int, M: int) -> None:
     """torch's rules for the number of micro-batches (per data-parallel rank and step)."""
-    how = ("raise train.global_batch_size (micro-batches per step = global_batch_size / (micro_batch_size x dp)) "
-           "or lower train.micro_batch_size")
+    how = (
+        "raise train.global_batch_size (micro-batches per step = global_batch_size / (micro_batch_size x dp)) "
+        "or lower train.micro_batch_size"
+    )
     if name == "1f1b":
         _check(M >= pp, f"1f1b needs at least pp={pp} micro-batches per step, got {M}; {how}")
     elif name == "dualpipev":
-        _check(M >= K, f"dualpipev needs at least {K} micro-batches per step (2 x pp), got {M}; {how}")
+        _check(
+            M >= K, f"dualpipev needs at least {K} micro-batches per step (2 x pp), got {M}; {how}"
+        )
     elif name == "interleaved_1f1b":
         rounds = max(1, M // pp)
-        _check(M % rounds == 0, f"interleaved_1f1b runs micro-batches in rounds of about pp={pp}: {M} micro-batches "
-                                f"is not a multiple of its {rounds} rounds; use a multiple of {pp}")
+        _check(
+            M % rounds == 0,
+            f"interleaved_1f1b runs micro-batches in rounds of about pp={pp}: {M} micro-batches "
+            f"is not a multiple of its {rounds} rounds; use a multiple of {pp}",
+        )
 
 
 def _explicit(layers, K: int, L: int) -> tuple[int, ...]:
     try:
         parts = [int(x) for x in (layers.split(",") if isinstance(layers, str) else layers)]
     except ValueError:
-        raise ConfigError(f"parallel.pp_layers={layers!r}: give 'auto' or the decoder layers of every stage "
-                          f"as {K} comma-separated integers, e.g. '{_even_split(L, K)}'") from None
-    _check(len(parts) == K, f"parallel.pp_layers={layers!r} lists {len(parts)} stages but there are {K} "
-                            f"(pp x vpp); e.g. parallel.pp_layers='{_even_split(L, K)}'")
-    _check(all(p >= 1 for p in parts), f"parallel.pp_layers={layers!r}: every stage needs at least one decoder layer")
-    _check(sum(parts) == L, f"parallel.pp_layers={layers!r} sums to {sum(parts)} but the model has "
-                            f"text.num_layers={L}; e.g. parallel.pp_layers='{_even_split(L, K)}'")
+        raise ConfigError(
+            f"parallel.pp_layers={layers!r}: give 'auto' or the decoder layers of every stage "
+            f"as {K} comma-separated integers, e.g. '{_even_split(L, K)}'"
+        ) from None
+    _check(
+        len(parts) == K,
+        f"parallel.pp_layers={layers!r} lists {len(parts)} stages but there are {K} "
+        f"(pp x vpp); e.g. parallel.pp_layers='{_even_split(L, K)}'",
+    )
+    _check(
+        all(p >= 1 for p in parts),
+        f"parallel.pp_layers={layers!r}: every stage needs at least one decoder layer",
+    )
+    _check(
+        sum(parts) == L,
+        f"parallel.pp_layers={layers!r} sums to {sum(parts)} but the model has "
+        f"text.num_layers={L}; e.g. parallel.pp_layers='{_even_split(L, K)}'",
+    )
     return tuple(parts)
 
 
@@ -183,17 +258,26 @@ def _even_split(L: int, K: int) -> str:
 @dataclass(frozen=True)
 class StageCosts:
     """Training FLOPs of one micro-batch: the first stage's extra (vision), each layer, the last's extra (head)."""
+
     first: float
     layers: tuple[float, ...]
     last: float
 
 
-def stage_costs(cfg: VLMConfig, *, rows: int, seq_len: int, max_patches: int, image_patches: int,
-                freeze_vision: bool = False) -> StageCosts:
+def stage_costs(
+    cfg: VLMConfig,
+    *,
+    rows: int,
+    seq_len: int,
+    max_patches: int,
+    image_patches: int,
+    freeze_vision: bool = False,
+) -> StageCosts:
     docs = [seq_len] * rows
     layers = tuple(3 * layer_forward_flops(cfg, i, docs) for i in range(cfg.text.num_layers))
-    vision, patch = vision_forward_flops(cfg, budget_grids(max_patches * rows, image_patches,
-                                                             cfg.vision.spatial_merge_size))
+    vision, patch = vision_forward_flops(
+        cfg, budget_grids(max_patches * rows, image_patches, cfg.vision.spatial_merge_size)
+    )
     first = vision if freeze_vision else 3 * vision - patch
     return StageCosts(first=first, layers=layers, last=3 * head_forward_flops(cfg, seq_len * rows))
 
@@ -212,7 +296,11 @@ def budget_grids(patches: int, image_patches: int, merge: int) -> list[tuple[int
 def stage_flops(c: StageCosts, split: tuple[int, ...]) -> tuple[float, ...]:
     out, at = [], 0
     for s, n in enumerate(split):
-        f = sum(c.layers[at:at + n]) + (c.first if s == 0 else 0.0) + (c.last if s == len(split) - 1 else 0.0)
+        f = (
+            sum(c.layers[at : at + n])
+            + (c.first if s == 0 else 0.0)
+            + (c.last if s == len(split) - 1 else 0.0)
+        )
         out.append(f)
         at += n
     return tuple(out)
@@ -237,7 +325,9 @@ def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int,
         prefix.append(prefix[-1] + x)
 
     def cost(s: int, a: int, b: int) -> float:  # stage s holding layers a..b-1
-        return prefix[b] - prefix[a] + (c.first if s == 0 else 0.0) + (c.last if s == K - 1 else 0.0)
+        return (
+            prefix[b] - prefix[a] + (c.first if s == 0 else 0.0) + (c.last if s == K - 1 else 0.0)
+        )
 
     @lru_cache(maxsize=None)
     def best(s: int, a: int) -> tuple[float, float, tuple[int, ...]]:
@@ -266,8 +356,12 @@ def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int,
 
     current = score(split)
     while True:
-        moves = [tuple(n - (s == a) + (s == b) for s, n in enumerate(split))
-                 for a in range(K) for b in range(K) if a != b and split[a] > 1]
+        moves = [
+            tuple(n - (s == a) + (s == b) for s, n in enumerate(split))
+            for a in range(K)
+            for b in range(K)
+            if a != b and split[a] > 1
+        ]
         cand = min(moves, key=score, default=split)
         if score(cand) >= current:
             return split
@@ -279,5 +373,14 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-__all__ = ["PipelinePlan", "SCHEDULES", "StageCosts", "balance", "budget_grids", "plan_pipeline", "schedule_name",
-           "stage_costs", "stage_flops"]
+__all__ = [
+    "PipelinePlan",
+    "SCHEDULES",
+    "StageCosts",
+    "balance",
+    "budget_grids",
+    "plan_pipeline",
+    "schedule_name",
+    "stage_costs",
+    "stage_flops",
+]

@@ -54,7 +54,11 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer, RMSNorm
@@ -64,7 +68,12 @@ from moevlm.model.vision import VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
-COMM_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "moevlm_deepep", "moevlm_hybridep")  # + DeepEP's, HybridEP's ops
+COMM_NAMESPACES = (
+    "_c10d_functional",
+    "_c10d_functional_autograd",
+    "moevlm_deepep",
+    "moevlm_hybridep",
+)  # + DeepEP's, HybridEP's ops
 
 # which (module classes, region slot) each choice wraps (the slot `region` is the module's whole forward);
 # `full` is decoder layers + vision blocks
@@ -99,7 +108,10 @@ def check(mode: str, modules) -> str | None:
     if bad:
         return f"model.recompute_modules has {bad}; choose from {', '.join(MODULES)}"
     if mode == "selective" and not modules:
-        return "model.recompute=selective with no model.recompute_modules; name at least one of " + ", ".join(MODULES)
+        return (
+            "model.recompute=selective with no model.recompute_modules; name at least one of "
+            + ", ".join(MODULES)
+        )
     return None
 
 
@@ -115,7 +127,11 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=()) -> None:
     for choice in choices:
         classes, slot = _REGIONS[choice]
         for m in list(model.modules()):
-            if isinstance(m, classes) and id(m) not in covered and not isinstance(m._modules.get(slot), Recompute):
+            if (
+                isinstance(m, classes)
+                and id(m) not in covered
+                and not isinstance(m._modules.get(slot), Recompute)
+            ):
                 m.add_module(slot, Recompute())
                 if slot == "region":
                     covered |= {id(sub) for sub in m.modules()}
@@ -136,7 +152,9 @@ class Recompute(Region):
 def save_communication(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """The selective-checkpoint policy: keep every collective's output, recompute the rest."""
     if func.namespace in COMM_NAMESPACES:
-        out = getattr(ctx, "op_output", None)  # torch >= 2.13 hands the policy the op's output (measuring only)
+        out = getattr(
+            ctx, "op_output", None
+        )  # torch >= 2.13 hands the policy the op's output (measuring only)
         if not ctx.is_recompute and out is not None:
             for meter in _METERS:
                 meter.hold(out if isinstance(out, (tuple, list)) else (out,))
@@ -176,7 +194,9 @@ def _sac_contexts():
 
 
 # ------------------------------------------------------------------ measuring
-_METERS: list["SavedBytes"] = []  # active meters (a measurement tool: tests and bench/recompute_memory.py)
+_METERS: list[
+    "SavedBytes"
+] = []  # active meters (a measurement tool: tests and bench/recompute_memory.py)
 
 
 class SavedBytes:
@@ -184,7 +204,9 @@ class SavedBytes:
 
     def __init__(self, model: nn.Module):
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._held: dict[int, torch.Tensor] = {}  # storage pointer -> a tensor on it (kept alive: no reuse)
+        self._held: dict[
+            int, torch.Tensor
+        ] = {}  # storage pointer -> a tensor on it (kept alive: no reuse)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @property

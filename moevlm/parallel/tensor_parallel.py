@@ -98,7 +98,9 @@ class TPVocab(Vocab):
         w = local(weight_VD)
         rel = ids - self.vocab_start
         here = (rel >= 0) & (rel < w.shape[0])
-        h = F.embedding(torch.where(here, rel, torch.zeros_like(rel)), w) * here[..., None].to(w.dtype)
+        h = F.embedding(torch.where(here, rel, torch.zeros_like(rel)), w) * here[..., None].to(
+            w.dtype
+        )
         return sum_replicated(h, self.group)
 
     def head(self, h_BsD, weight_VD):
@@ -116,13 +118,20 @@ class ParallelLoss(Loss):
 
     def targets(self, labels_BS, cu_seqlens):
         targets = super().targets(labels_BS, cu_seqlens)
-        return targets if self.take is None else self.take(targets.view(labels_BS.shape)).reshape(-1)
+        return (
+            targets if self.take is None else self.take(targets.view(labels_BS.shape)).reshape(-1)
+        )
 
     def token_loss(self, logits_BSV, targets):
         if self.group is None:
             return super().token_loss(logits_BSV, targets)
-        loss_T = vocab_parallel_cross_entropy(logits_BSV.reshape(targets.numel(), -1), targets, self.vocab_start,
-                                              self.group, IGNORE_INDEX)
+        loss_T = vocab_parallel_cross_entropy(
+            logits_BSV.reshape(targets.numel(), -1),
+            targets,
+            self.vocab_start,
+            self.group,
+            IGNORE_INDEX,
+        )
         n = (targets != IGNORE_INDEX).sum()
         return loss_T.sum() / n.clamp(min=1), n
 
@@ -145,11 +154,13 @@ class SumOverGroup:
 def kv_rows(tp: int, rank: int):
     """The `Layout.kv_rows` of tensor parallelism: all rows of this rank's k/v shard when K >= tp; when
     K < tp the rows of the one kv head this rank's query heads use, from a replicated weight."""
+
     def rows(num_kv_heads: int, head_dim: int):
         if num_kv_heads >= tp:
             return None
         j = rank * num_kv_heads // tp
         return j * head_dim, (j + 1) * head_dim
+
     return rows
 
 
@@ -159,8 +170,12 @@ def tp_strategies(tp_mesh, vocab_size: int) -> dict:
     if vocab_size % tp:
         raise ValueError(f"text.vocab_size={vocab_size} is not divisible by parallel.tp={tp}")
     start = r * vocab_size // tp
-    return dict(sequence=TPSequence(g), vocab=TPVocab(g, start), kv_rows=kv_rows(tp, r),
-                loss_group=(g, start))
+    return dict(
+        sequence=TPSequence(g),
+        vocab=TPVocab(g, start),
+        kv_rows=kv_rows(tp, r),
+        loss_group=(g, start),
+    )
 
 
 # ---------------------------------------------------------------- weight placements
@@ -171,7 +186,9 @@ def shard_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
     cfg = model.config
     partial: list[str] = []
     col, row = [Shard(0)], [Shard(1)]
-    emb = model.text.embed_tokens  # None on a pipeline rank without the first stage (so is lm_head without the last)
+    emb = (
+        model.text.embed_tokens
+    )  # None on a pipeline rank without the first stage (so is lm_head without the last)
     if emb is not None:
         shard_param(emb, "weight", tp_mesh, col)
     if cfg.tie_word_embeddings:
@@ -186,16 +203,23 @@ def shard_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
 
 
 def _shard_layer(layer, p: str, tp_mesh, tp: int, col, row) -> list[str]:
-    partial = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-               p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    partial = [
+        p + "input_layernorm.weight",
+        p + "post_attention_layernorm.weight",
+        p + "self_attn.q_norm.weight",
+        p + "self_attn.k_norm.weight",
+    ]
     a = layer.self_attn
     for proj in (a.q_proj, a.k_proj, a.v_proj) if a.num_kv_heads >= tp else (a.q_proj,):
         shard_param(proj, "weight", tp_mesh, col)
         if proj.bias is not None:
             shard_param(proj, "bias", tp_mesh, col)
     if a.num_kv_heads < tp:
-        partial += [p + f"self_attn.{n}" for n, _ in list(a.k_proj.named_parameters(prefix="k_proj"))
-                    + list(a.v_proj.named_parameters(prefix="v_proj"))]
+        partial += [
+            p + f"self_attn.{n}"
+            for n, _ in list(a.k_proj.named_parameters(prefix="k_proj"))
+            + list(a.v_proj.named_parameters(prefix="v_proj"))
+        ]
     shard_param(a.o_proj, "weight", tp_mesh, row)
     if a.o_proj.bias is not None:
         partial.append(p + "self_attn.o_proj.bias")
@@ -209,5 +233,14 @@ def _shard_layer(layer, p: str, tp_mesh, tp: int, col, row) -> list[str]:
     return partial
 
 
-__all__ = ["ParallelLoss", "SumOverGroup", "TPSequence", "TPVocab", "kv_rows", "local", "shard_param",
-           "shard_tensor_parallel", "tp_strategies"]
+__all__ = [
+    "ParallelLoss",
+    "SumOverGroup",
+    "TPSequence",
+    "TPVocab",
+    "kv_rows",
+    "local",
+    "shard_param",
+    "shard_tensor_parallel",
+    "tp_strategies",
+]

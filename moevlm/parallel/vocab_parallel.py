@@ -48,8 +48,13 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad_TV, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_TV: torch.Tensor, target_T: torch.Tensor, vocab_start: int,
-                                 group=None, ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_TV: torch.Tensor,
+    target_T: torch.Tensor,
+    vocab_start: int,
+    group=None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Per-token cross-entropy (fp32) of logits sharded along the vocabulary: this
     rank holds columns [vocab_start, vocab_start + V).  No reduction over tokens."""
     return _VocabParallelCE.apply(logits_TV, target_T, vocab_start, group, ignore_index)

@@ -34,7 +34,9 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     """Write the unsharded value `full` into `param` (this rank's shard when it is a
     DTensor; no communication: every rank holds `full`)."""
     if isinstance(param, DTensor):
-        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        shard = distribute_tensor(
+            full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
+        )
         param.to_local().copy_(shard.to_local())
     else:
         param.copy_(full)
@@ -64,8 +66,12 @@ def full_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
     on dim 0 and ETP on dim 2)."""
     if not isinstance(t, DTensor):
         return t
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # "2 sequential
-    if name.endswith(GATE_UP):  # all_gathers" for FSDP-over-TP shards, once per tensor: expected here
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(
+        logging.ERROR
+    )  # "2 sequential
+    if name.endswith(
+        GATE_UP
+    ):  # all_gathers" for FSDP-over-TP shards, once per tensor: expected here
         return storage_view(t).full_tensor().flatten(2)
     return t.full_tensor()
 
@@ -98,25 +104,58 @@ def storage_view(t: torch.Tensor) -> torch.Tensor:
 
         loc = t._local_tensor
         E, D, F2 = t.shape
-        placements = [Shard(3) if isinstance(p, _StridedShard) and p.dim == 2 else
-                      Shard(3) if p.is_shard() and p.dim == 2 else p for p in t.placements]
+        placements = [
+            Shard(3)
+            if isinstance(p, _StridedShard) and p.dim == 2
+            else Shard(3)
+            if p.is_shard() and p.dim == 2
+            else p
+            for p in t.placements
+        ]
         local4 = loc.view(loc.shape[0], loc.shape[1], 2, loc.shape[2] // 2)
-        return DTensor.from_local(local4, t.device_mesh, placements, run_check=False, shape=torch.Size((E, D, 2, F2 // 2)),
-                                  stride=(D * F2, F2, F2 // 2, 1))
+        return DTensor.from_local(
+            local4,
+            t.device_mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size((E, D, 2, F2 // 2)),
+            stride=(D * F2, F2, F2 // 2, 1),
+        )
     return t.view(t.shape[0], t.shape[1], 2, t.shape[2] // 2)
 
 
-def to_storage_layout(model_sd: dict | None = None, optim_sd: dict | None = None) -> tuple[dict | None, dict | None]:
+def to_storage_layout(
+    model_sd: dict | None = None, optim_sd: dict | None = None
+) -> tuple[dict | None, dict | None]:
     """Shallow copies of the model / optimizer state dicts with every expert gate_up
     tensor (and its AdamW moments) as `storage_view`; loading into them writes the
     originals."""
-    m = None if model_sd is None else {k: storage_view(v) if k.endswith(GATE_UP) else v for k, v in model_sd.items()}
+    m = (
+        None
+        if model_sd is None
+        else {k: storage_view(v) if k.endswith(GATE_UP) else v for k, v in model_sd.items()}
+    )
     o = None
-    if optim_sd is not None:  # flattened: "state.<fqn>.<moment>" (DCP's flatten_optimizer_state_dict)
-        o = {k: storage_view(v) if torch.is_tensor(v) and v.ndim == 3 and k.rsplit(".", 1)[0].endswith(GATE_UP)
-             else v for k, v in optim_sd.items()}
+    if (
+        optim_sd is not None
+    ):  # flattened: "state.<fqn>.<moment>" (DCP's flatten_optimizer_state_dict)
+        o = {
+            k: storage_view(v)
+            if torch.is_tensor(v) and v.ndim == 3 and k.rsplit(".", 1)[0].endswith(GATE_UP)
+            else v
+            for k, v in optim_sd.items()
+        }
     return m, o
 
 
-__all__ = ["GATE_UP", "copy_full_", "full_grads", "full_state_dict", "full_tensor", "init_parameters_",
-           "param_generator", "storage_view", "to_storage_layout"]
+__all__ = [
+    "GATE_UP",
+    "copy_full_",
+    "full_grads",
+    "full_state_dict",
+    "full_tensor",
+    "init_parameters_",
+    "param_generator",
+    "storage_view",
+    "to_storage_layout",
+]

@@ -104,8 +104,17 @@ from moevlm.parallel.weights import to_storage_layout
 from moevlm.train import integrity
 from moevlm.train.checkpoint_keys import SHOW as _SHOW
 from moevlm.train.checkpoint_keys import check_model_keys, check_optimizer_keys, require
-from moevlm.train.integrity import (CheckpointError, checksum_files, dir_bytes, file_problems, gib, looks_like_disk_full,
-                                    one_line, state_bytes, stored_files)
+from moevlm.train.integrity import (
+    CheckpointError,
+    checksum_files,
+    dir_bytes,
+    file_problems,
+    gib,
+    looks_like_disk_full,
+    one_line,
+    state_bytes,
+    stored_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +131,11 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
 
 def rng_state() -> dict[str, Any]:
     """Python `random`, numpy's global RNG, torch CPU and (if initialised) CUDA."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -226,7 +239,9 @@ def _restore(target: Any, blob: bytes) -> Any:
 def _quiet_no_dist() -> Iterator[None]:
     """DCP warns on every single-process save/load, even when asked for one."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         yield
 
 
@@ -236,11 +251,15 @@ def _quiet_no_dist() -> Iterator[None]:
 class CheckpointManager:
     """Saves, finds, verifies, loads and prunes `root/step_XXXXXXXX` checkpoints (see module doc)."""
 
-    def __init__(self, root: str | os.PathLike, keep: int = 3, process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, root: str | os.PathLike, keep: int = 3, process_group: dist.ProcessGroup | None = None
+    ):
         self.root = Path(root)
         self.keep = keep
         self.process_group = process_group
-        self.resumed_from: Path | None = None  # kept by pruning until a newer checkpoint is complete
+        self.resumed_from: Path | None = (
+            None  # kept by pruning until a newer checkpoint is complete
+        )
         self.rejected: list[tuple[Path, list[str]]] = []  # (moved to, problems) by newest_verified
         self._verified: set[Path] = set()
 
@@ -283,7 +302,9 @@ class CheckpointManager:
     def _step_dirs(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
             return []
-        found = [(m, p) for p in self.root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+        found = [
+            (m, p) for p in self.root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+        ]
         return sorted((int(m.group(1)), p) for m, p in found)
 
     def complete(self) -> list[Path]:
@@ -306,10 +327,13 @@ class CheckpointManager:
             return self._from_rank0([str(e)])
         if files is None:
             if self.rank == 0:
-                log.warning("checkpoint %s has no checksums (written before they were added): not verified", path)
+                log.warning(
+                    "checkpoint %s has no checksums (written before they were added): not verified",
+                    path,
+                )
             return []
         names = sorted(files)
-        mine = file_problems(path, files, names[self.rank::self.world_size])
+        mine = file_problems(path, files, names[self.rank :: self.world_size])
         problems = sorted(p for part in self._gathered(mine) for p in part)
         if not problems:
             self._verified.add(path.absolute())
@@ -323,9 +347,15 @@ class CheckpointManager:
             if not problems:
                 return path
             if self.rank == 0:
-                moved = self.set_aside([path], "rejected", "failed verification: " + "; ".join(problems[:_SHOW]))
-                log.warning("checkpoint %s failed verification (%s); moved to %s", path, "; ".join(problems[:_SHOW]),
-                            moved[0])
+                moved = self.set_aside(
+                    [path], "rejected", "failed verification: " + "; ".join(problems[:_SHOW])
+                )
+                log.warning(
+                    "checkpoint %s failed verification (%s); moved to %s",
+                    path,
+                    "; ".join(problems[:_SHOW]),
+                    moved[0],
+                )
             self.rejected.append((self.root / "rejected" / path.name, problems))
             self._barrier()
         return None
@@ -383,11 +413,17 @@ class CheckpointManager:
         self._barrier()
         names = self._from_rank0(stored_files(path, skip=[MARKER]) if self.rank == 0 else None)
         files: dict[str, dict] = {}
-        for part in self._gathered(checksum_files(path, names[self.rank::self.world_size])):
+        for part in self._gathered(checksum_files(path, names[self.rank :: self.world_size])):
             files.update(part)
         if self.rank == 0:
-            _write_json_atomic(path / MARKER, {**self._marker(step, extra, per_rank), "checksum": "crc32",
-                                               "files": dict(sorted(files.items()))})
+            _write_json_atomic(
+                path / MARKER,
+                {
+                    **self._marker(step, extra, per_rank),
+                    "checksum": "crc32",
+                    "files": dict(sorted(files.items())),
+                },
+            )
             self._prune()
         self._verified.add(path.absolute())
         self._barrier()
@@ -397,8 +433,12 @@ class CheckpointManager:
         """dcp.save; a failure removes the partial directory and says whether the disk was full."""
         try:
             with _quiet_no_dist():
-                dcp.save(state, storage_writer=FileSystemWriter(path), process_group=self.process_group,
-                         no_dist=not self.distributed)
+                dcp.save(
+                    state,
+                    storage_writer=FileSystemWriter(path),
+                    process_group=self.process_group,
+                    no_dist=not self.distributed,
+                )
         except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
             if self.rank == 0:
                 _remove_checkpoint(path)
@@ -407,7 +447,11 @@ class CheckpointManager:
             last = self.latest()
             raise CheckpointError(
                 f"writing checkpoint {path.name} in {self.root} failed"
-                + (f": the disk is full (about {gib(need)} needed, {gib(free)} free now)" if full else f": {one_line(e)}")
+                + (
+                    f": the disk is full (about {gib(need)} needed, {gib(free)} free now)"
+                    if full
+                    else f": {one_line(e)}"
+                )
                 + "; the partial directory was removed"
                 + (f" and {last.name} is intact (resume=auto continues from it)" if last else "")
             ) from e
@@ -423,19 +467,32 @@ class CheckpointManager:
         keep = {done[-1]} if done else set()
         if self.resumed_from is not None:
             keep.add(Path(self.resumed_from))
-        spare = [p for _, p in dirs if p not in done] + [p for p in done if p not in keep]  # half-written first
+        spare = [p for _, p in dirs if p not in done] + [
+            p for p in done if p not in keep
+        ]  # half-written first
         sizes = {p: dir_bytes(p) for p in spare}
         if free + sum(sizes.values()) < need:
             last = f"; {done[-1].name} is intact (resume=auto continues from it)" if done else ""
-            return (f"not enough disk space for checkpoint {path.name} in {self.root}: it needs about {gib(need)}, "
-                    f"{gib(free)} are free" + (f" and pruning older checkpoints would free only "
-                                               f"{gib(sum(sizes.values()))}" if spare else "")
-                    + f"; free space there or set train.run_dir on a larger file system{last}")
+            return (
+                f"not enough disk space for checkpoint {path.name} in {self.root}: it needs about {gib(need)}, "
+                f"{gib(free)} are free"
+                + (
+                    f" and pruning older checkpoints would free only {gib(sum(sizes.values()))}"
+                    if spare
+                    else ""
+                )
+                + f"; free space there or set train.run_dir on a larger file system{last}"
+            )
         for p in spare:
             if integrity.free_bytes(self.root) >= need:
                 break
-            log.warning("pruning %s (%s) to make room for checkpoint %s (%s needed)", p, gib(sizes[p]), path.name,
-                        gib(need))
+            log.warning(
+                "pruning %s (%s) to make room for checkpoint %s (%s needed)",
+                p,
+                gib(sizes[p]),
+                path.name,
+                gib(need),
+            )
             _remove_checkpoint(p)
         return None
 
@@ -447,10 +504,19 @@ class CheckpointManager:
         path.mkdir()
         _fsync_dir(self.root)
 
-    def _save_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
-                    per_rank: dict) -> dict[str, Any]:
+    def _save_state(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict,
+        per_rank: dict,
+    ) -> dict[str, Any]:
         model_sd = get_model_state_dict(model)
-        optim_sd = get_optimizer_state_dict(model, optimizer, options=_OPTIM) if optimizer is not None else None
+        optim_sd = (
+            get_optimizer_state_dict(model, optimizer, options=_OPTIM)
+            if optimizer is not None
+            else None
+        )
         model_sd, optim_sd = to_storage_layout(model_sd, optim_sd)
         state: dict[str, Any] = {"model": model_sd}
         if optim_sd is not None:
@@ -458,7 +524,9 @@ class CheckpointManager:
         if extra and self.rank == 0:
             state["extra"] = {name: _dumps(v) for name, v in extra.items()}
         if per_rank:
-            state["per_rank"] = {f"rank{self.rank}": {name: _dumps(v) for name, v in per_rank.items()}}
+            state["per_rank"] = {
+                f"rank{self.rank}": {name: _dumps(v) for name, v in per_rank.items()}
+            }
         return state
 
     def _marker(self, step: int, extra: dict, per_rank: dict) -> dict[str, Any]:
@@ -516,21 +584,33 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"checkpoint {path} failed verification ({len(problems)} problem(s): "
                     f"{'; '.join(problems[:_SHOW])}); name an earlier checkpoint, or use resume=auto, which "
-                    "skips damaged ones")
+                    "skips damaged ones"
+                )
         if marker.get("format") != FORMAT:
-            raise ValueError(f"{path} was written in checkpoint format {marker.get('format')}; this version reads "
-                             f"format {FORMAT}; export it to Hugging Face format with the version that wrote it")
+            raise ValueError(
+                f"{path} was written in checkpoint format {marker.get('format')}; this version reads "
+                f"format {FORMAT}; export it to Hugging Face format with the version that wrote it"
+            )
         saved = _checkpoint_index(path)
         extra, names = dict(extra or {}), list(per_rank)
         state, originals = self._load_template(model, optimizer, extra, names, marker, saved, path)
         with _quiet_no_dist():
-            dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.process_group,
-                     no_dist=not self.distributed)
-        for name in ("model", "optim"):  # DCP replaces non-tensor values (lr, betas...) in the dict it was given
+            dcp.load(
+                state,
+                storage_reader=FileSystemReader(path),
+                process_group=self.process_group,
+                no_dist=not self.distributed,
+            )
+        for name in (
+            "model",
+            "optim",
+        ):  # DCP replaces non-tensor values (lr, betas...) in the dict it was given
             for k, v in state.get(name, {}).items():
                 if not isinstance(v, torch.Tensor):
                     originals[name][k] = v
-        set_model_state_dict(model, originals["model"])  # tensors were filled through the storage views
+        set_model_state_dict(
+            model, originals["model"]
+        )  # tensors were filled through the storage views
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, originals["optim"], options=_OPTIM)
         mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})
@@ -541,8 +621,16 @@ class CheckpointManager:
             "per_rank": {n: pickle.loads(mine[n]) if n in mine else None for n in names},
         }
 
-    def _load_template(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict,
-                       names: list[str], marker: dict, saved: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    def _load_template(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict,
+        names: list[str],
+        marker: dict,
+        saved: Mapping[str, Any],
+        path: Path,
+    ) -> dict[str, Any]:
         """What dcp.load fills (our model/optimizer state dicts in the storage layout, and
         byte placeholders), and the state dicts those views write into."""
         originals: dict[str, Any] = {"model": get_model_state_dict(model)}

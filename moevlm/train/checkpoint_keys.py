@@ -53,8 +53,12 @@ def _uncovered(keys: set[str], other: set[str]) -> list[str]:
     return sorted(k for k in keys if k not in below and not _prefixes([k]) & other)
 
 
-def check_model_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any], path: Path,
-                      every_rank: Iterable[str] | None = None) -> None:
+def check_model_keys(
+    model_sd: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    path: Path,
+    every_rank: Iterable[str] | None = None,
+) -> None:
     """Name missing/unexpected keys and wrong shapes.  `every_rank`: the model keys of all ranks
     (a pipeline rank holds part of the model; a saved key is unexpected only if no rank has it)."""
     expected = {f"model.{k}" for k in model_sd}
@@ -80,8 +84,10 @@ def check_optimizer_keys(optim_sd: Mapping[str, Any], saved: Mapping[str, Any], 
     if missing:
         hint = ""
         if any(k.endswith("initial_lr") for k in missing):
-            hint = ("; initial_lr is added by an LR scheduler: create it before loading exactly when "
-                    "the saving run had one")
+            hint = (
+                "; initial_lr is added by an LR scheduler: create it before loading exactly when "
+                "the saving run had one"
+            )
         raise CheckpointError(
             f"optimizer does not match checkpoint {path}: {len(missing)} missing {missing[:SHOW]}{hint}"
         )
@@ -92,7 +98,11 @@ def _shape_mismatches(model_sd: Mapping[str, Any], saved: Mapping[str, Any]) -> 
     out = []
     for key, value in model_sd.items():
         meta = saved.get(f"model.{key}")
-        if isinstance(value, torch.Tensor) and hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
+        if (
+            isinstance(value, torch.Tensor)
+            and hasattr(meta, "size")
+            and tuple(meta.size) != tuple(value.shape)
+        ):
             out.append(f"{key}: saved {tuple(meta.size)}, model {tuple(value.shape)}")
     return out
 

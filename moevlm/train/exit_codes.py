@@ -18,9 +18,13 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     OK = 0  # done
     NO_PROGRESS = 1  # the loss did not fall (train.require_loss_decrease)
-    CONFIG = 2  # config error, before anything is set up: one line per problem saying what to change
+    CONFIG = (
+        2  # config error, before anything is set up: one line per problem saying what to change
+    )
     NONFINITE = 3  # stopped on non-finite loss or gradients (checkpoint written)
-    INTERRUPTED = 4  # SIGTERM/SIGINT: checkpoint written after the current step; relaunch the same command
+    INTERRUPTED = (
+        4  # SIGTERM/SIGINT: checkpoint written after the current step; relaunch the same command
+    )
     COLLECTIVE = 5  # a collective timed out (parallel.timeout_s) or lost a peer rank; one line names the phase
     WATCHDOG = 6  # the step watchdog aborted a step or checkpoint (train.watchdog_abort_s)
     # a checkpoint could not be written (no disk room: the message names the folder, the bytes needed and

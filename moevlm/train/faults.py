@@ -80,8 +80,14 @@ class StopSignals:
     """SIGTERM/SIGINT: the first asks to stop after the current step, a second (after the repeat window)
     exits at once with 128+signum.  Installed only from the main thread; `close` restores what was there."""
 
-    def __init__(self, describe: Callable[[], str], prefix: str = "", signals=(signal.SIGTERM, signal.SIGINT),
-                 repeat_window_s: float = REPEAT_WINDOW_S, clock=time.monotonic):
+    def __init__(
+        self,
+        describe: Callable[[], str],
+        prefix: str = "",
+        signals=(signal.SIGTERM, signal.SIGINT),
+        repeat_window_s: float = REPEAT_WINDOW_S,
+        clock=time.monotonic,
+    ):
         self.describe, self.prefix, self.signals = describe, prefix, tuple(signals)
         self.repeat_window_s, self.clock = repeat_window_s, clock
         self.requested, self.first_at = 0, 0.0
@@ -121,7 +127,9 @@ class StopSignals:
             for signum in os.read(r, 64):
                 if signum == 0:
                     return
-                if self._old_fd >= 0:  # a wakeup fd set before ours (an event loop) still hears of it
+                if (
+                    self._old_fd >= 0
+                ):  # a wakeup fd set before ours (an event loop) still hears of it
                     try:
                         os.write(self._old_fd, bytes([signum]))
                     except OSError:
@@ -133,16 +141,22 @@ class StopSignals:
         name, now = signal.Signals(signum).name, self.clock()
         if not self.requested and self.exiting:
             self.requested, self.first_at = signum, now
-            _say(f"{self.prefix}received {name} while the run closes: finishing the exit; send it again to exit "
-                 "at once")
+            _say(
+                f"{self.prefix}received {name} while the run closes: finishing the exit; send it again to exit "
+                "at once"
+            )
         elif not self.requested:
             self.requested, self.first_at = signum, now
-            _say(f"{self.prefix}received {name}: finishing {self.describe()}, then writing a checkpoint and "
-                 f"exiting (code {ExitCode.INTERRUPTED:d}; 0 if that was the last step); send it again to exit at once "
-                 "without a checkpoint")
+            _say(
+                f"{self.prefix}received {name}: finishing {self.describe()}, then writing a checkpoint and "
+                f"exiting (code {ExitCode.INTERRUPTED:d}; 0 if that was the last step); send it again to exit at once "
+                "without a checkpoint"
+            )
         elif now - self.first_at > self.repeat_window_s:
-            _say(f"{self.prefix}received {name} again: exiting at once during {self.describe()}, without a "
-                 f"checkpoint (exit code {second_signal(signum)}); the last complete checkpoint is kept")
+            _say(
+                f"{self.prefix}received {name} again: exiting at once during {self.describe()}, without a "
+                f"checkpoint (exit code {second_signal(signum)}); the last complete checkpoint is kept"
+            )
             sys.stdout.flush()
             os._exit(second_signal(signum))
 
@@ -155,10 +169,24 @@ class StepWatchdog:
     """Reports a step far slower than the recent ones, aborts any phase past `abort_s`.
     `poll` holds the logic (tests drive it with a fake clock); `start` runs it every `every_s` in a thread."""
 
-    def __init__(self, factor: float, min_s: float, abort_s: Optional[float], *, prefix: str = "",
-                 clock=time.monotonic, report: Callable[[str], None] | None = None,
-                 abort: Callable[[str], None] | None = None):
-        self.factor, self.min_s, self.abort_s, self.prefix, self.clock = factor, min_s, abort_s, prefix, clock
+    def __init__(
+        self,
+        factor: float,
+        min_s: float,
+        abort_s: Optional[float],
+        *,
+        prefix: str = "",
+        clock=time.monotonic,
+        report: Callable[[str], None] | None = None,
+        abort: Callable[[str], None] | None = None,
+    ):
+        self.factor, self.min_s, self.abort_s, self.prefix, self.clock = (
+            factor,
+            min_s,
+            abort_s,
+            prefix,
+            clock,
+        )
         self.report = report or self._report
         self.abort = abort or self._abort
         self.times: deque[float] = deque(maxlen=WINDOW)
@@ -190,7 +218,11 @@ class StepWatchdog:
         self.at("logging")
 
     def describe(self) -> str:
-        return f"step {self.step} ({self.phase})" if self.in_step else f"{self.phase} after step {self.step}"
+        return (
+            f"step {self.step} ({self.phase})"
+            if self.in_step
+            else f"{self.phase} after step {self.step}"
+        )
 
     def elapsed(self) -> float:
         return self.clock() - self.started
@@ -205,18 +237,22 @@ class StepWatchdog:
     def poll(self) -> None:
         elapsed, what = self.elapsed(), self.describe()
         if self.abort_s is not None and elapsed > self.abort_s:
-            self.abort(f"{self.prefix}watchdog: {what} has run {elapsed:.0f}s > train.watchdog_abort_s="
-                       f"{self.abort_s:g}s: aborting with exit code {ExitCode.WATCHDOG:d}; a relaunch resumes from the "
-                       "last checkpoint (a stopped, crashed or much slower peer rank, or a hung filesystem, is "
-                       "the usual cause)")
+            self.abort(
+                f"{self.prefix}watchdog: {what} has run {elapsed:.0f}s > train.watchdog_abort_s="
+                f"{self.abort_s:g}s: aborting with exit code {ExitCode.WATCHDOG:d}; a relaunch resumes from the "
+                "last checkpoint (a stopped, crashed or much slower peer rank, or a hung filesystem, is "
+                "the usual cause)"
+            )
             return
         limit = self.limit()
         if self.in_step and not self.reported and limit is not None and elapsed > limit:
             self.reported = True
-            self.report(f"{self.prefix}watchdog: {what} has run {elapsed:.0f}s, over {self.factor:g} x the median "
-                        f"step ({statistics.median(self.times):.2f}s) and train.watchdog_min_s={self.min_s:g}s; "
-                        "Python stacks of all threads follow (a stopped or slow peer rank shows as a wait in a "
-                        "collective; parallel.timeout_s ends it, train.watchdog_abort_s aborts)")
+            self.report(
+                f"{self.prefix}watchdog: {what} has run {elapsed:.0f}s, over {self.factor:g} x the median "
+                f"step ({statistics.median(self.times):.2f}s) and train.watchdog_min_s={self.min_s:g}s; "
+                "Python stacks of all threads follow (a stopped or slow peer rank shows as a wait in a "
+                "collective; parallel.timeout_s ends it, train.watchdog_abort_s aborts)"
+            )
 
     def _report(self, line: str) -> None:
         _say(line)
@@ -233,8 +269,9 @@ class StepWatchdog:
     def start(self, every_s: float = 1.0) -> None:
         if self._thread is None and (self.factor > 0 or self.abort_s is not None):
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, args=(every_s,), name="moevlm-watchdog",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, args=(every_s,), name="moevlm-watchdog", daemon=True
+            )
             self._thread.start()
 
     def _loop(self, every_s: float) -> None:
@@ -255,7 +292,11 @@ class Faults:
         self.rank, self.world, self.timeout_s, self.watchdog = rank, world, timeout_s, watchdog
         self.prefix = f"rank {rank}: " if world > 1 else ""
         self.signals = StopSignals(watchdog.describe, self.prefix)
-        self.begin_step, self.at, self.end_step = watchdog.begin_step, watchdog.at, watchdog.end_step
+        self.begin_step, self.at, self.end_step = (
+            watchdog.begin_step,
+            watchdog.at,
+            watchdog.end_step,
+        )
 
     def start(self) -> None:
         self.signals.install()
@@ -283,7 +324,9 @@ class Faults:
 
     def failure_code(self, err: BaseException) -> int | None:
         """A failed collective: one line to stderr and ExitCode.COLLECTIVE; None for anything else."""
-        line = describe_failure(err, self.watchdog.describe(), self.watchdog.elapsed(), self.timeout_s)
+        line = describe_failure(
+            err, self.watchdog.describe(), self.watchdog.elapsed(), self.timeout_s
+        )
         if line is None:
             return None
         _say(self.prefix + line)
@@ -291,15 +334,25 @@ class Faults:
 
 
 _TIMEOUT = ("timed out", "timeout")
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-              "socket closed", "remote process exited")
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "remote process exited",
+)
 
 
-def describe_failure(err: BaseException, doing: str, elapsed_s: float | None, timeout_s: float) -> str | None:
+def describe_failure(
+    err: BaseException, doing: str, elapsed_s: float | None, timeout_s: float
+) -> str | None:
     """The line for an error that says a collective failed (gloo's, torch.distributed's), else None."""
     chain = errors_in(err)
     text = " ".join(f"{type(c).__name__}: {c}" for c in chain).lower()
-    distributed = any(isinstance(c, dist.DistError) for c in chain) or "gloo" in text or "nccl" in text
+    distributed = (
+        any(isinstance(c, dist.DistError) for c in chain) or "gloo" in text or "nccl" in text
+    )
     if any(k in text for k in _TIMEOUT) and (distributed or "collective" in text):
         what = f"a collective got no answer within parallel.timeout_s={timeout_s:g}s"
     elif any(k in text for k in _PEER_LOST) and distributed:
@@ -308,6 +361,8 @@ def describe_failure(err: BaseException, doing: str, elapsed_s: float | None, ti
         return None
     first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     during = doing if elapsed_s is None else f"{doing}, {elapsed_s:.0f}s in"
-    return (f"collective failure during {during}: {what}. Likely cause: another rank stopped, "
-            f"crashed or is much slower (see its log: out of memory, a node failure, a hung filesystem); exit code "
-            f"{ExitCode.COLLECTIVE:d}, a relaunch resumes from the last checkpoint. [{type(err).__name__}: {first}]")
+    return (
+        f"collective failure during {during}: {what}. Likely cause: another rank stopped, "
+        f"crashed or is much slower (see its log: out of memory, a node failure, a hung filesystem); exit code "
+        f"{ExitCode.COLLECTIVE:d}, a relaunch resumes from the last checkpoint. [{type(err).__name__}: {first}]"
+    )

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+
 class CheckpointError(RuntimeError):
     """A checkpoint is incomplete, damaged, cannot be written, or does not fit what is loaded into it."""
 
@@ -60,7 +61,9 @@ def crc32_file(path: str | os.PathLike) -> str:
     return f"{crc:08x}"
 
 
-def checksum_files(root: str | os.PathLike, names: Iterable[str], threads: int = THREADS) -> dict[str, dict]:
+def checksum_files(
+    root: str | os.PathLike, names: Iterable[str], threads: int = THREADS
+) -> dict[str, dict]:
     """{name: {"bytes", "crc32"}} of the files `names` in `root`."""
     root, names = Path(root), list(names)
     with ThreadPoolExecutor(max(1, min(threads, len(names)))) as ex:
@@ -68,8 +71,12 @@ def checksum_files(root: str | os.PathLike, names: Iterable[str], threads: int =
     return {n: {"bytes": (root / n).stat().st_size, "crc32": c} for n, c in zip(names, crcs)}
 
 
-def file_problems(root: str | os.PathLike, expected: Mapping[str, Mapping[str, Any]],
-                  names: Iterable[str] | None = None, threads: int = THREADS) -> list[str]:
+def file_problems(
+    root: str | os.PathLike,
+    expected: Mapping[str, Mapping[str, Any]],
+    names: Iterable[str] | None = None,
+    threads: int = THREADS,
+) -> list[str]:
     """What is wrong with the files `names` (default: all of `expected`) of `root`: missing,
     another size (truncated or grown), another checksum (bytes changed); [] when all are sound."""
     root = Path(root)
@@ -83,15 +90,23 @@ def file_problems(root: str | os.PathLike, expected: Mapping[str, Mapping[str, A
             problems.append(f"{name}: missing ({e.strerror})")
             continue
         if size != want["bytes"]:
-            problems.append(f"{name}: {size} bytes, {want['bytes']} when saved ("
-                            f"{'truncated' if size < want['bytes'] else 'grown'})")
+            problems.append(
+                f"{name}: {size} bytes, {want['bytes']} when saved ("
+                f"{'truncated' if size < want['bytes'] else 'grown'})"
+            )
         else:
             to_read.append(name)
     with ThreadPoolExecutor(max(1, min(threads, len(to_read) or 1))) as ex:
         for name, got in zip(to_read, ex.map(lambda n: _crc_or_error(root / n), to_read)):
             if got != expected[name]["crc32"]:
-                problems.append(f"{name}: " + (got if got.startswith("unreadable") else
-                                               f"checksum {got}, {expected[name]['crc32']} when saved (bytes changed)"))
+                problems.append(
+                    f"{name}: "
+                    + (
+                        got
+                        if got.startswith("unreadable")
+                        else f"checksum {got}, {expected[name]['crc32']} when saved (bytes changed)"
+                    )
+                )
     return sorted(problems)
 
 
@@ -105,8 +120,11 @@ def _crc_or_error(path: Path) -> str:
 def stored_files(path: str | os.PathLike, skip: Iterable[str] = ()) -> list[str]:
     """The regular files of a checkpoint directory that its checksums cover, sorted."""
     skip = set(skip)
-    return sorted(p.name for p in Path(path).iterdir() if p.is_file() and p.name not in skip
-                  and not p.name.endswith(".tmp"))
+    return sorted(
+        p.name
+        for p in Path(path).iterdir()
+        if p.is_file() and p.name not in skip and not p.name.endswith(".tmp")
+    )
 
 
 def state_bytes(state: Any) -> int:
@@ -171,12 +189,20 @@ def errors_in(e: BaseException) -> list[BaseException]:
     return out
 
 
-_DISK_FULL = ("no space left", "disk quota", "unexpected pos")  # torch's zip writer reports a short write so
+_DISK_FULL = (
+    "no space left",
+    "disk quota",
+    "unexpected pos",
+)  # torch's zip writer reports a short write so
 
 
 def looks_like_disk_full(e: BaseException) -> bool:
-    return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT)
-               or any(t in str(x).lower() for t in _DISK_FULL) for x in errors_in(e))
+    return any(
+        isinstance(x, OSError)
+        and x.errno in (errno.ENOSPC, errno.EDQUOT)
+        or any(t in str(x).lower() for t in _DISK_FULL)
+        for x in errors_in(e)
+    )
 
 
 def one_line(e: BaseException) -> str:

@@ -32,21 +32,30 @@ BYTES_TRAINED = 16  # fp32 master weight 4 + fp32 gradient 4 (FSDP reduces in fp
 BYTES_FROZEN = 4  # a frozen weight: no gradient, no optimizer state
 MEMORY_NOTE = 0.8  # above this share of the limit, a note: activations need the rest
 # how each part of a decoder layer is sharded (see _divisors)
-_LAYER_SHARDING = {"q_o": "tp", "k_v": "kv", "norms": "whole", "router": "whole", "experts": "experts",
-                   "dense_mlp": "tp"}
+_LAYER_SHARDING = {
+    "q_o": "tp",
+    "k_v": "kv",
+    "norms": "whole",
+    "router": "whole",
+    "experts": "experts",
+    "dense_mlp": "tp",
+}
 
 
 @dataclass
 class MemoryEstimate:
     """Weights, gradients and optimizer state on the fullest rank (activations not included)."""
+
     params: float  # parameters held by that rank (a shard counts its fraction)
     bytes: float
     total_params: int  # the whole model's
 
     def describe(self, layout: str = "") -> str:
-        return (f"{self.bytes / 2**30:.1f} GiB per rank for weights, gradients and AdamW state "
-                f"({self.params / 1e9:.3g}B of the model's {self.total_params / 1e9:.3g}B parameters"
-                + (f"; {layout})" if layout else ")"))
+        return (
+            f"{self.bytes / 2**30:.1f} GiB per rank for weights, gradients and AdamW state "
+            f"({self.params / 1e9:.3g}B of the model's {self.total_params / 1e9:.3g}B parameters"
+            + (f"; {layout})" if layout else ")")
+        )
 
 
 def estimate_memory(job, plan: Plan) -> MemoryEstimate:
@@ -72,7 +81,9 @@ def estimate_memory(job, plan: Plan) -> MemoryEstimate:
             trained += whole["embed_tokens"] / div["tp"]  # vocab-parallel
         if last in stages:
             trained += whole["norm"] / div["whole"] + whole["lm_head"] / div["tp"]
-        est = MemoryEstimate(trained + vision, trained * BYTES_TRAINED + vision * frozen_bytes, best.total_params)
+        est = MemoryEstimate(
+            trained + vision, trained * BYTES_TRAINED + vision * frozen_bytes, best.total_params
+        )
         best = max(best, est, key=lambda e: e.bytes)
     return best
 
@@ -84,9 +95,13 @@ def _divisors(dp_mode: str, dims: ParallelDims, cfg: VLMConfig) -> dict[str, int
     k/v when there are at least tp kv heads; norms and the router stay whole per tp rank.  The vision
     tower is not tensor parallel; FSDP shards it over dp x cp x tp."""
     shard = dims.dp * dims.cp if dp_mode == "fsdp" else 1
-    return {"tp": dims.tp * shard, "kv": (dims.tp if cfg.text.num_kv_heads >= dims.tp else 1) * shard,
-            "whole": shard, "vision": dims.tp * shard if dp_mode == "fsdp" else 1,
-            "experts": dims.ep * dims.etp * (dims.edp if dp_mode == "fsdp" else 1)}
+    return {
+        "tp": dims.tp * shard,
+        "kv": (dims.tp if cfg.text.num_kv_heads >= dims.tp else 1) * shard,
+        "whole": shard,
+        "vision": dims.tp * shard if dp_mode == "fsdp" else 1,
+        "experts": dims.ep * dims.etp * (dims.edp if dp_mode == "fsdp" else 1),
+    }
 
 
 def check_memory(job, plan: Plan, limit: float | None, where: str = "the device") -> MemoryEstimate:
@@ -97,13 +112,17 @@ def check_memory(job, plan: Plan, limit: float | None, where: str = "the device"
     if limit is None:
         return est
     have = f"{where} has {limit / 2**30:.1f} GiB"
-    _check(est.bytes <= limit,
-           f"the model needs about {est.describe(plan.dims.describe())} but {have}; use fewer layers or "
-           "experts (model.num_layers, model.num_experts) or shard more (more GPUs, parallel.dp_mode=fsdp, "
-           "parallel.ep, parallel.pp)")
+    _check(
+        est.bytes <= limit,
+        f"the model needs about {est.describe(plan.dims.describe())} but {have}; use fewer layers or "
+        "experts (model.num_layers, model.num_experts) or shard more (more GPUs, parallel.dp_mode=fsdp, "
+        "parallel.ep, parallel.pp)",
+    )
     if est.bytes > MEMORY_NOTE * limit:
-        plan.notes.append(f"note: the model needs about {est.describe()}, {100 * est.bytes / limit:.0f}% of what "
-                          f"{have}; activations need the rest")
+        plan.notes.append(
+            f"note: the model needs about {est.describe()}, {100 * est.bytes / limit:.0f}% of what "
+            f"{have}; activations need the rest"
+        )
     return est
 
 
@@ -113,8 +132,11 @@ def memory_limit(device) -> tuple[float, str]:
     node (LOCAL_WORLD_SIZE).  (None, ...) when unknown."""
     device = torch.device(device)
     if device.type == "cuda":
-        index = device.index if device.index is not None else \
-            int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        index = (
+            device.index
+            if device.index is not None
+            else int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        )
         return float(torch.cuda.mem_get_info(index)[0]), f"cuda:{index} (free memory)"
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     try:

@@ -89,7 +89,9 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def device_peak_tflops(device: torch.device, dtype: str = "bf16", override: float | None = None) -> float | None:
+def device_peak_tflops(
+    device: torch.device, dtype: str = "bf16", override: float | None = None
+) -> float | None:
     """`override` (config train.peak_tflops; 0 or None = unset) wins; CPU and unknown GPUs -> None."""
     if override:
         return float(override)
@@ -127,24 +129,45 @@ def _num(x) -> float | None:
     return None if x is None else float(x)
 
 
-def step_record(*, step: int, loss, lr: float, step_time_s: float, useful_tokens: int, flops: float,
-                world_size: int, peak_tflops: float | None, aux_loss=None, grad_norm=None,
-                data_wait_s: float = 0.0, expert_counts: torch.Tensor | None = None,
-                skipped: dict[str, int] | None = None, nonfinite_steps: int = 0,
-                mem_gib: float | None = None) -> dict:
+def step_record(
+    *,
+    step: int,
+    loss,
+    lr: float,
+    step_time_s: float,
+    useful_tokens: int,
+    flops: float,
+    world_size: int,
+    peak_tflops: float | None,
+    aux_loss=None,
+    grad_norm=None,
+    data_wait_s: float = 0.0,
+    expert_counts: torch.Tensor | None = None,
+    skipped: dict[str, int] | None = None,
+    nonfinite_steps: int = 0,
+    mem_gib: float | None = None,
+) -> dict:
     """The JSON record of one logged step.  Time, tokens and FLOPs may be one step's or sums over
     the logging window; tokens and FLOPs are global (all ranks), the rates come out per device."""
     per_dev_s = step_time_s * world_size if step_time_s > 0 else math.nan
     tflops = flops / per_dev_s / 1e12
     skipped = dict(sorted((skipped or {}).items()))
     return {
-        "step": int(step), "loss": _num(loss), "aux_loss": _num(aux_loss), "grad_norm": _num(grad_norm),
-        "lr": float(lr), "tokens_per_s": useful_tokens / per_dev_s, "tflops": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else None, "flops": float(flops),
+        "step": int(step),
+        "loss": _num(loss),
+        "aux_loss": _num(aux_loss),
+        "grad_norm": _num(grad_norm),
+        "lr": float(lr),
+        "tokens_per_s": useful_tokens / per_dev_s,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "flops": float(flops),
         "step_time_s": float(step_time_s),
         "data_wait_frac": data_wait_s / step_time_s if step_time_s > 0 else None,
-        "mem_gib": _num(mem_gib), "expert_load_max_over_mean": expert_load_max_over_mean(expert_counts),
-        "bad_samples": sum(skipped.values()), "bad_samples_by_reason": skipped,
+        "mem_gib": _num(mem_gib),
+        "expert_load_max_over_mean": expert_load_max_over_mean(expert_counts),
+        "bad_samples": sum(skipped.values()),
+        "bad_samples_by_reason": skipped,
         "nonfinite_steps": int(nonfinite_steps),
     }
 
@@ -168,17 +191,38 @@ class Window:
             self.counts = counts if self.counts is None else self.counts + counts
         self.last = {"grad_norm": grad_norm, "lr": lr}
 
-    def record(self, *, step: int, world_size: int, peak_tflops: float | None, mem_gib: float | None,
-               expert_counts: torch.Tensor | None, skipped: dict[str, int] | None, nonfinite_steps: int,
-               mem_gib_by_pp_rank: list[float] | None = None) -> dict:
+    def record(
+        self,
+        *,
+        step: int,
+        world_size: int,
+        peak_tflops: float | None,
+        mem_gib: float | None,
+        expert_counts: torch.Tensor | None,
+        skipped: dict[str, int] | None,
+        nonfinite_steps: int,
+        mem_gib_by_pp_rank: list[float] | None = None,
+    ) -> dict:
         """`step_record` of the window's means (loss, aux) and sums (time, tokens, FLOPs, data wait), the
         last step's grad_norm and lr; `expert_counts` is `self.counts` of every layer (all pipeline stages)."""
         n = max(self.steps, 1)
-        rec = step_record(step=step, loss=self.loss / n, aux_loss=self.aux / n, lr=self.last["lr"],
-                          grad_norm=self.last["grad_norm"], step_time_s=self.seconds, useful_tokens=int(self.tokens),
-                          flops=self.flops, world_size=world_size, peak_tflops=peak_tflops, data_wait_s=self.wait,
-                          expert_counts=expert_counts, skipped=skipped, nonfinite_steps=nonfinite_steps,
-                          mem_gib=mem_gib)
+        rec = step_record(
+            step=step,
+            loss=self.loss / n,
+            aux_loss=self.aux / n,
+            lr=self.last["lr"],
+            grad_norm=self.last["grad_norm"],
+            step_time_s=self.seconds,
+            useful_tokens=int(self.tokens),
+            flops=self.flops,
+            world_size=world_size,
+            peak_tflops=peak_tflops,
+            data_wait_s=self.wait,
+            expert_counts=expert_counts,
+            skipped=skipped,
+            nonfinite_steps=nonfinite_steps,
+            mem_gib=mem_gib,
+        )
         if mem_gib_by_pp_rank is not None:
             rec["mem_gib_by_pp_rank"] = mem_gib_by_pp_rank
         rec["steps_in_window"] = self.steps
@@ -204,11 +248,21 @@ def json_safe(x):
     return x
 
 
-_TB_TAGS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "grad_norm": "train/grad_norm",
-            "lr": "train/lr", "tokens_per_s": "perf/tokens_per_s", "tflops": "perf/tflops",
-            "mfu": "perf/mfu", "step_time_s": "perf/step_time_s", "mem_gib": "memory/peak_gib",
-            "data_wait_frac": "data/wait_frac", "expert_load_max_over_mean": "moe/load_max_over_mean",
-            "bad_samples": "data/bad_samples", "nonfinite_steps": "train/nonfinite_steps"}
+_TB_TAGS = {
+    "loss": "train/loss",
+    "aux_loss": "train/aux_loss",
+    "grad_norm": "train/grad_norm",
+    "lr": "train/lr",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops": "perf/tflops",
+    "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s",
+    "mem_gib": "memory/peak_gib",
+    "data_wait_frac": "data/wait_frac",
+    "expert_load_max_over_mean": "moe/load_max_over_mean",
+    "bad_samples": "data/bad_samples",
+    "nonfinite_steps": "train/nonfinite_steps",
+}
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -228,7 +282,11 @@ def console_line(r: dict, total_steps: int) -> str:
         parts.append(f"aux {r['aux_loss']:.3g}")
     if r.get("grad_norm") is not None:
         parts.append(f"gnorm {r['grad_norm']:.3g}")
-    parts += [f"lr {r['lr']:.1e}", f"{fmt_count(r['tokens_per_s'])} tok/s/dev", f"{r['tflops']:.3g} TFLOP/s"]
+    parts += [
+        f"lr {r['lr']:.1e}",
+        f"{fmt_count(r['tokens_per_s'])} tok/s/dev",
+        f"{r['tflops']:.3g} TFLOP/s",
+    ]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if r.get("mem_gib") is not None:
@@ -255,8 +313,16 @@ class MetricsLogger:
     """metrics.jsonl + TensorBoard (run_dir/tb) + W&B (`wandb`: a moevlm.train.wandb_log.WandbLog, or
     anything with `log(scalars, step)` and `finish()`) + console (tqdm bar on a TTY); rank 0 only."""
 
-    def __init__(self, run_dir: Path, rank: int, total_steps: int, log_every: int,
-                 tensorboard: bool = True, progress: bool | None = None, wandb=None):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        total_steps: int,
+        log_every: int,
+        tensorboard: bool = True,
+        progress: bool | None = None,
+        wandb=None,
+    ):
         self.total_steps, self.log_every = total_steps, max(1, log_every)
         self.active = rank == 0
         self._file = self._tb = self._bar = None
@@ -270,10 +336,12 @@ class MetricsLogger:
             self._tb = self._writer()
         if progress if progress is not None else sys.stdout.isatty():
             from tqdm import tqdm
+
             self._bar = tqdm(total=total_steps, dynamic_ncols=True)
 
     def _writer(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
+
         return SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge_step)
 
     def resume_at(self, step: int, abandoned: Path | None = None) -> int:
@@ -300,8 +368,10 @@ class MetricsLogger:
                 self._tb = self._writer(purge_step=step + 1)
             last = max((s for s in steps if math.isfinite(s)), default=step)
             if self._wandb is not None and last > step:
-                self.info(f"W&B cannot drop history: its steps {step + 1}..{last} keep the values logged before "
-                          "this resume (metrics.jsonl and TensorBoard have the new ones)")
+                self.info(
+                    f"W&B cannot drop history: its steps {step + 1}..{last} keep the values logged before "
+                    "this resume (metrics.jsonl and TensorBoard have the new ones)"
+                )
         self._file = open(path, "a", buffering=1)
         return len(lines) - len(keep)
 

@@ -57,7 +57,11 @@ def _by_layout(params: list) -> dict[str, list]:
 
     out: dict[str, list] = {}
     for p in params:
-        key = "" if not isinstance(p, DTensor) else "/" + "x".join(p.device_mesh.mesh_dim_names or ("mesh",))
+        key = (
+            ""
+            if not isinstance(p, DTensor)
+            else "/" + "x".join(p.device_mesh.mesh_dim_names or ("mesh",))
+        )
         out.setdefault(key, []).append(p)
     return out
 
@@ -70,7 +74,11 @@ def build_optimizer(model: nn.Module, o) -> torch.optim.AdamW:
     if kind == "auto":
         device = groups[0]["params"][0].device
         kind = "fused" if _has_fused(device) else "foreach"
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[kind]
+    flags = {
+        "fused": {"fused": True},
+        "foreach": {"foreach": True},
+        "for_loop": {"foreach": False},
+    }[kind]
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, **flags)
 
 
@@ -88,7 +96,11 @@ class LRSchedule:
 
     def __init__(self, o, steps: int):
         self.kind, self.steps, self.warmup = o.schedule, steps, o.warmup_steps
-        self.min_ratio, self.decay_fraction, self.decay_shape = o.min_lr_ratio, o.decay_fraction, o.decay_shape
+        self.min_ratio, self.decay_fraction, self.decay_shape = (
+            o.min_lr_ratio,
+            o.decay_fraction,
+            o.decay_shape,
+        )
 
     def __call__(self, s: int) -> float:
         if s < self.warmup:
@@ -106,7 +118,11 @@ class LRSchedule:
 
     def _down(self, x: float, shape: str) -> float:
         """From 1 at x=0 to min_ratio at x=1."""
-        frac = {"linear": 1 - x, "cosine": 0.5 * (1 + math.cos(math.pi * x)), "sqrt": 1 - math.sqrt(x)}[shape]
+        frac = {
+            "linear": 1 - x,
+            "cosine": 0.5 * (1 + math.cos(math.pi * x)),
+            "sqrt": 1 - math.sqrt(x),
+        }[shape]
         return self.min_ratio + (1 - self.min_ratio) * frac
 
 
@@ -116,10 +132,16 @@ class Scheduler(torch.optim.lr_scheduler.LambdaLR):
     checkpoint resumes under another layout.  Its state holds the schedule's
     fields, `steps` (the run length it was built for) included."""
 
-    loaded_steps: int | None = None  # the run length the loaded state was built for (None: not recorded)
+    loaded_steps: int | None = (
+        None  # the run length the loaded state was built for (None: not recorded)
+    )
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "schedule": dict(self.lr_lambdas[0].__dict__)}
+        return {
+            "last_epoch": self.last_epoch,
+            "_step_count": self._step_count,
+            "schedule": dict(self.lr_lambdas[0].__dict__),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch, self._step_count = state["last_epoch"], state["_step_count"]
@@ -141,8 +163,13 @@ def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> Scheduler:
 
 
 # the optim field each schedule attribute comes from (for the resume notes)
-_FIELDS = {"kind": "schedule", "warmup": "warmup_steps", "min_ratio": "min_lr_ratio",
-           "decay_fraction": "decay_fraction", "decay_shape": "decay_shape"}
+_FIELDS = {
+    "kind": "schedule",
+    "warmup": "warmup_steps",
+    "min_ratio": "min_lr_ratio",
+    "decay_fraction": "decay_fraction",
+    "decay_shape": "decay_shape",
+}
 
 
 def fit_resumed_schedule(sched: Scheduler, o, steps: int) -> list[str]:
@@ -154,18 +181,31 @@ def fit_resumed_schedule(sched: Scheduler, o, steps: int) -> list[str]:
     The other schedule fields stay the checkpoint's; a differing one is noted.  A state without its
     length (not written by this trainer) is assumed to be `steps` long."""
     fn, fresh = sched.lr_lambdas[0], LRSchedule(o, steps)
-    lines = [(f"note: optim.{field}={getattr(fresh, attr)!r} differs from the resumed schedule's "
-              f"{getattr(fn, attr)!r}: the checkpoint's is kept") for attr, field in _FIELDS.items()
-             if getattr(fn, attr) != getattr(fresh, attr)]
+    lines = [
+        (
+            f"note: optim.{field}={getattr(fresh, attr)!r} differs from the resumed schedule's "
+            f"{getattr(fn, attr)!r}: the checkpoint's is kept"
+        )
+        for attr, field in _FIELDS.items()
+        if getattr(fn, attr) != getattr(fresh, attr)
+    ]
     old = sched.loaded_steps
     if old is None:
-        return lines + [(f"note: the checkpoint does not record its lr schedule's length; assumed "
-                         f"train.steps={steps}, as now")]
+        return lines + [
+            (
+                f"note: the checkpoint does not record its lr schedule's length; assumed "
+                f"train.steps={steps}, as now"
+            )
+        ]
     if old == steps:
         return lines
     before = sched.get_last_lr()[0]
     for f in sched.lr_lambdas:
         f.steps = steps
     sched._set_lrs()
-    return lines + [(f"train.steps changed from {old} to {steps}: the {fn.kind} lr schedule is rescaled to {steps} "
-                     f"steps; the next update's lr is {sched.get_last_lr()[0]:.3e} (was {before:.3e})")]
+    return lines + [
+        (
+            f"train.steps changed from {old} to {steps}: the {fn.kind} lr schedule is rescaled to {steps} "
+            f"steps; the next update's lr is {sched.get_last_lr()[0]:.3e} (was {before:.3e})"
+        )
+    ]

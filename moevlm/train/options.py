@@ -40,7 +40,14 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY
 from moevlm.dispatch import dispatcher_names
-from moevlm.model.config import ATTN_BACKENDS, CAPACITY_OVERFLOWS, FP8_BACKENDS, FP8_RECIPES, PERMUTES, PRESETS
+from moevlm.model.config import (
+    ATTN_BACKENDS,
+    CAPACITY_OVERFLOWS,
+    FP8_BACKENDS,
+    FP8_RECIPES,
+    PERMUTES,
+    PRESETS,
+)
 from moevlm.parallel.pipeline_plan import SCHEDULES
 from moevlm.train.schema import CHOICES, JobConfig
 
@@ -61,13 +68,22 @@ class Option(NamedTuple):
 
 def allowed_values() -> dict[str, tuple[str, ...]]:
     """Field path -> its allowed values, taken from the constants the validators check against."""
-    return {**CHOICES,
-            "model.preset": tuple(sorted(PRESETS)), "model.attn_backend": tuple(ATTN_BACKENDS),
-            "model.grouped_gemm": GROUPED_GEMM_BACKENDS, "model.dispatcher": ("auto", *dispatcher_names()),
-            "model.permute": tuple(PERMUTES), "model.fp8": FP8_RECIPES, "model.fp8_backend": FP8_BACKENDS,
-            "model.moe_capacity_overflow": CAPACITY_OVERFLOWS, "parallel.pp_schedule": tuple(SCHEDULES),
-            "data.pack.oversize": OVERSIZE, "data.pin_memory": PIN_MEMORY, "data.mock": MOCK,
-            "data.start_method": tuple(sorted(mp.get_all_start_methods()))}
+    return {
+        **CHOICES,
+        "model.preset": tuple(sorted(PRESETS)),
+        "model.attn_backend": tuple(ATTN_BACKENDS),
+        "model.grouped_gemm": GROUPED_GEMM_BACKENDS,
+        "model.dispatcher": ("auto", *dispatcher_names()),
+        "model.permute": tuple(PERMUTES),
+        "model.fp8": FP8_RECIPES,
+        "model.fp8_backend": FP8_BACKENDS,
+        "model.moe_capacity_overflow": CAPACITY_OVERFLOWS,
+        "parallel.pp_schedule": tuple(SCHEDULES),
+        "data.pack.oversize": OVERSIZE,
+        "data.pin_memory": PIN_MEMORY,
+        "data.mock": MOCK,
+        "data.start_method": tuple(sorted(mp.get_all_start_methods())),
+    }
 
 
 def sections(cls: type = JobConfig, prefix: str = "") -> Iterator[tuple[str, str, list[Option]]]:
@@ -80,8 +96,15 @@ def sections(cls: type = JobConfig, prefix: str = "") -> Iterator[tuple[str, str
             nested.append((path, hints[f.name]))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        leaves.append(Option(path, _type_name(hints[f.name]), default, tuple(allowed.get(path, ())),
-                             _help(f.metadata)))
+        leaves.append(
+            Option(
+                path,
+                _type_name(hints[f.name]),
+                default,
+                tuple(allowed.get(path, ())),
+                _help(f.metadata),
+            )
+        )
     if prefix:
         yield prefix.rstrip("."), _doc(cls), leaves
     for path, sub in nested:
@@ -117,22 +140,39 @@ def describe_options(job=None) -> str:
 
 def options_markdown() -> str:
     """The reference for conf/README.md: one table per section."""
-    out = ["## Options", "",
-           ("Every field of the schema, from the dataclasses' descriptions (`python train.py --help` prints the "
-            "same, with the values a command line sets). Set one with `section.field=VALUE`.")]
+    out = [
+        "## Options",
+        "",
+        (
+            "Every field of the schema, from the dataclasses' descriptions (`python train.py --help` prints the "
+            "same, with the values a command line sets). Set one with `section.field=VALUE`."
+        ),
+    ]
     for section, doc, opts in sections():
-        out += ["", f"### `{section}`", "", doc, "", "| option | type | default | allowed | description |",
-                "|---|---|---|---|---|"]
-        out += [f"| `{o.path}` | {_cell(o.type)} | `{_fmt(o.default)}` | "
-                f"{', '.join(f'`{v}`' for v in o.allowed)} | {_cell(o.help)} |" for o in opts]
+        out += [
+            "",
+            f"### `{section}`",
+            "",
+            doc,
+            "",
+            "| option | type | default | allowed | description |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| `{o.path}` | {_cell(o.type)} | `{_fmt(o.default)}` | "
+            f"{', '.join(f'`{v}`' for v in o.allowed)} | {_cell(o.help)} |"
+            for o in opts
+        ]
     return "\n".join(out) + "\n"
 
 
 def readme_with_options(text: str) -> str:
     """`text` (conf/README.md) with the part between the markers replaced by `options_markdown()`."""
     if BEGIN not in text or END not in text:
-        raise ValueError(f"conf/README.md lacks the markers {BEGIN!r} and {END!r}; add them where the option "
-                         "reference belongs")
+        raise ValueError(
+            f"conf/README.md lacks the markers {BEGIN!r} and {END!r}; add them where the option "
+            "reference belongs"
+        )
     head, rest = text.split(BEGIN, 1)
     return f"{head}{BEGIN}\n\n{options_markdown()}\n{END}{rest.split(END, 1)[1]}"
 
@@ -140,8 +180,11 @@ def readme_with_options(text: str) -> str:
 def register_help_resolver() -> None:
     """`${moevlm.options:}` in conf/config.yaml's help template: the listing, with the composed values.
     `$` is doubled because Hydra passes the template through string.Template."""
-    OmegaConf.register_new_resolver("moevlm.options", lambda *, _root_: describe_options(_root_).replace("$", "$$"),
-                                    replace=True)
+    OmegaConf.register_new_resolver(
+        "moevlm.options",
+        lambda *, _root_: describe_options(_root_).replace("$", "$$"),
+        replace=True,
+    )
 
 
 def _composed(job, path: str) -> str:
@@ -172,7 +215,9 @@ def _help(metadata) -> str:
 
 def _doc(cls: type) -> str:
     doc = cls.__doc__ or ""
-    return "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split())  # dataclass's generated repr
+    return (
+        "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split())
+    )  # dataclass's generated repr
 
 
 def _type_name(tp) -> str:
@@ -203,10 +248,17 @@ def _cell(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moevlm.train.options", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m moevlm.train.options", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--markdown", action="store_true", help="print the Markdown reference")
-    parser.add_argument("--write-readme", nargs="?", const=README, metavar="PATH",
-                        help="rewrite the reference between the markers of conf/README.md (or PATH)")
+    parser.add_argument(
+        "--write-readme",
+        nargs="?",
+        const=README,
+        metavar="PATH",
+        help="rewrite the reference between the markers of conf/README.md (or PATH)",
+    )
     args = parser.parse_args(argv)
     if args.write_readme:
         with open(args.write_readme) as f:

@@ -65,12 +65,35 @@ from moevlm.model.layout import Combine, Dispatch, Loss
 from moevlm.model.moe import Experts, Router
 from moevlm.model.vision import PatchMerger, VisionEncoder
 
-COMPONENTS = ("data", "vision_encoder", "merger", "attention", "router", "dispatch", "experts", "combine",
-              "lm_head_loss", "backward", "grad_reduce_clip", "optimizer", "other")
-_MODULES = ((VisionEncoder, "vision_encoder"), (PatchMerger, "merger"), (TextAttention, "attention"),
-            (Router, "router"), (Experts, "experts"), (Dispatch, "dispatch"), (Combine, "combine"),
-            (Head, "lm_head_loss"), (Loss, "lm_head_loss"))
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # probed: absent = no recompute detection
+COMPONENTS = (
+    "data",
+    "vision_encoder",
+    "merger",
+    "attention",
+    "router",
+    "dispatch",
+    "experts",
+    "combine",
+    "lm_head_loss",
+    "backward",
+    "grad_reduce_clip",
+    "optimizer",
+    "other",
+)
+_MODULES = (
+    (VisionEncoder, "vision_encoder"),
+    (PatchMerger, "merger"),
+    (TextAttention, "attention"),
+    (Router, "router"),
+    (Experts, "experts"),
+    (Dispatch, "dispatch"),
+    (Combine, "combine"),
+    (Head, "lm_head_loss"),
+    (Loss, "lm_head_loss"),
+)
+_graph_task_id = getattr(
+    torch._C, "_current_graph_task_id", None
+)  # probed: absent = no recompute detection
 
 
 def in_autograd() -> bool:
@@ -86,14 +109,22 @@ def parse_profile_steps(value, steps: int) -> tuple[int, int] | None:
     try:
         if isinstance(value, bool):
             raise ValueError
-        parts = [value] if isinstance(value, int) else value.split(",") if isinstance(value, str) else list(value)
+        parts = (
+            [value]
+            if isinstance(value, int)
+            else value.split(",")
+            if isinstance(value, str)
+            else list(value)
+        )
         nums = [int(str(p).strip()) for p in parts]
     except (ValueError, TypeError):
         raise ConfigError(f"train.profile_steps={value!r} is not a step range; {how}") from None
     if len(nums) == 1:
         nums *= 2
     if len(nums) != 2 or not 1 <= nums[0] <= nums[1] <= steps:
-        raise ConfigError(f"train.profile_steps={value!r} is not a step range within this run; {how}")
+        raise ConfigError(
+            f"train.profile_steps={value!r} is not a step range within this run; {how}"
+        )
     return nums[0], nums[1]
 
 
@@ -154,7 +185,9 @@ class ComponentTimer:
         i = self.stack.pop()
         self.ends[i] = self.clock.mark()
         if self.names[i] != name:
-            raise RuntimeError(f"profile: {name!r} closed while {self.names[i]!r} was open (unbalanced hooks)")
+            raise RuntimeError(
+                f"profile: {name!r} closed while {self.names[i]!r} was open (unbalanced hooks)"
+            )
         if self.ranges:
             self.ranges_open.pop().__exit__(None, None, None)
 
@@ -191,7 +224,10 @@ class ComponentTimer:
             if not in_autograd():
                 self.close(name)
 
-        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+        self.handles += [
+            module.register_forward_pre_hook(pre),
+            module.register_forward_hook(post, always_call=True),
+        ]
 
     def detach(self) -> None:
         for h in self.handles:
@@ -204,7 +240,13 @@ class TraceWindow:
     """torch.profiler around steps first..last (CPU, + CUDA on a GPU), exported as a chrome trace."""
 
     def __init__(self, first: int, last: int, folder: Path, rank: int, device: torch.device, log):
-        self.first, self.last, self.folder, self.rank, self.log = first, last, Path(folder), rank, log
+        self.first, self.last, self.folder, self.rank, self.log = (
+            first,
+            last,
+            Path(folder),
+            rank,
+            log,
+        )
         self.activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -212,7 +254,9 @@ class TraceWindow:
 
     def begin(self, step: int) -> None:
         if self.prof is None and not self.done and self.first <= step <= self.last:
-            self.prof = torch.profiler.profile(activities=self.activities, record_shapes=False, with_stack=False)
+            self.prof = torch.profiler.profile(
+                activities=self.activities, record_shapes=False, with_stack=False
+            )
             self.prof.__enter__()
             self.begun = step
 
@@ -229,22 +273,32 @@ class TraceWindow:
         path = self.folder / f"rank{self.rank}_steps{self.begun}-{self.step}.json"
         self.prof.export_chrome_trace(str(path))
         self.prof, self.done = None, True
-        self.log.info(f"profile: torch.profiler trace of steps {self.begun}-{self.step} written to {path} "
-                      "(one per rank; open in https://ui.perfetto.dev or chrome://tracing)")
+        self.log.info(
+            f"profile: torch.profiler trace of steps {self.begun}-{self.step} written to {path} "
+            "(one per rank; open in https://ui.perfetto.dev or chrome://tracing)"
+        )
 
 
 # ---------------------------------------------------------------- the trainer's handle
 class Profiling:
     """What the trainer calls; every method is a cheap no-op when both options are off."""
 
-    def __init__(self, train_cfg, model: torch.nn.Module, device: torch.device, run_dir: Path, rank: int, log):
+    def __init__(
+        self, train_cfg, model: torch.nn.Module, device: torch.device, run_dir: Path, rank: int, log
+    ):
         self.timing = bool(train_cfg.profile_components)
         window = parse_profile_steps(train_cfg.profile_steps, train_cfg.steps)
-        self.trace = None if window is None else TraceWindow(*window, Path(run_dir) / "profile", rank, device, log)
+        self.trace = (
+            None
+            if window is None
+            else TraceWindow(*window, Path(run_dir) / "profile", rank, device, log)
+        )
         self.run_dir, self.rank, self.log = Path(run_dir), rank, log
         self.timer = None
         if self.timing or self.trace is not None:
-            cuda_clock = self.timing and device.type == "cuda"  # a trace alone needs only the ranges
+            cuda_clock = (
+                self.timing and device.type == "cuda"
+            )  # a trace alone needs only the ranges
             self.timer = ComponentTimer(CudaClock() if cuda_clock else WallClock())
             self.timer.attach(model)
         self.window = dict.fromkeys(COMPONENTS, 0.0)
@@ -289,9 +343,13 @@ class Profiling:
 
     def table(self) -> str:
         total = max(self.run_step_s, 1e-12)
-        lines = [f"Per-component time of rank {self.rank} over {self.run_steps} steps "
-                 f"({self.run_step_s:.3f} s measured; moevlm/train/profile.py says what each row holds).", "",
-                 "| component | seconds | % of step time |", "|---|---:|---:|"]
+        lines = [
+            f"Per-component time of rank {self.rank} over {self.run_steps} steps "
+            f"({self.run_step_s:.3f} s measured; moevlm/train/profile.py says what each row holds).",
+            "",
+            "| component | seconds | % of step time |",
+            "|---|---:|---:|",
+        ]
         lines += [f"| {k} | {v:.4f} | {100 * v / total:.1f} |" for k, v in self.run_total.items()]
         lines.append(f"| step (measured) | {self.run_step_s:.4f} | 100.0 |")
         return "\n".join(lines) + "\n"
@@ -302,7 +360,11 @@ class Profiling:
             self.trace.finish()
         if self.timing and self.run_steps:
             table = self.table()
-            name = "profile_components.md" if self.rank == 0 else f"profile_components_rank{self.rank}.md"
+            name = (
+                "profile_components.md"
+                if self.rank == 0
+                else f"profile_components_rank{self.rank}.md"
+            )
             (self.run_dir / name).write_text(table)
             self.log.info(table.rstrip())
             self.timing = False  # written once

@@ -53,228 +53,487 @@ class ModelConfig:
     """The network: a preset or an HF config, proxy knobs that shrink it, kernel and dispatcher backends. An
     option marked [VLMConfig.x] is field x of the model config (moevlm.model.VLMConfig), under the name the
     model and the dispatcher read."""
-    preset: str = field(default="tiny", metadata={"help": "the architecture by name (ignored when hf_config is set)"})
-    hf_config: str = field(default="", metadata={
-        "help": "an HF Qwen3-VL-MoE config.json (or its folder) as the architecture; empty = model.preset"})
-    hf_checkpoint: str = field(default="", metadata={
-        "help": "an HF folder (safetensors) to load weights from; empty = random init"})
-    num_layers: Optional[int] = field(default=None, metadata={"edits": "text.num_layers",
-        "help": "proxy: fewer decoder layers; null = the model's own"})
-    num_experts: Optional[int] = field(default=None, metadata={"edits": "moe.num_experts",
-        "help": "proxy: fewer experts (0: a dense MLP in every layer); null = the model's own"})
-    vision_depth: Optional[int] = field(default=None, metadata={"edits": "vision.depth",
-        "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own"})
-    attn_backend: str = field(default="auto", metadata={"sets": "attn_backend",
-        "help": "attention kernel: auto (on CUDA in bf16/fp16 the first available of flash, varlen, flex, sdpa; "
-                "sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or sdpa under train.compile), sdpa (one call, dense "
-                "document mask), sdpa_per_doc (one call per document: only the useful scores, a host loop), flex "
-                "(FlexAttention), flash (flash-attn varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra "
-                "package)"})
-    grouped_gemm: str = field(default="torch", metadata={"sets": "moe.grouped_gemm",
-        "help": "expert GEMM: torch (torch._grouped_mm), loop (one matmul per expert, the reference), triton "
-                "(ours; needs the triton package)"})
-    dispatcher: str = field(default="auto", metadata={"sets": "moe.dispatcher",
-        "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
-                "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep (DeepEP's V2 ElasticBuffer, "
-                "else its V1 Buffer: needs the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a "
-                "multiple of 8 ranks), hybridep "
-                "(DeepEP's hybrid-ep branch, HybridEPBuffer: CUDA only, experts-per-rank x ranks-per-node a multiple "
-                "of 4); neither was run on a real GPU cluster by moevlm yet; one that cannot run is refused, or "
-                "replaced as model.dispatcher_fallback says"})
-    dispatcher_fallback: str = field(default="none", metadata={
-        "help": "when model.dispatcher (deepep, hybridep) cannot run here (package missing or broken, adapter not "
-                "built, or a layout it cannot take): none (refuse with the reason) or alltoall (run the alltoall "
-                "dispatcher instead; one note in the start-up log says why)"})
-    permute: str = field(default="torch", metadata={"sets": "moe.permute",
-        "help": "token permute/unpermute around the experts: torch, or triton (fused kernels)"})
-    moe_capacity_factor: Optional[float] = field(default=None, metadata={"sets": "moe.capacity_factor",
-        "help": "null = dropless (exact; the alltoall dispatcher syncs with the host once per MoE layer). A number "
-                "f > 0: the capacity all-to-all (moevlm.dispatch.capacity): each rank sends each expert at most "
-                "C = ceil(f x tokens x top_k / num_experts) rows through fixed-size buffers, no host sync; "
-                "choices over C are dropped (the earliest tokens kept) and logged as moe_dropped_tokens in "
-                "metrics.jsonl. Needs the alltoall dispatcher (model.dispatcher=alltoall, or auto with "
-                "parallel.ep > 1) or hybridep (a static num_permuted_tokens of E x C rows per receiving rank; "
-                "HybridEP drops the last permuted rows and flags it), and parallel.etp=1"})
-    moe_capacity_overflow: str = field(default="drop", metadata={"sets": "moe.capacity_overflow",
-        "help": "with model.moe_capacity_factor: drop (drop and count the choices over capacity) or error (the "
-                "step fails, naming the fix, when any choice is dropped)"})
-    aux_loss_coef: Optional[float] = field(default=None, metadata={"edits": "moe.router_aux_loss_coef",
-        "help": "router load-balancing loss weight (0 turns it off); null = the checkpoint's router_aux_loss_coef"})
-    freeze_vision: bool = field(default=False, metadata={
-        "help": "the whole vision module (tower, merger, deepstack mergers) runs forward only, no gradients"})
-    recompute: str = field(default="none", metadata={
-        "help": "activation recompute in backward: none, selective (the regions of model.recompute_modules), full "
-                "(each decoder layer and vision block whole); collective outputs are kept, never re-run"})
-    recompute_modules: List[str] = field(default_factory=lambda: ["core_attn"], metadata={
-        "help": "regions recomputed when model.recompute=selective (ignored otherwise): core_attn (attention "
-                "kernel), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
-                "(whole MoE block), vision (each vision block)"})
-    fp8: str = field(default="none", metadata={"sets": "fp8.recipe",
-        "help": "FP8 training of the linears in model.fp8_modules: none, blockwise (Hopper recipe: e4m3, 1x128 "
-                "activation tiles, 128x128 weight blocks, fp32 scales) or mxfp8 (Blackwell: 1x32 blocks, e8m0 "
-                "scales); fp32 master weights, the router always fp32 (moevlm.model.fp8)"})
-    fp8_modules: List[str] = field(default_factory=lambda: ["experts", "attn", "mlp"], metadata={"sets": "fp8.modules",
-        "help": "what runs in FP8 when model.fp8 is set: experts (grouped GEMMs), attn (decoder q/k/v/o), mlp "
-                "(decoder dense MLPs), vision (vision blocks and mergers); router, norms, embeddings and LM head "
-                "never"})
-    fp8_backend: str = field(default="auto", metadata={"sets": "fp8.backend",
-        "help": "FP8 kernels: auto (blockwise: ours on sm89+; mxfp8: torch where the probe finds Blackwell's "
-                "paths; refused on the CPU), triton (ours, blockwise), torch (torch._scaled_mm / _scaled_grouped_mm "
-                "where a probe finds them; pads expert rows), emulate (dequantize, fp64 GEMM: the recipe's numerics "
-                "anywhere, slow)"})
-    fp8_pow2_scales: bool = field(default=False, metadata={"sets": "fp8.pow2_scales",
-        "help": "blockwise: scales rounded up to powers of two (rescaling exact)"})
-    fp8_cache_weights: bool = field(default=True, metadata={"sets": "fp8.cache_weights",
-        "help": "quantize each weight once per optimizer step and reuse it across micro-batches and backward (one "
-                "byte per weight element kept until the step ends, unsharded under FSDP); false = at every use"})
-    fp8_pad_experts: bool = field(default=False, metadata={"sets": "fp8.pad_experts",
-        "help": "pad each expert's rows to the scale block (128 / 32) so no weight-gradient scale block spans two "
-                "experts (local dispatcher: up to block-1 zero rows per expert and a host sync per layer; hybridep: "
-                "padded by HybridEP); "
-                "fp8_backend=torch always pads"})
-    cuda_graph_scope: list = field(default_factory=list, metadata={
-        "help": "decoder-layer regions captured as CUDA graphs at the first training step and replayed "
-                "(moevlm.parallel.cuda_graphs): any of attn (norm, q/k/v, rope, sdpa, o_proj; needs "
-                "attn_backend=sdpa), moe_router, moe_preprocess (the dispatcher's sort/counts before any "
-                "exchange), or full_layer alone (the whole layer; local dispatcher only); [] = none. CUDA only"})
+
+    preset: str = field(
+        default="tiny",
+        metadata={"help": "the architecture by name (ignored when hf_config is set)"},
+    )
+    hf_config: str = field(
+        default="",
+        metadata={
+            "help": "an HF Qwen3-VL-MoE config.json (or its folder) as the architecture; empty = model.preset"
+        },
+    )
+    hf_checkpoint: str = field(
+        default="",
+        metadata={"help": "an HF folder (safetensors) to load weights from; empty = random init"},
+    )
+    num_layers: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "text.num_layers",
+            "help": "proxy: fewer decoder layers; null = the model's own",
+        },
+    )
+    num_experts: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "moe.num_experts",
+            "help": "proxy: fewer experts (0: a dense MLP in every layer); null = the model's own",
+        },
+    )
+    vision_depth: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "vision.depth",
+            "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own",
+        },
+    )
+    attn_backend: str = field(
+        default="auto",
+        metadata={
+            "sets": "attn_backend",
+            "help": "attention kernel: auto (on CUDA in bf16/fp16 the first available of flash, varlen, flex, sdpa; "
+            "sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or sdpa under train.compile), sdpa (one call, dense "
+            "document mask), sdpa_per_doc (one call per document: only the useful scores, a host loop), flex "
+            "(FlexAttention), flash (flash-attn varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra "
+            "package)",
+        },
+    )
+    grouped_gemm: str = field(
+        default="torch",
+        metadata={
+            "sets": "moe.grouped_gemm",
+            "help": "expert GEMM: torch (torch._grouped_mm), loop (one matmul per expert, the reference), triton "
+            "(ours; needs the triton package)",
+        },
+    )
+    dispatcher: str = field(
+        default="auto",
+        metadata={
+            "sets": "moe.dispatcher",
+            "help": "how tokens reach their experts (moevlm.dispatch): auto (local when parallel.ep x etp == 1, else "
+            "alltoall), local (no expert parallelism, parallel.ep=1), alltoall, deepep (DeepEP's V2 ElasticBuffer, "
+            "else its V1 Buffer: needs the deep_ep package, CUDA only, and an EP group of 2, 4, 8 or a "
+            "multiple of 8 ranks), hybridep "
+            "(DeepEP's hybrid-ep branch, HybridEPBuffer: CUDA only, experts-per-rank x ranks-per-node a multiple "
+            "of 4); neither was run on a real GPU cluster by moevlm yet; one that cannot run is refused, or "
+            "replaced as model.dispatcher_fallback says",
+        },
+    )
+    dispatcher_fallback: str = field(
+        default="none",
+        metadata={
+            "help": "when model.dispatcher (deepep, hybridep) cannot run here (package missing or broken, adapter not "
+            "built, or a layout it cannot take): none (refuse with the reason) or alltoall (run the alltoall "
+            "dispatcher instead; one note in the start-up log says why)"
+        },
+    )
+    permute: str = field(
+        default="torch",
+        metadata={
+            "sets": "moe.permute",
+            "help": "token permute/unpermute around the experts: torch, or triton (fused kernels)",
+        },
+    )
+    moe_capacity_factor: Optional[float] = field(
+        default=None,
+        metadata={
+            "sets": "moe.capacity_factor",
+            "help": "null = dropless (exact; the alltoall dispatcher syncs with the host once per MoE layer). A number "
+            "f > 0: the capacity all-to-all (moevlm.dispatch.capacity): each rank sends each expert at most "
+            "C = ceil(f x tokens x top_k / num_experts) rows through fixed-size buffers, no host sync; "
+            "choices over C are dropped (the earliest tokens kept) and logged as moe_dropped_tokens in "
+            "metrics.jsonl. Needs the alltoall dispatcher (model.dispatcher=alltoall, or auto with "
+            "parallel.ep > 1) or hybridep (a static num_permuted_tokens of E x C rows per receiving rank; "
+            "HybridEP drops the last permuted rows and flags it), and parallel.etp=1",
+        },
+    )
+    moe_capacity_overflow: str = field(
+        default="drop",
+        metadata={
+            "sets": "moe.capacity_overflow",
+            "help": "with model.moe_capacity_factor: drop (drop and count the choices over capacity) or error (the "
+            "step fails, naming the fix, when any choice is dropped)",
+        },
+    )
+    aux_loss_coef: Optional[float] = field(
+        default=None,
+        metadata={
+            "edits": "moe.router_aux_loss_coef",
+            "help": "router load-balancing loss weight (0 turns it off); null = the checkpoint's router_aux_loss_coef",
+        },
+    )
+    freeze_vision: bool = field(
+        default=False,
+        metadata={
+            "help": "the whole vision module (tower, merger, deepstack mergers) runs forward only, no gradients"
+        },
+    )
+    recompute: str = field(
+        default="none",
+        metadata={
+            "help": "activation recompute in backward: none, selective (the regions of model.recompute_modules), full "
+            "(each decoder layer and vision block whole); collective outputs are kept, never re-run"
+        },
+    )
+    recompute_modules: List[str] = field(
+        default_factory=lambda: ["core_attn"],
+        metadata={
+            "help": "regions recomputed when model.recompute=selective (ignored otherwise): core_attn (attention "
+            "kernel), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
+            "(whole MoE block), vision (each vision block)"
+        },
+    )
+    fp8: str = field(
+        default="none",
+        metadata={
+            "sets": "fp8.recipe",
+            "help": "FP8 training of the linears in model.fp8_modules: none, blockwise (Hopper recipe: e4m3, 1x128 "
+            "activation tiles, 128x128 weight blocks, fp32 scales) or mxfp8 (Blackwell: 1x32 blocks, e8m0 "
+            "scales); fp32 master weights, the router always fp32 (moevlm.model.fp8)",
+        },
+    )
+    fp8_modules: List[str] = field(
+        default_factory=lambda: ["experts", "attn", "mlp"],
+        metadata={
+            "sets": "fp8.modules",
+            "help": "what runs in FP8 when model.fp8 is set: experts (grouped GEMMs), attn (decoder q/k/v/o), mlp "
+            "(decoder dense MLPs), vision (vision blocks and mergers); router, norms, embeddings and LM head "
+            "never",
+        },
+    )
+    fp8_backend: str = field(
+        default="auto",
+        metadata={
+            "sets": "fp8.backend",
+            "help": "FP8 kernels: auto (blockwise: ours on sm89+; mxfp8: torch where the probe finds Blackwell's "
+            "paths; refused on the CPU), triton (ours, blockwise), torch (torch._scaled_mm / _scaled_grouped_mm "
+            "where a probe finds them; pads expert rows), emulate (dequantize, fp64 GEMM: the recipe's numerics "
+            "anywhere, slow)",
+        },
+    )
+    fp8_pow2_scales: bool = field(
+        default=False,
+        metadata={
+            "sets": "fp8.pow2_scales",
+            "help": "blockwise: scales rounded up to powers of two (rescaling exact)",
+        },
+    )
+    fp8_cache_weights: bool = field(
+        default=True,
+        metadata={
+            "sets": "fp8.cache_weights",
+            "help": "quantize each weight once per optimizer step and reuse it across micro-batches and backward (one "
+            "byte per weight element kept until the step ends, unsharded under FSDP); false = at every use",
+        },
+    )
+    fp8_pad_experts: bool = field(
+        default=False,
+        metadata={
+            "sets": "fp8.pad_experts",
+            "help": "pad each expert's rows to the scale block (128 / 32) so no weight-gradient scale block spans two "
+            "experts (local dispatcher: up to block-1 zero rows per expert and a host sync per layer; hybridep: "
+            "padded by HybridEP); "
+            "fp8_backend=torch always pads",
+        },
+    )
+    cuda_graph_scope: list = field(
+        default_factory=list,
+        metadata={
+            "help": "decoder-layer regions captured as CUDA graphs at the first training step and replayed "
+            "(moevlm.parallel.cuda_graphs): any of attn (norm, q/k/v, rope, sdpa, o_proj; needs "
+            "attn_backend=sdpa), moe_router, moe_preprocess (the dispatcher's sort/counts before any "
+            "exchange), or full_layer alone (the whole layer; local dispatcher only); [] = none. CUDA only"
+        },
+    )
 
 
 @dataclass
 class ParallelConfig:
     """The layout over the launched processes: tp x cp x dp x pp attention ranks, ep x etp x edp expert ranks."""
+
     tp: int = field(default=1, metadata={"help": "tensor (and sequence) parallel size"})
-    cp: int = field(default=1, metadata={
-        "help": "context parallel size: each packed row split over cp ranks (load-balanced: chunks r and "
-                "2cp-1-r of 2cp), images encoded in shares and gathered"})
-    cp_comm: str = field(default="allgather", metadata={
-        "help": "context parallel attention: allgather (gather the kv heads of the row, reduce-scatter their "
-                "gradients) or ring (K/V blocks passed around the cp ranks, overlapped with compute)"})
+    cp: int = field(
+        default=1,
+        metadata={
+            "help": "context parallel size: each packed row split over cp ranks (load-balanced: chunks r and "
+            "2cp-1-r of 2cp), images encoded in shares and gathered"
+        },
+    )
+    cp_comm: str = field(
+        default="allgather",
+        metadata={
+            "help": "context parallel attention: allgather (gather the kv heads of the row, reduce-scatter their "
+            "gradients) or ring (K/V blocks passed around the cp ranks, overlapped with compute)"
+        },
+    )
     pp: int = field(default=1, metadata={"help": "pipeline parallel size (stages over pp ranks)"})
-    dp: int = field(default=-1, metadata={"help": "data parallel size; -1 = world / (pp * tp * cp)"})
-    ep: int = field(default=1, metadata={"help": "expert parallel size: experts split over ep ranks"})
-    etp: int = field(default=1, metadata={"help": "expert tensor parallel size: each expert's weights split"})
-    ep_overlap: bool = field(default=False, metadata={
-        "help": "split each MoE block's micro-batch tokens in two chunks and overlap one chunk's all-to-all with "
-                "the other's expert compute, forward and backward (moevlm/parallel/ep_overlap.py; same result). Needs "
-                "parallel.ep > 1, "
-                "etp=1, the alltoall dispatcher; with model.moe_capacity_factor each chunk has its own capacity"})
-    dp_mode: str = field(default="fsdp", metadata={
-        "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"})
-    pp_schedule: str = field(default="1f1b", metadata={
-        "help": "pipeline schedule (torch.distributed.pipelining; the class names GPipe, 1F1B, Interleaved1F1B "
-                "are accepted too)"})
-    vpp: Optional[int] = field(default=None, metadata={
-        "help": "stages per pp rank; null = 1, or 2 for interleaved_1f1b / zbv / dualpipev"})
-    pp_layers: Any = field(default="auto", metadata={
-        "help": "decoder layers per stage: auto (balanced by training FLOPs, the vision tower charged to stage 0) "
-                "or a list, e.g. parallel.pp_layers=[20,28] (or the string \"'20,28'\")"})
-    world_size: Optional[int] = field(default=None, metadata={
-        "help": "the recipe's GPU count, checked against the launch; null = any"})
-    scale_to: Optional[int] = field(default=None, metadata={
-        "help": "+scale=cpu sets it: at most this many processes; dp (and ep if it must) shrink to fit, the "
-                "recipe's parallel shape is kept (moevlm/train/scale.py)"})
-    backend: str = field(default="auto", metadata={
-        "help": "process group backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo"})
-    timeout_s: float = field(default=600.0, metadata={
-        "help": "seconds a collective may wait for its peers before the job ends with one clear line (exit 5); "
-                "torch's NCCL default, long enough for a first-step compile or a large checkpoint write"})
+    dp: int = field(
+        default=-1, metadata={"help": "data parallel size; -1 = world / (pp * tp * cp)"}
+    )
+    ep: int = field(
+        default=1, metadata={"help": "expert parallel size: experts split over ep ranks"}
+    )
+    etp: int = field(
+        default=1, metadata={"help": "expert tensor parallel size: each expert's weights split"}
+    )
+    ep_overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "split each MoE block's micro-batch tokens in two chunks and overlap one chunk's all-to-all with "
+            "the other's expert compute, forward and backward (moevlm/parallel/ep_overlap.py; same result). Needs "
+            "parallel.ep > 1, "
+            "etp=1, the alltoall dispatcher; with model.moe_capacity_factor each chunk has its own capacity"
+        },
+    )
+    dp_mode: str = field(
+        default="fsdp",
+        metadata={
+            "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"
+        },
+    )
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata={
+            "help": "pipeline schedule (torch.distributed.pipelining; the class names GPipe, 1F1B, Interleaved1F1B "
+            "are accepted too)"
+        },
+    )
+    vpp: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "stages per pp rank; null = 1, or 2 for interleaved_1f1b / zbv / dualpipev"
+        },
+    )
+    pp_layers: Any = field(
+        default="auto",
+        metadata={
+            "help": "decoder layers per stage: auto (balanced by training FLOPs, the vision tower charged to stage 0) "
+            "or a list, e.g. parallel.pp_layers=[20,28] (or the string \"'20,28'\")"
+        },
+    )
+    world_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "the recipe's GPU count, checked against the launch; null = any"},
+    )
+    scale_to: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "+scale=cpu sets it: at most this many processes; dp (and ep if it must) shrink to fit, the "
+            "recipe's parallel shape is kept (moevlm/train/scale.py)"
+        },
+    )
+    backend: str = field(
+        default="auto",
+        metadata={"help": "process group backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo"},
+    )
+    timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds a collective may wait for its peers before the job ends with one clear line (exit 5); "
+            "torch's NCCL default, long enough for a first-step compile or a large checkpoint write"
+        },
+    )
 
 
 @dataclass
 class OptimConfig:
     """AdamW, its weight-decay groups, the learning-rate schedule and gradient clipping."""
+
     lr: float = field(default=3e-4, metadata={"help": "peak learning rate (reached after warmup)"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr = lr * min_lr_ratio, in [0, 1]"})
-    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={
-        "help": "AdamW betas, two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"})
+    min_lr_ratio: float = field(
+        default=0.1, metadata={"help": "final lr = lr * min_lr_ratio, in [0, 1]"}
+    )
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.95),
+        metadata={"help": "AdamW betas, two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]"},
+    )
     eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon (added to sqrt(v)), > 0"})
     weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay; 0 = none"})
-    decay_norms_biases_embeddings: bool = field(default=False, metadata={
-        "help": "weight decay on norms, biases and embeddings too (false: matrices only)"})
-    implementation: str = field(default="auto", metadata={
-        "help": "AdamW implementation: auto (fused where the device has the kernel, else foreach), fused, foreach, "
-                "for_loop"})
-    schedule: str = field(default="cosine", metadata={
-        "help": "learning rate after the linear warmup: cosine, wsd (warmup-stable-decay), constant"})
+    decay_norms_biases_embeddings: bool = field(
+        default=False,
+        metadata={
+            "help": "weight decay on norms, biases and embeddings too (false: matrices only)"
+        },
+    )
+    implementation: str = field(
+        default="auto",
+        metadata={
+            "help": "AdamW implementation: auto (fused where the device has the kernel, else foreach), fused, foreach, "
+            "for_loop"
+        },
+    )
+    schedule: str = field(
+        default="cosine",
+        metadata={
+            "help": "learning rate after the linear warmup: cosine, wsd (warmup-stable-decay), constant"
+        },
+    )
     warmup_steps: int = field(default=0, metadata={"help": "steps of linear warmup up to lr"})
-    decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the last fraction of steps decays, in (0, 1]"})
+    decay_fraction: float = field(
+        default=0.2, metadata={"help": "wsd: the last fraction of steps decays, in (0, 1]"}
+    )
     decay_shape: str = field(default="linear", metadata={"help": "wsd: the decay's shape"})
-    grad_clip: float = field(default=1.0, metadata={
-        "help": "max global gradient norm; <= 0 disables clipping (the norm is still logged)"})
+    grad_clip: float = field(
+        default=1.0,
+        metadata={
+            "help": "max global gradient norm; <= 0 disables clipping (the norm is still logged)"
+        },
+    )
 
 
 @dataclass
 class TrainConfig:
     """The loop: steps, batch sizes, precision, run directory, checkpoints, logging, fault handling."""
+
     steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
-    global_batch_size: int = field(default=1, metadata={
-        "help": "packed rows per optimizer step over all data-parallel ranks; a multiple of micro_batch_size x dp "
-                "(the quotient is the gradient accumulation)"})
-    micro_batch_size: int = field(default=1, metadata={"help": "packed rows per forward/backward on one rank"})
+    global_batch_size: int = field(
+        default=1,
+        metadata={
+            "help": "packed rows per optimizer step over all data-parallel ranks; a multiple of micro_batch_size x dp "
+            "(the quotient is the gradient accumulation)"
+        },
+    )
+    micro_batch_size: int = field(
+        default=1, metadata={"help": "packed rows per forward/backward on one rank"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the weight init and the RNGs"})
-    deterministic: bool = field(default=False, metadata={"help": "deterministic kernels (CPU runs repeat bitwise)"})
-    precision: str = field(default="auto", metadata={
-        "help": "compute precision: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16"})
+    deterministic: bool = field(
+        default=False, metadata={"help": "deterministic kernels (CPU runs repeat bitwise)"}
+    )
+    precision: str = field(
+        default="auto",
+        metadata={
+            "help": "compute precision: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "auto (CUDA when available), cpu, cuda"})
-    run_dir: str = field(default="", metadata={
-        "help": "the run's directory (checkpoints, logs, metrics), one for all ranks; empty = "
-                "outputs/<date>/<time>[/<sweep job>]"})
-    resume: str = field(default="auto", metadata={
-        "help": "auto (the newest complete checkpoint in run_dir, if any), none, or a checkpoint path"})
-    checkpoint_every: int = field(default=0, metadata={"help": "steps between checkpoints; 0 = only at the end"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K complete checkpoints; <= 0 keeps all"})
-    checkpoint_at_end: bool = field(default=True, metadata={"help": "write a checkpoint after the last step"})
-    export_hf: str = field(default="", metadata={
-        "help": "a folder to write the final weights to as HF safetensors; empty = no export"})
+    run_dir: str = field(
+        default="",
+        metadata={
+            "help": "the run's directory (checkpoints, logs, metrics), one for all ranks; empty = "
+            "outputs/<date>/<time>[/<sweep job>]"
+        },
+    )
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the newest complete checkpoint in run_dir, if any), none, or a checkpoint path"
+        },
+    )
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "steps between checkpoints; 0 = only at the end"}
+    )
+    keep_checkpoints: int = field(
+        default=2, metadata={"help": "keep the last K complete checkpoints; <= 0 keeps all"}
+    )
+    checkpoint_at_end: bool = field(
+        default=True, metadata={"help": "write a checkpoint after the last step"}
+    )
+    export_hf: str = field(
+        default="",
+        metadata={
+            "help": "a folder to write the final weights to as HF safetensors; empty = no export"
+        },
+    )
     log_every: int = field(default=1, metadata={"help": "steps between metric log lines"})
-    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard event files in run_dir"})
-    wandb: str = field(default="disabled", metadata={
-        "help": "Weights & Biases logging (pip install wandb): disabled, online, or offline (<run_dir>/wandb, no "
-                "network); entity, run name and tags from W&B's WANDB_ENTITY, WANDB_NAME, WANDB_TAGS"})
-    wandb_project: str = field(default="moevlm", metadata={"help": "the W&B project (train.wandb on)"})
-    progress: Optional[bool] = field(default=None, metadata={
-        "help": "a progress bar; null = when stdout is a terminal"})
-    peak_tflops: Optional[float] = field(default=None, metadata={
-        "help": "peak TFLOP/s per device for MFU; null = from the device table (MFU null when unknown)"})
-    nonfinite: str = field(default="skip", metadata={
-        "help": "a NaN/inf loss or gradient: skip (the step is skipped and counted) or stop (checkpoint, message, "
-                "exit 3)"})
-    max_nonfinite_steps: int = field(default=10, metadata={
-        "help": "consecutive skipped non-finite steps before stopping anyway"})
-    require_loss_decrease: bool = field(default=False, metadata={
-        "help": "exit 1 if the mean loss of the last 3 steps is not below that of the first 3"})
-    watchdog_factor: float = field(default=10.0, metadata={
-        "help": "step watchdog: after 2 warm-up steps, a step longer than this x the median of the last 20 (and "
-                "than watchdog_min_s) is reported with all threads' stacks; 0 = no reports"})
-    watchdog_min_s: float = field(default=60.0, metadata={
-        "help": "step watchdog: steps shorter than this many seconds are never reported"})
-    watchdog_abort_s: Optional[float] = field(default=None, metadata={
-        "help": "a step or checkpoint running longer than this many seconds ends the process (exit 6); null = never"})
-    compile: bool = field(default=False, metadata={
-        "help": "torch.compile each vision block and decoder layer (moevlm/parallel/compile.py); metrics.jsonl "
-                "then logs compiled_graphs, graph_breaks and recompiles (after step 1: should stay 0)"})
-    compile_mode: str = field(default="default", metadata={
-        "help": "torch.compile mode with train.compile: default or max-autotune-no-cudagraphs (CUDA graphs are "
-                "model.cuda_graph_scope's)"})
-    profile_components: bool = field(default=False, metadata={
-        "help": "time each part of every step (data, vision encoder, merger, attention, router, dispatch, experts, "
-                "combine, LM head + loss, backward, gradient reduction + clipping, optimizer, other): "
-                "components_s in metrics.jsonl (sums over the log window) and profile_components.md at the end; "
-                "CUDA events on a GPU (one sync per step); not with train.compile"})
-    profile_steps: Any = field(default="", metadata={
-        "help": "a torch.profiler trace of steps A..B into <run_dir>/profile/rank<R>_steps<A>-<B>.json, e.g. "
-                "train.profile_steps=[3,5] (or the string \"'3,5'\"); empty = no trace"})
+    tensorboard: bool = field(
+        default=True, metadata={"help": "write TensorBoard event files in run_dir"}
+    )
+    wandb: str = field(
+        default="disabled",
+        metadata={
+            "help": "Weights & Biases logging (pip install wandb): disabled, online, or offline (<run_dir>/wandb, no "
+            "network); entity, run name and tags from W&B's WANDB_ENTITY, WANDB_NAME, WANDB_TAGS"
+        },
+    )
+    wandb_project: str = field(
+        default="moevlm", metadata={"help": "the W&B project (train.wandb on)"}
+    )
+    progress: Optional[bool] = field(
+        default=None, metadata={"help": "a progress bar; null = when stdout is a terminal"}
+    )
+    peak_tflops: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "peak TFLOP/s per device for MFU; null = from the device table (MFU null when unknown)"
+        },
+    )
+    nonfinite: str = field(
+        default="skip",
+        metadata={
+            "help": "a NaN/inf loss or gradient: skip (the step is skipped and counted) or stop (checkpoint, message, "
+            "exit 3)"
+        },
+    )
+    max_nonfinite_steps: int = field(
+        default=10, metadata={"help": "consecutive skipped non-finite steps before stopping anyway"}
+    )
+    require_loss_decrease: bool = field(
+        default=False,
+        metadata={
+            "help": "exit 1 if the mean loss of the last 3 steps is not below that of the first 3"
+        },
+    )
+    watchdog_factor: float = field(
+        default=10.0,
+        metadata={
+            "help": "step watchdog: after 2 warm-up steps, a step longer than this x the median of the last 20 (and "
+            "than watchdog_min_s) is reported with all threads' stacks; 0 = no reports"
+        },
+    )
+    watchdog_min_s: float = field(
+        default=60.0,
+        metadata={"help": "step watchdog: steps shorter than this many seconds are never reported"},
+    )
+    watchdog_abort_s: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "a step or checkpoint running longer than this many seconds ends the process (exit 6); null = never"
+        },
+    )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile each vision block and decoder layer (moevlm/parallel/compile.py); metrics.jsonl "
+            "then logs compiled_graphs, graph_breaks and recompiles (after step 1: should stay 0)"
+        },
+    )
+    compile_mode: str = field(
+        default="default",
+        metadata={
+            "help": "torch.compile mode with train.compile: default or max-autotune-no-cudagraphs (CUDA graphs are "
+            "model.cuda_graph_scope's)"
+        },
+    )
+    profile_components: bool = field(
+        default=False,
+        metadata={
+            "help": "time each part of every step (data, vision encoder, merger, attention, router, dispatch, experts, "
+            "combine, LM head + loss, backward, gradient reduction + clipping, optimizer, other): "
+            "components_s in metrics.jsonl (sums over the log window) and profile_components.md at the end; "
+            "CUDA events on a GPU (one sync per step); not with train.compile"
+        },
+    )
+    profile_steps: Any = field(
+        default="",
+        metadata={
+            "help": "a torch.profiler trace of steps A..B into <run_dir>/profile/rank<R>_steps<A>-<B>.json, e.g. "
+            "train.profile_steps=[3,5] (or the string \"'3,5'\"); empty = no trace"
+        },
+    )
 
 
 @dataclass
 class JobConfig:
     """The whole job, one section per config group."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-
 
 
 def register_configs() -> None:
@@ -300,10 +559,14 @@ def compose_job(overrides: list[str] = (), config_dir: str | None = None):
 # allowed values of the job's own fields (a model field's are checked by VLMConfig.validate)
 CHOICES = {
     "parallel.dp_mode": ("fsdp", "ddp"),
-    "parallel.backend": ("auto", "nccl", "gloo"), "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
-    "optim.schedule": ("cosine", "wsd", "constant"), "optim.decay_shape": ("linear", "cosine", "sqrt"),
-    "train.precision": ("auto", "fp32", "bf16"), "train.device": ("auto", "cpu", "cuda"),
-    "train.nonfinite": ("skip", "stop"), "train.wandb": WANDB_MODES,
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
+    "optim.schedule": ("cosine", "wsd", "constant"),
+    "optim.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.precision": ("auto", "fp32", "bf16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.nonfinite": ("skip", "stop"),
+    "train.wandb": WANDB_MODES,
     "train.compile_mode": ("default", "max-autotune-no-cudagraphs"),
     "model.dispatcher_fallback": ("none", "alltoall"),
 }
@@ -331,9 +594,12 @@ def model_config(m: ModelConfig) -> VLMConfig:
     if m.num_layers is not None:  # dense layers and deepstack taps beyond a shrunk depth go with it
         cfg.moe.mlp_only_layers = tuple(i for i in cfg.moe.mlp_only_layers if i < m.num_layers)
     if m.vision_depth is not None:
-        cfg.vision.deepstack_visual_indexes = tuple(i for i in cfg.vision.deepstack_visual_indexes
-                                                    if i < m.vision_depth)
-    if cfg.moe.dispatcher == "auto":  # resolved by validate() once the layout is known; one rank dispatches locally
+        cfg.vision.deepstack_visual_indexes = tuple(
+            i for i in cfg.vision.deepstack_visual_indexes if i < m.vision_depth
+        )
+    if (
+        cfg.moe.dispatcher == "auto"
+    ):  # resolved by validate() once the layout is known; one rank dispatches locally
         cfg.moe.dispatcher = "local"
     try:
         return cfg.validate()
@@ -360,11 +626,16 @@ def _assign(cfg: VLMConfig, path: str, value) -> None:
 
 def _check_proxies(m: ModelConfig) -> None:
     """The proxy sizes, before they edit the architecture (0 experts is a proxy's own meaning: dense)."""
-    for name, least, what in (("num_layers", 1, ""), ("vision_depth", 1, ""),
-                              ("num_experts", 0, " (0: a dense MLP in every layer)")):
+    for name, least, what in (
+        ("num_layers", 1, ""),
+        ("vision_depth", 1, ""),
+        ("num_experts", 0, " (0: a dense MLP in every layer)"),
+    ):
         value = getattr(m, name)
-        _check(value is None or _int(value) and value >= least,
-               f"model.{name}={value!r} must be an integer >= {least}{what}, or null for the model's own")
+        _check(
+            value is None or _int(value) and value >= least,
+            f"model.{name}={value!r} must be an integer >= {least}{what}, or null for the model's own",
+        )
 
 
 # ------------------------------------------------------------- unknown keys
@@ -380,9 +651,16 @@ def check_overrides(overrides) -> None:
         key = _override_key(str(item))
         if key is None or key in known:
             continue
-        near = [by_model_path[key]] if key in by_model_path else difflib.get_close_matches(key, known, n=3)
-        raise ConfigError(f"{key} is not an option" + (f"; did you mean {' or '.join(near)}?" if near else "")
-                          + " (python train.py --help lists them all)")
+        near = (
+            [by_model_path[key]]
+            if key in by_model_path
+            else difflib.get_close_matches(key, known, n=3)
+        )
+        raise ConfigError(
+            f"{key} is not an option"
+            + (f"; did you mean {' or '.join(near)}?" if near else "")
+            + " (python train.py --help lists them all)"
+        )
 
 
 def _override_key(item: str) -> str | None:

@@ -88,12 +88,24 @@ from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.recompute import describe as describe_recompute
 from moevlm.parallel.recompute import recompute_setting
-from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
+from moevlm.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    read_marker,
+    rng_state,
+    set_rng_state,
+)
 from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.dispatch.capacity import OverflowCounter
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import Faults, StepWatchdog
-from moevlm.train.metrics import MetricsLogger, Window, device_peak_tflops, peak_memory_gib, reset_peak_memory
+from moevlm.train.metrics import (
+    MetricsLogger,
+    Window,
+    device_peak_tflops,
+    peak_memory_gib,
+    reset_peak_memory,
+)
 from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
 from moevlm.train.profile import Profiling
 from moevlm.train.wandb_log import start_wandb
@@ -107,19 +119,38 @@ class Trainer:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         try:
             self.plan = validate(job, self.world)
-        except ConfigError as err:  # the config alone: every rank finds the same, rank 0 says it (train.py)
+        except (
+            ConfigError
+        ) as err:  # the config alone: every rank finds the same, rank 0 says it (train.py)
             err.same_on_every_rank = True
             raise
         self.device = _device(self.t.device)
-        check_memory(job, self.plan, *memory_limit(self.device))  # from the config alone: before the meta build
+        check_memory(
+            job, self.plan, *memory_limit(self.device)
+        )  # from the config alone: before the meta build
         self.sweep = sweep
-        self.faults = Faults(self.rank, self.world, job.parallel.timeout_s, StepWatchdog(
-            self.t.watchdog_factor, self.t.watchdog_min_s, self.t.watchdog_abort_s,
-            prefix=f"rank {self.rank}: " if self.world > 1 else ""))
+        self.faults = Faults(
+            self.rank,
+            self.world,
+            job.parallel.timeout_s,
+            StepWatchdog(
+                self.t.watchdog_factor,
+                self.t.watchdog_min_s,
+                self.t.watchdog_abort_s,
+                prefix=f"rank {self.rank}: " if self.world > 1 else "",
+            ),
+        )
         self._init_process_group()
         self.run_dir = self._run_dir(sweep)
-        self.log = MetricsLogger(self.run_dir, self.rank, self.t.steps, self.t.log_every, self.t.tensorboard,
-                                 self.t.progress, wandb=start_wandb(job, self.run_dir, self.rank))
+        self.log = MetricsLogger(
+            self.run_dir,
+            self.rank,
+            self.t.steps,
+            self.t.log_every,
+            self.t.tensorboard,
+            self.t.progress,
+            wandb=start_wandb(job, self.run_dir, self.rank),
+        )
         for note in self.plan.notes:
             self.log.info(note)
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
@@ -136,7 +167,9 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
         self._resume()
         weights_changed()  # (FP8 weight codes of the loaded values, if any, are made at first use)
-        self.peak = device_peak_tflops(self.device, "bf16" if self._bf16 else "fp32", self.t.peak_tflops)
+        self.peak = device_peak_tflops(
+            self.device, "bf16" if self._bf16 else "fp32", self.t.peak_tflops
+        )
         # train.profile_components / profile_steps (moevlm.train.profile): no-ops when both are off
         self.prof = Profiling(self.t, self.model, self.device, self.run_dir, self.rank, self.log)
 
@@ -171,14 +204,25 @@ class Trainer:
         return run_dir
 
     def _build_loader(self):
-        d = OmegaConf.to_object(self.job.data) if OmegaConf.is_config(self.job.data) else copy.deepcopy(self.job.data)
+        d = (
+            OmegaConf.to_object(self.job.data)
+            if OmegaConf.is_config(self.job.data)
+            else copy.deepcopy(self.job.data)
+        )
         if d.shards == "sample":
             d.shards = str(self._sample_set())
         dims = self.plan.dims
         if self.pipeline is not None and not self.pipeline.holds_first:
-            return NoData()  # a later pipeline stage: the first stage's rank shares each micro-batch's text
-        return build_loader(d, self.plan.model, rank=self.rank // (dims.tp * dims.cp) % dims.dp, world=dims.dp,
-                            hf_checkpoint=self.job.model.hf_checkpoint)
+            return (
+                NoData()
+            )  # a later pipeline stage: the first stage's rank shares each micro-batch's text
+        return build_loader(
+            d,
+            self.plan.model,
+            rank=self.rank // (dims.tp * dims.cp) % dims.dp,
+            world=dims.dp,
+            hf_checkpoint=self.job.model.hf_checkpoint,
+        )
 
     def _sample_set(self) -> Path:
         """The cached sample set (moevlm.data.sample_cache): each machine's first rank builds or reuses it
@@ -198,20 +242,43 @@ class Trainer:
         p, m = self.job.parallel, self.job.model
         self.fp8_plan = fp8 = resolve_fp8(self.plan.model.fp8, self.device)
         model, self.parallel = build_model(
-            self.plan.model, self.plan.dims, dp_mode=p.dp_mode, device_type=self.device.type, bf16=self._bf16,
-            pipeline=self.plan.pipeline, recompute=recompute_setting(m), compile=self.t.compile,
-            compile_mode=self.t.compile_mode, cp_comm=p.cp_comm, ep_overlap=p.ep_overlap, fp8=fp8,
-            fp8_modules=self.plan.model.fp8.modules, cuda_graph_scope=m.cuda_graph_scope)
+            self.plan.model,
+            self.plan.dims,
+            dp_mode=p.dp_mode,
+            device_type=self.device.type,
+            bf16=self._bf16,
+            pipeline=self.plan.pipeline,
+            recompute=recompute_setting(m),
+            compile=self.t.compile,
+            compile_mode=self.t.compile_mode,
+            cp_comm=p.cp_comm,
+            ep_overlap=p.ep_overlap,
+            fp8=fp8,
+            fp8_modules=self.plan.model.fp8.modules,
+            cuda_graph_scope=m.cuda_graph_scope,
+        )
         if fp8 is not None:
-            self.log.info(f"{fp8.describe()}; {self.parallel.fp8_marked} modules "
-                          f"({', '.join(self.plan.model.fp8.modules)})")
+            self.log.info(
+                f"{fp8.describe()}; {self.parallel.fp8_marked} modules "
+                f"({', '.join(self.plan.model.fp8.modules)})"
+            )
         self.compiled = CompileCounters() if self.t.compile else None
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
             self.log.info(self.plan.pipeline.describe())
-        moe = self.plan.model.moe  # the capacity all-to-all's dropped rows (every rank: its reads are collective)
-        self.overflow = None if moe.capacity_factor is None else OverflowCounter(
-            model, [self.parallel.loss_group, self.parallel.pp_group], moe.capacity_factor, moe.capacity_overflow)
+        moe = (
+            self.plan.model.moe
+        )  # the capacity all-to-all's dropped rows (every rank: its reads are collective)
+        self.overflow = (
+            None
+            if moe.capacity_factor is None
+            else OverflowCounter(
+                model,
+                [self.parallel.loss_group, self.parallel.pp_group],
+                moe.capacity_factor,
+                moe.capacity_overflow,
+            )
+        )
         return model
 
     def _materialise(self) -> None:
@@ -221,25 +288,38 @@ class Trainer:
             load_hf_weights_(model, m.hf_checkpoint)
         else:
             init_parameters_(model, self.t.seed, self.parallel)  # the same weights under any layout
-        if m.freeze_vision and model.vision is not None:  # (None on pipeline ranks without the first stage)
+        if (
+            m.freeze_vision and model.vision is not None
+        ):  # (None on pipeline ranks without the first stage)
             model.vision.requires_grad_(False)
         if self.pipeline is not None:
             d = self.job.data.pack
-            self.pipeline.start(self.device, rows=self.t.micro_batch_size, seq_len=d.seq_len,
-                                max_patches=d.max_patches, seq_shards=self.plan.dims.tp * self.plan.dims.cp,
-                                autocast=self._autocast,
-                                **_boundary_dtypes(self._bf16, self.job.parallel.dp_mode))
-        if 1 < self.world <= 64:  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
+            self.pipeline.start(
+                self.device,
+                rows=self.t.micro_batch_size,
+                seq_len=d.seq_len,
+                max_patches=d.max_patches,
+                seq_shards=self.plan.dims.tp * self.plan.dims.cp,
+                autocast=self._autocast,
+                **_boundary_dtypes(self._bf16, self.job.parallel.dp_mode),
+            )
+        if (
+            1 < self.world <= 64
+        ):  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
             self.log.info(self.plan.dims.describe_ranks())
         n = sum(p.numel() for p in model.parameters())
         held = " on pp rank 0's stages" if self.pipeline is not None else ""
-        self.log.info(f"model: {n / 1e6:.1f}M parameters{held} ({self.plan.dims.describe()}), "
-                      f"{self.plan.grad_accum} micro-batches x {self.t.micro_batch_size} rows per step, "
-                      f"run dir {self.run_dir}")
+        self.log.info(
+            f"model: {n / 1e6:.1f}M parameters{held} ({self.plan.dims.describe()}), "
+            f"{self.plan.grad_accum} micro-batches x {self.t.micro_batch_size} rows per step, "
+            f"run dir {self.run_dir}"
+        )
 
     @property
     def _bf16(self) -> bool:
-        return self.t.precision == "bf16" or (self.t.precision == "auto" and self.device.type == "cuda")
+        return self.t.precision == "bf16" or (
+            self.t.precision == "auto" and self.device.type == "cuda"
+        )
 
     # ------------------------------------------------------------- checkpoints
     def _resume(self) -> None:
@@ -250,31 +330,48 @@ class Trainer:
         r, ck = self.t.resume, self.ckpt
         path = None if r == "none" else ck.newest_verified() if r == "auto" else Path(r)
         for moved, problems in ck.rejected:
-            self.log.info(f"checkpoint {moved.name} failed verification ({'; '.join(problems[:3])}); moved to "
-                          f"{moved.parent}")
+            self.log.info(
+                f"checkpoint {moved.name} failed verification ({'; '.join(problems[:3])}); moved to "
+                f"{moved.parent}"
+            )
         step = 0 if path is None else read_marker(path)["step"]
         if step > self.t.steps:  # before anything is set aside
-            raise ConfigError(f"train.steps={self.t.steps} is below step {step} of the checkpoint to resume "
-                              f"({path}): set train.steps >= {step} to continue it, or train.resume=none (or "
-                              "another train.run_dir) to start over")
+            raise ConfigError(
+                f"train.steps={self.t.steps} is below step {step} of the checkpoint to resume "
+                f"({path}): set train.steps >= {step} to continue it, or train.resume=none (or "
+                "another train.run_dir) to start over"
+            )
         moved = ck.set_aside_after(step, keep=path)
         if moved:
-            self.log.info(f"this run restarts at step {step}: the run dir's checkpoints of the abandoned line "
-                          f"({', '.join(p.name for p in moved)}) were moved to {moved[0].parent}")
+            self.log.info(
+                f"this run restarts at step {step}: the run dir's checkpoints of the abandoned line "
+                f"({', '.join(p.name for p in moved)}) were moved to {moved[0].parent}"
+            )
         self.log.resume_at(step, abandoned=moved[0].parent if moved else None)
         if path is None:
             return
-        got = ck.load(path, model=self.model, optimizer=self.opt,
-                      extra={"scheduler": self.sched, "counters": {}}, per_rank={"rng": None})
+        got = ck.load(
+            path,
+            model=self.model,
+            optimizer=self.opt,
+            extra={"scheduler": self.sched, "counters": {}},
+            per_rank={"rng": None},
+        )
         ck.resumed_from = path
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
         self.losses = list(counters["losses"])
-        for line in fit_resumed_schedule(self.sched, self.job.optim, self.t.steps):  # a changed train.steps
+        for line in fit_resumed_schedule(
+            self.sched, self.job.optim, self.t.steps
+        ):  # a changed train.steps
             self.log.info(line)
         try:
-            self.loader.load_state_dict(merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None]))
-        except ValueError as err:  # other shards, seed or streams than the checkpoint's: what to change
+            self.loader.load_state_dict(
+                merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None])
+            )
+        except (
+            ValueError
+        ) as err:  # other shards, seed or streams than the checkpoint's: what to change
             raise CheckpointError(f"cannot resume the data from {path}: {err}") from None
         if got["per_rank"].get("rng") is not None:
             set_rng_state(got["per_rank"]["rng"])
@@ -282,10 +379,18 @@ class Trainer:
 
     def save(self) -> Path:
         self.faults.at("checkpoint save", self.step)
-        counters = {"step": self.step, "nonfinite_steps": self.nonfinite_steps, "losses": list(self.losses)}
-        return self.ckpt.save(self.step, model=self.model, optimizer=self.opt,
-                              extra={"scheduler": self.sched, "counters": counters},
-                              per_rank={"data": self.loader.state_dict(), "rng": rng_state()})
+        counters = {
+            "step": self.step,
+            "nonfinite_steps": self.nonfinite_steps,
+            "losses": list(self.losses),
+        }
+        return self.ckpt.save(
+            self.step,
+            model=self.model,
+            optimizer=self.opt,
+            extra={"scheduler": self.sched, "counters": counters},
+            per_rank={"data": self.loader.state_dict(), "rng": rng_state()},
+        )
 
     # -------------------------------------------------------------------- loop
     def run(self) -> int:
@@ -296,12 +401,16 @@ class Trainer:
         try:
             while self.step < self.t.steps:
                 ok = self.train_step(window)
-                if not ok and (self.t.nonfinite == "stop" or self.in_a_row >= self.t.max_nonfinite_steps):
+                if not ok and (
+                    self.t.nonfinite == "stop" or self.in_a_row >= self.t.max_nonfinite_steps
+                ):
                     path = self.save()
-                    self.log.info(f"stopping at step {self.step}: non-finite loss or gradients "
-                                  f"({self.in_a_row} step(s) in a row; train.nonfinite={self.t.nonfinite}); "
-                                  f"checkpoint {path} holds the weights before this step. Lower optim.lr, "
-                                  "check the data, or use train.nonfinite=skip")
+                    self.log.info(
+                        f"stopping at step {self.step}: non-finite loss or gradients "
+                        f"({self.in_a_row} step(s) in a row; train.nonfinite={self.t.nonfinite}); "
+                        f"checkpoint {path} holds the weights before this step. Lower optim.lr, "
+                        "check the data, or use train.nonfinite=skip"
+                    )
                     return ExitCode.NONFINITE
                 if self.log.should_log(self.step) or not ok:
                     self.log.log(self._record(window))
@@ -315,14 +424,21 @@ class Trainer:
             if self.t.export_hf:
                 self._export_hf(self.t.export_hf)
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
-        except CheckpointError as err:  # no room, or the write failed: the earlier checkpoints are intact
+        except (
+            CheckpointError
+        ) as err:  # no room, or the write failed: the earlier checkpoints are intact
             self.log.info(f"stopping at step {self.step}: {err}")
             code = ExitCode.CHECKPOINT
         except DataError as err:  # every rank's own stream: printed where it happened
-            print(f"{'rank %d: ' % self.rank if self.world > 1 else ''}stopping at step {self.step}: {err}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{'rank %d: ' % self.rank if self.world > 1 else ''}stopping at step {self.step}: {err}",
+                file=sys.stderr,
+                flush=True,
+            )
             code = ExitCode.DATA
-        except Exception as err:  # a failed collective: one line naming the phase instead of a traceback
+        except (
+            Exception
+        ) as err:  # a failed collective: one line naming the phase instead of a traceback
             code = self.faults.failure_code(err)
             if code is None:
                 raise
@@ -335,17 +451,27 @@ class Trainer:
         stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads."""
         save_hf(self.model, out, ctx=self.parallel)
         if self.rank == 0:
-            write_processor_files(out, tokenizer=self.loader.tokenizer_path, image=self.job.data.image,
-                                  source=self.job.model.hf_checkpoint or None)
-        self.log.info(f"exported Hugging Face checkpoint to {out} (weights, config, tokenizer, chat template, "
-                      "image processor)")
+            write_processor_files(
+                out,
+                tokenizer=self.loader.tokenizer_path,
+                image=self.job.data.image,
+                source=self.job.model.hf_checkpoint or None,
+            )
+        self.log.info(
+            f"exported Hugging Face checkpoint to {out} (weights, config, tokenizer, chat template, "
+            "image processor)"
+        )
 
     def _interrupted(self, signum: int) -> int:
         path = self.save()
-        again = "" if self.t.run_dir and self.sweep is None else f" with train.run_dir={self.run_dir}"
-        self.log.info(f"interrupted by {signal.Signals(signum).name}: stopped after step {self.step}/{self.t.steps} "
-                      f"with checkpoint {path}; to continue, relaunch the same command{again} (train.resume=auto, "
-                      f"the default, resumes from it); exit code {ExitCode.INTERRUPTED:d}")
+        again = (
+            "" if self.t.run_dir and self.sweep is None else f" with train.run_dir={self.run_dir}"
+        )
+        self.log.info(
+            f"interrupted by {signal.Signals(signum).name}: stopped after step {self.step}/{self.t.steps} "
+            f"with checkpoint {path}; to continue, relaunch the same command{again} (train.resume=auto, "
+            f"the default, resumes from it); exit code {ExitCode.INTERRUPTED:d}"
+        )
         return ExitCode.INTERRUPTED
 
     def _checkpoint_due(self) -> bool:
@@ -353,20 +479,35 @@ class Trainer:
 
     def train_step(self, window: Window) -> bool:
         """One optimizer step; False when it was skipped for non-finite values."""
-        self.prof.begin_step(self.step + 1)  # (a trace of train.profile_steps starts before the step's time)
+        self.prof.begin_step(
+            self.step + 1
+        )  # (a trace of train.profile_steps starts before the step's time)
         t0, wait0 = time.perf_counter(), self.loader.wait_s
         self.faults.begin_step(self.step + 1)
         with self._phase("data", span="data"):
             micro = self._fetch()
         with self._phase("data-parallel token-count all-reduce"):
-            totals = _all_reduce([sum(m.loss_tokens for m in micro), sum(m.useful_tokens for m in micro),
-                                  sum(m.flops for m in micro)], self.device, self.parallel.dp_group)
+            totals = _all_reduce(
+                [
+                    sum(m.loss_tokens for m in micro),
+                    sum(m.useful_tokens for m in micro),
+                    sum(m.flops for m in micro),
+                ],
+                self.device,
+                self.parallel.dp_group,
+            )
         loss_tokens = max(totals[0], 1.0)
         with self._phase("forward/backward"):
-            fb = self._pipeline_forward_backward if self.pipeline is not None else self._forward_backward
+            fb = (
+                self._pipeline_forward_backward
+                if self.pipeline is not None
+                else self._forward_backward
+            )
             loss_sum, aux_sum, counts = fb(micro, loss_tokens)
         if self.overflow is not None and self.overflow.overflow == "error":
-            with self._phase("expert-capacity overflow check"):  # before the update: the step changes nothing
+            with self._phase(
+                "expert-capacity overflow check"
+            ):  # before the update: the step changes nothing
                 self.overflow.check(self.device, self.step + 1)
         with self._phase("gradient reduction and clipping", span="grad_reduce_clip"):
             self.parallel.finish_gradients()
@@ -374,7 +515,9 @@ class Trainer:
         if self.grad_hook is not None:
             self.grad_hook(self)
         with self._phase("data-parallel loss all-reduce"):
-            loss = _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens  # cp ranks hold parts
+            loss = (
+                _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens
+            )  # cp ranks hold parts
             aux_sum = _all_reduce_tensor(aux_sum, self.parallel.dp_group)
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1
@@ -382,9 +525,17 @@ class Trainer:
         with self._phase("optimizer step", span="optimizer"):
             self._update(ok)
         self.prof.end_step(self.step)
-        window.add(loss=float(loss), aux=float(aux_sum), grad_norm=float(grad_norm), lr=self._lr_used,
-                   useful_tokens=totals[1], flops=totals[2], seconds=time.perf_counter() - t0,
-                   wait=self.loader.wait_s - wait0, counts=counts)
+        window.add(
+            loss=float(loss),
+            aux=float(aux_sum),
+            grad_norm=float(grad_norm),
+            lr=self._lr_used,
+            useful_tokens=totals[1],
+            flops=totals[2],
+            seconds=time.perf_counter() - t0,
+            wait=self.loader.wait_s - wait0,
+            counts=counts,
+        )
         if self.compiled is not None and self.compiled.warm_at is None:
             self.compiled.warm()  # every block has compiled (forward and backward): what follows is a recompile
         self.prof.after_step(self.step)  # a trace ending here is written outside the step's time
@@ -417,7 +568,9 @@ class Trainer:
         """Every micro-batch through the whole model: (sum of token losses, aux share, expert counts)."""
         loss_sum = torch.zeros((), device=self.device)
         aux_sum, counts = torch.zeros((), device=self.device), None
-        share = len(micro) * self.plan.dims.dp  # the aux loss is averaged over micro-batches and ranks
+        share = (
+            len(micro) * self.plan.dims.dp
+        )  # the aux loss is averaged over micro-batches and ranks
         for mb in micro:
             with self._autocast():
                 out = self.model(**mb.to(self.device).model_inputs())
@@ -425,8 +578,13 @@ class Trainer:
             # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
             # loss is its share of the step's objective
             with self._phase("forward/backward", span="backward"):
-                objective(lm_sum, loss_tokens, out.aux_loss, self.plan.model.moe.router_aux_loss_coef,
-                          share).backward()
+                objective(
+                    lm_sum,
+                    loss_tokens,
+                    out.aux_loss,
+                    self.plan.model.moe.router_aux_loss_coef,
+                    share,
+                ).backward()
             aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
             loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / share
             if out.expert_counts is not None:
@@ -437,9 +595,14 @@ class Trainer:
         """The step's micro-batches through the pipeline schedule; the loss sums come from the last
         stage and are summed over the pipeline group (zero elsewhere), so every rank logs them."""
         on_device = [mb.to(self.device) for mb in micro]
-        with self._phase("forward/backward", span="backward"):  # the schedule, less the forward components
-            lm_sum, aux, counts = self.pipeline.forward_backward(on_device, loss_tokens,  # timed inside it
-                                                                 len(micro) * self.plan.dims.dp)
+        with self._phase(
+            "forward/backward", span="backward"
+        ):  # the schedule, less the forward components
+            lm_sum, aux, counts = self.pipeline.forward_backward(
+                on_device,
+                loss_tokens,  # timed inside it
+                len(micro) * self.plan.dims.dp,
+            )
         sums = _all_reduce_tensor(torch.stack([lm_sum, aux]), self.parallel.pp_group)
         return sums[0], sums[1], counts
 
@@ -461,32 +624,47 @@ class Trainer:
 
     def _micro_batch(self) -> MicroBatch:
         """`train.micro_batch_size` packed rows of this rank's loader, finished data-side (moevlm.data.batch)."""
-        return MicroBatch.read(self.loader, rows_per_batch=self.t.micro_batch_size, model=self.plan.model,
-                               freeze_vision=self.job.model.freeze_vision)
+        return MicroBatch.read(
+            self.loader,
+            rows_per_batch=self.t.micro_batch_size,
+            model=self.plan.model,
+            freeze_vision=self.job.model.freeze_vision,
+        )
 
     def _autocast(self):
         if self._bf16:
             # CUDA graphs are captured inside this autocast and refuse its weight cache (parallel/cuda_graphs.py)
-            return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  cache_enabled=not self.job.model.cuda_graph_scope)
+            return torch.autocast(
+                self.device.type,
+                dtype=torch.bfloat16,
+                cache_enabled=not self.job.model.cuda_graph_scope,
+            )
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- finish
     def _summary(self, seconds: float, steps: int) -> int:
         real = [x for x in self.losses if math.isfinite(x)]
-        self.log.info(f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
-                      f"data: {describe_data(self.loader.stats())}")
+        self.log.info(
+            f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
+            f"data: {describe_data(self.loader.stats())}"
+        )
         if self.compiled is not None:
             c = self.compiled.record()
-            self.log.info(f"compile: {c['compiled_graphs']} graphs, {c['graph_breaks']} graph breaks, "
-                          f"{c['recompiles']} recompiles after the first step")
+            self.log.info(
+                f"compile: {c['compiled_graphs']} graphs, {c['graph_breaks']} graph breaks, "
+                f"{c['recompiles']} recompiles after the first step"
+            )
         if self.t.require_loss_decrease and len(real) < 6:
-            self.log.info(f"note: train.require_loss_decrease not checked: it compares the mean of the first 3 "
-                          f"and last 3 finite losses, and this run has {len(real)} (run at least 6 steps)")
+            self.log.info(
+                f"note: train.require_loss_decrease not checked: it compares the mean of the first 3 "
+                f"and last 3 finite losses, and this run has {len(real)} (run at least 6 steps)"
+            )
         if self.t.require_loss_decrease and len(real) >= 6:
             first, last = sum(real[:3]) / 3, sum(real[-3:]) / 3
             if not last < first:
-                self.log.info(f"FAIL: loss did not fall (first 3 steps {first:.4f}, last 3 {last:.4f})")
+                self.log.info(
+                    f"FAIL: loss did not fall (first 3 steps {first:.4f}, last 3 {last:.4f})"
+                )
                 return ExitCode.NO_PROGRESS
             self.log.info(f"ok: mean loss of the first 3 steps {first:.4f} -> last 3 {last:.4f}")
         return ExitCode.OK
@@ -495,16 +673,26 @@ class Trainer:
         """The log record of `window` with what only the trainer knows.  Collective under pipeline stages
         and expert capacity: every rank builds it, rank 0 writes it."""
         mem = peak_memory_gib(self.device)
-        rec = window.record(step=self.step, world_size=self.world, peak_tflops=self.peak, mem_gib=mem,
-                            expert_counts=_pp_all_layers(self, window.counts),
-                            mem_gib_by_pp_rank=None if self.pipeline is None else _max_by_pp_rank(self, mem),
-                            skipped=self.loader.stats()["skipped"], nonfinite_steps=self.nonfinite_steps)
+        rec = window.record(
+            step=self.step,
+            world_size=self.world,
+            peak_tflops=self.peak,
+            mem_gib=mem,
+            expert_counts=_pp_all_layers(self, window.counts),
+            mem_gib_by_pp_rank=None if self.pipeline is None else _max_by_pp_rank(self, mem),
+            skipped=self.loader.stats()["skipped"],
+            nonfinite_steps=self.nonfinite_steps,
+        )
         rec["recompute"] = describe_recompute(*recompute_setting(self.job.model))
-        if self.compiled is not None:  # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
+        if (
+            self.compiled is not None
+        ):  # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
             rec.update(self.compiled.record())
         if self.prof.timing:  # seconds per component summed over the window, like step_time_s
             rec["components_s"] = self.prof.take_window()
-        if self.overflow is not None:  # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches
+        if (
+            self.overflow is not None
+        ):  # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches
             rec.update(self.overflow.record(self.device))  # over the window
         rec["mock"] = self.job.data.mock  # data.mock: "none" for real data
         reset_peak_memory(self.device)
@@ -527,7 +715,9 @@ def _pp_all_layers(tr: Trainer, counts: torch.Tensor | None) -> torch.Tensor | N
     if tr.pipeline is None:
         return counts
     every: list = [None] * tr.plan.dims.pp
-    dist.all_gather_object(every, None if counts is None else counts.cpu(), group=tr.parallel.pp_group)
+    dist.all_gather_object(
+        every, None if counts is None else counts.cpu(), group=tr.parallel.pp_group
+    )
     parts = [c for c in every if c is not None]
     return torch.cat(parts) if parts else None
 
@@ -543,6 +733,7 @@ def _max_by_pp_rank(tr: Trainer, value: float) -> list[float]:
 class NoData:
     """The data source of a rank that reads nothing: a pipeline rank without the first stage
     receives each micro-batch's text from that stage's rank (`Pipeline.share`)."""
+
     wait_s = 0.0
 
     def stats(self) -> dict:
@@ -588,8 +779,10 @@ def describe_data(stats: dict) -> str:
         return "read on the first pipeline stage"
     skipped = stats.get("skipped") or {}
     skips = ", ".join(f"{reason} {n}" for reason, n in skipped.items()) if skipped else "none"
-    return (f"{stats['samples_read']} samples read, {stats['samples_packed']} packed into {stats['batches']} "
-            f"batches (epoch {stats['epoch']}); skipped: {skips}; waited {stats['data_wait_s']:.1f}s for data")
+    return (
+        f"{stats['samples_read']} samples read, {stats['samples_packed']} packed into {stats['batches']} "
+        f"batches (epoch {stats['epoch']}); skipped: {skips}; waited {stats['data_wait_s']:.1f}s for data"
+    )
 
 
 def _barrier() -> None:

@@ -49,6 +49,7 @@ from moevlm.train.wandb_log import wandb_installed
 class Plan:
     """What validation derived: the model config, the layout, the accumulation (= the pipeline's
     micro-batches per step), the pipeline stages (pp > 1), notes for the log."""
+
     model: VLMConfig
     dims: ParallelDims
     grad_accum: int
@@ -79,16 +80,23 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
     before = len(problems)
     unavailable = run(_dispatcher_unavailable, job.model, environment)
-    if len(problems) > before:  # such a recipe cannot run at all: its launch size and layout do not matter
+    if (
+        len(problems) > before
+    ):  # such a recipe cannot run at all: its launch size and layout do not matter
         raise ConfigError("\n".join(problems))
     run(_check, t.wandb == "disabled" or wandb_installed(), WANDB_MISSING.format(mode=t.wandb))
-    scaled = run(scale_down, job, world_size, model_config)  # parallel.scale_to rewrites the layout and batch
+    scaled = run(
+        scale_down, job, world_size, model_config
+    )  # parallel.scale_to rewrites the layout and batch
     if scaled is None:  # the layout checks below would only repeat it
         raise ConfigError("\n".join(problems))
-    run(_check, p.world_size is None or p.world_size == world_size,
+    run(
+        _check,
+        p.world_size is None or p.world_size == world_size,
         f"this recipe is laid out for parallel.world_size={p.world_size} processes but {world_size} were "
         f"launched; launch {p.world_size} (torchrun --nnodes/--nproc-per-node) or set parallel.world_size=null "
-        "and a layout that fits")
+        "and a layout that fits",
+    )
     for check in environment_checks(job) if environment else ():
         run(check)
     dims = run(ParallelDims, world_size, tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, ep=p.ep, etp=p.etp)
@@ -100,18 +108,23 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check_dispatcher, job.model.dispatcher, dims)
         run(_check_batch, t, dims)
     if dims is not None and model is not None:
-        unavailable = unavailable or run(_dispatcher_layout_problem, job.model, dims, model.moe.num_experts,
-                                         environment)
-        model.moe.dispatcher, dispatcher_note = resolve_dispatcher(job.model.dispatcher, dims, unavailable,
-                                                                   job.model.dispatcher_fallback)
+        unavailable = unavailable or run(
+            _dispatcher_layout_problem, job.model, dims, model.moe.num_experts, environment
+        )
+        model.moe.dispatcher, dispatcher_note = resolve_dispatcher(
+            job.model.dispatcher, dims, unavailable, job.model.dispatcher_fallback
+        )
         run(_check_capacity, job.model, model.moe.dispatcher, dims)
         run(_check_ep_overlap, job, model, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
     run(_check_faults, p, t)
     run(_check_recompute, job.model)
-    run(_check, not (t.compile and job.model.attn_backend == "sdpa_per_doc"),
+    run(
+        _check,
+        not (t.compile and job.model.attn_backend == "sdpa_per_doc"),
         "train.compile=true with model.attn_backend=sdpa_per_doc: its host loop over the documents would "
-        "recompile every batch; use model.attn_backend=sdpa (or auto), or train.compile=false")
+        "recompile every batch; use model.attn_backend=sdpa (or auto), or train.compile=false",
+    )
     run(_check_profile, t)
     if dims is not None:
         run(_check_context_parallel, job, dims)
@@ -124,18 +137,25 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     if problems:
         raise ConfigError("\n".join(problems))
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
-    return Plan(model=model, dims=dims, grad_accum=grad_accum, pipeline=_plan_pipeline(job, model, dims, grad_accum),
-                notes=notes)
+    return Plan(
+        model=model,
+        dims=dims,
+        grad_accum=grad_accum,
+        pipeline=_plan_pipeline(job, model, dims, grad_accum),
+        notes=notes,
+    )
 
 
 def _collector(problems: list[str]):
     """run(fn, *args): fn's result, or None with its ConfigError's lines added to `problems`."""
+
     def run(fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ConfigError as err:
             problems.extend(line for line in str(err).splitlines() if line not in problems)
             return None
+
     return run
 
 
@@ -150,34 +170,63 @@ def environment_checks(job) -> list:
     cuda = torch.cuda.is_available()
     on_cpu = t.device == "cpu" or not cuda  # (device=cuda without CUDA is its own error)
     checks = [
-        lambda: _check(t.device != "cuda" or cuda,
-                       f"train.device=cuda but {_why_no_cuda()}; use train.device=auto (CPU here) or cpu"),
-        lambda: _check(p.backend != "nccl" or not on_cpu,
-                       "parallel.backend=nccl needs CUDA devices but this job runs on the CPU; use parallel.backend=auto "
-                       "(gloo on the CPU)"),
+        lambda: _check(
+            t.device != "cuda" or cuda,
+            f"train.device=cuda but {_why_no_cuda()}; use train.device=auto (CPU here) or cpu",
+        ),
+        lambda: _check(
+            p.backend != "nccl" or not on_cpu,
+            "parallel.backend=nccl needs CUDA devices but this job runs on the CPU; use parallel.backend=auto "
+            "(gloo on the CPU)",
+        ),
     ]
     for key in TRITON_OPTIONS:
         value = getattr(m, key.split(".")[1])
-        checks.append(lambda key=key, value=value: _check(
-            value != "triton" or not on_cpu or os.environ.get("TRITON_INTERPRET") == "1",
-            f"{key}=triton runs Triton kernels, which need a CUDA device; on the CPU use {key}=torch (or set "
-            "TRITON_INTERPRET=1 before launching to run them in Triton's interpreter: very slow, for tests)"))
-    checks.append(lambda: _check(not m.cuda_graph_scope or not on_cpu,
-                                 f"model.cuda_graph_scope={_scope(m)} captures CUDA graphs, which need a CUDA device; "
-                                 "this job runs on the CPU: use model.cuda_graph_scope=[] (or train.device=cuda on a "
-                                 "GPU machine)"))
-    checks.append(lambda: _check(m.attn_backend != "flash" or importlib.util.find_spec("flash_attn") is not None,
-                                 "model.attn_backend=flash needs the flash-attn package, which is not installed "
-                                 "(pip install flash-attn, CUDA only); use model.attn_backend=auto"))
-    checks.append(lambda: _check(m.attn_backend != "varlen" or (not on_cpu and varlen_available()),
-                                 f"model.attn_backend=varlen needs {_varlen_needs(on_cpu)}; use "
-                                 "model.attn_backend=auto (sdpa on the CPU)"))
-    checks += [lambda: _check_path(m.hf_checkpoint, "model.hf_checkpoint", "an HF folder with config.json and "
-                                   "*.safetensors", folder=True),
-               lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
-               lambda: _check_path("" if t.resume in ("auto", "none") else t.resume, "train.resume",
-                                   "a checkpoint folder (checkpoints/step_NNNNNNNN), auto or none", folder=True),
-               lambda: _data_problem(check_shards, job.data.shards)]
+        checks.append(
+            lambda key=key, value=value: _check(
+                value != "triton" or not on_cpu or os.environ.get("TRITON_INTERPRET") == "1",
+                f"{key}=triton runs Triton kernels, which need a CUDA device; on the CPU use {key}=torch (or set "
+                "TRITON_INTERPRET=1 before launching to run them in Triton's interpreter: very slow, for tests)",
+            )
+        )
+    checks.append(
+        lambda: _check(
+            not m.cuda_graph_scope or not on_cpu,
+            f"model.cuda_graph_scope={_scope(m)} captures CUDA graphs, which need a CUDA device; "
+            "this job runs on the CPU: use model.cuda_graph_scope=[] (or train.device=cuda on a "
+            "GPU machine)",
+        )
+    )
+    checks.append(
+        lambda: _check(
+            m.attn_backend != "flash" or importlib.util.find_spec("flash_attn") is not None,
+            "model.attn_backend=flash needs the flash-attn package, which is not installed "
+            "(pip install flash-attn, CUDA only); use model.attn_backend=auto",
+        )
+    )
+    checks.append(
+        lambda: _check(
+            m.attn_backend != "varlen" or (not on_cpu and varlen_available()),
+            f"model.attn_backend=varlen needs {_varlen_needs(on_cpu)}; use "
+            "model.attn_backend=auto (sdpa on the CPU)",
+        )
+    )
+    checks += [
+        lambda: _check_path(
+            m.hf_checkpoint,
+            "model.hf_checkpoint",
+            "an HF folder with config.json and *.safetensors",
+            folder=True,
+        ),
+        lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
+        lambda: _check_path(
+            "" if t.resume in ("auto", "none") else t.resume,
+            "train.resume",
+            "a checkpoint folder (checkpoints/step_NNNNNNNN), auto or none",
+            folder=True,
+        ),
+        lambda: _data_problem(check_shards, job.data.shards),
+    ]
     return checks
 
 
@@ -195,8 +244,10 @@ def _why_no_cuda() -> str:
 
 def _check_path(path: str, key: str, what: str, folder: bool = False) -> None:
     if path:
-        _check(os.path.isdir(path) if folder else os.path.exists(path),
-               f"{key}={path} does not exist{' or is not a folder' if folder else ''}; give {what}")
+        _check(
+            os.path.isdir(path) if folder else os.path.exists(path),
+            f"{key}={path} does not exist{' or is not a folder' if folder else ''}; give {what}",
+        )
 
 
 def _data_problem(check, *args) -> None:
@@ -209,48 +260,72 @@ def _data_problem(check, *args) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _plan_pipeline(job, model: VLMConfig, dims: ParallelDims, microbatches: int) -> Optional[PipelinePlan]:
+def _plan_pipeline(
+    job, model: VLMConfig, dims: ParallelDims, microbatches: int
+) -> Optional[PipelinePlan]:
     p, d = job.parallel, job.data
     schedule_name(p.pp_schedule)  # a misspelt schedule is refused whatever pp is
     if dims.pp == 1:
-        _check(p.pp_layers in ("auto", None) and p.vpp in (None, 1),
-               "parallel.pp_layers / parallel.vpp describe pipeline stages but parallel.pp=1; set parallel.pp > 1 "
-               "or leave them at auto / null")
+        _check(
+            p.pp_layers in ("auto", None) and p.vpp in (None, 1),
+            "parallel.pp_layers / parallel.vpp describe pipeline stages but parallel.pp=1; set parallel.pp > 1 "
+            "or leave them at auto / null",
+        )
         return None
-    return plan_pipeline(model, pp=dims.pp, vpp=p.vpp, schedule=p.pp_schedule, layers=p.pp_layers,
-                         microbatches=microbatches, rows=job.train.micro_batch_size, seq_len=d.pack.seq_len,
-                         max_patches=d.pack.max_patches, image_patches=d.image.max_pixels // d.image.patch_size**2,
-                         freeze_vision=job.model.freeze_vision)
+    return plan_pipeline(
+        model,
+        pp=dims.pp,
+        vpp=p.vpp,
+        schedule=p.pp_schedule,
+        layers=p.pp_layers,
+        microbatches=microbatches,
+        rows=job.train.micro_batch_size,
+        seq_len=d.pack.seq_len,
+        max_patches=d.pack.max_patches,
+        image_patches=d.image.max_pixels // d.image.patch_size**2,
+        freeze_vision=job.model.freeze_vision,
+    )
 
 
-DISPATCHER_NAMES = dispatcher_names()  # the registry's (moevlm.dispatch): local first, then alphabetical
+DISPATCHER_NAMES = (
+    dispatcher_names()
+)  # the registry's (moevlm.dispatch): local first, then alphabetical
 # named, but runnable only as moevlm.dispatch.availability says: the backends that need a deep_ep class
 GATED_DISPATCHERS = tuple(GATED_CLASSES)
 
 
-def resolve_dispatcher(name: str, dims: ParallelDims, unavailable: str | None = None,
-                       fallback: str = "none") -> tuple[str, list[str]]:
+def resolve_dispatcher(
+    name: str, dims: ParallelDims, unavailable: str | None = None, fallback: str = "none"
+) -> tuple[str, list[str]]:
     """The concrete dispatcher for `model.dispatcher` (already checked) under `dims`, and the log line
     when `auto` chose one that moves tokens: `auto` is `local` when no token leaves its rank
     (ep x etp == 1), else `alltoall` (the built backend that runs everywhere); an explicit name wins,
     unless it is `unavailable` (the reason) and `fallback` names what runs instead: one note says so."""
     if unavailable is not None and fallback != "none":
-        return fallback, [f"note: model.dispatcher={name} cannot run: {unavailable}; running the {fallback} "
-                          f"dispatcher instead (model.dispatcher_fallback={fallback})"]
+        return fallback, [
+            f"note: model.dispatcher={name} cannot run: {unavailable}; running the {fallback} "
+            f"dispatcher instead (model.dispatcher_fallback={fallback})"
+        ]
     if name != "auto":
         return name, []
     if dims.ep * dims.etp == 1:
         return "local", []
-    return "alltoall", [f"model.dispatcher=auto chose alltoall: parallel.ep x etp = {dims.ep} x {dims.etp} > 1 "
-                        "moves tokens between ranks"]
+    return "alltoall", [
+        f"model.dispatcher=auto chose alltoall: parallel.ep x etp = {dims.ep} x {dims.etp} > 1 "
+        "moves tokens between ranks"
+    ]
 
 
 def _check_dispatcher(name: str, dims: ParallelDims) -> None:
-    _check(name == "auto" or name in DISPATCHER_NAMES,
-           f"model.dispatcher={name!r}; choose auto or one of {list(DISPATCHER_NAMES)}")
-    _check(name != "local" or dims.ep == 1,
-           f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall "
-           "(or auto)")
+    _check(
+        name == "auto" or name in DISPATCHER_NAMES,
+        f"model.dispatcher={name!r}; choose auto or one of {list(DISPATCHER_NAMES)}",
+    )
+    _check(
+        name != "local" or dims.ep == 1,
+        f"parallel.ep={dims.ep} moves tokens between ranks: model.dispatcher='local' cannot; choose alltoall "
+        "(or auto)",
+    )
 
 
 def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
@@ -258,11 +333,16 @@ def _check_capacity(m, dispatcher: str, dims: ParallelDims) -> None:
     (moevlm.dispatch.capacity, moevlm.dispatch.hybridep)."""
     if m.moe_capacity_factor is None:
         return
-    _check(dispatcher in ("alltoall", "hybridep"),
-           f"model.moe_capacity_factor={m.moe_capacity_factor} is a mode of the alltoall and hybridep dispatchers "
-           f"but the dispatcher is {dispatcher!r}; set model.dispatcher=alltoall, or model.moe_capacity_factor=null")
-    _check(dims.etp == 1, f"model.moe_capacity_factor={m.moe_capacity_factor} is not built with parallel.etp="
-                          f"{dims.etp} > 1; use parallel.etp=1, or model.moe_capacity_factor=null (dropless)")
+    _check(
+        dispatcher in ("alltoall", "hybridep"),
+        f"model.moe_capacity_factor={m.moe_capacity_factor} is a mode of the alltoall and hybridep dispatchers "
+        f"but the dispatcher is {dispatcher!r}; set model.dispatcher=alltoall, or model.moe_capacity_factor=null",
+    )
+    _check(
+        dims.etp == 1,
+        f"model.moe_capacity_factor={m.moe_capacity_factor} is not built with parallel.etp="
+        f"{dims.etp} > 1; use parallel.etp=1, or model.moe_capacity_factor=null (dropless)",
+    )
 
 
 def _check_ep_overlap(job, model: VLMConfig, dims: ParallelDims) -> None:
@@ -270,24 +350,45 @@ def _check_ep_overlap(job, model: VLMConfig, dims: ParallelDims) -> None:
     if not job.parallel.ep_overlap:
         return
     refusals = [
-        (not model.moe.num_experts, "has no MoE layer to overlap (model.num_experts=0); leave it false"),
-        (dims.ep == 1, "needs expert parallel: parallel.ep=1 exchanges nothing; set parallel.ep > 1"),
-        (dims.etp > 1, f"is not built with expert tensor parallel (parallel.etp={dims.etp}); use parallel.etp=1"),
-        (model.moe.dispatcher != "alltoall", f"runs the alltoall dispatcher only, not {model.moe.dispatcher!r}; set "
-                                             "model.dispatcher=alltoall (or auto)"),
-        (bool(job.train.compile), "with train.compile=true is not built (its exchanges are not kept out of the "
-                                  "compiled graph); use train.compile=false"),
-        ("moe_preprocess" in [str(s) for s in job.model.cuda_graph_scope],
-         "with model.cuda_graph_scope moe_preprocess: the overlap permutes two chunks of varying shape, which one "
-         "captured graph cannot replay; leave moe_preprocess out"),
+        (
+            not model.moe.num_experts,
+            "has no MoE layer to overlap (model.num_experts=0); leave it false",
+        ),
+        (
+            dims.ep == 1,
+            "needs expert parallel: parallel.ep=1 exchanges nothing; set parallel.ep > 1",
+        ),
+        (
+            dims.etp > 1,
+            f"is not built with expert tensor parallel (parallel.etp={dims.etp}); use parallel.etp=1",
+        ),
+        (
+            model.moe.dispatcher != "alltoall",
+            f"runs the alltoall dispatcher only, not {model.moe.dispatcher!r}; set "
+            "model.dispatcher=alltoall (or auto)",
+        ),
+        (
+            bool(job.train.compile),
+            "with train.compile=true is not built (its exchanges are not kept out of the "
+            "compiled graph); use train.compile=false",
+        ),
+        (
+            "moe_preprocess" in [str(s) for s in job.model.cuda_graph_scope],
+            "with model.cuda_graph_scope moe_preprocess: the overlap permutes two chunks of varying shape, which one "
+            "captured graph cannot replay; leave moe_preprocess out",
+        ),
     ]
-    _check(not any(bad for bad, _ in refusals),
-           "\n".join(f"parallel.ep_overlap=true {why}" for bad, why in refusals if bad))
+    _check(
+        not any(bad for bad, _ in refusals),
+        "\n".join(f"parallel.ep_overlap=true {why}" for bad, why in refusals if bad),
+    )
 
 
 def _dispatcher_refusal(name: str, reason: str) -> str:
-    return (f"model.dispatcher={name!r} cannot run: {reason}; use model.dispatcher=alltoall, or "
-            "model.dispatcher_fallback=alltoall to fall back to it")
+    return (
+        f"model.dispatcher={name!r} cannot run: {reason}; use model.dispatcher=alltoall, or "
+        "model.dispatcher_fallback=alltoall to fall back to it"
+    )
 
 
 def _dispatcher_unavailable(m, environment: bool) -> str | None:
@@ -299,11 +400,15 @@ def _dispatcher_unavailable(m, environment: bool) -> str | None:
     if m.dispatcher not in GATED_DISPATCHERS:
         return None
     reason = unavailable_reason(m.dispatcher, check_package=environment)
-    _check(reason is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, reason))
+    _check(
+        reason is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, reason)
+    )
     return reason
 
 
-def _dispatcher_layout_problem(m, dims: ParallelDims, num_experts: int, environment: bool) -> str | None:
+def _dispatcher_layout_problem(
+    m, dims: ParallelDims, num_experts: int, environment: bool
+) -> str | None:
     """A gated backend's rank and expert-count rules (moevlm.dispatch.availability) under this layout; the
     node size is this machine's when checking it (DeepEP: the launch's LOCAL_WORLD_SIZE; HybridEP: its
     NVLINK_DOMAIN_SIZE, default 8), else unknown."""
@@ -313,7 +418,10 @@ def _dispatcher_layout_problem(m, dims: ParallelDims, num_experts: int, environm
         return None
     node = LAUNCH_NODE_SIZE[m.dispatcher]() if environment else None
     problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, node)
-    _check(problem is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, problem))
+    _check(
+        problem is None or m.dispatcher_fallback != "none",
+        _dispatcher_refusal(m.dispatcher, problem),
+    )
     return problem
 
 
@@ -332,36 +440,61 @@ def _check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims) -> None:
     problem = scope_problem(scope)
     _check(problem is None, f"{problem}")
     refusals = [
-        (dims.world > 1 and job.parallel.dp_mode == "fsdp",
-         "cannot run under FSDP (parallel.dp_mode=fsdp over several processes): FSDP2 frees the unsharded "
-         "parameters after each use and allocates them again at the next all-gather, so their addresses change "
-         "under a captured graph; use parallel.dp_mode=ddp"),
-        (dims.pp > 1, "cannot run with pipeline parallel (parallel.pp>1): a schedule runs several micro-batches' "
-         "forwards before their backwards, and each replay overwrites the graph's saved activations and outputs; "
-         "use parallel.pp=1"),
-        (dims.tp * dims.cp > 1, "cannot capture the tensor/context-parallel collectives; use parallel.tp=1 and cp=1"),
-        (bool(job.train.compile),
-         "and train.compile=true both capture the same code (torch.compile brings its own CUDA graphs); "
-         "choose one"),
-        (m.recompute != "none",
-         "cannot run with model.recompute (recompute re-runs a graphed forward inside backward, which is not "
-         "verified); use model.recompute=none"),
-        (("attn" in scope or "full_layer" in scope) and m.attn_backend != "sdpa",
-         f"captures attention with the sdpa backend only (its (B,1,S,S) mask is static; flash and varlen take "
-         f"cu_seqlens of varying length, flex a block mask); model.attn_backend={m.attn_backend}: set "
-         "model.attn_backend=sdpa"),
-        ("full_layer" in scope and dims.ep * dims.etp > 1,
-         "full_layer needs a static, sync-free layer, but the alltoall dispatcher (parallel.ep x etp > 1) moves a "
-         "data-dependent number of tokens after a host sync; use attn, moe_router, moe_preprocess"),
-        ("full_layer" in scope and m.grouped_gemm == "loop",
-         "full_layer cannot capture model.grouped_gemm=loop (it splits rows on the host); use torch or triton"),
-        ("moe_preprocess" in scope and m.permute != "torch",
-         "moe_preprocess captures the torch permutation plan; model.permute=triton builds its plan inside its "
-         "kernels: use model.permute=torch or leave moe_preprocess out"),
-        (bool({"moe_router", "moe_preprocess"} & set(scope)) and not model.moe.num_experts,
-         "moe_router/moe_preprocess: this model has no MoE layers (model.num_experts=0); leave them out"),
+        (
+            dims.world > 1 and job.parallel.dp_mode == "fsdp",
+            "cannot run under FSDP (parallel.dp_mode=fsdp over several processes): FSDP2 frees the unsharded "
+            "parameters after each use and allocates them again at the next all-gather, so their addresses change "
+            "under a captured graph; use parallel.dp_mode=ddp",
+        ),
+        (
+            dims.pp > 1,
+            "cannot run with pipeline parallel (parallel.pp>1): a schedule runs several micro-batches' "
+            "forwards before their backwards, and each replay overwrites the graph's saved activations and outputs; "
+            "use parallel.pp=1",
+        ),
+        (
+            dims.tp * dims.cp > 1,
+            "cannot capture the tensor/context-parallel collectives; use parallel.tp=1 and cp=1",
+        ),
+        (
+            bool(job.train.compile),
+            "and train.compile=true both capture the same code (torch.compile brings its own CUDA graphs); "
+            "choose one",
+        ),
+        (
+            m.recompute != "none",
+            "cannot run with model.recompute (recompute re-runs a graphed forward inside backward, which is not "
+            "verified); use model.recompute=none",
+        ),
+        (
+            ("attn" in scope or "full_layer" in scope) and m.attn_backend != "sdpa",
+            f"captures attention with the sdpa backend only (its (B,1,S,S) mask is static; flash and varlen take "
+            f"cu_seqlens of varying length, flex a block mask); model.attn_backend={m.attn_backend}: set "
+            "model.attn_backend=sdpa",
+        ),
+        (
+            "full_layer" in scope and dims.ep * dims.etp > 1,
+            "full_layer needs a static, sync-free layer, but the alltoall dispatcher (parallel.ep x etp > 1) moves a "
+            "data-dependent number of tokens after a host sync; use attn, moe_router, moe_preprocess",
+        ),
+        (
+            "full_layer" in scope and m.grouped_gemm == "loop",
+            "full_layer cannot capture model.grouped_gemm=loop (it splits rows on the host); use torch or triton",
+        ),
+        (
+            "moe_preprocess" in scope and m.permute != "torch",
+            "moe_preprocess captures the torch permutation plan; model.permute=triton builds its plan inside its "
+            "kernels: use model.permute=torch or leave moe_preprocess out",
+        ),
+        (
+            bool({"moe_router", "moe_preprocess"} & set(scope)) and not model.moe.num_experts,
+            "moe_router/moe_preprocess: this model has no MoE layers (model.num_experts=0); leave them out",
+        ),
     ]
-    _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
+    _check(
+        not any(bad for bad, _ in refusals),
+        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
+    )
 
 
 def _check_fp8(job, model: VLMConfig, dims: ParallelDims, environment: bool) -> None:
@@ -372,32 +505,55 @@ def _check_fp8(job, model: VLMConfig, dims: ParallelDims, environment: bool) -> 
     key = f"model.fp8={f.recipe}"
     experts = "experts" in f.modules and model.moe.num_experts > 0
     refusals = [
-        (bool(m.cuda_graph_scope), "with model.cuda_graph_scope: a graph would replay the weight codes of the step "
-         "it was captured in; use model.cuda_graph_scope=[]"),
-        (bool(job.train.compile), "with train.compile=true is not supported yet (the FP8 autograd rule keeps "
-         "per-step weight codes on the modules, which torch.compile would trace as constants); use "
-         "train.compile=false"),
-        (experts and (f.pad_experts or f.backend == "torch") and dims.ep * dims.etp > 1
-         and model.moe.dispatcher != "hybridep",
-         "pads expert rows (model.fp8_pad_experts, or fp8_backend=torch) with the local and hybridep dispatchers "
-         "only; with parallel.ep x etp > 1 use model.dispatcher=hybridep, or model.fp8_backend=triton without "
-         "padding"),
+        (
+            bool(m.cuda_graph_scope),
+            "with model.cuda_graph_scope: a graph would replay the weight codes of the step "
+            "it was captured in; use model.cuda_graph_scope=[]",
+        ),
+        (
+            bool(job.train.compile),
+            "with train.compile=true is not supported yet (the FP8 autograd rule keeps "
+            "per-step weight codes on the modules, which torch.compile would trace as constants); use "
+            "train.compile=false",
+        ),
+        (
+            experts
+            and (f.pad_experts or f.backend == "torch")
+            and dims.ep * dims.etp > 1
+            and model.moe.dispatcher != "hybridep",
+            "pads expert rows (model.fp8_pad_experts, or fp8_backend=torch) with the local and hybridep dispatchers "
+            "only; with parallel.ep x etp > 1 use model.dispatcher=hybridep, or model.fp8_backend=triton without "
+            "padding",
+        ),
     ]
-    _check(not any(bad for bad, _ in refusals), "\n".join(f"{key} {why}" for bad, why in refusals if bad))
+    _check(
+        not any(bad for bad, _ in refusals),
+        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
+    )
     if f.backend == "torch":
         t, moe = model.text, model.moe
         block = BLOCK[f.recipe]
-        dims_ = {"text.hidden_size": t.hidden_size, "text.intermediate_size": t.intermediate_size,
-                 "moe.moe_intermediate_size": moe.moe_intermediate_size, "text.num_kv_heads*head_dim":
-                 t.num_kv_heads * t.head_dim}
+        dims_ = {
+            "text.hidden_size": t.hidden_size,
+            "text.intermediate_size": t.intermediate_size,
+            "moe.moe_intermediate_size": moe.moe_intermediate_size,
+            "text.num_kv_heads*head_dim": t.num_kv_heads * t.head_dim,
+        }
         bad = {k: v for k, v in dims_.items() if v % block}
-        _check(not bad, f"{key} with model.fp8_backend=torch: cuBLAS's scaled GEMMs take whole {block}-blocks, but "
-                        f"{bad} are not multiples of {block}; use model.fp8_backend=triton or emulate")
+        _check(
+            not bad,
+            f"{key} with model.fp8_backend=torch: cuBLAS's scaled GEMMs take whole {block}-blocks, but "
+            f"{bad} are not multiples of {block}; use model.fp8_backend=triton or emulate",
+        )
     if environment:
         from moevlm.model.fp8 import Fp8Unavailable, resolve_fp8
+
         cuda = torch.cuda.is_available() and job.train.device != "cpu"
         try:
-            resolve_fp8(f, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+            resolve_fp8(
+                f,
+                torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+            )
         except Fp8Unavailable as err:
             raise ConfigError(str(err)) from None
 
@@ -406,17 +562,30 @@ def _check_batch(t, dims: ParallelDims) -> None:
     _check(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     per_step = t.micro_batch_size * dims.dp
-    _check(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
-           f"train.global_batch_size={t.global_batch_size} must be a multiple of micro_batch_size x dp = "
-           f"{t.micro_batch_size} x {dims.dp} = {per_step}; e.g. train.global_batch_size="
-           f"{max(1, math.ceil(t.global_batch_size / per_step)) * per_step}")
+    _check(
+        t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
+        f"train.global_batch_size={t.global_batch_size} must be a multiple of micro_batch_size x dp = "
+        f"{t.micro_batch_size} x {dims.dp} = {per_step}; e.g. train.global_batch_size="
+        f"{max(1, math.ceil(t.global_batch_size / per_step)) * per_step}",
+    )
     _check(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
-    _check(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = at the end)")
-    _check(t.resume in ("auto", "none") or bool(t.resume), "train.resume must be auto, none or a checkpoint path")
-    _check(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 1")
-    _check(t.peak_tflops is None or _real(t.peak_tflops) and t.peak_tflops > 0,
-           f"train.peak_tflops={t.peak_tflops!r} must be a finite number > 0 (TFLOP/s per device), or null for "
-           "the device table")
+    _check(
+        t.checkpoint_every >= 0,
+        f"train.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = at the end)",
+    )
+    _check(
+        t.resume in ("auto", "none") or bool(t.resume),
+        "train.resume must be auto, none or a checkpoint path",
+    )
+    _check(
+        t.max_nonfinite_steps >= 1,
+        f"train.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 1",
+    )
+    _check(
+        t.peak_tflops is None or _real(t.peak_tflops) and t.peak_tflops > 0,
+        f"train.peak_tflops={t.peak_tflops!r} must be a finite number > 0 (TFLOP/s per device), or null for "
+        "the device table",
+    )
 
 
 def _check_optim(o, steps: int) -> list[str]:
@@ -424,44 +593,79 @@ def _check_optim(o, steps: int) -> list[str]:
     NaN, so each range test is written to fail on it, and infinities are refused by name.  Returns notes
     (valid but probably unintended settings) for the log."""
     _check(_real(o.lr) and o.lr > 0, f"optim.lr={o.lr!r} must be a finite number > 0")
-    _check(_real(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1,
-           f"optim.min_lr_ratio={o.min_lr_ratio!r} must be a number in [0, 1] (final lr = lr x min_lr_ratio)")
+    _check(
+        _real(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1,
+        f"optim.min_lr_ratio={o.min_lr_ratio!r} must be a number in [0, 1] (final lr = lr x min_lr_ratio)",
+    )
     betas = list(o.betas)
-    _check(len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas),
-           f"optim.betas={betas} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
-    _check(_real(o.eps) and o.eps > 0,
-           f"optim.eps={o.eps!r} must be a finite number > 0 (AdamW divides by sqrt(v) + eps), e.g. optim.eps=1e-8")
-    _check(_real(o.weight_decay) and o.weight_decay >= 0,
-           f"optim.weight_decay={o.weight_decay!r} must be a finite number >= 0 (0 = no decay)")
-    _check(_int(o.warmup_steps) and o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps!r} must be >= 0")
-    _check(_real(o.decay_fraction) and 0 < o.decay_fraction <= 1,
-           f"optim.decay_fraction={o.decay_fraction!r} must be a number in (0, 1]")
-    _check(_real(o.grad_clip),
-           f"optim.grad_clip={o.grad_clip!r} must be a finite number (the max gradient norm; 0 or less disables "
-           "clipping)")
-    if o.warmup_steps > steps:  # the multiplier after warmup step s is (s + 1) / warmup: 1 at s = warmup - 1
-        return [f"note: optim.warmup_steps={o.warmup_steps} > train.steps={steps}: the learning rate never "
-                f"reaches optim.lr={o.lr} in this run"]
+    _check(
+        len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas),
+        f"optim.betas={betas} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]",
+    )
+    _check(
+        _real(o.eps) and o.eps > 0,
+        f"optim.eps={o.eps!r} must be a finite number > 0 (AdamW divides by sqrt(v) + eps), e.g. optim.eps=1e-8",
+    )
+    _check(
+        _real(o.weight_decay) and o.weight_decay >= 0,
+        f"optim.weight_decay={o.weight_decay!r} must be a finite number >= 0 (0 = no decay)",
+    )
+    _check(
+        _int(o.warmup_steps) and o.warmup_steps >= 0,
+        f"optim.warmup_steps={o.warmup_steps!r} must be >= 0",
+    )
+    _check(
+        _real(o.decay_fraction) and 0 < o.decay_fraction <= 1,
+        f"optim.decay_fraction={o.decay_fraction!r} must be a number in (0, 1]",
+    )
+    _check(
+        _real(o.grad_clip),
+        f"optim.grad_clip={o.grad_clip!r} must be a finite number (the max gradient norm; 0 or less disables "
+        "clipping)",
+    )
+    if (
+        o.warmup_steps > steps
+    ):  # the multiplier after warmup step s is (s + 1) / warmup: 1 at s = warmup - 1
+        return [
+            f"note: optim.warmup_steps={o.warmup_steps} > train.steps={steps}: the learning rate never "
+            f"reaches optim.lr={o.lr} in this run"
+        ]
     return []
 
 
 def _check_faults(p, t) -> None:
-    _check(_real(p.timeout_s) and p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 seconds (torch's NCCL default is 600)")
-    _check(_real(t.watchdog_factor) and (t.watchdog_factor == 0 or t.watchdog_factor > 1),
-           f"train.watchdog_factor={t.watchdog_factor} must be > 1 (x the median step time) or 0 (no reports)")
-    _check(_real(t.watchdog_min_s) and t.watchdog_min_s >= 0, f"train.watchdog_min_s={t.watchdog_min_s} must be >= 0")
-    _check(t.watchdog_abort_s is None or _real(t.watchdog_abort_s) and t.watchdog_abort_s > 0,
-           f"train.watchdog_abort_s={t.watchdog_abort_s} must be > 0 seconds, or null (never abort)")
+    _check(
+        _real(p.timeout_s) and p.timeout_s > 0,
+        f"parallel.timeout_s={p.timeout_s} must be > 0 seconds (torch's NCCL default is 600)",
+    )
+    _check(
+        _real(t.watchdog_factor) and (t.watchdog_factor == 0 or t.watchdog_factor > 1),
+        f"train.watchdog_factor={t.watchdog_factor} must be > 1 (x the median step time) or 0 (no reports)",
+    )
+    _check(
+        _real(t.watchdog_min_s) and t.watchdog_min_s >= 0,
+        f"train.watchdog_min_s={t.watchdog_min_s} must be >= 0",
+    )
+    _check(
+        t.watchdog_abort_s is None or _real(t.watchdog_abort_s) and t.watchdog_abort_s > 0,
+        f"train.watchdog_abort_s={t.watchdog_abort_s} must be > 0 seconds, or null (never abort)",
+    )
 
 
 def _check_profile(t) -> None:
     parse_profile_steps(t.profile_steps, t.steps)
-    _check(not (t.profile_components and t.compile),
-           "train.profile_components=true times modules with hooks, which would break the graphs of "
-           "train.compile=true; profile eagerly (train.compile=false), or drop train.profile_components")
+    _check(
+        not (t.profile_components and t.compile),
+        "train.profile_components=true times modules with hooks, which would break the graphs of "
+        "train.compile=true; profile eagerly (train.compile=false), or drop train.profile_components",
+    )
 
 
-CP_ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc")  # the decoder then runs cp_attention (SDPA blocks)
+CP_ATTN_BACKENDS = (
+    "auto",
+    "sdpa",
+    "sdpa_per_doc",
+)  # the decoder then runs cp_attention (SDPA blocks)
 
 
 def _check_context_parallel(job, dims: ParallelDims) -> None:
@@ -471,8 +675,13 @@ def _check_context_parallel(job, dims: ParallelDims) -> None:
     _check(p.cp_comm in CP_COMMS, f"parallel.cp_comm={p.cp_comm!r}; choose one of {list(CP_COMMS)}")
     if dims.cp == 1:
         return
-    _check(m.attn_backend in CP_ATTN_BACKENDS,
-           f"parallel.cp={dims.cp} computes the decoder's attention with its own allgather/ring function over SDPA "
-           f"blocks; model.attn_backend={m.attn_backend} cannot run inside it: use model.attn_backend=auto or sdpa")
-    _check(not t.compile, f"parallel.cp={dims.cp} with train.compile=true is not supported yet (the cp attention's "
-                          "collectives are not traced); use train.compile=false")
+    _check(
+        m.attn_backend in CP_ATTN_BACKENDS,
+        f"parallel.cp={dims.cp} computes the decoder's attention with its own allgather/ring function over SDPA "
+        f"blocks; model.attn_backend={m.attn_backend} cannot run inside it: use model.attn_backend=auto or sdpa",
+    )
+    _check(
+        not t.compile,
+        f"parallel.cp={dims.cp} with train.compile=true is not supported yet (the cp attention's "
+        "collectives are not traced); use train.compile=false",
+    )

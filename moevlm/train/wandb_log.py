@@ -41,8 +41,10 @@ import sys
 from pathlib import Path
 
 MODES = ("disabled", "online", "offline")
-MISSING_PACKAGE = ("train.wandb={mode!r} needs the wandb package, which is not installed: pip install wandb "
-                   "(or the moevlm[wandb] extra), or set train.wandb=disabled")
+MISSING_PACKAGE = (
+    "train.wandb={mode!r} needs the wandb package, which is not installed: pip install wandb "
+    "(or the moevlm[wandb] extra), or set train.wandb=disabled"
+)
 
 
 def wandb_installed() -> bool:
@@ -90,8 +92,12 @@ class WandbLog:
 
 def _say_off(what: str, err: Exception) -> None:
     first = str(err).splitlines()[0] if str(err) else ""
-    print(f"W&B {what} ({type(err).__name__}: {first}); W&B is off for the rest of this run, metrics.jsonl and "
-          "TensorBoard go on (`wandb login`, or train.wandb=offline)", file=sys.stderr, flush=True)
+    print(
+        f"W&B {what} ({type(err).__name__}: {first}); W&B is off for the rest of this run, metrics.jsonl and "
+        "TensorBoard go on (`wandb login`, or train.wandb=offline)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def start_wandb(job, run_dir: Path, rank: int) -> WandbLog | None:
@@ -104,9 +110,15 @@ def start_wandb(job, run_dir: Path, rank: int) -> WandbLog | None:
     try:
         import wandb
 
-        run = wandb.init(project=t.wandb_project, name=None if os.environ.get("WANDB_NAME") else run_name(run_dir),
-                         id=os.environ.get("WANDB_RUN_ID") or run_id(run_dir), resume="allow", mode=t.wandb,
-                         dir=str(run_dir), config=OmegaConf.to_container(job, resolve=True))
+        run = wandb.init(
+            project=t.wandb_project,
+            name=None if os.environ.get("WANDB_NAME") else run_name(run_dir),
+            id=os.environ.get("WANDB_RUN_ID") or run_id(run_dir),
+            resume="allow",
+            mode=t.wandb,
+            dir=str(run_dir),
+            config=OmegaConf.to_container(job, resolve=True),
+        )
     except Exception as err:  # not logged in, no network (online), a bad project name
         _say_off("could not start", err)
         return None

@@ -9,12 +9,40 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_dispatch_bench_prints_every_row():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "bench/dispatch.py", "--tokens", "64", "--hidden", "32", "--experts", "8", "--topk", "2",
-                          "--iters", "1", "--capacity", "0.5", "4.0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "bench/dispatch.py",
+            "--tokens",
+            "64",
+            "--hidden",
+            "32",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--iters",
+            "1",
+            "--capacity",
+            "0.5",
+            "4.0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| balanced") or line.startswith("| skewed")]
+    rows = [
+        line
+        for line in out.stdout.splitlines()
+        if line.startswith("| balanced") or line.startswith("| skewed")
+    ]
     assert len(rows) == 2 * 3, out.stdout
     assert "deepep: not run:" in out.stdout and "hybridep: not run:" in out.stdout
     cap4 = [r for r in rows if "cap 4.0" in r]  # C = T: nothing can drop

@@ -15,20 +15,52 @@ STEPS = ("env", "pytest", "kernels", "e2e", "train", "train_table")
 def test_gpu_suite_smoke_runs_every_step(tmp_path):
     out = tmp_path / "suite"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_suite.sh"), "--smoke", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_suite.sh"), "--smoke", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     summary = (out / "summary.md").read_text()
     assert done.returncode == 0, summary + done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split("|")[1:3] for line in summary.splitlines() if line.startswith("| ") and "| seconds |" not in line
-            and line.split("|")[1].strip() in STEPS]
-    assert [(n.strip(), s.strip().startswith("ok")) for n, s in rows] == [(n, True) for n in STEPS], summary
-    kernels = (out / "kernels.log").read_text()  # the FP8 table: 4 smoke rows of 18 cells, checked before timing
-    assert "| fp8 ours fwd TF/s |" in kernels and "torch._scaled_grouped_mm MXFP8: absent on cpu" in kernels
-    assert len([line for line in kernels.splitlines() if line.startswith("| smoke |") and line.count("|") == 19]) == 4
+    rows = [
+        line.split("|")[1:3]
+        for line in summary.splitlines()
+        if line.startswith("| ")
+        and "| seconds |" not in line
+        and line.split("|")[1].strip() in STEPS
+    ]
+    assert [(n.strip(), s.strip().startswith("ok")) for n, s in rows] == [
+        (n, True) for n in STEPS
+    ], summary
+    kernels = (
+        out / "kernels.log"
+    ).read_text()  # the FP8 table: 4 smoke rows of 18 cells, checked before timing
+    assert (
+        "| fp8 ours fwd TF/s |" in kernels
+        and "torch._scaled_grouped_mm MXFP8: absent on cpu" in kernels
+    )
+    assert (
+        len(
+            [
+                line
+                for line in kernels.splitlines()
+                if line.startswith("| smoke |") and line.count("|") == 19
+            ]
+        )
+        == 4
+    )
     assert "smoke: the torch mxfp8 column's operands through backend='emulate'" in kernels
     e2e = (out / "e2e.log").read_text()
     assert "LM loss on one micro-batch before any step: ours" in e2e  # compared before timing
     assert "ours/HF: tokens/s" in e2e and "| image_free |" in e2e and "| random_pixels |" in e2e
     assert "ours/HF: tokens/s" in summary and "random_pixels vs real" in summary
-    records = [json.loads(line) for line in (out / "train_run" / "metrics.jsonl").read_text().splitlines()]
-    assert records and all(r["mock"] == "none" for r in records)  # the data.mock of the run, in every record
+    records = [
+        json.loads(line) for line in (out / "train_run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert records and all(
+        r["mock"] == "none" for r in records
+    )  # the data.mock of the run, in every record

@@ -31,12 +31,16 @@ def test_micro_batch_stacks_rows_and_counts_useful_work(rows):
     assert mb.token_mask.tolist() == [[s < r["useful_tokens"] for s in range(S)] for r in rows]
     assert (mb.loss_tokens, mb.useful_tokens) == (st["loss_tokens"], st["useful_tokens"])
     assert mb.n_image == st["useful_patches"] // cfg.vision.spatial_merge_size**2 > 0
-    cu = rows[0]["cu_seqlens"][:rows[0]["num_samples"] + 1].tolist()
+    cu = rows[0]["cu_seqlens"][: rows[0]["num_samples"] + 1].tolist()
     docs = [b - a for a, b in zip(cu, cu[1:])]
-    want = count_flops(cfg, docs, rows[0]["image_grid_thw"][:rows[0]["num_images"]]).total
-    assert row_flops(rows[0], cfg) == want and mb.flops == pytest.approx(sum(row_flops(r, cfg) for r in rows))
+    want = count_flops(cfg, docs, rows[0]["image_grid_thw"][: rows[0]["num_images"]]).total
+    assert row_flops(rows[0], cfg) == want and mb.flops == pytest.approx(
+        sum(row_flops(r, cfg) for r in rows)
+    )
     assert list(mb.model_inputs()) == list(MicroBatch.MODEL_INPUTS)
-    assert mb.without_images().pixel_values is None and mb.without_images().input_ids is mb.input_ids
+    assert (
+        mb.without_images().pixel_values is None and mb.without_images().input_ids is mb.input_ids
+    )
 
 
 def test_model_takes_the_micro_batch_and_the_objective_is_its_loss(rows):
@@ -47,6 +51,11 @@ def test_model_takes_the_micro_batch_and_the_objective_is_its_loss(rows):
     model = Qwen3VLMoe(cfg)
     mb = MicroBatch.from_rows(rows, cfg).to(torch.device("cpu"))
     out = model(**mb.model_inputs())
-    loss = objective(out.lm_loss * out.num_loss_tokens, out.num_loss_tokens, out.aux_loss,
-                     cfg.moe.router_aux_loss_coef, 1)
+    loss = objective(
+        out.lm_loss * out.num_loss_tokens,
+        out.num_loss_tokens,
+        out.aux_loss,
+        cfg.moe.router_aux_loss_coef,
+        1,
+    )
     torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=0)

@@ -40,10 +40,18 @@ def dataset(tmp_path):
         return [{"from": r, "value": v} for r, v in zip(("human", "gpt") * 4, turns)]
 
     llava = [
-        {"id": "a.1", "image": ["rocket.JPEG", "sub/cat.png"],
-         "conversations": conv("<image>\n<image>\nCompare.", "A rocket, a cat.", "Which is older?", "The cat.")},
+        {
+            "id": "a.1",
+            "image": ["rocket.JPEG", "sub/cat.png"],
+            "conversations": conv(
+                "<image>\n<image>\nCompare.", "A rocket, a cat.", "Which is older?", "The cat."
+            ),
+        },
         {"id": "b", "image": "coffee.png", "conversations": conv("What is this?", "Coffee.")},
-        {"id": "c", "conversations": [{"from": "system", "value": "Be brief."}] + conv("2+2?", "4")},
+        {
+            "id": "c",
+            "conversations": [{"from": "system", "value": "Be brief."}] + conv("2+2?", "4"),
+        },
         {"id": "tags", "image": "coffee.png", "conversations": conv("<image><image>", "x")},
         {"id": "role", "conversations": [{"from": "robot", "value": "beep"}]},
         {"id": "miss", "image": "missing.jpg", "conversations": conv("<image>", "x")},
@@ -51,12 +59,21 @@ def dataset(tmp_path):
         {"id": "text", "image": "text.jpg", "conversations": conv("<image>", "x")},
         {"id": "cutjpg", "image": "cut.jpg", "conversations": conv("<image>", "x")},
         {"id": "cutpng", "image": "cut.png", "conversations": conv("<image>", "x")},
-        {"id": "up", "image": "sub/../camera.png", "conversations": conv("<image>Who?", "A man.")},  # stays inside
+        {
+            "id": "up",
+            "image": "sub/../camera.png",
+            "conversations": conv("<image>Who?", "A man."),
+        },  # stays inside
     ]
     (tmp_path / "llava.json").write_text(json.dumps(llava))
-    lines = [json.dumps({"image": "sub/cat.png", "caption": "A cat."}).encode(), b"{not json", b"",
-             json.dumps({"id": "dup", "image": "rocket.JPEG", "text": "A rocket."}).encode(),
-             json.dumps({"id": "dup", "text": "Plain text ü."}, ensure_ascii=False).encode(), b'{"text": "\xff"}']
+    lines = [
+        json.dumps({"image": "sub/cat.png", "caption": "A cat."}).encode(),
+        b"{not json",
+        b"",
+        json.dumps({"id": "dup", "image": "rocket.JPEG", "text": "A rocket."}).encode(),
+        json.dumps({"id": "dup", "text": "Plain text ü."}, ensure_ascii=False).encode(),
+        b'{"text": "\xff"}',
+    ]
     (tmp_path / "caps.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     return tmp_path, images, [tmp_path / "llava.json", tmp_path / "caps.jsonl"]
 
@@ -94,16 +111,31 @@ def test_round_trip(dataset, tmp_path):
     docs = [json.loads(s["json"]) for s in samples.values()]
     assert [d["id"] for d in docs] == EXPECTED_IDS
     for s, d in zip(samples.values(), docs):
-        assert s["json"] == json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
-        assert normalize_record(d).canonical() == d  # canonical: the reader's normaliser is a no-op on it
+        assert (
+            s["json"]
+            == json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+        )
+        assert (
+            normalize_record(d).canonical() == d
+        )  # canonical: the reader's normaliser is a no-op on it
         assert sorted(s) == sorted(["json"] + d.get("images", []))
     a1, b, c, up, cap, cap2, text = samples.values()
     assert docs[0]["images"] == ["img0.jpg", "img1.png"]  # .JPEG -> jpg
-    assert a1["img0.jpg"] == PHOTOS["rocket.jpg"].read_bytes() and a1["img1.png"] == PHOTOS["chelsea.png"].read_bytes()
+    assert (
+        a1["img0.jpg"] == PHOTOS["rocket.jpg"].read_bytes()
+        and a1["img1.png"] == PHOTOS["chelsea.png"].read_bytes()
+    )
     assert len(docs[0]["messages"]) == 4
-    assert docs[1]["messages"][0] == {"role": "user", "content": "<image>\nWhat is this?"}  # tag prepended
+    assert docs[1]["messages"][0] == {
+        "role": "user",
+        "content": "<image>\nWhat is this?",
+    }  # tag prepended
     assert b["img0.png"] == PHOTOS["coffee.png"].read_bytes()
-    assert docs[2]["images"] == [] and sorted(c) == ["json"] and docs[2]["messages"][0]["role"] == "system"
+    assert (
+        docs[2]["images"] == []
+        and sorted(c) == ["json"]
+        and docs[2]["messages"][0]["role"] == "system"
+    )
     assert up["img0.png"] == PHOTOS["camera.png"].read_bytes()
     assert docs[4] == {"id": "caps.jsonl:1", "images": ["img0.png"], "caption": "A cat."}
     assert docs[5] == {"id": "dup", "images": ["img0.jpg"], "caption": "A rocket."}
@@ -122,16 +154,35 @@ def test_webdataset_reads_the_shards(dataset, tmp_path):
 
 def test_skip_reasons_and_summary(dataset, tmp_path):
     summary = build(dataset, tmp_path / "out", build_args={"note": "t"})
-    assert summary["skipped"] == {"bad_image": 2, "bad_json": 1, "bad_record": 1, "bad_text_encoding": 1,
-                                  "empty_image": 1, "image_tag_mismatch": 1, "missing_image": 1, "not_an_image": 1}
+    assert summary["skipped"] == {
+        "bad_image": 2,
+        "bad_json": 1,
+        "bad_record": 1,
+        "bad_text_encoding": 1,
+        "empty_image": 1,
+        "image_tag_mismatch": 1,
+        "missing_image": 1,
+        "not_an_image": 1,
+    }
     ex = summary["skipped_examples"]
-    assert ex["bad_json"][0].startswith("caps.jsonl:2: ") and ex["bad_text_encoding"][0].startswith("caps.jsonl:6")
-    assert ex["missing_image"] == ["llava.json[5]: image path #0 of record 'miss' (missing.jpg) does not exist"]
+    assert ex["bad_json"][0].startswith("caps.jsonl:2: ") and ex["bad_text_encoding"][0].startswith(
+        "caps.jsonl:6"
+    )
+    assert ex["missing_image"] == [
+        "llava.json[5]: image path #0 of record 'miss' (missing.jpg) does not exist"
+    ]
     assert {e.split(":")[0] for e in ex["bad_image"]} == {"llava.json[8]", "llava.json[9]"}
     assert summary["samples"] == 7 and summary["kinds"] == {"chat": 4, "caption": 2, "text": 1}
-    assert summary["images"] == 6 and summary["duplicate_ids"] == 1 and summary["duplicate_id_examples"] == ["dup"]
-    assert summary["shards"] == [{"name": "shard-000000.tar", "samples": 3}, {"name": "shard-000001.tar", "samples": 3},
-                                 {"name": "shard-000002.tar", "samples": 1}]
+    assert (
+        summary["images"] == 6
+        and summary["duplicate_ids"] == 1
+        and summary["duplicate_id_examples"] == ["dup"]
+    )
+    assert summary["shards"] == [
+        {"name": "shard-000000.tar", "samples": 3},
+        {"name": "shard-000001.tar", "samples": 3},
+        {"name": "shard-000002.tar", "samples": 1},
+    ]
     for entry in summary["shards"]:
         assert len(read_tar(tmp_path / "out" / entry["name"])) == entry["samples"]
     assert summary["bytes"] == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.tar"))
@@ -147,7 +198,9 @@ def test_byte_deterministic_across_runs_and_thread_counts(dataset, tmp_path):
     names = sorted(p.name for p in (tmp_path / "one").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
     for name in names:
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), (
+            name
+        )
 
 
 def test_refuses_existing_shards_unless_overwrite(dataset, tmp_path):
@@ -156,23 +209,43 @@ def test_refuses_existing_shards_unless_overwrite(dataset, tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         build(dataset, out)
     build(dataset, out, per_shard=4, overwrite=True)
-    assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]  # no stale ones
+    assert sorted(p.name for p in out.glob("*.tar")) == [
+        "shard-000000.tar",
+        "shard-000001.tar",
+    ]  # no stale ones
 
 
 def test_caption_prompt_is_baked_into_a_chat(dataset, tmp_path):
     build(dataset, tmp_path / "out", caption_prompt="Describe the image.")
     doc = json.loads(read_all(tmp_path / "out")["000000004"]["json"])
-    assert doc == {"id": "caps.jsonl:1", "images": ["img0.png"], "messages": [
-        {"role": "user", "content": "<image>\nDescribe the image."}, {"role": "assistant", "content": "A cat."}]}
+    assert doc == {
+        "id": "caps.jsonl:1",
+        "images": ["img0.png"],
+        "messages": [
+            {"role": "user", "content": "<image>\nDescribe the image."},
+            {"role": "assistant", "content": "A cat."},
+        ],
+    }
 
 
 def test_cli(dataset, tmp_path, capsys):
     root, images, anns = dataset
-    argv = ["--images", str(images), "--annotations", *map(str, anns), "--out", str(tmp_path / "out"),
-            "--samples-per-shard", "2"]
+    argv = [
+        "--images",
+        str(images),
+        "--annotations",
+        *map(str, anns),
+        "--out",
+        str(tmp_path / "out"),
+        "--samples-per-shard",
+        "2",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "wrote 7 samples (chat 4, caption 2, text 1), 6 images" in printed and "4 shard(s)" in printed
+    assert (
+        "wrote 7 samples (chat 4, caption 2, text 1), 6 images" in printed
+        and "4 shard(s)" in printed
+    )
     assert "bad_json: 1   e.g. caps.jsonl:2" in printed and "duplicate ids (kept): 1" in printed
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["args"]["annotations"] == [str(a) for a in anns]
@@ -185,14 +258,28 @@ def test_bad_json_list_file_is_a_readable_setup_error(tmp_path, capsys):
     (tmp_path / "a.json").write_text('{"id": "x"}')
     with pytest.raises(ValueError, match="must hold a list"):
         list(read_annotations([tmp_path / "a.json"], SkipCounter()))
-    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "a.json"), "--out", str(tmp_path / "o")]
+    argv = [
+        "--images",
+        str(tmp_path),
+        "--annotations",
+        str(tmp_path / "a.json"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main(argv) == 2 and "does not start with '['" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # checked before anything is written
 
 
 def test_nothing_usable_writes_no_shards(tmp_path, capsys):
     (tmp_path / "a.jsonl").write_text("nope\n")
-    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "o")]
+    argv = [
+        "--images",
+        str(tmp_path),
+        "--annotations",
+        str(tmp_path / "a.jsonl"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main(argv) == 1
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["shards"] == []
 
@@ -200,7 +287,10 @@ def test_nothing_usable_writes_no_shards(tmp_path, capsys):
 def test_sample_mode(tmp_path, monkeypatch, capsys):
     """--sample with a stand-in moevlm.data.sample: >= 8 shards and tokenizer.json."""
     photos = list(PHOTOS.values())
-    records = [{"id": f"s{i}", "images": [str(photos[i % len(photos)])], "caption": f"photo {i}"} for i in range(40)]
+    records = [
+        {"id": f"s{i}", "images": [str(photos[i % len(photos)])], "caption": f"photo {i}"}
+        for i in range(40)
+    ]
     records += [{"id": f"t{i}", "text": f"text {i}"} for i in range(30)]
 
     class Tok:
@@ -215,8 +305,13 @@ def test_sample_mode(tmp_path, monkeypatch, capsys):
     assert summary["args"]["samples_per_shard"] == 8 and len(summary["shards"]) == 9
     assert summary["images"] == 40 and summary["kinds"]["text"] == 30 and summary["skipped"] == {}
     assert (tmp_path / "s" / "tokenizer.json").exists()
-    for entry in summary["shards"]:  # image records are spread over all shards, not packed into the first
-        assert any("images" in json.loads(s["json"]) for s in read_tar(tmp_path / "s" / entry["name"]).values())
+    for entry in summary[
+        "shards"
+    ]:  # image records are spread over all shards, not packed into the first
+        assert any(
+            "images" in json.loads(s["json"])
+            for s in read_tar(tmp_path / "s" / entry["name"]).values()
+        )
     assert "sample set: 40 images, 30 text samples, 9 shards" in capsys.readouterr().out
 
 
@@ -238,9 +333,15 @@ def test_formats_the_reader_refuses_are_not_written(tmp_path):
 
     Image.open(PHOTOS["chelsea.png"]).resize((64, 64)).save(tmp_path / "cat.ico")
     shutil.copy(PHOTOS["coffee.png"], tmp_path / "coffee.png")
-    summary = build_shards([{"id": "ico", "image": "cat.ico", "caption": "a cat"},
-                            {"id": "ok", "image": "coffee.png", "caption": "coffee"}],
-                           tmp_path, tmp_path / "out", progress=False)
+    summary = build_shards(
+        [
+            {"id": "ico", "image": "cat.ico", "caption": "a cat"},
+            {"id": "ok", "image": "coffee.png", "caption": "coffee"},
+        ],
+        tmp_path,
+        tmp_path / "out",
+        progress=False,
+    )
     assert summary["skipped"] == {"not_an_image": 1} and summary["samples"] == 1
 
 
@@ -275,35 +376,66 @@ def test_image_paths_stay_inside_images_and_secrets_stay_out(hostile, capsys):
     outside_images; the secret's bytes and its path appear in no shard, in
     summary.json or in the output; odd records around them cost only themselves."""
     tmp_path, images, private = hostile
-    assert SECRET in load_image("secret.ppm", Path(os.path.realpath(private)), 1 << 20)[0]  # a valid image
+    assert (
+        SECRET in load_image("secret.ppm", Path(os.path.realpath(private)), 1 << 20)[0]
+    )  # a valid image
     cap = {"caption": "x"}
-    escapes = [str(private / "secret.ppm"), "../private/secret.ppm", "~/secret.ppm", "link.ppm",
-               "linkdir/secret.ppm", "sub/../../private/secret.ppm"]
+    escapes = [
+        str(private / "secret.ppm"),
+        "../private/secret.ppm",
+        "~/secret.ppm",
+        "link.ppm",
+        "linkdir/secret.ppm",
+        "sub/../../private/secret.ppm",
+    ]
     lines = [json.dumps({"id": "good", "image": "good.png", **cap})]
     lines += [json.dumps({"id": f"esc{i}", "image": p, **cap}) for i, p in enumerate(escapes)]
-    lines += [json.dumps({"id": "in1", "image": "inside_link.png", **cap}),
-              json.dumps({"id": "in2", "image": "insidedir/cat.png", **cap}),
-              json.dumps({"id": "long", "image": "a" * 300 + ".png", **cap}),  # ENAMETOOLONG
-              "[" * 200_000,  # RecursionError in json.loads
-              json.dumps({"id": "int", "image": [1], **cap}),
-              json.dumps({"id": "nul", "image": "x\u0000.png", **cap}),
-              json.dumps({"id": "fifo", "image": "fifo.png", **cap}),  # not a file: skipped, never opened
-              json.dumps({"id": "text", "text": "plain"})]
+    lines += [
+        json.dumps({"id": "in1", "image": "inside_link.png", **cap}),
+        json.dumps({"id": "in2", "image": "insidedir/cat.png", **cap}),
+        json.dumps({"id": "long", "image": "a" * 300 + ".png", **cap}),  # ENAMETOOLONG
+        "[" * 200_000,  # RecursionError in json.loads
+        json.dumps({"id": "int", "image": [1], **cap}),
+        json.dumps({"id": "nul", "image": "x\u0000.png", **cap}),
+        json.dumps({"id": "fifo", "image": "fifo.png", **cap}),  # not a file: skipped, never opened
+        json.dumps({"id": "text", "text": "plain"}),
+    ]
     (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    argv = ["--images", str(images), "--annotations", str(tmp_path / "a.jsonl"), "--out", str(out), "--workers", "2"]
+    argv = [
+        "--images",
+        str(images),
+        "--annotations",
+        str(tmp_path / "a.jsonl"),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+    ]
     assert main(argv) == 0
     printed = "".join(capsys.readouterr())
     summary_text = (out / "summary.json").read_text()
     summary = json.loads(summary_text)
-    assert summary["skipped"] == {"outside_images": 6, "missing_image": 2, "bad_json": 1, "bad_record": 2}
+    assert summary["skipped"] == {
+        "outside_images": 6,
+        "missing_image": 2,
+        "bad_json": 1,
+        "bad_record": 2,
+    }
     assert summary["samples"] == 4 and summary["images"] == 3
-    assert [json.loads(s["json"])["id"] for s in read_all(out).values()] == ["good", "in1", "in2", "text"]
+    assert [json.loads(s["json"])["id"] for s in read_all(out).values()] == [
+        "good",
+        "in1",
+        "in2",
+        "text",
+    ]
     ex = summary["skipped_examples"]["outside_images"]
     relative = "image paths are relative to --images"
-    assert ex[:3] == [f"a.jsonl:2: image path #0 of record 'esc0' is absolute; {relative}",
-                      "a.jsonl:3: image path #0 of record 'esc1' leaves --images (through '..' or a symlink)",
-                      f"a.jsonl:4: image path #0 of record 'esc2' starts with '~'; {relative}"]
+    assert ex[:3] == [
+        f"a.jsonl:2: image path #0 of record 'esc0' is absolute; {relative}",
+        "a.jsonl:3: image path #0 of record 'esc1' leaves --images (through '..' or a symlink)",
+        f"a.jsonl:4: image path #0 of record 'esc2' starts with '~'; {relative}",
+    ]
     assert "File name too long" in summary["skipped_examples"]["missing_image"][0]
     shard_bytes = b"".join(p.read_bytes() for p in out.glob("*.tar"))
     for text in (summary_text, printed):
@@ -319,16 +451,29 @@ def test_deep_json_list_file_stops_the_build_cleanly(tmp_path, capsys):
     (tmp_path / "a.jsonl").write_text(json.dumps({"image": "good.png", "caption": "c"}) + "\n")
     (tmp_path / "b.json").write_text('[{"text": "t"}, ' + "[" * 200_000 + "]" * 200_000 + "]")
     out = tmp_path / "out"
-    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "a.jsonl"), str(tmp_path / "b.json"),
-            "--out", str(out), "--workers", "1"]  # one thread: the first sample is written before b.json fails
+    argv = [
+        "--images",
+        str(tmp_path),
+        "--annotations",
+        str(tmp_path / "a.jsonl"),
+        str(tmp_path / "b.json"),
+        "--out",
+        str(out),
+        "--workers",
+        "1",
+    ]  # one thread: the first sample is written before b.json fails
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "b.json nests JSON arrays/objects deeper than the parser allows" in err and "Traceback" not in err
+    assert (
+        "b.json nests JSON arrays/objects deeper than the parser allows" in err
+        and "Traceback" not in err
+    )
     assert no_tmp(out) and not (out / "summary.json").exists()
 
     def records():  # any exception out of the records also leaves no .tmp
         yield {"image": "good.png", "caption": "c"}
         raise RuntimeError("disk gone")
+
     with pytest.raises(RuntimeError, match="disk gone"):
         build_shards(records(), tmp_path, out, overwrite=True, workers=1, progress=False)
     assert no_tmp(out)
@@ -342,7 +487,9 @@ def _rchar() -> int:
     raise AssertionError("no rchar in /proc/self/io")
 
 
-@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts bytes read with Linux /proc/self/io")
+@pytest.mark.skipif(
+    not Path("/proc/self/io").exists(), reason="counts bytes read with Linux /proc/self/io"
+)
 def test_image_over_the_byte_cap_is_skipped_unread(tmp_path):
     """A sparse 4 GiB 'PNG' is refused from its size: the process reads far less
     than the file (any whole read, in one go or in pieces, would add 4 GiB).
@@ -351,37 +498,76 @@ def test_image_over_the_byte_cap_is_skipped_unread(tmp_path):
     with open(tmp_path / "huge.png", "wb") as f:
         f.write(PHOTOS["coffee.png"].read_bytes()[:4096])
         f.truncate(4 << 30)
-    records = [{"id": "huge", "image": "huge.png", "caption": "c"}, {"id": "good", "image": "good.png", "caption": "c"}]
+    records = [
+        {"id": "huge", "image": "huge.png", "caption": "c"},
+        {"id": "good", "image": "good.png", "caption": "c"},
+    ]
     before = _rchar()
     summary = build_shards(records, tmp_path, tmp_path / "out", workers=2, progress=False)
     assert _rchar() - before < 32 << 20
     assert summary["skipped"] == {"file_too_large": 1} and summary["samples"] == 1
     assert summary["skipped_examples"]["file_too_large"] == [
-        f"record[0]: image path #0 of record 'huge' (huge.png) has {4 << 30} bytes, above --max-image-bytes 33554432"]
+        f"record[0]: image path #0 of record 'huge' (huge.png) has {4 << 30} bytes, above --max-image-bytes 33554432"
+    ]
     size = (tmp_path / "good.png").stat().st_size
     for cap, kept in ((size, 1), (size - 1, 0)):
-        s = build_shards(records[1:], tmp_path, tmp_path / "out", max_image_bytes=cap, overwrite=True, progress=False)
-        assert s["samples"] == kept and s["args"]["max_image_bytes"] == cap and no_tmp(tmp_path / "out")
+        s = build_shards(
+            records[1:],
+            tmp_path,
+            tmp_path / "out",
+            max_image_bytes=cap,
+            overwrite=True,
+            progress=False,
+        )
+        assert (
+            s["samples"] == kept
+            and s["args"]["max_image_bytes"] == cap
+            and no_tmp(tmp_path / "out")
+        )
 
 
 def test_text_over_the_byte_cap_is_skipped(tmp_path, capsys):
     """--max-text-bytes counts UTF-8 bytes of the text or of all messages; a
     JSONL line far over it is skipped without being parsed or held, and the
     lines after it keep their numbers."""
-    lines = [{"id": "at_cap", "text": "ü" * 50},  # 100 bytes
-             {"id": "over", "text": "ü" * 50 + "x"},
-             {"id": "chat", "messages": [{"role": "user", "content": "q" * 60},
-                                         {"role": "assistant", "content": "a" * 41}]},
-             {"id": "huge", "text": "y" * (6 * 100 + 70_000)},
-             {"id": "last", "text": "fine"}]
-    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in lines) + "\n")
-    argv = ["--images", str(tmp_path), "--annotations", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "out"),
-            "--max-text-bytes", "100"]
+    lines = [
+        {"id": "at_cap", "text": "ü" * 50},  # 100 bytes
+        {"id": "over", "text": "ü" * 50 + "x"},
+        {
+            "id": "chat",
+            "messages": [
+                {"role": "user", "content": "q" * 60},
+                {"role": "assistant", "content": "a" * 41},
+            ],
+        },
+        {"id": "huge", "text": "y" * (6 * 100 + 70_000)},
+        {"id": "last", "text": "fine"},
+    ]
+    (tmp_path / "t.jsonl").write_text(
+        "\n".join(json.dumps(r, ensure_ascii=False) for r in lines) + "\n"
+    )
+    argv = [
+        "--images",
+        str(tmp_path),
+        "--annotations",
+        str(tmp_path / "t.jsonl"),
+        "--out",
+        str(tmp_path / "out"),
+        "--max-text-bytes",
+        "100",
+    ]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["skipped"] == {"text_too_large": 3} and summary["samples"] == 2
-    assert [json.loads(s["json"])["id"] for s in read_all(tmp_path / "out").values()] == ["at_cap", "last"]
-    ex = sorted(summary["skipped_examples"]["text_too_large"])  # the reader counts its lines ahead of the encoder
-    assert ex[0] == "t.jsonl:2: 101 bytes of text, above --max-text-bytes 100" and ex[1].startswith("t.jsonl:3: 101")
+    assert [json.loads(s["json"])["id"] for s in read_all(tmp_path / "out").values()] == [
+        "at_cap",
+        "last",
+    ]
+    ex = sorted(
+        summary["skipped_examples"]["text_too_large"]
+    )  # the reader counts its lines ahead of the encoder
+    assert ex[0] == "t.jsonl:2: 101 bytes of text, above --max-text-bytes 100" and ex[1].startswith(
+        "t.jsonl:3: 101"
+    )
     assert ex[2].startswith("t.jsonl:4: the line is longer than 66136 bytes")
     assert summary["args"]["max_text_bytes"] == 100 and no_tmp(tmp_path / "out")

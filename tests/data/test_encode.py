@@ -20,7 +20,9 @@ from moevlm.model import VLMConfig
 from moevlm.model.rope import mrope_position_ids
 
 TINY = VLMConfig.preset("tiny")
-IMAGE = ImageConfig(min_pixels=64 * 64, max_pixels=64 * 64)  # every photo -> 16 patches -> 4 image tokens
+IMAGE = ImageConfig(
+    min_pixels=64 * 64, max_pixels=64 * 64
+)  # every photo -> 16 patches -> 4 image tokens
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,22 @@ def png(i):
 
 
 def two_image_chat():
-    rec = {"id": "two", "images": ["img0.png", "img1.png"], "messages": [
-        {"role": "user", "content": "<image>\nFirst photo. What is it?"},
-        {"role": "assistant", "content": "A person in a space suit."},
-        {"role": "user", "content": "And this one? <image>"},
-        {"role": "assistant", "content": "A cat."}]}
-    return {"__key__": "k", "json": json.dumps(rec).encode(), "img0.png": png(0), "img1.png": png(6)}
+    rec = {
+        "id": "two",
+        "images": ["img0.png", "img1.png"],
+        "messages": [
+            {"role": "user", "content": "<image>\nFirst photo. What is it?"},
+            {"role": "assistant", "content": "A person in a space suit."},
+            {"role": "user", "content": "And this one? <image>"},
+            {"role": "assistant", "content": "A cat."},
+        ],
+    }
+    return {
+        "__key__": "k",
+        "json": json.dumps(rec).encode(),
+        "img0.png": png(0),
+        "img1.png": png(6),
+    }
 
 
 def encoder(chat, **pack):
@@ -51,9 +63,13 @@ def test_chat_with_two_images(chat):
     s = encoder(chat)(two_image_chat(), (0, 1, 2))
     assert (s.id, s.pos, s.grids, s.patches) == ("two", (0, 1, 2), [(1, 4, 4), (1, 4, 4)], 32)
     assert int((s.input_ids_L == TINY.image_token_id).sum()) == 8
-    ref = mrope_position_ids(s.input_ids_L[None], torch.tensor(s.grids), TINY.image_token_id, 2)[:, 0]
+    ref = mrope_position_ids(s.input_ids_L[None], torch.tensor(s.grids), TINY.image_token_id, 2)[
+        :, 0
+    ]
     assert torch.equal(s.position_ids_3L, ref)
-    trained = chat.tokenizer.decode(s.labels_L[s.labels_L != IGNORE].tolist(), skip_special_tokens=False)
+    trained = chat.tokenizer.decode(
+        s.labels_L[s.labels_L != IGNORE].tolist(), skip_special_tokens=False
+    )
     assert trained == "A person in a space suit.<|im_end|>A cat.<|im_end|>"
 
 
@@ -77,7 +93,9 @@ def test_truncate_text_at_seq_len_and_refuse_what_has_nothing_left(chat):
     doc = {"__key__": "t", "json": json.dumps({"id": "t", "text": "many words " * 200}).encode()}
     s = encoder(chat, seq_len=50, oversize="truncate")(doc, (0, 0, 0))
     assert s.tokens == 50 and (s.labels_L != IGNORE).all()
-    with pytest.raises(SkipSample, match="nothing trainable"):  # the cut falls inside the user's image
+    with pytest.raises(
+        SkipSample, match="nothing trainable"
+    ):  # the cut falls inside the user's image
         encoder(chat, seq_len=4, oversize="truncate")(two_image_chat(), (0, 0, 0))
 
 

@@ -30,17 +30,26 @@ def test_tokenizer_and_chat_template_give_the_training_ids(exported):
     out, _, chat = exported
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.eos_token_id, tok.pad_token_id) == (chat.im_end_id, chat.eot_id)
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "<image>\nWhat is in the picture?"},
-                {"role": "assistant", "content": "A cat on a mat."}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<image>\nWhat is in the picture?"},
+        {"role": "assistant", "content": "A cat on a mat."},
+    ]
     want, _ = chat.encode_chat(messages, image_tokens=[6])
     got = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    expanded = [t for i in got for t in ([pad] * 6 if i == pad else [i])]  # the processor's expansion
+    expanded = [
+        t for i in got for t in ([pad] * 6 if i == pad else [i])
+    ]  # the processor's expansion
     assert expanded == want
-    as_items = [messages[0], {"role": "user", "content": [{"type": "image"}, {"type": "text",
-                                                                           "text": "\nWhat is in the picture?"}]},
-                messages[2]]
+    as_items = [
+        messages[0],
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "\nWhat is in the picture?"}],
+        },
+        messages[2],
+    ]
     assert tok.apply_chat_template(as_items, tokenize=True, return_dict=True)["input_ids"] == got
     prompt = tok.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")
@@ -55,6 +64,7 @@ def test_image_processor_gives_the_training_pixels(exported):
     path = sample_photo_paths()[0]
     ours, grid = decode_image(path.read_bytes(), image)
     from PIL import Image
+
     theirs = proc(images=[Image.open(path)], return_tensors="pt")
     assert theirs["image_grid_thw"].tolist() == [list(grid)]
     torch.testing.assert_close(theirs["pixel_values"].float(), ours.float(), atol=2e-2, rtol=0)
@@ -64,10 +74,16 @@ def test_a_checkpoints_own_files_are_kept(exported, tmp_path):
     out, image, _ = exported
     src = tmp_path / "hf_in"
     src.mkdir()
-    (src / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast", "x": 1}')
+    (src / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "x": 1}'
+    )
     (src / "chat_template.jinja").write_text("{{ messages }}")
     dest = tmp_path / "out"
     names = write_processor_files(dest, tokenizer=out / "tokenizer.json", image=image, source=src)
-    assert sorted(names) == ["chat_template.jinja", "preprocessor_config.json", "tokenizer.json",
-                             "tokenizer_config.json"]
+    assert sorted(names) == [
+        "chat_template.jinja",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert json.loads((dest / "tokenizer_config.json").read_text())["x"] == 1

@@ -31,8 +31,14 @@ from moevlm.data.image import decode_image, preprocess_image, smart_resize
 from moevlm.data.sample import packaged_photos, sample_photo_paths
 
 # Qwen/Qwen3-VL-*/preprocessor_config.json on the hub.
-QWEN3_VL_HUB = dict(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2,
-                    merge_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+QWEN3_VL_HUB = dict(
+    size={"shortest_edge": 65536, "longest_edge": 16777216},
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+)
 SMALL = dict(min_pixels=32 * 32 * 4, max_pixels=192 * 192)  # keeps every case a few ms
 
 
@@ -50,10 +56,15 @@ def reference(min_pixels: int, max_pixels: int):
 
 
 def test_defaults_are_qwen3_vl_hub_config():
-    assert (img.MIN_PIXELS, img.MAX_PIXELS) == (QWEN3_VL_HUB["size"]["shortest_edge"],
-                                                QWEN3_VL_HUB["size"]["longest_edge"])
+    assert (img.MIN_PIXELS, img.MAX_PIXELS) == (
+        QWEN3_VL_HUB["size"]["shortest_edge"],
+        QWEN3_VL_HUB["size"]["longest_edge"],
+    )
     assert (img.PATCH_SIZE, img.TEMPORAL_PATCH_SIZE, img.MERGE_SIZE) == (16, 2, 2)
-    assert list(img.IMAGE_MEAN) == QWEN3_VL_HUB["image_mean"] and list(img.IMAGE_STD) == QWEN3_VL_HUB["image_std"]
+    assert (
+        list(img.IMAGE_MEAN) == QWEN3_VL_HUB["image_mean"]
+        and list(img.IMAGE_STD) == QWEN3_VL_HUB["image_std"]
+    )
 
 
 def test_sample_photos_exist_and_open():
@@ -72,9 +83,21 @@ CASES = [
     ("hubble_deep_field.jpg", SMALL, "1000x872, downscaled"),
     ("camera.png", SMALL, "grayscale (L) -> RGB"),
     ("horse.png", SMALL, "RGBA: alpha composited on white"),
-    ("microaneurysms.png", dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS), "102x102 L, upscaled"),
-    ("chelsea.png", dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS), "Qwen3-VL defaults, 288x448"),
-    ("astronaut.png", dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS), "Qwen3-VL defaults, no resize"),
+    (
+        "microaneurysms.png",
+        dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS),
+        "102x102 L, upscaled",
+    ),
+    (
+        "chelsea.png",
+        dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS),
+        "Qwen3-VL defaults, 288x448",
+    ),
+    (
+        "astronaut.png",
+        dict(min_pixels=img.MIN_PIXELS, max_pixels=img.MAX_PIXELS),
+        "Qwen3-VL defaults, no resize",
+    ),
 ]
 
 
@@ -100,22 +123,50 @@ def test_patch_order_is_merge_block_raster_then_c_t_p_p():
     x_NCTPP = x_ND.reshape(-1, 3, T, P, P)
     np.testing.assert_array_equal(x_NCTPP[:, :, 0], x_NCTPP[:, :, 1])  # still image: frames equal
     # expected patch (row, col) for each output row: blocks in raster order, 2x2 inside
-    order = [(2 * br + r, 2 * bc + c) for br in range(2) for bc in range(3) for r in range(2) for c in range(2)]
+    order = [
+        (2 * br + r, 2 * bc + c)
+        for br in range(2)
+        for bc in range(3)
+        for r in range(2)
+        for c in range(2)
+    ]
     for n, (pr, pc) in enumerate(order):
         assert x_NCTPP[n, 0, 0, 0, 0] == pr * P and x_NCTPP[n, 1, 0, 0, 0] == pc * P
-        assert x_NCTPP[n, 0, 0, P - 1, 0] == pr * P + P - 1 and x_NCTPP[n, 1, 0, 0, P - 1] == pc * P + P - 1
+        assert (
+            x_NCTPP[n, 0, 0, P - 1, 0] == pr * P + P - 1
+            and x_NCTPP[n, 1, 0, 0, P - 1] == pc * P + P - 1
+        )
     assert (x_NCTPP[:, 2] == 7).all()
 
 
-@pytest.mark.parametrize("hw,kw,want", [
-    ((512, 512), {}, (512, 512)),                                  # already multiples of 32, inside budget
-    ((300, 451), {}, (288, 448)),                                  # 9.375 -> 9, 14.09 -> 14 (x32)
-    ((80, 48), dict(min_pixels=32 * 32, max_pixels=10**9), (64, 64)),  # round(2.5)=2, round(1.5)=2: halves to even
-    ((1000, 500), dict(min_pixels=0, max_pixels=256 * 256), (352, 160)),  # beta=sqrt(500000/65536): floor 11, 5
-    ((100, 50), dict(min_pixels=256 * 256, max_pixels=10**9), (384, 192)),  # beta=sqrt(65536/5000): ceil 12, 6
-    ((32, 6000), dict(min_pixels=0, max_pixels=32 * 32 * 16), (32, 1728)),  # short side clamped to factor
-    ((10, 2000), {}, (32, 3648)),                                  # aspect 200 allowed; beta=sqrt(3.2768)
-])
+@pytest.mark.parametrize(
+    "hw,kw,want",
+    [
+        ((512, 512), {}, (512, 512)),  # already multiples of 32, inside budget
+        ((300, 451), {}, (288, 448)),  # 9.375 -> 9, 14.09 -> 14 (x32)
+        (
+            (80, 48),
+            dict(min_pixels=32 * 32, max_pixels=10**9),
+            (64, 64),
+        ),  # round(2.5)=2, round(1.5)=2: halves to even
+        (
+            (1000, 500),
+            dict(min_pixels=0, max_pixels=256 * 256),
+            (352, 160),
+        ),  # beta=sqrt(500000/65536): floor 11, 5
+        (
+            (100, 50),
+            dict(min_pixels=256 * 256, max_pixels=10**9),
+            (384, 192),
+        ),  # beta=sqrt(65536/5000): ceil 12, 6
+        (
+            (32, 6000),
+            dict(min_pixels=0, max_pixels=32 * 32 * 16),
+            (32, 1728),
+        ),  # short side clamped to factor
+        ((10, 2000), {}, (32, 3648)),  # aspect 200 allowed; beta=sqrt(3.2768)
+    ],
+)
 def test_smart_resize_hand_worked(hw, kw, want):
     assert smart_resize(*hw, factor=32, **kw) == want
 
@@ -192,12 +243,21 @@ def reasons(data: bytes, config: ImageConfig | None = None) -> str:
 
 def test_float32_rescale_equals_reference_float64_rescale_for_every_uint8():
     u = np.arange(256)
-    np.testing.assert_array_equal(np.float32(u) / np.float32(255), (u * (1 / 255)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.float32(u) / np.float32(255), (u * (1 / 255)).astype(np.float32)
+    )
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 20, 2 * 8 * 3 * 256 * 4, 1])  # 1, 2 (last one short), 3 chunks
-@pytest.mark.parametrize("mean,std", [(img.IMAGE_MEAN, img.IMAGE_STD),
-                                      ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+@pytest.mark.parametrize(
+    "chunk_bytes", [1 << 20, 2 * 8 * 3 * 256 * 4, 1]
+)  # 1, 2 (last one short), 3 chunks
+@pytest.mark.parametrize(
+    "mean,std",
+    [
+        (img.IMAGE_MEAN, img.IMAGE_STD),
+        ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    ],
+)
 @pytest.mark.parametrize("name", ["chelsea.png", "camera.png"])
 def test_image_to_patches_equals_reference_arithmetic(name, mean, std, chunk_bytes, monkeypatch):
     """The fast path (uint8 transpose, float32 math on compact patches a few
@@ -236,19 +296,30 @@ def jpeg_with_size(width: int, height: int) -> bytes:
     """A real JPEG (rocket.jpg) whose SOF0 header claims width x height."""
     data = bytearray(skimage_file("rocket.jpg").read_bytes())
     sof = data.index(b"\xff\xc0")
-    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
     return bytes(data)
 
 
 def png_bomb(side: int) -> bytes:
     """A valid all-black side x side greyscale PNG: ~0.5 MB for 121 Mpixel at side 11000."""
     co, row = zlib.compressobj(1), bytes(side + 1)
-    idat = b"".join(co.compress(row * 100) for _ in range(side // 100)) + co.compress(row * (side % 100)) + co.flush()
+    idat = (
+        b"".join(co.compress(row * 100) for _ in range(side // 100))
+        + co.compress(row * (side % 100))
+        + co.flush()
+    )
 
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", idat)
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_empty_random_and_non_image_bytes():
@@ -256,29 +327,41 @@ def test_empty_random_and_non_image_bytes():
     assert reasons(b"") == "empty_image"
     assert reasons(rng.bytes(5000)) == "not_an_image"  # e.g. a member named x.jpg holding noise
     assert reasons(b"\xff\xd8\xff" + rng.bytes(5000)) == "not_an_image"  # JPEG magic, then noise
-    assert reasons(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n") == "not_an_image"  # EPS: not tried
+    assert (
+        reasons(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n") == "not_an_image"
+    )  # EPS: not tried
     assert reasons("a caption, not an image".encode()) == "not_an_image"
 
 
-@pytest.mark.parametrize("name,fmt", [("rocket.jpg", None), ("chelsea.png", None), ("chelsea.png", "JPEG")])
+@pytest.mark.parametrize(
+    "name,fmt", [("rocket.jpg", None), ("chelsea.png", None), ("chelsea.png", "JPEG")]
+)
 def test_truncated_files_are_bad_images(name, fmt, monkeypatch):
     data = skimage_file(name).read_bytes() if fmt is None else encode(photo(name), fmt)
     for keep in (0.5, 0.9):
-        assert reasons(data[:int(len(data) * keep)]) == "bad_image"
+        assert reasons(data[: int(len(data) * keep)]) == "bad_image"
     # a process that set PIL's global to accept truncated files still gets the skip, and keeps its setting
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
-    assert reasons(data[:len(data) // 2]) == "bad_image"
+    assert reasons(data[: len(data) // 2]) == "bad_image"
     assert ImageFile.LOAD_TRUNCATED_IMAGES is True
 
 
 def test_size_above_limit_is_rejected_from_the_header():
     small = cfg(max_image_pixels=100_000)
-    assert reasons(encode(photo("chelsea.png"), "PNG"), small) == "image_too_large"  # 451x300 real photo
+    assert (
+        reasons(encode(photo("chelsea.png"), "PNG"), small) == "image_too_large"
+    )  # 451x300 real photo
     assert reasons(encode(photo("chelsea.png"), "JPEG"), small) == "image_too_large"
-    assert reasons(png_with_size(12_000, 12_000)) == "image_too_large"  # above ours (1e8), below PIL's error
-    assert reasons(png_with_size(100_000, 100_000)) == "image_too_large"  # PIL's DecompressionBombError
+    assert (
+        reasons(png_with_size(12_000, 12_000)) == "image_too_large"
+    )  # above ours (1e8), below PIL's error
+    assert (
+        reasons(png_with_size(100_000, 100_000)) == "image_too_large"
+    )  # PIL's DecompressionBombError
     assert reasons(jpeg_with_size(15_000, 15_000)) == "image_too_large"
-    assert decode_image(encode(photo("chelsea.png"), "PNG"), cfg(max_image_pixels=451 * 300))[1] == (1, 8, 14)
+    assert decode_image(encode(photo("chelsea.png"), "PNG"), cfg(max_image_pixels=451 * 300))[
+        1
+    ] == (1, 8, 14)
 
 
 def test_real_decompression_bomb_is_rejected_before_decoding():
@@ -294,12 +377,15 @@ def test_degenerate_sizes():
     assert reasons(encode(photo("chelsea.png", (3, 700)), "JPEG")) == "bad_image_size"
     assert reasons(png_with_size(1, 300)) == "bad_image_size"
     assert reasons(png_with_size(0, 300)) == "not_an_image"  # PIL refuses a zero side in the header
-    assert decode_image(encode(photo("chelsea.png", (400, 2)), "PNG"), cfg())[1][0] == 1  # aspect 200 passes
+    assert (
+        decode_image(encode(photo("chelsea.png", (400, 2)), "PNG"), cfg())[1][0] == 1
+    )  # aspect 200 passes
 
 
 def test_any_other_decoding_error_becomes_bad_image_with_its_text(monkeypatch):
     def broken(image):
         raise RuntimeError("decoder exploded")
+
     monkeypatch.setattr(img, "to_rgb_or_grey", broken)
     with pytest.raises(SkipSample, match="bad_image: RuntimeError: decoder exploded"):
         decode_image(skimage_file("rocket.jpg").read_bytes(), cfg())
@@ -307,7 +393,10 @@ def test_any_other_decoding_error_becomes_bad_image_with_its_text(monkeypatch):
 
 def test_config_errors_are_not_skips():
     with pytest.raises(ValueError, match="raise min_pixels"):
-        decode_image(encode(photo("chelsea.png", (100, 10)), "PNG"), cfg(dict(min_pixels=0, max_pixels=10**6)))
+        decode_image(
+            encode(photo("chelsea.png", (100, 10)), "PNG"),
+            cfg(dict(min_pixels=0, max_pixels=10**6)),
+        )
 
 
 def test_pil_global_state_is_restored():
@@ -330,7 +419,9 @@ def with_alpha(im: Image.Image) -> Image.Image:
 
 def palette_with_transparency(im: Image.Image) -> bytes:
     p = im.convert("P")
-    key = int(np.bincount(np.asarray(p).ravel()).argmax())  # the most common colour becomes transparent
+    key = int(
+        np.bincount(np.asarray(p).ravel()).argmax()
+    )  # the most common colour becomes transparent
     return encode(p, "PNG", transparency=key)
 
 
@@ -372,10 +463,17 @@ def grey_u8() -> np.ndarray:
 
 WIDE_CASES = {  # name -> (mode, format, camera.png's 8-bit values -> that mode's values)
     "I;16-png": ("I;16", "PNG", lambda g: Image.fromarray(g.astype(np.uint16) * 257)),
-    "I;16B-tiff": ("I;16B", "TIFF", lambda g: Image.frombytes("I;16B", g.shape[::-1],
-                                                              (g.astype(">u2") * 257).tobytes())),
+    "I;16B-tiff": (
+        "I;16B",
+        "TIFF",
+        lambda g: Image.frombytes("I;16B", g.shape[::-1], (g.astype(">u2") * 257).tobytes()),
+    ),
     "I-tiff": ("I", "TIFF", lambda g: Image.fromarray(g.astype(np.int32) * 257)),
-    "I-stretched-tiff": ("I", "TIFF", lambda g: Image.fromarray(g.astype(np.int32) * 1000 - 50_000)),
+    "I-stretched-tiff": (
+        "I",
+        "TIFF",
+        lambda g: Image.fromarray(g.astype(np.int32) * 1000 - 50_000),
+    ),
     "F-tiff": ("F", "TIFF", lambda g: Image.fromarray(g.astype(np.float32) / 255)),
     "F-stretched-tiff": ("F", "TIFF", lambda g: Image.fromarray(g.astype(np.float32) * 0.37 - 20)),
 }
@@ -397,16 +495,24 @@ def test_wide_grey_modes_scale_to_8_bit(case):
 
 def test_preprocess_image_handles_wide_grey_too():
     im16 = Image.fromarray(grey_u8().astype(np.uint16) * 257)
-    np.testing.assert_array_equal(preprocess_image(im16, **SMALL)[0].numpy(),
-                                  preprocess_image(photo("camera.png"), **SMALL)[0].numpy())
+    np.testing.assert_array_equal(
+        preprocess_image(im16, **SMALL)[0].numpy(),
+        preprocess_image(photo("camera.png"), **SMALL)[0].numpy(),
+    )
 
 
 # ---------------------------------------------------------------- EXIF orientation and JPEG draft
 
 # orientation -> how to store an upright image so that the tag turns it upright again
-STORE_FOR = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-             5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
-             8: Image.Transpose.ROTATE_270}
+STORE_FOR = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_90,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_270,
+}
 
 
 def with_orientation(upright: Image.Image, orientation: int, fmt: str, **kw) -> bytes:
@@ -428,14 +534,18 @@ def test_exif_orientation_png_decodes_as_the_upright_photo(orientation):
 
 @pytest.mark.parametrize("orientation", [6, 8])
 def test_exif_orientation_jpeg_with_and_without_draft(orientation, monkeypatch):
-    data = with_orientation(photo("hubble_deep_field.jpg"), orientation, "JPEG", quality=95)  # stored 872x1000
+    data = with_orientation(
+        photo("hubble_deep_field.jpg"), orientation, "JPEG", quality=95
+    )  # stored 872x1000
     budget = dict(min_pixels=32 * 32, max_pixels=128 * 128)
     assert_matches_reference(data, budget)  # draft off: bit-identical, grid of the upright 1000x872
     requests = spy_on_draft(monkeypatch)
     pixels_ND, grid = decode_image(data, ImageConfig(**budget, jpeg_draft=True))
     want_ND, want_grid = reference_from_bytes(data, budget)
     assert grid == want_grid == (1, 6, 8)  # 96x128 upright
-    (stored, requested, decoded), = requests  # PIL sizes are (width, height), in the stored orientation
+    ((stored, requested, decoded),) = (
+        requests  # PIL sizes are (width, height), in the stored orientation
+    )
     assert stored == (872, 1000) and requested == (96, 128) and decoded == (218, 250)  # 1/4 scale
     assert 0 < np.abs(pixels_ND.numpy() - want_ND).mean() < 0.03
 
@@ -449,6 +559,7 @@ def spy_on_draft(monkeypatch) -> list:
         out = real(self, mode, size)
         calls.append((stored, size, self.size))
         return out
+
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", draft)
     return calls
 
@@ -456,7 +567,9 @@ def spy_on_draft(monkeypatch) -> list:
 def test_draft_asks_for_at_least_the_target_on_each_side(monkeypatch):
     data = encode(photo("retina.jpg"), "JPEG", quality=90)  # 1411x1411
     requests = spy_on_draft(monkeypatch)
-    _, grid = decode_image(data, ImageConfig(min_pixels=32 * 32, max_pixels=320 * 320, jpeg_draft=True))
+    _, grid = decode_image(
+        data, ImageConfig(min_pixels=32 * 32, max_pixels=320 * 320, jpeg_draft=True)
+    )
     assert grid == (1, 20, 20)
     assert requests == [((1411, 1411), (320, 320), (353, 353))]  # 1/4 scale: 1/8 would be below 320
     requests.clear()

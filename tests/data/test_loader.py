@@ -20,7 +20,11 @@ def all_ids(folder):
     ids = []
     for path in sorted(folder.glob("shard-*.tar")):
         with tarfile.open(path) as tar:
-            ids += [json.loads(tar.extractfile(m).read())["id"] for m in tar.getmembers() if m.name.endswith(".json")]
+            ids += [
+                json.loads(tar.extractfile(m).read())["id"]
+                for m in tar.getmembers()
+                if m.name.endswith(".json")
+            ]
     return ids
 
 
@@ -42,11 +46,17 @@ def test_two_ranks_two_workers_read_every_sample_exactly_once_per_epoch(sample_s
         stats.append(loader.stats())
     expected = Counter(all_ids(sample_shards))
     assert len(expected) == sum(expected.values()) > 300
-    assert seen == Counter({sid: 2 for sid in expected})  # nothing lost, nothing duplicated, in each epoch
+    assert seen == Counter(
+        {sid: 2 for sid in expected}
+    )  # nothing lost, nothing duplicated, in each epoch
     assert firsts != seconds  # the second epoch is reshuffled
     assert len(shape_set) == 1  # every micro-batch of the run has the same shapes
     assert all(s["skipped_total"] == 0 and s["epoch"] == 2 for s in stats), stats
-    assert sum(s["samples_packed"] for s in stats) == sum(s["samples_read"] for s in stats) == 2 * len(expected)
+    assert (
+        sum(s["samples_packed"] for s in stats)
+        == sum(s["samples_read"] for s in stats)
+        == 2 * len(expected)
+    )
 
 
 def take(loader, n):
@@ -71,7 +81,9 @@ def test_resume_continues_exactly_across_workers_and_epochs(sample_shards):
     take(first, 7)
     state = first.state_dict()
     assert state["streams"] == 2 and [s["batches"] for s in state["states"].values()] == [4, 3]
-    assert any(s["shuffle"] for s in state["states"].values()) and any(s["packer"] for s in state["states"].values())
+    assert any(s["shuffle"] for s in state["states"].values()) and any(
+        s["packer"] for s in state["states"].values()
+    )
     expected = take(first, 30)
     assert first.stats()["epoch"] >= 1  # both workers went past an epoch boundary
 
@@ -85,10 +97,16 @@ def test_state_of_another_stream_count_or_seed_is_refused(sample_shards):
     """(Before the auto default was fixed at 16, data.streams=0 meant dp x workers: such a state saved 2.)"""
     cfg = small_data_config(sample_shards, num_workers=0, streams=2)
     state = build_loader(cfg, TINY, rank=0, world=1).state_dict()
-    with pytest.raises(ValueError, match="streams saved 2 vs now 16.*set data.streams to the saved value"):
-        build_loader(small_data_config(sample_shards, num_workers=0), TINY, rank=0, world=2).load_state_dict(state)
+    with pytest.raises(
+        ValueError, match="streams saved 2 vs now 16.*set data.streams to the saved value"
+    ):
+        build_loader(
+            small_data_config(sample_shards, num_workers=0), TINY, rank=0, world=2
+        ).load_state_dict(state)
     with pytest.raises(ValueError, match="seed saved 1 vs now 2"):
-        build_loader(small_data_config(sample_shards, num_workers=0, seed=2, streams=2), TINY).load_state_dict(state)
+        build_loader(
+            small_data_config(sample_shards, num_workers=0, seed=2, streams=2), TINY
+        ).load_state_dict(state)
 
 
 def test_in_process_loader_and_config_errors(sample_shards):
@@ -130,7 +148,9 @@ def test_workers_exit_when_the_training_process_is_killed(sample_shards, tmp_pat
     from pathlib import Path
 
     script = tmp_path / "victim.py"
-    script.write_text(ORPHAN_SCRIPT.format(helpers=str(Path(__file__).parent), shards=str(sample_shards)))
+    script.write_text(
+        ORPHAN_SCRIPT.format(helpers=str(Path(__file__).parent), shards=str(sample_shards))
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2
@@ -143,6 +163,7 @@ def test_workers_exit_when_the_training_process_is_killed(sample_shards, tmp_pat
                 return f.read().split()[2] != "Z"
         except FileNotFoundError:
             return False
+
     deadline = time.time() + 15
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.2)

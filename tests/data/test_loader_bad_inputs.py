@@ -22,11 +22,11 @@ def corrupt_png(png: bytes) -> bytes:
     """Garble the compressed pixel data (IDAT) of a real PNG and fix its CRC, so
     only decompression can notice."""
     at = png.index(b"IDAT")
-    n = int.from_bytes(png[at - 4:at], "big")
-    body = bytearray(png[at + 4:at + 4 + n])
-    body[2:n - 4] = bytes(reversed(body[2:n - 4]))
+    n = int.from_bytes(png[at - 4 : at], "big")
+    body = bytearray(png[at + 4 : at + 4 + n])
+    body[2 : n - 4] = bytes(reversed(body[2 : n - 4]))
     crc = zlib.crc32(b"IDAT" + bytes(body)).to_bytes(4, "big")
-    return png[:at + 4] + bytes(body) + crc + png[at + 8 + n:]
+    return png[: at + 4] + bytes(body) + crc + png[at + 8 + n :]
 
 
 def test_every_bad_input_is_skipped_counted_and_the_rest_arrives(tmp_path, sample_shards):
@@ -35,22 +35,41 @@ def test_every_bad_input_is_skipped_counted_and_the_rest_arrives(tmp_path, sampl
     small_jpg = encoded(photos[0].resize((64, 48)), "JPEG")
     big = encoded(photos[1].resize((400, 300)), "PNG")  # above max_image_pixels below
     bad = {
-        "bad_image": [good("corrupt", corrupt_png(small[1])),
-                      good("truncated", small_jpg[: len(small_jpg) // 2], "jpg")],
+        "bad_image": [
+            good("corrupt", corrupt_png(small[1])),
+            good("truncated", small_jpg[: len(small_jpg) // 2], "jpg"),
+        ],
         "empty_image": [good("zero", b"", "jpg")],
         "not_an_image": [good("notimg", b"<html>this is not a photo</html>", "jpg")],
         "image_too_large": [good("bomb", big)],
-        "bad_json": [{"__key__": "nojson", "img0.png": small[0]},
-                     {"__key__": "badjson", "json": b'{"id": "x", "text": '}],
-        "bad_text_encoding": [{"__key__": "latin1", "json": '{"id": "l", "text": "caf\xe9"}'.encode("latin-1")}],
-        "image_tag_mismatch": [{**good("tags", small[2]), "json": json.dumps(
-            {"id": "tags", "images": ["img0.png"], "messages": [
-                {"role": "user", "content": "<image><image> compare"},
-                {"role": "assistant", "content": "same"}]}).encode()}],
+        "bad_json": [
+            {"__key__": "nojson", "img0.png": small[0]},
+            {"__key__": "badjson", "json": b'{"id": "x", "text": '},
+        ],
+        "bad_text_encoding": [
+            {"__key__": "latin1", "json": '{"id": "l", "text": "caf\xe9"}'.encode("latin-1")}
+        ],
+        "image_tag_mismatch": [
+            {
+                **good("tags", small[2]),
+                "json": json.dumps(
+                    {
+                        "id": "tags",
+                        "images": ["img0.png"],
+                        "messages": [
+                            {"role": "user", "content": "<image><image> compare"},
+                            {"role": "assistant", "content": "same"},
+                        ],
+                    }
+                ).encode(),
+            }
+        ],
         "missing_image": [{"__key__": "lost", "json": good("lost", b"")["json"]}],
         "too_long": [text("long", "word " * 3000)],
     }
-    goods = [good(f"g{i}", small[i % 3]) for i in range(6)] + [text(f"t{i}", f"plain text {i}. " * 5) for i in range(6)]
+    goods = [good(f"g{i}", small[i % 3]) for i in range(6)] + [
+        text(f"t{i}", f"plain text {i}. " * 5) for i in range(6)
+    ]
     goods.append(good("jpeg-ok", small_jpg, "jpg"))
     bad_samples = [s for v in bad.values() for s in v]
     write_tar(tmp_path / "a.tar", goods[:4] + bad_samples[:6])
@@ -65,7 +84,9 @@ def test_every_bad_input_is_skipped_counted_and_the_rest_arrives(tmp_path, sampl
     shards = [str(tmp_path / f"{c}.tar") for c in "abcde"] + [str(tmp_path / "missing.tar")]
     shutil.copy(sample_shards / "tokenizer.json", tmp_path / "tokenizer.json")
 
-    cfg = small_data_config(",".join(shards), tokenizer=str(tmp_path / "tokenizer.json"), epochs=1, streams=2)
+    cfg = small_data_config(
+        ",".join(shards), tokenizer=str(tmp_path / "tokenizer.json"), epochs=1, streams=2
+    )
     cfg.pack.oversize = "skip"
     cfg.image.max_image_pixels = 100_000
     loader = build_loader(cfg, VLMConfig.preset("tiny"))

@@ -23,12 +23,16 @@ def first_rows(shards, mock: str, rows: int = ROWS):
 
 
 def layout(batch):
-    return {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else type(v) for k, v in batch.items()}
+    return {
+        k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else type(v) for k, v in batch.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def runs(sample_shards):
-    return {mode: first_rows(sample_shards, mode)[0] for mode in ("none", "image_free", "random_pixels")}
+    return {
+        mode: first_rows(sample_shards, mode)[0] for mode in ("none", "image_free", "random_pixels")
+    }
 
 
 @pytest.mark.parametrize("mode", ["image_free", "random_pixels"])
@@ -56,22 +60,34 @@ def test_random_pixels_keep_grids_and_tokens_but_not_pixels(runs, sample_shards)
         if not (n := m["useful_patches"]):
             continue  # a text-only row
         assert not torch.equal(r["pixel_values"][:n], m["pixel_values"][:n])
-        assert m["pixel_values"][:n].abs().max() <= 1.0 and m["pixel_values"][:n].std() > 0.5  # uniform in [-1, 1]
+        assert (
+            m["pixel_values"][:n].abs().max() <= 1.0 and m["pixel_values"][:n].std() > 0.5
+        )  # uniform in [-1, 1]
         assert not m["pixel_values"][n:].any()  # padding patches stay zero
     again, _ = first_rows(sample_shards, "random_pixels")
-    assert all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(again, runs["random_pixels"]))  # seeded per sample
+    assert all(
+        torch.equal(a["pixel_values"], b["pixel_values"])
+        for a, b in zip(again, runs["random_pixels"])
+    )  # seeded per sample
 
 
 def test_resume_across_mock_modes_is_refused(sample_shards):
     _, mock_loader = first_rows(sample_shards, "image_free", rows=1)
     _, real_loader = first_rows(sample_shards, "none", rows=1)
-    with pytest.raises(ValueError, match="saved with data.mock=image_free but this run has data.mock=none"):
+    with pytest.raises(
+        ValueError, match="saved with data.mock=image_free but this run has data.mock=none"
+    ):
         real_loader.load_state_dict(mock_loader.state_dict())
-    assert "mock" not in real_loader.state_dict()  # real states keep the header they had before data.mock
+    assert (
+        "mock" not in real_loader.state_dict()
+    )  # real states keep the header they had before data.mock
     mock_loader.load_state_dict(mock_loader.state_dict())
 
 
 def test_a_wrong_mock_value_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"data.mock='fake' is invalid: set it to 'none', 'image_free' or "
-                                          r"'random_pixels'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.mock='fake' is invalid: set it to 'none', 'image_free' or "
+        r"'random_pixels'",
+    ):
         validate(compose_job(["data.mock=fake"]))

@@ -24,20 +24,41 @@ def captions(tmp_path, n):
     photos = sample_photo_paths()
     for p in photos:
         shutil.copy(p, images / p.name)
-    lines = [json.dumps({"image": photos[i % len(photos)].name, "caption": f"photo {i}"}) for i in range(n)]
-    (tmp_path / "caps.jsonl").write_text("\n".join(lines))  # no final newline: the last line still counts
+    lines = [
+        json.dumps({"image": photos[i % len(photos)].name, "caption": f"photo {i}"})
+        for i in range(n)
+    ]
+    (tmp_path / "caps.jsonl").write_text(
+        "\n".join(lines)
+    )  # no final newline: the last line still counts
     return images, tmp_path / "caps.jsonl"
 
 
-def test_auto_shard_size_gives_several_shards_and_tokenizer_is_copied(tmp_path, sample_shards, capsys):
-    assert [auto_samples_per_shard(n) for n in (0, 7, 64, 65, 10_000, 64_000, 10**7)] == [1, 1, 1, 2, 157, 1000, 1000]
+def test_auto_shard_size_gives_several_shards_and_tokenizer_is_copied(
+    tmp_path, sample_shards, capsys
+):
+    assert [auto_samples_per_shard(n) for n in (0, 7, 64, 65, 10_000, 64_000, 10**7)] == [
+        1,
+        1,
+        1,
+        2,
+        157,
+        1000,
+        1000,
+    ]
     images, caps = captions(tmp_path, 20)
     out = tmp_path / "shards"
     argv = ["--images", str(images), "--annotations", str(caps), "--out", str(out)]
     assert main(argv) == 0
-    assert "no tokenizer.json in" in capsys.readouterr().out  # says where training will look instead
-    assert len(json.loads((out / "summary.json").read_text())["shards"]) == 20  # 20 records: one a shard
-    assert main(argv + ["--overwrite", "--tokenizer", str(sample_shards)]) == 0  # a folder: its tokenizer.json
+    assert (
+        "no tokenizer.json in" in capsys.readouterr().out
+    )  # says where training will look instead
+    assert (
+        len(json.loads((out / "summary.json").read_text())["shards"]) == 20
+    )  # 20 records: one a shard
+    assert (
+        main(argv + ["--overwrite", "--tokenizer", str(sample_shards)]) == 0
+    )  # a folder: its tokenizer.json
     assert (out / "tokenizer.json").read_bytes() == (sample_shards / "tokenizer.json").read_bytes()
     assert main(argv + ["--overwrite", "--tokenizer", str(caps)]) == 2
     assert "is not a tokenizer.json the tokenizers library loads" in capsys.readouterr().err
@@ -50,18 +71,25 @@ def test_tokenizer_is_found_in_order_and_its_absence_names_every_place(tmp_path,
         shutil.copy(p, tmp_path / p.name)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    with pytest.raises(ConfigError, match=r"no tokenizer: data.tokenizer is not set, \S+/tokenizer.json does not "
-                                          r"exist and \S+ckpt/tokenizer.json does not either; do one of: set "
-                                          r"data.tokenizer=FILE .* --tokenizer FILE.* model.hf_checkpoint=DIR"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no tokenizer: data.tokenizer is not set, \S+/tokenizer.json does not "
+        r"exist and \S+ckpt/tokenizer.json does not either; do one of: set "
+        r"data.tokenizer=FILE .* --tokenizer FILE.* model.hf_checkpoint=DIR",
+    ):
         build_loader(small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt))
     with pytest.raises(DataSetupError, match="model.hf_checkpoint is not set"):
         build_loader(small_data_config(tmp_path), TINY)
     shutil.copy(sample_shards / "tokenizer.json", ckpt / "tokenizer.json")
-    assert build_loader(small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)).tokenizer_path == \
-        str(ckpt / "tokenizer.json")
-    shutil.copy(sample_shards / "tokenizer.json", tmp_path / "tokenizer.json")  # beside the shards wins
-    assert build_loader(small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)).tokenizer_path == \
-        str(tmp_path / "tokenizer.json")
+    assert build_loader(
+        small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)
+    ).tokenizer_path == str(ckpt / "tokenizer.json")
+    shutil.copy(
+        sample_shards / "tokenizer.json", tmp_path / "tokenizer.json"
+    )  # beside the shards wins
+    assert build_loader(
+        small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)
+    ).tokenizer_path == str(tmp_path / "tokenizer.json")
     mine = str(sample_shards / "tokenizer.json")  # data.tokenizer wins over both
     assert build_loader(small_data_config(tmp_path, tokenizer=mine), TINY).tokenizer_path == mine
     with pytest.raises(DataSetupError, match=r"data.tokenizer=\S+nope.json is not a file"):
@@ -69,8 +97,11 @@ def test_tokenizer_is_found_in_order_and_its_absence_names_every_place(tmp_path,
 
 
 def test_missing_or_empty_shards_folder_is_about_the_shards(tmp_path):
-    with pytest.raises(ConfigError, match=r"no shards found for data.shards='\S+gone': it names no folder or file "
-                                          r"that exists; .*build_shards"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no shards found for data.shards='\S+gone': it names no folder or file "
+        r"that exists; .*build_shards",
+    ):
         build_loader(small_data_config(tmp_path / "gone"), TINY)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="it is a folder without .tar shards"):

@@ -25,7 +25,9 @@ def fake(sid, tokens, patches=0, images=0):
     ids = torch.arange(tokens) % 1000
     pix = torch.full((patches, D), float(len(sid))) if patches else None
     grids = [(1, 2, patches // (2 * images))] * images if images else []
-    return Sample(sid, (0, 0, 0), ids, ids.clone(), torch.stack([torch.arange(tokens)] * 3), pix, grids)
+    return Sample(
+        sid, (0, 0, 0), ids, ids.clone(), torch.stack([torch.arange(tokens)] * 3), pix, grids
+    )
 
 
 def test_first_fit_takes_oldest_then_later_fits_in_order():
@@ -52,21 +54,38 @@ def test_max_samples_caps_documents():
 def test_collate_has_fixed_shapes_and_exact_boundaries():
     cfg = PackConfig(seq_len=32, max_patches=24, max_samples=4, max_images=3)
     a, b = fake("a", 10, 8, 1), fake("bb", 7)
-    batches = [collate([a, b], cfg, D, pad_id=5), collate([fake("c", 3, 16, 2)], cfg, D, pad_id=5), collate([], cfg, D, 5)]
+    batches = [
+        collate([a, b], cfg, D, pad_id=5),
+        collate([fake("c", 3, 16, 2)], cfg, D, pad_id=5),
+        collate([], cfg, D, 5),
+    ]
     shapes = {k: tuple(v.shape) for k, v in batches[0].items() if torch.is_tensor(v)}
     for bt in batches[1:]:
         assert {k: tuple(v.shape) for k, v in bt.items() if torch.is_tensor(v)} == shapes
-    assert shapes == {"input_ids": (1, 32), "labels": (1, 32), "position_ids": (3, 1, 32), "cu_seqlens": (6,),
-                      "pixel_values": (24, D), "image_grid_thw": (3, 3)}
+    assert shapes == {
+        "input_ids": (1, 32),
+        "labels": (1, 32),
+        "position_ids": (3, 1, 32),
+        "cu_seqlens": (6,),
+        "pixel_values": (24, D),
+        "image_grid_thw": (3, 3),
+    }
     bt = batches[0]
     assert bt["cu_seqlens"].tolist() == [0, 10, 17, 32, 32, 32]
     assert vision_cu_seqlens(bt["image_grid_thw"]).tolist() == [0, 8]  # the vision tower's segments
     assert bt["image_grid_thw"].tolist() == [[1, 2, 4], [0, 0, 0], [0, 0, 0]]
-    assert torch.equal(bt["input_ids"][0, :10], a.input_ids_L) and (bt["input_ids"][0, 17:] == 5).all()
+    assert (
+        torch.equal(bt["input_ids"][0, :10], a.input_ids_L) and (bt["input_ids"][0, 17:] == 5).all()
+    )
     assert (bt["labels"][0, 17:] == IGNORE).all()
     assert bt["position_ids"][0, 0, 17:].tolist() == list(range(15))
     assert (bt["pixel_values"][:8] == 1).all() and (bt["pixel_values"][8:] == 0).all()
-    assert (bt["useful_tokens"], bt["padded_tokens"], bt["useful_patches"], bt["padded_patches"]) == (17, 15, 8, 16)
+    assert (
+        bt["useful_tokens"],
+        bt["padded_tokens"],
+        bt["useful_patches"],
+        bt["padded_patches"],
+    ) == (17, 15, 8, 16)
     assert bt["loss_tokens"] == 9 + 6 and bt["sample_ids"] == ["a", "bb"]
     assert vision_cu_seqlens(batches[1]["image_grid_thw"]).tolist() == [0, 8, 16]
 
@@ -74,9 +93,15 @@ def test_collate_has_fixed_shapes_and_exact_boundaries():
 def _photo_sample(cfg, sid, path, text_before, text_after, g):
     pix, grid = preprocess_image(Image.open(path), min_pixels=32 * 32, max_pixels=64 * 64)
     n = grid[0] * grid[1] * grid[2] // 4
-    ids = torch.cat([torch.randint(0, 1000, (text_before,), generator=g), torch.tensor([cfg.vision_start_token_id]),
-                     torch.full((n,), cfg.image_token_id), torch.tensor([cfg.vision_end_token_id]),
-                     torch.randint(0, 1000, (text_after,), generator=g)])
+    ids = torch.cat(
+        [
+            torch.randint(0, 1000, (text_before,), generator=g),
+            torch.tensor([cfg.vision_start_token_id]),
+            torch.full((n,), cfg.image_token_id),
+            torch.tensor([cfg.vision_end_token_id]),
+            torch.randint(0, 1000, (text_after,), generator=g),
+        ]
+    )
     labels = ids.masked_fill(ids >= 1018, IGNORE)
     pos = mrope_position_ids(ids[None], torch.tensor([grid]), cfg.image_token_id, 2)[:, 0]
     return Sample(sid, (0, 0, 0), ids, labels, pos, pix, [grid])
@@ -90,20 +115,35 @@ def test_packed_batch_equals_samples_one_by_one():
     model = Qwen3VLMoe(cfg).eval()
     g = torch.Generator().manual_seed(0)
     photos = sample_photo_paths()
-    samples = [_photo_sample(cfg, "p0", photos[0], 5, 7, g), fake("t", 9),
-               _photo_sample(cfg, "p1", photos[1], 3, 4, g)]
-    pack = PackConfig(seq_len=samples[0].tokens + samples[2].tokens + 9 + 6, max_patches=48 + 24, max_samples=5,
-                      max_images=4)
+    samples = [
+        _photo_sample(cfg, "p0", photos[0], 5, 7, g),
+        fake("t", 9),
+        _photo_sample(cfg, "p1", photos[1], 3, 4, g),
+    ]
+    pack = PackConfig(
+        seq_len=samples[0].tokens + samples[2].tokens + 9 + 6,
+        max_patches=48 + 24,
+        max_samples=5,
+        max_images=4,
+    )
     bt = collate(samples, pack, D, pad_id=0)
     assert bt["padded_tokens"] == 6 and bt["padded_patches"] == 48 + 24 - bt["useful_patches"] > 0
     with torch.no_grad():
-        packed = model(bt["input_ids"], bt["pixel_values"], bt["image_grid_thw"], bt["position_ids"],
-                       bt["cu_seqlens"], bt["labels"])
+        packed = model(
+            bt["input_ids"],
+            bt["pixel_values"],
+            bt["image_grid_thw"],
+            bt["position_ids"],
+            bt["cu_seqlens"],
+            bt["labels"],
+        )
         at, total, n_total = 0, 0.0, 0
         for s in samples:
             grid = torch.tensor(s.grids).view(-1, 3) if s.grids else None
             alone = model(s.input_ids_L[None], s.pixels_ND, grid, labels=s.labels_L[None])
-            torch.testing.assert_close(packed.logits[0, at:at + s.tokens], alone.logits[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                packed.logits[0, at : at + s.tokens], alone.logits[0], rtol=1e-4, atol=1e-4
+            )
             total += alone.lm_loss.item() * alone.num_loss_tokens.item()
             n_total += alone.num_loss_tokens.item()
             at += s.tokens
@@ -126,19 +166,32 @@ def test_small_samples_are_held_until_they_overflow_a_micro_batch():
         assert not p.full()  # 5 tokens would leave half the row as padding
     p.push(fake("big", 6))
     assert p.full()
-    assert [s.id for s in p.pop()] == ["s0", "s1", "s2", "s3", "s4"] and [s.id for s in p.held] == ["big"]
+    assert [s.id for s in p.pop()] == ["s0", "s1", "s2", "s3", "s4"] and [s.id for s in p.held] == [
+        "big"
+    ]
 
 
 def _forward(model, bt):
-    return model(bt["input_ids"], bt["pixel_values"], bt["image_grid_thw"], bt["position_ids"], bt["cu_seqlens"],
-                 bt["labels"])
+    return model(
+        bt["input_ids"],
+        bt["pixel_values"],
+        bt["image_grid_thw"],
+        bt["position_ids"],
+        bt["cu_seqlens"],
+        bt["labels"],
+    )
 
 
 @pytest.fixture(scope="module")
 def real_rows(sample_shards):
     """Two packed rows of the sample set that both hold images and padding patches."""
-    rows = [r for _, r in zip(range(12), build_loader(small_data_config(sample_shards, num_workers=0),
-                                                      VLMConfig.preset("tiny")))]
+    rows = [
+        r
+        for _, r in zip(
+            range(12),
+            build_loader(small_data_config(sample_shards, num_workers=0), VLMConfig.preset("tiny")),
+        )
+    ]
     rows = [r for r in rows if 0 < r["num_images"] and r["padded_patches"] > 0]
     assert len(rows) >= 2
     return rows[:2]
@@ -151,14 +204,26 @@ def test_stack_rows_puts_real_patches_and_grids_first(real_rows):
     assert st["input_ids"].shape == (2, S) and st["position_ids"].shape == (3, 2, S)
     assert st["cu_seqlens"].tolist() == a["cu_seqlens"].tolist() + (b["cu_seqlens"] + S).tolist()
     pa, pb = a["useful_patches"], b["useful_patches"]
-    assert torch.equal(st["pixel_values"][:pa + pb], torch.cat([a["pixel_values"][:pa], b["pixel_values"][:pb]]))
-    assert st["pixel_values"].shape == (2 * Np, D) and (st["pixel_values"][pa + pb:] == 0).all()
+    assert torch.equal(
+        st["pixel_values"][: pa + pb], torch.cat([a["pixel_values"][:pa], b["pixel_values"][:pb]])
+    )
+    assert st["pixel_values"].shape == (2 * Np, D) and (st["pixel_values"][pa + pb :] == 0).all()
     ia, ib = a["num_images"], b["num_images"]
-    assert st["image_grid_thw"].shape == (2 * I, 3) and (st["image_grid_thw"][ia + ib:] == 0).all()
-    assert torch.equal(st["image_grid_thw"][:ia + ib], torch.cat([a["image_grid_thw"][:ia], b["image_grid_thw"][:ib]]))
+    assert st["image_grid_thw"].shape == (2 * I, 3) and (st["image_grid_thw"][ia + ib :] == 0).all()
+    assert torch.equal(
+        st["image_grid_thw"][: ia + ib],
+        torch.cat([a["image_grid_thw"][:ia], b["image_grid_thw"][:ib]]),
+    )
     vcu = vision_cu_seqlens(st["image_grid_thw"]).tolist()
     assert len(vcu) == ia + ib + 1 and vcu[-1] == pa + pb
-    for k in ("useful_tokens", "padded_tokens", "loss_tokens", "useful_patches", "padded_patches", "num_images"):
+    for k in (
+        "useful_tokens",
+        "padded_tokens",
+        "loss_tokens",
+        "useful_patches",
+        "padded_patches",
+        "num_images",
+    ):
         assert st[k] == a[k] + b[k], k
     assert st["sample_ids"] == a["sample_ids"] + b["sample_ids"]
     one = stack_rows([a])
@@ -173,9 +238,14 @@ def test_stacked_rows_equal_rows_one_by_one(real_rows):
     with torch.no_grad():
         both = _forward(model, stack_rows(real_rows))
         alone = [_forward(model, r) for r in real_rows]
-    assert both.num_loss_tokens.item() == sum(r["loss_tokens"] for r in real_rows) \
+    assert (
+        both.num_loss_tokens.item()
+        == sum(r["loss_tokens"] for r in real_rows)
         == sum(o.num_loss_tokens.item() for o in alone)
+    )
     for i, o in enumerate(alone):
         torch.testing.assert_close(both.logits[i], o.logits[0], rtol=0, atol=1e-5)
     # a sum of ~4600: fp32's default relative tolerance (1.3e-6) is a few ulps
-    torch.testing.assert_close(both.lm_loss * both.num_loss_tokens, sum(o.lm_loss * o.num_loss_tokens for o in alone))
+    torch.testing.assert_close(
+        both.lm_loss * both.num_loss_tokens, sum(o.lm_loss * o.num_loss_tokens for o in alone)
+    )

@@ -39,9 +39,13 @@ def test_photos_exist_and_open():
 
 
 def test_photos_found_without_importing_packages():
-    code = ("import sys; from moevlm.data.sample import packaged_photos; packaged_photos(); "
-            "print(sorted({'skimage', 'sklearn', 'matplotlib'} & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys; from moevlm.data.sample import packaged_photos; packaged_photos(); "
+        "print(sorted({'skimage', 'sklearn', 'matplotlib'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -62,7 +66,9 @@ def _check_record(r: dict) -> str:
     for path in r["images"]:
         assert isinstance(path, str) and Image.open(path).size
     if "caption" in r:
-        assert set(r) == {"id", "images", "caption"} and len(r["images"]) == 1 and r["caption"].strip()
+        assert (
+            set(r) == {"id", "images", "caption"} and len(r["images"]) == 1 and r["caption"].strip()
+        )
         return "caption"
     assert set(r) == {"id", "images", "messages"}
     assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in r["messages"])
@@ -83,7 +89,9 @@ def test_records_are_well_formed(records):
     assert any(sum(m["role"] == "assistant" for m in r["messages"]) >= 2 for r in chats)
     text_only = [r for r in chats if not r["images"]]
     docs = set(shipped_texts())
-    assert text_only and all(any(r["messages"][-1]["content"] in d for d in docs) for r in text_only)
+    assert text_only and all(
+        any(r["messages"][-1]["content"] in d for d in docs) for r in text_only
+    )
     photo_paths = {str(p.path) for p in packaged_photos()}
     assert photo_paths == {r["images"][0] for r in records if "caption" in r}
     assert photo_paths == {r["images"][0] for r in chats if len(r["images"]) == 1}

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from moevlm.data import sample_cache
-from moevlm.data.sample_cache import CACHE_ENV, cache_root, ensure_sample, is_complete, sample_dir, sample_version
+from moevlm.data.sample_cache import (
+    CACHE_ENV,
+    cache_root,
+    ensure_sample,
+    is_complete,
+    sample_dir,
+    sample_version,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,20 +39,27 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 def test_version_changes_with_the_content(monkeypatch, tmp_path):
     photo = tmp_path / "photo.png"
     photo.write_bytes(b"x" * 10)
-    records = [{"id": "caption-photo", "images": [str(photo)], "caption": "a photo"}, {"id": "t", "text": "prose"}]
+    records = [
+        {"id": "caption-photo", "images": [str(photo)], "caption": "a photo"},
+        {"id": "t", "text": "prose"},
+    ]
     monkeypatch.setattr("moevlm.data.sample.sample_records", lambda: [dict(r) for r in records])
     base = sample_version()
     assert sample_version() == base and len(base) == 12  # deterministic
     records[1]["text"] = "other prose"
     assert sample_version() != base
     records[1]["text"] = "prose"
-    monkeypatch.setattr(sample_cache, "SAMPLE_FORMAT", sample_cache.SAMPLE_FORMAT + 1)  # the builder changed
+    monkeypatch.setattr(
+        sample_cache, "SAMPLE_FORMAT", sample_cache.SAMPLE_FORMAT + 1
+    )  # the builder changed
     assert sample_version() != base
     monkeypatch.undo()
     monkeypatch.setattr("moevlm.data.sample.sample_records", lambda: [dict(r) for r in records])
     photo.write_bytes(b"y" * 11)  # the package was upgraded: another file
     assert sample_version() != base
-    monkeypatch.setattr(sample_cache, "_package_version", lambda name: "9.9")  # another tokenizers/webdataset
+    monkeypatch.setattr(
+        sample_cache, "_package_version", lambda name: "9.9"
+    )  # another tokenizers/webdataset
     assert len({base, sample_version()}) == 2
 
 
@@ -56,10 +70,13 @@ def test_a_failed_build_leaves_nothing(monkeypatch, tmp_path):
         Path(out).mkdir()
         (Path(out) / "shard-000000.tar").write_bytes(b"half")
         raise OSError("disk gone")
+
     monkeypatch.setattr("moevlm.data.build_shards.build_sample", crash)
     with pytest.raises(OSError, match="disk gone"):
         ensure_sample("v1")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sample-v1.lock"]  # no final folder, no tmp
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sample-v1.lock"
+    ]  # no final folder, no tmp
 
 
 BUILDER = """
@@ -85,11 +102,17 @@ def test_concurrent_builders_make_one_set_and_skip_a_crashed_one(tmp_path, monke
     assert not is_complete(final)
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", BUILDER], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILDER], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sorted(r["built"] for r in results) == [False, True] and {r["path"] for r in results} == {str(final)}
+    assert sorted(r["built"] for r in results) == [False, True] and {
+        r["path"] for r in results
+    } == {str(final)}
     assert sorted(p.name for p in tmp_path.iterdir()) == [final.name, f"{final.name}.lock"]
     summary = json.loads((final / "summary.json").read_text())
     shards = sorted(final.glob("shard-*.tar"))

@@ -16,8 +16,12 @@ L = 4
 
 
 def loader(shards, world, rank=0, num_workers=0, streams=L):
-    return build_loader(small_data_config(shards, streams=streams, num_workers=num_workers), TINY,
-                        rank=rank, world=world)
+    return build_loader(
+        small_data_config(shards, streams=streams, num_workers=num_workers),
+        TINY,
+        rank=rank,
+        world=world,
+    )
 
 
 def ids(ld, n):
@@ -44,14 +48,21 @@ def test_worker_serves_its_local_streams_in_cycling_order():
     5, ...; taking one row from each worker in turn gives 3, 5, 7, 1, 3, ..."""
     ds = PackedDataset(None, [], {}, "", 0, 8, [1, 3, 5, 7], {}, offset=1)
     assert [ds.mine(p, 2) for p in (0, 1)] == [[3, 7], [5, 1]]
-    assert ds.mine(0, 1) == [3, 5, 7, 1] and [ds.mine(p, 4) for p in range(4)] == [[3], [5], [7], [1]]
+    assert ds.mine(0, 1) == [3, 5, 7, 1] and [ds.mine(p, 4) for p in range(4)] == [
+        [3],
+        [5],
+        [7],
+        [1],
+    ]
 
 
 def test_rows_do_not_depend_on_the_layout(sample_shards, reference):
     """Global row k of one rank (2 workers) is row k // 2 of rank k % 2 of two (1 worker each)."""
     rank0, rank1 = (ids(loader(sample_shards, world=2, rank=r, num_workers=1), 7) for r in (0, 1))
     assert interleave(rank0, rank1) == reference
-    assert len({sid for row in reference for sid in row}) == sum(len(row) for row in reference)  # no repeats
+    assert len({sid for row in reference for sid in row}) == sum(
+        len(row) for row in reference
+    )  # no repeats
 
 
 def test_resume_on_another_layout_continues_the_job(sample_shards, reference):
@@ -78,19 +89,37 @@ def test_layouts_are_fitted_with_a_warning_or_refused_in_one_line(sample_shards,
     """Fewer workers (same rows), fewer streams than asked when the shards are too few (a divisor of the
     asked number: it depends on the shards only), a non-power-of-two dp under auto; refused only where no
     stream layout can work."""
-    with pytest.raises(ValueError, match="data.streams=3 is not a multiple of the data-parallel size 2"):
+    with pytest.raises(
+        ValueError, match="data.streams=3 is not a multiple of the data-parallel size 2"
+    ):
         loader(sample_shards, world=2, streams=3)
     caplog.set_level("WARNING", "moevlm.data.loader")
     assert loader(sample_shards, world=2, num_workers=4).workers == 2
-    assert "data.num_workers=4 lowered to 2: each data-parallel rank serves 2 streams" in caplog.text
-    assert loader(sample_shards, world=1, streams=24).streams == 12  # 23 shards: 24's largest divisor <= 23
-    assert "23 shards cannot feed 24 data streams (each needs a shard): reading them as 12 streams" in caplog.text
+    assert (
+        "data.num_workers=4 lowered to 2: each data-parallel rank serves 2 streams" in caplog.text
+    )
+    assert (
+        loader(sample_shards, world=1, streams=24).streams == 12
+    )  # 23 shards: 24's largest divisor <= 23
+    assert (
+        "23 shards cannot feed 24 data streams (each needs a shard): reading them as 12 streams"
+        in caplog.text
+    )
     assert loader(sample_shards, world=3, streams=0).streams == 15
-    assert "the 3 data-parallel ranks cannot share 16 streams evenly; reading 15 streams" in caplog.text
-    with pytest.raises(ValueError, match=r"23 shards cannot feed 8 data-parallel ranks with data.streams=24: they "
-                                         r"give 12 streams, not a multiple of 8; rebuild .*\(at least 24 shards\)"):
+    assert (
+        "the 3 data-parallel ranks cannot share 16 streams evenly; reading 15 streams"
+        in caplog.text
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"23 shards cannot feed 8 data-parallel ranks with data.streams=24: they "
+        r"give 12 streams, not a multiple of 8; rebuild .*\(at least 24 shards\)",
+    ):
         loader(sample_shards, world=8, streams=24)
-    with pytest.raises(ValueError, match=r"23 shards cannot feed 32 data-parallel ranks with data.streams=16 \(auto\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"23 shards cannot feed 32 data-parallel ranks with data.streams=16 \(auto\)",
+    ):
         loader(sample_shards, world=32, streams=0)
     with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
         loader(sample_shards, world=2, rank=2)
@@ -100,8 +129,11 @@ def test_default_streams_give_the_same_rows_on_1_2_and_4_ranks(sample_shards):
     """data.streams and num_workers left at their defaults (16 streams, 2 workers): one rank, an FSDP-style
     dp=2 and dp=4 deliver the same 20 global rows (16 streams and 4 into the second round), and a state
     saved on dp=2 resumes on dp=1 (the saved stream count is the same)."""
+
     def default(world, rank=0, num_workers=2):
-        return build_loader(small_data_config(sample_shards, num_workers=num_workers), TINY, rank=rank, world=world)
+        return build_loader(
+            small_data_config(sample_shards, num_workers=num_workers), TINY, rank=rank, world=world
+        )
 
     one = default(1)
     want = ids(one, 20)

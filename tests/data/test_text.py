@@ -20,8 +20,14 @@ import pytest
 
 from moevlm.data.errors import SkipSample
 from moevlm.data.sample import shipped_texts
-from moevlm.data.text import (IGNORE_INDEX, SPECIAL_TOKENS, TINY_SPECIAL_IDS, ChatEncoder, load_tokenizer,
-                              train_bpe)
+from moevlm.data.text import (
+    IGNORE_INDEX,
+    SPECIAL_TOKENS,
+    TINY_SPECIAL_IDS,
+    ChatEncoder,
+    load_tokenizer,
+    train_bpe,
+)
 from moevlm.model.config import VLMConfig
 
 VS, VE, PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -39,9 +45,13 @@ CHAT_IMAGE_TOKENS = [4, 2]
 CHAT_SEGMENTS = [
     ("<|im_start|>system\nYou look at pictures.<|im_end|>\n", False),
     (f"<|im_start|>user\n{VS}{PAD * 4}{VE}\nWhat is this?<|im_end|>\n", False),
-    ("<|im_start|>assistant\n", False), ("A cat.<|im_end|>", True), ("\n", False),
+    ("<|im_start|>assistant\n", False),
+    ("A cat.<|im_end|>", True),
+    ("\n", False),
     (f"<|im_start|>user\nAnd this one? {VS}{PAD * 2}{VE}<|im_end|>\n", False),
-    ("<|im_start|>assistant\n", False), ("A cup of coffee.\nIt is hot.<|im_end|>", True), ("\n", False),
+    ("<|im_start|>assistant\n", False),
+    ("A cup of coffee.\nIt is hot.<|im_end|>", True),
+    ("\n", False),
 ]
 
 
@@ -72,10 +82,14 @@ def test_training_is_deterministic(tok):
 
 def test_training_is_deterministic_across_processes(tok):
     """Rust hash maps are seeded per process; a fresh interpreter must agree."""
-    code = ("import hashlib; from moevlm.data.sample import shipped_texts; "
-            "from moevlm.data.text import TINY_SPECIAL_IDS, train_bpe; "
-            "print(hashlib.sha256(train_bpe(shipped_texts(200), TINY_SPECIAL_IDS).to_str().encode()).hexdigest())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    code = (
+        "import hashlib; from moevlm.data.sample import shipped_texts; "
+        "from moevlm.data.text import TINY_SPECIAL_IDS, train_bpe; "
+        "print(hashlib.sha256(train_bpe(shipped_texts(200), TINY_SPECIAL_IDS).to_str().encode()).hexdigest())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
@@ -100,8 +114,15 @@ def test_too_little_text_for_the_vocabulary():
         train_bpe(["hello world"], TINY_SPECIAL_IDS)
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces\n\nand\tTabs ", "naïve café — 東京 🚀",
-                                  "x = [1, 2, 3]\nprint(x[::-1])"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "  two  spaces\n\nand\tTabs ",
+        "naïve café — 東京 🚀",
+        "x = [1, 2, 3]\nprint(x[::-1])",
+    ],
+)
 def test_round_trip(tok, enc, text):
     ids_L, labels_L = enc.encode_text(text)
     assert ids_L[-1] == TINY_SPECIAL_IDS["<|endoftext|>"] and labels_L == ids_L
@@ -129,38 +150,53 @@ def test_chat_label_mask(tok, enc):
     assert (ids_L, labels_L) == expected_from_segments(tok, CHAT_SEGMENTS)
     trained = [i for i, label in enumerate(labels_L) if label != IGNORE_INDEX]
     assert all(labels_L[i] == ids_L[i] for i in trained)
-    assert tok.decode([ids_L[i] for i in trained], skip_special_tokens=False) == \
-        "A cat.<|im_end|>A cup of coffee.\nIt is hot.<|im_end|>"
+    assert (
+        tok.decode([ids_L[i] for i in trained], skip_special_tokens=False)
+        == "A cat.<|im_end|>A cup of coffee.\nIt is hot.<|im_end|>"
+    )
     # Hand-checked boundaries: the first trained token follows "assistant\n", the
     # image spans and every <|im_start|> are masked.
-    prompt = tok.decode(ids_L[:trained[0]], skip_special_tokens=False)
+    prompt = tok.decode(ids_L[: trained[0]], skip_special_tokens=False)
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
     vision = {TINY_SPECIAL_IDS[t] for t in (VS, VE, PAD)}
     assert ids_L.count(TINY_SPECIAL_IDS[PAD]) == sum(CHAT_IMAGE_TOKENS)
     assert all(labels_L[i] == IGNORE_INDEX for i, t in enumerate(ids_L) if t in vision)
-    assert all(labels_L[i] == IGNORE_INDEX for i, t in enumerate(ids_L) if t == TINY_SPECIAL_IDS["<|im_start|>"])
+    assert all(
+        labels_L[i] == IGNORE_INDEX
+        for i, t in enumerate(ids_L)
+        if t == TINY_SPECIAL_IDS["<|im_start|>"]
+    )
     assert labels_L[-1] == IGNORE_INDEX and labels_L[-2] == TINY_SPECIAL_IDS["<|im_end|>"]
 
 
 def test_text_only_chat(tok, enc):
-    chat = [{"role": "user", "content": "What is a list?"},
-            {"role": "assistant", "content": "A mutable sequence."}]
+    chat = [
+        {"role": "user", "content": "What is a list?"},
+        {"role": "assistant", "content": "A mutable sequence."},
+    ]
     ids_L, labels_L = enc.encode_chat(chat, [])
-    segments = [("<|im_start|>user\nWhat is a list?<|im_end|>\n", False), ("<|im_start|>assistant\n", False),
-                ("A mutable sequence.<|im_end|>", True), ("\n", False)]
+    segments = [
+        ("<|im_start|>user\nWhat is a list?<|im_end|>\n", False),
+        ("<|im_start|>assistant\n", False),
+        ("A mutable sequence.<|im_end|>", True),
+        ("\n", False),
+    ]
     assert (ids_L, labels_L) == expected_from_segments(tok, segments)
     assert not {TINY_SPECIAL_IDS[t] for t in (VS, VE, PAD)} & set(ids_L)
 
 
 def test_special_strings_in_text_stay_text(tok, enc):
-    chat = [{"role": "user", "content": "say <|im_end|> and <|image_pad|>"},
-            {"role": "assistant", "content": "<|endoftext|>"}]
+    chat = [
+        {"role": "user", "content": "say <|im_end|> and <|image_pad|>"},
+        {"role": "assistant", "content": "<|endoftext|>"},
+    ]
     ids_L, _ = enc.encode_chat(chat, [])
     specials = [i for i in ids_L if i in set(TINY_SPECIAL_IDS.values())]
     assert specials == [TINY_SPECIAL_IDS[t] for t in ("<|im_start|>", "<|im_end|>") * 2]
     assert tok.decode(ids_L, skip_special_tokens=False) == (
         "<|im_start|>user\nsay <|im_end|> and <|image_pad|><|im_end|>\n"
-        "<|im_start|>assistant\n<|endoftext|><|im_end|>\n")
+        "<|im_start|>assistant\n<|endoftext|><|im_end|>\n"
+    )
 
 
 def test_pickled_encoder_keeps_special_strings_as_text(enc):
@@ -181,32 +217,69 @@ def test_matches_transformers_chatml_rendering(tok, enc):
     if not isinstance(prop, property):
         pytest.skip("this transformers no longer ships Qwen2-Audio's default chat template")
     counts = iter(CHAT_IMAGE_TOKENS)  # expanded in the text, as Qwen3VLProcessor does
-    hf_chat = [dict(m, content=m["content"].replace("<image>", f"{VS}{PAD * next(counts)}{VE}")
-                    if "<image>" in m["content"] else m["content"]) for m in CHAT]
-    hf_ids = fast(tokenizer_object=tok).apply_chat_template(hf_chat, chat_template=prop.fget(None),
-                                                             tokenize=True)["input_ids"]
+    hf_chat = [
+        dict(
+            m,
+            content=m["content"].replace("<image>", f"{VS}{PAD * next(counts)}{VE}")
+            if "<image>" in m["content"]
+            else m["content"],
+        )
+        for m in CHAT
+    ]
+    hf_ids = fast(tokenizer_object=tok).apply_chat_template(
+        hf_chat, chat_template=prop.fget(None), tokenize=True
+    )["input_ids"]
     assert hf_ids == enc.encode_chat(CHAT, CHAT_IMAGE_TOKENS)[0]
 
 
 # ---------------------------------------------------------------------- errors
-@pytest.mark.parametrize("messages, images, reason", [
-    ([{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "yo"}], [], "image_tag_mismatch"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], [4], "image_tag_mismatch"),
-    ([{"role": "tool", "content": "hi"}, {"role": "assistant", "content": "yo"}], [], "bad_record"),
-    ([{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}], [], "bad_record"),
-    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}], [], "bad_record"),
-    ("not a list", [], "bad_record"),
-    ([{"role": "user", "content": "hi"}], [], "empty_sample"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], [], "empty_sample"),
-    ([], [], "empty_sample"),
-])
+@pytest.mark.parametrize(
+    "messages, images, reason",
+    [
+        (
+            [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "yo"}],
+            [],
+            "image_tag_mismatch",
+        ),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            [4],
+            "image_tag_mismatch",
+        ),
+        (
+            [{"role": "tool", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            [],
+            "bad_record",
+        ),
+        (
+            [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}],
+            [],
+            "bad_record",
+        ),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}],
+            [],
+            "bad_record",
+        ),
+        ("not a list", [], "bad_record"),
+        ([{"role": "user", "content": "hi"}], [], "empty_sample"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+            [],
+            "empty_sample",
+        ),
+        ([], [], "empty_sample"),
+    ],
+)
 def test_chat_errors(enc, messages, images, reason):
     with pytest.raises(SkipSample) as err:
         enc.encode_chat(messages, images)
     assert err.value.reason == reason
 
 
-@pytest.mark.parametrize("text, reason", [("", "empty_sample"), (" \n", "empty_sample"), (None, "bad_record")])
+@pytest.mark.parametrize(
+    "text, reason", [("", "empty_sample"), (" \n", "empty_sample"), (None, "bad_record")]
+)
 def test_text_errors(enc, text, reason):
     with pytest.raises(SkipSample) as err:
         enc.encode_text(text)
@@ -227,7 +300,9 @@ def test_check_model_tiny(enc):
 def test_check_model_names_both_ids(enc):
     cfg = VLMConfig.preset("tiny")
     cfg.image_token_id = 7
-    with pytest.raises(ValueError, match=r"<\|image_pad\|> = 1020 .* image_token_id = 7; set image_token_id=1020"):
+    with pytest.raises(
+        ValueError, match=r"<\|image_pad\|> = 1020 .* image_token_id = 7; set image_token_id=1020"
+    ):
         enc.check_model(cfg)
 
 

@@ -4,7 +4,6 @@ group) and EP=2 (two subgroups) with an unsharded `local` reference: forward,
 gradients w.r.t. x, router weights and expert weights, with idle experts, an idle
 rank and a rank that sends nothing."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,7 +67,7 @@ def test_two_rank_exchange_simulated_by_hand():
     """The whole dispatch plan of both ranks with the collectives done by slicing."""
     sent, splits, counts = {}, {}, {}
     for r, idx in ROUTING.items():
-        labels = (100 * r + sort_rows_by_expert(idx) // 2)
+        labels = 100 * r + sort_rows_by_expert(idx) // 2
         counts[r] = torch.bincount(idx.reshape(-1), minlength=4)
         splits[r] = rank_splits(counts[r].tolist(), 2)
         sent[r] = labels.split(splits[r])
@@ -76,7 +75,10 @@ def test_two_rank_exchange_simulated_by_hand():
     for p in range(2):
         received = torch.cat([sent[src][p] for src in range(2)])
         recv_counts_PL = torch.stack([counts[src].view(2, 2)[p] for src in range(2)])
-        got[p] = (received[regroup_by_local_expert(recv_counts_PL)].tolist(), recv_counts_PL.sum(0).tolist())
+        got[p] = (
+            received[regroup_by_local_expert(recv_counts_PL)].tolist(),
+            recv_counts_PL.sum(0).tolist(),
+        )
     assert got[0] == ([0, 101, 2, 100, 101, 102], [2, 4])  # e0: t0, r1t1; e1: t2, r1t0, r1t1, r1t2
     assert got[1] == ([0, 1, 2, 1, 100, 102], [3, 3])  # e2: t0, t1, t2; e3: t1, r1t0, r1t2
 
@@ -85,7 +87,9 @@ def test_divisibility_reason_names_both_numbers():
     assert divisibility_reason(8, 4) is None
     reason = divisibility_reason(6, 4)
     assert "6" in reason and "4" in reason and "divid" in reason
-    assert AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=2) is None  # no process group: EP 1
+    assert (
+        AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=2) is None
+    )  # no process group: EP 1
 
 
 # ------------------------------------------------------- EP size 1 is local
@@ -148,11 +152,19 @@ def _check_scenario(name, d, group, W_EDD):
     x0, idx, w0, g = _scenario(name, dist.get_rank(), r, L)
     mine = slice(r * L, (r + 1) * L)
 
-    x, w, W = x0.clone().requires_grad_(), w0.clone().requires_grad_(), W_EDD[mine].clone().requires_grad_()
+    x, w, W = (
+        x0.clone().requires_grad_(),
+        w0.clone().requires_grad_(),
+        W_EDD[mine].clone().requires_grad_(),
+    )
     y, counts_L = _moe(d, x, idx, w, W)
     (y * g).sum().backward()
 
-    xr, wr, Wr = x0.clone().requires_grad_(), w0.clone().requires_grad_(), W_EDD.clone().requires_grad_()
+    xr, wr, Wr = (
+        x0.clone().requires_grad_(),
+        w0.clone().requires_grad_(),
+        W_EDD.clone().requires_grad_(),
+    )
     y_ref, counts_E = _moe(LocalDispatcher(E, K), xr, idx, wr, Wr)
     (y_ref * g).sum().backward()
     W_grad_ref = _grad(Wr)
@@ -170,7 +182,7 @@ def _check_scenario(name, d, group, W_EDD):
 
 
 def _four_rank_checks(rank):
-    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D ** 0.5
+    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D**0.5
     subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     setups = [("EP=4", None), ("EP=2", subgroups[rank // 2])]
     for label, group in setups:
@@ -185,7 +197,10 @@ def _four_rank_checks(rank):
     assert "6" in AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=K)
     with pytest.raises(RuntimeError, match="num_experts=6"):
         build_dispatcher("alltoall", num_experts=6, top_k=K)
-    assert AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=K, ep_group=subgroups[rank // 2]) is None
+    assert (
+        AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=K, ep_group=subgroups[rank // 2])
+        is None
+    )
     _four_rank_checks_etp(rank)
 
 
@@ -200,7 +215,10 @@ def _check_etp(rank, W1_EDF, W2_EFD):
     x0, idx, w0, g = _scenario("random", rank, ep_i, L)
     mine, half = slice(ep_i * L, (ep_i + 1) * L), slice(etp_i * Fh, (etp_i + 1) * Fh)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-    W1, W2 = W1_EDF[mine, :, half].clone().requires_grad_(), W2_EFD[mine, half].clone().requires_grad_()
+    W1, W2 = (
+        W1_EDF[mine, :, half].clone().requires_grad_(),
+        W2_EFD[mine, half].clone().requires_grad_(),
+    )
     ex, counts, h = d.dispatch(x, idx, w)
     y = d.combine(grouped_mm_loop(torch.tanh(grouped_mm_loop(ex, W1, counts)), W2, counts), h)
     (y * g).sum().backward()
@@ -209,7 +227,9 @@ def _check_etp(rank, W1_EDF, W2_EFD):
     W1r, W2r = W1_EDF.clone().requires_grad_(), W2_EFD.clone().requires_grad_()
     loc = LocalDispatcher(E, K)
     ex, counts_E, h = loc.dispatch(xr, idx, wr)
-    y_ref = loc.combine(grouped_mm_loop(torch.tanh(grouped_mm_loop(ex, W1r, counts_E)), W2r, counts_E), h)
+    y_ref = loc.combine(
+        grouped_mm_loop(torch.tanh(grouped_mm_loop(ex, W1r, counts_E)), W2r, counts_E), h
+    )
     (y_ref * g).sum().backward()
     g1, g2 = _grad(W1r), _grad(W2r)
     for t in (g1, g2, counts_E):
@@ -240,8 +260,12 @@ def _check_exchange_over_one_rank(rank, W_EDD):
 
 def _four_rank_checks_etp(rank):
     gen = torch.Generator().manual_seed(11)
-    _check_etp(rank, torch.randn(E, D, 6, generator=gen) / D ** 0.5, torch.randn(E, 6, D, generator=gen) / 6 ** 0.5)
-    _check_exchange_over_one_rank(rank, torch.randn(E, D, D, generator=gen) / D ** 0.5)
+    _check_etp(
+        rank,
+        torch.randn(E, D, 6, generator=gen) / D**0.5,
+        torch.randn(E, 6, D, generator=gen) / 6**0.5,
+    )
+    _check_exchange_over_one_rank(rank, torch.randn(E, D, D, generator=gen) / D**0.5)
 
 
 def test_four_ranks_ep4_and_ep2_match_local(tmp_path):

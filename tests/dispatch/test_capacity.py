@@ -20,7 +20,12 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 from moevlm.dispatch import LocalDispatcher, build_dispatcher
 from moevlm.dispatch.alltoall import AllToAllDispatcher
-from moevlm.dispatch.capacity import CapacityOverflowError, capacity_slots, expert_capacity, slot_sources
+from moevlm.dispatch.capacity import (
+    CapacityOverflowError,
+    capacity_slots,
+    expert_capacity,
+    slot_sources,
+)
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.model.config import ConfigError
 from moevlm.train.config import compose_job, validate
@@ -31,7 +36,9 @@ E, K, D, T = 8, 2, 6, 6
 
 
 def test_capacity_and_slots_by_hand():
-    assert expert_capacity(1.0, 6, 2, 8) == 2 and expert_capacity(0.5, 6, 2, 8) == 1  # ceil(1.5), ceil(0.75)
+    assert (
+        expert_capacity(1.0, 6, 2, 8) == 2 and expert_capacity(0.5, 6, 2, 8) == 1
+    )  # ceil(1.5), ceil(0.75)
     assert expert_capacity(4.0, 6, 2, 8) == 6 and expert_capacity(1.0, 0, 2, 8) == 0
     # Rows sorted by expert, E=3, C=2: expert 0 has 3 rows (the third dropped), expert 1 none, expert 2 two.
     slot, keep = capacity_slots(torch.tensor([3, 0, 2]), num_rows=5, capacity=2)
@@ -56,7 +63,9 @@ def no_host_reads():
     def refuse(name):
         def f(self, *args, **kwargs):
             raise HostRead(f"host read: Tensor.{name}")
+
         return f
+
     try:
         for n in names:
             setattr(torch.Tensor, n, refuse(n))
@@ -76,7 +85,11 @@ def test_capacity_path_runs_on_meta_without_data_dependent_shapes():
         ex, counts, h = d.dispatch(x, idx, w)
         y = d.combine(ex * 2, h)
         y.sum().backward()
-    assert ex.shape == (E * expert_capacity(0.5, T, K, E), D) and y.shape == (T, D) and x.grad.shape == (T, D)
+    assert (
+        ex.shape == (E * expert_capacity(0.5, T, K, E), D)
+        and y.shape == (T, D)
+        and x.grad.shape == (T, D)
+    )
 
 
 # ------------------------------------------------------- 2 ranks, one launch
@@ -85,11 +98,20 @@ def test_capacity_path_runs_on_meta_without_data_dependent_shapes():
 def _scenario(name, rank, L):
     gen = torch.Generator().manual_seed(1000 * len(name) + rank)
     allowed = list(range(E))
-    if name == "idle":  # rank 0's experts and the last expert receive nothing: every rank sends all to rank 1
+    if (
+        name == "idle"
+    ):  # rank 0's experts and the last expert receive nothing: every rank sends all to rank 1
         allowed = list(range(L, E - 1))
-    idx = torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)])
+    idx = torch.stack(
+        [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)]
+    )
     w = torch.rand(T, K, generator=gen) + 0.1
-    return torch.randn(T, D, generator=gen), idx, w / w.sum(1, keepdim=True), torch.randn(T, D, generator=gen)
+    return (
+        torch.randn(T, D, generator=gen),
+        idx,
+        w / w.sum(1, keepdim=True),
+        torch.randn(T, D, generator=gen),
+    )
 
 
 def _run(d, x0, idx, w0, W0, g):
@@ -124,12 +146,14 @@ def _rel(a, b):
 def _two_rank_checks(rank, out_dir):
     L = E // dist.get_world_size()
     mine = slice(rank * L, (rank + 1) * L)
-    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D ** 0.5
+    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D**0.5
     errors, names = {}, ("x_out", "grad_x", "grad_router_w", "grad_expert_w")
     for name in ("random", "idle"):
         x0, idx, w0, g = _scenario(name, rank, L)
         ref = _reference(x0, idx, w0, W_EDD, g, mine)
-        dropless = _run(build_dispatcher("alltoall", num_experts=E, top_k=K), x0, idx, w0, W_EDD[mine], g)
+        dropless = _run(
+            build_dispatcher("alltoall", num_experts=E, top_k=K), x0, idx, w0, W_EDD[mine], g
+        )
         # 1. capacity E/K (C = T: nothing can overflow) equals dropless
         big = AllToAllDispatcher(E, K, capacity_factor=E / K)
         got = _run(big, x0, idx, w0, W_EDD[mine], g)
@@ -174,47 +198,83 @@ def test_two_ranks_capacity_matches_dropless_and_drops_exactly(tmp_path):
 
 # ------------------------------------------------------- trainer and config
 
-FAST = ["data.num_workers=1", "data.streams=1", "train.tensorboard=false", "train.checkpoint_at_end=false",
-        "model.dispatcher=alltoall"]
+FAST = [
+    "data.num_workers=1",
+    "data.streams=1",
+    "train.tensorboard=false",
+    "train.checkpoint_at_end=false",
+    "model.dispatcher=alltoall",
+]
 
 
 def test_trainer_logs_dropped_tokens_and_error_mode_fails(tmp_path):
     from moevlm.train.trainer import Trainer
 
-    job = compose_job(FAST + ["train.steps=2", f"train.run_dir={tmp_path / 'drop'}", "model.moe_capacity_factor=0.5"])
+    job = compose_job(
+        FAST
+        + ["train.steps=2", f"train.run_dir={tmp_path / 'drop'}", "model.moe_capacity_factor=0.5"]
+    )
     tr = Trainer(job)
     assert tr.run() == 0
-    recs = [json.loads(line) for line in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()]
+    recs = [
+        json.loads(line) for line in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()
+    ]
     layers = sum(tr.plan.model.moe.is_moe_layer(i) for i in range(tr.plan.model.text.num_layers))
-    tokens = tr.plan.grad_accum * job.train.micro_batch_size * job.data.pack.seq_len  # per step (padding routed too)
+    tokens = (
+        tr.plan.grad_accum * job.train.micro_batch_size * job.data.pack.seq_len
+    )  # per step (padding routed too)
     routed = tokens * tr.plan.model.moe.top_k * layers
     assert [r["step"] for r in recs] == [1, 2]
     for rec in recs:
         assert rec["steps_in_window"] == 1
         assert isinstance(rec["moe_dropped_tokens"], int) and 0 < rec["moe_dropped_tokens"] < routed
         assert rec["moe_dropped_fraction"] == pytest.approx(rec["moe_dropped_tokens"] / routed)
-        assert 0 < rec["moe_overflowed_dispatches"] <= layers * tr.plan.grad_accum  # the dispatches that dropped
+        assert (
+            0 < rec["moe_overflowed_dispatches"] <= layers * tr.plan.grad_accum
+        )  # the dispatches that dropped
 
-    job = compose_job(FAST + ["train.steps=2", f"train.run_dir={tmp_path / 'error'}",
-                              "model.moe_capacity_factor=0.5", "model.moe_capacity_overflow=error"])
+    job = compose_job(
+        FAST
+        + [
+            "train.steps=2",
+            f"train.run_dir={tmp_path / 'error'}",
+            "model.moe_capacity_factor=0.5",
+            "model.moe_capacity_overflow=error",
+        ]
+    )
     with pytest.raises(CapacityOverflowError, match="step 1: .* raise model.moe_capacity_factor"):
         Trainer(job).run()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 def test_bad_capacity_factors_are_refused(value):
-    with pytest.raises(ConfigError, match=f"model.moe_capacity_factor={value}.* must be a finite number > 0"):
-        validate(compose_job([f"model.moe_capacity_factor={value}", "model.dispatcher=alltoall"]), 1)
+    with pytest.raises(
+        ConfigError, match=f"model.moe_capacity_factor={value}.* must be a finite number > 0"
+    ):
+        validate(
+            compose_job([f"model.moe_capacity_factor={value}", "model.dispatcher=alltoall"]), 1
+        )
 
 
 def test_capacity_needs_alltoall_without_etp():
-    with pytest.raises(ConfigError, match="mode of the alltoall and hybridep dispatchers but the dispatcher "
-                                          "is 'local'"):
+    with pytest.raises(
+        ConfigError,
+        match="mode of the alltoall and hybridep dispatchers but the dispatcher is 'local'",
+    ):
         validate(compose_job(["model.moe_capacity_factor=1.25"]), 1)  # auto at ep 1: local
     with pytest.raises(ConfigError, match="moe_capacity_overflow='never'"):
-        validate(compose_job(["model.moe_capacity_factor=1.25", "model.moe_capacity_overflow=never"]), 1)
+        validate(
+            compose_job(["model.moe_capacity_factor=1.25", "model.moe_capacity_overflow=never"]), 1
+        )
     with pytest.raises(ConfigError, match="not built with parallel.etp=2"):
-        validate(compose_job(["model.moe_capacity_factor=1.25", "parallel.tp=2", "parallel.etp=2"]), 2)
-    plan = validate(compose_job(["model.moe_capacity_factor=1.25", "parallel.ep=2", "train.global_batch_size=2"]), 2)
+        validate(
+            compose_job(["model.moe_capacity_factor=1.25", "parallel.tp=2", "parallel.etp=2"]), 2
+        )
+    plan = validate(
+        compose_job(
+            ["model.moe_capacity_factor=1.25", "parallel.ep=2", "train.global_batch_size=2"]
+        ),
+        2,
+    )
     assert plan.model.moe.dispatcher == "alltoall" and plan.model.moe.capacity_factor == 1.25
     assert not math.isnan(plan.model.moe.capacity_factor)

@@ -61,13 +61,19 @@ def test_local_rows_plan_by_hand():
 
 def test_registered_and_importable_without_deep_ep(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deep_ep" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "deep_ep" else real(n, *a)
+    )
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     assert DISPATCHERS["deepep"] is DeepEPDispatcher and "deep_ep" not in sys.modules
     reason = DeepEPDispatcher.unavailable_reason(num_experts=E, top_k=K)
-    assert reason.startswith("the deep_ep package is not installed (DeepEP is built from source against CUDA")
+    assert reason.startswith(
+        "the deep_ep package is not installed (DeepEP is built from source against CUDA"
+    )
     assert "adapter" not in reason
-    with pytest.raises(RuntimeError, match="dispatcher 'deepep' cannot run: the deep_ep package is not installed"):
+    with pytest.raises(
+        RuntimeError, match="dispatcher 'deepep' cannot run: the deep_ep package is not installed"
+    ):
         build_dispatcher("deepep", num_experts=E, top_k=K)
 
 
@@ -75,16 +81,25 @@ def test_api_v2_without_elastic_buffer_fails_clearly(monkeypatch):
     monkeypatch.syspath_prepend(str(FAKES / "v1_only"))  # a deep_ep from before V2: Buffer alone
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     try:
-        with pytest.raises(RuntimeError, match=r"^dispatcher 'deepep' cannot run: the installed deep_ep package has "
-                                               r"no ElasticBuffer \(the deepep dispatcher's api='v2' drives it; "
-                                               r"api='auto' takes whichever of ElasticBuffer or Buffer is there\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^dispatcher 'deepep' cannot run: the installed deep_ep package has "
+            r"no ElasticBuffer \(the deepep dispatcher's api='v2' drives it; "
+            r"api='auto' takes whichever of ElasticBuffer or Buffer is there\)",
+        ):
             build_dispatcher("deepep", num_experts=E, top_k=K, api="v2")
-        with pytest.raises(RuntimeError, match=r"^deepep dispatcher api='v2' cannot run: the installed deep_ep "
-                                               r"package has no ElasticBuffer"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^deepep dispatcher api='v2' cannot run: the installed deep_ep "
+            r"package has no ElasticBuffer",
+        ):
             resolve_api("v2")  # what a dispatcher built directly meets at its first dispatch
         assert resolve_api("auto") == "v1"
-        with pytest.raises(RuntimeError, match=r"cannot run: moevlm's deepep adapter takes api='auto', 'v2' or "
-                                               r"'v1' \(api='v3'\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"cannot run: moevlm's deepep adapter takes api='auto', 'v2' or "
+            r"'v1' \(api='v3'\)",
+        ):
             build_dispatcher("deepep", num_experts=E, top_k=K, api="v3")
     finally:
         sys.modules.pop("deep_ep", None)
@@ -95,8 +110,11 @@ def test_auto_takes_v2_where_there(monkeypatch):
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     try:
         assert resolve_api("auto") == "v2" and resolve_api("v2") == "v2"
-        with pytest.raises(RuntimeError, match=r"^deepep dispatcher api='v1' cannot run: the installed deep_ep "
-                                               r"package has no Buffer"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^deepep dispatcher api='v1' cannot run: the installed deep_ep "
+            r"package has no Buffer",
+        ):
             resolve_api("v1")
     finally:
         sys.modules.pop("deep_ep", None)
@@ -104,7 +122,8 @@ def test_auto_takes_v2_where_there(monkeypatch):
 
 def test_one_rank_is_refused(emulated_deep_ep):
     assert DeepEPDispatcher.unavailable_reason(num_experts=E, top_k=K) == (
-        "DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep=1); it never runs on one")
+        "DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep=1); it never runs on one"
+    )
 
 
 # ------------------------------------------------------------ 4 ranks, one launch
@@ -118,10 +137,17 @@ def _scenario(name, rank, ep_rank, L, equal_tokens=False):
         allowed = list(range(L, E - 1))
     if name == "silent" and ep_rank == 1:  # sends nothing
         T = 0
-    picks = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)]
+    picks = [
+        torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)
+    ]
     idx = torch.stack(picks) if picks else torch.zeros(0, K, dtype=torch.long)
     w = torch.rand(T, K, generator=gen) + 0.1
-    return torch.randn(T, D, generator=gen), idx, w / w.sum(1, keepdim=True), torch.randn(T, D, generator=gen)
+    return (
+        torch.randn(T, D, generator=gen),
+        idx,
+        w / w.sum(1, keepdim=True),
+        torch.randn(T, D, generator=gen),
+    )
 
 
 def _moe(d, x, idx, w, W):
@@ -132,14 +158,18 @@ def _moe(d, x, idx, w, W):
 def _recomputed_moe(d, x, idx, w, W):
     """The same under selective recompute with moevlm's policy (the deepep ops' outputs saved)."""
     context = functools.partial(create_selective_checkpoint_contexts, save_communication)
-    y, counts = checkpoint(lambda *a: _moe(*a)[:2], d, x, idx, w, W, use_reentrant=False, context_fn=context)
+    y, counts = checkpoint(
+        lambda *a: _moe(*a)[:2], d, x, idx, w, W, use_reentrant=False, context_fn=context
+    )
     return y, counts, None, None
 
 
 def _run(d, x0, idx, w0, W0, g, recompute=False):
     x, w, W = (t.clone().requires_grad_() for t in (x0, w0, W0))
     y, counts, h, ex = (_recomputed_moe if recompute else _moe)(d, x, idx, w, W)
-    if isinstance(d, DeepEPDispatcher) and not recompute:  # the handle outlives its Python object while backward needs it
+    if (
+        isinstance(d, DeepEPDispatcher) and not recompute
+    ):  # the handle outlives its Python object while backward needs it
         hid = int(h.handle_id)
         del h, ex
         gc.collect()
@@ -169,7 +199,7 @@ def _check(api, name, group, W_EDD, worst):
     P, r = dist.get_world_size(group), dist.get_rank(group)
     L = E // P
     x0, idx, w0, g = _scenario(name, dist.get_rank(), r, L)
-    W0 = W_EDD[r * L:(r + 1) * L]
+    W0 = W_EDD[r * L : (r + 1) * L]
     deep = build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=group, api=api)
     ref = build_dispatcher("alltoall", num_experts=E, top_k=K, ep_group=group)
     got, counts = _run(deep, x0, idx, w0, W0, g)
@@ -182,10 +212,22 @@ def _check(api, name, group, W_EDD, worst):
         assert counts[-1] == 0 or r != P - 1, where
     calls = _count_layout_dispatches(deep.buffer)
     recomputed, _ = _run(deep, x0, idx, w0, W0, g, recompute=True)
-    assert calls == [1], f"{where}: recompute ran DeepEP's dispatch again ({calls})"  # its outputs were saved
-    for label, a, b in [*zip((f"{api} y", f"{api} dx", f"{api} dw", f"{api} dW"), got, want),
-                        *zip((f"{api} recompute y", f"{api} recompute dx", f"{api} recompute dw",
-                              f"{api} recompute dW"), recomputed, want)]:
+    assert calls == [1], (
+        f"{where}: recompute ran DeepEP's dispatch again ({calls})"
+    )  # its outputs were saved
+    for label, a, b in [
+        *zip((f"{api} y", f"{api} dx", f"{api} dw", f"{api} dW"), got, want),
+        *zip(
+            (
+                f"{api} recompute y",
+                f"{api} recompute dx",
+                f"{api} recompute dw",
+                f"{api} recompute dW",
+            ),
+            recomputed,
+            want,
+        ),
+    ]:
         err = _rel(a, b)
         worst[label] = max(worst.get(label, 0.0), err)
         assert err <= REL, f"{where}: {label} relative error {err:.2e}"
@@ -199,18 +241,22 @@ def _four_ranks(rank, emulator, out):
     import deep_ep
 
     assert deep_ep.EMULATOR
-    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D ** 0.5
+    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D**0.5
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     solo = [dist.new_group([p]) for p in range(4)]
     worst = {}
-    assert build_dispatcher("deepep", num_experts=E, top_k=K).resolved_api == "v2"  # the emulator offers both
+    assert (
+        build_dispatcher("deepep", num_experts=E, top_k=K).resolved_api == "v2"
+    )  # the emulator offers both
     for api in ("v1", "v2"):
         for group in (dist.group.WORLD, pairs[rank // 2]):
             for name in ("random", "idle", "silent"):
                 _check(api, name, group, W_EDD, worst)
     gc.collect()
     assert not HANDLES, f"handles left: {sorted(HANDLES)}"
-    with pytest.raises(RuntimeError, match="DeepEP needs an expert-parallel group of at least 2 ranks"):
+    with pytest.raises(
+        RuntimeError, match="DeepEP needs an expert-parallel group of at least 2 ranks"
+    ):
         build_dispatcher("deepep", num_experts=E, top_k=K, ep_group=solo[rank])
     write_max_over_ranks(worst, out)
 

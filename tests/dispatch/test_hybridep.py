@@ -45,24 +45,37 @@ EMULATOR = Path(__file__).parent / "hybrid_ep_emulator"
 def test_index_logic_by_hand():
     # 3 local experts with 3, 4, 2 rows; a budget of 6: 3 + 3 kept, the rest of the GEMM rows go nowhere
     assert fit_counts(torch.tensor([3, 4, 2]), 6).tolist() == [3, 3, 0]
-    assert fit_counts(torch.tensor([1, 1, 1]), 6).tolist() == [1, 1, 4]  # 3 unused rows: the last expert's
+    assert fit_counts(torch.tensor([1, 1, 1]), 6).tolist() == [
+        1,
+        1,
+        4,
+    ]  # 3 unused rows: the last expert's
     assert fit_counts(torch.tensor([5]), 3).tolist() == [3]
     assert dropped_rows(torch.tensor([3, 4, 2]), 6).item() == 3  # rows 6..8
     # padded to 4: blocks at 0, 4, 8; expert 1's rows 4..7 lose 6, 7, expert 2's rows 8, 9 both
     assert dropped_rows(torch.tensor([3, 4, 2]), 6, pad_multiple=4).item() == 4
     assert dropped_rows(torch.tensor([1, 1]), 8, pad_multiple=4).item() == 0
     # E*C rows (C = ceil(1.0 * 10 * 2 / 8) = 3), then 2 experts x 3 padding rows, to a multiple of 4
-    assert permuted_budget(1.0, 10, 2, 8, 2) == 24 and permuted_budget(1.0, 10, 2, 8, 2, pad_multiple=4) == 32
+    assert (
+        permuted_budget(1.0, 10, 2, 8, 2) == 24
+        and permuted_budget(1.0, 10, 2, 8, 2, pad_multiple=4) == 32
+    )
 
 
 def test_registered_and_importable_without_deep_ep(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deep_ep" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "deep_ep" else real(n, *a)
+    )
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     assert DISPATCHERS["hybridep"] is HybridEPDispatcher and "deep_ep" not in sys.modules
     reason = HybridEPDispatcher.unavailable_reason(num_experts=E, top_k=K)
-    assert reason.startswith("the deep_ep package is not installed (HybridEP is DeepEP's hybrid-ep branch")
-    with pytest.raises(RuntimeError, match="dispatcher 'hybridep' cannot run: the deep_ep package is not installed"):
+    assert reason.startswith(
+        "the deep_ep package is not installed (HybridEP is DeepEP's hybrid-ep branch"
+    )
+    with pytest.raises(
+        RuntimeError, match="dispatcher 'hybridep' cannot run: the deep_ep package is not installed"
+    ):
         build_dispatcher("hybridep", num_experts=E, top_k=K)
 
 
@@ -82,7 +95,9 @@ def _run(d, x0, idx, w0, W0, g, recompute=False, keep=None):
     """y and the gradients w.r.t. x, router weights, expert weights; `keep`: router weights of the other
     choices multiplied by 0 (the reference for dropped choices)."""
     x, w, W = (t.clone().requires_grad_() for t in (x0, w0, W0))
-    y, counts = (_recomputed_moe if recompute else _moe)(d, x, idx, w if keep is None else w * keep, W)
+    y, counts = (_recomputed_moe if recompute else _moe)(
+        d, x, idx, w if keep is None else w * keep, W
+    )
     (y * g).sum().backward()
     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (x, w, W)]
     return [y.detach(), *grads], counts
@@ -113,7 +128,7 @@ def _dropless(name, group, W_EDD, worst):
     P, r = dist.get_world_size(group), dist.get_rank(group)
     L = E // P
     x0, idx, w0, g = _scenario(name, dist.get_rank(), r, L)
-    W0 = W_EDD[r * L:(r + 1) * L]
+    W0 = W_EDD[r * L : (r + 1) * L]
     where = f"{name} EP={P} rank {dist.get_rank()}"
     ref = build_dispatcher("alltoall", num_experts=E, top_k=K, ep_group=group)
     want, counts_ref = _run(ref, x0, idx, w0, W0, g)
@@ -131,7 +146,9 @@ def _dropless(name, group, W_EDD, worst):
     hyb.pad_multiple = 1
     calls = _count_layout_dispatches(_BUFFERS[group.group_name][0])
     recomputed, _ = _run(hyb, x0, idx, w0, W0, g, recompute=True)
-    assert calls == [1], f"{where}: recompute ran HybridEP's dispatch again ({calls})"  # its outputs were saved
+    assert calls == [1], (
+        f"{where}: recompute ran HybridEP's dispatch again ({calls})"
+    )  # its outputs were saved
     _compare(where, recomputed, want, worst, "recompute ")
     with torch.no_grad():  # nothing needs backward: the handle goes at once
         ex, _, h = hyb.dispatch(x0, idx, w0)
@@ -155,7 +172,7 @@ def _kept_by_hand(idx, group, budget, pad):
                 if position + i >= budget:
                     keep[t, k], dropped[q] = 0.0, dropped[q] + 1
             position += -(-len(block) // pad) * pad
-    return keep[r * T:(r + 1) * T], dropped
+    return keep[r * T : (r + 1) * T], dropped
 
 
 def _capacity(name, group, W_EDD, worst):
@@ -164,34 +181,46 @@ def _capacity(name, group, W_EDD, worst):
     P, r = dist.get_world_size(group), dist.get_rank(group)
     L = E // P
     x0, idx, w0, g = _scenario(name, dist.get_rank(), r, L, equal_tokens=True)
-    W0, T = W_EDD[r * L:(r + 1) * L], x0.shape[0]
+    W0, T = W_EDD[r * L : (r + 1) * L], x0.shape[0]
     where = f"capacity {name} EP={P} rank {dist.get_rank()}"
     ref = build_dispatcher("alltoall", num_experts=E, top_k=K, ep_group=group)
     want, _ = _run(ref, x0, idx, w0, W0, g)
-    roomy = build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=E / K)
+    roomy = build_dispatcher(
+        "hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=E / K
+    )
     got, counts = _run(roomy, x0, idx, w0, W0, g)  # C = T: nothing can overflow
     _compare(where, got, want, worst, "roomy ")
     assert counts.sum() == permuted_budget(E / K, T, K, E, L), where  # the GEMM sees all M rows
     assert roomy.dropped.item() == 0 and roomy.flagged.item() == 0 and roomy.routed == T * K, where
     for pad in (1, 4):
-        tight = build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=0.5)
+        tight = build_dispatcher(
+            "hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=0.5
+        )
         tight.pad_multiple = pad
         budget = permuted_budget(0.5, T, K, E, L, pad)
         keep, dropped = _kept_by_hand(idx, group, budget, pad)
         got, _ = _run(tight, x0, idx, w0, W0, g)
         want, _ = _run(ref, x0, idx, w0, W0, g, keep=keep)
         _compare(f"{where} pad {pad}", got, want, worst, f"overflow pad{pad} ")
-        assert tight.dropped.item() == dropped[r], f"{where} pad {pad}: {tight.dropped.item()} != {dropped[r]}"
-        assert tight.flagged.item() == (dropped[r] > 0) or pad > 1, where  # (padding alone can overflow)
+        assert tight.dropped.item() == dropped[r], (
+            f"{where} pad {pad}: {tight.dropped.item()} != {dropped[r]}"
+        )
+        assert tight.flagged.item() == (dropped[r] > 0) or pad > 1, (
+            where
+        )  # (padding alone can overflow)
         if name == "idle" and pad == 1:
-            assert sum(dropped) > 0 and dropped[0] == 0, where  # rank 0 receives nothing, drops nothing
+            assert sum(dropped) > 0 and dropped[0] == 0, (
+                where
+            )  # rank 0 receives nothing, drops nothing
 
         class Layer(torch.nn.Module):
             dispatcher = tight
 
         counter = OverflowCounter(torch.nn.Sequential(Layer()), [group], 0.5, "drop")
         rec = counter.record(torch.device("cpu"))
-        assert rec["moe_dropped_tokens"] == sum(dropped) and rec["moe_dropped_fraction"] == sum(dropped) / (P * T * K)
+        assert rec["moe_dropped_tokens"] == sum(dropped) and rec["moe_dropped_fraction"] == sum(
+            dropped
+        ) / (P * T * K)
         assert rec["moe_overflowed_dispatches"] >= (sum(dropped) > 0)
 
 
@@ -202,7 +231,10 @@ def _meta_no_host_reads(group):
     d = build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=0.5)
     T = 6
     x = torch.empty(T, D, device="meta", requires_grad=True)
-    idx, w = torch.empty(T, K, dtype=torch.long, device="meta"), torch.empty(T, K, device="meta", requires_grad=True)
+    idx, w = (
+        torch.empty(T, K, dtype=torch.long, device="meta"),
+        torch.empty(T, K, device="meta", requires_grad=True),
+    )
     with no_host_reads():
         ex, counts, h = d.dispatch(x, idx, w)
         y = d.combine(ex * 2, h)
@@ -220,7 +252,7 @@ def _compiled_capacity(group, W_EDD, worst):
     P, r = dist.get_world_size(group), dist.get_rank(group)
     L = E // P
     x0, idx, w0, g = _scenario("random", dist.get_rank(), r, L, equal_tokens=True)
-    W0 = W_EDD[r * L:(r + 1) * L]
+    W0 = W_EDD[r * L : (r + 1) * L]
     d = build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=1.0)
     want, _ = _run(d, x0, idx, w0, W0, g)
     torch._dynamo.reset()
@@ -231,8 +263,13 @@ def _compiled_capacity(group, W_EDD, worst):
     (y * g).sum().backward()
     breaks = " ".join(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0 and "moevlm_hybridep" not in breaks, breaks
-    _compare(f"compiled EP={P} rank {dist.get_rank()}", [y.detach(), x.grad, w.grad, W.grad], want, worst,
-             "compiled ")
+    _compare(
+        f"compiled EP={P} rank {dist.get_rank()}",
+        [y.detach(), x.grad, w.grad, W.grad],
+        want,
+        worst,
+        "compiled ",
+    )
     torch._dynamo.reset()
 
 
@@ -241,7 +278,7 @@ def _four_ranks(rank, emulator, out):
     import deep_ep
 
     assert deep_ep.EMULATOR
-    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D ** 0.5
+    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7)) / D**0.5
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     solo = [dist.new_group([p]) for p in range(4)]
     worst = {}
@@ -254,7 +291,9 @@ def _four_ranks(rank, emulator, out):
     _compiled_capacity(pairs[rank // 2], W_EDD, worst)
     gc.collect()
     assert not HANDLES, f"handles left: {sorted(HANDLES)}"
-    with pytest.raises(RuntimeError, match="HybridEP needs an expert-parallel group of at least 2 ranks"):
+    with pytest.raises(
+        RuntimeError, match="HybridEP needs an expert-parallel group of at least 2 ranks"
+    ):
         build_dispatcher("hybridep", num_experts=E, top_k=K, ep_group=solo[rank])
     write_max_over_ranks(worst, out)
 

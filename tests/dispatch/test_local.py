@@ -4,7 +4,13 @@ availability gate."""
 import pytest
 import torch
 
-from moevlm.dispatch import DISPATCHERS, LocalDispatcher, TokenDispatcher, build_dispatcher, dense_routing
+from moevlm.dispatch import (
+    DISPATCHERS,
+    LocalDispatcher,
+    TokenDispatcher,
+    build_dispatcher,
+    dense_routing,
+)
 
 
 def test_dispatch_groups_rows_by_expert_in_token_order():
@@ -26,7 +32,9 @@ def test_combine_applies_weights_once_and_sums_choices():
     topk_idx = torch.tensor([[1, 3], [0, 1], [3, 2], [1, 0], [2, 3]])
     topk_w = torch.rand(5, 2)
     expert_x, counts, handle = d.dispatch(x_TD, topk_idx, topk_w)
-    scale = torch.tensor([1.0, 2.0, 3.0, 4.0]).repeat_interleave(counts)[:, None]  # expert e multiplies by e+1
+    scale = torch.tensor([1.0, 2.0, 3.0, 4.0]).repeat_interleave(counts)[
+        :, None
+    ]  # expert e multiplies by e+1
     y = d.combine(expert_x * scale, handle)
     expected = ((topk_idx + 1).float() * topk_w).sum(1, keepdim=True) * x_TD
     torch.testing.assert_close(y, expected)
@@ -44,7 +52,9 @@ def test_gradients_reach_inputs_and_router_weights():
 
 
 def test_dense_routing_map_and_probs():
-    routing_map, probs = dense_routing(torch.tensor([[2, 0], [1, 2]]), torch.tensor([[0.75, 0.25], [0.5, 0.5]]), 3)
+    routing_map, probs = dense_routing(
+        torch.tensor([[2, 0], [1, 2]]), torch.tensor([[0.75, 0.25], [0.5, 0.5]]), 3
+    )
     assert routing_map.tolist() == [[True, False, True], [False, True, True]]
     assert probs.tolist() == [[0.25, 0.0, 0.75], [0.0, 0.5, 0.5]]
 

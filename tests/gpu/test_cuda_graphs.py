@@ -19,7 +19,13 @@ from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 
 pytestmark = pytest.mark.gpu
 
-SCOPES = [["attn"], ["moe_router"], ["moe_preprocess"], ["attn", "moe_router", "moe_preprocess"], ["full_layer"]]
+SCOPES = [
+    ["attn"],
+    ["moe_router"],
+    ["moe_preprocess"],
+    ["attn", "moe_router", "moe_preprocess"],
+    ["full_layer"],
+]
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 
 
@@ -39,8 +45,11 @@ def _steps(model, batches, precision):
     """Per step: forward+backward per micro-batch (gradients accumulate), then an SGD step.  Losses,
     expert counts and the gradients before each update."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if precision == "bf16" \
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+        if precision == "bf16"
         else contextlib.nullcontext()
+    )
     log = []
     for step in batches:
         opt.zero_grad(set_to_none=True)
@@ -49,17 +58,23 @@ def _steps(model, batches, precision):
                 out = model(ids, cu_seqlens=cu, labels=ids, token_mask=token_mask)
             (out.lm_loss + 0.01 * out.aux_loss).backward()
             log.append((out.lm_loss.detach().float(), out.expert_counts.clone()))
-        log.append({n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        log.append(
+            {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
         opt.step()
     return log
 
 
 def _batches(steps=3, micro=2, B=2, S=64):
     g = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 20, 64, 100, 128], dtype=torch.int32, device="cuda")  # same boundaries: same shapes
+    cu = torch.tensor(
+        [0, 20, 64, 100, 128], dtype=torch.int32, device="cuda"
+    )  # same boundaries: same shapes
     token_mask = (torch.arange(S)[None].expand(B, S) < torch.tensor([[S], [S - 10]])).cuda()
-    return [[(torch.randint(0, 1000, (B, S), generator=g).cuda(), cu, token_mask) for _ in range(micro)]
-            for _ in range(steps)]
+    return [
+        [(torch.randint(0, 1000, (B, S), generator=g).cuda(), cu, token_mask) for _ in range(micro)]
+        for _ in range(steps)
+    ]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -75,15 +90,22 @@ def test_replay_equals_eager(scope, precision):
         if isinstance(r, dict):
             assert r.keys() == g.keys()
             for name in r:
-                torch.testing.assert_close(g[name], r[name], rtol=0, atol=tol * max(r[name].abs().max().item(), 1e-6),
-                                           msg=lambda m, name=name: f"{scope} {precision} grad {name}: {m}")
+                torch.testing.assert_close(
+                    g[name],
+                    r[name],
+                    rtol=0,
+                    atol=tol * max(r[name].abs().max().item(), 1e-6),
+                    msg=lambda m, name=name: f"{scope} {precision} grad {name}: {m}",
+                )
         else:
             torch.testing.assert_close(g[0], r[0], rtol=tol, atol=tol)
             assert torch.equal(g[1], r[1]) or precision == "bf16"  # routing may flip on a bf16 tie
     layers = len(graphed.text.layers)
     moe = sum(layer.is_moe for layer in graphed.text.layers)
     want = {"attn": layers, "moe_router": moe, "moe_preprocess": moe, "full_layer": layers}
-    assert graphs.captures() == {k: want[k] for k in scope}  # one capture per region, replayed afterwards
+    assert graphs.captures() == {
+        k: want[k] for k in scope
+    }  # one capture per region, replayed afterwards
 
 
 def test_eval_and_no_grad_run_eager():

@@ -29,16 +29,26 @@ import torch
 pytest.importorskip("triton")
 
 from moevlm.kernels import fp8_gemm as fg  # noqa: E402
-from moevlm.kernels.fp8_quant import (quant_blockwise_act_t_torch, quant_blockwise_act_torch,  # noqa: E402
-                                      quant_blockwise_weight_torch, quant_mxfp8_torch)
+from moevlm.kernels.fp8_quant import (
+    quant_blockwise_act_t_torch,
+    quant_blockwise_act_torch,  # noqa: E402
+    quant_blockwise_weight_torch,
+    quant_mxfp8_torch,
+)
 from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
 SEED = int(os.environ.get("FP8_GEMM_SEED", int.from_bytes(os.urandom(4), "little")))
 K, N = 256, 192
 CASES = {"grouped": [128, 0, 256, 128], "unaligned": [100, 0, 200, 37], "dense": None}
 DENSE_M = 200
-FNS = {("mm", True): fg.fp8_grouped_mm, ("dgrad", True): fg.fp8_grouped_dgrad, ("wgrad", True): fg.fp8_grouped_wgrad,
-       ("mm", False): fg.fp8_linear, ("dgrad", False): fg.fp8_linear_dgrad, ("wgrad", False): fg.fp8_linear_wgrad}
+FNS = {
+    ("mm", True): fg.fp8_grouped_mm,
+    ("dgrad", True): fg.fp8_grouped_dgrad,
+    ("wgrad", True): fg.fp8_grouped_wgrad,
+    ("mm", False): fg.fp8_linear,
+    ("dgrad", False): fg.fp8_linear_dgrad,
+    ("wgrad", False): fg.fp8_linear_wgrad,
+}
 # emulate vs unquantized, relative Frobenius error on Gaussian data: measured ~3.7e-2 blockwise, ~4.3e-2 MXFP8.
 # e4m3 keeps 3 mantissa bits: an element's rounding error is ~2.6% RMS, two operands give ~sqrt(2) x that.  The
 # bounds catch a wrong scale (O(1) errors) or no quantization at all, not a slightly different rounding.
@@ -54,7 +64,9 @@ def _data(counts, gen):
     M = DENSE_M if counts is None else sum(counts)
     E = 1 if counts is None else len(counts)
     x = torch.randn(M, K, generator=gen)
-    w = torch.randn(E, K, N, generator=gen) * torch.rand(E, 1, N, generator=gen) / K ** 0.5  # per-column spread
+    w = (
+        torch.randn(E, K, N, generator=gen) * torch.rand(E, 1, N, generator=gen) / K**0.5
+    )  # per-column spread
     dy = torch.randn(M, N, generator=gen) * (1 + torch.rand(M, 1, generator=gen))
     return x, (w[0] if counts is None else w), dy
 
@@ -64,7 +76,10 @@ def _quantize(op, recipe, x, w, dy):
     if recipe == "blockwise":
         if op == "wgrad":
             return (*quant_blockwise_act_t_torch(x), *quant_blockwise_act_t_torch(dy))
-        return (*quant_blockwise_act_torch(x if op == "mm" else dy), *quant_blockwise_weight_torch(w))
+        return (
+            *quant_blockwise_act_torch(x if op == "mm" else dy),
+            *quant_blockwise_weight_torch(w),
+        )
     if op == "wgrad":
         return (*quant_mxfp8_torch(x.t()), *quant_mxfp8_torch(dy.t()))
     if op == "dgrad":  # w quantized 1x32 along N
@@ -76,7 +91,9 @@ def _quantize(op, recipe, x, w, dy):
 def _run(op, recipe, backend, args, counts, out_dtype=torch.float32):
     if counts is None:
         return FNS[op, False](*args, recipe=recipe, backend=backend, out_dtype=out_dtype)
-    return FNS[op, True](*args, torch.tensor(counts), recipe=recipe, backend=backend, out_dtype=out_dtype)
+    return FNS[op, True](
+        *args, torch.tensor(counts), recipe=recipe, backend=backend, out_dtype=out_dtype
+    )
 
 
 def _rel(got, want):
@@ -93,10 +110,14 @@ def test_triton_matches_emulation(op, case, gen):
     assert got.shape == want.shape and got.dtype == torch.float32
     rel, peak = _rel(got, want), float((got - want).abs().max() / want.abs().max())
     print(f"triton vs emulate {op:5s} {case:9s}: rel {rel:.2e}  max/peak {peak:.2e}")
-    assert rel <= 1e-5 and peak <= 1e-5, f"{op} {case} counts={counts}: rel {rel:.2e} peak {peak:.2e} (seed {SEED})"
+    assert rel <= 1e-5 and peak <= 1e-5, (
+        f"{op} {case} counts={counts}: rel {rel:.2e} peak {peak:.2e} (seed {SEED})"
+    )
     if op == "wgrad" and counts is not None:
         for e in (e for e, c in enumerate(counts) if c == 0):
-            assert float(got[e].abs().max()) == 0.0, f"dw[{e}] of an empty expert, counts={counts}, seed {SEED}"
+            assert float(got[e].abs().max()) == 0.0, (
+                f"dw[{e}] of an empty expert, counts={counts}, seed {SEED}"
+            )
 
 
 def test_triton_bf16_output_within_one_ulp(gen):
@@ -105,7 +126,9 @@ def test_triton_bf16_output_within_one_ulp(gen):
     got = _run("mm", "blockwise", "triton", args, counts, torch.bfloat16)
     want = _run("mm", "blockwise", "emulate", args, counts)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-6, msg=lambda m: f"{m} (seed {SEED})")
+    torch.testing.assert_close(
+        got.float(), want, rtol=2**-7, atol=1e-6, msg=lambda m: f"{m} (seed {SEED})"
+    )
 
 
 def test_strided_operands(gen):
@@ -114,8 +137,12 @@ def test_strided_operands(gen):
     x, w, dy = _data(counts, gen)
     xq, xs, wq, ws = _quantize("mm", "blockwise", x, w, dy)
     strided = (xq, xs.t().contiguous().t(), wq.transpose(1, 2).contiguous().transpose(1, 2), ws)
-    torch.testing.assert_close(_run("mm", "blockwise", "triton", strided, counts),
-                               _run("mm", "blockwise", "emulate", (xq, xs, wq, ws), counts), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _run("mm", "blockwise", "triton", strided, counts),
+        _run("mm", "blockwise", "emulate", (xq, xs, wq, ws), counts),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
@@ -126,7 +153,15 @@ def test_quantization_error_vs_unquantized(recipe, gen):
         x, w, dy = _data(counts, gen)
         for op in ("mm", "dgrad", "wgrad"):
             got = _run(op, recipe, "emulate", _quantize(op, recipe, x, w, dy), counts)
-            table.append((case, op, _rel(got.reshape(-1), fg.unquantized_reference(op, x, w, dy, counts).reshape(-1))))
+            table.append(
+                (
+                    case,
+                    op,
+                    _rel(
+                        got.reshape(-1), fg.unquantized_reference(op, x, w, dy, counts).reshape(-1)
+                    ),
+                )
+            )
     print(f"\n{recipe} emulate vs unquantized fp64 (relative Frobenius error):")
     for case, op, rel in table:
         print(f"  {case:8s} {op:5s} {rel:.2e}")
@@ -138,20 +173,28 @@ def test_probe_on_cpu_reports_missing_and_selection_names_it(gen):
     support = fg.scaled_mm_support("cpu")
     assert set(support) == {"scaled_mm_blockwise", "scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"}
     assert all(type(v) is bool for v in support.values()) and not any(support.values()), support
-    assert fg.scaled_mm_support(torch.device("cpu")) is not support  # a fresh dict from the cached probe
+    assert (
+        fg.scaled_mm_support(torch.device("cpu")) is not support
+    )  # a fresh dict from the cached probe
     counts = CASES["grouped"]
     args = _quantize("mm", "blockwise", *_data(counts, gen))
-    with pytest.raises(RuntimeError, match=r"torch\._scaled_mm with blockwise 1x128/128x128.*missing on cpu"):
+    with pytest.raises(
+        RuntimeError, match=r"torch\._scaled_mm with blockwise 1x128/128x128.*missing on cpu"
+    ):
         _run("mm", "blockwise", "torch", args, counts)
     args = _quantize("dgrad", "mxfp8", *_data(counts, gen))
-    with pytest.raises(RuntimeError, match=r"torch\._scaled_grouped_mm with MXFP8.*NotImplementedError"):
+    with pytest.raises(
+        RuntimeError, match=r"torch\._scaled_grouped_mm with MXFP8.*NotImplementedError"
+    ):
         _run("dgrad", "mxfp8", "torch", args, counts, torch.bfloat16)
 
 
 # ------------------------------------------------- the torch path against a stand-in _scaled_mm
 def _unswizzle(s_flat, rows, cols):
     Rp, Cp = -(-rows // 128) * 128, -(-cols // 4) * 4
-    u = s_flat.view(torch.uint8).view(Rp // 128, Cp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)  # rb, a, b, cb, c
+    u = (
+        s_flat.view(torch.uint8).view(Rp // 128, Cp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    )  # rb, a, b, cb, c
     return u.reshape(Rp, Cp)[:rows, :cols].view(s_flat.dtype)
 
 
@@ -196,10 +239,27 @@ def test_torch_path_against_a_standin_scaled_mm(monkeypatch, gen):
                     want = _run(op, recipe, "emulate", args, counts)
                     assert _rel(got, want) < 1e-6, (recipe, case, op, _rel(got, want))
         with pytest.raises(ValueError, match="start on a 128-row scale block"):
-            _run("wgrad", "blockwise", "torch", _quantize("wgrad", "blockwise", *_data(CASES["unaligned"], gen)),
-                 CASES["unaligned"])
-        monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, sa, sb, out_dtype=None: _scaled_mm_standin(
-            a, b, sa.t().contiguous().t() if sa.dtype == torch.float32 else sa, sb, out_dtype) * 1.5)
+            _run(
+                "wgrad",
+                "blockwise",
+                "torch",
+                _quantize("wgrad", "blockwise", *_data(CASES["unaligned"], gen)),
+                CASES["unaligned"],
+            )
+        monkeypatch.setattr(
+            torch,
+            "_scaled_mm",
+            lambda a, b, sa, sb, out_dtype=None: (
+                _scaled_mm_standin(
+                    a,
+                    b,
+                    sa.t().contiguous().t() if sa.dtype == torch.float32 else sa,
+                    sb,
+                    out_dtype,
+                )
+                * 1.5
+            ),
+        )
         fg._probe.cache_clear()
         assert "disagreed with the emulation" in fg._probe("cpu")["scaled_mm_blockwise"][1]
     finally:
@@ -227,8 +287,12 @@ def test_fakes_give_shapes_and_dtypes():
         x, xs = torch.empty(M, K, dtype=e4), torch.empty(M, 2)
         w, ws = torch.empty(E, K, N, dtype=e4), torch.empty(E, 2, 2)
         dy, dys = torch.empty(M, N, dtype=e4), torch.empty(M, 2)
-        xt, xts, dyt, dyts = torch.empty(K, M, dtype=e4), torch.empty(K, 3), torch.empty(N, M, dtype=e4), \
-            torch.empty(N, 3)
+        xt, xts, dyt, dyts = (
+            torch.empty(K, M, dtype=e4),
+            torch.empty(K, 3),
+            torch.empty(N, M, dtype=e4),
+            torch.empty(N, 3),
+        )
         counts = torch.empty(E, dtype=torch.int64)
         out = fg.fp8_grouped_mm(x, xs, w, ws, counts)
         dx = fg.fp8_grouped_dgrad(dy, dys, w, ws, counts, out_dtype=torch.float32)
@@ -246,23 +310,40 @@ def test_opcheck_the_custom_ops(gen):
     counts = torch.tensor([40, 0, 90])
     x, w, dy = _data([40, 0, 90], gen)
     ops = torch.ops.moevlm
-    for op, name, out_dtype in (("mm", "fp8_grouped_mm_blockwise", torch.bfloat16),
-                                ("dgrad", "fp8_grouped_dgrad_blockwise", torch.float32),
-                                ("wgrad", "fp8_grouped_wgrad_blockwise", torch.float32)):
+    for op, name, out_dtype in (
+        ("mm", "fp8_grouped_mm_blockwise", torch.bfloat16),
+        ("dgrad", "fp8_grouped_dgrad_blockwise", torch.float32),
+        ("wgrad", "fp8_grouped_wgrad_blockwise", torch.float32),
+    ):
         args = (*_quantize(op, "blockwise", x, w, dy), counts, out_dtype)
         before = [a.clone() for a in args[:5]]
         getattr(ops, name).default(*args)
-        assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
-                               if b.element_size() == 1 else b) for a, b in zip(args[:5], before)), name
-        torch.library.opcheck(getattr(ops, name).default, args,
-                              test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+        assert all(
+            torch.equal(
+                a.view(torch.uint8) if a.element_size() == 1 else a,
+                b.view(torch.uint8) if b.element_size() == 1 else b,
+            )
+            for a, b in zip(args[:5], before)
+        ), name
+        torch.library.opcheck(
+            getattr(ops, name).default,
+            args,
+            test_utils=(
+                "test_autograd_registration",
+                "test_faketensor",
+                "test_aot_dispatch_dynamic",
+            ),
+        )
 
 
 def test_compiles_fullgraph(gen):
     counts = [100, 0, 200]
     args = _quantize("mm", "blockwise", *_data(counts, gen))
-    fn = torch.compile(lambda *a: fg.fp8_grouped_mm(*a, out_dtype=torch.float32).square().sum(), backend="aot_eager",
-                       fullgraph=True)
+    fn = torch.compile(
+        lambda *a: fg.fp8_grouped_mm(*a, out_dtype=torch.float32).square().sum(),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     got = fn(*args, torch.tensor(counts))
     want = _run("mm", "blockwise", "emulate", args, counts).double().square().sum()
     assert abs(float(got) / float(want) - 1) < 1e-5, (float(got), float(want))
@@ -292,22 +373,71 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
 
 def _compile_sm90():
-    mm = ["stride_am", "stride_ak", "stride_asm", "stride_ask", "stride_be", "stride_bk", "stride_bn",
-          "stride_bse", "stride_bsk", "stride_bsn", "stride_om", "stride_on"]
-    wg = ["stride_ak", "stride_am", "stride_ask", "stride_asm", "stride_bn", "stride_bm", "stride_bsn", "stride_bsm",
-          "stride_we", "stride_wk", "stride_wn"]
-    cases = [(fg._fp8_mm_kernel, fg._MM_CONFIGS, mm, ("stride_ak", "stride_bn", "stride_on"), dict(BLOCK_K=128)),
-             (fg._fp8_mm_kernel, fg._MM_CONFIGS, mm, ("stride_ak", "stride_bk", "stride_on"), dict(BLOCK_K=128)),
-             (fg._fp8_wgrad_kernel, fg._WGRAD_CONFIGS, wg, ("stride_am", "stride_bm", "stride_wn"), dict(BLOCK_M=128))]
+    mm = [
+        "stride_am",
+        "stride_ak",
+        "stride_asm",
+        "stride_ask",
+        "stride_be",
+        "stride_bk",
+        "stride_bn",
+        "stride_bse",
+        "stride_bsk",
+        "stride_bsn",
+        "stride_om",
+        "stride_on",
+    ]
+    wg = [
+        "stride_ak",
+        "stride_am",
+        "stride_ask",
+        "stride_asm",
+        "stride_bn",
+        "stride_bm",
+        "stride_bsn",
+        "stride_bsm",
+        "stride_we",
+        "stride_wk",
+        "stride_wn",
+    ]
+    cases = [
+        (
+            fg._fp8_mm_kernel,
+            fg._MM_CONFIGS,
+            mm,
+            ("stride_ak", "stride_bn", "stride_on"),
+            dict(BLOCK_K=128),
+        ),
+        (
+            fg._fp8_mm_kernel,
+            fg._MM_CONFIGS,
+            mm,
+            ("stride_ak", "stride_bk", "stride_on"),
+            dict(BLOCK_K=128),
+        ),
+        (
+            fg._fp8_wgrad_kernel,
+            fg._WGRAD_CONFIGS,
+            wg,
+            ("stride_am", "stride_bm", "stride_wn"),
+            dict(BLOCK_M=128),
+        ),
+    ]
     for kernel, configs, strides, ones, fixed in cases:
         fn = kernel.fn
         for cfg in configs:
-            sig = dict(zip(fn.arg_names[:6], ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*i64"]))
+            sig = dict(
+                zip(fn.arg_names[:6], ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*i64"])
+            )
             sig.update({n: "i32" for n in ["N", "K", "E", *strides]})
             consts = dict(cfg.kwargs, E_P2=128, **fixed, **{n: 1 for n in ones})
             c = compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible=True)
             assert c.metadata.shared <= 227 * 1024, (fn.__name__, cfg, c.metadata.shared)
-            mma = "wgmma e4m3.e4m3" if ".e4m3.e4m3" in c.asm["ptx"] and "wgmma" in c.asm["ptx"] else "no fp8 wgmma"
+            mma = (
+                "wgmma e4m3.e4m3"
+                if ".e4m3.e4m3" in c.asm["ptx"] and "wgmma" in c.asm["ptx"]
+                else "no fp8 wgmma"
+            )
             print(fn.__name__, ones[1], cfg.kwargs, cfg.num_stages, "smem", c.metadata.shared, mma)
 
 

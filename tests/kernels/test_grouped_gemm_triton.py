@@ -22,12 +22,18 @@ from moevlm.kernels.grouped_gemm_triton import grouped_mm_triton  # noqa: E402
 from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
 SEED = int(os.environ.get("GROUPED_GEMM_SEED", int.from_bytes(os.urandom(4), "little")))
-E, K, N = 6, 80, 72  # K and N not multiples of the interpreter's 32-wide blocks: 3 tiles each, masked tails
+E, K, N = (
+    6,
+    80,
+    72,
+)  # K and N not multiples of the interpreter's 32-wide blocks: 3 tiles each, masked tails
 # The kernels accumulate in fp32 and round once, so fp16/bf16 results sit within an ulp of the fp32 reference
 # (bf16: a whole ulp, as the interpreter truncates fp32 -> bf16 where a GPU rounds to nearest).
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4),
-       torch.float16: dict(rtol=2e-3, atol=1e-3),
-       torch.bfloat16: dict(rtol=1.6e-2, atol=1e-3)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-4),
+    torch.float16: dict(rtol=2e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-3),
+}
 
 
 @pytest.fixture
@@ -63,8 +69,12 @@ def _fwd_bwd(fn, x, w, counts_E, dy=None):
 def _compare(got, want, tol, what):
     errs = []
     for name, g, r in zip(("out", "dx", "dw"), got, want):
-        torch.testing.assert_close(g.float(), r.float(), **tol,
-                                   msg=lambda m, name=name: f"{name} {what} (GROUPED_GEMM_SEED={SEED}): {m}")
+        torch.testing.assert_close(
+            g.float(),
+            r.float(),
+            **tol,
+            msg=lambda m, name=name: f"{name} {what} (GROUPED_GEMM_SEED={SEED}): {m}",
+        )
         errs.append(float((g.float() - r.float()).abs().max()) if g.numel() else 0.0)
     print(f"max |err| {what}: out {errs[0]:.3g}  dx {errs[1]:.3g}  dw {errs[2]:.3g}")
 
@@ -82,20 +92,24 @@ def test_matches_loop_reference(case, dtype, gen):
     assert [t.dtype for t in got] == [dtype] * 3 and got[0].shape == (M, N)
     _compare(got, want, TOL[dtype], f"{case} {dtype} counts={counts}")
     for e in (e for e, c in enumerate(counts) if c == 0):  # no rows: exact zeros, not just small
-        assert float(got[2][e].abs().max()) == 0.0, f"dw[{e}] of an empty expert, counts={counts}, seed {SEED}"
+        assert float(got[2][e].abs().max()) == 0.0, (
+            f"dw[{e}] of an empty expert, counts={counts}, seed {SEED}"
+        )
 
 
 def test_strided_inputs_and_noncontiguous_gradients(gen):
     """x a column slice, w a transposed view, int32 counts; dy expanded (`.sum()`) or transposed."""
     counts = torch.tensor(_counts("uneven", gen), dtype=torch.int32)
     M = int(counts.sum())
-    x = torch.randn(M, K + 8, generator=gen)[:, 3:3 + K]
+    x = torch.randn(M, K + 8, generator=gen)[:, 3 : 3 + K]
     w = torch.randn(E, N, K, generator=gen).transpose(1, 2)
     dy_t = torch.randn(N, M, generator=gen).t()
     for dy in (None, dy_t):
         got = _fwd_bwd(grouped_mm_triton, x, w, counts, dy)
         want = _fwd_bwd(grouped_mm_loop, x, w, counts, dy)
-        _compare(got, want, TOL[torch.float32], f"strided, dy={'sum' if dy is None else 'transposed'}")
+        _compare(
+            got, want, TOL[torch.float32], f"strided, dy={'sum' if dy is None else 'transposed'}"
+        )
 
 
 def test_opcheck_the_custom_ops(gen):
@@ -106,16 +120,23 @@ def test_opcheck_the_custom_ops(gen):
     w = torch.randn(4, 40, 24, generator=gen, requires_grad=True)
     dy = torch.randn(25, 24, generator=gen)
     torch.library.opcheck(torch.ops.moevlm.grouped_mm_triton.default, (x, w, counts))
-    torch.library.opcheck(torch.ops.moevlm.grouped_mm_triton_dgrad.default, (dy, w.detach(), counts))
-    torch.library.opcheck(torch.ops.moevlm.grouped_mm_triton_wgrad.default, (x.detach(), dy, counts))
+    torch.library.opcheck(
+        torch.ops.moevlm.grouped_mm_triton_dgrad.default, (dy, w.detach(), counts)
+    )
+    torch.library.opcheck(
+        torch.ops.moevlm.grouped_mm_triton_wgrad.default, (x.detach(), dy, counts)
+    )
 
 
 def test_compiles_fullgraph_through_the_backend_registry(gen):
     counts = torch.tensor([9, 0, 30, 1])
     x = torch.randn(40, 32, generator=gen)
     w = torch.randn(4, 32, 48, generator=gen)
-    compiled = torch.compile(lambda a, b, c: grouped_mm(a, b, c, "triton").square().sum(), backend="aot_eager",
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda a, b, c: grouped_mm(a, b, c, "triton").square().sum(),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     got = _fwd_bwd(compiled, x, w, counts)
     want = _fwd_bwd(lambda a, b, c: grouped_mm_loop(a, b, c).square().sum(), x, w, counts)
     _compare(got, want, dict(rtol=1e-5, atol=1e-3), "compiled")
@@ -133,15 +154,19 @@ def test_bad_inputs_are_named():
 
 def test_registry_without_triton():
     """moevlm.kernels imports without triton; selecting the backend then names the package."""
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, moevlm.kernels as k\n"
-            "assert 'triton' not in k.GROUPED_GEMMS, k.GROUPED_GEMMS\n"
-            "try:\n"
-            "    k.grouped_mm(torch.zeros(1, 4), torch.zeros(1, 4, 4), torch.tensor([1]), 'triton')\n"
-            "except ImportError as e:\n"
-            "    print(e)\n")
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, moevlm.kernels as k\n"
+        "assert 'triton' not in k.GROUPED_GEMMS, k.GROUPED_GEMMS\n"
+        "try:\n"
+        "    k.grouped_mm(torch.zeros(1, 4), torch.zeros(1, 4, 4), torch.tensor([1]), 'triton')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "needs the `triton` package" in out.stdout and "pip install triton" in out.stdout
     assert "triton" in GROUPED_GEMMS
@@ -158,19 +183,56 @@ def _compile_sm90():
     """Compile each kernel's first config, bf16, as a launch with contiguous operands would specialize it."""
     from moevlm.kernels import grouped_gemm_triton as g
 
-    strides = ["stride_xm", "stride_xk", "stride_we", "stride_wk", "stride_wn", "stride_om", "stride_on"]
-    wgrad_strides = ["stride_xm", "stride_xk", "stride_dym", "stride_dyn", "stride_we", "stride_wk", "stride_wn"]
-    cases = [(g._grouped_mm_kernel, g._FWD_CONFIGS[0], strides, ("stride_xk", "stride_wn", "stride_on")),
-             (g._grouped_mm_kernel, g._FWD_CONFIGS[0], strides, ("stride_xk", "stride_wk", "stride_on")),  # dgrad
-             (g._grouped_wgrad_kernel, g._WGRAD_CONFIGS[0], wgrad_strides, ("stride_xk", "stride_dyn", "stride_wn"))]
+    strides = [
+        "stride_xm",
+        "stride_xk",
+        "stride_we",
+        "stride_wk",
+        "stride_wn",
+        "stride_om",
+        "stride_on",
+    ]
+    wgrad_strides = [
+        "stride_xm",
+        "stride_xk",
+        "stride_dym",
+        "stride_dyn",
+        "stride_we",
+        "stride_wk",
+        "stride_wn",
+    ]
+    cases = [
+        (g._grouped_mm_kernel, g._FWD_CONFIGS[0], strides, ("stride_xk", "stride_wn", "stride_on")),
+        (
+            g._grouped_mm_kernel,
+            g._FWD_CONFIGS[0],
+            strides,
+            ("stride_xk", "stride_wk", "stride_on"),
+        ),  # dgrad
+        (
+            g._grouped_wgrad_kernel,
+            g._WGRAD_CONFIGS[0],
+            wgrad_strides,
+            ("stride_xk", "stride_dyn", "stride_wn"),
+        ),
+    ]
     for kernel, cfg, stride_names, ones in cases:
         fn = kernel.fn
         sig = dict(zip(fn.arg_names[:4], ["*bf16", "*bf16", "*bf16", "*i64"]))
         sig.update({n: "i32" for n in ["N", "K", "E", *stride_names]})
-        consts = dict(cfg.kwargs, E_P2=128, DOT_IN_FP32=False, PRECISION="tf32", **{n: 1 for n in ones})
+        consts = dict(
+            cfg.kwargs, E_P2=128, DOT_IN_FP32=False, PRECISION="tf32", **{n: 1 for n in ones}
+        )
         c = compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible=True)
         assert c.metadata.shared <= 227 * 1024, (fn.__name__, c.metadata.shared)
-        print(fn.__name__, ones[1], cfg, "smem", c.metadata.shared, "wgmma" if "wgmma" in c.asm["ptx"] else "no-mma")
+        print(
+            fn.__name__,
+            ones[1],
+            cfg,
+            "smem",
+            c.metadata.shared,
+            "wgmma" if "wgmma" in c.asm["ptx"] else "no-mma",
+        )
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--compile-sm90"]:

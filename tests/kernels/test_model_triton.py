@@ -15,17 +15,33 @@ from moevlm.parallel import full_grads, full_state_dict
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
 
+
 class _NoWindow:
     def add(self, **kw):
         pass
 
 
 def _train(shards, run_dir, kernels: list[str], steps: int = 2) -> dict:
-    job = compose_job([f"data.shards={shards}", "data.num_workers=0", "data.streams=1", "train.global_batch_size=2",
-                       "data.pack.seq_len=256", "data.pack.max_patches=64",  # the interpreter: ~1 ms a program
-                       f"train.steps={steps}", f"train.run_dir={run_dir}", "train.tensorboard=false",
-                       "train.checkpoint_at_end=false", "train.checkpoint_every=0", "train.require_loss_decrease=false",
-                       "train.progress=false", "optim.warmup_steps=0", "model.aux_loss_coef=0.01", *kernels])
+    job = compose_job(
+        [
+            f"data.shards={shards}",
+            "data.num_workers=0",
+            "data.streams=1",
+            "train.global_batch_size=2",
+            "data.pack.seq_len=256",
+            "data.pack.max_patches=64",  # the interpreter: ~1 ms a program
+            f"train.steps={steps}",
+            f"train.run_dir={run_dir}",
+            "train.tensorboard=false",
+            "train.checkpoint_at_end=false",
+            "train.checkpoint_every=0",
+            "train.require_loss_decrease=false",
+            "train.progress=false",
+            "optim.warmup_steps=0",
+            "model.aux_loss_coef=0.01",
+            *kernels,
+        ]
+    )
     tr = Trainer(job)
     grads = []
     tr.grad_hook = lambda t: grads.append(full_grads(t.model))
@@ -48,7 +64,9 @@ def test_tiny_model_trains_with_triton_and_matches_loop(tmp_path):
     later = {f"step 2 grad {k}": _rel(got["grads"][1][k], v) for k, v in ref["grads"][1].items()}
     later.update({f"param {k}": _rel(got["params"][k], v) for k, v in ref["params"].items()})
     w1, w2 = max(first, key=first.get), max(later, key=later.get)
-    print(f"triton vs loop: step-1 gradients {first[w1]:.1e} ({w1}); after one AdamW update {later[w2]:.1e} ({w2})")
+    print(
+        f"triton vs loop: step-1 gradients {first[w1]:.1e} ({w1}); after one AdamW update {later[w2]:.1e} ({w2})"
+    )
     assert first[w1] <= 1e-5, w1
     # AdamW divides every element by its own gradient scale, so last-bit differences on near-zero gradient
     # elements become O(lr) differences in the update: the kernels' fp32 summation order alone moves layer 0's

@@ -30,8 +30,13 @@ pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/ke
 
 def close(actual, expected, tol, seed, what):
     scale = float(expected.detach().float().abs().max()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol * max(scale, 1e-6),
-                               msg=lambda m: f"{what} (seed={seed}): {m}")
+    torch.testing.assert_close(
+        actual.float(),
+        expected.float(),
+        rtol=tol,
+        atol=tol * max(scale, 1e-6),
+        msg=lambda m: f"{what} (seed={seed}): {m}",
+    )
 
 
 def routing(T, K, E, empty=2):
@@ -74,7 +79,9 @@ def test_plan_is_stable_sort_by_expert(pad, seed):
     for e in range(E):  # expert e's choices, in token order, fill the start of its block
         expected[flat == e] = starts[e] + torch.arange(int(counts[e]))
     assert torch.equal(plan.row_of_choice_TK.reshape(-1), expected), f"seed={seed}"
-    assert torch.equal(plan.tokens_per_expert_E, counts) and torch.equal(plan.rows_per_expert_E, padded)
+    assert torch.equal(plan.tokens_per_expert_E, counts) and torch.equal(
+        plan.rows_per_expert_E, padded
+    )
     assert plan.num_rows == int(padded.sum())
     if pad == 1:  # exactly the inverse of the local dispatcher's stable sort
         order = torch.sort(flat, stable=True).indices
@@ -121,7 +128,9 @@ def test_backends_and_local_dispatcher_agree(dtype, K, E, pad, seed):
     idx, w = routing(T, K, E)
     plan = permute_plan(idx, E, pad_multiple=pad)
     x = torch.randn(T, D).to(dtype)
-    y = torch.randn(plan.num_rows, D).to(dtype)  # padding rows hold noise: unpermute must ignore them
+    y = torch.randn(plan.num_rows, D).to(
+        dtype
+    )  # padding rows hold noise: unpermute must ignore them
     g1, g2 = torch.randn(plan.num_rows, D), torch.randn(T, D)
     tri = run("triton", x, y, w, plan, g1, g2)
     ref = run("torch", x, y, w, plan, g1, g2)
@@ -136,7 +145,9 @@ def test_backends_and_local_dispatcher_agree(dtype, K, E, pad, seed):
         padding[plan.row_of_choice_TK.reshape(-1)] = False
         assert padding.sum() == plan.num_rows - T * K > 0
         for out in (tri, ref):
-            assert not out[0][padding].any() and not out[3][padding].any(), f"padding not zero (seed={seed})"
+            assert not out[0][padding].any() and not out[3][padding].any(), (
+                f"padding not zero (seed={seed})"
+            )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -171,15 +182,22 @@ def test_opcheck(backend):
     the Triton kernels run under the interpreter, so they can be checked here too."""
     idx, w = routing(12, 2, 4)
     plan = permute_plan(idx, 4, pad_multiple=4)
-    x, y = torch.randn(12, 40, requires_grad=True), torch.randn(plan.num_rows, 40, requires_grad=True)
+    x, y = (
+        torch.randn(12, 40, requires_grad=True),
+        torch.randn(plan.num_rows, 40, requires_grad=True),
+    )
     row, rows_E, tokens_E = plan.row_of_choice_TK, plan.rows_per_expert_E, plan.tokens_per_expert_E
     ops = torch.ops.moevlm
     torch.library.opcheck(ops.permute.default, (x, row, rows_E, tokens_E, plan.num_rows, backend))
-    torch.library.opcheck(ops.unpermute.default, (y, row, w.requires_grad_(), rows_E, tokens_E, backend))
+    torch.library.opcheck(
+        ops.unpermute.default, (y, row, w.requires_grad_(), rows_E, tokens_E, backend)
+    )
     torch.library.opcheck(ops.permute_backward.default, (y.detach(), row, backend))
     for need_dw in (True, False):
-        torch.library.opcheck(ops.unpermute_backward.default,
-                              (x.detach(), y.detach(), row, w.detach(), rows_E, tokens_E, need_dw, backend))
+        torch.library.opcheck(
+            ops.unpermute_backward.default,
+            (x.detach(), y.detach(), row, w.detach(), rows_E, tokens_E, need_dw, backend),
+        )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -225,9 +243,13 @@ def test_missing_triton_is_named(monkeypatch):
 
 
 def test_imports_and_runs_without_triton():
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, moevlm.kernels.permute as P\n"
-            "plan = P.permute_plan(torch.tensor([[1, 0]]), 2)\n"
-            "assert P.permute(torch.ones(1, 3), plan).shape == (2, 3)\n")
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, moevlm.kernels.permute as P\n"
+        "plan = P.permute_plan(torch.tensor([[1, 0]]), 2)\n"
+        "assert P.permute(torch.ones(1, 3), plan).shape == (2, 3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr

@@ -22,7 +22,9 @@ def hf_model(cfg: VLMConfig, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
-                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+                p.copy_(
+                    1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)
+                )
             else:
                 p.copy_(0.05 * torch.randn_like(p))
     return model
@@ -32,12 +34,19 @@ def pair(cfg: VLMConfig, tmp_path, seed: int = 0):
     """(hf model, ours loaded from the HF model's saved checkpoint)."""
     ref = hf_model(cfg, seed)
     ref.save_pretrained(tmp_path / "hf")
-    ours = Qwen3VLMoe.from_pretrained(tmp_path / "hf", attn_backend=cfg.attn_backend,
-                                      moe=cfg.moe).eval()
+    ours = Qwen3VLMoe.from_pretrained(
+        tmp_path / "hf", attn_backend=cfg.attn_backend, moe=cfg.moe
+    ).eval()
     return ref, ours
 
 
-def sample(cfg: VLMConfig, grids: list[tuple[int, int, int]], text_len: int = 7, batch: int = 1, seed: int = 0):
+def sample(
+    cfg: VLMConfig,
+    grids: list[tuple[int, int, int]],
+    text_len: int = 7,
+    batch: int = 1,
+    seed: int = 0,
+):
     """input_ids laid out as the chat template does: text, <vision_start>,
     image pads, <vision_end>, text ... for every image; plus pixel values."""
     g = torch.Generator().manual_seed(seed)
@@ -47,8 +56,12 @@ def sample(cfg: VLMConfig, grids: list[tuple[int, int, int]], text_len: int = 7,
         ids = [torch.randint(0, 1000, (text_len,), generator=g)]
         for t, h, w in grids:
             n = t * h * w // merge**2
-            ids += [torch.tensor([cfg.vision_start_token_id]), torch.full((n,), cfg.image_token_id),
-                    torch.tensor([cfg.vision_end_token_id]), torch.randint(0, 1000, (text_len,), generator=g)]
+            ids += [
+                torch.tensor([cfg.vision_start_token_id]),
+                torch.full((n,), cfg.image_token_id),
+                torch.tensor([cfg.vision_end_token_id]),
+                torch.randint(0, 1000, (text_len,), generator=g),
+            ]
         rows.append(torch.cat(ids))
     input_ids = torch.stack(rows)
     if not grids:
@@ -61,8 +74,11 @@ def sample(cfg: VLMConfig, grids: list[tuple[int, int, int]], text_len: int = 7,
 def hf_forward(ref, input_ids, pixels, grid, labels=None):
     kw = {}
     if pixels is not None:
-        kw = dict(pixel_values=pixels, image_grid_thw=grid,
-                  mm_token_type_ids=(input_ids == ref.config.image_token_id).int())
+        kw = dict(
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=(input_ids == ref.config.image_token_id).int(),
+        )
     return ref(input_ids=input_ids, labels=labels, output_router_logits=True, **kw)
 
 

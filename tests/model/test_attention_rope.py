@@ -47,7 +47,11 @@ def test_gradients_through_document_mask_match_per_document():
     grads = []
     for backend in ("sdpa", "sdpa_per_doc"):
         out = _attn(q, k, v, True, cu, backend)
-        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v)))
+        grads.append(
+            torch.autograd.grad(
+                (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v)
+            )
+        )
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -56,7 +60,9 @@ def test_flash_backend_without_the_package_says_so():
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="flash-attn"):
         _attn(q, k, v, True, backend="flash")
-    assert doc_mask(2, 24, None, causal=True, backend="auto").backend == "sdpa_per_doc"  # no flash-attn, no CUDA
+    assert (
+        doc_mask(2, 24, None, causal=True, backend="auto").backend == "sdpa_per_doc"
+    )  # no flash-attn, no CUDA
     assert _attn(q, k, v, True, backend="auto").shape == q.shape
 
 
@@ -67,14 +73,18 @@ def test_flex_model_forward_equals_sdpa(tmp_path):
     flex.load_state_dict(model.state_dict())
     ids, px, grid = sample(cfg, [(1, 4, 6)])
     with torch.no_grad():
-        torch.testing.assert_close(flex(ids, px, grid).logits, model(ids, px, grid).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            flex(ids, px, grid).logits, model(ids, px, grid).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_position_ids_equal_reference_get_rope_index(tmp_path):
     cfg = VLMConfig.preset("tiny")
     ref, _ = pair(cfg, tmp_path)
     ids, _, grid = sample(cfg, [(1, 4, 6), (1, 8, 4), (1, 2, 10)], batch=2)
-    expected, _ = ref.model.get_rope_index(ids, (ids == cfg.image_token_id).int(), image_grid_thw=grid)
+    expected, _ = ref.model.get_rope_index(
+        ids, (ids == cfg.image_token_id).int(), image_grid_thw=grid
+    )
     assert torch.equal(mrope_position_ids(ids, grid, cfg.image_token_id, 2), expected)
 
 
@@ -86,12 +96,25 @@ def test_position_ids_restart_per_document_and_split_adjacent_images():
     grid = torch.tensor([[1, 2, 4], [1, 4, 2]])
     cu = torch.tensor([0, 7, 10], dtype=torch.int32)
     pos = mrope_position_ids(ids, grid, img, 2, cu)[:, 0].T.tolist()
-    assert pos == [[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [4, 4, 4], [4, 5, 4], [6, 6, 6],
-                   [0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    assert pos == [
+        [0, 0, 0],
+        [1, 1, 1],
+        [2, 2, 2],
+        [2, 2, 3],
+        [4, 4, 4],
+        [4, 5, 4],
+        [6, 6, 6],
+        [0, 0, 0],
+        [1, 1, 1],
+        [2, 2, 2],
+    ]
 
 
 def test_vision_position_tables_equal_reference_helpers():
-    from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
+    from transformers.vision_utils import (
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
 
     grid = torch.tensor([[1, 4, 6], [1, 8, 8], [2, 2, 4], [1, 16, 2]])
     assert torch.equal(vision_patch_rows_cols(grid, 2), get_vision_position_ids(grid, 2))

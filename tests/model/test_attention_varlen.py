@@ -14,30 +14,59 @@ from moevlm.train.config import compose_job, validate
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
-@pytest.mark.parametrize("flash,varlen,flex,expect", [(True, True, True, "flash"), (False, True, True, "varlen"),
-                                                      (False, False, True, "flex"), (False, False, False, "sdpa")])
+@pytest.mark.parametrize(
+    "flash,varlen,flex,expect",
+    [
+        (True, True, True, "flash"),
+        (False, True, True, "varlen"),
+        (False, False, True, "flex"),
+        (False, False, False, "sdpa"),
+    ],
+)
 def test_auto_order_on_cuda_half(monkeypatch, flash, varlen, flex, expect):
     monkeypatch.setattr(A, "_flash_varlen", lambda: object() if flash else None)
     monkeypatch.setattr(A, "varlen_available", lambda: varlen)
     monkeypatch.setattr(A, "flex_available", lambda: flex)
     assert resolve_backend("auto", CUDA, torch.bfloat16) == expect
-    assert resolve_backend("auto", CUDA, torch.float32) == "sdpa"  # the fused kernels need half precision
-    assert resolve_backend("auto", CPU, torch.bfloat16) == "sdpa_per_doc"  # flex has no CPU backward; exact FLOPs
-    assert resolve_backend("auto", CPU, torch.float32, static=True) == "sdpa"  # torch.compile: no host loop
+    assert (
+        resolve_backend("auto", CUDA, torch.float32) == "sdpa"
+    )  # the fused kernels need half precision
+    assert (
+        resolve_backend("auto", CPU, torch.bfloat16) == "sdpa_per_doc"
+    )  # flex has no CPU backward; exact FLOPs
+    assert (
+        resolve_backend("auto", CPU, torch.float32, static=True) == "sdpa"
+    )  # torch.compile: no host loop
 
 
 def test_varlen_refused_on_cpu():
     with pytest.raises(RuntimeError, match="attn_backend='varlen' needs"):
         resolve_backend("varlen", CPU, torch.bfloat16)
-    with pytest.raises(ConfigError, match="model.attn_backend=varlen needs a CUDA device .* runs on the CPU; use "
-                                          "model.attn_backend=auto"):
+    with pytest.raises(
+        ConfigError,
+        match="model.attn_backend=varlen needs a CUDA device .* runs on the CPU; use "
+        "model.attn_backend=auto",
+    ):
         validate(compose_job(["model.attn_backend=varlen", "train.device=cpu"]))
 
 
 def test_static_bounds_fixed_length_with_empty_documents():
-    cu = torch.tensor([0, 5, 24, 30, 31, 48, 48], dtype=torch.int32)  # packer style: trailing repeats
+    cu = torch.tensor(
+        [0, 5, 24, 30, 31, 48, 48], dtype=torch.int32
+    )  # packer style: trailing repeats
     b = static_bounds(2, 24, cu, "cpu")
-    assert b.tolist() == [0, 0, 5, 24, 24, 30, 31, 48, 48, 48]  # the row ends merged in, repeats kept
+    assert b.tolist() == [
+        0,
+        0,
+        5,
+        24,
+        24,
+        30,
+        31,
+        48,
+        48,
+        48,
+    ]  # the row ends merged in, repeats kept
     assert b.dtype == torch.int32 and static_bounds(2, 24, None, "cpu").tolist() == [0, 24, 48]
 
 
@@ -48,17 +77,24 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
     out = torch.zeros_like(q)
     for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         if b > a:
-            qd, kd, vd = (t[a:b].transpose(0, 1) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+            qd, kd, vd = (
+                t[a:b].transpose(0, 1)
+                for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+            )
             out[a:b] = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal).transpose(0, 1)
     return out
 
 
-def _new_api(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):  # torch 2.13
+def _new_api(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False
+):  # torch 2.13
     assert enable_gqa == (q.shape[1] != k.shape[1])
     return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size == (-1, 0))
 
 
-def _old_api(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):  # an older torch: no window, no GQA
+def _old_api(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False
+):  # an older torch: no window, no GQA
     assert q.shape[1] == k.shape[1], "K/V heads must have been repeated"
     return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal)
 
@@ -67,8 +103,11 @@ def _old_api(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):  # an older
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_plumbing_matches_sdpa(monkeypatch, api, causal):
     import inspect
+
     params = inspect.signature(api).parameters
-    monkeypatch.setattr(A, "_varlen_api", lambda: (api, "window_size" in params, "enable_gqa" in params))
+    monkeypatch.setattr(
+        A, "_varlen_api", lambda: (api, "window_size" in params, "enable_gqa" in params)
+    )
     monkeypatch.setattr(A, "resolve_backend", lambda backend, device, dtype, static=False: backend)
     q, k, v = torch.randn(2, 24, 4, 8), torch.randn(2, 24, 2, 8), torch.randn(2, 24, 2, 8)
     cu = torch.tensor([0, 5, 24, 30, 31, 48, 48], dtype=torch.int32)
@@ -85,10 +124,16 @@ def test_varlen_matches_sdpa_on_gpu_bf16_gqa_packed():
     torch.manual_seed(0)
     B, S, H, K, hd = 2, 256, 8, 2, 64
     cu = torch.tensor([0, 37, 200, 256, 300, 301, 512, 512], dtype=torch.int32, device="cuda")
-    qkv = [torch.randn(B, S, n, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True) for n in (H, K, K)]
+    qkv = [
+        torch.randn(B, S, n, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for n in (H, K, K)
+    ]
     outs, grads = [], []
     for backend in ("varlen", "sdpa"):
-        out = attention(*qkv, doc_mask(B, S, cu, causal=True, backend=backend, device="cuda", dtype=torch.bfloat16))
+        out = attention(
+            *qkv,
+            doc_mask(B, S, cu, causal=True, backend=backend, device="cuda", dtype=torch.bfloat16),
+        )
         outs.append(out.float())
         grads.append(torch.autograd.grad(out.float().square().sum(), qkv))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)

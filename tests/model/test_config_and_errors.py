@@ -23,14 +23,21 @@ def test_presets_validate_and_round_trip_through_hf_config(name):
 
 def test_public_model_sizes_are_right():
     """Parameter counts of the public checkpoints, from a meta-device build."""
-    for name, total_b, active_b in (("qwen3_vl_30b_a3b", 31.1, 3.6), ("qwen3_vl_235b_a22b", 235.8, 22.7)):
+    for name, total_b, active_b in (
+        ("qwen3_vl_30b_a3b", 31.1, 3.6),
+        ("qwen3_vl_235b_a22b", 235.8, 22.7),
+    ):
         cfg = VLMConfig.preset(name)
         with torch.device("meta"):
             model = Qwen3VLMoe(cfg)
         total = sum(p.numel() for p in model.parameters())
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         active = total - experts * (1 - cfg.moe.top_k / cfg.moe.num_experts)
-        assert abs(total / 1e9 - total_b) < 0.5 and abs(active / 1e9 - active_b) < 0.5, (name, total, active)
+        assert abs(total / 1e9 - total_b) < 0.5 and abs(active / 1e9 - active_b) < 0.5, (
+            name,
+            total,
+            active,
+        )
 
 
 def test_from_hf_reads_older_rope_scaling_key():
@@ -43,26 +50,56 @@ def test_from_hf_reads_older_rope_scaling_key():
 
 
 BAD_CONFIGS = [
-    (lambda c: setattr(c.text, "num_kv_heads", 3), "text.num_heads=4 is not divisible by text.num_kv_heads=3"),
-    (lambda c: setattr(c.vision, "num_heads", 5), "vision.hidden_size=32 is not divisible by vision.num_heads=5"),
+    (
+        lambda c: setattr(c.text, "num_kv_heads", 3),
+        "text.num_heads=4 is not divisible by text.num_kv_heads=3",
+    ),
+    (
+        lambda c: setattr(c.vision, "num_heads", 5),
+        "vision.hidden_size=32 is not divisible by vision.num_heads=5",
+    ),
     (lambda c: setattr(c.text, "mrope_section", (4, 2, 1)), "text.mrope_section"),
     (lambda c: setattr(c.moe, "top_k", 9), "moe.top_k=9"),
-    (lambda c: setattr(c.vision, "deepstack_visual_indexes", (2,)), "vision.deepstack_visual_indexes"),
-    (lambda c: setattr(c.vision, "num_position_embeddings", 60), "vision.num_position_embeddings=60"),
+    (
+        lambda c: setattr(c.vision, "deepstack_visual_indexes", (2,)),
+        "vision.deepstack_visual_indexes",
+    ),
+    (
+        lambda c: setattr(c.vision, "num_position_embeddings", 60),
+        "vision.num_position_embeddings=60",
+    ),
     (lambda c: setattr(c.moe, "mlp_only_layers", (7,)), "moe.mlp_only_layers"),
     (lambda c: setattr(c.moe, "grouped_gemm", "cutlass"), "moe.grouped_gemm='cutlass'"),
     (lambda c: setattr(c, "attn_backend", "xformers"), "attn_backend='xformers'"),
-    (lambda c: setattr(c.moe, "moe_intermediate_size", 50), "moe.moe_intermediate_size=50 must be multiples of 8"),
+    (
+        lambda c: setattr(c.moe, "moe_intermediate_size", 50),
+        "moe.moe_intermediate_size=50 must be multiples of 8",
+    ),
     (lambda c: setattr(c, "image_token_id", 5000), "image_token_id=5000"),
     # sizes are positive integers, real-valued fields finite (NaN fails no `>= 0` written as `not x < 0`)
     (lambda c: setattr(c.vision, "num_heads", 0), "vision.num_heads=0 must be a positive integer"),
     (lambda c: setattr(c.text, "num_layers", -1), "text.num_layers=-1 must be a positive integer"),
     (lambda c: setattr(c.moe, "top_k", 0), "moe.top_k=0 must be a positive integer"),
-    (lambda c: setattr(c.moe, "router_aux_loss_coef", float("nan")), "moe.router_aux_loss_coef=nan must be a finite"),
-    (lambda c: setattr(c.moe, "router_aux_loss_coef", -0.1), "moe.router_aux_loss_coef=-0.1 must be a finite"),
-    (lambda c: setattr(c.text, "rms_norm_eps", 0.0), "text.rms_norm_eps=0.0 must be a finite number > 0"),
-    (lambda c: setattr(c.text, "rope_theta", float("inf")), "text.rope_theta=inf must be a finite number > 0"),
-    (lambda c: setattr(c.vision, "initializer_range", float("nan")), "vision.initializer_range=nan"),
+    (
+        lambda c: setattr(c.moe, "router_aux_loss_coef", float("nan")),
+        "moe.router_aux_loss_coef=nan must be a finite",
+    ),
+    (
+        lambda c: setattr(c.moe, "router_aux_loss_coef", -0.1),
+        "moe.router_aux_loss_coef=-0.1 must be a finite",
+    ),
+    (
+        lambda c: setattr(c.text, "rms_norm_eps", 0.0),
+        "text.rms_norm_eps=0.0 must be a finite number > 0",
+    ),
+    (
+        lambda c: setattr(c.text, "rope_theta", float("inf")),
+        "text.rope_theta=inf must be a finite number > 0",
+    ),
+    (
+        lambda c: setattr(c.vision, "initializer_range", float("nan")),
+        "vision.initializer_range=nan",
+    ),
 ]
 
 
@@ -71,8 +108,11 @@ def test_bad_config_is_named_before_any_parameter_exists(mutate, message, monkey
     cfg = VLMConfig.preset("tiny")
     mutate(cfg)
     allocated = []
-    monkeypatch.setattr(torch.nn.Module, "register_parameter",
-                        lambda *a, **k: allocated.append(a) or pytest.fail("allocated before validation"))
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "register_parameter",
+        lambda *a, **k: allocated.append(a) or pytest.fail("allocated before validation"),
+    )
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Qwen3VLMoe(cfg)
     assert not allocated
@@ -107,15 +147,30 @@ def tiny_model():
 BAD_INPUTS = {
     "pixels_without_grid": (lambda ids, px, g: (ids, px, None), "image_grid_thw is missing"),
     "grid_without_pixels": (lambda ids, px, g: (ids, None, g), "pixel_values is missing"),
-    "grid_too_many_patches": (lambda ids, px, g: (ids, px, torch.tensor([[1, 4, 8]])),
-                              "pixel_values has 24 patches but image_grid_thw describes 32"),
-    "grid_not_multiple_of_merge": (lambda ids, px, g: (ids, px, torch.tensor([[1, 3, 8]])),
-                                   r"image_grid_thw\[0\]=\(1, 3, 8\)"),
-    "grid_wrong_shape": (lambda ids, px, g: (ids, px, torch.tensor([4, 6])), "image_grid_thw must be"),
-    "pixels_wrong_width": (lambda ids, px, g: (ids, px[:, :100], g), r"pixel_values must be \(num_patches, 1536\)"),
-    "one_pad_became_text": (lambda ids, px, g: (torch.where(torch.arange(ids.shape[1]) == 9, 5, ids), px, g),
-                            "input_ids has 5 image tokens"),
-    "image_tokens_without_pixels": (lambda ids, px, g: (ids, None, None), "input_ids has 6 image tokens"),
+    "grid_too_many_patches": (
+        lambda ids, px, g: (ids, px, torch.tensor([[1, 4, 8]])),
+        "pixel_values has 24 patches but image_grid_thw describes 32",
+    ),
+    "grid_not_multiple_of_merge": (
+        lambda ids, px, g: (ids, px, torch.tensor([[1, 3, 8]])),
+        r"image_grid_thw\[0\]=\(1, 3, 8\)",
+    ),
+    "grid_wrong_shape": (
+        lambda ids, px, g: (ids, px, torch.tensor([4, 6])),
+        "image_grid_thw must be",
+    ),
+    "pixels_wrong_width": (
+        lambda ids, px, g: (ids, px[:, :100], g),
+        r"pixel_values must be \(num_patches, 1536\)",
+    ),
+    "one_pad_became_text": (
+        lambda ids, px, g: (torch.where(torch.arange(ids.shape[1]) == 9, 5, ids), px, g),
+        "input_ids has 5 image tokens",
+    ),
+    "image_tokens_without_pixels": (
+        lambda ids, px, g: (ids, None, None),
+        "input_ids has 6 image tokens",
+    ),
 }
 
 
@@ -204,7 +259,9 @@ def test_square_expert_weights_need_a_layout(tmp_path):
 
 
 @pytest.mark.parametrize("loader", ["from_pretrained", "load_hf_weights_"])
-def test_integer_or_bool_tensor_is_refused_naming_it_its_dtype_and_file(loader, tmp_path, monkeypatch):
+def test_integer_or_bool_tensor_is_refused_naming_it_its_dtype_and_file(
+    loader, tmp_path, monkeypatch
+):
     """An int32 or bool tensor where a float weight belongs would be cast and trained: refused from the
     headers (before anything is materialised), every such tensor named with its dtype and file."""
     from safetensors.torch import load_file, save_file
@@ -228,11 +285,16 @@ def test_integer_or_bool_tensor_is_refused_naming_it_its_dtype_and_file(loader, 
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(CheckpointError) as err:
             load_hf_weights_(model, path)
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing copied
+        assert all(
+            torch.equal(before[k], v) for k, v in model.state_dict().items()
+        )  # nothing copied
     text = str(err.value)
     file = str(path / "model.safetensors")
     assert "2 not floating point" in text
-    assert f"{q}: I32 in {file}" in text and f"model.language_model.norm.weight: BOOL in {file}" in text
+    assert (
+        f"{q}: I32 in {file}" in text
+        and f"model.language_model.norm.weight: BOOL in {file}" in text
+    )
 
 
 def test_a_float_of_another_width_loads(tmp_path):

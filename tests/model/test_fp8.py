@@ -27,15 +27,21 @@ from moevlm.model.moe import MoEBlock, Router
 from moevlm.model.vlm import Qwen3VLMoe
 from moevlm.parallel.weights import init_parameters_
 
-COUNTS = [100, 0, 150, 50]  # an empty expert; expert boundaries at 100 and 250, inside 128-row blocks
+COUNTS = [
+    100,
+    0,
+    150,
+    50,
+]  # an empty expert; expert boundaries at 100 and 250, inside 128-row blocks
 M, K, N = sum(COUNTS), 192, 160  # ragged: neither K nor N a multiple of 128
 
 
 def _deq(codes, scales, tile):
     s = scales.float()
     for dim, b in enumerate(tile):
-        s = s.repeat_interleave(b, dim)[tuple(slice(0, n) if d == dim else slice(None)
-                                              for d, n in enumerate(codes.shape))]
+        s = s.repeat_interleave(b, dim)[
+            tuple(slice(0, n) if d == dim else slice(None) for d, n in enumerate(codes.shape))
+        ]
     return codes.double() * s.double()
 
 
@@ -47,12 +53,21 @@ def _by_hand(recipe, x, w_EKN, dy, counts):
         dyq = _deq(*Q.quant_blockwise_act_torch(dy), (1, B))
         xtq = _deq(*Q.quant_blockwise_act_t_torch(x), (1, B))  # (K, M)
         dytq = _deq(*Q.quant_blockwise_act_t_torch(dy), (1, B))
-        w_fwd = w_dgrad = torch.stack([_deq(*Q.quant_blockwise_weight_torch(w), (B, B)) for w in w_EKN])
+        w_fwd = w_dgrad = torch.stack(
+            [_deq(*Q.quant_blockwise_weight_torch(w), (B, B)) for w in w_EKN]
+        )
     else:
         xq, dyq = _deq(*Q.quant_mxfp8_torch(x), (1, B)), _deq(*Q.quant_mxfp8_torch(dy), (1, B))
-        xtq, dytq = _deq(*Q.quant_mxfp8_torch(x.t()), (1, B)), _deq(*Q.quant_mxfp8_torch(dy.t()), (1, B))
-        w_fwd = torch.stack([_deq(*Q.quant_mxfp8_torch(w, dim=0), (B, 1)) for w in w_EKN])  # 32x1 along K
-        w_dgrad = torch.stack([_deq(*Q.quant_mxfp8_torch(w), (1, B)) for w in w_EKN])  # 1x32 along N
+        xtq, dytq = (
+            _deq(*Q.quant_mxfp8_torch(x.t()), (1, B)),
+            _deq(*Q.quant_mxfp8_torch(dy.t()), (1, B)),
+        )
+        w_fwd = torch.stack(
+            [_deq(*Q.quant_mxfp8_torch(w, dim=0), (B, 1)) for w in w_EKN]
+        )  # 32x1 along K
+        w_dgrad = torch.stack(
+            [_deq(*Q.quant_mxfp8_torch(w), (1, B)) for w in w_EKN]
+        )  # 1x32 along N
     rows = [slice(a, a + c) for a, c in zip([0, *torch.tensor(counts).cumsum(0).tolist()], counts)]
     out = torch.cat([xq[r] @ w_fwd[e] for e, r in enumerate(rows)])
     dx = torch.cat([dyq[r] @ w_dgrad[e].T for e, r in enumerate(rows)])
@@ -64,14 +79,16 @@ def _rel(a, b):
     return float((a.detach().double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("recipe,backend", [("blockwise", "emulate"), ("mxfp8", "emulate"), ("blockwise", "triton")])
+@pytest.mark.parametrize(
+    "recipe,backend", [("blockwise", "emulate"), ("mxfp8", "emulate"), ("blockwise", "triton")]
+)
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dense"])
 def test_fp8_mm_is_the_recipe_by_hand(recipe, backend, grouped):
     g = torch.Generator().manual_seed(7)
     counts = COUNTS if grouped else [M]
     x = torch.randn(M, K, generator=g)
     x[:, 5] *= 50  # an outlier channel
-    w = torch.randn(len(counts), K, N, generator=g) / K ** 0.5
+    w = torch.randn(len(counts), K, N, generator=g) / K**0.5
     dy = torch.randn(M, N, generator=g)
     want = _by_hand(recipe, x, w, dy, counts)
     plan = resolve_fp8(Fp8Config(recipe=recipe, backend=backend), "cpu")
@@ -107,12 +124,17 @@ def _loss(model, seed=0):
 def test_weights_are_quantized_once_per_step_and_never_served_stale(monkeypatch):
     calls = []
     real = fp8_mod._quant_weight
-    monkeypatch.setattr(fp8_mod, "_quant_weight", lambda w, plan, grouped: calls.append(w.shape) or real(w, plan,
-                                                                                                       grouped))
+    monkeypatch.setattr(
+        fp8_mod,
+        "_quant_weight",
+        lambda w, plan, grouped: calls.append(w.shape) or real(w, plan, grouped),
+    )
     monkeypatch.setattr(fp8_mod, "_hooked", False)  # no hook from another test
     cfg = Fp8Config(recipe="blockwise", backend="emulate")
     model = _tiny(cfg)
-    weights = 2 * (4 + 2)  # 2 layers of q, k, v, o and the experts' two weights (the tiny model's are MoE)
+    weights = 2 * (
+        4 + 2
+    )  # 2 layers of q, k, v, o and the experts' two weights (the tiny model's are MoE)
     _loss(model).backward()
     _loss(model, 1).backward()
     assert len(calls) == 2 * weights  # no optimizer hook: quantized at every use (two forwards)
@@ -128,8 +150,11 @@ def test_weights_are_quantized_once_per_step_and_never_served_stale(monkeypatch)
     # after the step the model computes with the new weights: equal to a fresh, uncached copy
     fresh = _tiny(None)
     fresh.load_state_dict(model.state_dict())
-    apply_fp8(fresh, resolve_fp8(Fp8Config(recipe="blockwise", backend="emulate", cache_weights=False), "cpu"),
-              cfg.modules)
+    apply_fp8(
+        fresh,
+        resolve_fp8(Fp8Config(recipe="blockwise", backend="emulate", cache_weights=False), "cpu"),
+        cfg.modules,
+    )
     assert torch.equal(_loss(model, 5).detach(), _loss(fresh, 5).detach())
 
 
@@ -137,14 +162,20 @@ def test_router_stays_fp32_under_bf16_autocast(monkeypatch):
     model = _tiny(Fp8Config(recipe="mxfp8", backend="emulate"))
     seen, fp8_weights = [], []
     real = fp8_mod._Fp8Mm.apply
-    monkeypatch.setattr(fp8_mod._Fp8Mm, "apply", lambda x, w, *a: fp8_weights.append(w) or real(x, w, *a))
+    monkeypatch.setattr(
+        fp8_mod._Fp8Mm, "apply", lambda x, w, *a: fp8_weights.append(w) or real(x, w, *a)
+    )
 
     def check(router, inputs, outputs):
         (x_TD,), (_, topk_w, probs) = inputs, outputs
         with torch.autocast("cpu", enabled=False):
             want = F.linear(x_TD.float(), router.weight.float()).softmax(-1)
-        autocast_bf16 = F.linear(x_TD.float(), router.weight.float()).float().softmax(-1)  # (the hook is inside)
-        seen.append((probs.dtype, topk_w.dtype, torch.equal(probs, want), torch.equal(probs, autocast_bf16)))
+        autocast_bf16 = (
+            F.linear(x_TD.float(), router.weight.float()).float().softmax(-1)
+        )  # (the hook is inside)
+        seen.append(
+            (probs.dtype, topk_w.dtype, torch.equal(probs, want), torch.equal(probs, autocast_bf16))
+        )
 
     for m in model.modules():
         if isinstance(m, Router):
@@ -155,8 +186,11 @@ def test_router_stays_fp32_under_bf16_autocast(monkeypatch):
     assert seen and all(s == (torch.float32, torch.float32, True, False) for s in seen), seen
     routers = {id(m.weight) for m in model.modules() if isinstance(m, Router)}
     assert fp8_weights and not any(id(w) in routers for w in fp8_weights)
-    assert all(m.weight.grad is not None and m.weight.grad.dtype == torch.float32
-               for m in model.modules() if isinstance(m, Router))
+    assert all(
+        m.weight.grad is not None and m.weight.grad.dtype == torch.float32
+        for m in model.modules()
+        if isinstance(m, Router)
+    )
 
 
 def test_which_modules_each_entry_marks():
@@ -175,7 +209,9 @@ def test_which_modules_each_entry_marks():
     with pytest.raises(ValueError, match="router"):
         apply_fp8(model, plan, ("router",))
     with pytest.raises(ConfigError, match=r"fp8.modules \(model.fp8_modules\) has \['router'\]"):
-        VLMConfig.preset("tiny").replace(fp8=Fp8Config(recipe="blockwise", modules=("router",))).validate()
+        VLMConfig.preset("tiny").replace(
+            fp8=Fp8Config(recipe="blockwise", modules=("router",))
+        ).validate()
 
 
 def test_padded_expert_rows_give_the_unpadded_result():
@@ -219,12 +255,21 @@ def test_the_trainer_refuses_what_fp8_cannot_run_with(monkeypatch):
             validate(compose_job(["model.fp8=blockwise", *overrides]), world_size=world)
         return str(err.value)
 
-    assert "train.compile=true is not supported yet" in problems("model.fp8_backend=emulate", "train.compile=true")
-    assert "fp8_pad_experts" in problems("model.fp8_backend=emulate", "model.fp8_pad_experts=true",
-                                         "parallel.ep=2", world=2)
-    assert "not multiples of 128" in problems("model.fp8_backend=torch")  # the tiny model's 64-wide linears
+    assert "train.compile=true is not supported yet" in problems(
+        "model.fp8_backend=emulate", "train.compile=true"
+    )
+    assert "fp8_pad_experts" in problems(
+        "model.fp8_backend=emulate", "model.fp8_pad_experts=true", "parallel.ep=2", world=2
+    )
+    assert "not multiples of 128" in problems(
+        "model.fp8_backend=torch"
+    )  # the tiny model's 64-wide linears
     assert "model.fp8_modules) has ['router']" in problems("model.fp8_modules=[router]")
     assert "model.fp8='int8'" in problems("model.fp8=int8")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "set model.fp8_backend=emulate" in problems()  # auto on the CPU
-    validate(compose_job(["model.fp8=mxfp8", "model.fp8_backend=emulate", "model.fp8_modules=[experts,vision]"]))
+    validate(
+        compose_job(
+            ["model.fp8=mxfp8", "model.fp8_backend=emulate", "model.fp8_modules=[experts,vision]"]
+        )
+    )

@@ -21,7 +21,9 @@ def _tiny(**moe_changes):
 def _wide_gqa():
     """GQA ratio 4, two deepstack layers, top-3, every other layer sparse."""
     cfg = _tiny(top_k=3, decoder_sparse_step=2)
-    cfg.text = dataclasses.replace(cfg.text, num_heads=8, num_kv_heads=2, head_dim=8, mrope_section=(2, 1, 1))
+    cfg.text = dataclasses.replace(
+        cfg.text, num_heads=8, num_kv_heads=2, head_dim=8, mrope_section=(2, 1, 1)
+    )
     cfg.vision = dataclasses.replace(cfg.vision, deepstack_visual_indexes=(0, 1))
     return cfg
 
@@ -32,7 +34,11 @@ def _no_deepstack_top1():
     return cfg
 
 
-CONFIGS = {"tiny": _tiny, "gqa4_deepstack2_top3_step2": _wide_gqa, "no_deepstack_top1_dense1": _no_deepstack_top1}
+CONFIGS = {
+    "tiny": _tiny,
+    "gqa4_deepstack2_top3_step2": _wide_gqa,
+    "no_deepstack_top1_dense1": _no_deepstack_top1,
+}
 INPUTS = {"text": [], "one_image": [(1, 4, 6)], "two_images": [(1, 4, 6), (1, 8, 4)]}
 
 
@@ -54,7 +60,9 @@ def test_forward_loss_aux_and_gradients_match_reference(config, inputs, tmp_path
     r.loss.backward()
     o.loss.backward()
     ref_grads = hf_grads_as_ours(ref, cfg)
-    our_grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ours.named_parameters()}
+    our_grads = {
+        n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ours.named_parameters()
+    }
     assert set(our_grads) == set(ref_grads)
     # With top-1 the renormalised weight is p/p == 1: the LM loss gives the router an
     # exact-zero gradient that both sides compute as rounding noise of the same size
@@ -63,7 +71,9 @@ def test_forward_loss_aux_and_gradients_match_reference(config, inputs, tmp_path
     worst = max((rel_err(our_grads[n], ref_grads[n]), n) for n in ref_grads if skip not in n)
     assert worst[0] < TOL, worst
     if pixels is not None:  # the vision path really was compared
-        assert all(g.abs().sum() > 0 for n, g in our_grads.items() if "pos_embed" in n or "merger" in n)
+        assert all(
+            g.abs().sum() > 0 for n, g in our_grads.items() if "pos_embed" in n or "merger" in n
+        )
 
 
 def test_top1_router_gradient_in_float64(tmp_path):
@@ -124,7 +134,10 @@ def test_export_loads_in_transformers_with_identical_logits(tmp_path):
         ours.save_pretrained(tmp_path / layout, expert_layout=layout)
         back = type(ref).from_pretrained(tmp_path / layout, attn_implementation="sdpa").eval()
         back.set_experts_implementation("eager")
-        assert torch.equal(hf_forward(back, ids, px, grid).logits.detach(), hf_forward(ref, ids, px, grid).logits.detach())
+        assert torch.equal(
+            hf_forward(back, ids, px, grid).logits.detach(),
+            hf_forward(ref, ids, px, grid).logits.detach(),
+        )
         again = Qwen3VLMoe.from_pretrained(tmp_path / layout, attn_backend="sdpa")
         assert torch.equal(again(ids, px, grid).logits.detach(), expected)
 
@@ -136,10 +149,17 @@ def test_hub_layout_and_sharded_index_load(tmp_path):
     ref, ours = pair(cfg, tmp_path)
     ours.save_pretrained(tmp_path / "sharded", expert_layout="hub", max_shard_bytes=200_000)
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
-    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    assert (
+        "model.safetensors.index.json" in files
+        and sum(f.endswith(".safetensors") for f in files) > 2
+    )
     loaded = Qwen3VLMoe.from_pretrained(tmp_path / "sharded", attn_backend="sdpa")
     for (n, a), (_, b) in zip(loaded.state_dict().items(), ours.state_dict().items()):
         assert torch.equal(a, b), n
     hub = Qwen3VLMoe.from_pretrained(tmp_path / "sharded")
     gate_up = hub.text.layers[0].mlp.experts.gate_up_proj
-    assert gate_up.shape == (cfg.moe.num_experts, cfg.text.hidden_size, 2 * cfg.moe.moe_intermediate_size)
+    assert gate_up.shape == (
+        cfg.moe.num_experts,
+        cfg.text.hidden_size,
+        2 * cfg.moe.moe_intermediate_size,
+    )

@@ -24,8 +24,13 @@ def _variants():
     sparse.vision = dataclasses.replace(sparse.vision, depth=3, deepstack_visual_indexes=(0, 2))
     dense = _tiny(num_layers=2)
     dense.moe = dataclasses.replace(dense.moe, num_experts=0)
-    return {"tiny": VLMConfig.preset("tiny"), "tied_bias_dense_layers": tied, "sparse_step_deepstack": sparse,
-            "no_experts": dense, "qwen3_vl_30b_a3b": VLMConfig.preset("qwen3_vl_30b_a3b")}
+    return {
+        "tiny": VLMConfig.preset("tiny"),
+        "tied_bias_dense_layers": tied,
+        "sparse_step_deepstack": sparse,
+        "no_experts": dense,
+        "qwen3_vl_30b_a3b": VLMConfig.preset("qwen3_vl_30b_a3b"),
+    }
 
 
 @pytest.mark.parametrize("name", list(_variants()))
@@ -33,14 +38,26 @@ def test_counts_equal_the_meta_model(name):
     cfg = _variants()[name]
     with torch.device("meta"):
         model = Qwen3VLMoe(cfg)
-    built = {"vision": model.vision, "embed_tokens": model.text.embed_tokens, "layers": model.text.layers,
-             "norm": model.text.norm}
+    built = {
+        "vision": model.vision,
+        "embed_tokens": model.text.embed_tokens,
+        "layers": model.text.layers,
+        "norm": model.text.norm,
+    }
     counts = parameter_counts(cfg)
     for part, module in built.items():
         assert counts[part] == sum(p.numel() for p in module.parameters()), part
-    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())  # a tied head counted once
+    assert num_parameters(cfg) == sum(
+        p.numel() for p in model.parameters()
+    )  # a tied head counted once
     for i, layer in enumerate(model.text.layers):
         parts = layer_parameters(cfg, i)
         assert sum(parts.values()) == sum(p.numel() for p in layer.parameters()), i
-        assert parts["experts"] == sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n)
-        assert parts["k_v"] == sum(p.numel() for n, p in layer.named_parameters() if n.split(".")[1] in ("k_proj", "v_proj"))
+        assert parts["experts"] == sum(
+            p.numel() for n, p in layer.named_parameters() if ".experts." in n
+        )
+        assert parts["k_v"] == sum(
+            p.numel()
+            for n, p in layer.named_parameters()
+            if n.split(".")[1] in ("k_proj", "v_proj")
+        )

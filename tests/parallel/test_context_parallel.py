@@ -27,13 +27,20 @@ from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
 from test_layouts import REPO, TOL, UNCLIPPED_EPS, check_layouts, print_report, run_job, runs_agree
 
-WORLD_2 = [["parallel.cp=2"], ["parallel.cp=2", "parallel.cp_comm=ring"],
-           ["parallel.cp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
-           # recompute over the cp attention: its collectives must not be reissued out of step
-           ["parallel.cp=2", "parallel.cp_comm=ring", "model.recompute=full"],
-           ["parallel.cp=2", "model.recompute=selective", "model.recompute_modules=[core_attn,moe]"]]
-WORLD_4 = [["parallel.cp=4", "parallel.cp_comm=ring"], ["parallel.cp=2", "parallel.tp=2"],
-           ["parallel.cp=2", "parallel.dp_mode=fsdp"], ["parallel.cp=2", "parallel.pp=2"]]
+WORLD_2 = [
+    ["parallel.cp=2"],
+    ["parallel.cp=2", "parallel.cp_comm=ring"],
+    ["parallel.cp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
+    # recompute over the cp attention: its collectives must not be reissued out of step
+    ["parallel.cp=2", "parallel.cp_comm=ring", "model.recompute=full"],
+    ["parallel.cp=2", "model.recompute=selective", "model.recompute_modules=[core_attn,moe]"],
+]
+WORLD_4 = [
+    ["parallel.cp=4", "parallel.cp_comm=ring"],
+    ["parallel.cp=2", "parallel.tp=2"],
+    ["parallel.cp=2", "parallel.dp_mode=fsdp"],
+    ["parallel.cp=2", "parallel.pp=2"],
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +53,9 @@ def reference(tmp_path_factory):
 
 def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    check_layouts(rank, world, shards, tmp, os.path.join(tmp, "ref.pt"), layouts, "cp", f"cp_w{world}.json")
+    check_layouts(
+        rank, world, shards, tmp, os.path.join(tmp, "ref.pt"), layouts, "cp", f"cp_w{world}.json"
+    )
 
 
 @pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
@@ -62,39 +71,98 @@ def test_torchrun_cp2_tp2_matches_one_process(reference, tmp_path):
     """`torchrun --standalone --nproc-per-node 4 train.py parallel.cp=2 parallel.tp=2`, 3 steps of the
     embedded default: logged losses and exported weights equal one process's (1e-5 relative)."""
     _, shards = reference
-    common = [f"data.shards={shards}", "data.num_workers=0", "train.steps=3", "train.log_every=1",
-              "train.tensorboard=false", "train.checkpoint_every=0", "train.require_loss_decrease=false",
-              # not the default eps 1e-8: float32 sums run in another order on another CPU kind, and AdamW
-              # with a small eps turns that noise on near-zero gradients into parameter differences above the
-              # bound after 3 steps while the loss agrees to 1e-7 (test_layouts.UNCLIPPED_EPS says why 1e-5)
-              "optim.warmup_steps=0", UNCLIPPED_EPS]
-    one = Trainer(compose_job(common + [f"train.run_dir={tmp_path / 'one'}", f"train.export_hf={tmp_path / 'one_hf'}"]))
+    common = [
+        f"data.shards={shards}",
+        "data.num_workers=0",
+        "train.steps=3",
+        "train.log_every=1",
+        "train.tensorboard=false",
+        "train.checkpoint_every=0",
+        "train.require_loss_decrease=false",
+        # not the default eps 1e-8: float32 sums run in another order on another CPU kind, and AdamW
+        # with a small eps turns that noise on near-zero gradients into parameter differences above the
+        # bound after 3 steps while the loss agrees to 1e-7 (test_layouts.UNCLIPPED_EPS says why 1e-5)
+        "optim.warmup_steps=0",
+        UNCLIPPED_EPS,
+    ]
+    one = Trainer(
+        compose_job(
+            common + [f"train.run_dir={tmp_path / 'one'}", f"train.export_hf={tmp_path / 'one_hf'}"]
+        )
+    )
     assert one.run() == 0
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(REPO / "train.py"),
-         *common, "parallel.cp=2", "parallel.tp=2", f"train.run_dir={tmp_path / 'eight'}",
-         f"train.export_hf={tmp_path / 'eight_hf'}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(REPO / "train.py"),
+            *common,
+            "parallel.cp=2",
+            "parallel.tp=2",
+            f"train.run_dir={tmp_path / 'eight'}",
+            f"train.export_hf={tmp_path / 'eight_hf'}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "world 4 = pp 1 x dp 1 x cp 2 x tp 2" in proc.stdout
     loss_err, param_err = runs_agree(tmp_path, steps=3)
-    print(f"torchrun world 4 [parallel.cp=2 parallel.tp=2]: 3 steps, max rel err loss {loss_err:.1e} "
-          f"params {param_err:.1e}")
+    print(
+        f"torchrun world 4 [parallel.cp=2 parallel.tp=2]: 3 steps, max rel err loss {loss_err:.1e} "
+        f"params {param_err:.1e}"
+    )
     assert loss_err <= TOL and param_err <= TOL
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.cp=2", "data.pack.seq_len=1026"], 2,
-     r"data.pack.seq_len=1026 must be divisible by 2\*cp=4 .* use a multiple of 4"),
-    (["parallel.cp=2", "parallel.tp=4", "data.pack.seq_len=1028"], 8, r"and seq_len/cp by tp=4 .* use a multiple of 8"),
-    (["parallel.cp=2", "model.attn_backend=flex"], 2, r"model.attn_backend=flex cannot run inside it"),
-    (["parallel.cp=2", "train.compile=true"], 2, r"parallel.cp=2 with train.compile=true is not supported"),
-    (["parallel.cp=2", "parallel.cp_comm=p2p"], 2, r"parallel.cp_comm='p2p'; choose one of \['allgather', 'ring'\]"),
-    (["parallel.cp=2", "model.cuda_graph_scope=[attn]", "model.attn_backend=sdpa"], 2,
-     r"tensor/context-parallel collectives"),
-], ids=["seq_len", "seq_len_tp", "backend", "compile", "comm", "cuda_graphs"])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (
+            ["parallel.cp=2", "data.pack.seq_len=1026"],
+            2,
+            r"data.pack.seq_len=1026 must be divisible by 2\*cp=4 .* use a multiple of 4",
+        ),
+        (
+            ["parallel.cp=2", "parallel.tp=4", "data.pack.seq_len=1028"],
+            8,
+            r"and seq_len/cp by tp=4 .* use a multiple of 8",
+        ),
+        (
+            ["parallel.cp=2", "model.attn_backend=flex"],
+            2,
+            r"model.attn_backend=flex cannot run inside it",
+        ),
+        (
+            ["parallel.cp=2", "train.compile=true"],
+            2,
+            r"parallel.cp=2 with train.compile=true is not supported",
+        ),
+        (
+            ["parallel.cp=2", "parallel.cp_comm=p2p"],
+            2,
+            r"parallel.cp_comm='p2p'; choose one of \['allgather', 'ring'\]",
+        ),
+        (
+            ["parallel.cp=2", "model.cuda_graph_scope=[attn]", "model.attn_backend=sdpa"],
+            2,
+            r"tensor/context-parallel collectives",
+        ),
+    ],
+    ids=["seq_len", "seq_len_tp", "backend", "compile", "comm", "cuda_graphs"],
+)
 def test_context_parallel_refusals_before_anything_runs(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
-        validate(compose_job(["data.shards=sample", *overrides]), world_size=world, environment=False)
+        validate(
+            compose_job(["data.shards=sample", *overrides]), world_size=world, environment=False
+        )

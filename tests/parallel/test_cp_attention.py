@@ -9,7 +9,14 @@ import torch
 from gloo_ranks import run_ranks
 
 from moevlm.model.attention import attention, doc_mask, document_ids
-from moevlm.parallel.cp_attention import COMMS, _block, _block_grads, _merge, allowed_mask, cp_attention
+from moevlm.parallel.cp_attention import (
+    COMMS,
+    _block,
+    _block_grads,
+    _merge,
+    allowed_mask,
+    cp_attention,
+)
 from moevlm.parallel.cp_layout import take_seq, zigzag_positions
 
 B, S, H, K, HD = 2, 48, 4, 2, 8
@@ -32,7 +39,9 @@ CASES = {
     # ending exactly on the cp=2 chunk boundaries 12 and 36, one across the cp=4 boundaries between
     "chunk_boundaries": torch.tensor([0, 5, 43, 48, 60, 84, 96], dtype=torch.int32),
     "one_doc_per_row": None,
-    "trailing_padding": torch.tensor([0, 10, 30, 48, 68, 89, 96], dtype=torch.int32),  # [30,48), [89,96) pad
+    "trailing_padding": torch.tensor(
+        [0, 10, 30, 48, 68, 89, 96], dtype=torch.int32
+    ),  # [30,48), [89,96) pad
 }
 
 
@@ -105,7 +114,10 @@ def test_ring_blocks_merge_to_one_softmax_and_their_grads_match_autograd():
     lse = torch.full((B, H, 12), float("-inf"))
     for keys in torch.arange(12).chunk(3):  # block 2's keys are all masked for the first queries
         out_b, lse_b = _block(q, k[:, keys], v[:, keys], allowed[..., keys], scale)
-        assert not out_b.isnan().any() and out_b[torch.isneginf(lse_b).transpose(1, 2)].abs().max() == 0
+        assert (
+            not out_b.isnan().any()
+            and out_b[torch.isneginf(lse_b).transpose(1, 2)].abs().max() == 0
+        )
         out, lse = _merge(out, lse, out_b, lse_b)
     assert _rel(out, ref_out) <= TOL
 
@@ -114,7 +126,9 @@ def test_ring_blocks_merge_to_one_softmax_and_their_grads_match_autograd():
     delta = (dout * out).sum(-1).transpose(1, 2)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     for keys in torch.arange(12).chunk(3):
-        dq, dk, dv = _block_grads(q, k[:, keys], v[:, keys], allowed[..., keys], scale, dout, lse, delta)
+        dq, dk, dv = _block_grads(
+            q, k[:, keys], v[:, keys], allowed[..., keys], scale, dout, lse, delta
+        )
         grads[0] += dq
         grads[1][:, keys] += dk
         grads[2][:, keys] += dv
@@ -133,7 +147,9 @@ def test_bad_arguments_are_refused_with_readable_messages():
         cp_attention(q, k, v[..., :4], ids, ids, group=None)
     with pytest.raises(ValueError, match="differ in batch, sequence or head dim"):
         cp_attention(q, k[:, :4], v[:, :4], ids, ids, group=None)
-    with pytest.raises(ValueError, match=r"pos_Bs must be integer ids of shape \(B, s\) = \(2, 6\)"):
+    with pytest.raises(
+        ValueError, match=r"pos_Bs must be integer ids of shape \(B, s\) = \(2, 6\)"
+    ):
         cp_attention(q, k, v, ids[:, :5], ids, group=None)
     with pytest.raises(ValueError, match="doc_Bs must be integer ids"):
         cp_attention(q, k, v, ids, ids.float(), group=None)

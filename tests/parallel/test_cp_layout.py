@@ -4,9 +4,18 @@ inverse, the attention work it balances, and the image shares of the vision towe
 import pytest
 import torch
 
-from moevlm.parallel.cp_layout import (attention_work, balance_images, check_divisible, contiguous_positions,
-                                       doc_zigzag_positions, inverse_order, split_rows, take_rows, take_seq,
-                                       zigzag_positions)
+from moevlm.parallel.cp_layout import (
+    attention_work,
+    balance_images,
+    check_divisible,
+    contiguous_positions,
+    doc_zigzag_positions,
+    inverse_order,
+    split_rows,
+    take_rows,
+    take_seq,
+    zigzag_positions,
+)
 
 
 def test_zigzag_by_hand():
@@ -15,7 +24,11 @@ def test_zigzag_by_hand():
     assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     # S = 16, cp = 4: chunks of 2; rank r keeps chunk r and 7 - r
     assert [zigzag_positions(16, 4, r).tolist() for r in range(4)] == [
-        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+        [0, 1, 14, 15],
+        [2, 3, 12, 13],
+        [4, 5, 10, 11],
+        [6, 7, 8, 9],
+    ]
     assert contiguous_positions(8, 2, 1).tolist() == [4, 5, 6, 7]
 
 
@@ -25,12 +38,16 @@ def test_every_position_once_and_the_inverse(S, cp):
     assert sorted(every.tolist()) == list(range(S))
     x = torch.arange(S) * 10
     gathered = torch.cat([take_seq(x[None], zigzag_positions(S, cp, r))[0] for r in range(cp)])
-    assert torch.equal(gathered[inverse_order(S, cp)], x)  # rank-order concatenation back to row order
+    assert torch.equal(
+        gathered[inverse_order(S, cp)], x
+    )  # rank-order concatenation back to row order
 
 
 def test_uneven_rows_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="cannot be cut into 2\\*cp = 4 equal chunks: set data.seq_len to a "
-                                         "multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match="cannot be cut into 2\\*cp = 4 equal chunks: set data.seq_len to a multiple of 4",
+    ):
         check_divisible(10, 2)
     with pytest.raises(ValueError):
         zigzag_positions(12, 4, 0)
@@ -41,7 +58,9 @@ def test_attention_work_by_hand():
     doc = torch.zeros(1, 8, dtype=torch.long)
     zig = [zigzag_positions(8, 2, r) for r in range(2)]
     naive = [contiguous_positions(8, 2, r) for r in range(2)]
-    assert attention_work(doc, zig) == [1 + 2 + 7 + 8, 3 + 4 + 5 + 6] == [18, 18]  # balanced exactly
+    assert (
+        attention_work(doc, zig) == [1 + 2 + 7 + 8, 3 + 4 + 5 + 6] == [18, 18]
+    )  # balanced exactly
     assert attention_work(doc, naive) == [1 + 2 + 3 + 4, 5 + 6 + 7 + 8] == [10, 26]
     # two documents [0, 4) and [4, 8): each query sees its document's earlier keys
     doc2 = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
@@ -53,7 +72,11 @@ def test_images_balanced_largest_first():
     assert balance_images([64, 16, 16, 32], 2) == [[0], [1, 2, 3]]  # 64 vs 16 + 16 + 32
     assert balance_images([4, 4, 4], 2) == [[0, 2], [1]]
     assert balance_images([], 2) == [[], []]
-    assert balance_images([8], 3) == [[0], [], []]  # a rank without an image still runs its tower (padding)
+    assert balance_images([8], 3) == [
+        [0],
+        [],
+        [],
+    ]  # a rank without an image still runs its tower (padding)
 
 
 def test_per_document_split_by_hand():
@@ -74,11 +97,13 @@ def test_per_document_split_keeps_every_token_once_balanced():
     for _ in range(300):
         cp = int(torch.randint(2, 6, (), generator=g))
         S = 2 * cp * int(torch.randint(1, 30, (), generator=g))
-        cuts = torch.randperm(S - 1, generator=g)[:int(torch.randint(0, 10, (), generator=g))] + 1
+        cuts = torch.randperm(S - 1, generator=g)[: int(torch.randint(0, 10, (), generator=g))] + 1
         bounds = [0, *sorted(cuts.tolist()), S]
         out = doc_zigzag_positions(bounds, cp)
         assert sorted(sum(out, [])) == list(range(S)) and all(len(o) == S // cp for o in out)
-        for a, b in zip(bounds, bounds[1:]):  # every rank holds 2 chunks of each document: within 2 tokens
+        for a, b in zip(
+            bounds, bounds[1:]
+        ):  # every rank holds 2 chunks of each document: within 2 tokens
             n = [sum(a <= p < b for p in o) for o in out]
             assert max(n) - min(n) <= 2, (bounds, cp, n)
 
@@ -90,5 +115,7 @@ def test_take_rows_per_row_and_zero_gradient_elsewhere():
     assert torch.equal(y, torch.stack([x[0, [0, 5]], x[1, [2, 3]]]))
     y.sum().backward()
     assert x.grad.sum(-1).tolist() == [[3, 0, 0, 0, 0, 3], [0, 0, 3, 3, 0, 0]]
-    pos = torch.arange(2 * 6).view(1, 2, 6).expand(3, 2, 6)  # (3, B, S) M-RoPE ids: the sequence is dim 2
+    pos = (
+        torch.arange(2 * 6).view(1, 2, 6).expand(3, 2, 6)
+    )  # (3, B, S) M-RoPE ids: the sequence is dim 2
     assert take_rows(pos, idx, dim=2)[:, 1].tolist() == [[8, 9]] * 3

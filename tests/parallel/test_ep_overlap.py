@@ -50,24 +50,33 @@ def test_chunk_bounds():
 
 REFUSALS = {  # overrides (world 2) -> the words of the refusal
     ("parallel.tp=2",): "parallel.ep_overlap=true needs expert parallel",
-    ("parallel.tp=2", "parallel.etp=2"): "parallel.ep_overlap=true is not built with expert tensor parallel",
+    (
+        "parallel.tp=2",
+        "parallel.etp=2",
+    ): "parallel.ep_overlap=true is not built with expert tensor parallel",
     ("parallel.ep=2", "train.compile=true"): "parallel.ep_overlap=true with train.compile=true",
     ("parallel.ep=2", "model.cuda_graph_scope=[moe_preprocess]"): "parallel.ep_overlap=true with "
-                                                                   "model.cuda_graph_scope moe_preprocess",
+    "model.cuda_graph_scope moe_preprocess",
 }
 
 
 @pytest.mark.parametrize("overrides", list(REFUSALS), ids=lambda o: " ".join(o))
 def test_config_refuses_what_overlap_cannot_run_with(overrides):
     with pytest.raises(ConfigError) as err:
-        validate(compose_job(["parallel.ep_overlap=true", "train.global_batch_size=2", *overrides]), 2,
-                 environment=False)
+        validate(
+            compose_job(["parallel.ep_overlap=true", "train.global_batch_size=2", *overrides]),
+            2,
+            environment=False,
+        )
     assert REFUSALS[overrides] in str(err.value)
 
 
 def test_config_accepts_ep2():
-    plan = validate(compose_job(["parallel.ep_overlap=true", "parallel.ep=2", "train.global_batch_size=2"]), 2,
-                    environment=False)
+    plan = validate(
+        compose_job(["parallel.ep_overlap=true", "parallel.ep=2", "train.global_batch_size=2"]),
+        2,
+        environment=False,
+    )
     assert plan.model.moe.dispatcher == "alltoall"
 
 
@@ -81,19 +90,24 @@ def _blocks(seed: int, capacity_factor: float | None, D: int = D, F: int = F):
     cfg = VLMConfig.preset("tiny").moe
     cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size = E, K, F
     gen = torch.Generator().manual_seed(seed)
-    router = torch.randn(E, D, generator=gen) / D ** 0.5
+    router = torch.randn(E, D, generator=gen) / D**0.5
     router[IDLE, 0] = -1e3  # x[:, 0] = 1 below: expert IDLE never wins
-    gate_up, down = torch.randn(E, D, 2 * F, generator=gen) / D ** 0.5, torch.randn(E, F, D, generator=gen) / F ** 0.5
+    gate_up, down = (
+        torch.randn(E, D, 2 * F, generator=gen) / D**0.5,
+        torch.randn(E, F, D, generator=gen) / F**0.5,
+    )
     r, L = dist.get_rank(), E // 2
     blocks = []
     for runner in (ExpertsRunner, OverlappedRunner):
-        layout = Layout(dispatcher=lambda i, c: AllToAllDispatcher(E, K, capacity_factor=capacity_factor),
-                        experts_runner=runner)
+        layout = Layout(
+            dispatcher=lambda i, c: AllToAllDispatcher(E, K, capacity_factor=capacity_factor),
+            experts_runner=runner,
+        )
         b = MoEBlock(D, cfg, layout=layout)
         with torch.no_grad():
             b.router.weight.copy_(router)
-            b.experts.gate_up_proj = torch.nn.Parameter(gate_up[r * L:(r + 1) * L].clone())
-            b.experts.down_proj = torch.nn.Parameter(down[r * L:(r + 1) * L].clone())
+            b.experts.gate_up_proj = torch.nn.Parameter(gate_up[r * L : (r + 1) * L].clone())
+            b.experts.down_proj = torch.nn.Parameter(down[r * L : (r + 1) * L].clone())
         blocks.append(b)
     return blocks
 
@@ -102,8 +116,15 @@ def _run(block, x0, g):
     x = x0.clone().requires_grad_()
     y, stats = block(x)
     (y * g).sum().backward()
-    return [y, stats.prob_sum_E, stats.counts_E, x.grad, block.router.weight.grad,
-            block.experts.gate_up_proj.grad, block.experts.down_proj.grad]
+    return [
+        y,
+        stats.prob_sum_E,
+        stats.counts_E,
+        x.grad,
+        block.router.weight.grad,
+        block.experts.gate_up_proj.grad,
+        block.experts.down_proj.grad,
+    ]
 
 
 def rel(a, b) -> float:
@@ -141,7 +162,9 @@ def _time_layer(reps: int = 5) -> dict[str, float]:
     """Seconds per forward+backward of one ep2 MoE layer (the median of `reps`), plain and overlapped."""
     out = {}
     for name, block in zip(("plain", "overlap"), _blocks(0, None, TIMED["D"], TIMED["F"])):
-        x0 = torch.randn(1, TIMED["T"], TIMED["D"], generator=torch.Generator().manual_seed(dist.get_rank()))
+        x0 = torch.randn(
+            1, TIMED["T"], TIMED["D"], generator=torch.Generator().manual_seed(dist.get_rank())
+        )
         times = []
         for _ in range(reps + 1):
             dist.barrier()
@@ -155,10 +178,17 @@ def _time_layer(reps: int = 5) -> dict[str, float]:
 LAYOUTS = [  # name, the layout both runs share, what only the overlapped run adds
     ("ep2", ["parallel.ep=2", "model.dispatcher=alltoall"], []),
     # the capacity mode where nothing can overflow (f = E/K = 4): per-chunk capacity drops nothing either
-    ("ep2_capacity", ["parallel.ep=2", "model.dispatcher=alltoall", "model.moe_capacity_factor=4"], []),
+    (
+        "ep2_capacity",
+        ["parallel.ep=2", "model.dispatcher=alltoall", "model.moe_capacity_factor=4"],
+        [],
+    ),
     # SPMoEBlock (router statistics summed over tp), and the block recomputed in backward
-    ("tp2_ep2_recompute_moe", ["parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
-     ["model.recompute=selective", "model.recompute_modules=[moe]"]),
+    (
+        "tp2_ep2_recompute_moe",
+        ["parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
+        ["model.recompute=selective", "model.recompute_modules=[moe]"],
+    ),
 ]
 
 
@@ -183,7 +213,11 @@ def _trainer_runs(shards: str, tmp: str, layouts) -> dict:
     for name, layout, extra in layouts:
         ref = run_job(shards, os.path.join(tmp, f"plain_{name}"), layout)
         before = calls[0]
-        got = run_job(shards, os.path.join(tmp, f"overlap_{name}"), layout + ["parallel.ep_overlap=true", *extra])
+        got = run_job(
+            shards,
+            os.path.join(tmp, f"overlap_{name}"),
+            layout + ["parallel.ep_overlap=true", *extra],
+        )
         assert calls[0] > before, "the overlapped forward did not run"
         report[name] = compare(got, ref)
         assert all(v <= TOL for v in report[name].values()), (name, report[name])
@@ -206,41 +240,70 @@ def _check_waits_come_late() -> None:
             seen.append((what, ch.exchange.work is None))  # waited already?
             out = fn(d, ch)
             if what == "dispatch":  # its gradient is ready once the chunk's experts ran backward
-                out.register_hook(lambda g, c=ch.exchange.what[-1]: events.append(f"experts {c} backward done"))
+                out.register_hook(
+                    lambda g, c=ch.exchange.what[-1]: events.append(f"experts {c} backward done")
+                )
             return out
+
         return run
 
     def issued(ctx, grad):
         events.append(f"issue {ctx.ex.what}")
         out = finish_bwd(ctx, grad)
-        assert ctx.ex.grad_work is not None, "the reverse exchange was waited for where it was issued"
+        assert ctx.ex.grad_work is not None, (
+            "the reverse exchange was waited for where it was issued"
+        )
         return out
 
     def waited(ctx, grad):
         events.append(f"wait {ctx.ex.what}")
         return start_bwd(ctx, grad)
 
-    ep_overlap._grouped, ep_overlap._combine_finish = record(grouped, "dispatch"), record(finish, "combine")
-    ep_overlap._Start.backward, ep_overlap._Finish.backward = staticmethod(waited), staticmethod(issued)
+    ep_overlap._grouped, ep_overlap._combine_finish = (
+        record(grouped, "dispatch"),
+        record(finish, "combine"),
+    )
+    ep_overlap._Start.backward, ep_overlap._Finish.backward = (
+        staticmethod(waited),
+        staticmethod(issued),
+    )
     try:
         _block_case(7, {0: 9, 1: 8})
     finally:
         ep_overlap._grouped, ep_overlap._combine_finish = grouped, finish
-        ep_overlap._Start.backward, ep_overlap._Finish.backward = staticmethod(start_bwd), staticmethod(finish_bwd)
+        ep_overlap._Start.backward, ep_overlap._Finish.backward = (
+            staticmethod(start_bwd),
+            staticmethod(finish_bwd),
+        )
     assert seen == [("dispatch", False)] * 2 + [("combine", False)] * 2, seen
-    assert events == ["issue combine 1", "issue combine 0", "wait combine 1", "experts 1 backward done",
-                      "issue dispatch 1", "wait combine 0", "experts 0 backward done", "issue dispatch 0",
-                      "wait dispatch 1", "wait dispatch 0"], events
+    assert events == [
+        "issue combine 1",
+        "issue combine 0",
+        "wait combine 1",
+        "experts 1 backward done",
+        "issue dispatch 1",
+        "wait combine 0",
+        "experts 0 backward done",
+        "issue dispatch 0",
+        "wait dispatch 1",
+        "wait dispatch 0",
+    ], events
 
 
 def _two_ranks(rank: int, shards: str, tmp: str) -> None:
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
     _check_waits_come_late()
     report = {"block": 0.0}
-    for seed, tokens in [(1, {0: 7, 1: 9}), (2, {0: 1, 1: 6}), (3, {0: 11, 1: 5}), (4, {0: 0, 1: 3})]:
+    for seed, tokens in [
+        (1, {0: 7, 1: 9}),
+        (2, {0: 1, 1: 6}),
+        (3, {0: 11, 1: 5}),
+        (4, {0: 0, 1: 3}),
+    ]:
         report["block"] = max(report["block"], _block_case(seed, tokens))
-    report["block_capacity"] = max(_block_case(seed, {0: T, 1: T}, capacity_factor=E / K)
-                                   for seed, T in [(5, 7), (6, 1)])
+    report["block_capacity"] = max(
+        _block_case(seed, {0: T, 1: T}, capacity_factor=E / K) for seed, T in [(5, 7), (6, 1)]
+    )
     report.update(_trainer_runs(shards, tmp, LAYOUTS))
     report["timing_s"] = _time_layer()
     if rank == 0:
@@ -252,21 +315,30 @@ def test_overlap_equals_plain_ep2(tmp_path):
     shards = str(ensure_sample()[0])
     run_ranks(_two_ranks, 2, tmp_path, shards, str(tmp_path), timeout_s=300)
     report = json.loads((tmp_path / "ep_overlap.json").read_text())
-    print(f"\nep_overlap: block max rel err {report['block']:.1e} (capacity {report['block_capacity']:.1e})")
+    print(
+        f"\nep_overlap: block max rel err {report['block']:.1e} (capacity {report['block_capacity']:.1e})"
+    )
     for name, _, _ in LAYOUTS:
         t = report[name]
-        print(f"ep_overlap trainer {name}: max rel err loss {t['loss']:.1e} grads {t['grads']:.1e} "
-              f"params {t['params']:.1e}")
+        print(
+            f"ep_overlap trainer {name}: max rel err loss {t['loss']:.1e} grads {t['grads']:.1e} "
+            f"params {t['params']:.1e}"
+        )
     tm = report["timing_s"]
-    print(f"one MoE layer fwd+bwd, 2 gloo ranks x 1 thread, {TIMED}: plain {tm['plain'] * 1e3:.1f} ms, overlap "
-          f"{tm['overlap'] * 1e3:.1f} ms (ratio {tm['overlap'] / tm['plain']:.2f}; informational)")
+    print(
+        f"one MoE layer fwd+bwd, 2 gloo ranks x 1 thread, {TIMED}: plain {tm['plain'] * 1e3:.1f} ms, overlap "
+        f"{tm['overlap'] * 1e3:.1f} ms (ratio {tm['overlap'] / tm['plain']:.2f}; informational)"
+    )
 
 
 def _four_ranks(rank: int, shards: str, tmp: str) -> None:
     """pp2 x ep2: the overlapped blocks inside pipeline stages (1f1b: micro-batches interleaved)."""
     os.environ.update(WORLD_SIZE="4", RANK=str(rank), LOCAL_RANK=str(rank))
-    report = _trainer_runs(shards, tmp, [("pp2_ep2", ["parallel.pp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
-                                          [])])
+    report = _trainer_runs(
+        shards,
+        tmp,
+        [("pp2_ep2", ["parallel.pp=2", "parallel.ep=2", "model.dispatcher=alltoall"], [])],
+    )
     if rank == 0:
         with open(os.path.join(tmp, "ep_overlap_pp.json"), "w") as f:
             json.dump(report, f)
@@ -275,5 +347,7 @@ def _four_ranks(rank: int, shards: str, tmp: str) -> None:
 def test_overlap_equals_plain_pp2_ep2(tmp_path):
     run_ranks(_four_ranks, 4, tmp_path, str(ensure_sample()[0]), str(tmp_path), timeout_s=300)
     t = json.loads((tmp_path / "ep_overlap_pp.json").read_text())["pp2_ep2"]
-    print(f"\nep_overlap trainer pp2_ep2: max rel err loss {t['loss']:.1e} grads {t['grads']:.1e} "
-          f"params {t['params']:.1e}")
+    print(
+        f"\nep_overlap trainer pp2_ep2: max rel err loss {t['loss']:.1e} grads {t['grads']:.1e} "
+        f"params {t['params']:.1e}"
+    )

@@ -46,7 +46,11 @@ LAYOUTS = {  # layout -> relative tolerance of (first loss, every loss, first st
 def _errors(got: dict, ref: dict) -> dict:
     losses = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
     g, r = got["grads"][0], ref["grads"][0]
-    return {"first loss": losses[0], "loss": max(losses), "first grads": max(rel(g[k], r[k]) for k in r.keys() & g)}
+    return {
+        "first loss": losses[0],
+        "loss": max(losses),
+        "first grads": max(rel(g[k], r[k]) for k in r.keys() & g),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -51,36 +51,65 @@ UNCLIPPED_EPS = "optim.eps=1e-5"
 
 
 def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
-    return [f"data.shards={shards}", "data.num_workers=0", "data.streams=4", "train.global_batch_size=4",
-            "train.micro_batch_size=1", f"train.steps={STEPS}", f"train.run_dir={run_dir}", "train.log_every=1",
-            "train.tensorboard=false", "train.checkpoint_at_end=false", "train.checkpoint_every=0",
-            "train.require_loss_decrease=false", "train.progress=false", "model.aux_loss_coef=0.01",
-            # eps 1e-6: see the module docstring (parameters after AdamW steps, robust to CPU and threads)
-            "optim.warmup_steps=0", "optim.grad_clip=0.05", "optim.eps=1e-6", *layout]
+    return [
+        f"data.shards={shards}",
+        "data.num_workers=0",
+        "data.streams=4",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        f"train.steps={STEPS}",
+        f"train.run_dir={run_dir}",
+        "train.log_every=1",
+        "train.tensorboard=false",
+        "train.checkpoint_at_end=false",
+        "train.checkpoint_every=0",
+        "train.require_loss_decrease=false",
+        "train.progress=false",
+        "model.aux_loss_coef=0.01",
+        # eps 1e-6: see the module docstring (parameters after AdamW steps, robust to CPU and threads)
+        "optim.warmup_steps=0",
+        "optim.grad_clip=0.05",
+        "optim.eps=1e-6",
+        *layout,
+    ]
 
 
 def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
     With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it."""
     resume = "RESUME" in layout
-    start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]  # another layout's checkpoint
+    start = [
+        x.split("=", 1)[1] for x in layout if x.startswith("FROM=")
+    ]  # another layout's checkpoint
     layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
-    layout = [x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf"))
-              .replace("@TMP", os.path.dirname(run_dir)) for x in layout]
+    layout = [
+        x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")).replace(
+            "@TMP", os.path.dirname(run_dir)
+        )
+        for x in layout
+    ]
     if start:
-        layout.append(f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}")
+        layout.append(
+            f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}"
+        )
     grads = []
-    for part in ((1, STEPS) if resume else (STEPS,)):
+    for part in (1, STEPS) if resume else (STEPS,):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
         assert tr.step == 1 or not start
-        tr.grad_hook = lambda t: grads.append(every_stage(t, {k: v.clone() for k, v in full_grads(t.model).items()}))
+        tr.grad_hook = lambda t: grads.append(
+            every_stage(t, {k: v.clone() for k, v in full_grads(t.model).items()})
+        )
         try:
             while tr.step < part:
                 assert tr.train_step(_NoWindow())
             if part < STEPS:
                 tr.save()
             else:
-                return {"losses": list(tr.losses), "grads": grads, "params": every_stage(tr, full_state_dict(tr.model))}
+                return {
+                    "losses": list(tr.losses),
+                    "grads": grads,
+                    "params": every_stage(tr, full_state_dict(tr.model)),
+                }
         finally:
             tr.close()
 
@@ -107,7 +136,9 @@ def compare(got: dict, ref: dict) -> dict:
     loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     grad = 0.0
-    for g, r in zip(got["grads"], ref["grads"][STEPS - len(got["grads"]):]):  # a resumed run: the steps it ran
+    for g, r in zip(
+        got["grads"], ref["grads"][STEPS - len(got["grads"]) :]
+    ):  # a resumed run: the steps it ran
         # a step without images leaves the vision tower without gradients in one process and with
         # exact zeros under a layout (the tower runs on padding so every rank reduces the same)
         only = sorted(set(g) ^ set(r))
@@ -139,30 +170,47 @@ def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
     merge = cfg.vision.spatial_merge_size
     grid = torch.tensor([[1, 4, 4]])
     ids = torch.randint(0, 900, (1, 32), generator=g)
-    ids[0, 5:5 + 16 // merge**2] = cfg.image_token_id
-    kw = dict(pixel_values=torch.randn(16, cfg.vision.patch_dim, generator=g), image_grid_thw=grid, labels=ids)
+    ids[0, 5 : 5 + 16 // merge**2] = cfg.image_token_id
+    kw = dict(
+        pixel_values=torch.randn(16, cfg.vision.patch_dim, generator=g),
+        image_grid_thw=grid,
+        labels=ids,
+    )
     ref, out = full(ids, **kw), tp(ids, **kw)
     ref.loss.backward()
     out.loss.backward()
     ctx.finish_gradients()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
     V = cfg.text.vocab_size // world
-    torch.testing.assert_close(out.logits, ref.logits[..., rank * V:(rank + 1) * V], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out.logits, ref.logits[..., rank * V : (rank + 1) * V], rtol=1e-5, atol=1e-6
+    )
     grads, want = full_grads(tp), {n: p.grad for n, p in full.named_parameters()}
     assert grads.keys() == want.keys() and "text.layers.1.mlp.gate_proj.weight" in grads
     bad = {k: rel(grads[k], want[k]) for k in want if rel(grads[k], want[k]) > TOL}
     assert not bad, bad
 
 
-def _layouts_on_ranks(rank: int, world: int, shards: str, tmp: str, ref_path: str, layouts: list[list[str]]):
+def _layouts_on_ranks(
+    rank: int, world: int, shards: str, tmp: str, ref_path: str, layouts: list[list[str]]
+):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     if world == 2:
         _dense_layer_and_tied_head_under_tp(rank, world)
     check_layouts(rank, world, shards, tmp, ref_path, layouts, "w", f"layouts_w{world}.json")
 
 
-def check_layouts(rank: int, world: int, shards: str, tmp: str, ref_path: str, layouts: list[list[str]],
-                  prefix: str, report_name: str, hide: tuple[str, ...] = ()) -> None:
+def check_layouts(
+    rank: int,
+    world: int,
+    shards: str,
+    tmp: str,
+    ref_path: str,
+    layouts: list[list[str]],
+    prefix: str,
+    report_name: str,
+    hide: tuple[str, ...] = (),
+) -> None:
     """Every layout against the reference (run i in <tmp>/<prefix><world>_<i>); the errors, keyed by the
     layout without the `hide` entries, go to <tmp>/<report_name> (rank 0)."""
     ref = torch.load(ref_path, weights_only=False)
@@ -183,28 +231,56 @@ def check_layouts(rank: int, world: int, shards: str, tmp: str, ref_path: str, l
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     shards = str(ensure_sample()[0])
-    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [])))  # the reference's initial weights,
-    init.model.save_pretrained(tmp / "init_hf")  # for the layout that starts from a Hugging Face checkpoint
+    init = Trainer(
+        compose_job(job_overrides(shards, str(tmp / "init"), []))
+    )  # the reference's initial weights,
+    init.model.save_pretrained(
+        tmp / "init_hf"
+    )  # for the layout that starts from a Hugging Face checkpoint
     init.close()
     ref = run_job(shards, str(tmp / "ref"), [])
     torch.save(ref, tmp / "ref.pt")
     return tmp, shards
 
 
-WORLD_2 = [["parallel.tp=2"], ["parallel.ep=2", "model.dispatcher=alltoall"],
-           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
-           ["parallel.dp_mode=fsdp"], ["parallel.dp_mode=ddp"],
-           # another seed, then the reference's initial weights from a Hugging Face folder, loaded shard by shard
-           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall", "train.seed=7",
-            "model.hf_checkpoint=@INIT_HF"]]
-WORLD_4 = [["parallel.ep=4", "model.dispatcher=alltoall"],
-           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall"],
-           ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1", "parallel.dp_mode=fsdp", "model.dispatcher=alltoall"],
-           ["parallel.tp=4", "parallel.ep=2", "parallel.dp_mode=ddp", "model.dispatcher=alltoall"],
-           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
-           # DCP resharding: step 1's checkpoint of the etp2/FSDP layout above, resumed as tp4 ep4 etp1 DDP
-           ["parallel.tp=4", "parallel.ep=4", "parallel.etp=1", "parallel.dp_mode=ddp", "model.dispatcher=alltoall",
-            "FROM=w4_4"]]
+WORLD_2 = [
+    ["parallel.tp=2"],
+    ["parallel.ep=2", "model.dispatcher=alltoall"],
+    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
+    ["parallel.dp_mode=fsdp"],
+    ["parallel.dp_mode=ddp"],
+    # another seed, then the reference's initial weights from a Hugging Face folder, loaded shard by shard
+    [
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "parallel.etp=1",
+        "model.dispatcher=alltoall",
+        "train.seed=7",
+        "model.hf_checkpoint=@INIT_HF",
+    ],
+]
+WORLD_4 = [
+    ["parallel.ep=4", "model.dispatcher=alltoall"],
+    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall"],
+    [
+        "parallel.tp=2",
+        "parallel.ep=4",
+        "parallel.etp=1",
+        "parallel.dp_mode=fsdp",
+        "model.dispatcher=alltoall",
+    ],
+    ["parallel.tp=4", "parallel.ep=2", "parallel.dp_mode=ddp", "model.dispatcher=alltoall"],
+    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
+    # DCP resharding: step 1's checkpoint of the etp2/FSDP layout above, resumed as tp4 ep4 etp1 DDP
+    [
+        "parallel.tp=4",
+        "parallel.ep=4",
+        "parallel.etp=1",
+        "parallel.dp_mode=ddp",
+        "model.dispatcher=alltoall",
+        "FROM=w4_4",
+    ],
+]
 
 
 @pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
@@ -212,15 +288,27 @@ def test_layouts_match_one_process(reference, world, layouts):
     tmp, shards = reference
     launch_dir = tmp / f"launch_w{world}"  # its own rendezvous file
     launch_dir.mkdir()
-    run_ranks(_layouts_on_ranks, world, launch_dir, world, shards, str(tmp), str(tmp / "ref.pt"), layouts, timeout_s=300)
+    run_ranks(
+        _layouts_on_ranks,
+        world,
+        launch_dir,
+        world,
+        shards,
+        str(tmp),
+        str(tmp / "ref.pt"),
+        layouts,
+        timeout_s=300,
+    )
     print_report(tmp / f"layouts_w{world}.json", world)
 
 
 def print_report(path, world: int) -> None:
     """One line per layout of a `check_layouts` report: its max relative errors."""
     for layout, err in json.loads(Path(path).read_text()).items():
-        print(f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
-              f"params {err['params']:.1e}")
+        print(
+            f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
+            f"params {err['params']:.1e}"
+        )
 
 
 # ------------------------------------------------------------- train.py under torchrun, world 8
@@ -229,26 +317,67 @@ def test_torchrun_world8_folded_layout_matches_one_process(reference, tmp_path):
     (FSDP2 over both), 5 steps: the logged per-step losses and the exported Hugging Face weights equal a
     one-process run's (1e-5 relative); the run also writes its final DCP checkpoint."""
     _, shards = reference
-    common = [f"data.shards={shards}", "data.num_workers=0", "data.streams=8", "train.global_batch_size=8",
-              "train.steps=5", "train.log_every=1", "train.tensorboard=false", "train.checkpoint_every=0",
-              "train.require_loss_decrease=false", "model.aux_loss_coef=0.01", "optim.warmup_steps=0",
-              # not the default eps 1e-8: the weights after 5 AdamW steps must not depend on the CPU kind
-              # and thread count, whose float32 summation noise it magnifies on tiny gradients
-              UNCLIPPED_EPS]
-    ref = Trainer(compose_job(common + [f"train.run_dir={tmp_path / 'one'}", f"train.export_hf={tmp_path / 'one_hf'}"]))
+    common = [
+        f"data.shards={shards}",
+        "data.num_workers=0",
+        "data.streams=8",
+        "train.global_batch_size=8",
+        "train.steps=5",
+        "train.log_every=1",
+        "train.tensorboard=false",
+        "train.checkpoint_every=0",
+        "train.require_loss_decrease=false",
+        "model.aux_loss_coef=0.01",
+        "optim.warmup_steps=0",
+        # not the default eps 1e-8: the weights after 5 AdamW steps must not depend on the CPU kind
+        # and thread count, whose float32 summation noise it magnifies on tiny gradients
+        UNCLIPPED_EPS,
+    ]
+    ref = Trainer(
+        compose_job(
+            common + [f"train.run_dir={tmp_path / 'one'}", f"train.export_hf={tmp_path / 'one_hf'}"]
+        )
+    )
     assert ref.run() == 0
-    layout = ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "parallel.dp_mode=fsdp", "model.dispatcher=alltoall"]
+    layout = [
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "parallel.etp=2",
+        "parallel.dp_mode=fsdp",
+        "model.dispatcher=alltoall",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", str(REPO / "train.py"),
-         *common, *layout, f"train.run_dir={tmp_path / 'eight'}", f"train.export_hf={tmp_path / 'eight_hf'}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "8",
+            str(REPO / "train.py"),
+            *common,
+            *layout,
+            f"train.run_dir={tmp_path / 'eight'}",
+            f"train.export_hf={tmp_path / 'eight_hf'}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in proc.stdout
-    assert "returned a view tensor" not in proc.stdout  # FSDP2's warning on the experts' output (grouped_gemm.py)
+    assert (
+        "returned a view tensor" not in proc.stdout
+    )  # FSDP2's warning on the experts' output (grouped_gemm.py)
     loss_err, param_err = runs_agree(tmp_path, steps=5)
-    print(f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
+    print(
+        f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}"
+    )
     assert loss_err <= TOL and param_err <= TOL
     assert (tmp_path / "eight" / "checkpoints").is_dir()
 
@@ -264,7 +393,10 @@ def runs_agree(tmp_path, steps: int) -> tuple[float, float]:
 
 
 def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: float(r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {
+        r["step"]: float(r["loss"])
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
 
 
 def _safetensors(d) -> dict[str, torch.Tensor]:

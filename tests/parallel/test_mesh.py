@@ -29,13 +29,21 @@ def test_groups_by_hand_world16_folded():
     assert g["etp"] == [6, 7] and g["ep"] == [0, 2, 4, 6] and g["edp"] == [6, 14]
 
 
-@pytest.mark.parametrize("world, kw", [(8, dict(tp=2, pp=2, ep=2)), (16, dict(tp=2, cp=2, ep=4, etp=2)),
-                                       (12, dict(tp=3, ep=2, etp=2))])
+@pytest.mark.parametrize(
+    "world, kw",
+    [
+        (8, dict(tp=2, pp=2, ep=2)),
+        (16, dict(tp=2, cp=2, ep=4, etp=2)),
+        (12, dict(tp=3, ep=2, etp=2)),
+    ],
+)
 def test_groups_partition_the_ranks(world, kw):
     d = ParallelDims(world, **kw)
     for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp"):
         seen = {tuple(d.groups(r)[dim]) for r in range(world)}
-        assert sorted(r for grp in seen for r in grp) == list(range(world)), dim  # disjoint and complete
+        assert sorted(r for grp in seen for r in grp) == list(range(world)), (
+            dim
+        )  # disjoint and complete
         size = {"dp_cp": d.dp * d.cp}.get(dim) or getattr(d, dim)
         assert all(len(grp) == size for grp in seen)
 
@@ -43,27 +51,33 @@ def test_groups_partition_the_ranks(world, kw):
 TINY = VLMConfig.preset("tiny")  # 4 heads, 2 kv heads, vision 2 heads, 3 layers, 8 experts, F 48
 
 
-@pytest.mark.parametrize("world, kw, message", [
-    (0, {}, "world size 0 must be >= 1"),
-    (8, dict(pp=3), "world size 8 is not divisible by parallel.pp=3"),
-    (8, dict(tp=3), r"not divisible by tp\*cp = 3"),
-    (8, dict(ep=3), r"not divisible by ep\*etp = 3"),
-    (8, dict(tp=2, dp=2), r"parallel.dp=2 x tp\*cp=2 = 4 but world/pp = 8"),
-    (8, dict(ep=2, edp=2), r"parallel.edp=2 x ep\*etp=2 = 4 but world/pp = 8"),
-    (8, dict(tp=-1), "parallel.tp=-1 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "world, kw, message",
+    [
+        (0, {}, "world size 0 must be >= 1"),
+        (8, dict(pp=3), "world size 8 is not divisible by parallel.pp=3"),
+        (8, dict(tp=3), r"not divisible by tp\*cp = 3"),
+        (8, dict(ep=3), r"not divisible by ep\*etp = 3"),
+        (8, dict(tp=2, dp=2), r"parallel.dp=2 x tp\*cp=2 = 4 but world/pp = 8"),
+        (8, dict(ep=2, edp=2), r"parallel.edp=2 x ep\*etp=2 = 4 but world/pp = 8"),
+        (8, dict(tp=-1), "parallel.tp=-1 must be >= 1"),
+    ],
+)
 def test_invalid_layouts(world, kw, message):
     with pytest.raises(ConfigError, match=message):
         ParallelDims(world, **kw)
 
 
-@pytest.mark.parametrize("world, kw, message", [
-    (8, dict(tp=8), "text.num_heads=4 is not divisible by parallel.tp=8"),
-    (6, dict(tp=3, ep=2), "text.num_heads=4 is not divisible by parallel.tp=3"),
-    (16, dict(pp=4, ep=4), "text.num_layers=3 < parallel.pp=4"),
-    (6, dict(ep=3, etp=2), "moe.num_experts=8 is not divisible by parallel.ep=3"),
-    (10, dict(ep=2, etp=5), "moe.moe_intermediate_size=48 is not divisible by parallel.etp=5"),
-])
+@pytest.mark.parametrize(
+    "world, kw, message",
+    [
+        (8, dict(tp=8), "text.num_heads=4 is not divisible by parallel.tp=8"),
+        (6, dict(tp=3, ep=2), "text.num_heads=4 is not divisible by parallel.tp=3"),
+        (16, dict(pp=4, ep=4), "text.num_layers=3 < parallel.pp=4"),
+        (6, dict(ep=3, etp=2), "moe.num_experts=8 is not divisible by parallel.ep=3"),
+        (10, dict(ep=2, etp=5), "moe.moe_intermediate_size=48 is not divisible by parallel.etp=5"),
+    ],
+)
 def test_layouts_the_model_cannot_take(world, kw, message):
     with pytest.raises(ConfigError, match=message):
         ParallelDims(world, **kw).check_model(TINY)

@@ -34,8 +34,16 @@ from moevlm.parallel.pipeline import v_schedules_supported
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import NoData, Trainer
 from gloo_ranks import run_ranks
-from test_layouts import (TOL, UNCLIPPED_EPS, check_layouts, job_overrides, print_report, rel, run_job,
-                          runs_agree)
+from test_layouts import (
+    TOL,
+    UNCLIPPED_EPS,
+    check_layouts,
+    job_overrides,
+    print_report,
+    rel,
+    run_job,
+    runs_agree,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "model.hf_config=@TMP/pipe_model.json"
@@ -54,35 +62,80 @@ def reference(tmp_path_factory):
     shards = str(ensure_sample()[0])
     (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
     model = MODEL.replace("@TMP", str(tmp))
-    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [model])))  # the reference's initial
-    init.model.save_pretrained(tmp / "init_hf")  # weights, for a layout that starts from a Hugging Face folder
+    init = Trainer(
+        compose_job(job_overrides(shards, str(tmp / "init"), [model]))
+    )  # the reference's initial
+    init.model.save_pretrained(
+        tmp / "init_hf"
+    )  # weights, for a layout that starts from a Hugging Face folder
     init.close()
     torch.save(run_job(shards, str(tmp / "ref"), [MODEL]), tmp / "ref.pt")
     return tmp, shards
 
 
 # deepstack feature 1 crosses to stage 1 wherever stage 0 holds one layer ([1, ...])
-WORLD_2 = [[*PP2, "parallel.pp_layers=[1,3]", "RESUME"],  # 1f1b; a checkpoint after step 1 (pipeline-split)
-           [*PP2, "parallel.pp_layers=[3,1]", "FROM=p2_0"],  # that checkpoint under another split
-           [*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "parallel.pp_layers=[1,1,1,1]"],
-           [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"]]
-V_SCHEDULES = [[*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
-               [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"]]
-if v_schedules_supported("gloo"):  # torch 2.11's V stages start by sending to themselves, which gloo refuses
+WORLD_2 = [
+    [
+        *PP2,
+        "parallel.pp_layers=[1,3]",
+        "RESUME",
+    ],  # 1f1b; a checkpoint after step 1 (pipeline-split)
+    [*PP2, "parallel.pp_layers=[3,1]", "FROM=p2_0"],  # that checkpoint under another split
+    [
+        *PP2,
+        "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.vpp=2",
+        "parallel.pp_layers=[1,1,1,1]",
+    ],
+    [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"],
+]
+V_SCHEDULES = [
+    [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
+    [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"],
+]
+if v_schedules_supported(
+    "gloo"
+):  # torch 2.11's V stages start by sending to themselves, which gloo refuses
     WORLD_2 += V_SCHEDULES
-WORLD_4 = [[*PP2, "parallel.tp=2", "parallel.pp_layers=[1,3]"],
-           # another seed, then the reference's initial weights from a Hugging Face folder, each stage its own
-           [*PP2, "parallel.ep=2", "model.dispatcher=alltoall", "train.seed=7", "model.hf_checkpoint=@TMP/init_hf"],
-           [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
-           [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"]]
-WORLD_8 = [[*PP2, "parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall",
-            "parallel.dp_mode=fsdp", "parallel.pp_layers=[1,3]"]]
+WORLD_4 = [
+    [*PP2, "parallel.tp=2", "parallel.pp_layers=[1,3]"],
+    # another seed, then the reference's initial weights from a Hugging Face folder, each stage its own
+    [
+        *PP2,
+        "parallel.ep=2",
+        "model.dispatcher=alltoall",
+        "train.seed=7",
+        "model.hf_checkpoint=@TMP/init_hf",
+    ],
+    [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
+    [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"],
+]
+WORLD_8 = [
+    [
+        *PP2,
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "parallel.etp=2",
+        "model.dispatcher=alltoall",
+        "parallel.dp_mode=fsdp",
+        "parallel.pp_layers=[1,3]",
+    ]
+]
 
 
 def _pipelines_on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    check_layouts(rank, world, shards, tmp, os.path.join(tmp, "ref.pt"), layouts, "p", f"pipelines_w{world}.json",
-                  hide=(MODEL,))
+    check_layouts(
+        rank,
+        world,
+        shards,
+        tmp,
+        os.path.join(tmp, "ref.pt"),
+        layouts,
+        "p",
+        f"pipelines_w{world}.json",
+        hide=(MODEL,),
+    )
     if world == 2:
         _nonfinite_on_one_stage_skips_on_every_stage(rank, shards, tmp)
 
@@ -91,8 +144,15 @@ def _nonfinite_on_one_stage_skips_on_every_stage(rank: int, shards: str, tmp: st
     """pp2: a NaN weight on the last stage only (its rank's final norm) makes both ranks see the
     non-finite loss and gradient norm and skip the same step, leaving both stages' weights as they
     were; the last stage's rank reads no data (it receives each micro-batch's text)."""
-    tr = Trainer(compose_job(job_overrides(shards, os.path.join(tmp, "p2_nonfinite"),
-                                           [MODEL.replace("@TMP", tmp), "parallel.pp=2"])))
+    tr = Trainer(
+        compose_job(
+            job_overrides(
+                shards,
+                os.path.join(tmp, "p2_nonfinite"),
+                [MODEL.replace("@TMP", tmp), "parallel.pp=2"],
+            )
+        )
+    )
     try:
         assert isinstance(tr.loader, NoData) == (rank == 1)
         if rank == 1:
@@ -100,20 +160,27 @@ def _nonfinite_on_one_stage_skips_on_every_stage(rank: int, shards: str, tmp: st
                 dict(tr.model.named_parameters())["text.norm.weight"].to_local().fill_(float("nan"))
         before = {k: v.detach().to_local().clone() for k, v in tr.model.named_parameters()}
         assert tr.train_step(type("NoWindow", (), {"add": lambda self, **kw: None})()) is False
-        assert tr.nonfinite_steps == 1 and tr.step == 1 and tr.losses[-1] != tr.losses[-1]  # NaN everywhere
+        assert (
+            tr.nonfinite_steps == 1 and tr.step == 1 and tr.losses[-1] != tr.losses[-1]
+        )  # NaN everywhere
         for k, v in tr.model.named_parameters():
-            torch.testing.assert_close(v.detach().to_local(), before[k], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(
+                v.detach().to_local(), before[k], rtol=0, atol=0, equal_nan=True
+            )
     finally:
         tr.close()
 
 
-@pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4), (8, WORLD_8)],
-                         ids=["world2", "world4", "world8"])
+@pytest.mark.parametrize(
+    "world,layouts", [(2, WORLD_2), (4, WORLD_4), (8, WORLD_8)], ids=["world2", "world4", "world8"]
+)
 def test_pipeline_layouts_match_one_process(reference, world, layouts):
     tmp, shards = reference
     launch_dir = tmp / f"launch_w{world}"
     launch_dir.mkdir()
-    run_ranks(_pipelines_on_ranks, world, launch_dir, world, shards, str(tmp), layouts, timeout_s=300)
+    run_ranks(
+        _pipelines_on_ranks, world, launch_dir, world, shards, str(tmp), layouts, timeout_s=300
+    )
     print_report(tmp / f"pipelines_w{world}.json", world)
     if world == 2:
         _pp2_checkpoint_resumes_in_one_process(tmp, shards)
@@ -124,8 +191,9 @@ def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
     uninterrupted run's loss and weights."""
     ref = torch.load(tmp / "ref.pt", weights_only=False)
     ckpt = tmp / "p2_0" / "checkpoints" / "step_00000001"
-    overrides = job_overrides(shards, str(tmp / "pp1_from_pp2"), [MODEL.replace("@TMP", str(tmp)),
-                                                                   f"train.resume={ckpt}"])
+    overrides = job_overrides(
+        shards, str(tmp / "pp1_from_pp2"), [MODEL.replace("@TMP", str(tmp)), f"train.resume={ckpt}"]
+    )
     tr = Trainer(compose_job(overrides))
     try:
         assert tr.step == 1 and tr.pipeline is None
@@ -154,39 +222,84 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     # eps raised as in test_layouts (UNCLIPPED_EPS: this job is not clipped): with the CPU lr (2e-3) and a
     # small eps, AdamW turns the float noise of near-zero gradients, which differs between CPU kinds, into
     # visible parameter differences
-    common = [*GB200_3D_CPU, "train.steps=3", "train.tensorboard=false", "train.checkpoint_every=0", UNCLIPPED_EPS]
+    common = [
+        *GB200_3D_CPU,
+        "train.steps=3",
+        "train.tensorboard=false",
+        "train.checkpoint_every=0",
+        UNCLIPPED_EPS,
+    ]
     # one process: the scaled job's model and batch without its layout; the rows are the same with the default
     # data streams on both (layout independent)
-    one = [*common, "parallel.scale_to=null", "parallel.world_size=1", "parallel.tp=1", "parallel.pp=1",
-           "parallel.ep=1", "train.global_batch_size=8"]
+    one = [
+        *common,
+        "parallel.scale_to=null",
+        "parallel.world_size=1",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.ep=1",
+        "train.global_batch_size=8",
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    fsdp = [*common, "parallel.scale_to=null", "parallel.world_size=8", "parallel.tp=1", "parallel.pp=1",
-            "parallel.ep=8", "train.global_batch_size=8"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                str(REPO / "train.py")]
-    runs = {"one": [sys.executable, str(REPO / "train.py"), *one], "eight": [*torchrun, *common],
-            "fsdp": [*torchrun, *fsdp]}
+    fsdp = [
+        *common,
+        "parallel.scale_to=null",
+        "parallel.world_size=8",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.ep=8",
+        "train.global_batch_size=8",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "8",
+        str(REPO / "train.py"),
+    ]
+    runs = {
+        "one": [sys.executable, str(REPO / "train.py"), *one],
+        "eight": [*torchrun, *common],
+        "fsdp": [*torchrun, *fsdp],
+    }
     out = {}
     for name, cmd in runs.items():
         dirs = [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
-        proc = subprocess.run([*cmd, *dirs], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [*cmd, *dirs],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-4000:]
         out[name] = proc.stdout
     assert "pipeline: 1f1b, pp 2 x vpp 1 = 2 stages, 4 micro-batches per step" in out["eight"]
     assert "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1" in out["eight"]
     loss_err, param_err = runs_agree(tmp_path, steps=3)
-    print(f"gb200_3d scaled down, torchrun world 8: 3 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}")
+    print(
+        f"gb200_3d scaled down, torchrun world 8: 3 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}"
+    )
     assert loss_err <= TOL and param_err <= TOL
     assert "world 8 = pp 1 x dp 8 x cp 1 x tp 1 = pp 1 x edp 1 x ep 8 x etp 1" in out["fsdp"]
-    records = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-               for d in ("one", "eight", "fsdp")}
-    fsdp_err = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(records["one"], records["fsdp"]))
+    records = {
+        d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+        for d in ("one", "eight", "fsdp")
+    }
+    fsdp_err = max(
+        abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(records["one"], records["fsdp"])
+    )
     print(f"the same recipe as FSDP dp8 x ep8: max rel err loss {fsdp_err:.1e}")
     assert len(records["fsdp"]) == 3 and fsdp_err <= TOL
     # tokens and FLOPs are the step's, counted once (not once per stage or tp rank): one process's numbers
-    assert [r["flops"] for r in records["eight"]] == pytest.approx([r["flops"] for r in records["one"]], rel=1e-12)
+    assert [r["flops"] for r in records["eight"]] == pytest.approx(
+        [r["flops"] for r in records["one"]], rel=1e-12
+    )
     assert all(r["tokens_per_s"] > 0 for r in records["eight"])
     last = records["eight"][-1]
     assert len(last["mem_gib_by_pp_rank"]) == 2 and last["expert_load_max_over_mean"] is not None

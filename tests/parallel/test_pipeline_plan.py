@@ -14,22 +14,41 @@ import pytest
 
 from moevlm.model import VLMConfig, count_flops
 from moevlm.model.config import ConfigError
-from moevlm.parallel.pipeline_plan import StageCosts, balance, budget_grids, plan_pipeline, schedule_name
+from moevlm.parallel.pipeline_plan import (
+    StageCosts,
+    balance,
+    budget_grids,
+    plan_pipeline,
+    schedule_name,
+)
 from moevlm.train.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_schedule_names_and_their_old_spellings():
-    assert [schedule_name(n) for n in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "zbv")] == \
-        ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev", "zbv"]
-    with pytest.raises(ConfigError, match=r"parallel.pp_schedule='1f2b'; choose one of \['gpipe', '1f1b'"):
+    assert [
+        schedule_name(n)
+        for n in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "zbv")
+    ] == ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev", "zbv"]
+    with pytest.raises(
+        ConfigError, match=r"parallel.pp_schedule='1f2b'; choose one of \['gpipe', '1f1b'"
+    ):
         schedule_name("1f2b")
 
 
 def _plan(cfg=None, **kw):
-    args = dict(pp=2, vpp=None, schedule="1f1b", layers="auto", microbatches=8, rows=1, seq_len=1024,
-                max_patches=256, image_patches=64)
+    args = dict(
+        pp=2,
+        vpp=None,
+        schedule="1f1b",
+        layers="auto",
+        microbatches=8,
+        rows=1,
+        seq_len=1024,
+        max_patches=256,
+        image_patches=64,
+    )
     args.update(kw)
     return plan_pipeline(cfg or _six_layers(), **args)
 
@@ -65,7 +84,11 @@ def test_balance_is_the_exact_minimax_split():
 def _stage_costs(c: StageCosts, split):
     out, at = [], 0
     for s, n in enumerate(split):
-        out.append(sum(c.layers[at:at + n]) + (c.first if s == 0 else 0) + (c.last if s == len(split) - 1 else 0))
+        out.append(
+            sum(c.layers[at : at + n])
+            + (c.first if s == 0 else 0)
+            + (c.last if s == len(split) - 1 else 0)
+        )
         at += n
     return out
 
@@ -77,7 +100,10 @@ def test_auto_split_moves_decoder_layers_off_a_heavy_vision_stage():
     kw = dict(seq_len=8192, image_patches=4096, microbatches=16)
     light = _plan(cfg, max_patches=256, **kw)
     heavy = _plan(cfg, max_patches=16384, **kw)
-    assert light.layers[0] >= 23 and heavy.layers[0] <= light.layers[0] - 3, (light.layers, heavy.layers)
+    assert light.layers[0] >= 23 and heavy.layers[0] <= light.layers[0] - 3, (
+        light.layers,
+        heavy.layers,
+    )
     assert max(heavy.flops) / min(heavy.flops) < 1.05
     # the plan's FLOPs are the model's FLOP counter at the budgets (the MFU convention)
     total = count_flops(cfg, [8192], budget_grids(16384, 4096, 2), training=True).total
@@ -90,7 +116,9 @@ def test_auto_split_moves_decoder_layers_off_a_heavy_vision_stage():
 def test_auto_split_balances_ranks_with_several_stages_each():
     cfg = VLMConfig.preset("qwen3_vl_30b_a3b")
     for schedule in ("interleaved_1f1b", "zbv"):
-        p = _plan(cfg, pp=4, vpp=2, schedule=schedule, seq_len=8192, max_patches=16384, image_patches=4096)
+        p = _plan(
+            cfg, pp=4, vpp=2, schedule=schedule, seq_len=8192, max_patches=16384, image_patches=4096
+        )
         by_rank = [sum(p.flops[s] for s in p.stages_of(r)) for r in range(4)]
         assert max(by_rank) / min(by_rank) < 1.15, (schedule, p.layers, by_rank)
 
@@ -101,23 +129,68 @@ def _refused(overrides: list[str], world: int, match: str):
         validate(job, world, environment=False)  # only the layout and config are under test
 
 
-@pytest.mark.parametrize("overrides,world,match", [
-    (["parallel.pp=2", "parallel.pp_schedule=1f2b"], 2, r"parallel.pp_schedule='1f2b'; choose one of"),
-    (["parallel.pp=2", "parallel.vpp=2"], 2, r"1f1b runs 1 stage\(s\) per rank but parallel.vpp=2; set parallel.vpp=1"),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=1"], 2, "needs parallel.vpp >= 2"),
-    (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.vpp=3"], 2, r"zbv runs 2 stage\(s\) per rank"),
-    (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"], 2,
-     r"text.num_layers=3 < 4 pipeline stages \(pp 2 x vpp 2\)"),
-    (["parallel.pp=2", "parallel.pp_layers=[1,1,1]"], 2, "lists 3 stages but there are 2"),
-    (["parallel.pp=2", "parallel.pp_layers=[1,1]"], 2, "sums to 2 but the model has text.num_layers=3"),
-    (["parallel.pp=2", "parallel.pp_layers=[0,3]"], 2, "every stage needs at least one decoder layer"),
-    (["parallel.pp=2", "parallel.pp_layers=two"], 2, "give 'auto' or the decoder layers of every stage"),
-    (["parallel.pp=4", "train.global_batch_size=2", "model.num_layers=4"], 4,
-     "1f1b needs at least pp=4 micro-batches per step, got 2"),
-    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.num_layers=4", "train.global_batch_size=2"], 2,
-     r"dualpipev needs at least 4 micro-batches per step \(2 x pp\), got 2"),
-    (["parallel.pp_layers=[1,2]"], 1, "describe pipeline stages but parallel.pp=1"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,match",
+    [
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=1f2b"],
+            2,
+            r"parallel.pp_schedule='1f2b'; choose one of",
+        ),
+        (
+            ["parallel.pp=2", "parallel.vpp=2"],
+            2,
+            r"1f1b runs 1 stage\(s\) per rank but parallel.vpp=2; set parallel.vpp=1",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=1"],
+            2,
+            "needs parallel.vpp >= 2",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.vpp=3"],
+            2,
+            r"zbv runs 2 stage\(s\) per rank",
+        ),
+        (
+            ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
+            2,
+            r"text.num_layers=3 < 4 pipeline stages \(pp 2 x vpp 2\)",
+        ),
+        (["parallel.pp=2", "parallel.pp_layers=[1,1,1]"], 2, "lists 3 stages but there are 2"),
+        (
+            ["parallel.pp=2", "parallel.pp_layers=[1,1]"],
+            2,
+            "sums to 2 but the model has text.num_layers=3",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_layers=[0,3]"],
+            2,
+            "every stage needs at least one decoder layer",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_layers=two"],
+            2,
+            "give 'auto' or the decoder layers of every stage",
+        ),
+        (
+            ["parallel.pp=4", "train.global_batch_size=2", "model.num_layers=4"],
+            4,
+            "1f1b needs at least pp=4 micro-batches per step, got 2",
+        ),
+        (
+            [
+                "parallel.pp=2",
+                "parallel.pp_schedule=dualpipev",
+                "model.num_layers=4",
+                "train.global_batch_size=2",
+            ],
+            2,
+            r"dualpipev needs at least 4 micro-batches per step \(2 x pp\), got 2",
+        ),
+        (["parallel.pp_layers=[1,2]"], 1, "describe pipeline stages but parallel.pp=1"),
+    ],
+)
 def test_pipeline_mistakes_are_refused_with_what_to_change(overrides, world, match):
     _refused(overrides, world, match)
 
@@ -132,9 +205,24 @@ def test_tied_embeddings_are_refused_across_stages():
 def test_train_py_refuses_a_pipeline_mistake_before_allocating(tmp_path):
     """Through train.py (WORLD_SIZE set as torchrun would): exit 2, the message only, no run directory."""
     env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "parallel.pp=2", "parallel.pp_schedule=zbv",
-                           "parallel.vpp=3", f"train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "parallel.pp=2",
+            "parallel.pp_schedule=zbv",
+            "parallel.vpp=3",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "config error: parallel.pp_schedule=zbv runs 2 stage(s) per rank but parallel.vpp=3" in proc.stderr
+    assert (
+        "config error: parallel.pp_schedule=zbv runs 2 stage(s) per rank but parallel.vpp=3"
+        in proc.stderr
+    )
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -23,11 +23,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.parallel.recompute import COMM_NAMESPACES, MODULES, SavedBytes, apply_recompute, check, describe
+from moevlm.parallel.recompute import (
+    COMM_NAMESPACES,
+    MODULES,
+    SavedBytes,
+    apply_recompute,
+    check,
+    describe,
+)
 from gloo_ranks import run_ranks
 
 TOL = 1e-6
-SETTINGS = [("none", ()), *(("selective", (m,)) for m in MODULES), ("selective", MODULES), ("full", ())]
+SETTINGS = [
+    ("none", ()),
+    *(("selective", (m,)) for m in MODULES),
+    ("selective", MODULES),
+    ("full", ()),
+]
 
 
 def tiny_config() -> VLMConfig:
@@ -44,7 +56,9 @@ def image_batch(cfg: VLMConfig, seed: int = 0) -> dict:
     text = torch.randint(0, 1000, (1, 48), generator=g)
 
     def image(n):
-        return torch.tensor([[cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id]])
+        return torch.tensor(
+            [[cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id]]
+        )
 
     ids = torch.cat([text[:, :4], image(4), text[:, 4:20], image(8), text[:, 20:]], 1)
     return dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, labels=ids)
@@ -92,9 +106,14 @@ def test_recompute_runs_plainly_without_autograd():
 
 def test_bad_settings_are_named():
     assert "choose one of none, selective, full" in check("some", ())
-    assert "['attn']" in check("selective", ("attn",)) and "core_attn" in check("selective", ("attn",))
+    assert "['attn']" in check("selective", ("attn",)) and "core_attn" in check(
+        "selective", ("attn",)
+    )
     assert "at least one" in check("selective", ())
-    assert check("full", ()) is None and describe("selective", ("core_attn", "moe_act")) == "selective:core_attn,moe_act"
+    assert (
+        check("full", ()) is None
+        and describe("selective", ("core_attn", "moe_act")) == "selective:core_attn,moe_act"
+    )
     with pytest.raises(ValueError, match="model.recompute='x'"):
         apply_recompute(Qwen3VLMoe(tiny_config()), "x")
 
@@ -108,8 +127,11 @@ class CountCollectives(TorchDispatchMode):
         self.n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (func.namespace in COMM_NAMESPACES or func.namespace == "c10d") and "wait" not in func.__name__ \
-                and "wrap" not in func.__name__:
+        if (
+            (func.namespace in COMM_NAMESPACES or func.namespace == "c10d")
+            and "wait" not in func.__name__
+            and "wrap" not in func.__name__
+        ):
             self.n += 1
         return func(*args, **(kwargs or {}))
 
@@ -117,7 +139,9 @@ class CountCollectives(TorchDispatchMode):
 def _two_ranks(rank: int, shards: str, tmp: str) -> None:
     import os
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))  # what the Trainer reads
+    os.environ.update(
+        WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
+    )  # what the Trainer reads
     _tp2_ep2(rank)
     _pp2(shards, tmp)
 
@@ -126,9 +150,18 @@ def _pp2(shards: str, tmp: str) -> None:
     """Pipeline stages (pp2, 1F1B, the Trainer): full and selective recompute train the steps none trains."""
     from test_layouts import rel as rel64, run_job
 
-    runs = {mode: run_job(shards, f"{tmp}/pp2_{mode}", ["parallel.pp=2", f"model.recompute={mode}",
-                                                       "model.recompute_modules=[core_attn,moe,vision]"])
-            for mode in ("none", "selective", "full")}
+    runs = {
+        mode: run_job(
+            shards,
+            f"{tmp}/pp2_{mode}",
+            [
+                "parallel.pp=2",
+                f"model.recompute={mode}",
+                "model.recompute_modules=[core_attn,moe,vision]",
+            ],
+        )
+        for mode in ("none", "selective", "full")
+    }
     for mode in ("selective", "full"):
         for a, b in zip(runs[mode]["losses"], runs["none"]["losses"]):
             assert abs(a - b) <= TOL * abs(b), (mode, a, b)
@@ -139,7 +172,13 @@ def _pp2(shards: str, tmp: str) -> None:
 
 
 def _tp2_ep2(rank: int) -> None:
-    from moevlm.parallel import ParallelDims, build_model, full_grads, init_parameters_, materialize_
+    from moevlm.parallel import (
+        ParallelDims,
+        build_model,
+        full_grads,
+        init_parameters_,
+        materialize_,
+    )
 
     cfg = tiny_config()
     batch = image_batch(cfg)
@@ -150,8 +189,13 @@ def _tp2_ep2(rank: int) -> None:
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     counts = {}
     for mode, modules in (("none", ()), ("selective", MODULES), ("full", ())):
-        model, ctx = build_model(cfg, ParallelDims(2, tp=2, ep=2), dp_mode="fsdp", dispatcher="alltoall",
-                                 recompute=(mode, modules))
+        model, ctx = build_model(
+            cfg,
+            ParallelDims(2, tp=2, ep=2),
+            dp_mode="fsdp",
+            dispatcher="alltoall",
+            recompute=(mode, modules),
+        )
         materialize_(model, "cpu", ctx)
         init_parameters_(model, 7, ctx)
         with CountCollectives() as fwd:
@@ -177,11 +221,17 @@ def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
 
 
 # ------------------------------------------------------------------ trainer
-@pytest.mark.parametrize("overrides, message", [
-    (["model.recompute=some"], "model.recompute='some'; choose one of none, selective, full"),
-    (["model.recompute=selective", "model.recompute_modules=[attn]"], r"recompute_modules has \['attn'\]"),
-    (["model.recompute=selective", "model.recompute_modules=[]"], "name at least one of"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.recompute=some"], "model.recompute='some'; choose one of none, selective, full"),
+        (
+            ["model.recompute=selective", "model.recompute_modules=[attn]"],
+            r"recompute_modules has \['attn'\]",
+        ),
+        (["model.recompute=selective", "model.recompute_modules=[]"], "name at least one of"),
+    ],
+)
 def test_config_errors_name_the_choices(overrides, message):
     from moevlm.model.config import ConfigError
     from moevlm.train.config import compose_job, validate
@@ -199,13 +249,29 @@ def test_trainer_logs_which_recompute_ran_and_useful_flops(tmp_path):
     from moevlm.train.trainer import Trainer
 
     recs = {}
-    for name, extra in (("none", []), ("selective:core_attn,moe", ["model.recompute=selective",
-                                                                   "model.recompute_modules=[core_attn,moe]"])):
+    for name, extra in (
+        ("none", []),
+        (
+            "selective:core_attn,moe",
+            ["model.recompute=selective", "model.recompute_modules=[core_attn,moe]"],
+        ),
+    ):
         run_dir = tmp_path / name.split(":")[0]
-        job = compose_job(["data.num_workers=0", "data.streams=1", "train.log_every=1", "train.tensorboard=false",
-                           "train.steps=1", "train.global_batch_size=1", f"train.run_dir={run_dir}",
-                           "train.checkpoint_at_end=false", "train.require_loss_decrease=false",
-                           "train.progress=false", *extra])
+        job = compose_job(
+            [
+                "data.num_workers=0",
+                "data.streams=1",
+                "train.log_every=1",
+                "train.tensorboard=false",
+                "train.steps=1",
+                "train.global_batch_size=1",
+                f"train.run_dir={run_dir}",
+                "train.checkpoint_at_end=false",
+                "train.require_loss_decrease=false",
+                "train.progress=false",
+                *extra,
+            ]
+        )
         assert Trainer(job).run() == 0
         recs[name] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     a, b = recs["none"], recs["selective:core_attn,moe"]

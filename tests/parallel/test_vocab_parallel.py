@@ -18,11 +18,13 @@ def _checks(rank: int, world: int) -> None:
     (ref * weights).sum().backward()
 
     shard = V // world
-    local = full.detach()[:, rank * shard:(rank + 1) * shard].clone().requires_grad_()
+    local = full.detach()[:, rank * shard : (rank + 1) * shard].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, target, rank * shard)
     (loss * weights).sum().backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(local.grad, full.grad[:, rank * shard:(rank + 1) * shard], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        local.grad, full.grad[:, rank * shard : (rank + 1) * shard], rtol=1e-6, atol=1e-7
+    )
     assert loss[4] == 0 and local.grad[4].abs().sum() == 0
 
 

@@ -16,7 +16,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from gloo_ranks import run_ranks
-from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker, rng_state, set_rng_state
+from moevlm.train.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CheckpointManager,
+    read_marker,
+    rng_state,
+    set_rng_state,
+)
 
 REPO = Path(__file__).parents[2]
 
@@ -30,7 +37,9 @@ def seed_all(seed):
 def make(seed=0, dropout=0.1, shard=None):
     """2-layer MLP (`shard` applied before the optimizer exists) + AdamW + warmup LambdaLR."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Dropout(dropout), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Dropout(dropout), torch.nn.Linear(8, 2)
+    )
     if shard is not None:
         shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -68,13 +77,23 @@ def test_resume_is_bitwise_identical(tmp_path):
     model, opt, sched = make()
     train(model, opt, sched, steps=3)
     ckpt = CheckpointManager(tmp_path, keep=3)
-    ckpt.save(3, model=model, optimizer=opt, extra={"scheduler": sched, "note": {"run": "a"}},
-              per_rank={"data": {"consumed": 24}, "rng": rng_state()})
+    ckpt.save(
+        3,
+        model=model,
+        optimizer=opt,
+        extra={"scheduler": sched, "note": {"run": "a"}},
+        per_rank={"data": {"consumed": 24}, "rng": rng_state()},
+    )
 
     seed_all(99)  # a restarted process: other RNG states, other initial weights
     model2, opt2, sched2 = make(seed=5)
-    got = ckpt.load(ckpt.latest(), model=model2, optimizer=opt2, extra={"scheduler": sched2, "note": None},
-                    per_rank={"data": None, "rng": None})
+    got = ckpt.load(
+        ckpt.latest(),
+        model=model2,
+        optimizer=opt2,
+        extra={"scheduler": sched2, "note": None},
+        per_rank={"data": None, "rng": None},
+    )
     assert got["step"] == 3 and got["world_size"] == 1
     assert got["extra"] == {"scheduler": sched2, "note": {"run": "a"}}
     assert got["per_rank"]["data"] == {"consumed": 24}
@@ -104,7 +123,11 @@ def test_keep_prunes_and_latest_is_newest(tmp_path):
     keep_all = CheckpointManager(tmp_path / "all", keep=0)
     for step in (1, 2, 3):
         keep_all.save(step, model=model)
-    assert [p.name for p in keep_all.complete()] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert [p.name for p in keep_all.complete()] == [
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+    ]
 
 
 def test_failed_save_is_ignored_and_cleaned(tmp_path, monkeypatch):
@@ -117,8 +140,11 @@ def test_failed_save_is_ignored_and_cleaned(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(FileSystemWriter, "finish", fail)
-        with pytest.raises(CheckpointError, match=r"writing checkpoint step_00000002 in .* failed: OSError: disk "
-                           r"full; the partial directory was removed and step_00000001 is intact"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"writing checkpoint step_00000002 in .* failed: OSError: disk "
+            r"full; the partial directory was removed and step_00000001 is intact",
+        ):
             ckpt.save(2, model=model, optimizer=opt)
     partial = ckpt.step_dir(2)
     assert not partial.exists() and ckpt.latest() == ckpt.step_dir(1)
@@ -131,7 +157,9 @@ def test_failed_save_is_ignored_and_cleaned(tmp_path, monkeypatch):
     ckpt.save(2, model=model, optimizer=opt)
     assert not (partial / "stray").exists() and ckpt.latest() == partial
 
-    ckpt.step_dir(9).mkdir()  # an incomplete dir newer than the newest complete one is left alone...
+    ckpt.step_dir(
+        9
+    ).mkdir()  # an incomplete dir newer than the newest complete one is left alone...
     ckpt.save(3, model=model)
     assert ckpt.step_dir(9).exists() and ckpt.latest() == ckpt.step_dir(3)
     ckpt.save(10, model=model)  # ...until a newer complete checkpoint exists
@@ -168,11 +196,17 @@ KILLED_SAVE = textwrap.dedent("""
 
 
 def test_killed_save_falls_back_to_previous(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], env=env, capture_output=True, text=True)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], env=env, capture_output=True, text=True
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     partial = tmp_path / "step_00000002"
-    assert [f.stat().st_size > 0 for f in partial.glob("*.distcp")] == [True] and not (partial / MARKER).exists()
+    assert [f.stat().st_size > 0 for f in partial.glob("*.distcp")] == [True] and not (
+        partial / MARKER
+    ).exists()
 
     ckpt = CheckpointManager(tmp_path)
     assert ckpt.latest() == tmp_path / "step_00000001"
@@ -188,19 +222,31 @@ def test_mismatched_model_names_keys_and_shapes(tmp_path):
     model, opt, _ = make()
     ckpt = CheckpointManager(tmp_path)
     path = ckpt.save(1, model=model, per_rank={"data": 0})
-    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Identity(), torch.nn.Linear(3, 2))
-    with pytest.raises(CheckpointError, match=r"2 missing \['1.bias', '1.weight'\], 0 unexpected \[\], 1 with another "
-                       r"shape \['3.weight: saved \(2, 8\), model \(2, 3\)'\]"):
+    other = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Identity(), torch.nn.Linear(3, 2)
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 missing \['1.bias', '1.weight'\], 0 unexpected \[\], 1 with another "
+        r"shape \['3.weight: saved \(2, 8\), model \(2, 3\)'\]",
+    ):
         ckpt.load(path, model=other)
-    with pytest.raises(CheckpointError, match=r"0 missing \[\], 2 unexpected \['3.bias', '3.weight'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"0 missing \[\], 2 unexpected \['3.bias', '3.weight'\]"
+    ):
         ckpt.load(path, model=torch.nn.Sequential(torch.nn.Linear(4, 8)))
     with pytest.raises(CheckpointError, match="no optimizer state"):
         ckpt.load(path, model=model, optimizer=opt)
-    with pytest.raises(CheckpointError, match=r"no per_rank.rank0 value\(s\) \['rng'\]; it has \['data'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"no per_rank.rank0 value\(s\) \['rng'\]; it has \['data'\]"
+    ):
         ckpt.load(path, model=model, per_rank=["rng"])
     no_sched = torch.optim.AdamW(model.parameters())  # saved without a scheduler, loaded with one
     path = ckpt.save(2, model=model, optimizer=no_sched)
-    with pytest.raises(CheckpointError, match=r"4 missing \['param_groups.0.bias.initial_lr', .*\]; initial_lr is added"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"4 missing \['param_groups.0.bias.initial_lr', .*\]; initial_lr is added",
+    ):
         ckpt.load(path, model=model, optimizer=opt)
 
 
@@ -225,12 +271,19 @@ def _two_rank_checks(rank, root):
     train(model, opt, sched, steps=2)
     ckpt = CheckpointManager(root, keep=2)
     data = [{"rank": r, "pos": 10 * r} for r in range(2)]
-    path = ckpt.save(7, model=model, optimizer=opt, extra={"scheduler": sched},
-                     per_rank={"data": data[rank], "rng": rng_state()})
+    path = ckpt.save(
+        7,
+        model=model,
+        optimizer=opt,
+        extra={"scheduler": sched},
+        per_rank={"data": data[rank], "rng": rng_state()},
+    )
     assert read_marker(path)["world_size"] == 2 and ckpt.latest() == path
 
     fresh, opt2, sched2 = make(seed=100 + rank, dropout=0.0)
-    got = ckpt.load(path, model=fresh, optimizer=opt2, extra={"scheduler": sched2}, per_rank=["data", "rng"])
+    got = ckpt.load(
+        path, model=fresh, optimizer=opt2, extra={"scheduler": sched2}, per_rank=["data", "rng"]
+    )
     assert got["per_rank"]["data"] == data[rank] and got["step"] == 7
     assert_same(params(fresh), params(model))
     assert sched2.state_dict() == sched.state_dict()
@@ -260,7 +313,10 @@ def test_two_ranks_gloo(tmp_path):
     got = ckpt.load(ckpt.latest(), model=model, optimizer=opt, per_rank=["data"])
     assert got["per_rank"]["data"] == {"rank": 0, "pos": 0} and got["world_size"] == 2
     assert_same(params(model), torch.load(root / "expected.pt"))
-    assert ckpt.load_all_ranks(ckpt.latest(), "data") == [{"rank": 0, "pos": 0}, {"rank": 1, "pos": 10}]
+    assert ckpt.load_all_ranks(ckpt.latest(), "data") == [
+        {"rank": 0, "pos": 0},
+        {"rank": 1, "pos": 10},
+    ]
 
 
 def test_older_format_is_refused_with_the_reason(tmp_path):
@@ -269,5 +325,7 @@ def test_older_format_is_refused_with_the_reason(tmp_path):
     path = ckpt.save(1, model=model, optimizer=opt)
     marker = path / "COMPLETE.json"
     marker.write_text(marker.read_text().replace('"format": 2', '"format": 1'))
-    with pytest.raises(ValueError, match="written in checkpoint format 1; this version reads format 2"):
+    with pytest.raises(
+        ValueError, match="written in checkpoint format 1; this version reads format 2"
+    ):
         ckpt.load(path, model=model, optimizer=opt)

@@ -43,8 +43,11 @@ def remove_metadata(path: Path) -> None:
     (path.parent / ".metadata").unlink()
 
 
-DAMAGE = {"flipped": (flip_byte, "bytes changed"), "truncated": (truncate, "truncated"),
-          "no_metadata": (remove_metadata, ".metadata: missing")}
+DAMAGE = {
+    "flipped": (flip_byte, "bytes changed"),
+    "truncated": (truncate, "truncated"),
+    "no_metadata": (remove_metadata, ".metadata: missing"),
+}
 
 
 def data_file(ckpt_dir: Path) -> Path:
@@ -56,7 +59,9 @@ def data_file(ckpt_dir: Path) -> Path:
 
 def test_checksums_find_every_kind_of_damage(tmp_path):
     for name, size in (("a.bin", 3 << 20), ("b.bin", 10), ("c.bin", 0)):
-        (tmp_path / name).write_bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
+        (tmp_path / name).write_bytes(
+            torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
+        )
     sums = integrity.checksum_files(tmp_path, ["a.bin", "b.bin", "c.bin"])
     assert integrity.file_problems(tmp_path, sums) == []
     flip_byte(tmp_path / "a.bin", at=0.9)  # a flipped bit late in a file read in chunks
@@ -84,11 +89,15 @@ def test_damaged_newest_is_skipped_and_an_explicit_one_refused(tmp_path, kind):
     damage(data_file(ckpt.step_dir(2)))
 
     fresh = CheckpointManager(tmp_path, keep=0)  # a relaunch: nothing verified yet
-    with pytest.raises(CheckpointError, match=f"step_00000002 failed verification .*{words}.*resume=auto"):
+    with pytest.raises(
+        CheckpointError, match=f"step_00000002 failed verification .*{words}.*resume=auto"
+    ):
         fresh.load(fresh.step_dir(2), model=model, optimizer=opt)
     assert fresh.newest_verified() == fresh.step_dir(1)
     moved, problems = fresh.rejected[0]
-    assert moved == tmp_path / "rejected" / "step_00000002" and moved.is_dir() and words in problems[0]
+    assert (
+        moved == tmp_path / "rejected" / "step_00000002" and moved.is_dir() and words in problems[0]
+    )
     assert "failed verification" in (tmp_path / "rejected" / "README.txt").read_text()
     assert fresh.latest() == fresh.step_dir(1)  # never picked again
     model2, opt2, _ = make(seed=1)
@@ -143,8 +152,13 @@ def test_disk_room_prunes_first_or_stops_with_the_numbers(tmp_path, monkeypatch)
         ckpt.save(2, model=model, optimizer=opt)
     msg = str(err.value)
     assert f"not enough disk space for checkpoint step_00000002 in {root}: it needs about" in msg
-    assert "are free and pruning older checkpoints would free only" in msg and "step_00000001 is intact" in msg
-    assert ckpt.step_dir(7).exists() and not ckpt.step_dir(2).exists()  # nothing was deleted for nothing
+    assert (
+        "are free and pruning older checkpoints would free only" in msg
+        and "step_00000001 is intact" in msg
+    )
+    assert (
+        ckpt.step_dir(7).exists() and not ckpt.step_dir(2).exists()
+    )  # nothing was deleted for nothing
     assert CheckpointManager(root).newest_verified() == ckpt.step_dir(1)
 
 
@@ -161,9 +175,13 @@ def test_a_write_that_runs_out_of_space_leaves_no_partial_checkpoint(tmp_path, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(fs, "_write_item", full)
-    with pytest.raises(CheckpointError, match="step_00000002 .* failed: the disk is full .*step_00000001 is intact"):
+    with pytest.raises(
+        CheckpointError, match="step_00000002 .* failed: the disk is full .*step_00000001 is intact"
+    ):
         ckpt.save(2, model=model, optimizer=opt)
-    assert not ckpt.step_dir(2).exists() and CheckpointManager(tmp_path).newest_verified() == ckpt.step_dir(1)
+    assert not ckpt.step_dir(2).exists() and CheckpointManager(
+        tmp_path
+    ).newest_verified() == ckpt.step_dir(1)
 
 
 def test_pruning_keeps_the_resumed_checkpoint_until_a_newer_one_is_complete(tmp_path):
@@ -182,8 +200,15 @@ def test_pruning_keeps_the_resumed_checkpoint_until_a_newer_one_is_complete(tmp_
 
 
 def run(run_dir: Path, steps: int, *more: str) -> tuple[Trainer, int]:
-    job = compose_job(FAST + [f"train.steps={steps}", f"train.run_dir={run_dir}", "train.require_loss_decrease=false",
-                              *more])
+    job = compose_job(
+        FAST
+        + [
+            f"train.steps={steps}",
+            f"train.run_dir={run_dir}",
+            "train.require_loss_decrease=false",
+            *more,
+        ]
+    )
     trainer = Trainer(job)
     return trainer, trainer.run()
 
@@ -220,14 +245,20 @@ def test_trainer_resumes_from_the_previous_verified_checkpoint(reference, tmp_pa
     newest = run_dir / "checkpoints" / "step_00000004"
     DAMAGE[kind][0](data_file(newest))
     records = read_metrics(run_dir)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records + records[-1:]))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records + records[-1:])
+    )
 
-    trainer, code = run(run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.resume=auto")
+    trainer, code = run(
+        run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.resume=auto"
+    )
     out = capsys.readouterr().out
     assert code == 0 and trainer.ckpt.resumed_from == run_dir / "checkpoints" / "step_00000003"
     assert "step_00000004 failed verification" in out and DAMAGE[kind][1] in out
     assert (run_dir / "checkpoints" / "rejected" / "step_00000004").is_dir()
-    got = losses(run_dir)  # step 4 logged once (the crashed run's record dropped), recomputed exactly
+    got = losses(
+        run_dir
+    )  # step 4 logged once (the crashed run's record dropped), recomputed exactly
     assert sorted(got) == [1, 2, 3, 4] and abs(got[4] - want[4]) <= 1e-6
 
 
@@ -244,27 +275,44 @@ def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, t
     class Killed(Exception):
         pass
 
-    job = compose_job(FAST + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=1",
-                              "train.keep_checkpoints=1", f"train.resume={ck / 'step_00000002'}"])
+    job = compose_job(
+        FAST
+        + [
+            "train.steps=4",
+            f"train.run_dir={run_dir}",
+            "train.checkpoint_every=1",
+            "train.keep_checkpoints=1",
+            f"train.resume={ck / 'step_00000002'}",
+        ]
+    )
     trainer = Trainer(job)
     out = capsys.readouterr().out
     assert "moved to" in out and "step_00000003, step_00000004" in out
     abandoned = [p for p in ck.iterdir() if p.name.startswith("abandoned-")]
-    assert len(abandoned) == 1 and sorted(p.name for p in abandoned[0].glob("step_*")) == ["step_00000003",
-                                                                                             "step_00000004"]
-    assert (abandoned[0] / "metrics.jsonl").exists()  # the old line's records, kept with its checkpoints
+    assert len(abandoned) == 1 and sorted(p.name for p in abandoned[0].glob("step_*")) == [
+        "step_00000003",
+        "step_00000004",
+    ]
+    assert (
+        abandoned[0] / "metrics.jsonl"
+    ).exists()  # the old line's records, kept with its checkpoints
 
     def kill_in_step_4(tr):  # (called before the step count moves on)
         if tr.step == 3:
             raise Killed
+
     trainer.grad_hook = kill_in_step_4
     with pytest.raises(Killed):
         trainer.run()
-    assert [p.name for p in trainer.ckpt.complete()] == ["step_00000003"]  # keep=1: step 2 pruned after 3 was done
+    assert [p.name for p in trainer.ckpt.complete()] == [
+        "step_00000003"
+    ]  # keep=1: step 2 pruned after 3 was done
     assert read_marker(ck / "step_00000003")["time"] > old["step_00000003"]  # the new line's
 
     capsys.readouterr()
-    trainer, code = run(run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=1", "train.resume=auto")
+    trainer, code = run(
+        run_dir, 4, "train.checkpoint_every=1", "train.keep_checkpoints=1", "train.resume=auto"
+    )
     assert code == 0 and f"resumed from {ck / 'step_00000003'} at step 3" in capsys.readouterr().out
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in got) <= 1e-6
@@ -272,8 +320,9 @@ def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, t
     assert sorted(p.name for p in abandoned[0].glob("step_*")) == ["step_00000003", "step_00000004"]
 
 
-def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(reference, tmp_path, monkeypatch,
-                                                                           capsys):
+def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(
+    reference, tmp_path, monkeypatch, capsys
+):
     ref_dir, want = reference
     size = integrity.dir_bytes(ref_dir / "checkpoints" / "step_00000002")
     run_dir = tmp_path / "run"
@@ -302,13 +351,22 @@ def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_p
     shard, other = sorted(shards.glob("*.tar"))[:2]
     shard.write_bytes(other.read_bytes())
     job = compose_job(FAST + ["train.steps=5", f"train.run_dir={run_dir}", f"data.shards={shards}"])
-    with pytest.raises(CheckpointError, match=f"cannot resume the data from .*step_00000004: .*{shard.name}.*"
-                                              "allow_changed_shards=true"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"cannot resume the data from .*step_00000004: .*{shard.name}.*"
+        "allow_changed_shards=true",
+    ):
         Trainer(job)
-    trainer, code = run(run_dir, 5, f"data.shards={shards}", "data.allow_changed_shards=true")  # the user's choice
+    trainer, code = run(
+        run_dir, 5, f"data.shards={shards}", "data.allow_changed_shards=true"
+    )  # the user's choice
     assert code == 0 and trainer.step == 5
 
-    trainer, code = run(tmp_path / "tiny_budget", 2, "data.pack.seq_len=8", "data.pack.oversize=skip")
+    trainer, code = run(
+        tmp_path / "tiny_budget", 2, "data.pack.seq_len=8", "data.pack.oversize=skip"
+    )
     err = capsys.readouterr().err
     assert code == 8 and trainer.step == 0
-    assert "stopping at step 0: data stream" in err and "could pack none" in err and "too_long=" in err
+    assert (
+        "stopping at step 0: data stream" in err and "could pack none" in err and "too_long=" in err
+    )

@@ -16,13 +16,24 @@ from moevlm.train.config import compose_job, validate
 from moevlm.train.trainer import Trainer
 
 STEPS = 21
-LOSS_RTOL = 1e-5  # fp32: Inductor's fused kernels reorder sums; measured max 1.5e-7 relative over 22 steps
+LOSS_RTOL = (
+    1e-5  # fp32: Inductor's fused kernels reorder sums; measured max 1.5e-7 relative over 22 steps
+)
 
 
 def _run(tmp_path, compile_: bool) -> tuple[list[dict], Trainer]:
     run_dir = tmp_path / f"compile_{compile_}"
-    job = compose_job(["data.num_workers=1", "data.streams=1", "train.tensorboard=false", f"train.steps={STEPS}",
-                       "train.checkpoint_at_end=false", f"train.run_dir={run_dir}", f"train.compile={compile_}"])
+    job = compose_job(
+        [
+            "data.num_workers=1",
+            "data.streams=1",
+            "train.tensorboard=false",
+            f"train.steps={STEPS}",
+            "train.checkpoint_at_end=false",
+            f"train.run_dir={run_dir}",
+            f"train.compile={compile_}",
+        ]
+    )
     trainer = Trainer(job)
     assert trainer.run() == 0
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()], trainer
@@ -34,23 +45,31 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path):
     assert [r["step"] for r in compiled] == list(range(1, STEPS + 1))
     assert all(r["recompiles"] == 0 for r in compiled), [r["recompiles"] for r in compiled]
     assert compiled[0]["compiled_graphs"] > 0 and len({r["compiled_graphs"] for r in compiled}) == 1
-    assert len({r["graph_breaks"] for r in compiled}) == 1  # fp32: the grouped GEMM seam only, found in step 1
+    assert (
+        len({r["graph_breaks"] for r in compiled}) == 1
+    )  # fp32: the grouped GEMM seam only, found in step 1
     assert "recompiles" not in eager[0]  # the keys come with train.compile
     for c, e in zip(compiled, eager):
         assert c["loss"] == pytest.approx(e["loss"], rel=LOSS_RTOL), c["step"]
     names = list(trainer.model.state_dict())  # checkpoints and HF export see the plain names
-    assert "text.layers.0.self_attn.q_proj.weight" in names and not any("_orig_mod" in n for n in names)
+    assert "text.layers.0.self_attn.q_proj.weight" in names and not any(
+        "_orig_mod" in n for n in names
+    )
 
 
 def test_compile_refuses_sdpa_per_doc():
-    with pytest.raises(ConfigError, match="train.compile=true with model.attn_backend=sdpa_per_doc"):
+    with pytest.raises(
+        ConfigError, match="train.compile=true with model.attn_backend=sdpa_per_doc"
+    ):
         validate(compose_job(["train.compile=true", "model.attn_backend=sdpa_per_doc"]))
 
 
 def _text_batch(cfg, seed: int, S: int = 32):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 900, (1, S), generator=g)
-    cu = torch.tensor([0, 7 + seed % 5, 20, S, S], dtype=torch.int32)  # packer style, documents vary by seed
+    cu = torch.tensor(
+        [0, 7 + seed % 5, 20, S, S], dtype=torch.int32
+    )  # packer style, documents vary by seed
     return dict(input_ids=ids, labels=ids, cu_seqlens=cu)
 
 
@@ -67,7 +86,11 @@ def test_triton_custom_ops_compile_fullgraph():
     pytest.importorskip("triton")
     cfg = VLMConfig.preset("tiny")
     cfg.attn_backend, cfg.moe.grouped_gemm, cfg.moe.permute = "sdpa", "triton", "triton"
-    cfg.text.num_layers, cfg.vision.depth, cfg.vision.deepstack_visual_indexes = 1, 1, ()  # the interpreter is slow
+    cfg.text.num_layers, cfg.vision.depth, cfg.vision.deepstack_visual_indexes = (
+        1,
+        1,
+        (),
+    )  # the interpreter is slow
     eager, compiled = _eager_and_compiled(cfg, Qwen3VLMoe)
     batch = _text_batch(cfg, 0)
     ref, out = eager(**batch), compiled(**batch)
@@ -75,7 +98,9 @@ def test_triton_custom_ops_compile_fullgraph():
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
     w = "text.layers.0.mlp.experts.gate_up_proj"
-    torch.testing.assert_close(compiled.get_parameter(w).grad, eager.get_parameter(w).grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        compiled.get_parameter(w).grad, eager.get_parameter(w).grad, rtol=1e-4, atol=1e-6
+    )
 
 
 def _ep2_alltoall(rank: int) -> None:
@@ -102,7 +127,9 @@ def _ep2_alltoall(rank: int) -> None:
         if step == 0:
             counters.warm()
     c = counters.record()
-    assert c["recompiles"] == 0 and c["graph_breaks"] >= 2, c  # dispatch and combine run outside the graph
+    assert c["recompiles"] == 0 and c["graph_breaks"] >= 2, (
+        c
+    )  # dispatch and combine run outside the graph
     assert len(rows) == 3  # the routing (hence the exchanged row counts) really varied
 
 
@@ -119,7 +146,10 @@ def test_compile_traces_recompute_regions_in_one_process():
     from moevlm.parallel.recompute import apply_recompute
 
     cfg = VLMConfig.preset("tiny")
-    cfg.attn_backend, cfg.moe.num_experts = "sdpa", 0  # dense: no fp32 grouped-GEMM seam (a graph break)
+    cfg.attn_backend, cfg.moe.num_experts = (
+        "sdpa",
+        0,
+    )  # dense: no fp32 grouped-GEMM seam (a graph break)
     cfg.vision.depth, cfg.vision.deepstack_visual_indexes = 1, ()
 
     def build(cfg):
@@ -143,7 +173,9 @@ def test_compile_traces_recompute_regions_in_one_process():
     c = counters.record()
     assert c["compiled_graphs"] >= 1 and c["graph_breaks"] == 0 and c["recompiles"] == 0, c
     w = "text.layers.0.mlp.gate_proj.weight"
-    torch.testing.assert_close(compiled.get_parameter(w).grad, eager.get_parameter(w).grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        compiled.get_parameter(w).grad, eager.get_parameter(w).grad, rtol=1e-4, atol=1e-6
+    )
 
 
 def test_bf16_moe_layer_compiles_without_graph_breaks():

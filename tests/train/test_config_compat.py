@@ -25,9 +25,17 @@ def command_lines() -> list[str]:
     """`train.py` lines of the README's bash blocks and of the recipes' comments (fragments with `...` after
     train.py left out)."""
     text = (REPO / "README.md").read_text()
-    lines = [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-             for line in block.replace("\\\n", " ").splitlines()]
-    lines += [line.lstrip("# ") for p in RECIPES for line in p.read_text().splitlines() if line.startswith("#")]
+    lines = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
+    lines += [
+        line.lstrip("# ")
+        for p in RECIPES
+        for line in p.read_text().splitlines()
+        if line.startswith("#")
+    ]
     lines = [line.split(" #")[0].split("&&")[-1].strip() for line in lines if "train.py" in line]
     return [line for line in lines if "..." not in line.split("train.py", 1)[1]]
 
@@ -36,16 +44,26 @@ def jobs(line: str) -> tuple[int, list[list[str]]]:
     """(processes launched, the override lists of its jobs: a `-m` sweep's comma lists expanded)."""
     words = shlex.split(line)
     count = lambda flag: int(words[words.index(flag) + 1]) if flag in words else 1  # noqa: E731
-    args = [a for a in words[words.index("train.py") + 1:] if "=" in a and not a.startswith(("-", "hydra."))]
+    args = [
+        a
+        for a in words[words.index("train.py") + 1 :]
+        if "=" in a and not a.startswith(("-", "hydra."))
+    ]
     if "-m" not in words:
         return count("--nproc-per-node") * count("--nnodes"), [args]
     choices = [[f"{a.split('=')[0]}={v}" for v in a.split("=", 1)[1].split(",")] for a in args]
-    return count("--nproc-per-node") * count("--nnodes"), [list(c) for c in itertools.product(*choices)]
+    return count("--nproc-per-node") * count("--nnodes"), [
+        list(c) for c in itertools.product(*choices)
+    ]
 
 
 def test_the_lines_are_found():
     lines = command_lines()
-    assert len(lines) >= 20 and any("+scale=cpu" in line for line in lines) and any("-m" in line for line in lines)
+    assert (
+        len(lines) >= 20
+        and any("+scale=cpu" in line for line in lines)
+        and any("-m" in line for line in lines)
+    )
 
 
 @pytest.mark.parametrize("line", command_lines())
@@ -60,7 +78,9 @@ def test_readme_and_recipe_command_lines_are_accepted_as_written(line):
 def test_every_recipe_and_its_sweep_validate(path):
     """Each recipe on the launch it is laid out for, and each job of the sweep it defines."""
     sweep = OmegaConf.load(path).get("hydra", {}).get("sweeper", {}).get("params", {})
-    points = itertools.product(*[[f"{k}={v}" for v in str(vs).split(",")] for k, vs in sweep.items()])
+    points = itertools.product(
+        *[[f"{k}={v}" for v in str(vs).split(",")] for k, vs in sweep.items()]
+    )
     for point in points:
         job = compose_job([f"+experiment={path.stem}", "data.shards=DIR", *point])
         plan = validate(job, job.parallel.world_size or 1, environment=False)
@@ -68,11 +88,24 @@ def test_every_recipe_and_its_sweep_validate(path):
 
 
 # every model option that is a model-config field, set away from its default (the tiny preset's)
-SET = {"attn_backend": "sdpa", "grouped_gemm": "loop", "dispatcher": "alltoall", "permute": "torch",
-       "moe_capacity_factor": 1.25, "moe_capacity_overflow": "error", "fp8": "blockwise",
-       "fp8_modules": ["experts", "attn"], "fp8_backend": "emulate", "fp8_pow2_scales": True,
-       "fp8_cache_weights": False, "fp8_pad_experts": False, "num_layers": 2, "num_experts": 4, "vision_depth": 1,
-       "aux_loss_coef": 0.01}
+SET = {
+    "attn_backend": "sdpa",
+    "grouped_gemm": "loop",
+    "dispatcher": "alltoall",
+    "permute": "torch",
+    "moe_capacity_factor": 1.25,
+    "moe_capacity_overflow": "error",
+    "fp8": "blockwise",
+    "fp8_modules": ["experts", "attn"],
+    "fp8_backend": "emulate",
+    "fp8_pow2_scales": True,
+    "fp8_cache_weights": False,
+    "fp8_pad_experts": False,
+    "num_layers": 2,
+    "num_experts": 4,
+    "vision_depth": 1,
+    "aux_loss_coef": 0.01,
+}
 
 
 def _override(key: str, value) -> str:
@@ -99,33 +132,60 @@ def test_each_model_option_is_the_model_config_field_it_names():
     assert all(f"VLMConfig.{path}" in helps[f"model.{key}"] for key, path in model_fields().items())
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.moe_capacity_factor=0", "model.moe_capacity_factor=0.0 must be a finite number > 0"),
-    ("model.fp8_backend=cutlass", "model.fp8_backend='cutlass'; choose one of"),
-    ("model.attn_backend=xformers", "model.attn_backend='xformers'; choose one of"),
-    ("model.moe_capacity_overflow=never", "model.moe_capacity_overflow='never'; choose one of ['drop', 'error']"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "model.moe_capacity_factor=0",
+            "model.moe_capacity_factor=0.0 must be a finite number > 0",
+        ),
+        ("model.fp8_backend=cutlass", "model.fp8_backend='cutlass'; choose one of"),
+        ("model.attn_backend=xformers", "model.attn_backend='xformers'; choose one of"),
+        (
+            "model.moe_capacity_overflow=never",
+            "model.moe_capacity_overflow='never'; choose one of ['drop', 'error']",
+        ),
+    ],
+)
 def test_a_model_field_error_names_the_key_the_user_typed(override, message):
     with pytest.raises(ConfigError) as err:
         validate(compose_job([override, "model.dispatcher=alltoall"]), 1)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.capacity_factor=1.25", "model.capacity_factor is not an option; did you mean model.moe_capacity_factor"),
-    ("model.moe.capacity_factor=1.25", "model.moe.capacity_factor is not an option; did you mean "
-                                       "model.moe_capacity_factor?"),
-    ("model.fp8.recipe=blockwise", "model.fp8.recipe is not an option; did you mean model.fp8?"),
-    ("parallel.expert_parallel=2", "parallel.expert_parallel is not an option"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "model.capacity_factor=1.25",
+            "model.capacity_factor is not an option; did you mean model.moe_capacity_factor",
+        ),
+        (
+            "model.moe.capacity_factor=1.25",
+            "model.moe.capacity_factor is not an option; did you mean model.moe_capacity_factor?",
+        ),
+        (
+            "model.fp8.recipe=blockwise",
+            "model.fp8.recipe is not an option; did you mean model.fp8?",
+        ),
+        ("parallel.expert_parallel=2", "parallel.expert_parallel is not an option"),
+    ],
+)
 def test_an_unknown_key_is_refused_naming_the_nearest(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         compose_job([override])
 
 
 def test_train_py_refuses_an_unknown_key_in_one_line():
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "model.moe.capacity_factor=1.25"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "model.moe.capacity_factor=1.25"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("config error: model.moe.capacity_factor is not an option; did you mean "
-                                   "model.moe_capacity_factor? (python train.py --help lists them all)")
+    assert proc.stderr.strip() == (
+        "config error: model.moe.capacity_factor is not an option; did you mean "
+        "model.moe_capacity_factor? (python train.py --help lists them all)"
+    )

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 MISTAKES = {
     "train.device=cuda": "train.device=cuda but this torch build",
     "model.grouped_gemm=triton": "model.grouped_gemm=triton runs Triton kernels, which need a CUDA device; on the "
-                                 "CPU use model.grouped_gemm=torch (or set TRITON_INTERPRET=1",
+    "CPU use model.grouped_gemm=torch (or set TRITON_INTERPRET=1",
     "model.permute=triton": "model.permute=triton runs Triton kernels",
     "parallel.backend=nccl": "parallel.backend=nccl needs CUDA devices",
     "data.shards=/no/such/folder": "data.shards=/no/such/folder does not exist",
@@ -56,7 +56,9 @@ def test_every_mistake_is_reported_at_once(no_interpreter):
 def test_each_mistake_alone_is_one_line(no_interpreter, override):
     with pytest.raises(ConfigError) as err:
         validate(compose_job([override]))
-    assert str(err.value).splitlines() == [line for line in str(err.value).splitlines() if MISTAKES[override] in line]
+    assert str(err.value).splitlines() == [
+        line for line in str(err.value).splitlines() if MISTAKES[override] in line
+    ]
 
 
 def test_triton_on_the_cpu_is_allowed_under_the_interpreter(monkeypatch):
@@ -68,11 +70,19 @@ def test_train_py_prints_every_line_and_creates_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if __import__("torch").cuda.is_available():
         pytest.skip("checks what a CPU-only machine reports")
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *MISTAKES, f"train.run_dir={tmp_path / 'run'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *MISTAKES, f"train.run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
-    assert len(lines) == len(MISTAKES) and all(line.startswith("config error: ") for line in lines), lines
+    assert len(lines) == len(MISTAKES) and all(
+        line.startswith("config error: ") for line in lines
+    ), lines
     assert "Traceback" not in proc.stderr + proc.stdout
     assert list(tmp_path.iterdir()) == []  # no run dir, no sample set, no outputs/
 
@@ -92,9 +102,19 @@ def test_your_shards_tokenizer_is_found_and_fits_the_model(tmp_path):
 
     tiny_tokenizer = ensure_sample()[0] / "tokenizer.json"
     with pytest.raises(ConfigError) as err:
-        validate(compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}",
-                              "model.preset=qwen3_vl_30b_a3b"]), environment=True)
+        validate(
+            compose_job(
+                [
+                    f"data.shards={shards}",
+                    f"data.tokenizer={tiny_tokenizer}",
+                    "model.preset=qwen3_vl_30b_a3b",
+                ]
+            ),
+            environment=True,
+        )
     first, *ids = str(err.value).splitlines()  # one line per special token that is elsewhere
     assert first.startswith(f"the tokenizer {tiny_tokenizer} does not fit the model")
     assert ids and all("the tokenizer has <|" in line for line in ids)
-    validate(compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}"]))  # the tiny model: fits
+    validate(
+        compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}"])
+    )  # the tiny model: fits

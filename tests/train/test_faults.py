@@ -32,13 +32,23 @@ from moevlm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 # data.streams=2 fixes the rows of each global batch for one process and for 2 data-parallel ranks alike
-COMMON = ["data.num_workers=1", "data.streams=2", "train.global_batch_size=2", "train.log_every=1",
-          "train.tensorboard=false", "train.require_loss_decrease=false", "train.checkpoint_at_end=false"]
+COMMON = [
+    "data.num_workers=1",
+    "data.streams=2",
+    "train.global_batch_size=2",
+    "train.log_every=1",
+    "train.tensorboard=false",
+    "train.require_loss_decrease=false",
+    "train.checkpoint_at_end=false",
+]
 STEPS = 4
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: float(r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {
+        r["step"]: float(r["loss"])
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +72,29 @@ class Clock:
 def test_exit_codes_are_the_readme_table():
     """The numbers are the interface scripts branch on: README's "Exit codes", one name each."""
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert {c.name: int(c) for c in ExitCode} == {"OK": 0, "NO_PROGRESS": 1, "CONFIG": 2, "NONFINITE": 3,
-                                                   "INTERRUPTED": 4, "COLLECTIVE": 5, "WATCHDOG": 6,
-                                                   "CHECKPOINT": 7, "DATA": 8}
-    assert "Exit codes: 0 done, 1 the loss did not fall" in readme and "8 the data cannot feed training" in readme
+    assert {c.name: int(c) for c in ExitCode} == {
+        "OK": 0,
+        "NO_PROGRESS": 1,
+        "CONFIG": 2,
+        "NONFINITE": 3,
+        "INTERRUPTED": 4,
+        "COLLECTIVE": 5,
+        "WATCHDOG": 6,
+        "CHECKPOINT": 7,
+        "DATA": 8,
+    }
+    assert (
+        "Exit codes: 0 done, 1 the loss did not fall" in readme
+        and "8 the data cannot feed training" in readme
+    )
 
 
 def test_watchdog_reports_a_slow_step_once_after_warmup_and_aborts_past_abort_s():
     clock, reports, aborts = Clock(), [], []
     w = StepWatchdog(10, 5, 100, clock=clock, report=reports.append, abort=aborts.append)
-    for step, seconds in enumerate([50.0, 30.0, 1.0, 2.0, 1.5], start=1):  # warm-up steps are slow (compile)
+    for step, seconds in enumerate(
+        [50.0, 30.0, 1.0, 2.0, 1.5], start=1
+    ):  # warm-up steps are slow (compile)
         w.begin_step(step)
         clock.now += seconds
         w.poll()
@@ -89,7 +112,10 @@ def test_watchdog_reports_a_slow_step_once_after_warmup_and_aborts_past_abort_s(
     assert len(reports) == 1 and "step 6 (forward/backward) has run 16s" in reports[0]
     clock.now += 90.0  # 106 s > abort_s
     w.poll()
-    assert len(aborts) == 1 and "step 6 (forward/backward) has run 106s > train.watchdog_abort_s=100s" in aborts[0]
+    assert (
+        len(aborts) == 1
+        and "step 6 (forward/backward) has run 106s > train.watchdog_abort_s=100s" in aborts[0]
+    )
     assert f"exit code {ExitCode.WATCHDOG:d}" in aborts[0]
 
 
@@ -140,7 +166,10 @@ def test_stop_signals_first_asks_repeat_within_window_is_the_same_and_handlers_c
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     assert signal.set_wakeup_fd(-1) == -1  # the wakeup fd was restored too
     err = capsys.readouterr().err
-    assert err.count("received") == 1 and "received SIGTERM: finishing step 7 (forward/backward)" in err
+    assert (
+        err.count("received") == 1
+        and "received SIGTERM: finishing step 7 (forward/backward)" in err
+    )
     box = []
     t = threading.Thread(target=lambda: box.append(StopSignals(str).install()))
     t.start()
@@ -149,15 +178,28 @@ def test_stop_signals_first_asks_repeat_within_window_is_the_same_and_handlers_c
 
 
 def test_collective_failures_are_recognised_and_others_are_not():
-    timeout = RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation to complete")
+    timeout = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation to complete"
+    )
     line = describe_failure(timeout, "step 12 (forward/backward)", 5.2, 5)
-    assert line.startswith("collective failure during step 12 (forward/backward), 5s in: a collective got no "
-                           "answer within parallel.timeout_s=5s. Likely cause: another rank stopped, crashed")
-    lost = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:12345")
-    assert "lost its connection to a peer rank" in describe_failure(lost, "checkpoint save", None, 600)
+    assert line.startswith(
+        "collective failure during step 12 (forward/backward), 5s in: a collective got no "
+        "answer within parallel.timeout_s=5s. Likely cause: another rank stopped, crashed"
+    )
+    lost = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:12345"
+    )
+    assert "lost its connection to a peer rank" in describe_failure(
+        lost, "checkpoint save", None, 600
+    )
     assert describe_failure(ValueError("shapes do not match"), "step 1", 1, 600) is None
     assert describe_failure(TimeoutError("reading the shard timed out"), "step 1", 1, 600) is None
-    assert describe_failure(RuntimeError("DataLoader timed out after 5 seconds (worker 0)"), "step 1", 1, 600) is None
+    assert (
+        describe_failure(
+            RuntimeError("DataLoader timed out after 5 seconds (worker 0)"), "step 1", 1, 600
+        )
+        is None
+    )
     nccl = RuntimeError("NCCL communicator was aborted on rank 3 after a collective timeout")
     assert "no answer within" in describe_failure(nccl, "step 1 (forward/backward)", 600, 600)
 
@@ -165,17 +207,27 @@ def test_collective_failures_are_recognised_and_others_are_not():
 # ------------------------------------------------------------------ processes ending themselves
 def _python(code: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes():
-    abort = _python("import time\nfrom moevlm.train.faults import StepWatchdog\n"
-                    "w = StepWatchdog(10, 60, 0.5)\nw.begin_step(3)\nw.at('forward/backward')\n"
-                    "w.start(every_s=0.05)\ntime.sleep(60)")
-    second = _python("import os, signal, time\nfrom moevlm.train.faults import StopSignals\n"
-                     "s = StopSignals(lambda: 'step 4 (forward/backward)', repeat_window_s=0.5)\ns.install()\n"
-                     "print('ready', flush=True)\ntime.sleep(60)")
+    abort = _python(
+        "import time\nfrom moevlm.train.faults import StepWatchdog\n"
+        "w = StepWatchdog(10, 60, 0.5)\nw.begin_step(3)\nw.at('forward/backward')\n"
+        "w.start(every_s=0.05)\ntime.sleep(60)"
+    )
+    second = _python(
+        "import os, signal, time\nfrom moevlm.train.faults import StopSignals\n"
+        "s = StopSignals(lambda: 'step 4 (forward/backward)', repeat_window_s=0.5)\ns.install()\n"
+        "print('ready', flush=True)\ntime.sleep(60)"
+    )
     assert second.stdout.readline().strip() == "ready"
     second.send_signal(signal.SIGTERM)
     time.sleep(1.0)  # past the repeat window
@@ -184,11 +236,16 @@ def test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes():
     out = second.communicate(timeout=30)[0]
     assert second.returncode == 128 + signal.SIGTERM and time.time() - t0 < 5, out
     assert "received SIGTERM: finishing step 4 (forward/backward), then writing a checkpoint" in out
-    assert "received SIGTERM again: exiting at once during step 4 (forward/backward), without a checkpoint " \
-           "(exit code 143)" in out
+    assert (
+        "received SIGTERM again: exiting at once during step 4 (forward/backward), without a checkpoint "
+        "(exit code 143)" in out
+    )
     out = abort.communicate(timeout=60)[0]
     assert abort.returncode == ExitCode.WATCHDOG, out
-    assert "watchdog: step 3 (forward/backward) has run 1s > train.watchdog_abort_s=0.5s: aborting" in out
+    assert (
+        "watchdog: step 3 (forward/backward) has run 1s > train.watchdog_abort_s=0.5s: aborting"
+        in out
+    )
     assert "Thread 0x" in out and "in <module>" in out  # every thread's stack (faulthandler)
 
 
@@ -205,7 +262,9 @@ def test_data_workers_and_fork_server_outlive_a_stop_signal(reference):
         next(loader)
         servers = [p for p in _children(os.getpid()) if b"forkserver" in _cmdline(p)]
         helpers = servers + [c for p in servers for c in _children(p)]
-        assert len(servers) == 1 and len(helpers) >= 2, helpers  # the fork server and the data worker
+        assert len(servers) == 1 and len(helpers) >= 2, (
+            helpers
+        )  # the fork server and the data worker
         for pid in helpers:
             os.kill(pid, signal.SIGINT)
             os.kill(pid, signal.SIGTERM)
@@ -225,9 +284,13 @@ def _cmdline(pid: int) -> bytes:
 
 
 # ------------------------------------------------------------------ the trainer
-def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(reference, tmp_path, capsys):
+def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(
+    reference, tmp_path, capsys
+):
     want, shards = reference
-    job = compose_job(COMMON + [f"train.steps={STEPS}", f"train.run_dir={tmp_path}", f"data.shards={shards}"])
+    job = compose_job(
+        COMMON + [f"train.steps={STEPS}", f"train.run_dir={tmp_path}", f"data.shards={shards}"]
+    )
     trainer = Trainer(job)
     before = signal.getsignal(signal.SIGTERM)
 
@@ -237,14 +300,17 @@ def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(ref
             deadline = time.time() + 10
             while not tr.faults.signals.requested and time.time() < deadline:
                 time.sleep(0.01)
+
     trainer.grad_hook = preempt
     assert trainer.run() == ExitCode.INTERRUPTED
     assert signal.getsignal(signal.SIGTERM) is before  # a library caller's handler is back
     captured = capsys.readouterr()
     assert "received SIGTERM: finishing step 2 (gradient reduction and clipping)" in captured.err
     ckpt = tmp_path / "checkpoints" / "step_00000002"
-    assert (f"interrupted by SIGTERM: stopped after step 2/{STEPS} with checkpoint {ckpt}; to continue, relaunch "
-            "the same command (train.resume=auto") in captured.out
+    assert (
+        f"interrupted by SIGTERM: stopped after step 2/{STEPS} with checkpoint {ckpt}; to continue, relaunch "
+        "the same command (train.resume=auto"
+    ) in captured.out
     assert [p.name for p in CheckpointManager(tmp_path / "checkpoints").complete()] == [ckpt.name]
     assert sorted(losses(tmp_path)) == [1, 2]
     assert Trainer(job).run() == 0  # the same command again
@@ -257,9 +323,25 @@ def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(ref
 def _torchrun(args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(REPO / "train.py"), *COMMON, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(REPO / "train.py"),
+            *COMMON,
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 TORCHRUN_TRACEBACK = 'Traceback (most recent call last):\n  File "<frozen runpy>"'
@@ -362,16 +444,24 @@ def test_two_ranks_sigterm_on_one_rank_stops_both_after_the_same_step(reference,
     (ckpt,) = CheckpointManager(run_dir / "checkpoints").complete()
     stopped = int(ckpt.name.split("_")[1])
     assert 1 <= stopped < STEPS
-    assert f"interrupted by SIGTERM: stopped after step {stopped}/{STEPS} with checkpoint {ckpt}" in out
+    assert (
+        f"interrupted by SIGTERM: stopped after step {stopped}/{STEPS} with checkpoint {ckpt}"
+        in out
+    )
     # each rank's (torchrun's report)
     assert exit_codes(out) == {0: ExitCode.INTERRUPTED, 1: ExitCode.INTERRUPTED}, out[-3000:]
-    assert "Traceback" not in out[:out.find(TORCHRUN_TRACEBACK)]  # no rank printed one
+    assert "Traceback" not in out[: out.find(TORCHRUN_TRACEBACK)]  # no rank printed one
     assert sorted(losses(run_dir)) == list(range(1, stopped + 1))
-    job = compose_job(COMMON + [f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.shards={shards}"])
+    job = compose_job(
+        COMMON + [f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.shards={shards}"]
+    )
     assert Trainer(job).run() == 0
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (got, want)  # (measured: 0.0; pinned data streams)
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (
+        got,
+        want,
+    )  # (measured: 0.0; pinned data streams)
 
 
 def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(reference, tmp_path):
@@ -380,8 +470,16 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
     _, shards = reference
     timeout_s = 8
     run_dir = tmp_path / "run"
-    proc = _torchrun(["train.steps=50", f"train.run_dir={run_dir}", f"data.shards={shards}",
-                      f"parallel.timeout_s={timeout_s}", "train.watchdog_factor=2", "train.watchdog_min_s=1"])
+    proc = _torchrun(
+        [
+            "train.steps=50",
+            f"train.run_dir={run_dir}",
+            f"data.shards={shards}",
+            f"parallel.timeout_s={timeout_s}",
+            "train.watchdog_factor=2",
+            "train.watchdog_min_s=1",
+        ]
+    )
     lines, reader = _reader(proc)
     rank1 = None
     try:
@@ -395,7 +493,9 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
         waited = time.time() - t0
         while time.time() < deadline and not _gone(rank0):
             time.sleep(0.05)
-        time.sleep(1.0)  # torchrun sees rank 0's exit first (it then waits 30 s for the stopped rank 1)
+        time.sleep(
+            1.0
+        )  # torchrun sees rank 0's exit first (it then waits 30 s for the stopped rank 1)
     finally:
         if rank1 is not None:
             for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -409,10 +509,19 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
     failure = [x for x in lines if "collective failure" in x]
     assert failure, out[-4000:]
     assert failure[0].startswith("rank 0: collective failure during step ")
-    assert f"no answer within parallel.timeout_s={timeout_s}s. Likely cause: another rank stopped, crashed" \
-           in failure[0]
-    assert waited < timeout_s + 30, waited  # the stalled step started at most one step before the stop
+    assert (
+        f"no answer within parallel.timeout_s={timeout_s}s. Likely cause: another rank stopped, crashed"
+        in failure[0]
+    )
+    assert waited < timeout_s + 30, (
+        waited
+    )  # the stalled step started at most one step before the stop
     report = out.index("rank 0: watchdog: step ")
-    assert report < out.index(failure[0]) and "Thread 0x" in out[report:]  # reported (with stacks) first
+    assert (
+        report < out.index(failure[0]) and "Thread 0x" in out[report:]
+    )  # reported (with stacks) first
     assert exit_codes(out)[0] == ExitCode.COLLECTIVE, out[-3000:]
-    print(out[report:out.index("\n", report)], f"\n{failure[0].strip()}\n(after {waited:.1f}s of SIGSTOP)")
+    print(
+        out[report : out.index("\n", report)],
+        f"\n{failure[0].strip()}\n(after {waited:.1f}s of SIGSTOP)",
+    )

@@ -17,8 +17,11 @@ from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
 
 STEPS = 50
-RUNS = {"fp32": [], "blockwise": ["model.fp8=blockwise", "model.fp8_backend=emulate"],
-        "mxfp8": ["model.fp8=mxfp8", "model.fp8_backend=emulate"]}
+RUNS = {
+    "fp32": [],
+    "blockwise": ["model.fp8=blockwise", "model.fp8_backend=emulate"],
+    "mxfp8": ["model.fp8=mxfp8", "model.fp8_backend=emulate"],
+}
 MAX_GAP, LAST_GAP = 0.03, 0.02
 
 
@@ -28,9 +31,21 @@ class _NoWindow:
 
 
 def _losses(shards: str, run_dir: str, extra: list[str]) -> list[float]:
-    tr = Trainer(compose_job([f"data.shards={shards}", "data.num_workers=0", f"train.steps={STEPS}",
-                              f"train.run_dir={run_dir}", "train.tensorboard=false", "train.checkpoint_at_end=false",
-                              "train.checkpoint_every=0", "train.progress=false", *extra]))
+    tr = Trainer(
+        compose_job(
+            [
+                f"data.shards={shards}",
+                "data.num_workers=0",
+                f"train.steps={STEPS}",
+                f"train.run_dir={run_dir}",
+                "train.tensorboard=false",
+                "train.checkpoint_at_end=false",
+                "train.checkpoint_every=0",
+                "train.progress=false",
+                *extra,
+            ]
+        )
+    )
     try:
         while tr.step < STEPS:
             assert tr.train_step(_NoWindow())

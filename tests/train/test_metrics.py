@@ -6,8 +6,16 @@ import math
 import pytest
 import torch
 
-from moevlm.train.metrics import (MetricsLogger, Window, device_peak_tflops, expert_load_max_over_mean, fmt_count,
-                                  peak_memory_gib, peak_tflops_for_name, step_record)
+from moevlm.train.metrics import (
+    MetricsLogger,
+    Window,
+    device_peak_tflops,
+    expert_load_max_over_mean,
+    fmt_count,
+    peak_memory_gib,
+    peak_tflops_for_name,
+    step_record,
+)
 
 
 def strict_json(token):
@@ -15,9 +23,22 @@ def strict_json(token):
 
 
 def record(**kw):
-    args = dict(step=10, loss=2.5, aux_loss=0.01, grad_norm=1.5, lr=2e-3, step_time_s=2.0, data_wait_s=0.5,
-                useful_tokens=40_000, flops=8e14, world_size=4, peak_tflops=400.0,
-                skipped={"too_long": 2, "bad_image": 1}, nonfinite_steps=0, mem_gib=1.25)
+    args = dict(
+        step=10,
+        loss=2.5,
+        aux_loss=0.01,
+        grad_norm=1.5,
+        lr=2e-3,
+        step_time_s=2.0,
+        data_wait_s=0.5,
+        useful_tokens=40_000,
+        flops=8e14,
+        world_size=4,
+        peak_tflops=400.0,
+        skipped={"too_long": 2, "bad_image": 1},
+        nonfinite_steps=0,
+        mem_gib=1.25,
+    )
     return step_record(**(args | kw))
 
 
@@ -37,12 +58,30 @@ def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
     step's grad_norm and lr, expert counts summed; step, memory and skip counts are the caller's."""
     w = Window()
     for loss, counts in ((3.0, torch.tensor([[1, 3]])), (2.0, None)):
-        w.add(loss=loss, aux=0.02, grad_norm=loss / 2, lr=loss * 1e-3, useful_tokens=20_000, flops=4e14,
-              seconds=1.0, wait=0.25, counts=counts)
-    r = w.record(step=10, world_size=4, peak_tflops=400.0, mem_gib=1.25, expert_counts=w.counts,
-                 skipped={"too_long": 2, "bad_image": 1}, nonfinite_steps=0, mem_gib_by_pp_rank=[1.25, 1.0])
-    assert r == record(loss=2.5, aux_loss=0.02, grad_norm=1.0, expert_counts=torch.tensor([[1, 3]])) | {
-        "mem_gib_by_pp_rank": [1.25, 1.0], "steps_in_window": 2}
+        w.add(
+            loss=loss,
+            aux=0.02,
+            grad_norm=loss / 2,
+            lr=loss * 1e-3,
+            useful_tokens=20_000,
+            flops=4e14,
+            seconds=1.0,
+            wait=0.25,
+            counts=counts,
+        )
+    r = w.record(
+        step=10,
+        world_size=4,
+        peak_tflops=400.0,
+        mem_gib=1.25,
+        expert_counts=w.counts,
+        skipped={"too_long": 2, "bad_image": 1},
+        nonfinite_steps=0,
+        mem_gib_by_pp_rank=[1.25, 1.0],
+    )
+    assert r == record(
+        loss=2.5, aux_loss=0.02, grad_norm=1.0, expert_counts=torch.tensor([[1, 3]])
+    ) | {"mem_gib_by_pp_rank": [1.25, 1.0], "steps_in_window": 2}
 
 
 def test_mfu_null_without_peak_and_on_cpu():
@@ -53,23 +92,38 @@ def test_mfu_null_without_peak_and_on_cpu():
     assert peak_memory_gib(cpu) > 0
 
 
-@pytest.mark.parametrize("name,bf16", [
-    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.5),
-    ("NVIDIA H200", 989.4), ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("AMD Instinct MI300X", 1307.4),
-    ("NVIDIA GeForce GTX 1080", None),
-])
+@pytest.mark.parametrize(
+    "name,bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.5),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA GB200", 2500.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L40S", 362.0),
+        ("AMD Instinct MI300X", 1307.4),
+        ("NVIDIA GeForce GTX 1080", None),
+    ],
+)
 def test_peak_table_by_name(name, bf16):
     assert peak_tflops_for_name(name) == bf16
     if bf16 is not None and "A100" not in name:
-        assert peak_tflops_for_name(name, "fp8") == pytest.approx(2 * bf16, rel=0.02)  # L40S: 733 vs 2 x 362
+        assert peak_tflops_for_name(name, "fp8") == pytest.approx(
+            2 * bf16, rel=0.02
+        )  # L40S: 733 vs 2 x 362
     assert peak_tflops_for_name("NVIDIA A100-SXM4-80GB", "fp8") is None
 
 
 def test_expert_load():
-    counts_LE = torch.tensor([[10, 10, 10, 10],   # balanced: 1.0
-                              [40, 0, 0, 0],      # all on one: 4.0
-                              [0, 0, 0, 0]])      # empty layer: ignored
+    counts_LE = torch.tensor(
+        [
+            [10, 10, 10, 10],  # balanced: 1.0
+            [40, 0, 0, 0],  # all on one: 4.0
+            [0, 0, 0, 0],
+        ]
+    )  # empty layer: ignored
     assert expert_load_max_over_mean(counts_LE) == pytest.approx(4.0)
     assert expert_load_max_over_mean(counts_LE[:1]) == pytest.approx(1.0)
     assert expert_load_max_over_mean(counts_LE[2:]) is None
@@ -84,7 +138,12 @@ def test_jsonl_tensorboard_console(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with MetricsLogger(tmp_path, rank=0, total_steps=100, log_every=10, progress=False) as log:
-        assert log.should_log(1) and log.should_log(20) and log.should_log(100) and not log.should_log(15)
+        assert (
+            log.should_log(1)
+            and log.should_log(20)
+            and log.should_log(100)
+            and not log.should_log(15)
+        )
         log.log(record(step=10, expert_counts=torch.tensor([[3, 1]])))
         log.log(record(step=20, loss=float("nan"), grad_norm=float("inf"), peak_tflops=None))
         log.info("hello")
@@ -92,7 +151,11 @@ def test_jsonl_tensorboard_console(tmp_path, capsys):
     recs = [json.loads(line, parse_constant=strict_json) for line in lines]
     for r in recs:
         assert {"step", "loss", "tokens_per_s", "tflops", "mfu"} <= r.keys()
-    assert recs[1]["loss"] == "nan" and math.isnan(float(recs[1]["loss"])) and recs[1]["grad_norm"] == "inf"
+    assert (
+        recs[1]["loss"] == "nan"
+        and math.isnan(float(recs[1]["loss"]))
+        and recs[1]["grad_norm"] == "inf"
+    )
     assert recs[1]["mfu"] is None
 
     out = capsys.readouterr().out.splitlines()
@@ -103,8 +166,17 @@ def test_jsonl_tensorboard_console(tmp_path, capsys):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("train/loss", "perf/tflops", "perf/mfu", "perf/tokens_per_s", "memory/peak_gib",
-                "data/wait_frac", "moe/load_max_over_mean", "data/bad_samples", "data/bad_samples/too_long"):
+    for tag in (
+        "train/loss",
+        "perf/tflops",
+        "perf/mfu",
+        "perf/tokens_per_s",
+        "memory/peak_gib",
+        "data/wait_frac",
+        "moe/load_max_over_mean",
+        "data/bad_samples",
+        "data/bad_samples/too_long",
+    ):
         assert tag in tags
     assert [(e.step, e.value) for e in acc.Scalars("perf/tflops")] == [(10, 100.0), (20, 100.0)]
     assert [e.step for e in acc.Scalars("perf/mfu")] == [10]

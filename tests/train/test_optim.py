@@ -28,7 +28,11 @@ def test_no_decay_on_norms_biases_and_embeddings():
     (everything,) = param_groups(model, opt_cfg(decay_norms_biases_embeddings=True))
     assert len(everything["params"]) == len(list(model.parameters()))
     model.vision.requires_grad_(False)
-    assert not any(names[id(p)].startswith("vision.") for g in param_groups(model, opt_cfg()) for p in g["params"])
+    assert not any(
+        names[id(p)].startswith("vision.")
+        for g in param_groups(model, opt_cfg())
+        for p in g["params"]
+    )
 
 
 @pytest.mark.parametrize("impl", ["auto", "fused", "foreach", "for_loop"])
@@ -61,7 +65,9 @@ def test_cosine_with_warmup():
 
 @pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
 def test_wsd_holds_then_decays(shape):
-    x = lrs(20, schedule="wsd", warmup_steps=2, decay_fraction=0.25, decay_shape=shape, min_lr_ratio=0.0)
+    x = lrs(
+        20, schedule="wsd", warmup_steps=2, decay_fraction=0.25, decay_shape=shape, min_lr_ratio=0.0
+    )
     assert x[:2] == [0.5, 1.0] and x[2:15] == [1.0] * 13
     assert 0 < x[15] < 1 and x[-1] == pytest.approx(0.0)
     assert all(a >= b for a, b in zip(x[15:], x[16:]))

@@ -69,7 +69,11 @@ def test_composed_values_missing_and_unresolved_are_shown():
     job.data.shards = "???"
     job.train.steps = 7
     job.train.run_dir = "${oc.env:NO_SUCH_VARIABLE_FOR_MOEVLM}"
-    lines = {line.split()[0]: line for line in opt.describe_options(job).splitlines() if line.startswith("  ")}
+    lines = {
+        line.split()[0]: line
+        for line in opt.describe_options(job).splitlines()
+        if line.startswith("  ")
+    }
     assert "(int, default 20, set to 7)" in lines["train.steps"]
     assert "set to ??? (must be set)" in lines["data.shards"]
     assert "set to ${oc.env:NO_SUCH_VARIABLE_FOR_MOEVLM}" in lines["train.run_dir"]
@@ -78,8 +82,14 @@ def test_composed_values_missing_and_unresolved_are_shown():
 
 def test_train_py_help_shows_every_field_its_description_and_allowed_values():
     env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT))
-    out = subprocess.run([sys.executable, "train.py", "train.steps=7", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "train.py", "train.steps=7", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for o in opt.options():
@@ -97,8 +107,9 @@ def test_conf_readme_reference_is_generated_from_the_dataclasses():
     path = os.path.join(ROOT, "conf", "README.md")
     with open(path) as f:
         text = f.read()
-    assert opt.readme_with_options(text) == text, \
+    assert opt.readme_with_options(text) == text, (
         "conf/README.md's option reference is stale: run python -m moevlm.train.options --write-readme"
+    )
     for o in opt.options():
         assert f"| `{o.path}` |" in text
 

@@ -19,17 +19,31 @@ from moevlm.train.config import _check_profile, compose_job, validate
 from moevlm.train.profile import COMPONENTS, ComponentTimer, WallClock, parse_profile_steps
 from moevlm.train.trainer import Trainer
 
-SMALL = ["data.num_workers=1", "data.streams=1", "train.log_every=1", "train.tensorboard=false",
-         "data.pack.seq_len=256", "data.pack.max_patches=64", "train.checkpoint_at_end=false",
-         "train.require_loss_decrease=false"]
+SMALL = [
+    "data.num_workers=1",
+    "data.streams=1",
+    "train.log_every=1",
+    "train.tensorboard=false",
+    "data.pack.seq_len=256",
+    "data.pack.max_patches=64",
+    "train.checkpoint_at_end=false",
+    "train.require_loss_decrease=false",
+]
 NAMED = [c for c in COMPONENTS if c != "other"]
 
 
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("profiled")
-    job = compose_job(SMALL + ["train.steps=3", f"train.run_dir={run_dir}", "train.profile_components=true",
-                               "train.profile_steps='2,2'"])
+    job = compose_job(
+        SMALL
+        + [
+            "train.steps=3",
+            f"train.run_dir={run_dir}",
+            "train.profile_components=true",
+            "train.profile_steps='2,2'",
+        ]
+    )
     code = Trainer(job).run()
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, code, recs
@@ -41,7 +55,9 @@ def test_components_account_for_the_step(profiled_run):
     for r in recs:
         c, step = r["components_s"], r["step_time_s"]
         assert list(c) == list(COMPONENTS)
-        assert all(c[name] > 0 for name in NAMED), c  # the tiny MoE model with images runs every part
+        assert all(c[name] > 0 for name in NAMED), (
+            c
+        )  # the tiny MoE model with images runs every part
         assert c["other"] >= -1e-6 * step  # the named parts never overlap
         assert abs(sum(c.values()) - step) <= 0.10 * step, (sum(c.values()), step)
         # what is left untimed (embedding, norms, residuals, masks, the aux loss, all-reduces) is a minor
@@ -73,14 +89,19 @@ class TickClock(WallClock):
 
 def test_nested_intervals_are_exclusive():
     timer = ComponentTimer(TickClock(), ranges=False)  # reset: tick 1
-    timer.open("vision_encoder")      # 2
-    timer.open("merger")              # 3
-    timer.close("merger")             # 4
-    timer.close("vision_encoder")     # 5
-    timer.open("backward")            # 6
-    timer.close("backward")           # 7
+    timer.open("vision_encoder")  # 2
+    timer.open("merger")  # 3
+    timer.close("merger")  # 4
+    timer.close("vision_encoder")  # 5
+    timer.open("backward")  # 6
+    timer.close("backward")  # 7
     parts, total = timer.step_seconds()  # end: 8
-    assert total == 7 and parts["merger"] == 1 and parts["vision_encoder"] == 2 and parts["backward"] == 1
+    assert (
+        total == 7
+        and parts["merger"] == 1
+        and parts["vision_encoder"] == 2
+        and parts["backward"] == 1
+    )
     assert parts["other"] == 7 - 3 - 1 and sum(parts.values()) == total
     with pytest.raises(RuntimeError, match="unbalanced"):
         timer.open("a"), timer.close("b")
@@ -92,9 +113,13 @@ def test_recomputed_regions_count_once(reentrant):
     model = Qwen3VLMoe(VLMConfig.preset("tiny"))
     layers = list(model.text.layers)
     calls = []
-    for layer in layers:  # activation recompute as torch.utils.checkpoint does it, around every layer
+    for (
+        layer
+    ) in layers:  # activation recompute as torch.utils.checkpoint does it, around every layer
         layer.self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
-        layer.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=reentrant))(layer.forward)
+        layer.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=reentrant))(
+            layer.forward
+        )
     timer = ComponentTimer(WallClock(), ranges=False)
     timer.attach(model)
     ids = torch.randint(0, 100, (1, 16))
@@ -106,8 +131,18 @@ def test_recomputed_regions_count_once(reentrant):
     assert "lm_loss" not in model.__dict__ and not model.lm_head._forward_hooks
 
 
-@pytest.mark.parametrize("value, expected", [("", None), (None, None), ([], None), ("2,3", (2, 3)),
-                                             ([1, 4], (1, 4)), (3, (3, 3)), ("4", (4, 4))])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("", None),
+        (None, None),
+        ([], None),
+        ("2,3", (2, 3)),
+        ([1, 4], (1, 4)),
+        (3, (3, 3)),
+        ("4", (4, 4)),
+    ],
+)
 def test_profile_steps_accepted(value, expected):
     assert parse_profile_steps(value, steps=4) == expected
 
@@ -122,5 +157,9 @@ def test_validation_names_profile_problems():
     with pytest.raises(ConfigError, match=r"train.profile_steps=.*train.steps=3"):
         validate(compose_job(SMALL + ["train.steps=3", "train.profile_steps=[2,7]"]))
     with pytest.raises(ConfigError, match="profile eagerly"):
-        _check_profile(SimpleNamespace(profile_components=True, compile=True, profile_steps="", steps=3))
-    _check_profile(SimpleNamespace(profile_components=True, compile=False, profile_steps="", steps=3))
+        _check_profile(
+            SimpleNamespace(profile_components=True, compile=True, profile_steps="", steps=3)
+        )
+    _check_profile(
+        SimpleNamespace(profile_components=True, compile=False, profile_steps="", steps=3)
+    )

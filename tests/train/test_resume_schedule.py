@@ -5,7 +5,6 @@ resumes exactly as before; fewer steps than the checkpoint's is refused before a
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,14 @@ from moevlm.train.config import OptimConfig, compose_job
 from moevlm.train.optim import LRSchedule, build_scheduler, fit_resumed_schedule
 from moevlm.train.trainer import Trainer
 
-FAST = ["data.num_workers=1", "data.streams=1", "train.log_every=1", "train.tensorboard=false",
-        "train.require_loss_decrease=false", "train.global_batch_size=1"]
+FAST = [
+    "data.num_workers=1",
+    "data.streams=1",
+    "train.log_every=1",
+    "train.tensorboard=false",
+    "train.require_loss_decrease=false",
+    "train.global_batch_size=1",
+]
 
 
 def scheduler(o: OptimConfig, steps: int):
@@ -49,20 +54,34 @@ def lrs_from(opt, sched, n: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("o", [
-    OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=1, min_lr_ratio=0.1),
-    OptimConfig(lr=1e-2, schedule="wsd", warmup_steps=1, decay_fraction=0.5, decay_shape="cosine"),
-], ids=["cosine", "wsd"])
+@pytest.mark.parametrize(
+    "o",
+    [
+        OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=1, min_lr_ratio=0.1),
+        OptimConfig(
+            lr=1e-2, schedule="wsd", warmup_steps=1, decay_fraction=0.5, decay_shape="cosine"
+        ),
+    ],
+    ids=["cosine", "wsd"],
+)
 def test_a_longer_run_follows_the_new_curve_from_the_resumed_step(o):
     state = taken(o, 4, 2)
-    assert state["schedule"]["steps"] == 4  # the checkpoint records the length the schedule was built for
+    assert (
+        state["schedule"]["steps"] == 4
+    )  # the checkpoint records the length the schedule was built for
     opt, sched, lines = resumed(o, state, 8)
     fresh = LRSchedule(o, 8)
-    assert lrs_from(opt, sched, 6) == [o.lr * fresh(s) for s in range(2, 8)]  # updates 3..8, exactly
+    assert lrs_from(opt, sched, 6) == [
+        o.lr * fresh(s) for s in range(2, 8)
+    ]  # updates 3..8, exactly
     before = o.lr * LRSchedule(o, 4)(2)
-    assert lines == [f"train.steps changed from 4 to 8: the {o.schedule} lr schedule is rescaled to 8 steps; the "
-                     f"next update's lr is {o.lr * fresh(2):.3e} (was {before:.3e})"]
-    assert sched.state_dict()["schedule"]["steps"] == 8  # its next checkpoint records the new length
+    assert lines == [
+        f"train.steps changed from 4 to 8: the {o.schedule} lr schedule is rescaled to 8 steps; the "
+        f"next update's lr is {o.lr * fresh(2):.3e} (was {before:.3e})"
+    ]
+    assert (
+        sched.state_dict()["schedule"]["steps"] == 8
+    )  # its next checkpoint records the new length
 
 
 def test_same_length_old_state_and_other_fields():
@@ -73,13 +92,23 @@ def test_same_length_old_state_and_other_fields():
     for _ in range(3):
         ref_opt.step()
         ref.step()
-    assert lines == [] and lrs_from(opt, sched, 3) == lrs_from(ref_opt, ref, 3)  # unchanged: as before
-    del state["schedule"]["steps"]  # a state that does not record its length: assumed unchanged, with a note
+    assert lines == [] and lrs_from(opt, sched, 3) == lrs_from(
+        ref_opt, ref, 3
+    )  # unchanged: as before
+    del state["schedule"][
+        "steps"
+    ]  # a state that does not record its length: assumed unchanged, with a note
     _, _, lines = resumed(o, state, 6)
-    assert lines == ["note: the checkpoint does not record its lr schedule's length; assumed train.steps=6, as now"]
-    state = taken(o, 6, 3)  # another warmup in the config: the checkpoint's schedule is kept, and said
+    assert lines == [
+        "note: the checkpoint does not record its lr schedule's length; assumed train.steps=6, as now"
+    ]
+    state = taken(
+        o, 6, 3
+    )  # another warmup in the config: the checkpoint's schedule is kept, and said
     opt, sched, lines = resumed(OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=4), state, 6)
-    assert lines == ["note: optim.warmup_steps=4 differs from the resumed schedule's 1: the checkpoint's is kept"]
+    assert lines == [
+        "note: optim.warmup_steps=4 differs from the resumed schedule's 1: the checkpoint's is kept"
+    ]
     assert opt.param_groups[0]["lr"] == 1e-2 * LRSchedule(o, 6)(3)
 
 
@@ -96,16 +125,26 @@ def test_trainer_extends_a_run_and_refuses_to_shorten_below_the_checkpoint(tmp_p
     trainer = Trainer(job)
     out = capsys.readouterr().out
     fresh = LRSchedule(job.optim, 8)
-    assert (f"train.steps changed from 4 to 8: the wsd lr schedule is rescaled to 8 steps; the next update's lr is "
-            f"{job.optim.lr * fresh(2):.3e} (was {job.optim.lr * LRSchedule(job.optim, 4)(2):.3e})") in out
+    assert (
+        f"train.steps changed from 4 to 8: the wsd lr schedule is rescaled to 8 steps; the next update's lr is "
+        f"{job.optim.lr * fresh(2):.3e} (was {job.optim.lr * LRSchedule(job.optim, 4)(2):.3e})"
+    ) in out
     assert trainer.run() == 0
-    lr = {r["step"]: r["lr"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    assert [lr[s] for s in range(3, 9)] == pytest.approx([job.optim.lr * fresh(s - 1) for s in range(3, 9)],
-                                                         rel=1e-12)
+    lr = {
+        r["step"]: r["lr"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
+    assert [lr[s] for s in range(3, 9)] == pytest.approx(
+        [job.optim.lr * fresh(s - 1) for s in range(3, 9)], rel=1e-12
+    )
     before = sorted(p.name for p in ck.iterdir())
     with pytest.raises(ConfigError) as err:
-        Trainer(compose_job(common + ["train.steps=5"]))  # resume=auto: the newest checkpoint is at step 8
-    assert str(err.value) == (f"train.steps=5 is below step 8 of the checkpoint to resume ({ck / 'step_00000008'}): "
-                              "set train.steps >= 8 to continue it, or train.resume=none (or another train.run_dir) "
-                              "to start over")
+        Trainer(
+            compose_job(common + ["train.steps=5"])
+        )  # resume=auto: the newest checkpoint is at step 8
+    assert str(err.value) == (
+        f"train.steps=5 is below step 8 of the checkpoint to resume ({ck / 'step_00000008'}): "
+        "set train.steps >= 8 to continue it, or train.resume=none (or another train.run_dir) "
+        "to start over"
+    )
     assert sorted(p.name for p in ck.iterdir()) == before

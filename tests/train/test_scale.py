@@ -34,7 +34,9 @@ def scaled(name: str):
     job = compose_job([f"+experiment={name}", "+scale=cpu"])
     if job.model.dispatcher in ("deepep", "hybridep"):
         return recipe, job, None
-    with pytest.raises(ConfigError, match=r"launch torchrun --standalone --nproc-per-node (\d+) ") as err:
+    with pytest.raises(
+        ConfigError, match=r"launch torchrun --standalone --nproc-per-node (\d+) "
+    ) as err:
         validate(compose_job([f"+experiment={name}", "+scale=cpu"]), 1000)  # the launch it asks for
     world = int(re.search(r"--nproc-per-node (\d+) ", str(err.value)).group(1))
     return recipe, job, validate(job, world)
@@ -43,20 +45,34 @@ def scaled(name: str):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_recipe_scales_down_keeping_its_shape(name):
     recipe, job, plan = scaled(name)
-    assert all(job.parallel[k] == recipe.parallel[k] for k in SHAPE) and job.model.dispatcher == recipe.model.dispatcher
-    if plan is None:  # deepep, hybridep without their package (CPU machines): refused first, whatever the launch
-        with pytest.raises(ConfigError, match=rf"^model.dispatcher='{job.model.dispatcher}' cannot run: the deep_ep "
-                                              r"package is not installed"):
+    assert (
+        all(job.parallel[k] == recipe.parallel[k] for k in SHAPE)
+        and job.model.dispatcher == recipe.model.dispatcher
+    )
+    if (
+        plan is None
+    ):  # deepep, hybridep without their package (CPU machines): refused first, whatever the launch
+        with pytest.raises(
+            ConfigError,
+            match=rf"^model.dispatcher='{job.model.dispatcher}' cannot run: the deep_ep "
+            r"package is not installed",
+        ):
             validate(job, 8)
         return
     d, m = plan.dims, plan.model
     assert job.model.preset == "tiny" and job.data.shards == "sample" and job.train.device == "cpu"
     assert job.train.precision == "fp32" and job.data.pack.seq_len == 1024 and job.optim.lr == 2e-3
-    assert d.world == job.parallel.world_size <= 8 and (d.tp, d.cp, d.pp, d.etp) == \
-        (recipe.parallel.tp, recipe.parallel.cp, recipe.parallel.pp, recipe.parallel.etp)
+    assert d.world == job.parallel.world_size <= 8 and (d.tp, d.cp, d.pp, d.etp) == (
+        recipe.parallel.tp,
+        recipe.parallel.cp,
+        recipe.parallel.pp,
+        recipe.parallel.etp,
+    )
     recipe_stage = (recipe.parallel.world_size or 1) // (d.tp * d.cp * d.pp)
     assert d.dp == min(recipe_stage, 8 // (d.tp * d.cp * d.pp))  # dp shrinks first
-    assert m.moe.num_experts % d.ep == 0 and (d.ep == recipe.parallel.ep or d.ep * d.etp * 2 > d.world // d.pp)
+    assert m.moe.num_experts % d.ep == 0 and (
+        d.ep == recipe.parallel.ep or d.ep * d.etp * 2 > d.world // d.pp
+    )
     assert job.train.global_batch_size == job.train.micro_batch_size * plan.grad_accum * d.dp
     assert plan.pipeline is None or plan.grad_accum == 2 * plan.pipeline.num_stages
     assert plan.notes[0].startswith(f"scale (parallel.scale_to=8): tiny model on {d.world} process")
@@ -67,7 +83,9 @@ def test_gb200_3d_and_gb200_fsdp_scaled():
     """The README's gb200_3d numbers (ep 8 -> 4 so that ep divides a stage's 4 ranks), and gb200_fsdp
     scaling to exactly h100_fsdp's job (one launch below runs both)."""
     _, job, plan = scaled("gb200_3d")
-    assert plan.dims.describe() == "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1"
+    assert (
+        plan.dims.describe() == "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1"
+    )
     assert (job.train.global_batch_size, job.data.streams, plan.grad_accum) == (8, 0, 4)
     assert "world_size 32->8, dp 8->2, ep 8->4" in plan.notes[0]
     jobs = [OmegaConf.to_container(scaled(n)[1]) for n in ("gb200_fsdp", "h100_fsdp")]
@@ -77,9 +95,14 @@ def test_gb200_3d_and_gb200_fsdp_scaled():
 def test_scale_before_the_experiment_and_a_shape_too_big_are_refused():
     with pytest.raises(ConfigError, match=r"put \+scale=cpu after \+experiment=NAME"):
         validate(compose_job(["+scale=cpu", "+experiment=h100_fsdp"]), 8)
-    with pytest.raises(ConfigError, match="tp x cp x pp = 2 x 1 x 2 = 4 processes do not fit in parallel.scale_to=2"):
+    with pytest.raises(
+        ConfigError,
+        match="tp x cp x pp = 2 x 1 x 2 = 4 processes do not fit in parallel.scale_to=2",
+    ):
         validate(compose_job(["+experiment=gb200_3d", "+scale=cpu", "parallel.scale_to=2"]), 4)
-    job = compose_job(["+experiment=gb200_3d", "+scale=cpu", "parallel.pp_schedule=interleaved_1f1b"])
+    job = compose_job(
+        ["+experiment=gb200_3d", "+scale=cpu", "parallel.pp_schedule=interleaved_1f1b"]
+    )
     plan = validate(job, 8)  # 4 stages > the tiny model's 3 layers: one layer per stage
     assert job.model.num_layers == 4 and plan.pipeline.num_stages == 4 and plan.grad_accum == 8
 
@@ -87,24 +110,51 @@ def test_scale_before_the_experiment_and_a_shape_too_big_are_refused():
 def run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=600)
+    return subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_scaled_recipes_run_two_steps(tmp_path):
     """h200_1gpu (1 process) and h100_fsdp (torchrun, 8 processes: FSDP2, EP8 all-to-all) run 2 steps
     scaled down; h100_deepep ends with one line and exit code 2 (no deep_ep package on a CPU machine)."""
     train = str(REPO / "train.py")
-    common = ["+scale=cpu", "train.steps=2", "train.tensorboard=false", "train.checkpoint_at_end=false",
-              "data.num_workers=0"]  # no loader workers: 8 ranks x 2 workers would crowd a 2-core machine
+    common = [
+        "+scale=cpu",
+        "train.steps=2",
+        "train.tensorboard=false",
+        "train.checkpoint_at_end=false",
+        "data.num_workers=0",
+    ]  # no loader workers: 8 ranks x 2 workers would crowd a 2-core machine
     deep = run([sys.executable, train, "+experiment=h100_deepep", *common], tmp_path)
     assert deep.returncode == 2 and deep.stderr.strip().count("\n") == 0, deep.stderr
     assert deep.stderr.startswith("config error: model.dispatcher='deepep' cannot run: ")
     assert "model.dispatcher_fallback=alltoall" in deep.stderr
-    for name, launcher, n in (("h200_1gpu", [sys.executable], 1),
-                              ("h100_fsdp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                             "--nproc-per-node", "8"], 8)):
-        proc = run([*launcher, train, f"+experiment={name}", *common, f"train.run_dir={tmp_path / name}"], tmp_path)
+    for name, launcher, n in (
+        ("h200_1gpu", [sys.executable], 1),
+        (
+            "h100_fsdp",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "8",
+            ],
+            8,
+        ),
+    ):
+        proc = run(
+            [*launcher, train, f"+experiment={name}", *common, f"train.run_dir={tmp_path / name}"],
+            tmp_path,
+        )
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
         assert f"scale (parallel.scale_to=8): tiny model on {n} process" in out

@@ -46,7 +46,9 @@ def last_loss_per_step(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    job = compose_job(FAST + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=2"])
+    job = compose_job(
+        FAST + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=2"]
+    )
     trainer = Trainer(job)
     code = trainer.run()
     return job, run_dir, code
@@ -58,14 +60,31 @@ def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
     recs = read_metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
-        assert {"step", "loss", "tokens_per_s", "tflops", "mfu", "aux_loss", "grad_norm", "lr", "mem_gib",
-                "data_wait_frac", "expert_load_max_over_mean", "bad_samples", "nonfinite_steps"} <= set(r)
-        assert math.isfinite(r["loss"]) and r["mfu"] is None  # no peak for a CPU: MFU is not guessed
+        assert {
+            "step",
+            "loss",
+            "tokens_per_s",
+            "tflops",
+            "mfu",
+            "aux_loss",
+            "grad_norm",
+            "lr",
+            "mem_gib",
+            "data_wait_frac",
+            "expert_load_max_over_mean",
+            "bad_samples",
+            "nonfinite_steps",
+        } <= set(r)
+        assert (
+            math.isfinite(r["loss"]) and r["mfu"] is None
+        )  # no peak for a CPU: MFU is not guessed
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     ckpts = CheckpointManager(run_dir / "checkpoints", keep=2).complete()
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").exists()
-    assert not (run_dir / "sample_data").exists()  # data.shards=sample reads the cached set (sample_cache.py)
+    assert not (
+        run_dir / "sample_data"
+    ).exists()  # data.shards=sample reads the cached set (sample_cache.py)
 
 
 def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
@@ -81,9 +100,9 @@ def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
         flops = tokens = padded = 0
         for _ in range(rows_per_step):
             row = next(loader)
-            cu = row["cu_seqlens"].tolist()[:row["num_samples"] + 1]
+            cu = row["cu_seqlens"].tolist()[: row["num_samples"] + 1]
             docs = [b - a for a, b in zip(cu, cu[1:])]
-            flops += count_flops(plan.model, docs, row["image_grid_thw"][:row["num_images"]]).total
+            flops += count_flops(plan.model, docs, row["image_grid_thw"][: row["num_images"]]).total
             tokens, padded = tokens + row["useful_tokens"], padded + row["padded_tokens"]
         assert rec["flops"] == pytest.approx(flops, rel=1e-12)
         assert rec["tflops"] == pytest.approx(flops / rec["step_time_s"] / 1e12, rel=1e-9)
@@ -94,14 +113,24 @@ def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
 
 def _nan_at(trainer: Trainer, bad_steps: set[int]) -> None:
     """Inject NaN into the LM head's output (so into the loss and every gradient) during the given steps."""
+
     def hook(module, args, logits):
         return logits * float("nan") if trainer.step + 1 in bad_steps else logits
+
     trainer.model.lm_head.register_forward_hook(hook)
 
 
 def test_nonfinite_skip_counts_and_leaves_weights(tmp_path):
-    job = compose_job(FAST + ["train.steps=3", f"train.run_dir={tmp_path}", "train.nonfinite=skip",
-                              "train.checkpoint_at_end=false", "train.require_loss_decrease=false"])
+    job = compose_job(
+        FAST
+        + [
+            "train.steps=3",
+            f"train.run_dir={tmp_path}",
+            "train.nonfinite=skip",
+            "train.checkpoint_at_end=false",
+            "train.require_loss_decrease=false",
+        ]
+    )
     trainer = Trainer(job)
     _nan_at(trainer, {2})
     window_steps = []
@@ -113,6 +142,7 @@ def test_nonfinite_skip_counts_and_leaves_weights(tmp_path):
         same = all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
         window_steps.append((trainer.step, ok, same))
         return ok
+
     trainer.train_step = spy
     assert trainer.run() == 0
     assert window_steps == [(1, True, False), (2, False, True), (3, True, False)]
@@ -131,47 +161,90 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
     assert latest is not None and latest.name == "step_00000002"
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["train.global_batch_size=3", "train.micro_batch_size=2"], 1, "multiple of micro_batch_size"),
-    (["parallel.world_size=8"], 1, "launch 8"),
-    (["parallel.tp=3"], 1, r"not divisible by tp\*cp"),
-    (["optim.schedule=linear"], 1, "optim.schedule='linear'"),
-    (["data.shards="], 1, "data.shards is not set"),
-    (["parallel.ep=2", "model.dispatcher=local"], 2, "model.dispatcher='local'"),
-    (["train.global_batch_size=3"], 2, "micro_batch_size x dp = 1 x 2 = 2; e.g. train.global_batch_size=4"),
-    (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
-    (["data.streams=3"], 2, "data.streams=3 is not a multiple of the data-parallel size 2"),  # workers: fitted
-    (["data.pack.max_patches=254"], 1, "max_patches=254 must be a multiple of merge_size"),
-    (["parallel.tp=4", "data.pack.seq_len=1026"], 4, "seq_len=1026 must be divisible by tp=4 \\(sequence parallel\\)"),
-    (["parallel.ep=4", "parallel.etp=2", "model.dispatcher=alltoall"], 4, r"edp=-1 .*|not divisible by ep\*etp"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["train.global_batch_size=3", "train.micro_batch_size=2"],
+            1,
+            "multiple of micro_batch_size",
+        ),
+        (["parallel.world_size=8"], 1, "launch 8"),
+        (["parallel.tp=3"], 1, r"not divisible by tp\*cp"),
+        (["optim.schedule=linear"], 1, "optim.schedule='linear'"),
+        (["data.shards="], 1, "data.shards is not set"),
+        (["parallel.ep=2", "model.dispatcher=local"], 2, "model.dispatcher='local'"),
+        (
+            ["train.global_batch_size=3"],
+            2,
+            "micro_batch_size x dp = 1 x 2 = 2; e.g. train.global_batch_size=4",
+        ),
+        (["parallel.tp=8"], 8, "text.num_heads=4 is not divisible by parallel.tp=8"),
+        (
+            ["data.streams=3"],
+            2,
+            "data.streams=3 is not a multiple of the data-parallel size 2",
+        ),  # workers: fitted
+        (["data.pack.max_patches=254"], 1, "max_patches=254 must be a multiple of merge_size"),
+        (
+            ["parallel.tp=4", "data.pack.seq_len=1026"],
+            4,
+            "seq_len=1026 must be divisible by tp=4 \\(sequence parallel\\)",
+        ),
+        (
+            ["parallel.ep=4", "parallel.etp=2", "model.dispatcher=alltoall"],
+            4,
+            r"edp=-1 .*|not divisible by ep\*etp",
+        ),
+    ],
+)
 def test_validation_says_what_to_change(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_job(overrides), world)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+)
 def test_every_experiment_composes_and_validates(name):
-    job = compose_job([f"+experiment={name}", "data.shards='/datasets/shards/{000000..000999}.tar'"])
-    plan = validate(job, job.parallel.world_size or 1, environment=False)  # a GPU recipe, checked here
+    job = compose_job(
+        [f"+experiment={name}", "data.shards='/datasets/shards/{000000..000999}.tar'"]
+    )
+    plan = validate(
+        job, job.parallel.world_size or 1, environment=False
+    )  # a GPU recipe, checked here
     dims = plan.dims
     assert job.train.global_batch_size == job.train.micro_batch_size * plan.grad_accum * dims.dp
     if name.startswith(("h100", "gb200", "h200")):
-        assert plan.model.text.hidden_size == 2048 and plan.model.moe.num_experts == 128  # the real 30B-A3B widths
+        assert (
+            plan.model.text.hidden_size == 2048 and plan.model.moe.num_experts == 128
+        )  # the real 30B-A3B widths
 
 
 # ------------------------------------------------------------------ subprocesses
 def launch(args: list[str], **kw) -> subprocess.Popen:
     env = dict(kw.pop("env", os.environ), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=kw.pop("cwd", REPO), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            **kw)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=kw.pop("cwd", REPO),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
 
 
 def test_resume_after_sigkill_is_exact(tmp_path):
     """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
     train.resume=auto: per-step losses equal the uninterrupted run's."""
-    common = ["train.steps=7", "train.checkpoint_every=1", "train.tensorboard=false", "train.keep_checkpoints=2"]
+    common = [
+        "train.steps=7",
+        "train.checkpoint_every=1",
+        "train.tensorboard=false",
+        "train.keep_checkpoints=2",
+    ]
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     ref = launch(common + [f"train.run_dir={ref_dir}"])
     out = ref.communicate(timeout=300)[0]
@@ -185,7 +258,9 @@ def test_resume_after_sigkill_is_exact(tmp_path):
         if (cut_dir / "metrics.jsonl").exists() and len(read_metrics(cut_dir)) >= kill_after:
             break
         time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGKILL)  # the whole job, data workers included, as a scheduler kills it
+    os.killpg(
+        job.pid, signal.SIGKILL
+    )  # the whole job, data workers included, as a scheduler kills it
     job.communicate()
     assert job.returncode == -signal.SIGKILL, f"the run ended before the kill at step {kill_after}"
     resumed = launch(common + [f"train.run_dir={cut_dir}", "train.resume=auto"])
@@ -204,8 +279,18 @@ def test_multirun_sweep_runs_each_job(tmp_path):
     end-of-run line is text; a loss check with too few steps says it was not made."""
     cache, work = tmp_path / "cache", tmp_path / "work"
     work.mkdir()
-    proc = launch(["-m", "optim.lr=1e-3,3e-4", "train.steps=1", "train.require_loss_decrease=true",
-                   "data.num_workers=1", "data.streams=1"], cwd=work, env={**os.environ, "MOEVLM_CACHE": str(cache)})
+    proc = launch(
+        [
+            "-m",
+            "optim.lr=1e-3,3e-4",
+            "train.steps=1",
+            "train.require_loss_decrease=true",
+            "data.num_workers=1",
+            "data.streams=1",
+        ],
+        cwd=work,
+        env={**os.environ, "MOEVLM_CACHE": str(cache)},
+    )
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out
     (sweep_dir,) = [p.parent for p in work.glob("multirun/*/*/multirun.yaml")]
@@ -216,9 +301,15 @@ def test_multirun_sweep_runs_each_job(tmp_path):
         assert [r["step"] for r in read_metrics(run)] == [1]
         assert not (run / "sample_data").exists()
     (sample,) = [p for p in cache.iterdir() if p.is_dir()]
-    assert out.count(f"sample set built: {sample} (") == 1 and out.count(f"sample set reused: {sample} (") == 1
+    assert (
+        out.count(f"sample set built: {sample} (") == 1
+        and out.count(f"sample set reused: {sample} (") == 1
+    )
     assert out.count("samples read") == 2 and "{'skipped'" not in out
-    assert out.count("note: train.require_loss_decrease not checked") == 2 and "has 1 (run at least 6" in out
+    assert (
+        out.count("note: train.require_loss_decrease not checked") == 2
+        and "has 1 (run at least 6" in out
+    )
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -231,17 +322,33 @@ def test_accumulation_and_micro_batch_size_give_the_same_step(tmp_path):
     reference, so it depends on the grouping: it is switched off here.)"""
     results = []
     for mbs in (1, 2):
-        job = compose_job(FAST + ["train.steps=1", "train.global_batch_size=2", f"train.micro_batch_size={mbs}",
-                                  f"train.run_dir={tmp_path / str(mbs)}", "train.checkpoint_at_end=false",
-                                  "train.require_loss_decrease=false", "model.aux_loss_coef=0"])
+        job = compose_job(
+            FAST
+            + [
+                "train.steps=1",
+                "train.global_batch_size=2",
+                f"train.micro_batch_size={mbs}",
+                f"train.run_dir={tmp_path / str(mbs)}",
+                "train.checkpoint_at_end=false",
+                "train.require_loss_decrease=false",
+                "model.aux_loss_coef=0",
+            ]
+        )
         trainer = Trainer(job)
         assert trainer.plan.grad_accum == 2 // mbs
         grads = {}
         clip = trainer._clip
 
         def grab():  # the accumulated gradients, just before clipping and the update
-            grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+            grads.update(
+                {
+                    n: p.grad.clone()
+                    for n, p in trainer.model.named_parameters()
+                    if p.grad is not None
+                }
+            )
             return clip()
+
         trainer._clip = grab
         assert trainer.run() == 0
         results.append((read_metrics(tmp_path / str(mbs))[0], grads))
@@ -259,9 +366,17 @@ def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path):
     torch.manual_seed(123)
     src = Qwen3VLMoe(VLMConfig.preset("tiny"))
     src.save_pretrained(tmp_path / "hf_in")
-    job = compose_job(FAST + ["train.steps=2", f"train.run_dir={tmp_path / 'run'}", f"model.hf_checkpoint={tmp_path / 'hf_in'}",
-                              "model.freeze_vision=true", f"train.export_hf={tmp_path / 'hf_out'}",
-                              "train.require_loss_decrease=false"])
+    job = compose_job(
+        FAST
+        + [
+            "train.steps=2",
+            f"train.run_dir={tmp_path / 'run'}",
+            f"model.hf_checkpoint={tmp_path / 'hf_in'}",
+            "model.freeze_vision=true",
+            f"train.export_hf={tmp_path / 'hf_out'}",
+            "train.require_loss_decrease=false",
+        ]
+    )
     trainer = Trainer(job)
     start = _params(trainer.model)
     for k, v in src.state_dict().items():
@@ -279,27 +394,42 @@ def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path):
     import transformers  # the folder is complete: transformers' tokenizer and the reference model load it
 
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_out")
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        == "<|im_start|>user\nhi<|im_end|>\n"
+    )
     ref = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "hf_out")
     ids = torch.tensor([tok("a photo of a cat")["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(ref(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-4,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            ref(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-4, rtol=1e-4
+        )
 
 
 def test_config_error_exits_2_with_the_message_only(tmp_path):
     proc = launch(["train.global_batch_size=3", "train.micro_batch_size=2"], cwd=tmp_path)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 2
-    assert out.strip() == ("config error: train.global_batch_size=3 must be a multiple of micro_batch_size x dp = "
-                           "2 x 1 = 2; e.g. train.global_batch_size=4")
+    assert out.strip() == (
+        "config error: train.global_batch_size=3 must be a multiple of micro_batch_size x dp = "
+        "2 x 1 = 2; e.g. train.global_batch_size=4"
+    )
     assert not list(tmp_path.iterdir())  # nothing was created
 
 
 def test_end_of_run_data_line_is_text():
-    stats = {"skipped": {"bad_image": 2, "too_long": 5}, "skipped_total": 7, "samples_read": 40, "samples_packed": 31,
-             "batches": 4, "epoch": 1, "data_wait_s": 0.5}
-    assert describe_data(stats) == ("40 samples read, 31 packed into 4 batches (epoch 1); skipped: bad_image 2, "
-                                    "too_long 5; waited 0.5s for data")
+    stats = {
+        "skipped": {"bad_image": 2, "too_long": 5},
+        "skipped_total": 7,
+        "samples_read": 40,
+        "samples_packed": 31,
+        "batches": 4,
+        "epoch": 1,
+        "data_wait_s": 0.5,
+    }
+    assert describe_data(stats) == (
+        "40 samples read, 31 packed into 4 batches (epoch 1); skipped: bad_image 2, "
+        "too_long 5; waited 0.5s for data"
+    )
     assert "skipped: none" in describe_data({**stats, "skipped": {}, "skipped_total": 0})
     assert describe_data(NoData().stats()) == "read on the first pipeline stage"

@@ -14,7 +14,6 @@ import sys
 import time
 import types
 from importlib.machinery import ModuleSpec
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -64,20 +63,34 @@ def fake_wandb(monkeypatch):
 
 
 def record(step: int, **kw) -> dict:
-    args = dict(step=step, loss=2.0, lr=1e-3, step_time_s=1.0, useful_tokens=100, flops=1e12, world_size=1,
-                peak_tflops=None, grad_norm=0.5, skipped={"too_long": 2})
+    args = dict(
+        step=step,
+        loss=2.0,
+        lr=1e-3,
+        step_time_s=1.0,
+        useful_tokens=100,
+        flops=1e12,
+        world_size=1,
+        peak_tflops=None,
+        grad_norm=0.5,
+        skipped={"too_long": 2},
+    )
     return step_record(**{**args, **kw})
 
 
 def test_missing_package_is_one_config_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails as when it is not installed
+    monkeypatch.setitem(
+        sys.modules, "wandb", None
+    )  # `import wandb` fails as when it is not installed
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["train.wandb=offline"]))
     msg = str(err.value)
     assert "\n" not in msg and "train.wandb='offline'" in msg and "pip install wandb" in msg
     assert "train.wandb=disabled" in msg
     validate(compose_job([]))  # the default needs no package
-    with pytest.raises(ConfigError, match=r"train.wandb='off'; choose one of \['disabled', 'online', 'offline'\]"):
+    with pytest.raises(
+        ConfigError, match=r"train.wandb='off'; choose one of \['disabled', 'online', 'offline'\]"
+    ):
         validate(compose_job(["train.wandb=off"]))
 
 
@@ -86,42 +99,83 @@ def test_trainer_logs_the_tensorboard_scalars_to_wandb(tmp_path, fake_wandb):
     with step= and the TensorBoard tags; finish at the end.  A relaunch gets the same id."""
     from moevlm.train.trainer import Trainer
 
-    job = compose_job(FAST + ["train.steps=2", f"train.run_dir={tmp_path}", "train.global_batch_size=1",
-                              "train.wandb=offline", "train.wandb_project=proj", "train.checkpoint_at_end=false"])
+    job = compose_job(
+        FAST
+        + [
+            "train.steps=2",
+            f"train.run_dir={tmp_path}",
+            "train.global_batch_size=1",
+            "train.wandb=offline",
+            "train.wandb_project=proj",
+            "train.checkpoint_at_end=false",
+        ]
+    )
     assert Trainer(job).run() == 0
     (init,) = fake_wandb.inits
-    assert init["config"] == OmegaConf.to_container(job, resolve=True) and init["config"]["train"]["wandb"] == "offline"
-    assert init["id"] == run_id(tmp_path) and init["resume"] == "allow" and init["mode"] == "offline"
-    assert init["dir"] == str(tmp_path) and init["project"] == "proj" and init["name"] == "/".join(tmp_path.parts[-2:])
+    assert (
+        init["config"] == OmegaConf.to_container(job, resolve=True)
+        and init["config"]["train"]["wandb"] == "offline"
+    )
+    assert (
+        init["id"] == run_id(tmp_path) and init["resume"] == "allow" and init["mode"] == "offline"
+    )
+    assert (
+        init["dir"] == str(tmp_path)
+        and init["project"] == "proj"
+        and init["name"] == "/".join(tmp_path.parts[-2:])
+    )
     assert [step for _, step in fake_wandb.logged] == [1, 2]
     for data, _ in fake_wandb.logged:
-        assert {"train/loss", "train/lr", "perf/tokens_per_s", "perf/tflops", "perf/step_time_s", "memory/peak_gib",
-                "data/bad_samples"} <= data.keys() <= set(_TB_TAGS.values()) | {"data/bad_samples/too_long"}
+        assert (
+            {
+                "train/loss",
+                "train/lr",
+                "perf/tokens_per_s",
+                "perf/tflops",
+                "perf/step_time_s",
+                "memory/peak_gib",
+                "data/bad_samples",
+            }
+            <= data.keys()
+            <= set(_TB_TAGS.values()) | {"data/bad_samples/too_long"}
+        )
         assert "perf/mfu" not in data  # null on CPU: left out, as in TensorBoard
     assert fake_wandb.finished == 1
-    assert start_wandb(job, tmp_path, rank=0).run is not None and fake_wandb.inits[1]["id"] == init["id"]
+    assert (
+        start_wandb(job, tmp_path, rank=0).run is not None
+        and fake_wandb.inits[1]["id"] == init["id"]
+    )
     assert start_wandb(job, tmp_path, rank=1) is None and len(fake_wandb.inits) == 2
 
 
 def test_resume_note_and_failures_do_not_stop_logging(tmp_path, fake_wandb, capsys):
     job = compose_job(["train.wandb=online"])
-    with MetricsLogger(tmp_path, 0, 10, 1, tensorboard=False, progress=False,
-                       wandb=start_wandb(job, tmp_path, 0)) as log:
+    with MetricsLogger(
+        tmp_path, 0, 10, 1, tensorboard=False, progress=False, wandb=start_wandb(job, tmp_path, 0)
+    ) as log:
         for step in (1, 2, 3):
             log.log(record(step))
-    assert [(d["data/bad_samples/too_long"], s) for d, s in fake_wandb.logged] == [(2, 1), (2, 2), (2, 3)]
+    assert [(d["data/bad_samples/too_long"], s) for d, s in fake_wandb.logged] == [
+        (2, 1),
+        (2, 2),
+        (2, 3),
+    ]
     fake_wandb.fail_log = True
-    with MetricsLogger(tmp_path, 0, 10, 1, tensorboard=False, progress=False,
-                       wandb=start_wandb(job, tmp_path, 0)) as log:
+    with MetricsLogger(
+        tmp_path, 0, 10, 1, tensorboard=False, progress=False, wandb=start_wandb(job, tmp_path, 0)
+    ) as log:
         assert log.resume_at(1) == 2
         log.log(record(2))
         log.log(record(3))
     out, err = capsys.readouterr()
-    assert "W&B cannot drop history: its steps 2..3 keep the values logged before this resume" in out
+    assert (
+        "W&B cannot drop history: its steps 2..3 keep the values logged before this resume" in out
+    )
     (line,) = err.splitlines()  # one line, then W&B is off; metrics.jsonl goes on
     assert line.startswith("W&B logging failed (ConnectionError: upload refused); W&B is off")
-    assert [r.split(",")[0] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ['{"step": 1'] + [
-        '{"step": 2', '{"step": 3']
+    assert [r.split(",")[0] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        '{"step": 1'
+    ] + ['{"step": 2', '{"step": 3']
     assert fake_wandb.finished == 1  # the failed run is not finished again
 
 
@@ -134,15 +188,23 @@ def test_real_wandb_offline_writes_under_run_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     run_dir = tmp_path / "run"
     job = compose_job(["train.wandb=offline"])
-    with MetricsLogger(run_dir, 0, 10, 1, tensorboard=False, progress=False,
-                       wandb=start_wandb(job, run_dir, 0)) as log:
+    with MetricsLogger(
+        run_dir, 0, 10, 1, tensorboard=False, progress=False, wandb=start_wandb(job, run_dir, 0)
+    ) as log:
         log.log(record(1))
         log.log(record(2, loss=float("nan")))
     (folder,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id(run_dir)}")
-    tags = [t.encode() for t in ("train/loss", "perf/tflops", "data/bad_samples/too_long", "wandb_project")]
-    deadline = time.monotonic() + 20  # wandb 0.31's service may finish writing the file just after finish()
+    tags = [
+        t.encode()
+        for t in ("train/loss", "perf/tflops", "data/bad_samples/too_long", "wandb_project")
+    ]
+    deadline = (
+        time.monotonic() + 20
+    )  # wandb 0.31's service may finish writing the file just after finish()
     while True:
-        data = (folder / f"run-{run_id(run_dir)}.wandb").read_bytes()  # protobuf records: keys are plain UTF-8
+        data = (
+            folder / f"run-{run_id(run_dir)}.wandb"
+        ).read_bytes()  # protobuf records: keys are plain UTF-8
         if all(t in data for t in tags) or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -17,8 +17,14 @@ import torch.distributed as dist
 class Config:
     """Stands for DeepEP's tuning config; the size hints are the emulator's own formula."""
 
-    def __init__(self, num_sms: int, nvl_chunk: int = 6, nvl_buffer: int = 256, rdma_chunk: int = 6,
-                 rdma_buffer: int = 128):
+    def __init__(
+        self,
+        num_sms: int,
+        nvl_chunk: int = 6,
+        nvl_buffer: int = 256,
+        rdma_chunk: int = 6,
+        rdma_buffer: int = 128,
+    ):
         self.num_sms, self.nvl_chunk, self.nvl_buffer = num_sms, nvl_chunk, nvl_buffer
         self.rdma_chunk, self.rdma_buffer = rdma_chunk, rdma_buffer
 
@@ -29,12 +35,26 @@ class Config:
         return 0 if num_ranks <= 8 else num_ranks * self.rdma_buffer * hidden_bytes
 
 
-_TABULATED_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the rank counts upstream has configs for
+_TABULATED_RANKS = (
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    144,
+    160,
+)  # the rank counts upstream has configs for
 
 
 @dataclass
 class _Handle:
     """Opaque to callers (DeepEP's is a tuple of tensors): the layout of one dispatch."""
+
     send_splits: list[int]  # rows to each rank
     recv_splits: list[int]  # rows from each rank
     send_token_idx: torch.Tensor  # source token of every sent row, rank-major
@@ -44,10 +64,19 @@ class _Handle:
 class Buffer:
     num_sms: int = 20
 
-    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
-                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None):
+    def __init__(
+        self,
+        group,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
+    ):
         if low_latency_mode:
             raise NotImplementedError("deep_ep emulator: low-latency mode is not emulated")
         self.group = group if group is not None else dist.group.WORLD
@@ -74,8 +103,14 @@ class Buffer:
         return Config(Buffer.num_sms, 4, 256)
 
     # ------------------------------------------------------------------ layout
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         _no_async(previous_event, async_finish)
         P = self.group_size
         L = num_experts // P
@@ -86,13 +121,32 @@ class Buffer:
         in_rank_TP = torch.zeros(topk_idx.shape[0], P + 1, dtype=torch.bool, device=topk_idx.device)
         in_rank_TP.scatter_(1, rank_TK, True)
         in_rank_TP = in_rank_TP[:, :P].contiguous()
-        return (in_rank_TP.sum(0).to(torch.int32), None, per_expert_E.to(torch.int32), in_rank_TP, None)
+        return (
+            in_rank_TP.sum(0).to(torch.int32),
+            None,
+            per_expert_E.to(torch.int32),
+            in_rank_TP,
+            None,
+        )
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config=None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         if isinstance(x, tuple):
             raise NotImplementedError("deep_ep emulator: fp8 (x, scales) dispatch is not emulated")
         if num_worst_tokens:
@@ -103,23 +157,38 @@ class Buffer:
         if handle is not None:  # cached mode: the layout of an earlier dispatch, rows only
             assert topk_idx is None and topk_weights is None
             return self._send(x, handle), None, None, None, None, None
-        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        assert (
+            num_tokens_per_rank is not None
+            and is_token_in_rank is not None
+            and num_tokens_per_expert is not None
+        )
         P, T = self.group_size, x.shape[0]
         tokens_P = [torch.nonzero(is_token_in_rank[:, p]).flatten() for p in range(P)]
-        send_token_idx = torch.cat(tokens_P) if T else torch.zeros(0, dtype=torch.long, device=x.device)
+        send_token_idx = (
+            torch.cat(tokens_P) if T else torch.zeros(0, dtype=torch.long, device=x.device)
+        )
         send_splits = [int(t.numel()) for t in tokens_P]
-        assert send_splits == num_tokens_per_rank.tolist(), "num_tokens_per_rank disagrees with is_token_in_rank"
+        assert send_splits == num_tokens_per_rank.tolist(), (
+            "num_tokens_per_rank disagrees with is_token_in_rank"
+        )
         recv_splits = self._exchange_ints(send_splits)
         handle = _Handle(send_splits, recv_splits, send_token_idx, T)
         recv_x = self._send(x, handle)
         recv_topk_idx, recv_topk_weights = None, None
         if topk_idx is not None:
             L = num_tokens_per_expert.numel() // P
-            dest_N = torch.repeat_interleave(torch.arange(P, device=x.device), torch.tensor(send_splits, device=x.device))
+            dest_N = torch.repeat_interleave(
+                torch.arange(P, device=x.device), torch.tensor(send_splits, device=x.device)
+            )
             local_NK = topk_idx[send_token_idx] - dest_N[:, None] * L
             mine_NK = (topk_idx[send_token_idx] >= 0) & (local_NK >= 0) & (local_NK < L)
-            rows = (torch.where(mine_NK, local_NK, -1), torch.where(mine_NK, topk_weights[send_token_idx].float(), 0.0))
-            recv_topk_idx, recv_topk_weights = (self._exchange(r, send_splits, recv_splits) for r in rows)
+            rows = (
+                torch.where(mine_NK, local_NK, -1),
+                torch.where(mine_NK, topk_weights[send_token_idx].float(), 0.0),
+            )
+            recv_topk_idx, recv_topk_weights = (
+                self._exchange(r, send_splits, recv_splits) for r in rows
+            )
         per_expert = self._exchange_ints(num_tokens_per_expert.tolist())  # L per peer
         L = len(per_expert) // P
         recv_per_expert = [sum(per_expert[p * L + i] for p in range(P)) for i in range(L)]
@@ -127,8 +196,17 @@ class Buffer:
         return recv_x, recv_topk_idx, recv_topk_weights, recv_per_expert, handle, None
 
     # ------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, handle: _Handle, topk_weights=None, bias=None, config=None,
-                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: _Handle,
+        topk_weights=None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         if bias is not None:
             raise NotImplementedError("deep_ep emulator: combine bias is not emulated")
         _no_async(previous_event, async_finish)
@@ -140,7 +218,9 @@ class Buffer:
         return back(x), combined_w, None
 
     # ------------------------------------------------------------------ exchanges
-    def _exchange(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    def _exchange(
+        self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> torch.Tensor:
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
         dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=self.group)
         return out

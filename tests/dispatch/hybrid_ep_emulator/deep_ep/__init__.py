@@ -17,10 +17,22 @@ EMULATOR = True  # lets a test tell this double from a real build
 
 
 class HybridEPBuffer:
-    def __init__(self, group, hidden_dim: int, max_num_of_tokens_per_rank: int, num_local_experts: int,
-                 use_fp8: bool = False, num_sms_dispatch_api=None, num_sms_combine_api=None,
-                 num_sms_preprocessing_api=None, nvlink_domain_size=None, load_cached_kernels: bool = False,
-                 use_shared_buffer: bool = True, enable_custom_allgather: bool = False, **unused):
+    def __init__(
+        self,
+        group,
+        hidden_dim: int,
+        max_num_of_tokens_per_rank: int,
+        num_local_experts: int,
+        use_fp8: bool = False,
+        num_sms_dispatch_api=None,
+        num_sms_combine_api=None,
+        num_sms_preprocessing_api=None,
+        nvlink_domain_size=None,
+        load_cached_kernels: bool = False,
+        use_shared_buffer: bool = True,
+        enable_custom_allgather: bool = False,
+        **unused,
+    ):
         if use_fp8:
             raise NotImplementedError("hybrid_ep emulator: fp8 dispatch is not emulated")
         self.group = group
@@ -30,21 +42,43 @@ class HybridEPBuffer:
         self.num_local_experts = num_local_experts
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None, num_of_experts_per_rank=None,
-                              num_of_experts=None, use_fp8=None, routing_map=None, probs=None, scaling_factor=None,
-                              num_dispatched_tokens=None, num_permuted_tokens=None, pad_multiple=None, handle=None,
-                              non_blocking: bool = False, use_host_meta: bool = True, **unused):
+    def dispatch_with_permute(
+        self,
+        *,
+        hidden,
+        topk_idx=None,
+        topk_weights=None,
+        num_of_experts_per_rank=None,
+        num_of_experts=None,
+        use_fp8=None,
+        routing_map=None,
+        probs=None,
+        scaling_factor=None,
+        num_dispatched_tokens=None,
+        num_permuted_tokens=None,
+        pad_multiple=None,
+        handle=None,
+        non_blocking: bool = False,
+        use_host_meta: bool = True,
+        **unused,
+    ):
         if use_fp8 or scaling_factor is not None:
-            raise NotImplementedError("hybrid_ep emulator: fp8 dispatch (scaling_factor) is not emulated")
+            raise NotImplementedError(
+                "hybrid_ep emulator: fp8 dispatch (scaling_factor) is not emulated"
+            )
         T, D = hidden.shape
-        assert T <= self.max_num_of_tokens_per_rank, "more tokens than the buffer's max_num_of_tokens_per_rank"
+        assert T <= self.max_num_of_tokens_per_rank, (
+            "more tokens than the buffer's max_num_of_tokens_per_rank"
+        )
         assert D <= self.hidden_dim, "a wider hidden than the buffer's hidden_dim"
         if handle is not None:  # cached: the layout of an earlier dispatch, hidden only
             src_M = handle[0]
             out = _rows(self._gather(hidden), src_M)
             return out, None, None, handle[1], handle
         if routing_map is None:
-            assert topk_idx is not None and num_of_experts is not None, "routing_map, or topk_idx + num_of_experts"
+            assert topk_idx is not None and num_of_experts is not None, (
+                "routing_map, or topk_idx + num_of_experts"
+            )
             routing_map = torch.zeros(T, num_of_experts, dtype=torch.bool, device=hidden.device)
             routing_map.scatter_(1, topk_idx.long(), True)
             if topk_weights is not None:
@@ -52,13 +86,19 @@ class HybridEPBuffer:
                 probs.scatter_(1, topk_idx.long(), topk_weights.float())
         assert routing_map.dtype == torch.bool and routing_map.shape[0] == T
         if non_blocking:
-            assert num_permuted_tokens is not None, "non_blocking dispatch needs num_permuted_tokens"
+            assert num_permuted_tokens is not None, (
+                "non_blocking dispatch needs num_permuted_tokens"
+            )
         self._same_tokens_everywhere(T)
-        E, P, L = routing_map.shape[1], self.group_size, num_of_experts_per_rank or self.num_local_experts
+        E, P, L = (
+            routing_map.shape[1],
+            self.group_size,
+            num_of_experts_per_rank or self.num_local_experts,
+        )
         assert E == P * L, f"routing map of {E} experts for {P} ranks x {L} local experts"
         pad = pad_multiple or 1
         map_GE = self._gather(routing_map)
-        mine_GL = map_GE[:, self.rank * L:(self.rank + 1) * L]
+        mine_GL = map_GE[:, self.rank * L : (self.rank + 1) * L]
         # permuted order: local expert, then group token (source rank, then its token order); each expert's
         # block padded with empty rows (source -1) to a multiple of `pad`
         src, expert = [], []
@@ -70,23 +110,42 @@ class HybridEPBuffer:
         tokens_per_expert = torch.bincount(torch.tensor(expert, dtype=torch.long), minlength=L)
         M = len(src) if num_permuted_tokens is None else int(num_permuted_tokens)
         overflow = torch.tensor([int(len(src) > M)], dtype=torch.int32, device=hidden.device)
-        src = (src + [-1] * M)[:M]  # rows past the budget are dropped (and flagged); unused ones are empty
+        src = (src + [-1] * M)[
+            :M
+        ]  # rows past the budget are dropped (and flagged); unused ones are empty
         expert = (expert + [-1] * M)[:M]
         src_M = torch.tensor(src, dtype=torch.long, device=hidden.device)
         expert_M = torch.tensor(expert, dtype=torch.long, device=hidden.device)
         out = _rows(self._gather(hidden), src_M)
         out_probs = None
         if probs is not None:
-            probs_GL = self._gather(probs.float())[:, self.rank * L:(self.rank + 1) * L]
-            out_probs = torch.where(src_M >= 0, probs_GL[src_M.clamp_min(0), expert_M.clamp_min(0)], 0.0)
+            probs_GL = self._gather(probs.float())[:, self.rank * L : (self.rank + 1) * L]
+            out_probs = torch.where(
+                src_M >= 0, probs_GL[src_M.clamp_min(0), expert_M.clamp_min(0)], 0.0
+            )
         if not (use_host_meta and not non_blocking):
             tokens_per_expert = tokens_per_expert.to(hidden.device)
-        handle = (src_M, tokens_per_expert, expert_M, T, E, overflow)  # the overflow flag last, as upstream
+        handle = (
+            src_M,
+            tokens_per_expert,
+            expert_M,
+            T,
+            E,
+            overflow,
+        )  # the overflow flag last, as upstream
         return out, out_probs, None, tokens_per_expert, handle
 
     # ------------------------------------------------------------------ combine
-    def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
-                               num_dispatched_tokens=None, **unused):
+    def combine_with_unpermute(
+        self,
+        *,
+        hidden,
+        probs=None,
+        handle=None,
+        pad_multiple=None,
+        num_dispatched_tokens=None,
+        **unused,
+    ):
         """The unweighted sum, per source token, of its rows on every rank (and the same for per-row probs,
         into a dense (T, E) map)."""
         assert handle is not None, "combine needs the dispatch handle"
@@ -95,13 +154,13 @@ class HybridEPBuffer:
         kept = src_M >= 0
         out = hidden.new_zeros(P * T, hidden.shape[1]).index_add_(0, src_M[kept], hidden[kept])
         dist.all_reduce(out, group=self.group)
-        combined = out[self.rank * T:(self.rank + 1) * T]
+        combined = out[self.rank * T : (self.rank + 1) * T]
         combined_probs = None
         if probs is not None:
             dense = torch.zeros(P * T, E, dtype=torch.float32, device=hidden.device)
             dense[src_M[kept], self.rank * L + expert_M[kept]] = probs.float()[kept]
             dist.all_reduce(dense, group=self.group)
-            combined_probs = dense[self.rank * T:(self.rank + 1) * T]
+            combined_probs = dense[self.rank * T : (self.rank + 1) * T]
         return combined, combined_probs
 
     # ------------------------------------------------------------------ helpers
@@ -115,7 +174,9 @@ class HybridEPBuffer:
     def _same_tokens_everywhere(self, T: int) -> None:
         counts = [None] * self.group_size
         dist.all_gather_object(counts, T, group=self.group)
-        assert len(set(counts)) == 1, f"HybridEP gathers equal routing maps: token counts differ {counts}"
+        assert len(set(counts)) == 1, (
+            f"HybridEP gathers equal routing maps: token counts differ {counts}"
+        )
 
 
 def _rows(hidden_GD: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
