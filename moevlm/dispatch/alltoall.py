@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moevlm.comm import all_gather_flat, all_to_all_flat
 from moevlm.dispatch.base import TokenDispatcher, register_dispatcher
 from moevlm.dispatch.capacity import (
     OVERFLOW_POLICIES,
@@ -113,24 +114,6 @@ def divisibility_reason(num_experts: int, ep_size: int) -> str | None:
 
 
 # ----------------------------------------------------------------- process group
-
-_F = (
-    torch.ops._c10d_functional
-)  # functional (out-of-place) collectives: selective recompute can keep them
-
-
-def all_to_all_flat(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
-) -> torch.Tensor:
-    return _F.wait_tensor(
-        _F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
-    )
-
-
-def all_gather_flat(x: torch.Tensor, group) -> torch.Tensor:
-    return _F.wait_tensor(
-        _F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name)
-    )
 
 
 def _resolve_group(ep_group) -> tuple[object | None, int, int]:

@@ -17,12 +17,10 @@ Shapes must divide evenly along `dim` (the layout checks `seq_len % tp`).
 Runs on NCCL and gloo (all-gather / reduce-scatter into one flat tensor).
 
 Design choices:
-- The collectives are torch's *functional* ones (`torch.ops._c10d_functional`,
-  out of place, each followed by its `wait_tensor`), not the in-place
-  `dist.all_gather_into_tensor` family: selective activation checkpointing
+- The collectives are torch's *functional* ones (moevlm/comm.py, shared with
+  the dispatchers): selective activation checkpointing
   (moevlm/parallel/recompute.py) can then keep their outputs and hand them back
   when a region is recomputed, so backward never issues a collective twice.
-  The ops exist with these schemas on torch 2.11 and 2.13, NCCL and gloo.
 """
 
 from __future__ import annotations
@@ -30,33 +28,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-_F = torch.ops._c10d_functional
+from moevlm.comm import all_gather_flat, all_reduce_sum, reduce_scatter_sum
 
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def all_gather_flat(x: torch.Tensor, group) -> torch.Tensor:
-    """The group's tensors concatenated along dim 0 (functional: recompute can keep it)."""
-    return _F.wait_tensor(
-        _F.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group), group.group_name)
-    )
-
-
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """A new tensor: the sum over the group (functional: recompute can keep it)."""
-    return _F.wait_tensor(_F.all_reduce(x.contiguous(), "sum", group.group_name))
-
-
-def all_to_all_flat(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
-) -> torch.Tensor:
-    """Uneven all-to-all of rows (no autograd; functional: recompute can keep it)."""
-    return _F.wait_tensor(
-        _F.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
-    )
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -64,12 +40,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    x = x.movedim(dim, 0).contiguous()
-    if x.shape[0] % n:
-        raise ValueError(f"reduce-scatter of {x.shape[0]} rows over {n} ranks: must divide evenly")
-    out = _F.wait_tensor(_F.reduce_scatter_tensor(x, "sum", n, group.group_name))
-    return out.movedim(0, dim)
+    return reduce_scatter_sum(x.movedim(dim, 0), group).movedim(0, dim)
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

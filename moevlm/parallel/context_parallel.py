@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from moevlm.model.attention import CoreAttention, DocMask, document_ids
 from moevlm.model.layout import Images, Sequence, add_at_mask, run_region
-from moevlm.parallel.comm import all_gather_flat, all_reduce_sum
+from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
 from moevlm.parallel.cp_layout import balance_images, split_rows, take_rows

@@ -31,7 +31,7 @@ Design choices:
   dropped after forward and gathered again in backward (one more all-gather of K/V per layer, instead
   of keeping cp x K/V per layer until backward).  `ring` holds two K/V blocks (current and in flight),
   plus, in backward, two fp32 dK/dV blocks; its scores are (B, H, s, s) per step.
-- Collectives: `allgather` uses the functional ops of comm.py (`all_gather_flat`, reduce_scatter_tensor),
+- Collectives: `allgather` uses the functional ops of moevlm/comm.py (`all_gather_flat`, `reduce_scatter_sum`),
   one for K and V stacked and one for the int64 (pos, doc) ids; `ring` gathers the ids once (tiny) and
   moves only K/V (and dK/dV) with P2P to the next rank, tags 0 (K/V) and 1 (dK/dV).  Both run on gloo
   and NCCL.
@@ -50,10 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moevlm.parallel.comm import all_gather_flat
+from moevlm.comm import all_gather_flat, reduce_scatter_sum
 
 COMMS = ("allgather", "ring")
-_F = torch.ops._c10d_functional
 _TAG_KV, _TAG_DKV = 0, 1
 
 
@@ -176,9 +175,7 @@ def _reduce_scatter_kv(dk_all, dv_all, group) -> tuple[torch.Tensor, torch.Tenso
     cp = dist.get_world_size(group)
     B, S = dk_all.shape[:2]
     dkv = torch.stack([dk_all, dv_all]).unflatten(2, (cp, S // cp)).movedim(2, 0).contiguous()
-    mine = _F.wait_tensor(
-        _F.reduce_scatter_tensor(dkv, "sum", cp, group.group_name)
-    )  # (1, 2, B, s, K, hd)
+    mine = reduce_scatter_sum(dkv, group)  # (1, 2, B, s, K, hd)
     return mine[0, 0], mine[0, 1]
 
 

@@ -64,10 +64,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from moevlm.comm import all_to_all_flat
 from moevlm.dispatch.alltoall import (
     AllToAllDispatcher,
     CapacityHandle,
-    all_to_all_flat,
     invert_permutation,
     rank_splits,
     regroup_by_local_expert,
