@@ -81,8 +81,13 @@ class Sequence:
     def add_at_mask(
         self, h: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor
     ) -> torch.Tensor:
-        """h (as the layers see it) plus `rows` at the positions where the full-sequence mask is true."""
-        return add_at_mask(h, mask_BS, rows_ND)
+        """h (as the layers see it) plus `rows` at the positions where the full-sequence mask is true.
+        A sharded sequence builds the addition over the full sequence and enters it, so the backward of
+        `enter` hands every rank the full gradient of `rows` (the vision tower's features)."""
+        if not self.sharded:
+            return add_at_mask(h, mask_BS, rows_ND)
+        delta_BSD = add_at_mask(h.new_zeros(*mask_BS.shape, h.shape[-1]), mask_BS, rows_ND)
+        return h + self.enter(delta_BSD)
 
     def positions(self, position_ids_3BS: torch.Tensor) -> torch.Tensor:
         """The rotary position ids of the tokens the attention sees."""

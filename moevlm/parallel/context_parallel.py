@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moevlm.model.attention import CoreAttention, DocMask, document_ids
-from moevlm.model.layout import Images, Sequence, add_at_mask, run_region
+from moevlm.model.layout import Images, Sequence, run_region
 from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
@@ -152,10 +152,6 @@ class CPSequence(Sequence):
 
     def enter(self, t_BS):
         return None if t_BS is None else self.inner.enter(self.cp.take(t_BS))
-
-    def add_at_mask(self, h, mask_BS, rows_ND):
-        delta_BSD = add_at_mask(h.new_zeros(*mask_BS.shape, h.shape[-1]), mask_BS, rows_ND)
-        return h + self.enter(delta_BSD)
 
     def positions(self, position_ids_3BS):
         return self.cp.take(position_ids_3BS, dim=2)

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from moevlm.model.layout import IGNORE_INDEX, Loss, Sequence, Vocab, add_at_mask, local
+from moevlm.model.layout import IGNORE_INDEX, Loss, Sequence, Vocab, local
 from moevlm.parallel.comm import gather_seq, reduce_scatter_seq, split_seq, sum_replicated
 from moevlm.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -75,10 +75,6 @@ class TPSequence(Sequence):
 
     def enter(self, t_BS):
         return None if t_BS is None else split_seq(t_BS, self.group)
-
-    def add_at_mask(self, h, mask_BS, rows_ND):
-        delta_BSD = add_at_mask(h.new_zeros(*mask_BS.shape, h.shape[-1]), mask_BS, rows_ND)
-        return h + self.enter(delta_BSD)
 
     def gather(self, x):
         return gather_seq(x, self.group)
