@@ -108,6 +108,7 @@ from moevlm.train.metrics import (
 )
 from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
 from moevlm.train.profile import Profiling
+from moevlm.train.run_dir import RunDir, RunDirError
 from moevlm.train.wandb_log import start_wandb
 
 _STARTED = datetime.now()
@@ -166,6 +167,8 @@ class Trainer:
         self.sched = build_scheduler(self.opt, job.optim, self.t.steps)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
         self._resume()
+        if self.rank == 0:  # only now: a relaunch refused above leaves the run's record as it was
+            self.run_claim.write_config(OmegaConf.to_yaml(self.job))
         weights_changed()  # (FP8 weight codes of the loaded values, if any, are made at first use)
         self.peak = device_peak_tflops(
             self.device, "bf16" if self._bf16 else "fp32", self.t.peak_tflops
@@ -186,22 +189,32 @@ class Trainer:
             dist.init_process_group(backend, timeout=timedelta(seconds=self.job.parallel.timeout_s))
 
     def _run_dir(self, sweep: tuple[str, int] | None) -> Path:
-        """One directory for every rank: rank 0 names it, the others receive it.
-        A sweep's jobs get a subdirectory each (their number) of train.run_dir,
-        or else of the sweep directory."""
+        """One directory for every rank, claimed by rank 0 for the launch (moevlm.train.run_dir: made
+        by moevlm or empty, locked, no links); the others receive it, or the refusal.  A sweep's jobs
+        get a subdirectory each (their number) of train.run_dir, or else of the sweep directory."""
+        default = sweep is None and not self.t.run_dir
         if sweep is None:
             path = self.t.run_dir or os.path.join("outputs", _STARTED.strftime("%Y-%m-%d/%H-%M-%S"))
         else:
             path = os.path.join(self.t.run_dir or sweep[0], str(sweep[1]))
-        if self.world > 1:
-            box = [os.path.abspath(path)]
-            dist.broadcast_object_list(box, src=0)
-            path = box[0]
-        run_dir = Path(path).absolute()
+        refusal = None
         if self.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.job))
-        return run_dir
+            try:
+                self.run_claim = RunDir.claim(path, default=default)
+                path = str(self.run_claim.path)
+            except RunDirError as err:
+                refusal = str(err)
+        if self.world > 1:
+            box = [path, refusal]
+            dist.broadcast_object_list(box, src=0)
+            path, refusal = box
+        if refusal is not None:
+            err = RunDirError(refusal)
+            err.same_on_every_rank = True
+            raise err
+        if self.rank != 0:
+            self.run_claim = RunDir.joined(path)
+        return self.run_claim.path
 
     def _build_loader(self):
         d = (
@@ -704,6 +717,7 @@ class Trainer:
             self.prof.close()  # the end table of train.profile_components, a trace still open
         self.loader.close()
         self.log.close()
+        self.run_claim.release()  # the run directory's lock (the kernel drops it anyway when the process ends)
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()  # a sweep's next job starts its own
         self.faults.close()  # the previous signal handlers, last: a signal while closing cannot cut it short

@@ -138,6 +138,7 @@ def test_trainer_extends_a_run_and_refuses_to_shorten_below_the_checkpoint(tmp_p
         [job.optim.lr * fresh(s - 1) for s in range(3, 9)], rel=1e-12
     )
     before = sorted(p.name for p in ck.iterdir())
+    record = (run_dir / "config.yaml").read_text()
     with pytest.raises(ConfigError) as err:
         Trainer(
             compose_job(common + ["train.steps=5"])
@@ -148,3 +149,4 @@ def test_trainer_extends_a_run_and_refuses_to_shorten_below_the_checkpoint(tmp_p
         "to start over"
     )
     assert sorted(p.name for p in ck.iterdir()) == before
+    assert (run_dir / "config.yaml").read_text() == record  # the refused relaunch wrote no config

@@ -1,0 +1,213 @@
+"""The run directory belongs to one run: claimed and locked by the launch that uses it.
+
+    run = RunDir.claim(path, default=True)      # rank 0: pick, check, lock; others: RunDir.joined(path)
+    ...                                         # validate, build, resume
+    run.write_config(yaml_text)                 # only once the resume checks passed
+    run.release()                               # at exit; the kernel releases it if the process dies
+
+What is ours in a run directory (`OURS`): the marker `.moevlm-run`, the lock `.moevlm-run.lock`,
+`config.yaml` (and `config.previous.yaml`), `metrics.jsonl`, `checkpoints/`, `tb/`, `profile/`,
+`wandb/`, the layer statistics and profile tables the trainer writes.
+
+Design choices:
+- The lock is `flock(LOCK_EX | LOCK_NB)` on `.moevlm-run.lock`, held by rank 0's process for the
+  life of the job (a second trainer in the same process, as tests build them, reuses it): the kernel drops it when the process dies however it dies (SIGKILL included), so a crash never
+  leaves a stale lock to clean by hand.  The other ranks of the launch follow rank 0's claim (it
+  broadcasts the outcome), so a launch is one holder; another launch's rank 0 is refused at once with
+  the holder's host, pid, launch id and start time, which the holder writes into the lock file.
+  flock works within one machine and on file systems that implement it across machines (Lustre,
+  GPFS, NFSv4 with locking); where it is a no-op the lock cannot help, and the README says so.
+- A default run directory (`outputs/<date>/<time>`) is created with `mkdir` that must succeed, so two
+  launches in the same second cannot share it: the second takes `<time>-1`, then `-2`, ...
+- A directory that exists, is not empty and has no marker was not made by moevlm: refused, so a
+  mistyped `train.run_dir` never overwrites or moves anybody's files.  A run directory made before the
+  marker existed (a `config.yaml` with the job's groups) is recognised and marked.
+- Nothing inside is followed through a symlink: any of `OURS` that is a symlink refuses the start,
+  and the files written here are opened with `O_NOFOLLOW`.  The run directory itself may be a link
+  (to a larger disk).
+- `config.yaml` is written only after validation and the resume checks, so a relaunch that is refused
+  leaves the run's record as it was; the one it replaces is kept as `config.previous.yaml`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from moevlm.model.config import ConfigError
+
+MARKER, LOCK = ".moevlm-run", ".moevlm-run.lock"
+OURS = (
+    MARKER,
+    LOCK,
+    "config.yaml",
+    "config.previous.yaml",
+    "metrics.jsonl",
+    "checkpoints",
+    "tb",
+    "profile",
+    "wandb",
+)
+JOB_GROUPS = {"model", "data", "parallel", "optim", "train"}  # what a moevlm config.yaml holds
+
+
+class RunDirError(ConfigError):
+    """The run directory cannot be used by this launch; the message says why and what to do (train.py
+    prints it as a config error, exit 2)."""
+
+
+_HELD: dict[Path, int] = {}  # this process's locks: a second Trainer in one process reuses its lock
+
+
+@dataclass
+class RunDir:
+    path: Path
+    _fd: int | None = None
+
+    @classmethod
+    def claim(cls, path: str | os.PathLike, *, default: bool = False) -> RunDir:
+        """Rank 0's claim: create (a fresh name if `default`), check it is a moevlm run or empty, lock it."""
+        path = _create_unique(Path(path)) if default else Path(path)
+        path = path.absolute()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise RunDirError(
+                f"train.run_dir={path} is a file, not a directory; name a directory"
+            ) from None
+        except OSError as err:
+            raise RunDirError(f"train.run_dir={path} cannot be created: {err.strerror}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RunDirError(
+                f"train.run_dir={path} is not writable by this user; name another directory"
+            )
+        _check_ownership(path)
+        run = cls(path, _HELD.get(path) or _lock(path))
+        _HELD[path] = run._fd
+        _write_text(
+            path / MARKER, json.dumps({"made_by": "moevlm", "created": _now()}) + "\n", keep=True
+        )
+        return run
+
+    @classmethod
+    def joined(cls, path: str | os.PathLike) -> RunDir:
+        """A rank other than 0: rank 0 claimed `path` for the launch."""
+        return cls(Path(path).absolute())
+
+    def write_config(self, text: str) -> None:
+        """The job's config.yaml; the one it replaces (if different) is kept as config.previous.yaml."""
+        current = self.path / "config.yaml"
+        if current.exists() and _read_text(current) != text:
+            _write_text(self.path / "config.previous.yaml", _read_text(current))
+        _write_text(current, text)
+
+    def release(self) -> None:
+        if self._fd is not None and _HELD.get(self.path) == self._fd:
+            del _HELD[self.path]
+            os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = None
+
+
+def holder(path: Path) -> str:
+    """Who holds the lock of run directory `path`, as its holder wrote it ('' if unknown)."""
+    try:
+        info = json.loads(_read_text(path / LOCK) or "{}")
+    except (OSError, ValueError):
+        return ""
+    keys = ("host", "pid", "launch", "started")
+    return ", ".join(f"{k} {info[k]}" for k in keys if info.get(k) not in (None, ""))
+
+
+# ----------------------------------------------------------------- internals
+def _create_unique(path: Path) -> Path:
+    """`path`, or `path-1`, `path-2`, ... : the first that this call creates."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):
+        candidate = path if n == 0 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise RunDirError(f"no free run directory name beside {path}; set train.run_dir")
+
+
+def _check_ownership(path: Path) -> None:
+    links = [name for name in OURS if (path / name).is_symlink()]
+    if links:
+        raise RunDirError(
+            f"train.run_dir={path} holds symbolic links where moevlm writes ({', '.join(links)}): "
+            "moevlm never writes through a link; remove them or name another directory"
+        )
+    if (path / MARKER).is_file() or not any(path.iterdir()) or _made_by_old_moevlm(path):
+        return
+    raise RunDirError(
+        f"train.run_dir={path} exists, is not empty and was not made by moevlm (no {MARKER} file): "
+        "nothing in it was touched; name a new or empty directory"
+    )
+
+
+def _made_by_old_moevlm(path: Path) -> bool:
+    """A run directory written before the marker existed: its config.yaml holds the job's groups."""
+    try:
+        config = yaml.safe_load(_read_text(path / "config.yaml"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and JOB_GROUPS <= set(config)
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        who = holder(path) or "another process"
+        raise RunDirError(
+            f"train.run_dir={path} is in use by another launch ({who}): two runs in one directory "
+            "would overwrite each other's checkpoints and metrics; wait for it to end, or name "
+            "another train.run_dir"
+        ) from None
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "launch": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        "started": _now(),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    return fd
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _read_text(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def _write_text(path: Path, text: str, keep: bool = False) -> None:
+    """Write `path` without following a link there (`keep`: leave an existing file as it is)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if keep else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+__all__ = ["OURS", "RunDir", "RunDirError", "holder"]
