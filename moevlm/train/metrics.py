@@ -180,16 +180,20 @@ class Window:
     def __init__(self):
         self.steps, self.loss, self.aux, self.tokens = 0, 0.0, 0.0, 0
         self.flops, self.seconds, self.wait = 0.0, 0.0, 0.0
-        self.counts, self.last = None, {}
+        self.counts, self.last, self.skipped_steps = None, {}, 0
 
-    def add(self, *, loss, aux, grad_norm, lr, useful_tokens, flops, seconds, wait, counts) -> None:
+    def add(
+        self, *, loss, aux, grad_norm, lr, useful_tokens, flops, seconds, wait, counts, updated=True
+    ) -> None:
+        """`updated`: the step changed the weights (False: skipped for non-finite values)."""
         self.steps += 1
+        self.skipped_steps += not updated
         self.loss, self.aux = self.loss + loss, self.aux + aux
         self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
         self.seconds, self.wait = self.seconds + seconds, self.wait + wait
         if counts is not None:
             self.counts = counts if self.counts is None else self.counts + counts
-        self.last = {"grad_norm": grad_norm, "lr": lr}
+        self.last = {"grad_norm": grad_norm, "lr": lr, "updated": updated}
 
     def record(
         self,
@@ -226,6 +230,13 @@ class Window:
         if mem_gib_by_pp_rank is not None:
             rec["mem_gib_by_pp_rank"] = mem_gib_by_pp_rank
         rec["steps_in_window"] = self.steps
+        if (
+            self.skipped_steps
+        ):  # a skipped step is logged at once, marked: did the logged step update?
+            rec["updated"], rec["skipped_steps_in_window"] = (
+                self.last["updated"],
+                self.skipped_steps,
+            )
         return rec
 
 

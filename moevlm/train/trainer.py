@@ -73,6 +73,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from omegaconf import OmegaConf
 
 from moevlm.data import DataError
@@ -157,6 +158,9 @@ class Trainer:
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
         self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self.losses: list[float] = []
+        self.updated_losses: list[
+            float
+        ] = []  # this launch's steps that changed the weights (the loss check)
         _seed(self.t.seed, self.t.deterministic)
         self.model = self._parallel_model_on_meta()
         self.loader = self._build_loader()
@@ -370,9 +374,17 @@ class Trainer:
             extra={"scheduler": self.sched, "counters": {}},
             per_rank={"rng": None},
         )
+        if not self._weights_finite():
+            raise CheckpointError(
+                f"checkpoint {path} holds non-finite weights: training from it cannot recover; resume "
+                "an earlier checkpoint (train.resume=PATH) or start over (train.resume=none)"
+            )
         ck.resumed_from = path
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
+        self.in_a_row = counters.get(
+            "in_a_row", 0
+        )  # a relaunch after a non-finite stop keeps counting
         self.losses = list(counters["losses"])
         for line in fit_resumed_schedule(
             self.sched, self.job.optim, self.t.steps
@@ -395,8 +407,11 @@ class Trainer:
         counters = {
             "step": self.step,
             "nonfinite_steps": self.nonfinite_steps,
+            "in_a_row": self.in_a_row,
             "losses": list(self.losses),
         }
+        if not self._weights_finite():
+            raise NonFiniteWeights(self.ckpt.latest())
         return self.ckpt.save(
             self.step,
             model=self.model,
@@ -414,6 +429,9 @@ class Trainer:
         try:
             while self.step < self.t.steps:
                 ok = self.train_step(window)
+                if self.log.should_log(self.step) or not ok:  # a skipped step is logged, marked
+                    self.log.log(self._record(window))
+                    window = Window()
                 if not ok and (
                     self.t.nonfinite == "stop" or self.in_a_row >= self.t.max_nonfinite_steps
                 ):
@@ -425,18 +443,21 @@ class Trainer:
                         "check the data, or use train.nonfinite=skip"
                     )
                     return ExitCode.NONFINITE
-                if self.log.should_log(self.step) or not ok:
-                    self.log.log(self._record(window))
-                    window = Window()
                 if self.step < self.t.steps and (signum := self.faults.stop_requested(self.device)):
                     return self._interrupted(signum)
                 if self._checkpoint_due():
                     self.save()
+            if ruined := self._ruined(first_step):
+                self.log.info(f"stopping at step {self.step}: {ruined}")
+                return ExitCode.NONFINITE
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
             if self.t.export_hf:
                 self._export_hf(self.t.export_hf)
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
+        except NonFiniteWeights as err:  # no checkpoint of them is written
+            self.log.info(f"stopping at step {self.step}: {err}")
+            code = ExitCode.NONFINITE
         except (
             CheckpointError
         ) as err:  # no room, or the write failed: the earlier checkpoints are intact
@@ -535,6 +556,8 @@ class Trainer:
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1
         self.losses.append(float(loss))
+        if ok:
+            self.updated_losses.append(float(loss))
         with self._phase("optimizer step", span="optimizer"):
             self._update(ok)
         self.prof.end_step(self.step)
@@ -548,6 +571,7 @@ class Trainer:
             seconds=time.perf_counter() - t0,
             wait=self.loader.wait_s - wait0,
             counts=counts,
+            updated=ok,
         )
         if self.compiled is not None and self.compiled.warm_at is None:
             self.compiled.warm()  # every block has compiled (forward and backward): what follows is a recompile
@@ -655,8 +679,32 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- finish
+    def _weights_finite(self) -> bool:
+        """Every weight of every rank finite (a collective over all ranks: each holds its shards)."""
+        bad = torch.zeros((), dtype=torch.int64, device=self.device)
+        for p in self.model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            bad += (~torch.isfinite(local.detach())).sum()
+        if self.world > 1:
+            dist.all_reduce(bad)
+        return int(bad) == 0
+
+    def _ruined(self, first_step: int) -> str | None:
+        """Why this launch cannot end well although it ran to the end: weights that are not finite, or
+        no step of this launch that changed them."""
+        if not self._weights_finite():
+            return NonFiniteWeights.message(self.ckpt.latest())
+        if self.step > first_step and not self.updated_losses:
+            return (
+                f"every step of this launch ({first_step + 1}..{self.step}) was skipped for non-finite "
+                "loss or gradients: nothing was trained. Lower optim.lr or check the data"
+            )
+        return None
+
     def _summary(self, seconds: float, steps: int) -> int:
-        real = [x for x in self.losses if math.isfinite(x)]
+        real = (
+            self.updated_losses
+        )  # this launch's updates only: not skipped steps, not a resumed past
         self.log.info(
             f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
             f"data: {describe_data(self.loader.stats())}"
@@ -670,7 +718,8 @@ class Trainer:
         if self.t.require_loss_decrease and len(real) < 6:
             self.log.info(
                 f"note: train.require_loss_decrease not checked: it compares the mean of the first 3 "
-                f"and last 3 finite losses, and this run has {len(real)} (run at least 6 steps)"
+                f"and last 3 losses of steps that updated the weights in this launch, and this launch "
+                f"has {len(real)} (run at least 6 steps)"
             )
         if self.t.require_loss_decrease and len(real) >= 6:
             first, last = sum(real[:3]) / 3, sum(real[-3:]) / 3
@@ -724,6 +773,21 @@ class Trainer:
 
 
 # ------------------------------------------------------------------- helpers
+class NonFiniteWeights(RuntimeError):
+    """The weights themselves are not finite: no checkpoint of them is written."""
+
+    def __init__(self, newest: Path | None):
+        super().__init__(self.message(newest))
+
+    @staticmethod
+    def message(newest: Path | None) -> str:
+        last = f"the newest checkpoint is {newest}" if newest else "there is no earlier checkpoint"
+        return (
+            "the weights are non-finite (an update made them so: lower optim.lr or check the data); "
+            f"no checkpoint of them is written ({last})"
+        )
+
+
 def _pp_all_layers(tr: Trainer, counts: torch.Tensor | None) -> torch.Tensor | None:
     """Expert counts of every MoE layer: each pipeline rank holds its stages' layers."""
     if tr.pipeline is None:
