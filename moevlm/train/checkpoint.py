@@ -16,7 +16,10 @@ On disk (one directory per step; DCP's files plus our marker):
     COMPLETE.json = {"format": 2, "step": 100, "world_size": 2, "time": <unix s>,
                      "time_utc": "...", "extra": [names], "per_rank": [names],
                      "checksum": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
-    checkpoints/rejected/step_...           failed verification (moved, never deleted)
+    step_.../ keys: model.*, optim.* (DCP), extra.<name> and per_rank.rank<r>.<name>
+                    (uint8 tensor: the value as JSON), extra.<name>.<i>, ... (its tensors)
+    checkpoints/rejected/step_...           failed verification or a malformed marker
+                                            (moved, never deleted)
     checkpoints/abandoned-<UTC time>/step_... newer than a checkpoint a run restarted from
 
 Design choices:
@@ -25,16 +28,37 @@ Design choices:
   be DTensors (FSDP2, TP), so DCP reshards on load; a checkpoint saved under
   one layout or world size loads under another.
 - `extra` (identical on all ranks, e.g. the LR scheduler) and `per_rank`
-  (data-loader state, RNG) are small Python objects.  We pickle each one to
-  `bytes` and store it as one DCP byte item: DCP neither flattens it nor needs
-  a template of its structure at load time, and torch.load's weights_only rules
-  never see our objects.  `extra` is written by rank 0 only (key
-  `extra.<name>`); per-rank values under `per_rank.rank<r>.<name>`, read back
-  by the same rank, or all of them at once with `load_all_ranks`.
+  (data-loader state, RNG) are small Python values (an object's state_dict()
+  if it has one) made of None, bool, int, float, str, list, tuple, dict,
+  tensors and ndarrays; anything else is a TypeError at save.  Each is stored
+  as DCP tensors: its JSON (tuples, non-string keys, tensors and ndarrays
+  tagged) as one uint8 tensor, its tensors and ndarrays (as bytes) beside it,
+  so DCP needs no template of its structure beyond what its index says.
+  `extra` is written by rank 0 only (key `extra.<name>`); per-rank values under
+  `per_rank.rank<r>.<name>`, read back by the same rank, or all of them at once
+  with `load_all_ranks`.
+- Loading never runs code from the checkpoint.  Our values are JSON and
+  tensors; DCP reads tensors with torch.load(weights_only=True); its non-tensor
+  items (the optimizer's lr, betas, flags) are read by our planner with
+  weights_only=True too (DCP's default planner uses weights_only=False); and
+  DCP's `.metadata` index, a pickle that FileSystemReader loads with
+  pickle.load (torch offers no safe option), is read by our reader with an
+  unpickler that only builds DCP's own metadata classes, torch.Size, dtypes and
+  paths.  Anything else (a crafted item, a crafted index) is a CheckpointError
+  naming it, before it runs.  Checksums are no defence here (a forger
+  recomputes them); what is trusted is the data itself: a checkpoint can still
+  hold weights or a data position one did not want.
+- Checkpoints of earlier moevlm versions stored `extra`/`per_rank` values as
+  pickles (DCP byte items); they are refused with the key and the advice to
+  resume with the version that wrote them or to start fresh.
 - Atomic commit: DCP writes into `step_XXXXXXXX`; after every rank has returned
   from `dcp.save` (barrier), rank 0 writes `COMPLETE.json` (tmp file, fsync,
-  os.replace, fsync of the directory).  A directory without a readable marker
-  is never returned by `latest()` and `load()` refuses it.  Deleting goes the
+  os.replace, fsync of the directory).  A directory without a well-formed marker
+  (a JSON object with integer format, step >= 0 and world_size >= 1, the step
+  of its directory, and a non-empty file list of sizes and CRCs when there is
+  one) is never returned by `latest()` and `load()` refuses it in one line;
+  `newest_verified()` and pruning move one whose marker is there but malformed
+  into `rejected/` (a missing marker is an interrupted save).  Deleting goes the
   other way: marker first, then the files, so a half-deleted checkpoint is
   never "complete".
 - Integrity (moevlm.train.integrity): after DCP has written, every stored file
@@ -45,7 +69,8 @@ Design choices:
   failing one aside into `rejected/` (logged, kept for inspection) and returns
   the first that verifies.  An explicitly named checkpoint that fails is an
   error, never silently replaced by another.  Markers without "files"
-  (written before checksums) load with a warning.
+  (written before checksums) load with a warning; one of another format is set
+  aside by `newest_verified()` and a ValueError for `load()`.
 - One line of history: `set_aside_after(step, keep)` moves checkpoints of a
   line a run abandoned (steps after the one it restarts from, or all of them
   for a fresh start in a used directory) into `abandoned-<time>/`, so pruning
@@ -57,8 +82,10 @@ Design choices:
   stays until a newer one is complete (written and checksummed).
 - Disk room: before writing, the checkpoint's size (tensor and byte values of
   all ranks, plus a margin) is compared with the free space of `root`; if
-  pruning would make room, older checkpoints are pruned first, oldest first
-  (never the newest complete one, nor `resumed_from`); otherwise the save
+  pruning would make room, checkpoints are pruned in this order: those in
+  `abandoned-*/` (oldest folder first), interrupted saves, then older complete
+  ones, oldest first (never the newest complete one, nor `resumed_from`; never
+  `rejected/`); otherwise the save
   stops with a CheckpointError naming the folder, the bytes needed and free.
   A write that fails anyway (the estimate was short, another writer filled
   the disk) removes its partial directory and raises the same way; the
@@ -66,7 +93,6 @@ Design choices:
 - Single process works without a process group (DCP's `no_dist`); with one,
   `save` and `load` are collective (every rank calls them) and use
   `process_group` or the default group.  `load_all_ranks` is not collective.
-- Checkpoints are trusted files: per-rank and extra values are unpickled.
 """
 
 from __future__ import annotations
@@ -91,7 +117,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -171,18 +200,94 @@ def _write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
     _fsync_dir(path.parent)
 
 
+def _not_a_checkpoint(path: Path) -> str:
+    """Why `path` is no checkpoint, with what to set instead (in the job's keys)."""
+    if not path.exists():
+        return (
+            f"{path} does not exist: train.resume takes auto, none or a checkpoint directory "
+            "(<train.run_dir>/checkpoints/step_NNNNNNNN)"
+        )
+    steps = sorted(p.name for p in path.glob("step_*") if p.is_dir())
+    if steps:
+        return (
+            f"{path} holds checkpoints ({', '.join(steps[-3:])}...) but is not one: name one, e.g. "
+            f"train.resume={path / steps[-1]}, or use train.resume=auto with that run's "
+            "train.run_dir"
+        )
+    if (path / "checkpoints").is_dir():
+        return (
+            f"{path} is a run directory, not a checkpoint: train.run_dir={path} train.resume=auto "
+            f"resumes from its newest checkpoint that verifies, or name one with "
+            f"train.resume={path / 'checkpoints'}/step_NNNNNNNN"
+        )
+    return (
+        f"{path} is not a complete checkpoint (no {MARKER}): its save was interrupted or it is not "
+        "a checkpoint directory; train.resume=auto resumes from the newest complete one in "
+        "train.run_dir"
+    )
+
+
+def _marker_problem(marker: Any, path: Path) -> str | None:
+    """What is wrong with the shape of a parsed marker (None when nothing)."""
+    if not isinstance(marker, dict):
+        return f"it holds a JSON {type(marker).__name__}, not an object"
+    absent = [k for k in ("format", "step", "world_size") if k not in marker]
+    if absent:
+        return f"it has no {', '.join(absent)} (not a marker this version wrote)"
+    for key, low in (("format", 1), ("step", 0), ("world_size", 1)):
+        v = marker[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            return f"its {key} is {v!r}, not an integer >= {low}"
+    if _STEP_DIR.match(path.name) and marker["step"] != _step_of(path):
+        return f"its step is {marker['step']}, its directory's {_step_of(path)}"
+    for key in ("extra", "per_rank"):
+        v = marker.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(n, str) for n in v):
+            return f"its {key} is {v!r}, not a list of names"
+    if "files" not in marker:
+        return None  # written before checksums: loads with a warning
+    files = marker["files"]
+    if not isinstance(files, dict) or not files:
+        return f"its file list is {'empty' if files in ({}, []) else repr(files)[:80]}"
+    for name, f in files.items():
+        if "/" in name or name in ("", ".", "..") or name == MARKER:
+            return f"its file list names {name!r}, not a file of the checkpoint"
+        if not (
+            isinstance(f, dict)
+            and isinstance(f.get("bytes"), int)
+            and not isinstance(f.get("bytes"), bool)
+            and isinstance(f.get("crc32"), str)
+        ):
+            return f"its entry for {name} is {f!r}, not {{'bytes': int, 'crc32': hex}}"
+    return None
+
+
 def read_marker(path: str | os.PathLike) -> dict[str, Any]:
-    """The completion marker of checkpoint `path`; CheckpointError if it is incomplete."""
-    marker = Path(path) / MARKER
+    """The completion marker of checkpoint `path`; CheckpointError (one line) if it is missing,
+    unreadable or malformed."""
+    path = Path(path)
+    marker = path / MARKER
     try:
-        return json.loads(marker.read_text())
+        text = marker.read_text()
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no {MARKER}): its save was interrupted "
-            "or it is not a checkpoint directory; use CheckpointManager.latest()"
-        ) from None
+        raise CheckpointError(_not_a_checkpoint(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{marker} is unreadable ({one_line(e)})") from None
+    try:
+        got = json.loads(text)
     except ValueError as e:
-        raise CheckpointError(f"{marker} is unreadable ({e}); treat {path} as incomplete") from None
+        raise CheckpointError(f"{marker} is not JSON ({one_line(e)})") from None
+    problem = _marker_problem(got, path)
+    if problem:
+        raise CheckpointError(f"{marker} is malformed: {problem}")
+    return got
+
+
+def _format_problem(path: Path, marker: Mapping[str, Any]) -> str:
+    return (
+        f"{path} was written in checkpoint format {marker['format']}; this version reads "
+        f"format {FORMAT}; export it to Hugging Face format with the version that wrote it"
+    )
 
 
 def _is_complete(path: Path) -> bool:
@@ -191,6 +296,18 @@ def _is_complete(path: Path) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+def _malformed(path: Path) -> str | None:
+    """Why the marker `path` has is unusable; None when it has none (an interrupted save) or a
+    sound one."""
+    if not (path / MARKER).exists():
+        return None
+    try:
+        read_marker(path)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 def _remove_checkpoint(path: Path) -> None:
@@ -214,21 +331,226 @@ def _utc_now(compact: bool = False) -> str:
 
 def _checkpoint_index(path: Path) -> dict[str, Any]:
     """DCP's metadata: flattened key -> TensorStorageMetadata (has .size) or BytesStorageMetadata."""
-    return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+    return dict(_SafeReader(path).read_metadata().state_dict_metadata)
+
+
+# ------------------------------------------------- reading without running code
+
+
+# What DCP's `.metadata` pickle refers to (torch 2.x): its dataclasses, torch.Size, dtypes and
+# layouts, and the path it was saved at.  Anything else is refused before it is looked up.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", *(n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype))},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a DCP index never holds")
+
+
+class _SafeReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` (a pickle) is read by an unpickler that only builds DCP's
+    own metadata classes: a crafted index is refused instead of run."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{path} is not a DCP index this version reads ({one_line(e)}): refused, nothing "
+                "in it was run; the checkpoint was damaged, tampered with or not written by moevlm"
+            ) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not a DCP index")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that reads DCP's non-tensor items (the optimizer's lr, betas, flags...)
+    with torch.load(weights_only=True) instead of weights_only=False: plain data only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: list[str] = []
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception:
+            self.refused.append(fqn)
+            raise
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _dcp_load(state: dict, path: Path, **kwargs: Any) -> None:
+    """dcp.load through `_SafeReader` and `_SafePlanner`; a refused item is a CheckpointError."""
+    planner = _SafePlanner()
+    try:
+        with _quiet_no_dist():
+            dcp.load(state, storage_reader=_SafeReader(path), planner=planner, **kwargs)
+    except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+        if planner.refused or "weights only load failed" in str(e).lower():
+            what = planner.refused[0] if planner.refused else "an item"
+            raise CheckpointError(
+                f"checkpoint {path}: {what} is not plain data (a pickled object "
+                "torch.load(weights_only=True) refuses): refused, nothing in it was run; the "
+                "checkpoint was tampered with or not written by moevlm"
+            ) from None
+        raise
 
 
 # ---------------------------------------------------------- python values
+#
+# An `extra` or `per_rank` value is stored as DCP tensors: `<key>` a uint8 tensor holding the value
+# as UTF-8 JSON, `<key>.<i>` the i-th tensor or ndarray inside it.  JSON stands for what it cannot
+# say itself with one-key objects: {"__tuple__": [...]}, {"__dict__": [[key, value], ...]} (keys
+# that are not strings), {"__tensor__": i}, {"__ndarray__": i, "dtype": "<u4", "shape": [...]}.
+
+_TAGS = ("__tuple__", "__dict__", "__tensor__", "__ndarray__")
 
 
-def _dumps(value: Any) -> bytes:
+def _encode(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, np.generic) and not isinstance(value, np.object_):
+        return _encode(value.item(), tensors, where)
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().to("cpu", copy=True).contiguous())
+        return {"__tensor__": len(tensors) - 1}
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        raw = np.frombuffer(np.ascontiguousarray(value).tobytes(), dtype=np.uint8).copy()
+        tensors.append(torch.from_numpy(raw))
+        return {
+            "__ndarray__": len(tensors) - 1,
+            "dtype": value.dtype.str,
+            "shape": list(value.shape),
+        }
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, tensors, where) for v in value]
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value) and not (
+            len(value) == 1 and next(iter(value)) in _TAGS
+        ):
+            return {k: _encode(v, tensors, where) for k, v in value.items()}
+        return {
+            "__dict__": [
+                [_encode(k, tensors, where), _encode(v, tensors, where)] for k, v in value.items()
+            ]
+        }
+    raise TypeError(
+        f"checkpoint value {where} holds a {type(value).__name__}: checkpoints store None, bool, "
+        "int, float, str, list, tuple, dict, tensors and ndarrays (give the object a state_dict())"
+    )
+
+
+def _decode(obj: Any, tensors: Mapping[int, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1 and "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if len(obj) == 1 and "__dict__" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__dict__"]}
+    if len(obj) == 1 and "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if obj.keys() == {"__ndarray__", "dtype", "shape"}:
+        dtype = np.dtype(str(obj["dtype"]))
+        if dtype.hasobject:
+            raise ValueError(f"ndarray of dtype {dtype} (Python objects)")
+        raw = tensors[obj["__ndarray__"]].numpy().tobytes()
+        return np.frombuffer(raw, dtype=dtype).reshape([int(n) for n in obj["shape"]]).copy()
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def _stored_value(value: Any, where: str) -> dict[str, torch.Tensor]:
+    """{"": JSON tensor, "0": first tensor, ...}: what `value` (its state_dict() if it has one)
+    becomes under the key `where` and `where.<i>`."""
     if hasattr(value, "state_dict"):
         value = value.state_dict()
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    tensors: list[torch.Tensor] = []
+    text = json.dumps(_encode(value, tensors, where), separators=(",", ":"))
+    blob = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    return {"": blob, **{str(i): t for i, t in enumerate(tensors)}}
 
 
-def _restore(target: Any, blob: bytes) -> Any:
+def _value_template(saved: Mapping[str, Any], key: str, path: Path) -> dict[str, torch.Tensor]:
+    """Empty tensors for what `_stored_value` wrote under `key`, from the checkpoint's index; a value
+    stored any other way (a pickle: older moevlm, or not moevlm) is refused, never unpickled."""
+    md = saved[key]
+    if not (
+        isinstance(md, TensorStorageMetadata)
+        and md.properties.dtype == torch.uint8
+        and len(md.size) == 1
+    ):
+        raise CheckpointError(
+            f"checkpoint {path}: {key} is not stored as JSON but as a pickled Python object (a "
+            "checkpoint written by an older moevlm, or not by moevlm); this version never unpickles "
+            "checkpoint content: resume it with the moevlm version that wrote it, or start fresh "
+            "(train.resume=none, or another train.run_dir)"
+        )
+    out = {"": torch.empty(tuple(md.size), dtype=torch.uint8)}
+    for k, m in saved.items():
+        i = k[len(key) + 1 :]
+        if k.startswith(key + ".") and i.isdigit():
+            if not isinstance(m, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: {k} is not a tensor; refused")
+            out[i] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    return out
+
+
+def _put(group: dict, name: str, parts: Mapping[str, torch.Tensor]) -> None:
+    for i, t in parts.items():
+        group[f"{name}.{i}" if i else name] = t
+
+
+def _loaded_value(group: Mapping[str, Any], name: str, key: str, path: Path) -> Any:
+    """The value `_stored_value` wrote, from the tensors DCP filled in `group` (keys as `_put`)."""
+    tensors = {
+        int(k[len(name) + 1 :]): t
+        for k, t in group.items()
+        if k.startswith(name + ".") and k[len(name) + 1 :].isdigit()
+    }
+    try:
+        return _decode(json.loads(bytes(group[name].numpy()).decode()), tensors)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path}: {key} is not a value this version reads ({one_line(e)}); refused"
+        ) from None
+
+
+def _restore(target: Any, value: Any) -> Any:
     """Load into `target` if it has load_state_dict (and return it), else return the value."""
-    value = pickle.loads(blob)
     if hasattr(target, "load_state_dict"):
         target.load_state_dict(value)
         return target
@@ -322,9 +644,12 @@ class CheckpointManager:
         share of its files and gets the same list)."""
         path = Path(path)
         try:
-            files = read_marker(path).get("files")
+            marker = read_marker(path)
         except CheckpointError as e:
             return self._from_rank0([str(e)])
+        if marker["format"] != FORMAT:
+            return [_format_problem(path, marker)]
+        files = marker.get("files")
         if files is None:
             if self.rank == 0:
                 log.warning(
@@ -341,24 +666,36 @@ class CheckpointManager:
 
     def newest_verified(self) -> Path | None:
         """The newest checkpoint that verifies (collective).  Newer ones that fail are moved into
-        `root/rejected/` and listed in `self.rejected` with their problems."""
+        `root/rejected/` and listed in `self.rejected` with their problems; so are step directories
+        whose marker is malformed (not JSON, wrong types, missing keys, an empty file list)."""
+        bad = self._from_rank0(
+            [(p, why) for _, p in self._step_dirs() if (why := _malformed(p))]
+            if self.rank == 0
+            else None
+        )
+        for path, why in bad:
+            self._reject(path, [why])
         for path in reversed(self._from_rank0(self.complete())):
             problems = self.verify(path)
             if not problems:
                 return path
-            if self.rank == 0:
-                moved = self.set_aside(
-                    [path], "rejected", "failed verification: " + "; ".join(problems[:_SHOW])
-                )
-                log.warning(
-                    "checkpoint %s failed verification (%s); moved to %s",
-                    path,
-                    "; ".join(problems[:_SHOW]),
-                    moved[0],
-                )
-            self.rejected.append((self.root / "rejected" / path.name, problems))
-            self._barrier()
+            self._reject(path, problems)
         return None
+
+    def _reject(self, path: Path, problems: list[str]) -> None:
+        """Move `path` into `root/rejected/` (rank 0), logged in one line; collective."""
+        if self.rank == 0:
+            moved = self.set_aside(
+                [path], "rejected", "failed verification: " + "; ".join(problems[:_SHOW])
+            )
+            log.warning(
+                "checkpoint %s failed verification (%s); moved to %s",
+                path,
+                "; ".join(problems[:_SHOW]),
+                moved[0],
+            )
+        self.rejected.append((self.root / "rejected" / path.name, problems))
+        self._barrier()
 
     def set_aside(self, paths: Iterable[Path], folder: str, reason: str) -> list[Path]:
         """Move checkpoint directories into `root/folder/` (rank 0 only), with the reason in its README."""
@@ -467,9 +804,12 @@ class CheckpointManager:
         keep = {done[-1]} if done else set()
         if self.resumed_from is not None:
             keep.add(Path(self.resumed_from))
-        spare = [p for _, p in dirs if p not in done] + [
-            p for p in done if p not in keep
-        ]  # half-written first
+        # abandoned lines first (oldest first), then half-written ones, then older complete ones
+        spare = (
+            self._abandoned()
+            + [p for _, p in dirs if not (p / MARKER).exists()]
+            + [p for p in done if p not in keep]
+        )
         sizes = {p: dir_bytes(p) for p in spare}
         if free + sum(sizes.values()) < need:
             last = f"; {done[-1].name} is intact (resume=auto continues from it)" if done else ""
@@ -494,7 +834,19 @@ class CheckpointManager:
                 gib(need),
             )
             _remove_checkpoint(p)
+            if p.parent != self.root:
+                with open(p.parent / "README.txt", "a") as f:
+                    f.write(f"{_utc_now()} pruned {p.name} to make room for {path.name}\n")
         return None
+
+    def _abandoned(self) -> list[Path]:
+        """Step directories in `root/abandoned-<UTC time>/`: the oldest folder first, by step."""
+        out: list[Path] = []
+        for folder in sorted(self.root.glob("abandoned-*")):
+            if folder.is_dir():
+                steps = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+                out += sorted(steps, key=_step_of)
+        return out
 
     def _clear(self, path: Path) -> None:
         if path.exists():
@@ -522,11 +874,14 @@ class CheckpointManager:
         if optim_sd is not None:
             state["optim"] = optim_sd
         if extra and self.rank == 0:
-            state["extra"] = {name: _dumps(v) for name, v in extra.items()}
+            state["extra"] = {}
+            for name, v in extra.items():
+                _put(state["extra"], name, _stored_value(v, f"extra.{name}"))
         if per_rank:
-            state["per_rank"] = {
-                f"rank{self.rank}": {name: _dumps(v) for name, v in per_rank.items()}
-            }
+            mine: dict[str, torch.Tensor] = {}
+            for name, v in per_rank.items():
+                _put(mine, name, _stored_value(v, f"per_rank.rank{self.rank}.{name}"))
+            state["per_rank"] = {f"rank{self.rank}": mine}
         return state
 
     def _marker(self, step: int, extra: dict, per_rank: dict) -> dict[str, Any]:
@@ -551,10 +906,14 @@ class CheckpointManager:
         resumed = self.resumed_from.absolute() if self.resumed_from is not None else None
         if resumed is not None and not any(s > _step_of(resumed) for s, _ in done):
             doomed = [p for p in doomed if p.absolute() != resumed]  # until a newer one is complete
-        doomed += [p for s, p in dirs if s < newest and not _is_complete(p)]
+        doomed += [p for s, p in dirs if s < newest and not (p / MARKER).exists()]
         for p in doomed:
             log.info("pruning checkpoint %s", p)
             _remove_checkpoint(p)
+        for s, p in dirs:  # a marker that is there but unusable: kept for inspection, not deleted
+            if s < newest and (why := _malformed(p)):
+                moved = self.set_aside([p], "rejected", why)
+                log.warning("checkpoint %s: %s; moved to %s", p, why, moved[0])
 
     # -- loading
     def load(
@@ -578,6 +937,8 @@ class CheckpointManager:
         """
         path = Path(path)
         marker = read_marker(path)
+        if marker["format"] != FORMAT:
+            raise ValueError(_format_problem(path, marker))
         if verify and path.absolute() not in self._verified:
             problems = self.verify(path)
             if problems:
@@ -586,21 +947,10 @@ class CheckpointManager:
                     f"{'; '.join(problems[:_SHOW])}); name an earlier checkpoint, or use resume=auto, which "
                     "skips damaged ones"
                 )
-        if marker.get("format") != FORMAT:
-            raise ValueError(
-                f"{path} was written in checkpoint format {marker.get('format')}; this version reads "
-                f"format {FORMAT}; export it to Hugging Face format with the version that wrote it"
-            )
         saved = _checkpoint_index(path)
         extra, names = dict(extra or {}), list(per_rank)
         state, originals = self._load_template(model, optimizer, extra, names, marker, saved, path)
-        with _quiet_no_dist():
-            dcp.load(
-                state,
-                storage_reader=FileSystemReader(path),
-                process_group=self.process_group,
-                no_dist=not self.distributed,
-            )
+        _dcp_load(state, path, process_group=self.process_group, no_dist=not self.distributed)
         for name in (
             "model",
             "optim",
@@ -617,8 +967,16 @@ class CheckpointManager:
         return {
             "step": marker["step"],
             "world_size": marker["world_size"],
-            "extra": {n: _restore(extra[n], state["extra"][n]) for n in extra},
-            "per_rank": {n: pickle.loads(mine[n]) if n in mine else None for n in names},
+            "extra": {
+                n: _restore(extra[n], _loaded_value(state["extra"], n, f"extra.{n}", path))
+                for n in extra
+            },
+            "per_rank": {
+                n: _loaded_value(mine, n, f"per_rank.rank{self.rank}.{n}", path)
+                if n in mine
+                else None
+                for n in names
+            },
         }
 
     def _load_template(
@@ -644,10 +1002,15 @@ class CheckpointManager:
             check_optimizer_keys(state["optim"], saved, path)
         if extra:
             require(extra, saved, "extra", path)
-            state["extra"] = {n: b"" for n in extra}
+            state["extra"] = {}
+            for n in extra:
+                _put(state["extra"], n, _value_template(saved, f"extra.{n}", path))
         require(names, saved, "per_rank.rank0", path)
         if names and self.rank < marker["world_size"]:
-            state["per_rank"] = {f"rank{self.rank}": {n: b"" for n in names}}
+            mine: dict[str, torch.Tensor] = {}
+            for n in names:
+                _put(mine, n, _value_template(saved, f"per_rank.rank{self.rank}.{n}", path))
+            state["per_rank"] = {f"rank{self.rank}": mine}
         return state, originals
 
     def _keys_of_every_rank(self, model_sd: Mapping[str, Any]) -> set[str]:
@@ -663,7 +1026,16 @@ class CheckpointManager:
         world = read_marker(path)["world_size"]
         saved = _checkpoint_index(path)
         require([name], saved, "per_rank.rank0", path)
-        state = {"per_rank": {f"rank{r}": {name: b""} for r in range(world)}}
-        with _quiet_no_dist():
-            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
-        return [pickle.loads(state["per_rank"][f"rank{r}"][name]) for r in range(world)]
+        keys = {
+            r: f"per_rank.rank{r}.{name}"
+            for r in range(world)
+            if f"per_rank.rank{r}.{name}" in saved
+        }
+        state: dict[str, Any] = {"per_rank": {f"rank{r}": {} for r in keys}}
+        for r, key in keys.items():
+            _put(state["per_rank"][f"rank{r}"], name, _value_template(saved, key, path))
+        _dcp_load(state, path, no_dist=True)
+        return [
+            _loaded_value(state["per_rank"][f"rank{r}"], name, keys[r], path) if r in keys else None
+            for r in range(world)
+        ]

@@ -110,5 +110,7 @@ def _shape_mismatches(model_sd: Mapping[str, Any], saved: Mapping[str, Any]) -> 
 def require(names: Iterable[str], saved: Mapping[str, Any], prefix: str, path: Path) -> None:
     absent = [n for n in names if f"{prefix}.{n}" not in saved]
     if absent:
-        have = sorted({k.split(".")[-1] for k in saved if k.startswith(prefix + ".")})
+        have = sorted(
+            {k[len(prefix) + 1 :].split(".")[0] for k in saved if k.startswith(prefix + ".")}
+        )
         raise CheckpointError(f"checkpoint {path} has no {prefix} value(s) {absent}; it has {have}")

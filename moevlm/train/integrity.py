@@ -9,8 +9,8 @@ Design choices:
 - One CRC-32 (zlib) and the byte size per stored file, kept in the completion
   marker.  CRC-32 runs at ~2 GB/s per core here (sha256 ~1.1, blake2b ~0.9),
   detects flipped bytes, truncation and missing files; it is not a defence
-  against a deliberate forger (checkpoints are trusted files: their Python
-  values are unpickled anyway).  Per file rather than per tensor: the files
+  against a deliberate forger, who recomputes it (loading runs no code from a
+  checkpoint whatever its checksums: moevlm.train.checkpoint).  Per file rather than per tensor: the files
   are what a disk, a copy or a network file system damages, and a file
   checksum does not depend on how the loading layout reshards the tensors.
 - Cheap checks first: a missing file or one of another size is reported from

@@ -13,8 +13,8 @@ Design choices:
   `cosine` to `min_lr_ratio` at the last step; `wsd` (warmup-stable-decay)
   holds the peak, then decays over the last `decay_fraction` of the steps
   (linear, cosine or 1-sqrt) to `min_lr_ratio`; `constant`.
-  The multiplier is a picklable object, so the scheduler's state_dict
-  round-trips through checkpoints, with the run length it was built for.
+  The scheduler's state_dict is plain data (the multiplier's fields), so it
+  round-trips through checkpoints as JSON, with the run length it was built for.
 - Resuming with another `train.steps` rescales the schedule to the new
   length (`fit_resumed_schedule`): the position (updates taken) is kept and
   the lr follows the fresh `steps`-long curve from there, logged with the

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -370,3 +372,204 @@ def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_p
     assert (
         "stopping at step 0: data stream" in err and "could pack none" in err and "too_long=" in err
     )
+
+
+# ------------------------------------------------------ crafted and malformed
+
+
+class Payload:
+    """Unpickled, it creates `flag` (through a builtin callable: no moevlm or test code needed)."""
+
+    def __init__(self, flag: Path):
+        self.flag = flag
+
+    def __reduce__(self):
+        return (open, (str(self.flag), "w"))
+
+
+def craft(path: Path, change) -> None:
+    """Rewrite checkpoint `path` with `change(state)` applied to all its items (nested as saved),
+    then recompute the marker's checksums as a forger would."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(  # what format_utils.dcp_to_torch_save does: every item, as saved
+        state,
+        storage_reader=FileSystemReader(path),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    change(state)
+    for f in integrity.stored_files(path, skip=[MARKER]):
+        (path / f).unlink()
+    dcp_save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+    rechecksum(path)
+
+
+def rechecksum(path: Path) -> None:
+    marker = json.loads((path / MARKER).read_text())
+    marker["files"] = integrity.checksum_files(path, integrity.stored_files(path, skip=[MARKER]))
+    (path / MARKER).write_text(json.dumps(marker))
+
+
+def pickled_extra(flag):
+    def change(state):
+        for k in [k for k in state["extra"] if k.startswith("scheduler")]:
+            del state["extra"][k]
+        state["extra"]["scheduler"] = Payload(flag)  # a DCP byte item (torch.save of the object)
+
+    return change
+
+
+def pickle_for_json(flag):
+    def change(state):
+        blob = bytearray(pickle.dumps(Payload(flag)))
+        state["per_rank"]["rank0"]["rng"] = torch.frombuffer(blob, dtype=torch.uint8)
+
+    return change
+
+
+def pickled_optimizer_item(flag):
+    def change(state):
+        state["optim"][next(k for k in state["optim"] if k.endswith(".lr"))] = Payload(flag)
+
+    return change
+
+
+CRAFTED = {
+    "extra_as_pickle": (pickled_extra, "extra.scheduler is not stored as JSON but as a pickled"),
+    "pickle_in_json": (pickle_for_json, "per_rank.rank0.rng is not a value this version reads"),
+    "optimizer_item": (pickled_optimizer_item, r"optim\.param_groups\..*\.lr is not plain data"),
+    "metadata": (None, r"\.metadata is not a DCP index this version reads"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CRAFTED))
+def test_a_crafted_checkpoint_runs_nothing_and_is_refused(reference, tmp_path, kind):
+    """A real checkpoint of the tiny model with one item replaced by a pickle whose unpickling would
+    create a file, its checksums recomputed: train.resume=PATH refuses it naming the item."""
+    make_change, words = CRAFTED[kind]
+    ref_dir, _ = reference
+    src = tmp_path / "ref"
+    shutil.copytree(ref_dir / "checkpoints" / "step_00000004", src / "step_00000004")
+    path, flag = src / "step_00000004", tmp_path / "PWNED"
+    if make_change is None:
+        (path / ".metadata").write_bytes(pickle.dumps(Payload(flag)))
+        rechecksum(path)
+    else:
+        craft(path, make_change(flag))
+    assert not flag.exists() and CheckpointManager(src).verify(path) == []  # checksums agree
+    job = compose_job(
+        FAST + ["train.steps=5", f"train.run_dir={tmp_path / 'run'}", f"train.resume={path}"]
+    )
+    with pytest.raises(CheckpointError, match=words) as err:
+        Trainer(job)
+    assert not flag.exists(), "the payload ran"
+    assert "\n" not in str(err.value)
+
+
+def test_values_round_trip_as_json_and_tensors(tmp_path):
+    model, opt, _ = make()
+    values = {
+        "t": (1, 2.5, None, True, "s", float("inf")),
+        "ints": {3: "three", (1, 2): [torch.arange(3)]},
+        "tag": {"__tuple__": 1},
+        "arr": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "np": np.float64(0.5),
+    }
+    ckpt = CheckpointManager(tmp_path)
+    path = ckpt.save(1, model=model, optimizer=opt, extra={"v": values})
+    got = CheckpointManager(tmp_path).load(path, model=model, optimizer=opt, extra={"v": None})
+    v = got["extra"]["v"]
+    assert v["t"] == values["t"] and v["tag"] == values["tag"] and v["np"] == 0.5
+    assert v["ints"][3] == "three" and torch.equal(v["ints"][(1, 2)][0], torch.arange(3))
+    assert v["arr"].dtype == np.uint32 and (v["arr"] == values["arr"]).all()
+    with pytest.raises(TypeError, match="extra.bad holds a Payload"):
+        ckpt.save(2, model=model, extra={"bad": Payload(tmp_path / "x")})
+
+
+def bad_json(m):
+    return "{not json"
+
+
+MALFORMED = {
+    "not_json": (bad_json, "is not JSON"),
+    "a_list": (lambda m: json.dumps([m]), "holds a JSON list, not an object"),
+    "wrong_type": (lambda m: json.dumps({**m, "step": "2"}), "its step is '2', not an integer"),
+    "missing_keys": (
+        lambda m: json.dumps({k: v for k, v in m.items() if k != "world_size"}),
+        "it has no world_size",
+    ),
+    "empty_files": (lambda m: json.dumps({**m, "files": {}}), "its file list is empty"),
+    "old_format": (lambda m: json.dumps({**m, "format": 1}), "written in checkpoint format 1"),
+}
+
+
+def test_malformed_markers_are_set_aside_in_one_line(tmp_path):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path, keep=0)
+    kinds = sorted(MALFORMED)
+    for step in range(1, len(kinds) + 2):
+        ckpt.save(step, model=model, optimizer=opt)
+    for step, kind in enumerate(kinds, start=2):
+        rewrite, _ = MALFORMED[kind]
+        marker = ckpt.step_dir(step) / MARKER
+        marker.write_text(rewrite(json.loads(marker.read_text())))
+    fresh = CheckpointManager(tmp_path, keep=0)
+    for step, kind in enumerate(kinds, start=2):
+        words = MALFORMED[kind][1]
+        problems = fresh.verify(fresh.step_dir(step))  # never "verified"
+        assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0], kind
+        with pytest.raises((CheckpointError, ValueError), match=words):
+            fresh.load(fresh.step_dir(step), model=model, optimizer=opt)
+    assert fresh.newest_verified() == fresh.step_dir(1)
+    moved = sorted(p.name for p, _ in fresh.rejected)
+    assert moved == [f"step_{s:08d}" for s in range(2, len(kinds) + 2)]
+    readme = (tmp_path / "rejected" / "README.txt").read_text().splitlines()
+    assert len(readme) == len(kinds) and all(
+        any(MALFORMED[k][1] in line for line in readme) for k in kinds
+    )
+    assert fresh.complete() == [fresh.step_dir(1)]
+
+
+def test_resume_at_a_directory_that_is_not_a_checkpoint_says_what_to_set(reference, tmp_path):
+    ref_dir, _ = reference
+    job = compose_job(
+        FAST + ["train.steps=5", f"train.run_dir={tmp_path / 'run'}", f"train.resume={ref_dir}"]
+    )
+    with pytest.raises(CheckpointError, match=f"train.run_dir={ref_dir} train.resume=auto"):
+        Trainer(job)
+    with pytest.raises(CheckpointError, match="holds checkpoints .* train.resume=.*step_00000004"):
+        read_marker(ref_dir / "checkpoints")
+    with pytest.raises(CheckpointError, match="does not exist: train.resume takes auto, none"):
+        read_marker(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no COMPLETE.json.*train.resume=auto"):
+        read_marker(tmp_path / "empty")
+
+
+def test_disk_room_prunes_abandoned_checkpoints_first_oldest_first(tmp_path, monkeypatch):
+    model, opt, _ = make()
+    ckpt = CheckpointManager(tmp_path, keep=0)
+    size = integrity.dir_bytes(ckpt.save(1, model=model, optimizer=opt))
+    for step in (2, 3):
+        ckpt.save(step, model=model, optimizer=opt)
+    old, older = "abandoned-20210101T000000Z", "abandoned-20200101T000000Z"
+    ckpt.set_aside([ckpt.step_dir(3)], old, "a run restarted from step 1")
+    ckpt.set_aside([ckpt.step_dir(2)], older, "a run restarted from step 1")
+    disk = SmallDisk(tmp_path, capacity=int(4.5 * size))  # 3 checkpoints, 1.5 free
+    monkeypatch.setattr(integrity, "free_bytes", disk)
+    ckpt.save(2, model=model, optimizer=opt)  # fits: nothing pruned
+    assert (tmp_path / older / "step_00000002").is_dir()
+    ckpt.save(3, model=model, optimizer=opt)  # the oldest abandoned folder's goes first
+    assert not (tmp_path / older / "step_00000002").exists()
+    assert (tmp_path / old / "step_00000003").is_dir()
+    assert "pruned step_00000002 to make room" in (tmp_path / older / "README.txt").read_text()
+    ckpt.save(4, model=model, optimizer=opt)
+    assert not (tmp_path / old / "step_00000003").exists()
+    assert [p.name[-1] for p in ckpt.complete()] == ["1", "2", "3", "4"]
+    ckpt.save(5, model=model, optimizer=opt)  # nothing abandoned left: the oldest complete one
+    assert [p.name[-1] for p in ckpt.complete()] == ["2", "3", "4", "5"]
