@@ -19,9 +19,9 @@ from hydra.types import RunMode
 from moevlm.model.config import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
-from moevlm.train.config import check_overrides, register_configs
+from moevlm.train.config import check_overrides, compose_job, register_configs
 from moevlm.train.exit_codes import ExitCode
-from moevlm.train.faults import describe_failure
+from moevlm.train.faults import STOP_SIGNALS, describe_failure
 
 register_configs()
 
@@ -66,19 +66,33 @@ def main(cfg) -> None:
     ):  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
         # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,
         # not handled: Python resets its own handlers to the default while it finalises.
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     if code:
         sys.exit(code)
 
 
 def _check_command_line() -> None:
-    """An override of a field the schema lacks: one line naming the nearest options (exit 2)."""
+    """Mistakes in the command line as `config error:` lines and exit 2, before Hydra (which would print
+    its own text and exit 1, the "loss did not fall" code): an override of a field the schema lacks
+    (naming the nearest options), then anything composition refuses (a value of the wrong type, an
+    unknown group choice, override syntax).  A sweep (-m) is composed job by job by Hydra itself."""
+    args = [a for a in sys.argv[1:] if not a.startswith("-")]
     try:
-        check_overrides(a for a in sys.argv[1:] if not a.startswith("-"))
+        check_overrides(args)
+        if not any(a in ("-m", "--multirun") or a.startswith("--") for a in sys.argv[1:]):
+            compose_job(args)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _config_error(str(err))
+    except Exception as err:  # Hydra's and OmegaConf's refusals: their first line and the key
+        lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+        cause = [x.strip() for x in str(err.__cause__ or "").splitlines() if x.strip()]
+        _config_error(lines[0] if lines else type(err).__name__, cause[0] if cause else None)
+
+
+def _config_error(*lines: str | None) -> None:
+    print("config error: " + "; ".join(x for x in lines if x), file=sys.stderr)
+    sys.exit(ExitCode.CONFIG)
 
 
 if __name__ == "__main__":

@@ -18,21 +18,24 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     OK = 0  # done
     NO_PROGRESS = 1  # the loss did not fall (train.require_loss_decrease)
-    CONFIG = (
-        2  # config error, before anything is set up: one line per problem saying what to change
-    )
-    NONFINITE = 3  # stopped on non-finite loss or gradients (checkpoint written)
-    INTERRUPTED = (
-        4  # SIGTERM/SIGINT: checkpoint written after the current step; relaunch the same command
-    )
-    COLLECTIVE = 5  # a collective timed out (parallel.timeout_s) or lost a peer rank; one line names the phase
+    # config error, before anything is set up: one line per problem saying what to change (a run
+    # directory in use by another launch, or not made by moevlm, included)
+    CONFIG = 2
+    # stopped on non-finite loss or gradients, or weights that are not finite (no checkpoint of them)
+    NONFINITE = 3
+    # a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGQUIT): checkpoint written after the current
+    # step; relaunch the same command
+    INTERRUPTED = 4
+    COLLECTIVE = 5  # a collective timed out or lost a peer rank (during a checkpoint save too)
     WATCHDOG = 6  # the step watchdog aborted a step or checkpoint (train.watchdog_abort_s)
     # a checkpoint could not be written (no disk room: the message names the folder, the bytes needed and
-    # free; the earlier checkpoints are intact) or train.resume names one that fails verification
+    # free; the earlier checkpoints are intact), the run's metrics could not be written (disk full), or
+    # train.resume names one that fails verification
     CHECKPOINT = 7
     DATA = 8  # the data cannot feed training (every sample skipped: the skip counts by reason)
 
 
 def second_signal(signum: int) -> int:
-    """A second SIGTERM/SIGINT exits at once without a checkpoint: 128+signum (130, 143)."""
+    """A second stop signal exits at once without a checkpoint: 128+signum (130 SIGINT, 143 SIGTERM,
+    129 SIGHUP, 138 SIGUSR1, 131 SIGQUIT)."""
     return 128 + signum

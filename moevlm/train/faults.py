@@ -60,6 +60,10 @@ from moevlm.train.exit_codes import ExitCode, second_signal
 from moevlm.train.integrity import errors_in
 
 REPEAT_WINDOW_S = 2.0
+# the signals that ask a run to stop: SIGTERM (schedulers, torchrun), SIGINT (Ctrl-C), SIGHUP (a closed
+# terminal; torchrun forwards it), SIGUSR1 (Slurm's warning before the time limit, --signal=USR1@secs),
+# SIGQUIT (Ctrl-backslash): each checkpoints after the current step and exits 4, rather than dying without one
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
 WARMUP_STEPS, WINDOW = 2, 20
 
 
@@ -77,14 +81,14 @@ def _dump_stacks() -> None:
 
 
 class StopSignals:
-    """SIGTERM/SIGINT: the first asks to stop after the current step, a second (after the repeat window)
+    """A stop signal (STOP_SIGNALS): the first asks to stop after the current step, a second (after the repeat window)
     exits at once with 128+signum.  Installed only from the main thread; `close` restores what was there."""
 
     def __init__(
         self,
         describe: Callable[[], str],
         prefix: str = "",
-        signals=(signal.SIGTERM, signal.SIGINT),
+        signals=STOP_SIGNALS,
         repeat_window_s: float = REPEAT_WINDOW_S,
         clock=time.monotonic,
     ):

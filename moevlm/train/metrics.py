@@ -47,6 +47,7 @@ Conventions:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -240,6 +241,18 @@ class Window:
         return rec
 
 
+def _write_failed(path: Path, err: OSError) -> str:
+    why = (
+        "the disk is full"
+        if err.errno in (errno.ENOSPC, errno.EDQUOT)
+        else err.strerror or str(err)
+    )
+    return (
+        f"writing {path} failed: {why}; the checkpoints are intact (a relaunch with room resumes from "
+        "the last one)"
+    )
+
+
 def fmt_count(x: float) -> str:
     """12345 -> '12.3k', 4.5e6 -> '4.5M'."""
     for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -320,6 +333,11 @@ def _step_of_line(line: str) -> float:
         return math.inf
 
 
+class LogWriteError(RuntimeError):
+    """metrics.jsonl or TensorBoard could not be written (a full disk, most often): the trainer stops
+    with one line and ExitCode.CHECKPOINT; the checkpoints are intact."""
+
+
 class MetricsLogger:
     """metrics.jsonl + TensorBoard (run_dir/tb) + W&B (`wandb`: a moevlm.train.wandb_log.WandbLog, or
     anything with `log(scalars, step)` and `finish()`) + console (tqdm bar on a TTY); rank 0 only."""
@@ -393,13 +411,20 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.active:
             return
-        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        self._file.flush()
         step, values = record["step"], scalars(record)
+        try:
+            self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as err:
+            raise LogWriteError(_write_failed(self.run_dir / "metrics.jsonl", err)) from None
         if self._tb is not None:
-            for tag, value in values.items():
-                self._tb.add_scalar(tag, value, step)
-            self._tb.flush()
+            try:
+                for tag, value in values.items():
+                    self._tb.add_scalar(tag, value, step)
+                self._tb.flush()
+            except OSError as err:
+                self._tb = None  # closing it would only fail again
+                raise LogWriteError(_write_failed(self.run_dir / "tb", err)) from None
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._bar is not None:
@@ -417,7 +442,10 @@ class MetricsLogger:
     def close(self) -> None:
         for h in (self._bar, self._tb, self._file):
             if h is not None:
-                h.close()
+                try:
+                    h.close()
+                except OSError:  # a full disk, already reported by the write that met it
+                    pass
         if self._wandb is not None:
             self._wandb.finish()
         self._file = self._tb = self._bar = self._wandb = None

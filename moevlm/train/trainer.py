@@ -101,6 +101,7 @@ from moevlm.dispatch.capacity import OverflowCounter
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import Faults, StepWatchdog
 from moevlm.train.metrics import (
+    LogWriteError,
     MetricsLogger,
     Window,
     device_peak_tflops,
@@ -461,7 +462,14 @@ class Trainer:
         except (
             CheckpointError
         ) as err:  # no room, or the write failed: the earlier checkpoints are intact
-            self.log.info(f"stopping at step {self.step}: {err}")
+            code = self.faults.failure_code(
+                err
+            )  # a peer lost during the save: its code, not a disk's
+            if code is None:
+                self.log.info(f"stopping at step {self.step}: {err}")
+                code = ExitCode.CHECKPOINT
+        except LogWriteError as err:
+            print(f"stopping at step {self.step}: {err}", file=sys.stderr, flush=True)
             code = ExitCode.CHECKPOINT
         except DataError as err:  # every rank's own stream: printed where it happened
             print(
