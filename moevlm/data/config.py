@@ -69,6 +69,14 @@ class ImageConfig:
             "help": "decompression-bomb guard: width*height of the encoded image; larger ones are skipped"
         },
     )
+    max_decode_bytes: int = field(
+        default=400_000_000,
+        metadata={
+            "help": "decode memory guard: bytes an image holds while decoded and converted, from its header "
+            "(width*height times bytes per pixel of its mode: 4 for 8-bit RGB, about 36 for 16-bit grey); "
+            "larger ones are skipped (the default passes any 8-bit RGB image within max_image_pixels)"
+        },
+    )
     jpeg_draft: bool = field(
         default=True,
         metadata={

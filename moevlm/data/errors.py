@@ -5,9 +5,11 @@ packer) signals an unusable sample by raising `SkipSample(reason, detail)`.
 The stage that drives the stream catches it, adds one to `counts[reason]` and
 goes on with the next sample: bad data never crashes a worker and is never
 dropped silently.  `reason` is a short, stable key (the table below); it is
-what the builder's summary.json and the loader's stats report.  When a stream
-can use nothing at all, the loader raises `DataError` instead (a RuntimeError
-whose message gives the skip counts and the fix).  Missing inputs found before
+what the builder's summary.json and the loader's stats report.  A shard none
+of whose samples is usable is passed over and counted by name (the loader's
+`shards_all_skipped`).  When the whole data set has no usable sample, the
+loader raises `DataError` instead (a RuntimeError whose message gives the skip
+counts and the fix).  Missing inputs found before
 anything is read (no shards, no tokenizer) raise `DataSetupError`, a ConfigError
 (train.py prints it as one `config error:` line, exit 2) that is also a
 FileNotFoundError.
@@ -34,6 +36,7 @@ REASONS = {
     "not_an_image": "the bytes are not an image format PIL can identify",
     "bad_image": "the image is corrupt or truncated (decoding failed)",
     "image_too_large": "width*height is above the decompression-bomb limit",
+    "decode_too_large": "decoding would hold more bytes than data.image.max_decode_bytes (size x bytes per pixel of its mode)",
     "bad_image_size": "the image is degenerate (a zero side or an aspect ratio above 200)",
     # shards
     "truncated_shard": "a tar shard ended early or is corrupt; samples before the damage were kept",

@@ -33,7 +33,14 @@ Design choices:
   the same integer arithmetic, so this equals converting to RGB first).
 - Decoding treats the bytes as untrusted: only a list of raster formats is
   tried (no EPS, which runs Ghostscript); the header's width*height is checked
-  against ImageConfig.max_image_pixels before any pixel is decoded; truncated
+  against ImageConfig.max_image_pixels before any pixel is decoded, and so are
+  the bytes decoding will hold (`decode_bytes`: width*height times the bytes per
+  pixel of the header's mode and of its conversion to RGB or L, so a small
+  16-bit PNG of 100 Mpixel, about 3.5 GiB to decode, is skipped as
+  `decode_too_large` under the default ImageConfig.max_decode_bytes, while any
+  8-bit RGB image within max_image_pixels still passes).  Frames are not
+  counted: only the first frame of an animated or multi-page file is decoded
+  (and counting them would read the whole file).  Truncated
   files always fail, whatever ImageFile.LOAD_TRUNCATED_IMAGES says; every
   failure becomes a SkipSample with a reason from data/errors.py.
 - EXIF orientation is applied (as the reference's load_image), before the
@@ -94,6 +101,11 @@ _EXIF_TRANSPOSE = {
     8: Image.Transpose.ROTATE_90,
 }
 _SWAPS_SIDES = (5, 6, 7, 8)
+# Bytes per pixel that turning a decoded image into RGB or L adds at full size (before the resize), on
+# top of its stored pixels: "wide" 16/32-bit and float grey go through numpy float64 (wide_grey_to_l),
+# "alpha" is composited on white in RGBA (to_rgb), "convert" is one convert() to RGB or L.  Measured
+# peaks on this code path (a 4000x4000 image): RGB 5, RGBA 20, I;16 34, I and F 44 bytes per pixel.
+DECODE_EXTRA = {"wide": 32, "alpha": 16, "convert": 4}
 CHUNK_BYTES = (
     1 << 20
 )  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
@@ -162,7 +174,7 @@ def random_image(
     if len(data) == 0:
         raise SkipSample("empty_image", "0 bytes")
     with _strict_pil():
-        image, orientation = _guarded(_open_header, data, cfg.max_image_pixels)
+        image, orientation = _guarded(_open_header, data, cfg)
     height, width = (
         (image.width, image.height) if orientation in _SWAPS_SIDES else (image.height, image.width)
     )
@@ -184,7 +196,7 @@ def open_image(data: bytes, cfg: ImageConfig) -> Image.Image:
     if len(data) == 0:
         raise SkipSample("empty_image", "0 bytes")
     with _strict_pil():
-        image, orientation = _guarded(_open_header, data, cfg.max_image_pixels)
+        image, orientation = _guarded(_open_header, data, cfg)
         height, width = (
             (image.width, image.height)
             if orientation in _SWAPS_SIDES
@@ -239,8 +251,27 @@ def allowed_formats() -> tuple[str, ...]:
     return _FORMATS
 
 
-def _open_header(data: bytes, max_image_pixels: int) -> tuple[Image.Image, int]:
-    """Parse the header (no pixels yet for JPEG): (image, EXIF orientation)."""
+def decode_bytes(image: Image.Image) -> int:
+    """About the most memory decoding `image` (an opened header, no pixels yet) holds: its pixels as
+    PIL stores its mode (1, 2 or 4 bytes), plus what turning them into RGB or L costs at full size
+    (measured on this code path, DECODE_EXTRA)."""
+    mode = image.mode
+    stored = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+    if mode.startswith("I") or mode == "F":
+        extra = DECODE_EXTRA["wide"] + stored  # a numpy copy, then float64 temporaries
+    elif "A" in image.getbands() or image.info.get("transparency") is not None:
+        extra = DECODE_EXTRA["alpha"]
+    elif mode in ("RGB", "L"):
+        extra = 0
+    else:
+        extra = DECODE_EXTRA["convert"]
+    return image.width * image.height * (stored + extra)
+
+
+def _open_header(data: bytes, cfg: ImageConfig) -> tuple[Image.Image, int]:
+    """Parse the header (no pixels yet for JPEG): (image, EXIF orientation).  Skips an image above
+    the pixel guard or whose decoding would hold more than max_decode_bytes."""
+    max_image_pixels = cfg.max_image_pixels
     try:
         image = Image.open(io.BytesIO(data), formats=allowed_formats())
     except Image.UnidentifiedImageError:
@@ -260,6 +291,12 @@ def _open_header(data: bytes, max_image_pixels: int) -> tuple[Image.Image, int]:
         raise SkipSample(
             "bad_image_size",
             f"{width}x{height}: a zero side or an aspect ratio above {MAX_ASPECT_RATIO}",
+        )
+    if (need := decode_bytes(image)) > cfg.max_decode_bytes:
+        raise SkipSample(
+            "decode_too_large",
+            f"{width}x{height} mode {image.mode}: decoding needs about {need:,} bytes, above "
+            f"max_decode_bytes={cfg.max_decode_bytes:,}",
         )
     return image, image.getexif().get(
         _ORIENTATION, 1

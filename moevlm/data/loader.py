@@ -70,18 +70,30 @@ Design choices:
   empty rows forever, non-positive sizes, min_pixels > max_pixels, a zero
   std, ...), then against the model and the layout; one line naming the field,
   its value and what to set.  max_patches=0 is a text-only budget.
-- A stream that can pack nothing stops (`DataError`, a RuntimeError) instead
-  of reading epoch after epoch forever: when it ends an epoch, or skips
-  NO_PROGRESS_SAMPLES (10,000) samples in a row, without ever having packed or
-  held a sample.  Neither can fire on a stream that packed anything (its data
-  holds usable samples; later epochs reshuffle into them), nor while the
-  shuffle buffer fills (only samples that reached the encoder count).  The
-  message gives the skip counts by reason, the first example of each and the
-  settings to change; from a worker process it is re-raised in the training
-  process as the same one line (without torch's wrapper text) and the workers
-  are stopped at once.  A healthy
-  stream whose first 10,000 decoded samples are all unusable is stopped too:
-  such data needs fixing anyway.
+- Bad data is never fatal while usable data remains.  A shard that gives no
+  usable sample (every sample skipped, or none readable) is counted by name
+  in the stream's state (`shards_all_skipped`, summed in `stats()`; its
+  samples keep their skip reasons) and logged, and the stream goes on with its
+  next shard; a stream whose whole epoch gave nothing goes on to its next
+  epoch, whose shard permutation gives it other shards.  The loader stops
+  (`DataError`, a RuntimeError) only where going on cannot help: when the
+  whole data set has no usable sample.  A stream that never packed or held a
+  sample checks that when it ends an epoch, or after NO_PROGRESS_SAMPLES
+  (10,000) samples skipped in a row (only samples that reached the encoder
+  count): it reads every shard of the epoch (other streams' first) until one
+  sample encodes.  One does: the stream goes on (and never checks again;
+  the check only reads, so the rows do not change).  None does: the message
+  gives this stream's and the whole data set's counts (shards, samples read,
+  shards without a usable sample, skips by reason with the first example of
+  each) and the settings to change.  In that case every such stream reads the
+  data set once more before the error.  The one other stop: with
+  data.shuffle_shards=false a stream reads the same shards every epoch, so one
+  whose shards all gave nothing would read them forever; it stops naming them.
+  From a worker process the error is re-raised in the training process as the
+  same one line (without torch's wrapper text) and the workers are stopped at
+  once.
+- A finished stream (finite `epochs`) hands its last state to the loader
+  after its last row, so skips read after that row still count in `stats()`.
 - Shards are identified in the state by name, size and a hash of both ends
   (reader.shard_identity; 23 sample-set shards: ~20 ms, two 64 KiB reads per
   shard whatever its size, on 16 threads).  A resume on shards whose identity
@@ -141,9 +153,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = (
     3  # 3: the header records each shard's identity ("files"); 2 (without it) still loads
 )
-NO_PROGRESS_SAMPLES = (
-    10_000  # a stream that never packed a sample stops after this many skipped in a row
-)
+NO_PROGRESS_SAMPLES = 10_000  # skipped in a row by a stream that never packed: check the data set
 
 
 def fresh_state(stream: int) -> dict:
@@ -158,6 +168,10 @@ def fresh_state(stream: int) -> dict:
         "read": 0,
         "packed": 0,
         "batches": 0,
+        "tally": [],  # [shard index, read, still in the shuffle buffer, encoded, read to its end]
+        "epoch_unusable": 0,  # shards of this epoch that gave no usable sample
+        "shards_all_skipped": {},  # shard name -> passes that gave no usable sample
+        "data_checked": False,  # the whole data set was seen to hold a usable sample
     }
 
 
@@ -259,8 +273,9 @@ class Stream:
         )
         self.pad_id = encode.chat.eot_id
         self.packer = Packer(cfg.pack)
-        self.st = copy.deepcopy(ds.states.get(stream)) or fresh_state(stream)
+        self.st = {**fresh_state(stream), **copy.deepcopy(ds.states.get(stream) or {})}
         self.skips = SkipCounter(self.st["skipped"])
+        self.tally = {t[0]: list(t[1:]) for t in self.st["tally"]}  # shard index -> counts
         self.failed = 0  # samples skipped in a row (since the last one that encoded)
         self.shuffle = self._new_buffer(self.st["epoch"], self.st["draws"])
         self._restore()
@@ -280,69 +295,183 @@ class Stream:
     def __iter__(self):
         epochs = self.cfg.epochs
         while epochs is None or self.st["epoch"] < epochs:
-            read_before = self.st["read"]
-            for pos, raw in self.plan.read(self.st["epoch"], tuple(self.st["next"]), self.skips):
+            epoch = self.st["epoch"]
+            for pos, raw in self.plan.read(
+                epoch, tuple(self.st["next"]), self.skips, self._read_all
+            ):
                 self.st["next"], self.st["read"] = [pos[1], pos[2] + 1], self.st["read"] + 1
+                t = self.tally.setdefault(pos[1], [0, 0, 0, 0])
+                t[0], t[1] = t[0] + 1, t[1] + 1
                 out = self.shuffle.push(pos, raw)
                 if out is not None:
                     yield from self._feed(*out)
             while (out := self.shuffle.pop()) is not None:
                 yield from self._feed(*out)
-            if self.st["read"] == read_before and self.st["next"] == [0, 0]:
-                raise DataError(
-                    f"data stream {self.stream} read no sample in epoch {self.st['epoch']} from "
-                    f"{self.plan.mine(self.st['epoch'])}: its shards are empty or unreadable "
-                    f"(skipped: {self._skip_summary()})"
-                )
-            if self._never_packed():
-                raise self._stuck(f"in all of epoch {self.st['epoch']}")
+            self._end_epoch(epoch, last=epochs is not None and epoch + 1 >= epochs)
             self.st["epoch"] += 1
-            self.st["next"], self.st["draws"] = [0, 0], 0
+            self.st["next"], self.st["draws"], self.st["epoch_unusable"] = [0, 0], 0, 0
             self.shuffle = self._new_buffer(self.st["epoch"])
         while self.packer.held:
             yield self._batch(self.packer.pop())
+        # the state after the last read, for the loader's stats: skips after the last row count too
+        yield {"state": self._state(), "end": True}
 
     def _feed(self, pos, raw):
         try:
             sample = self.encode(raw, pos)
         except SkipSample as err:
             self.skips.add(err, f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}")
+            self._settle_sample(pos[1], usable=False)
             self.failed += 1
-            if self.failed >= NO_PROGRESS_SAMPLES and self._never_packed():
-                raise self._stuck(f"in its first {self.failed} samples") from None
+            if (
+                self.failed >= NO_PROGRESS_SAMPLES
+                and self._never_packed()
+                and not self.st["data_checked"]
+            ):
+                self._check_data_set(f"in its first {self.failed} samples")
             return
         self.failed = 0
+        self._settle_sample(pos[1], usable=True)
         self.packer.push(sample)
         while self.packer.full():
             yield self._batch(self.packer.pop())
+
+    # ------------------------------------------------ shards without a usable sample
+    def _read_all(self, s: int, url: str) -> None:
+        """The reader finished shard s of this epoch (also one it could not open): reading goes on at
+        the next shard, so a resume never opens this one again."""
+        self.st["next"] = [s + 1, 0]
+        self.tally.setdefault(s, [0, 0, 0, 0])[3] = 1
+        self._settle(s)
+
+    def _settle_sample(self, s: int, usable: bool) -> None:
+        t = self.tally.setdefault(
+            s, [0, 0, 0, 0]
+        )  # (a state saved before tallies: counts from here)
+        t[1] -= 1
+        t[2] += usable
+        self._settle(s)
+
+    def _settle(self, s: int) -> None:
+        """Once shard s is read to its end and none of its samples waits in the shuffle buffer: a
+        shard that gave no usable sample is counted by name and the stream goes on with the next."""
+        read, waiting, usable, done = self.tally[s]
+        if not done or waiting > 0:
+            return
+        del self.tally[s]
+        if usable:
+            return
+        name = os.path.basename(self.plan.mine(self.st["epoch"])[s])
+        self.st["shards_all_skipped"][name] = self.st["shards_all_skipped"].get(name, 0) + 1
+        self.st["epoch_unusable"] += 1
+        log.warning(
+            "data stream %d: shard %s gave no usable sample (%s); going on with the next shard "
+            "(skipped so far: %s)",
+            self.stream,
+            name,
+            f"all {read} samples skipped" if read else "no sample could be read",
+            ", ".join(f"{r}={n}" for r, n in self.skips.most_common()),
+        )
+
+    def _end_epoch(self, epoch: int, last: bool) -> None:
+        """A stream that could use nothing goes on to its next epoch (other shards) while the data set
+        holds a usable sample; it stops only where going on cannot help."""
+        if self._never_packed() and not self.st["data_checked"]:
+            self._check_data_set(f"in all of epoch {epoch}")
+        mine = self.plan.mine(epoch)
+        if self.st["epoch_unusable"] == len(mine) and not self.plan.shuffle and not last:
+            names = ", ".join(os.path.basename(u) for u in mine[:3])
+            more = f" and {len(mine) - 3} more" if len(mine) > 3 else ""
+            raise DataError(
+                f"data stream {self.stream} could use no sample of its shards ({names}{more}; "
+                f"skipped: {self._skip_summary()}) and with data.shuffle_shards=false it reads the same "
+                "shards in every epoch, while other shards hold usable samples; set "
+                "data.shuffle_shards=true, or fix or remove those shards"
+            )
+
+    def _check_data_set(self, when: str) -> None:
+        """Reads the whole data set (every shard of the epoch, other streams' first) until one sample
+        encodes: the stream goes on if one does (not checked again), else DataError with the counts.
+        Reads only: what the stream yields does not change."""
+        epoch = self.st["epoch"]
+        mine = set(self.plan.mine(epoch))
+        order = [u for u in self.plan.shards if u not in mine] + self.plan.mine(epoch)
+        probe, read, unusable = SkipCounter(), 0, 0
+        for url in order:
+            usable = False
+            for k, raw in enumerate(self.plan.read_shard(url, probe)):
+                read += 1
+                try:
+                    self.encode(raw, (epoch, -1, k))
+                except SkipSample as err:
+                    probe.add(err, f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}")
+                    continue
+                usable = True
+                break
+            if usable:
+                self.st["data_checked"] = True
+                log.warning(
+                    "data stream %d could pack no sample %s (skipped: %s); other shards hold usable "
+                    "samples, so it goes on reading",
+                    self.stream,
+                    when,
+                    self._skip_summary(),
+                )
+                return
+            unusable += 1
+        raise self._stuck(when, probe, read, unusable)
 
     def _never_packed(self) -> bool:
         """No sample of this stream ever encoded: none packed into a row and none held for one."""
         return self.st["packed"] == 0 and not self.packer.held
 
-    def _skip_summary(self) -> str:
-        counts = ", ".join(f"{r}={n}" for r, n in self.skips.most_common()) or "nothing"
-        firsts = "; ".join(ex[0] for ex in self.skips.examples.values() if ex)
+    @staticmethod
+    def _summary(skips: SkipCounter) -> str:
+        counts = ", ".join(f"{r}={n}" for r, n in skips.most_common()) or "nothing"
+        firsts = "; ".join(ex[0] for ex in skips.examples.values() if ex)
         return counts + (f"; first: {firsts}" if firsts else "")
 
-    def _stuck(self, when: str) -> DataError:
-        """The error for a stream that reads samples but can pack none (it would loop forever)."""
+    def _skip_summary(self) -> str:
+        return self._summary(self.skips)
+
+    def _stuck(self, when: str, data: SkipCounter, read: int, unusable: int) -> DataError:
+        """The error for data of which no sample is usable (a stream would loop forever): this stream's
+        skips, then the whole data set's (`data`: one pass over every shard)."""
         pk, fixes = self.cfg.pack, []
-        if self.skips["too_long"]:
+        both = Counter(self.skips) + Counter(data)
+        if both["too_long"]:
             fixes.append(
                 f"raise data.pack.seq_len={pk.seq_len} / max_patches={pk.max_patches} / "
                 f"max_images={pk.max_images}"
                 + (" or set data.pack.oversize=truncate" if pk.oversize != "truncate" else "")
             )
-        if self.skips["text_too_large"]:
+        if both["text_too_large"]:
             fixes.append(f"raise data.max_text_bytes={self.cfg.max_text_bytes}")
-        if self.skips["file_too_large"]:
+        if both["file_too_large"]:
             fixes.append(f"raise data.max_image_bytes={self.cfg.max_image_bytes}")
+        if both["image_too_large"] or both["decode_too_large"]:
+            im = self.cfg.image
+            fixes.append(
+                f"raise data.image.max_image_pixels={im.max_image_pixels} / "
+                f"max_decode_bytes={im.max_decode_bytes}"
+            )
         fixes.append("fix the shards (skip reasons: moevlm.data.errors.REASONS)")
+        n = len(self.plan.shards)
         return DataError(
             f"data stream {self.stream} read {self.st['read']} samples but could pack none {when}: "
-            f"every one was skipped ({self._skip_summary()}); {', or '.join(fixes)}"
+            f"every one was skipped ({self._skip_summary()}); no sample of the whole data set is "
+            f"usable either: {n} shards, {read} samples read, {unusable} of the {n} shards without a "
+            f"usable sample, skipped: {self._summary(data)}; {', or '.join(fixes)}"
         )
+
+    def _state(self) -> dict:
+        st = self.st
+        st["draws"] = self.shuffle.draws
+        st["shuffle"] = [list(p) for p in self.shuffle.positions()]
+        st["packer"] = [list(s.pos) for s in self.packer.held]
+        st["skipped"] = dict(self.skips)
+        st["tally"] = [[s, *t] for s, t in sorted(self.tally.items())]
+        return copy.deepcopy(st)
 
     def _batch(self, samples) -> dict:
         if (
@@ -352,15 +481,10 @@ class Stream:
                 f"data stream {self.stream}: the packer produced an empty row "
                 f"(data.pack={self.cfg.pack})"
             )
-        st = self.st
-        st["packed"] += len(samples)
-        st["batches"] += 1
-        st["draws"] = self.shuffle.draws
-        st["shuffle"] = [list(p) for p in self.shuffle.positions()]
-        st["packer"] = [list(s.pos) for s in self.packer.held]
-        st["skipped"] = dict(self.skips)
+        self.st["packed"] += len(samples)
+        self.st["batches"] += 1
         batch = collate(samples, self.cfg.pack, self.ds.patch_dim, self.pad_id)
-        batch["state"] = copy.deepcopy(st)
+        batch["state"] = self._state()
         return batch
 
 
@@ -521,12 +645,17 @@ class PackedLoader:
         if self._it is None:
             iter(self)
         t0 = time.perf_counter()
-        batch, error = self._next_row()
-        if error is not None:  # the workers are stopped already; a later iteration restarts them
-            raise DataError(error)
+        while True:
+            batch, error = self._next_row()
+            if (
+                error is not None
+            ):  # the workers are stopped already; a later iteration restarts them
+                raise DataError(error)
+            state = batch.pop("state")
+            self.states[state["stream"]] = state
+            if not batch.pop("end", False):  # a row, not a finished stream's last state
+                break
         self.wait_s += time.perf_counter() - t0
-        state = batch.pop("state")
-        self.states[state["stream"]] = state
         self.offset = (self.offset + 1) % len(self.local)
         return batch
 
@@ -667,12 +796,14 @@ class PackedLoader:
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
-        skipped = Counter()
+        skipped, unusable = Counter(), Counter()
         for s in self.states.values():
             skipped.update(s["skipped"])
+            unusable.update(s.get("shards_all_skipped", {}))
         return {
             "skipped": dict(sorted(skipped.items())),
             "skipped_total": sum(skipped.values()),
+            "shards_all_skipped": dict(sorted(unusable.items())),
             "samples_read": sum(s["read"] for s in self.states.values()),
             "samples_packed": sum(s["packed"] for s in self.states.values()),
             "batches": sum(s["batches"] for s in self.states.values()),
@@ -806,6 +937,12 @@ def check_fields(cfg: DataConfig) -> None:
         "image.max_image_pixels",
         im.max_image_pixels,
         "a positive width*height limit (default 100000000)",
+    )
+    _require(
+        im.max_decode_bytes >= 1,
+        "image.max_decode_bytes",
+        im.max_decode_bytes,
+        "a positive byte budget (default 400000000)",
     )
     _require(len(im.mean) == 3, "image.mean", list(im.mean), "three per-channel values (R, G, B)")
     _require(

@@ -58,7 +58,7 @@ import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from webdataset.tariterators import group_by_keys
 
@@ -225,9 +225,14 @@ class ShardPlan:
         return order[self.stream :: self.streams]
 
     def read(
-        self, epoch: int, start: tuple[int, int], counter: SkipCounter | None
+        self,
+        epoch: int,
+        start: tuple[int, int],
+        counter: SkipCounter | None,
+        shard_done: Callable[[int, str], None] | None = None,
     ) -> Iterator[tuple[Pos, dict]]:
-        """Raw samples (dicts of member bytes) of this stream's epoch from (shard, sample) `start` on."""
+        """Raw samples (dicts of member bytes) of this stream's epoch from (shard, sample) `start` on;
+        `shard_done(s, url)` is called after each shard is read to its end (or could not be opened)."""
         for s, url in enumerate(self.mine(epoch)):
             if s < start[0]:
                 continue
@@ -235,6 +240,8 @@ class ShardPlan:
             for k, raw in enumerate(self.read_shard(url, counter)):
                 if k >= skip:
                     yield (epoch, s, k), raw
+            if shard_done is not None:
+                shard_done(s, url)
 
     def read_shard(self, url: str, counter: SkipCounter | None) -> Iterator[dict]:
         damaged = []

@@ -593,3 +593,28 @@ def test_draft_pixels_close_to_full_decode_same_grids():
         per_image.append(diff.mean().item())
     assert drafted >= len(PHOTOS) - 1  # all but at most one really drafted
     assert max(per_image) < 0.06 and np.mean(per_image) < 0.025, per_image
+
+
+def png_header(side: int, bit_depth: int, color_type: int) -> bytes:
+    """A PNG of IHDR, an empty IDAT and IEND: PIL reads mode and size from it without any pixel."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    ihdr = struct.pack(">IIBBBBB", side, side, bit_depth, color_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def test_decode_byte_guard_counts_the_mode_and_keeps_8_bit_rgb_within_the_pixel_guard():
+    """The default max_decode_bytes passes an 8-bit RGB image at the pixel guard's limit and skips a
+    16-bit grey one of about the same size (~3.5 GiB to decode), from the header alone."""
+    default = ImageConfig()
+    with warnings.catch_warnings():  # PIL's DecompressionBombWarning (the header is all there is)
+        warnings.simplefilter("ignore")
+        rgb = Image.open(io.BytesIO(png_header(10_000, 8, 2)))
+    assert rgb.mode == "RGB" and rgb.width * rgb.height == default.max_image_pixels
+    assert img.decode_bytes(rgb) <= default.max_decode_bytes
+    with pytest.raises(SkipSample, match=r"9999x9999 mode I;16: decoding needs about") as err:
+        img._open_header(png_header(9_999, 16, 0), default)
+    assert err.value.reason == "decode_too_large"

@@ -53,6 +53,7 @@ BAD_VALUES = [  # (field path, value, what the message must say)
         "data.image.std=\\[0.5, 0.0, 0.5\\] is invalid: set it to three positive",
     ),
     ("image.max_image_pixels", 0, "data.image.max_image_pixels=0 is invalid"),
+    ("image.max_decode_bytes", 0, "data.image.max_decode_bytes=0 is invalid"),
     ("max_text_bytes", 0, "data.max_text_bytes=0 is invalid: set it to a positive byte cap"),
     ("max_image_bytes", -1, "data.max_image_bytes=-1 is invalid"),
     ("num_workers", -1, "data.num_workers=-1 is invalid"),
