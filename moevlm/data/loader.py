@@ -103,12 +103,23 @@ Design choices:
   (without identities) still loads, with a warning that the contents cannot
   be checked.  Every rank computes the same identities, so `merge_states`
   still finds identical headers.
-- Workers and the fork server ignore SIGINT and SIGTERM: Ctrl-C and a
-  scheduler's SIGTERM reach the whole process group, and the trainer finishes
-  its step and checkpoints (moevlm.train.faults) only if its workers are still
-  there; they end with the trainer (above).  The fork server is started with
-  the two signals blocked and ignored (both survive its exec); the trainer's
-  own handlers are put back and a signal that came meanwhile is delivered.
+- Workers and the fork server ignore the stop signals (SIGINT, SIGTERM,
+  SIGHUP, SIGUSR1, SIGQUIT): Ctrl-C and a scheduler's SIGTERM reach the whole
+  process group, and the trainer finishes its step and checkpoints
+  (moevlm.train.faults) only if its workers are still there; they end with
+  the trainer (above).  The fork server ignores them from its first import
+  (`moevlm.data.deaf`, first in its preload list), so the training process
+  never changes its own handlers and a signal sent while the server starts
+  reaches the trainer.
+- A dead worker never hangs the trainer.  Because workers ignore SIGTERM,
+  torch's shutdown (which terminates with SIGTERM) and Python's exit (which
+  terminates daemonic children, then joins them) would wait on them forever
+  once one worker died: `close` lets torch stop them in order, then SIGKILLs
+  any that are left (the loader's state lives in the training process, so
+  nothing is lost), and every loader still open is closed at interpreter
+  exit.  torch's error for a dead worker becomes one line (`worker_death`:
+  which pid, how it ended, the likely cause and memory available), raised as
+  a DataError (exit 8); a relaunch resumes exactly from the last checkpoint.
 - data.mock (none, image_free, random_pixels; moevlm.data.encode) is part of
   the data identity: the state header records it (only when not none, so
   older states still load) and a resume with another value is refused.  One
@@ -122,13 +133,16 @@ Design choices:
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import threading
 import time
+import weakref
 from collections import Counter
 
 import torch
@@ -565,24 +579,57 @@ def _exit_without(pid: int, every_s: float = 1.0) -> None:
             os._exit(0)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # loaders with workers, closed at interpreter exit
+_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (.*)")
 
 
-def _start_forkserver_deaf_to_stop_signals() -> None:
-    """Start multiprocessing's fork server (once per process) ignoring SIGINT/SIGTERM, so do the workers it
-    forks.  Blocked meanwhile here: a signal sent during the switch waits for the handler put back."""
-    from multiprocessing import forkserver
+def worker_death(err: BaseException, workers=()) -> str | None:
+    """One line for torch's error about a dead DataLoader worker (None for any other error): which
+    worker, how it ended (its exit code or signal, from `workers`' processes where known) and the likely
+    cause."""
+    match = _DIED.search(str(err))
+    if match is None:
+        return None
+    pids, how = match.group(1).strip(), match.group(2).strip().split(". ")[0].rstrip(".")
+    codes = [w.exitcode for w in workers if str(w.pid) in pids.split(", ") and w.exitcode]
+    if codes and codes[0] < 0:
+        how = f"was killed by {signal.Signals(-codes[0]).name}"
+    elif codes:
+        how = f"exited with code {codes[0]}"
+    if "Killed" in how or "SIGKILL" in how or "exited unexpectedly" == how:
+        cause = (
+            "most likely the kernel's out-of-memory killer (see dmesg"
+            + (
+                f"; {_available_gib():.1f} GiB available now"
+                if _available_gib() is not None
+                else ""
+            )
+            + "): lower data.num_workers, data.prefetch_factor or data.image.max_pixels"
+        )
+    elif "Bus error" in how:
+        cause = "most likely shared memory (/dev/shm) ran out: enlarge it or lower data.num_workers"
+    else:
+        cause = "run with data.num_workers=0 to see the error in this process"
+    return (
+        f"data worker (pid {pids}) {how}: {cause}; the run stops, and a relaunch resumes exactly from "
+        "the last checkpoint"
+    )
 
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only change in the main thread: torch's default start
-    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+
+def _available_gib() -> float | None:
     try:
-        forkserver.ensure_running()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        with open("/proc/meminfo") as f:
+            kib = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:"))
+        return kib / 2**20
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+@atexit.register
+def _close_open_loaders() -> None:
+    for loader in list(_OPEN):
+        loader.close()
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -661,7 +708,7 @@ class PackedLoader:
 
     def _next_row(self) -> tuple[dict | None, str | None]:
         """The next row, or the one-line message of a DataError (from a worker, torch's text is
-        a header, the worker's traceback, then our line)."""
+        a header, the worker's traceback, then our line; a dead worker: `worker_death`'s line)."""
         try:
             return next(self._it), None
         except DataError as err:
@@ -670,6 +717,12 @@ class PackedLoader:
             err.__traceback__ = None
             self.close()
             return None, str(err).strip().rsplit("\n", 1)[-1].split("DataError: ", 1)[-1]
+        except RuntimeError as err:  # (after DataError, a RuntimeError too)
+            line = worker_death(err, getattr(self._it, "_workers", ()))
+            if line is None:
+                raise
+            self.close()
+            return None, line
 
     def _dataloader(self) -> DataLoader:
         cfg = self.cfg
@@ -693,8 +746,8 @@ class PackedLoader:
             return DataLoader(ds, batch_size=None, num_workers=0, pin_memory=pin)
         ctx = mp.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
-            ctx.set_forkserver_preload(["moevlm.data.loader"])
-            _start_forkserver_deaf_to_stop_signals()
+            ctx.set_forkserver_preload(["moevlm.data.deaf", "moevlm.data.loader"])
+        _OPEN.add(self)
         return DataLoader(
             ds,
             batch_size=None,
@@ -707,8 +760,16 @@ class PackedLoader:
         )
 
     def close(self) -> None:
-        """Stops the worker processes (a later iteration starts new ones from the current state)."""
-        self._it = None
+        """Stops the worker processes (a later iteration starts new ones from the current state): torch's
+        orderly stop, then SIGKILL for any left (they ignore SIGTERM)."""
+        it, self._it = self._it, None
+        workers = list(getattr(it, "_workers", ()))
+        if hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=10)
 
     # ---------------------------------------------------------------- state
     def _header(self) -> dict:

@@ -32,7 +32,9 @@ class ExitCode(IntEnum):
     # free; the earlier checkpoints are intact), the run's metrics could not be written (disk full), or
     # train.resume names one that fails verification
     CHECKPOINT = 7
-    DATA = 8  # the data cannot feed training (every sample skipped: the skip counts by reason)
+    # the data cannot feed training (no shard of the data set has a usable sample: the skip counts by
+    # reason), or a data worker died (one line: which, how, the likely cause); a relaunch resumes
+    DATA = 8
 
 
 def second_signal(signum: int) -> int:

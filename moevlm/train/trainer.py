@@ -79,7 +79,7 @@ from omegaconf import OmegaConf
 from moevlm.data import DataError
 from moevlm.data.batch import MicroBatch
 from moevlm.data.hf_files import write_processor_files
-from moevlm.data.loader import build_loader, merge_states
+from moevlm.data.loader import build_loader, merge_states, worker_death
 from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.model.config import ConfigError
 from moevlm.model.fp8 import install_weight_cache, resolve_fp8, weights_changed
@@ -480,7 +480,10 @@ class Trainer:
             code = ExitCode.DATA
         except (
             Exception
-        ) as err:  # a failed collective: one line naming the phase instead of a traceback
+        ) as err:  # a failed collective or a dead data worker: one line, not a traceback
+            if (line := worker_death(err)) is not None:  # (torch raises it wherever the step was)
+                print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
+                return ExitCode.DATA
             code = self.faults.failure_code(err)
             if code is None:
                 raise

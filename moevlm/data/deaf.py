@@ -1,0 +1,8 @@
+"""Imported first by the data loader's fork server (its preload list): the server, and so every worker it
+forks, ignores the stop signals that reach the whole process group, while the training process keeps its
+own handlers throughout (a signal sent while the server starts is never lost).  Imports nothing else."""
+
+import signal
+
+for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT):
+    signal.signal(_sig, signal.SIG_IGN)
