@@ -868,9 +868,12 @@ def describe_data(stats: dict) -> str:
         return "read on the first pipeline stage"
     skipped = stats.get("skipped") or {}
     skips = ", ".join(f"{reason} {n}" for reason, n in skipped.items()) if skipped else "none"
+    bad = stats.get("shards_all_skipped") or {}
+    shards = f"; shards with no usable sample: {', '.join(sorted(bad))}" if bad else ""
     return (
         f"{stats['samples_read']} samples read, {stats['samples_packed']} packed into {stats['batches']} "
-        f"batches (epoch {stats['epoch']}); skipped: {skips}; waited {stats['data_wait_s']:.1f}s for data"
+        f"batches (epoch {stats['epoch']}); skipped: {skips}{shards}; waited {stats['data_wait_s']:.1f}s "
+        "for data"
     )
 
 
