@@ -659,6 +659,13 @@ class CheckpointManager:
             return []
         names = sorted(files)
         mine = file_problems(path, files, names[self.rank :: self.world_size])
+        if (
+            self.rank == 0 and not mine
+        ):  # the index too, as the load would read it (nothing in it is run)
+            try:
+                _SafeReader(path).read_metadata()
+            except CheckpointError as e:
+                mine.append(str(e))
         problems = sorted(p for part in self._gathered(mine) for p in part)
         if not problems:
             self._verified.add(path.absolute())

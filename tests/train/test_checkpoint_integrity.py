@@ -461,7 +461,9 @@ def test_a_crafted_checkpoint_runs_nothing_and_is_refused(reference, tmp_path, k
         rechecksum(path)
     else:
         craft(path, make_change(flag))
-    assert not flag.exists() and CheckpointManager(src).verify(path) == []  # checksums agree
+    problems = CheckpointManager(src).verify(path)  # the checksums agree; the index is read safely
+    assert not flag.exists() and problems == ([] if make_change else [problems[0]])
+    assert make_change or ".metadata is not a DCP index this version reads" in problems[0]
     job = compose_job(
         FAST + ["train.steps=5", f"train.run_dir={tmp_path / 'run'}", f"train.resume={path}"]
     )
@@ -573,3 +575,21 @@ def test_disk_room_prunes_abandoned_checkpoints_first_oldest_first(tmp_path, mon
     assert [p.name[-1] for p in ckpt.complete()] == ["1", "2", "3", "4"]
     ckpt.save(5, model=model, optimizer=opt)  # nothing abandoned left: the oldest complete one
     assert [p.name[-1] for p in ckpt.complete()] == ["2", "3", "4", "5"]
+
+
+def test_a_crafted_index_under_resume_auto_is_set_aside_and_the_one_before_used(
+    reference, tmp_path
+):
+    ref_dir, _ = reference
+    root = tmp_path / "checkpoints"
+    shutil.copytree(ref_dir / "checkpoints", root)
+    newest, flag = root / "step_00000004", tmp_path / "PWNED"
+    (newest / ".metadata").write_bytes(pickle.dumps(Payload(flag)))
+    rechecksum(newest)
+    ck = CheckpointManager(root)
+    assert ck.newest_verified() == root / "step_00000003" and not flag.exists()
+    ((moved, problems),) = ck.rejected
+    assert (
+        moved == root / "rejected" / "step_00000004"
+        and ".metadata is not a DCP index" in problems[0]
+    )
