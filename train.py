@@ -42,14 +42,12 @@ def main(cfg) -> None:
             ).splitlines():  # each says what to change; a traceback would bury them
                 print(f"config error: {line}", file=sys.stderr)
         sys.exit(ExitCode.CONFIG)
-    except (
-        CheckpointError
-    ) as err:  # train.resume names a checkpoint that is damaged or does not fit
+    # train.resume names a checkpoint that is damaged or does not fit
+    except CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)
         sys.exit(ExitCode.CHECKPOINT)
-    except (
-        Exception
-    ) as err:  # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
+    # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
+    except Exception as err:
         line = describe_failure(
             err,
             "set-up (process group, run directory, sample data, checkpoint load)",
@@ -61,9 +59,8 @@ def main(cfg) -> None:
         print(line, file=sys.stderr)
         sys.exit(ExitCode.COLLECTIVE)
     code = trainer.run()
-    if (
-        sweep is None
-    ):  # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
+    # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
+    if sweep is None:
         # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,
         # not handled: Python resets its own handlers to the default while it finalises.
         for sig in STOP_SIGNALS:

@@ -333,9 +333,8 @@ def _quant_kernel(
         mask=mask,
         other=0,
     )
-    if (
-        BF16_BITS
-    ):  # bf16 read as int16: its bits are the top half of the fp32's (exact, subnormals included)
+    # bf16 read as int16: its bits are the top half of the fp32's (exact, subnormals included)
+    if BF16_BITS:
         x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     else:
         x = x.to(tl.float32)

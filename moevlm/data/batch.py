@@ -43,9 +43,8 @@ class MicroBatch:
     labels: torch.Tensor  # (B, S), -100 where no loss
     position_ids: torch.Tensor  # (3, B, S) M-RoPE positions
     cu_seqlens: torch.Tensor  # (B(J+2),) int32 document boundaries in the flattened B*S tokens
-    token_mask: (
-        torch.Tensor
-    )  # (B, S) bool, True at real tokens (padding stays out of router statistics)
+    # (B, S) bool, True at real tokens (padding stays out of router statistics)
+    token_mask: torch.Tensor
     pixel_values: torch.Tensor | None  # (B Np, D), real patches first
     image_grid_thw: torch.Tensor | None  # (B I, 3), real grids first, zero rows after
     loss_tokens: int  # tokens with a target

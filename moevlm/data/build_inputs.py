@@ -69,9 +69,8 @@ from moevlm.data.records import Record, parse_json_bytes
 
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
-LINE_SLACK = (
-    64 << 10
-)  # JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
+# JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
+LINE_SLACK = 64 << 10
 
 
 # ---- images -------------------------------------------------------------

@@ -106,9 +106,8 @@ _SWAPS_SIDES = (5, 6, 7, 8)
 # "alpha" is composited on white in RGBA (to_rgb), "convert" is one convert() to RGB or L.  Measured
 # peaks on this code path (a 4000x4000 image): RGB 5, RGBA 20, I;16 34, I and F 44 bytes per pixel.
 DECODE_EXTRA = {"wide": 32, "alpha": 16, "convert": 4}
-CHUNK_BYTES = (
-    1 << 20
-)  # image_to_patches' working set (fits L2): ~12% faster than whole-image passes
+# image_to_patches' working set (fits L2): ~12% faster than whole-image passes
+CHUNK_BYTES = 1 << 20
 
 
 def smart_resize(

@@ -488,9 +488,8 @@ class Stream:
         return copy.deepcopy(st)
 
     def _batch(self, samples) -> dict:
-        if (
-            not samples
-        ):  # check_config's budgets make this unreachable; an empty row must never train
+        # check_config's budgets make this unreachable; an empty row must never train
+        if not samples:
             raise RuntimeError(
                 f"data stream {self.stream}: the packer produced an empty row "
                 f"(data.pack={self.cfg.pack})"
@@ -694,9 +693,8 @@ class PackedLoader:
         t0 = time.perf_counter()
         while True:
             batch, error = self._next_row()
-            if (
-                error is not None
-            ):  # the workers are stopped already; a later iteration restarts them
+            # the workers are stopped already; a later iteration restarts them
+            if error is not None:
                 raise DataError(error)
             state = batch.pop("state")
             self.states[state["stream"]] = state
@@ -780,9 +778,8 @@ class PackedLoader:
             "streams": self.streams,
             "files": copy.deepcopy(self.files),
         }
-        if (
-            self.cfg.mock != "none"
-        ):  # absent for real data, so states saved before data.mock existed still match
+        # absent for real data, so states saved before data.mock existed still match
+        if self.cfg.mock != "none":
             head["mock"] = self.cfg.mock
         return head
 
@@ -936,9 +933,8 @@ def check_config(cfg: DataConfig, model_cfg=None, world: int = 1) -> None:
                 f"{theirs}; set data.image to the model's values"
             )
     unit = im.patch_size**2
-    if (
-        pk.max_patches and pk.max_images and im.max_pixels // unit > pk.max_patches
-    ):  # 0: a text-only budget
+    # 0: a text-only budget
+    if pk.max_patches and pk.max_images and im.max_pixels // unit > pk.max_patches:
         raise ValueError(
             f"one image may need up to {im.max_pixels // unit} patches (data.image.max_pixels="
             f"{im.max_pixels}) but a micro-batch holds data.pack.max_patches={pk.max_patches}; "

@@ -117,9 +117,8 @@ class GradSync:
         if missing:
             raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
         self.world, self.tp = world, tp
-        self.stage_world = (
-            stage_world or world
-        )  # the ranks holding this rank's parameters (world / pp)
+        # the ranks holding this rank's parameters (world / pp)
+        self.stage_world = stage_world or world
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
         self.tp_group = groups["tp"]
         self.tp_partial = list(tp_partial)

@@ -101,9 +101,8 @@ class StageModule(nn.Module):
         self.ds_in = [] if self.first else [k for k in range(n_ds) if k >= span.start]
         self.ds_out = [] if self.last else [k for k in range(n_ds) if k >= span.stop]
         self.num_experts = cfg.moe.num_experts
-        self.h_dtype = self.vision_dtype = (
-            torch.float32
-        )  # what crosses the boundary (Pipeline.start sets them)
+        # what crosses the boundary (Pipeline.start sets them)
+        self.h_dtype = self.vision_dtype = torch.float32
         self.records: list[dict] = []
         self.loss_tokens, self.aux_divisor = (
             1.0,
@@ -161,9 +160,8 @@ class StageModule(nn.Module):
             stats = local if stats is None else stats + local
         elif stats is None:
             stats = h.new_zeros(2 * self.num_experts + 1, dtype=torch.float32)
-        if (
-            not stats.requires_grad
-        ):  # a first stage without MoE layers: tie the vector to the graph (exact zero)
+        # a first stage without MoE layers: tie the vector to the graph (exact zero)
+        if not stats.requires_grad:
             stats = stats + h.float().sum() * 0
         return stats
 
@@ -173,9 +171,8 @@ class StageModule(nn.Module):
         lm_loss, n = model.lm_loss(logits, b.labels, b.cu_seqlens)
         lm_sum = lm_loss * n
         aux = None
-        if (
-            stats is not None
-        ):  # the load-balancing loss over every layer, from the sums of all stages
+        # the load-balancing loss over every layer, from the sums of all stages
+        if stats is not None:
             E = self.num_experts
             total = RouterStats(
                 stats[:E], counts_E=stats[E : 2 * E].detach(), num_tokens=stats[2 * E].detach()

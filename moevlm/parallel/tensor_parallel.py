@@ -182,9 +182,8 @@ def shard_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
     cfg = model.config
     partial: list[str] = []
     col, row = [Shard(0)], [Shard(1)]
-    emb = (
-        model.text.embed_tokens
-    )  # None on a pipeline rank without the first stage (so is lm_head without the last)
+    # None on a pipeline rank without the first stage (so is lm_head without the last)
+    emb = model.text.embed_tokens
     if emb is not None:
         shard_param(emb, "weight", tp_mesh, col)
     if cfg.tie_word_embeddings:

@@ -136,9 +136,8 @@ def to_storage_layout(
         else {k: storage_view(v) if k.endswith(GATE_UP) else v for k, v in model_sd.items()}
     )
     o = None
-    if (
-        optim_sd is not None
-    ):  # flattened: "state.<fqn>.<moment>" (DCP's flatten_optimizer_state_dict)
+    # flattened: "state.<fqn>.<moment>" (DCP's flatten_optimizer_state_dict)
+    if optim_sd is not None:
         o = {
             k: storage_view(v)
             if torch.is_tensor(v) and v.ndim == 3 and k.rsplit(".", 1)[0].endswith(GATE_UP)

@@ -659,9 +659,8 @@ class CheckpointManager:
             return []
         names = sorted(files)
         mine = file_problems(path, files, names[self.rank :: self.world_size])
-        if (
-            self.rank == 0 and not mine
-        ):  # the index too, as the load would read it (nothing in it is run)
+        # the index too, as the load would read it (nothing in it is run)
+        if self.rank == 0 and not mine:
             try:
                 _SafeReader(path).read_metadata()
             except CheckpointError as e:

@@ -131,9 +131,8 @@ class StopSignals:
             for signum in os.read(r, 64):
                 if signum == 0:
                     return
-                if (
-                    self._old_fd >= 0
-                ):  # a wakeup fd set before ours (an event loop) still hears of it
+                # a wakeup fd set before ours (an event loop) still hears of it
+                if self._old_fd >= 0:
                     try:
                         os.write(self._old_fd, bytes([signum]))
                     except OSError:

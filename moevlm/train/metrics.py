@@ -231,9 +231,8 @@ class Window:
         if mem_gib_by_pp_rank is not None:
             rec["mem_gib_by_pp_rank"] = mem_gib_by_pp_rank
         rec["steps_in_window"] = self.steps
-        if (
-            self.skipped_steps
-        ):  # a skipped step is logged at once, marked: did the logged step update?
+        # a skipped step is logged at once, marked: did the logged step update?
+        if self.skipped_steps:
             rec["updated"], rec["skipped_steps_in_window"] = (
                 self.last["updated"],
                 self.skipped_steps,

@@ -296,9 +296,8 @@ class Profiling:
         self.run_dir, self.rank, self.log = Path(run_dir), rank, log
         self.timer = None
         if self.timing or self.trace is not None:
-            cuda_clock = (
-                self.timing and device.type == "cuda"
-            )  # a trace alone needs only the ranges
+            # a trace alone needs only the ranges
+            cuda_clock = self.timing and device.type == "cuda"
             self.timer = ComponentTimer(CudaClock() if cuda_clock else WallClock())
             self.timer.attach(model)
         self.window = dict.fromkeys(COMPONENTS, 0.0)

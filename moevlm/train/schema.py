@@ -597,9 +597,8 @@ def model_config(m: ModelConfig) -> VLMConfig:
         cfg.vision.deepstack_visual_indexes = tuple(
             i for i in cfg.vision.deepstack_visual_indexes if i < m.vision_depth
         )
-    if (
-        cfg.moe.dispatcher == "auto"
-    ):  # resolved by validate() once the layout is known; one rank dispatches locally
+    # resolved by validate() once the layout is known; one rank dispatches locally
+    if cfg.moe.dispatcher == "auto":
         cfg.moe.dispatcher = "local"
     try:
         return cfg.validate()

@@ -122,9 +122,8 @@ class Trainer:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         try:
             self.plan = validate(job, self.world)
-        except (
-            ConfigError
-        ) as err:  # the config alone: every rank finds the same, rank 0 says it (train.py)
+        # the config alone: every rank finds the same, rank 0 says it (train.py)
+        except ConfigError as err:
             err.same_on_every_rank = True
             raise
         self.device = _device(self.t.device)
@@ -284,9 +283,8 @@ class Trainer:
         self.pipeline = self.parallel.pipeline
         if self.pipeline is not None:
             self.log.info(self.plan.pipeline.describe())
-        moe = (
-            self.plan.model.moe
-        )  # the capacity all-to-all's dropped rows (every rank: its reads are collective)
+        # the capacity all-to-all's dropped rows (every rank: its reads are collective)
+        moe = self.plan.model.moe
         self.overflow = (
             None
             if moe.capacity_factor is None
@@ -306,9 +304,8 @@ class Trainer:
             load_hf_weights_(model, m.hf_checkpoint)
         else:
             init_parameters_(model, self.t.seed, self.parallel)  # the same weights under any layout
-        if (
-            m.freeze_vision and model.vision is not None
-        ):  # (None on pipeline ranks without the first stage)
+        # (None on pipeline ranks without the first stage)
+        if m.freeze_vision and model.vision is not None:
             model.vision.requires_grad_(False)
         if self.pipeline is not None:
             d = self.job.data.pack
@@ -321,9 +318,8 @@ class Trainer:
                 autocast=self._autocast,
                 **_boundary_dtypes(self._bf16, self.job.parallel.dp_mode),
             )
-        if (
-            1 < self.world <= 64
-        ):  # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
+        # each rank's groups along every dimension (larger jobs: ParallelDims.describe_ranks)
+        if 1 < self.world <= 64:
             self.log.info(self.plan.dims.describe_ranks())
         n = sum(p.numel() for p in model.parameters())
         held = " on pp rank 0's stages" if self.pipeline is not None else ""
@@ -395,9 +391,8 @@ class Trainer:
             self.loader.load_state_dict(
                 merge_states([d for d in ck.load_all_ranks(path, "data") if d is not None])
             )
-        except (
-            ValueError
-        ) as err:  # other shards, seed or streams than the checkpoint's: what to change
+        # other shards, seed or streams than the checkpoint's: what to change
+        except ValueError as err:
             raise CheckpointError(f"cannot resume the data from {path}: {err}") from None
         if got["per_rank"].get("rng") is not None:
             set_rng_state(got["per_rank"]["rng"])
@@ -459,9 +454,8 @@ class Trainer:
         except NonFiniteWeights as err:  # no checkpoint of them is written
             self.log.info(f"stopping at step {self.step}: {err}")
             code = ExitCode.NONFINITE
-        except (
-            CheckpointError
-        ) as err:  # no room, or the write failed: the earlier checkpoints are intact
+        # no room, or the write failed: the earlier checkpoints are intact
+        except CheckpointError as err:
             code = self.faults.failure_code(
                 err
             )  # a peer lost during the save: its code, not a disk's
@@ -478,9 +472,8 @@ class Trainer:
                 flush=True,
             )
             code = ExitCode.DATA
-        except (
-            Exception
-        ) as err:  # a failed collective or a dead data worker: one line, not a traceback
+        # a failed collective or a dead data worker: one line, not a traceback
+        except Exception as err:
             if (line := worker_death(err)) is not None:  # (torch raises it wherever the step was)
                 print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
                 return ExitCode.DATA
@@ -713,9 +706,8 @@ class Trainer:
         return None
 
     def _summary(self, seconds: float, steps: int) -> int:
-        real = (
-            self.updated_losses
-        )  # this launch's updates only: not skipped steps, not a resumed past
+        # this launch's updates only: not skipped steps, not a resumed past
+        real = self.updated_losses
         self.log.info(
             f"done: {steps} steps in {seconds:.1f}s ({steps / max(seconds, 1e-9):.2f} steps/s); "
             f"data: {describe_data(self.loader.stats())}"
@@ -757,15 +749,13 @@ class Trainer:
             nonfinite_steps=self.nonfinite_steps,
         )
         rec["recompute"] = describe_recompute(*recompute_setting(self.job.model))
-        if (
-            self.compiled is not None
-        ):  # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
+        # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
+        if self.compiled is not None:
             rec.update(self.compiled.record())
         if self.prof.timing:  # seconds per component summed over the window, like step_time_s
             rec["components_s"] = self.prof.take_window()
-        if (
-            self.overflow is not None
-        ):  # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches
+        # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches
+        if self.overflow is not None:
             rec.update(self.overflow.record(self.device))  # over the window
         rec["mock"] = self.job.data.mock  # data.mock: "none" for real data
         reset_peak_memory(self.device)

@@ -623,9 +623,8 @@ def _check_optim(o, steps: int) -> list[str]:
         f"optim.grad_clip={o.grad_clip!r} must be a finite number (the max gradient norm; 0 or less disables "
         "clipping)",
     )
-    if (
-        o.warmup_steps > steps
-    ):  # the multiplier after warmup step s is (s + 1) / warmup: 1 at s = warmup - 1
+    # the multiplier after warmup step s is (s + 1) / warmup: 1 at s = warmup - 1
+    if o.warmup_steps > steps:
         return [
             f"note: optim.warmup_steps={o.warmup_steps} > train.steps={steps}: the learning rate never "
             f"reaches optim.lr={o.lr} in this run"

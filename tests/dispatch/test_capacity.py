@@ -98,9 +98,8 @@ def test_capacity_path_runs_on_meta_without_data_dependent_shapes():
 def _scenario(name, rank, L):
     gen = torch.Generator().manual_seed(1000 * len(name) + rank)
     allowed = list(range(E))
-    if (
-        name == "idle"
-    ):  # rank 0's experts and the last expert receive nothing: every rank sends all to rank 1
+    # rank 0's experts and the last expert receive nothing: every rank sends all to rank 1
+    if name == "idle":
         allowed = list(range(L, E - 1))
     idx = torch.stack(
         [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)]
@@ -220,9 +219,8 @@ def test_trainer_logs_dropped_tokens_and_error_mode_fails(tmp_path):
         json.loads(line) for line in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()
     ]
     layers = sum(tr.plan.model.moe.is_moe_layer(i) for i in range(tr.plan.model.text.num_layers))
-    tokens = (
-        tr.plan.grad_accum * job.train.micro_batch_size * job.data.pack.seq_len
-    )  # per step (padding routed too)
+    # per step (padding routed too)
+    tokens = tr.plan.grad_accum * job.train.micro_batch_size * job.data.pack.seq_len
     routed = tokens * tr.plan.model.moe.top_k * layers
     assert [r["step"] for r in recs] == [1, 2]
     for rec in recs:

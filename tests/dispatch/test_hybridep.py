@@ -205,13 +205,11 @@ def _capacity(name, group, W_EDD, worst):
         assert tight.dropped.item() == dropped[r], (
             f"{where} pad {pad}: {tight.dropped.item()} != {dropped[r]}"
         )
-        assert tight.flagged.item() == (dropped[r] > 0) or pad > 1, (
-            where
-        )  # (padding alone can overflow)
+        # (padding alone can overflow)
+        assert tight.flagged.item() == (dropped[r] > 0) or pad > 1, where
         if name == "idle" and pad == 1:
-            assert sum(dropped) > 0 and dropped[0] == 0, (
-                where
-            )  # rank 0 receives nothing, drops nothing
+            # rank 0 receives nothing, drops nothing
+            assert sum(dropped) > 0 and dropped[0] == 0, where
 
         class Layer(torch.nn.Module):
             dispatcher = tight

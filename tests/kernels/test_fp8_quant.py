@@ -227,9 +227,8 @@ def test_hand_worked_mxfp8():
         [3.0, -1.0, 0.25]
     )  # amax 3: e = floor(log2 3) - 8 = 1 - 8 = -7, x * 2^7
     x[1, :2] = torch.tensor([3.9, 1.0])  # e = -7 too; 3.9 * 128 = 499.2 saturates to 448
-    x[3, 0] = (
-        2.0**-130
-    )  # an fp32 subnormal: e = -130 - 8 clamps to -127; code 2^-130 * 2^127 = 0.125
+    # an fp32 subnormal: e = -130 - 8 clamps to -127; code 2^-130 * 2^127 = 0.125
+    x[3, 0] = 2.0**-130
     for backend in Q.BACKENDS:
         codes, scales = Q.quant_mxfp8(x, backend=backend)
         assert bits(scales).flatten().tolist() == [

@@ -15,9 +15,8 @@ def test_torch_grouped_mm_matches_loop(counts):
     outs, grads = [], []
     for backend in ("loop", "torch"):
         y = grouped_mm(x, w, counts_E, backend)
-        assert (
-            y._base is None
-        )  # not a view: FSDP2 warns when a wrapped module (the experts) returns one
+        # not a view: FSDP2 warns when a wrapped module (the experts) returns one
+        assert y._base is None
         y.sum().backward()  # an expanded (non-contiguous) incoming gradient on purpose
         outs.append(y.detach())
         grads.append((x.grad.clone(), w.grad.clone()))

@@ -128,9 +128,8 @@ def test_region_refuses_another_attention_backend(tiny):
 # ------------------------------------------------------------------ validation
 def _errors(overrides, world=1, environment=False, extra=None) -> str:
     job = compose_job(overrides)
-    if (
-        extra
-    ):  # options of other parts of the trainer (train.compile, model.recompute), untyped here
+    # options of other parts of the trainer (train.compile, model.recompute), untyped here
+    if extra:
         job = OmegaConf.create(OmegaConf.to_container(job, resolve=True))
         for key, value in extra.items():
             OmegaConf.update(job, key, value)

@@ -371,9 +371,8 @@ def test_torchrun_world8_folded_layout_matches_one_process(reference, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in proc.stdout
-    assert (
-        "returned a view tensor" not in proc.stdout
-    )  # FSDP2's warning on the experts' output (grouped_gemm.py)
+    # FSDP2's warning on the experts' output (grouped_gemm.py)
+    assert "returned a view tensor" not in proc.stdout
     loss_err, param_err = runs_agree(tmp_path, steps=5)
     print(
         f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}"

@@ -41,9 +41,8 @@ def test_groups_partition_the_ranks(world, kw):
     d = ParallelDims(world, **kw)
     for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp"):
         seen = {tuple(d.groups(r)[dim]) for r in range(world)}
-        assert sorted(r for grp in seen for r in grp) == list(range(world)), (
-            dim
-        )  # disjoint and complete
+        # disjoint and complete
+        assert sorted(r for grp in seen for r in grp) == list(range(world)), dim
         size = {"dp_cp": d.dp * d.cp}.get(dim) or getattr(d, dim)
         assert all(len(grp) == size for grp in seen)
 

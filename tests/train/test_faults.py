@@ -262,9 +262,8 @@ def test_data_workers_and_fork_server_outlive_a_stop_signal(reference):
         next(loader)
         servers = [p for p in _children(os.getpid()) if b"forkserver" in _cmdline(p)]
         helpers = servers + [c for p in servers for c in _children(p)]
-        assert len(servers) == 1 and len(helpers) >= 2, (
-            helpers
-        )  # the fork server and the data worker
+        # the fork server and the data worker
+        assert len(servers) == 1 and len(helpers) >= 2, helpers
         for pid in helpers:
             os.kill(pid, signal.SIGINT)
             os.kill(pid, signal.SIGTERM)
@@ -513,9 +512,8 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
         f"no answer within parallel.timeout_s={timeout_s}s. Likely cause: another rank stopped, crashed"
         in failure[0]
     )
-    assert waited < timeout_s + 30, (
-        waited
-    )  # the stalled step started at most one step before the stop
+    # the stalled step started at most one step before the stop
+    assert waited < timeout_s + 30, waited
     report = out.index("rank 0: watchdog: step ")
     assert (
         report < out.index(failure[0]) and "Thread 0x" in out[report:]

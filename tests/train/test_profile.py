@@ -55,9 +55,8 @@ def test_components_account_for_the_step(profiled_run):
     for r in recs:
         c, step = r["components_s"], r["step_time_s"]
         assert list(c) == list(COMPONENTS)
-        assert all(c[name] > 0 for name in NAMED), (
-            c
-        )  # the tiny MoE model with images runs every part
+        # the tiny MoE model with images runs every part
+        assert all(c[name] > 0 for name in NAMED), c
         assert c["other"] >= -1e-6 * step  # the named parts never overlap
         assert abs(sum(c.values()) - step) <= 0.10 * step, (sum(c.values()), step)
         # what is left untimed (embedding, norms, residuals, masks, the aux loss, all-reduces) is a minor
@@ -113,9 +112,8 @@ def test_recomputed_regions_count_once(reentrant):
     model = Qwen3VLMoe(VLMConfig.preset("tiny"))
     layers = list(model.text.layers)
     calls = []
-    for (
-        layer
-    ) in layers:  # activation recompute as torch.utils.checkpoint does it, around every layer
+    # activation recompute as torch.utils.checkpoint does it, around every layer
+    for layer in layers:
         layer.self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
         layer.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=reentrant))(
             layer.forward

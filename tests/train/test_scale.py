@@ -49,9 +49,8 @@ def test_every_recipe_scales_down_keeping_its_shape(name):
         all(job.parallel[k] == recipe.parallel[k] for k in SHAPE)
         and job.model.dispatcher == recipe.model.dispatcher
     )
-    if (
-        plan is None
-    ):  # deepep, hybridep without their package (CPU machines): refused first, whatever the launch
+    # deepep, hybridep without their package (CPU machines): refused first, whatever the launch
+    if plan is None:
         with pytest.raises(
             ConfigError,
             match=rf"^model.dispatcher='{job.model.dispatcher}' cannot run: the deep_ep "

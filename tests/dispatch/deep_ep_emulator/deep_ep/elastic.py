@@ -48,14 +48,12 @@ class EventOverlap:
 class _Layout:
     """The emulator's own record of one dispatch (DeepEP keeps buffer slot indices instead)."""
 
-    send_token_idx: (
-        torch.Tensor
-    )  # source token of every sent row, destination-rank-major, token order within
+    # source token of every sent row, destination-rank-major, token order within
+    send_token_idx: torch.Tensor
     send_splits: list[int]  # rows to each rank
     recv_splits: list[int]  # rows from each rank
-    recv_order: (
-        torch.Tensor
-    )  # received row i is row recv_order[i] of the source-rank-major, source-token order
+    # received row i is row recv_order[i] of the source-rank-major, source-token order
+    recv_order: torch.Tensor
     recv_topk_idx: torch.Tensor  # (R, K) local expert ids, -1 where the choice is not on this rank
 
 
@@ -78,9 +76,8 @@ class EPHandle:
     psum_num_recv_tokens_per_scaleup_rank: torch.Tensor  # (P,) int32, inclusive
     psum_num_recv_tokens_per_expert: torch.Tensor  # (L,) int32, inclusive, of the aligned counts
     num_unaligned_recv_tokens_per_expert: torch.Tensor  # (L,) int32
-    recv_src_metadata: (
-        torch.Tensor
-    )  # (rows, K + 2) int32: source global token, source rank x K + first local slot, -1s
+    # (rows, K + 2) int32: source global token, source rank x K + first local slot, -1s
+    recv_src_metadata: torch.Tensor
     layout: _Layout
     dst_buffer_slot_idx: torch.Tensor | None = None
     token_metadata_at_forward: torch.Tensor | None = None
@@ -153,9 +150,8 @@ class ElasticBuffer:
         return 1, self.num_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, *args, **kwargs) -> int:
-        assert (
-            num_experts % self.num_ranks == 0
-        )  # upstream too fails on num_experts=None (a cached dispatch)
+        # upstream too fails on num_experts=None (a cached dispatch)
+        assert num_experts % self.num_ranks == 0
         return _NUM_SMS
 
     def barrier(
@@ -373,9 +369,8 @@ class ElasticBuffer:
 
         combined_x = x.new_zeros(T, x.shape[1]).index_add_(0, layout.send_token_idx, back(x))
         combined_w = None
-        if (
-            topk_weights is not None
-        ):  # slot k: the weight the rank owning expert topk_idx[t, k] sent back, 0 for -1
+        # slot k: the weight the rank owning expert topk_idx[t, k] sent back, 0 for -1
+        if topk_weights is not None:
             dest_N = torch.repeat_interleave(torch.arange(P), torch.tensor(layout.send_splits))
             idx_NK = handle.topk_idx[layout.send_token_idx]
             owner_NK = (idx_NK >= 0) & (idx_NK // (handle.num_experts // P) == dest_N[:, None])
