@@ -22,6 +22,7 @@ from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import check_overrides, compose_job, register_configs
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import STOP_SIGNALS, describe_failure
+from moevlm.train.integrity import disk_full_line, looks_like_disk_full
 
 register_configs()
 
@@ -46,8 +47,11 @@ def main(cfg) -> None:
     except CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)
         sys.exit(ExitCode.CHECKPOINT)
-    # a collective failed during set-up: one line (moevlm.train.faults), not a traceback
+    # a collective failed during set-up, or the disk is full: one line, not a traceback
     except Exception as err:
+        if looks_like_disk_full(err):
+            print(f"set-up stopped: {disk_full_line(err)}", file=sys.stderr)
+            sys.exit(ExitCode.CHECKPOINT)
         line = describe_failure(
             err,
             "set-up (process group, run directory, sample data, checkpoint load)",
@@ -59,10 +63,10 @@ def main(cfg) -> None:
         print(line, file=sys.stderr)
         sys.exit(ExitCode.COLLECTIVE)
     code = trainer.run()
-    # the run is over (checkpointed if it stopped early) and the process exits: a stop signal
     if sweep is None:
-        # now, such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.  Ignored,
-        # not handled: Python resets its own handlers to the default while it finalises.
+        # the run is over (checkpointed if it stopped early) and the process exits: a stop signal now,
+        # such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.
+        # Ignored, not handled: Python resets its own handlers to the default while it finalises.
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     if code:

@@ -205,6 +205,16 @@ def looks_like_disk_full(e: BaseException) -> bool:
     )
 
 
+def disk_full_line(e: BaseException) -> str:
+    """The line for a write that found the disk full, outside a checkpoint save."""
+    path = next((x.filename for x in errors_in(e) if isinstance(x, OSError) and x.filename), None)
+    where = f"writing {path}" if path else "a write"
+    return (
+        f"{where} failed: the disk is full ({one_line(e)}); the checkpoints are intact (a relaunch with "
+        "room resumes from the last one)"
+    )
+
+
 def one_line(e: BaseException) -> str:
     """The innermost error of a (DCP) exception, in one line."""
     inner = [x for x in errors_in(e) if not isinstance(x, CheckpointException)] or [e]

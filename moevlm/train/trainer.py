@@ -99,6 +99,7 @@ from moevlm.train.checkpoint import (
 from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.dispatch.capacity import OverflowCounter
 from moevlm.train.exit_codes import ExitCode
+from moevlm.train.integrity import disk_full_line, looks_like_disk_full
 from moevlm.train.faults import Faults, StepWatchdog
 from moevlm.train.metrics import (
     LogWriteError,
@@ -477,6 +478,13 @@ class Trainer:
             if (line := worker_death(err)) is not None:  # (torch raises it wherever the step was)
                 print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
                 return ExitCode.DATA
+            if looks_like_disk_full(err):  # a write of ours other than a checkpoint or the metrics
+                print(
+                    f"stopping at step {self.step}: {disk_full_line(err)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return ExitCode.CHECKPOINT
             code = self.faults.failure_code(err)
             if code is None:
                 raise

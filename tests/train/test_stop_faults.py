@@ -105,3 +105,16 @@ def test_a_peer_lost_during_a_save_is_a_collective_failure(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "collective failure during checkpoint save" in err
     assert "a collective lost its connection to a peer rank" in err
+
+
+def test_a_full_disk_under_any_other_write_is_one_line_and_exit_7(tmp_path, capsys):
+    """E.g. a profile table or a file of the run directory: not a traceback and exit 1."""
+    trainer = _trainer(tmp_path, steps=2)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "profile.txt"))
+
+    trainer.save = full
+    assert trainer.run() == ExitCode.CHECKPOINT
+    err = capsys.readouterr().err
+    assert f"stopping at step 1: writing {tmp_path / 'profile.txt'} failed: the disk is full" in err
