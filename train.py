@@ -21,8 +21,9 @@ from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import check_overrides, compose_job, register_configs
 from moevlm.train.exit_codes import ExitCode
-from moevlm.train.faults import STOP_SIGNALS, describe_failure
-from moevlm.train.integrity import disk_full_line, looks_like_disk_full
+from moevlm.signals import STOP_SIGNALS
+from moevlm.train.faults import describe_failure
+from moevlm.train.integrity import write_failed_line, looks_like_disk_full
 
 register_configs()
 
@@ -50,7 +51,7 @@ def main(cfg) -> None:
     # a collective failed during set-up, or the disk is full: one line, not a traceback
     except Exception as err:
         if looks_like_disk_full(err):
-            print(f"set-up stopped: {disk_full_line(err)}", file=sys.stderr)
+            print(f"set-up stopped: {write_failed_line(err)}", file=sys.stderr)
             sys.exit(ExitCode.CHECKPOINT)
         line = describe_failure(
             err,

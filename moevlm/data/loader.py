@@ -161,6 +161,7 @@ from moevlm.data.reader import (
     shard_identities,
 )
 from moevlm.data.text import ChatEncoder, load_tokenizer
+from moevlm.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -552,7 +553,7 @@ class PackedDataset(IterableDataset):
         info = get_worker_info()
         p, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
-            for s in _STOP_SIGNALS:
+            for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_IGN)
             threading.Thread(target=_exit_without, args=(self.main_pid,), daemon=True).start()
         cfg = self.cfg
@@ -578,7 +579,6 @@ def _exit_without(pid: int, every_s: float = 1.0) -> None:
             os._exit(0)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # loaders with workers, closed at interpreter exit
 _DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (.*)")
 
@@ -597,13 +597,10 @@ def worker_death(err: BaseException, workers=()) -> str | None:
     elif codes:
         how = f"exited with code {codes[0]}"
     if "Killed" in how or "SIGKILL" in how or "exited unexpectedly" == how:
+        free = _available_gib()
         cause = (
             "most likely the kernel's out-of-memory killer (see dmesg"
-            + (
-                f"; {_available_gib():.1f} GiB available now"
-                if _available_gib() is not None
-                else ""
-            )
+            + (f"; {free:.1f} GiB available now" if free is not None else "")
             + "): lower data.num_workers, data.prefetch_factor or data.image.max_pixels"
         )
     elif "Bus error" in how:

@@ -56,14 +56,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from moevlm.signals import STOP_SIGNALS
 from moevlm.train.exit_codes import ExitCode, second_signal
 from moevlm.train.integrity import errors_in
 
 REPEAT_WINDOW_S = 2.0
-# the signals that ask a run to stop: SIGTERM (schedulers, torchrun), SIGINT (Ctrl-C), SIGHUP (a closed
-# terminal; torchrun forwards it), SIGUSR1 (Slurm's warning before the time limit, --signal=USR1@secs),
-# SIGQUIT (Ctrl-backslash): each checkpoints after the current step and exits 4, rather than dying without one
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
 WARMUP_STEPS, WINDOW = 2, 20
 
 

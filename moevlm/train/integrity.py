@@ -205,13 +205,16 @@ def looks_like_disk_full(e: BaseException) -> bool:
     )
 
 
-def disk_full_line(e: BaseException) -> str:
-    """The line for a write that found the disk full, outside a checkpoint save."""
-    path = next((x.filename for x in errors_in(e) if isinstance(x, OSError) and x.filename), None)
-    where = f"writing {path}" if path else "a write"
+def write_failed_line(e: BaseException, path=None) -> str:
+    """The line for a write of the run other than a checkpoint's (metrics, TensorBoard, a profile table,
+    set-up) that failed, a full disk most often; `path`: what was written, else the error's file name."""
+    path = path or next(
+        (x.filename for x in errors_in(e) if isinstance(x, OSError) and x.filename), None
+    )
+    why = "the disk is full" if looks_like_disk_full(e) else one_line(e)
     return (
-        f"{where} failed: the disk is full ({one_line(e)}); the checkpoints are intact (a relaunch with "
-        "room resumes from the last one)"
+        f"{f'writing {path}' if path else 'a write'} failed: {why}; the checkpoints are intact (a "
+        "relaunch with room resumes from the last one)"
     )
 
 

@@ -47,7 +47,6 @@ Conventions:
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -56,6 +55,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from moevlm.train.integrity import write_failed_line
 
 # Dense peak TFLOP/s (no sparsity) by lower-case substring of torch.cuda.get_device_name();
 # the longest matching key wins ("gb200" over "b200", "h100 nvl" over "h100").
@@ -240,18 +241,6 @@ class Window:
         return rec
 
 
-def _write_failed(path: Path, err: OSError) -> str:
-    why = (
-        "the disk is full"
-        if err.errno in (errno.ENOSPC, errno.EDQUOT)
-        else err.strerror or str(err)
-    )
-    return (
-        f"writing {path} failed: {why}; the checkpoints are intact (a relaunch with room resumes from "
-        "the last one)"
-    )
-
-
 def fmt_count(x: float) -> str:
     """12345 -> '12.3k', 4.5e6 -> '4.5M'."""
     for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -415,7 +404,7 @@ class MetricsLogger:
             self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
         except OSError as err:
-            raise LogWriteError(_write_failed(self.run_dir / "metrics.jsonl", err)) from None
+            raise LogWriteError(write_failed_line(err, self.run_dir / "metrics.jsonl")) from None
         if self._tb is not None:
             try:
                 for tag, value in values.items():
@@ -423,7 +412,7 @@ class MetricsLogger:
                 self._tb.flush()
             except OSError as err:
                 self._tb = None  # closing it would only fail again
-                raise LogWriteError(_write_failed(self.run_dir / "tb", err)) from None
+                raise LogWriteError(write_failed_line(err, self.run_dir / "tb")) from None
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._bar is not None:

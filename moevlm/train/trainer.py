@@ -99,7 +99,7 @@ from moevlm.train.checkpoint import (
 from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.dispatch.capacity import OverflowCounter
 from moevlm.train.exit_codes import ExitCode
-from moevlm.train.integrity import disk_full_line, looks_like_disk_full
+from moevlm.train.integrity import write_failed_line, looks_like_disk_full
 from moevlm.train.faults import Faults, StepWatchdog
 from moevlm.train.metrics import (
     LogWriteError,
@@ -480,7 +480,7 @@ class Trainer:
                 return ExitCode.DATA
             if looks_like_disk_full(err):  # a write of ours other than a checkpoint or the metrics
                 print(
-                    f"stopping at step {self.step}: {disk_full_line(err)}",
+                    f"stopping at step {self.step}: {write_failed_line(err)}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -16,27 +16,8 @@ from moevlm.train.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import Trainer
 
+from test_faults import _children, _gone
 from test_trainer import FAST, launch, last_loss_per_step, read_metrics
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _state(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return b"X"
 
 
 def _a_worker_of(trainer_pid: int) -> int | None:
@@ -70,7 +51,7 @@ def test_a_killed_worker_ends_the_run_in_seconds_and_the_relaunch_resumes_exactl
         job.pid, signal.SIGSTOP
     )  # the trainer cannot finish its steps before the worker is gone
     os.kill(worker, signal.SIGKILL)
-    while Path(f"/proc/{worker}").exists() and b"Z" not in _state(worker):
+    while not _gone(worker):  # reaped, or a zombie
         time.sleep(0.01)
     killed = time.time()
     os.kill(job.pid, signal.SIGCONT)
