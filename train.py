@@ -39,9 +39,8 @@ def main(cfg) -> None:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
         if os.environ.get("RANK", "0") == "0" or not getattr(err, "same_on_every_rank", False):
-            for line in str(
-                err
-            ).splitlines():  # each says what to change; a traceback would bury them
+            # each says what to change; a traceback would bury them
+            for line in str(err).splitlines():
                 print(f"config error: {line}", file=sys.stderr)
         sys.exit(ExitCode.CONFIG)
     # train.resume names a checkpoint that is damaged or does not fit

@@ -123,9 +123,8 @@ def main() -> None:
                 image_pos = (
                     (r["input_ids"].reshape(-1) == model.image_token_id).nonzero().squeeze(-1)
                 )
-                offsets = (
-                    torch.tensor([0] + sizes[:-1]).cumsum(0) // merge2
-                )  # each image's first token
+                # each image's first token
+                offsets = torch.tensor([0] + sizes[:-1]).cumsum(0) // merge2
                 starts = image_pos[offsets].tolist()
                 landed = [0] * cp
                 for p, size in zip(starts, sizes):

@@ -131,9 +131,8 @@ def main() -> None:
         )
         print("|---|---|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(1234 + rank)
-    scale = torch.randn(E // P, 1, generator=gen).to(
-        device, dtype
-    )  # a per-expert "expert": y = x * s_e
+    # a per-expert "expert": y = x * s_e
+    scale = torch.randn(E // P, 1, generator=gen).to(device, dtype)
 
     def experts_for(disp):
         def apply(rows):
@@ -198,6 +197,7 @@ def main() -> None:
                 )
             if label == "alltoall":
                 base_t = fwd
+    dist.barrier()  # every rank done before any tears down (gloo has aborted a rank tearing down early)
     dist.destroy_process_group()
 
 

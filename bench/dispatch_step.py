@@ -133,6 +133,7 @@ def main() -> None:
     for k in kinds:
         m = statistics.median(times[k])
         print(f"| {k} | {m * 1e3:.2f} | {base / m:.3f}x |")
+    dist.barrier()  # every rank done before any tears down (gloo has aborted a rank tearing down early)
     dist.destroy_process_group()
 
 

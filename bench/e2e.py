@@ -356,9 +356,8 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
         hf = HFSide(hf_dir, job, dev, bf16)
         experts = hf.experts
-        notes.append(
-            compare_losses(ours_loss, hf.lm_loss(hf_in[n]), bf16)
-        )  # before HF's first step
+        # before HF's first step
+        notes.append(compare_losses(ours_loss, hf.lm_loss(hf_in[n]), bf16))
         for i in range(n):
             hf_on(i)
     else:

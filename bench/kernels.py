@@ -105,9 +105,8 @@ def bench_gemm(M, K, N, E, kind, dtype, device, iters, backends):
     x = torch.randn(M, K, device=device, dtype=dtype)
     w = torch.randn(E, K, N, device=device, dtype=dtype) / K**0.5
     dy = torch.randn(M, N, device=device, dtype=dtype)
-    ref = grouped_mm(
-        x.float(), w.float(), counts, "loop"
-    )  # fp32 per-expert matmuls (_grouped_mm wants bf16 on CUDA)
+    # fp32 per-expert matmuls (_grouped_mm wants bf16 on CUDA)
+    ref = grouped_mm(x.float(), w.float(), counts, "loop")
     rows = {}
     for b in backends:
         got = grouped_mm(x, w, counts, b).float()
@@ -148,14 +147,12 @@ def bench_permute(T, K, H, E, dtype, device, iters):
         res["triton"][1].float(), res["torch"][1].float(), rtol=2e-2, atol=2e-2
     )
     xm = res["torch"][0]
-    nbytes = (
-        T * H + T * K * H
-    ) * x.element_size()  # each direction reads one side and writes the other
+    # each direction reads one side and writes the other
+    nbytes = (T * H + T * K * H) * x.element_size()
     copy_src = torch.empty(T * K, H, device=device, dtype=dtype)
     copy_s = timed(lambda: copy_src.clone(), iters, device)
-    out = {
-        "copy": 2 * copy_src.numel() * x.element_size() / copy_s / 1e9
-    }  # bandwidth: read + write
+    # bandwidth: read + write
+    out = {"copy": 2 * copy_src.numel() * x.element_size() / copy_s / 1e9}
     for backend in ("torch", "triton"):
         out[f"permute {backend}"] = (
             nbytes / timed(lambda b=backend: P.permute(x, plan, backend=b), iters, device) / 1e9
@@ -305,9 +302,8 @@ def bench_mx_torch(M, K, N, E, kind, device, iters, backend="torch"):
     dy = torch.randn(Mp, N, device=device, dtype=torch.bfloat16)
     wts = _quantizers("mxfp8")[2](w)
     got = fp8_step(x, dy, wts, counts, "mxfp8", backend)
-    if (
-        backend == "emulate"
-    ):  # against the unquantized GEMMs: the recipe's error (~4e-2), not a layout mix-up (O(1))
+    # against the unquantized GEMMs: the recipe's error (~4e-2), not a layout mix-up (O(1))
+    if backend == "emulate":
         xd, wd, dyd = x.double(), w.double(), dy.double()
         want = (
             grouped_mm_loop(xd, wd, counts),
@@ -415,9 +411,8 @@ def print_fp8_table(a, shapes, device, base):
                     print(
                         f"| {s} | {T} | {gemm} | {kind} | " + " | ".join(cells) + " |", flush=True
                     )
-    if (
-        not mx_ok and a.smoke
-    ):  # the mxfp8 operands' wiring, through the emulation, so the smoke run covers it
+    # the mxfp8 operands' wiring, through the emulation, so the smoke run covers it
+    if not mx_ok and a.smoke:
         s = a.shapes[0]
         E, K, H = (shapes[s][k] for k in ("E", "K", "H"))
         err = bench_mx_torch(

@@ -63,9 +63,8 @@ def planned_jobs(sweep_dir: Path) -> tuple[list[str], list[dict[str, str]]] | No
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     hydra = yaml.safe_load(path.read_text()).get("hydra") or {}
-    params = (hydra.get("sweeper") or {}).get(
-        "params"
-    ) or {}  # a config's sweep: before the command line's
+    # a config's sweep: before the command line's
+    params = (hydra.get("sweeper") or {}).get("params") or {}
     task = [f"{k}={v}" for k, v in params.items()] + list(
         hydra.get("overrides", {}).get("task", [])
     )

@@ -113,9 +113,8 @@ BACKENDS = ("triton", "torch", "emulate")
 
 # ------------------------------------------------------------------- kernels
 def _configs(tiles, names):
-    return common.autotune_configs(
-        tiles, names, (64, 64, 4, 1)
-    )  # interpreter: one; test shapes span several
+    # interpreter: one; test shapes span several
+    return common.autotune_configs(tiles, names, (64, 64, 4, 1))
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is 128.  The dot result and the accumulator are both
@@ -129,9 +128,8 @@ _WGRAD_CONFIGS = _configs(
 )
 
 
-@triton.autotune(
-    configs=_MM_CONFIGS, key=["N", "K", "stride_bn"]
-)  # stride_bn: w (1) or w^T (dgrad)
+# stride_bn: w (1) or w^T (dgrad)
+@triton.autotune(configs=_MM_CONFIGS, key=["N", "K", "stride_bn"])
 @triton.jit
 def _fp8_mm_kernel(
     a_ptr,
@@ -324,9 +322,8 @@ def _fp8_wgrad_kernel(
             BLOCK_M,
             True,
         )
-    if (end > start) & (
-        (end - 1) // BLOCK_M >= full_hi
-    ):  # the block holding an unaligned end, if another one
+    # the block holding an unaligned end, if another one
+    if (end > start) & ((end - 1) // BLOCK_M >= full_hi):
         acc = _wgrad_block(
             acc,
             a_base,
@@ -446,9 +443,10 @@ def _dgrad_op(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     (_, K, N), (s_e, s_k, s_n), (t_e, t_k, t_n) = wq_EKN.shape, wq_EKN.stride(), ws.stride()
+    # w^T
     return _launch_mm(
         dyq_MN, dys, wq_EKN, ws, counts_E, K, N, (s_e, s_n, s_k), (t_e, t_n, t_k), out_dtype
-    )  # w^T
+    )
 
 
 @torch.library.custom_op("moevlm::fp8_grouped_wgrad_blockwise", mutates_args=())
@@ -583,9 +581,8 @@ def _torch_dense(op, recipe, a, a_s, b, b_s, out_dtype):
         )
     if op == "dgrad":  # dx = dy @ w^T: bt = w_KN
         return _scaled_mm_torch(recipe, a, a_s, b, b_s.t() if square else b_s, out_dtype, square)
-    return _scaled_mm_torch(
-        recipe, a, a_s, b, b_s, out_dtype
-    )  # wgrad: x^T (K, M) @ (dy^T (N, M))^T
+    # wgrad: x^T (K, M) @ (dy^T (N, M))^T
+    return _scaled_mm_torch(recipe, a, a_s, b, b_s, out_dtype)
 
 
 def _torch_grouped(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):
@@ -680,9 +677,8 @@ def _probe_operands(op, recipe, grouped, device):
     for shape, block in ((a_shape, a_block), (b_shape, b_block)):
         q = torch.randn(shape, generator=g).to(E4M3)
         s_shape = tuple(cdiv(d, bl) for d, bl in zip(shape, block))
-        s = torch.exp2(
-            torch.randint(-3, 4, s_shape, generator=g).float()
-        )  # powers of two: e8m0 too
+        # powers of two: e8m0 too
+        s = torch.exp2(torch.randint(-3, 4, s_shape, generator=g).float())
         out += [q.to(device), s.to(_SCALE_DTYPE[recipe]).to(device)]
     if not grouped and op != "wgrad":
         out[2], out[3] = out[2][0], out[3][0]

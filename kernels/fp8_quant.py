@@ -132,9 +132,8 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
     (G, R, C), (tr, tc) = x_GRC.shape, tile
     Rb, Cb = cdiv(R, tr), cdiv(C, tc)
     x = x_GRC.float().contiguous()  # codes come out contiguous whatever x's strides
-    t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(
-        G, Rb, tr, Cb, tc
-    )  # zero padding never raises an amax
+    # zero padding never raises an amax
+    t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(G, Rb, tr, Cb, tc)
     amax = t.abs().amax(dim=(2, 4))
     bad = ~t.isfinite().all(dim=4).all(dim=2)
     if mx:
@@ -145,9 +144,8 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
     else:
         s = (amax / E4M3_MAX).clamp_min(_MIN_SCALE)
         if pow2:
-            m, ex = torch.frexp(
-                s
-            )  # s = m * 2^ex, m in [0.5, 1): ceil to 2^ex, or 2^(ex-1) when m == 0.5
+            # s = m * 2^ex, m in [0.5, 1): ceil to 2^ex, or 2^(ex-1) when m == 0.5
+            m, ex = torch.frexp(s)
             s = _exp2i(torch.where(bad, 0, torch.where(m == 0.5, ex - 1, ex)))
         scales = torch.where(bad, torch.nan, torch.where(amax == 0, 1.0, s))
         scaled = x / _expand(scales, tile, R, C)
@@ -350,9 +348,10 @@ def _quant_kernel(
         scale_out = tl.where(bad, 0xFF, byte).to(tl.uint8)
     else:
         amax = amax_bits.to(tl.float32, bitcast=True)
+        # 2^-126
         s = tl.maximum(
             tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.1754943508222875e-38
-        )  # 2^-126
+        )
         if POW2:
             s_bits = s.to(tl.int32, bitcast=True)
             s_bits = tl.where((s_bits & 0x7FFFFF) != 0, (s_bits & 0x7F800000) + 0x800000, s_bits)

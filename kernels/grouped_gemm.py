@@ -47,9 +47,8 @@ def grouped_mm_torch(
     offs = counts_E.cumsum(0, dtype=torch.int32)
     out = torch._grouped_mm(x_MK, w_EKN, offs=offs)
     if out.requires_grad:
-        out.register_hook(
-            _contiguous_grad
-        )  # runs on the gradient before _grouped_mm's backward sees it
+        # runs on the gradient before _grouped_mm's backward sees it
+        out.register_hook(_contiguous_grad)
     return out
 
 

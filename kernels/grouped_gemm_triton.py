@@ -110,9 +110,8 @@ def _dot(a, b, acc, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.autotune(
-    configs=_FWD_CONFIGS, key=["N", "K", "stride_wn"]
-)  # stride_wn: w (1) or w^T (dgrad)
+# stride_wn: w (1) or w^T (dgrad)
+@triton.autotune(configs=_FWD_CONFIGS, key=["N", "K", "stride_wn"])
 @triton.jit
 def _grouped_mm_kernel(
     x_ptr,
@@ -138,9 +137,8 @@ def _grouped_mm_kernel(
 ):
     e_idx, starts, counts = _expert_rows(counts_ptr, E, E_P2)
     m_tiles = tl.cdiv(counts, BLOCK_M)
-    tile_ends = tl.cumsum(
-        m_tiles, 0
-    )  # expert e owns global M tiles [tile_ends[e] - m_tiles[e], tile_ends[e])
+    # expert e owns global M tiles [tile_ends[e] - m_tiles[e], tile_ends[e])
+    tile_ends = tl.cumsum(m_tiles, 0)
     num_n = tl.cdiv(N, BLOCK_N)
     total = tl.max(tile_ends, 0) * num_n
     ms = tl.arange(0, BLOCK_M)
@@ -148,9 +146,8 @@ def _grouped_mm_kernel(
     ks = tl.arange(0, BLOCK_K)
     for item in tl.range(tl.program_id(0), total, tl.num_programs(0)):
         m_tile = item // num_n
-        ex = tl.sum(
-            (tile_ends <= m_tile).to(tl.int32), 0
-        )  # the first expert whose tiles end past m_tile
+        # the first expert whose tiles end past m_tile
+        ex = tl.sum((tile_ends <= m_tile).to(tl.int32), 0)
         local_tile = m_tile - (_pick(tile_ends, e_idx, ex) - _pick(m_tiles, e_idx, ex))
         rows = _pick(starts, e_idx, ex) + local_tile * BLOCK_M + ms
         row_mask = rows < _pick(starts + counts, e_idx, ex)
@@ -213,9 +210,8 @@ def _grouped_wgrad_kernel(
     count = _pick(counts, e_idx, ex)
     rows = _pick(starts, e_idx, ex) + tl.arange(0, BLOCK_M)
     ms = tl.arange(0, BLOCK_M)
-    xt_ptrs = (
-        x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None] * stride_xk
-    )  # x^T tile (BLOCK_K, BLOCK_M)
+    # x^T tile (BLOCK_K, BLOCK_M)
+    xt_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None] * stride_xk
     dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + nn[None, :] * stride_dyn
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for m in range(0, count, BLOCK_M):
@@ -308,9 +304,8 @@ def _grouped_mm_op(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tens
 @torch.library.custom_op("moevlm::grouped_mm_triton_dgrad", mutates_args=())
 def _dgrad_op(dy_MN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     s_e, s_k, s_n = w_EKN.stride()
-    return _launch_mm(
-        dy_MN, w_EKN, counts_E, w_EKN.shape[1], (s_e, s_n, s_k)
-    )  # w[e]^T: (N, K) through swapped strides
+    # w[e]^T: (N, K) through swapped strides
+    return _launch_mm(dy_MN, w_EKN, counts_E, w_EKN.shape[1], (s_e, s_n, s_k))
 
 
 @torch.library.custom_op("moevlm::grouped_mm_triton_wgrad", mutates_args=())

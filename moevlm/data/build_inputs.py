@@ -110,9 +110,8 @@ def load_image(p: str, root: Path, max_bytes: int, label: str = "image path") ->
 def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:
     """A regular file's bytes, refused (file_too_large) from its size before any is read."""
     try:
-        _check_size(
-            os.stat(path), max_bytes, shown
-        )  # before opening: no FIFO or device is ever opened
+        # before opening: no FIFO or device is ever opened
+        _check_size(os.stat(path), max_bytes, shown)
         fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
     except FileNotFoundError:
         raise SkipSample("missing_image", f"{shown} does not exist") from None

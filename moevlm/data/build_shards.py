@@ -130,9 +130,8 @@ class ShardSink:
     def discard(self) -> None:
         """Drops the shard being written (the build is stopping); finished shards stay."""
         if self._file is not None:
-            with contextlib.suppress(
-                Exception
-            ):  # flushes the tar stream, so nothing writes to it later
+            # flushes the tar stream, so nothing writes to it later
+            with contextlib.suppress(Exception):
                 self._tar.close()
             self._file.close()
             (self.out / (self.shards.pop()["name"] + ".tmp")).unlink(missing_ok=True)

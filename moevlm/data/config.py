@@ -258,9 +258,8 @@ def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
         shards = expand_shards(data.shards)
     except FileNotFoundError:
         return  # check_shards says so
-    path = find_tokenizer(
-        data, shards, hf_checkpoint
-    )  # DataSetupError (a ConfigError) names the three places
+    # DataSetupError (a ConfigError) names the three places
+    path = find_tokenizer(data, shards, hf_checkpoint)
     try:
         ChatEncoder(load_tokenizer(path)).check_model(model)
     except ValueError as err:

@@ -297,9 +297,8 @@ def _open_header(data: bytes, cfg: ImageConfig) -> tuple[Image.Image, int]:
             f"{width}x{height} mode {image.mode}: decoding needs about {need:,} bytes, above "
             f"max_decode_bytes={cfg.max_decode_bytes:,}",
         )
-    return image, image.getexif().get(
-        _ORIENTATION, 1
-    )  # PNG reads pixels here: eXIf may follow IDAT
+    # PNG reads pixels here: eXIf may follow IDAT
+    return image, image.getexif().get(_ORIENTATION, 1)
 
 
 def _decode_at(
@@ -411,9 +410,8 @@ def image_to_patches(
     out_NCTQ = np.empty((Hb * R, C, T, Q), np.float32)
     for h0 in range(0, Hb, rows):
         h1 = min(h0 + rows, Hb)
-        u8 = np.ascontiguousarray(
-            x_HbMPWbMPC[h0:h1].transpose(0, 3, 1, 4, 6, 2, 5)
-        )  # (rows, Wb, M, M, C, P, P)
+        # (rows, Wb, M, M, C, P, P)
+        u8 = np.ascontiguousarray(x_HbMPWbMPC[h0:h1].transpose(0, 3, 1, 4, 6, 2, 5))
         x_RC1Q = buf_RC1Q[: (h1 - h0) * R]
         np.divide(u8.reshape(x_RC1Q.shape), np.float32(255), out=x_RC1Q, dtype=np.float32)
         x_RC1Q -= mean_C11

@@ -205,9 +205,8 @@ def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> 
     if not 0 <= rank < world:
         raise ValueError(f"data-parallel rank {rank} is outside 0..{world - 1}")
     asked = check_streams(cfg, world)
-    L = _largest_divisor_at_most(
-        asked, num_shards
-    )  # depends on the shards only, never on the layout
+    # depends on the shards only, never on the layout
+    L = _largest_divisor_at_most(asked, num_shards)
     if L < asked:
         log.warning(
             "%d shards cannot feed %d data streams (each needs a shard): reading them as %d streams "
@@ -303,9 +302,8 @@ class Stream:
         raw = self.plan.fetch(held) if held else {}
         self.shuffle.items = [(tuple(p), raw[tuple(p)]) for p in self.st["shuffle"]]
         for p in self.st["packer"]:
-            self.packer.push(
-                self.encode(raw[tuple(p)], tuple(p))
-            )  # encoded fine before the checkpoint
+            # encoded fine before the checkpoint
+            self.packer.push(self.encode(raw[tuple(p)], tuple(p)))
 
     def __iter__(self):
         epochs = self.cfg.epochs
@@ -360,9 +358,8 @@ class Stream:
         self._settle(s)
 
     def _settle_sample(self, s: int, usable: bool) -> None:
-        t = self.tally.setdefault(
-            s, [0, 0, 0, 0]
-        )  # (a state saved before tallies: counts from here)
+        # (a state saved before tallies: counts from here)
+        t = self.tally.setdefault(s, [0, 0, 0, 0])
         t[1] -= 1
         t[2] += usable
         self._settle(s)
@@ -670,9 +667,8 @@ class PackedLoader:
         self.counts = shard_counts(self.shards)
         self.files = shard_identities(self.shards)  # [name, size, hash] each, checked on resume
         self.streams, self.workers = resolve_streams(cfg, rank, world, len(self.shards))
-        self.local = list(
-            range(rank, self.streams, world)
-        )  # this rank's streams, in delivery order
+        # this rank's streams, in delivery order
+        self.local = list(range(rank, self.streams, world))
         self.states: dict[int, dict] = {}
         self.offset = 0  # local index of the stream whose row comes next
         self.wait_s = 0.0

@@ -110,9 +110,8 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
         position_ids[:, at : at + s.tokens] = s.position_ids_3L
         at += s.tokens
         cu[j + 1] = at
-    position_ids[:, used:] = torch.arange(
-        S - used
-    )  # the padding document counts from 0 like any other
+    # the padding document counts from 0 like any other
+    position_ids[:, used:] = torch.arange(S - used)
 
     grids = [g for s in samples for g in s.grids]
     pixels = torch.zeros(Np, patch_dim, dtype=torch.float32)

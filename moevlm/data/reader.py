@@ -85,9 +85,8 @@ def expand_shards(spec: str | list[str]) -> list[str]:
             for b in braceexpand.braceexpand(part.strip())
             for p in (sorted(glob.glob(b)) if any(c in b for c in "*?[") else [b])
         ]
-    if not out or not any(
-        os.path.exists(p) for p in out
-    ):  # some missing: skipped as unreadable_shard
+    # some missing: skipped as unreadable_shard
+    if not out or not any(os.path.exists(p) for p in out):
         what = (
             "is a folder without .tar shards"
             if isinstance(spec, str) and os.path.isdir(spec)

@@ -138,9 +138,8 @@ def _all_to_all_rows(
 class ExchangePlan:
     send_splits: list[int]  # rows to each rank of the EP group (P ints)
     recv_splits: list[int]  # rows from each rank of the EP group (P ints)
-    etp_splits: list[
-        int
-    ]  # rows each rank of the ETP group received over EP (Q ints; [M] without ETP)
+    # rows each rank of the ETP group received over EP (Q ints; [M] without ETP)
+    etp_splits: list[int]
     regroup_M: torch.Tensor  # grouped = received[regroup_M]
     ungroup_M: torch.Tensor  # received = grouped[ungroup_M]
     tokens_per_local_expert_L: torch.Tensor
@@ -255,9 +254,8 @@ class AllToAllDispatcher(TokenDispatcher):
             all_counts_E = all_gather_flat(recv_counts_E, self.etp_group)
         host = torch.cat([counts_E, all_counts_E]).tolist()
         send_splits = rank_splits(host[: P * L], P)
-        mine = host[P * L :][
-            self.etp_rank * P * L : (self.etp_rank + 1) * P * L
-        ]  # what this rank got over EP
+        # what this rank got over EP
+        mine = host[P * L :][self.etp_rank * P * L : (self.etp_rank + 1) * P * L]
         recv_splits = rank_splits(mine, P)
         etp_splits = rank_splits(host[P * L :], Q)
         blocks_BL = all_counts_E.view(Q * P, L)

@@ -92,9 +92,8 @@ def slot_sources(
 ) -> torch.Tensor:
     """The source token of every send slot, `num_tokens` (a zero row) where no row fills it."""
     src = torch.full((num_slots + 1,), num_tokens, dtype=torch.long, device=slot_N.device)
-    return src.scatter_(0, slot_N, token_idx_N)[
-        :num_slots
-    ]  # (dropped rows all land in the cut-off slot)
+    # (dropped rows all land in the cut-off slot)
+    return src.scatter_(0, slot_N, token_idx_N)[:num_slots]
 
 
 def in_backward() -> bool:

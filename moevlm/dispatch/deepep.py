@@ -76,9 +76,8 @@ from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 from moevlm.model.rows import RowsState, from_expert_rows, rows_plan
 
 APIS = ("auto", *DEEPEP_API_CLASS)  # auto, v2, v1
-_BUFFERS: dict[
-    tuple[str, str], object
-] = {}  # (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
+# (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
+_BUFFERS: dict[tuple[str, str], object] = {}
 
 
 # ----------------------------------------------------------------- API, buffers and handles

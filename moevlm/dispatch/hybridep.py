@@ -65,9 +65,8 @@ from moevlm.dispatch.base import (
 from moevlm.dispatch.capacity import add_overflow, expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 
-_BUFFERS: dict[
-    str, tuple[object, tuple[int, int, int]]
-] = {}  # EP group name -> (buffer, (hidden, T', L))
+# EP group name -> (buffer, (hidden, T', L))
+_BUFFERS: dict[str, tuple[object, tuple[int, int, int]]] = {}
 
 
 def _buffer(group, hidden: int, max_tokens: int, num_local_experts: int):
@@ -329,9 +328,8 @@ class HybridEPDispatcher(TokenDispatcher):
             return self.max_tokens_per_rank
         if self.capacity_factor is not None:
             return num_tokens
-        return group_max_tokens(
-            self.group, num_tokens, device
-        )  # the dropless mode's one extra host read
+        # the dropless mode's one extra host read
+        return group_max_tokens(self.group, num_tokens, device)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         (T, K), D, E, L = topk_idx_TK.shape, x_TD.shape[1], self.num_experts, self.num_local_experts
@@ -371,9 +369,8 @@ class HybridEPDispatcher(TokenDispatcher):
         add_overflow(self, dropped, (flag != 0).sum(), routed)
 
     def combine(self, expert_y_MD, handle: HybridEPHandle):
-        weighted_MD = (
-            expert_y_MD * handle.row_weight_M.to(expert_y_MD.dtype)[:, None]
-        )  # router weights: here, once
+        # router weights: here, once
+        weighted_MD = expert_y_MD * handle.row_weight_M.to(expert_y_MD.dtype)[:, None]
         return hybridep_combine(weighted_MD, handle.handle_id, handle.padded_tokens)[
             : handle.num_tokens
         ]

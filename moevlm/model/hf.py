@@ -256,9 +256,8 @@ def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
             for ours in members:
                 _, hf_name, transform = plan[ours]
                 t = f.get_tensor(hf_name)
-                if (
-                    not t.is_floating_point()
-                ):  # plan_load refuses these from the headers; a file changed since
+                # plan_load refuses these from the headers; a file changed since
+                if not t.is_floating_point():
                     raise CheckpointError(
                         f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
                         "be stored as a float (F32, BF16, F16, F8)"

@@ -52,9 +52,8 @@ class Router(nn.Module):
 
     def _forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
-        with torch.autocast(
-            x_TD.device.type, enabled=False
-        ):  # autocast would run this linear in bf16
+        # autocast would run this linear in bf16
+        with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
         topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)

@@ -37,9 +37,8 @@ def vision_parameters(v: VisionConfig) -> int:
     )
     width = h * v.spatial_merge_size**2
     merger = linear(width, width) + linear(width, v.out_hidden_size)
-    mergers = (2 * h + merger) + len(v.deepstack_visual_indexes) * (
-        2 * width + merger
-    )  # pre / post-shuffle norm
+    # pre / post-shuffle norm
+    mergers = (2 * h + merger) + len(v.deepstack_visual_indexes) * (2 * width + merger)
     return linear(v.patch_dim, h) + v.num_position_embeddings * h + v.depth * block + mergers
 
 
@@ -62,9 +61,8 @@ def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
     }
     if m.is_moe_layer(layer_idx):
         parts["router"] = m.num_experts * D
-        parts["experts"] = (
-            m.num_experts * 3 * D * m.moe_intermediate_size
-        )  # gate_up (E, D, 2F) + down (E, F, D)
+        # gate_up (E, D, 2F) + down (E, F, D)
+        parts["experts"] = m.num_experts * 3 * D * m.moe_intermediate_size
     else:
         parts["dense_mlp"] = 3 * D * t.intermediate_size
     return parts

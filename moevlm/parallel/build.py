@@ -77,9 +77,8 @@ class ParallelContext:
     grad_sync: GradSync | None = None
     pipeline: Pipeline | None = None
     init_rules: dict | None = None  # the whole model's (a pipeline rank holds part of it)
-    flat: dict = field(
-        default_factory=dict
-    )  # flattened meshes: dense (dp x cp), vision (dp x cp x tp)
+    # flattened meshes: dense (dp x cp), vision (dp x cp x tp)
+    flat: dict = field(default_factory=dict)
     cuda_graphs: CudaGraphs | None = None
     fp8_marked: int = 0
 
@@ -148,9 +147,8 @@ def build_model(
     if compile:  # after the parallelisms (and recompute), before FSDP/DDP
         apply_compile(model, mode=compile_mode, bf16=bf16)
     _data_parallel(model, ctx, bf16)
-    ctx.cuda_graphs = apply_cuda_graphs(
-        model, cuda_graph_scope
-    )  # captured at the first training forward
+    # captured at the first training forward
+    ctx.cuda_graphs = apply_cuda_graphs(model, cuda_graph_scope)
     return model, ctx
 
 

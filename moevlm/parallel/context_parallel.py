@@ -94,9 +94,8 @@ class CPImages(Images):
         if mine:
             pixels = torch.cat([pixel_values_NP[starts[i] : starts[i + 1]] for i in mine])
         else:  # no image here: the tower still runs (one isolated padding segment), so every rank's
-            pixels = pixel_values_NP.new_zeros(
-                merge2, pixel_values_NP.shape[1]
-            )  # backward is the same
+            # backward is the same
+            pixels = pixel_values_NP.new_zeros(merge2, pixel_values_NP.shape[1])
         out_NO, deepstack, n_mine = encode_fn(pixels, grid_thw_I3[mine])
         parts = [out_NO, *deepstack]
         link = sum(t[n_mine:].sum() for t in parts) * 0.0  # this rank's padding rows, in the graph

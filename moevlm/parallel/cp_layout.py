@@ -69,9 +69,8 @@ def doc_zigzag_positions(bounds: list[int], cp: int) -> list[list[int]]:
             start += size
         for r in range(cp):
             load[r] += 2 * (L // n) + took[r]
-    if any(
-        x != S // cp for x in load
-    ):  # pragma: no cover - the greedy keeps the spread within one token
+    # the greedy keeps the spread within one token
+    if any(x != S // cp for x in load):  # pragma: no cover
         return [zigzag_positions(S, cp, r).tolist() for r in range(cp)]
     return [sorted(o) for o in out]
 

@@ -176,9 +176,8 @@ class FullLayerRegion(_Region):
             out, stats = eager(h_BSD, (cos, sin), mask, token_mask)
             if stats is None:
                 return (out,)
-            n = (
-                (stats.num_tokens,) if has_token_mask else ()
-            )  # a tensor with a token mask, else T (shapes)
+            # a tensor with a token mask, else T (shapes)
+            n = (stats.num_tokens,) if has_token_mask else ()
             return (out, stats.prob_sum_E, stats.counts_E, *n)
 
         return fn

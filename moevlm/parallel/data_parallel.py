@@ -68,9 +68,8 @@ def apply_fsdp(
     # Under pipeline stages the weights stay gathered from a micro-batch's forward to its backward (torch's
     # stage reshards them after the step): no all-gather per micro-batch, and the zero-bubble schedules'
     # split backward finds the weights its weight-gradient pass differentiates.
-    keep = (
-        {} if roots is None else {"reshard_after_forward": False}
-    )  # else torch's default (root: kept)
+    # else torch's default (root: kept)
+    keep = {} if roots is None else {"reshard_after_forward": False}
 
     def shard(module, mesh, divide, cast_inputs=True):
         fully_shard(module, mesh=mesh, mp_policy=policy(cast_inputs), **keep)
@@ -88,9 +87,8 @@ def apply_fsdp(
         shard(root, dense_mesh, 1.0, cast_inputs=roots is None)
     for module, divide in units:
         module.set_gradient_divide_factor(float(divide))
-        if hasattr(
-            module, "set_force_sum_reduction_for_comms"
-        ):  # plain SUM (+ a division): gloo has no PREMUL_SUM
+        # plain SUM (+ a division): gloo has no PREMUL_SUM
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
 
 
@@ -168,13 +166,11 @@ class GradSync:
         grads = [p.grad for p in params if p.grad is not None]
         locals_ = [_local(g) for g in grads]
         device = locals_[0].device if locals_ else _device(self.model)
-        total = torch.zeros(
-            (), dtype=torch.float64, device=device
-        )  # a rank without gradients still joins the sum
+        # a rank without gradients still joins the sum
+        total = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
-            norms = torch.stack(
-                [n.double() for n in torch._foreach_norm(locals_, 2)]
-            )  # empty shards give 0
+            # empty shards give 0
+            norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2)])
             weights = torch.tensor(
                 [1.0 / _copies(g, self.stage_world) for g in grads],
                 dtype=torch.float64,
@@ -206,9 +202,8 @@ def _copies(g: torch.Tensor, world: int) -> int:
         return world
     shards = 1
     for i, pl in enumerate(g.placements):
-        if pl.is_shard() or isinstance(
-            pl, _StridedShard
-        ):  # FSDP over TP uses _StridedShard (not a Shard)
+        # FSDP over TP uses _StridedShard (not a Shard)
+        if pl.is_shard() or isinstance(pl, _StridedShard):
             shards *= g.device_mesh.size(i)
     return world // shards
 

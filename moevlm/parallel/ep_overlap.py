@@ -175,9 +175,8 @@ class OverlappedRunner(nn.Module):
             chunks = _dispatch_dropless(d, parts)
         else:
             chunks = [_dispatch_capacity(d, c, *p) for c, p in enumerate(parts)]
-        for c, ch in enumerate(
-            chunks
-        ):  # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
+        # chunk c's experts run while chunk c+1's dispatch (and c-1's combine) travel
+        for c, ch in enumerate(chunks):
             expert_y_MD = experts(_grouped(d, ch), ch.tokens_per_local_expert_L)
             _combine_start(d, ch, expert_y_MD, c)
         return torch.cat([_combine_finish(d, ch) for ch in chunks])
@@ -202,9 +201,8 @@ def _dispatch_dropless(d: AllToAllDispatcher, parts) -> list[_Chunk]:
     ]
     counts_CE = torch.stack([counts_E for _, counts_E, _ in permuted])
     C = counts_CE.shape[0]
-    send_PCL = (
-        counts_CE.view(C, P, L).transpose(0, 1).contiguous()
-    )  # block p: every chunk's counts for rank p
+    # block p: every chunk's counts for rank p
+    send_PCL = counts_CE.view(C, P, L).transpose(0, 1).contiguous()
     recv_PCL = all_to_all_flat(send_PCL.view(-1), [C * L] * P, [C * L] * P, d.group).view(P, C, L)
     host = torch.cat([counts_CE.view(-1), recv_PCL.view(-1)]).tolist()
     sent, got = host[: C * P * L], host[C * P * L :]

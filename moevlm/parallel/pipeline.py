@@ -231,9 +231,8 @@ class Pipeline:
         cfg = self.modules[0].model.config
         D, merge = cfg.text.hidden_size, cfg.vision.spatial_merge_size
         meta = dict(device="meta", requires_grad=True)
-        h = torch.empty(
-            rows, seq_len // seq_shards, D, dtype=h_dtype, **meta
-        )  # the sequence over cp x tp
+        # the sequence over cp x tp
+        h = torch.empty(rows, seq_len // seq_shards, D, dtype=h_dtype, **meta)
         ds = torch.empty(rows * max_patches // merge**2, D, dtype=vision_dtype, **meta)
         stats = (
             [torch.empty(2 * cfg.moe.num_experts + 1, dtype=torch.float32, **meta)]
@@ -297,9 +296,8 @@ class Pipeline:
         self.schedule.step(
             *args, target=ids if self.holds_last else None, return_outputs=False, mb=ids
         )
-        lm_sum = aux = torch.zeros(
-            (), device=self.device
-        )  # summed where they were computed: no host sync
+        # summed where they were computed: no host sync
+        lm_sum = aux = torch.zeros((), device=self.device)
         counts = None
         for m in self.modules:
             for r in m.records:

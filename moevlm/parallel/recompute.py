@@ -152,9 +152,8 @@ class Recompute(Region):
 def save_communication(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """The selective-checkpoint policy: keep every collective's output, recompute the rest."""
     if func.namespace in COMM_NAMESPACES:
-        out = getattr(
-            ctx, "op_output", None
-        )  # torch >= 2.13 hands the policy the op's output (measuring only)
+        # torch >= 2.13 hands the policy the op's output (measuring only)
+        out = getattr(ctx, "op_output", None)
         if not ctx.is_recompute and out is not None:
             for meter in _METERS:
                 meter.hold(out if isinstance(out, (tuple, list)) else (out,))
@@ -194,9 +193,8 @@ def _sac_contexts():
 
 
 # ------------------------------------------------------------------ measuring
-_METERS: list[
-    "SavedBytes"
-] = []  # active meters (a measurement tool: tests and bench/recompute_memory.py)
+# active meters (a measurement tool: tests and bench/recompute_memory.py)
+_METERS: list["SavedBytes"] = []
 
 
 class SavedBytes:
@@ -204,9 +202,8 @@ class SavedBytes:
 
     def __init__(self, model: nn.Module):
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._held: dict[
-            int, torch.Tensor
-        ] = {}  # storage pointer -> a tensor on it (kept alive: no reuse)
+        # storage pointer -> a tensor on it (kept alive: no reuse)
+        self._held: dict[int, torch.Tensor] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @property

@@ -66,12 +66,10 @@ def full_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
     on dim 0 and ETP on dim 2)."""
     if not isinstance(t, DTensor):
         return t
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(
-        logging.ERROR
-    )  # "2 sequential
-    if name.endswith(
-        GATE_UP
-    ):  # all_gathers" for FSDP-over-TP shards, once per tensor: expected here
+    # "2 sequential
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # all_gathers" for FSDP-over-TP shards, once per tensor: expected here
+    if name.endswith(GATE_UP):
         return storage_view(t).full_tensor().flatten(2)
     return t.full_tensor()
 

@@ -964,9 +964,8 @@ class CheckpointManager:
             for k, v in state.get(name, {}).items():
                 if not isinstance(v, torch.Tensor):
                     originals[name][k] = v
-        set_model_state_dict(
-            model, originals["model"]
-        )  # tensors were filled through the storage views
+        # tensors were filled through the storage views
+        set_model_state_dict(model, originals["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, originals["optim"], options=_OPTIM)
         mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})

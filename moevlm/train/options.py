@@ -215,9 +215,8 @@ def _help(metadata) -> str:
 
 def _doc(cls: type) -> str:
     doc = cls.__doc__ or ""
-    return (
-        "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split())
-    )  # dataclass's generated repr
+    # dataclass's generated repr
+    return "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split())
 
 
 def _type_name(tp) -> str:

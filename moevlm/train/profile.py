@@ -91,9 +91,8 @@ _MODULES = (
     (Head, "lm_head_loss"),
     (Loss, "lm_head_loss"),
 )
-_graph_task_id = getattr(
-    torch._C, "_current_graph_task_id", None
-)  # probed: absent = no recompute detection
+# probed: absent = no recompute detection
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def in_autograd() -> bool:

@@ -128,9 +128,8 @@ class Trainer:
             err.same_on_every_rank = True
             raise
         self.device = _device(self.t.device)
-        check_memory(
-            job, self.plan, *memory_limit(self.device)
-        )  # from the config alone: before the meta build
+        # from the config alone: before the meta build
+        check_memory(job, self.plan, *memory_limit(self.device))
         self.sweep = sweep
         self.faults = Faults(
             self.rank,
@@ -159,9 +158,8 @@ class Trainer:
         self.step, self.nonfinite_steps, self.in_a_row = 0, 0, 0
         self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self.losses: list[float] = []
-        self.updated_losses: list[
-            float
-        ] = []  # this launch's steps that changed the weights (the loss check)
+        # this launch's steps that changed the weights (the loss check)
+        self.updated_losses: list[float] = []
         _seed(self.t.seed, self.t.deterministic)
         self.model = self._parallel_model_on_meta()
         self.loader = self._build_loader()
@@ -231,9 +229,8 @@ class Trainer:
             d.shards = str(self._sample_set())
         dims = self.plan.dims
         if self.pipeline is not None and not self.pipeline.holds_first:
-            return (
-                NoData()
-            )  # a later pipeline stage: the first stage's rank shares each micro-batch's text
+            # a later pipeline stage: the first stage's rank shares each micro-batch's text
+            return NoData()
         return build_loader(
             d,
             self.plan.model,
@@ -380,13 +377,11 @@ class Trainer:
         ck.resumed_from = path
         counters = got["extra"]["counters"]
         self.step, self.nonfinite_steps = counters["step"], counters["nonfinite_steps"]
-        self.in_a_row = counters.get(
-            "in_a_row", 0
-        )  # a relaunch after a non-finite stop keeps counting
+        # a relaunch after a non-finite stop keeps counting
+        self.in_a_row = counters.get("in_a_row", 0)
         self.losses = list(counters["losses"])
-        for line in fit_resumed_schedule(
-            self.sched, self.job.optim, self.t.steps
-        ):  # a changed train.steps
+        # a changed train.steps
+        for line in fit_resumed_schedule(self.sched, self.job.optim, self.t.steps):
             self.log.info(line)
         try:
             self.loader.load_state_dict(
@@ -457,9 +452,8 @@ class Trainer:
             code = ExitCode.NONFINITE
         # no room, or the write failed: the earlier checkpoints are intact
         except CheckpointError as err:
-            code = self.faults.failure_code(
-                err
-            )  # a peer lost during the save: its code, not a disk's
+            # a peer lost during the save: its code, not a disk's
+            code = self.faults.failure_code(err)
             if code is None:
                 self.log.info(f"stopping at step {self.step}: {err}")
                 code = ExitCode.CHECKPOINT
@@ -525,9 +519,8 @@ class Trainer:
 
     def train_step(self, window: Window) -> bool:
         """One optimizer step; False when it was skipped for non-finite values."""
-        self.prof.begin_step(
-            self.step + 1
-        )  # (a trace of train.profile_steps starts before the step's time)
+        # (a trace of train.profile_steps starts before the step's time)
+        self.prof.begin_step(self.step + 1)
         t0, wait0 = time.perf_counter(), self.loader.wait_s
         self.faults.begin_step(self.step + 1)
         with self._phase("data", span="data"):
@@ -551,9 +544,8 @@ class Trainer:
             )
             loss_sum, aux_sum, counts = fb(micro, loss_tokens)
         if self.overflow is not None and self.overflow.overflow == "error":
-            with self._phase(
-                "expert-capacity overflow check"
-            ):  # before the update: the step changes nothing
+            # before the update: the step changes nothing
+            with self._phase("expert-capacity overflow check"):
                 self.overflow.check(self.device, self.step + 1)
         with self._phase("gradient reduction and clipping", span="grad_reduce_clip"):
             self.parallel.finish_gradients()
@@ -561,9 +553,8 @@ class Trainer:
         if self.grad_hook is not None:
             self.grad_hook(self)
         with self._phase("data-parallel loss all-reduce"):
-            loss = (
-                _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens
-            )  # cp ranks hold parts
+            # cp ranks hold parts
+            loss = _all_reduce_tensor(loss_sum, self.parallel.loss_group) / loss_tokens
             aux_sum = _all_reduce_tensor(aux_sum, self.parallel.dp_group)
         ok = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self.step += 1
@@ -617,9 +608,8 @@ class Trainer:
         """Every micro-batch through the whole model: (sum of token losses, aux share, expert counts)."""
         loss_sum = torch.zeros((), device=self.device)
         aux_sum, counts = torch.zeros((), device=self.device), None
-        share = (
-            len(micro) * self.plan.dims.dp
-        )  # the aux loss is averaged over micro-batches and ranks
+        # the aux loss is averaged over micro-batches and ranks
+        share = len(micro) * self.plan.dims.dp
         for mb in micro:
             with self._autocast():
                 out = self.model(**mb.to(self.device).model_inputs())
@@ -644,9 +634,8 @@ class Trainer:
         """The step's micro-batches through the pipeline schedule; the loss sums come from the last
         stage and are summed over the pipeline group (zero elsewhere), so every rank logs them."""
         on_device = [mb.to(self.device) for mb in micro]
-        with self._phase(
-            "forward/backward", span="backward"
-        ):  # the schedule, less the forward components
+        # the schedule, less the forward components
+        with self._phase("forward/backward", span="backward"):
             lm_sum, aux, counts = self.pipeline.forward_backward(
                 on_device,
                 loss_tokens,  # timed inside it

@@ -80,14 +80,12 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check, value in allowed, f"{key}={value!r}; choose one of {list(allowed)}")
     before = len(problems)
     unavailable = run(_dispatcher_unavailable, job.model, environment)
-    if (
-        len(problems) > before
-    ):  # such a recipe cannot run at all: its launch size and layout do not matter
+    # such a recipe cannot run at all: its launch size and layout do not matter
+    if len(problems) > before:
         raise ConfigError("\n".join(problems))
     run(_check, t.wandb == "disabled" or wandb_installed(), WANDB_MISSING.format(mode=t.wandb))
-    scaled = run(
-        scale_down, job, world_size, model_config
-    )  # parallel.scale_to rewrites the layout and batch
+    # parallel.scale_to rewrites the layout and batch
+    scaled = run(scale_down, job, world_size, model_config)
     if scaled is None:  # the layout checks below would only repeat it
         raise ConfigError("\n".join(problems))
     run(
@@ -287,9 +285,8 @@ def _plan_pipeline(
     )
 
 
-DISPATCHER_NAMES = (
-    dispatcher_names()
-)  # the registry's (moevlm.dispatch): local first, then alphabetical
+# the registry's (moevlm.dispatch): local first, then alphabetical
+DISPATCHER_NAMES = dispatcher_names()
 # named, but runnable only as moevlm.dispatch.availability says: the backends that need a deep_ep class
 GATED_DISPATCHERS = tuple(GATED_CLASSES)
 

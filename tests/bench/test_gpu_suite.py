@@ -36,9 +36,8 @@ def test_gpu_suite_smoke_runs_every_step(tmp_path):
     assert [(n.strip(), s.strip().startswith("ok")) for n, s in rows] == [
         (n, True) for n in STEPS
     ], summary
-    kernels = (
-        out / "kernels.log"
-    ).read_text()  # the FP8 table: 4 smoke rows of 18 cells, checked before timing
+    # the FP8 table: 4 smoke rows of 18 cells, checked before timing
+    kernels = (out / "kernels.log").read_text()
     assert (
         "| fp8 ours fwd TF/s |" in kernels
         and "torch._scaled_grouped_mm MXFP8: absent on cpu" in kernels
@@ -61,6 +60,5 @@ def test_gpu_suite_smoke_runs_every_step(tmp_path):
     records = [
         json.loads(line) for line in (out / "train_run" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert records and all(
-        r["mock"] == "none" for r in records
-    )  # the data.mock of the run, in every record
+    # the data.mock of the run, in every record
+    assert records and all(r["mock"] == "none" for r in records)

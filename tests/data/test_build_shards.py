@@ -115,9 +115,8 @@ def test_round_trip(dataset, tmp_path):
             s["json"]
             == json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
         )
-        assert (
-            normalize_record(d).canonical() == d
-        )  # canonical: the reader's normaliser is a no-op on it
+        # canonical: the reader's normaliser is a no-op on it
+        assert normalize_record(d).canonical() == d
         assert sorted(s) == sorted(["json"] + d.get("images", []))
     a1, b, c, up, cap, cap2, text = samples.values()
     assert docs[0]["images"] == ["img0.jpg", "img1.png"]  # .JPEG -> jpg
@@ -305,9 +304,8 @@ def test_sample_mode(tmp_path, monkeypatch, capsys):
     assert summary["args"]["samples_per_shard"] == 8 and len(summary["shards"]) == 9
     assert summary["images"] == 40 and summary["kinds"]["text"] == 30 and summary["skipped"] == {}
     assert (tmp_path / "s" / "tokenizer.json").exists()
-    for entry in summary[
-        "shards"
-    ]:  # image records are spread over all shards, not packed into the first
+    # image records are spread over all shards, not packed into the first
+    for entry in summary["shards"]:
         assert any(
             "images" in json.loads(s["json"])
             for s in read_tar(tmp_path / "s" / entry["name"]).values()
@@ -376,9 +374,8 @@ def test_image_paths_stay_inside_images_and_secrets_stay_out(hostile, capsys):
     outside_images; the secret's bytes and its path appear in no shard, in
     summary.json or in the output; odd records around them cost only themselves."""
     tmp_path, images, private = hostile
-    assert (
-        SECRET in load_image("secret.ppm", Path(os.path.realpath(private)), 1 << 20)[0]
-    )  # a valid image
+    # a valid image
+    assert SECRET in load_image("secret.ppm", Path(os.path.realpath(private)), 1 << 20)[0]
     cap = {"caption": "x"}
     escapes = [
         str(private / "secret.ppm"),
@@ -563,9 +560,8 @@ def test_text_over_the_byte_cap_is_skipped(tmp_path, capsys):
         "at_cap",
         "last",
     ]
-    ex = sorted(
-        summary["skipped_examples"]["text_too_large"]
-    )  # the reader counts its lines ahead of the encoder
+    # the reader counts its lines ahead of the encoder
+    ex = sorted(summary["skipped_examples"]["text_too_large"])
     assert ex[0] == "t.jsonl:2: 101 bytes of text, above --max-text-bytes 100" and ex[1].startswith(
         "t.jsonl:3: 101"
     )

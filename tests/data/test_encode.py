@@ -20,9 +20,8 @@ from moevlm.model import VLMConfig
 from moevlm.model.rope import mrope_position_ids
 
 TINY = VLMConfig.preset("tiny")
-IMAGE = ImageConfig(
-    min_pixels=64 * 64, max_pixels=64 * 64
-)  # every photo -> 16 patches -> 4 image tokens
+# every photo -> 16 patches -> 4 image tokens
+IMAGE = ImageConfig(min_pixels=64 * 64, max_pixels=64 * 64)
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +92,8 @@ def test_truncate_text_at_seq_len_and_refuse_what_has_nothing_left(chat):
     doc = {"__key__": "t", "json": json.dumps({"id": "t", "text": "many words " * 200}).encode()}
     s = encoder(chat, seq_len=50, oversize="truncate")(doc, (0, 0, 0))
     assert s.tokens == 50 and (s.labels_L != IGNORE).all()
-    with pytest.raises(
-        SkipSample, match="nothing trainable"
-    ):  # the cut falls inside the user's image
+    # the cut falls inside the user's image
+    with pytest.raises(SkipSample, match="nothing trainable"):
         encoder(chat, seq_len=4, oversize="truncate")(two_image_chat(), (0, 0, 0))
 
 

@@ -38,9 +38,8 @@ def test_tokenizer_and_chat_template_give_the_training_ids(exported):
     want, _ = chat.encode_chat(messages, image_tokens=[6])
     got = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    expanded = [
-        t for i in got for t in ([pad] * 6 if i == pad else [i])
-    ]  # the processor's expansion
+    # the processor's expansion
+    expanded = [t for i in got for t in ([pad] * 6 if i == pad else [i])]
     assert expanded == want
     as_items = [
         messages[0],

@@ -248,9 +248,8 @@ def test_float32_rescale_equals_reference_float64_rescale_for_every_uint8():
     )
 
 
-@pytest.mark.parametrize(
-    "chunk_bytes", [1 << 20, 2 * 8 * 3 * 256 * 4, 1]
-)  # 1, 2 (last one short), 3 chunks
+# 1, 2 (last one short), 3 chunks
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 2 * 8 * 3 * 256 * 4, 1])
 @pytest.mark.parametrize(
     "mean,std",
     [
@@ -327,9 +326,8 @@ def test_empty_random_and_non_image_bytes():
     assert reasons(b"") == "empty_image"
     assert reasons(rng.bytes(5000)) == "not_an_image"  # e.g. a member named x.jpg holding noise
     assert reasons(b"\xff\xd8\xff" + rng.bytes(5000)) == "not_an_image"  # JPEG magic, then noise
-    assert (
-        reasons(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n") == "not_an_image"
-    )  # EPS: not tried
+    # EPS: not tried
+    assert reasons(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n") == "not_an_image"
     assert reasons("a caption, not an image".encode()) == "not_an_image"
 
 
@@ -348,16 +346,13 @@ def test_truncated_files_are_bad_images(name, fmt, monkeypatch):
 
 def test_size_above_limit_is_rejected_from_the_header():
     small = cfg(max_image_pixels=100_000)
-    assert (
-        reasons(encode(photo("chelsea.png"), "PNG"), small) == "image_too_large"
-    )  # 451x300 real photo
+    # 451x300 real photo
+    assert reasons(encode(photo("chelsea.png"), "PNG"), small) == "image_too_large"
     assert reasons(encode(photo("chelsea.png"), "JPEG"), small) == "image_too_large"
-    assert (
-        reasons(png_with_size(12_000, 12_000)) == "image_too_large"
-    )  # above ours (1e8), below PIL's error
-    assert (
-        reasons(png_with_size(100_000, 100_000)) == "image_too_large"
-    )  # PIL's DecompressionBombError
+    # above ours (1e8), below PIL's error
+    assert reasons(png_with_size(12_000, 12_000)) == "image_too_large"
+    # PIL's DecompressionBombError
+    assert reasons(png_with_size(100_000, 100_000)) == "image_too_large"
     assert reasons(jpeg_with_size(15_000, 15_000)) == "image_too_large"
     assert decode_image(encode(photo("chelsea.png"), "PNG"), cfg(max_image_pixels=451 * 300))[
         1
@@ -377,9 +372,8 @@ def test_degenerate_sizes():
     assert reasons(encode(photo("chelsea.png", (3, 700)), "JPEG")) == "bad_image_size"
     assert reasons(png_with_size(1, 300)) == "bad_image_size"
     assert reasons(png_with_size(0, 300)) == "not_an_image"  # PIL refuses a zero side in the header
-    assert (
-        decode_image(encode(photo("chelsea.png", (400, 2)), "PNG"), cfg())[1][0] == 1
-    )  # aspect 200 passes
+    # aspect 200 passes
+    assert decode_image(encode(photo("chelsea.png", (400, 2)), "PNG"), cfg())[1][0] == 1
 
 
 def test_any_other_decoding_error_becomes_bad_image_with_its_text(monkeypatch):
@@ -419,9 +413,8 @@ def with_alpha(im: Image.Image) -> Image.Image:
 
 def palette_with_transparency(im: Image.Image) -> bytes:
     p = im.convert("P")
-    key = int(
-        np.bincount(np.asarray(p).ravel()).argmax()
-    )  # the most common colour becomes transparent
+    # the most common colour becomes transparent
+    key = int(np.bincount(np.asarray(p).ravel()).argmax())
     return encode(p, "PNG", transparency=key)
 
 
@@ -534,9 +527,8 @@ def test_exif_orientation_png_decodes_as_the_upright_photo(orientation):
 
 @pytest.mark.parametrize("orientation", [6, 8])
 def test_exif_orientation_jpeg_with_and_without_draft(orientation, monkeypatch):
-    data = with_orientation(
-        photo("hubble_deep_field.jpg"), orientation, "JPEG", quality=95
-    )  # stored 872x1000
+    # stored 872x1000
+    data = with_orientation(photo("hubble_deep_field.jpg"), orientation, "JPEG", quality=95)
     budget = dict(min_pixels=32 * 32, max_pixels=128 * 128)
     assert_matches_reference(data, budget)  # draft off: bit-identical, grid of the upright 1000x872
     requests = spy_on_draft(monkeypatch)

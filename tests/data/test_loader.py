@@ -46,9 +46,8 @@ def test_two_ranks_two_workers_read_every_sample_exactly_once_per_epoch(sample_s
         stats.append(loader.stats())
     expected = Counter(all_ids(sample_shards))
     assert len(expected) == sum(expected.values()) > 300
-    assert seen == Counter(
-        {sid: 2 for sid in expected}
-    )  # nothing lost, nothing duplicated, in each epoch
+    # nothing lost, nothing duplicated, in each epoch
+    assert seen == Counter({sid: 2 for sid in expected})
     assert firsts != seconds  # the second epoch is reshuffled
     assert len(shape_set) == 1  # every micro-batch of the run has the same shapes
     assert all(s["skipped_total"] == 0 and s["epoch"] == 2 for s in stats), stats

@@ -141,9 +141,8 @@ def test_budget_no_sample_fits_stops_with_the_skip_counts(sample_shards, workers
     assert "could pack none in all of epoch 0: every one was skipped (too_long=" in msg, msg
     assert "first: " in msg and "tokens" in msg  # the first example says why
     assert "raise data.pack.seq_len=8" in msg and "data.pack.oversize=truncate" in msg
-    assert (
-        msg.startswith("data stream ") and "\n" not in msg
-    )  # one line, also from a worker process
+    # one line, also from a worker process
+    assert msg.startswith("data stream ") and "\n" not in msg
 
 
 def test_stream_that_never_packs_stops_after_a_run_of_skips(sample_shards, monkeypatch):
@@ -201,9 +200,8 @@ def test_oversized_text_and_image_are_skipped_counted_and_the_rest_arrives(tmp_p
     ]
     huge_text = text("huge", "many words " * 200_000)  # 2.2 MB of json
     huge_caption = {"__key__": "cap", "txt": b"a caption " * 120_000, "img0.png": photo}
-    big_image = good(
-        "bigimg", photo + bytes(40_000)
-    )  # trailing bytes past the PNG end: a larger file
+    # trailing bytes past the PNG end: a larger file
+    big_image = good("bigimg", photo + bytes(40_000))
     write_tar(tmp_path / "a.tar", goods[:3] + [huge_text] + goods[3:5])
     write_tar(tmp_path / "b.tar", goods[5:6] + [big_image, huge_caption] + goods[6:])
     shutil.copy(sample_shards / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -257,9 +255,8 @@ def test_resume_on_rewritten_shards_is_refused_or_warned(sample_shards, tmp_path
     with pytest.raises(ValueError, match=r"differ in \['files'\]"):  # ranks that saw other shards
         merge_states([state, other])
 
-    shutil.copy(
-        tmp_path / "shard-000001.tar", tmp_path / "shard-000000.tar"
-    )  # other content, same name
+    # other content, same name
+    shutil.copy(tmp_path / "shard-000001.tar", tmp_path / "shard-000000.tar")
     tail = bytearray((tmp_path / "shard-000002.tar").read_bytes())
     tail[-12_000] ^= 1  # one byte of the last member's data: same size
     (tmp_path / "shard-000002.tar").write_bytes(bytes(tail))
@@ -279,9 +276,8 @@ def test_resume_on_rewritten_shards_is_refused_or_warned(sample_shards, tmp_path
     assert next(resumed)["num_samples"] > 0
 
     caplog.clear()
-    old = {k: v for k, v in state.items() if k != "files"} | {
-        "version": 2
-    }  # saved before fingerprints
+    # saved before fingerprints
+    old = {k: v for k, v in state.items() if k != "files"} | {"version": 2}
     with caplog.at_level(logging.WARNING, logger="moevlm.data.loader"):
         build_loader(cfg, TINY).load_state_dict(old)
     assert "predates shard fingerprints" in caplog.text

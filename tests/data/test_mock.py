@@ -60,9 +60,8 @@ def test_random_pixels_keep_grids_and_tokens_but_not_pixels(runs, sample_shards)
         if not (n := m["useful_patches"]):
             continue  # a text-only row
         assert not torch.equal(r["pixel_values"][:n], m["pixel_values"][:n])
-        assert (
-            m["pixel_values"][:n].abs().max() <= 1.0 and m["pixel_values"][:n].std() > 0.5
-        )  # uniform in [-1, 1]
+        # uniform in [-1, 1]
+        assert m["pixel_values"][:n].abs().max() <= 1.0 and m["pixel_values"][:n].std() > 0.5
         assert not m["pixel_values"][n:].any()  # padding patches stay zero
     again, _ = first_rows(sample_shards, "random_pixels")
     assert all(
@@ -78,9 +77,8 @@ def test_resume_across_mock_modes_is_refused(sample_shards):
         ValueError, match="saved with data.mock=image_free but this run has data.mock=none"
     ):
         real_loader.load_state_dict(mock_loader.state_dict())
-    assert (
-        "mock" not in real_loader.state_dict()
-    )  # real states keep the header they had before data.mock
+    # real states keep the header they had before data.mock
+    assert "mock" not in real_loader.state_dict()
     mock_loader.load_state_dict(mock_loader.state_dict())
 
 

@@ -28,9 +28,8 @@ def captions(tmp_path, n):
         json.dumps({"image": photos[i % len(photos)].name, "caption": f"photo {i}"})
         for i in range(n)
     ]
-    (tmp_path / "caps.jsonl").write_text(
-        "\n".join(lines)
-    )  # no final newline: the last line still counts
+    # no final newline: the last line still counts
+    (tmp_path / "caps.jsonl").write_text("\n".join(lines))
     return images, tmp_path / "caps.jsonl"
 
 
@@ -50,15 +49,12 @@ def test_auto_shard_size_gives_several_shards_and_tokenizer_is_copied(
     out = tmp_path / "shards"
     argv = ["--images", str(images), "--annotations", str(caps), "--out", str(out)]
     assert main(argv) == 0
-    assert (
-        "no tokenizer.json in" in capsys.readouterr().out
-    )  # says where training will look instead
-    assert (
-        len(json.loads((out / "summary.json").read_text())["shards"]) == 20
-    )  # 20 records: one a shard
-    assert (
-        main(argv + ["--overwrite", "--tokenizer", str(sample_shards)]) == 0
-    )  # a folder: its tokenizer.json
+    # says where training will look instead
+    assert "no tokenizer.json in" in capsys.readouterr().out
+    # 20 records: one a shard
+    assert len(json.loads((out / "summary.json").read_text())["shards"]) == 20
+    # a folder: its tokenizer.json
+    assert main(argv + ["--overwrite", "--tokenizer", str(sample_shards)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (sample_shards / "tokenizer.json").read_bytes()
     assert main(argv + ["--overwrite", "--tokenizer", str(caps)]) == 2
     assert "is not a tokenizer.json the tokenizers library loads" in capsys.readouterr().err
@@ -84,9 +80,8 @@ def test_tokenizer_is_found_in_order_and_its_absence_names_every_place(tmp_path,
     assert build_loader(
         small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)
     ).tokenizer_path == str(ckpt / "tokenizer.json")
-    shutil.copy(
-        sample_shards / "tokenizer.json", tmp_path / "tokenizer.json"
-    )  # beside the shards wins
+    # beside the shards wins
+    shutil.copy(sample_shards / "tokenizer.json", tmp_path / "tokenizer.json")
     assert build_loader(
         small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)
     ).tokenizer_path == str(tmp_path / "tokenizer.json")

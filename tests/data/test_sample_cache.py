@@ -49,17 +49,15 @@ def test_version_changes_with_the_content(monkeypatch, tmp_path):
     records[1]["text"] = "other prose"
     assert sample_version() != base
     records[1]["text"] = "prose"
-    monkeypatch.setattr(
-        sample_cache, "SAMPLE_FORMAT", sample_cache.SAMPLE_FORMAT + 1
-    )  # the builder changed
+    # the builder changed
+    monkeypatch.setattr(sample_cache, "SAMPLE_FORMAT", sample_cache.SAMPLE_FORMAT + 1)
     assert sample_version() != base
     monkeypatch.undo()
     monkeypatch.setattr("moevlm.data.sample.sample_records", lambda: [dict(r) for r in records])
     photo.write_bytes(b"y" * 11)  # the package was upgraded: another file
     assert sample_version() != base
-    monkeypatch.setattr(
-        sample_cache, "_package_version", lambda name: "9.9"
-    )  # another tokenizers/webdataset
+    # another tokenizers/webdataset
+    monkeypatch.setattr(sample_cache, "_package_version", lambda name: "9.9")
     assert len({base, sample_version()}) == 2
 
 
@@ -74,9 +72,8 @@ def test_a_failed_build_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr("moevlm.data.build_shards.build_sample", crash)
     with pytest.raises(OSError, match="disk gone"):
         ensure_sample("v1")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "sample-v1.lock"
-    ]  # no final folder, no tmp
+    # no final folder, no tmp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sample-v1.lock"]
 
 
 BUILDER = """

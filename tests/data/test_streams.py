@@ -60,9 +60,8 @@ def test_rows_do_not_depend_on_the_layout(sample_shards, reference):
     """Global row k of one rank (2 workers) is row k // 2 of rank k % 2 of two (1 worker each)."""
     rank0, rank1 = (ids(loader(sample_shards, world=2, rank=r, num_workers=1), 7) for r in (0, 1))
     assert interleave(rank0, rank1) == reference
-    assert len({sid for row in reference for sid in row}) == sum(
-        len(row) for row in reference
-    )  # no repeats
+    # no repeats
+    assert len({sid for row in reference for sid in row}) == sum(len(row) for row in reference)
 
 
 def test_resume_on_another_layout_continues_the_job(sample_shards, reference):
@@ -98,9 +97,8 @@ def test_layouts_are_fitted_with_a_warning_or_refused_in_one_line(sample_shards,
     assert (
         "data.num_workers=4 lowered to 2: each data-parallel rank serves 2 streams" in caplog.text
     )
-    assert (
-        loader(sample_shards, world=1, streams=24).streams == 12
-    )  # 23 shards: 24's largest divisor <= 23
+    # 23 shards: 24's largest divisor <= 23
+    assert loader(sample_shards, world=1, streams=24).streams == 12
     assert (
         "23 shards cannot feed 24 data streams (each needs a shard): reading them as 12 streams"
         in caplog.text

@@ -87,9 +87,8 @@ def test_divisibility_reason_names_both_numbers():
     assert divisibility_reason(8, 4) is None
     reason = divisibility_reason(6, 4)
     assert "6" in reason and "4" in reason and "divid" in reason
-    assert (
-        AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=2) is None
-    )  # no process group: EP 1
+    # no process group: EP 1
+    assert AllToAllDispatcher.unavailable_reason(num_experts=6, top_k=2) is None
 
 
 # ------------------------------------------------------- EP size 1 is local

@@ -49,9 +49,8 @@ def fake_deep_ep(monkeypatch):
         monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
 
     yield use
-    sys.modules.pop(
-        "deep_ep", None
-    )  # the fake's module object: monkeypatch then restores any real one
+    # the fake's module object: monkeypatch then restores any real one
+    sys.modules.pop("deep_ep", None)
 
 
 class FakeAdapter(LocalDispatcher):
@@ -87,9 +86,8 @@ INSTALL_DEEPEP = MISSING["deepep"].split("not installed (")[1].split("); use mod
 
 @pytest.mark.parametrize("name", ["deepep", "hybridep"])
 def test_missing_package_is_one_line_naming_package_install_and_fallback(no_deep_ep, name):
-    with pytest.raises(
-        ConfigError
-    ) as err:  # even with a launch that does not fit: this is said first, alone
+    # even with a launch that does not fit: this is said first, alone
+    with pytest.raises(ConfigError) as err:
         validate(compose_job([f"model.dispatcher={name}", *EP2]), 5)
     assert str(err.value) == MISSING[name]
     assert probe_package().installed is False and "deep_ep" not in sys.modules
@@ -231,9 +229,8 @@ def test_broken_cuda_build_is_reported_not_missing(fake_deep_ep):
 
 def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep, monkeypatch):
     fake_deep_ep("broken_cuda")  # importing it would raise
-    plan = validate(
-        compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False
-    )  # the adapter is built
+    # the adapter is built
+    plan = validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)
     assert plan.model.moe.dispatcher == "deepep" and "deep_ep" not in sys.modules
     monkeypatch.delitem(DISPATCHERS, "deepep")  # as before the adapter
     with pytest.raises(ConfigError) as err:
@@ -380,9 +377,8 @@ def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_
         r"multiple of 8 ranks, 8 on each node \(parallel.ep=8, 4 ranks per node\)",
     ):
         validate(compose_job(job), 8)
-    assert (
-        validate(compose_job(job), 8, environment=False).model.moe.dispatcher == "deepep"
-    )  # node size unknown
+    # node size unknown
+    assert validate(compose_job(job), 8, environment=False).model.moe.dispatcher == "deepep"
     with pytest.raises(
         ConfigError,
         match=r"HybridEP needs experts-per-rank x ranks-per-node to be a multiple of 4 "
@@ -433,9 +429,8 @@ def test_hybridep_node_is_its_nvlink_domain(adapters_built, fake_deep_ep, monkey
             "train.global_batch_size=16",
         ]
     )
-    assert (
-        validate(job, 16).model.moe.dispatcher == "hybridep"
-    )  # 1 expert a rank x 8 (the default domain)
+    # 1 expert a rank x 8 (the default domain)
+    assert validate(job, 16).model.moe.dispatcher == "hybridep"
     monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "2")
     with pytest.raises(
         ConfigError, match=r"experts-per-rank x ranks-per-node to be a multiple of 4 \(1 x 2 = 2"

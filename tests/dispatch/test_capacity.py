@@ -36,9 +36,8 @@ E, K, D, T = 8, 2, 6, 6
 
 
 def test_capacity_and_slots_by_hand():
-    assert (
-        expert_capacity(1.0, 6, 2, 8) == 2 and expert_capacity(0.5, 6, 2, 8) == 1
-    )  # ceil(1.5), ceil(0.75)
+    # ceil(1.5), ceil(0.75)
+    assert expert_capacity(1.0, 6, 2, 8) == 2 and expert_capacity(0.5, 6, 2, 8) == 1
     assert expert_capacity(4.0, 6, 2, 8) == 6 and expert_capacity(1.0, 0, 2, 8) == 0
     # Rows sorted by expert, E=3, C=2: expert 0 has 3 rows (the third dropped), expert 1 none, expert 2 two.
     slot, keep = capacity_slots(torch.tensor([3, 0, 2]), num_rows=5, capacity=2)
@@ -227,9 +226,8 @@ def test_trainer_logs_dropped_tokens_and_error_mode_fails(tmp_path):
         assert rec["steps_in_window"] == 1
         assert isinstance(rec["moe_dropped_tokens"], int) and 0 < rec["moe_dropped_tokens"] < routed
         assert rec["moe_dropped_fraction"] == pytest.approx(rec["moe_dropped_tokens"] / routed)
-        assert (
-            0 < rec["moe_overflowed_dispatches"] <= layers * tr.plan.grad_accum
-        )  # the dispatches that dropped
+        # the dispatches that dropped
+        assert 0 < rec["moe_overflowed_dispatches"] <= layers * tr.plan.grad_accum
 
     job = compose_job(
         FAST

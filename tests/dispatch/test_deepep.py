@@ -167,9 +167,8 @@ def _recomputed_moe(d, x, idx, w, W):
 def _run(d, x0, idx, w0, W0, g, recompute=False):
     x, w, W = (t.clone().requires_grad_() for t in (x0, w0, W0))
     y, counts, h, ex = (_recomputed_moe if recompute else _moe)(d, x, idx, w, W)
-    if (
-        isinstance(d, DeepEPDispatcher) and not recompute
-    ):  # the handle outlives its Python object while backward needs it
+    # the handle outlives its Python object while backward needs it
+    if isinstance(d, DeepEPDispatcher) and not recompute:
         hid = int(h.handle_id)
         del h, ex
         gc.collect()
@@ -212,9 +211,8 @@ def _check(api, name, group, W_EDD, worst):
         assert counts[-1] == 0 or r != P - 1, where
     calls = _count_layout_dispatches(deep.buffer)
     recomputed, _ = _run(deep, x0, idx, w0, W0, g, recompute=True)
-    assert calls == [1], (
-        f"{where}: recompute ran DeepEP's dispatch again ({calls})"
-    )  # its outputs were saved
+    # its outputs were saved
+    assert calls == [1], f"{where}: recompute ran DeepEP's dispatch again ({calls})"
     for label, a, b in [
         *zip((f"{api} y", f"{api} dx", f"{api} dw", f"{api} dW"), got, want),
         *zip(
@@ -245,9 +243,8 @@ def _four_ranks(rank, emulator, out):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     solo = [dist.new_group([p]) for p in range(4)]
     worst = {}
-    assert (
-        build_dispatcher("deepep", num_experts=E, top_k=K).resolved_api == "v2"
-    )  # the emulator offers both
+    # the emulator offers both
+    assert build_dispatcher("deepep", num_experts=E, top_k=K).resolved_api == "v2"
     for api in ("v1", "v2"):
         for group in (dist.group.WORLD, pairs[rank // 2]):
             for name in ("random", "idle", "silent"):

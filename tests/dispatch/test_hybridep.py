@@ -146,9 +146,8 @@ def _dropless(name, group, W_EDD, worst):
     hyb.pad_multiple = 1
     calls = _count_layout_dispatches(_BUFFERS[group.group_name][0])
     recomputed, _ = _run(hyb, x0, idx, w0, W0, g, recompute=True)
-    assert calls == [1], (
-        f"{where}: recompute ran HybridEP's dispatch again ({calls})"
-    )  # its outputs were saved
+    # its outputs were saved
+    assert calls == [1], f"{where}: recompute ran HybridEP's dispatch again ({calls})"
     _compare(where, recomputed, want, worst, "recompute ")
     with torch.no_grad():  # nothing needs backward: the handle goes at once
         ex, _, h = hyb.dispatch(x0, idx, w0)

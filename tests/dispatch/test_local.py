@@ -32,9 +32,8 @@ def test_combine_applies_weights_once_and_sums_choices():
     topk_idx = torch.tensor([[1, 3], [0, 1], [3, 2], [1, 0], [2, 3]])
     topk_w = torch.rand(5, 2)
     expert_x, counts, handle = d.dispatch(x_TD, topk_idx, topk_w)
-    scale = torch.tensor([1.0, 2.0, 3.0, 4.0]).repeat_interleave(counts)[
-        :, None
-    ]  # expert e multiplies by e+1
+    # expert e multiplies by e+1
+    scale = torch.tensor([1.0, 2.0, 3.0, 4.0]).repeat_interleave(counts)[:, None]
     y = d.combine(expert_x * scale, handle)
     expected = ((topk_idx + 1).float() * topk_w).sum(1, keepdim=True) * x_TD
     torch.testing.assert_close(y, expected)

@@ -67,9 +67,8 @@ def _steps(model, batches, precision):
 
 def _batches(steps=3, micro=2, B=2, S=64):
     g = torch.Generator().manual_seed(1)
-    cu = torch.tensor(
-        [0, 20, 64, 100, 128], dtype=torch.int32, device="cuda"
-    )  # same boundaries: same shapes
+    # same boundaries: same shapes
+    cu = torch.tensor([0, 20, 64, 100, 128], dtype=torch.int32, device="cuda")
     token_mask = (torch.arange(S)[None].expand(B, S) < torch.tensor([[S], [S - 10]])).cuda()
     return [
         [(torch.randint(0, 1000, (B, S), generator=g).cuda(), cu, token_mask) for _ in range(micro)]
@@ -103,9 +102,8 @@ def test_replay_equals_eager(scope, precision):
     layers = len(graphed.text.layers)
     moe = sum(layer.is_moe for layer in graphed.text.layers)
     want = {"attn": layers, "moe_router": moe, "moe_preprocess": moe, "full_layer": layers}
-    assert graphs.captures() == {
-        k: want[k] for k in scope
-    }  # one capture per region, replayed afterwards
+    # one capture per region, replayed afterwards
+    assert graphs.captures() == {k: want[k] for k in scope}
 
 
 def test_eval_and_no_grad_run_eager():

@@ -64,9 +64,8 @@ def _data(counts, gen):
     M = DENSE_M if counts is None else sum(counts)
     E = 1 if counts is None else len(counts)
     x = torch.randn(M, K, generator=gen)
-    w = (
-        torch.randn(E, K, N, generator=gen) * torch.rand(E, 1, N, generator=gen) / K**0.5
-    )  # per-column spread
+    # per-column spread
+    w = torch.randn(E, K, N, generator=gen) * torch.rand(E, 1, N, generator=gen) / K**0.5
     dy = torch.randn(M, N, generator=gen) * (1 + torch.rand(M, 1, generator=gen))
     return x, (w[0] if counts is None else w), dy
 
@@ -173,9 +172,8 @@ def test_probe_on_cpu_reports_missing_and_selection_names_it(gen):
     support = fg.scaled_mm_support("cpu")
     assert set(support) == {"scaled_mm_blockwise", "scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"}
     assert all(type(v) is bool for v in support.values()) and not any(support.values()), support
-    assert (
-        fg.scaled_mm_support(torch.device("cpu")) is not support
-    )  # a fresh dict from the cached probe
+    # a fresh dict from the cached probe
+    assert fg.scaled_mm_support(torch.device("cpu")) is not support
     counts = CASES["grouped"]
     args = _quantize("mm", "blockwise", *_data(counts, gen))
     with pytest.raises(
@@ -192,9 +190,8 @@ def test_probe_on_cpu_reports_missing_and_selection_names_it(gen):
 # ------------------------------------------------- the torch path against a stand-in _scaled_mm
 def _unswizzle(s_flat, rows, cols):
     Rp, Cp = -(-rows // 128) * 128, -(-cols // 4) * 4
-    u = (
-        s_flat.view(torch.uint8).view(Rp // 128, Cp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
-    )  # rb, a, b, cb, c
+    # rb, a, b, cb, c
+    u = s_flat.view(torch.uint8).view(Rp // 128, Cp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
     return u.reshape(Rp, Cp)[:rows, :cols].view(s_flat.dtype)
 
 

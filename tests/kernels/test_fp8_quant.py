@@ -137,9 +137,8 @@ def test_fp16_3d_and_strided_inputs(seed):
     assert_bits_equal(
         Q.quant_mxfp8(x, dim=0, backend="triton"), Q.quant_mxfp8(x, dim=0), seed, "mxfp8 3-D dim=0"
     )
-    x16 = (
-        torch.randn(M, K) * 10.0 ** (torch.rand(M, 1) * 11 - 7)
-    ).half()  # fp16 subnormals below 6e-5
+    # fp16 subnormals below 6e-5
+    x16 = (torch.randn(M, K) * 10.0 ** (torch.rand(M, 1) * 11 - 7)).half()
     assert_bits_equal(
         Q.quant_blockwise_act(x16, backend="triton"), Q.quant_blockwise_act(x16), seed, "act fp16"
     )
@@ -213,9 +212,8 @@ def test_hand_worked_blockwise():
         codes, scales = Q.quant_blockwise_act(x, pow2_scales=True, backend=backend)
         # 1344 / 4 = 336 is a tie between e4m3's 320 (mantissa 010) and 352 (011): to even, 320
         assert scales.tolist() == [[2.0, 4.0], [1.0, 1.0]] and codes[0, 128].float() == 320.0
-        codes, scales = Q.quant_blockwise_weight(
-            torch.full((130, 5), 7.0), backend=backend
-        )  # one ragged block
+        # one ragged block
+        codes, scales = Q.quant_blockwise_weight(torch.full((130, 5), 7.0), backend=backend)
         assert scales.tolist() == [[7.0 / 448.0], [7.0 / 448.0]] and bool(
             (codes.float() == 448.0).all()
         )
@@ -223,9 +221,8 @@ def test_hand_worked_blockwise():
 
 def test_hand_worked_mxfp8():
     x = torch.zeros(4, 32)
-    x[0, :3] = torch.tensor(
-        [3.0, -1.0, 0.25]
-    )  # amax 3: e = floor(log2 3) - 8 = 1 - 8 = -7, x * 2^7
+    # amax 3: e = floor(log2 3) - 8 = 1 - 8 = -7, x * 2^7
+    x[0, :3] = torch.tensor([3.0, -1.0, 0.25])
     x[1, :2] = torch.tensor([3.9, 1.0])  # e = -7 too; 3.9 * 128 = 499.2 saturates to 448
     # an fp32 subnormal: e = -130 - 8 clamps to -127; code 2^-130 * 2^127 = 0.125
     x[3, 0] = 2.0**-130
@@ -497,9 +494,8 @@ def _compile_sm90():
     for kernel, ptrs, n_ints, consts in cases:
         fn = kernel
         sig = dict(zip(fn.arg_names, ptrs + ["i32"] * n_ints))
-        warps = (
-            8 if consts["BLOCK_R"] * consts["BLOCK_C"] > Q._TILE_ELEMS else 4
-        )  # as the launcher picks
+        # as the launcher picks
+        warps = 8 if consts["BLOCK_R"] * consts["BLOCK_C"] > Q._TILE_ELEMS else 4
         ptx = compile_sm90(fn, sig, consts, warps).asm["ptx"]
         bad = [s for s in ("div.full", "div.approx", ".ftz", "fma.", ".local") if s in ptx]
         wants_div = kernel is Q._quant_kernel and not consts["MX"]

@@ -128,9 +128,8 @@ def test_backends_and_local_dispatcher_agree(dtype, K, E, pad, seed):
     idx, w = routing(T, K, E)
     plan = permute_plan(idx, E, pad_multiple=pad)
     x = torch.randn(T, D).to(dtype)
-    y = torch.randn(plan.num_rows, D).to(
-        dtype
-    )  # padding rows hold noise: unpermute must ignore them
+    # padding rows hold noise: unpermute must ignore them
+    y = torch.randn(plan.num_rows, D).to(dtype)
     g1, g2 = torch.randn(plan.num_rows, D), torch.randn(T, D)
     tri = run("triton", x, y, w, plan, g1, g2)
     ref = run("torch", x, y, w, plan, g1, g2)

@@ -60,9 +60,8 @@ def test_flash_backend_without_the_package_says_so():
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="flash-attn"):
         _attn(q, k, v, True, backend="flash")
-    assert (
-        doc_mask(2, 24, None, causal=True, backend="auto").backend == "sdpa_per_doc"
-    )  # no flash-attn, no CUDA
+    # no flash-attn, no CUDA
+    assert doc_mask(2, 24, None, causal=True, backend="auto").backend == "sdpa_per_doc"
     assert _attn(q, k, v, True, backend="auto").shape == q.shape
 
 

@@ -28,15 +28,12 @@ def test_auto_order_on_cuda_half(monkeypatch, flash, varlen, flex, expect):
     monkeypatch.setattr(A, "varlen_available", lambda: varlen)
     monkeypatch.setattr(A, "flex_available", lambda: flex)
     assert resolve_backend("auto", CUDA, torch.bfloat16) == expect
-    assert (
-        resolve_backend("auto", CUDA, torch.float32) == "sdpa"
-    )  # the fused kernels need half precision
-    assert (
-        resolve_backend("auto", CPU, torch.bfloat16) == "sdpa_per_doc"
-    )  # flex has no CPU backward; exact FLOPs
-    assert (
-        resolve_backend("auto", CPU, torch.float32, static=True) == "sdpa"
-    )  # torch.compile: no host loop
+    # the fused kernels need half precision
+    assert resolve_backend("auto", CUDA, torch.float32) == "sdpa"
+    # flex has no CPU backward; exact FLOPs
+    assert resolve_backend("auto", CPU, torch.bfloat16) == "sdpa_per_doc"
+    # torch.compile: no host loop
+    assert resolve_backend("auto", CPU, torch.float32, static=True) == "sdpa"
 
 
 def test_varlen_refused_on_cpu():
@@ -51,9 +48,8 @@ def test_varlen_refused_on_cpu():
 
 
 def test_static_bounds_fixed_length_with_empty_documents():
-    cu = torch.tensor(
-        [0, 5, 24, 30, 31, 48, 48], dtype=torch.int32
-    )  # packer style: trailing repeats
+    # packer style: trailing repeats
+    cu = torch.tensor([0, 5, 24, 30, 31, 48, 48], dtype=torch.int32)
     b = static_bounds(2, 24, cu, "cpu")
     assert b.tolist() == [
         0,
@@ -85,16 +81,14 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
     return out
 
 
-def _new_api(
-    q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False
-):  # torch 2.13
+# torch 2.13
+def _new_api(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
     assert enable_gqa == (q.shape[1] != k.shape[1])
     return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size == (-1, 0))
 
 
-def _old_api(
-    q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False
-):  # an older torch: no window, no GQA
+# an older torch: no window, no GQA
+def _old_api(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):
     assert q.shape[1] == k.shape[1], "K/V heads must have been repeated"
     return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal)
 

@@ -285,9 +285,8 @@ def test_integer_or_bool_tensor_is_refused_naming_it_its_dtype_and_file(
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(CheckpointError) as err:
             load_hf_weights_(model, path)
-        assert all(
-            torch.equal(before[k], v) for k, v in model.state_dict().items()
-        )  # nothing copied
+        # nothing copied
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     text = str(err.value)
     file = str(path / "model.safetensors")
     assert "2 not floating point" in text

@@ -62,12 +62,10 @@ def _by_hand(recipe, x, w_EKN, dy, counts):
             _deq(*Q.quant_mxfp8_torch(x.t()), (1, B)),
             _deq(*Q.quant_mxfp8_torch(dy.t()), (1, B)),
         )
-        w_fwd = torch.stack(
-            [_deq(*Q.quant_mxfp8_torch(w, dim=0), (B, 1)) for w in w_EKN]
-        )  # 32x1 along K
-        w_dgrad = torch.stack(
-            [_deq(*Q.quant_mxfp8_torch(w), (1, B)) for w in w_EKN]
-        )  # 1x32 along N
+        # 32x1 along K
+        w_fwd = torch.stack([_deq(*Q.quant_mxfp8_torch(w, dim=0), (B, 1)) for w in w_EKN])
+        # 1x32 along N
+        w_dgrad = torch.stack([_deq(*Q.quant_mxfp8_torch(w), (1, B)) for w in w_EKN])
     rows = [slice(a, a + c) for a, c in zip([0, *torch.tensor(counts).cumsum(0).tolist()], counts)]
     out = torch.cat([xq[r] @ w_fwd[e] for e, r in enumerate(rows)])
     dx = torch.cat([dyq[r] @ w_dgrad[e].T for e, r in enumerate(rows)])
@@ -132,9 +130,8 @@ def test_weights_are_quantized_once_per_step_and_never_served_stale(monkeypatch)
     monkeypatch.setattr(fp8_mod, "_hooked", False)  # no hook from another test
     cfg = Fp8Config(recipe="blockwise", backend="emulate")
     model = _tiny(cfg)
-    weights = 2 * (
-        4 + 2
-    )  # 2 layers of q, k, v, o and the experts' two weights (the tiny model's are MoE)
+    # 2 layers of q, k, v, o and the experts' two weights (the tiny model's are MoE)
+    weights = 2 * (4 + 2)
     _loss(model).backward()
     _loss(model, 1).backward()
     assert len(calls) == 2 * weights  # no optimizer hook: quantized at every use (two forwards)
@@ -170,9 +167,8 @@ def test_router_stays_fp32_under_bf16_autocast(monkeypatch):
         (x_TD,), (_, topk_w, probs) = inputs, outputs
         with torch.autocast("cpu", enabled=False):
             want = F.linear(x_TD.float(), router.weight.float()).softmax(-1)
-        autocast_bf16 = (
-            F.linear(x_TD.float(), router.weight.float()).float().softmax(-1)
-        )  # (the hook is inside)
+        # (the hook is inside)
+        autocast_bf16 = F.linear(x_TD.float(), router.weight.float()).float().softmax(-1)
         seen.append(
             (probs.dtype, topk_w.dtype, torch.equal(probs, want), torch.equal(probs, autocast_bf16))
         )
@@ -261,9 +257,8 @@ def test_the_trainer_refuses_what_fp8_cannot_run_with(monkeypatch):
     assert "fp8_pad_experts" in problems(
         "model.fp8_backend=emulate", "model.fp8_pad_experts=true", "parallel.ep=2", world=2
     )
-    assert "not multiples of 128" in problems(
-        "model.fp8_backend=torch"
-    )  # the tiny model's 64-wide linears
+    # the tiny model's 64-wide linears
+    assert "not multiples of 128" in problems("model.fp8_backend=torch")
     assert "model.fp8_modules) has ['router']" in problems("model.fp8_modules=[router]")
     assert "model.fp8='int8'" in problems("model.fp8=int8")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

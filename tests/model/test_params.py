@@ -47,9 +47,8 @@ def test_counts_equal_the_meta_model(name):
     counts = parameter_counts(cfg)
     for part, module in built.items():
         assert counts[part] == sum(p.numel() for p in module.parameters()), part
-    assert num_parameters(cfg) == sum(
-        p.numel() for p in model.parameters()
-    )  # a tied head counted once
+    # a tied head counted once
+    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
     for i, layer in enumerate(model.text.layers):
         parts = layer_parameters(cfg, i)
         assert sum(parts.values()) == sum(p.numel() for p in layer.parameters()), i

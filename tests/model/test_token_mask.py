@@ -17,9 +17,8 @@ def test_padding_is_left_out_of_router_stats():
     unmasked = model(ids, cu_seqlens=cu, labels=ids.masked_fill(~mask, -100))
     assert torch.allclose(padded.aux_loss, alone.aux_loss, atol=1e-6)
     assert torch.equal(padded.expert_counts, alone.expert_counts)
-    assert not torch.equal(
-        unmasked.expert_counts, alone.expert_counts
-    )  # padding would count otherwise
+    # padding would count otherwise
+    assert not torch.equal(unmasked.expert_counts, alone.expert_counts)
     assert torch.allclose(padded.lm_loss, unmasked.lm_loss) and torch.allclose(
         padded.logits, unmasked.logits
     )

@@ -39,9 +39,8 @@ CASES = {
     # ending exactly on the cp=2 chunk boundaries 12 and 36, one across the cp=4 boundaries between
     "chunk_boundaries": torch.tensor([0, 5, 43, 48, 60, 84, 96], dtype=torch.int32),
     "one_doc_per_row": None,
-    "trailing_padding": torch.tensor(
-        [0, 10, 30, 48, 68, 89, 96], dtype=torch.int32
-    ),  # [30,48), [89,96) pad
+    # [30,48), [89,96) pad
+    "trailing_padding": torch.tensor([0, 10, 30, 48, 68, 89, 96], dtype=torch.int32),
 }
 
 

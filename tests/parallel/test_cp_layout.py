@@ -38,9 +38,8 @@ def test_every_position_once_and_the_inverse(S, cp):
     assert sorted(every.tolist()) == list(range(S))
     x = torch.arange(S) * 10
     gathered = torch.cat([take_seq(x[None], zigzag_positions(S, cp, r))[0] for r in range(cp)])
-    assert torch.equal(
-        gathered[inverse_order(S, cp)], x
-    )  # rank-order concatenation back to row order
+    # rank-order concatenation back to row order
+    assert torch.equal(gathered[inverse_order(S, cp)], x)
 
 
 def test_uneven_rows_are_refused_with_the_fix():
@@ -58,9 +57,8 @@ def test_attention_work_by_hand():
     doc = torch.zeros(1, 8, dtype=torch.long)
     zig = [zigzag_positions(8, 2, r) for r in range(2)]
     naive = [contiguous_positions(8, 2, r) for r in range(2)]
-    assert (
-        attention_work(doc, zig) == [1 + 2 + 7 + 8, 3 + 4 + 5 + 6] == [18, 18]
-    )  # balanced exactly
+    # balanced exactly
+    assert attention_work(doc, zig) == [1 + 2 + 7 + 8, 3 + 4 + 5 + 6] == [18, 18]
     assert attention_work(doc, naive) == [1 + 2 + 3 + 4, 5 + 6 + 7 + 8] == [10, 26]
     # two documents [0, 4) and [4, 8): each query sees its document's earlier keys
     doc2 = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
@@ -101,9 +99,8 @@ def test_per_document_split_keeps_every_token_once_balanced():
         bounds = [0, *sorted(cuts.tolist()), S]
         out = doc_zigzag_positions(bounds, cp)
         assert sorted(sum(out, [])) == list(range(S)) and all(len(o) == S // cp for o in out)
-        for a, b in zip(
-            bounds, bounds[1:]
-        ):  # every rank holds 2 chunks of each document: within 2 tokens
+        # every rank holds 2 chunks of each document: within 2 tokens
+        for a, b in zip(bounds, bounds[1:]):
             n = [sum(a <= p < b for p in o) for o in out]
             assert max(n) - min(n) <= 2, (bounds, cp, n)
 
@@ -115,7 +112,6 @@ def test_take_rows_per_row_and_zero_gradient_elsewhere():
     assert torch.equal(y, torch.stack([x[0, [0, 5]], x[1, [2, 3]]]))
     y.sum().backward()
     assert x.grad.sum(-1).tolist() == [[3, 0, 0, 0, 0, 3], [0, 0, 3, 3, 0, 0]]
-    pos = (
-        torch.arange(2 * 6).view(1, 2, 6).expand(3, 2, 6)
-    )  # (3, B, S) M-RoPE ids: the sequence is dim 2
+    # (3, B, S) M-RoPE ids: the sequence is dim 2
+    pos = torch.arange(2 * 6).view(1, 2, 6).expand(3, 2, 6)
     assert take_rows(pos, idx, dim=2)[:, 1].tolist() == [[8, 9]] * 3

@@ -84,9 +84,8 @@ def test_regions_wrap_every_layer_and_stay_eager_on_cpu(tiny):
         and kinds.count("moe_router") == kinds.count("moe_preprocess") == n_moe
     )
     assert cuda_graphs(model) is graphs and apply_cuda_graphs(model, []) is None
-    assert {n for n, _ in model.named_parameters()} == {
-        n for n, _ in tiny.named_parameters()
-    }  # no new params
+    # no new params
+    assert {n for n, _ in model.named_parameters()} == {n for n, _ in tiny.named_parameters()}
     ids = torch.randint(0, 1000, (1, 16))
     assert torch.equal(model(ids, labels=ids).lm_loss, tiny(ids, labels=ids).lm_loss)
     assert set(graphs.captures().values()) == {0}

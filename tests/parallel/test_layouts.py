@@ -78,9 +78,8 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
     With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it."""
     resume = "RESUME" in layout
-    start = [
-        x.split("=", 1)[1] for x in layout if x.startswith("FROM=")
-    ]  # another layout's checkpoint
+    # another layout's checkpoint
+    start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
     layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
     layout = [
         x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")).replace(
@@ -136,9 +135,8 @@ def compare(got: dict, ref: dict) -> dict:
     loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     grad = 0.0
-    for g, r in zip(
-        got["grads"], ref["grads"][STEPS - len(got["grads"]) :]
-    ):  # a resumed run: the steps it ran
+    # a resumed run: the steps it ran
+    for g, r in zip(got["grads"], ref["grads"][STEPS - len(got["grads"]) :]):
         # a step without images leaves the vision tower without gradients in one process and with
         # exact zeros under a layout (the tower runs on padding so every rank reduces the same)
         only = sorted(set(g) ^ set(r))
@@ -231,12 +229,10 @@ def check_layouts(
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     shards = str(ensure_sample()[0])
-    init = Trainer(
-        compose_job(job_overrides(shards, str(tmp / "init"), []))
-    )  # the reference's initial weights,
-    init.model.save_pretrained(
-        tmp / "init_hf"
-    )  # for the layout that starts from a Hugging Face checkpoint
+    # the reference's initial weights,
+    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [])))
+    # for the layout that starts from a Hugging Face checkpoint
+    init.model.save_pretrained(tmp / "init_hf")
     init.close()
     ref = run_job(shards, str(tmp / "ref"), [])
     torch.save(ref, tmp / "ref.pt")

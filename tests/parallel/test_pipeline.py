@@ -62,12 +62,10 @@ def reference(tmp_path_factory):
     shards = str(ensure_sample()[0])
     (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
     model = MODEL.replace("@TMP", str(tmp))
-    init = Trainer(
-        compose_job(job_overrides(shards, str(tmp / "init"), [model]))
-    )  # the reference's initial
-    init.model.save_pretrained(
-        tmp / "init_hf"
-    )  # weights, for a layout that starts from a Hugging Face folder
+    # the reference's initial
+    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [model])))
+    # weights, for a layout that starts from a Hugging Face folder
+    init.model.save_pretrained(tmp / "init_hf")
     init.close()
     torch.save(run_job(shards, str(tmp / "ref"), [MODEL]), tmp / "ref.pt")
     return tmp, shards
@@ -93,9 +91,8 @@ V_SCHEDULES = [
     [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
     [*PP2, "parallel.pp_schedule=dualpipev", "parallel.dp_mode=ddp"],
 ]
-if v_schedules_supported(
-    "gloo"
-):  # torch 2.11's V stages start by sending to themselves, which gloo refuses
+# torch 2.11's V stages start by sending to themselves, which gloo refuses
+if v_schedules_supported("gloo"):
     WORLD_2 += V_SCHEDULES
 WORLD_4 = [
     [*PP2, "parallel.tp=2", "parallel.pp_layers=[1,3]"],
@@ -160,9 +157,8 @@ def _nonfinite_on_one_stage_skips_on_every_stage(rank: int, shards: str, tmp: st
                 dict(tr.model.named_parameters())["text.norm.weight"].to_local().fill_(float("nan"))
         before = {k: v.detach().to_local().clone() for k, v in tr.model.named_parameters()}
         assert tr.train_step(type("NoWindow", (), {"add": lambda self, **kw: None})()) is False
-        assert (
-            tr.nonfinite_steps == 1 and tr.step == 1 and tr.losses[-1] != tr.losses[-1]
-        )  # NaN everywhere
+        # NaN everywhere
+        assert tr.nonfinite_steps == 1 and tr.step == 1 and tr.losses[-1] != tr.losses[-1]
         for k, v in tr.model.named_parameters():
             torch.testing.assert_close(
                 v.detach().to_local(), before[k], rtol=0, atol=0, equal_nan=True

@@ -139,9 +139,8 @@ class CountCollectives(TorchDispatchMode):
 def _two_ranks(rank: int, shards: str, tmp: str) -> None:
     import os
 
-    os.environ.update(
-        WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
-    )  # what the Trainer reads
+    # what the Trainer reads
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
     _tp2_ep2(rank)
     _pp2(shards, tmp)
 

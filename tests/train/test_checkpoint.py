@@ -157,9 +157,8 @@ def test_failed_save_is_ignored_and_cleaned(tmp_path, monkeypatch):
     ckpt.save(2, model=model, optimizer=opt)
     assert not (partial / "stray").exists() and ckpt.latest() == partial
 
-    ckpt.step_dir(
-        9
-    ).mkdir()  # an incomplete dir newer than the newest complete one is left alone...
+    # an incomplete dir newer than the newest complete one is left alone...
+    ckpt.step_dir(9).mkdir()
     ckpt.save(3, model=model)
     assert ckpt.step_dir(9).exists() and ckpt.latest() == ckpt.step_dir(3)
     ckpt.save(10, model=model)  # ...until a newer complete checkpoint exists

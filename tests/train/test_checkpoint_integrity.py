@@ -158,9 +158,8 @@ def test_disk_room_prunes_first_or_stops_with_the_numbers(tmp_path, monkeypatch)
         "are free and pruning older checkpoints would free only" in msg
         and "step_00000001 is intact" in msg
     )
-    assert (
-        ckpt.step_dir(7).exists() and not ckpt.step_dir(2).exists()
-    )  # nothing was deleted for nothing
+    # nothing was deleted for nothing
+    assert ckpt.step_dir(7).exists() and not ckpt.step_dir(2).exists()
     assert CheckpointManager(root).newest_verified() == ckpt.step_dir(1)
 
 
@@ -258,9 +257,8 @@ def test_trainer_resumes_from_the_previous_verified_checkpoint(reference, tmp_pa
     assert code == 0 and trainer.ckpt.resumed_from == run_dir / "checkpoints" / "step_00000003"
     assert "step_00000004 failed verification" in out and DAMAGE[kind][1] in out
     assert (run_dir / "checkpoints" / "rejected" / "step_00000004").is_dir()
-    got = losses(
-        run_dir
-    )  # step 4 logged once (the crashed run's record dropped), recomputed exactly
+    # step 4 logged once (the crashed run's record dropped), recomputed exactly
+    got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4] and abs(got[4] - want[4]) <= 1e-6
 
 
@@ -295,9 +293,8 @@ def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, t
         "step_00000003",
         "step_00000004",
     ]
-    assert (
-        abandoned[0] / "metrics.jsonl"
-    ).exists()  # the old line's records, kept with its checkpoints
+    # the old line's records, kept with its checkpoints
+    assert (abandoned[0] / "metrics.jsonl").exists()
 
     def kill_in_step_4(tr):  # (called before the step count moves on)
         if tr.step == 3:
@@ -306,9 +303,8 @@ def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, t
     trainer.grad_hook = kill_in_step_4
     with pytest.raises(Killed):
         trainer.run()
-    assert [p.name for p in trainer.ckpt.complete()] == [
-        "step_00000003"
-    ]  # keep=1: step 2 pruned after 3 was done
+    # keep=1: step 2 pruned after 3 was done
+    assert [p.name for p in trainer.ckpt.complete()] == ["step_00000003"]
     assert read_marker(ck / "step_00000003")["time"] > old["step_00000003"]  # the new line's
 
     capsys.readouterr()
@@ -359,9 +355,8 @@ def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_p
         "allow_changed_shards=true",
     ):
         Trainer(job)
-    trainer, code = run(
-        run_dir, 5, f"data.shards={shards}", "data.allow_changed_shards=true"
-    )  # the user's choice
+    # the user's choice
+    trainer, code = run(run_dir, 5, f"data.shards={shards}", "data.allow_changed_shards=true")
     assert code == 0 and trainer.step == 5
 
     trainer, code = run(

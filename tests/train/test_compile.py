@@ -45,9 +45,8 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path):
     assert [r["step"] for r in compiled] == list(range(1, STEPS + 1))
     assert all(r["recompiles"] == 0 for r in compiled), [r["recompiles"] for r in compiled]
     assert compiled[0]["compiled_graphs"] > 0 and len({r["compiled_graphs"] for r in compiled}) == 1
-    assert (
-        len({r["graph_breaks"] for r in compiled}) == 1
-    )  # fp32: the grouped GEMM seam only, found in step 1
+    # fp32: the grouped GEMM seam only, found in step 1
+    assert len({r["graph_breaks"] for r in compiled}) == 1
     assert "recompiles" not in eager[0]  # the keys come with train.compile
     for c, e in zip(compiled, eager):
         assert c["loss"] == pytest.approx(e["loss"], rel=LOSS_RTOL), c["step"]
@@ -67,9 +66,8 @@ def test_compile_refuses_sdpa_per_doc():
 def _text_batch(cfg, seed: int, S: int = 32):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 900, (1, S), generator=g)
-    cu = torch.tensor(
-        [0, 7 + seed % 5, 20, S, S], dtype=torch.int32
-    )  # packer style, documents vary by seed
+    # packer style, documents vary by seed
+    cu = torch.tensor([0, 7 + seed % 5, 20, S, S], dtype=torch.int32)
     return dict(input_ids=ids, labels=ids, cu_seqlens=cu)
 
 

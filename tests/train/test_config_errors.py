@@ -115,6 +115,5 @@ def test_your_shards_tokenizer_is_found_and_fits_the_model(tmp_path):
     first, *ids = str(err.value).splitlines()  # one line per special token that is elsewhere
     assert first.startswith(f"the tokenizer {tiny_tokenizer} does not fit the model")
     assert ids and all("the tokenizer has <|" in line for line in ids)
-    validate(
-        compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}"])
-    )  # the tiny model: fits
+    # the tiny model: fits
+    validate(compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}"]))

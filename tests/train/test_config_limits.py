@@ -86,9 +86,8 @@ def test_documented_edge_values_stay_allowed():
         )
     )
     assert plan.notes == []
-    assert (
-        validate(compose_job(["optim.warmup_steps=20", "train.steps=20"])).notes == []
-    )  # the last step is at lr
+    # the last step is at lr
+    assert validate(compose_job(["optim.warmup_steps=20", "train.steps=20"])).notes == []
     plan = validate(compose_job(["optim.warmup_steps=21", "train.steps=20"]))
     assert plan.notes == [
         "note: optim.warmup_steps=21 > train.steps=20: the learning rate never reaches "
@@ -102,9 +101,8 @@ def test_single_rank_estimate_is_the_exact_count_at_16_bytes():
     est = estimate_memory(job, validate(job))
     assert est.params == est.total_params == num_parameters(validate(job).model)
     assert est.bytes == BYTES_TRAINED * est.params
-    job = compose_job(
-        ["model.freeze_vision=true"]
-    )  # a frozen tower has no gradient, no AdamW state
+    # a frozen tower has no gradient, no AdamW state
+    job = compose_job(["model.freeze_vision=true"])
     vision = parameter_counts(validate(job).model)["vision"]
     assert (
         estimate_memory(job, validate(job)).bytes
@@ -142,9 +140,8 @@ def test_sharded_estimates_divide_each_part_by_its_sharding():
     total = num_parameters(cfg)
     layers = [layer_parameters(cfg, i) for i in range(cfg.text.num_layers)]
     experts = sum(p["experts"] for p in layers)
-    whole_per_tp = (
-        sum(p["norms"] + p["router"] for p in layers) + cfg.text.hidden_size
-    )  # + the final norm
+    # + the final norm
+    whole_per_tp = sum(p["norms"] + p["router"] for p in layers) + cfg.text.hidden_size
     vision = parameter_counts(cfg)["vision"]
 
     def est(overrides, world):
@@ -191,9 +188,8 @@ def test_huge_model_refused_from_the_config_with_the_estimate():
     )
     job = compose_job([])
     plan = validate(job)
-    check_memory(
-        job, plan, *memory_limit("cpu")
-    )  # the embedded default fits this machine, without a note
+    # the embedded default fits this machine, without a note
+    check_memory(job, plan, *memory_limit("cpu"))
     assert plan.notes == []
 
 

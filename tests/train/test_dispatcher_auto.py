@@ -48,9 +48,8 @@ def test_auto_picks_from_the_layout(overrides, world, want):
         ]
 
 
-@pytest.mark.parametrize(
-    "name", ["local", "alltoall"]
-)  # (deepep, hybridep: tests/dispatch/test_availability.py)
+# (deepep, hybridep: tests/dispatch/test_availability.py)
+@pytest.mark.parametrize("name", ["local", "alltoall"])
 def test_an_explicit_dispatcher_wins(name):
     plan = validate(compose_job([f"model.dispatcher={name}"]), 1)
     assert plan.model.moe.dispatcher == name and plan.notes == []
@@ -94,9 +93,8 @@ def test_experiments_resolve_to_a_concrete_dispatcher(path):
             == named[path.stem]
         )
         return
-    plan = validate(
-        job, job.parallel.world_size or 1, environment=False
-    )  # GPU recipes, checked here
+    # GPU recipes, checked here
+    plan = validate(job, job.parallel.world_size or 1, environment=False)
     want = "alltoall" if plan.dims.ep * plan.dims.etp > 1 else "local"
     assert plan.model.moe.dispatcher == want
     assert path.stem != "h200_1gpu" or want == "local"

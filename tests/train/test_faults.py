@@ -92,9 +92,8 @@ def test_exit_codes_are_the_readme_table():
 def test_watchdog_reports_a_slow_step_once_after_warmup_and_aborts_past_abort_s():
     clock, reports, aborts = Clock(), [], []
     w = StepWatchdog(10, 5, 100, clock=clock, report=reports.append, abort=aborts.append)
-    for step, seconds in enumerate(
-        [50.0, 30.0, 1.0, 2.0, 1.5], start=1
-    ):  # warm-up steps are slow (compile)
+    # warm-up steps are slow (compile)
+    for step, seconds in enumerate([50.0, 30.0, 1.0, 2.0, 1.5], start=1):
         w.begin_step(step)
         clock.now += seconds
         w.poll()
@@ -492,9 +491,8 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
         waited = time.time() - t0
         while time.time() < deadline and not _gone(rank0):
             time.sleep(0.05)
-        time.sleep(
-            1.0
-        )  # torchrun sees rank 0's exit first (it then waits 30 s for the stopped rank 1)
+        # torchrun sees rank 0's exit first (it then waits 30 s for the stopped rank 1)
+        time.sleep(1.0)
     finally:
         if rank1 is not None:
             for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -515,9 +513,8 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
     # the stalled step started at most one step before the stop
     assert waited < timeout_s + 30, waited
     report = out.index("rank 0: watchdog: step ")
-    assert (
-        report < out.index(failure[0]) and "Thread 0x" in out[report:]
-    )  # reported (with stacks) first
+    # reported (with stacks) first
+    assert report < out.index(failure[0]) and "Thread 0x" in out[report:]
     assert exit_codes(out)[0] == ExitCode.COLLECTIVE, out[-3000:]
     print(
         out[report : out.index("\n", report)],

@@ -110,9 +110,8 @@ def test_mfu_null_without_peak_and_on_cpu():
 def test_peak_table_by_name(name, bf16):
     assert peak_tflops_for_name(name) == bf16
     if bf16 is not None and "A100" not in name:
-        assert peak_tflops_for_name(name, "fp8") == pytest.approx(
-            2 * bf16, rel=0.02
-        )  # L40S: 733 vs 2 x 362
+        # L40S: 733 vs 2 x 362
+        assert peak_tflops_for_name(name, "fp8") == pytest.approx(2 * bf16, rel=0.02)
     assert peak_tflops_for_name("NVIDIA A100-SXM4-80GB", "fp8") is None
 
 

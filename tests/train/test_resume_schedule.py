@@ -66,22 +66,19 @@ def lrs_from(opt, sched, n: int) -> list[float]:
 )
 def test_a_longer_run_follows_the_new_curve_from_the_resumed_step(o):
     state = taken(o, 4, 2)
-    assert (
-        state["schedule"]["steps"] == 4
-    )  # the checkpoint records the length the schedule was built for
+    # the checkpoint records the length the schedule was built for
+    assert state["schedule"]["steps"] == 4
     opt, sched, lines = resumed(o, state, 8)
     fresh = LRSchedule(o, 8)
-    assert lrs_from(opt, sched, 6) == [
-        o.lr * fresh(s) for s in range(2, 8)
-    ]  # updates 3..8, exactly
+    # updates 3..8, exactly
+    assert lrs_from(opt, sched, 6) == [o.lr * fresh(s) for s in range(2, 8)]
     before = o.lr * LRSchedule(o, 4)(2)
     assert lines == [
         f"train.steps changed from 4 to 8: the {o.schedule} lr schedule is rescaled to 8 steps; the "
         f"next update's lr is {o.lr * fresh(2):.3e} (was {before:.3e})"
     ]
-    assert (
-        sched.state_dict()["schedule"]["steps"] == 8
-    )  # its next checkpoint records the new length
+    # its next checkpoint records the new length
+    assert sched.state_dict()["schedule"]["steps"] == 8
 
 
 def test_same_length_old_state_and_other_fields():
@@ -92,19 +89,16 @@ def test_same_length_old_state_and_other_fields():
     for _ in range(3):
         ref_opt.step()
         ref.step()
-    assert lines == [] and lrs_from(opt, sched, 3) == lrs_from(
-        ref_opt, ref, 3
-    )  # unchanged: as before
-    del state["schedule"][
-        "steps"
-    ]  # a state that does not record its length: assumed unchanged, with a note
+    # unchanged: as before
+    assert lines == [] and lrs_from(opt, sched, 3) == lrs_from(ref_opt, ref, 3)
+    # a state that does not record its length: assumed unchanged, with a note
+    del state["schedule"]["steps"]
     _, _, lines = resumed(o, state, 6)
     assert lines == [
         "note: the checkpoint does not record its lr schedule's length; assumed train.steps=6, as now"
     ]
-    state = taken(
-        o, 6, 3
-    )  # another warmup in the config: the checkpoint's schedule is kept, and said
+    # another warmup in the config: the checkpoint's schedule is kept, and said
+    state = taken(o, 6, 3)
     opt, sched, lines = resumed(OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=4), state, 6)
     assert lines == [
         "note: optim.warmup_steps=4 differs from the resumed schedule's 1: the checkpoint's is kept"
@@ -140,9 +134,8 @@ def test_trainer_extends_a_run_and_refuses_to_shorten_below_the_checkpoint(tmp_p
     before = sorted(p.name for p in ck.iterdir())
     record = (run_dir / "config.yaml").read_text()
     with pytest.raises(ConfigError) as err:
-        Trainer(
-            compose_job(common + ["train.steps=5"])
-        )  # resume=auto: the newest checkpoint is at step 8
+        # resume=auto: the newest checkpoint is at step 8
+        Trainer(compose_job(common + ["train.steps=5"]))
     assert str(err.value) == (
         f"train.steps=5 is below step 8 of the checkpoint to resume ({ck / 'step_00000008'}): "
         "set train.steps >= 8 to continue it, or train.resume=none (or another train.run_dir) "

@@ -75,16 +75,14 @@ def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
             "bad_samples",
             "nonfinite_steps",
         } <= set(r)
-        assert (
-            math.isfinite(r["loss"]) and r["mfu"] is None
-        )  # no peak for a CPU: MFU is not guessed
+        # no peak for a CPU: MFU is not guessed
+        assert math.isfinite(r["loss"]) and r["mfu"] is None
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     ckpts = CheckpointManager(run_dir / "checkpoints", keep=2).complete()
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
     assert (run_dir / "config.yaml").exists()
-    assert not (
-        run_dir / "sample_data"
-    ).exists()  # data.shards=sample reads the cached set (sample_cache.py)
+    # data.shards=sample reads the cached set (sample_cache.py)
+    assert not (run_dir / "sample_data").exists()
 
 
 def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
@@ -210,15 +208,13 @@ def test_every_experiment_composes_and_validates(name):
     job = compose_job(
         [f"+experiment={name}", "data.shards='/datasets/shards/{000000..000999}.tar'"]
     )
-    plan = validate(
-        job, job.parallel.world_size or 1, environment=False
-    )  # a GPU recipe, checked here
+    # a GPU recipe, checked here
+    plan = validate(job, job.parallel.world_size or 1, environment=False)
     dims = plan.dims
     assert job.train.global_batch_size == job.train.micro_batch_size * plan.grad_accum * dims.dp
     if name.startswith(("h100", "gb200", "h200")):
-        assert (
-            plan.model.text.hidden_size == 2048 and plan.model.moe.num_experts == 128
-        )  # the real 30B-A3B widths
+        # the real 30B-A3B widths
+        assert plan.model.text.hidden_size == 2048 and plan.model.moe.num_experts == 128
 
 
 # ------------------------------------------------------------------ subprocesses
@@ -258,9 +254,8 @@ def test_resume_after_sigkill_is_exact(tmp_path):
         if (cut_dir / "metrics.jsonl").exists() and len(read_metrics(cut_dir)) >= kill_after:
             break
         time.sleep(0.05)
-    os.killpg(
-        job.pid, signal.SIGKILL
-    )  # the whole job, data workers included, as a scheduler kills it
+    # the whole job, data workers included, as a scheduler kills it
+    os.killpg(job.pid, signal.SIGKILL)
     job.communicate()
     assert job.returncode == -signal.SIGKILL, f"the run ended before the kill at step {kill_after}"
     resumed = launch(common + [f"train.run_dir={cut_dir}", "train.resume=auto"])

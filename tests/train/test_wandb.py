@@ -79,9 +79,8 @@ def record(step: int, **kw) -> dict:
 
 
 def test_missing_package_is_one_config_line(monkeypatch):
-    monkeypatch.setitem(
-        sys.modules, "wandb", None
-    )  # `import wandb` fails as when it is not installed
+    # `import wandb` fails as when it is not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["train.wandb=offline"]))
     msg = str(err.value)
@@ -198,13 +197,11 @@ def test_real_wandb_offline_writes_under_run_dir(tmp_path, monkeypatch):
         t.encode()
         for t in ("train/loss", "perf/tflops", "data/bad_samples/too_long", "wandb_project")
     ]
-    deadline = (
-        time.monotonic() + 20
-    )  # wandb 0.31's service may finish writing the file just after finish()
+    # wandb 0.31's service may finish writing the file just after finish()
+    deadline = time.monotonic() + 20
     while True:
-        data = (
-            folder / f"run-{run_id(run_dir)}.wandb"
-        ).read_bytes()  # protobuf records: keys are plain UTF-8
+        # protobuf records: keys are plain UTF-8
+        data = (folder / f"run-{run_id(run_dir)}.wandb").read_bytes()
         if all(t in data for t in tags) or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -47,9 +47,8 @@ def test_a_killed_worker_ends_the_run_in_seconds_and_the_relaunch_resumes_exactl
             worker = _a_worker_of(job.pid)
         time.sleep(0.05)
     assert worker is not None, "no worker found while the run was going"
-    os.kill(
-        job.pid, signal.SIGSTOP
-    )  # the trainer cannot finish its steps before the worker is gone
+    # the trainer cannot finish its steps before the worker is gone
+    os.kill(job.pid, signal.SIGSTOP)
     os.kill(worker, signal.SIGKILL)
     while not _gone(worker):  # reaped, or a zombie
         time.sleep(0.01)

@@ -70,9 +70,8 @@ class EPHandle:
     topk_idx: torch.Tensor  # (T, K) the dispatched top-k, cloned unless do_handle_copy=False
     num_recv_tokens: int  # R, or P x C without a CPU sync (the rows the recv tensors have)
     num_expanded_tokens: int
-    num_recv_tokens_per_expert_list: list[
-        int
-    ]  # aligned rows per local expert; [] without a CPU sync
+    # aligned rows per local expert; [] without a CPU sync
+    num_recv_tokens_per_expert_list: list[int]
     psum_num_recv_tokens_per_scaleup_rank: torch.Tensor  # (P,) int32, inclusive
     psum_num_recv_tokens_per_expert: torch.Tensor  # (L,) int32, inclusive, of the aligned counts
     num_unaligned_recv_tokens_per_expert: torch.Tensor  # (L,) int32
@@ -122,9 +121,8 @@ class ElasticBuffer:
             self.num_ranks,
         )  # one scale-up domain only
         self.runtime = object()  # None once destroyed, as upstream
-        self._order = torch.Generator().manual_seed(
-            5151 + self.rank_idx
-        )  # the unspecified receive order
+        # the unspecified receive order
+        self._order = torch.Generator().manual_seed(5151 + self.rank_idx)
         dist.barrier(group=group)  # upstream ends its constructor with a group barrier
 
     def destroy(self) -> None:
@@ -225,9 +223,8 @@ class ElasticBuffer:
             torch.arange(self.num_ranks), torch.tensor(layout.recv_splits)
         )
         src_rank_R = src_rank_R[layout.recv_order]
-        first_local_R = (
-            torch.where(layout.recv_topk_idx >= 0, torch.arange(K), K).min(1).values
-        )  # the master slot
+        # the master slot
+        first_local_R = torch.where(layout.recv_topk_idx >= 0, torch.arange(K), K).min(1).values
         metadata = torch.full((R, K + 2), -1, dtype=torch.int32)
         metadata[:, 0], metadata[:, 1] = src_global_R, src_rank_R * K + first_local_R
         rows = R if do_cpu_sync else self.num_ranks * C
@@ -281,9 +278,8 @@ class ElasticBuffer:
         header_P = torch.cat(
             [torch.tensor(send_splits)[:, None], torch.full((P, 1), C), per_expert_E.view(P, L)], 1
         )
-        peers_P = self._exchange(
-            header_P, [1] * P, [1] * P
-        )  # what every peer sends me, source-major
+        # what every peer sends me, source-major
+        peers_P = self._exchange(header_P, [1] * P, [1] * P)
         assert (peers_P[:, 1] == C).all(), "num_max_tokens_per_rank differs between ranks"
         recv_splits = peers_P[:, 0].tolist()
         order = self._receive_order(recv_splits)

@@ -110,9 +110,8 @@ class HybridEPBuffer:
         tokens_per_expert = torch.bincount(torch.tensor(expert, dtype=torch.long), minlength=L)
         M = len(src) if num_permuted_tokens is None else int(num_permuted_tokens)
         overflow = torch.tensor([int(len(src) > M)], dtype=torch.int32, device=hidden.device)
-        src = (src + [-1] * M)[
-            :M
-        ]  # rows past the budget are dropped (and flagged); unused ones are empty
+        # rows past the budget are dropped (and flagged); unused ones are empty
+        src = (src + [-1] * M)[:M]
         expert = (expert + [-1] * M)[:M]
         src_M = torch.tensor(src, dtype=torch.long, device=hidden.device)
         expert_M = torch.tensor(expert, dtype=torch.long, device=hidden.device)
