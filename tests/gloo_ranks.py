@@ -8,6 +8,8 @@ exception on any rank fails the launch with that rank's traceback.
 
 import datetime
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -32,9 +34,15 @@ def _rank(rank: int, check, world: int, init_file: str, args: tuple, timeout_s: 
     try:
         torch.set_num_threads(1)  # N ranks share 2 cores
         check(rank, *args)
-        dist.barrier()  # every rank done before any tears down (a rank once died with SIGABRT, "terminate
-    finally:  # called without an active exception", in teardown; cause not established, the barrier is cheap)
+    finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization: a gloo worker thread may still be releasing the last
+    # collective's tensors, which takes the GIL, and a thread doing so while Python finalizes aborts
+    # the rank with SIGABRT ("terminate called without an active exception").  An exception above
+    # still reaches mp.spawn's error queue (it never gets here).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_max_over_ranks(values: dict, out: str) -> None:
