@@ -44,6 +44,12 @@ def _contiguous_grad(g: torch.Tensor) -> torch.Tensor:
 def grouped_mm_torch(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
+    device = x_MK.device.type
+    if torch.is_autocast_enabled(device):
+        # torch._grouped_mm is on no autocast list: both operands take autocast's dtype here, as
+        # F.linear's would (the CUDA kernel takes bf16 only; fp32 master weights would be refused)
+        dtype = torch.get_autocast_dtype(device)
+        x_MK, w_EKN = x_MK.to(dtype), w_EKN.to(dtype)
     offs = counts_E.cumsum(0, dtype=torch.int32)
     out = torch._grouped_mm(x_MK, w_EKN, offs=offs)
     if out.requires_grad:
