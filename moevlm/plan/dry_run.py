@@ -1,0 +1,282 @@
+"""One training step of a job at its real size, on fake tensors, for one rank of its layout.
+
+    rank = dry_run(job, world=8, rank=0)        # RankPlan: bytes per category, collectives per group
+    forward_on_fake_cuda(job)                   # the recipe's forward through its CUDA code paths
+
+Design choices:
+- The model is the trainer's: `moevlm.parallel.build_model` with the arguments the trainer passes,
+  then `materialize_`, the optimizer of `build_optimizer`, the pipeline started as the trainer starts
+  it.  Only the values are fake (`moevlm.plan.fake.PlanMode`), and the process group (`fake`, any size).
+- The step is the trainer's sequence of calls: every micro-batch's forward under autocast and
+  `objective(...).backward()` (or the pipeline schedule), `finish_gradients`, the clip of
+  `clip_grad_norm_`, `opt.step()`.  The host reads that only log (loss, norms) are left out.
+- The micro-batches fill every budget: one image of `max_patches` patches (the largest square grid
+  that the image tokens leave room for) and text up to `seq_len`, built by the packer's `collate`, so
+  shapes and counts are those of a full batch.  Routing is balanced (`PlanMode`).
+- The step runs on the fake *CPU* device in the precision the trainer uses on a GPU (bf16 autocast,
+  FSDP's bf16 parameters), with the GPU's attention memory not yet modelled (the CPU path's
+  per-document attention is what is counted).  The forward alone also runs on fake CUDA
+  (`forward_on_fake_cuda`), through the CUDA code paths, where a backward cannot (`moevlm.plan.fake`).
+- Bytes: parameters, gradients and optimizer state are summed from the tensors themselves after the
+  step (their local shards: exact).  The peak is that of a steady-state step: the largest sum of
+  live storages during the forward/backward plus the optimizer state (made by the first step, alive
+  through every later one), or the optimizer step's own peak if larger.  The activation peak is the
+  peak less the parameters, the gradients and the optimizer state: activations and temporaries
+  (FSDP's unsharded weights, communication buffers) with the gradients counted whole, as they are
+  from the second micro-batch on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moevlm.data.batch import MicroBatch
+from moevlm.data.encode import Sample
+from moevlm.data.packing import IGNORE, collate
+from moevlm.model.rope import mrope_position_ids
+from moevlm.plan.fake import (
+    CollectiveCounter,
+    PlanMode,
+    StorageTracker,
+    emulated_autocast,
+    fake_cuda,
+    fake_world,
+)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    role: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    peak_bytes: int
+    comm_bytes: dict = field(default_factory=dict)  # group role -> collective -> bytes per step
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
+    """A micro-batch of `train.micro_batch_size` rows that fill the pack budgets (module docstring)."""
+    p, m = job.data.pack, model_cfg.vision.spatial_merge_size
+    S, Np = p.seq_len, p.max_patches
+    side = int(min(Np, 4 * (S - 16)) ** 0.5) // m * m if Np else 0
+    n_img = side * side // (m * m)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (S,), generator=gen)
+    labels = ids.clone()
+    grids = []
+    pixels = None
+    if n_img:
+        ids[8] = model_cfg.vision_start_token_id
+        ids[9 : 9 + n_img] = model_cfg.image_token_id
+        labels[8 : 9 + n_img] = IGNORE
+        grids = [(1, side, side)]
+        pixels = torch.randn(side * side, model_cfg.vision.patch_dim, generator=gen)
+    grid_t = torch.tensor(grids, dtype=torch.long) if grids else None
+    pos = mrope_position_ids(ids[None], grid_t, model_cfg.image_token_id, m)[:, 0]
+    sample = Sample("budget", None, ids, labels, pos, pixels, grids)
+    row = collate([sample], p, model_cfg.vision.patch_dim, pad_id=0)
+    return MicroBatch.from_rows([row] * (rows or job.train.micro_batch_size), model_cfg)
+
+
+def _build(job, plan, device_type: str, bf16: bool):
+    """The trainer's model build for this rank (moevlm.train.trainer.Trainer._parallel_model_on_meta)."""
+    from moevlm.parallel.build import build_model
+    from moevlm.parallel.recompute import recompute_setting
+
+    p, m = job.parallel, job.model
+    return build_model(
+        plan.model,
+        plan.dims,
+        dp_mode=p.dp_mode,
+        device_type=device_type,
+        bf16=bf16,
+        pipeline=plan.pipeline,
+        recompute=recompute_setting(m),
+        cp_comm=p.cp_comm,
+        ep_overlap=p.ep_overlap,
+        cuda_graph_scope=(),
+    )
+
+
+def _roles(ctx) -> dict[str, str]:
+    """Process group name -> the roles it serves (`tp`, `ep`, `dense`...), joined when it serves several."""
+    names: dict[str, list[str]] = {}
+    for role, group in ctx.groups.items():
+        if group is not None:
+            names.setdefault(group.group_name, []).append(role)
+    return {name: "/".join(roles) for name, roles in names.items()}
+
+
+def rank_role(plan, rank: int) -> str:
+    dims = plan.dims
+    if dims.pp == 1:
+        return "every rank"
+    stage = dims.coords(rank)["pp"] if hasattr(dims, "coords") else rank * dims.pp // dims.world
+    return "first stage" if stage == 0 else "last stage" if stage == dims.pp - 1 else "middle stage"
+
+
+def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = None) -> RankPlan:
+    """One training step of `job` for `rank` of a `world`-rank launch, on fake CPU tensors."""
+    from moevlm.model.objective import objective
+    from moevlm.parallel.build import materialize_
+    from moevlm.train.optim import build_optimizer
+    from moevlm.train.trainer import _all_reduce_tensor, _boundary_dtypes
+    from moevlm.train.validate import validate
+
+    world = world or job.parallel.world_size or 1
+    plan = validate(job, world, environment=False)
+    if bf16 is None:
+        bf16 = job.train.precision in ("bf16", "auto")
+    device = torch.device("cpu")
+    dtype = torch.bfloat16 if bf16 else None
+    t0 = time.perf_counter()
+    with fake_world(world, rank):
+        model, ctx = _build(job, plan, device.type, bf16)
+        mem, comm = StorageTracker(), CollectiveCounter(_roles(ctx))
+        real = budget_micro_batch(job, plan.model)  # real tensors: built before the fake mode
+        with PlanMode() as mode, mem, comm:
+            materialize_(model, device, ctx)
+            params = [p for p in model.parameters()]
+            mem.track(params)
+            opt = build_optimizer(model, job.optim)
+            pipe = ctx.pipeline
+            if pipe is not None:
+                d = job.data.pack
+                pipe.start(
+                    device,
+                    rows=job.train.micro_batch_size,
+                    seq_len=d.seq_len,
+                    max_patches=d.max_patches,
+                    seq_shards=plan.dims.tp * plan.dims.cp,
+                    autocast=lambda: emulated_autocast(device.type, dtype),
+                    **_boundary_dtypes(bf16, job.parallel.dp_mode),
+                )
+                _decide_static_vote(pipe.schedule)
+            # Later micro-batches of a step without pipeline stages repeat the second one exactly
+            # (same shapes, same collectives, gradients already allocated): two are run, and the
+            # collectives of the micro-batches phase are scaled to the step's count.  A pipeline
+            # schedule runs them all (its warm-up sets the peak).
+            M = plan.grad_accum
+            run = M if pipe is not None else min(M, 2)
+            micro = []
+            for _ in range(run):
+                fields = {
+                    k: None if v is None else mode.fake(v, device)
+                    for k, v in real.model_inputs().items()
+                }
+                micro.append(MicroBatch(**fields, **{k: getattr(real, k) for k in _COUNTS}))
+            loss_tokens = float(real.loss_tokens * M * plan.dims.dp)
+            share = M * plan.dims.dp
+            # the trainer's token-count all-reduce (its values are read on the host there, not here)
+            if ctx.dp_group is not None:
+                dist.all_reduce(torch.zeros(3, dtype=torch.float64, device=device), group=ctx.dp_group)
+            comm.phase = "micro-batches"
+            loss_sum = aux_sum = torch.zeros((), device=device)
+            if pipe is not None:
+                lm, aux, _ = pipe.forward_backward(micro, loss_tokens, share)
+                sums = _all_reduce_tensor(torch.stack([lm, aux]), ctx.pp_group)
+                loss_sum, aux_sum = sums[0], sums[1]
+            else:
+                for mb in micro:
+                    with emulated_autocast(device.type, dtype):
+                        out = model(**mb.model_inputs())
+                    lm_sum = out.lm_loss * out.num_loss_tokens
+                    objective(
+                        lm_sum,
+                        loss_tokens,
+                        out.aux_loss,
+                        plan.model.moe.router_aux_loss_coef,
+                        share,
+                    ).backward()
+                    loss_sum = loss_sum + lm_sum.detach()
+                    if out.aux_loss is not None:
+                        aux_sum = aux_sum + out.aux_loss.detach() / share
+                    del out, lm_sum
+            comm.phase = "step"
+            ctx.finish_gradients()
+            grads = [p for p in model.parameters() if p.grad is not None]
+            clip = job.optim.grad_clip if job.optim.grad_clip > 0 else float("inf")
+            ctx.clip_grad_norm_(grads, clip)
+            _all_reduce_tensor(loss_sum, ctx.loss_group)  # the trainer's loss and aux reductions
+            _all_reduce_tensor(aux_sum, ctx.dp_group)
+            fwd_bwd_peak = mem.peak_bytes
+            mem.peak_bytes = mem.live_bytes
+            opt.step()  # the first step makes the state: in later steps it lives through all of this
+            state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            sizes = {
+                "params_bytes": _bytes(params),
+                "grads_bytes": _bytes([p.grad for p in grads]),
+                "optimizer_bytes": _bytes(state),
+            }
+            peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
+            result = RankPlan(
+                rank=rank,
+                role=rank_role(plan, rank),
+                **sizes,
+                activation_peak_bytes=peak - sum(sizes.values()),
+                peak_bytes=peak,
+                comm_bytes=comm.as_dict({"micro-batches": M / run}),
+            )
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _decide_static_vote(schedule) -> None:
+    """torch's pipeline schedules (2.13) vote over point-to-point messages, at their first step,
+    whether every stage's boundary shapes are static; a fake process group delivers nothing, so the
+    vote is decided from this rank's stages, which the same code builds on every rank."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(stages, has_backward, p2p_done):
+        for s in stages:
+            dynamic = InferenceMode.needs_dynamic(s._user_meta, has_backward)
+            s._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+
+
+_COUNTS = ("loss_tokens", "useful_tokens", "flops", "n_image")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def forward_on_fake_cuda(job) -> dict:
+    """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
+    trainer's GPU precision: the CUDA code paths at the real size, without memory."""
+    from moevlm.parallel.build import materialize_
+    from moevlm.train.validate import validate
+
+    plan = validate(job, 1, environment=False)
+    bf16 = job.train.precision in ("bf16", "auto")
+    cuda = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    model, ctx = _build(job, plan, "cuda", bf16)
+    real = budget_micro_batch(job, plan.model)
+    with fake_cuda(), PlanMode() as mode, torch.no_grad():
+        materialize_(model, cuda, ctx)
+        inputs = {
+            k: None if v is None else mode.fake(v, cuda) for k, v in real.model_inputs().items()
+        }
+        with emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
+            out = model(**inputs)
+        found = {"loss_dtype": out.lm_loss.dtype, "loss_device": out.lm_loss.device}
+    found["seconds"] = time.perf_counter() - t0
+    return found

@@ -1,0 +1,493 @@
+"""Tensors without memory that still know the values a training step reads on the host.
+
+Legend: T tokens, E experts, K top-k.
+
+    with fake_world(world=8, rank=3), PlanMode() as mode:      # the fake process group at any size
+        model = ...; x = mode.fake(real_cpu_tensor, device)    # small integer tensors keep their values
+        with StorageTracker() as mem, CollectiveCounter(names) as comm:
+            loss = model(x).sum(); loss.backward()
+        mem.peak_bytes, comm.bytes                              # storages and collectives actually issued
+
+Design choices:
+- `PlanMode` is torch's `FakeTensorMode` (shapes, dtypes and devices propagate; nothing is allocated)
+  that also carries a *shadow*: the real value of every small integer tensor whose inputs are known
+  (the batch's grids and document bounds, expert counts), computed on the CPU beside the fake one.
+  The model reads such values on the host (`.tolist()`, boolean masks, split sizes), which a plain
+  fake tensor refuses; with the shadow they behave as on the GPU.
+- Routing is balanced by construction: the router's top-k (`aten.topk` on a tensor of unknown
+  values) gets the shadow token t -> experts (t K + j) mod E.  A plan is a statement about a step
+  whose experts are evenly loaded; skew is a separate question (`bench/dispatch.py`).
+- The world is symmetric: every rank of a group holds this rank's values.  A collective's output
+  shadow follows from that (all-gather: copies; all-reduce: sum = size x value; all-to-all: this
+  rank's block for every peer), so received counts and the buffer sizes they set are the ones a
+  balanced step has on every rank.
+- `StorageTracker` and `CollectiveCounter` are plain dispatch modes: they measure a real run the same
+  way as a fake one (the tests compare the two).  Bytes of a collective are what one rank puts in:
+  all-reduce, all-to-all and reduce-scatter their input, all-gather its input shard, send its
+  tensor; a group of one moves nothing.
+- Fake CUDA: the CPU build of torch has no CUDA device guard, so `int(t)`, indexing with a tensor and
+  autograd on fake `cuda` tensors fail in C++ before any mode sees them.  `fake_cuda()` puts the
+  meta device's no-op guard in CUDA's slot for its duration (and `int()`/`float()`/`bool()` of a fake
+  tensor go through `.item()`): enough for a forward without gradients.  A backward on fake CUDA
+  needs CUDA's autograd stream hooks, which no Python API can provide, so the training step of a
+  plan runs on the fake CPU device (`moevlm.plan.dry_run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    is_fake,
+)
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+aten = torch.ops.aten
+SHADOW_LIMIT = 1 << 22  # elements: the batch's ids and masks, counts; never activations
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+def _leaves(x) -> list:
+    """The leaves of an op's arguments or outputs: tuples, lists and dicts of tensors and scalars (a
+    cheaper walk than pytree's, on the path of every op)."""
+    out = []
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
+        else:
+            out.append(v)
+    return out
+
+
+def _shadowable(t) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.numel() <= SHADOW_LIMIT
+    )
+
+
+class PlanMode(FakeTensorMode):
+    """FakeTensorMode with host values for small integer tensors (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.shadow = WeakIdKeyDictionary()
+
+    def fake(self, t: torch.Tensor, device: torch.device) -> FakeTensor:
+        """A fake copy of the real tensor `t` on `device`, its value kept when it is small and integer."""
+        f = self.from_tensor(t).to(device)
+        if _shadowable(t):
+            with no_dispatch():  # a real copy: under this mode a clone would be fake
+                self.shadow[f] = t.clone()
+        return f
+
+    def value(self, t):
+        if isinstance(t, FakeTensor):
+            return self.shadow.get(t)
+        if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta":
+            return t  # a real tensor: its own value
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._collective_shadow(func, args, kwargs, out)
+            return out
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            return self._grouped_mm_other_dtype(types, args, kwargs)
+        tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        factory = not tensors
+        known = None if factory else self._run_on_shadows(func, args, kwargs, tensors)
+        if func is aten._local_scalar_dense.default and known is not None:
+            return known
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if known is None:
+                raise
+            out = self._fake_like(known, args, kwargs)
+        if factory and _shadowable(out) and torch.Tag.nondeterministic_seeded not in func.tags:
+            known = self._run_on_shadows(func, args, kwargs, tensors)  # zeros, ranges: small, so made for real
+        if known is not None:
+            for o, r in zip(_leaves(out), _leaves(known)):
+                if isinstance(o, FakeTensor) and _shadowable(r):
+                    self.shadow[o] = r
+        elif func is aten.topk.default:
+            self._balanced_routing(args, out)
+        elif func._schema.is_mutable:  # written with unknown values: what was known is not any more
+            for i, a in enumerate(func._schema.arguments):
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                if a.is_write and isinstance(v, FakeTensor):
+                    self.shadow.pop(v, None)
+        return out
+
+    def _grouped_mm_other_dtype(self, types, args, kwargs):
+        """`torch._grouped_mm` in fp32, which the CPU kernel takes and the fake one (CUDA's rules:
+        bf16 only) refuses: the output of the same shape in the inputs' dtype (a plan in fp32 is a
+        check against a real CPU run)."""
+        dtype = args[0].dtype
+
+        def as_bf16(t):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                return t
+            return super(PlanMode, self).__torch_dispatch__(
+                aten.empty_strided.default,
+                (),
+                (t.shape, t.stride()),
+                {"dtype": torch.bfloat16, "device": t.device},
+            )
+
+        shaped = super().__torch_dispatch__(
+            aten._grouped_mm.default, types, tuple(as_bf16(a) for a in args), kwargs
+        )
+        return super().__torch_dispatch__(
+            aten.empty_strided.default,
+            (),
+            (shaped.shape, shaped.stride()),
+            {"dtype": dtype, "device": shaped.device},
+        )
+
+    def _run_on_shadows(self, func, args, kwargs, tensors):
+        """The op on the inputs' values (CPU), or None when an input's value is unknown or large."""
+        values = [self.value(a) for a in tensors]
+        if any(v is None for v in values) or not all(_shadowable(v) or v.numel() <= 1 for v in values):
+            return None
+
+        def real(a):
+            if isinstance(a, torch.Tensor):
+                return self.value(a)
+            if isinstance(a, torch.device) and a.type != "cpu":
+                return torch.device("cpu")
+            return a
+
+        r_args, r_kwargs = tree_map(real, (args, kwargs))
+        try:
+            with no_dispatch():
+                return func(*r_args, **r_kwargs)
+        except Exception:  # an op the CPU refuses: the fake result stands, without a value
+            return None
+
+    def _fake_like(self, known, args, kwargs):
+        """Fake outputs shaped like the values of an op whose shape depends on them (nonzero, masks)."""
+        devices = [a.device for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        device = devices[0] if devices else torch.device("cpu")
+
+        def fake(r):
+            if not isinstance(r, torch.Tensor):
+                return r
+            return super(PlanMode, self).__torch_dispatch__(
+                aten.empty_strided.default,
+                (),
+                (r.shape, r.stride()),
+                {"dtype": r.dtype, "device": device},
+            )
+
+        return tree_map(fake, known)
+
+    def _balanced_routing(self, args, out) -> None:
+        scores, k = args[0], args[1]
+        E = scores.shape[-1]
+        rows = scores.numel() // E
+        idx = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % E
+        self.shadow[out[1]] = idx.reshape(*scores.shape[:-1], k)
+
+    def _collective_shadow(self, func, args, kwargs, out) -> None:
+        """Received values under the symmetric world (module docstring); unknown where the rule or
+        the reduction is not one of these (a later host read of them then fails loudly)."""
+        named = _arguments(func, args, kwargs)
+        if func._opname == "wait_tensor":
+            v = self.value(named["tensor"])
+            if v is not None:
+                self.shadow[out] = v
+            return
+        kind = collective_kind(func._opname)
+        src = next((named[k] for k in _SENT if k in named), None)
+        src = src[0] if isinstance(src, (list, tuple)) and src else src
+        dst = out if func.namespace == "_c10d_functional" else named.get(
+            "output", named.get("output_tensor", src if kind in ("all_reduce", "broadcast") else None)
+        )
+        if not isinstance(dst, FakeTensor):
+            return
+        v = self.value(src) if isinstance(src, torch.Tensor) else None
+        group = _group_of(func, args, kwargs)
+        n, r = (group.size(), group.rank()) if group is not None else (1, 0)
+        op = named.get("reduce_op")
+        op = op.lower() if isinstance(op, str) else None
+        got = None
+        if v is not None:
+            if kind == "all_gather":
+                got = torch.cat([v] * n)
+            elif kind == "all_to_all" and v.shape[0] % n == 0 and dst.shape == v.shape:
+                got = torch.cat([v.chunk(n)[r]] * n)
+            elif kind == "all_reduce" and op in ("sum", "avg", "max", "min"):
+                got = v * n if op == "sum" else v
+            elif kind == "reduce_scatter" and op in ("sum", "avg") and v.shape[0] % n == 0:
+                got = v.chunk(n)[r] * (n if op == "sum" else 1)
+            elif kind == "broadcast":
+                got = v
+        if got is not None and got.shape == dst.shape:
+            self.shadow[dst] = got
+        else:
+            self.shadow.pop(dst, None)
+
+
+def _arguments(func, args, kwargs) -> dict:
+    """The op's arguments by schema name."""
+    named = dict(kwargs)
+    for a, value in zip(func._schema.arguments, args):
+        named[a.name] = value
+    return named
+
+
+def _group_of(func, args, kwargs):
+    """The process group a collective op names (by name, or as the c10d ops' boxed ProcessGroup)."""
+    named = _arguments(func, args, kwargs)
+    if isinstance(named.get("group_name"), str):
+        return dist.distributed_c10d._resolve_process_group(named["group_name"])
+    if named.get("process_group") is not None:
+        return dist.ProcessGroup.unbox(named["process_group"])
+    return None
+
+
+# ----------------------------------------------------------------- measuring
+class StorageTracker(TorchDispatchMode):
+    """Live bytes of the storages the ops create (real or fake) and their peak; `track(tensors)`
+    registers storages made outside (parameters, the batch).  A storage resized in place (FSDP frees
+    and refills its unsharded weights so) counts at its new size: `UntypedStorage.resize_` is not an
+    op a dispatch mode sees, so it is wrapped while the tracker is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            self._add(t)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _add(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" and not is_fake(t):
+            return
+        if hasattr(t, "to_local"):  # a DTensor: its shard
+            t = t.to_local()
+        self._add_storage(t.untyped_storage())
+
+    def _add_storage(self, st) -> None:
+        key = st._cdata
+        if key in self.live:
+            return
+        self._set(key, st.nbytes())
+        weakref.finalize(st, self._set, key, 0)
+
+    def _set(self, key: int, nbytes: int) -> None:
+        self.live_bytes += nbytes - self.live.pop(key, 0)
+        if nbytes:
+            self.live[key] = nbytes
+
+    def observe(self, func, args, kwargs, out) -> None:
+        for t in _leaves(out):
+            self._add(t)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.observe(func, args, kwargs, out)
+        return out
+
+    def __enter__(self):
+        self.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return super().__exit__(*exc)
+
+    def start(self) -> None:
+        self._resize = resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def tracked_resize(st, size):
+            out = resize(st, size)
+            if st._cdata in tracker.live:
+                tracker._set(st._cdata, st.nbytes())
+            else:
+                tracker._add_storage(st)
+            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes)
+            return out
+
+        torch.UntypedStorage.resize_ = tracked_resize
+
+    def stop(self) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Bytes per phase, group role and collective of the collectives issued (module docstring).
+
+    `phase` names what runs now (set by the caller); `as_dict(scale)` sums the phases, each times its
+    scale (a phase run once that stands for several: the step's repeated micro-batches)."""
+
+    def __init__(self, roles: dict[str, str] | None = None):
+        super().__init__()
+        self.roles = roles or {}
+        self.phase = "step"
+        self.bytes: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+
+    def observe(self, func, args, kwargs, out) -> None:
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            kind = collective_kind(func._opname)
+            group = _group_of(func, args, kwargs) if kind is not None else None
+            if group is not None and group.size() > 1:
+                role = self.roles.get(group.group_name, group.group_name)
+                self.bytes[self.phase][role][kind] += _payload(func, args, kwargs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.observe(func, args, kwargs, None)
+        return func(*args, **kwargs)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def as_dict(self, scale: dict[str, float] | None = None) -> dict[str, dict[str, int]]:
+        total: dict = defaultdict(lambda: defaultdict(float))
+        for phase, groups in self.bytes.items():
+            k = (scale or {}).get(phase, 1)
+            for role, kinds in groups.items():
+                for kind, b in kinds.items():
+                    total[role][kind] += b * k
+        return {g: {c: round(b) for c, b in sorted(k.items())} for g, k in sorted(total.items())}
+
+
+_KINDS = (
+    ("reduce_scatter", "reduce_scatter"),
+    ("allreduce", "all_reduce"),
+    ("all_reduce", "all_reduce"),
+    ("allgather", "all_gather"),
+    ("all_gather", "all_gather"),
+    ("alltoall", "all_to_all"),
+    ("all_to_all", "all_to_all"),
+    ("broadcast", "broadcast"),
+    ("batch_p2p", "send/recv"),
+    ("send", "send"),
+    ("recv", "recv"),
+    ("gather", "gather"),
+    ("scatter", "scatter"),
+    ("reduce", "reduce"),
+)
+_SENT = ("input", "inputs", "input_tensor", "input_tensors", "input_list", "tensor", "tensors")
+
+
+def collective_kind(opname: str) -> str | None:
+    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv...; None for what
+    moves no data (waits, barriers, checks)."""
+    for part, kind in _KINDS:
+        if part in opname:
+            return kind
+    return None
+
+
+def _payload(func, args, kwargs) -> int:
+    """Bytes this rank puts into the collective (for a receive: what it receives)."""
+    named = _arguments(func, args, kwargs)
+    sent = next((named[k] for k in _SENT if k in named), None)
+    return sum(t.numel() * t.element_size() for t in _leaves(sent) if isinstance(t, torch.Tensor))
+
+
+# ------------------------------------------------------------- environments
+@contextlib.contextmanager
+def fake_world(world: int, rank: int):
+    """The `fake` process group of `world` ranks, this process being `rank` (no communication)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world <= 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a plan needs its own process group: this process already has one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _guard_registry():
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    return (ctypes.c_void_p * 64).in_dll(lib, "_ZN3c104impl26device_guard_impl_registryE")
+
+
+_CUDA, _META = 1, 14  # c10::DeviceType
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """Fake `cuda` tensors usable for a forward without gradients on a CPU-only build (module docstring).
+    On a build with CUDA nothing changes."""
+    saved = {}
+    registry = None
+    if not torch.backends.cuda.is_built():
+        registry = _guard_registry()
+        if not registry[_CUDA]:
+            registry[_CUDA] = registry[_META]
+        else:
+            registry = None
+        for name in ("__int__", "__float__", "__bool__", "__index__"):
+            saved[name] = FakeTensor.__dict__.get(name)
+        FakeTensor.__int__ = lambda self: int(self.item())
+        FakeTensor.__float__ = lambda self: float(self.item())
+        FakeTensor.__bool__ = lambda self: bool(self.item())
+        FakeTensor.__index__ = lambda self: int(self.item())
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            if f is None:
+                delattr(FakeTensor, name)
+            else:
+                setattr(FakeTensor, name, f)
+        if registry is not None:
+            registry[_CUDA] = None
+
+
+@contextlib.contextmanager
+def emulated_autocast(device_type: str, dtype: torch.dtype | None):
+    """Autocast for `device_type` as the trainer sets it (`torch.autocast` refuses CUDA on a build
+    without it; the C++ switch underneath does not)."""
+    if dtype is None:
+        yield
+        return
+    was, was_dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device_type, was)
+        torch.set_autocast_dtype(device_type, was_dtype)
+        torch.clear_autocast_cache()
