@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import weakref
 from collections import defaultdict
@@ -205,11 +206,7 @@ class PlanMode(FakeTensorMode):
         return tree_map(fake, known)
 
     def _balanced_routing(self, args, out) -> None:
-        scores, k = args[0], args[1]
-        E = scores.shape[-1]
-        rows = scores.numel() // E
-        idx = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % E
-        self.shadow[out[1]] = idx.reshape(*scores.shape[:-1], k)
+        self.shadow[out[1]] = balanced_choices(args[0].shape, args[1])
 
     def _collective_shadow(self, func, args, kwargs, out) -> None:
         """Received values under the symmetric world (module docstring); unknown where the rule or
@@ -267,6 +264,27 @@ def _group_of(func, args, kwargs):
     if named.get("process_group") is not None:
         return dist.ProcessGroup.unbox(named["process_group"])
     return None
+
+
+def balanced_choices(shape, k: int) -> torch.Tensor:
+    """Top-k expert ids of scores of `shape` (..., E) when every expert gets the same load: token t
+    chooses experts (t k + j) mod E, j < k (CPU, int64)."""
+    E = shape[-1]
+    rows = math.prod(shape[:-1])
+    idx = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % E
+    return idx.reshape(*shape[:-1], k)
+
+
+class BalancedRouting(TorchDispatchMode):
+    """A real run routed as a plan is: every `topk` returns the balanced choices and their scores
+    (for a measured step to compare with a plan)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten.topk.default:
+            scores, k = args[0], args[1]
+            idx = balanced_choices(scores.shape, k).to(scores.device)
+            return scores.gather(-1, idx), idx
+        return func(*args, **(kwargs or {}))
 
 
 # ----------------------------------------------------------------- measuring

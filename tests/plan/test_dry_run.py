@@ -1,7 +1,7 @@
 """The plan's dry run against real steps measured the same way (tracked storages, collectives issued).
 
-A real step is the trainer's own `train_step`, fed the plan's full-budget micro-batches, measured in
-its second step (the optimizer state then exists, as in every later step); the dry run builds the
+A real step is the trainer's own `train_step`, fed the plan's full-budget micro-batches and routed
+as the plan routes (`BalancedRouting`: every expert equally loaded), measured in its second step (the optimizer state then exists, as in every later step); the dry run builds the
 same job on fake tensors.  Parameter, gradient and optimizer bytes must be equal, the peak of
 activations within 15%, the collectives' bytes per group equal."""
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moevlm.plan.dry_run import _roles, budget_micro_batch, dry_run
-from moevlm.plan.fake import CollectiveCounter, StorageTracker
+from moevlm.plan.dry_run import _bytes, _roles, budget_micro_batch, dry_run
+from moevlm.plan.fake import BalancedRouting, CollectiveCounter, StorageTracker
 from moevlm.train.config import compose_job
 from moevlm.train.metrics import Window
 from moevlm.train.trainer import Trainer
@@ -35,17 +35,17 @@ def measured_step(job) -> dict:
     try:
         budget = budget_micro_batch(job, trainer.plan.model)
         trainer._fetch = lambda: [budget] * trainer.plan.grad_accum
-        trainer.train_step(Window())
+        with BalancedRouting():  # the plan's routing (a real router's choices move other volumes)
+            trainer.train_step(Window())
         params = list(trainer.model.parameters())
         state = [t for s in trainer.opt.state.values() for t in s.values() if torch.is_tensor(t)]
         mem, comm = StorageTracker(), CollectiveCounter(_roles(trainer.parallel))
         mem.track(params + state)
-        with mem, comm:
+        with BalancedRouting(), mem, comm:
             trainer.train_step(Window())
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {
-            "params_bytes": nbytes(params),
-            "optimizer_bytes": nbytes(state),
+            "params_bytes": _bytes(params),  # local shards
+            "optimizer_bytes": _bytes(state),
             "peak_bytes": mem.peak_bytes,
             "comm_bytes": comm.as_dict(),
         }
@@ -68,3 +68,57 @@ def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute)
         real["peak_bytes"],
     )
     assert plan.comm_bytes == real["comm_bytes"] == {}
+
+
+# Layouts of 4 ranks checked in one gloo launch: FSDP with tensor and expert parallelism, pipeline
+# stages over data parallelism, DDP with experts over all ranks.
+LAYOUTS = {
+    "fsdp_tp2_ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.dp_mode=fsdp"],
+    "pp2_dp2": ["parallel.pp=2", "parallel.dp_mode=fsdp"],
+    "ddp_ep4": ["parallel.ep=4", "parallel.dp_mode=ddp"],
+}
+
+
+def _layout_job(name: str, run_dir: str):
+    return compose_job(
+        COMMON
+        + [
+            f"train.run_dir={run_dir}",
+            "parallel.world_size=4",
+            "data.streams=4",
+            "train.global_batch_size=8",
+        ]
+        + LAYOUTS[name]
+    )
+
+
+def _measure_layouts(rank: int, tmp: str) -> None:
+    import json
+    import os
+
+    os.environ.update(WORLD_SIZE="4", RANK=str(rank), LOCAL_RANK=str(rank))
+    for name in LAYOUTS:
+        got = measured_step(_layout_job(name, f"{tmp}/{name}"))
+        with open(f"{tmp}/{name}.{rank}.json", "w") as f:
+            json.dump(got, f)
+
+
+def test_four_rank_layouts_bytes_and_collectives_equal_the_real_run(tmp_path):
+    import json
+
+    from gloo_ranks import run_ranks
+
+    run_ranks(_measure_layouts, 4, tmp_path, str(tmp_path), timeout_s=300)
+    for name in LAYOUTS:
+        for rank in range(4):
+            real = json.loads((tmp_path / f"{name}.{rank}.json").read_text())
+            plan = dry_run(_layout_job(name, str(tmp_path / "plan")), rank=rank, bf16=False)
+            where = f"{name} rank {rank}"
+            assert plan.params_bytes == real["params_bytes"], where
+            assert plan.optimizer_bytes == real["optimizer_bytes"], where
+            assert plan.comm_bytes == real["comm_bytes"], (where, plan.comm_bytes, real["comm_bytes"])
+            assert abs(plan.peak_bytes - real["peak_bytes"]) <= 0.15 * real["peak_bytes"], (
+                where,
+                plan.peak_bytes,
+                real["peak_bytes"],
+            )
