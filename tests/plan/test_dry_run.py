@@ -56,12 +56,15 @@ def measured_step(job) -> dict:
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute):
     job = compose_job(
-        COMMON + [f"train.run_dir={tmp_path}", f"model.recompute={recompute}", "train.global_batch_size=2"]
+        COMMON
+        + [f"train.run_dir={tmp_path}", f"model.recompute={recompute}", "train.global_batch_size=2"]
     )
     plan = dry_run(job, bf16=False)
     real = measured_step(job)
     assert plan.params_bytes == real["params_bytes"] > 0
-    assert plan.optimizer_bytes == real["optimizer_bytes"] >= 2 * plan.params_bytes  # + the step counts
+    assert (
+        plan.optimizer_bytes == real["optimizer_bytes"] >= 2 * plan.params_bytes
+    )  # + the step counts
     assert plan.grads_bytes == plan.params_bytes
     assert abs(plan.peak_bytes - real["peak_bytes"]) <= 0.15 * real["peak_bytes"], (
         plan.peak_bytes,
@@ -116,7 +119,11 @@ def test_four_rank_layouts_bytes_and_collectives_equal_the_real_run(tmp_path):
             where = f"{name} rank {rank}"
             assert plan.params_bytes == real["params_bytes"], where
             assert plan.optimizer_bytes == real["optimizer_bytes"], where
-            assert plan.comm_bytes == real["comm_bytes"], (where, plan.comm_bytes, real["comm_bytes"])
+            assert plan.comm_bytes == real["comm_bytes"], (
+                where,
+                plan.comm_bytes,
+                real["comm_bytes"],
+            )
             assert abs(plan.peak_bytes - real["peak_bytes"]) <= 0.15 * real["peak_bytes"], (
                 where,
                 plan.peak_bytes,

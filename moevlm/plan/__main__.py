@@ -1,0 +1,159 @@
+"""`python -m moevlm.plan`: a job's memory and communication per rank, from one dry-run step.
+
+    python -m moevlm.plan +experiment=gb200_3d                    # the recipe's launch size and GPU
+    python -m moevlm.plan +experiment=h100_fsdp --gpu h200 --json
+    python -m moevlm.plan +experiment=h100_fsdp parallel.ep=4 model.recompute=full --world 16
+    python -m moevlm.plan +experiment=h100_fsdp --search --world 64
+
+The job is composed and validated as `train.py` composes it (the same overrides; `data.shards`
+defaults to the sample set, since a plan reads no data).  For each distinct rank role of the layout
+(every pipeline rank's stages differ; the ranks of one stage hold the same shapes under balanced
+routing) one training step runs on fake tensors (`moevlm.plan.dry_run`).  Exit status: 0 when every
+rank fits the GPU, 1 when one does not, 2 for a config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moevlm.plan.devices import gpu as find_gpu
+
+GiB = 2**30
+
+
+def role_ranks(plan) -> list[int]:
+    """One rank per distinct role: pipeline rank 0, a middle one, the last (pp is the outermost
+    dimension, so pipeline rank k starts at k x world / pp)."""
+    dims = plan.dims
+    stages = sorted({0, dims.pp // 2, dims.pp - 1}) if dims.pp > 2 else list(range(dims.pp))
+    return [k * (dims.world // dims.pp) for k in stages]
+
+
+def pipeline_bubble(plan) -> float:
+    """The idle share of the schedule's time (0 without pipeline stages)."""
+    p = plan.pipeline
+    if p is None:
+        return 0.0
+    try:
+        from moevlm.parallel.pipeline_bubble import schedule_bubble
+    except ImportError:  # the textbook figure of the loop schedules
+        return (p.pp - 1) / (p.vpp * p.microbatches + p.pp - 1)
+    return schedule_bubble(p.schedule, p.pp, p.microbatches, p.vpp)
+
+
+def make_plan(job, world: int, gpu_name: str) -> dict:
+    """The plan of every rank role of `job` on `world` ranks against the GPU `gpu_name` (a dict: the
+    JSON `--json` prints)."""
+    from moevlm.plan.dry_run import dry_run
+    from moevlm.train.validate import validate
+
+    device = find_gpu(gpu_name)
+    plan = validate(job, world, environment=False)
+    ranks = []
+    for rank in role_ranks(plan):
+        r = dry_run(job, world=world, rank=rank).as_dict()
+        r["fits"] = device.fits(r["peak_bytes"])
+        ranks.append(r)
+    return {
+        "world": world,
+        "layout": plan.dims.describe(),
+        "micro_batches": plan.grad_accum,
+        "gpu": gpu_name,
+        "gpu_name": device.name,
+        "device_memory_bytes": device.memory_bytes,
+        "usable_bytes": device.memory_bytes - device.headroom_bytes,
+        "bubble": pipeline_bubble(plan),
+        "schedule": plan.pipeline.schedule if plan.pipeline else None,
+        "fits": all(r["fits"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
+def format_plan(out: dict) -> str:
+    g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+    lines = [
+        f"plan: {out['world']} x {out['gpu_name']} ({out['layout']}); {out['micro_batches']} "
+        f"micro-batches per step; usable memory {g(out['usable_bytes'])} GiB of "
+        f"{g(out['device_memory_bytes'])} GiB",
+        "",
+        "| rank | role | params GiB | grads GiB | optimizer GiB | activations GiB | peak GiB | fits |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in out["ranks"]:
+        lines.append(
+            f"| {r['rank']} | {r['role']} | {g(r['params_bytes'])} | {g(r['grads_bytes'])} | "
+            f"{g(r['optimizer_bytes'])} | {g(r['activation_peak_bytes'])} | {g(r['peak_bytes'])} | "
+            f"{'yes' if r['fits'] else 'NO'} |"
+        )
+    for r in out["ranks"]:
+        lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
+        lines += ["| group | collective | GiB per step |", "|---|---|---:|"]
+        for group, kinds in r["comm_bytes"].items():
+            for kind, b in kinds.items():
+                lines.append(f"| {group} | {kind} | {b / GiB:.3f} |")
+        if not r["comm_bytes"]:
+            lines.append("| (none: one rank) | | |")
+    if out["schedule"]:
+        lines += ["", f"pipeline bubble ({out['schedule']}): {100 * out['bubble']:.1f}% of the step"]
+    worst = max(out["ranks"], key=lambda r: r["peak_bytes"])
+    if out["fits"]:
+        verdict = (
+            f"verdict: fits {out['gpu_name']}: the fullest rank ({worst['rank']}) peaks at "
+            f"{g(worst['peak_bytes'])} GiB of {g(out['usable_bytes'])} GiB usable"
+        )
+    else:
+        verdict = (
+            f"verdict: does NOT fit {out['gpu_name']}: rank {worst['rank']} peaks at "
+            f"{g(worst['peak_bytes'])} GiB, {g(worst['peak_bytes'] - out['usable_bytes'])} GiB over "
+            f"the {g(out['usable_bytes'])} GiB usable; recompute (model.recompute=full), shorter "
+            "budgets (data.pack.*), or more sharding (parallel.ep, parallel.pp, more ranks) lower it"
+        )
+    seconds = sum(r["seconds"] for r in out["ranks"])
+    lines += ["", verdict, f"(dry run: {seconds:.1f} s for {len(out['ranks'])} rank role(s))"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moevlm.model.config import ConfigError
+    from moevlm.train.config import check_overrides, compose_job
+
+    ap = argparse.ArgumentParser(
+        prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True
+    )
+    ap.add_argument("--world", type=int, default=None, help="ranks (default parallel.world_size)")
+    ap.add_argument("--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--search", action="store_true", help="search the layouts of --world ranks")
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        ap.error(f"unknown option(s): {' '.join(bad)}")
+    if not any(o.startswith("data.shards=") for o in overrides):
+        overrides = [*overrides, "data.shards=sample"]  # a plan reads no data
+    try:
+        check_overrides(overrides)
+        job = compose_job(overrides)
+        experiment = next((o.split("=", 1)[1] for o in overrides if o.startswith("+experiment=")), "")
+        gpu_name = args.gpu or next(
+            (k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100"
+        )
+        find_gpu(gpu_name)
+        world = args.world or job.parallel.world_size or 1
+        if args.search:
+            from moevlm.plan.search import format_search, search
+
+            result = search(job, world, gpu_name)
+            print(json.dumps(result.as_dict()) if args.json else format_search(result))
+            return 0
+        out = make_plan(job, world, gpu_name)
+    except (ConfigError, ValueError) as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(out) if args.json else format_plan(out))
+    return 0 if out["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
