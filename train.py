@@ -35,6 +35,8 @@ def main(cfg) -> None:
 
     hc = HydraConfig.get()
     sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
+    if cfg.parallel.fake_world:
+        sys.exit(_plan(cfg))
     try:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
@@ -71,6 +73,22 @@ def main(cfg) -> None:
             signal.signal(sig, signal.SIG_IGN)
     if code:
         sys.exit(code)
+
+
+def _plan(cfg) -> int:
+    """parallel.fake_world=N: the job planned on N fake ranks and printed (moevlm.plan); nothing trains."""
+    from moevlm.plan.__main__ import format_plan, make_plan
+
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        _config_error(
+            "parallel.fake_world plans in one process: launch it with python, not torchrun"
+        )
+    try:
+        out = make_plan(cfg, cfg.parallel.fake_world, cfg.parallel.fake_gpu)
+    except (ConfigError, ParallelNotBuilt, ValueError) as err:
+        _config_error(*str(err).splitlines())
+    print(format_plan(out))
+    return ExitCode.OK if out["fits"] else ExitCode.DOES_NOT_FIT
 
 
 def _check_command_line() -> None:

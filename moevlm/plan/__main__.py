@@ -9,7 +9,7 @@ The job is composed and validated as `train.py` composes it (the same overrides;
 defaults to the sample set, since a plan reads no data).  For each distinct rank role of the layout
 (every pipeline rank's stages differ; the ranks of one stage hold the same shapes under balanced
 routing) one training step runs on fake tensors (`moevlm.plan.dry_run`).  Exit status: 0 when every
-rank fits the GPU, 1 when one does not, 2 for a config error.
+rank fits the GPU, 9 when one does not, 2 for a config error (`moevlm.train.exit_codes`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import sys
 
 from moevlm.plan.devices import gpu as find_gpu
+from moevlm.train.exit_codes import ExitCode
 
 GiB = 2**30
 
@@ -49,8 +50,8 @@ def make_plan(job, world: int, gpu_name: str) -> dict:
     from moevlm.plan.dry_run import dry_run
     from moevlm.train.validate import validate
 
-    device = find_gpu(gpu_name)
     plan = validate(job, world, environment=False)
+    device = find_gpu(gpu_name)
     ranks = []
     for rank in role_ranks(plan):
         r = dry_run(job, world=world, rank=rank).as_dict()
@@ -96,7 +97,10 @@ def format_plan(out: dict) -> str:
         if not r["comm_bytes"]:
             lines.append("| (none: one rank) | | |")
     if out["schedule"]:
-        lines += ["", f"pipeline bubble ({out['schedule']}): {100 * out['bubble']:.1f}% of the step"]
+        lines += [
+            "",
+            f"pipeline bubble ({out['schedule']}): {100 * out['bubble']:.1f}% of the step",
+        ]
     worst = max(out["ranks"], key=lambda r: r["peak_bytes"])
     if out["fits"]:
         verdict = (
@@ -123,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True
     )
     ap.add_argument("--world", type=int, default=None, help="ranks (default parallel.world_size)")
-    ap.add_argument("--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)")
+    ap.add_argument(
+        "--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world ranks")
     args, overrides = ap.parse_known_args(argv)
@@ -135,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_overrides(overrides)
         job = compose_job(overrides)
-        experiment = next((o.split("=", 1)[1] for o in overrides if o.startswith("+experiment=")), "")
+        experiment = next(
+            (o.split("=", 1)[1] for o in overrides if o.startswith("+experiment=")), ""
+        )
         gpu_name = args.gpu or next(
             (k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100"
         )
@@ -146,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
 
             result = search(job, world, gpu_name)
             print(json.dumps(result.as_dict()) if args.json else format_search(result))
-            return 0
+            return ExitCode.OK
         out = make_plan(job, world, gpu_name)
     except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     print(json.dumps(out) if args.json else format_plan(out))
-    return 0 if out["fits"] else 1
+    return ExitCode.OK if out["fits"] else ExitCode.DOES_NOT_FIT
 
 
 if __name__ == "__main__":

@@ -179,7 +179,9 @@ def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = No
             share = M * plan.dims.dp
             # the trainer's token-count all-reduce (its values are read on the host there, not here)
             if ctx.dp_group is not None:
-                dist.all_reduce(torch.zeros(3, dtype=torch.float64, device=device), group=ctx.dp_group)
+                dist.all_reduce(
+                    torch.zeros(3, dtype=torch.float64, device=device), group=ctx.dp_group
+                )
             comm.phase = "micro-batches"
             loss_sum = aux_sum = torch.zeros((), device=device)
             if pipe is not None:
@@ -212,7 +214,9 @@ def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = No
             fwd_bwd_peak = mem.peak_bytes
             mem.peak_bytes = mem.live_bytes
             opt.step()  # the first step makes the state: in later steps it lives through all of this
-            state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            state = [
+                t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            ]
             sizes = {
                 "params_bytes": _bytes(params),
                 "grads_bytes": _bytes([p.grad for p in grads]),

@@ -128,7 +128,9 @@ class PlanMode(FakeTensorMode):
                 raise
             out = self._fake_like(known, args, kwargs)
         if factory and _shadowable(out) and torch.Tag.nondeterministic_seeded not in func.tags:
-            known = self._run_on_shadows(func, args, kwargs, tensors)  # zeros, ranges: small, so made for real
+            known = self._run_on_shadows(
+                func, args, kwargs, tensors
+            )  # zeros, ranges: small, so made for real
         if known is not None:
             for o, r in zip(_leaves(out), _leaves(known)):
                 if isinstance(o, FakeTensor) and _shadowable(r):
@@ -171,7 +173,9 @@ class PlanMode(FakeTensorMode):
     def _run_on_shadows(self, func, args, kwargs, tensors):
         """The op on the inputs' values (CPU), or None when an input's value is unknown or large."""
         values = [self.value(a) for a in tensors]
-        if any(v is None for v in values) or not all(_shadowable(v) or v.numel() <= 1 for v in values):
+        if any(v is None for v in values) or not all(
+            _shadowable(v) or v.numel() <= 1 for v in values
+        ):
             return None
 
         def real(a):
@@ -220,8 +224,13 @@ class PlanMode(FakeTensorMode):
         kind = collective_kind(func._opname)
         src = next((named[k] for k in _SENT if k in named), None)
         src = src[0] if isinstance(src, (list, tuple)) and src else src
-        dst = out if func.namespace == "_c10d_functional" else named.get(
-            "output", named.get("output_tensor", src if kind in ("all_reduce", "broadcast") else None)
+        dst = (
+            out
+            if func.namespace == "_c10d_functional"
+            else named.get(
+                "output",
+                named.get("output_tensor", src if kind in ("all_reduce", "broadcast") else None),
+            )
         )
         if not isinstance(dst, FakeTensor):
             return

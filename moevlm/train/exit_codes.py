@@ -5,7 +5,7 @@ Design choices:
   exits 8) while the name says what happened.  The numbers are the public interface: scripts and
   schedulers branch on them, so they never change.
 - 1 is Python's own code for an uncaught exception as well as "the loss did not fall": a wrapper that
-  must tell them apart reads the log.  4-8 are the next free small numbers: a wrapper script can tell
+  must tell them apart reads the log.  4-9 are the next free small numbers: a wrapper script can tell
   "checkpoint written, relaunch" (4) from a kill (128+signum, the shells' convention, kept for the
   second signal that skips the checkpoint) and from a crash.
 """
@@ -35,6 +35,8 @@ class ExitCode(IntEnum):
     # the data cannot feed training (no shard of the data set has a usable sample: the skip counts by
     # reason), or a data worker died (one line: which, how, the likely cause); a relaunch resumes
     DATA = 8
+    # a plan (parallel.fake_world, python -m moevlm.plan): a rank's peak exceeds the GPU's usable memory
+    DOES_NOT_FIT = 9
 
 
 def second_signal(signum: int) -> int:

@@ -328,6 +328,20 @@ class ParallelConfig:
         default="auto",
         metadata={"help": "process group backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo"},
     )
+    fake_world: int = field(
+        default=0,
+        metadata={
+            "help": "N > 0: train nothing; plan the job on N ranks with fake tensors and a fake process group "
+            "(one training step per rank role: memory and communication per rank, the fit on "
+            "parallel.fake_gpu; `python -m moevlm.plan`) and exit, 0 when it fits, 1 when not. One process"
+        },
+    )
+    fake_gpu: str = field(
+        default="h100",
+        metadata={
+            "help": "the GPU parallel.fake_world checks the plan against: h100, h200, b200, gb200"
+        },
+    )
     timeout_s: float = field(
         default=600.0,
         metadata={
@@ -560,6 +574,7 @@ def compose_job(overrides: list[str] = (), config_dir: str | None = None):
 CHOICES = {
     "parallel.dp_mode": ("fsdp", "ddp"),
     "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.fake_gpu": ("h100", "h200", "b200", "gb200"),
     "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
