@@ -86,6 +86,15 @@ class PipelinePlan:
     def style(self) -> str:
         return SCHEDULES[self.schedule][1]
 
+    @property
+    def bubble(self) -> float:
+        """The schedule's bubble fraction at this pp, vpp and micro-batch count, simulated from
+        torch's action lists under unit costs (moevlm.parallel.pipeline_bubble). Imported here so
+        that planning a layout does not load torch's pipelining."""
+        from moevlm.parallel.pipeline_bubble import schedule_bubble
+
+        return schedule_bubble(self.schedule, self.pp, self.microbatches, self.vpp)
+
     def layer_range(self, stage: int) -> range:
         start = sum(self.layers[:stage])
         return range(start, start + self.layers[stage])
