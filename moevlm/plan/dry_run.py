@@ -40,11 +40,13 @@ from moevlm.data.packing import IGNORE, collate
 from moevlm.model.rope import mrope_position_ids
 from moevlm.plan.fake import (
     CollectiveCounter,
+    ExpandDynamicOps,
     PlanMode,
     StorageTracker,
     emulated_autocast,
     fake_cuda,
     fake_world,
+    symmetric_objects,
 )
 
 
@@ -140,11 +142,11 @@ def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = No
     device = torch.device("cpu")
     dtype = torch.bfloat16 if bf16 else None
     t0 = time.perf_counter()
-    with fake_world(world, rank):
+    with fake_world(world, rank), symmetric_objects():
         model, ctx = _build(job, plan, device.type, bf16)
         mem, comm = StorageTracker(), CollectiveCounter(_roles(ctx))
         real = budget_micro_batch(job, plan.model)  # real tensors: built before the fake mode
-        with PlanMode() as mode, mem, comm:
+        with PlanMode() as mode, mem, comm, ExpandDynamicOps():
             materialize_(model, device, ctx)
             params = [p for p in model.parameters()]
             mem.track(params)

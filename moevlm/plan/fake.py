@@ -57,8 +57,9 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
-SHADOW_LIMIT = 1 << 22  # elements: the batch's ids and masks, counts; never activations
+SHADOW_LIMIT = 1 << 25  # elements: ids, masks, counts, a gathered routing map; never activations
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_LIKE_FACTORIES = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 
 
 def _leaves(x) -> list:
@@ -119,7 +120,7 @@ class PlanMode(FakeTensorMode):
         tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         factory = not tensors
         known = None if factory else self._run_on_shadows(func, args, kwargs, tensors)
-        if func is aten._local_scalar_dense.default and known is not None:
+        if isinstance(known, (bool, int, float)):  # .item(), bool(), is_nonzero: the value itself
             return known
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -128,9 +129,12 @@ class PlanMode(FakeTensorMode):
                 raise
             out = self._fake_like(known, args, kwargs)
         if factory and _shadowable(out) and torch.Tag.nondeterministic_seeded not in func.tags:
-            known = self._run_on_shadows(
-                func, args, kwargs, tensors
-            )  # zeros, ranges: small, so made for real
+            # zeros, ranges: small, so made for real
+            known = self._run_on_shadows(func, args, kwargs, tensors)
+        elif func in _LIKE_FACTORIES and known is None and _shadowable(out):
+            with no_dispatch():  # zeros_like(x): the value does not depend on x's
+                like = torch.empty(args[0].shape, dtype=args[0].dtype)
+                known = func(like, *args[1:], **{**kwargs, "device": torch.device("cpu")})
         if known is not None:
             for o, r in zip(_leaves(out), _leaves(known)):
                 if isinstance(o, FakeTensor) and _shadowable(r):
@@ -224,6 +228,15 @@ class PlanMode(FakeTensorMode):
         kind = collective_kind(func._opname)
         src = next((named[k] for k in _SENT if k in named), None)
         src = src[0] if isinstance(src, (list, tuple)) and src else src
+        if kind == "all_gather" and "output_tensors" in named:  # the list form: every part is v
+            v = self.value(src) if isinstance(src, torch.Tensor) else None
+            for part in _leaves(named["output_tensors"]):
+                if isinstance(part, FakeTensor):
+                    if v is not None and part.shape == v.shape:
+                        self.shadow[part] = v
+                    else:
+                        self.shadow.pop(part, None)
+            return
         dst = (
             out
             if func.namespace == "_c10d_functional"
@@ -294,6 +307,24 @@ class BalancedRouting(TorchDispatchMode):
             idx = balanced_choices(scores.shape, k).to(scores.device)
             return scores.gather(-1, idx), idx
         return func(*args, **(kwargs or {}))
+
+
+class ExpandDynamicOps(TorchDispatchMode):
+    """Our custom ops whose fake has a data-dependent output size (the DeepEP and HybridEP exchanges:
+    the received row count) run their Python body instead, so its ops see the shadows (the routing)
+    and the trackers outside see its collectives and buffers.  Entered last (innermost)."""
+
+    NAMESPACES = ("moevlm_deepep", "moevlm_hybridep")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in self.NAMESPACES:
+            from torch._library.custom_ops import OPDEFS
+
+            opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")
+            if opdef is not None:
+                return opdef._init_fn(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------- measuring
@@ -447,6 +478,22 @@ def _payload(func, args, kwargs) -> int:
 
 
 # ------------------------------------------------------------- environments
+@contextlib.contextmanager
+def symmetric_objects():
+    """`dist.all_gather_object` as the symmetric world answers it (every rank's object is this one's):
+    torch pickles objects through tensors, which fake tensors cannot give bytes for."""
+    saved = dist.all_gather_object
+
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = saved
+
+
 @contextlib.contextmanager
 def fake_world(world: int, rank: int):
     """The `fake` process group of `world` ranks, this process being `rank` (no communication)."""
