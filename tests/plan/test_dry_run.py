@@ -1,20 +1,17 @@
 """The plan's dry run against real steps measured the same way (tracked storages, collectives issued).
 
-A real step is the trainer's own `train_step`, fed the plan's full-budget micro-batches and routed
-as the plan routes (`BalancedRouting`: every expert equally loaded), measured in its second step (the optimizer state then exists, as in every later step); the dry run builds the
-same job on fake tensors.  Parameter, gradient and optimizer bytes must be equal, the peak of
+A real step is the trainer's own `train_step` on the plan's full-budget micro-batches, routed as the
+plan routes, measured in its second step (`moevlm.plan.measure`); the dry run builds the same job on
+fake tensors.  Parameter, gradient and optimizer bytes must be equal, the peak of
 activations within 15%, the collectives' bytes per group equal."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from moevlm.plan.dry_run import _bytes, _roles, budget_micro_batch, dry_run
-from moevlm.plan.fake import BalancedRouting, CollectiveCounter, StorageTracker
+from moevlm.plan.dry_run import dry_run
+from moevlm.plan.measure import measure_trainer_step
 from moevlm.train.config import compose_job
-from moevlm.train.metrics import Window
-from moevlm.train.trainer import Trainer
 
 COMMON = [
     "data.shards=sample",
@@ -29,30 +26,6 @@ COMMON = [
 ]
 
 
-def measured_step(job) -> dict:
-    """The trainer's second step on the plan's budget micro-batches, measured."""
-    trainer = Trainer(job)
-    try:
-        budget = budget_micro_batch(job, trainer.plan.model)
-        trainer._fetch = lambda: [budget] * trainer.plan.grad_accum
-        with BalancedRouting():  # the plan's routing (a real router's choices move other volumes)
-            trainer.train_step(Window())
-        params = list(trainer.model.parameters())
-        state = [t for s in trainer.opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        mem, comm = StorageTracker(), CollectiveCounter(_roles(trainer.parallel))
-        mem.track(params + state)
-        with BalancedRouting(), mem, comm:
-            trainer.train_step(Window())
-        return {
-            "params_bytes": _bytes(params),  # local shards
-            "optimizer_bytes": _bytes(state),
-            "peak_bytes": mem.peak_bytes,
-            "comm_bytes": comm.as_dict(),
-        }
-    finally:
-        trainer.close()
-
-
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute):
     job = compose_job(
@@ -60,7 +33,7 @@ def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute)
         + [f"train.run_dir={tmp_path}", f"model.recompute={recompute}", "train.global_batch_size=2"]
     )
     plan = dry_run(job, bf16=False)
-    real = measured_step(job)
+    real = measure_trainer_step(job)
     assert plan.params_bytes == real["params_bytes"] > 0
     # + the step counts
     assert plan.optimizer_bytes == real["optimizer_bytes"] >= 2 * plan.params_bytes
@@ -100,7 +73,7 @@ def _measure_layouts(rank: int, tmp: str) -> None:
 
     os.environ.update(WORLD_SIZE="4", RANK=str(rank), LOCAL_RANK=str(rank))
     for name in LAYOUTS:
-        got = measured_step(_layout_job(name, f"{tmp}/{name}"))
+        got = measure_trainer_step(_layout_job(name, f"{tmp}/{name}"))
         with open(f"{tmp}/{name}.{rank}.json", "w") as f:
             json.dump(got, f)
 

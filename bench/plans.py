@@ -1,0 +1,186 @@
+"""The plans of every recipe at full size, and how plans compare with measured real steps.
+
+    python bench/plans.py recipes              # markdown: every recipe's plan, verdicts on H100/H200/own GPU
+    python bench/plans.py accuracy             # markdown: plan vs measured step (CPU, fp32; gloo for 4 ranks)
+
+`recipes` runs `python -m moevlm.plan`'s `make_plan` for each conf/experiment/ recipe at its launch
+size (one training step per rank role on fake tensors), prints one table row per rank role, the
+largest communication term, the fit on H100 and H200 (and the recipe's own GPU) and the dry run's
+wall time on this machine.  A recipe whose dispatcher package is absent runs with moevlm's TEST
+EMULATOR of it (tests/dispatch/*_emulator; named in the table): its collectives are the emulator's,
+not the real package's.
+
+`accuracy` is the baseline comparison: the same job measured as the trainer really runs it
+(`moevlm.plan.measure`: the Trainer's second step on the plan's budget micro-batches, storages
+tracked, collectives counted) beside the plan, with the ratio; the 4-rank layouts run on gloo in
+4 processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 2**30
+EMULATORS = {"deepep": "deep_ep_emulator", "hybridep": "hybrid_ep_emulator"}
+COMMON = [
+    "data.shards=sample",
+    "data.num_workers=0",
+    "train.steps=2",
+    "train.tensorboard=false",
+    "train.checkpoint_at_end=false",
+    "train.checkpoint_every=0",
+    "train.require_loss_decrease=false",
+    "train.progress=false",
+]
+ONE_PROCESS = {
+    "tiny": [],
+    "tiny, recompute full": ["model.recompute=full"],
+    "tiny, 1024-token budgets": ["data.pack.seq_len=1024", "data.pack.max_patches=1024"],
+    "tiny, 1024-token budgets, recompute full": [
+        "data.pack.seq_len=1024",
+        "data.pack.max_patches=1024",
+        "model.recompute=full",
+    ],
+}
+FOUR_RANKS = {
+    "fsdp tp2 ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.dp_mode=fsdp"],
+    "pp2 dp2 (fsdp)": ["parallel.pp=2", "parallel.dp_mode=fsdp"],
+    "ddp ep4": ["parallel.ep=4", "parallel.dp_mode=ddp"],
+    "fsdp ep4, recompute full": ["parallel.ep=4", "model.recompute=full"],
+}
+
+
+def recipes() -> None:
+    import importlib.util
+
+    from moevlm.plan.__main__ import make_plan
+    from moevlm.plan.devices import GPUS
+    from moevlm.train.config import compose_job
+
+    names = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+    print(
+        "| recipe | world | rank (role) | params | grads | optimizer | activations | peak GiB | "
+        "largest collective per step | bubble | H100 | H200 | own GPU | dry run s |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|---|---:|")
+    for name in names:
+        job = compose_job([f"+experiment={name}", "data.shards=sample"])
+        note = ""
+        emulator = EMULATORS.get(job.model.dispatcher)
+        if emulator and importlib.util.find_spec("deep_ep") is None:
+            sys.path.insert(0, str(REPO / "tests" / "dispatch" / emulator))
+            sys.modules.pop("deep_ep", None)
+            note = f" ({job.model.dispatcher}: TEST EMULATOR)"
+        own = next((k for k in ("gb200", "b200", "h200", "h100") if name.startswith(k)), "h100")
+        world = job.parallel.world_size or 1
+        t0 = time.perf_counter()
+        out = make_plan(job, world, own)
+        seconds = time.perf_counter() - t0
+        if note:
+            sys.path.pop(0)
+            sys.modules.pop("deep_ep", None)
+        for i, r in enumerate(out["ranks"]):
+            terms = [(b, f"{g} {k}") for g, ks in r["comm_bytes"].items() for k, b in ks.items()]
+            big = max(terms, default=(0, "none"))
+            verdict = lambda gpu: "fits" if GPUS[gpu].fits(r["peak_bytes"]) else "**no**"  # noqa: E731
+            print(
+                f"| {name + note if i == 0 else ''} | {world if i == 0 else ''} | {r['rank']} "
+                f"({r['role']}) | {r['params_bytes'] / GiB:.1f} | {r['grads_bytes'] / GiB:.1f} | "
+                f"{r['optimizer_bytes'] / GiB:.1f} | {r['activation_peak_bytes'] / GiB:.1f} | "
+                f"{r['peak_bytes'] / GiB:.1f} | {big[1]}: {big[0] / GiB:.1f} GiB | "
+                f"{100 * out['bubble']:.1f}% | {verdict('h100')} | {verdict('h200')} | "
+                f"{own}: {verdict(own)} | {seconds if i == 0 else r['seconds']:.0f} |",
+                flush=True,
+            )
+
+
+def _ratio(plan: float, real: float) -> str:
+    return f"{plan / real:.4f}" if real else "—"
+
+
+def accuracy() -> None:
+    from moevlm.plan.dry_run import dry_run
+    from moevlm.plan.measure import measure_trainer_step
+    from moevlm.train.config import compose_job
+
+    print(
+        "| job | ranks | rank | params (plan = real) | peak plan MiB | peak real MiB | plan/real | "
+        "collective bytes plan = real |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---|")
+    for name, extra in ONE_PROCESS.items():
+        d = tempfile.mkdtemp()
+        job = compose_job(COMMON + [f"train.run_dir={d}", "train.global_batch_size=2", *extra])
+        plan, real = dry_run(job, bf16=False), measure_trainer_step(job)
+        print(
+            f"| {name} | 1 | 0 | {plan.params_bytes == real['params_bytes']} | "
+            f"{plan.peak_bytes / 2**20:.2f} | {real['peak_bytes'] / 2**20:.2f} | "
+            f"{_ratio(plan.peak_bytes, real['peak_bytes'])} | {plan.comm_bytes == real['comm_bytes']} |",
+            flush=True,
+        )
+    import torch.multiprocessing as mp
+
+    tmp = tempfile.mkdtemp()
+    mp.spawn(_four_ranks, args=(tmp,), nprocs=4, join=True)
+    for name in FOUR_RANKS:
+        for rank in range(4):
+            real = json.loads(Path(f"{tmp}/{_slug(name)}.{rank}.json").read_text())
+            plan = dry_run(_four_rank_job(name, f"{tmp}/plan"), rank=rank, bf16=False)
+            same = plan.comm_bytes == real["comm_bytes"]
+            total = sum(b for ks in real["comm_bytes"].values() for b in ks.values())
+            print(
+                f"| {name} | 4 | {rank} | {plan.params_bytes == real['params_bytes']} | "
+                f"{plan.peak_bytes / 2**20:.2f} | {real['peak_bytes'] / 2**20:.2f} | "
+                f"{_ratio(plan.peak_bytes, real['peak_bytes'])} | {same} ({total / 2**20:.1f} MiB) |",
+                flush=True,
+            )
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _four_rank_job(name: str, run_dir: str):
+    from moevlm.train.config import compose_job
+
+    return compose_job(
+        COMMON
+        + [f"train.run_dir={run_dir}", "parallel.world_size=4", "data.streams=4"]
+        + ["train.global_batch_size=8", *FOUR_RANKS[name]]
+    )
+
+
+def _four_ranks(rank: int, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moevlm.plan.measure import measure_trainer_step
+
+    os.environ.update(WORLD_SIZE="4", RANK=str(rank), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=4)
+    torch.set_num_threads(1)
+    for name in FOUR_RANKS:
+        got = measure_trainer_step(_four_rank_job(name, f"{tmp}/{_slug(name)}"))
+        Path(f"{tmp}/{_slug(name)}.{rank}.json").write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter finalization under live gloo threads (see bench/dispatch.py)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["recipes", "accuracy"])
+    args = ap.parse_args()
+    recipes() if args.what == "recipes" else accuracy()
+
+
+if __name__ == "__main__":
+    main()
