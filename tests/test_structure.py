@@ -67,9 +67,27 @@ def _problems(path: Path) -> list[str]:
     return out
 
 
+# The planner (moevlm/plan/) simulates on a CPU build what it lacks, by patching torch for the span of
+# a context manager and restoring it after; never a model.  Exactly these, by file and target:
+PLANNER_PATCHES = {
+    ("dry_run.py", "schedule._warmup_p2p"),  # the pipeline schedule's first-step vote over p2p
+    ("fake.py", "dist.all_gather_object"),  # objects travel as tensors fake tensors cannot give
+    ("fake.py", "torch.UntypedStorage.resize_"),  # FSDP's in-place storage resizes, tracked
+    ("fake.py", "FakeTensor.__int__"),  # fake CUDA: C++ needs a CUDA device guard for these
+    ("fake.py", "FakeTensor.__float__"),
+    ("fake.py", "FakeTensor.__bool__"),
+    ("fake.py", "FakeTensor.__index__"),
+}
+
+
 def test_no_class_rewriting_or_method_patching_in_the_product():
     found = [p for path in SOURCES for p in _problems(path)]
-    assert not found, found
+    planner = {
+        (p.split(":")[0], p.split(" to ")[-1]) for p in found if " assigns a function to " in p
+    } & PLANNER_PATCHES
+    rest = [p for p in found if (p.split(":")[0], p.split(" to ")[-1]) not in planner]
+    assert not rest, rest
+    assert planner == PLANNER_PATCHES  # the list above stays exact
 
 
 def test_the_check_above_finds_what_it_forbids(tmp_path):

@@ -28,9 +28,9 @@ def measure_trainer_step(job) -> dict:
     trainer = Trainer(job)
     try:
         budget = budget_micro_batch(job, trainer.plan.model)
-        trainer._fetch = lambda: [budget] * trainer.plan.grad_accum
+        micro = [budget] * trainer.plan.grad_accum
         with BalancedRouting():  # the plan's routing (a real router's choices move other volumes)
-            trainer.train_step(Window())
+            trainer.train_step(Window(), micro)
         params = list(trainer.model.parameters())
         state = [t for s in trainer.opt.state.values() for t in s.values() if torch.is_tensor(t)]
         mem, comm = StorageTracker(), CollectiveCounter(_roles(trainer.parallel))
@@ -40,7 +40,7 @@ def measure_trainer_step(job) -> dict:
             torch.cuda.synchronize(trainer.device)
             torch.cuda.reset_peak_memory_stats(trainer.device)
         with BalancedRouting(), mem, comm:
-            trainer.train_step(Window())
+            trainer.train_step(Window(), micro)
         got = {
             "params_bytes": _bytes(params),  # local shards
             "optimizer_bytes": _bytes(state),

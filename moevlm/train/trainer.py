@@ -517,14 +517,15 @@ class Trainer:
     def _checkpoint_due(self) -> bool:
         return bool(self.t.checkpoint_every) and self.step % self.t.checkpoint_every == 0
 
-    def train_step(self, window: Window) -> bool:
-        """One optimizer step; False when it was skipped for non-finite values."""
+    def train_step(self, window: Window, micro: list[MicroBatch] | None = None) -> bool:
+        """One optimizer step; False when it was skipped for non-finite values.  `micro`: the step's
+        micro-batches given by the caller (every rank its own) instead of read from the loader."""
         # (a trace of train.profile_steps starts before the step's time)
         self.prof.begin_step(self.step + 1)
         t0, wait0 = time.perf_counter(), self.loader.wait_s
         self.faults.begin_step(self.step + 1)
         with self._phase("data", span="data"):
-            micro = self._fetch()
+            micro = self._fetch() if micro is None else micro
         with self._phase("data-parallel token-count all-reduce"):
             totals = _all_reduce(
                 [
