@@ -127,21 +127,84 @@ def rank_role(plan, rank: int) -> str:
     return "first stage" if stage == 0 else "last stage" if stage == dims.pp - 1 else "middle stage"
 
 
-def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = None) -> RankPlan:
-    """One training step of `job` for `rank` of a `world`-rank launch, on fake CPU tensors."""
-    from moevlm.model.objective import objective
-    from moevlm.parallel.build import materialize_
-    from moevlm.train.optim import build_optimizer
-    from moevlm.train.trainer import _all_reduce_tensor, _boundary_dtypes
+def dry_run(
+    job, world: int | None = None, rank: int = 0, bf16: bool | None = None, every_micro_batch=False
+) -> RankPlan:
+    """One training step of `job` for `rank` of a `world`-rank launch, on fake CPU tensors.
+
+    The step's micro-batches repeat each other, so not all are run (`every_micro_batch` runs them
+    all): without pipeline stages two run, and the collectives of the micro-batch phase are scaled to
+    the step's count (the second micro-batch already finds the gradients allocated: the steady
+    state).  A pipeline schedule runs twice, with 2 pp x vpp and 2 pp x vpp + pp micro-batches (both
+    past the warm-up): every collective's bytes are then a + b x M exactly, and the peak to within
+    bytes (it grows by what the schedule keeps per micro-batch), a from the step's once-only work (FSDP's
+    gathers and reductions, the loss) and b per micro-batch, M the step's count."""
+    import dataclasses
+
     from moevlm.train.validate import validate
 
     world = world or job.parallel.world_size or 1
     plan = validate(job, world, environment=False)
     if bf16 is None:
         bf16 = job.train.precision in ("bf16", "auto")
+    t0 = time.perf_counter()
+    M, p = plan.grad_accum, plan.pipeline
+    if p is None:
+        run = M if every_micro_batch else min(M, 2)
+        sizes, peak, comm = _step(job, plan, world, rank, bf16, run)
+        comm_bytes = comm.as_dict({"micro-batches": M / run})
+    else:
+        m1 = 2 * p.pp * p.vpp  # past the warm-up (pp x vpp deep) on every stage
+        m2 = m1 + p.pp
+        if every_micro_batch or M <= m2:
+            sizes, peak, comm = _step(job, plan, world, rank, bf16, M)
+            comm_bytes = comm.as_dict()
+        else:
+            runs = []
+            for m in (m1, m2):
+                shorter = dataclasses.replace(
+                    plan, pipeline=dataclasses.replace(p, microbatches=m), grad_accum=m
+                )
+                runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
+            (_, peak1, c1), (sizes, peak2, c2) = runs
+            # past the warm-up the peak still grows by what the schedule keeps per micro-batch
+            # (torch's receive buffers and the losses of each): linear in M too
+            peak = round(peak1 + (peak2 - peak1) * (M - m1) / (m2 - m1))
+            comm_bytes = _extrapolate(c1.as_dict(), c2.as_dict(), m1, m2, M)
+    return RankPlan(
+        rank=rank,
+        role=rank_role(plan, rank),
+        **sizes,
+        activation_peak_bytes=peak - sum(sizes.values()),
+        peak_bytes=peak,
+        comm_bytes=comm_bytes,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
+    """Bytes a + b x M from the counts at m1 and m2 micro-batches, per group and collective."""
+    out: dict = {}
+    for group in sorted(set(c1) | set(c2)):
+        kinds = {}
+        for kind in sorted(set(c1.get(group, {})) | set(c2.get(group, {}))):
+            b1, b2 = c1.get(group, {}).get(kind, 0), c2.get(group, {}).get(kind, 0)
+            kinds[kind] = round(b1 + (b2 - b1) * (m - m1) / (m2 - m1))
+        out[group] = kinds
+    return out
+
+
+def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_batches=None):
+    """`run` micro-batches of the trainer's step on fake tensors: (bytes of parameters, gradients and
+    optimizer state; the steady-state peak; the CollectiveCounter).  `step_micro_batches`: the step's
+    real count, for the loss normalisation (default `plan.grad_accum`)."""
+    from moevlm.model.objective import objective
+    from moevlm.parallel.build import materialize_
+    from moevlm.train.optim import build_optimizer
+    from moevlm.train.trainer import _all_reduce_tensor, _boundary_dtypes
+
     device = torch.device("cpu")
     dtype = torch.bfloat16 if bf16 else None
-    t0 = time.perf_counter()
     with fake_world(world, rank), symmetric_objects():
         model, ctx = _build(job, plan, device.type, bf16)
         mem, comm = StorageTracker(), CollectiveCounter(_roles(ctx))
@@ -164,12 +227,7 @@ def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = No
                     **_boundary_dtypes(bf16, job.parallel.dp_mode),
                 )
                 _decide_static_vote(pipe.schedule)
-            # Later micro-batches of a step without pipeline stages repeat the second one exactly
-            # (same shapes, same collectives, gradients already allocated): two are run, and the
-            # collectives of the micro-batches phase are scaled to the step's count.  A pipeline
-            # schedule runs them all (its warm-up sets the peak).
-            M = plan.grad_accum
-            run = M if pipe is not None else min(M, 2)
+            M = step_micro_batches or plan.grad_accum
             micro = []
             for _ in range(run):
                 fields = {
@@ -225,16 +283,7 @@ def dry_run(job, world: int | None = None, rank: int = 0, bf16: bool | None = No
                 "optimizer_bytes": _bytes(state),
             }
             peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
-            result = RankPlan(
-                rank=rank,
-                role=rank_role(plan, rank),
-                **sizes,
-                activation_peak_bytes=peak - sum(sizes.values()),
-                peak_bytes=peak,
-                comm_bytes=comm.as_dict({"micro-batches": M / run}),
-            )
-    result.seconds = time.perf_counter() - t0
-    return result
+    return sizes, peak, comm
 
 
 def _decide_static_vote(schedule) -> None:
