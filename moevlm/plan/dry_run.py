@@ -28,6 +28,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -182,6 +183,18 @@ def dry_run(
     )
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """The host values a plan computes are small: one thread (a parallel kernel's threads waiting on
+    a busy core cost far more than they save)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
     """Bytes a + b x M from the counts at m1 and m2 micro-batches, per group and collective."""
     out: dict = {}
@@ -205,7 +218,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
 
     device = torch.device("cpu")
     dtype = torch.bfloat16 if bf16 else None
-    with fake_world(world, rank), symmetric_objects():
+    with fake_world(world, rank), symmetric_objects(), _one_thread():
         model, ctx = _build(job, plan, device.type, bf16)
         mem, comm = StorageTracker(), CollectiveCounter(_roles(ctx))
         real = budget_micro_batch(job, plan.model)  # real tensors: built before the fake mode
