@@ -15,7 +15,7 @@ Design choices:
   The model reads such values on the host (`.tolist()`, boolean masks, split sizes), which a plain
   fake tensor refuses; with the shadow they behave as on the GPU.
 - Routing is balanced by construction: the router's top-k (`aten.topk` on a tensor of unknown
-  values) gets the shadow token t -> experts (t K + j) mod E.  A plan is a statement about a step
+  values) gets the shadow token t -> experts (t + j (E // K)) mod E, j < K (`balanced_choices`).  A plan is a statement about a step
   whose experts are evenly loaded; skew is a separate question (`bench/dispatch.py`).
 - The world is symmetric: every rank of a group holds this rank's values.  A collective's output
   shadow follows from that (all-gather: copies; all-reduce: sum = size x value; all-to-all: this
@@ -290,10 +290,13 @@ def _group_of(func, args, kwargs):
 
 def balanced_choices(shape, k: int) -> torch.Tensor:
     """Top-k expert ids of scores of `shape` (..., E) when every expert gets the same load: token t
-    chooses experts (t k + j) mod E, j < k (CPU, int64)."""
+    chooses experts (t + j (E // k)) mod E, j < k (CPU, int64).  Each token's choices are spread
+    over the experts, and so over the expert-parallel ranks, as a trained router's are; consecutive
+    ids would put them on one rank and flatter the deduplicating dispatchers (DeepEP, HybridEP send
+    a token once per rank)."""
     E = shape[-1]
     rows = math.prod(shape[:-1])
-    idx = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % E
+    idx = (torch.arange(rows)[:, None] + torch.arange(k)[None, :] * max(1, E // k)) % E
     return idx.reshape(*shape[:-1], k)
 
 
