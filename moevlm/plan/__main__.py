@@ -3,7 +3,6 @@
     python -m moevlm.plan +experiment=gb200_3d                    # the recipe's launch size and GPU
     python -m moevlm.plan +experiment=h100_fsdp --gpu h200 --json
     python -m moevlm.plan +experiment=h100_fsdp parallel.ep=4 model.recompute=full --world 16
-    python -m moevlm.plan +experiment=h100_fsdp --search --world 64
 
 The job is composed and validated as `train.py` composes it (the same overrides; `data.shards`
 defaults to the sample set, since a plan reads no data).  For each distinct rank role of the layout
@@ -124,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--search", action="store_true", help="search the layouts of --world ranks")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -142,12 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         find_gpu(gpu_name)
         world = args.world or job.parallel.world_size or 1
-        if args.search:
-            from moevlm.plan.search import format_search, search
-
-            result = search(job, world, gpu_name)
-            print(json.dumps(result.as_dict()) if args.json else format_search(result))
-            return ExitCode.OK
         out = make_plan(job, world, gpu_name)
     except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)

@@ -42,11 +42,12 @@ def shallow(name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_dry_run(name, monkeypatch):
+def test_recipe_dry_run(name, monkeypatch, request):
     overrides = shallow(name)
     job = compose_job(overrides)
     emulator = EMULATORS.get(job.model.dispatcher)
     if emulator is not None:
+        request.addfinalizer(lambda: sys.modules.pop("deep_ep", None))  # the emulator stays here
         monkeypatch.syspath_prepend(str(emulator))
         monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     world = job.parallel.world_size or 1

@@ -82,6 +82,7 @@ def test_exit_codes_are_the_readme_table():
         "WATCHDOG": 6,
         "CHECKPOINT": 7,
         "DATA": 8,
+        "DOES_NOT_FIT": 9,
     }
     assert (
         "Exit codes: 0 done, 1 the loss did not fall" in readme
