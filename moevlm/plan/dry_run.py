@@ -47,6 +47,7 @@ from moevlm.plan.fake import (
     emulated_autocast,
     fake_cuda,
     fake_world,
+    local_shard as _local,
     symmetric_objects,
 )
 
@@ -124,7 +125,7 @@ def rank_role(plan, rank: int) -> str:
     dims = plan.dims
     if dims.pp == 1:
         return "every rank"
-    stage = dims.coords(rank)["pp"] if hasattr(dims, "coords") else rank * dims.pp // dims.world
+    stage = dims.coords(rank)["pp"]
     return "first stage" if stage == 0 else "last stage" if stage == dims.pp - 1 else "middle stage"
 
 
@@ -316,10 +317,6 @@ def _decide_static_vote(schedule) -> None:
 
 
 _COUNTS = ("loss_tokens", "useful_tokens", "flops", "n_image")
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _bytes(tensors) -> int:

@@ -78,6 +78,11 @@ def _leaves(x) -> list:
     return out
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _shadowable(t) -> bool:
     return (
         isinstance(t, torch.Tensor)
@@ -351,9 +356,7 @@ class StorageTracker(TorchDispatchMode):
     def _add(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta" and not is_fake(t):
             return
-        if hasattr(t, "to_local"):  # a DTensor: its shard
-            t = t.to_local()
-        self._add_storage(t.untyped_storage())
+        self._add_storage(local_shard(t).untyped_storage())
 
     def _add_storage(self, st) -> None:
         key = st._cdata
