@@ -137,6 +137,7 @@ import atexit
 import copy
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import re
 import signal
@@ -610,6 +611,21 @@ def worker_death(err: BaseException, workers=()) -> str | None:
     )
 
 
+WORKER_REAP_GRACE_S = 30.0  # a killed worker is reaped within milliseconds; a busy machine may take more
+
+
+def _dead_workers(workers, grace_s: float) -> list:
+    """The workers that have ended, waiting up to `grace_s` for one to be reported (its exit reaches
+    the trainer only once its parent, the fork server, reaps it); empty if all are alive by then."""
+    workers = list(workers)
+    deadline = time.monotonic() + grace_s
+    while True:
+        dead = [w for w in workers if not w.is_alive()]
+        if dead or not workers or time.monotonic() >= deadline:
+            return dead
+        mp_connection.wait([w.sentinel for w in workers], timeout=0.1)
+
+
 def _available_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:
@@ -712,6 +728,19 @@ class PackedLoader:
             line = worker_death(err, getattr(self._it, "_workers", ()))
             if line is None:
                 raise
+            self.close()
+            return None, line
+        except (ConnectionError, EOFError) as err:
+            # a worker killed while its batch was in transit: the batch's shared-memory handle comes
+            # from the dead worker's socket (a reset connection), and torch, asking before the fork
+            # server reaped it, took the worker for alive and raised the socket's error as it was
+            dead = _dead_workers(getattr(self._it, "_workers", ()), grace_s=WORKER_REAP_GRACE_S)
+            if not dead:
+                raise
+            pids = ", ".join(str(w.pid) for w in dead)
+            torch_text = f"DataLoader worker (pid(s) {pids}) exited unexpectedly"
+            line = worker_death(RuntimeError(torch_text), dead)
+            err.__traceback__ = None
             self.close()
             return None, line
 

@@ -5,13 +5,17 @@ one line each."""
 
 from __future__ import annotations
 
+import multiprocessing
 import multiprocessing.forkserver as forkserver
 import os
 import signal
 import time
 from pathlib import Path
 
-from moevlm.data.loader import worker_death
+import pytest
+
+from moevlm.data import loader as loader_module
+from moevlm.data.loader import PackedLoader, worker_death
 from moevlm.train.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import Trainer
@@ -109,3 +113,47 @@ def test_torch_worker_errors_become_one_line():
     )
     assert "exited with code 3: run with data.num_workers=0" in code
     assert worker_death(RuntimeError("CUDA out of memory")) is None
+
+
+def _kill_self_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _TornIterator:
+    """A test double of torch's worker iterator at the moment a worker dies with its batch in transit:
+    the batch's shared-memory handle comes from the dead worker's socket, whose connection resets."""
+
+    def __init__(self, workers):
+        self._workers = workers
+
+    def __next__(self):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_worker_dying_with_its_batch_in_transit_is_the_same_one_line(monkeypatch):
+    fork = multiprocessing.get_context("fork")
+    # the worker is still alive when the socket's error arrives (its parent has not reaped it yet)
+    dying = fork.Process(target=_kill_self_after, args=(0.5,), daemon=True)
+    alive = fork.Process(target=time.sleep, args=(60,), daemon=True)
+    dying.start(), alive.start()
+    try:
+        loader = PackedLoader.__new__(PackedLoader)
+        loader._it = _TornIterator([alive, dying])
+        batch, line = loader._next_row()
+        assert batch is None and loader._it is None
+        assert line.startswith(f"data worker (pid {dying.pid}) was killed by SIGKILL: most likely")
+        assert "relaunch resumes exactly" in line
+        assert not alive.is_alive()  # the loader stopped the other workers (a relaunch starts anew)
+        alive = fork.Process(target=time.sleep, args=(60,), daemon=True)
+        alive.start()
+        # a reset with every worker alive is not a worker's death: raised as it was, after the grace
+        monkeypatch.setattr(loader_module, "WORKER_REAP_GRACE_S", 0.3)
+        loader._it = _TornIterator([alive])
+        with pytest.raises(ConnectionResetError):
+            loader._next_row()
+    finally:
+        for w in (dying, alive):
+            if w.is_alive():
+                w.kill()
+            w.join()
