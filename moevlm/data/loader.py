@@ -611,7 +611,8 @@ def worker_death(err: BaseException, workers=()) -> str | None:
     )
 
 
-WORKER_REAP_GRACE_S = 30.0  # a killed worker is reaped within milliseconds; a busy machine may take more
+# a killed worker is reaped within milliseconds; a busy machine may take more
+WORKER_REAP_GRACE_S = 30.0
 
 
 def _dead_workers(workers, grace_s: float) -> list:
