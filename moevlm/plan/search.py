@@ -23,8 +23,9 @@ Design choices:
   `full_space=True` or `fields` brings them back), and pipelines of at most
   `max_pipeline_microbatches` (4) micro-batches per step; the others are reported as not
   evaluated (rank 0's peak grows with M, measured, so a pipeline cannot be dry-run at a smaller
-  M).  Measured for Qwen3-VL-30B-A3B on H100 (48 layers, 27-block tower, global batch 64): with
-  pipelines of up to 8 micro-batches, 6 min at world 16 and over 20 at world 64.
+  M).  Measured for Qwen3-VL-30B-A3B on H100 (48 layers, 27-block tower, global batch 64), one
+  core: 3.4 min at world 16 and 8.6 min at world 64 with these defaults; with pipelines of up to
+  8 micro-batches, 6 min and over 20 min.
 - Memory and collectives come from dry runs (`moevlm.plan.dry_run`) of pp rank 0, the rank that
   holds the most (the vision tower, the embedding, the first stage), at a reduced size and
   extrapolated.  What a dry run reports (peak, parameter, gradient and optimizer bytes, the bytes
