@@ -3,12 +3,21 @@
     python -m moevlm.plan +experiment=gb200_3d                    # the recipe's launch size and GPU
     python -m moevlm.plan +experiment=h100_fsdp --gpu h200 --json
     python -m moevlm.plan +experiment=h100_fsdp parallel.ep=4 model.recompute=full --world 16
+    python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
+    python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
 
 The job is composed and validated as `train.py` composes it (the same overrides; `data.shards`
 defaults to the sample set, since a plan reads no data).  For each distinct rank role of the layout
 (every pipeline rank's stages differ; the ranks of one stage hold the same shapes under balanced
 routing) one training step runs on fake tensors (`moevlm.plan.dry_run`).  Exit status: 0 when every
 rank fits the GPU, 9 when one does not, 2 for a config error (`moevlm.train.exit_codes`).
+
+`--search` ranks the layouts of the job on `--world` GPUs instead (`moevlm.plan.search`: the
+candidate space, the extrapolated dry runs, the step time model and what overlaps): the top
+`--top` that fit, then every other candidate grouped by the reason it was left out.  `--only
+FIELD=V1,V2` sets the values a field of the space takes (tp, cp, pp, vpp, ep, etp, dp_mode,
+recompute, micro_batch_size; repeatable), `--full-space` searches the whole space rather than the
+default reduction.  Exit status: 0 when a layout fits, 9 when none does.
 """
 
 from __future__ import annotations
@@ -111,6 +120,38 @@ def format_plan(out: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_only(items: list[str]) -> dict[str, list]:
+    """`--only FIELD=V1,V2` options as search's `fields` (numbers as ints, "tp" for etp kept)."""
+    fields: dict[str, list] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"--only {item!r}: expected FIELD=V1,V2 (e.g. --only pp=1,2)")
+        fields[name.strip()] = [
+            int(v) if v.strip().isdigit() else v.strip() for v in values.split(",")
+        ]
+    return fields
+
+
+def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
+    """The search's report (markdown or JSON) and whether a layout fits."""
+    from moevlm.plan.search import format_search, search
+
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    result = search(
+        job,
+        world,
+        gpu_name,
+        top=args.top,
+        full_space=args.full_space,
+        fields=parse_only(args.only),
+        max_dry_runs=args.max_dry_runs,
+        progress=progress,
+    )
+    text = json.dumps(result.as_dict()) if args.json else format_search(result)
+    return text, bool(result.top)
+
+
 def main(argv: list[str] | None = None) -> int:
     from moevlm.model.config import ConfigError
     from moevlm.train.config import check_overrides, compose_job
@@ -123,6 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--search", action="store_true", help="rank the layouts on --world GPUs")
+    ap.add_argument("--top", type=int, default=10, help="--search: layouts to rank (10)")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="--search: a field's values",
+    )
+    ap.add_argument("--full-space", action="store_true", help="--search: no default reduction")
+    ap.add_argument(
+        "--max-dry-runs", type=int, default=None, help="--search: stop after this many dry runs"
+    )
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -140,12 +194,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         find_gpu(gpu_name)
         world = args.world or job.parallel.world_size or 1
-        out = make_plan(job, world, gpu_name)
+        if args.search:
+            text, fits = run_search(job, world, gpu_name, args)
+        else:
+            out = make_plan(job, world, gpu_name)
+            text, fits = json.dumps(out) if args.json else format_plan(out), out["fits"]
     except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return ExitCode.CONFIG
-    print(json.dumps(out) if args.json else format_plan(out))
-    return ExitCode.OK if out["fits"] else ExitCode.DOES_NOT_FIT
+    print(text)
+    return ExitCode.OK if fits else ExitCode.DOES_NOT_FIT
 
 
 if __name__ == "__main__":

@@ -17,15 +17,11 @@ Design choices:
   full; micro_batch_size 1 or 2.  Each candidate is the job with these fields set
   (parallel.world_size = world, dp derived), checked by `validate()`; a refusal is kept as
   "invalid: <its first line>".
-- Reductions, stated because the whole space does not fit in a few minutes of one core (each
-  candidate in reach costs dry runs of ~1 s; a pipeline's step every micro-batch, several
-  seconds each): by default only etp 1, fsdp and micro_batch_size 1 (`NARROWED`;
-  `full_space=True` or `fields` brings them back), and pipelines of at most
-  `max_pipeline_microbatches` (4) micro-batches per step; the others are reported as not
-  evaluated (rank 0's peak grows with M, measured, so a pipeline cannot be dry-run at a smaller
-  M).  Measured for Qwen3-VL-30B-A3B on H100 (48 layers, 27-block tower, global batch 64), one
-  core: 3.4 min at world 16 and 8.6 min at world 64 with these defaults; with pipelines of up to
-  8 micro-batches, 6 min and over 20 min.
+- Reduction, stated because the whole space does not fit in a few minutes of one core (each
+  candidate in reach costs dry runs of one to a few seconds): by default only etp 1, fsdp and
+  micro_batch_size 1 (`NARROWED`; `full_space=True` or `fields` brings them back).  A pipeline
+  of any micro-batch count costs the same: its dry run steps two short schedules and extrapolates
+  (`moevlm.plan.dry_run`).
 - Memory and collectives come from dry runs (`moevlm.plan.dry_run`) of pp rank 0, the rank that
   holds the most (the vision tower, the embedding, the first stage), at a reduced size and
   extrapolated.  What a dry run reports (peak, parameter, gradient and optimizer bytes, the bytes
@@ -50,12 +46,17 @@ Design choices:
   compute_s = the step's training FLOPs per rank (the budget micro-batch's FLOPs x M x dp / world,
   vision included) / the GPU's bf16 peak; recompute_s = the forward FLOPs of the recomputed
   regions (full: every decoder layer and vision block; selective: the named regions, elementwise
-  ones count 0) per rank / peak; busy_s = (compute_s + recompute_s) / (1 - bubble), `_bubble`
-  the pipeline's idle fraction.  Every collective costs bytes / bandwidth (per direction and GPU:
-  a recv is the peer's send and is not counted twice), at NVLink speed when rank 0's group of
-  that role lies in one NVLink domain (rank order pp x dp x cp x tp, tp fastest), else at network
-  speed.  All-to-alls, sends and collectives of a group serving tp, cp, etp, cp_tp or pp are
-  exposed (added); the rest (dp, dense, expert, vision: FSDP/DDP) overlap the compute.
+  ones count 0) per rank / peak; busy_s = (compute_s + recompute_s) / (1 - bubble), the bubble
+  the idle fraction of torch's own schedule at this pp, vpp and M, simulated under unit costs
+  (`PipelinePlan.bubble`; 0 without stages).  Every collective costs the bytes one GPU sends
+  on the wire over the bandwidth of its link class.  The dry run counts what a rank puts into each
+  call (`moevlm.plan.fake`); on a group of n ranks a ring moves, per GPU and direction, (n - 1)
+  times that for an all-gather (its input is the shard), (n - 1) / n of it for a reduce-scatter
+  or an all-to-all, 2 (n - 1) / n for an all-reduce, all of it for a send or a broadcast; a recv
+  is the peer's send, not counted twice (`wire_bytes`).  The link is NVLink when rank 0's group of
+  that role lies in one NVLink domain (rank order pp x dp x cp x tp, tp fastest), else the
+  network (per GPU: each has its own NIC).  All-to-alls, sends and collectives of a group serving
+  tp, cp, etp, cp_tp or pp are exposed (added); the rest (dp, dense, expert, vision: FSDP/DDP) overlap the compute.
   step_s = max(busy_s, overlapped_comm_s) + exposed_comm_s; tokens/s = global batch x seq_len /
   step_s; mfu = compute_s / step_s (useful FLOPs: recompute and the bubble lower it).  Ranked by
   step_s, ties in enumeration order.
@@ -319,14 +320,6 @@ def enumerate_layouts(job, world: int, space: dict) -> tuple[dict, list[Left], l
 
 
 # ------------------------------------------------------------------ the step time model
-def _bubble(schedule: str, pp: int, vpp: int, M: int) -> float:
-    """The pipeline's idle fraction: the textbook (pp - 1) / (vpp M + pp - 1) (0 without stages).
-    One function so that the simulated bubble of torch's schedules can replace it."""
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (vpp * M + pp - 1)
-
-
 def _role_ranks(role: str, dims) -> list[int]:
     """Rank 0's group of `role` (ParallelContext.groups' names); None when the role is unknown."""
     g = dims.groups(0)
@@ -345,15 +338,34 @@ def _role_ranks(role: str, dims) -> list[int]:
     }.get(role)
 
 
-def link_gbps(group: str, dims, g: Gpu) -> float:
-    """NVLink bandwidth when rank 0's group (of any of the roles `group` names) lies in one NVLink
-    domain (domains are consecutive blocks of ranks), else the network's; an unknown group (the
-    world) is taken as the whole world."""
-    ranks = None
+def _group_ranks(group: str, dims) -> list[int]:
+    """Rank 0's group of a collective's group name (roles joined by "/" name one set of ranks; the
+    first known role gives it); an unknown name is taken as the whole world."""
     for role in group.split("/"):
-        ranks = ranks or _role_ranks(role, dims)
-    ranks = ranks or list(range(dims.world))
-    return g.nvlink_gbps if max(ranks) // g.domain == 0 else g.network_gbps
+        ranks = _role_ranks(role, dims)
+        if ranks:
+            return ranks
+    return list(range(dims.world))
+
+
+def link_gbps(group: str, dims, g: Gpu) -> float:
+    """NVLink bandwidth when rank 0's group lies in one NVLink domain (domains are consecutive
+    blocks of ranks), else the network's."""
+    return g.nvlink_gbps if max(_group_ranks(group, dims)) // g.domain == 0 else g.network_gbps
+
+
+def wire_bytes(kind: str, payload: float, n: int) -> float:
+    """Bytes one GPU sends for a collective of `kind` into which it put `payload` bytes, on a group
+    of `n` ranks, as a ring algorithm moves them (module docstring)."""
+    if n <= 1 and kind not in ("send", "recv"):
+        return 0.0
+    return {
+        "all_gather": payload * (n - 1),
+        "reduce_scatter": payload * (n - 1) / n,
+        "all_to_all": payload * (n - 1) / n,
+        "all_reduce": payload * 2 * (n - 1) / n,
+        "recv": 0.0,
+    }.get(kind, payload)
 
 
 def is_exposed(group: str, kind: str) -> bool:
@@ -363,17 +375,16 @@ def is_exposed(group: str, kind: str) -> bool:
 
 
 def comm_seconds(comm_bytes: dict, dims, g: Gpu) -> tuple[float, float]:
-    """(exposed, overlapped) seconds of a step's collectives (recv not counted: module docstring)."""
+    """(exposed, overlapped) seconds of a step's collectives: wire bytes over the link's bandwidth."""
     exposed = overlapped = 0.0
     for group, kinds in comm_bytes.items():
-        bw = link_gbps(group, dims, g) * 1e9
+        bw, n = link_gbps(group, dims, g) * 1e9, len(_group_ranks(group, dims))
         for kind, nbytes in kinds.items():
-            if kind == "recv":
-                continue
+            seconds = wire_bytes(kind, nbytes, n) / bw
             if is_exposed(group, kind):
-                exposed += nbytes / bw
+                exposed += seconds
             else:
-                overlapped += nbytes / bw
+                overlapped += seconds
     return exposed, overlapped
 
 
@@ -596,7 +607,7 @@ class _Timer:
         """compute_s, recompute_s, bubble, busy_s: all that needs no dry run."""
         flops, again = self.flops(plan, layout)
         share = plan.grad_accum * plan.dims.dp / self.world / (self.g.bf16_tflops * 1e12)
-        bubble = _bubble(layout.schedule, layout.pp, layout.vpp, plan.grad_accum)
+        bubble = plan.pipeline.bubble if plan.pipeline is not None else 0.0
         compute_s, recompute_s = flops * share, again * share
         return {
             "compute_s": compute_s,
@@ -833,7 +844,6 @@ def search(
     fields: dict | None = None,
     exhaustive: bool = False,
     max_dry_runs: int | None = None,
-    max_pipeline_microbatches: int | None = 4,
     extrapolator: Extrapolator | None = None,
     progress=None,
 ) -> SearchResult:
@@ -841,8 +851,7 @@ def search(
     that fit, under the step time model, and every candidate left out with its reason (module
     docstring).  `job` is a composed job (DictConfig or JobConfig).  The candidates are the space
     less `NARROWED` (`full_space=True`: all of it), with `fields` replacing any field's values
-    (e.g. {"pp": [1], "dp_mode": ["fsdp", "ddp"]}); pipelines of more than
-    `max_pipeline_microbatches` micro-batches per step are not dry-run (None: all are);
+    (e.g. {"pp": [1], "dp_mode": ["fsdp", "ddp"]});
     `extrapolator` brings the dry runs of an earlier search of the same job and world (another GPU,
     other fields); `progress(line)` hears of each estimate."""
     from omegaconf import OmegaConf
@@ -858,18 +867,6 @@ def search(
     space |= {k: list(v) for k, v in (fields or {}).items()}
     plans, invalid, layouts = enumerate_layouts(job, world, space)
     order = {lay: i for i, lay in enumerate(layouts)}
-    limit = max_pipeline_microbatches
-    too_long = [
-        Left(
-            lay,
-            f"not evaluated: a pipeline's dry runs step all its {plan.grad_accum} micro-batches, "
-            f"more than max_pipeline_microbatches={limit}",
-        )
-        for lay, plan in plans.items()
-        if lay.pp > 1 and limit is not None and plan.grad_accum > limit
-    ]
-    for left in too_long:
-        del plans[left.layout]
     with _quiet_threads(1):
         ext = extrapolator or Extrapolator(job, world)
         runs, run_s = ext.runs, ext.run_s
@@ -882,9 +879,9 @@ def search(
         usable_bytes=s.usable,
         top=ranked[:top],
         rejected=sorted(invalid + s.rejected, key=lambda r: order[r.layout]),
-        skipped=sorted(s.skipped + too_long, key=lambda r: order[r.layout]),
+        skipped=sorted(s.skipped, key=lambda r: order[r.layout]),
         candidates=len(layouts),
-        valid=len(plans) + len(too_long),
+        valid=len(plans),
         screened=len(s.lower),
         evaluated=s.evaluated,
         dry_runs=ext.runs - runs,

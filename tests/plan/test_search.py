@@ -20,7 +20,6 @@ from moevlm.plan.search import (
     NARROWED,
     Extrapolator,
     Layout,
-    _bubble,
     candidate_space,
     enumerate_layouts,
     format_search,
@@ -117,7 +116,7 @@ def test_extrapolation_matches_a_direct_dry_run_at_another_depth(layout, toleran
     assert {k[1:]: round(v) for k, v in got.items() if isinstance(k, tuple) and round(v)} == comm
 
 
-def test_link_classes_exposure_and_bubble():
+def test_link_classes_and_exposure():
     g = small_gpu(1)
     dims = validate(
         Layout(1, 1, 1, 1, 2, 1, "fsdp", "none", 1).apply(tiny_job(), WORLD),
@@ -129,9 +128,6 @@ def test_link_classes_exposure_and_bubble():
     assert link_gbps("dp/dense/vision", dims, g) == g.network_gbps
     assert is_exposed("ep", "all_to_all") and is_exposed("tp", "all_gather")
     assert is_exposed("pp", "send") and not is_exposed("dp/dense/vision/ep", "all_gather")
-    assert _bubble("1f1b", 1, 1, 8) == 0.0
-    assert _bubble("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
-    assert _bubble("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)
 
 
 # A space small enough for the tests: pp 1, tp 1/2 (8: invalid on 4 ranks, no dry run), ep 1/2,
@@ -183,8 +179,16 @@ def test_search_ranks_by_the_step_model_and_rejects_what_does_not_fit(ranked):
     nv, net = big.nvlink_gbps * 1e9, big.network_gbps * 1e9
     c = e.comm_bytes
     assert set(c) == {"dp/dense/vision", "ep", "expert"}
-    exposed = c["ep"]["all_to_all"] / nv  # ranks 0, 1
-    overlapped = sum(c["dp/dense/vision"].values()) / net + sum(c["expert"].values()) / net
+    # on the wire, per GPU (ring): an all-gather sends (n - 1) inputs, a reduce-scatter and an
+    # all-to-all (n - 1) / n of theirs, an all-reduce 2 (n - 1) / n
+    exposed = c["ep"]["all_to_all"] / 2 / nv  # ranks 0, 1: n 2, one NVLink domain
+    dp = c["dp/dense/vision"]  # n 4, across domains
+    expert = c["expert"]  # ranks 0, 2: n 2, across domains
+    assert set(dp) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert set(expert) == {"all_gather", "reduce_scatter"}
+    overlapped = (
+        3 * dp["all_gather"] + dp["reduce_scatter"] * 3 / 4 + dp["all_reduce"] * 3 / 2
+    ) / net + (expert["all_gather"] + expert["reduce_scatter"] / 2) / net
     assert e.compute_s == pytest.approx(compute) and e.recompute_s == 0 and e.bubble == 0
     assert e.exposed_comm_s == pytest.approx(exposed)
     assert e.overlapped_comm_s == pytest.approx(overlapped)
@@ -229,6 +233,9 @@ def test_a_pipelines_vision_term_comes_first_and_can_reject_its_whole_key():
     for e in big.top:
         plan = validate(e.layout.apply(job, WORLD), WORLD, environment=False)
         assert e.peak_bytes == round(ext.estimate(e.layout, plan)["peak_bytes"])
+        # torch's 1f1b on 2 ranks with 4 micro-batches idles 1 / (4 + 1) of the step
+        assert e.grad_accum == 4 and e.bubble == pytest.approx(1 / 5)
+        assert e.busy_s == pytest.approx((e.compute_s + e.recompute_s) / (1 - 1 / 5))
     plan = validate(big.top[0].layout.apply(job, WORLD), WORLD, environment=False)
     vision = ext.cached_vision(big.top[0].layout, plan)["peak_bytes"]
     assert 0 < vision < min(e.peak_bytes for e in big.top)
