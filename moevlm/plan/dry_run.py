@@ -118,6 +118,9 @@ def _roles(ctx) -> dict[str, str]:
     for role, group in ctx.groups.items():
         if group is not None:
             names.setdefault(group.group_name, []).append(role)
+    # the default group, where no role's group is it (the step's few scalar reductions)
+    if dist.is_initialized():
+        names.setdefault(dist.group.WORLD.group_name, ["world"])
     return {name: "/".join(roles) for name, roles in names.items()}
 
 
