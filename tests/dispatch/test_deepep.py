@@ -21,6 +21,7 @@ import functools
 import gc
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from gloo_ranks import run_ranks, write_max_over_ranks
 from moevlm.dispatch import DISPATCHERS, build_dispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher, local_rows_plan, resolve_api
-from moevlm.dispatch.handles import HANDLES
+from moevlm.dispatch.handles import HANDLES, lookup
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.parallel.recompute import save_communication
 
@@ -288,6 +289,79 @@ def _check(api, name, group, W_EDD, worst):
         deep.combine(ex, h)
 
 
+def _deterministic(api, group, W_EDD, worst):
+    """Under torch's deterministic algorithms (DeepEP asserts unless fill_uninitialized_memory is off):
+    the same result, and the flag as it was after."""
+    from torch.utils import deterministic
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        _check(api, "random", group, W_EDD, worst)
+        assert deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _v2_across_nodes_and_growth(rank):
+    """V2 over two "nodes" of 2 (LOCAL_WORLD_SIZE=2): its SM estimate divides by the RDMA bandwidth it
+    cannot detect here; the adapter falls back to a fixed count.  Then a token count 8x larger grows the
+    buffer: the outgrown one is destroyed (an undestroyed one leaks: the emulator counts it)."""
+    from deep_ep.elastic import LEAKED
+
+    from moevlm.dispatch.deepep import FALLBACK_NUM_SMS
+
+    x0, idx, w0, _ = _scenario("random", rank, rank, E // 4)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        deep = build_dispatcher("deepep", num_experts=E, top_k=K, api="v2")
+        with torch.no_grad():
+            ex, _, h = deep.dispatch(x0, idx, w0)
+            assert lookup(h.handle_id)[2]["num_sms"] == FALLBACK_NUM_SMS
+            deep.combine(ex, h)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    big = [torch.cat([t] * 8) for t in (x0, idx, w0)]
+    with torch.no_grad():
+        ex, _, h = deep.dispatch(*big)
+        deep.combine(ex, h)
+    del ex, h
+    gc.collect()
+    assert LEAKED[0] == 0, f"{LEAKED[0]} V2 buffers collected without destroy()"
+
+
+def _model_step(rank, dispatcher, ep, options=()):
+    """One training step of the tiny model under DDP in fp32 (no FSDP: the residual stream stays fp32) with
+    `dispatcher` against the same step with alltoall: loss and every gradient (DDP-reduced) to bf16's
+    precision.  Also test_hybridep's."""
+    from moevlm.model import Qwen3VLMoe, VLMConfig
+    from moevlm.parallel import ParallelDims, build_model, copy_full_, full_grads, init_parameters_
+
+    cfg = VLMConfig.preset("tiny")
+    cfg.attn_backend = "sdpa"
+    for key, value in options:
+        setattr(cfg.moe, key, value)
+    full = Qwen3VLMoe(cfg)
+    init_parameters_(full, seed=3)
+    ids = torch.randint(0, 900, (1, 32), generator=torch.Generator().manual_seed(11 + rank))
+    results = []
+    for name in (dispatcher, "alltoall"):
+        cfg.moe.dispatcher = name
+        model, ctx = build_model(cfg, ParallelDims(4, ep=ep), dp_mode="ddp", dispatcher=name)
+        model.to_empty(device="cpu")
+        for pname, p in model.named_parameters():
+            copy_full_(p, dict(full.named_parameters())[pname].detach())
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        ctx.finish_gradients()
+        results.append((out.loss.detach(), full_grads(model)))
+    (loss, grads), (want_loss, want) = results
+    assert abs(loss - want_loss) <= 1e-3 * abs(want_loss), (dispatcher, ep, loss, want_loss)
+    errors = {k: _rel(grads[k], want[k]) for k in want}
+    assert all(g.isfinite().all() for g in grads.values()), dispatcher
+    assert max(errors.values()) <= REL, (dispatcher, ep, max(errors.items(), key=lambda kv: kv[1]))
+    return max(errors.values())
+
+
 def _four_ranks(rank, emulator, out):
     sys.path.insert(0, emulator)
     import deep_ep
@@ -303,6 +377,12 @@ def _four_ranks(rank, emulator, out):
         for group in (dist.group.WORLD, pairs[rank // 2]):
             for name in ("random", "idle", "silent"):
                 _check(api, name, group, W_EDD, worst)
+        _deterministic(api, pairs[rank // 2], W_EDD, worst)
+    _v2_across_nodes_and_growth(rank)
+    for api in ("v1", "v2"):
+        for ep in (4, 2):
+            step = _model_step(rank, "deepep", ep, [("deepep_api", api)])
+            worst[f"{api} model step ep{ep} grads"] = step
     gc.collect()
     assert not HANDLES, f"handles left: {sorted(HANDLES)}"
     with pytest.raises(
