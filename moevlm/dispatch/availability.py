@@ -236,7 +236,6 @@ def hybridep_layout_problem(
     return None
 
 
-LAYOUT_PROBLEMS = {"deepep": deepep_layout_problem, "hybridep": hybridep_layout_problem}
 # the node size each rule takes on this machine: DeepEP's NVLink peers are the launch's ranks per node,
 # HybridEP's the NVLink domain it is told of
 LAUNCH_NODE_SIZE = {"deepep": launch_ranks_per_node, "hybridep": hybridep_domain_size}

@@ -76,9 +76,8 @@ from moevlm.dispatch.capacity import add_overflow, expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 
 WIRE_DTYPE = torch.bfloat16  # HybridEP moves and reduces 2-byte rows only
-TOKEN_ALIGN = (
-    64  # T' is a multiple of this (HybridEP's per-chunk alignment; Megatron pads the same)
-)
+# T' is a multiple of this (HybridEP's per-chunk alignment; Megatron pads the same)
+TOKEN_ALIGN = 64
 # EP group name -> (buffer, (hidden, L))
 _BUFFERS: dict[str, tuple[object, tuple[int, int]]] = {}
 
