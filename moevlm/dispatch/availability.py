@@ -6,8 +6,10 @@
 Design choices:
 - Nothing heavy at import: `deep_ep` is located with `importlib.util.find_spec` and imported only when a
   spec exists, so a machine without it (every CPU machine) never tries; no CUDA is needed to answer.  A
-  build that exists but cannot load (ImportError / OSError from a CUDA build made for another machine) is
-  reported with the loader's own words, not as "missing".
+  build that exists but cannot load is reported with its own words, not as "missing": any exception
+  its import raises, since DeepEP main checks its environment at import time with `assert` (torch's NCCL
+  not the one it was linked with, no CUDA toolkit for its run-time compiler), besides the loader's
+  ImportError / OSError of a build made for another machine.
 - Three separate facts, reported in this order: the package (installed? importable?), a class the
   backend can use (DeepEP: V2's `ElasticBuffer` or V1's `Buffer`, or the one the deepep adapter's `api`
   names; `HybridEPBuffer` from DeepEP's `hybrid-ep` branch), and whether moevlm's adapter for that backend
@@ -42,14 +44,20 @@ INSTALL = {
     ),
     "hybridep": (
         f"HybridEP is DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
-        f"{DEEPEP_URL}, then pip install . in the clone"
+        f"{DEEPEP_URL}, then pip install . in the clone (HYBRID_EP_MULTINODE=1 pip install . for an EP group "
+        "spanning more than one NVLink domain)"
     ),
 }
-DEEPEP_INTRANODE = (2, 4, 8)  # ranks of one DeepEP group within a node
-DEEPEP_NODE = 8  # ranks per node of an internode DeepEP group (its NVLink peers)
+DEEPEP_INTRANODE = (2, 4, 8)  # ranks of one DeepEP V1 group within a node
+DEEPEP_NODE = 8  # ranks per node of an internode DeepEP V1 group (its NVLink peers)
+# the EP sizes DeepEP V1 has tuned configs for (upstream deep_ep/buffers/legacy.py): no other size runs
+DEEPEP_V1_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 HYBRIDEP_ALIGN = 4  # HybridEP: experts-per-rank x ranks-per-node must be a multiple of this
 HYBRIDEP_MAX_NVLINK = 72  # the largest NVLink domain HybridEP detects
-HYBRIDEP_DEFAULT_DOMAIN = 8  # HybridEP's NVLink domain when NVLINK_DOMAIN_SIZE is not set
+# HybridEP's NVLink domain when HYBRIDEP_DOMAIN_ENV is not set (HybridEP detects it; 8 is an H100/H200 node)
+HYBRIDEP_DEFAULT_DOMAIN = 8
+HYBRIDEP_DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"  # what HybridEP reads
+HYBRIDEP_OLD_DOMAIN_ENV = "NVLINK_DOMAIN_SIZE"  # what it read before Dec 2025, now ignored
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,8 @@ def probe_package(name: str = PACKAGE) -> PackageStatus:
         return PackageStatus(False)
     try:
         module = importlib.import_module(name)
-    except (ImportError, OSError) as err:  # e.g. a CUDA extension built for another CUDA / torch
+    # any error: the loader's ImportError / OSError, or DeepEP's own import-time asserts
+    except Exception as err:  # noqa: BLE001
         return PackageStatus(True, f"{type(err).__name__}: {err}")
     return PackageStatus(True, classes=tuple(c for c in REPORTED if hasattr(module, c)))
 
@@ -130,10 +139,23 @@ def unavailable_reason(backend: str, check_package: bool = True, api: str = "aut
 
 # ----------------------------------------------------------------- layouts
 def hybridep_domain_size() -> int:
-    """The NVLink domain HybridEP assumes for this launch: NVLINK_DOMAIN_SIZE, which HybridEP itself reads
-    (set it to 72 on an NVL72 rack), else HybridEP's default of 8."""
-    value = os.environ.get("NVLINK_DOMAIN_SIZE", "")
+    """The NVLink domain HybridEP assumes for this launch: NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN, which
+    HybridEP itself reads (its EP ranks in one NVLink domain: e.g. 16 for EP16 within an NVL72 rack), else 8
+    (HybridEP detects the domain then; 8 is an H100/H200 node, the common case we cannot probe here)."""
+    value = os.environ.get(HYBRIDEP_DOMAIN_ENV, "")
     return int(value) if value.isdigit() and int(value) > 0 else HYBRIDEP_DEFAULT_DOMAIN
+
+
+def hybridep_env_problem() -> str | None:
+    """The old NVLink-domain variable set without the new one: HybridEP would silently ignore it."""
+    old = os.environ.get(HYBRIDEP_OLD_DOMAIN_ENV)
+    if old is None or HYBRIDEP_DOMAIN_ENV in os.environ:
+        return None
+    return (
+        f"{HYBRIDEP_OLD_DOMAIN_ENV}={old} is set, but HybridEP no longer reads it: export "
+        f"{HYBRIDEP_DOMAIN_ENV}={old} instead (HybridEP's EP ranks per NVLink domain), and unset "
+        f"{HYBRIDEP_OLD_DOMAIN_ENV}"
+    )
 
 
 def launch_ranks_per_node() -> int | None:
@@ -143,27 +165,45 @@ def launch_ranks_per_node() -> int | None:
 
 
 def deepep_layout_problem(
-    ep: int, num_experts: int, ranks_per_node: int | None = None
+    ep: int, num_experts: int, ranks_per_node: int | None = None, api: str = "v2"
 ) -> str | None:
-    """Why DeepEP (normal mode) cannot take an EP group of `ep` ranks, or None: within a node 2, 4 or 8
-    ranks, across nodes a multiple of 8 with 8 ranks on each node, never one rank; the experts split
-    evenly.  These are V1's rules, kept for V2 too (its sources assert only the even split; what else its
-    kernels take is not established here).  `ranks_per_node`: the launch's (LOCAL_WORLD_SIZE); None takes
-    a group of up to 8 ranks as one node's."""
+    """Why DeepEP (normal mode) cannot take an EP group of `ep` ranks, or None.  Both APIs: at least 2 ranks,
+    the experts split evenly; V2 (`api="v2"`) asks nothing more (it spans NVLink domains of any size, e.g.
+    GB200 trays of 4 GPUs).  V1 (`api="v1"`): one of the sizes it has configs for (DEEPEP_V1_SIZES), within
+    a node 2, 4 or 8 ranks, across nodes 8 ranks on each node.  `ranks_per_node`: the launch's
+    (LOCAL_WORLD_SIZE); None takes a group of up to 8 ranks as one node's."""
     if ep < 2:
         return f"DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep={ep}); it never runs on one"
     if num_experts % ep:
         return f"DeepEP splits the experts evenly: num_experts={num_experts} is not a multiple of parallel.ep={ep}"
+    if api == "v2":
+        return None
+    if ep not in DEEPEP_V1_SIZES:
+        return (
+            f"DeepEP V1 (Buffer) runs EP groups of {', '.join(map(str, DEEPEP_V1_SIZES))} ranks only "
+            f"(parallel.ep={ep}); DeepEP V2 (ElasticBuffer, model.deepep_api=v2) takes any size"
+        )
     within = ep <= (DEEPEP_NODE if ranks_per_node is None else ranks_per_node)
     if within and ep not in DEEPEP_INTRANODE:
-        return f"DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep={ep})"
+        return f"DeepEP V1 within a node takes 2, 4 or 8 ranks (parallel.ep={ep})"
     if not within and (ep % DEEPEP_NODE or (ranks_per_node or DEEPEP_NODE) < DEEPEP_NODE):
         per_node = "" if ranks_per_node is None else f", {ranks_per_node} ranks per node"
         return (
-            f"DeepEP across nodes takes a multiple of {DEEPEP_NODE} ranks, {DEEPEP_NODE} on each node "
-            f"(parallel.ep={ep}{per_node})"
+            f"DeepEP V1 across nodes takes a multiple of {DEEPEP_NODE} ranks, {DEEPEP_NODE} on each node "
+            f"(parallel.ep={ep}{per_node}); DeepEP V2 (model.deepep_api=v2) takes this layout"
         )
     return None
+
+
+def deepep_rules_api(api: str, check_package: bool = True) -> str:
+    """The DeepEP API whose layout rules apply to `api`: the one named, else ("auto") V2 where the installed
+    deep_ep has ElasticBuffer, V1 where it has not; V2 without looking at the package (`check_package=False`:
+    what "auto" takes from a current build)."""
+    if api != "auto":
+        return api
+    if not check_package:
+        return "v2"
+    return "v2" if DEEPEP_API_CLASS["v2"] in probe_package().classes else "v1"
 
 
 def hybridep_layout_problem(
@@ -196,7 +236,6 @@ def hybridep_layout_problem(
     return None
 
 
-LAYOUT_PROBLEMS = {"deepep": deepep_layout_problem, "hybridep": hybridep_layout_problem}
 # the node size each rule takes on this machine: DeepEP's NVLink peers are the launch's ranks per node,
 # HybridEP's the NVLink domain it is told of
 LAUNCH_NODE_SIZE = {"deepep": launch_ranks_per_node, "hybridep": hybridep_domain_size}

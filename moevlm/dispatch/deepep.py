@@ -31,7 +31,10 @@ Design choices:
   under the same C, at least its own T, so each dispatch all-reduces T (a functional collective: selective
   recompute reuses it); rebuilt only for a larger C or D (DeepEP compiles its kernels per C).  V2 is built
   with `explicitly_destroy=True`, as torchtitan does: its implicit destroy runs a cross-rank barrier
-  whenever Python collects the buffer; an outgrown buffer is dropped, never destroyed (rare: C doubles).
+  whenever Python collects the buffer.  So an outgrown buffer must be destroyed, else its registered
+  memory leaks: it is retired and `destroy()`ed at the first growth check where no live handle (a
+  backward still to run) refers to it.  C: `max_tokens_per_rank` when given (a static bound, no
+  all-reduce).
 - V2 runs its compact layout (`do_expand=False`, `do_cpu_sync=True`): exact received rows and the
   per-expert host list in one sync.  Its rows come grouped by source rank, in an unspecified order within
   one (source-token order when the buffer is deterministic: built so when torch's deterministic
@@ -54,14 +57,28 @@ Design choices:
 - The one host sync is DeepEP's own (its per-expert list, here a CPU tensor): it sizes the local rows
   (V2 adds the read of the all-reduced T).  Within an expert, rows keep the received order: V1 and a
   deterministic V2 give the `alltoall` dispatcher's order (source rank, then source token).
+- Rows cross DeepEP in bf16 whatever the model's dtype (V1 and V2 combine take bf16 only, V2 sizes its
+  buffer for 2-byte rows; without FSDP's bf16 compute the residual stream is fp32): cast at the boundary,
+  back to the input's dtype after, so autograd casts the gradients the same way; router weights stay fp32.
+- With torch's deterministic algorithms on, DeepEP asserts unless
+  `torch.utils.deterministic.fill_uninitialized_memory` is False: every DeepEP call runs with it False
+  (restored after), as torchtitan sets it.
+- SMs: `num_sms` (0: DeepEP's choice).  V1: `Buffer.set_num_sms` (even).  V2: its
+  `get_theoretical_num_sms`, which divides by the RDMA bandwidth it detects (`ibstat`, `mlx5_0`) and so
+  fails across nodes where detection finds none; then FALLBACK_NUM_SMS, logged once, as torchtitan falls
+  back to a fixed count.
+- Layout rules (availability.deepep_layout_problem): V1 runs only the EP sizes it has configs for; V2
+  only needs the experts to split evenly.  "auto" is checked under V2's at construction and under V1's at
+  the first dispatch if it resolves to V1.
 - Not built: V2's expanding layout and no-sync mode, V1's low-latency mode, fp8 dispatch,
-  `num_worst_tokens`, async events / comm-stream overlap, expert tensor parallel.  Rows go as they come
-  (fp32 in the tests); DeepEP takes bf16 (V2's combine asserts it).  Never run here against the real
-  package: the tests use an emulator of both APIs (tests/dispatch/deep_ep_emulator).
+  `num_worst_tokens`, async events / comm-stream overlap, expert tensor parallel.  Never run here against
+  the real package: the tests use an emulator of both APIs (tests/dispatch/deep_ep_emulator).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,12 +89,32 @@ from torch import Tensor
 from moevlm.dispatch.alltoall import _resolve_group
 from moevlm.dispatch.availability import DEEPEP_API_CLASS
 from moevlm.dispatch.base import TokenDispatcher, group_max_tokens, register_dispatcher
-from moevlm.dispatch.handles import lookup, register_combine_autograd, store
+from moevlm.dispatch.handles import HANDLES, lookup, register_combine_autograd, store
 from moevlm.model.rows import RowsState, from_expert_rows, rows_plan
 
+log = logging.getLogger(__name__)
 APIS = ("auto", *DEEPEP_API_CLASS)  # auto, v2, v1
+WIRE_DTYPE = torch.bfloat16  # the only row dtype DeepEP's normal-mode kernels take
+FALLBACK_NUM_SMS = 24  # V2's SMs when its own estimate fails (no RDMA bandwidth detected)
 # (API, EP group name) -> deep_ep.Buffer / deep_ep.ElasticBuffer
 _BUFFERS: dict[tuple[str, str], object] = {}
+_RETIRED: list = []  # outgrown V2 buffers, destroyed once no handle refers to them
+_sms_fallback_logged: set[str] = set()
+
+
+@contextlib.contextmanager
+def deepep_call():
+    """Around every DeepEP call: `fill_uninitialized_memory` off while deterministic algorithms are on
+    (DeepEP asserts otherwise), restored after."""
+    from torch.utils import deterministic
+
+    fill = deterministic.fill_uninitialized_memory
+    if fill and torch.are_deterministic_algorithms_enabled():
+        deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        deterministic.fill_uninitialized_memory = fill
 
 
 # ----------------------------------------------------------------- API, buffers and handles
@@ -99,10 +136,13 @@ def resolve_api(api: str) -> str:
     return api
 
 
-def _buffer(group, hidden_bytes: int):
-    """The group's deep_ep.Buffer, with room for rows of `hidden_bytes` (built or grown here)."""
+def _buffer(group, hidden_bytes: int, num_sms: int = 0):
+    """The group's deep_ep.Buffer, with room for rows of `hidden_bytes` (built or grown here); `num_sms` > 0
+    sets DeepEP's SM count (process-wide in V1) first, since its configs size the buffer by it."""
     from deep_ep import Buffer
 
+    if num_sms:
+        Buffer.set_num_sms(num_sms)
     P = dist.get_world_size(group)
     nvl = rdma = 0
     for config in (Buffer.get_dispatch_config(P), Buffer.get_combine_config(P)):
@@ -133,6 +173,9 @@ def _elastic_buffer(group, num_tokens: int, hidden: int, num_topk: int):
         return have
     bound = max(num_tokens, 1 if have is None else have.num_max_tokens_per_rank)
     bound = 1 << (bound - 1).bit_length()  # a power of two: few rebuilds, few kernel variants
+    if have is not None:
+        _RETIRED.append(have)
+    _destroy_retired()
     _BUFFERS["v2", group.group_name] = have = ElasticBuffer(
         group,
         num_bytes=ElasticBuffer.get_buffer_size_hint(group, bound, hidden, num_topk),
@@ -143,6 +186,31 @@ def _elastic_buffer(group, num_tokens: int, hidden: int, num_topk: int):
         explicitly_destroy=True,
     )
     return have
+
+
+def _destroy_retired() -> None:
+    """`destroy()` the outgrown V2 buffers no live handle refers to (their registered memory leaks otherwise)."""
+    in_use = {id(entry[0]) for entry in HANDLES.values()}
+    for buffer in [b for b in _RETIRED if id(b) not in in_use]:
+        _RETIRED.remove(buffer)
+        with deepep_call():
+            buffer.destroy()
+
+
+def v2_num_sms(buffer, num_experts: int, num_topk: int, group_name: str) -> int:
+    """V2's SM count: its own estimate, or FALLBACK_NUM_SMS where that fails (it divides by the RDMA
+    bandwidth it detects, zero across nodes without `ibstat` / `mlx5_0`)."""
+    try:
+        return buffer.get_theoretical_num_sms(num_experts, num_topk)
+    except ZeroDivisionError:
+        if group_name not in _sms_fallback_logged:
+            _sms_fallback_logged.add(group_name)
+            log.warning(
+                "DeepEP V2 could not estimate its SM count (no RDMA bandwidth detected); using %d "
+                "(set model.dispatcher_num_sms to choose)",
+                FALLBACK_NUM_SMS,
+            )
+        return FALLBACK_NUM_SMS
 
 
 # ----------------------------------------------------------------- the exchanges as custom ops
@@ -160,15 +228,16 @@ def deepep_dispatch(
     """V1 buffer.dispatch -> (recv_x_RD, recv_topk_idx_RK (local ids, -1), recv_topk_weights_RK, tokens per
     local expert (CPU int64), handle id)."""
     buffer = _BUFFERS["v1", group_name]
-    recv_x, recv_idx, recv_w, per_expert, handle, _ = buffer.dispatch(
-        x,
-        num_tokens_per_rank=num_tokens_per_rank,
-        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-        is_token_in_rank=is_token_in_rank,
-        num_tokens_per_expert=num_tokens_per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-    )
+    with deepep_call():
+        recv_x, recv_idx, recv_w, per_expert, handle, _ = buffer.dispatch(
+            x,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        )
     return (
         recv_x,
         recv_idx,
@@ -208,23 +277,27 @@ def deepep_dispatch_v2(
     num_experts: int,
     num_local_experts: int,
     group_name: str,
+    num_sms: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """V2 buffer.dispatch (compact, with the CPU sync) under the buffer's C, as `deepep_dispatch`."""
+    """V2 buffer.dispatch (compact, with the CPU sync) under the buffer's C, on `num_sms` SMs, as
+    `deepep_dispatch`."""
     buffer = _BUFFERS["v2", group_name]
-    recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
-        x,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        num_experts=num_experts,
-        num_max_tokens_per_rank=buffer.num_max_tokens_per_rank,
-        do_cpu_sync=True,
-    )
+    with deepep_call():
+        recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
+            x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=buffer.num_max_tokens_per_rank,
+            num_sms=num_sms,
+            do_cpu_sync=True,
+        )
     per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
     return recv_x, recv_idx, recv_w, per_expert, store(buffer, handle, {"num_sms": handle.num_sms})
 
 
 @deepep_dispatch_v2.register_fake
-def _(x, topk_idx, topk_weights, num_experts, num_local_experts, group_name):
+def _(x, topk_idx, topk_weights, num_experts, num_local_experts, group_name, num_sms):
     R, K = torch.library.get_ctx().new_dynamic_size(), topk_idx.shape[1]
     return (
         x.new_empty(R, x.shape[1]),
@@ -239,7 +312,8 @@ def _(x, topk_idx, topk_weights, num_experts, num_local_experts, group_name):
 def deepep_combine(y: Tensor, handle_id: Tensor, num_tokens: int) -> Tensor:
     """buffer.combine: the unweighted sum, per source token, of the rows sent back."""
     buffer, handle, _ = lookup(handle_id)
-    return buffer.combine(y, handle)[0]
+    with deepep_call():
+        return buffer.combine(y, handle)[0]
 
 
 @deepep_combine.register_fake
@@ -253,7 +327,10 @@ def deepep_dispatch_backward(
 ) -> tuple[Tensor, Tensor]:
     """dispatch's backward: a combine of the row and the top-k weight gradients on the saved handle."""
     buffer, handle, _ = lookup(handle_id)
-    gx, gw, _ = buffer.combine(grad_x.contiguous(), handle, topk_weights=grad_weights.contiguous())
+    with deepep_call():
+        gx, gw, _ = buffer.combine(
+            grad_x.contiguous(), handle, topk_weights=grad_weights.contiguous()
+        )
     return gx, gw
 
 
@@ -268,7 +345,8 @@ def _(grad_x, grad_weights, handle_id, num_tokens):
 def deepep_combine_backward(grad_y: Tensor, handle_id: Tensor, num_rows: int) -> Tensor:
     """combine's backward: a cached dispatch (the saved handle's layout, no top-k)."""
     buffer, handle, redispatch = lookup(handle_id)
-    return buffer.dispatch(grad_y.contiguous(), handle=handle, **redispatch)[0]
+    with deepep_call():
+        return buffer.dispatch(grad_y.contiguous(), handle=handle, **redispatch)[0]
 
 
 @deepep_combine_backward.register_fake
@@ -280,12 +358,17 @@ def _dispatch_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
     ctx.num_tokens, ctx.num_inputs = inputs[0].shape[0], len(inputs)
     ctx.shapes, ctx.dtypes = (output[0].shape, output[2].shape), (output[0].dtype,)
+    ctx.device = output[0].device
 
 
 def _dispatch_grad(ctx, grad_x, grad_idx, grad_w, grad_counts, grad_id):
+    """A gradient autograd leaves out (an output nothing used) is zeros on the rows' device: DeepEP's
+    combine takes device tensors."""
     (handle_id,) = ctx.saved_tensors
-    grad_x = torch.zeros(ctx.shapes[0], dtype=ctx.dtypes[0]) if grad_x is None else grad_x
-    grad_w = torch.zeros(ctx.shapes[1], dtype=torch.float32) if grad_w is None else grad_w
+    if grad_x is None:
+        grad_x = torch.zeros(ctx.shapes[0], dtype=ctx.dtypes[0], device=ctx.device)
+    if grad_w is None:
+        grad_w = torch.zeros(ctx.shapes[1], dtype=torch.float32, device=ctx.device)
     gx, gw = deepep_dispatch_backward(grad_x, grad_w, handle_id, ctx.num_tokens)
     return (
         gx,
@@ -335,7 +418,11 @@ class DeepEPDispatcher(TokenDispatcher):
         etp_group=None,
         permute: str = "torch",
         api: str = "auto",
+        num_sms: int = 0,
+        max_tokens_per_rank: int | None = None,
     ):
+        """`api`: "auto", "v2" or "v1" (see the module docstring); `num_sms`: SMs for DeepEP's kernels (0:
+        DeepEP's choice; even for V1); `max_tokens_per_rank`: V2's static C (no all-reduce of token counts)."""
         super().__init__(num_experts, top_k)
         reason = self.unavailable_reason(
             num_experts=num_experts,
@@ -343,6 +430,7 @@ class DeepEPDispatcher(TokenDispatcher):
             etp_group=etp_group,
             permute=permute,
             api=api,
+            num_sms=num_sms,
             check_package=False,
         )
         if reason is not None:
@@ -350,6 +438,7 @@ class DeepEPDispatcher(TokenDispatcher):
         self.group, self.ep_size, self.ep_rank = _resolve_group(ep_group)
         self.num_local_experts = num_experts // self.ep_size
         self.api, self._api = api, None  # as asked; as resolved at the first use ("v1" / "v2")
+        self.num_sms, self.max_tokens_per_rank = num_sms, max_tokens_per_rank
         self.buffer = None
 
     @classmethod
@@ -360,17 +449,21 @@ class DeepEPDispatcher(TokenDispatcher):
         etp_group=None,
         permute: str = "torch",
         api: str = "auto",
+        num_sms: int = 0,
         check_package: bool = True,
         **kwargs,
     ) -> str | None:
         from moevlm.dispatch.availability import (
             deepep_layout_problem,
+            deepep_rules_api,
             launch_ranks_per_node,
             unavailable_reason,
         )
 
         if api not in APIS:
             return f"moevlm's deepep adapter takes api='auto', 'v2' or 'v1' (api={api!r})"
+        if num_sms < 0 or num_sms % 2:
+            return f"DeepEP takes an even SM count, 0 for its own choice (num_sms={num_sms})"
         reason = unavailable_reason("deepep", api=api) if check_package else None
         if reason is not None:
             return reason
@@ -382,7 +475,10 @@ class DeepEPDispatcher(TokenDispatcher):
         if permute != "torch":
             return f"moevlm's deepep adapter permutes with torch only (model.permute={permute!r})"
         return deepep_layout_problem(
-            _resolve_group(ep_group)[1], num_experts, launch_ranks_per_node()
+            _resolve_group(ep_group)[1],
+            num_experts,
+            launch_ranks_per_node(),
+            deepep_rules_api(api, check_package),
         )
 
     @property
@@ -390,7 +486,20 @@ class DeepEPDispatcher(TokenDispatcher):
         """ "v1" or "v2": the API this dispatcher drives (`resolve_api`, once; imports deep_ep)."""
         if self._api is None:
             self._api = resolve_api(self.api)
+            self._check_v1_layout()
         return self._api
+
+    def _check_v1_layout(self) -> None:
+        """ "auto" resolved to V1: its layout rules, stricter than V2's the constructor checked."""
+        from moevlm.dispatch.availability import deepep_layout_problem, launch_ranks_per_node
+
+        if self._api != "v1":
+            return
+        problem = deepep_layout_problem(
+            self.ep_size, self.num_experts, launch_ranks_per_node(), "v1"
+        )
+        if problem is not None:
+            raise ValueError(problem)
 
     def preprocess(self, topk_idx_TK, topk_w_TK):
         """V1: DeepEP's layout of this routing (tokens per rank, per RDMA rank, per expert, token x rank map);
@@ -401,29 +510,23 @@ class DeepEPDispatcher(TokenDispatcher):
             raise RuntimeError(
                 "DeepEPDispatcher.preprocess runs inside dispatch (the buffer is built there)"
             )
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
-            topk_idx_TK, self.num_experts
-        )
+        with deepep_call():
+            per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+                topk_idx_TK, self.num_experts
+            )
         return per_rank, per_rdma_rank, per_expert, in_rank
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         topk_idx_TK, topk_w_TK = topk_idx_TK.contiguous(), topk_w_TK.float().contiguous()
+        # DeepEP moves bf16 rows; autograd casts the gradient back to x's dtype
+        wire_TD = x_TD.to(WIRE_DTYPE)
         if self.resolved_api == "v2":
-            C = group_max_tokens(self.group, x_TD.shape[0], x_TD.device)
-            self.buffer = _elastic_buffer(self.group, C, x_TD.shape[1], self.top_k)
-            received = deepep_dispatch_v2(
-                x_TD,
-                topk_idx_TK,
-                topk_w_TK,
-                self.num_experts,
-                self.num_local_experts,
-                self.group.group_name,
-            )
+            received = self._dispatch_v2(wire_TD, topk_idx_TK, topk_w_TK)
         else:
-            self.buffer = _buffer(self.group, x_TD.shape[1] * max(x_TD.element_size(), 2))
+            self.buffer = _buffer(self.group, x_TD.shape[1] * WIRE_DTYPE.itemsize, self.num_sms)
             per_rank, per_rdma_rank, per_expert, in_rank = self.preprocess(topk_idx_TK, topk_w_TK)
             received = deepep_dispatch(
-                x_TD,
+                wire_TD,
                 topk_idx_TK,
                 topk_w_TK,
                 per_rank,
@@ -438,8 +541,32 @@ class DeepEPDispatcher(TokenDispatcher):
             recv_idx_RK, recv_w_RK, self.num_local_experts, M
         )
         rows = RowsState(recv_x_RD.shape[0], token_idx_N=row_M, weight_N=weight_M)
-        return recv_x_RD[row_M], counts_L, DeepEPHandle(rows, handle_id, x_TD.shape[0])
+        expert_x_MD = recv_x_RD[row_M].to(x_TD.dtype)
+        return expert_x_MD, counts_L, DeepEPHandle(rows, handle_id, x_TD.shape[0])
+
+    def _dispatch_v2(self, wire_TD, topk_idx_TK, topk_w_TK):
+        """V2: the buffer for the group's bound C (built or grown), then the dispatch on the SMs resolved."""
+        T, name = wire_TD.shape[0], self.group.group_name
+        C = self.max_tokens_per_rank
+        if C is None:
+            C = group_max_tokens(self.group, T, wire_TD.device)
+        elif T > C:
+            raise ValueError(
+                f"{T} tokens on this rank exceed the deepep dispatcher's max_tokens_per_rank={C}"
+            )
+        self.buffer = _elastic_buffer(self.group, C, wire_TD.shape[1], self.top_k)
+        num_sms = self.num_sms or v2_num_sms(self.buffer, self.num_experts, self.top_k, name)
+        return deepep_dispatch_v2(
+            wire_TD,
+            topk_idx_TK,
+            topk_w_TK,
+            self.num_experts,
+            self.num_local_experts,
+            name,
+            num_sms,
+        )
 
     def combine(self, expert_y_MD, handle: DeepEPHandle):
         y_RD = from_expert_rows(expert_y_MD, handle.rows)  # router weights applied here, once
-        return deepep_combine(y_RD, handle.handle_id, handle.num_tokens)
+        y_TD = deepep_combine(y_RD.to(WIRE_DTYPE), handle.handle_id, handle.num_tokens)
+        return y_TD.to(expert_y_MD.dtype)

@@ -1,8 +1,8 @@
 """The `hybridep` dispatcher: `deep_ep.HybridEPBuffer` (DeepEP's hybrid-ep branch) behind our interface.
 
 Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank, T' the token count every
-rank hands HybridEP (T padded: HybridEP all-gathers the routing maps, so it must be equal on all ranks), M
-permuted rows on this rank (HybridEP's, already grouped by local expert).
+rank hands HybridEP (T padded: HybridEP all-gathers the routing maps, so it must be equal on all ranks, and
+a multiple of TOKEN_ALIGN), M permuted rows on this rank (HybridEP's, already grouped by local expert).
 
     dispatch: dense_routing(topk) -> (T, E) bool map + (T, E) fp32 probs, padded to T' rows (routed nowhere)
               -> moevlm_hybridep::dispatch: buffer.dispatch_with_permute -> M rows grouped by local expert,
@@ -14,12 +14,19 @@ Design choices:
 - `deep_ep` is imported only when a buffer is built, so moevlm imports without it; the availability gate
   (`availability.py`) refuses a missing package first, naming it and the branch to build.
 - One `HybridEPBuffer` per EP group (module level, keyed by the group's name), built on the first dispatch
-  for (hidden, T', L) and rebuilt only when a larger hidden or T' comes (every rank of the group sees the
-  same T', so they rebuild together: construction exchanges IPC handles).
+  for (hidden, T', L) and rebuilt only for a larger hidden or another L: HybridEP grows its own buffer
+  when a larger T' comes (a rebuild would only repeat the IPC exchange and leak the old registration).
 - T': `max_tokens_per_rank` when given (a static budget: no sync); in capacity mode this rank's T (the
   trainer's micro-batches are fixed-shape, as the capacity all-to-all also assumes); otherwise the group's
   largest T, one small all-reduce read on the host (the dropless mode syncs anyway: HybridEP sizes its
-  output from a host copy of the counts).  Padding tokens have an empty routing row: nothing is sent.
+  output from a host copy of the counts); each rounded up to a multiple of TOKEN_ALIGN (64, as Megatron
+  pads), since HybridEP's kernel asserts an alignment of the token count per chunk.  Padding tokens have an
+  empty routing row: nothing is sent.
+- Rows cross HybridEP in bf16 whatever the model's dtype: its dispatch copies 2-byte words without a
+  dtype check (fp32 rows would arrive as garbage) and its combine asserts 2-byte rows.  Cast at the
+  boundary, back to the input's dtype after, so autograd casts the gradients the same way; probs stay fp32.
+- NVLink domain: HybridEP reads NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN (else detects it); the
+  NVLINK_DOMAIN_SIZE it once read is refused with the new name (`availability.hybridep_env_problem`).
 - Router weights go in as the dense fp32 probs HybridEP permutes with the rows, and are applied on the
   expert's rank in `combine` (the only place a token's per-expert outputs are apart: HybridEP's combine
   sums them); their gradient comes back as HybridEP's dense (T', E) probs gradient in dispatch's backward
@@ -33,15 +40,18 @@ Design choices:
   dropped rows exactly on the device (one E-int all-reduce of the routing counts: it does not depend on
   how HybridEP reports counts past the budget) and ORs the flag; `OverflowCounter` reports both in
   metrics.jsonl.  The rows per local expert handed to the grouped GEMM are HybridEP's, clipped to the
-  budget, the unused tail added to the last expert (zero rows whose output `combine` ignores), so they
-  always sum to M.
+  budget, the unused tail added to the last expert, so they always sum to M.  HybridEP never writes that
+  tail (`torch::empty`, in forward and in the cached re-dispatch of combine's backward): the adapter
+  replaces it by zeros on the device (a mask from the counts, no host read) before the GEMM sees it, and
+  masks the tail's gradient in `combine` the same way, so no garbage reaches the last expert's weights.
 - `pad_multiple` (set for FP8 by `moevlm.model.fp8` with `model.fp8_pad_experts`): each expert's rows are
   padded by HybridEP itself to a multiple of the scale block; the counts are the padded ones.
 - The exchanges are `torch.library.custom_op`s with fakes (`moevlm_hybridep::dispatch`, `combine` and
   their backward ops), so selective recompute saves their outputs (`recompute.COMM_NAMESPACES`) and
   torch.compile traces around them; the handle is kept in `moevlm.dispatch.handles` under an int id.
 - `model.permute` is unused (HybridEP permutes in its own kernel).  Not built: fp8 dispatch
-  (`scaling_factor`), expert tensor parallel, HybridEP's SM / chunk tuning (its defaults).  Never run here
+  (`scaling_factor`), expert tensor parallel, HybridEP's chunk tuning (its defaults); `num_sms` sets its
+  dispatch and combine SMs (0: HybridEP's defaults).  Never run here
   against the real package: the tests use an emulator of its documented API
   (tests/dispatch/hybrid_ep_emulator).
 """
@@ -65,31 +75,30 @@ from moevlm.dispatch.base import (
 from moevlm.dispatch.capacity import add_overflow, expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
 
-# EP group name -> (buffer, (hidden, T', L))
-_BUFFERS: dict[str, tuple[object, tuple[int, int, int]]] = {}
+WIRE_DTYPE = torch.bfloat16  # HybridEP moves and reduces 2-byte rows only
+# T' is a multiple of this (HybridEP's per-chunk alignment; Megatron pads the same)
+TOKEN_ALIGN = 64
+# EP group name -> (buffer, (hidden, L))
+_BUFFERS: dict[str, tuple[object, tuple[int, int]]] = {}
 
 
-def _buffer(group, hidden: int, max_tokens: int, num_local_experts: int):
-    """The group's HybridEPBuffer, with room for (hidden, max_tokens) (built or grown here)."""
+def _buffer(group, hidden: int, max_tokens: int, num_local_experts: int, num_sms: int = 0):
+    """The group's HybridEPBuffer for (hidden, L), built here for `max_tokens` at first; a larger token count
+    later is HybridEP's to grow into, so only a wider hidden or another L builds a new one."""
     from deep_ep import HybridEPBuffer
 
     have = _BUFFERS.get(group.group_name)
-    if (
-        have is not None
-        and have[1][0] >= hidden
-        and have[1][1] >= max_tokens
-        and have[1][2] == num_local_experts
-    ):
+    if have is not None and have[1][0] >= hidden and have[1][1] == num_local_experts:
         return have[0]
-    if have is not None:  # grow to cover both
-        hidden, max_tokens = max(hidden, have[1][0]), max(max_tokens, have[1][1])
+    sms = {"num_sms_dispatch_api": num_sms, "num_sms_combine_api": num_sms} if num_sms else {}
     buffer = HybridEPBuffer(
         group=group,
         hidden_dim=hidden,
         max_num_of_tokens_per_rank=max_tokens,
         num_local_experts=num_local_experts,
+        **sms,
     )
-    _BUFFERS[group.group_name] = (buffer, (hidden, max_tokens, num_local_experts))
+    _BUFFERS[group.group_name] = (buffer, (hidden, num_local_experts))
     return buffer
 
 
@@ -198,15 +207,17 @@ def _(grad_y, handle_id, num_rows):
 def _dispatch_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
     ctx.num_tokens, ctx.num_experts = inputs[0].shape[0], inputs[2].shape[1]
-    ctx.rows_shape, ctx.dtype = output[0].shape, output[0].dtype
+    ctx.rows_shape, ctx.dtype, ctx.device = output[0].shape, output[0].dtype, output[0].device
 
 
 def _dispatch_grad(ctx, grad_rows, grad_probs, grad_counts, grad_flag, grad_id):
+    """A gradient autograd leaves out (an output nothing used) is zeros on the rows' device: HybridEP's
+    combine takes device tensors."""
     (handle_id,) = ctx.saved_tensors
-    grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.dtype) if grad_rows is None else grad_rows
-    grad_probs = (
-        torch.zeros(ctx.rows_shape[0], dtype=torch.float32) if grad_probs is None else grad_probs
-    )
+    if grad_rows is None:
+        grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.dtype, device=ctx.device)
+    if grad_probs is None:
+        grad_probs = torch.zeros(ctx.rows_shape[0], dtype=torch.float32, device=ctx.device)
     gx, gprobs = hybridep_dispatch_backward(
         grad_rows, grad_probs, handle_id, ctx.num_tokens, ctx.num_experts
     )
@@ -249,12 +260,21 @@ def dropped_rows(routed_L: Tensor, budget: int, pad_multiple: int = 1) -> Tensor
     return (start + routed_L - budget).clamp(min=0).minimum(routed_L).sum()
 
 
+def used_rows(counts_L: Tensor, budget: int) -> Tensor:
+    """(M,) bool on the counts' device: the permuted rows HybridEP wrote under a `budget` of M rows (its
+    rows per local expert, padding included, clipped to the budget); the rest it never writes."""
+    return torch.arange(budget, device=counts_L.device) < counts_L.sum().clamp(max=budget)
+
+
 @dataclass
 class HybridEPHandle:
     handle_id: Tensor  # HybridEP's handle, in moevlm.dispatch.handles
     row_weight_M: Tensor  # the router weight of every permuted row (0 on padding and empty rows)
     num_tokens: int  # T on this rank
     padded_tokens: int  # T' handed to HybridEP
+    used_M: Tensor | None = (
+        None  # capacity mode: the rows HybridEP wrote (the rest is never written)
+    )
 
 
 @register_dispatcher
@@ -276,9 +296,11 @@ class HybridEPDispatcher(TokenDispatcher):
         capacity_factor: float | None = None,
         capacity_overflow: str = "drop",
         max_tokens_per_rank: int | None = None,
+        num_sms: int = 0,
     ):
         """`capacity_factor` (None = dropless) selects the no-sync mode (see the module docstring);
-        `max_tokens_per_rank`: a static T' (no all-reduce of token counts)."""
+        `max_tokens_per_rank`: a static T' (no all-reduce of token counts); `num_sms`: SMs of HybridEP's
+        dispatch and combine kernels (0: its defaults)."""
         super().__init__(num_experts, top_k)
         reason = self.unavailable_reason(
             num_experts=num_experts, ep_group=ep_group, etp_group=etp_group, check_package=False
@@ -290,7 +312,7 @@ class HybridEPDispatcher(TokenDispatcher):
         self.capacity_factor, self.capacity_overflow = capacity_factor, capacity_overflow
         if capacity_factor is not None:
             _check_capacity(capacity_factor, capacity_overflow, 1)
-        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_rank, self.num_sms = max_tokens_per_rank, num_sms
         # capacity mode, read by moevlm.dispatch.capacity.OverflowCounter: dropped rows and flagged
         # dispatches (device tensors), routed rows (host int)
         self.dropped, self.flagged, self.routed = None, None, 0
@@ -301,6 +323,7 @@ class HybridEPDispatcher(TokenDispatcher):
     ) -> str | None:
         from moevlm.dispatch.availability import (
             hybridep_domain_size,
+            hybridep_env_problem,
             hybridep_layout_problem,
             unavailable_reason,
         )
@@ -308,6 +331,8 @@ class HybridEPDispatcher(TokenDispatcher):
         reason = unavailable_reason("hybridep") if check_package else None
         if reason is not None:
             return reason
+        if hybridep_env_problem() is not None:
+            return hybridep_env_problem()
         if etp_group is not None and dist.get_world_size(etp_group) > 1:
             return (
                 f"moevlm's hybridep adapter has no expert tensor parallel (parallel.etp="
@@ -325,26 +350,31 @@ class HybridEPDispatcher(TokenDispatcher):
                     f"{num_tokens} tokens on this rank exceed the hybridep dispatcher's "
                     f"max_tokens_per_rank={self.max_tokens_per_rank}"
                 )
-            return self.max_tokens_per_rank
-        if self.capacity_factor is not None:
-            return num_tokens
-        # the dropless mode's one extra host read
-        return group_max_tokens(self.group, num_tokens, device)
+            bound = self.max_tokens_per_rank
+        elif self.capacity_factor is not None:
+            bound = num_tokens
+        else:
+            # the dropless mode's one extra host read
+            bound = group_max_tokens(self.group, num_tokens, device)
+        return -(-bound // TOKEN_ALIGN) * TOKEN_ALIGN
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
         (T, K), D, E, L = topk_idx_TK.shape, x_TD.shape[1], self.num_experts, self.num_local_experts
         T_pad = self.padded_tokens(T, x_TD.device)
-        _buffer(self.group, D, T_pad, L)
+        _buffer(self.group, D, T_pad, L, self.num_sms)
         routing_map_TE, probs_TE = dense_routing(topk_idx_TK, topk_w_TK, E)
+        # HybridEP moves bf16 rows; autograd casts the gradient back to x's dtype
+        wire_TD = x_TD.to(WIRE_DTYPE)
         if T_pad > T:
             routing_map_TE = torch.cat([routing_map_TE, routing_map_TE.new_zeros(T_pad - T, E)])
             probs_TE = torch.cat([probs_TE, probs_TE.new_zeros(T_pad - T, E)])
-            x_TD = torch.cat([x_TD, x_TD.new_zeros(T_pad - T, D)])
+            wire_TD = torch.cat([wire_TD, wire_TD.new_zeros(T_pad - T, D)])
         budget = None
         if self.capacity_factor is not None:
-            budget = permuted_budget(self.capacity_factor, T_pad, K, E, L, self.pad_multiple)
+            # C from the real tokens: the padding routes nowhere
+            budget = permuted_budget(self.capacity_factor, T, K, E, L, self.pad_multiple)
         rows_MD, weight_M, counts_L, flag, handle_id = hybridep_dispatch(
-            x_TD,
+            wire_TD,
             routing_map_TE,
             probs_TE,
             self.group.group_name,
@@ -352,10 +382,15 @@ class HybridEPDispatcher(TokenDispatcher):
             -1 if budget is None else budget,
             self.pad_multiple,
         )
+        used_M = None
         if budget is not None:
             self._count(routing_map_TE, flag, budget, T * K)
+            used_M = used_rows(counts_L, budget)
+            rows_MD = torch.where(used_M[:, None], rows_MD, 0.0)
+            weight_M = torch.where(used_M, weight_M, 0.0)
             counts_L = fit_counts(counts_L, budget)
-        return rows_MD, counts_L, HybridEPHandle(handle_id, weight_M, T, T_pad)
+        handle = HybridEPHandle(handle_id, weight_M, T, T_pad, used_M)
+        return rows_MD.to(x_TD.dtype), counts_L, handle
 
     def _count(self, routing_map_TE: Tensor, flag: Tensor, budget: int, routed: int) -> None:
         """Capacity mode: this rank's dropped rows (exact, from the group's routing counts: one functional
@@ -371,6 +406,8 @@ class HybridEPDispatcher(TokenDispatcher):
     def combine(self, expert_y_MD, handle: HybridEPHandle):
         # router weights: here, once
         weighted_MD = expert_y_MD * handle.row_weight_M.to(expert_y_MD.dtype)[:, None]
-        return hybridep_combine(weighted_MD, handle.handle_id, handle.padded_tokens)[
-            : handle.num_tokens
-        ]
+        if handle.used_M is not None:
+            # in backward: the cached re-dispatch leaves the unused rows' gradient unwritten
+            weighted_MD = torch.where(handle.used_M[:, None], weighted_MD, 0.0)
+        y_TD = hybridep_combine(weighted_MD.to(WIRE_DTYPE), handle.handle_id, handle.padded_tokens)
+        return y_TD[: handle.num_tokens].to(expert_y_MD.dtype)

@@ -31,6 +31,7 @@ from moevlm.kernels import GROUPED_GEMMS
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
 CAPACITY_OVERFLOWS = ("drop", "error")  # moe.capacity_overflow (moevlm.dispatch.capacity)
+DEEPEP_APIS = ("auto", "v2", "v1")  # moe.deepep_api (moevlm.dispatch.deepep)
 # fp8 (moevlm.model.fp8): recipes, the linears it may cover, GEMM backends
 FP8_RECIPES = ("none", "blockwise", "mxfp8")
 FP8_MODULES = ("experts", "attn", "mlp", "vision")
@@ -103,6 +104,10 @@ class MoEConfig:
         None  # alltoall only: None = dropless (moevlm.dispatch.capacity)
     )
     capacity_overflow: str = "drop"  # drop (and count) | error (the trainer fails the step)
+    deepep_api: str = "auto"  # the deepep dispatcher's DeepEP API: auto | v2 | v1
+    # deepep (V2) / hybridep: a static bound on any rank's tokens (no all-reduce of token counts); None: none
+    dispatcher_max_tokens_per_rank: int | None = None
+    dispatcher_num_sms: int = 0  # deepep / hybridep: SMs of their kernels; 0 = the backend's choice
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """The reference's rule: sparse unless listed dense or off the sparse step."""
@@ -206,6 +211,18 @@ class VLMConfig:
             f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}",
         )
         _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
+        _check(
+            m.deepep_api in DEEPEP_APIS,
+            f"moe.deepep_api={m.deepep_api!r}; choose one of {list(DEEPEP_APIS)}",
+        )
+        _check(
+            m.dispatcher_max_tokens_per_rank is None or m.dispatcher_max_tokens_per_rank > 0,
+            f"moe.dispatcher_max_tokens_per_rank={m.dispatcher_max_tokens_per_rank} must be > 0, or None (null)",
+        )
+        _check(
+            m.dispatcher_num_sms >= 0 and m.dispatcher_num_sms % 2 == 0,
+            f"moe.dispatcher_num_sms={m.dispatcher_num_sms} must be even and >= 0 (0: the backend's choice)",
+        )
         _check(
             "triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
             "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "

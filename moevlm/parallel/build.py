@@ -235,6 +235,14 @@ def _dispatcher_factory(cfg: VLMConfig, ctx: ParallelContext, name: str):
         name = "alltoall"
         kwargs.update(ep_group=ctx.groups["ep"])
 
+    # the options only DeepEP / HybridEP take
+    if name in ("deepep", "hybridep"):
+        kwargs.update(
+            num_sms=moe.dispatcher_num_sms, max_tokens_per_rank=moe.dispatcher_max_tokens_per_rank
+        )
+    if name == "deepep":
+        kwargs["api"] = moe.deepep_api
+
     def build(layer_idx: int, moe_cfg):
         return build_dispatcher(
             name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k, **kwargs

@@ -322,8 +322,9 @@ def apply_cuda_graphs(model: nn.Module, scope) -> CudaGraphs | None:
         if layer.is_moe and "moe_preprocess" in scope:
             if not layer.mlp.dispatcher.capturable_preprocess:
                 raise ValueError(
-                    "model.cuda_graph_scope=moe_preprocess captures the torch permutation plan; "
-                    "use model.permute=torch"
+                    "model.cuda_graph_scope=moe_preprocess captures the torch permutation plan of the "
+                    f"local and alltoall dispatchers ({layer.mlp.dispatcher.name} has none to capture); "
+                    "use model.permute=torch, or leave moe_preprocess out"
                 )
             graphs.install(layer.mlp.dispatcher, "preprocess_region", PreprocessRegion(layer.mlp))
     return graphs

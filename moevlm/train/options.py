@@ -43,6 +43,7 @@ from moevlm.dispatch import dispatcher_names
 from moevlm.model.config import (
     ATTN_BACKENDS,
     CAPACITY_OVERFLOWS,
+    DEEPEP_APIS,
     FP8_BACKENDS,
     FP8_RECIPES,
     PERMUTES,
@@ -78,6 +79,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
         "model.fp8": FP8_RECIPES,
         "model.fp8_backend": FP8_BACKENDS,
         "model.moe_capacity_overflow": CAPACITY_OVERFLOWS,
+        "model.deepep_api": DEEPEP_APIS,
         "parallel.pp_schedule": tuple(SCHEDULES),
         "data.pack.oversize": OVERSIZE,
         "data.pin_memory": PIN_MEMORY,

@@ -157,6 +157,33 @@ class ModelConfig:
             "step fails, naming the fix, when any choice is dropped)",
         },
     )
+    deepep_api: str = field(
+        default="auto",
+        metadata={
+            "sets": "moe.deepep_api",
+            "help": "with model.dispatcher=deepep: which DeepEP API drives it: auto (V2's ElasticBuffer where the "
+            "installed deep_ep has it, else V1's Buffer), v2, or v1 (EP sizes 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, "
+            "144, 160 only, 8 ranks per node across nodes)",
+        },
+    )
+    dispatcher_max_tokens_per_rank: Optional[int] = field(
+        default=None,
+        metadata={
+            "sets": "moe.dispatcher_max_tokens_per_rank",
+            "help": "with model.dispatcher=deepep (V2) or hybridep: a fixed bound on the tokens any rank dispatches "
+            "per MoE layer (micro_batch_size x seq_len), so no all-reduce of token counts runs per layer; a larger "
+            "count fails the step; null = the group's largest count, all-reduced each time",
+        },
+    )
+    dispatcher_num_sms: int = field(
+        default=0,
+        metadata={
+            "sets": "moe.dispatcher_num_sms",
+            "help": "with model.dispatcher=deepep or hybridep: SMs their exchange kernels use (even); 0 = the "
+            "backend's choice (DeepEP V1: 20; V2: its estimate, 24 where it cannot detect the RDMA bandwidth; "
+            "HybridEP: its defaults)",
+        },
+    )
     aux_loss_coef: Optional[float] = field(
         default=None,
         metadata={

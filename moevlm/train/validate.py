@@ -396,7 +396,8 @@ def _dispatcher_unavailable(m, environment: bool) -> str | None:
 
     if m.dispatcher not in GATED_DISPATCHERS:
         return None
-    reason = unavailable_reason(m.dispatcher, check_package=environment)
+    api = m.deepep_api if m.dispatcher == "deepep" else "auto"
+    reason = unavailable_reason(m.dispatcher, check_package=environment, api=api)
     _check(
         reason is None or m.dispatcher_fallback != "none", _dispatcher_refusal(m.dispatcher, reason)
     )
@@ -408,13 +409,27 @@ def _dispatcher_layout_problem(
 ) -> str | None:
     """A gated backend's rank and expert-count rules (moevlm.dispatch.availability) under this layout; the
     node size is this machine's when checking it (DeepEP: the launch's LOCAL_WORLD_SIZE; HybridEP: its
-    NVLINK_DOMAIN_SIZE, default 8), else unknown."""
-    from moevlm.dispatch.availability import LAUNCH_NODE_SIZE, LAYOUT_PROBLEMS
+    NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN, default 8), else unknown.  DeepEP's rules are the API's that
+    will run (`model.deepep_api`; "auto": V2's where the package has it, V1's where not).  HybridEP's old
+    NVLINK_DOMAIN_SIZE, which it no longer reads, is refused with the new name whatever the fallback."""
+    from moevlm.dispatch.availability import (
+        LAUNCH_NODE_SIZE,
+        deepep_layout_problem,
+        deepep_rules_api,
+        hybridep_env_problem,
+        hybridep_layout_problem,
+    )
 
     if m.dispatcher not in GATED_DISPATCHERS or not num_experts:
         return None
     node = LAUNCH_NODE_SIZE[m.dispatcher]() if environment else None
-    problem = LAYOUT_PROBLEMS[m.dispatcher](dims.ep, num_experts, node)
+    if m.dispatcher == "deepep":
+        api = deepep_rules_api(m.deepep_api, environment)
+        problem = deepep_layout_problem(dims.ep, num_experts, node, api)
+    else:
+        env = hybridep_env_problem() if environment else None
+        _check(env is None, f"model.dispatcher='hybridep': {env}")
+        problem = hybridep_layout_problem(dims.ep, num_experts, node)
     _check(
         problem is None or m.dispatcher_fallback != "none",
         _dispatcher_refusal(m.dispatcher, problem),
@@ -477,6 +492,12 @@ def _check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims) -> None:
         (
             "full_layer" in scope and m.grouped_gemm == "loop",
             "full_layer cannot capture model.grouped_gemm=loop (it splits rows on the host); use torch or triton",
+        ),
+        (
+            "moe_preprocess" in scope and model.moe.dispatcher in GATED_DISPATCHERS,
+            f"moe_preprocess captures the torch permutation plan of the local and alltoall dispatchers; "
+            f"model.dispatcher={model.moe.dispatcher} has none to capture (deepep's layout step runs on DeepEP's "
+            "own stream, hybridep permutes inside its dispatch): leave moe_preprocess out",
         ),
         (
             "moe_preprocess" in scope and m.permute != "torch",

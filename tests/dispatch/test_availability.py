@@ -21,6 +21,7 @@ from moevlm.dispatch.availability import (
     probe_package,
     unavailable_reason,
 )
+from moevlm.dispatch.hybridep import HybridEPDispatcher
 from moevlm.dispatch.local import LocalDispatcher
 from moevlm.model.config import ConfigError
 from moevlm.train.config import compose_job, validate
@@ -75,7 +76,8 @@ MISSING = {
     "hybridep": (
         "model.dispatcher='hybridep' cannot run: the deep_ep package is not installed (HybridEP is "
         "DeepEP's hybrid-ep branch, built from source against CUDA: git clone -b hybrid-ep "
-        "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone); use "
+        "https://github.com/deepseek-ai/DeepEP, then pip install . in the clone (HYBRID_EP_MULTINODE=1 pip "
+        "install . for an EP group spanning more than one NVLink domain)); use "
         "model.dispatcher=alltoall, or model.dispatcher_fallback=alltoall to fall back to it"
     ),
 }
@@ -179,7 +181,7 @@ def test_main_branch_without_hybridep_names_the_branch(fake_deep_ep, adapters_bu
     assert unavailable_reason("hybridep") == (
         "the installed deep_ep package has no HybridEPBuffer (HybridEP is DeepEP's hybrid-ep branch, built from "
         "source against CUDA: git clone -b hybrid-ep https://github.com/deepseek-ai/DeepEP, then pip install . in "
-        "the clone)"
+        "the clone (HYBRID_EP_MULTINODE=1 pip install . for an EP group spanning more than one NVLink domain))"
     )
 
 
@@ -260,8 +262,20 @@ def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep
             None,
             "DeepEP needs an expert-parallel group of at least 2 ranks (parallel.ep=1); it never runs on one",
         ),
-        (3, 6, None, "DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep=3)"),
-        (6, 12, 8, "DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep=6)"),
+        (
+            3,
+            6,
+            None,
+            "DeepEP V1 (Buffer) runs EP groups of 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160 ranks only "
+            "(parallel.ep=3); DeepEP V2 (ElasticBuffer, model.deepep_api=v2) takes any size",
+        ),
+        (
+            6,
+            12,
+            8,
+            "DeepEP V1 (Buffer) runs EP groups of 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160 ranks only "
+            "(parallel.ep=6); DeepEP V2 (ElasticBuffer, model.deepep_api=v2) takes any size",
+        ),
         (
             8,
             12,
@@ -272,26 +286,64 @@ def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep
             12,
             24,
             None,
-            "DeepEP across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=12)",
+            "DeepEP V1 (Buffer) runs EP groups of 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160 ranks only "
+            "(parallel.ep=12); DeepEP V2 (ElasticBuffer, model.deepep_api=v2) takes any size",
         ),
         (
             8,
             64,
             4,
-            "DeepEP across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=8, 4 ranks per node)",
+            "DeepEP V1 across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=8, 4 ranks per "
+            "node); DeepEP V2 (model.deepep_api=v2) takes this layout",
         ),
         (
             16,
             128,
             4,
-            "DeepEP across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=16, 4 ranks per "
-            "node)",
+            "DeepEP V1 across nodes takes a multiple of 8 ranks, 8 on each node (parallel.ep=16, 4 ranks per "
+            "node); DeepEP V2 (model.deepep_api=v2) takes this layout",
         ),
-        (16, 128, 16, "DeepEP within a node takes 2, 4 or 8 ranks (parallel.ep=16)"),
+        (16, 128, 16, "DeepEP V1 within a node takes 2, 4 or 8 ranks (parallel.ep=16)"),
     ],
 )
-def test_deepep_layout(ep, experts, per_node, want):
-    assert deepep_layout_problem(ep, experts, per_node) == want
+def test_deepep_v1_layout(ep, experts, per_node, want):
+    assert deepep_layout_problem(ep, experts, per_node, "v1") == want
+
+
+@pytest.mark.parametrize(
+    "ep, experts, per_node, v1, v2",
+    [
+        # sizes V1 has no config for, multiples of 8 across nodes of 8: V2 only
+        (
+            40,
+            80,
+            8,
+            "DeepEP V1 (Buffer) runs EP groups of 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160 ranks "
+            "only (parallel.ep=40); DeepEP V2 (ElasticBuffer, model.deepep_api=v2) takes any size",
+            None,
+        ),
+        (56, 56, 8, "DeepEP V1 (Buffer) runs", None),
+        (72, 144, 8, "DeepEP V1 (Buffer) runs", None),
+        # GB200 trays of 4 GPUs, one NVLink domain: V2 only
+        (8, 64, 4, "DeepEP V1 across nodes", None),
+        (16, 128, 4, "DeepEP V1 across nodes", None),
+        (144, 144, 8, None, None),
+        (16, 128, 16, "DeepEP V1 within a node takes 2, 4 or 8 ranks", None),
+        (8, 12, 8, "DeepEP splits the experts evenly", "DeepEP splits the experts evenly"),
+        (
+            1,
+            8,
+            None,
+            "DeepEP needs an expert-parallel group of at least 2",
+            "DeepEP needs an expert-parallel",
+        ),
+    ],
+)
+def test_deepep_v1_size_table_and_v2_rules(ep, experts, per_node, v1, v2):
+    """V1 runs only the EP sizes it has configs for; V2 asks only for an even split of the experts."""
+    for api, want in (("v1", v1), ("v2", v2)):
+        got = deepep_layout_problem(ep, experts, per_node, api)
+        assert (got is None) if want is None else got.startswith(want), (api, got)
 
 
 @pytest.mark.parametrize(
@@ -371,12 +423,14 @@ def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_
     )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4: the launch's node size
     job = ["model.dispatcher=deepep", "parallel.ep=8", "train.global_batch_size=8"]
+    # the fake has ElasticBuffer: auto drives V2, which takes trays of 4; V1 does not
+    assert validate(compose_job(job), 8).model.moe.dispatcher == "deepep"
     with pytest.raises(
         ConfigError,
-        match=r"^model.dispatcher='deepep' cannot run: DeepEP across nodes takes a "
+        match=r"^model.dispatcher='deepep' cannot run: DeepEP V1 across nodes takes a "
         r"multiple of 8 ranks, 8 on each node \(parallel.ep=8, 4 ranks per node\)",
     ):
-        validate(compose_job(job), 8)
+        validate(compose_job([*job, "model.deepep_api=v1"]), 8)
     # node size unknown
     assert validate(compose_job(job), 8, environment=False).model.moe.dispatcher == "deepep"
     with pytest.raises(
@@ -417,24 +471,75 @@ def test_hybridep_takes_the_capacity_mode_and_fp8_padding(adapters_built, fake_d
 
 
 def test_hybridep_node_is_its_nvlink_domain(adapters_built, fake_deep_ep, monkeypatch):
-    """HybridEP's ranks per node are the NVLink domain it reads from NVLINK_DOMAIN_SIZE (default 8), not the
-    launch's LOCAL_WORLD_SIZE (4 GPUs per GB200 tray in a 72-GPU domain)."""
+    """HybridEP's ranks per node are the NVLink domain it reads from NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN
+    (default 8), not the launch's LOCAL_WORLD_SIZE (4 GPUs per GB200 tray in a 72-GPU domain); the
+    NVLINK_DOMAIN_SIZE it read before is refused, naming the new variable, with or without a fallback."""
     fake_deep_ep("full")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    job = compose_job(
-        [
-            "model.dispatcher=hybridep",
-            "model.num_experts=16",
-            "parallel.ep=16",
-            "train.global_batch_size=16",
-        ]
-    )
+    job_args = [
+        "model.dispatcher=hybridep",
+        "model.num_experts=16",
+        "parallel.ep=16",
+        "train.global_batch_size=16",
+    ]
+    job = compose_job(job_args)
     # 1 expert a rank x 8 (the default domain)
     assert validate(job, 16).model.moe.dispatcher == "hybridep"
-    monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "2")
+    monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "2")
     with pytest.raises(
         ConfigError, match=r"experts-per-rank x ranks-per-node to be a multiple of 4 \(1 x 2 = 2"
     ):
         validate(job, 16)
-    monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "72")
+    monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "16")
     assert validate(job, 16).model.moe.dispatcher == "hybridep"  # 1 x 16
+    monkeypatch.delenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN")
+    monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "16")
+    want = (
+        "model.dispatcher='hybridep': NVLINK_DOMAIN_SIZE=16 is set, but HybridEP no longer reads it: export "
+        "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=16 instead (HybridEP's EP ranks per NVLink domain), and "
+        "unset NVLINK_DOMAIN_SIZE"
+    )
+    for fallback in ([], [FALLBACK]):
+        with pytest.raises(ConfigError) as err:
+            validate(compose_job([*job_args, *fallback]), 16)
+        assert str(err.value) == want
+    assert (
+        HybridEPDispatcher.unavailable_reason(num_experts=16, check_package=False)
+        == want.split(": ", 1)[1]
+    )
+
+
+@pytest.mark.parametrize("variant", ["nccl_mismatch", "no_cuda_toolkit"])
+def test_import_time_assertion_is_reported_and_the_fallback_runs(fake_deep_ep, variant):
+    """DeepEP main asserts at import time (torch's NCCL not the one it linked; no CUDA toolkit): the gate
+    reports the AssertionError's words, and model.dispatcher_fallback=alltoall runs instead of a crash."""
+    fake_deep_ep(variant)
+    status = probe_package()
+    assert status.installed and status.error.startswith("AssertionError: ") and status.classes == ()
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.dispatcher='deepep' cannot run: the deep_ep package is "
+        r"installed but does not import \(AssertionError: ",
+    ):
+        validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
+    plan = validate(compose_job(["model.dispatcher=deepep", FALLBACK, *EP2]), 2)
+    assert plan.model.moe.dispatcher == "alltoall" and "AssertionError" in plan.notes[0]
+
+
+@pytest.mark.parametrize("name", ["deepep", "hybridep"])
+def test_moe_preprocess_graph_is_refused_for_deepep_and_hybridep(adapters_built, name):
+    """Their preprocess is not a torch plan a CUDA graph can capture (None, or DeepEP's own stream)."""
+    job = [
+        f"model.dispatcher={name}",
+        "model.cuda_graph_scope=[moe_preprocess]",
+        "parallel.dp_mode=ddp",
+        *EP2,
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=rf"moe_preprocess captures the torch permutation plan of the local "
+        rf"and alltoall dispatchers; model.dispatcher={name} has none to capture",
+    ):
+        validate(compose_job(job), 2, environment=False)
+    scope = ["model.cuda_graph_scope=[moe_router]", "parallel.dp_mode=ddp", *EP2]
+    validate(compose_job([f"model.dispatcher={name}", *scope]), 2, environment=False)

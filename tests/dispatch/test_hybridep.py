@@ -1,17 +1,21 @@
 """The `hybridep` dispatcher (moevlm/dispatch/hybridep.py) against the `alltoall` dispatcher, on CPU gloo ranks.
 
 The real HybridEP cannot run here: `deep_ep` is the TEST EMULATOR in hybrid_ep_emulator/ (its README says
-which upstream semantics it follows), put first on sys.path.  One 4-rank launch checks HybridEP groups of 4
-(the world) and of 2 (two subgroups):
-- dropless: outputs and gradients w.r.t. x, router weights and expert weights equal to alltoall's
-  (<= 1e-6 relative) with uneven token counts, an idle expert and a rank nothing is routed to, and a rank
+which upstream semantics it follows: 2-byte rows, unwritten rows past the used count (NaN), the token-count
+alignment, a buffer that grows itself), put first on sys.path.  One 4-rank launch checks HybridEP groups of 4
+(the world) and of 2 (two subgroups), with fp32 rows (as without FSDP's bf16 compute):
+- dropless: outputs and gradients w.r.t. x, router weights and expert weights equal to alltoall's (to
+  bf16's precision: rows cross HybridEP in bf16) with uneven token counts, an idle expert and a rank nothing is routed to, and a rank
   with no tokens; the same with each expert's rows padded to 4 (FP8's pad_multiple); the same under
   selective recompute (HybridEP's dispatch not run again); the handle store empties;
 - capacity mode (static num_permuted_tokens): equal to dropless when nothing overflows; with forced
   overflow the dropped rows are exactly the ones counted by hand (per rank), the overflow flag is set where
   they were dropped, `OverflowCounter` reports both, and the result equals alltoall with those choices'
-  router weights set to zero; the whole path runs on the meta device with every host read refused, and
+  router weights set to zero, the last expert's weight gradients finite (the unused tail HybridEP never
+  writes is masked); the whole path runs on the meta device with every host read refused, and
   torch.compile (aot_eager) traces it with the hybridep ops inside its graphs, equal to eager;
+- a larger token count reuses the group's buffer (HybridEP grows it itself);
+- a training step of the tiny model under DDP in fp32 (EP 4 and EP 2) equals the alltoall dispatcher's;
 - a group of one is refused.
 Index logic and the gate's words are checked without processes.
 """
@@ -36,7 +40,9 @@ from moevlm.dispatch.handles import HANDLES
 from moevlm.dispatch.hybridep import HybridEPDispatcher, dropped_rows, fit_counts, permuted_budget
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.parallel.recompute import save_communication
-from test_deepep import D, E, K, REL, _rel, _scenario  # the same scenarios and measure as deepep's
+
+# the same scenarios and measure as deepep's
+from test_deepep import D, E, K, REL, _model_step, _rel, _scenario
 
 EMULATOR = Path(__file__).parent / "hybrid_ep_emulator"
 
@@ -188,6 +194,8 @@ def _capacity(name, group, W_EDD, worst):
         "hybridep", num_experts=E, top_k=K, ep_group=group, capacity_factor=E / K
     )
     got, counts = _run(roomy, x0, idx, w0, W0, g)  # C = T: nothing can overflow
+    # the budget's unused tail went to the last expert as zero rows: nothing unwritten reached its weights
+    assert got[3].isfinite().all(), where
     _compare(where, got, want, worst, "roomy ")
     assert counts.sum() == permuted_budget(E / K, T, K, E, L), where  # the GEMM sees all M rows
     assert roomy.dropped.item() == 0 and roomy.flagged.item() == 0 and roomy.routed == T * K, where
@@ -200,6 +208,7 @@ def _capacity(name, group, W_EDD, worst):
         keep, dropped = _kept_by_hand(idx, group, budget, pad)
         got, _ = _run(tight, x0, idx, w0, W0, g)
         want, _ = _run(ref, x0, idx, w0, W0, g, keep=keep)
+        assert got[3].isfinite().all(), where
         _compare(f"{where} pad {pad}", got, want, worst, f"overflow pad{pad} ")
         assert tight.dropped.item() == dropped[r], (
             f"{where} pad {pad}: {tight.dropped.item()} != {dropped[r]}"
@@ -219,6 +228,21 @@ def _capacity(name, group, W_EDD, worst):
             dropped
         ) / (P * T * K)
         assert rec["moe_overflowed_dispatches"] >= (sum(dropped) > 0)
+
+
+def _grows_itself(rank):
+    """A token count past the buffer's first size reuses it: HybridEP grows its own buffer."""
+    from deep_ep import BUILT
+
+    d = build_dispatcher("hybridep", num_experts=E, top_k=K)
+    x0, idx, w0, _ = _scenario("random", rank, rank, E // 4, equal_tokens=True)
+    with torch.no_grad():
+        ex, _, h = d.dispatch(x0, idx, w0)
+        d.combine(ex, h)
+        built = BUILT[0]
+        ex, _, h = d.dispatch(*(torch.cat([t] * 20) for t in (x0, idx, w0)))
+        d.combine(ex, h)
+    assert BUILT[0] == built, "a larger token count built a new HybridEP buffer"
 
 
 def _meta_no_host_reads(group):
@@ -284,6 +308,9 @@ def _four_ranks(rank, emulator, out):
             _dropless(name, group, W_EDD, worst)
         for name in ("random", "idle"):
             _capacity(name, group, W_EDD, worst)
+    _grows_itself(rank)
+    for ep in (4, 2):
+        worst[f"model step ep{ep} grads"] = _model_step(rank, "hybridep", ep)
     _meta_no_host_reads(pairs[rank // 2])
     _compiled_capacity(pairs[rank // 2], W_EDD, worst)
     gc.collect()

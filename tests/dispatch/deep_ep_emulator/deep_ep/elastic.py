@@ -11,12 +11,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+import weakref
+
 import torch
 import torch.distributed as dist
 
+from .envs import check_bf16, check_torch_deterministic
+
 _ALIGNMENT = 2 << 20  # upstream's buffer sizes are 2 MiB-aligned
 _MAX_TOPK = 32  # the kernels' largest top-k; a size hint for num_topk=0 makes room for it
-_NUM_SMS = 20  # what the emulator's get_theoretical_num_sms answers
+_NUM_SMS = 20  # what the emulator's get_theoretical_num_sms answers within one node
+# buffers built with explicitly_destroy=True that Python collected without destroy(): upstream leaks their
+# registered memory (csrc/elastic/buffer.hpp); tests read this count
+LEAKED = [0]
+
+
+def _collected(state: dict) -> None:
+    if state["live"]:
+        LEAKED[0] += 1
+
+
+def _rdma_gbs() -> float:
+    """Upstream reads the RDMA bandwidth through `ibstat` / `mlx5_0`; neither exists here, so it reads 0."""
+    return 0.0
 
 
 def _num_bytes(
@@ -121,13 +139,15 @@ class ElasticBuffer:
             self.num_ranks,
         )  # one scale-up domain only
         self.runtime = object()  # None once destroyed, as upstream
+        self._state = {"live": explicitly_destroy}
+        weakref.finalize(self, _collected, self._state)
         # the unspecified receive order
         self._order = torch.Generator().manual_seed(5151 + self.rank_idx)
         dist.barrier(group=group)  # upstream ends its constructor with a group barrier
 
     def destroy(self) -> None:
         assert self.explicitly_destroy
-        self.runtime = None
+        self.runtime, self._state["live"] = None, False
 
     @staticmethod
     def get_buffer_size_hint(
@@ -145,11 +165,19 @@ class ElasticBuffer:
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_physical_domain_size(self) -> tuple[int, int]:
-        return 1, self.num_ranks
+        """(nodes, ranks per node): the node is the launch's LOCAL_WORLD_SIZE when it is smaller than the group
+        (the emulator still moves every token as within one scale-up domain)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_ranks))
+        per_node = min(local, self.num_ranks)
+        return self.num_ranks // per_node, per_node
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, *args, **kwargs) -> int:
         # upstream too fails on num_experts=None (a cached dispatch)
         assert num_experts % self.num_ranks == 0
+        nodes, _ = self.get_physical_domain_size()
+        if nodes > 1:
+            # as upstream: the scale-out traffic over the detected RDMA bandwidth, 0 without ibstat
+            return max(4, int(num_topk * 1e9 / _rdma_gbs()) // 2 * 2)
         return _NUM_SMS
 
     def barrier(
@@ -181,8 +209,11 @@ class ElasticBuffer:
         use_tma_aligned_col_major_sf: bool = False,
     ):
         self._check_alive()
+        check_torch_deterministic()
         if isinstance(x, tuple):
             raise NotImplementedError("deep_ep emulator: fp8 (x, scales) dispatch is not emulated")
+        # the buffer holds 2-byte rows (csrc/elastic/buffer.hpp): wider rows would overrun it
+        check_bf16(x, "DeepEP V2 dispatch")
         if do_expand or do_zero_padding:
             raise NotImplementedError(
                 "deep_ep emulator: the expanding layout (do_expand) is not emulated"
@@ -342,6 +373,8 @@ class ElasticBuffer:
         allocate_on_comm_stream: bool = False,
     ):
         self._check_alive()
+        check_torch_deterministic()
+        check_bf16(x, "DeepEP V2 combine")
         if bias is not None:
             raise NotImplementedError("deep_ep emulator: combine bias is not emulated")
         _no_async(
@@ -363,7 +396,9 @@ class ElasticBuffer:
             canonical[layout.recv_order] = rows[:R]
             return self._exchange(canonical, layout.recv_splits, layout.send_splits)
 
-        combined_x = x.new_zeros(T, x.shape[1]).index_add_(0, layout.send_token_idx, back(x))
+        # summed in fp32, written as bf16
+        combined_x = torch.zeros(T, x.shape[1]).index_add_(0, layout.send_token_idx, back(x).float())
+        combined_x = combined_x.to(x.dtype)
         combined_w = None
         # slot k: the weight the rank owning expert topk_idx[t, k] sent back, 0 for -1
         if topk_weights is not None:

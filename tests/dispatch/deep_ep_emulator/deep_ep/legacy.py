@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .envs import check_bf16, check_torch_deterministic
+
 
 class Config:
     """Stands for DeepEP's tuning config; the size hints are the emulator's own formula."""
@@ -154,6 +156,7 @@ class Buffer:
         if num_tokens_per_rdma_rank is not None:
             raise NotImplementedError("deep_ep emulator: internode (RDMA) layouts are not emulated")
         _no_async(previous_event, async_finish)
+        check_torch_deterministic()
         if handle is not None:  # cached mode: the layout of an earlier dispatch, rows only
             assert topk_idx is None and topk_weights is None
             return self._send(x, handle), None, None, None, None, None
@@ -210,9 +213,13 @@ class Buffer:
         if bias is not None:
             raise NotImplementedError("deep_ep emulator: combine bias is not emulated")
         _no_async(previous_event, async_finish)
+        check_torch_deterministic()
+        # upstream's combine kernels are instantiated for bf16 only (csrc/kernels/legacy/launch.cuh)
+        check_bf16(x, "DeepEP V1 combine")
 
-        def back(rows):  # to the source ranks, then summed per source token
-            return _sum_rows(self._exchange(rows, handle.recv_splits, handle.send_splits), handle)
+        def back(rows):  # to the source ranks, then summed per source token (in fp32, as the kernels)
+            rows = self._exchange(rows, handle.recv_splits, handle.send_splits)
+            return _sum_rows(rows.float(), handle).to(rows.dtype)
 
         combined_w = None if topk_weights is None else back(topk_weights.float())
         return back(x), combined_w, None

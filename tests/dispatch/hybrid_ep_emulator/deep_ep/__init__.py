@@ -9,11 +9,23 @@ group dispatches the same T), D hidden, E experts, P ranks, L = E / P local expe
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 __version__ = "emulator"
 EMULATOR = True  # lets a test tell this double from a real build
+MULTINODE = False  # built without HYBRID_EP_MULTINODE=1: a group past one NVLink domain is refused
+TOKENS_PER_CHUNK = 128  # the emulator's tokens per chunk of the dispatch kernel
+BUILT = [0]  # buffers constructed (tests read it: HybridEP grows its buffer itself)
+
+
+def _nvlink_domain(group_size: int) -> int:
+    """Ranks per NVLink domain: NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN, else detected (here: the whole group,
+    one domain).  The old NVLINK_DOMAIN_SIZE is not read."""
+    value = os.environ.get("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "")
+    return int(value) if value else group_size
 
 
 class HybridEPBuffer:
@@ -38,6 +50,12 @@ class HybridEPBuffer:
         self.group = group
         self.rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
         assert self.group_size > 1, f"HybridEP needs at least 2 ranks, got {self.group_size}"
+        self.ranks_per_domain = min(_nvlink_domain(self.group_size), self.group_size)
+        # upstream: assert(false) in a build without the multi-node kernels
+        assert MULTINODE or self.ranks_per_domain == self.group_size, (
+            "HybridEP across NVLink domains needs a build with HYBRID_EP_MULTINODE=1"
+        )
+        BUILT[0] += 1
         self.hidden_dim, self.max_num_of_tokens_per_rank = hidden_dim, max_num_of_tokens_per_rank
         self.num_local_experts = num_local_experts
 
@@ -67,14 +85,16 @@ class HybridEPBuffer:
                 "hybrid_ep emulator: fp8 dispatch (scaling_factor) is not emulated"
             )
         T, D = hidden.shape
-        assert T <= self.max_num_of_tokens_per_rank, (
-            "more tokens than the buffer's max_num_of_tokens_per_rank"
-        )
+        # upstream grows its buffer for a larger token count (no new buffer)
+        self.max_num_of_tokens_per_rank = max(self.max_num_of_tokens_per_rank, T)
         assert D <= self.hidden_dim, "a wider hidden than the buffer's hidden_dim"
+        # executor.cu: the tail chunk's bytes of the routing map must stay 16-byte aligned
+        assert (T % TOKENS_PER_CHUNK) * self.ranks_per_domain * 4 % 16 == 0, (
+            f"HybridEP token count {T} breaks the chunk alignment ({self.ranks_per_domain} ranks)"
+        )
         if handle is not None:  # cached: the layout of an earlier dispatch, hidden only
-            src_M = handle[0]
-            out = _rows(self._gather(hidden), src_M)
-            return out, None, None, handle[1], handle
+            src_M, used = handle[0], handle[5]
+            return _rows(self._gather(hidden), src_M, used), None, None, handle[1], handle
         if routing_map is None:
             assert topk_idx is not None and num_of_experts is not None, (
                 "routing_map, or topk_idx + num_of_experts"
@@ -110,28 +130,24 @@ class HybridEPBuffer:
         tokens_per_expert = torch.bincount(torch.tensor(expert, dtype=torch.long), minlength=L)
         M = len(src) if num_permuted_tokens is None else int(num_permuted_tokens)
         overflow = torch.tensor([int(len(src) > M)], dtype=torch.int32, device=hidden.device)
-        # rows past the budget are dropped (and flagged); unused ones are empty
+        # rows past the budget are dropped (and flagged); the unused ones are never written
+        used = min(len(src), M)
         src = (src + [-1] * M)[:M]
         expert = (expert + [-1] * M)[:M]
         src_M = torch.tensor(src, dtype=torch.long, device=hidden.device)
         expert_M = torch.tensor(expert, dtype=torch.long, device=hidden.device)
-        out = _rows(self._gather(hidden), src_M)
+        out = _rows(self._gather(hidden), src_M, used)
         out_probs = None
         if probs is not None:
             probs_GL = self._gather(probs.float())[:, self.rank * L : (self.rank + 1) * L]
             out_probs = torch.where(
                 src_M >= 0, probs_GL[src_M.clamp_min(0), expert_M.clamp_min(0)], 0.0
             )
+            out_probs[used:] = float("nan")
         if not (use_host_meta and not non_blocking):
             tokens_per_expert = tokens_per_expert.to(hidden.device)
-        handle = (
-            src_M,
-            tokens_per_expert,
-            expert_M,
-            T,
-            E,
-            overflow,
-        )  # the overflow flag last, as upstream
+        # the overflow flag last, as upstream; the emulator's used-row count before it
+        handle = (src_M, tokens_per_expert, expert_M, T, E, used, overflow)
         return out, out_probs, None, tokens_per_expert, handle
 
     # ------------------------------------------------------------------ combine
@@ -148,12 +164,15 @@ class HybridEPBuffer:
         """The unweighted sum, per source token, of its rows on every rank (and the same for per-row probs,
         into a dense (T, E) map)."""
         assert handle is not None, "combine needs the dispatch handle"
-        src_M, _, expert_M, T, E, _ = handle
+        # hybrid_ep.cu: combine reduces 2-byte elements only
+        assert hidden.element_size() == 2, f"HybridEP combine takes 2-byte rows, got {hidden.dtype}"
+        src_M, _, expert_M, T, E = handle[:5]
         P, L = self.group_size, E // self.group_size
         kept = src_M >= 0
-        out = hidden.new_zeros(P * T, hidden.shape[1]).index_add_(0, src_M[kept], hidden[kept])
+        # summed in fp32, written in the rows' dtype
+        out = torch.zeros(P * T, hidden.shape[1]).index_add_(0, src_M[kept], hidden[kept].float())
         dist.all_reduce(out, group=self.group)
-        combined = out[self.rank * T : (self.rank + 1) * T]
+        combined = out[self.rank * T : (self.rank + 1) * T].to(hidden.dtype)
         combined_probs = None
         if probs is not None:
             dense = torch.zeros(P * T, E, dtype=torch.float32, device=hidden.device)
@@ -178,6 +197,11 @@ class HybridEPBuffer:
         )
 
 
-def _rows(hidden_GD: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
-    out = torch.cat([hidden_GD, hidden_GD.new_zeros(1, hidden_GD.shape[1])])
-    return out[torch.where(src_M >= 0, src_M, hidden_GD.shape[0])]
+def _rows(hidden_GD: torch.Tensor, src_M: torch.Tensor, used: int) -> torch.Tensor:
+    """The permuted rows: padding rows zero, rows past `used` never written (NaN here).  Upstream has no dtype
+    check: it copies D 2-byte words of each row, so wider rows arrive as garbage (their first half, then NaN)."""
+    D = hidden_GD.shape[1]
+    src = torch.cat([hidden_GD, hidden_GD.new_zeros(1, D)])[torch.where(src_M >= 0, src_M, len(hidden_GD))]
+    out = torch.full_like(src, float("nan"))
+    out.view(torch.uint8)[:used, : 2 * D] = src[:used].view(torch.uint8)[:, : 2 * D]
+    return out
