@@ -272,9 +272,8 @@ class HybridEPHandle:
     row_weight_M: Tensor  # the router weight of every permuted row (0 on padding and empty rows)
     num_tokens: int  # T on this rank
     padded_tokens: int  # T' handed to HybridEP
-    used_M: Tensor | None = (
-        None  # capacity mode: the rows HybridEP wrote (the rest is never written)
-    )
+    # capacity mode: the rows HybridEP wrote (the rest it never writes)
+    used_M: Tensor | None = None
 
 
 @register_dispatcher
