@@ -692,9 +692,17 @@ class _Search:
                 f"does not fit: peak >= {_gib(peak)} GiB > {u} GiB usable ({what}, a lower bound)"
             )
         self.resolve(lay, Left(lay, reason), self.rejected)
+        self.tell(lay, reason)
 
     def failed(self, lay: Layout, err: Exception) -> None:
-        self.resolve(lay, Left(lay, f"dry run failed: {_last_line(err)}"), self.rejected)
+        reason = f"dry run failed: {_last_line(err)}"
+        self.resolve(lay, Left(lay, reason), self.rejected)
+        self.tell(lay, reason)
+
+    def tell(self, lay: Layout, what: str) -> None:
+        """One progress line: a candidate and what its dry runs (counted so far) showed."""
+        if self.progress:
+            self.progress(f"{lay.label()}: {what} ({self.ext.runs} dry runs)")
 
     def share_comm(self, lay: Layout, comm: dict) -> None:
         """Recompute changes no collective: the step time with `comm` bounds every recompute
@@ -725,11 +733,7 @@ class _Search:
             self.failed(lay, err)
             return
         self.lower[lay] = q
-        if self.progress:
-            self.progress(
-                f"{lay.label()}: peak >= {_gib(q['peak_bytes'])} GiB with one vision block "
-                f"({self.ext.runs} dry runs)"
-            )
+        self.tell(lay, f"peak >= {_gib(q['peak_bytes'])} GiB with one vision block")
         comm = _comm_dict(q)
         self.share_comm(lay, comm)
         if not self.g.fits(q["peak_bytes"]):
@@ -754,11 +758,7 @@ class _Search:
         comm = _comm_dict(q)
         self.share_comm(lay, comm)
         t = self.timer.step(lay, plan, comm)
-        if self.progress:
-            self.progress(
-                f"{lay.label()}: peak {_gib(mem['peak_bytes'])} GiB, step {_s(t['step_s'])} s "
-                f"({self.ext.runs} dry runs)"
-            )
+        self.tell(lay, f"peak {_gib(mem['peak_bytes'])} GiB, step {_s(t['step_s'])} s")
         if not self.g.fits(mem["peak_bytes"]):
             self.reject(lay, mem["peak_bytes"], exact=True)
             return
