@@ -59,7 +59,7 @@ def batch():
 def test_sequence_loss_is_the_mean_over_layers_and_documents():
     ids, cu, mask = batch()
     out, seen = routed(tiny(aux_loss="sequence"), ids, cu_seqlens=cu, token_mask=mask)
-    docs = [range(0, 5), range(5, 16), range(16, 25)]  # the padding segment has no real token
+    docs = [range(5), range(5, 16), range(16, 25)]  # the padding segment has no real token
     per_layer = []
     for idx_TK, probs_TE, _ in seen:
         losses = []
@@ -145,7 +145,7 @@ def test_bias_chooses_but_does_not_weigh():
     router.weight.data.normal_()
     x = torch.randn(10, 16)
     router.expert_bias.copy_(torch.tensor([0, 0, 0, 5.0, 0, 0, 5.0, 0]))
-    idx, w, probs, logits = router(x)
+    idx, w, _, logits = router(x)
     assert set(idx.reshape(-1).tolist()) == {3, 6}
     p = logits.softmax(-1).gather(1, idx)
     torch.testing.assert_close(w, p / p.sum(-1, keepdim=True), rtol=0, atol=0)
@@ -170,7 +170,7 @@ def test_force_balance_routes_evenly_and_weighs_by_the_router():
     torch.manual_seed(4)
     router = Router(16, E, K, force_balance=True)
     router.weight.data.normal_()
-    idx, w, probs, logits = router(torch.randn(12, 16))
+    idx, w, probs, _ = router(torch.randn(12, 16))
     counts = torch.bincount(idx.reshape(-1), minlength=E)
     assert counts.tolist() == [12 * K // E] * E
     assert idx[0].tolist() == [0, 1] and idx[5].tolist() == [2, 3]

@@ -15,7 +15,11 @@ launch per world size.
 
 Two world-4 entries also check checkpoints: one saves after step 1 and a new
 Trainer resumes (same layout), the next resumes that checkpoint under another
-layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  A summary line per
+layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  Both run the router
+balancing options of `ROUTER_OPTIONS["global"]` (global-batch loss, expert bias,
+z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
+step 2 to match.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
+compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.
 """
@@ -50,6 +54,29 @@ TOL = 1e-5
 UNCLIPPED_EPS = "optim.eps=1e-5"
 
 
+# router balancing options checked sharded vs unsharded (each against its own reference, "REF=<name>")
+ROUTER_OPTIONS = {
+    "global": [
+        "model.moe_aux_loss=global_batch",
+        "model.moe_router_bias_rate=0.01",
+        "model.moe_z_loss_coeff=0.01",
+    ],
+    "sequence": ["model.moe_aux_loss=sequence", "model.moe_z_loss_coeff=0.01"],
+}
+
+
+def with_options(name: str, layout: list[str]) -> list[str]:
+    """`layout` running ROUTER_OPTIONS[name], compared with the reference of those options."""
+    return [*layout, f"REF={name}", *ROUTER_OPTIONS[name]]
+
+
+def router_references(shards: str, tmp, base: list[str] = (), names=tuple(ROUTER_OPTIONS)) -> None:
+    """One-process reference runs of the ROUTER_OPTIONS entries `names`: <tmp>/ref_<name>.pt."""
+    for name in names:
+        got = run_job(shards, str(tmp / f"ref_{name}"), [*base, *ROUTER_OPTIONS[name]])
+        torch.save(got, tmp / f"ref_{name}.pt")
+
+
 def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
     return [
         f"data.shards={shards}",
@@ -80,7 +107,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     resume = "RESUME" in layout
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
-    layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
+    layout = [x for x in layout if x != "RESUME" and not x.startswith(("FROM=", "REF="))]
     layout = [
         x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")).replace(
             "@TMP", os.path.dirname(run_dir)
@@ -211,11 +238,15 @@ def check_layouts(
 ) -> None:
     """Every layout against the reference (run i in <tmp>/<prefix><world>_<i>); the errors, keyed by the
     layout without the `hide` entries, go to <tmp>/<report_name> (rank 0)."""
-    ref = torch.load(ref_path, weights_only=False)
+    refs = {None: torch.load(ref_path, weights_only=False)}
     report = {}
     for i, layout in enumerate(layouts):
         got = run_job(shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout)
-        errors = compare(got, ref)
+        name = next((x.split("=", 1)[1] for x in layout if x.startswith("REF=")), None)
+        if name not in refs:
+            path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
+            refs[name] = torch.load(path, weights_only=False)
+        errors = compare(got, refs[name])
         report[" ".join(x for x in layout if x not in hide)] = errors
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
@@ -236,6 +267,7 @@ def reference(tmp_path_factory):
     init.close()
     ref = run_job(shards, str(tmp / "ref"), [])
     torch.save(ref, tmp / "ref.pt")
+    router_references(shards, tmp)
     return tmp, shards
 
 
@@ -254,6 +286,10 @@ WORLD_2 = [
         "train.seed=7",
         "model.hf_checkpoint=@INIT_HF",
     ],
+    # router balancing: dp 2 (global-batch frequencies over both ranks) with ep 2; tp 2 (the
+    # sequence's documents split over ranks)
+    with_options("global", ["parallel.ep=2", "model.dispatcher=alltoall"]),
+    with_options("sequence", ["parallel.tp=2"]),
 ]
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],
@@ -266,16 +302,23 @@ WORLD_4 = [
         "model.dispatcher=alltoall",
     ],
     ["parallel.tp=4", "parallel.ep=2", "parallel.dp_mode=ddp", "model.dispatcher=alltoall"],
-    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
+    # with the router bias and the global-batch loss: the bias comes back from the checkpoint
+    with_options(
+        "global",
+        ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
+    ),
     # DCP resharding: step 1's checkpoint of the etp2/FSDP layout above, resumed as tp4 ep4 etp1 DDP
-    [
-        "parallel.tp=4",
-        "parallel.ep=4",
-        "parallel.etp=1",
-        "parallel.dp_mode=ddp",
-        "model.dispatcher=alltoall",
-        "FROM=w4_4",
-    ],
+    with_options(
+        "global",
+        [
+            "parallel.tp=4",
+            "parallel.ep=4",
+            "parallel.etp=1",
+            "parallel.dp_mode=ddp",
+            "model.dispatcher=alltoall",
+            "FROM=w4_4",
+        ],
+    ),
 ]
 
 
