@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moevlm.comm import all_gather_flat
+
 
 class StepFrequencies:
     """Expert frequencies over the step's micro-batches 0..g (g this one's number, above)."""
@@ -46,8 +48,7 @@ class StepFrequencies:
         mine = torch.cat([counts_E.detach().float(), n])
         every = mine[None]
         if self.size > 1:
-            every = mine.new_empty(self.size, mine.numel())
-            dist.all_gather_into_tensor(every, mine, group=self.group)
+            every = all_gather_flat(mine[None], self.group)
         upto = every[: self.rank + 1].sum(0)
         total = upto if self.seen is None else self.seen + upto
         round_ = every.sum(0)
