@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moevlm.data.sample_cache import ensure_sample
+from moevlm.model.moe import is_training_state
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
@@ -131,10 +132,12 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
             if part < STEPS:
                 tr.save()
             else:
+                # the router biases (model.moe_router_bias_rate): training state beside the weights
+                biases = {k: v.clone() for k, v in tr.model.named_buffers() if is_training_state(k)}
                 return {
                     "losses": list(tr.losses),
                     "grads": grads,
-                    "params": every_stage(tr, full_state_dict(tr.model)),
+                    "params": every_stage(tr, {**full_state_dict(tr.model), **biases}),
                 }
         finally:
             tr.close()
@@ -173,6 +176,9 @@ def compare(got: dict, ref: dict) -> dict:
         grad = max(grad, *(rel(g[k], r[k]) for k in r.keys() & g.keys()))
     assert got["params"].keys() == ref["params"].keys()
     param = max(rel(got["params"][k], ref["params"][k]) for k in ref["params"])
+    # the router biases move by +-rate steps from the same loads: equal bit for bit
+    for k in filter(is_training_state, ref["params"]):
+        assert torch.equal(got["params"][k], ref["params"][k]), k
     return {"loss": loss, "grads": grad, "params": param}
 
 
