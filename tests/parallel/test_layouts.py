@@ -63,6 +63,8 @@ ROUTER_OPTIONS = {
         "model.moe_z_loss_coeff=0.01",
     ],
     "sequence": ["model.moe_aux_loss=sequence", "model.moe_z_loss_coeff=0.01"],
+    # round robin over each rank's own tokens: equal where a rank holds whole rows (dp, ep, pp)
+    "forced": ["model.moe_router_force_balance=true"],
 }
 
 
@@ -296,6 +298,7 @@ WORLD_2 = [
     # sequence's documents split over ranks)
     with_options("global", ["parallel.ep=2", "model.dispatcher=alltoall"]),
     with_options("sequence", ["parallel.tp=2"]),
+    with_options("forced", ["parallel.ep=2", "model.dispatcher=alltoall"]),
 ]
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],

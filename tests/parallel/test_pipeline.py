@@ -70,7 +70,7 @@ def reference(tmp_path_factory):
     init.model.save_pretrained(tmp / "init_hf")
     init.close()
     torch.save(run_job(shards, str(tmp / "ref"), [MODEL]), tmp / "ref.pt")
-    router_references(shards, tmp, [MODEL])
+    router_references(shards, tmp, [MODEL], names=("global", "sequence"))
     return tmp, shards
 
 
