@@ -40,6 +40,13 @@ Design choices:
   read from the device once per logged step; with
   `model.moe_capacity_overflow=error` a step that dropped any fails before its
   update (one read per step, beside the loss's own sync).
+- Router balancing (moevlm.model.moe, moevlm.parallel.balance): with `model.moe_aux_loss=global_batch`
+  each micro-batch's aux loss weighs its router probabilities by the step's expert frequencies so far
+  (`StepFrequencies`, one all-gather per micro-batch over the data-parallel group); with
+  `model.moe_router_bias_rate` the routers' biases move after each step that updated the weights, from
+  the step's expert counts summed over data-parallel ranks (each pipeline rank its own layers; a
+  skipped step leaves them); the z-loss is averaged over micro-batches like the aux loss.
+  `model.moe_router_force_balance` is announced at start and marked in every record.
 - `train.compile`: each record carries the dynamo counters of this process
   since set-up (`compiled_graphs`, `graph_breaks`) and `recompiles` since the
   end of its first step (0 when the shapes are static, as they must be).
@@ -805,7 +812,9 @@ class Trainer:
         rows = [
             torch.stack(
                 [
-                    torch.zeros((), dtype=torch.long) if d.dropped is None else d.dropped.cpu(),
+                    torch.zeros((), dtype=torch.long)
+                    if d.dropped is None
+                    else d.dropped.cpu().long(),
                     torch.as_tensor(d.routed).cpu().long(),
                 ]
             )
