@@ -112,6 +112,8 @@ WORLD_4 = [
         "model.hf_checkpoint=@TMP/init_hf",
     ],
     [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
+    # the global-batch frequencies gathered over dp 2 on the last stage, inside the schedule
+    with_options("global", [*PP2, "parallel.dp_mode=fsdp"]),
     [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"],
 ]
 WORLD_8 = [
