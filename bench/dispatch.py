@@ -11,7 +11,11 @@ Backends, each on the same tokens and routing (checked equal to `alltoall` dropl
 - `deepep` / `hybridep` where `moevlm.dispatch.availability` says they can run here (hybridep also with
   each capacity factor: its static `num_permuted_tokens`); otherwise the reason.
 
-Routing: `balanced` (uniform random top-k) and `skewed` (expert e chosen with weight ~ 1/(e+1)).
+Routing (`--routing`, all three by default): `balanced` (uniform random top-k), `skewed` (expert e
+chosen with weight ~ 1/(e+1)) and `forced`: the model's forced-balanced routing
+(model.moe_router_force_balance, `moevlm.model.moe.balanced_choice`: token t to experts (t K + j) mod
+E), every expert the same number of rows from every rank, as published force-balanced throughputs
+are measured; its rows sit beside the same backends' `balanced` and `skewed` ones.
 Per backend: median time of dispatch+combine forward, and of forward+backward (the gradient of x runs
 the reverse exchanges), over --iters after a warm-up, all ranks timed together (a barrier per iteration);
 useful bandwidth = the bytes the dropless exchange moves for this rank (rows sent to and received from
@@ -33,6 +37,7 @@ import torch.distributed as dist
 
 from moevlm.dispatch import AllToAllDispatcher, build_dispatcher
 from moevlm.dispatch.availability import unavailable_reason
+from moevlm.model.moe import balanced_choice
 
 
 def routing(
@@ -42,6 +47,8 @@ def routing(
         torch.ones(E) if kind == "balanced" else 1.0 / torch.arange(1, E + 1, dtype=torch.float32)
     )
     idx = torch.multinomial(weights.expand(T, E), K, replacement=False, generator=gen)
+    if kind == "forced":
+        idx = balanced_choice(T, E, K, "cpu")
     w = torch.rand(T, K, generator=gen)
     return idx, w / w.sum(-1, keepdim=True)
 
@@ -90,6 +97,12 @@ def main() -> None:
     ap.add_argument("--capacity", type=float, nargs="*", default=[1.0, 1.25, 2.0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    ap.add_argument(
+        "--routing",
+        nargs="*",
+        default=["balanced", "skewed", "forced"],
+        choices=["balanced", "skewed", "forced"],
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -145,7 +158,7 @@ def main() -> None:
 
         return apply
 
-    for kind in ("balanced", "skewed"):
+    for kind in args.routing:
         idx, w = routing(T, E, K, kind, gen)
         idx, w = idx.to(device), w.to(device)
         x = torch.randn(T, D, generator=gen).to(device, dtype)

@@ -32,6 +32,8 @@ ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
 CAPACITY_OVERFLOWS = ("drop", "error")  # moe.capacity_overflow (moevlm.dispatch.capacity)
 DEEPEP_APIS = ("auto", "v2", "v1")  # moe.deepep_api (moevlm.dispatch.deepep)
+# moe.aux_loss (moevlm.model.moe): the load-balancing loss's form
+AUX_LOSSES = ("micro_batch", "global_batch", "sequence")
 # fp8 (moevlm.model.fp8): recipes, the linears it may cover, GEMM backends
 FP8_RECIPES = ("none", "blockwise", "mxfp8")
 FP8_MODULES = ("experts", "attn", "mlp", "vision")
@@ -108,6 +110,11 @@ class MoEConfig:
     # deepep (V2) / hybridep: a static bound on any rank's tokens (no all-reduce of token counts); None: none
     dispatcher_max_tokens_per_rank: int | None = None
     dispatcher_num_sms: int = 0  # deepep / hybridep: SMs of their kernels; 0 = the backend's choice
+    # the load-balancing loss's form: micro_batch (the reference's) | global_batch | sequence
+    aux_loss: str = "micro_batch"
+    router_bias_rate: float = 0.0  # aux-loss-free balancing: the expert bias's step (0 = off)
+    z_loss_coeff: float = 0.0  # router z-loss weight (0 = off)
+    router_force_balance: bool = False  # benchmarks only: even routing whatever the scores
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """The reference's rule: sparse unless listed dense or off the sparse step."""
@@ -209,6 +216,14 @@ class VLMConfig:
         _check(
             m.capacity_overflow in CAPACITY_OVERFLOWS,
             f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}",
+        )
+        _check(
+            m.aux_loss in AUX_LOSSES,
+            f"moe.aux_loss={m.aux_loss!r}; choose one of {list(AUX_LOSSES)}",
+        )
+        _check(
+            isinstance(m.router_force_balance, bool),
+            f"moe.router_force_balance={m.router_force_balance!r} must be true or false",
         )
         _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
         _check(
@@ -324,6 +339,8 @@ class VLMConfig:
             _check(_real(value) and value > 0, f"{name}={value!r} must be a finite number > 0")
         non_negative = {
             "moe.router_aux_loss_coef": m.router_aux_loss_coef,
+            "moe.router_bias_rate": m.router_bias_rate,
+            "moe.z_loss_coeff": m.z_loss_coeff,
             "vision.initializer_range": v.initializer_range,
             "text.initializer_range": t.initializer_range,
         }

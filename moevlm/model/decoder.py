@@ -43,6 +43,8 @@ class LayerInputs(NamedTuple):
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin
     mask: DocMask
     token_mask: torch.Tensor | None  # as the layers see it (to_layers)
+    # moe.aux_loss=sequence: (document index of each token as the layers see it, documents)
+    docs: tuple[torch.Tensor, int] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -112,14 +114,17 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None
+        self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None, *docs
     ) -> tuple[torch.Tensor, RouterStats | None]:
-        return run_region(self, "region", self._forward, h_BSD, rope_cos_sin, mask, token_mask_BS)
+        """`docs`: nothing, or LayerInputs.docs (moe.aux_loss=sequence)."""
+        return run_region(
+            self, "region", self._forward, h_BSD, rope_cos_sin, mask, token_mask_BS, *docs
+        )
 
-    def _forward(self, h_BSD, rope_cos_sin, mask, token_mask_BS):
+    def _forward(self, h_BSD, rope_cos_sin, mask, token_mask_BS, docs=None):
         h_BSD = h_BSD + self.attention_part(h_BSD, rope_cos_sin, mask)
         if self.is_moe:
-            out, stats = self.mlp(self.post_attention_layernorm(h_BSD), token_mask_BS)
+            out, stats = self.mlp(self.post_attention_layernorm(h_BSD), token_mask_BS, docs)
             return h_BSD + out, stats
         return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD)), None
 
@@ -150,6 +155,7 @@ class TextDecoder(nn.Module):
         layout = layout or Layout()
         t = cfg.text
         self.cfg, self.attn_backend = t, cfg.attn_backend
+        self.sequence_loss = cfg.moe.num_experts > 0 and cfg.moe.aux_loss == "sequence"
         self.seq, self.router_stats = layout.sequence, layout.router_stats
         self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, layout.vocab)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout) for i in range(t.num_layers))
@@ -197,7 +203,11 @@ class TextDecoder(nn.Module):
             dtype=dtype,
             static=self.static_mask,
         )
-        return LayerInputs(rope, mask, self.seq.enter(token_mask_BS))
+        docs = None
+        if self.sequence_loss:
+            doc_BS, num_docs = document_index(cu_seqlens, B, S, position_ids_3BS.device)
+            docs = (self.seq.enter(doc_BS), num_docs)
+        return LayerInputs(rope, mask, self.seq.enter(token_mask_BS), docs)
 
     def run_layers(
         self,
@@ -212,12 +222,23 @@ class TextDecoder(nn.Module):
         added after layer i.  Router statistics are reduced over the ranks sharing the sequence."""
         stats: list[RouterStats] = []
         for name, layer in (self.layers if layers is None else layers).named_children():
-            h, s = layer(h, ctx.rope, ctx.mask, ctx.token_mask)
+            docs = () if ctx.docs is None else (ctx.docs,)
+            h, s = layer(h, ctx.rope, ctx.mask, ctx.token_mask, *docs)
             if s is not None:
                 stats.append(self.router_stats.reduce(s))
             if int(name) in deepstack:
                 h = self.seq.add_at_mask(h, visual_mask_BS, deepstack[int(name)])
         return h, stats
+
+
+def document_index(cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> tuple:
+    """(the document of each token (B, S), number of documents): the segments of `cu_seqlens` over
+    the flattened B*S tokens (padding is a segment too; its tokens are masked), or one per row."""
+    if cu_seqlens is None:
+        return torch.arange(B, device=device)[:, None].expand(B, S), B
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    doc = torch.searchsorted(cu[1:], torch.arange(B * S, device=device), right=True)
+    return doc.clamp(max=cu.numel() - 2).view(B, S), cu.numel() - 1
 
 
 class Head(nn.Linear):

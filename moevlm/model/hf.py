@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moevlm.model.config import VLMConfig
+from moevlm.model.moe import is_training_state
 
 # (reference prefix, our prefix), most specific first; used in both directions.
 _PREFIXES = [
@@ -93,7 +94,9 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
 
 def expected_shapes(model: torch.nn.Module) -> dict[str, tuple]:
     """Our tensor names and (global) shapes that a checkpoint must provide (a tied head is the embedding)."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {
+        k: tuple(v.shape) for k, v in model.state_dict().items() if not is_training_state(k)
+    }
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     return expected
@@ -294,7 +297,7 @@ def export_state_dict(
     `moevlm.parallel` is exported with `moevlm.parallel.save_hf` (it gathers the shards)."""
     out = {}
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings or is_training_state(name):
             continue
         if type(t) is not torch.Tensor:
             raise TypeError(

@@ -17,6 +17,17 @@ Design choices:
   auxiliary loss is formed once over all layers exactly as the reference does; the
   decoder reduces them over the ranks that share the sequence (the layout's
   `router_stats`), and the trainer the same sums over data-parallel ranks.
+- Balancing options beside the reference's loss (all off by default; `moe.aux_loss` picks the
+  loss's form, see `load_balancing_loss`, `sequence_balance_loss`, `global_balance_loss`):
+  `moe.router_bias_rate` > 0 gives the router an `expert_bias` buffer added to the probabilities
+  for the choice of experts only (the combine weights stay the unbiased probabilities), which the
+  trainer moves after every optimizer step (`update_router_bias_`); it is training state, saved
+  in training checkpoints and never exported (`is_training_state`).  `moe.z_loss_coeff` > 0
+  adds each block's sum of logsumexp(logits)^2 to its statistics (`z_loss`).
+  `moe.router_force_balance` (benchmarks only) replaces the choice by a fixed round robin over
+  the block's own tokens: token t takes experts (t K + j) mod E, j < K, so every expert gets
+  the same number of rows whatever the scores; the combine weights are the router's
+  probabilities of those experts, renormalised, so the router still trains.
 - Regions a build step may wrap: the whole block (`region`), the SwiGLU between the
   two grouped GEMMs (`act_region`); see `moevlm.model.layout`.
 """
@@ -34,31 +45,63 @@ from moevlm.model.fp8 import Fp8Plan, Linear, expert_mm
 from moevlm.model.layout import Layout, local, run_region
 
 
+BIAS_BUFFER = "router.expert_bias"
+
+
 @dataclass
 class RouterStats:
     prob_sum_E: torch.Tensor  # sum over tokens of the full softmax, fp32
     counts_E: torch.Tensor  # top-k selections per expert, fp32
     num_tokens: int | torch.Tensor  # a tensor when masked (no host sync)
+    # moe.z_loss_coeff > 0: sum over tokens of logsumexp(logits)^2
+    z_sum: torch.Tensor | None = None
+    # moe.aux_loss=sequence: the same sums per document (Ds documents of the micro-batch)
+    doc_prob_sum_DE: torch.Tensor | None = None
+    doc_counts_DE: torch.Tensor | None = None
+    doc_tokens_D: torch.Tensor | None = None
+
+
+def is_training_state(name: str) -> bool:
+    """A state-dict entry that is training state (the router bias), not a weight of the network:
+    kept out of Hugging Face import and export."""
+    return name.endswith(BIAS_BUFFER)
 
 
 class Router(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int):
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, bias: bool = False, force_balance=False
+    ):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.force_balance = top_k, force_balance
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        if bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_TD: torch.Tensor):
+        """(top-k experts, their combine weights, full softmax, logits) of every token."""
         return run_region(self, "region", self._forward, x_TD)
 
-    def _forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, x_TD: torch.Tensor):
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
         # autocast would run this linear in bf16
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
-        topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
+        if self.force_balance:
+            topk_idx_TK = balanced_choice(*probs_TE.shape, self.top_k, probs_TE.device)
+            topk_w_TK = probs_TE.gather(1, topk_idx_TK)
+        elif hasattr(self, "expert_bias"):
+            topk_idx_TK = (probs_TE + self.expert_bias).topk(self.top_k, dim=-1).indices
+            topk_w_TK = probs_TE.gather(1, topk_idx_TK)
+        else:
+            topk_w_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
         topk_w_TK = topk_w_TK / topk_w_TK.sum(dim=-1, keepdim=True)
-        return topk_idx_TK, topk_w_TK, probs_TE
+        return topk_idx_TK, topk_w_TK, probs_TE, logits_TE
+
+
+def balanced_choice(T: int, E: int, K: int, device) -> torch.Tensor:
+    """(T, K) experts of the forced-balanced routing: token t takes (t K + j) mod E, j < K."""
+    return (torch.arange(T, device=device)[:, None] * K + torch.arange(K, device=device)) % E
 
 
 class Experts(nn.Module):
@@ -106,24 +149,39 @@ class MoEBlock(nn.Module):
     ):
         super().__init__()
         layout = layout or Layout()
-        self.num_experts = cfg.num_experts
-        self.router = Router(hidden, cfg.num_experts, cfg.top_k)
+        self.num_experts, self.z_loss = cfg.num_experts, cfg.z_loss_coeff > 0
+        self.router = Router(
+            hidden, cfg.num_experts, cfg.top_k, cfg.router_bias_rate > 0, cfg.router_force_balance
+        )
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
         self.dispatcher = layout.dispatcher(layer_idx, cfg)
         self.runner = layout.experts_runner()
 
     def forward(
-        self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None
+        self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None, docs=None
     ) -> tuple[torch.Tensor, RouterStats]:
         """`token_mask_BS` (True = real token) keeps padding out of the router
-        statistics (aux loss, expert load); padding is still routed and computed."""
-        return run_region(self, "region", self._forward, x_BSD, token_mask_BS)
+        statistics (aux loss, expert load); padding is still routed and computed.
+        `docs` (moe.aux_loss=sequence): (document index of each token (B, S), number of
+        documents) adds per-document sums to the statistics."""
+        return run_region(self, "region", self._forward, x_BSD, token_mask_BS, docs)
 
-    def _forward(self, x_BSD, token_mask_BS):
+    def _forward(self, x_BSD, token_mask_BS, docs=None):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        topk_idx_TK, topk_w_TK, probs_TE = self.router(x_TD)
+        topk_idx_TK, topk_w_TK, probs_TE, logits_TE = self.router(x_TD)
         y_TD = self.runner(x_TD, topk_idx_TK, topk_w_TK, self.dispatcher, self.experts)
-        return y_TD.view_as(x_BSD), self.stats(topk_idx_TK, probs_TE, token_mask_BS)
+        stats = self.stats(topk_idx_TK, probs_TE, token_mask_BS)
+        if self.z_loss or docs is not None:
+            keep_T = (
+                torch.ones_like(probs_TE[:, 0])
+                if token_mask_BS is None
+                else token_mask_BS.reshape(-1).to(probs_TE)
+            )
+            if self.z_loss:
+                stats.z_sum = (logits_TE.logsumexp(-1).square() * keep_T).sum()
+            if docs is not None:
+                add_doc_stats(stats, topk_idx_TK, probs_TE, keep_T, *docs)
+        return y_TD.view_as(x_BSD), stats
 
     def stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:
         """Counts by a fixed-size `scatter_add_` (no `bincount`: its output size is data dependent,
@@ -159,6 +217,20 @@ class DenseMLP(nn.Module):
         return self.seq.scatter_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def add_doc_stats(stats: RouterStats, topk_idx_TK, probs_TE, keep_T, doc_BS, num_docs: int):
+    """The per-document sums of the sequence-wise loss (fixed (num_docs, E) shapes)."""
+    doc_T = doc_BS.reshape(-1).to(probs_TE.device)
+    T, E = probs_TE.shape
+    stats.doc_prob_sum_DE = probs_TE.new_zeros(num_docs, E).index_add(
+        0, doc_T, probs_TE * keep_T[:, None]
+    )
+    counts_DE = probs_TE.new_zeros(num_docs * E)
+    flat_N = (doc_T[:, None] * E + topk_idx_TK).reshape(-1)
+    counts_DE.index_add_(0, flat_N, keep_T[:, None].expand_as(topk_idx_TK).reshape(-1))
+    stats.doc_counts_DE = counts_DE.view(num_docs, E).detach()
+    stats.doc_tokens_D = probs_TE.new_zeros(num_docs).index_add(0, doc_T, keep_T).detach()
+
+
 def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
     """Switch-style auxiliary loss over all MoE layers, as the reference defines it:
     E * sum_e (selections_e / tokens) * (mean router prob_e), with selections and
@@ -167,3 +239,51 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     frac_tokens_E = torch.stack([s.counts_E for s in stats]).sum(0) / tokens
     mean_prob_E = torch.stack([s.prob_sum_E for s in stats]).sum(0) / tokens
     return num_experts * (frac_tokens_E * mean_prob_E).sum()
+
+
+def sequence_balance_loss(s: RouterStats, num_experts: int) -> torch.Tensor:
+    """One layer's sequence-wise loss (DeepSeek-V3's, in the reference's scale): the mean over the
+    micro-batch's documents d (those with a real token) of E * sum_e (selections_de / n_d) *
+    (prob_sum_de / n_d), n_d the document's real tokens.  A document is one packed sample (a
+    segment of `cu_seqlens`; a whole row without packing).  DeepSeek-V3 divides by K as well: its
+    coefficient is ours times K."""
+    n_D1 = s.doc_tokens_D.clamp(min=1)[:, None]
+    per_doc_D = num_experts * ((s.doc_counts_DE / n_D1) * (s.doc_prob_sum_DE / n_D1)).sum(-1)
+    used_D = (s.doc_tokens_D > 0).to(per_doc_D)
+    return (per_doc_D * used_D).sum() / used_D.sum().clamp(min=1)
+
+
+def global_balance_loss(
+    prob_sum_E: torch.Tensor, tokens, freq_E: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """The global-batch loss of one micro-batch: E * sum_e freq_e * (prob_sum_e / tokens), the
+    micro-batch's mean router probabilities (summed over layers, as `load_balancing_loss`) weighted
+    by expert frequencies `freq_E` (selections over tokens) that the caller forms over more than
+    this micro-batch (moevlm.parallel.balance.StepFrequencies).  With `freq_E` of this micro-batch
+    alone it is `load_balancing_loss`, bit for bit."""
+    return num_experts * (freq_E * (prob_sum_E / tokens)).sum()
+
+
+def layer_extras(stats: list[RouterStats], num_experts: int) -> tuple:
+    """(sum over `stats`' layers of the per-layer sequence-wise loss, of the per-layer mean over
+    tokens of logsumexp^2); None where the statistics do not carry it."""
+    seq = z = None
+    for s in stats:
+        if s.doc_tokens_D is not None:
+            part = sequence_balance_loss(s, num_experts)
+            seq = part if seq is None else seq + part
+        if s.z_sum is not None:
+            part = s.z_sum / s.num_tokens
+            z = part if z is None else z + part
+    return seq, z
+
+
+def update_router_bias_(routers: list[Router], load_LE: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing after an optimizer step (DeepSeek-V3): each MoE layer's bias moves by
+    `rate` towards balance, bias_e += rate * sign(mean_e(load) - load_e), `load_LE` the step's
+    selections per layer (all micro-batches, all data-parallel ranks), one row per router in order."""
+    assert len(routers) == load_LE.shape[0], (len(routers), tuple(load_LE.shape))
+    load_LE = load_LE.to(torch.float32)
+    step_LE = rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+    for router, step_E in zip(routers, step_LE):
+        router.expert_bias.add_(step_E.to(router.expert_bias.device))

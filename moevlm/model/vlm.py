@@ -38,7 +38,7 @@ import torch.nn as nn
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
 from moevlm.model.layout import IGNORE_INDEX, Layout, next_token_targets, token_loss
-from moevlm.model.moe import MoEBlock, load_balancing_loss
+from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.vision import VisionEncoder
 
@@ -51,6 +51,9 @@ class VLMOutput:
     aux_loss: torch.Tensor | None = None
     num_loss_tokens: torch.Tensor | None = None
     expert_counts: torch.Tensor | None = None  # (MoE layers, E) top-k selections
+    z_loss: torch.Tensor | None = None  # moe.z_loss_coeff > 0: sum over layers of mean logsumexp^2
+    # the router statistics summed over layers (moe.aux_loss=global_batch: the trainer's aux loss)
+    router_totals: RouterStats | None = None
 
 
 class Qwen3VLMoe(nn.Module):
@@ -139,14 +142,30 @@ class Qwen3VLMoe(nn.Module):
         )
         out = VLMOutput(logits=self.lm_head(h_BSD))
         if stats:
-            out.aux_loss = load_balancing_loss(stats, cfg.moe.num_experts)
-            out.expert_counts = torch.stack([s.counts_E for s in stats]).detach()
+            self.router_outputs(out, stats)
         if labels is not None:
             out.lm_loss, out.num_loss_tokens = self.lm_loss(out.logits, labels, cu_seqlens)
             out.loss = out.lm_loss
             if out.aux_loss is not None:
                 out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
+            if out.z_loss is not None:
+                out.loss = out.loss + cfg.moe.z_loss_coeff * out.z_loss
         return out
+
+    def router_outputs(self, out: VLMOutput, stats: list[RouterStats]) -> None:
+        """aux loss of moe.aux_loss (global_batch: this micro-batch's own; the trainer forms the
+        step's from `router_totals`), z-loss, expert counts."""
+        moe = self.config.moe
+        E = moe.num_experts
+        seq, out.z_loss = layer_extras(stats, E)
+        out.aux_loss = load_balancing_loss(stats, E) if seq is None else seq / len(stats)
+        out.expert_counts = torch.stack([s.counts_E for s in stats]).detach()
+        if moe.aux_loss == "global_batch":
+            out.router_totals = RouterStats(
+                torch.stack([s.prob_sum_E for s in stats]).sum(0),
+                out.expert_counts.sum(0),
+                sum(s.num_tokens for s in stats),
+            )
 
     def embed(
         self,

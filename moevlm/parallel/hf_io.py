@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from moevlm.model import Qwen3VLMoe
 from moevlm.model import hf
+from moevlm.model.moe import is_training_state
 from moevlm.parallel.weights import copy_full_, full_tensor
 
 
@@ -101,6 +102,8 @@ def _file_plan(model: nn.Module, dtype: torch.dtype, max_shard_bytes: int, ctx):
     plan = ctx.pipeline.plan if ctx is not None and ctx.pipeline is not None else None
     by_rank: dict[int, dict[str, int]] = {}
     for name, t in whole.items():
+        if is_training_state(name):  # the router bias: training state, not a weight
+            continue
         by_rank.setdefault(_holder(plan, name), {})[name] = t.numel() * dtype.itemsize
     groups = [
         (r, names) for r in sorted(by_rank) for names in hf.shard_names(by_rank[r], max_shard_bytes)

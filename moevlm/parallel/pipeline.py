@@ -18,13 +18,17 @@ gradient coming back, static shapes from the packer's fixed budgets):
                              (those of layers on later stages), with the
                              padding rows: made once by the vision tower on
                              stage 0, never recomputed
-    stats    (2E+1,) fp32    router statistics summed over the layers so far:
-                             [sum of probabilities (E) | selections (E) | tokens]
+    stats    (2E+3,) fp32    router statistics summed over the layers so far:
+                             [sum of probabilities (E) | selections (E) | tokens |
+                              per-layer sequence-wise losses | per-layer z-losses]
+                             (the last two zero unless moe.aux_loss=sequence / moe.z_loss_coeff)
 
 The last stage forms the step's objective for its micro-batch exactly as one
 process does (`moevlm.model.objective`): lm_sum / (global loss tokens) + coef *
 aux / (micro-batches x dp), with the aux loss from the statistics of *all* layers (it is not a sum over
-stages), so its gradient reaches every stage's router through `stats`.
+stages), so its gradient reaches every stage's router through `stats`.  With
+moe.aux_loss=global_batch the last stage weighs the micro-batch's probabilities by the step's
+frequencies so far (`frequencies`, moevlm.parallel.balance), in the schedule's micro-batch order.
 
 Design choices:
 - The model is pruned per rank (`prune_to_stages`): the decoder layers become
@@ -57,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from moevlm.model.moe import RouterStats, load_balancing_loss
+from moevlm.model.moe import RouterStats, global_balance_loss, layer_extras, load_balancing_loss
 from moevlm.model.objective import objective
 from moevlm.parallel.pipeline_plan import SCHEDULES, PipelinePlan
 
@@ -101,6 +105,9 @@ class StageModule(nn.Module):
         self.ds_in = [] if self.first else [k for k in range(n_ds) if k >= span.start]
         self.ds_out = [] if self.last else [k for k in range(n_ds) if k >= span.stop]
         self.num_experts = cfg.moe.num_experts
+        self.moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.text.num_layers))
+        # moe.aux_loss=global_batch: a StepFrequencies (Pipeline.frequencies sets it)
+        self.frequencies = None
         # what crosses the boundary (Pipeline.start sets them)
         self.h_dtype = self.vision_dtype = torch.float32
         self.records: list[dict] = []
@@ -134,7 +141,7 @@ class StageModule(nn.Module):
         return tuple(_not_a_view(t) for t in (out if stats is None else [*out, stats]))
 
     def _add_stats(self, stats, layer_stats: list[RouterStats], h) -> torch.Tensor | None:
-        """Accumulate this stage's router statistics into the travelling (2E+1,) vector."""
+        """Accumulate this stage's router statistics into the travelling (2E+3,) vector."""
         record = {
             "counts": torch.stack([s.counts_E for s in layer_stats]).detach()
             if layer_stats
@@ -155,11 +162,15 @@ class StageModule(nn.Module):
                     torch.stack([s.prob_sum_E for s in layer_stats]).sum(0),
                     torch.stack([s.counts_E for s in layer_stats]).sum(0),
                     n[None],
+                    *(
+                        torch.zeros(1, device=h.device) if x is None else x.reshape(1)
+                        for x in layer_extras(layer_stats, self.num_experts)
+                    ),
                 ]
             ).float()
             stats = local if stats is None else stats + local
         elif stats is None:
-            stats = h.new_zeros(2 * self.num_experts + 1, dtype=torch.float32)
+            stats = h.new_zeros(2 * self.num_experts + 3, dtype=torch.float32)
         # a first stage without MoE layers: tie the vector to the graph (exact zero)
         if not stats.requires_grad:
             stats = stats + h.float().sum() * 0
@@ -170,16 +181,29 @@ class StageModule(nn.Module):
         logits = self.lm_head(self.norm(h))
         lm_loss, n = model.lm_loss(logits, b.labels, b.cu_seqlens)
         lm_sum = lm_loss * n
-        aux = None
+        aux = z = None
         # the load-balancing loss over every layer, from the sums of all stages
         if stats is not None:
-            E = self.num_experts
+            E, moe = self.num_experts, cfg.moe
             total = RouterStats(
                 stats[:E], counts_E=stats[E : 2 * E].detach(), num_tokens=stats[2 * E].detach()
             )
-            aux = load_balancing_loss([total], E)
+            if moe.aux_loss == "sequence":
+                aux = stats[2 * E + 1] / self.moe_layers
+            elif moe.aux_loss == "global_batch":
+                freq_E = self.frequencies(total.counts_E, total.num_tokens)
+                aux = global_balance_loss(total.prob_sum_E, total.num_tokens, freq_E, E)
+            else:
+                aux = load_balancing_loss([total], E)
+            z = stats[2 * E + 2] if moe.z_loss_coeff > 0 else None
         loss = objective(
-            lm_sum, self.loss_tokens, aux, cfg.moe.router_aux_loss_coef, self.aux_divisor
+            lm_sum,
+            self.loss_tokens,
+            aux,
+            cfg.moe.router_aux_loss_coef,
+            self.aux_divisor,
+            z,
+            cfg.moe.z_loss_coeff,
         )
         self.records[-1].update(lm_sum=lm_sum.detach(), aux=None if aux is None else aux.detach())
         return _not_a_view(loss.reshape(1).float())
@@ -235,7 +259,7 @@ class Pipeline:
         h = torch.empty(rows, seq_len // seq_shards, D, dtype=h_dtype, **meta)
         ds = torch.empty(rows * max_patches // merge**2, D, dtype=vision_dtype, **meta)
         stats = (
-            [torch.empty(2 * cfg.moe.num_experts + 1, dtype=torch.float32, **meta)]
+            [torch.empty(2 * cfg.moe.num_experts + 3, dtype=torch.float32, **meta)]
             if cfg.moe.num_experts
             else []
         )
@@ -282,6 +306,11 @@ class Pipeline:
             device=device if device.type == "cuda" else None,
         )
         return micro if self.pp_rank == 0 else box[0]
+
+    def set_frequencies(self, frequencies) -> None:
+        """moe.aux_loss=global_batch: the StepFrequencies the last stage reads (moevlm.parallel.balance)."""
+        for m in self.modules:
+            m.frequencies = frequencies
 
     def forward_backward(self, micro: list, loss_tokens: float, aux_divisor: int):
         """Run the schedule over the step's MicroBatches (on the device); `aux_divisor` = M x dp.

@@ -144,7 +144,12 @@ class SumOverGroup:
 
         n = torch.as_tensor(s.num_tokens, dtype=torch.float32, device=s.prob_sum_E.device)
         counts_n = sum_replicated(torch.cat([s.counts_E, n[None]]), self.group)
-        return RouterStats(sum_replicated(s.prob_sum_E, self.group), counts_n[:-1], counts_n[-1])
+        out = RouterStats(sum_replicated(s.prob_sum_E, self.group), counts_n[:-1], counts_n[-1])
+        # the balancing options' sums (moe.z_loss_coeff, moe.aux_loss=sequence), when present
+        for name in ("z_sum", "doc_prob_sum_DE", "doc_counts_DE", "doc_tokens_D"):
+            if getattr(s, name) is not None:
+                setattr(out, name, sum_replicated(getattr(s, name), self.group))
+        return out
 
 
 def kv_rows(tp: int, rank: int):

@@ -29,6 +29,10 @@ Conventions:
   layers of every stage.
 - Expert load: max over layers of (max expert count / mean expert count) of the
   routed-token counts; 1.0 is perfect balance, null without MoE layers.
+  `expert_load_by_layer` lists the same ratio per MoE layer (decoder order; TensorBoard
+  `moe/load_max_over_mean/layer_<i>`, i the MoE layer's position among the MoE layers), and
+  with an expert capacity the trainer adds `moe_dropped_fraction_by_layer` (dropped over routed
+  (token, expert) choices per MoE layer; `moe/dropped_fraction/layer_<i>`).
 - Non-finite numbers are written to metrics.jsonl as the strings "nan", "inf",
   "-inf" (valid JSON; `float()` reads them back), so a NaN loss stays visible
   as such rather than looking like a missing value.
@@ -127,6 +131,15 @@ def expert_load_max_over_mean(counts_LE: torch.Tensor | None) -> float | None:
     return float((c.max(-1).values[used] / mean_L[used]).max())
 
 
+def expert_load_by_layer(counts_LE: torch.Tensor | None) -> list[float | None] | None:
+    """max_e / mean_e of routed-token counts per layer (null for a layer that routed nothing)."""
+    if counts_LE is None or counts_LE.numel() == 0:
+        return None
+    c = counts_LE.detach().double().reshape(-1, counts_LE.shape[-1])
+    mean_L, max_L = c.mean(-1), c.max(-1).values
+    return [round(float(m / a), 4) if a > 0 else None for m, a in zip(max_L, mean_L)]
+
+
 def _num(x) -> float | None:
     return None if x is None else float(x)
 
@@ -168,6 +181,7 @@ def step_record(
         "data_wait_frac": data_wait_s / step_time_s if step_time_s > 0 else None,
         "mem_gib": _num(mem_gib),
         "expert_load_max_over_mean": expert_load_max_over_mean(expert_counts),
+        "expert_load_by_layer": expert_load_by_layer(expert_counts),
         "bad_samples": sum(skipped.values()),
         "bad_samples_by_reason": skipped,
         "nonfinite_steps": int(nonfinite_steps),
@@ -280,6 +294,14 @@ _TB_TAGS = {
 def scalars(record: dict) -> dict[str, float]:
     """The record's numbers under their TensorBoard / W&B tags (nulls left out)."""
     out = {tag: record[key] for key, tag in _TB_TAGS.items() if record.get(key) is not None}
+    per_layer = {
+        "expert_load_by_layer": "moe/load_max_over_mean",
+        "moe_dropped_fraction_by_layer": "moe/dropped_fraction",
+    }
+    for key, tag in per_layer.items():
+        for i, v in enumerate(record.get(key) or ()):
+            if v is not None:
+                out[f"{tag}/layer_{i}"] = v
     for reason, n in record.get("bad_samples_by_reason", {}).items():
         out[f"data/bad_samples/{reason}"] = n
     for name, seconds in (record.get("components_s") or {}).items():  # train.profile_components

@@ -42,6 +42,7 @@ from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY
 from moevlm.dispatch import dispatcher_names
 from moevlm.model.config import (
     ATTN_BACKENDS,
+    AUX_LOSSES,
     CAPACITY_OVERFLOWS,
     DEEPEP_APIS,
     FP8_BACKENDS,
@@ -80,6 +81,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
         "model.fp8_backend": FP8_BACKENDS,
         "model.moe_capacity_overflow": CAPACITY_OVERFLOWS,
         "model.deepep_api": DEEPEP_APIS,
+        "model.moe_aux_loss": AUX_LOSSES,
         "parallel.pp_schedule": tuple(SCHEDULES),
         "data.pack.oversize": OVERSIZE,
         "data.pin_memory": PIN_MEMORY,

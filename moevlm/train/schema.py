@@ -184,6 +184,45 @@ class ModelConfig:
             "HybridEP: its defaults)",
         },
     )
+    moe_aux_loss: str = field(
+        default="micro_batch",
+        metadata={
+            "sets": "moe.aux_loss",
+            "help": "the load-balancing loss's form (weight model.aux_loss_coef): micro_batch (the reference's: "
+            "expert frequencies and mean probabilities of each micro-batch, pooled over layers), global_batch "
+            "(the micro-batch's mean probabilities weighted by the frequencies of the step's micro-batches so "
+            "far over every data-parallel rank, in global row order: moevlm.parallel.balance), sequence "
+            "(DeepSeek-V3's sequence-wise loss: per layer and per packed document, averaged)",
+        },
+    )
+    moe_router_bias_rate: float = field(
+        default=0.0,
+        metadata={
+            "sets": "moe.router_bias_rate",
+            "help": "aux-loss-free balancing (DeepSeek-V3), 0 = off: a per-expert bias added to the router "
+            "probabilities for the choice of experts only, moved after every optimizer step by "
+            "bias += rate x sign(mean load - load) from the step's load (all micro-batches and data-parallel "
+            "ranks); saved in training checkpoints, never exported. Combine with model.aux_loss_coef=0 for "
+            "DeepSeek-V3's recipe",
+        },
+    )
+    moe_z_loss_coeff: float = field(
+        default=0.0,
+        metadata={
+            "sets": "moe.z_loss_coeff",
+            "help": "router z-loss weight, 0 = off: coeff x the mean over tokens of logsumexp(router logits)^2, "
+            "summed over MoE layers and averaged over the step's micro-batches like the aux loss",
+        },
+    )
+    moe_router_force_balance: bool = field(
+        default=False,
+        metadata={
+            "sets": "moe.router_force_balance",
+            "help": "benchmarks only: every MoE layer routes its tokens evenly (token t to experts (t x top_k + "
+            "j) mod num_experts) whatever the router scores, as published force-balanced throughputs are "
+            "measured; logged at start and marked moe_router_force_balance in every metrics record",
+        },
+    )
     aux_loss_coef: Optional[float] = field(
         default=None,
         metadata={

@@ -40,6 +40,13 @@ Design choices:
   read from the device once per logged step; with
   `model.moe_capacity_overflow=error` a step that dropped any fails before its
   update (one read per step, beside the loss's own sync).
+- Router balancing (moevlm.model.moe, moevlm.parallel.balance): with `model.moe_aux_loss=global_batch`
+  each micro-batch's aux loss weighs its router probabilities by the step's expert frequencies so far
+  (`StepFrequencies`, one all-gather per micro-batch over the data-parallel group); with
+  `model.moe_router_bias_rate` the routers' biases move after each step that updated the weights, from
+  the step's expert counts summed over data-parallel ranks (each pipeline rank its own layers; a
+  skipped step leaves them); the z-loss is averaged over micro-batches like the aux loss.
+  `model.moe_router_force_balance` is announced at start and marked in every record.
 - `train.compile`: each record carries the dynamo counters of this process
   since set-up (`compiled_graphs`, `graph_breaks`) and `recompiles` since the
   end of its first step (0 when the shapes are static, as they must be).
@@ -83,8 +90,10 @@ from moevlm.data.loader import build_loader, merge_states, worker_death
 from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.model.config import ConfigError
 from moevlm.model.fp8 import install_weight_cache, resolve_fp8, weights_changed
+from moevlm.model.moe import Router, global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
 from moevlm.parallel import build_model, init_parameters_, materialize_
+from moevlm.parallel.balance import StepFrequencies, step_load
 from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.recompute import describe as describe_recompute
@@ -302,6 +311,23 @@ class Trainer:
             load_hf_weights_(model, m.hf_checkpoint)
         else:
             init_parameters_(model, self.t.seed, self.parallel)  # the same weights under any layout
+        # moe.router_bias_rate: the expert biases start at zero (training state, not in HF files)
+        self.routers = [r for r in model.modules() if isinstance(r, Router)]
+        for r in self.routers:
+            if hasattr(r, "expert_bias"):
+                r.expert_bias.zero_()
+        moe = self.plan.model.moe
+        self.frequencies = (
+            StepFrequencies(self.parallel.dp_group) if moe.aux_loss == "global_batch" else None
+        )
+        if self.frequencies is not None and self.pipeline is not None:
+            self.pipeline.set_frequencies(self.frequencies)
+        if moe.router_force_balance and moe.num_experts:
+            self.log.info(
+                "WARNING: model.moe_router_force_balance=true: tokens are routed evenly whatever the "
+                "router scores (a benchmarking mode: the model trained is not a real MoE); every "
+                "record carries moe_router_force_balance=true"
+            )
         # (None on pipeline ranks without the first stage)
         if m.freeze_vision and model.vision is not None:
             model.vision.requires_grad_(False)
@@ -537,6 +563,8 @@ class Trainer:
                 self.parallel.dp_group,
             )
         loss_tokens = max(totals[0], 1.0)
+        if self.frequencies is not None:
+            self.frequencies.begin_step()
         with self._phase("forward/backward"):
             fb = (
                 self._pipeline_forward_backward
@@ -564,6 +592,11 @@ class Trainer:
             self.updated_losses.append(float(loss))
         with self._phase("optimizer step", span="optimizer"):
             self._update(ok)
+        if ok and self.plan.model.moe.router_bias_rate > 0 and counts is not None:
+            with self._phase("router bias update (data-parallel load all-reduce)"):
+                biased = [r for r in self.routers if hasattr(r, "expert_bias")]
+                load = step_load(counts, self.parallel.dp_group)
+                update_router_bias_(biased, load, self.plan.model.moe.router_bias_rate)
         self.prof.end_step(self.step)
         window.add(
             loss=float(loss),
@@ -615,6 +648,14 @@ class Trainer:
             with self._autocast():
                 out = self.model(**mb.to(self.device).model_inputs())
             lm_sum = out.lm_loss * out.num_loss_tokens
+            moe = self.plan.model.moe
+            if out.router_totals is not None:
+                # moe.aux_loss=global_batch: the step's frequencies so far (moevlm.parallel.balance)
+                t = out.router_totals
+                freq_E = self.frequencies(t.counts_E, t.num_tokens)
+                out.aux_loss = global_balance_loss(
+                    t.prob_sum_E, t.num_tokens, freq_E, moe.num_experts
+                )
             # every gradient reduction sums over ranks (moevlm.parallel.data_parallel): each rank's
             # loss is its share of the step's objective
             with self._phase("forward/backward", span="backward"):
@@ -622,8 +663,10 @@ class Trainer:
                     lm_sum,
                     loss_tokens,
                     out.aux_loss,
-                    self.plan.model.moe.router_aux_loss_coef,
+                    moe.router_aux_loss_coef,
                     share,
+                    out.z_loss,
+                    moe.z_loss_coeff,
                 ).backward()
             aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=self.device)
             loss_sum, aux_sum = loss_sum + lm_sum.detach(), aux_sum + aux.detach() / share
@@ -754,10 +797,38 @@ class Trainer:
             rec["components_s"] = self.prof.take_window()
         # collective: moe_dropped_tokens, _fraction, moe_overflowed_dispatches
         if self.overflow is not None:
+            rec["moe_dropped_fraction_by_layer"] = self._dropped_by_layer()
             rec.update(self.overflow.record(self.device))  # over the window
         rec["mock"] = self.job.data.mock  # data.mock: "none" for real data
+        if self.plan.model.moe.router_force_balance:
+            rec["moe_router_force_balance"] = True
         reset_peak_memory(self.device)
         return rec
+
+    def _dropped_by_layer(self) -> list[float | None]:
+        """Per MoE layer (decoder order, every pipeline stage's), the capacity dispatchers' dropped over
+        routed (token, expert) choices of the window, summed over the ranks holding different tokens;
+        read before `OverflowCounter.record` resets the counts.  Collective, like that record."""
+        rows = [
+            torch.stack(
+                [
+                    torch.zeros((), dtype=torch.long)
+                    if d.dropped is None
+                    else d.dropped.cpu().long(),
+                    torch.as_tensor(d.routed).cpu().long(),
+                ]
+            )
+            for d in self.overflow.dispatchers
+        ]
+        local = torch.stack(rows).to(self.device) if rows else None
+        # the ranks of one pipeline position hold the same layers
+        if local is not None and self.parallel.loss_group is not None:
+            dist.all_reduce(local, group=self.parallel.loss_group)
+        if self.pipeline is not None:
+            local = _pp_all_layers(self, local)
+        if local is None:
+            return []
+        return [round(float(d) / float(r), 6) if r else None for d, r in local.tolist()]
 
     def close(self) -> None:
         self.faults.closing()

@@ -505,6 +505,13 @@ def _check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims) -> None:
             "kernels: use model.permute=torch or leave moe_preprocess out",
         ),
         (
+            "full_layer" in scope
+            and (model.moe.z_loss_coeff > 0 or model.moe.aux_loss == "sequence"),
+            "full_layer carries the router's selections and probabilities out of the graph, not the z-loss "
+            "or per-document sums of model.moe_z_loss_coeff / model.moe_aux_loss=sequence; use attn, "
+            "moe_router, moe_preprocess",
+        ),
+        (
             bool({"moe_router", "moe_preprocess"} & set(scope)) and not model.moe.num_experts,
             "moe_router/moe_preprocess: this model has no MoE layers (model.num_experts=0); leave them out",
         ),

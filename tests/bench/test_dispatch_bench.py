@@ -41,9 +41,9 @@ def test_dispatch_bench_prints_every_row():
     rows = [
         line
         for line in out.stdout.splitlines()
-        if line.startswith("| balanced") or line.startswith("| skewed")
+        if line.startswith(("| balanced", "| skewed", "| forced"))
     ]
-    assert len(rows) == 2 * 3, out.stdout
+    assert len(rows) == 3 * 3, out.stdout
     assert "deepep: not run:" in out.stdout and "hybridep: not run:" in out.stdout
     cap4 = [r for r in rows if "cap 4.0" in r]  # C = T: nothing can drop
     assert all("| 0.0% |" in r for r in cap4), cap4

@@ -25,7 +25,17 @@ from moevlm.model.config import ConfigError
 from moevlm.train.config import compose_job, validate
 from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
-from test_layouts import REPO, TOL, UNCLIPPED_EPS, check_layouts, print_report, run_job, runs_agree
+from test_layouts import (
+    REPO,
+    TOL,
+    UNCLIPPED_EPS,
+    check_layouts,
+    print_report,
+    router_references,
+    run_job,
+    runs_agree,
+    with_options,
+)
 
 WORLD_2 = [
     ["parallel.cp=2"],
@@ -34,6 +44,8 @@ WORLD_2 = [
     # recompute over the cp attention: its collectives must not be reissued out of step
     ["parallel.cp=2", "parallel.cp_comm=ring", "model.recompute=full"],
     ["parallel.cp=2", "model.recompute=selective", "model.recompute_modules=[core_attn,moe]"],
+    # router balancing: documents split over the cp ranks' chunks (sequence-wise loss)
+    with_options("sequence", ["parallel.cp=2"]),
 ]
 WORLD_4 = [
     ["parallel.cp=4", "parallel.cp_comm=ring"],
@@ -48,6 +60,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
     shards = str(ensure_sample()[0])
     torch.save(run_job(shards, str(tmp / "ref"), []), tmp / "ref.pt")
+    router_references(shards, tmp, names=("sequence",))
     return tmp, shards
 
 

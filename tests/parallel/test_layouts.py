@@ -15,7 +15,11 @@ launch per world size.
 
 Two world-4 entries also check checkpoints: one saves after step 1 and a new
 Trainer resumes (same layout), the next resumes that checkpoint under another
-layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  A summary line per
+layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  Both run the router
+balancing options of `ROUTER_OPTIONS["global"]` (global-batch loss, expert bias,
+z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
+step 2 to match.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
+compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.
 """
@@ -33,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moevlm.data.sample_cache import ensure_sample
+from moevlm.model.moe import is_training_state
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.train.config import compose_job
 from moevlm.train.trainer import Trainer
@@ -48,6 +53,31 @@ TOL = 1e-5
 # kinds) moved a vision bias 3.6e-5 relative after 3 steps of cp2 x tp2 while the gradients agreed to
 # 3e-6; with 1e-5 the parameters agree as the gradients do (3e-6).
 UNCLIPPED_EPS = "optim.eps=1e-5"
+
+
+# router balancing options checked sharded vs unsharded (each against its own reference, "REF=<name>")
+ROUTER_OPTIONS = {
+    "global": [
+        "model.moe_aux_loss=global_batch",
+        "model.moe_router_bias_rate=0.01",
+        "model.moe_z_loss_coeff=0.01",
+    ],
+    "sequence": ["model.moe_aux_loss=sequence", "model.moe_z_loss_coeff=0.01"],
+    # round robin over each rank's own tokens: equal where a rank holds whole rows (dp, ep, pp)
+    "forced": ["model.moe_router_force_balance=true"],
+}
+
+
+def with_options(name: str, layout: list[str]) -> list[str]:
+    """`layout` running ROUTER_OPTIONS[name], compared with the reference of those options."""
+    return [*layout, f"REF={name}", *ROUTER_OPTIONS[name]]
+
+
+def router_references(shards: str, tmp, base: list[str] = (), names=tuple(ROUTER_OPTIONS)) -> None:
+    """One-process reference runs of the ROUTER_OPTIONS entries `names`: <tmp>/ref_<name>.pt."""
+    for name in names:
+        got = run_job(shards, str(tmp / f"ref_{name}"), [*base, *ROUTER_OPTIONS[name]])
+        torch.save(got, tmp / f"ref_{name}.pt")
 
 
 def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
@@ -80,7 +110,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     resume = "RESUME" in layout
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
-    layout = [x for x in layout if x != "RESUME" and not x.startswith("FROM=")]
+    layout = [x for x in layout if x != "RESUME" and not x.startswith(("FROM=", "REF="))]
     layout = [
         x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")).replace(
             "@TMP", os.path.dirname(run_dir)
@@ -104,10 +134,12 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
             if part < STEPS:
                 tr.save()
             else:
+                # the router biases (model.moe_router_bias_rate): training state beside the weights
+                biases = {k: v.clone() for k, v in tr.model.named_buffers() if is_training_state(k)}
                 return {
                     "losses": list(tr.losses),
                     "grads": grads,
-                    "params": every_stage(tr, full_state_dict(tr.model)),
+                    "params": every_stage(tr, {**full_state_dict(tr.model), **biases}),
                 }
         finally:
             tr.close()
@@ -146,6 +178,9 @@ def compare(got: dict, ref: dict) -> dict:
         grad = max(grad, *(rel(g[k], r[k]) for k in r.keys() & g.keys()))
     assert got["params"].keys() == ref["params"].keys()
     param = max(rel(got["params"][k], ref["params"][k]) for k in ref["params"])
+    # the router biases move by +-rate steps from the same loads: equal bit for bit
+    for k in filter(is_training_state, ref["params"]):
+        assert torch.equal(got["params"][k], ref["params"][k]), k
     return {"loss": loss, "grads": grad, "params": param}
 
 
@@ -211,11 +246,15 @@ def check_layouts(
 ) -> None:
     """Every layout against the reference (run i in <tmp>/<prefix><world>_<i>); the errors, keyed by the
     layout without the `hide` entries, go to <tmp>/<report_name> (rank 0)."""
-    ref = torch.load(ref_path, weights_only=False)
+    refs = {None: torch.load(ref_path, weights_only=False)}
     report = {}
     for i, layout in enumerate(layouts):
         got = run_job(shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout)
-        errors = compare(got, ref)
+        name = next((x.split("=", 1)[1] for x in layout if x.startswith("REF=")), None)
+        if name not in refs:
+            path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
+            refs[name] = torch.load(path, weights_only=False)
+        errors = compare(got, refs[name])
         report[" ".join(x for x in layout if x not in hide)] = errors
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
@@ -236,6 +275,7 @@ def reference(tmp_path_factory):
     init.close()
     ref = run_job(shards, str(tmp / "ref"), [])
     torch.save(ref, tmp / "ref.pt")
+    router_references(shards, tmp)
     return tmp, shards
 
 
@@ -254,6 +294,11 @@ WORLD_2 = [
         "train.seed=7",
         "model.hf_checkpoint=@INIT_HF",
     ],
+    # router balancing: dp 2 (global-batch frequencies over both ranks) with ep 2; tp 2 (the
+    # sequence's documents split over ranks)
+    with_options("global", ["parallel.ep=2", "model.dispatcher=alltoall"]),
+    with_options("sequence", ["parallel.tp=2"]),
+    with_options("forced", ["parallel.ep=2", "model.dispatcher=alltoall"]),
 ]
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],
@@ -266,16 +311,23 @@ WORLD_4 = [
         "model.dispatcher=alltoall",
     ],
     ["parallel.tp=4", "parallel.ep=2", "parallel.dp_mode=ddp", "model.dispatcher=alltoall"],
-    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
+    # with the router bias and the global-batch loss: the bias comes back from the checkpoint
+    with_options(
+        "global",
+        ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall", "RESUME"],
+    ),
     # DCP resharding: step 1's checkpoint of the etp2/FSDP layout above, resumed as tp4 ep4 etp1 DDP
-    [
-        "parallel.tp=4",
-        "parallel.ep=4",
-        "parallel.etp=1",
-        "parallel.dp_mode=ddp",
-        "model.dispatcher=alltoall",
-        "FROM=w4_4",
-    ],
+    with_options(
+        "global",
+        [
+            "parallel.tp=4",
+            "parallel.ep=4",
+            "parallel.etp=1",
+            "parallel.dp_mode=ddp",
+            "model.dispatcher=alltoall",
+            "FROM=w4_4",
+        ],
+    ),
 ]
 
 

@@ -40,6 +40,8 @@ from test_layouts import (
     check_layouts,
     job_overrides,
     print_report,
+    router_references,
+    with_options,
     rel,
     run_job,
     runs_agree,
@@ -68,6 +70,7 @@ def reference(tmp_path_factory):
     init.model.save_pretrained(tmp / "init_hf")
     init.close()
     torch.save(run_job(shards, str(tmp / "ref"), [MODEL]), tmp / "ref.pt")
+    router_references(shards, tmp, [MODEL], names=("global", "sequence"))
     return tmp, shards
 
 
@@ -86,6 +89,10 @@ WORLD_2 = [
         "parallel.pp_layers=[1,1,1,1]",
     ],
     [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"],
+    # router balancing: the global-batch frequencies read on the last stage in schedule order, the
+    # bias of each stage's layers; the sequence-wise loss travelling between stages
+    with_options("global", [*PP2, "parallel.pp_layers=[1,3]"]),
+    with_options("sequence", [*PP2, "parallel.pp_layers=[3,1]"]),
 ]
 V_SCHEDULES = [
     [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
@@ -105,6 +112,8 @@ WORLD_4 = [
         "model.hf_checkpoint=@TMP/init_hf",
     ],
     [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
+    # the global-batch frequencies gathered over dp 2 on the last stage, inside the schedule
+    with_options("global", [*PP2, "parallel.dp_mode=fsdp"]),
     [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"],
 ]
 WORLD_8 = [

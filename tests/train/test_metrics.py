@@ -14,6 +14,7 @@ from moevlm.train.metrics import (
     fmt_count,
     peak_memory_gib,
     peak_tflops_for_name,
+    scalars,
     step_record,
 )
 
@@ -127,6 +128,36 @@ def test_expert_load():
     assert expert_load_max_over_mean(counts_LE[:1]) == pytest.approx(1.0)
     assert expert_load_max_over_mean(counts_LE[2:]) is None
     assert record(expert_counts=counts_LE)["expert_load_max_over_mean"] == pytest.approx(4.0)
+
+
+def test_expert_load_by_layer_and_dropped_share_per_layer():
+    """Per MoE layer: max/mean of the counts (null for an empty layer) in the record and under one
+    TensorBoard tag each; the capacity dispatchers' dropped share per layer (the trainer's reading)."""
+    from types import SimpleNamespace
+
+    from moevlm.train.trainer import Trainer
+
+    counts_LE = torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0], [0, 0, 0, 0]])
+    rec = record(expert_counts=counts_LE)
+    assert rec["expert_load_by_layer"] == [1.0, 4.0, None]
+    rec["moe_dropped_fraction_by_layer"] = [0.25, None]
+    tags = scalars(rec)
+    assert (
+        tags["moe/load_max_over_mean/layer_1"] == 4.0
+        and "moe/load_max_over_mean/layer_2" not in tags
+    )
+    assert tags["moe/dropped_fraction/layer_0"] == 0.25
+    dispatchers = [
+        SimpleNamespace(dropped=torch.tensor(3), routed=12),
+        SimpleNamespace(dropped=None, routed=0),
+    ]
+    fake = SimpleNamespace(
+        overflow=SimpleNamespace(dispatchers=dispatchers),
+        device=torch.device("cpu"),
+        parallel=SimpleNamespace(loss_group=None),
+        pipeline=None,
+    )
+    assert Trainer._dropped_by_layer(fake) == [0.25, None]
 
 
 def test_fmt_count():
