@@ -105,6 +105,13 @@ SET = {
     "num_experts": 4,
     "vision_depth": 1,
     "aux_loss_coef": 0.01,
+    "moe_aux_loss": "sequence",
+    "moe_router_bias_rate": 0.001,
+    "moe_z_loss_coeff": 0.001,
+    "moe_router_force_balance": True,
+    "deepep_api": "v1",
+    "dispatcher_max_tokens_per_rank": 4096,
+    "dispatcher_num_sms": 24,
 }
 
 

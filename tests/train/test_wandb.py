@@ -136,7 +136,10 @@ def test_trainer_logs_the_tensorboard_scalars_to_wandb(tmp_path, fake_wandb):
                 "data/bad_samples",
             }
             <= data.keys()
-            <= set(_TB_TAGS.values()) | {"data/bad_samples/too_long"}
+            <= set(_TB_TAGS.values())
+            | {"data/bad_samples/too_long"}
+            # the per-layer expert load of the tiny model's three MoE layers
+            | {f"moe/load_max_over_mean/layer_{i}" for i in range(3)}
         )
         assert "perf/mfu" not in data  # null on CPU: left out, as in TensorBoard
     assert fake_wandb.finished == 1

@@ -397,7 +397,9 @@ class ElasticBuffer:
             return self._exchange(canonical, layout.recv_splits, layout.send_splits)
 
         # summed in fp32, written as bf16
-        combined_x = torch.zeros(T, x.shape[1]).index_add_(0, layout.send_token_idx, back(x).float())
+        combined_x = torch.zeros(T, x.shape[1]).index_add_(
+            0, layout.send_token_idx, back(x).float()
+        )
         combined_x = combined_x.to(x.dtype)
         combined_w = None
         # slot k: the weight the rank owning expert topk_idx[t, k] sent back, 0 for -1

@@ -217,7 +217,8 @@ class Buffer:
         # upstream's combine kernels are instantiated for bf16 only (csrc/kernels/legacy/launch.cuh)
         check_bf16(x, "DeepEP V1 combine")
 
-        def back(rows):  # to the source ranks, then summed per source token (in fp32, as the kernels)
+        # to the source ranks, then summed per source token (in fp32, as the kernels)
+        def back(rows):
             rows = self._exchange(rows, handle.recv_splits, handle.send_splits)
             return _sum_rows(rows.float(), handle).to(rows.dtype)
 

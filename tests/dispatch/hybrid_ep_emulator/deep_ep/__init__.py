@@ -201,7 +201,9 @@ def _rows(hidden_GD: torch.Tensor, src_M: torch.Tensor, used: int) -> torch.Tens
     """The permuted rows: padding rows zero, rows past `used` never written (NaN here).  Upstream has no dtype
     check: it copies D 2-byte words of each row, so wider rows arrive as garbage (their first half, then NaN)."""
     D = hidden_GD.shape[1]
-    src = torch.cat([hidden_GD, hidden_GD.new_zeros(1, D)])[torch.where(src_M >= 0, src_M, len(hidden_GD))]
+    src = torch.cat([hidden_GD, hidden_GD.new_zeros(1, D)])[
+        torch.where(src_M >= 0, src_M, len(hidden_GD))
+    ]
     out = torch.full_like(src, float("nan"))
     out.view(torch.uint8)[:used, : 2 * D] = src[:used].view(torch.uint8)[:, : 2 * D]
     return out
