@@ -35,7 +35,7 @@ from moevlm.model.attention import DocMask
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Linear
 from moevlm.model.layout import Layout, Vocab, add_at_mask, run_region
-from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats
+from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats, TokenInfo
 from moevlm.model.rope import apply_rotary, mrope
 
 
@@ -43,8 +43,8 @@ class LayerInputs(NamedTuple):
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin
     mask: DocMask
     token_mask: torch.Tensor | None  # as the layers see it (to_layers)
-    # moe.aux_loss=sequence: (document index of each token as the layers see it, documents)
-    docs: tuple[torch.Tensor, int] | None = None
+    # moe.aux_loss=sequence / moe.router_force_balance: documents and positions of the tokens
+    tokens: TokenInfo | None = None
 
 
 class RMSNorm(nn.Module):
@@ -116,7 +116,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h_BSD, rope_cos_sin, mask: DocMask, token_mask_BS: torch.Tensor | None = None, *docs
     ) -> tuple[torch.Tensor, RouterStats | None]:
-        """`docs`: nothing, or LayerInputs.docs (moe.aux_loss=sequence)."""
+        """`docs`: nothing, or LayerInputs.tokens (moe.aux_loss=sequence, moe.router_force_balance)."""
         return run_region(
             self, "region", self._forward, h_BSD, rope_cos_sin, mask, token_mask_BS, *docs
         )
@@ -156,6 +156,7 @@ class TextDecoder(nn.Module):
         t = cfg.text
         self.cfg, self.attn_backend = t, cfg.attn_backend
         self.sequence_loss = cfg.moe.num_experts > 0 and cfg.moe.aux_loss == "sequence"
+        self.force_balance = cfg.moe.num_experts > 0 and cfg.moe.router_force_balance
         self.seq, self.router_stats = layout.sequence, layout.router_stats
         self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, layout.vocab)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout) for i in range(t.num_layers))
@@ -203,11 +204,17 @@ class TextDecoder(nn.Module):
             dtype=dtype,
             static=self.static_mask,
         )
-        docs = None
-        if self.sequence_loss:
-            doc_BS, num_docs = document_index(cu_seqlens, B, S, position_ids_3BS.device)
-            docs = (self.seq.enter(doc_BS), num_docs)
-        return LayerInputs(rope, mask, self.seq.enter(token_mask_BS), docs)
+        tokens = None
+        if self.sequence_loss or self.force_balance:
+            device = position_ids_3BS.device
+            tokens = TokenInfo()
+            if self.sequence_loss:
+                doc_BS, num_docs = document_index(cu_seqlens, B, S, device)
+                tokens = tokens._replace(doc_BS=self.seq.enter(doc_BS), num_docs=num_docs)
+            if self.force_balance:
+                pos_BS = torch.arange(S, device=device).expand(B, S)
+                tokens = tokens._replace(pos_BS=self.seq.enter(pos_BS))
+        return LayerInputs(rope, mask, self.seq.enter(token_mask_BS), tokens)
 
     def run_layers(
         self,
@@ -222,7 +229,7 @@ class TextDecoder(nn.Module):
         added after layer i.  Router statistics are reduced over the ranks sharing the sequence."""
         stats: list[RouterStats] = []
         for name, layer in (self.layers if layers is None else layers).named_children():
-            docs = () if ctx.docs is None else (ctx.docs,)
+            docs = () if ctx.tokens is None else (ctx.tokens,)
             h, s = layer(h, ctx.rope, ctx.mask, ctx.token_mask, *docs)
             if s is not None:
                 stats.append(self.router_stats.reduce(s))

@@ -25,8 +25,10 @@ Design choices:
   in training checkpoints and never exported (`is_training_state`).  `moe.z_loss_coeff` > 0
   adds each block's sum of logsumexp(logits)^2 to its statistics (`z_loss`).
   `moe.router_force_balance` (benchmarks only) replaces the choice by a fixed round robin over
-  the block's own tokens: token t takes experts (t K + j) mod E, j < K, so every expert gets
-  the same number of rows whatever the scores; the combine weights are the router's
+  sequence positions: the token at position p of its sequence takes experts (p K + j) mod E,
+  j < K (the decoder hands each token's position, so a sequence split over tp or cp ranks routes
+  as one process does), and every expert gets the same number of rows whatever the scores
+  when the sequence length times K is a multiple of E; the combine weights are the router's
   probabilities of those experts, renormalised, so the router still trains.
 - Regions a build step may wrap: the whole block (`region`), the SwiGLU between the
   two grouped GEMMs (`act_region`); see `moevlm.model.layout`.
@@ -35,6 +37,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -77,18 +80,22 @@ class Router(nn.Module):
         if bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
 
-    def forward(self, x_TD: torch.Tensor):
-        """(top-k experts, their combine weights, full softmax, logits) of every token."""
-        return run_region(self, "region", self._forward, x_TD)
+    def forward(self, x_TD: torch.Tensor, pos_T: torch.Tensor | None = None):
+        """(top-k experts, their combine weights, full softmax, logits) of every token.  `pos_T`:
+        each token's position in its whole sequence, which forced-balanced routing routes by (so a
+        sharded sequence routes as one process does); None: the tokens' order here."""
+        return run_region(self, "region", self._forward, x_TD, pos_T)
 
-    def _forward(self, x_TD: torch.Tensor):
+    def _forward(self, x_TD: torch.Tensor, pos_T: torch.Tensor | None = None):
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 in float64 tests
         # autocast would run this linear in bf16
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
         if self.force_balance:
-            topk_idx_TK = balanced_choice(*probs_TE.shape, self.top_k, probs_TE.device)
+            if pos_T is None:
+                pos_T = torch.arange(probs_TE.shape[0], device=probs_TE.device)
+            topk_idx_TK = balanced_choice(pos_T, probs_TE.shape[1], self.top_k)
             topk_w_TK = probs_TE.gather(1, topk_idx_TK)
         elif hasattr(self, "expert_bias"):
             topk_idx_TK = (probs_TE + self.expert_bias).topk(self.top_k, dim=-1).indices
@@ -99,9 +106,21 @@ class Router(nn.Module):
         return topk_idx_TK, topk_w_TK, probs_TE, logits_TE
 
 
-def balanced_choice(T: int, E: int, K: int, device) -> torch.Tensor:
-    """(T, K) experts of the forced-balanced routing: token t takes (t K + j) mod E, j < K."""
-    return (torch.arange(T, device=device)[:, None] * K + torch.arange(K, device=device)) % E
+def balanced_choice(pos_T: torch.Tensor, E: int, K: int) -> torch.Tensor:
+    """(T, K) experts of the forced-balanced routing: the token at position p of its sequence
+    takes (p K + j) mod E, j < K (every expert gets the same share of a sequence whose length
+    times K is a multiple of E)."""
+    return (pos_T.to(torch.long)[:, None] * K + torch.arange(K, device=pos_T.device)) % E
+
+
+class TokenInfo(NamedTuple):
+    """What an MoE block may need to know of its tokens beyond their rows, each (B, S) as the layers
+    see the sequence: the document of each token and the number of documents (moe.aux_loss=
+    sequence), the position of each token in its whole sequence (moe.router_force_balance)."""
+
+    doc_BS: torch.Tensor | None = None
+    num_docs: int = 0
+    pos_BS: torch.Tensor | None = None
 
 
 class Experts(nn.Module):
@@ -158,19 +177,24 @@ class MoEBlock(nn.Module):
         self.runner = layout.experts_runner()
 
     def forward(
-        self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None, docs=None
+        self,
+        x_BSD: torch.Tensor,
+        token_mask_BS: torch.Tensor | None = None,
+        tokens: TokenInfo | None = None,
     ) -> tuple[torch.Tensor, RouterStats]:
         """`token_mask_BS` (True = real token) keeps padding out of the router
         statistics (aux loss, expert load); padding is still routed and computed.
-        `docs` (moe.aux_loss=sequence): (document index of each token (B, S), number of
-        documents) adds per-document sums to the statistics."""
-        return run_region(self, "region", self._forward, x_BSD, token_mask_BS, docs)
+        `tokens`: documents (moe.aux_loss=sequence: per-document sums join the statistics)
+        and positions (moe.router_force_balance) of the tokens."""
+        return run_region(self, "region", self._forward, x_BSD, token_mask_BS, tokens)
 
-    def _forward(self, x_BSD, token_mask_BS, docs=None):
+    def _forward(self, x_BSD, token_mask_BS, tokens=None):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        topk_idx_TK, topk_w_TK, probs_TE, logits_TE = self.router(x_TD)
+        pos_T = None if tokens is None or tokens.pos_BS is None else tokens.pos_BS.reshape(-1)
+        topk_idx_TK, topk_w_TK, probs_TE, logits_TE = self.router(x_TD, pos_T)
         y_TD = self.runner(x_TD, topk_idx_TK, topk_w_TK, self.dispatcher, self.experts)
         stats = self.stats(topk_idx_TK, probs_TE, token_mask_BS)
+        docs = None if tokens is None or tokens.doc_BS is None else tokens
         if self.z_loss or docs is not None:
             keep_T = (
                 torch.ones_like(probs_TE[:, 0])
@@ -180,7 +204,7 @@ class MoEBlock(nn.Module):
             if self.z_loss:
                 stats.z_sum = (logits_TE.logsumexp(-1).square() * keep_T).sum()
             if docs is not None:
-                add_doc_stats(stats, topk_idx_TK, probs_TE, keep_T, *docs)
+                add_doc_stats(stats, topk_idx_TK, probs_TE, keep_T, docs.doc_BS, docs.num_docs)
         return y_TD.view_as(x_BSD), stats
 
     def stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:

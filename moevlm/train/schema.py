@@ -218,9 +218,10 @@ class ModelConfig:
         default=False,
         metadata={
             "sets": "moe.router_force_balance",
-            "help": "benchmarks only: every MoE layer routes its tokens evenly (token t to experts (t x top_k + "
-            "j) mod num_experts) whatever the router scores, as published force-balanced throughputs are "
-            "measured; logged at start and marked moe_router_force_balance in every metrics record",
+            "help": "benchmarks only: every MoE layer routes its tokens evenly (the token at position p of its "
+            "sequence to experts (p x top_k + j) mod num_experts, the same under any split of the sequence) "
+            "whatever the router scores, as published force-balanced throughputs are measured; logged at "
+            "start and marked moe_router_force_balance in every metrics record",
         },
     )
     aux_loss_coef: Optional[float] = field(

@@ -164,7 +164,8 @@ def test_router_stays_fp32_under_bf16_autocast(monkeypatch):
     )
 
     def check(router, inputs, outputs):
-        (x_TD,), (_, topk_w, probs, _) = inputs, outputs
+        # inputs: the rows, and the tokens' positions (None here: no forced routing)
+        (x_TD, _), (_, topk_w, probs, _) = inputs, outputs
         with torch.autocast("cpu", enabled=False):
             want = F.linear(x_TD.float(), router.weight.float()).softmax(-1)
         # (the hook is inside)

@@ -176,6 +176,10 @@ def test_force_balance_routes_evenly_and_weighs_by_the_router():
     assert idx[0].tolist() == [0, 1] and idx[5].tolist() == [2, 3]
     p = probs.gather(1, idx)
     torch.testing.assert_close(w, p / p.sum(-1, keepdim=True), rtol=0, atol=0)
+    # tokens 6..11 of the sequence, routed where they are (a rank's shard): the same experts
+    x = torch.randn(12, 16)
+    whole, shard = router(x)[0], router(x[6:], torch.arange(6, 12))[0]
+    assert torch.equal(shard, whole[6:]) and not torch.equal(router(x[6:])[0], whole[6:])
 
 
 def test_bias_is_kept_out_of_hugging_face_files():

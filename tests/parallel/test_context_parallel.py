@@ -46,6 +46,8 @@ WORLD_2 = [
     ["parallel.cp=2", "model.recompute=selective", "model.recompute_modules=[core_attn,moe]"],
     # router balancing: documents split over the cp ranks' chunks (sequence-wise loss)
     with_options("sequence", ["parallel.cp=2"]),
+    # forced routing by sequence position, the sequence in load-balanced chunks over cp 2
+    with_options("forced", ["parallel.cp=2"]),
 ]
 WORLD_4 = [
     ["parallel.cp=4", "parallel.cp_comm=ring"],
@@ -60,7 +62,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
     shards = str(ensure_sample()[0])
     torch.save(run_job(shards, str(tmp / "ref"), []), tmp / "ref.pt")
-    router_references(shards, tmp, names=("sequence",))
+    router_references(shards, tmp, names=("sequence", "forced"))
     return tmp, shards
 
 

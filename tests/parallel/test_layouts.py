@@ -63,7 +63,7 @@ ROUTER_OPTIONS = {
         "model.moe_z_loss_coeff=0.01",
     ],
     "sequence": ["model.moe_aux_loss=sequence", "model.moe_z_loss_coeff=0.01"],
-    # round robin over each rank's own tokens: equal where a rank holds whole rows (dp, ep, pp)
+    # round robin by each token's position in its sequence: the same experts under any split
     "forced": ["model.moe_router_force_balance=true"],
 }
 
@@ -299,6 +299,11 @@ WORLD_2 = [
     with_options("global", ["parallel.ep=2", "model.dispatcher=alltoall"]),
     with_options("sequence", ["parallel.tp=2"]),
     with_options("forced", ["parallel.ep=2", "model.dispatcher=alltoall"]),
+    # forced routing with the sequence split over tp 2 (sequence parallel) and ep over those ranks
+    with_options(
+        "forced",
+        ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
+    ),
 ]
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],
