@@ -13,9 +13,10 @@ Backends, each on the same tokens and routing (checked equal to `alltoall` dropl
 
 Routing (`--routing`, all three by default): `balanced` (uniform random top-k), `skewed` (expert e
 chosen with weight ~ 1/(e+1)) and `forced`: the model's forced-balanced routing
-(model.moe_router_force_balance, `moevlm.model.moe.balanced_choice`: token t to experts (t K + j) mod
-E), every expert the same number of rows from every rank, as published force-balanced throughputs
-are measured; its rows sit beside the same backends' `balanced` and `skewed` ones.
+(model.moe_router_force_balance, `moevlm.model.moe.balanced_choice`: the token at position p to
+experts (p K + j) mod E), every expert the same number of rows from every rank, as published
+force-balanced throughputs are measured; its rows sit beside the same backends' `balanced` and
+`skewed` ones.
 Per backend: median time of dispatch+combine forward, and of forward+backward (the gradient of x runs
 the reverse exchanges), over --iters after a warm-up, all ranks timed together (a barrier per iteration);
 useful bandwidth = the bytes the dropless exchange moves for this rank (rows sent to and received from
@@ -48,7 +49,8 @@ def routing(
     )
     idx = torch.multinomial(weights.expand(T, E), K, replacement=False, generator=gen)
     if kind == "forced":
-        idx = balanced_choice(T, E, K, "cpu")
+        # a rank's tokens as the positions 0..T-1 of its sequence
+        idx = balanced_choice(torch.arange(T), E, K)
     w = torch.rand(T, K, generator=gen)
     return idx, w / w.sum(-1, keepdim=True)
 
