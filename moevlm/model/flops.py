@@ -43,17 +43,26 @@ def decoder_forward_flops(cfg: VLMConfig, doc_lens: Sequence[int]) -> float:
 
 def layer_forward_flops(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int]) -> float:
     """Decoder layer `layer_idx` (attention + MoE or dense MLP, the router included), forward."""
+    return float(sum(layer_forward_parts(cfg, layer_idx, doc_lens).values()))
+
+
+def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int]) -> dict[str, int]:
+    """Decoder layer `layer_idx`'s forward FLOPs by region: attention's projections ("attn_proj"),
+    its QK^T and PV ("core_attn"), and the MoE block with its router ("moe") or the dense MLP
+    ("mlp")."""
     t, m = cfg.text, cfg.moe
     T = sum(doc_lens)
     D, hd = t.hidden_size, t.head_dim
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
-    attn_proj = 2 * T * D * (q + 2 * kv) + 2 * T * q * D
-    attn_core = sum(4 * L * L * q for L in doc_lens)
+    parts = {
+        "attn_proj": 2 * T * D * (q + 2 * kv) + 2 * T * q * D,
+        "core_attn": sum(4 * L * L * q for L in doc_lens),
+    }
     if m.is_moe_layer(layer_idx):
-        mlp = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
+        parts["moe"] = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
     else:
-        mlp = 6 * T * D * t.intermediate_size
-    return float(attn_proj + attn_core + mlp)
+        parts["mlp"] = 6 * T * D * t.intermediate_size
+    return parts
 
 
 def head_forward_flops(cfg: VLMConfig, tokens: int) -> float:
@@ -76,8 +85,8 @@ def vision_forward_flops(
     N = sum(t * h * w for t, h, w in grids)
     d, wide = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
     patch = 2 * N * v.patch_dim * d
-    per_block = 2 * N * d * 3 * d + 2 * N * d * d + 4 * N * d * v.intermediate_size
-    attn_core = sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids)
+    block = vision_block_forward_parts(cfg, grids)
+    per_block, attn_core = block["linear"] + block["mlp"], block["core_attn"]
     merged = N // v.spatial_merge_size**2
     merger = 2 * merged * wide * wide + 2 * merged * wide * v.out_hidden_size
     total = (
@@ -87,6 +96,19 @@ def vision_forward_flops(
         + merger * (1 + len(v.deepstack_visual_indexes))
     )
     return float(total), float(patch)
+
+
+def vision_block_forward_parts(cfg: VLMConfig, grids: Sequence) -> dict[str, int]:
+    """One vision block's forward FLOPs over images of patch grids `grids` ((t, h, w) each), by
+    region: qkv and output projections ("linear"), attention's QK^T and PV per image ("core_attn"),
+    the MLP ("mlp")."""
+    v = cfg.vision
+    N, d = sum(t * h * w for t, h, w in grids), v.hidden_size
+    return {
+        "linear": 2 * N * d * 3 * d + 2 * N * d * d,
+        "core_attn": sum(t * 4 * (h * w) ** 2 * d for t, h, w in grids),
+        "mlp": 4 * N * d * v.intermediate_size,
+    }
 
 
 def count_flops(

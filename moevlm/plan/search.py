@@ -391,39 +391,29 @@ def comm_seconds(comm_bytes: dict, dims, g: Gpu) -> tuple[float, float]:
 def recompute_forward_flops(cfg, mb, mode: str, modules=()) -> float:
     """Forward FLOPs one micro-batch recomputes in backward, counted as moevlm.model.flops counts
     (matmuls and attention's QK^T and PV; norms and activations are free)."""
-    from moevlm.model.flops import doc_lens_of, layer_forward_flops
+    from moevlm.model.flops import doc_lens_of, layer_forward_parts, vision_block_forward_parts
 
     if mode == "none":
         return 0.0
     B, S = mb.input_ids.shape
     docs = doc_lens_of(B, S, mb.cu_seqlens)
-    grids = [] if mb.image_grid_thw is None else [g for g in mb.image_grid_thw.tolist() if g[0]]
-    t, m, v = cfg.text, cfg.moe, cfg.vision
-    T, D, q = sum(docs), t.hidden_size, t.num_heads * t.head_dim
-    N = sum(a * b * c for a, b, c in grids)
-    text_core = sum(4 * n * n * q for n in docs)
-    vision_core = sum(a * 4 * (b * c) ** 2 * v.hidden_size for a, b, c in grids)
-    d = v.hidden_size
-    vision_mlp = 4 * N * d * v.intermediate_size
-    vision_block = 2 * N * d * 3 * d + 2 * N * d * d + vision_mlp + vision_core
-    layers = range(t.num_layers)
-    moe_layers = [i for i in layers if m.is_moe_layer(i)]
+    grids = [] if mb.image_grid_thw is None else mb.image_grid_thw.tolist()
+    depth = cfg.vision.depth
+    layers = [layer_forward_parts(cfg, i, docs) for i in range(cfg.text.num_layers)]
+    block = vision_block_forward_parts(cfg, grids)
+    vision_block = sum(block.values())
     if mode == "full":
-        return float(
-            sum(layer_forward_flops(cfg, i, docs) for i in layers) + v.depth * vision_block
-        )
+        return float(sum(sum(p.values()) for p in layers) + depth * vision_block)
     regions = {
-        "core_attn": t.num_layers * text_core + v.depth * vision_core,
-        "mlp": (t.num_layers - len(moe_layers)) * 6 * T * D * t.intermediate_size
-        + v.depth * vision_mlp,
-        "moe": len(moe_layers)
-        * (2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size),
-        "vision": v.depth * vision_block,
+        "core_attn": sum(p["core_attn"] for p in layers) + depth * block["core_attn"],
+        "mlp": sum(p.get("mlp", 0) for p in layers) + depth * block["mlp"],
+        "moe": sum(p.get("moe", 0) for p in layers),
+        "vision": depth * vision_block,
     }
     chosen = set(modules)
     if "vision" in chosen:  # regions inside a recomputed vision block are not recomputed twice
-        regions["core_attn"] -= v.depth * vision_core
-        regions["mlp"] -= v.depth * vision_mlp
+        regions["core_attn"] -= depth * block["core_attn"]
+        regions["mlp"] -= depth * block["mlp"]
     return float(sum(regions.get(r, 0) for r in chosen))
 
 
