@@ -49,6 +49,22 @@ def group_max_tokens(group, num_tokens: int, device) -> int:
     )
 
 
+def token_bound(
+    group, num_tokens: int, device, max_tokens_per_rank: int | None, backend: str
+) -> int:
+    """The bound on any rank's token count that DeepEP V2 and HybridEP size their buffers by: the
+    dispatcher's static `max_tokens_per_rank` when given (no collective; more tokens here is an
+    error), else the group's largest count now (`group_max_tokens`)."""
+    if max_tokens_per_rank is None:
+        return group_max_tokens(group, num_tokens, device)
+    if num_tokens > max_tokens_per_rank:
+        raise ValueError(
+            f"{num_tokens} tokens on this rank exceed the {backend} dispatcher's "
+            f"max_tokens_per_rank={max_tokens_per_rank}"
+        )
+    return max_tokens_per_rank
+
+
 DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
 _fallbacks_logged: set[tuple[str, str]] = set()
 

@@ -88,7 +88,7 @@ from torch import Tensor
 
 from moevlm.dispatch.alltoall import _resolve_group
 from moevlm.dispatch.availability import DEEPEP_API_CLASS
-from moevlm.dispatch.base import TokenDispatcher, group_max_tokens, register_dispatcher
+from moevlm.dispatch.base import TokenDispatcher, register_dispatcher, token_bound
 from moevlm.dispatch.handles import HANDLES, lookup, register_combine_autograd, store
 from moevlm.model.rows import RowsState, from_expert_rows, rows_plan
 
@@ -547,13 +547,7 @@ class DeepEPDispatcher(TokenDispatcher):
     def _dispatch_v2(self, wire_TD, topk_idx_TK, topk_w_TK):
         """V2: the buffer for the group's bound C (built or grown), then the dispatch on the SMs resolved."""
         T, name = wire_TD.shape[0], self.group.group_name
-        C = self.max_tokens_per_rank
-        if C is None:
-            C = group_max_tokens(self.group, T, wire_TD.device)
-        elif T > C:
-            raise ValueError(
-                f"{T} tokens on this rank exceed the deepep dispatcher's max_tokens_per_rank={C}"
-            )
+        C = token_bound(self.group, T, wire_TD.device, self.max_tokens_per_rank, "deepep")
         self.buffer = _elastic_buffer(self.group, C, wire_TD.shape[1], self.top_k)
         num_sms = self.num_sms or v2_num_sms(self.buffer, self.num_experts, self.top_k, name)
         return deepep_dispatch_v2(

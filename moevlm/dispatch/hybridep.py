@@ -69,8 +69,8 @@ from moevlm.dispatch.alltoall import _check_capacity, _resolve_group
 from moevlm.dispatch.base import (
     TokenDispatcher,
     dense_routing,
-    group_max_tokens,
     register_dispatcher,
+    token_bound,
 )
 from moevlm.dispatch.capacity import add_overflow, expert_capacity, in_backward
 from moevlm.dispatch.handles import lookup, register_combine_autograd, store
@@ -343,18 +343,13 @@ class HybridEPDispatcher(TokenDispatcher):
 
     def padded_tokens(self, num_tokens: int, device) -> int:
         """T' (see the module docstring)."""
-        if self.max_tokens_per_rank is not None:
-            if num_tokens > self.max_tokens_per_rank:
-                raise ValueError(
-                    f"{num_tokens} tokens on this rank exceed the hybridep dispatcher's "
-                    f"max_tokens_per_rank={self.max_tokens_per_rank}"
-                )
-            bound = self.max_tokens_per_rank
-        elif self.capacity_factor is not None:
+        if self.max_tokens_per_rank is None and self.capacity_factor is not None:
             bound = num_tokens
         else:
-            # the dropless mode's one extra host read
-            bound = group_max_tokens(self.group, num_tokens, device)
+            # without a static bound, the dropless mode's one extra host read
+            bound = token_bound(
+                self.group, num_tokens, device, self.max_tokens_per_rank, "hybridep"
+            )
         return -(-bound // TOKEN_ALIGN) * TOKEN_ALIGN
 
     def dispatch(self, x_TD, topk_idx_TK, topk_w_TK):
