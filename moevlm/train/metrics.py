@@ -119,25 +119,26 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def expert_load_max_over_mean(counts_LE: torch.Tensor | None) -> float | None:
-    """max over layers of max_e / mean_e of routed-token counts (layers x experts); empty layers ignored."""
-    if counts_LE is None or counts_LE.numel() == 0:
-        return None
-    c = counts_LE.detach().double().reshape(-1, counts_LE.shape[-1])
-    mean_L = c.mean(-1)
-    used = mean_L > 0
-    if not used.any():
-        return None
-    return float((c.max(-1).values[used] / mean_L[used]).max())
-
-
-def expert_load_by_layer(counts_LE: torch.Tensor | None) -> list[float | None] | None:
-    """max_e / mean_e of routed-token counts per layer (null for a layer that routed nothing)."""
+def _load_ratios(counts_LE: torch.Tensor | None) -> list[float | None] | None:
+    """max_e / mean_e of routed-token counts (layers x experts) per layer, None for a layer that
+    routed nothing; None without counts."""
     if counts_LE is None or counts_LE.numel() == 0:
         return None
     c = counts_LE.detach().double().reshape(-1, counts_LE.shape[-1])
     mean_L, max_L = c.mean(-1), c.max(-1).values
-    return [round(float(m / a), 4) if a > 0 else None for m, a in zip(max_L, mean_L)]
+    return [float(m / a) if a > 0 else None for m, a in zip(max_L, mean_L)]
+
+
+def expert_load_max_over_mean(counts_LE: torch.Tensor | None) -> float | None:
+    """max over layers of max_e / mean_e of routed-token counts (layers x experts); empty layers ignored."""
+    used = [r for r in _load_ratios(counts_LE) or () if r is not None]
+    return max(used) if used else None
+
+
+def expert_load_by_layer(counts_LE: torch.Tensor | None) -> list[float | None] | None:
+    """max_e / mean_e of routed-token counts per layer (null for a layer that routed nothing)."""
+    ratios = _load_ratios(counts_LE)
+    return None if ratios is None else [None if r is None else round(r, 4) for r in ratios]
 
 
 def _num(x) -> float | None:

@@ -312,10 +312,11 @@ class Trainer:
         else:
             init_parameters_(model, self.t.seed, self.parallel)  # the same weights under any layout
         # moe.router_bias_rate: the expert biases start at zero (training state, not in HF files)
-        self.routers = [r for r in model.modules() if isinstance(r, Router)]
-        for r in self.routers:
-            if hasattr(r, "expert_bias"):
-                r.expert_bias.zero_()
+        self.biased_routers = [
+            r for r in model.modules() if isinstance(r, Router) and hasattr(r, "expert_bias")
+        ]
+        for r in self.biased_routers:
+            r.expert_bias.zero_()
         moe = self.plan.model.moe
         self.frequencies = (
             StepFrequencies(self.parallel.dp_group) if moe.aux_loss == "global_batch" else None
@@ -594,9 +595,8 @@ class Trainer:
             self._update(ok)
         if ok and self.plan.model.moe.router_bias_rate > 0 and counts is not None:
             with self._phase("router bias update (data-parallel load all-reduce)"):
-                biased = [r for r in self.routers if hasattr(r, "expert_bias")]
                 load = step_load(counts, self.parallel.dp_group)
-                update_router_bias_(biased, load, self.plan.model.moe.router_bias_rate)
+                update_router_bias_(self.biased_routers, load, self.plan.model.moe.router_bias_rate)
         self.prof.end_step(self.step)
         window.add(
             loss=float(loss),
