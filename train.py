@@ -2,7 +2,7 @@
 
     python train.py                                        # embedded CPU default
     torchrun --nproc-per-node 8 train.py +experiment=h100_fsdp data.shards=DIR
-    python train.py -m optim.lr=1e-3,3e-4                  # a sweep, one job each
+    python train.py -m optim.lr=1e-3,3e-4                  # a sweep, one job each (a failed one is recorded)
 
 Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
 Exit codes: moevlm.train.exit_codes.ExitCode (0 done, 2 config error, ...).
@@ -24,17 +24,35 @@ from moevlm.train.exit_codes import ExitCode
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import write_failed_line, looks_like_disk_full
+from moevlm.train.sweep import run_job, sweep_root
 
 register_configs()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        code = _job(cfg, None)
+        # the run is over (checkpointed if it stopped early) and the process exits: a stop signal now,
+        # such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.
+        # Ignored, not handled: Python resets its own handlers to the default while it finalises.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        if code:
+            sys.exit(code)
+        return
+    # a sweep's job: its outcome is recorded and the sweep goes on (moevlm.train.sweep)
+    root = sweep_root(cfg.train.run_dir, hc.sweep.dir)
+    sweep = (hc.sweep.dir, hc.job.num)
+    run_job(lambda: _job(cfg, sweep), root, hc.job.num, root / str(hc.job.num), hc.overrides.task)
+
+
+def _job(cfg, sweep: tuple[str, int] | None) -> int:
+    """One job (the run, or one of a sweep): its exit code; set-up failures exit with theirs."""
     from moevlm.train.checkpoint import CheckpointError
     from moevlm.train.trainer import Trainer
 
-    hc = HydraConfig.get()
-    sweep = (hc.sweep.dir, hc.job.num) if hc.mode == RunMode.MULTIRUN else None
     if cfg.parallel.fake_world:
         sys.exit(_plan(cfg))
     try:
@@ -64,15 +82,7 @@ def main(cfg) -> None:
             raise
         print(line, file=sys.stderr)
         sys.exit(ExitCode.COLLECTIVE)
-    code = trainer.run()
-    if sweep is None:
-        # the run is over (checkpointed if it stopped early) and the process exits: a stop signal now,
-        # such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.
-        # Ignored, not handled: Python resets its own handlers to the default while it finalises.
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-    if code:
-        sys.exit(code)
+    return trainer.run()
 
 
 def _plan(cfg) -> int:

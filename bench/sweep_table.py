@@ -1,25 +1,35 @@
 """A Hydra sweep's run directories -> one markdown table, one row per job.
 
-    python train.py -m +experiment=h100_1gpu data.shards=sample train.steps=30 \\
+    python train.py -m +experiment=h100_1gpu data.shards=DIR train.steps=30 \\
         train.micro_batch_size=1,2 model.recompute=none,selective,full train.compile=false,true \\
         hydra.sweep.dir=sweeps/tuning
     python bench/sweep_table.py sweeps/tuning [--warmup 5] [--out table.md]
 
     python train.py -m +experiment=sweep_tuning data.shards=DIR hydra.sweep.dir=sweeps/tuning   # the same
 
-(conf/experiment/sweep_tuning.yaml holds that sweep; any sweep works).
+(conf/experiment/sweep_tuning.yaml holds that sweep; any sweep works).  A key given on the
+command line replaces the config's sweep of it: `... +experiment=sweep_tuning train.compile=true`
+runs 6 of the 12 jobs, and the table lists those 6.
 
 Design choices:
-- The jobs a sweep should have come from Hydra's own record, <dir>/multirun.yaml
+- The jobs a sweep has come from Hydra's own record, <dir>/multirun.yaml
   (written before the first job starts): its hydra.sweeper.params (a config's
-  sweep) then its command-line overrides are parsed
-  with Hydra's override parser and expanded in the order Hydra's basic sweeper
-  numbers the jobs (the cartesian product, first override outermost), so job N
-  is <dir>/N.  A job with no directory (a config error stops before it exists,
-  and it ends a sequential sweep) or no metrics is listed as missing or
-  failed, never dropped.  Without multirun.yaml (e.g. a sweep with
-  train.run_dir set keeps it in hydra.sweep.dir), the jobs are the numbered
-  folders and the swept keys are the config keys whose values differ.
+  sweep) then its command-line overrides are parsed with Hydra's override
+  parser and combined as Hydra's basic sweeper does (one value list per key,
+  a later override of a key replacing the earlier list in its place, the
+  cartesian product, first key outermost), so job N is <dir>/N and a narrowed
+  sweep lists only the jobs it ran.  Numbered folders beyond them (an earlier
+  sweep's, in a reused directory) are left out.
+- Each job's status comes from its record, <dir>/status/N.json, written by
+  train.py (moevlm.train.sweep): ok, failed or interrupted with the exit code
+  and the reason (its last line of output), or running, which is shown as
+  killed when its process (on this host) is gone.  A job of the plan without a
+  record never started (the sweep stopped first).  Without records (an older
+  sweep), a job with no directory is listed as missing and one with no
+  metrics as failed, never dropped.  Without multirun.yaml (a sweep with
+  train.run_dir set keeps it in hydra.sweep.dir), the jobs are the recorded
+  ones, else the numbered folders, and the swept keys are the config keys
+  whose values differ.
 - The swept keys' values are read from each job's config.yaml (what ran), not
   from the command line.
 - Figures are medians over the logged records after `--warmup` steps (compile
@@ -37,6 +47,8 @@ import argparse
 import itertools
 import json
 import math
+import os
+import socket
 import statistics
 import sys
 from pathlib import Path
@@ -53,10 +65,14 @@ METRICS = (
     ("loss", "last loss", "last", ".4f"),
 )
 COUNTERS = ("recompiles", "graph_breaks")
+REASON_CHARS = 160  # a failed job's reason in its cell (the status file holds it whole)
 
 
 def planned_jobs(sweep_dir: Path) -> tuple[list[str], list[dict[str, str]]] | None:
-    """(swept keys, each job's {key: value} as on the command line) from multirun.yaml, or None."""
+    """(swept keys, each job's {key: value} as on the command line) from multirun.yaml, or None.
+    As Hydra's basic sweeper: the config's sweep, then the command line, one list of values per key,
+    a later override of a key replacing its earlier list in its place (`train.compile=true` narrows
+    a config's `train.compile: false,true` to one value), the cartesian product in that key order."""
     path = sweep_dir / "multirun.yaml"
     if not path.is_file():
         return None
@@ -68,12 +84,60 @@ def planned_jobs(sweep_dir: Path) -> tuple[list[str], list[dict[str, str]]] | No
     task = [f"{k}={v}" for k, v in params.items()] + list(
         hydra.get("overrides", {}).get("task", [])
     )
-    keys, lists = [], []
+    values: dict[str, list[str]] = {}
     for o in OverridesParser.create().parse_overrides(task):
-        if o.is_sweep_override():
-            keys.append(o.key_or_group)
-            lists.append([(o.key_or_group, v) for v in o.sweep_string_iterator()])
+        key = o.get_key_element()
+        values[key] = (
+            list(o.sweep_string_iterator())
+            if o.is_sweep_override()
+            else [o.get_value_element_as_str()]
+        )
+    keys = [k for k, v in values.items() if len(v) > 1]
+    lists = [[(k, v) for v in values[k]] for k in keys]
     return keys, [dict(combo) for combo in itertools.product(*lists)]
+
+
+def job_status(record: dict | None, host: str = "") -> str:
+    """A status file's record (moevlm.train.sweep) as the table's status cell; "" without one."""
+    if not record:
+        return ""
+    state, code = record.get("status"), record.get("exit_code")
+    if state == "ok":
+        return "ok"
+    if state == "running":
+        pid, where = record.get("pid"), record.get("host")
+        if where != (host or socket.gethostname()):
+            return f"running or killed (pid {pid} on {where})"
+        return (
+            f"running (pid {pid})" if _alive(pid) else f"killed (pid {pid} gone, no exit recorded)"
+        )
+    reason = " ".join(str(record.get("reason") or "").split()).replace("|", "\\|")
+    if len(reason) > REASON_CHARS:
+        reason = reason[: REASON_CHARS - 3] + "..."
+    return f"{state} (exit {code}: {reason})" if reason else f"{state} (exit {code})"
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def read_statuses(root: Path) -> dict[int, dict]:
+    """Job number -> its status record (<root>/status/<job>.json, written by moevlm.train.sweep)."""
+    out = {}
+    for path in sorted((root / "status").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if path.stem.isdigit() and isinstance(record, dict):
+            out[int(path.stem)] = record
+    return out
 
 
 def flat(d, prefix: str = "") -> dict:
@@ -137,17 +201,19 @@ def build_table(sweep_dir: Path, warmup: int = 3) -> str:
         key=lambda p: int(p.name),
     )
     jobs = {int(p.name): read_job(p) for p in numbered}
+    statuses = read_statuses(sweep_dir)
     plan = planned_jobs(sweep_dir)
-    if plan is not None:
+    if plan is not None:  # this sweep's jobs: a folder beyond them is an earlier sweep's
         keys, wanted = plan
-        ids = sorted(set(range(len(wanted))) | set(jobs))
+        ids = list(range(len(wanted)))
     else:
         configs = [j["config"] for j in jobs.values() if j["config"]]
         every = sorted(set().union(*configs)) if configs else []
         keys = [
             k for k in every if k != "train.run_dir" and len({repr(c.get(k)) for c in configs}) > 1
         ]
-        wanted, ids = [], sorted(jobs)
+        wanted, ids = [], sorted(statuses or jobs)
+    jobs = {i: j for i, j in jobs.items() if i in ids}
     counters = [
         c
         for c in COUNTERS
@@ -169,7 +235,11 @@ def build_table(sweep_dir: Path, warmup: int = 3) -> str:
         ]
         total = cfg.get("train.steps")
         done = max((r["step"] for r in job["records"]), default=0)
-        if i not in jobs:
+        if status := job_status(statuses.get(i)):
+            pass
+        elif statuses:  # the sweep recorded its jobs: one without a record never started
+            status = "not run (the sweep stopped before it)"
+        elif i not in jobs:
             status = "missing (no run dir: failed before it started, or the sweep stopped)"
         elif not job["records"]:
             status = "failed (no metrics)"

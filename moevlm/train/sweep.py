@@ -1,0 +1,230 @@
+"""A Hydra sweep (`train.py -m`) that outlives its failed jobs: each job's outcome is recorded, the next
+job runs, and the sweep ends with one summary line and a non-zero code if any job failed.
+
+    python train.py -m train.micro_batch_size=3,1,2 train.steps=3   # job 0 fails: jobs 1 and 2 still run
+    cat <sweep dir>/status/0.json       # {"status": "failed", "exit_code": 2, "reason": "config error: ...", ...}
+    python bench/sweep_table.py <sweep dir>                         # one row per job, with its status
+
+Design choices:
+- Hydra's basic sweeper stops at the first job that raises, and a `sys.exit` inside a job ends the whole
+  process, so one mistyped value (or the loss check, on by default on the CPU) would cancel every later
+  job.  `run_job` wraps each job: whatever it returns, exits with or raises is written down and the job
+  returns normally, so the sweeper goes on.  A stop signal is different: a job that was interrupted
+  (exit 4, 128+signum, Ctrl-C during set-up) ends the sweep, as the user asked.
+- The record is a small JSON file per job, `<sweep root>/status/<job>.json` (the sweep root is
+  train.run_dir when set, else hydra.sweep.dir: the folder holding the jobs' run directories), written
+  atomically by rank 0 when the job starts (`running`, with pid and host) and again when it ends (`ok`,
+  `failed` or `interrupted`, the exit code, the reason, the time).  A job killed outright stays `running`,
+  which bench/sweep_table.py turns into `killed` when the pid is gone.  Files, not a list in this
+  process: any Hydra launcher (a process per job) writes them the same way, and they outlive the sweep.
+  The status folder is cleared when a sweep starts, so it describes one sweep, not a mix of two.
+- The reason is the job's last line of output (the `config error:` line, the `FAIL: loss did not fall`
+  line, the `stopping at step N:` line), taken by teeing stdout and stderr while the job runs; a crash's
+  reason is its exception's last line, and its traceback is printed as without a sweep.
+- `SweepStatus`, a Hydra callback (conf/config.yaml, hydra.callbacks), clears the folder before the first
+  job and prints the summary after the last: `sweep: 3 jobs, 2 ok, 1 failed: job 0 (exit 2: ...)`; the
+  sweep exits with the first failed job's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from moevlm.train.exit_codes import ExitCode
+
+STATUS_DIR = "status"
+REASON_CHARS = 400  # a reason is one line: a longer one is cut (the job's own output has it whole)
+
+
+def sweep_root(run_dir: str, sweep_dir: str) -> Path:
+    """The folder holding the jobs' run directories: train.run_dir when set, else hydra.sweep.dir."""
+    return Path(run_dir or sweep_dir).absolute()
+
+
+def status_path(root: Path, job: int) -> Path:
+    return Path(root) / STATUS_DIR / f"{job}.json"
+
+
+def read_statuses(root: Path) -> dict[int, dict]:
+    """Job number -> its record, for every readable status file under `root`."""
+    out = {}
+    for path in sorted((Path(root) / STATUS_DIR).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a file cut by a kill: as if absent
+        if path.stem.isdigit() and isinstance(record, dict):
+            out[int(path.stem)] = record
+    return out
+
+
+def stops_the_sweep(code: int) -> bool:
+    """A stop signal's codes: the job was interrupted, so the user wants the sweep to stop."""
+    return code == ExitCode.INTERRUPTED or code >= 128
+
+
+def run_job(
+    fn: Callable[[], int], root: Path, job: int, run_dir: Path, overrides: list[str]
+) -> int:
+    """Run one sweep job (`fn` returns its exit code, or exits, or raises), record its outcome under
+    `root`, and return the code, so that Hydra runs the next job.  An interrupted job ends the sweep
+    (SystemExit with its code)."""
+    lead = os.environ.get("RANK", "0") == "0"
+    record = {
+        "job": job,
+        "status": "running",
+        "exit_code": None,
+        "reason": None,
+        "run_dir": str(run_dir),
+        "overrides": list(overrides),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if lead:
+        _write(status_path(root, job), record)
+    tee = _LastLine()
+    try:
+        with tee:
+            code, reason = int(fn() or 0), None
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        reason = stop.code if isinstance(stop.code, str) else None
+    except KeyboardInterrupt:
+        code, reason = 128 + 2, "interrupted (Ctrl-C) during set-up"
+    except Exception as err:  # noqa: BLE001  (a crash: shown as without a sweep, then recorded)
+        traceback.print_exc()
+        code = 1
+        reason = traceback.format_exception_only(type(err), err)[-1].strip()
+    if code and reason is None:
+        reason = tee.last or f"exit code {code}"
+    status = "ok" if code == 0 else "interrupted" if stops_the_sweep(code) else "failed"
+    record.update(
+        status=status,
+        exit_code=code,
+        reason=_one_line(reason) if code else None,
+        ended=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    if lead:
+        _write(status_path(root, job), record)
+    if status == "interrupted":
+        if lead:
+            print(
+                f"sweep stopped: job {job} was interrupted (exit {code}); the jobs after it were not run",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(code)
+    if code and lead:
+        print(
+            f"sweep job {job} failed (exit {code}: {record['reason']}); going on with the next job",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code
+
+
+def summary(root: Path) -> tuple[str, int]:
+    """(the sweep's one-line summary, its exit code: the first failed job's, else 0)."""
+    records = read_statuses(root)
+    counts: dict[str, int] = {}
+    for r in records.values():
+        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+    failed = [(j, r) for j, r in sorted(records.items()) if r.get("status") != "ok"]
+    head = f"sweep: {len(records)} job{'s' * (len(records) != 1)}"
+    where = f"table: python bench/sweep_table.py {root}"
+    if not failed:
+        return f"{head}, all ok ({where})", 0
+    parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    # jobs that failed alike are named together: a sweep of 12 jobs that all miss a GPU is one line
+    alike: dict[tuple, list[int]] = {}
+    for j, r in failed:
+        alike.setdefault((r.get("status"), r.get("exit_code"), r.get("reason")), []).append(j)
+    named = "; ".join(
+        f"job{'s' * (len(js) > 1)} {', '.join(map(str, js))} ({state}"
+        + (f", exit {code}: {reason}" if code is not None else "")
+        + ")"
+        for (state, code, reason), js in alike.items()
+    )
+    codes = [r["exit_code"] for _, r in failed if r.get("exit_code")]
+    return f"{head}, {parts}: {named} ({where})", codes[0] if codes else 1
+
+
+class SweepStatus(Callback):
+    """Hydra callback (conf/config.yaml): a fresh status folder before a sweep, its summary after."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        if os.environ.get("RANK", "0") != "0":
+            return
+        folder = _root(config) / STATUS_DIR
+        for old in folder.glob("*.json") if folder.is_dir() else ():
+            old.unlink(missing_ok=True)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        line, code = summary(_root(config))
+        if os.environ.get("RANK", "0") == "0":
+            print(line, file=sys.stderr if code else sys.stdout, flush=True)
+        if code:
+            raise SystemExit(code)
+
+
+def _root(config) -> Path:
+    train = config.get("train") or {}
+    return sweep_root(train.get("run_dir") or "", config.hydra.sweep.dir)
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def _write(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class _Tee:
+    """A stream that writes through to `stream` and hands every completed line to `seen`."""
+
+    def __init__(self, stream, seen: Callable[[str], None]):
+        self._stream, self._seen, self._part = stream, seen, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._part = (self._part + text).split("\n")
+        for line in lines:
+            self._seen(line)
+        return self._stream.write(text)
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: the real stream's
+        return getattr(self._stream, name)
+
+
+class _LastLine:
+    """While entered, sys.stdout and sys.stderr are teed; `last` is the last non-blank line either got
+    (a progress bar's redrawn line, which holds a carriage return, is not one)."""
+
+    def __init__(self):
+        self.last: str | None = None
+
+    def _seen(self, line: str) -> None:
+        if line.strip() and "\r" not in line:
+            self.last = line.strip()
+
+    def __enter__(self):
+        self._saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self._seen), _Tee(sys.stderr, self._seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout, sys.stderr = self._saved
