@@ -246,29 +246,80 @@ def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) 
 
 
 def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
-    """Your shards' tokenizer is found (data.tokenizer, beside the shards, or the HF checkpoint's) and its
-    special tokens sit where the model expects them.  (The sample set brings its own, built later.)"""
-    if data.shards in ("", "sample", MISSING):
+    """The data's tokenizer is found (data.tokenizer, beside the shards, or the HF checkpoint's; the sample
+    set's own, which it builds later with TINY_SPECIAL_IDS) and its special tokens sit where the model
+    expects them: ValueError, one line saying which keys fix it."""
+    from moevlm.data.text import TINY_SPECIAL_IDS, model_mismatches
+
+    if data.shards in ("", MISSING):
         return
+    if data.shards == "sample" and not data.tokenizer:
+        ids, vocab = TINY_SPECIAL_IDS, max(TINY_SPECIAL_IDS.values()) + 1
+        source = "the sample set's tokenizer (data.shards=sample: a small BPE for the tiny model)"
+    else:
+        path = _find_tokenizer(data, hf_checkpoint)
+        if path is None:
+            return  # check_shards says why the shards cannot be read
+        ids, vocab = _tokenizer_ids(path)
+        source = f"the tokenizer {os.path.abspath(path)}"
+    wrong = model_mismatches(ids, vocab, model)
+    if not wrong:
+        return
+    vocab_wrong = wrong.pop("text.vocab_size", None)
+    found = [
+        f"{name} is {want} there but {have} in the model" for name, (want, have) in wrong.items()
+    ]
+    if vocab_wrong:
+        found.append(f"it has {vocab_wrong[0]} ids but the model's vocabulary {vocab_wrong[1]}")
+    if hf_checkpoint:
+        ckpt = os.path.join(os.path.abspath(hf_checkpoint), "tokenizer.json")
+        fix = (
+            "the checkpoint's weights are trained for its own ids: use its tokenizer "
+            f"(data.tokenizer={ckpt})"
+        )
+    else:
+        keys = [f"model.{name}={want}" for name, (want, _) in wrong.items()]
+        keys += [f"model.vocab_size={vocab_wrong[0]}"] if vocab_wrong else []
+        fix = (
+            f"a randomly initialised model can take the tokenizer's: {' '.join(keys)}; or give the "
+            "model's own tokenizer (data.tokenizer=FILE)"
+        )
+    raise ValueError(f"{source} does not fit the model: {', '.join(found)}; {fix}")
+
+
+def _find_tokenizer(data: DataConfig, hf_checkpoint: str) -> str | None:
+    """The tokenizer.json the loader will use; None when the shards cannot be listed (reported elsewhere).
+    DataSetupError (a ConfigError) names the three places when there is none."""
     from moevlm.data.loader import find_tokenizer
     from moevlm.data.reader import expand_shards
-    from moevlm.data.text import ChatEncoder, load_tokenizer
 
+    if data.tokenizer or data.shards == "sample":
+        return find_tokenizer(data, [], hf_checkpoint)
     try:
         shards = expand_shards(data.shards)
     except FileNotFoundError:
-        return  # check_shards says so
-    # DataSetupError (a ConfigError) names the three places
-    path = find_tokenizer(data, shards, hf_checkpoint)
+        return None
+    return find_tokenizer(data, shards, hf_checkpoint)
+
+
+def _tokenizer_ids(path: str) -> tuple[dict[str, int], int]:
+    """(special token -> id, number of ids) of the tokenizer.json at `path`."""
+    from moevlm.data.text import ChatEncoder, load_tokenizer
+
     try:
-        ChatEncoder(load_tokenizer(path)).check_model(model)
-    except ValueError as err:
-        raise ValueError(f"the tokenizer {path} does not fit the model: {err}") from None
-    except Exception as err:  # not a tokenizer.json at all
+        enc = ChatEncoder(load_tokenizer(path))
+    except Exception as err:  # noqa: BLE001  (not a usable tokenizer.json at all)
         raise ValueError(
-            f"the tokenizer {path} cannot be loaded ({type(err).__name__}: {err}); point "
-            "data.tokenizer at a tokenizers tokenizer.json"
+            f"the tokenizer {os.path.abspath(path)} cannot be loaded ({type(err).__name__}: "
+            f"{' '.join(str(err).split())}); point data.tokenizer at a tokenizers tokenizer.json"
         ) from None
+    return enc.special_ids, enc.vocab_size
+
+
+def shown_path(path: str) -> str:
+    """`path` as typed, and where it resolves when it is relative: `ckpt (= /work/ckpt)`."""
+    path = str(path)
+    return path if os.path.isabs(path) else f"{path} (= {os.path.abspath(path)})"
 
 
 def check_shards(spec: str) -> None:
@@ -282,7 +333,7 @@ def check_shards(spec: str) -> None:
         and not os.path.exists(spec)
     ):
         raise ValueError(
-            f"data.shards={spec} does not exist; give a folder of .tar shards (build them with "
+            f"data.shards={shown_path(spec)} does not exist; give a folder of .tar shards (build them with "
             "python -m moevlm.data.build_shards), a brace pattern or a list"
         )
     from moevlm.data.reader import expand_shards

@@ -149,7 +149,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY, DataConfig
+from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY, DataConfig, shown_path
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.packing import Packer, collate
@@ -923,7 +923,7 @@ def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") 
     if cfg.tokenizer:
         if not os.path.isfile(cfg.tokenizer):
             raise DataSetupError(
-                f"data.tokenizer={cfg.tokenizer} is not a file; point it at a tokenizer.json "
+                f"data.tokenizer={shown_path(cfg.tokenizer)} is not a file; point it at a tokenizer.json "
                 "(e.g. the checkpoint's) or leave it empty to use <shards folder>/tokenizer.json"
             )
         return cfg.tokenizer

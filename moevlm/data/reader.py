@@ -67,6 +67,28 @@ from moevlm.data.errors import DataSetupError, SkipCounter, SkipSample
 Pos = tuple[int, int, int]  # (epoch, shard index in the stream's list, sample index in the shard)
 
 
+def shard_spec(paths: list[str]) -> str:
+    """A spec that `expand_shards` reads back as `paths`, in order: a numbered range `pre{000..009}suf`
+    when they are consecutive numbers of one width between a common prefix and suffix, else a comma
+    list.  (What to write for shards a shell's brace expansion turned into many arguments.)"""
+    paths = [str(p) for p in paths]
+    if len(paths) > 1:
+        pre = os.path.commonprefix(paths)
+        suf = os.path.commonprefix([p[len(pre) :][::-1] for p in paths])[::-1]
+        # whole numbers, not their common leading digits: s-000..s-002 is s-{000..002}, not s-00{0..2}
+        while pre and pre[-1].isdigit():
+            pre = pre[:-1]
+        while suf and suf[0].isdigit():
+            suf = suf[1:]
+        mid = [p[len(pre) : len(p) - len(suf)] for p in paths]
+        widths = {len(m) for m in mid}
+        if all(m.isdigit() for m in mid) and len(widths) == 1:
+            numbers = [int(m) for m in mid]
+            if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+                return f"{pre}{{{mid[0]}..{mid[-1]}}}{suf}"
+    return ",".join(paths)
+
+
 def expand_shards(spec: str | list[str]) -> list[str]:
     """A folder (its *.tar, *.tar.gz, *.tgz, sorted), a brace pattern, a glob, or a comma list."""
     if isinstance(spec, (list, tuple)):
@@ -93,7 +115,9 @@ def expand_shards(spec: str | list[str]) -> list[str]:
             else "names no folder or file that exists"
         )
         raise DataSetupError(
-            f"no shards found for data.shards={spec!r}: it {what}; give a folder of .tar files, "
+            f"no shards found for data.shards={spec!r}"
+            + (f" (in {os.getcwd()})" if isinstance(spec, str) and not os.path.isabs(spec) else "")
+            + f": it {what}; give a folder of .tar files, "
             "a brace pattern (dir/shard-{000000..000009}.tar) or build some with "
             "`python -m moevlm.data.build_shards`"
         )

@@ -104,6 +104,19 @@ _MODEL_TOKEN_FIELDS = {
 _BYTE_ALPHABET = 256
 
 
+def model_mismatches(special_ids: dict[str, int], vocab_size: int, cfg) -> dict[str, tuple]:
+    """Model config field -> (what the tokenizer needs, what `cfg` has) for each vision token id that
+    differs and for `text.vocab_size` when smaller than the tokenizer's ids; empty when they fit."""
+    out = {
+        name: (special_ids[token], getattr(cfg, name))
+        for name, token in _MODEL_TOKEN_FIELDS.items()
+        if special_ids[token] != getattr(cfg, name)
+    }
+    if vocab_size > cfg.text.vocab_size:
+        out["text.vocab_size"] = (vocab_size, cfg.text.vocab_size)
+    return out
+
+
 # ------------------------------------------------------------------ tokenizer
 def _first_special_id(special_ids: dict[str, int]) -> int:
     """The smallest special id, after checking the ids are one contiguous block."""
@@ -245,19 +258,20 @@ class ChatEncoder:
     def check_model(self, cfg) -> None:
         """Raise ValueError unless this tokenizer's vision ids and size fit `cfg` (a VLMConfig)."""
         problems = []
-        for name, token in _MODEL_TOKEN_FIELDS.items():
-            tok_id, cfg_id = self.special_ids[token], getattr(cfg, name)
-            if tok_id != cfg_id:
+        for name, (tok_id, cfg_id) in model_mismatches(
+            self.special_ids, self.vocab_size, cfg
+        ).items():
+            if name == "text.vocab_size":
                 problems.append(
-                    f"the tokenizer has {token} = {tok_id} but the model config has {name} = {cfg_id}; "
-                    f"set {name}={tok_id} in the model config (or use the model's own tokenizer)"
+                    f"the tokenizer has {tok_id} ids but the model config has text.vocab_size = "
+                    f"{cfg_id}; raise text.vocab_size to at least {tok_id} (or use a smaller tokenizer)"
                 )
-        if self.vocab_size > cfg.text.vocab_size:
-            problems.append(
-                f"the tokenizer has {self.vocab_size} ids but the model config has text.vocab_size = "
-                f"{cfg.text.vocab_size}; raise text.vocab_size to at least {self.vocab_size} "
-                f"(or use a smaller tokenizer)"
-            )
+            else:
+                problems.append(
+                    f"the tokenizer has {_MODEL_TOKEN_FIELDS[name]} = {tok_id} but the model config has "
+                    f"{name} = {cfg_id}; set {name}={tok_id} in the model config (or use the model's own "
+                    "tokenizer)"
+                )
         if problems:
             raise ValueError("tokenizer and model do not match:\n  " + "\n  ".join(problems))
 

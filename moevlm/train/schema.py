@@ -89,6 +89,44 @@ class ModelConfig:
             "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own",
         },
     )
+    # the token ids: a randomly initialised model can take the ids of the data's tokenizer (the sample
+    # set's tiny BPE with a large model's proxy); a checkpoint's model keeps its own
+    vocab_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "text.vocab_size",
+            "help": "the vocabulary (embedding and output rows): at least the tokenizer's ids; null = the "
+            "model's own",
+        },
+    )
+    image_token_id: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "image_token_id",
+            "help": "the tokenizer's <|image_pad|> id; null = the model's own",
+        },
+    )
+    video_token_id: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "video_token_id",
+            "help": "the tokenizer's <|video_pad|> id; null = the model's own",
+        },
+    )
+    vision_start_token_id: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "vision_start_token_id",
+            "help": "the tokenizer's <|vision_start|> id; null = the model's own",
+        },
+    )
+    vision_end_token_id: Optional[int] = field(
+        default=None,
+        metadata={
+            "edits": "vision_end_token_id",
+            "help": "the tokenizer's <|vision_end|> id; null = the model's own",
+        },
+    )
     attn_backend: str = field(
         default="auto",
         metadata={
@@ -726,6 +764,7 @@ def check_overrides(overrides) -> None:
     `model.moe.capacity_factor` is pointed at the job key that sets it."""
     from moevlm.train.options import options
 
+    _check_repeats(overrides)
     known = {o.path for o in options()}
     by_model_path = {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
     for item in overrides:
@@ -741,6 +780,29 @@ def check_overrides(overrides) -> None:
             f"{key} is not an option"
             + (f"; did you mean {' or '.join(near)}?" if near else "")
             + " (python train.py --help lists them all)"
+        )
+
+
+def _check_repeats(overrides) -> None:
+    """A key given twice: Hydra would keep the last.  Shards given many times are almost always a brace
+    pattern the shell expanded (`data.shards=/d/s-{000..009}.tar` unquoted): the quoted spec is shown."""
+    from moevlm.data.reader import shard_spec
+
+    given: dict[str, list[str]] = {}
+    for item in overrides:
+        if (key := _override_key(str(item))) is not None:
+            given.setdefault(key, []).append(str(item).split("=", 1)[1])
+    for key, values in given.items():
+        if len(values) < 2:
+            continue
+        seen = ", ".join(values[:3]) + (", ..." if len(values) > 3 else "")
+        if key.endswith("shards"):
+            raise ConfigError(
+                f"{key} is given {len(values)} times ({seen}): the shell expanded a brace pattern, and "
+                f"only the last would be used; quote it: {key}=\"'{shard_spec(values)}'\""
+            )
+        raise ConfigError(
+            f"{key} is given {len(values)} times ({seen}) and only the last would be used; give it once"
         )
 
 

@@ -26,11 +26,12 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-from moevlm.data.config import check_job_data, check_shards, check_tokenizer
+from moevlm.data.config import check_job_data, check_shards, check_tokenizer, shown_path
 from moevlm.dispatch import dispatcher_names
 from moevlm.dispatch.availability import CLASSES as GATED_CLASSES
 from moevlm.model.attention import varlen_available, varlen_missing
@@ -132,6 +133,10 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check_fp8, job, model, dims, environment)
     if environment and model is not None:
         run(_data_problem, check_tokenizer, job.data, job.model.hf_checkpoint, model)
+        if job.model.hf_checkpoint and os.path.isfile(
+            os.path.join(job.model.hf_checkpoint, "config.json")
+        ):
+            run(_check_hf_architecture, job.model.hf_checkpoint, model)
     if problems:
         raise ConfigError("\n".join(problems))
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
@@ -210,12 +215,7 @@ def environment_checks(job) -> list:
         )
     )
     checks += [
-        lambda: _check_path(
-            m.hf_checkpoint,
-            "model.hf_checkpoint",
-            "an HF folder with config.json and *.safetensors",
-            folder=True,
-        ),
+        lambda: _check_hf_checkpoint(m.hf_checkpoint),
         lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
         lambda: _check_path(
             "" if t.resume in ("auto", "none") else t.resume,
@@ -244,8 +244,65 @@ def _check_path(path: str, key: str, what: str, folder: bool = False) -> None:
     if path:
         _check(
             os.path.isdir(path) if folder else os.path.exists(path),
-            f"{key}={path} does not exist{' or is not a folder' if folder else ''}; give {what}",
+            f"{key}={shown_path(path)} does not exist{' or is not a folder' if folder else ''}; "
+            f"give {what}",
         )
+
+
+HF_FOLDER = (
+    "an HF Qwen3-VL-MoE folder (config.json, and model.safetensors or model.safetensors.index.json)"
+)
+
+
+def _check_hf_checkpoint(path: str) -> None:
+    """model.hf_checkpoint holds a config and every weight file it needs (what the load opens after the
+    model is built); the architecture is compared once the model config is known (`_check_hf_architecture`)."""
+    from moevlm.model.hf import checkpoint_files
+
+    _check_path(path, "model.hf_checkpoint", HF_FOLDER, folder=True)
+    if not path:
+        return
+    key = f"model.hf_checkpoint={shown_path(path)}"
+    _check(
+        os.path.isfile(os.path.join(path, "config.json")),
+        f"{key} has no config.json; give {HF_FOLDER}, or leave model.hf_checkpoint empty to start "
+        "from random weights",
+    )
+    try:
+        files = checkpoint_files(Path(path))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{key} has a config.json but no weights (neither model.safetensors nor "
+            f"model.safetensors.index.json); give {HF_FOLDER}, or set model.hf_config={os.path.abspath(path)} "
+            "to take only its architecture (random weights)"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"{key}: model.safetensors.index.json cannot be read ({type(err).__name__}: {err}); it must "
+            "be JSON with a weight_map"
+        ) from None
+    missing = [f.name for f in files if not f.is_file()]
+    _check(
+        not missing,
+        f"{key}: model.safetensors.index.json names {len(missing)} weight file(s) that are not in the "
+        f"folder, e.g. {missing[:3]}; copy them there (a download cut short?)",
+    )
+
+
+def _check_hf_architecture(path: str, model: VLMConfig) -> None:
+    """The checkpoint's config.json describes the model being built (weights are copied by name and shape)."""
+    from moevlm.model.hf import CheckpointError, check_architecture
+
+    key = f"model.hf_checkpoint={shown_path(path)}"
+    try:
+        check_architecture(Path(path), model)
+    except CheckpointError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    except (ConfigError, OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"{key}: its config.json is not a Qwen3-VL-MoE config ({type(err).__name__}: "
+            f"{' '.join(str(err).split())})"
+        ) from None
 
 
 def _data_problem(check, *args) -> None:

@@ -112,6 +112,11 @@ SET = {
     "deepep_api": "v1",
     "dispatcher_max_tokens_per_rank": 4096,
     "dispatcher_num_sms": 24,
+    "vocab_size": 2048,
+    "image_token_id": 2000,
+    "video_token_id": 2001,
+    "vision_start_token_id": 1998,
+    "vision_end_token_id": 1999,
 }
 
 

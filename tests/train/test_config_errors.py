@@ -89,7 +89,8 @@ def test_train_py_prints_every_line_and_creates_nothing(tmp_path):
 
 def test_your_shards_tokenizer_is_found_and_fits_the_model(tmp_path):
     """Before any sample set or process group: shards without a tokenizer anywhere, and a tokenizer whose
-    special tokens are not where the model expects them, are each one line."""
+    special tokens are not where the model expects them, are each one line (tests/train/test_cli_mistakes.py:
+    the keys it names)."""
     from moevlm.data.sample_cache import ensure_sample
 
     shards = tmp_path / "shards"
@@ -112,8 +113,8 @@ def test_your_shards_tokenizer_is_found_and_fits_the_model(tmp_path):
             ),
             environment=True,
         )
-    first, *ids = str(err.value).splitlines()  # one line per special token that is elsewhere
-    assert first.startswith(f"the tokenizer {tiny_tokenizer} does not fit the model")
-    assert ids and all("the tokenizer has <|" in line for line in ids)
+    (line,) = str(err.value).splitlines()  # every special token that is elsewhere, in one line
+    assert line.startswith(f"the tokenizer {tiny_tokenizer} does not fit the model")
+    assert line.count(" there but ") == 4 and "model.image_token_id=1020" in line
     # the tiny model: fits
     validate(compose_job([f"data.shards={shards}", f"data.tokenizer={tiny_tokenizer}"]))
