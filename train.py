@@ -24,6 +24,7 @@ from moevlm.train.exit_codes import ExitCode
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import write_failed_line, looks_like_disk_full
+from moevlm.train.options import show_sections
 from moevlm.train.sweep import run_job, sweep_root
 
 register_configs()
@@ -124,6 +125,22 @@ def _config_error(*lines: str | None) -> None:
     sys.exit(ExitCode.CONFIG)
 
 
+def _help_sections() -> None:
+    """`--help SECTION ...` (or `--help all`): the words after the flag that are not overrides choose the
+    sections listed in full (moevlm.train.options); taken off the command line before Hydra reads it."""
+    flag = next((a for a in ("--help", "-h") if a in sys.argv), None)
+    if flag is None:
+        return
+    at, words = sys.argv.index(flag) + 1, []
+    while at < len(sys.argv) and "=" not in sys.argv[at] and not sys.argv[at].startswith("-"):
+        words.append(sys.argv.pop(at))
+    try:
+        show_sections(words)
+    except ValueError as err:
+        _config_error(str(err))
+
+
 if __name__ == "__main__":
+    _help_sections()
     _check_command_line()
     main()

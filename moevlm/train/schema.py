@@ -708,7 +708,7 @@ def model_config(m: ModelConfig) -> VLMConfig:
     """The model config `m` composes: the preset or HF config, then every declared field of `m`
     (`model_fields`) assigned by path, validated; a ConfigError speaks the job's keys."""
     _check_proxies(m)
-    cfg = VLMConfig.from_hf(m.hf_config) if m.hf_config else VLMConfig.preset(m.preset)
+    cfg = _hf_config(m.hf_config) if m.hf_config else VLMConfig.preset(m.preset)
     for key, path in model_fields(m).items():
         _assign(cfg, path, getattr(m, key))
     if m.num_layers is not None:  # dense layers and deepstack taps beyond a shrunk depth go with it
@@ -724,6 +724,23 @@ def model_config(m: ModelConfig) -> VLMConfig:
         return cfg.validate()
     except ConfigError as err:
         raise ConfigError(in_job_keys(str(err), m)) from None
+
+
+def _hf_config(path: str) -> VLMConfig:
+    """model.hf_config read, or a ConfigError saying why not (missing, not JSON, not the model's keys)."""
+    from moevlm.data.config import shown_path
+
+    key = f"model.hf_config={shown_path(path)}"
+    _check(os.path.exists(path), f"{key} does not exist; give an HF config.json or its folder")
+    try:
+        return VLMConfig.from_hf(path)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(
+            f"{key} cannot be read as a Qwen3-VL-MoE config.json ({type(err).__name__}: "
+            f"{' '.join(str(err).split())})"
+        ) from None
 
 
 def in_job_keys(message: str, m: ModelConfig) -> str:

@@ -216,7 +216,7 @@ def environment_checks(job) -> list:
     )
     checks += [
         lambda: _check_hf_checkpoint(m.hf_checkpoint),
-        lambda: _check_path(m.hf_config, "model.hf_config", "an HF config.json or its folder"),
+        # (model.hf_config: read by model_config, which says when it is missing or unreadable)
         lambda: _check_path(
             "" if t.resume in ("auto", "none") else t.resume,
             "train.resume",

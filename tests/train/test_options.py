@@ -59,7 +59,10 @@ def test_allowed_values_are_the_ones_validation_refuses_others_for():
     validate(job)
     for path in allowed:
         bad = copy.deepcopy(job)
-        OmegaConf.update(bad, path, f"no_such_{path}")
+        value = f"no_such_{path}"
+        OmegaConf.update(
+            bad, path, [value] if OmegaConf.is_list(OmegaConf.select(job, path)) else value
+        )
         with pytest.raises(ConfigError, match=f"no_such_{path}"):
             validate(bad)
 
@@ -80,10 +83,26 @@ def test_composed_values_missing_and_unresolved_are_shown():
     assert "set to" not in lines["train.seed"]
 
 
-def test_train_py_help_shows_every_field_its_description_and_allowed_values():
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT))
+def _entries(text: str) -> dict[str, str]:
+    """`--help` listing -> {path: its entry, wrapped lines joined}."""
+    out, path = {}, None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and "  (" in line:
+            path = line.split()[0]
+            out[path] = line.strip()
+        elif path and line.startswith("      "):
+            out[path] += " " + line.strip()
+        else:
+            path = None
+    return out
+
+
+def test_train_py_help_all_is_wrapped_and_shows_every_field_and_its_values():
+    """`--help all`: no line over 100 columns; every section; every field with its description, and every
+    enumerated one (allowed_values) with its values; what the command line sets."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT), COLUMNS="200")
     out = subprocess.run(
-        [sys.executable, "train.py", "train.steps=7", "--help"],
+        [sys.executable, "train.py", "train.steps=7", "--help", "all"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -92,15 +111,69 @@ def test_train_py_help_shows_every_field_its_description_and_allowed_values():
     )
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    assert max(len(line) for line in text.splitlines()) <= opt.WIDTH
+    for section, _, _ in opt.sections():
+        assert f"== {section} ==" in text
+    entries = _entries(text)
+    assert sorted(entries) == sorted(o.path for o in opt.options())
     for o in opt.options():
-        line = next((ln for ln in text.splitlines() if ln.split()[:1] == [o.path]), None)
-        assert line is not None, f"{o.path} missing from train.py --help"
-        assert line.endswith(o.help), line
-    assert "parallel.dp_mode" in text and "(str, default fsdp; one of fsdp|ddp)" in text
-    assert "(str, default skip; one of skip|stop)" in text
-    assert f"default 1f1b; one of {'|'.join(SCHEDULES)})" in text
-    assert "(int, default 20, set to 7)" in text  # the command line's own overrides
-    assert "experiment: gb200_3d, gb200_fsdp" in text  # Hydra's group listing is kept
+        assert entries[o.path].endswith(" ".join(o.help.split())), entries[o.path]
+        if o.allowed:
+            assert f"of {'|'.join(o.allowed)})" in entries[o.path], o.path
+    assert "(str, default fsdp; one of fsdp|ddp)" in entries["parallel.dp_mode"]
+    assert "(str, default none; one of none|selective|full)" in entries["model.recompute"]
+    assert "each of core_attn|" in entries["model.recompute_modules"]
+    assert "(str, default skip; one of skip|stop)" in entries["train.nonfinite"]
+    assert f"default 1f1b; one of {'|'.join(SCHEDULES)})" in entries["parallel.pp_schedule"]
+    # the command line's own overrides
+    assert "(int, default 20, set to 7)" in entries["train.steps"]
+    assert "experiment: gb200_3d, gb200_fsdp" in text  # the config groups
+
+
+def test_help_overview_and_sections(monkeypatch):
+    """Plain `--help`: the groups and every section with its fields' names; `--help SECTION`: those
+    sections (a name selects its subsections) in full; an unknown name is refused, naming them."""
+    try:
+        opt.show_sections([])
+        short = opt.help_listing(width=100)
+        assert max(len(line) for line in short.splitlines()) <= 100
+        assert (
+            len(short.splitlines()) < 80 and "recompute_modules" in short and "(str," not in short
+        )
+        assert all(f"\n{name}  " in short for name in opt.section_names())
+        opt.show_sections(["data", "optim"])
+        picked = _entries(opt.help_listing(width=80))
+        assert {p.split(".")[0] for p in picked} == {
+            "data",
+            "optim",
+        } and "data.pack.seq_len" in picked
+        with pytest.raises(
+            ValueError, match="--help nosuch: no such section; choose among all, model"
+        ):
+            opt.show_sections(["nosuch"])
+    finally:
+        opt.show_sections([])
+
+
+def test_an_enumerated_field_lists_its_values():
+    """A text field whose validation refuses an unknown value with a list to choose from is in
+    allowed_values() (so --help and conf/README.md show the list): found by trying one on each."""
+    job = compose_job(["data.shards=sample"])
+    allowed, missed = opt.allowed_values(), []
+    for o in opt.options():
+        if o.path in allowed or o.type not in ("str", "[str]", "list", "any"):
+            continue
+        bad = copy.deepcopy(job)
+        OmegaConf.update(
+            bad, o.path, ["no_such_x"] if o.type.startswith(("[", "list")) else "no_such_x"
+        )
+        try:
+            validate(bad, environment=False)
+        except ConfigError as err:
+            lines = [x for x in str(err).splitlines() if "no_such_x" in x]
+            if any("choose" in x or "one of" in x for x in lines):
+                missed.append(o.path)
+    assert missed == []
 
 
 def test_conf_readme_reference_is_generated_from_the_dataclasses():
