@@ -22,8 +22,9 @@ Design choices:
   line, the `stopping at step N:` line), taken by teeing stdout and stderr while the job runs; a crash's
   reason is its exception's last line, and its traceback is printed as without a sweep.
 - `SweepStatus`, a Hydra callback (conf/config.yaml, hydra.callbacks), clears the folder before the first
-  job and prints the summary after the last: `sweep: 3 jobs, 2 ok, 1 failed: job 0 (exit 2: ...)`; the
-  sweep exits with the first failed job's code.
+  job and prints the summary after the last: `sweep: 3 jobs, 1 failed, 2 ok: job 0 (failed, exit 2:
+  ...)`; the sweep exits with the first failed job's code (under torchrun, a rank other than 0 with the
+  first non-zero code of its own jobs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from hydra.experimental.callback import Callback
 from moevlm.train.exit_codes import ExitCode
 
 STATUS_DIR = "status"
+# this process's jobs and their codes: the exit code of a rank that does not write the records (torchrun -m)
+_CODES: dict[int, int] = {}
 REASON_CHARS = 400  # a reason is one line: a longer one is cut (the job's own output has it whole)
 
 
@@ -108,6 +111,7 @@ def run_job(
     if code and reason is None:
         reason = tee.last or f"exit code {code}"
     status = "ok" if code == 0 else "interrupted" if stops_the_sweep(code) else "failed"
+    _CODES[job] = code
     record.update(
         status=status,
         exit_code=code,
@@ -163,6 +167,7 @@ class SweepStatus(Callback):
     """Hydra callback (conf/config.yaml): a fresh status folder before a sweep, its summary after."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        _CODES.clear()
         if os.environ.get("RANK", "0") != "0":
             return
         folder = _root(config) / STATUS_DIR
@@ -170,9 +175,11 @@ class SweepStatus(Callback):
             old.unlink(missing_ok=True)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        line, code = summary(_root(config))
         if os.environ.get("RANK", "0") == "0":
+            line, code = summary(_root(config))
             print(line, file=sys.stderr if code else sys.stdout, flush=True)
+        else:  # rank 0 may still be writing the last record: this rank's own codes
+            code = next((c for _, c in sorted(_CODES.items()) if c), 0)
         if code:
             raise SystemExit(code)
 

@@ -78,3 +78,21 @@ def test_an_interrupted_job_ends_the_sweep(tmp_path, capsys, code):
     record = json.loads((tmp_path / "status" / "0.json").read_text())
     assert record["status"] == "interrupted" and record["exit_code"] == code
     assert "the jobs after it were not run" in capsys.readouterr().err
+
+
+def test_another_rank_writes_nothing_and_exits_with_its_own_code(tmp_path, monkeypatch, capsys):
+    """Under torchrun every rank runs the sweep; rank 0 keeps the records, the others their own codes."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("RANK", "1")
+    config = OmegaConf.create(
+        {"train": {"run_dir": ""}, "hydra": {"sweep": {"dir": str(tmp_path)}}}
+    )
+    callback = SweepStatus()
+    callback.on_multirun_start(config)
+    assert run_job(lambda: 0, tmp_path, 0, tmp_path / "0", []) == 0
+    assert run_job(_config_error, tmp_path, 1, tmp_path / "1", []) == 2
+    assert not (tmp_path / "status").exists() and "sweep job" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        callback.on_multirun_end(config)
+    assert stop.value.code == 2
