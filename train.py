@@ -25,7 +25,7 @@ from moevlm.signals import STOP_SIGNALS
 from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import write_failed_line, looks_like_disk_full
 from moevlm.train.options import show_sections
-from moevlm.train.sweep import run_job, sweep_root
+from moevlm.train.sweep import run_job, sweep_probes, sweep_root
 
 register_configs()
 
@@ -106,12 +106,14 @@ def _check_command_line() -> None:
     """Mistakes in the command line as `config error:` lines and exit 2, before Hydra (which would print
     its own text and exit 1, the "loss did not fall" code): an override of a field the schema lacks
     (naming the nearest options), then anything composition refuses (a value of the wrong type, an
-    unknown group choice, override syntax).  A sweep (-m) is composed job by job by Hydra itself."""
+    unknown group choice, override syntax).  A sweep (-m) has each of its values composed once."""
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
+    sweep = any(a in ("-m", "--multirun") for a in sys.argv[1:])
     try:
         check_overrides(args)
-        if not any(a in ("-m", "--multirun") or a.startswith("--") for a in sys.argv[1:]):
-            compose_job(args)
+        if not any(a.startswith("--") for a in sys.argv[1:]):
+            for job in sweep_probes(args) if sweep else [args]:
+                compose_job(job)
     except ConfigError as err:
         _config_error(str(err))
     except Exception as err:  # Hydra's and OmegaConf's refusals: their first line and the key

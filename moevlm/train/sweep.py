@@ -137,6 +137,30 @@ def run_job(
     return code
 
 
+def sweep_probes(overrides: list[str]) -> list[list[str]]:
+    """Override lists that use every value of a command-line sweep once (each key's values in turn, the
+    other keys at their first): composing these finds a value Hydra would refuse for the whole sweep,
+    in as many compositions as there are values, not jobs.  An override the basic sweeper cannot expand
+    is left to Hydra (no probes)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        values = [
+            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            if o.is_sweep_override()
+            else [o.input_line]
+            for o in parsed
+        ]
+    except Exception:  # noqa: BLE001  (syntax Hydra itself will report, or a sweep it cannot expand)
+        return []
+    base = [v[0] for v in values]
+    probes = [base]
+    for i, options in enumerate(values):
+        probes += [base[:i] + [v] + base[i + 1 :] for v in options[1:]]
+    return probes
+
+
 def summary(root: Path) -> tuple[str, int]:
     """(the sweep's one-line summary, its exit code: the first failed job's, else 0)."""
     records = read_statuses(root)

@@ -50,8 +50,10 @@ def _one_line(overrides: list[str]) -> str:
         ),
         (
             {"config.json": TINY_HF},
-            "has a config.json but no weights (neither model.safetensors nor "
-            "model.safetensors.index.json); give an HF Qwen3-VL-MoE folder",
+            (
+                "has a config.json but no weights (neither model.safetensors nor "
+                "model.safetensors.index.json); give an HF Qwen3-VL-MoE folder"
+            ),
         ),
         (
             {
@@ -60,16 +62,20 @@ def _one_line(overrides: list[str]) -> str:
                     {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
                 ),
             },
-            "model.safetensors.index.json names 1 weight file(s) that are not in the folder, e.g. "
-            "['model-00001-of-00002.safetensors']",
+            (
+                "model.safetensors.index.json names 1 weight file(s) that are not in the folder, e.g. "
+                "['model-00001-of-00002.safetensors']"
+            ),
         ),
         (
             {
                 "config.json": json.dumps(VLMConfig.preset("qwen3_vl_30b_a3b").to_hf()),
                 "model.safetensors": "",
             },
-            "holds a different architecture than the configured model; build the model from its "
-            "config.json (model.hf_config)",
+            (
+                "holds a different architecture than the configured model; build the model from its "
+                "config.json (model.hf_config)"
+            ),
         ),
         ({"config.json": "{not json", "model.safetensors": ""}, "its config.json is not a "),
     ],
@@ -132,21 +138,33 @@ def _train_py():
     [
         (
             ["data.shards=/d/s-000.tar", "data.shards=/d/s-001.tar", "data.shards=/d/s-002.tar"],
-            "data.shards is given 3 times (/d/s-000.tar, /d/s-001.tar, /d/s-002.tar): the shell "
-            "expanded a brace pattern, and only the last would be used; quote it: "
-            "data.shards=\"'/d/s-{000..002}.tar'\"",
+            (
+                "data.shards is given 3 times (/d/s-000.tar, /d/s-001.tar, /d/s-002.tar): the shell "
+                "expanded a brace pattern, and only the last would be used; quote it: "
+                "data.shards=\"'/d/s-{000..002}.tar'\""
+            ),
         ),
         (
             ["-m", "train.steps=2", "data.shards=/d/a.tar", "data.shards=/d/b.tar"],
-            "data.shards is given 2 times (/d/a.tar, /d/b.tar): the shell expanded a brace pattern, "
-            "and only the last would be used; quote it: data.shards=\"'/d/a.tar,/d/b.tar'\"",
+            (
+                "data.shards is given 2 times (/d/a.tar, /d/b.tar): the shell expanded a brace pattern, "
+                "and only the last would be used; quote it: data.shards=\"'/d/a.tar,/d/b.tar'\""
+            ),
         ),
         (
             ["train.steps=2", "train.steps=3"],
             "train.steps is given 2 times (2, 3) and only the last would be used; give it once",
         ),
+        # a sweep's value that Hydra would refuse for the whole sweep (with exit 1) before any job
+        (
+            ["-m", "optim.lr=1e-3,2e-3", "train.steps=1,x"],
+            (
+                "Error merging override train.steps=x; Value 'x' of type 'str' could not be converted "
+                "to Integer"
+            ),
+        ),
     ],
-    ids=["numbered_shards", "sweep", "any_key"],
+    ids=["numbered_shards", "sweep", "any_key", "sweep_value"],
 )
 def test_a_key_given_more_than_once_is_refused_with_the_quoted_form(
     monkeypatch, capsys, argv, says
@@ -166,6 +184,7 @@ def test_train_py_says_it_in_one_line_and_builds_nothing(tmp_path):
     env = {**os.environ, "MOEVLM_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "model.hf_checkpoint=ckpt"],
+        check=False,
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -174,10 +193,12 @@ def test_train_py_says_it_in_one_line_and_builds_nothing(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
-        f"config error: model.hf_checkpoint=ckpt (= {tmp_path / 'ckpt'}) has a config.json but no "
-        "weights (neither model.safetensors nor model.safetensors.index.json); give an HF Qwen3-VL-MoE "
-        "folder (config.json, and model.safetensors or model.safetensors.index.json), or set "
-        f"model.hf_config={tmp_path / 'ckpt'} to take only its architecture (random weights)"
+        (
+            f"config error: model.hf_checkpoint=ckpt (= {tmp_path / 'ckpt'}) has a config.json but no "
+            "weights (neither model.safetensors nor model.safetensors.index.json); give an HF Qwen3-VL-MoE "
+            "folder (config.json, and model.safetensors or model.safetensors.index.json), or set "
+            f"model.hf_config={tmp_path / 'ckpt'} to take only its architecture (random weights)"
+        )
     ]
     assert "Traceback" not in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moevlm.train.sweep import SweepStatus, read_statuses, run_job, summary
+from moevlm.train.sweep import SweepStatus, read_statuses, run_job, summary, sweep_probes
 
 
 def _fail_loss():
@@ -96,3 +96,13 @@ def test_another_rank_writes_nothing_and_exits_with_its_own_code(tmp_path, monke
     with pytest.raises(SystemExit) as stop:
         callback.on_multirun_end(config)
     assert stop.value.code == 2
+
+
+def test_sweep_probes_use_each_value_once():
+    assert sweep_probes(["a.x=1,2,3", "b.y=4,5", "+experiment=e", "c.z='{p,q}'"]) == [
+        ["a.x=1", "b.y=4", "+experiment=e", "c.z='{p,q}'"],
+        ["a.x=2", "b.y=4", "+experiment=e", "c.z='{p,q}'"],
+        ["a.x=3", "b.y=4", "+experiment=e", "c.z='{p,q}'"],
+        ["a.x=1", "b.y=5", "+experiment=e", "c.z='{p,q}'"],
+    ]
+    assert sweep_probes(["a.x=interval(1,4)"]) == []  # Hydra's basic sweeper says what it cannot do
