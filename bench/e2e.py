@@ -73,10 +73,21 @@ from moevlm.train.config import compose_job
 from moevlm.train.metrics import Window, device_name, device_peak_tflops
 from moevlm.train.trainer import Trainer
 
+# the sample set's tokenizer ids (moevlm.data.text.TINY_SPECIAL_IDS), taken by a random-init proxy
+SAMPLE_IDS = [
+    "model.image_token_id=1020",
+    "model.video_token_id=1021",
+    "model.vision_start_token_id=1018",
+    "model.vision_end_token_id=1019",
+]
 # preset -> (overrides, warm-up steps, timed steps); --smoke: 1 warm-up, 2 timed
 PRESETS = {
     "tiny": (["train.precision=fp32", "train.device=cpu", "data.num_workers=1"], 2, 8),
-    "h100_1gpu": (["+experiment=h100_1gpu", "data.shards=sample", "data.num_workers=4"], 3, 10),
+    "h100_1gpu": (
+        ["+experiment=h100_1gpu", "data.shards=sample", *SAMPLE_IDS, "data.num_workers=4"],
+        3,
+        10,
+    ),
 }
 MOCKS = ("image_free", "random_pixels")
 

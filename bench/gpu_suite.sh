@@ -92,7 +92,10 @@ if [ "$SMOKE" -eq 1 ]; then
 else
   KERNELS=("$PY" bench/kernels.py)
   E2E=("$PY" bench/e2e.py --preset h100_1gpu)
-  TRAIN=("$PY" train.py +experiment=h100_1gpu data.shards=sample train.steps=30 train.precision=bf16
+  # the sample set's tokenizer ids, which the random-init proxy takes (README, Training)
+  SAMPLE_IDS=(model.image_token_id=1020 model.video_token_id=1021 model.vision_start_token_id=1018
+              model.vision_end_token_id=1019)
+  TRAIN=("$PY" train.py +experiment=h100_1gpu data.shards=sample "${SAMPLE_IDS[@]}" train.steps=30 train.precision=bf16
          train.compile=true train.log_every=1 train.checkpoint_at_end=false train.tensorboard=false
          "train.run_dir=$OUT/train_run")
   WARMUP=5
