@@ -111,7 +111,8 @@ def _check_command_line() -> None:
     sweep = any(a in ("-m", "--multirun") for a in sys.argv[1:])
     try:
         check_overrides(args)
-        if not any(a.startswith("--") for a in sys.argv[1:]):
+        # (--help, --cfg and the like compose in Hydra's own way)
+        if not any(a.startswith("--") and a != "--multirun" for a in sys.argv[1:]):
             for job in sweep_probes(args) if sweep else [args]:
                 compose_job(job)
     except ConfigError as err:
