@@ -273,9 +273,8 @@ def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
         found.append(f"it has {vocab_wrong[0]} ids but the model's vocabulary {vocab_wrong[1]}")
     if hf_checkpoint:
         ckpt = os.path.join(os.path.abspath(hf_checkpoint), "tokenizer.json")
-        fix = (
-            "the checkpoint's weights are trained for its own ids: use its tokenizer "
-            f"(data.tokenizer={ckpt})"
+        fix = "the checkpoint's weights are trained for its own ids: use its tokenizer " + (
+            f"(data.tokenizer={ckpt})" if os.path.isfile(ckpt) else "(data.tokenizer=FILE)"
         )
     else:
         keys = [f"model.{name}={want}" for name, (want, _) in wrong.items()]

@@ -117,13 +117,14 @@ def test_a_tokenizer_that_does_not_fit_is_one_line_whose_keys_fix_it(tmp_path):
     keys = line.split("take the tokenizer's: ")[1].split(";")[0].split()
     assert keys[-1] == "model.vocab_size=1022" and len(keys) == 5
     assert validate(compose_job(proxy + keys)).model.text.vocab_size == 1022
-    with pytest.raises(ConfigError, match="data.tokenizer=.*ckpt/tokenizer.json"):
-        validate(
-            compose_job(
-                proxy
-                + [f"model.hf_checkpoint={_folder(tmp_path, 'ckpt', {'model.safetensors': ''})}"]
-            )
-        )
+    # with a checkpoint: its own tokenizer, named when it has one
+    ckpt = _folder(tmp_path, "ckpt", {"model.safetensors": "", "tokenizer.json": "{}"})
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job([*proxy, f"model.hf_checkpoint={ckpt}"]))
+    assert f"use its tokenizer (data.tokenizer={ckpt / 'tokenizer.json'})" in str(err.value)
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"use its tokenizer \(data.tokenizer=FILE\)"):
+        validate(compose_job([*proxy, f"model.hf_checkpoint={ckpt}"]))
 
 
 def _train_py():
