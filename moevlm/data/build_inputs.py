@@ -107,6 +107,17 @@ def load_image(p: str, root: Path, max_bytes: int, label: str = "image path") ->
     return data, image_ext(path, verify_image(data, shown))
 
 
+def check_image_bytes(data: bytes, max_bytes: int, shown: str) -> tuple[bytes, str]:
+    """In-memory image bytes (a Parquet cell, an Energon member) checked as load_image checks a file."""
+    if not data:
+        raise SkipSample("empty_image", f"{shown} has zero bytes")
+    if len(data) > max_bytes:
+        raise SkipSample(
+            "file_too_large", f"{shown} has {len(data)} bytes, above --max-image-bytes {max_bytes}"
+        )
+    return data, image_ext(Path(""), verify_image(data, shown))
+
+
 def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:
     """A regular file's bytes, refused (file_too_large) from its size before any is read."""
     try:
