@@ -15,7 +15,7 @@ role/content or from/value; a content may be a list of parts, {"type": "image"} 
 Energon: `.nv-meta/dataset.yaml` names the sample type (`sample_type: {__class__: ...}`, or the
 older top-level `__class__: ...Webdataset`) and a `field_map` from sample fields to tar members
 (`jpg`, `json[caption]`, alternatives separated by commas); `.nv-meta/split.yaml` (or split.json)
-lists each split's shards (brace patterns; `exclude` drops shards or `shard/index` samples);
+lists each split's shards (brace patterns; `exclude` drops shards, or samples as `shard/key`);
 `.nv-meta/.info.json` (or .info.yaml) gives per-shard counts, used for the progress total.
 Read sample types: CaptioningSample, VQASample (context -> user, the heaviest answer ->
 assistant), OCRSample (text as the caption), TextSample.
@@ -219,7 +219,7 @@ class EnergonSource:
             plan = ShardPlan([url], shuffle=False, max_file_bytes=1 << 40)
             for k, raw in enumerate(plan.read_shard(url, skips)):
                 where = f"{name}:{raw.get('__key__', k)}"
-                if f"{name}/{k}" in self.excluded:
+                if f"{name}/{raw.get('__key__')}" in self.excluded:
                     continue
                 try:
                     yield where, self._sample(raw, where)

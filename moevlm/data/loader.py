@@ -459,7 +459,8 @@ class Stream:
                     probe.add(err, f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}")
                     continue
                 if sample.unused:
-                    probe.add(SkipSample("images_unused"), raw.get("__key__", "?"))
+                    detail = f"{sample.unused[:3]} not named by the record"
+                    probe.add(SkipSample("images_unused", detail), raw.get("__url__", "?"))
                 if need_image and not sample.grids:
                     continue
                 usable = True
@@ -486,10 +487,10 @@ class Stream:
                 return
             unusable += 1
         if need_image:
-            raise self._imageless(when, probe, read)
+            raise self._imageless(probe, read)
         raise self._stuck(when, probe, read, unusable)
 
-    def _imageless(self, when: str, data: SkipCounter, read: int) -> DataError:
+    def _imageless(self, data: SkipCounter, read: int) -> DataError:
         both = Counter(self.skips) + Counter(data)
         fix = (
             "the json records name no image member (images_unused): read third-party image-text shards "
@@ -498,8 +499,8 @@ class Stream:
             else "fix the images (skip reasons: moevlm.data.errors.REASONS)"
         )
         return DataError(
-            f"data stream {self.stream} read {self.st['image_samples']} samples carrying images but could "
-            f"use none of their images {when} ({self._skip_summary()}); no sample of the whole data set "
+            f"data stream {self.stream} read {self.st['image_samples']} samples carrying images and could "
+            f"use none of their images ({self._skip_summary()}); no sample of the whole data set "
             f"gives a usable image either ({len(self.plan.shards)} shards, {read} samples read: "
             f"{self._summary(data)}); {fix}, or set data.mock=image_free to train on the text alone"
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,7 +18,8 @@ from data_helpers import small_data_config, write_tar
 from PIL import Image
 
 from moevlm.data import build_shards as bs
-from moevlm.data.errors import DataError
+from moevlm.data.errors import DataError, SkipSample
+from moevlm.data.layouts import read_record
 from moevlm.data.loader import build_loader, check_fields
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.text import ChatEncoder, load_tokenizer
@@ -208,12 +210,13 @@ def test_every_layout_gives_our_builders_image_tokens_and_trains(data_sets, tmp_
                 f"{f['tokens_packed']} tokens packed ({f['image_tokens']} image tokens)",
                 end="",
             )
-    # 3 steps with the real trainer and default settings on each layout
+    # 3 steps with the real trainer on each layout: the default data settings (data.format=auto),
+    # one row a step and no worker processes to keep it short
     for name in LAYOUTS:
         run_dir = tmp_path / name
         job = compose_job(
-            ["data.num_workers=0", "train.steps=3", f"train.run_dir={run_dir}"]
-            + [f"data.shards={sets[name]}", "train.checkpoint_every=0"]
+            ["data.num_workers=0", "train.steps=3", "train.global_batch_size=1"]
+            + [f"train.run_dir={run_dir}", f"data.shards={sets[name]}", "train.checkpoint_every=0"]
         )
         trainer = Trainer(job)
         assert trainer.run() == 0, name
@@ -221,6 +224,30 @@ def test_every_layout_gives_our_builders_image_tokens_and_trains(data_sets, tmp_
         assert st["images_used"] > 0 and st["fell_back"] == {}, name
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["step"] for x in lines][-1] == 3, name
+
+
+def test_which_record_each_format_reads():
+    meta = json.dumps({"text": "a caption", "uid": "u1", "width": 3}).encode()
+    raw = {"__key__": "k", "json": meta, "jpg": b"x", "png": b"y"}
+    rec, unused = read_record(raw, "auto")
+    assert (rec.kind, rec.images, rec.caption, rec.id, unused) == (
+        "caption",
+        ["jpg"],
+        "a caption",
+        "k",
+        ["png"],
+    )
+    # moevlm: the json as our record, a text sample; both images unused
+    rec, unused = read_record(raw, "moevlm")
+    assert (rec.kind, rec.text, unused) == ("text", "a caption", ["jpg", "png"])
+    # txt wins over the json's caption; a json naming its images is ours under auto
+    rec, _ = read_record({**raw, "txt": b"from txt"}, "image_caption")
+    assert rec.caption == "from txt"
+    ours = {"id": "o", "images": ["img0.webp"], "caption": "ours"}
+    rec, unused = read_record({"__key__": "k", "json": json.dumps(ours).encode(), "img0.webp": b""})
+    assert (rec.id, rec.images, unused) == ("o", ["img0.webp"], [])
+    with pytest.raises(SkipSample, match="no caption: no txt member"):
+        read_record({"__key__": "k", "json": b'{"url": "u"}', "webp": b""}, "image_caption")
 
 
 def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_path):
@@ -243,7 +270,7 @@ def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_
     with pytest.raises(DataError) as err:
         _read_all(sets["datacomp"], format="moevlm")
     msg = str(err.value)
-    assert "carrying images but could use none of their images" in msg
+    assert "carrying images and could use none of their images (" in msg
     assert "images_unused=" in msg and "data.format=auto or image_caption" in msg
     # images present but every one broken (skipped) while text samples train: the same stop
     broken = tmp_path / "broken"
@@ -254,7 +281,7 @@ def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_
         + [{"__key__": f"t{i}", "json": json.dumps({"text": "words"}).encode()} for i in range(2)],
     )
     shutil.copy(sets["reference"] / "tokenizer.json", broken)
-    with pytest.raises(DataError, match=r"could use none of their images .*fix the images"):
+    with pytest.raises(DataError, match=r"could use none of their images \(.*fix the images"):
         _read_all(broken)
     # an unknown layout name is a config error listing the values
     with pytest.raises(ValueError, match="data.format='webdataset' is invalid: set it to 'auto', "):
@@ -279,17 +306,23 @@ def test_builder_counts_bad_parquet_rows_and_energon_samples(data_sets, tmp_path
     assert s["samples"] == 1 and s["kinds"] == {"chat": 0, "caption": 1, "text": 0}
     assert s["skipped"] == {"bad_record": 2, "missing_image": 1, "not_an_image": 1}
     assert "give --images DIR" in s["skipped_examples"]["missing_image"][0]
-    # setup errors stop before anything is written, as one line
+    # setup errors stop before anything is written, as one line; without pyarrow it names the extra
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "pyarrow.parquet", None)
+        assert bs.main(["--parquet", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "pip install 'moevlm[parquet]'" in capsys.readouterr().err
     (tmp_path / "no.parquet").write_bytes(b"PAR1 not really")
     assert bs.main(["--parquet", str(tmp_path / "no.parquet"), "--out", str(tmp_path / "x")]) == 2
     assert "is not a readable Parquet file" in capsys.readouterr().err
-    # Energon: a sample whose json lacks the mapped field is skipped, the rest written
+    # Energon: a sample whose json lacks the mapped field is skipped, an excluded one left out
     folder = _energon(tmp_path, photos)
     write_tar(folder / "parts/data-1.tar", [{"__key__": "bad", "jpg": jpg, "json": b"{}"}])
+    split = folder / ".nv-meta/split.yaml"
+    split.write_text(split.read_text().replace("exclude: []", "exclude: [parts/data-0.tar/s0]"))
     out = tmp_path / "en"
     assert bs.main(["--energon", str(folder), "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["samples"] == 2 and s["skipped"] == {"bad_record": 1}
+    assert s["samples"] == 1 and s["skipped"] == {"bad_record": 1}
     assert s["args"]["energon"] == str(folder) and s["args"]["split"] == "train"
     assert bs.main(["--energon", str(folder), "--split", "test", "--out", str(out)]) == 2
     assert "has no split 'test'; it has ['train', 'val']" in capsys.readouterr().err
