@@ -364,6 +364,15 @@ class Stream:
             return
         self.failed = 0
         if sample.unused:
+            if not self.skips["images_unused"]:
+                log.warning(
+                    "data stream %d: sample %s trains without its image member(s) %s, which its record "
+                    "does not name (data.format=%s); such samples are counted as images_unused",
+                    self.stream,
+                    where,
+                    sample.unused[:3],
+                    self.encode.fmt,
+                )
             self.skips.add(
                 SkipSample("images_unused", f"{sample.unused[:3]} not named by the record"), where
             )

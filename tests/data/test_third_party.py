@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import shutil
 import sys
 
@@ -250,7 +251,7 @@ def test_which_record_each_format_reads():
         read_record({"__key__": "k", "json": b'{"url": "u"}', "webp": b""}, "image_caption")
 
 
-def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_path):
+def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_path, caplog):
     sets, photos = data_sets
     # data.format=moevlm reads DataComp's metadata json as a text record: the sample trains as text,
     # counted as images_unused; our own shards beside them still give images, so the run goes on
@@ -260,7 +261,11 @@ def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_
         for i, p in enumerate(sorted(sets[name].glob("*.tar"))):
             shutil.copy(p, mixed / f"{name}-{i}.tar")
     shutil.copy(sets["reference"] / "tokenizer.json", mixed)
-    got = _read_all(mixed, format="moevlm")
+    with caplog.at_level(logging.WARNING, logger="moevlm.data.loader"):
+        got = _read_all(mixed, format="moevlm")
+    assert (
+        "trains without its image member(s) ['jpg'], which its record does not name" in caplog.text
+    )
     assert got["stats"]["fell_back"] == {"images_unused": len(photos)}
     assert got["images_used"] == len(photos) and got["samples_read"] == 2 * len(photos)
     assert "skipped: none; trained without their images: images_unused 4" in describe_data(
@@ -326,6 +331,15 @@ def test_builder_counts_bad_parquet_rows_and_energon_samples(data_sets, tmp_path
     assert s["args"]["energon"] == str(folder) and s["args"]["split"] == "train"
     assert bs.main(["--energon", str(folder), "--split", "test", "--out", str(out)]) == 2
     assert "has no split 'test'; it has ['train', 'val']" in capsys.readouterr().err
+    # the older dataset.yaml form: a top-level __class__ naming the dataset class
+    legacy = _energon(tmp_path / "legacy", photos)
+    meta = legacy / ".nv-meta/dataset.yaml"
+    meta.write_text(
+        "__module__: megatron.energon\n__class__: CaptioningWebdataset\n"
+        + meta.read_text().split("\n", 3)[3]
+    )
+    assert bs.main(["--energon", str(legacy), "--out", str(tmp_path / "lo")]) == 0
+    assert json.loads((tmp_path / "lo/summary.json").read_text())["samples"] == len(photos)
     other = _energon(tmp_path / "o", photos, sample_type="InterleavedSample")
     assert bs.main(["--energon", str(other), "--out", str(tmp_path / "o2")]) == 2
     assert "sample type 'InterleavedSample' is not read; supported:" in capsys.readouterr().err
