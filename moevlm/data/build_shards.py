@@ -1,4 +1,4 @@
-"""Build WebDataset tar shards from image folders and annotation files.
+"""Build WebDataset tar shards from images and annotation files, Parquet files or Energon folders.
 
     python -m moevlm.data.build_shards --images DIR --annotations a.json b.jsonl --out SHARDS
         [--tokenizer tokenizer.json|HF_DIR] [--samples-per-shard auto|N]

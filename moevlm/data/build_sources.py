@@ -178,32 +178,9 @@ class EnergonSource:
 
         self.root, self.split = Path(root), split
         meta = self.root / ".nv-meta"
-        ds = _load(meta, "dataset.yaml", None, yaml)
-        if "sample_loader" in ds:
-            raise ValueError(
-                f"{meta / 'dataset.yaml'} uses a custom sample_loader (Python code); only a field_map "
-                "can be read without running it: give the dataset a field_map"
-            )
-        cls = (ds.get("sample_type") or {}).get("__class__") or ds.get("__class__", "")
-        self.type = re.sub(r"Webdataset$", "Sample", str(cls))
-        if self.type not in ENERGON_TYPES:
-            raise ValueError(
-                f"{meta / 'dataset.yaml'}: sample type {cls!r} is not read; supported: {list(ENERGON_TYPES)}"
-            )
-        self.fields = ds.get("field_map") or {}
-        if not isinstance(self.fields, dict) or not self.fields:
-            raise ValueError(f"{meta / 'dataset.yaml'} has no field_map")
+        self.type, self.fields = _sample_type(_load(meta, "dataset.yaml", None, yaml), meta)
         splits = _load(meta, "split.yaml", "split.json", yaml)
-        parts = (splits.get("split_parts") or {}).get(split)
-        if not parts:
-            raise ValueError(
-                f"{meta}/split.yaml has no split {split!r}; it has {sorted(splits.get('split_parts') or {})}"
-            )
-        import braceexpand
-
-        excluded = {e for x in splits.get("exclude") or [] for e in braceexpand.braceexpand(x)}
-        self.shards = [n for p in parts for n in braceexpand.braceexpand(p) if n not in excluded]
-        self.excluded = {e for e in excluded if "/" in e}
+        self.shards, self.excluded = _split_shards(splits, split, meta)
         missing = [n for n in self.shards if not (self.root / n).is_file()]
         if missing:
             raise FileNotFoundError(
@@ -276,6 +253,41 @@ class EnergonSource:
         if name in ("answers", "answer_weights"):
             return None
         raise SkipSample("bad_record", f"field {name!r} ({spec}) is not in the sample")
+
+
+def _sample_type(ds: dict, meta: Path) -> tuple[str, dict]:
+    """(sample type, field_map) of dataset.yaml: `sample_type.__class__`, or the older top-level
+    `__class__: XWebdataset` read as XSample."""
+    where = meta / "dataset.yaml"
+    if "sample_loader" in ds:
+        raise ValueError(
+            f"{where} uses a custom sample_loader (Python code); only a field_map can be read "
+            "without running it: give the dataset a field_map"
+        )
+    cls = (ds.get("sample_type") or {}).get("__class__") or ds.get("__class__", "")
+    kind = re.sub(r"Webdataset$", "Sample", str(cls))
+    if kind not in ENERGON_TYPES:
+        raise ValueError(
+            f"{where}: sample type {cls!r} is not read; supported: {list(ENERGON_TYPES)}"
+        )
+    fields = ds.get("field_map")
+    if not isinstance(fields, dict) or not fields:
+        raise ValueError(f"{where} has no field_map")
+    return kind, fields
+
+
+def _split_shards(splits: dict, split: str, meta: Path) -> tuple[list[str], set[str]]:
+    """The split's shard names (brace patterns expanded, excluded shards left out) and the
+    excluded samples (`shard/key`)."""
+    import braceexpand
+
+    parts = (splits.get("split_parts") or {}).get(split)
+    if not parts:
+        have = sorted(splits.get("split_parts") or {})
+        raise ValueError(f"{meta}/split.yaml has no split {split!r}; it has {have}")
+    excluded = {e for x in splits.get("exclude") or [] for e in braceexpand.braceexpand(x)}
+    shards = [n for p in parts for n in braceexpand.braceexpand(p) if n not in excluded]
+    return shards, {e for e in excluded if "/" in e}
 
 
 def _load(meta: Path, name: str, alt: str | None, yaml, required: bool = True) -> dict:
