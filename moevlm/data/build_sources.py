@@ -97,29 +97,41 @@ def _columns(names: list[str], path: Path) -> tuple[str | None, str]:
 
 
 def parquet_records(paths: list[Path], skips: SkipCounter) -> Iterator[tuple[str, Inline]]:
-    """(where, Inline) for every row; bad rows and broken files are counted in `skips`."""
+    """(where, Inline) for every row; bad rows and broken row groups are counted in `skips`."""
     pq = _pyarrow_parquet()
     for path in paths:
-        i = 0
         try:
             f = pq.ParquetFile(path)
             image, text = _columns(f.schema_arrow.names, path)
-            wanted = [c for c in (image, text, "id") if c and c in f.schema_arrow.names]
-            for batch in f.iter_batches(batch_size=64, columns=wanted):
-                for row in batch.to_pylist():
-                    where = f"{path.name}:{i}"
-                    i += 1
-                    try:
-                        yield where, _parquet_row(row, image, text, where)
-                    except SkipSample as e:
-                        skips.add(e, where)
-        except Exception as e:  # a file that breaks while being read: keep the rows before
+        except Exception as e:  # checked by check_parquet; changed or gone since
             skips.add(
-                SkipSample(
-                    "unreadable_input", f"{type(e).__name__}: {str(e)[:120]}; {i} rows read"
-                ),
-                path.name,
+                SkipSample("unreadable_input", f"{type(e).__name__}: {str(e)[:120]}"), path.name
             )
+            continue
+        wanted = [c for c in (image, text, "id") if c in f.schema_arrow.names]
+        first = 0
+        for group in range(f.num_row_groups):
+            yield from _row_group(f, group, first, wanted, (image, text), path.name, skips)
+            first += f.metadata.row_group(group).num_rows
+
+
+def _row_group(f, group: int, first: int, wanted, columns, name: str, skips: SkipCounter):
+    """The rows of one row group (numbered from `first` in the file); a group that breaks while
+    being read is `unreadable_input`, the rows read before it kept and the next group read."""
+    i = first
+    try:
+        for batch in f.iter_batches(batch_size=16, row_groups=[group], columns=wanted):
+            for row in batch.to_pylist():
+                where, i = f"{name}:{i}", i + 1
+                try:
+                    yield where, _parquet_row(row, *columns, where)
+                except SkipSample as e:
+                    skips.add(e, where)
+    except Exception as e:  # pyarrow's errors for damaged pages vary (OSError, ArrowInvalid)
+        detail = (
+            f"row group {group}: {type(e).__name__}: {str(e)[:120]}; {i - first} of its rows read"
+        )
+        skips.add(SkipSample("unreadable_input", detail), name)
 
 
 def _parquet_row(row: dict, image: str | None, text: str, where: str) -> Inline:

@@ -16,6 +16,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from data_helpers import small_data_config, write_tar
 from PIL import Image
 
@@ -193,7 +194,20 @@ def _read_all(folder, **kw) -> dict:
     }
 
 
-def test_every_layout_gives_our_builders_image_tokens_and_trains(data_sets, tmp_path, capsys):
+@pytest.fixture
+def one_thread():
+    """The tiny model gains nothing from more threads, and on a shared 2-core machine they fight:
+    the five 3-step runs took over a minute with torch's default threads beside other work, under
+    10 s with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_every_layout_gives_our_builders_image_tokens_and_trains(
+    data_sets, tmp_path, capsys, one_thread
+):
     sets, photos = data_sets
     ref = _read_all(sets["reference"])
     assert ref["images_used"] == len(photos) and ref["image_tokens"] > 0
@@ -212,13 +226,13 @@ def test_every_layout_gives_our_builders_image_tokens_and_trains(data_sets, tmp_
                 f"{f['tokens_packed']} tokens packed ({f['image_tokens']} image tokens)",
                 end="",
             )
-    # 3 steps with the real trainer on each layout: the default data settings (data.format=auto),
-    # one row a step and no worker processes to keep it short
+    # 3 steps with the real trainer and the default settings (data.format=auto) on each layout;
+    # no worker processes, to keep it short
     for name in LAYOUTS:
         run_dir = tmp_path / name
         job = compose_job(
-            ["data.num_workers=0", "train.steps=3", "train.global_batch_size=1"]
-            + [f"train.run_dir={run_dir}", f"data.shards={sets[name]}", "train.checkpoint_every=0"]
+            ["data.num_workers=0", "train.steps=3", f"train.run_dir={run_dir}"]
+            + [f"data.shards={sets[name]}", "train.checkpoint_every=0"]
         )
         trainer = Trainer(job)
         assert trainer.run() == 0, name
@@ -312,6 +326,22 @@ def test_builder_counts_bad_parquet_rows_and_energon_samples(data_sets, tmp_path
     assert s["samples"] == 1 and s["kinds"] == {"chat": 0, "caption": 1, "text": 0}
     assert s["skipped"] == {"bad_record": 2, "missing_image": 1, "not_an_image": 1}
     assert "give --images DIR" in s["skipped_examples"]["missing_image"][0]
+    # a row group whose page header is damaged: counted, the other group's rows written
+    two = tmp_path / "two.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([{"image": jpg, "text": f"t{i}"} for i in range(4)]),
+        two,
+        row_group_size=2,
+    )
+    col = pq.ParquetFile(two).metadata.row_group(1).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    with open(two, "r+b") as f:
+        f.seek(start)
+        f.write(b"\xff" * 8)
+    assert bs.main(["--parquet", str(two), "--out", str(tmp_path / "two")]) == 0
+    s = json.loads((tmp_path / "two/summary.json").read_text())
+    assert s["samples"] == 2 and s["skipped"] == {"unreadable_input": 1}
+    assert s["skipped_examples"]["unreadable_input"][0].startswith("two.parquet: row group 1: ")
     # setup errors stop before anything is written, as one line; without pyarrow it names the extra
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "pyarrow.parquet", None)
