@@ -44,7 +44,8 @@ REASONS = {
     # shards
     "truncated_shard": "a tar shard ended early or is corrupt; samples before the damage were kept",
     "unreadable_shard": "a shard could not be opened",
-    "unreadable_input": "a builder input file (Parquet, Energon tar) could not be opened or read to its end; rows before the damage were kept",
+    "unreadable_input": "a builder input (a Parquet file or row group) could not be opened or read to its "
+    "end; the rows before the damage were kept",
     # packing
     "too_long": "the sample exceeds the token, patch or image budget of a micro-batch",
     "empty_sample": "the sample has no tokens to train on",
@@ -67,7 +68,8 @@ class DataSetupError(ConfigError, FileNotFoundError):
 
 
 class SkipSample(Exception):
-    """A sample that cannot be used.  `reason` is a key of REASONS."""
+    """A sample that cannot be used.  `reason` is a key of REASONS (or of FALLBACKS: counted, not
+    skipped)."""
 
     def __init__(self, reason: str, detail: str = ""):
         if reason not in REASONS and reason not in FALLBACKS:

@@ -443,9 +443,8 @@ class Stream:
         st, pk = self.st, self.cfg.pack
         if st["images_used"] or st["images_checked"] or not st["image_samples"]:
             return
-        if not (
-            pk.max_patches and pk.max_images
-        ):  # a text-only budget: images are too_long by choice
+        # a text-only budget: images are too_long by choice
+        if not (pk.max_patches and pk.max_images):
             return
         if at_end or st["image_samples"] >= IMAGELESS_SAMPLES:
             self._check_data_set(f"in its first {st['image_samples']} samples with images", True)
