@@ -202,6 +202,7 @@ def fresh_state(stream: int) -> dict:
         "data_checked": False,  # the whole data set was seen to hold a usable sample
         "image_samples": 0,  # samples read that carry image members
         "images_used": 0,  # images of the samples that encoded
+        "images_packed": 0,  # images in the rows produced
         "images_checked": False,  # the whole data set was seen to hold a usable image
     }
 
@@ -573,6 +574,7 @@ class Stream:
                 f"(data.pack={self.cfg.pack})"
             )
         self.st["packed"] += len(samples)
+        self.st["images_packed"] += sum(len(s.grids) for s in samples)
         self.st["batches"] += 1
         batch = collate(samples, self.cfg.pack, self.ds.patch_dim, self.pad_id)
         batch["state"] = self._state()
@@ -966,7 +968,7 @@ class PackedLoader:
             "skipped": dict(sorted(skipped.items())),
             "skipped_total": sum(skipped.values()),
             "fell_back": fell_back,
-            "images_used": sum(s.get("images_used", 0) for s in self.states.values()),
+            "images_packed": sum(s.get("images_packed", 0) for s in self.states.values()),
             "shards_all_skipped": dict(sorted(unusable.items())),
             "samples_read": sum(s["read"] for s in self.states.values()),
             "samples_packed": sum(s["packed"] for s in self.states.values()),

@@ -935,10 +935,10 @@ def describe_data(stats: dict) -> str:
         if fell
         else ""
     )
-    images = f", {stats['images_used']} images used" if "images_used" in stats else ""
+    images = f" with {stats['images_packed']} images" if "images_packed" in stats else ""
     return (
-        f"{stats['samples_read']} samples read, {stats['samples_packed']} packed into {stats['batches']} "
-        f"batches (epoch {stats['epoch']}){images}; skipped: {skips}{shards}{fell}; waited "
+        f"{stats['samples_read']} samples read, {stats['samples_packed']} packed{images} into "
+        f"{stats['batches']} batches (epoch {stats['epoch']}); skipped: {skips}{shards}{fell}; waited "
         f"{stats['data_wait_s']:.1f}s for data"
     )
 

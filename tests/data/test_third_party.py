@@ -174,7 +174,7 @@ def data_sets(tmp_path_factory, sample_shards):
 
 
 def _read_all(folder, **kw) -> dict:
-    """One epoch through the loader in the training process: samples read, images used, tokens
+    """One epoch through the loader in the training process: samples read, images packed, tokens
     packed, image tokens in the packed rows, and the stats."""
     cfg = small_data_config(folder, num_workers=0, epochs=1, shuffle_buffer=0, **kw)
     loader = build_loader(cfg, TINY)
@@ -187,7 +187,7 @@ def _read_all(folder, **kw) -> dict:
     loader.close()
     return {
         "samples_read": st["samples_read"],
-        "images_used": st["images_used"],
+        "images_packed": st["images_packed"],
         "tokens_packed": tokens,
         "image_tokens": image_tokens,
         "stats": st,
@@ -210,19 +210,19 @@ def test_every_layout_gives_our_builders_image_tokens_and_trains(
 ):
     sets, photos = data_sets
     ref = _read_all(sets["reference"])
-    assert ref["images_used"] == len(photos) and ref["image_tokens"] > 0
+    assert ref["images_packed"] == len(photos) and ref["image_tokens"] > 0
     figures = {"reference": ref}
     for name in LAYOUTS:
         got = figures[name] = _read_all(sets[name])
         assert got["samples_read"] == len(photos), name
-        assert got["images_used"] == len(photos), name
+        assert got["images_packed"] == len(photos), name
         assert got["image_tokens"] == ref["image_tokens"], name
         assert got["tokens_packed"] == ref["tokens_packed"], name
         assert got["stats"]["skipped"] == {} and got["stats"]["fell_back"] == {}, name
     with capsys.disabled():  # the figures of the closing note (pytest -s shows them)
         for name, f in figures.items():
             print(
-                f"\n{name}: {f['samples_read']} samples read, {f['images_used']} images used, "
+                f"\n{name}: {f['samples_read']} samples read, {f['images_packed']} images packed, "
                 f"{f['tokens_packed']} tokens packed ({f['image_tokens']} image tokens)",
                 end="",
             )
@@ -237,7 +237,7 @@ def test_every_layout_gives_our_builders_image_tokens_and_trains(
         trainer = Trainer(job)
         assert trainer.run() == 0, name
         st = trainer.loader.stats()
-        assert st["images_used"] > 0 and st["fell_back"] == {}, name
+        assert st["images_packed"] > 0 and st["fell_back"] == {}, name
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["step"] for x in lines][-1] == 3, name
 
@@ -282,7 +282,7 @@ def test_images_no_record_uses_are_counted_and_none_usable_stops(data_sets, tmp_
         r"trains without its image member\(s\) \['\w+'\], which its record", caplog.text
     )
     assert got["stats"]["fell_back"] == {"images_unused": len(photos)}
-    assert got["images_used"] == len(photos) and got["samples_read"] == 2 * len(photos)
+    assert got["images_packed"] == len(photos) and got["samples_read"] == 2 * len(photos)
     assert "skipped: none; trained without their images: images_unused 4" in describe_data(
         got["stats"]
     )
