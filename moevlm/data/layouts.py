@@ -17,9 +17,10 @@ Layouts (data.format):
 Design choices:
 - image_caption trains the first image member (name order) with the caption from `txt`, else the
   json's `caption`, else its `text`; a json with none of those but `messages` or `conversations`
-  is a chat about that image (LLaVA's rule puts the <image> tag in front when it has none).  The
+  is a chat about that image (LLaVA's rule puts the <image> tag in front when it has none); a
+  sample with neither json nor txt is `bad_json`, one with no caption `bad_record`.  The
   json is otherwise metadata: url, width, similarity scores are never read as text.  The id is
-  the sample key (img2dataset's `key`, DataComp's `uid` hold the same value).
+  the sample key (img2dataset's json `key` holds the same value).
 - Image members are recognised by webdataset's image extensions (last dot-part, any case).  A
   sample may carry members its record does not use (a second image, or with data.format=moevlm a
   metadata json that names none): they are returned as `unused`, which the loader counts
