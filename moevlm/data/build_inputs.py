@@ -18,9 +18,10 @@ Design choices:
   opened (O_NOFOLLOW on its last part), so the checked path is the one read.
   This guards against annotation files, not against someone swapping folders
   while the build runs.
-  --images is required (the library's image_root too): there is no fallback
-  to the working directory or the annotation file's folder, so what a build
-  may read is always named.  --sample confines its records (absolute files in
+  --images is required with annotation files: there is no fallback to the
+  working directory or the annotation file's folder, so what a build may
+  read is always named (inputs that carry their image bytes, Parquet and
+  Energon, may leave it out: an image path is then `missing_image`).  --sample confines its records (absolute files in
   installed packages) to their deepest common folder.
 - Skip details never show a path that was refused: they say "image path #k
   of record 'id' is absolute / starts with '~' / leaves --images" (the file
@@ -105,6 +106,17 @@ def load_image(p: str, root: Path, max_bytes: int, label: str = "image path") ->
     if not data:
         raise SkipSample("empty_image", f"{shown} has zero bytes")
     return data, image_ext(path, verify_image(data, shown))
+
+
+def check_image_bytes(data: bytes, max_bytes: int, shown: str) -> tuple[bytes, str]:
+    """In-memory image bytes (a Parquet cell, an Energon member) checked as load_image checks a file."""
+    if not data:
+        raise SkipSample("empty_image", f"{shown} has zero bytes")
+    if len(data) > max_bytes:
+        raise SkipSample(
+            "file_too_large", f"{shown} has {len(data)} bytes, above --max-image-bytes {max_bytes}"
+        )
+    return data, image_ext(Path(""), verify_image(data, shown))
 
 
 def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:

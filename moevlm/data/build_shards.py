@@ -1,8 +1,10 @@
-"""Build WebDataset tar shards from image folders and annotation files.
+"""Build WebDataset tar shards from images and annotation files, Parquet files or Energon folders.
 
     python -m moevlm.data.build_shards --images DIR --annotations a.json b.jsonl --out SHARDS
         [--tokenizer tokenizer.json|HF_DIR] [--samples-per-shard auto|N]
         [--max-image-bytes 33554432] [--max-text-bytes 1048576]
+    python -m moevlm.data.build_shards --parquet train-*.parquet --out SHARDS [--images DIR]
+    python -m moevlm.data.build_shards --energon ENERGON_DIR [--split train] --out SHARDS
     python -m moevlm.data.build_shards --sample SHARDS      # the bundled sample set + tokenizer.json
 
 Layout: `OUT/shard-000000.tar, ...` and `OUT/summary.json`.  Sample i (a
@@ -47,6 +49,14 @@ Design choices:
   tokenizer.json, e.g. an HF checkpoint) beside the shards, where the trainer
   looks for it; it is loaded once first, so a wrong file stops the build before
   anything is written.  Without it the build says where the trainer will look.
+- Parquet and Energon inputs (build_sources.py) bring their image bytes with
+  them: they are checked as image files are (byte cap, format, structure)
+  and written as they are; --images is then needed only for rows that name
+  image files.
+- Progress goes to stderr: a tqdm bar with an ETA on a terminal (the total
+  is the annotation lines, the Parquet rows, or Energon's shard counts), a
+  plain line every 30 s otherwise (a log file is not filled with bar
+  redraws).
 - A shard is written as `name.tmp` and renamed when complete, so a crashed
   build never leaves a truncated `.tar` that looks finished; a build stopped
   by an exception deletes the `.tmp` it was writing.
@@ -74,12 +84,14 @@ from moevlm.data.build_inputs import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_TEXT_BYTES,
     check_annotation_files,
+    check_image_bytes,
     count_records,
+    display_path,
     load_image,
     read_annotations,
-    display_path,
     text_bytes,
 )
+from moevlm.data.build_sources import EnergonSource, Inline, check_parquet, parquet_records
 from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.records import KINDS, Record, normalize_record
 
@@ -183,6 +195,7 @@ def build_shards(
     progress: bool | None = None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
+    total: int | None = None,
 ) -> dict:
     """Writes shards from `records` and returns the summary (also OUT/summary.json).
 
@@ -196,7 +209,7 @@ def build_shards(
             f"samples_per_shard={samples_per_shard}, max_image_bytes={max_image_bytes}, "
             f"max_text_bytes={max_text_bytes}; each must be at least 1"
         )
-    root = _real_root(image_root)
+    root = None if image_root is None else _real_root(image_root)
     out, skips = Path(out), skips if skips is not None else SkipCounter()
     prepare_out(out, overwrite)
     encode = _encoder(root, caption_prompt, max_image_bytes, max_text_bytes)
@@ -204,13 +217,7 @@ def build_shards(
     sink = ShardSink(out, samples_per_shard)
     try:
         results = _ordered_map(encode, _located(records), workers)
-        for where, result in tqdm(
-            results,
-            desc="build_shards",
-            unit=" rec",
-            file=sys.stderr,
-            disable=None if progress is None else not progress,
-        ):
+        for where, result in show_progress(results, total, progress):
             if isinstance(result, SkipSample):
                 skips.add(result, where)
                 continue
@@ -234,17 +241,48 @@ def build_shards(
     return summary
 
 
+PROGRESS_EVERY_S = 30.0  # a progress line this often when stderr is not a terminal
+
+
+def show_progress(items: Iterable, total: int | None, progress: bool | None) -> Iterator:
+    """`items`, reporting on stderr: a tqdm bar (with ETA when `total` is known) on a terminal or when
+    `progress` is True; without a terminal (a log file, a batch job) a plain line every
+    PROGRESS_EVERY_S seconds; nothing when `progress` is False."""
+    if progress is False:
+        yield from items
+        return
+    if progress or sys.stderr.isatty():
+        yield from tqdm(items, total=total, desc="build_shards", unit=" rec", file=sys.stderr)
+        return
+    t0 = last = time.monotonic()
+    n = 0
+    for n, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= PROGRESS_EVERY_S:
+            last = now
+            print(
+                f"build_shards: {_progress_line(n, total, now - t0)}", file=sys.stderr, flush=True
+            )
+
+
+def _progress_line(n: int, total: int | None, elapsed: float) -> str:
+    rate = n / max(elapsed, 1e-9)
+    if not total:
+        return f"{n} records in {elapsed:.0f} s ({rate:.1f}/s)"
+    left = max(total - n, 0) / max(rate, 1e-9)
+    return (
+        f"{n}/{total} records ({100 * n / total:.0f}%) in {elapsed:.0f} s, {rate:.1f}/s, "
+        f"ETA {left:.0f} s"
+    )
+
+
 def _located(records: Iterable) -> Iterator[tuple[str, object]]:
     for i, item in enumerate(records):
         yield item if isinstance(item, tuple) else (f"record[{i}]", item)
 
 
-def _real_root(image_root: Path | None) -> Path:
-    if image_root is None:
-        raise ValueError(
-            "image_root is required: image paths are resolved inside it and may not leave it "
-            "(pass the images folder, --images DIR)"
-        )
+def _real_root(image_root: Path) -> Path:
     root = Path(os.path.realpath(image_root))
     if not root.is_dir():
         raise FileNotFoundError(f"--images {image_root} is not a folder")
@@ -252,12 +290,23 @@ def _real_root(image_root: Path | None) -> Path:
 
 
 def _encoder(
-    root: Path, caption_prompt: str, max_image_bytes: int, max_text_bytes: int
+    root: Path | None, caption_prompt: str, max_image_bytes: int, max_text_bytes: int
 ) -> Callable:
     """where, obj -> (where, (Record, [(bytes, ext)])) or (where, SkipSample); thread-safe."""
 
+    def image(p: str, k: int, rid: str, blobs: dict) -> tuple[bytes, str]:
+        if p in blobs:
+            return check_image_bytes(blobs[p], max_image_bytes, f"image #{k} of record {rid!r}")
+        if root is None:
+            raise SkipSample(
+                "missing_image", f"image #{k} of record {rid!r} is a path: give --images DIR"
+            )
+        return load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
+
     def encode(item):
         where, obj = item
+        blobs = obj.blobs if isinstance(obj, Inline) else {}
+        obj = obj.obj if isinstance(obj, Inline) else obj
         try:
             rec = (
                 obj
@@ -269,13 +318,7 @@ def _encoder(
                     "text_too_large", f"{n} bytes of text, above --max-text-bytes {max_text_bytes}"
                 )
             rid = display_path(rec.id, 40)
-            return where, (
-                rec,
-                [
-                    load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
-                    for k, p in enumerate(rec.images)
-                ],
-            )
+            return where, (rec, [image(p, k, rid, blobs) for k, p in enumerate(rec.images)])
         except SkipSample as e:
             return where, e
         except Exception as e:  # one odd record never stops the build
@@ -426,6 +469,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="FILE",
         help=".json (LLaVA list) or .jsonl files",
     )
+    p.add_argument(
+        "--parquet",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="Parquet files (Hugging Face datasets style: an image column of bytes or paths, and "
+        "messages/conversations/caption/text); needs pyarrow (the parquet extra)",
+    )
+    p.add_argument(
+        "--energon",
+        type=Path,
+        metavar="DIR",
+        help="a Megatron-Energon WebDataset folder (.nv-meta/dataset.yaml with a field_map, split.yaml)",
+    )
+    p.add_argument("--split", default="train", help="--energon: the split part to read")
     p.add_argument("--out", type=Path, help="output folder for shard-NNNNNN.tar and summary.json")
     p.add_argument(
         "--sample",
@@ -473,14 +531,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB",
     )
     args = p.parse_args(argv)
+    inputs = [a for a in ("annotations", "parquet", "energon") if getattr(args, a)]
     if args.sample is not None and (
-        args.images or args.annotations or args.out or args.caption_prompt or args.tokenizer
+        args.images or inputs or args.out or args.caption_prompt or args.tokenizer
     ):
         p.error(
-            "--sample OUT takes no --images/--annotations/--out/--caption-prompt/--tokenizer (it trains its own)"
+            "--sample OUT takes no --images/--annotations/--parquet/--energon/--out/--caption-prompt/"
+            "--tokenizer (it trains its own)"
         )
-    if args.sample is None and not (args.images and args.annotations and args.out):
-        p.error("give --images DIR --annotations FILE [FILE ...] --out DIR (or --sample OUT)")
+    if args.sample is None and (len(inputs) != 1 or not args.out):
+        p.error(
+            "give one input and --out DIR: --images DIR --annotations FILE [FILE ...], --parquet FILE "
+            "[FILE ...] or --energon DIR (or --sample OUT)"
+        )
+    if args.annotations and not args.images:
+        p.error("--annotations needs --images DIR (the folder image paths are resolved in)")
     return args
 
 
@@ -517,16 +582,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_from_files(args: argparse.Namespace) -> dict:
-    check_annotation_files(args.annotations)
-    if not args.images.is_dir():
+    if args.images is not None and not args.images.is_dir():
         raise FileNotFoundError(f"--images {args.images} is not a folder")
     skips = SkipCounter()
-    build_args = {"annotations": [str(a) for a in args.annotations]}
+    if args.annotations:
+        check_annotation_files(args.annotations)
+        build_args = {"annotations": [str(a) for a in args.annotations]}
+        total = count_records(args.annotations)
+        records = read_annotations(args.annotations, skips, args.max_text_bytes)
+    elif args.parquet:
+        build_args = {"parquet": [str(a) for a in args.parquet]}
+        total = check_parquet(args.parquet)
+        records = parquet_records(args.parquet, skips)
+    else:
+        source = EnergonSource(args.energon, args.split)
+        build_args = {"energon": str(args.energon), "split": args.split}
+        total = source.total
+        records = source.records(skips)
     per_shard = args.samples_per_shard or "auto"
     if per_shard == "auto":
-        per_shard = auto_samples_per_shard(count_records(args.annotations))
+        per_shard = auto_samples_per_shard(total) if total else MAX_SAMPLES_PER_SHARD
     return build_shards(
-        read_annotations(args.annotations, skips, args.max_text_bytes),
+        records,
         args.images,
         args.out,
         per_shard,
@@ -537,6 +614,7 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         workers=args.workers,
         max_image_bytes=args.max_image_bytes,
         max_text_bytes=args.max_text_bytes,
+        total=total,
     )
 
 

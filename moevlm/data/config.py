@@ -29,6 +29,7 @@ from omegaconf import MISSING
 OVERSIZE = ("skip", "truncate")
 PIN_MEMORY = ("auto", "true", "false")
 MOCK = ("none", "image_free", "random_pixels")
+FORMATS = ("auto", "moevlm", "image_caption")
 
 
 @dataclass
@@ -132,6 +133,16 @@ class DataConfig:
         metadata={
             "help": "WebDataset shards: a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar), a comma "
             "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"
+        },
+    )
+    format: str = field(
+        default="auto",
+        metadata={
+            "help": "how a shard's samples are read: moevlm (a json record naming its image members, as "
+            "build_shards writes), image_caption (third-party image-text shards: img2dataset / LAION / CC3M / "
+            "COYO, DataComp, plain image + txt; the first image member with the caption from txt, else the "
+            "json's caption, else its text; the json is otherwise metadata), auto (moevlm when the json names "
+            "images or the sample has no image member, else image_caption)"
         },
     )
     tokenizer: str = field(

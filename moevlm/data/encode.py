@@ -11,8 +11,10 @@ Design choices:
 - A member the reader did not read because it is over its byte cap (an
   `Oversize` marker, see reader.py) skips the sample first: `text_too_large`
   for json/txt, `file_too_large` for an image or any other file.
-- Third-party shards without a `json` member but with `txt` (the common
-  image+caption layout) are read as captions of their first image.
+- Which record a sample holds (our json, or a third-party image-text layout:
+  img2dataset, DataComp, image + txt) is data.format's business
+  (layouts.py); image members the record does not use ride along as
+  `Sample.unused` for the loader to count.
 - A sample over a budget (seq_len tokens, max_patches patches, max_images
   images) is skipped as `too_long`, or with `oversize: truncate` cut: the text
   ends at seq_len or before the first image that no longer fits, whichever is
@@ -38,9 +40,9 @@ import torch
 from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.errors import SkipSample
 from moevlm.data.image import decode_image, random_image
+from moevlm.data.layouts import read_record
 from moevlm.data.packing import IGNORE
 from moevlm.data.reader import Oversize, Pos
-from moevlm.data.records import normalize_record, parse_json_bytes
 from moevlm.data.text import IMAGE_PLACEHOLDER, ChatEncoder
 from moevlm.model.rope import mrope_position_ids
 
@@ -56,6 +58,7 @@ class Sample:
     position_ids_3L: torch.Tensor
     pixels_ND: torch.Tensor | None
     grids: list[tuple[int, int, int]]
+    unused: list[str] = dataclasses.field(default_factory=list)  # image members not trained on
 
     @property
     def tokens(self) -> int:
@@ -74,9 +77,10 @@ class SampleEncoder:
         pack: PackConfig,
         caption_prompt: str = "",
         mock: str = "none",
+        fmt: str = "auto",
     ):
         self.chat, self.image, self.pack, self.caption_prompt = chat, image, pack, caption_prompt
-        self.mock = mock
+        self.mock, self.fmt = mock, fmt
         self.merge = image.merge_size
 
     def __call__(self, raw: dict, pos: Pos) -> Sample:
@@ -88,15 +92,9 @@ class SampleEncoder:
                     f"sample {key}: member {m.name} has {m.size} bytes, above the cap of "
                     f"{m.cap} (data.max_text_bytes / data.max_image_bytes)",
                 )
-        if "json" in raw:
-            obj = parse_json_bytes(raw["json"])
-        elif "txt" in raw:
-            obj = {"caption": _utf8(raw["txt"]), "images": [_first_image_member(raw)]}
-        else:
-            raise SkipSample("bad_json", f"sample {key} has no json (or txt) member: {sorted(raw)}")
-        rec = normalize_record(obj, caption_prompt=self.caption_prompt, default_id=key)
+        rec, unused = read_record(raw, self.fmt, self.caption_prompt)
         if self.mock == "image_free":
-            rec = _without_images(rec)
+            rec, unused = _without_images(rec), []
         pixels, grids = self._images(raw, rec.images, rec.id)
         if rec.text is not None:
             ids, labels = self.chat.encode_text(rec.text)
@@ -111,7 +109,7 @@ class SampleEncoder:
         ids_L, labels_L, pixels, grids = self._fit(ids_L, labels_L, pixels, grids, rec.id)
         grid_I3 = torch.tensor(grids, dtype=torch.long).view(-1, 3)
         pos_3L = mrope_position_ids(ids_L[None], grid_I3, self.chat.image_pad_id, self.merge)[:, 0]
-        return Sample(rec.id, pos, ids_L, labels_L, pos_3L, pixels, grids)
+        return Sample(rec.id, pos, ids_L, labels_L, pos_3L, pixels, grids, unused)
 
     def _images(self, raw: dict, names: list[str], sid: str):
         out, grids = [], []
@@ -164,22 +162,3 @@ def _without_images(rec):
         return rec
     messages = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, "")} for m in rec.messages]
     return dataclasses.replace(rec, images=[], messages=messages)
-
-
-def _utf8(b: bytes) -> str:
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError as exn:
-        raise SkipSample("bad_text_encoding", str(exn)) from None
-
-
-_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm")
-
-
-def _first_image_member(raw: dict) -> str:
-    names = sorted(k for k in raw if k.rsplit(".", 1)[-1].lower() in _IMAGE_EXTS)
-    if not names:
-        raise SkipSample(
-            "missing_image", f"sample {raw.get('__key__')} has a txt caption but no image member"
-        )
-    return names[0]

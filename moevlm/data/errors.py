@@ -7,7 +7,10 @@ goes on with the next sample: bad data never crashes a worker and is never
 dropped silently.  `reason` is a short, stable key (the table below); it is
 what the builder's summary.json and the loader's stats report.  A shard none
 of whose samples is usable is passed over and counted by name (the loader's
-`shards_all_skipped`).  When the whole data set has no usable sample, the
+`shards_all_skipped`).  A sample that trains without some of the images it
+carries is counted too, under a FALLBACKS reason (the loader's `fell_back`
+stats, not `skipped`); a stream whose samples carry images of which none can
+be used stops with a `DataError`.  When the whole data set has no usable sample, the
 loader raises `DataError` instead (a RuntimeError whose message gives the skip
 counts and the fix).  Missing inputs found before
 anything is read (no shards, no tokenizer) raise `DataSetupError`, a ConfigError
@@ -41,9 +44,17 @@ REASONS = {
     # shards
     "truncated_shard": "a tar shard ended early or is corrupt; samples before the damage were kept",
     "unreadable_shard": "a shard could not be opened",
+    "unreadable_input": "a builder input (a Parquet file or row group) could not be opened or read to its "
+    "end; the rows before the damage were kept",
     # packing
     "too_long": "the sample exceeds the token, patch or image budget of a micro-batch",
     "empty_sample": "the sample has no tokens to train on",
+}
+
+# Counted like a skip reason, but the sample still trains: what it trained without.
+FALLBACKS = {
+    "images_unused": "the sample carries image members its record does not use (e.g. data.format=moevlm on a "
+    "third-party shard whose json names no image); it trained without them",
 }
 
 
@@ -57,10 +68,11 @@ class DataSetupError(ConfigError, FileNotFoundError):
 
 
 class SkipSample(Exception):
-    """A sample that cannot be used.  `reason` is a key of REASONS."""
+    """A sample that cannot be used.  `reason` is a key of REASONS (or of FALLBACKS: counted, not
+    skipped)."""
 
     def __init__(self, reason: str, detail: str = ""):
-        if reason not in REASONS:
+        if reason not in REASONS and reason not in FALLBACKS:
             raise ValueError(
                 f"unknown skip reason {reason!r}; add it to moevlm.data.errors.REASONS"
             )

@@ -92,6 +92,16 @@ Design choices:
   From a worker process the error is re-raised in the training process as the
   same one line (without torch's wrapper text) and the workers are stopped at
   once.
+- Images are never dropped silently.  A sample that trains without image
+  members it carries (its record names none of them, e.g. data.format=moevlm
+  on third-party shards) is counted as `images_unused` (`stats()["fell_back"]`,
+  not a skip); a stream whose samples carry images but which could use none
+  of them (every one skipped, or trained without them) after
+  IMAGELESS_SAMPLES (1,000) such samples or at the end of an epoch reads the
+  data set for one usable image, as above, and stops with a DataError naming
+  data.format when there is none (not under a text-only budget,
+  max_patches=0 or max_images=0, nor data.mock=image_free, which drop images
+  by choice).
 - A finished stream (finite `epochs`) hands its last state to the loader
   after its last row, so skips read after that row still count in `stats()`.
 - Shards are identified in the state by name, size and a hash of both ends
@@ -149,9 +159,10 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY, DataConfig, shown_path
+from moevlm.data.config import FORMATS, MOCK, OVERSIZE, PIN_MEMORY, DataConfig, shown_path
 from moevlm.data.encode import SampleEncoder
-from moevlm.data.errors import DataError, DataSetupError, SkipCounter, SkipSample
+from moevlm.data.errors import FALLBACKS, DataError, DataSetupError, SkipCounter, SkipSample
+from moevlm.data.layouts import image_members
 from moevlm.data.packing import Packer, collate
 from moevlm.data.reader import (
     ShardPlan,
@@ -170,6 +181,7 @@ STATE_VERSION = (
     3  # 3: the header records each shard's identity ("files"); 2 (without it) still loads
 )
 NO_PROGRESS_SAMPLES = 10_000  # skipped in a row by a stream that never packed: check the data set
+IMAGELESS_SAMPLES = 1_000  # samples with images read by a stream that used none: check the data set
 
 
 def fresh_state(stream: int) -> dict:
@@ -188,6 +200,10 @@ def fresh_state(stream: int) -> dict:
         "epoch_unusable": 0,  # shards of this epoch that gave no usable sample
         "shards_all_skipped": {},  # shard name -> passes that gave no usable sample
         "data_checked": False,  # the whole data set was seen to hold a usable sample
+        "image_samples": 0,  # samples read that carry image members
+        "images_used": 0,  # images of the samples that encoded
+        "images_packed": 0,  # images in the rows produced
+        "images_checked": False,  # the whole data set was seen to hold a usable image
     }
 
 
@@ -331,10 +347,12 @@ class Stream:
         yield {"state": self._state(), "end": True}
 
     def _feed(self, pos, raw):
+        where = f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}"
+        self.st["image_samples"] += self.encode.mock != "image_free" and bool(image_members(raw))
         try:
             sample = self.encode(raw, pos)
         except SkipSample as err:
-            self.skips.add(err, f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}")
+            self.skips.add(err, where)
             self._settle_sample(pos[1], usable=False)
             self.failed += 1
             if (
@@ -343,8 +361,24 @@ class Stream:
                 and not self.st["data_checked"]
             ):
                 self._check_data_set(f"in its first {self.failed} samples")
+            self._check_images(at_end=False)
             return
         self.failed = 0
+        if sample.unused:
+            if not self.skips["images_unused"]:
+                log.warning(
+                    "data stream %d: sample %s trains without its image member(s) %s, which its record "
+                    "does not name (data.format=%s); such samples are counted as images_unused",
+                    self.stream,
+                    where,
+                    sample.unused[:3],
+                    self.encode.fmt,
+                )
+            self.skips.add(
+                SkipSample("images_unused", f"{sample.unused[:3]} not named by the record"), where
+            )
+        self.st["images_used"] += len(sample.grids)
+        self._check_images(at_end=False)
         self._settle_sample(pos[1], usable=True)
         self.packer.push(sample)
         while self.packer.full():
@@ -391,6 +425,7 @@ class Stream:
         holds a usable sample; it stops only where going on cannot help."""
         if self._never_packed() and not self.st["data_checked"]:
             self._check_data_set(f"in all of epoch {epoch}")
+        self._check_images(at_end=True)
         mine = self.plan.mine(epoch)
         if self.st["epoch_unusable"] == len(mine) and not self.plan.shuffle and not last:
             names = ", ".join(os.path.basename(u) for u in mine[:3])
@@ -402,10 +437,23 @@ class Stream:
                 "data.shuffle_shards=true, or fix or remove those shards"
             )
 
-    def _check_data_set(self, when: str) -> None:
+    def _check_images(self, at_end: bool) -> None:
+        """Samples carrying images of which none could be used (skipped, or trained without them):
+        after IMAGELESS_SAMPLES of them, or at the end of an epoch, the stream reads the data set
+        for one usable image; none there is a DataError (a run on images must not train text only)."""
+        st, pk = self.st, self.cfg.pack
+        if st["images_used"] or st["images_checked"] or not st["image_samples"]:
+            return
+        # a text-only budget: images are too_long by choice
+        if not (pk.max_patches and pk.max_images):
+            return
+        if at_end or st["image_samples"] >= IMAGELESS_SAMPLES:
+            self._check_data_set(f"in its first {st['image_samples']} samples with images", True)
+
+    def _check_data_set(self, when: str, need_image: bool = False) -> None:
         """Reads the whole data set (every shard of the epoch, other streams' first) until one sample
-        encodes: the stream goes on if one does (not checked again), else DataError with the counts.
-        Reads only: what the stream yields does not change."""
+        encodes (`need_image`: with an image): the stream goes on if one does (not checked again), else
+        DataError with the counts.  Reads only: what the stream yields does not change."""
         epoch = self.st["epoch"]
         mine = set(self.plan.mine(epoch))
         order = [u for u in self.plan.shards if u not in mine] + self.plan.mine(epoch)
@@ -415,12 +463,27 @@ class Stream:
             for k, raw in enumerate(self.plan.read_shard(url, probe)):
                 read += 1
                 try:
-                    self.encode(raw, (epoch, -1, k))
+                    sample = self.encode(raw, (epoch, -1, k))
                 except SkipSample as err:
                     probe.add(err, f"{raw.get('__url__', '?')}:{raw.get('__key__', '?')}")
                     continue
+                if sample.unused:
+                    detail = f"{sample.unused[:3]} not named by the record"
+                    probe.add(SkipSample("images_unused", detail), raw.get("__url__", "?"))
+                if need_image and not sample.grids:
+                    continue
                 usable = True
                 break
+            if usable and need_image:
+                self.st["images_checked"] = True
+                log.warning(
+                    "data stream %d could use no image %s (%s); other shards hold usable images, so it "
+                    "goes on reading",
+                    self.stream,
+                    when,
+                    self._skip_summary(),
+                )
+                return
             if usable:
                 self.st["data_checked"] = True
                 log.warning(
@@ -432,7 +495,24 @@ class Stream:
                 )
                 return
             unusable += 1
+        if need_image:
+            raise self._imageless(probe, read)
         raise self._stuck(when, probe, read, unusable)
+
+    def _imageless(self, data: SkipCounter, read: int) -> DataError:
+        both = Counter(self.skips) + Counter(data)
+        fix = (
+            "the json records name no image member (images_unused): read third-party image-text shards "
+            f"with data.format=auto or image_caption (now data.format={self.encode.fmt})"
+            if both["images_unused"]
+            else "fix the images (skip reasons: moevlm.data.errors.REASONS)"
+        )
+        return DataError(
+            f"data stream {self.stream} read {self.st['image_samples']} samples carrying images and could "
+            f"use none of their images ({self._skip_summary()}); no sample of the whole data set "
+            f"gives a usable image either ({len(self.plan.shards)} shards, {read} samples read: "
+            f"{self._summary(data)}); {fix}, or set data.mock=image_free to train on the text alone"
+        )
 
     def _never_packed(self) -> bool:
         """No sample of this stream ever encoded: none packed into a row and none held for one."""
@@ -494,6 +574,7 @@ class Stream:
                 f"(data.pack={self.cfg.pack})"
             )
         self.st["packed"] += len(samples)
+        self.st["images_packed"] += sum(len(s.grids) for s in samples)
         self.st["batches"] += 1
         batch = collate(samples, self.cfg.pack, self.ds.patch_dim, self.pad_id)
         batch["state"] = self._state()
@@ -561,6 +642,7 @@ class PackedDataset(IterableDataset):
             cfg.pack,
             cfg.caption_prompt,
             cfg.mock,
+            cfg.format,
         )
         return round_robin([iter(Stream(self, s, encode)) for s in self.mine(p, workers)])
 
@@ -881,9 +963,12 @@ class PackedLoader:
         for s in self.states.values():
             skipped.update(s["skipped"])
             unusable.update(s.get("shards_all_skipped", {}))
+        fell_back = {r: skipped.pop(r) for r in sorted(FALLBACKS) if r in skipped}
         return {
             "skipped": dict(sorted(skipped.items())),
             "skipped_total": sum(skipped.values()),
+            "fell_back": fell_back,
+            "images_packed": sum(s.get("images_packed", 0) for s in self.states.values()),
             "shards_all_skipped": dict(sorted(unusable.items())),
             "samples_read": sum(s["read"] for s in self.states.values()),
             "samples_packed": sum(s["packed"] for s in self.states.values()),
@@ -1071,6 +1156,7 @@ def check_fields(cfg: DataConfig) -> None:
         str(cfg.pin_memory).lower() in PIN_MEMORY, "pin_memory", cfg.pin_memory, _one_of(PIN_MEMORY)
     )
     _require(cfg.mock in MOCK, "mock", cfg.mock, _one_of(MOCK))
+    _require(cfg.format in FORMATS, "format", cfg.format, _one_of(FORMATS))
     _require(
         cfg.start_method in mp.get_all_start_methods(),
         "start_method",

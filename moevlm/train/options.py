@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from moevlm.data.config import MOCK, OVERSIZE, PIN_MEMORY
+from moevlm.data.config import FORMATS, MOCK, OVERSIZE, PIN_MEMORY
 from moevlm.dispatch import dispatcher_names
 from moevlm.model.config import (
     ATTN_BACKENDS,
@@ -104,6 +104,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
         "data.pack.oversize": OVERSIZE,
         "data.pin_memory": PIN_MEMORY,
         "data.mock": MOCK,
+        "data.format": FORMATS,
         "data.start_method": tuple(sorted(mp.get_all_start_methods())),
     }
 

@@ -929,10 +929,17 @@ def describe_data(stats: dict) -> str:
     skips = ", ".join(f"{reason} {n}" for reason, n in skipped.items()) if skipped else "none"
     bad = stats.get("shards_all_skipped") or {}
     shards = f"; shards with no usable sample: {', '.join(sorted(bad))}" if bad else ""
+    fell = stats.get("fell_back") or {}
+    fell = (
+        "; trained without their images: " + ", ".join(f"{r} {n}" for r, n in fell.items())
+        if fell
+        else ""
+    )
+    images = f" with {stats['images_packed']} images" if "images_packed" in stats else ""
     return (
-        f"{stats['samples_read']} samples read, {stats['samples_packed']} packed into {stats['batches']} "
-        f"batches (epoch {stats['epoch']}); skipped: {skips}{shards}; waited {stats['data_wait_s']:.1f}s "
-        "for data"
+        f"{stats['samples_read']} samples read, {stats['samples_packed']} packed{images} into "
+        f"{stats['batches']} batches (epoch {stats['epoch']}); skipped: {skips}{shards}{fell}; waited "
+        f"{stats['data_wait_s']:.1f}s for data"
     )
 
 
