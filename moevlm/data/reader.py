@@ -89,6 +89,19 @@ def shard_spec(paths: list[str]) -> str:
     return ",".join(paths)
 
 
+def _top_level_parts(spec: str) -> list[str]:
+    """`spec` cut at the commas outside braces: `a.tar,/d/{x,y}.tar` is `a.tar` and `/d/{x,y}.tar`
+    (a comma list of patterns, each pattern's own `{a,b}` alternatives kept for braceexpand)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(spec):
+        depth += (c == "{") - (c == "}" and depth > 0)
+        if c == "," and depth == 0:
+            parts.append(spec[start:i])
+            start = i + 1
+    parts.append(spec[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
 def expand_shards(spec: str | list[str]) -> list[str]:
     """A folder (its *.tar, *.tar.gz, *.tgz, sorted), a brace pattern, a glob, or a comma list."""
     if isinstance(spec, (list, tuple)):
@@ -102,9 +115,8 @@ def expand_shards(spec: str | list[str]) -> list[str]:
 
         out = [
             p
-            for part in spec.split(",")
-            if part
-            for b in braceexpand.braceexpand(part.strip())
+            for part in _top_level_parts(spec)
+            for b in braceexpand.braceexpand(part)
             for p in (sorted(glob.glob(b)) if any(c in b for c in "*?[") else [b])
         ]
     # some missing: skipped as unreadable_shard
