@@ -134,6 +134,13 @@ class DataConfig:
             "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"
         },
     )
+    val_shards: str = field(
+        default="",
+        metadata={
+            "help": "held-out shards for train.val_every, in the forms of data.shards (sample included), read with "
+            "the training run's tokenizer and settings; empty = no validation"
+        },
+    )
     tokenizer: str = field(
         default="",
         metadata={

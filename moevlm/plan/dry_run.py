@@ -319,7 +319,7 @@ def _decide_static_vote(schedule) -> None:
     schedule._warmup_p2p = vote
 
 
-_COUNTS = ("loss_tokens", "useful_tokens", "flops", "n_image")
+_COUNTS = ("loss_tokens", "useful_tokens", "flops", "n_image", "images")
 
 
 def _bytes(tensors) -> int:
