@@ -25,8 +25,8 @@ written to `layouts_w<world>.json` under the test's tmp dir.
 
 Validation (moevlm.train.evaluate): the reference validates after every step (`VAL`: held-out rows of
 the sample set, 2 global batches), so every layout that does not validate, matching it step for step,
-shows that validation leaves the training untouched; a layout marked `VAL` (FSDP dp2 here, pp2 in
-test_pipeline.py) validates too and its `val_loss` of every step must equal the reference's (1e-5
+shows that validation leaves the training untouched; a layout marked `VAL` (tp2 x ep2 and FSDP dp2
+here, pp2 and pp2 x FSDP dp2 in test_pipeline.py) validates too and its `val_loss` of every step must equal the reference's (1e-5
 relative), as must its held-out token count.
 """
 
@@ -306,7 +306,8 @@ def reference(tmp_path_factory):
 WORLD_2 = [
     ["parallel.tp=2"],
     ["parallel.ep=2", "model.dispatcher=alltoall"],
-    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
+    # with validation: vocab-parallel loss and the all-to-all dispatcher under no_grad
+    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall", "VAL"],
     ["parallel.dp_mode=fsdp", "VAL"],
     ["parallel.dp_mode=ddp"],
     # another seed, then the reference's initial weights from a Hugging Face folder, loaded shard by shard
