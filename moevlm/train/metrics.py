@@ -43,6 +43,10 @@ Conventions:
 - `components_s` (train.profile_components; moevlm.train.profile): seconds per step component summed
   over the log window like `step_time_s`, rank 0's own; TensorBoard/W&B tags `profile/<component>_s`.
 - Only rank 0 writes; every line is flushed, so a killed run keeps its log.
+- The console line starts `step i/N | eta T`: the steps left to N at this launch's mean wall time
+  per step since its first record (validation, checkpoints and data waits included: what the user
+  waits for), at that first record its own step time; then the losses, lr, the job's tokens/s
+  (several processes) and per device, TFLOP/s and the rest.
 - One value per step after a resume: `resume_at(step)` drops the records of
   the steps after the checkpoint from metrics.jsonl (rewritten atomically) and
   reopens TensorBoard with `purge_step`, which makes readers discard the older

@@ -26,8 +26,9 @@ written to `layouts_w<world>.json` under the test's tmp dir.
 Validation (moevlm.train.evaluate): the reference validates after every step (`VAL`: held-out rows of
 the sample set, 2 global batches), so every layout that does not validate, matching it step for step,
 shows that validation leaves the training untouched; a layout marked `VAL` (tp2 x ep2 and FSDP dp2
-here, pp2 and pp2 x FSDP dp2 in test_pipeline.py) validates too and its `val_loss` of every step must equal the reference's (1e-5
-relative), as must its held-out token count.
+here, pp2 and pp2 x FSDP dp2 in test_pipeline.py, cp2 and cp2 x pp2 in test_context_parallel.py)
+validates too and its `val_loss` of every step must equal the reference's (1e-5 relative), as must
+its held-out token count.
 """
 
 from __future__ import annotations
