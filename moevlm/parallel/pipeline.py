@@ -52,11 +52,12 @@ Design choices:
 - Gradients are not scaled by torch (`scale_grads=False`): the objective is
   already normalised by the global token count.
 - Forward only (`forward_only`, validation under no_grad): not torch's schedule, whose eval mode
-  re-plans its transfers on every switch between training and evaluation and differs between
-  torch versions, but the stage modules called in GPipe order (micro-batch by micro-batch, stage by
-  stage) with blocking point-to-point sends of the same static boundary tensors; every rank posts
-  its sends and receives in that one order, so it cannot deadlock.  The last stage returns its
-  micro-batch's summed token loss (no aux loss, no frequencies).
+  (torch 2.13) re-initialises the stages, metadata inference included, at every switch between
+  training and evaluation, and which differs between torch versions, but the stage modules called
+  in GPipe order (micro-batch by micro-batch, stage by stage) with blocking point-to-point sends of
+  the same static boundary tensors; every rank posts its sends and receives in that one order, so
+  it cannot deadlock.  The last stage returns its micro-batch's summed token loss (no aux loss, no
+  frequencies).
 """
 
 from __future__ import annotations
@@ -102,9 +103,8 @@ class StageModule(nn.Module):
         self.__dict__["autocast"] = autocast
         cfg = model.config
         self.index, self.first, self.last = index, index == 0, index == plan.num_stages - 1
-        self.evaluating = (
-            False  # Pipeline.forward_only: the last stage returns the summed token loss
-        )
+        # Pipeline.forward_only: the last stage returns the summed token loss
+        self.evaluating = False
         span = plan.layer_range(index)
         self.layers = nn.ModuleDict({str(i): model.text.layers[str(i)] for i in span})
         if self.first:
