@@ -5,7 +5,7 @@ Legend: B rows, S seq_len, J max_samples, Np max_patches, I max_images, D patch 
     mb = MicroBatch.read(loader, rows=B, model=model_cfg, freeze_vision=False)   # B packed rows
     mb = mb.to(device)
     out = model(**mb.model_inputs())
-    mb.loss_tokens, mb.useful_tokens, mb.flops, mb.n_image                     # the counts ride along
+    mb.loss_tokens, mb.useful_tokens, mb.flops, mb.images, mb.n_image          # the counts ride along
 
 Design choices:
 - Typed, and finished here: the rows are stacked (`packing.stack_rows`), the token mask built, the
@@ -21,8 +21,9 @@ Design choices:
   FSDP collectives whether or not it drew an image.
 - FLOPs are counted per row from its real documents and images (padding excluded), so MFU, like
   tokens/s, is useful work (`moevlm.model.flops.count_flops`, training = 3 x forward).
-- `n_image` is the number of merged image rows (real patches / merge^2): a pipeline stage after the
-  first keeps that many rows of the deepstack features it receives.
+- `n_image` is the number of merged image rows (real patches / merge^2), which is also the number of
+  image tokens in the text: a pipeline stage after the first keeps that many rows of the deepstack
+  features it receives, and the trainer logs it as `image_tokens` beside `images` (the real images).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class MicroBatch:
     loss_tokens: int  # tokens with a target
     useful_tokens: int  # real tokens (padding excluded)
     flops: float  # model FLOPs of the real documents and images, training
-    n_image: int  # merged image rows
+    n_image: int  # merged image rows (= image tokens in the text)
+    images: int  # real images (grids)
 
     MODEL_INPUTS: ClassVar[tuple[str, ...]] = (
         "input_ids",
@@ -86,6 +88,7 @@ class MicroBatch:
             useful_tokens=b["useful_tokens"],
             flops=sum(row_flops(r, model, freeze_vision) for r in rows),
             n_image=b["useful_patches"] // model.vision.spatial_merge_size**2,
+            images=b["num_images"],
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor | None]:

@@ -145,6 +145,13 @@ class DataConfig:
             "images or the sample has no image member, else image_caption)"
         },
     )
+    val_shards: str = field(
+        default="",
+        metadata={
+            "help": "held-out shards for train.val_every, in the forms of data.shards (sample included), read with "
+            "the training run's tokenizer and settings; empty = no validation"
+        },
+    )
     tokenizer: str = field(
         default="",
         metadata={

@@ -9,6 +9,7 @@ experts, M micro-batches per step.
     pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's stages + schedule
     micro = pipe.share(micro if pp_rank == 0 else None, device)      # every pp rank gets the step's inputs
     lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_divisor)
+    lm_sum = pipe.forward_only(micro_batches)                  # validation: no backward, no schedule
 
 What travels between stages (every tensor floating point, every one with a
 gradient coming back, static shapes from the packer's fixed budgets):
@@ -50,6 +51,13 @@ Design choices:
   shape-inference pass runs and torch 2.11 and 2.13 behave the same.
 - Gradients are not scaled by torch (`scale_grads=False`): the objective is
   already normalised by the global token count.
+- Forward only (`forward_only`, validation under no_grad): not torch's schedule, whose eval mode
+  (torch 2.13) re-initialises the stages, metadata inference included, at every switch between
+  training and evaluation, and which differs between torch versions, but the stage modules called
+  in GPipe order (micro-batch by micro-batch, stage by stage) with blocking point-to-point sends of
+  the same static boundary tensors; every rank posts its sends and receives in that one order, so
+  it cannot deadlock.  The last stage returns its micro-batch's summed token loss (no aux loss, no
+  frequencies).
 """
 
 from __future__ import annotations
@@ -95,6 +103,8 @@ class StageModule(nn.Module):
         self.__dict__["autocast"] = autocast
         cfg = model.config
         self.index, self.first, self.last = index, index == 0, index == plan.num_stages - 1
+        # Pipeline.forward_only: the last stage returns the summed token loss
+        self.evaluating = False
         span = plan.layer_range(index)
         self.layers = nn.ModuleDict({str(i): model.text.layers[str(i)] for i in span})
         if self.first:
@@ -135,6 +145,9 @@ class StageModule(nn.Module):
             here = {k: deepstack[k][:n] for k in deepstack if str(k) in self.layers}
             h, layer_stats = model.text.run_layers(h, ctx, visual_mask, here, self.layers)
             stats = self._add_stats(stats, layer_stats, h)
+            if self.last and self.evaluating:
+                lm_loss, n = model.lm_loss(self.lm_head(self.norm(h)), b.labels, b.cu_seqlens)
+                return (lm_loss * n).float().reshape(1)
             if self.last:
                 return self._objective(h, b, stats)
         out = [h.to(self.h_dtype), *(deepstack[k].to(self.vision_dtype) for k in self.ds_out)]
@@ -220,6 +233,7 @@ class Pipeline:
             for s in plan.stages_of(pp_rank)
         ]
         self.schedule, self.device = None, torch.device("cpu")  # both set by start()
+        self.inputs: dict[int, tuple] = {}  # stage -> its boundary inputs on meta (set by start())
         self.first_rank = dist.get_global_rank(pp_group, 0) if pp_group is not None else 0
 
     @property
@@ -277,6 +291,7 @@ class Pipeline:
                 if m.last
                 else (h, *[ds] * len(m.ds_out), *stats)
             )
+            self.inputs[m.index] = ins
             stages.append(
                 pipelining.PipelineStage(
                     m,
@@ -340,6 +355,47 @@ class Pipeline:
                 counts = c if counts is None else torch.cat([counts, c])
         self.batches.clear()
         return lm_sum, aux, counts
+
+    def forward_only(self, micro: list) -> torch.Tensor:
+        """The micro-batches (on the device) through every stage without backward (call it under
+        torch.no_grad): this rank's sum of their token losses, non-zero on the last stage only."""
+        self.batches[:] = micro
+        mine = {m.index: m for m in self.modules}
+        lm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            for m in mine.values():
+                m.evaluating = True
+            for i in range(len(micro)):
+                lm_sum = lm_sum + self._forward_one(i, mine)
+        finally:
+            for m in mine.values():
+                m.evaluating = False
+                m.records.clear()
+            self.batches.clear()
+        return lm_sum
+
+    def _forward_one(self, i: int, mine: dict) -> torch.Tensor:
+        """Micro-batch i through the stages in order; what crosses ranks goes by send/recv."""
+        plan, acts, out = self.plan, (), torch.zeros((), dtype=torch.float64, device=self.device)
+        mb = torch.tensor(i)
+        for s in range(plan.num_stages):
+            if s not in mine:
+                continue
+            if s > 0 and plan.rank_of(s - 1) != self.pp_rank:
+                acts = tuple(
+                    torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in self.inputs[s]
+                )
+                for t in acts:
+                    dist.recv(t, group=self.group, group_src=plan.rank_of(s - 1))
+            result = mine[s](*acts, mb=mb) if s > 0 else mine[s](mb, mb=mb)
+            if mine[s].last:
+                out = result.double().sum()
+                continue
+            acts = result
+            if plan.rank_of(s + 1) != self.pp_rank:
+                for t in acts:
+                    dist.send(t.contiguous(), group=self.group, group_dst=plan.rank_of(s + 1))
+        return out
 
 
 def v_schedules_supported(backend: str) -> bool:

@@ -10,7 +10,11 @@ Conventions:
   world size, `tflops` = global model FLOPs / step time / world size / 1e12.
   The step time is the wall time of the whole step (data wait included).
 - Useful tokens are the text tokens of real samples: padding excluded (the
-  packer's `useful_tokens`, summed over micro-batches and ranks).
+  packer's `useful_tokens`, summed over micro-batches and ranks).  A record carries
+  them as `tokens`, with `images` (real images) and `image_tokens` (their merged
+  tokens in the text), each summed over the global batches of the log window.
+- Validation (moevlm.train.evaluate) adds `val_loss` and `val_tokens` to the record
+  of the step it followed (TensorBoard/W&B `val/loss`, `val/tokens`).
 - FLOPs are model FLOPs from `moevlm.model.flops.count_flops` (2*m*k*n per
   matmul, attention as the full L x L square per document, experts at top-k,
   training = 3 x forward, recompute not counted).  count_flops counts whatever
@@ -39,6 +43,10 @@ Conventions:
 - `components_s` (train.profile_components; moevlm.train.profile): seconds per step component summed
   over the log window like `step_time_s`, rank 0's own; TensorBoard/W&B tags `profile/<component>_s`.
 - Only rank 0 writes; every line is flushed, so a killed run keeps its log.
+- The console line starts `step i/N | eta T`: the steps left to N at this launch's mean wall time
+  per step since its first record (validation, checkpoints and data waits included: what the user
+  waits for), at that first record its own step time; then the losses, lr, the job's tokens/s
+  (several processes) and per device, TFLOP/s and the rest.
 - One value per step after a resume: `resume_at(step)` drops the records of
   the steps after the checkpoint from metrics.jsonl (rewritten atomically) and
   reopens TensorBoard with `purge_step`, which makes readers discard the older
@@ -56,6 +64,7 @@ import math
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -197,16 +206,32 @@ class Window:
     def __init__(self):
         self.steps, self.loss, self.aux, self.tokens = 0, 0.0, 0.0, 0
         self.flops, self.seconds, self.wait = 0.0, 0.0, 0.0
+        self.images, self.image_tokens = 0, 0
         self.counts, self.last, self.skipped_steps = None, {}, 0
 
     def add(
-        self, *, loss, aux, grad_norm, lr, useful_tokens, flops, seconds, wait, counts, updated=True
+        self,
+        *,
+        loss,
+        aux,
+        grad_norm,
+        lr,
+        useful_tokens,
+        flops,
+        seconds,
+        wait,
+        counts,
+        updated=True,
+        images=0,
+        image_tokens=0,
     ) -> None:
-        """`updated`: the step changed the weights (False: skipped for non-finite values)."""
+        """`updated`: the step changed the weights (False: skipped for non-finite values); `images`,
+        `image_tokens`: the global batch's real images and their tokens."""
         self.steps += 1
         self.skipped_steps += not updated
         self.loss, self.aux = self.loss + loss, self.aux + aux
         self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
+        self.images, self.image_tokens = self.images + images, self.image_tokens + image_tokens
         self.seconds, self.wait = self.seconds + seconds, self.wait + wait
         if counts is not None:
             self.counts = counts if self.counts is None else self.counts + counts
@@ -246,6 +271,8 @@ class Window:
         )
         if mem_gib_by_pp_rank is not None:
             rec["mem_gib_by_pp_rank"] = mem_gib_by_pp_rank
+        rec["tokens"], rec["images"] = int(self.tokens), int(self.images)
+        rec["image_tokens"] = int(self.image_tokens)
         rec["steps_in_window"] = self.steps
         # a skipped step is logged at once, marked: did the logged step update?
         if self.skipped_steps:
@@ -289,6 +316,11 @@ _TB_TAGS = {
     "expert_load_max_over_mean": "moe/load_max_over_mean",
     "bad_samples": "data/bad_samples",
     "nonfinite_steps": "train/nonfinite_steps",
+    "tokens": "data/tokens",
+    "images": "data/images",
+    "image_tokens": "data/image_tokens",
+    "val_loss": "val/loss",
+    "val_tokens": "val/tokens",
 }
 
 
@@ -310,18 +342,36 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
-def console_line(r: dict, total_steps: int) -> str:
+def fmt_duration(seconds: float | None) -> str:
+    """75 -> '1m15s', 3725 -> '1h02m', 200000 -> '2d07h'; None or not finite -> '?'."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def console_line(r: dict, total_steps: int, eta_s: float | None = None, world_size: int = 1) -> str:
+    """One line per logged record: step / total, the time left to `total_steps` (`eta_s`), the losses,
+    lr, tokens/s (the job's when `world_size` > 1, then per device), TFLOP/s and the rest."""
     w = len(str(total_steps))
-    parts = [f"step {r['step']:>{w}}/{total_steps}", f"loss {r['loss']:.4f}"]
+    parts = [f"step {r['step']:>{w}}/{total_steps}", f"eta {fmt_duration(eta_s)}"]
+    parts.append(f"loss {r['loss']:.4f}")
+    if r.get("val_loss") is not None:
+        parts.append(f"val_loss {r['val_loss']:.4f}")
     if r.get("aux_loss") is not None:
         parts.append(f"aux {r['aux_loss']:.3g}")
     if r.get("grad_norm") is not None:
         parts.append(f"gnorm {r['grad_norm']:.3g}")
-    parts += [
-        f"lr {r['lr']:.1e}",
-        f"{fmt_count(r['tokens_per_s'])} tok/s/dev",
-        f"{r['tflops']:.3g} TFLOP/s",
-    ]
+    parts.append(f"lr {r['lr']:.1e}")
+    if world_size > 1:
+        parts.append(f"{fmt_count(r['tokens_per_s'] * world_size)} tok/s")
+    parts += [f"{fmt_count(r['tokens_per_s'])} tok/s/dev", f"{r['tflops']:.3g} TFLOP/s"]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if r.get("mem_gib") is not None:
@@ -362,8 +412,12 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: bool | None = None,
         wandb=None,
+        world_size: int = 1,
     ):
         self.total_steps, self.log_every = total_steps, max(1, log_every)
+        self.world_size = world_size
+        # (time, step) of this launch's first record: the console's ETA is the rate since then
+        self._since: tuple[float, int] | None = None
         self.active = rank == 0
         self._file = self._tb = self._bar = None
         self._wandb = wandb if self.active else None
@@ -440,7 +494,22 @@ class MetricsLogger:
             self._wandb.log(values, step=step)
         if self._bar is not None:
             self._bar.update(max(0, step - self._bar.n))
-        self.info(console_line(record, self.total_steps))
+        self.info(console_line(record, self.total_steps, self._eta(record), self.world_size))
+
+    def _eta(self, record: dict) -> float | None:
+        """Seconds to train.steps: the steps left at the mean wall time per step since this launch's
+        first record (validation and checkpoints included); at that first record, its own step time."""
+        now, step = time.perf_counter(), record["step"]
+        if self._since is None:
+            self._since = (now, step)
+        t0, step0 = self._since
+        if step > step0:
+            per_step = (now - t0) / (step - step0)
+        else:
+            per_step = record.get("step_time_s", math.nan) / max(
+                record.get("steps_in_window", 1), 1
+            )
+        return per_step * max(self.total_steps - step, 0)
 
     def info(self, msg: str) -> None:
         if not self.active:

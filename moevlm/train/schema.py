@@ -557,6 +557,19 @@ class TrainConfig:
         },
     )
     log_every: int = field(default=1, metadata={"help": "steps between metric log lines"})
+    val_every: int = field(
+        default=0,
+        metadata={
+            "help": "validate every N steps and after the last one: val_loss (summed token losses over their "
+            "count) on the same held-out rows of data.val_shards each time, in that step's metrics line; 0 = off"
+        },
+    )
+    val_batches: int = field(
+        default=4,
+        metadata={
+            "help": "global batches (train.global_batch_size packed rows each) of held-out rows per validation"
+        },
+    )
     tensorboard: bool = field(
         default=True, metadata={"help": "write TensorBoard event files in run_dir"}
     )

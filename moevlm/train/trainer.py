@@ -63,7 +63,10 @@ Design choices:
   profiling options off the spans are no-ops.
 - `Window` (moevlm.train.metrics) sums the steps between two log lines; the trainer hands it the
   values only it knows (step, peak memory, skip counts, the expert counts of every stage) when the
-  record is written.
+  record is written.  Each step's images and image tokens are summed over the data-parallel ranks in
+  the same all-reduce as its token counts.
+- Validation (`train.val_every`, moevlm.train.evaluate): after a due step, before its record and its
+  checkpoint, on held-out rows of its own loader; its values join that step's record.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ from moevlm.train.checkpoint import (
 )
 from moevlm.train.config import check_memory, memory_limit, validate
 from moevlm.dispatch.capacity import OverflowCounter
+from moevlm.train.evaluate import HeldOut, evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.integrity import write_failed_line, looks_like_disk_full
 from moevlm.train.faults import Faults, StepWatchdog
@@ -161,6 +165,7 @@ class Trainer:
             self.t.tensorboard,
             self.t.progress,
             wandb=start_wandb(job, self.run_dir, self.rank),
+            world_size=self.world,
         )
         for note in self.plan.notes:
             self.log.info(note)
@@ -172,6 +177,7 @@ class Trainer:
         _seed(self.t.seed, self.t.deterministic)
         self.model = self._parallel_model_on_meta()
         self.loader = self._build_loader()
+        self.held_out = self._held_out() if self.t.val_every else None
         self._materialise()
         self.opt = build_optimizer(self.model, job.optim)
         if self.fp8_plan is not None and self.fp8_plan.cache_weights:
@@ -228,12 +234,17 @@ class Trainer:
             self.run_claim = RunDir.joined(path)
         return self.run_claim.path
 
-    def _build_loader(self):
+    def _build_loader(self, shards: str | None = None):
+        """This rank's loader of data.shards, or of `shards` (validation: the training tokenizer, streams
+        looping forever)."""
         d = (
             OmegaConf.to_object(self.job.data)
             if OmegaConf.is_config(self.job.data)
             else copy.deepcopy(self.job.data)
         )
+        if shards is not None:
+            tokenizer = getattr(self.loader, "tokenizer_path", "")
+            d.shards, d.tokenizer, d.epochs = shards, tokenizer, None
         if d.shards == "sample":
             d.shards = str(self._sample_set())
         dims = self.plan.dims
@@ -248,9 +259,32 @@ class Trainer:
             hf_checkpoint=self.job.model.hf_checkpoint,
         )
 
+    def _held_out(self) -> HeldOut:
+        """The validation rows' loader over data.val_shards (moevlm.train.evaluate); one it cannot build
+        is a config error naming data.val_shards."""
+        try:
+            loader = self._build_loader(self.job.data.val_shards)
+        except ValueError as err:  # ConfigError and DataSetupError included
+            err = ConfigError(
+                "data.val_shards: " + str(err).replace("data.shards=", "data.val_shards=")
+            )
+            err.same_on_every_rank = True
+            raise err from None
+        return HeldOut(
+            None if isinstance(loader, NoData) else loader,
+            batches=self.t.val_batches,
+            grad_accum=self.plan.grad_accum,
+            rows=self.t.micro_batch_size,
+            model=self.plan.model,
+            freeze_vision=self.job.model.freeze_vision,
+        )
+
     def _sample_set(self) -> Path:
         """The cached sample set (moevlm.data.sample_cache): each machine's first rank builds or reuses it
-        while the others wait at the barrier, then finds it complete."""
+        while the others wait at the barrier, then finds it complete; found once (a held-out loader on
+        it reuses the path)."""
+        if getattr(self, "_sample_path", None) is not None:
+            return self._sample_path
         builder = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
         if not builder:
             _barrier()
@@ -259,6 +293,7 @@ class Trainer:
             _barrier()
         if self.rank == 0:
             self.log.info(describe_sample(path, built))
+        self._sample_path = path
         return path
 
     def _parallel_model_on_meta(self) -> torch.nn.Module:
@@ -448,8 +483,10 @@ class Trainer:
         try:
             while self.step < self.t.steps:
                 ok = self.train_step(window)
-                if self.log.should_log(self.step) or not ok:  # a skipped step is logged, marked
-                    self.log.log(self._record(window))
+                val = self.validate() if val_due(self.step, self.t) else {}
+                # a skipped step is logged, marked; a validated one with its values
+                if self.log.should_log(self.step) or not ok or val:
+                    self.log.log({**self._record(window), **val})
                     window = Window()
                 if not ok and (
                     self.t.nonfinite == "stop" or self.in_a_row >= self.t.max_nonfinite_steps
@@ -513,6 +550,11 @@ class Trainer:
             self.close()
         return code
 
+    def validate(self) -> dict:
+        """The held-out loss of the current weights (moevlm.train.evaluate): {"val_loss", "val_tokens"},
+        the same on every rank (collective)."""
+        return evaluate(self, self.held_out)
+
     def _export_hf(self, out: str) -> None:
         """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
         stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads."""
@@ -559,6 +601,8 @@ class Trainer:
                     sum(m.loss_tokens for m in micro),
                     sum(m.useful_tokens for m in micro),
                     sum(m.flops for m in micro),
+                    sum(m.images for m in micro),
+                    sum(m.n_image for m in micro),
                 ],
                 self.device,
                 self.parallel.dp_group,
@@ -609,6 +653,8 @@ class Trainer:
             wait=self.loader.wait_s - wait0,
             counts=counts,
             updated=ok,
+            images=int(totals[3]),
+            image_tokens=int(totals[4]),
         )
         if self.compiled is not None and self.compiled.warm_at is None:
             self.compiled.warm()  # every block has compiled (forward and backward): what follows is a recompile
@@ -835,6 +881,8 @@ class Trainer:
         if hasattr(self, "prof"):
             self.prof.close()  # the end table of train.profile_components, a trace still open
         self.loader.close()
+        if getattr(self, "held_out", None) is not None:
+            self.held_out.close()
         self.log.close()
         self.run_claim.release()  # the run directory's lock (the kernel drops it anyway when the process ends)
         if self._owns_process_group and dist.is_initialized():

@@ -116,6 +116,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_check_capacity, job.model, model.moe.dispatcher, dims)
         run(_check_ep_overlap, job, model, dims)
     notes = scaled + dispatcher_note + (run(_check_optim, o, t.steps) or [])
+    notes += run(_check_validation, t, job.data) or []
     run(_check_faults, p, t)
     run(_check_recompute, job.model)
     run(
@@ -224,6 +225,7 @@ def environment_checks(job) -> list:
             folder=True,
         ),
         lambda: _data_problem(check_shards, job.data.shards),
+        lambda: _data_problem(check_val_shards, job.data.val_shards),
     ]
     return checks
 
@@ -731,6 +733,40 @@ def _check_faults(p, t) -> None:
         t.watchdog_abort_s is None or _real(t.watchdog_abort_s) and t.watchdog_abort_s > 0,
         f"train.watchdog_abort_s={t.watchdog_abort_s} must be > 0 seconds, or null (never abort)",
     )
+
+
+def _check_validation(t, d) -> list[str]:
+    """train.val_every / val_batches against data.val_shards; a note when held-out shards are named but
+    never read."""
+    _check(
+        t.val_every >= 0,
+        f"train.val_every={t.val_every} must be >= 0 (steps between validations; 0 = off)",
+    )
+    _check(
+        t.val_batches >= 1,
+        f"train.val_batches={t.val_batches} must be >= 1 (global batches of held-out rows per "
+        "validation)",
+    )
+    _check(
+        not t.val_every or bool(d.val_shards),
+        f"train.val_every={t.val_every} validates on data.val_shards, which is not set: point "
+        "data.val_shards at held-out shards (a folder, a brace pattern, a list, or sample), or set "
+        "train.val_every=0",
+    )
+    if d.val_shards and not t.val_every:
+        return [
+            f"note: data.val_shards={d.val_shards} is set but train.val_every=0: no validation runs "
+            "(set train.val_every=N to validate every N steps)"
+        ]
+    return []
+
+
+def check_val_shards(spec: str) -> None:
+    """data.val_shards as data.shards is checked, its messages naming data.val_shards."""
+    try:
+        check_shards(spec)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("data.shards=", "data.val_shards=")) from None
 
 
 def _check_profile(t) -> None:

@@ -38,7 +38,8 @@ from test_layouts import (
 )
 
 WORLD_2 = [
-    ["parallel.cp=2"],
+    # with validation (test_layouts.VAL): the held-out loss summed over the cp ranks' halves
+    ["parallel.cp=2", "VAL"],
     ["parallel.cp=2", "parallel.cp_comm=ring"],
     ["parallel.cp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
     # recompute over the cp attention: its collectives must not be reissued out of step
@@ -53,7 +54,8 @@ WORLD_4 = [
     ["parallel.cp=4", "parallel.cp_comm=ring"],
     ["parallel.cp=2", "parallel.tp=2"],
     ["parallel.cp=2", "parallel.dp_mode=fsdp"],
-    ["parallel.cp=2", "parallel.pp=2"],
+    # validation through the forward-only pipeline on cp-split rows
+    ["parallel.cp=2", "parallel.pp=2", "VAL"],
 ]
 
 
@@ -61,7 +63,7 @@ WORLD_4 = [
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
     shards = str(ensure_sample()[0])
-    torch.save(run_job(shards, str(tmp / "ref"), []), tmp / "ref.pt")
+    torch.save(run_job(shards, str(tmp / "ref"), ["VAL"]), tmp / "ref.pt")
     router_references(shards, tmp, names=("sequence", "forced"))
     return tmp, shards
 

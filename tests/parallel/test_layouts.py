@@ -22,6 +22,13 @@ step 2 to match.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
 compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.
+
+Validation (moevlm.train.evaluate): the reference validates after every step (`VAL`: held-out rows of
+the sample set, 2 global batches), so every layout that does not validate, matching it step for step,
+shows that validation leaves the training untouched; a layout marked `VAL` (tp2 x ep2 and FSDP dp2
+here, pp2 and pp2 x FSDP dp2 in test_pipeline.py, cp2 and cp2 x pp2 in test_context_parallel.py)
+validates too and its `val_loss` of every step must equal the reference's (1e-5 relative), as must
+its held-out token count.
 """
 
 from __future__ import annotations
@@ -104,13 +111,21 @@ def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
     ]
 
 
+# validation on held-out rows after every step ("VAL" in a layout)
+VAL = ["train.val_every=1", "train.val_batches=2"]
+
+
 def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
-    With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it."""
-    resume = "RESUME" in layout
+    With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it.  With
+    "VAL": after each step the validation's (val_loss, val_tokens)."""
+    resume, val = "RESUME" in layout, "VAL" in layout
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
-    layout = [x for x in layout if x != "RESUME" and not x.startswith(("FROM=", "REF="))]
+    layout = [
+        x for x in layout if x not in ("RESUME", "VAL") and not x.startswith(("FROM=", "REF="))
+    ]
+    layout += [f"data.val_shards={shards}", *VAL] if val else []
     layout = [
         x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")).replace(
             "@TMP", os.path.dirname(run_dir)
@@ -121,7 +136,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
         layout.append(
             f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}"
         )
-    grads = []
+    grads, vals = [], []
     for part in (1, STEPS) if resume else (STEPS,):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
         assert tr.step == 1 or not start
@@ -131,6 +146,8 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
         try:
             while tr.step < part:
                 assert tr.train_step(_NoWindow())
+                if val:
+                    vals.append(tr.validate())
             if part < STEPS:
                 tr.save()
             else:
@@ -139,6 +156,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
                 return {
                     "losses": list(tr.losses),
                     "grads": grads,
+                    "val": vals,
                     "params": every_stage(tr, {**full_state_dict(tr.model), **biases}),
                 }
         finally:
@@ -178,10 +196,17 @@ def compare(got: dict, ref: dict) -> dict:
         grad = max(grad, *(rel(g[k], r[k]) for k in r.keys() & g.keys()))
     assert got["params"].keys() == ref["params"].keys()
     param = max(rel(got["params"][k], ref["params"][k]) for k in ref["params"])
+    errors = {"loss": loss, "grads": grad, "params": param}
+    if got["val"]:  # the same held-out rows and loss under this layout
+        assert [v["val_tokens"] for v in got["val"]] == [v["val_tokens"] for v in ref["val"]]
+        errors["val_loss"] = max(
+            abs(a["val_loss"] - b["val_loss"]) / b["val_loss"]
+            for a, b in zip(got["val"], ref["val"])
+        )
     # the router biases move by +-rate steps from the same loads: equal bit for bit
     for k in filter(is_training_state, ref["params"]):
         assert torch.equal(got["params"][k], ref["params"][k]), k
-    return {"loss": loss, "grads": grad, "params": param}
+    return errors
 
 
 def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
@@ -273,7 +298,7 @@ def reference(tmp_path_factory):
     # for the layout that starts from a Hugging Face checkpoint
     init.model.save_pretrained(tmp / "init_hf")
     init.close()
-    ref = run_job(shards, str(tmp / "ref"), [])
+    ref = run_job(shards, str(tmp / "ref"), ["VAL"])
     torch.save(ref, tmp / "ref.pt")
     router_references(shards, tmp)
     return tmp, shards
@@ -282,8 +307,9 @@ def reference(tmp_path_factory):
 WORLD_2 = [
     ["parallel.tp=2"],
     ["parallel.ep=2", "model.dispatcher=alltoall"],
-    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
-    ["parallel.dp_mode=fsdp"],
+    # with validation: vocab-parallel loss and the all-to-all dispatcher under no_grad
+    ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall", "VAL"],
+    ["parallel.dp_mode=fsdp", "VAL"],
     ["parallel.dp_mode=ddp"],
     # another seed, then the reference's initial weights from a Hugging Face folder, loaded shard by shard
     [
@@ -358,9 +384,10 @@ def test_layouts_match_one_process(reference, world, layouts):
 def print_report(path, world: int) -> None:
     """One line per layout of a `check_layouts` report: its max relative errors."""
     for layout, err in json.loads(Path(path).read_text()).items():
+        val = f" val_loss {err['val_loss']:.1e}" if "val_loss" in err else ""
         print(
             f"world {world} [{layout}]: max rel err loss {err['loss']:.1e} grads {err['grads']:.1e} "
-            f"params {err['params']:.1e}"
+            f"params {err['params']:.1e}{val}"
         )
 
 

@@ -8,7 +8,8 @@ process, real packed sample data, fp32, AdamW, clipping, aux loss on) records
 the per-step loss, the clipped gradients and the final parameters; every
 pipeline layout runs the same job through the real `Trainer` on gloo ranks and
 must match each to 1e-5 relative (the gathered gradients and parameters of
-every stage, `test_layouts.compare`).  Several layouts share one launch per
+every stage, `test_layouts.compare`; with `VAL` the validation loss of every step too).  Several
+layouts share one launch per
 world size; resuming is checked across pipeline sizes and splits: a pp2
 checkpoint resumes under another split, and in one process (pp1) to the
 uninterrupted run's loss (1e-6).  The scaled-down `gb200_3d` recipe of the
@@ -69,7 +70,8 @@ def reference(tmp_path_factory):
     # weights, for a layout that starts from a Hugging Face folder
     init.model.save_pretrained(tmp / "init_hf")
     init.close()
-    torch.save(run_job(shards, str(tmp / "ref"), [MODEL]), tmp / "ref.pt")
+    # validating after every step (test_layouts.VAL)
+    torch.save(run_job(shards, str(tmp / "ref"), [MODEL, "VAL"]), tmp / "ref.pt")
     router_references(shards, tmp, [MODEL], names=("global", "sequence"))
     return tmp, shards
 
@@ -88,7 +90,8 @@ WORLD_2 = [
         "parallel.vpp=2",
         "parallel.pp_layers=[1,1,1,1]",
     ],
-    [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp"],
+    # with validation: the forward-only pipeline path (Pipeline.forward_only)
+    [*PP2, "parallel.pp_schedule=gpipe", "parallel.dp_mode=ddp", "VAL"],
     # router balancing: the global-batch frequencies read on the last stage in schedule order, the
     # bias of each stage's layers; the sequence-wise loss travelling between stages
     with_options("global", [*PP2, "parallel.pp_layers=[1,3]"]),
@@ -111,7 +114,8 @@ WORLD_4 = [
         "train.seed=7",
         "model.hf_checkpoint=@TMP/init_hf",
     ],
-    [*PP2, "parallel.dp_mode=fsdp"],  # dp 2 inside each stage
+    # dp 2 inside each stage; validation's forward-only stages under FSDP, over dp 2
+    [*PP2, "parallel.dp_mode=fsdp", "VAL"],
     # the global-batch frequencies gathered over dp 2 on the last stage, inside the schedule
     with_options("global", [*PP2, "parallel.dp_mode=fsdp"]),
     [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"],

@@ -11,7 +11,9 @@ from moevlm.train.metrics import (
     Window,
     device_peak_tflops,
     expert_load_max_over_mean,
+    console_line,
     fmt_count,
+    fmt_duration,
     peak_memory_gib,
     peak_tflops_for_name,
     scalars,
@@ -55,11 +57,14 @@ def test_record_arithmetic_per_device():
 
 
 def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
-    """Two steps in one window: loss and aux averaged, time, tokens, FLOPs and wait summed, the last
-    step's grad_norm and lr, expert counts summed; step, memory and skip counts are the caller's."""
+    """Two steps in one window: loss and aux averaged, time, tokens, images, image tokens, FLOPs and wait
+    summed, the last step's grad_norm and lr, expert counts summed; step, memory and skip counts are the
+    caller's."""
     w = Window()
     for loss, counts in ((3.0, torch.tensor([[1, 3]])), (2.0, None)):
         w.add(
+            images=int(loss),
+            image_tokens=16 * int(loss),
             loss=loss,
             aux=0.02,
             grad_norm=loss / 2,
@@ -82,7 +87,13 @@ def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
     )
     assert r == record(
         loss=2.5, aux_loss=0.02, grad_norm=1.0, expert_counts=torch.tensor([[1, 3]])
-    ) | {"mem_gib_by_pp_rank": [1.25, 1.0], "steps_in_window": 2}
+    ) | {
+        "mem_gib_by_pp_rank": [1.25, 1.0],
+        "steps_in_window": 2,
+        "tokens": 40_000,
+        "images": 5,
+        "image_tokens": 80,
+    }
 
 
 def test_mfu_null_without_peak_and_on_cpu():
@@ -164,6 +175,33 @@ def test_fmt_count():
     assert [fmt_count(x) for x in (999, 12_345, 4.5e6, 2.5)] == ["999", "12.3k", "4.5M", "2.5"]
 
 
+def test_console_line_step_eta_throughput_and_validation():
+    """`step i/N | eta T | loss | val_loss | ...`: the ETA as the logger computes it (the steps left at
+    the rate since the launch's first record), the job's tokens/s beside the per-device ones on several
+    ranks, the validation loss where the record has one; tags val/loss, val/tokens, data/images."""
+    assert [fmt_duration(x) for x in (0.4, 59, 75, 3725, 200_000, None, math.inf)] == [
+        "0s",
+        "59s",
+        "1m15s",
+        "1h02m",
+        "2d07h",
+        "?",
+        "?",
+    ]
+    rec = record() | {"val_loss": 2.25, "val_tokens": 512, "images": 3, "image_tokens": 48}
+    line = console_line(rec, 100, eta_s=95.0, world_size=4)
+    assert line.startswith("step  10/100 | eta 1m35s | loss 2.5000 | val_loss 2.2500 | aux ")
+    assert "| 20.0k tok/s | 5.0k tok/s/dev | 100 TFLOP/s |" in line
+    assert "tok/s |" not in console_line(record(), 100)  # one process: per device only
+    tags = scalars(rec)
+    assert (tags["val/loss"], tags["val/tokens"], tags["data/images"]) == (2.25, 512, 3)
+    assert tags["data/image_tokens"] == 48
+    log = MetricsLogger(None, rank=1, total_steps=100, log_every=1)  # (the ETA's arithmetic only)
+    assert log._eta(record(step=10, step_time_s=2.0)) == pytest.approx(180.0)
+    log._since = (log._since[0] - 30.0, 10)  # 30 s later, 5 steps on: 6 s a step, 85 steps left
+    assert log._eta(record(step=15)) == pytest.approx(510.0, rel=1e-2)
+
+
 def test_jsonl_tensorboard_console(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -189,7 +227,8 @@ def test_jsonl_tensorboard_console(tmp_path, capsys):
     assert recs[1]["mfu"] is None
 
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("step  10/100 | loss 2.5000 |") and "100 TFLOP/s" in out[0]
+    # the ETA of the launch's first record: its step time x the steps left
+    assert out[0].startswith("step  10/100 | eta 3m00s | loss 2.5000 |") and "100 TFLOP/s" in out[0]
     assert "5.0k tok/s/dev" in out[0] and "MFU 25.0%" in out[0] and "load 1.5x" in out[0]
     assert "MFU" not in out[1] and out[2] == "hello"
 

@@ -1,16 +1,19 @@
 """The trainer end to end on the embedded default (tiny model, real sample data, CPU, fp32).
 
-In-process runs check metrics, FLOP accounting and the non-finite policies;
-subprocess runs (`train.py` as users launch it) check the exact resume after a
-SIGKILL and a Hydra multirun sweep.
+In-process runs check metrics, FLOP, token and image accounting, validation on held-out rows, the
+console line and the non-finite policies; subprocess runs (`train.py` as users launch it) check the
+exact resume after a SIGKILL (with validation on) and a Hydra multirun sweep.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from moevlm.data.batch import MicroBatch
 from moevlm.data.loader import build_loader
 from moevlm.data.sample_cache import sample_dir
 from moevlm.model import count_flops
@@ -43,19 +47,26 @@ def last_loss_per_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: float(r["loss"]) for r in read_metrics(run_dir)}
 
 
+# validation after step 3 and after the last step (4), on 2 global batches of the sample set
+VAL = ["data.val_shards=sample", "train.val_every=3", "train.val_batches=2"]
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
+    """4 steps with validation on: (job, run dir, exit code, the trainer after its run, console text)."""
     run_dir = tmp_path_factory.mktemp("run")
     job = compose_job(
-        FAST + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=2"]
+        FAST + VAL + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_every=2"]
     )
     trainer = Trainer(job)
-    code = trainer.run()
-    return job, run_dir, code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = trainer.run()
+    return job, run_dir, code, trainer, out.getvalue()
 
 
 def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
-    job, run_dir, code = default_run
+    job, run_dir, code, _, _ = default_run
     assert code == 0
     recs = read_metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
@@ -74,6 +85,9 @@ def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
             "expert_load_max_over_mean",
             "bad_samples",
             "nonfinite_steps",
+            "tokens",
+            "images",
+            "image_tokens",
         } <= set(r)
         # no peak for a CPU: MFU is not guessed
         assert math.isfinite(r["loss"]) and r["mfu"] is None
@@ -87,26 +101,76 @@ def test_run_writes_metrics_checkpoints_and_tensorboard(default_run):
 
 def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
     """Rebuild the same loader and recount: FLOPs from the FLOP counter on each row's real documents and
-    images, tokens without padding."""
-    job, run_dir, _ = default_run
+    images, tokens without padding, images (grids with patches) and image tokens (image-token ids in the
+    text) of the packed rows.  The run validated on the same shards: the training rows are still these
+    (validation never reads the training loader)."""
+    job, run_dir, _, _, _ = default_run
     plan = validate(job)
     data = job.data.copy()
     data.shards = str(sample_dir())
     loader = build_loader(OmegaConf.to_object(data), plan.model)
     rows_per_step = job.train.global_batch_size
+    images = image_tokens = 0
     for rec in read_metrics(run_dir):
         flops = tokens = padded = 0
+        step_images = step_image_tokens = 0
         for _ in range(rows_per_step):
             row = next(loader)
             cu = row["cu_seqlens"].tolist()[: row["num_samples"] + 1]
             docs = [b - a for a, b in zip(cu, cu[1:])]
             flops += count_flops(plan.model, docs, row["image_grid_thw"][: row["num_images"]]).total
             tokens, padded = tokens + row["useful_tokens"], padded + row["padded_tokens"]
+            step_images += int((row["image_grid_thw"].prod(-1) > 0).sum())
+            step_image_tokens += int((row["input_ids"] == plan.model.image_token_id).sum())
+        assert (rec["images"], rec["image_tokens"]) == (step_images, step_image_tokens)
+        images, image_tokens = images + step_images, image_tokens + step_image_tokens
+        assert rec["tokens"] == tokens
         assert rec["flops"] == pytest.approx(flops, rel=1e-12)
         assert rec["tflops"] == pytest.approx(flops / rec["step_time_s"] / 1e12, rel=1e-9)
         assert rec["tokens_per_s"] * rec["step_time_s"] == pytest.approx(tokens, rel=1e-9)
         assert padded > 0  # the packed rows do carry padding, and it was not counted
     loader.close()
+    assert images > 0 and image_tokens > images  # the steps did train on images
+
+
+def test_validation_is_the_loss_of_the_first_held_out_rows(default_run):
+    """val_loss after steps 3 and 4 only (every 3 steps, and the last); each time on the same rows (the
+    same token count); the last one equals the summed token losses over their count of the first
+    val_batches x global_batch_size rows of a fresh loader over data.val_shards, through the final
+    weights."""
+    job, run_dir, _, trainer, _ = default_run
+    recs = {r["step"]: r for r in read_metrics(run_dir)}
+    assert [s for s, r in recs.items() if "val_loss" in r] == [3, 4]
+    assert recs[3]["val_tokens"] == recs[4]["val_tokens"] > 0
+    assert recs[3]["val_loss"] != recs[4]["val_loss"]
+    plan = validate(job)
+    data = job.data.copy()
+    data.shards = str(sample_dir())
+    loader = build_loader(OmegaConf.to_object(data), plan.model)
+    rows = [next(loader) for _ in range(job.train.val_batches * job.train.global_batch_size)]
+    loader.close()
+    lm_sum = tokens = 0.0
+    with torch.no_grad():
+        for row in rows:
+            out = trainer.model(**MicroBatch.from_rows([row], plan.model).model_inputs())
+            lm_sum += float(out.lm_loss) * int(out.num_loss_tokens)
+            tokens += int(out.num_loss_tokens)
+    assert recs[4]["val_tokens"] == tokens
+    assert recs[4]["val_loss"] == pytest.approx(lm_sum / tokens, rel=1e-6)
+
+
+def test_console_line_shows_step_eta_tokens_per_s(default_run):
+    """One line per step: `step i/4 | eta T | loss L | [val_loss V |] ... | N tok/s/dev | ...`, the
+    validation loss on the validated steps, an ETA of 0s at the last step."""
+    _, _, _, _, out = default_run
+    pattern = re.compile(
+        r"step (\d)/4 \| eta (\d+s|\d+m\d\ds) \| loss \d+\.\d{4} \| (val_loss \d+\.\d{4} \| )?"
+        r"aux .* \| lr \S+ \| \d+(\.\d)?k? tok/s/dev \| \S+ TFLOP/s \| "
+    )
+    lines = [m for m in map(pattern.match, out.splitlines()) if m]
+    assert [int(m.group(1)) for m in lines] == [1, 2, 3, 4], out
+    assert [m.group(3) is not None for m in lines] == [False, False, True, True]
+    assert lines[-1].group(2) == "0s"
 
 
 def _nan_at(trainer: Trainer, bad_steps: set[int]) -> None:
@@ -194,11 +258,28 @@ def test_nonfinite_stop_checkpoints_and_exits(tmp_path, capsys):
             4,
             r"edp=-1 .*|not divisible by ep\*etp",
         ),
+        (
+            ["train.val_every=5"],
+            1,
+            "train.val_every=5 validates on data.val_shards, which is not set",
+        ),
+        (["train.val_every=-1"], 1, r"train.val_every=-1 must be >= 0 \(steps between"),
+        (["train.val_batches=0"], 1, "train.val_batches=0 must be >= 1"),
+        (
+            ["data.val_shards=/nonexistent/val", "train.val_every=2"],
+            1,
+            "data.val_shards=/nonexistent/val does not exist",
+        ),
     ],
 )
 def test_validation_says_what_to_change(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_job(overrides), world)
+
+
+def test_held_out_shards_without_a_schedule_are_a_note():
+    (note,) = [n for n in validate(compose_job(["data.val_shards=sample"])).notes if "val" in n]
+    assert "train.val_every=0: no validation runs" in note
 
 
 @pytest.mark.parametrize(
@@ -234,12 +315,16 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
 
 def test_resume_after_sigkill_is_exact(tmp_path):
     """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
-    train.resume=auto: per-step losses equal the uninterrupted run's."""
+    train.resume=auto: per-step losses and validation losses equal the uninterrupted run's."""
     common = [
         "train.steps=7",
         "train.checkpoint_every=1",
         "train.tensorboard=false",
         "train.keep_checkpoints=2",
+        # validation on: after steps 2, 4, 6 and the last (7); it must not move the training data
+        "data.val_shards=sample",
+        "train.val_every=2",
+        "train.val_batches=1",
     ]
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     ref = launch(common + [f"train.run_dir={ref_dir}"])
@@ -266,6 +351,12 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     assert sorted(got) == sorted(want) == list(range(1, 8))
     diffs = {s: abs(got[s] - want[s]) for s in want}
     assert max(diffs.values()) <= 1e-6, (kill_after, diffs)
+    val_got, val_want = (
+        {r["step"]: r["val_loss"] for r in read_metrics(d) if "val_loss" in r}
+        for d in (cut_dir, ref_dir)
+    )
+    assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
+    assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
 
 
 def test_multirun_sweep_runs_each_job(tmp_path):

@@ -107,6 +107,10 @@ def test_trainer_logs_the_tensorboard_scalars_to_wandb(tmp_path, fake_wandb):
             "train.wandb=offline",
             "train.wandb_project=proj",
             "train.checkpoint_at_end=false",
+            # validation after the last step: its loss reaches W&B with that step's scalars
+            "data.val_shards=sample",
+            "train.val_every=2",
+            "train.val_batches=1",
         ]
     )
     assert Trainer(job).run() == 0
@@ -134,6 +138,9 @@ def test_trainer_logs_the_tensorboard_scalars_to_wandb(tmp_path, fake_wandb):
                 "perf/step_time_s",
                 "memory/peak_gib",
                 "data/bad_samples",
+                "data/tokens",
+                "data/images",
+                "data/image_tokens",
             }
             <= data.keys()
             <= set(_TB_TAGS.values())
@@ -142,6 +149,7 @@ def test_trainer_logs_the_tensorboard_scalars_to_wandb(tmp_path, fake_wandb):
             | {f"moe/load_max_over_mean/layer_{i}" for i in range(3)}
         )
         assert "perf/mfu" not in data  # null on CPU: left out, as in TensorBoard
+    assert ["val/loss" in data for data, _ in fake_wandb.logged] == [False, True]
     assert fake_wandb.finished == 1
     assert (
         start_wandb(job, tmp_path, rank=0).run is not None
