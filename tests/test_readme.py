@@ -118,6 +118,12 @@ def test_readme_own_data_commands_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "my_shards" / "tokenizer.json").is_file()
+    # what the commands made (not the inputs written above) is what .gitignore covers
+    made = [p.name + "/" for p in tmp_path.iterdir() if p.name not in ("photos", "captions.jsonl")]
+    assert sorted(made) == ["my_shards/", "outputs/", "sample_shards/"]
+    for name in made:
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", name], cwd=repo)
+        assert ignored.returncode == 0, f"{name} is not in .gitignore"
     assert len(
         json.loads((tmp_path / "my_shards" / "summary.json").read_text())["shards"]
     ) == 2 * len(photos)
