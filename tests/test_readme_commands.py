@@ -8,8 +8,12 @@ none of them fails `test_every_readme_command_is_run_or_listed`:
   root does; each must exit with its code, print what it promises, and leave only what .gitignore
   covers.
 - ELSEWHERE: run as written by another test (named).
-- SLOW: runs on a CPU, run by the same test only with MOEVLM_README_SLOW=1: each costs 25 s to minutes
-  on 2 cores, and the suite's launches of the same layouts (named) cover them.
+- SLOW: runs on a CPU, run by the same test only with MOEVLM_README_SLOW=1 (the suite's budget: each
+  costs 25 s to minutes on 2 cores); the suite's own launches of the same layouts, or in-process
+  tests of the same code, are named beside each.
+
+RUN costs about 90 CPU-seconds (measured: the two 4-rank torchrun lines ~21 each, the 20-step
+resume line ~46).
 - SKIP: cannot run on a CPU machine (the reason).
 """
 
@@ -32,7 +36,6 @@ RUN = {
     ),
     "torchrun --nproc-per-node 4 train.py parallel.pp=4 parallel.pp_schedule=interleaved_1f1b "
     "parallel.vpp=2 model.num_layers=8": (0, "pipeline: interleaved_1f1b, pp 4 x vpp 2 = 8 stages"),
-    "python train.py -m optim.lr=1e-3,3e-4": (0, "ok: mean loss of the first 3 steps"),
     "python train.py train.run_dir=runs/a": (0, "ok: mean loss of the first 3 steps"),
 }
 ELSEWHERE = {
@@ -45,6 +48,12 @@ ELSEWHERE = {
     "python -m pytest": "the suite itself",
 }
 SLOW = {
+    "python train.py -m optim.lr=1e-3,3e-4": (
+        0,
+        "ok: mean loss of the first 3 steps",
+        "two embedded-default jobs (~100 CPU-s); tests/train/test_trainer.py launches the same sweep "
+        "with 1-step jobs",
+    ),
     "torchrun --nproc-per-node 8 train.py parallel.tp=2 parallel.ep=2 parallel.etp=2 "
     "train.global_batch_size=4": (
         0,
@@ -77,13 +86,13 @@ SLOW = {
         "~15 s; tests/plan covers parallel.fake_world",
     ),
     "python -m moevlm.plan +experiment=h100_fsdp --world 64 --search": (
-        0,
+        None,
         "fit",
         "minutes (the layout search over 64 GPUs); tests/plan/test_search.py",
     ),
     "python train.py model.fp8=mxfp8 model.fp8_backend=emulate": (
-        0,
-        "ok: mean loss of the first 3 steps",
+        None,
+        "done: 20 steps",
         "FP8 emulated on the CPU: slow by design; tests/model cover the recipe's numerics",
     ),
 }
