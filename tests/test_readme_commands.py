@@ -147,11 +147,10 @@ def root(tmp_path):
     shims.mkdir()
     for name in ("train.py", "conf"):
         (work / name).symlink_to(REPO / name)
-    (shims / "python").symlink_to(sys.executable)
-    (shims / "torchrun").write_text(
-        f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n'
-    )
-    (shims / "torchrun").chmod(0o755)
+    # scripts, not links: a virtual environment's interpreter finds its packages from its own path
+    for name, args in (("python", ""), ("torchrun", " -m torch.distributed.run")):
+        (shims / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        (shims / name).chmod(0o755)
     return work, shims
 
 
