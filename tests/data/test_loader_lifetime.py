@@ -1,7 +1,8 @@
 """The loader as a library: `with build_loader(...)` stops the workers (an exception included), and the
 workers end with the process that uses the loader when it is killed (SIGKILL), even while it is still
-an unreaped zombie (a pid probe takes that for alive: the fork server's end is what ends them).  The
-README's example run as a script (normal exit, no close()): tests/test_readme.py."""
+an unreaped zombie (a pid probe takes that for alive: the fork server's end is what ends them), and
+when an uncaught exception ends it.  The README's example run as a script (normal exit, no close()):
+tests/test_readme.py."""
 
 import os
 import signal
@@ -16,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
+    import sys
     import time
 
     from moevlm.data import DataConfig, build_loader
@@ -23,6 +25,11 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         cfg, model = DataConfig(shards="sample"), VLMConfig.preset("tiny")
+        if sys.argv[1:] == ["raise"]:
+            loader = build_loader(cfg, model)
+            next(loader)
+            print("workers", *[w.pid for w in loader._it._workers], flush=True)
+            raise RuntimeError("uncaught, with the loader open")
         try:
             with build_loader(cfg, model) as loader:
                 assert next(loader)["input_ids"].shape == (1, cfg.pack.seq_len)
@@ -78,3 +85,28 @@ def test_with_form_and_workers_end_with_a_killed_parent(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_uncaught_exception_ends_the_script_and_its_workers(tmp_path):
+    """No `with`, no close(): the exception's exit closes the loader (interpreter exit) at once."""
+    (tmp_path / "use_loader.py").write_text(SCRIPT)
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LIFETIME_TAG": tag}
+    t0 = time.monotonic()
+    # the timeout only stops a hang; the bound is asserted below
+    proc = subprocess.run(
+        [sys.executable, "use_loader.py", "raise"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    took = time.monotonic() - t0
+    assert proc.returncode == 1 and "uncaught, with the loader open" in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("workers ") and took < 30, (proc.stdout, took)
+    deadline = time.monotonic() + 10
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tagged(tag), "a worker or the fork server outlived the script"
