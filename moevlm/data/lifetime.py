@@ -14,8 +14,9 @@ Design choices:
   so the workers, alive after the training process died: each worker closes its copy (it starts no
   processes), then asks the kernel for SIGKILL when its parent ends (Linux
   `prctl(PR_SET_PDEATHSIG)`, through ctypes).  Training process gone -> fork server gone -> workers
-  killed, within milliseconds, with no polling, and even while the dead training process is still an
-  unreaped zombie (which a pid probe takes for alive).  Only under the fork server: the signal
+  killed the moment the server's interpreter has shut down (about 1 s after a SIGKILL on a busy
+  2-core machine: it holds torch from its preload), with no polling, and even while the dead training
+  process is still an unreaped zombie (which a pid probe takes for alive).  Only under the fork server: the signal
   follows the parent *thread*, and the fork server forks from its one thread, whereas with
   `fork`/`spawn` the parent is whichever thread of the training process first iterated the loader,
   which may end long before the process.  The pipe end lives in a private attribute of
