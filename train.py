@@ -26,6 +26,7 @@ from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import write_failed_line, looks_like_disk_full
 from moevlm.train.options import show_sections
 from moevlm.train.sweep import run_job, sweep_probes, sweep_root
+from moevlm.train.torchrun_exit import config_error_exit
 
 register_configs()
 
@@ -59,11 +60,10 @@ def _job(cfg, sweep: tuple[str, int] | None) -> int:
     try:
         trainer = Trainer(cfg, sweep=sweep)
     except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
-        if os.environ.get("RANK", "0") == "0" or not getattr(err, "same_on_every_rank", False):
-            # each says what to change; a traceback would bury them
-            for line in str(err).splitlines():
-                print(f"config error: {line}", file=sys.stderr)
-        sys.exit(ExitCode.CONFIG)
+        # each says what to change; a traceback would bury them (torchrun's too: torchrun_exit)
+        # a sweep's job fails alone (recorded, the sweep goes on): its launch is not ended
+        same = getattr(err, "same_on_every_rank", False)
+        config_error_exit(str(err).splitlines(), same, end_launch=sweep is None)
     # train.resume names a checkpoint that is damaged or does not fit
     except CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)
@@ -124,8 +124,7 @@ def _check_command_line() -> None:
 
 
 def _config_error(*lines: str | None) -> None:
-    print("config error: " + "; ".join(x for x in lines if x), file=sys.stderr)
-    sys.exit(ExitCode.CONFIG)
+    config_error_exit(["; ".join(x for x in lines if x)])
 
 
 def _help_sections() -> None:

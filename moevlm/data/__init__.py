@@ -12,6 +12,7 @@ reader.py        shard split per stream and epoch, seeded shuffle, resumable pos
 packing.py       first-fit packing to fixed token / patch / image budgets; stack_rows: rows -> one batch
 batch.py         MicroBatch: stacked rows + token mask, FLOPs, counts: what the model and trainer take
 loader.py        layout-independent streams over ranks and workers, exact-resume state, skip statistics
+lifetime.py      the workers end with the process using the loader (parent-death signal, pid probe)
 errors.py        SkipSample reasons; DataError (the data can feed nothing)
 hf_files.py      tokenizer, chat template and image-processor files for an exported HF folder
 """

@@ -5,6 +5,8 @@ statistics.
     loader = build_loader(cfg.data, model_cfg, rank=dp_rank, world=dp_size)
     for batch in loader:              # dict of fixed-shape tensors + counts (see packing.py)
         ...                           # (batch.MicroBatch.read makes one micro-batch of several rows)
+    with build_loader(DataConfig(shards="sample"), model_cfg) as loader:   # workers stopped at the end
+        batch = next(loader)
     ckpt["data"] = loader.state_dict()          # what each of this rank's streams has delivered
     loader.load_state_dict(merge_states(saved)) # continues exactly there, on any data-parallel layout
     loader.stats()                              # skipped by reason, samples, tokens, data wait
@@ -61,10 +63,18 @@ Design choices:
   trainer guarantees by saving at optimizer-step boundaries.
 - Workers re-import the launching script as a module (forkserver, like
   spawn): scripts need the `if __name__ == "__main__":` guard.
-- Workers die with the training process.  A forkserver worker's parent is the
-  fork server, which itself waits for its children, so torch's parent
-  watchdog never fires after the trainer is SIGKILLed: each worker watches the
-  trainer's pid and exits when it is gone (no orphaned decoders).
+- Workers die with the training process, however it ends (moevlm.data.lifetime):
+  a clean exit or an exception closes every open loader (below; `with` and
+  `close()` do it earlier), and a killed one (SIGKILL, a signal's default
+  action) takes its fork server with it, whose workers the kernel then kills
+  (parent-death signal); a pid probe in each worker is the fallback.  torch's
+  own parent watchdog never fires here: a forkserver worker's parent is the
+  fork server.  No orphaned decoders, and a script using the loader ends
+  without calling `close()`.
+- A library, not only the trainer's: `with build_loader(...) as loader:` stops
+  the workers when the block ends (also on an exception), and
+  `shards="sample"` resolves to the cached sample set as the trainer does
+  (moevlm.data.sample_cache, built once per content version).
 - Checked before anything is read (`check_config`): every field on its own
   (a packing budget that holds no sample, such as max_samples=0 which packed
   empty rows forever, non-positive sizes, min_pixels > max_pixels, a zero
@@ -127,7 +137,8 @@ Design choices:
   once one worker died: `close` lets torch stop them in order, then SIGKILLs
   any that are left (the loader's state lives in the training process, so
   nothing is lost), and every loader still open is closed at interpreter
-  exit.  torch's error for a dead worker becomes one line (`worker_death`:
+  exit, by an exit hook registered after multiprocessing's own (torch imports
+  it first), so it runs before that one terminates and joins the workers.  torch's error for a dead worker becomes one line (`worker_death`:
   which pid, how it ended, the likely cause and memory available), raised as
   a DataError (exit 8); a relaunch resumes exactly from the last checkpoint.
 - data.mock (none, image_free, random_pixels; moevlm.data.encode) is part of
@@ -145,13 +156,13 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import re
 import signal
-import threading
 import time
 import weakref
 from collections import Counter
@@ -163,6 +174,7 @@ from moevlm.data.config import FORMATS, MOCK, OVERSIZE, PIN_MEMORY, DataConfig, 
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import FALLBACKS, DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.layouts import image_members
+from moevlm.data.lifetime import watch_parent
 from moevlm.data.packing import Packer, collate
 from moevlm.data.reader import (
     ShardPlan,
@@ -172,6 +184,7 @@ from moevlm.data.reader import (
     shard_counts,
     shard_identities,
 )
+from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.data.text import ChatEncoder, load_tokenizer
 from moevlm.signals import STOP_SIGNALS
 
@@ -634,7 +647,7 @@ class PackedDataset(IterableDataset):
         if info is not None:
             for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_IGN)
-            threading.Thread(target=_exit_without, args=(self.main_pid,), daemon=True).start()
+            watch_parent(self.main_pid, through_fork_server=self.cfg.start_method == "forkserver")
         cfg = self.cfg
         encode = SampleEncoder(
             ChatEncoder(load_tokenizer(self.tokenizer_path)),
@@ -645,18 +658,6 @@ class PackedDataset(IterableDataset):
             cfg.format,
         )
         return round_robin([iter(Stream(self, s, encode)) for s in self.mine(p, workers)])
-
-
-def _exit_without(pid: int, every_s: float = 1.0) -> None:
-    """Worker thread: end this process once the training process `pid` is gone."""
-    while True:
-        time.sleep(every_s)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os._exit(0)
-        except PermissionError:  # a reused pid of another user: ours is gone
-            os._exit(0)
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # loaders with workers, closed at interpreter exit
@@ -862,6 +863,12 @@ class PackedLoader:
             in_order=True,
         )
 
+    def __enter__(self) -> PackedLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stops the worker processes (a later iteration starts new ones from the current state): torch's
         orderly stop, then SIGKILL for any left (they ignore SIGTERM)."""
@@ -982,9 +989,13 @@ def build_loader(
     cfg: DataConfig, model_cfg=None, *, rank: int = 0, world: int = 1, hf_checkpoint: str = ""
 ) -> PackedLoader:
     """Checks the data config against the model's (patch geometry, special token ids,
-    budgets) before any worker starts, then returns the loader.  `hf_checkpoint` is
-    the model.hf_checkpoint folder, the tokenizer's last fallback (`find_tokenizer`)."""
+    budgets) before any worker starts, then returns the loader (a context manager: `with`
+    closes it).  `cfg.shards="sample"` is the embedded sample set (`sample_set`).
+    `hf_checkpoint` is the model.hf_checkpoint folder, the tokenizer's last fallback
+    (`find_tokenizer`)."""
     check_config(cfg, model_cfg, world)
+    if cfg.shards == "sample":
+        cfg = dataclasses.replace(cfg, shards=str(sample_set(log_it=rank == 0)))
     tok = find_tokenizer(cfg, expand_shards(cfg.shards), hf_checkpoint)
     if model_cfg is not None:
         ChatEncoder(load_tokenizer(tok)).check_model(model_cfg)
@@ -1000,6 +1011,15 @@ def build_loader(
             else "random pixels in place of the decoded images",
         )
     return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
+
+
+def sample_set(log_it: bool = True):
+    """data.shards=sample: the embedded sample set's folder, built once per content version in the
+    cache (moevlm.data.sample_cache; safe when several processes ask at once) and logged."""
+    path, built = ensure_sample()
+    if log_it:
+        log.info(describe_sample(path, built))
+    return path
 
 
 def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") -> str:
