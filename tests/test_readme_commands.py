@@ -106,6 +106,14 @@ SKIP = {
     "train.run_dir=/shared/runs/a": "4 nodes of 8 GPUs",
     "python train.py model.fp8=blockwise": "a Hopper GPU (FP8 blockwise kernels; refused on the CPU)",
     "python train.py model.fp8=mxfp8": "a Blackwell GPU (MXFP8; refused on the CPU)",
+    "python train.py data.shards='laion/{00000..00099}.tar' data.tokenizer=HF_DIR/tokenizer.json": (
+        "the user's img2dataset shards and tokenizer; tests/data/test_third_party.py trains on each "
+        "third-party layout"
+    ),
+    "python -m moevlm.data.build_shards --parquet data/train-*.parquet --out my_shards "
+    "--tokenizer HF_DIR": "the user's Parquet files; tests/data/test_third_party.py builds from Parquet",
+    "python -m moevlm.data.build_shards --energon energon_ds --split train --out my_shards "
+    "--tokenizer HF_DIR": "the user's Energon folder; tests/data/test_third_party.py builds from one",
 }
 
 
