@@ -40,10 +40,10 @@ from typing import NoReturn
 
 from moevlm.train.exit_codes import ExitCode
 
-SIBLING_GRACE_S = (
-    3.0  # the node's other workers exit by themselves within this once the agent is gone
-)
-QUIET_WAIT_S = 20.0  # a rank that prints nothing waits at most this long for the agent to be ended
+# the node's other workers exit by themselves within this once the agent is gone
+SIBLING_GRACE_S = 3.0
+# a rank that prints nothing waits at most this long for the agent to be ended
+QUIET_WAIT_S = 20.0
 _POLL_S = 0.02
 
 
