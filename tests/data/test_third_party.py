@@ -205,9 +205,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_every_layout_gives_our_builders_image_tokens_and_trains(
-    data_sets, tmp_path, capsys, one_thread
-):
+def test_every_layout_gives_our_builders_image_tokens_and_trains(data_sets, tmp_path, one_thread):
     sets, photos = data_sets
     ref = _read_all(sets["reference"])
     assert ref["images_packed"] == len(photos) and ref["image_tokens"] > 0
@@ -219,13 +217,12 @@ def test_every_layout_gives_our_builders_image_tokens_and_trains(
         assert got["image_tokens"] == ref["image_tokens"], name
         assert got["tokens_packed"] == ref["tokens_packed"], name
         assert got["stats"]["skipped"] == {} and got["stats"]["fell_back"] == {}, name
-    with capsys.disabled():  # the figures of the closing note (pytest -s shows them)
-        for name, f in figures.items():
-            print(
-                f"\n{name}: {f['samples_read']} samples read, {f['images_packed']} images packed, "
-                f"{f['tokens_packed']} tokens packed ({f['image_tokens']} image tokens)",
-                end="",
-            )
+    # the figures per layout (pytest -s shows them)
+    for name, f in figures.items():
+        print(
+            f"{name}: {f['samples_read']} samples read, {f['images_packed']} images packed, "
+            f"{f['tokens_packed']} tokens packed ({f['image_tokens']} image tokens)"
+        )
     # 3 steps with the real trainer and the default settings (data.format=auto) on each layout;
     # no worker processes, to keep it short
     for name in LAYOUTS:
