@@ -9,6 +9,9 @@
     ...
     ckpt.save(step, model=model, optimizer=opt, extra={"scheduler": sched},
               per_rank={"data": loader.state_dict(), "rng": rng_state()})
+    ckpt = CheckpointManager(root, keep=3, async_save=True)   # written in the background:
+    ckpt.save(step, ...)      # returns once the state is in host memory and the write has begun
+    ckpt.wait()               # complete (also done by the next save); ckpt.close() at the end
 
 On disk (one directory per step; DCP's files plus our marker):
 
@@ -90,6 +93,22 @@ Design choices:
   A write that fails anyway (the estimate was short, another writer filled
   the disk) removes its partial directory and raises the same way; the
   previous checkpoints are untouched, so a relaunch resumes from them.
+- Asynchronous saves (`async_save`, train.async_checkpoint): `save` does the
+  same checks and room-making, then `dcp.async_save` copies the state to host
+  memory (on CUDA into pinned buffers DCP's DefaultStager keeps for the next
+  save; on CPU a fresh copy freed after the write) and DCP's thread writes it;
+  our own thread waits for that write, then does what a sync save does after
+  it (checksums, marker, pruning).  So the marker never precedes the data, and
+  an interrupted background write leaves a directory without one (never
+  resumed; pruned later).  The background collectives (DCP's plan and index,
+  our checksum gather) run on a gloo group made for them at construction
+  (DCP's async save wants a CPU backend, and sharing training's group from a
+  second thread would interleave collectives).  One save in flight: `save`
+  first `wait`s for the previous one, so the room check sees it on disk and
+  the host copy is never doubled.  A failed write is the sync path's
+  CheckpointError, raised by the next `save`, `wait` or `close`.  The staged
+  copy is taken before `save` returns, so training may change the weights at
+  once.  `HOLD_ENV` is a test-only pause inside the write (see there).
 - Single process works without a process group (DCP's `no_dist`); with one,
   `save` and `load` are collective (every rank calls them) and use
   `process_group` or the default group.  `load_all_ranks` is not collective.

@@ -25,7 +25,11 @@ Design choices:
 - FLOPs for TFLOP/s and MFU are counted per row from the real documents and
   images (padding excluded), so MFU, like tokens/s, is useful work.
 - Checkpoints hold model, optimizer, schedule, counters, and per rank the
-  data-loader state and RNG states; resuming continues bit-exactly.
+  data-loader state and RNG states; resuming continues bit-exactly.  With
+  `train.async_checkpoint` they are written in the background
+  (moevlm.train.checkpoint); the next save, the end of the run, a stop signal
+  (its checkpoint complete before the exit) and an early exit wait for the one
+  in flight.
 - Pipeline stages (parallel.pp > 1): the step's micro-batches are the
   schedule's (torch.distributed.pipelining runs them; moevlm.parallel.pipeline).
   Only the first stage's ranks read data; they share each micro-batch's text
