@@ -95,8 +95,9 @@ Design choices:
   previous checkpoints are untouched, so a relaunch resumes from them.
 - Asynchronous saves (`async_save`, train.async_checkpoint): `save` does the
   same checks and room-making, then `dcp.async_save` copies the state to host
-  memory (on CUDA into pinned buffers DCP's DefaultStager keeps for the next
-  save; on CPU a fresh copy freed after the write) and DCP's thread writes it;
+  memory (into buffers DCP's DefaultStager makes at the first save and refills
+  at the next ones, pinned on CUDA; on CPU a fresh copy each time cost far
+  more, in page faults) and DCP's thread writes it;
   our own thread waits for that write, then does what a sync save does after
   it (checksums, marker, pruning).  So the marker never precedes the data, and
   an interrupted background write leaves a directory without one (never
@@ -143,7 +144,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-try:  # (torch >= 2.9: a stager that keeps pinned host buffers between saves)
+try:  # (recent torch: a stager that keeps its host buffers between saves)
     from torch.distributed.checkpoint.staging import DefaultStager as _DefaultStager
     from torch.distributed.checkpoint.staging import StagingOptions as _StagingOptions
 except ImportError:  # pragma: no cover
@@ -597,7 +598,7 @@ def _quiet_no_dist() -> Iterator[None]:
 
 # ------------------------------------------------------------ writing
 
-# TEST ONLY (tests/train/test_async_checkpoint.py): a folder F.  A rank writing checkpoint
+# TEST ONLY (tests/train/test_checkpoint.py, test_trainer.py): a folder F.  A rank writing checkpoint
 # directory S while F/hold.S exists, having written its data files (DCP's index not yet), creates
 # F/held.S and waits until hold.S is removed: a kill or a check lands mid-write without a race.
 HOLD_ENV = "MOEVLM_TEST_HOLD_CHECKPOINT_WRITE"
@@ -677,23 +678,27 @@ class CheckpointManager:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group) if self.distributed else 1
 
+    def _group(self, group: Any) -> Any:
+        """`group` where given (the background group of async saves), else the manager's."""
+        return group if group is not None else self.process_group
+
     def _barrier(self, group: Any = None) -> None:
         if self.distributed:
-            dist.barrier(group=group or self.process_group)
+            dist.barrier(group=self._group(group))
 
     def _from_rank0(self, value: Any, group: Any = None) -> Any:
         """Rank 0's `value` on every rank (decisions about shared files are rank 0's)."""
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, group=group or self.process_group, group_src=0)
+        dist.broadcast_object_list(box, group=self._group(group), group_src=0)
         return box[0]
 
     def _gathered(self, value: Any, group: Any = None) -> list[Any]:
         if not self.distributed:
             return [value]
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, value, group=group or self.process_group)
+        dist.all_gather_object(out, value, group=self._group(group))
         return out
 
     # -- finding
@@ -912,8 +917,8 @@ class CheckpointManager:
             raise self._write_failed(e, path, need) from e
 
     def _write_async(self, state: dict, path: Path, need: int) -> Future:
-        """dcp.async_save: the state copied to host memory now (pinned buffers kept for the next
-        save on CUDA), written by DCP's thread over the background group; its future."""
+        """dcp.async_save: the state copied to host memory now (into the stager's buffers), written
+        by DCP's thread over the background group; its future."""
         if self._executor is None:
             self._start_background(state)
         stager = {"async_stager": self._stager} if self._stager is not None else {}
@@ -931,7 +936,9 @@ class CheckpointManager:
         return getattr(got, "upload_completion", got)
 
     def _start_background(self, state: dict) -> None:
-        """The thread that finishes async saves, and on CUDA a stager with pinned host buffers."""
+        """The thread that finishes async saves, and the stager: host buffers (pinned on CUDA) made
+        at the first save and refilled by the next ones (a fresh copy each time costs its page
+        faults again)."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="moevlm-checkpoint")
         if not self.distributed:
             # DCP warns on every single-process save, here from its own thread (see _quiet_no_dist)
@@ -941,13 +948,13 @@ class CheckpointManager:
             for part in state.values()
             for t in part.values()
         )
-        if on_cuda and _DefaultStager is not None and _takes_stager():
+        if _DefaultStager is not None and _takes_stager():
             self._stager = _DefaultStager(
                 _StagingOptions(
-                    use_pinned_memory=True,
+                    use_pinned_memory=on_cuda,
                     use_shared_memory=False,
                     use_async_staging=False,
-                    use_non_blocking_copy=True,
+                    use_non_blocking_copy=on_cuda,
                 )
             )
 
