@@ -9,6 +9,9 @@
     ...
     ckpt.save(step, model=model, optimizer=opt, extra={"scheduler": sched},
               per_rank={"data": loader.state_dict(), "rng": rng_state()})
+    ckpt = CheckpointManager(root, keep=3, async_save=True)   # written in the background:
+    ckpt.save(step, ...)      # returns once the state is in host memory and the write has begun
+    ckpt.wait()               # complete (also done by the next save); ckpt.close() at the end
 
 On disk (one directory per step; DCP's files plus our marker):
 
@@ -90,6 +93,23 @@ Design choices:
   A write that fails anyway (the estimate was short, another writer filled
   the disk) removes its partial directory and raises the same way; the
   previous checkpoints are untouched, so a relaunch resumes from them.
+- Asynchronous saves (`async_save`, train.async_checkpoint): `save` does the
+  same checks and room-making, then `dcp.async_save` copies the state to host
+  memory (into buffers DCP's DefaultStager makes at the first save and refills
+  at the next ones, pinned on CUDA; on CPU a fresh copy each time cost far
+  more, in page faults) and DCP's thread writes it;
+  our own thread waits for that write, then does what a sync save does after
+  it (checksums, marker, pruning).  So the marker never precedes the data, and
+  an interrupted background write leaves a directory without one (never
+  resumed; pruned later).  The background collectives (DCP's plan and index,
+  our checksum gather) run on a gloo group made for them at construction
+  (DCP's async save wants a CPU backend, and sharing training's group from a
+  second thread would interleave collectives).  One save in flight: `save`
+  first `wait`s for the previous one, so the room check sees it on disk and
+  the host copy is never doubled.  A failed write is the sync path's
+  CheckpointError, raised by the next `save`, `wait` or `close`.  The staged
+  copy is taken before `save` returns, so training may change the weights at
+  once.  `HOLD_ENV` is a test-only pause inside the write (see there).
 - Single process works without a process group (DCP's `no_dist`); with one,
   `save` and `load` are collective (every rank calls them) and use
   `process_group` or the default group.  `load_all_ranks` is not collective.
@@ -98,6 +118,7 @@ Design choices:
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import logging
 import os
@@ -108,6 +129,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -121,6 +143,12 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+try:  # (recent torch: a stager that keeps its host buffers between saves)
+    from torch.distributed.checkpoint.staging import DefaultStager as _DefaultStager
+    from torch.distributed.checkpoint.staging import StagingOptions as _StagingOptions
+except ImportError:  # pragma: no cover
+    _DefaultStager = _StagingOptions = None
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -557,14 +585,54 @@ def _restore(target: Any, value: Any) -> Any:
     return value
 
 
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
 @contextmanager
 def _quiet_no_dist() -> Iterator[None]:
     """DCP warns on every single-process save/load, even when asked for one."""
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-        )
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         yield
+
+
+# ------------------------------------------------------------ writing
+
+# TEST ONLY (tests/train/test_checkpoint.py, test_trainer.py): a folder F.  A rank writing checkpoint
+# directory S while F/hold.S exists, having written its data files (DCP's index not yet), creates
+# F/held.S and waits until hold.S is removed: a kill or a check lands mid-write without a race.
+HOLD_ENV = "MOEVLM_TEST_HOLD_CHECKPOINT_WRITE"
+
+
+class _Writer(FileSystemWriter):
+    """DCP's FileSystemWriter with the test-only pause of HOLD_ENV (no pause when it is unset)."""
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().write_data(*args, **kwargs)
+        if folder := os.environ.get(HOLD_ENV):
+            hold = Path(folder) / f"hold.{Path(self.path).name}"
+            if hold.exists():
+                (hold.parent / f"held.{Path(self.path).name}").touch()
+                while hold.exists():
+                    time.sleep(0.02)
+        return out
+
+
+def _background_group(
+    group: dist.ProcessGroup | None, timeout: datetime.timedelta | None
+) -> dist.ProcessGroup | None:
+    """A gloo group over the ranks of `group` (None: every rank) for the collectives of async saves,
+    which run in a background thread while training's run on `group` (collective; None without a
+    process group).  DCP's async save wants a CPU backend; a group of its own keeps the two
+    threads' collectives from interleaving."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks, timeout=timeout, backend="gloo")
+
+
+def _takes_stager() -> bool:
+    return "async_stager" in inspect.signature(dcp.async_save).parameters
 
 
 # ------------------------------------------------------------------ manager
@@ -574,11 +642,23 @@ class CheckpointManager:
     """Saves, finds, verifies, loads and prunes `root/step_XXXXXXXX` checkpoints (see module doc)."""
 
     def __init__(
-        self, root: str | os.PathLike, keep: int = 3, process_group: dist.ProcessGroup | None = None
+        self,
+        root: str | os.PathLike,
+        keep: int = 3,
+        process_group: dist.ProcessGroup | None = None,
+        async_save: bool = False,
+        timeout: datetime.timedelta | None = None,
     ):
         self.root = Path(root)
         self.keep = keep
         self.process_group = process_group
+        self.async_save = async_save
+        # async saves: (directory, future of its background finish); the thread; CUDA's stager
+        self._pending: tuple[Path, Future] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: Any = None
+        # their collectives run beside the training's: a gloo group of their own (collective)
+        self._async_group = _background_group(process_group, timeout) if async_save else None
         self.resumed_from: Path | None = (
             None  # kept by pruning until a newer checkpoint is complete
         )
@@ -598,23 +678,27 @@ class CheckpointManager:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group) if self.distributed else 1
 
-    def _barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.process_group)
+    def _group(self, group: Any) -> Any:
+        """`group` where given (the background group of async saves), else the manager's."""
+        return group if group is not None else self.process_group
 
-    def _from_rank0(self, value: Any) -> Any:
+    def _barrier(self, group: Any = None) -> None:
+        if self.distributed:
+            dist.barrier(group=self._group(group))
+
+    def _from_rank0(self, value: Any, group: Any = None) -> Any:
         """Rank 0's `value` on every rank (decisions about shared files are rank 0's)."""
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+        dist.broadcast_object_list(box, group=self._group(group), group_src=0)
         return box[0]
 
-    def _gathered(self, value: Any) -> list[Any]:
+    def _gathered(self, value: Any, group: Any = None) -> list[Any]:
         if not self.distributed:
             return [value]
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.process_group)
+        dist.all_gather_object(out, value, group=self._group(group))
         return out
 
     # -- finding
@@ -741,7 +825,10 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
         per_rank: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write checkpoint `step` (collective); returns its directory once it is complete."""
+        """Write checkpoint `step` (collective); returns its directory once it is complete, or with
+        `async_save` once its state is copied to host memory and its write has started in the
+        background (after waiting for the previous one: `wait`)."""
+        self.wait()
         path = self.step_dir(step)
         extra, per_rank = dict(extra or {}), dict(per_rank or {})
         state = self._save_state(model, optimizer, extra, per_rank)
@@ -752,25 +839,69 @@ class CheckpointManager:
         if self.rank == 0:
             self._clear(path)
         self._barrier()
-        self._write(state, path, need)
-        self._barrier()
-        names = self._from_rank0(stored_files(path, skip=[MARKER]) if self.rank == 0 else None)
+        names = (sorted(extra), sorted(per_rank))
+        if not self.async_save:
+            self._write(state, path, need)
+            self._commit(step, path, names, self.process_group)
+            return path
+        upload = self._write_async(state, path, need)
+        del state  # the staged copy is what is written
+        self._pending = (
+            path,
+            self._executor.submit(self._finish_async, upload, step, path, need, names),
+        )
+        return path
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (async_save) is complete: written, checksummed, marked,
+        older ones pruned.  Returns its directory (None when none was in flight); a failed write
+        raises its CheckpointError here, once (collective like `save`)."""
+        if self._pending is None:
+            return None
+        path, future = self._pending
+        self._pending = None
+        future.result()
+        return path
+
+    @property
+    def pending(self) -> Path | None:
+        """The directory of the save in flight (async_save), complete or not yet; None when none."""
+        return self._pending[0] if self._pending is not None else None
+
+    def close(self) -> None:
+        """`wait` for the save in flight, then release the background thread and staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _commit(self, step: int, path: Path, names: tuple[list, list], group: Any) -> None:
+        """After every rank's write: the checksums (files split over the ranks), the marker and
+        pruning (rank 0).  `group`: the process group (the background one for async saves)."""
+        self._barrier(group)
+        files_of = stored_files(path, skip=[MARKER]) if self.rank == 0 else None
+        stored = self._from_rank0(files_of, group)
         files: dict[str, dict] = {}
-        for part in self._gathered(checksum_files(path, names[self.rank :: self.world_size])):
+        mine = checksum_files(path, stored[self.rank :: self.world_size])
+        for part in self._gathered(mine, group):
             files.update(part)
         if self.rank == 0:
             _write_json_atomic(
                 path / MARKER,
                 {
-                    **self._marker(step, extra, per_rank),
+                    **self._marker(step, *names),
                     "checksum": "crc32",
                     "files": dict(sorted(files.items())),
                 },
             )
             self._prune()
         self._verified.add(path.absolute())
-        self._barrier()
-        return path
+        self._barrier(group)
 
     def _write(self, state: dict, path: Path, need: int) -> None:
         """dcp.save; a failure removes the partial directory and says whether the disk was full."""
@@ -778,26 +909,82 @@ class CheckpointManager:
             with _quiet_no_dist():
                 dcp.save(
                     state,
-                    storage_writer=FileSystemWriter(path),
+                    storage_writer=_Writer(path),
                     process_group=self.process_group,
                     no_dist=not self.distributed,
                 )
         except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
-            if self.rank == 0:
-                _remove_checkpoint(path)
-            free = integrity.free_bytes(self.root)
-            full = looks_like_disk_full(e) or free < need
-            last = self.latest()
-            raise CheckpointError(
-                f"writing checkpoint {path.name} in {self.root} failed"
-                + (
-                    f": the disk is full (about {gib(need)} needed, {gib(free)} free now)"
-                    if full
-                    else f": {one_line(e)}"
+            raise self._write_failed(e, path, need) from e
+
+    def _write_async(self, state: dict, path: Path, need: int) -> Future:
+        """dcp.async_save: the state copied to host memory now (into the stager's buffers), written
+        by DCP's thread over the background group; its future."""
+        if self._executor is None:
+            self._start_background(state)
+        stager = {"async_stager": self._stager} if self._stager is not None else {}
+        try:
+            got = dcp.async_save(
+                state,
+                storage_writer=_Writer(path),
+                process_group=self._async_group,
+                no_dist=not self.distributed,
+                **stager,
+            )
+        except (Exception, CheckpointException) as e:
+            raise self._write_failed(e, path, need) from e
+        # (an AsyncSaveResponse where the stager is itself asynchronous: ours is not)
+        return getattr(got, "upload_completion", got)
+
+    def _start_background(self, state: dict) -> None:
+        """The thread that finishes async saves, and the stager: host buffers (pinned on CUDA) made
+        at the first save and refilled by the next ones (a fresh copy each time costs its page
+        faults again)."""
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="moevlm-checkpoint")
+        if not self.distributed:
+            # DCP warns on every single-process save, here from its own thread (see _quiet_no_dist)
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        on_cuda = any(
+            isinstance(t, torch.Tensor) and t.is_cuda
+            for part in state.values()
+            for t in part.values()
+        )
+        if _DefaultStager is not None and _takes_stager():
+            self._stager = _DefaultStager(
+                _StagingOptions(
+                    use_pinned_memory=on_cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=on_cuda,
                 )
-                + "; the partial directory was removed"
-                + (f" and {last.name} is intact (resume=auto continues from it)" if last else "")
-            ) from e
+            )
+
+    def _finish_async(
+        self, upload: Future, step: int, path: Path, need: int, names: tuple[list, list]
+    ) -> None:
+        """The background thread: DCP's write, then `_commit` over the background group."""
+        try:
+            upload.result()
+        except (Exception, CheckpointException) as e:
+            raise self._write_failed(e, path, need) from e
+        self._commit(step, path, names, self._async_group)
+
+    def _write_failed(self, e: BaseException, path: Path, need: int) -> CheckpointError:
+        """The error of a failed write, after removing its partial directory (rank 0)."""
+        if self.rank == 0:
+            _remove_checkpoint(path)
+        free = integrity.free_bytes(self.root)
+        full = looks_like_disk_full(e) or free < need
+        last = self.latest()
+        return CheckpointError(
+            f"writing checkpoint {path.name} in {self.root} failed"
+            + (
+                f": the disk is full (about {gib(need)} needed, {gib(free)} free now)"
+                if full
+                else f": {one_line(e)}"
+            )
+            + "; the partial directory was removed"
+            + (f" and {last.name} is intact (resume=auto continues from it)" if last else "")
+        )
 
     def _make_room(self, need: int, path: Path) -> str | None:
         """Rank 0: None when `need` bytes fit in root's file system, pruning older checkpoints first
@@ -890,7 +1077,7 @@ class CheckpointManager:
             state["per_rank"] = {f"rank{self.rank}": mine}
         return state
 
-    def _marker(self, step: int, extra: dict, per_rank: dict) -> dict[str, Any]:
+    def _marker(self, step: int, extra: Iterable[str], per_rank: Iterable[str]) -> dict[str, Any]:
         now = time.time()
         return {
             "format": FORMAT,

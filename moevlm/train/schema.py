@@ -550,6 +550,14 @@ class TrainConfig:
     checkpoint_at_end: bool = field(
         default=True, metadata={"help": "write a checkpoint after the last step"}
     )
+    async_checkpoint: bool = field(
+        default=False,
+        metadata={
+            "help": "write checkpoints in the background (DCP async_save): the state is copied to host "
+            "memory, then training continues while it is written; complete (marker, checksums) only "
+            "once written; the next save, the end or a stop signal waits for it"
+        },
+    )
     export_hf: str = field(
         default="",
         metadata={

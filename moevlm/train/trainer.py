@@ -25,7 +25,11 @@ Design choices:
 - FLOPs for TFLOP/s and MFU are counted per row from the real documents and
   images (padding excluded), so MFU, like tokens/s, is useful work.
 - Checkpoints hold model, optimizer, schedule, counters, and per rank the
-  data-loader state and RNG states; resuming continues bit-exactly.
+  data-loader state and RNG states; resuming continues bit-exactly.  With
+  `train.async_checkpoint` they are written in the background
+  (moevlm.train.checkpoint); the next save, the end of the run, a stop signal
+  (its checkpoint complete before the exit) and an early exit wait for the one
+  in flight.
 - Pipeline stages (parallel.pp > 1): the step's micro-batches are the
   schedule's (torch.distributed.pipelining runs them; moevlm.parallel.pipeline).
   Only the first stage's ranks read data; they share each micro-batch's text
@@ -183,7 +187,12 @@ class Trainer:
         if self.fp8_plan is not None and self.fp8_plan.cache_weights:
             install_weight_cache(self.opt)  # FP8 weight codes live for one optimizer step
         self.sched = build_scheduler(self.opt, job.optim, self.t.steps)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=self.t.keep_checkpoints)
+        self.ckpt = CheckpointManager(
+            self.run_dir / "checkpoints",
+            keep=self.t.keep_checkpoints,
+            async_save=self.t.async_checkpoint,
+            timeout=timedelta(seconds=job.parallel.timeout_s),
+        )
         self._resume()
         if self.rank == 0:  # only now: a relaunch refused above leaves the run's record as it was
             self.run_claim.write_config(OmegaConf.to_yaml(self.job))
@@ -456,7 +465,10 @@ class Trainer:
             set_rng_state(got["per_rank"]["rng"])
         self.log.info(f"resumed from {path} at step {self.step}")
 
-    def save(self) -> Path:
+    def save(self, complete: bool = False) -> Path:
+        """Checkpoint this step.  With train.async_checkpoint the write goes on in the background
+        (after the previous one's is waited for); `complete`: return only once it is complete."""
+        self._wait_for_checkpoint()
         self.faults.at("checkpoint save", self.step)
         counters = {
             "step": self.step,
@@ -466,13 +478,22 @@ class Trainer:
         }
         if not self._weights_finite():
             raise NonFiniteWeights(self.ckpt.latest())
-        return self.ckpt.save(
+        path = self.ckpt.save(
             self.step,
             model=self.model,
             optimizer=self.opt,
             extra={"scheduler": self.sched, "counters": counters},
             per_rank={"data": self.loader.state_dict(), "rng": rng_state()},
         )
+        if complete:
+            self._wait_for_checkpoint()
+        return path
+
+    def _wait_for_checkpoint(self) -> None:
+        """train.async_checkpoint: until the save in flight is complete (its failure raised here)."""
+        if (path := self.ckpt.pending) is not None:
+            self.faults.at(f"waiting for the background write of checkpoint {path.name}", self.step)
+            self.ckpt.wait()
 
     # -------------------------------------------------------------------- loop
     def run(self) -> int:
@@ -491,7 +512,7 @@ class Trainer:
                 if not ok and (
                     self.t.nonfinite == "stop" or self.in_a_row >= self.t.max_nonfinite_steps
                 ):
-                    path = self.save()
+                    path = self.save(complete=True)
                     self.log.info(
                         f"stopping at step {self.step}: non-finite loss or gradients "
                         f"({self.in_a_row} step(s) in a row; train.nonfinite={self.t.nonfinite}); "
@@ -508,6 +529,7 @@ class Trainer:
                 return ExitCode.NONFINITE
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
+            self._wait_for_checkpoint()
             if self.t.export_hf:
                 self._export_hf(self.t.export_hf)
             code = self._summary(time.perf_counter() - t_start, self.step - first_step)
@@ -572,7 +594,7 @@ class Trainer:
         )
 
     def _interrupted(self, signum: int) -> int:
-        path = self.save()
+        path = self.save(complete=True)
         again = (
             "" if self.t.run_dir and self.sweep is None else f" with train.run_dir={self.run_dir}"
         )
@@ -877,6 +899,7 @@ class Trainer:
         return [round(float(d) / float(r), 6) if r else None for d, r in local.tolist()]
 
     def close(self) -> None:
+        self._settle_checkpoint()
         self.faults.closing()
         if hasattr(self, "prof"):
             self.prof.close()  # the end table of train.profile_components, a trace still open
@@ -888,6 +911,17 @@ class Trainer:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()  # a sweep's next job starts its own
         self.faults.close()  # the previous signal handlers, last: a signal while closing cannot cut it short
+
+    def _settle_checkpoint(self) -> None:
+        """A run ending early (an error) with an async save in flight: it completes; a failure of its
+        write is one more line (the run's exit code is already the first error's)."""
+        if not hasattr(self, "ckpt"):
+            return
+        try:
+            self.ckpt.close()
+        # (a failed write: CheckpointError; a failed collective or file: those of torch and the OS)
+        except (OSError, RuntimeError) as err:
+            self.log.info(f"the checkpoint written in the background failed: {err}")
 
 
 # ------------------------------------------------------------------- helpers

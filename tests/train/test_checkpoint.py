@@ -1,5 +1,6 @@
 """DCP checkpoints: exact resume, pruning, interrupted saves (also a real SIGKILL),
-and one 2-rank gloo launch (per-rank values, FSDP2 resharding, load at another world size)."""
+and one 2-rank gloo launch (per-rank values, FSDP2 resharding, load at another world size, an
+asynchronous save beside training's collectives)."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from gloo_ranks import run_ranks
 from moevlm.train.checkpoint import (
+    HOLD_ENV,
     MARKER,
     CheckpointError,
     CheckpointManager,
@@ -166,6 +170,55 @@ def test_failed_save_is_ignored_and_cleaned(tmp_path, monkeypatch):
     assert [p.name[-2:] for p in ckpt.complete()] == ["01", "02", "03", "10"]
 
 
+def test_async_save_is_complete_only_once_written_one_at_a_time(tmp_path, monkeypatch):
+    """async_save: `save` returns while DCP writes in the background (held mid-write by the test-only
+    hook); the marker, checksums and pruning come after the write; the next save waits for it; what
+    is written is the state at `save` (a host copy); a failed write is the sync path's error, raised
+    at the next save."""
+    model, opt, sched = make()
+    train(model, opt, sched, steps=1)
+    ckpt = CheckpointManager(tmp_path / "ck", keep=2, async_save=True)
+    ckpt.save(1, model=model, optimizer=opt)
+    train(model, opt, sched, steps=1)
+    want = params(model)
+    monkeypatch.setenv(HOLD_ENV, str(tmp_path))
+    hold, held = tmp_path / "hold.step_00000002", tmp_path / "held.step_00000002"
+    hold.touch()
+    path = ckpt.save(2, model=model, optimizer=opt, per_rank={"data": 2})
+    while not held.exists():
+        time.sleep(0.01)
+    # data written, DCP's index and our marker not: never resumed from
+    assert [p.name for p in path.iterdir()] == ["__0_0.distcp"] and ckpt.pending == path
+    assert ckpt.latest() == ckpt.step_dir(1) == CheckpointManager(tmp_path / "ck").newest_verified()
+    train(model, opt, sched, steps=1)  # training goes on meanwhile
+    threading.Timer(0.2, hold.unlink).start()
+    ckpt.save(3, model=model, optimizer=opt)  # waits for step 2 first
+    assert (path / MARKER).exists() and ckpt.pending == ckpt.step_dir(3)
+    assert ckpt.wait() == ckpt.step_dir(3) and ckpt.pending is None and ckpt.wait() is None
+    assert [p.name for p in ckpt.complete()] == ["step_00000002", "step_00000003"]
+    fresh, _, _ = make(seed=7)
+    got = CheckpointManager(tmp_path / "ck").load(path, model=fresh, per_rank=["data"])
+    assert got["per_rank"]["data"] == 2
+    assert_same(params(fresh), want)
+
+    def fail(self, metadata, results):  # data files written, DCP's .metadata not
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(FileSystemWriter, "finish", fail)
+        ckpt.save(4, model=model, optimizer=opt)  # started: the failure comes later
+        with pytest.raises(
+            CheckpointError,
+            match=r"writing checkpoint step_00000004 in .* failed: OSError: disk "
+            r"full; the partial directory was removed and step_00000003 is intact",
+        ):
+            ckpt.save(5, model=model, optimizer=opt)
+    assert not ckpt.step_dir(4).exists() and not ckpt.step_dir(5).exists()
+    ckpt.save(5, model=model, optimizer=opt)
+    ckpt.close()
+    assert [p.name for p in ckpt.complete()] == ["step_00000003", "step_00000005"]
+
+
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
     import torch
@@ -299,6 +352,21 @@ def _two_rank_checks(rank, root):
     if rank == 0:
         torch.save(params(model), root / "expected.pt")
 
+    # Async (train.async_checkpoint): the FSDP2 state written by a background thread over a gloo
+    # group of its own while this thread runs collectives on the default group; the weights changed
+    # after `save` returned are not what is written (the state was copied to host memory first).
+    ckpt_async = CheckpointManager(root / "async", keep=1, async_save=True)
+    ckpt_async.save(9, model=sharded, optimizer=opt_s, per_rank={"data": data[rank]})
+    total = torch.ones(1)
+    for _ in range(20):
+        torch.distributed.all_reduce(total)
+    with torch.no_grad():
+        for ps in sharded.parameters():
+            ps.add_(1.0)
+    assert ckpt_async.wait() == ckpt_async.step_dir(9) and total.item() == 2.0**20
+    assert read_marker(ckpt_async.step_dir(9))["world_size"] == 2
+    ckpt_async.close()
+
 
 def test_two_ranks_gloo(tmp_path):
     root = tmp_path / "ck"
@@ -316,6 +384,12 @@ def test_two_ranks_gloo(tmp_path):
         {"rank": 0, "pos": 0},
         {"rank": 1, "pos": 10},
     ]
+    ckpt = CheckpointManager(root / "async")
+    model, opt, _ = make(seed=4)
+    assert ckpt.verify(ckpt.latest()) == []
+    got = ckpt.load(ckpt.latest(), model=model, optimizer=opt, per_rank=["data"])
+    assert got["step"] == 9 and got["per_rank"]["data"] == {"rank": 0, "pos": 0}
+    assert_same(params(model), torch.load(root / "expected.pt"))
 
 
 def test_older_format_is_refused_with_the_reason(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train import integrity
@@ -337,6 +338,29 @@ def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(
     assert code == 0 and trainer.ckpt.resumed_from == run_dir / "checkpoints" / "step_00000002"
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in got) <= 1e-6
+
+
+def test_a_failed_background_write_stops_the_run_at_the_next_save(tmp_path, monkeypatch, capsys):
+    """train.async_checkpoint: step 2's write fails in the background (DCP's writer raises, as a full
+    disk would); the save of step 3 raises it: the sync path's line and exit code, step 1 intact."""
+    real = FileSystemWriter.finish
+
+    def fail_step_2(self, *args, **kwargs):  # data files written, DCP's .metadata not
+        if Path(self.path).name == "step_00000002":
+            raise OSError("disk full")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", fail_step_2)
+    run_dir = tmp_path / "run"
+    trainer, code = run(run_dir, 3, "train.checkpoint_every=1", "train.async_checkpoint=true")
+    out = capsys.readouterr().out
+    assert code == ExitCode.CHECKPOINT and trainer.step == 3, out
+    assert (
+        f"stopping at step 3: writing checkpoint step_00000002 in {run_dir / 'checkpoints'} failed: "
+        "OSError: disk full; the partial directory was removed and step_00000001 is intact"
+    ) in out
+    assert [p.name for p in trainer.ckpt.complete()] == ["step_00000001"]
+    assert not trainer.ckpt.step_dir(2).exists() and not trainer.ckpt.step_dir(3).exists()
 
 
 def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_path, capsys):

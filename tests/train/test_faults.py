@@ -283,12 +283,17 @@ def _cmdline(pid: int) -> bytes:
 
 
 # ------------------------------------------------------------------ the trainer
+@pytest.mark.parametrize("background", [False, True])
 def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(
-    reference, tmp_path, capsys
+    reference, tmp_path, capsys, background
 ):
+    """background: train.async_checkpoint with a checkpoint after every step (step 1's may still be
+    written when the signal comes): the stop waits for it and for step 2's, both complete."""
     want, shards = reference
+    more = ["train.async_checkpoint=true", "train.checkpoint_every=1"] if background else []
     job = compose_job(
-        COMMON + [f"train.steps={STEPS}", f"train.run_dir={tmp_path}", f"data.shards={shards}"]
+        COMMON
+        + [f"train.steps={STEPS}", f"train.run_dir={tmp_path}", f"data.shards={shards}", *more]
     )
     trainer = Trainer(job)
     before = signal.getsignal(signal.SIGTERM)
@@ -310,7 +315,8 @@ def test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly(
         f"interrupted by SIGTERM: stopped after step 2/{STEPS} with checkpoint {ckpt}; to continue, relaunch "
         "the same command (train.resume=auto"
     ) in captured.out
-    assert [p.name for p in CheckpointManager(tmp_path / "checkpoints").complete()] == [ckpt.name]
+    done = [p.name for p in CheckpointManager(tmp_path / "checkpoints").complete()]
+    assert done == ["step_00000001", ckpt.name] if background else [ckpt.name]
     assert sorted(losses(tmp_path)) == [1, 2]
     assert Trainer(job).run() == 0  # the same command again
     got = losses(tmp_path)

@@ -29,7 +29,7 @@ from moevlm.data.loader import build_loader
 from moevlm.data.sample_cache import sample_dir
 from moevlm.model import count_flops
 from moevlm.model.config import ConfigError
-from moevlm.train.checkpoint import CheckpointManager
+from moevlm.train.checkpoint import HOLD_ENV, MARKER, CheckpointManager
 from moevlm.train.config import compose_job, validate
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import NoData, Trainer, describe_data
@@ -313,9 +313,11 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
     )
 
 
-def test_resume_after_sigkill_is_exact(tmp_path):
+def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
-    train.resume=auto: per-step losses and validation losses equal the uninterrupted run's."""
+    train.resume=auto: per-step losses and validation losses equal the uninterrupted run's.  Then with
+    train.async_checkpoint: the kill lands while step 4's write is held mid-way in the background
+    (a test-only hook) and training has gone on; the relaunch resumes from step 3, exactly."""
     common = [
         "train.steps=7",
         "train.checkpoint_every=1",
@@ -357,6 +359,35 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     )
     assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
     assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
+
+    async_dir, hold = tmp_path / "async", tmp_path / "hold"
+    hold.mkdir()
+    (hold / "hold.step_00000004").touch()
+    held = hold / "held.step_00000004"
+    job = launch(
+        common + [f"train.run_dir={async_dir}", "train.async_checkpoint=true"],
+        env=dict(os.environ, **{HOLD_ENV: str(hold)}),
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and job.poll() is None:
+        # step 5 logged: its save now waits for step 4's
+        if held.exists() and len(read_metrics(async_dir)) >= 5:
+            break
+        time.sleep(0.05)
+    ck = async_dir / "checkpoints"
+    partial = sorted(p.name for p in (ck / "step_00000004").iterdir())
+    assert held.exists() and partial == ["__0_0.distcp"], (partial, job.poll())
+    assert (ck / "step_00000003" / MARKER).exists() and len(read_metrics(async_dir)) == 5
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+    capsys.readouterr()
+    job = compose_job(common + [f"train.run_dir={async_dir}", "train.async_checkpoint=true"])
+    assert Trainer(job).run() == 0
+    assert f"resumed from {ck / 'step_00000003'} at step 3" in capsys.readouterr().out
+    got = last_loss_per_step(async_dir)
+    assert sorted(got) == list(range(1, 8))
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (got, want)
+    assert [p.name for p in CheckpointManager(ck).complete()] == ["step_00000006", "step_00000007"]
 
 
 def test_multirun_sweep_runs_each_job(tmp_path):
