@@ -106,7 +106,7 @@ SKIP = {
     "train.run_dir=/shared/runs/a": "4 nodes of 8 GPUs",
     "python train.py model.fp8=blockwise": "a Hopper GPU (FP8 blockwise kernels; refused on the CPU)",
     "python train.py model.fp8=mxfp8": "a Blackwell GPU (MXFP8; refused on the CPU)",
-    "python train.py data.shards='laion/{00000..00099}.tar' data.tokenizer=HF_DIR/tokenizer.json": (
+    "python train.py data.shards=\"'laion/{00000..00099}.tar'\" data.tokenizer=HF_DIR/tokenizer.json": (
         "the user's img2dataset shards and tokenizer; tests/data/test_third_party.py trains on each "
         "third-party layout"
     ),

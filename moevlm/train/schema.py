@@ -686,11 +686,12 @@ def register_configs() -> None:
 
 
 def compose_job(overrides: list[str] = (), config_dir: str | None = None):
-    """The job config as `train.py` would compose it (for notebooks and tests)."""
+    """The job config as `train.py` would compose it (for notebooks and tests).  Unlike the command
+    line, a list built in code may give a key again to change it: the last value wins, as in Hydra."""
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    check_overrides(overrides)
+    check_overrides(overrides, repeats=False)
     config_dir = config_dir or os.path.join(os.path.dirname(__file__), "..", "..", "conf")
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
         return compose("config", overrides=list(overrides))
@@ -796,13 +797,15 @@ def _check_proxies(m: ModelConfig) -> None:
 
 
 # ------------------------------------------------------------- unknown keys
-def check_overrides(overrides) -> None:
+def check_overrides(overrides, repeats: bool = True) -> None:
     """Refuse a command-line override of a field the schema lacks, naming the nearest ones (Hydra's own
     refusal names neither the fields nor the model config's names); a VLMConfig path such as
-    `model.moe.capacity_factor` is pointed at the job key that sets it."""
+    `model.moe.capacity_factor` is pointed at the job key that sets it.  With `repeats`, a key given
+    twice too (on a command line a mistake, often the shell's brace expansion)."""
     from moevlm.train.options import options
 
-    _check_repeats(overrides)
+    if repeats:
+        _check_repeats(overrides)
     known = {o.path for o in options()}
     by_model_path = {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
     for item in overrides:
