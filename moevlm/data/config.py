@@ -243,6 +243,7 @@ def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) 
         "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set",
     )
     check_config(d, model, dp)
+    check_stream_layout(d, dp)
     pk = d.pack
     _check(
         pk.seq_len <= model.text.max_position_embeddings,
@@ -261,6 +262,32 @@ def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) 
             f"chunks for load-balanced context parallel) and seq_len/cp by tp={tp} (sequence parallel): "
             f"use a multiple of {math.lcm(2 * cp, cp * tp)}",
         )
+
+
+def check_stream_layout(d: DataConfig, dp: int) -> None:
+    """data.shards and data.val_shards can feed `dp` data-parallel ranks: the loader's own rule
+    (loader.resolve_streams), applied here, on every rank, before anything is built.  At loader build
+    it would come too late on a pipeline: only the first stage's ranks build a loader, and the other
+    stages would wait for them until the collective timeout."""
+    from moevlm.data.loader import log, resolve_streams
+    from moevlm.data.reader import expand_shards
+
+    for key, spec in (("data.shards", d.shards), ("data.val_shards", d.val_shards)):
+        if spec in ("", "sample", MISSING) or not isinstance(spec, str):
+            continue
+        try:
+            shards = expand_shards(spec)
+        except ValueError:
+            # a spec that names nothing: check_shards says so, in its own words
+            continue
+        # the loader logs the same reductions when it is built: said once
+        was, log.disabled = log.disabled, True
+        try:
+            resolve_streams(d, 0, dp, len(shards))
+        except ValueError as err:
+            raise ValueError(str(err) if key == "data.shards" else f"{key}: {err}") from None
+        finally:
+            log.disabled = was
 
 
 def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:

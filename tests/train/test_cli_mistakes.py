@@ -3,7 +3,7 @@ workers or the sample set were built) are each one `config error:` line from val
 a Trainer does: an HF checkpoint folder without config.json, with a config but no weights, with an index
 naming missing files, or of another architecture; a tokenizer whose special ids are not the model's
 (the sample set's own included), with advice naming keys that exist and fix it; relative paths shown
-resolved.  train.py's command-line check refuses a key given more than once (a brace pattern the shell
+resolved; shards (training or held-out) too few for the data-parallel ranks.  train.py's command-line check refuses a key given more than once (a brace pattern the shell
 expanded), showing the quoted form.  One subprocess shows the whole CLI: exit 2, one line, no traceback,
 nothing created."""
 
@@ -203,3 +203,22 @@ def test_train_py_says_it_in_one_line_and_builds_nothing(tmp_path):
     ]
     assert "Traceback" not in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_shards_too_few_for_the_ranks_are_refused_before_anything_is_built(tmp_path):
+    """The loader's stream rule, found by validation on every rank: a pipeline's later stages build no
+    loader, so the loader's own refusal would leave them waiting for the first stage."""
+    for name, n in (("train", 3), ("val", 1)):
+        (tmp_path / name).mkdir()
+        for i in range(n):
+            (tmp_path / name / f"s-{i}.tar").write_bytes(b"")
+    ok = [f"data.shards={tmp_path / 'train'}", "train.global_batch_size=4"]
+    validate(compose_job(ok), world_size=2, environment=False)
+    with pytest.raises(ConfigError, match=r"^3 shards cannot feed 4 data-parallel ranks"):
+        validate(compose_job(ok), world_size=4, environment=False)
+    val = ok + [f"data.val_shards={tmp_path / 'val'}", "train.val_every=2", "parallel.pp=2"]
+    validate(compose_job(val), world_size=2, environment=False)
+    with pytest.raises(
+        ConfigError, match=r"^data.val_shards: 1 shards cannot feed 2 data-parallel"
+    ):
+        validate(compose_job(val), world_size=4, environment=False)
