@@ -3,9 +3,9 @@ workers or the sample set were built) are each one `config error:` line from val
 a Trainer does: an HF checkpoint folder without config.json, with a config but no weights, with an index
 naming missing files, or of another architecture; a tokenizer whose special ids are not the model's
 (the sample set's own included), with advice naming keys that exist and fix it; relative paths shown
-resolved; shards (training or held-out) too few for the data-parallel ranks.  train.py's command-line check refuses a key given more than once (a brace pattern the shell
-expanded), showing the quoted form.  One subprocess shows the whole CLI: exit 2, one line, no traceback,
-nothing created."""
+resolved; shards (training or held-out) too few for the data-parallel ranks.  train.py's command-line
+check refuses a key given more than once (a brace pattern the shell expanded), showing the quoted form.
+One subprocess shows the whole CLI: exit 2, one line, no traceback, nothing created."""
 
 from __future__ import annotations
 
