@@ -243,7 +243,6 @@ def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) 
         "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set",
     )
     check_config(d, model, dp)
-    check_stream_layout(d, dp)
     pk = d.pack
     _check(
         pk.seq_len <= model.text.max_position_embeddings,

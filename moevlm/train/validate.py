@@ -31,7 +31,13 @@ from typing import Optional
 
 import torch
 
-from moevlm.data.config import check_job_data, check_shards, check_tokenizer, shown_path
+from moevlm.data.config import (
+    check_job_data,
+    check_shards,
+    check_stream_layout,
+    check_tokenizer,
+    shown_path,
+)
 from moevlm.dispatch import dispatcher_names
 from moevlm.dispatch.availability import CLASSES as GATED_CLASSES
 from moevlm.model.attention import varlen_available, varlen_missing
@@ -132,6 +138,8 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_data_problem, check_job_data, job.data, model, dims.dp, dims.tp, dims.cp)
         run(_check_cuda_graphs, job, model, dims)
         run(_check_fp8, job, model, dims, environment)
+    if environment and dims is not None:
+        run(_data_problem, check_stream_layout, job.data, dims.dp)
     if environment and model is not None:
         run(_data_problem, check_tokenizer, job.data, job.model.hf_checkpoint, model)
         if job.model.hf_checkpoint and os.path.isfile(

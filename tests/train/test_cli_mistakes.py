@@ -212,13 +212,20 @@ def test_shards_too_few_for_the_ranks_are_refused_before_anything_is_built(tmp_p
         (tmp_path / name).mkdir()
         for i in range(n):
             (tmp_path / name / f"s-{i}.tar").write_bytes(b"")
-    ok = [f"data.shards={tmp_path / 'train'}", "train.global_batch_size=4"]
-    validate(compose_job(ok), world_size=2, environment=False)
+    from moevlm.data.sample_cache import ensure_sample
+
+    tokenizer = ensure_sample()[0] / "tokenizer.json"
+    ok = [
+        f"data.shards={tmp_path / 'train'}",
+        f"data.tokenizer={tokenizer}",
+        "train.global_batch_size=4",
+    ]
+    validate(compose_job(ok), world_size=2)
     with pytest.raises(ConfigError, match=r"^3 shards cannot feed 4 data-parallel ranks"):
-        validate(compose_job(ok), world_size=4, environment=False)
+        validate(compose_job(ok), world_size=4)
     val = ok + [f"data.val_shards={tmp_path / 'val'}", "train.val_every=2", "parallel.pp=2"]
-    validate(compose_job(val), world_size=2, environment=False)
+    validate(compose_job(val), world_size=2)
     with pytest.raises(
         ConfigError, match=r"^data.val_shards: 1 shards cannot feed 2 data-parallel"
     ):
-        validate(compose_job(val), world_size=4, environment=False)
+        validate(compose_job(val), world_size=4)
