@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+from processes import processes_with_env
+
 
 def test_readme_python_example_runs():
     text = (Path(__file__).parents[1] / "README.md").read_text()
@@ -49,26 +51,11 @@ def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
     assert proc.stdout.startswith("torch.Size([1, 4096]) {'skipped'"), proc.stdout
     assert "'samples_packed': 0," not in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py"]
-    left, deadline = _tagged(f"README_TAG={tag}"), time.monotonic() + 10
+    left, deadline = processes_with_env(f"README_TAG={tag}"), time.monotonic() + 10
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = _tagged(f"README_TAG={tag}")
+        left = processes_with_env(f"README_TAG={tag}")
     assert not left, f"processes left after the example exited: {sorted(left)}"
-
-
-def _tagged(item: str) -> set[int]:
-    """Processes whose environment holds `item` (NAME=value)."""
-    import os
-
-    out = set()
-    for entry in os.listdir("/proc"):
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if item.encode() in env:
-            out.add(int(entry))
-    return out
 
 
 def test_readme_own_data_commands_run(tmp_path):

@@ -13,6 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+from processes import processes_with_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
@@ -48,17 +50,9 @@ SCRIPT = textwrap.dedent(
 
 
 def tagged(tag: str) -> set[int]:
-    """The processes whose environment holds TAG=`tag`: the script, its fork server, resource tracker and
-    workers (they inherit the environment), wherever they were reparented."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"LIFETIME_TAG={tag}".encode() in env:
-            out.add(int(entry))
-    return out
+    """The processes whose environment holds LIFETIME_TAG=`tag`: the script, its fork server, resource
+    tracker and workers (they inherit the environment), wherever they were reparented."""
+    return processes_with_env(f"LIFETIME_TAG={tag}")
 
 
 def test_with_form_and_workers_end_with_a_killed_parent(tmp_path):
