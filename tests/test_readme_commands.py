@@ -85,10 +85,10 @@ SLOW = {
         "verdict",
         "~15 s; tests/plan covers parallel.fake_world",
     ),
-    "python -m moevlm.plan +experiment=h100_fsdp --world 64 --search": (
+    "python -m moevlm.plan +experiment=h100_fsdp --world 64 --search --only pp=1": (
         None,
         "fit",
-        "minutes (the layout search over 64 GPUs); tests/plan/test_search.py",
+        "~8 minutes (the layout search over 64 GPUs); tests/plan/test_search.py",
     ),
     "python train.py model.fp8=mxfp8 model.fp8_backend=emulate": (
         None,
