@@ -81,6 +81,10 @@ class ParallelContext:
     flat: dict = field(default_factory=dict)
     cuda_graphs: CudaGraphs | None = None
     fp8_marked: int = 0
+    # parallel.optimizer_offload: "fsdp" (FSDP2's CPU offload policy: the shards live on the host),
+    # "host" (DDP / one process: the trainer's optimizer keeps host masters), None (off)
+    optimizer_offload: str | None = None
+    device_type: str = "cpu"
 
     @property
     def dp_group(self):
@@ -122,12 +126,15 @@ def build_model(
     fp8: Fp8Plan | None = None,
     fp8_modules=(),
     cuda_graph_scope=(),
+    optimizer_offload: bool = False,
 ) -> tuple[nn.Module, ParallelContext]:
     """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module docstring).
     `dispatcher`: the MoE blocks' dispatcher by registry name; default `cfg.moe.dispatcher`."""
     dispatcher = dispatcher or cfg.moe.dispatcher
     _check(cfg, dims, dispatcher, pipeline, ep_overlap)
-    ctx = ParallelContext(dims, dp_mode)
+    ctx = ParallelContext(dims, dp_mode, device_type=device_type)
+    if optimizer_offload:
+        ctx.optimizer_offload = "fsdp" if dims.world > 1 and dp_mode == "fsdp" else "host"
     if dims.world > 1:
         _groups(ctx, device_type)
     with torch.device("meta"):
@@ -284,6 +291,7 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
             dims.tp,
             bf16,
             roots=ctx.pipeline.modules if ctx.pipeline else None,
+            offload_policy=_offload_policy() if ctx.optimizer_offload == "fsdp" else None,
         )
     ctx.grad_sync = GradSync(
         model,
@@ -293,17 +301,41 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
         tp=dims.tp,
         world=dims.world,
         stage_world=dims.world // dims.pp,
+        comm_device=_comm_device(ctx) if ctx.optimizer_offload == "fsdp" else None,
     )
+
+
+def _offload_policy():
+    from moevlm.parallel.optimizer_offload import fsdp_offload_policy
+
+    return fsdp_offload_policy()
+
+
+def _comm_device(ctx: ParallelContext) -> torch.device:
+    """The device the process groups' collectives take (the current CUDA device for NCCL)."""
+    if ctx.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(ctx.device_type)
 
 
 def materialize_(model: nn.Module, device, ctx: ParallelContext | None = None) -> None:
     """`model.to_empty(device)` for a built model: under pipeline stages with FSDP the stage modules are
-    the FSDP roots, so they move their parameters (FSDP re-registers its shards)."""
-    if ctx is not None and ctx.pipeline is not None and ctx.dp_mode == "fsdp":
-        for stage in ctx.pipeline.modules:
-            stage.to_empty(device=device)
-    else:
-        model.to_empty(device=device)
+    the FSDP roots, so they move their parameters (FSDP re-registers its shards).  Under FSDP's CPU
+    offload (parallel.optimizer_offload) the parameters are made on the host, where the policy keeps
+    them, and the buffers (rotary tables, expert biases...) on `device`."""
+    offload = ctx is not None and ctx.optimizer_offload == "fsdp"
+    roots = (
+        ctx.pipeline.modules
+        if ctx is not None and ctx.pipeline is not None and ctx.dp_mode == "fsdp"
+        else [model]
+    )
+    for root in roots:
+        root.to_empty(device="cpu" if offload else device)
+    if offload and torch.device(device).type != "cpu":
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
 
 
 __all__ = ["ParallelContext", "ParallelNotBuilt", "build_model", "materialize_"]

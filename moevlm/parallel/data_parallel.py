@@ -20,7 +20,10 @@ FSDP2 (`fully_shard`): vision blocks, the vision tower, each decoder layer's
 experts (on edp), each decoder layer (on dp x cp) and the root (embeddings,
 final norm, LM head) are units; MixedPrecisionPolicy bf16 compute / fp32
 reduce when training in bf16.  Gradients are reduce-scattered after every
-micro-batch (the memory-lean default).
+micro-batch (the memory-lean default).  With `parallel.optimizer_offload` every unit takes FSDP's
+CPUOffloadPolicy (moevlm.parallel.optimizer_offload): the shards and their gradients live on the host,
+and the collectives this module adds itself (the norm, the tp sums) move host gradients to the
+process group's device (`comm_device`) and back.
 
 DDP (`parallel.dp_mode=ddp`): parameters stay whole per rank; after the last
 micro-batch every gradient is all-reduced (sum) over its group in flat fp32
@@ -50,10 +53,12 @@ def apply_fsdp(
     tp: int,
     bf16: bool,
     roots: list[nn.Module] | None = None,
+    offload_policy=None,
 ) -> None:
     """FSDP2 units over the parts of `model` this rank holds; `roots` (default: the model) own what
     is left (embeddings, final norm, LM head).  Pipeline stage modules are roots of their stage: they
-    pass their inputs (activations, fp32 router statistics) through uncast."""
+    pass their inputs (activations, fp32 router statistics) through uncast.  `offload_policy`
+    (parallel.optimizer_offload): FSDP's CPUOffloadPolicy for every unit."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def policy(cast_inputs: bool = True):
@@ -70,6 +75,8 @@ def apply_fsdp(
     # split backward finds the weights its weight-gradient pass differentiates.
     # else torch's default (root: kept)
     keep = {} if roots is None else {"reshard_after_forward": False}
+    if offload_policy is not None:
+        keep["offload_policy"] = offload_policy
 
     def shard(module, mesh, divide, cast_inputs=True):
         fully_shard(module, mesh=mesh, mp_policy=policy(cast_inputs), **keep)
@@ -108,8 +115,12 @@ class GradSync:
         world: int,
         stage_world: int | None = None,
         bucket_mb: float = 64.0,
+        comm_device: torch.device | None = None,
     ):
         self.model = model
+        # where the process groups' collectives run (NCCL: the GPU); gradients held on the host (FSDP's
+        # CPU offload) are moved there for the norm's and the tp sums' all-reduces
+        self.comm_device = comm_device
         names = [n for n, _ in model.named_parameters()]
         missing = sorted(set(tp_partial) - set(names))
         if missing:
@@ -156,6 +167,7 @@ class GradSync:
                 [params[n].grad for n in self.tp_partial if params[n].grad is not None],
                 self.tp_group,
                 self.bucket_elems,
+                device=self.comm_device,
             )
 
     @torch.no_grad()
@@ -178,7 +190,12 @@ class GradSync:
             )
             total = (norms.pow(2) * weights).sum()
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(total)
+            if self.comm_device is not None and total.device != self.comm_device:
+                total = total.to(self.comm_device)
+                dist.all_reduce(total)
+                total = total.to(device)
+            else:
+                dist.all_reduce(total)
         norm = total.sqrt().float()
         if math.isfinite(max_norm) and locals_:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -209,9 +226,14 @@ def _copies(g: torch.Tensor, world: int) -> int:
 
 
 def _all_reduce_flat(
-    grads: list[torch.Tensor], group, bucket_elems: int, scale: float = 1.0
+    grads: list[torch.Tensor],
+    group,
+    bucket_elems: int,
+    scale: float = 1.0,
+    device: torch.device | None = None,
 ) -> None:
-    """Sum the local tensors of `grads` over `group`, in flat fp32 buckets."""
+    """Sum the local tensors of `grads` over `group`, in flat fp32 buckets (on `device` when the
+    tensors are elsewhere: host gradients under FSDP's CPU offload, an NCCL group)."""
     locals_ = [_local(g) for g in grads]
     start = 0
     while start < len(locals_):
@@ -221,6 +243,8 @@ def _all_reduce_flat(
             end += 1
         chunk = locals_[start:end]
         flat = torch.cat([t.reshape(-1).float() for t in chunk])
+        if device is not None and flat.device != device:
+            flat = flat.to(device)
         dist.all_reduce(flat, group=group)
         if scale != 1.0:
             flat.mul_(scale)

@@ -46,14 +46,22 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
 def init_parameters_(model: nn.Module, seed: int, ctx=None) -> None:
     """Initialise every parameter by `model.init_rules()` (the whole model's, from `ctx` when `model` holds
     pipeline stages), each drawn whole from its own seeded generator, so the values do not depend on the
-    layout."""
+    layout.  Under FSDP's CPU offload (the shards on the host) the values are drawn on the compute
+    device, as without offload, and copied to the host shards."""
     params = dict(model.named_parameters())
     rules = ctx.init_rules if ctx is not None and ctx.init_rules is not None else model.init_rules()
+    draw_on = None
+    if ctx is not None and getattr(ctx, "optimizer_offload", None) == "fsdp":
+        draw_on = (
+            torch.device("cuda", torch.cuda.current_device())
+            if ctx.device_type == "cuda"
+            else torch.device(ctx.device_type)
+        )
     for name, (kind, std) in rules.items():
         if name not in params and ctx is not None and ctx.pipeline is not None:
             continue  # held by another pipeline stage
         p = params[name]
-        device = p.to_local().device if isinstance(p, DTensor) else p.device
+        device = draw_on or (p.to_local().device if isinstance(p, DTensor) else p.device)
         full = torch.empty(p.shape, dtype=torch.float32, device=device)
         fill_(full, kind, std, param_generator(seed, name, device))
         copy_full_(p, full)

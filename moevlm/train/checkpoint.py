@@ -186,6 +186,14 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
 # ---------------------------------------------------------------- RNG state
 
 
+def _optimizer_view(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+    """The (module, optimizer) pair DCP's optimizer state dict is taken from: an offloaded optimizer
+    (moevlm.parallel.optimizer_offload) names its host masters by the model's parameter names, so the
+    state dict is in the same format as the device optimizer's."""
+    view = getattr(optimizer, "checkpoint_view", None)
+    return view() if view is not None else (model, optimizer)
+
+
 def rng_state() -> dict[str, Any]:
     """Python `random`, numpy's global RNG, torch CPU and (if initialised) CUDA."""
     state = {
@@ -1058,7 +1066,7 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         model_sd = get_model_state_dict(model)
         optim_sd = (
-            get_optimizer_state_dict(model, optimizer, options=_OPTIM)
+            get_optimizer_state_dict(*_optimizer_view(model, optimizer), options=_OPTIM)
             if optimizer is not None
             else None
         )
@@ -1154,7 +1162,11 @@ class CheckpointManager:
         # tensors were filled through the storage views
         set_model_state_dict(model, originals["model"])
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, originals["optim"], options=_OPTIM)
+            set_optimizer_state_dict(
+                *_optimizer_view(model, optimizer), originals["optim"], options=_OPTIM
+            )
+            if hasattr(optimizer, "load_masters"):  # host masters follow the loaded weights
+                optimizer.load_masters()
         mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})
         return {
             "step": marker["step"],
@@ -1185,7 +1197,9 @@ class CheckpointManager:
         byte placeholders), and the state dicts those views write into."""
         originals: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
-            originals["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM)
+            originals["optim"] = get_optimizer_state_dict(
+                *_optimizer_view(model, optimizer), options=_OPTIM
+            )
         model_sd, optim_sd = to_storage_layout(originals["model"], originals.get("optim"))
         state: dict[str, Any] = {"model": model_sd}
         check_model_keys(state["model"], saved, path, self._keys_of_every_rank(state["model"]))

@@ -9,6 +9,8 @@ Design choices:
   tensors and each mesh's DTensors apart), one group each.
 - `implementation=auto` takes the fused kernel where the parameters' device has
   one (CUDA, and CPU in recent torch), else foreach; the update is the same.
+- `parallel.optimizer_offload` under DDP or one process wraps the same AdamW (same groups, same
+  kernel choice, made for the host device) in moevlm.parallel.optimizer_offload.HostOffloadAdamW.
 - Schedules are a multiplier of `optim.lr` after a linear warmup from lr/warmup:
   `cosine` to `min_lr_ratio` at the last step; `wsd` (warmup-stable-decay)
   holds the peak, then decays over the last `decay_fraction` of the steps
@@ -66,7 +68,18 @@ def _by_layout(params: list) -> dict[str, list]:
     return out
 
 
-def build_optimizer(model: nn.Module, o) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, o, offload: bool = False):
+    """AdamW over `model`'s trainable parameters.  `offload` (parallel.optimizer_offload under DDP or one
+    process): the same AdamW over host fp32 masters (moevlm.parallel.optimizer_offload); under FSDP's
+    CPU offload policy the parameters are on the host already and `offload` stays False."""
+    if offload:
+        from moevlm.parallel.optimizer_offload import HostOffloadAdamW
+
+        return HostOffloadAdamW(model, lambda module: _adamw(module, o))
+    return _adamw(model, o)
+
+
+def _adamw(model: nn.Module, o) -> torch.optim.AdamW:
     groups = param_groups(model, o)
     if not groups:
         raise ConfigError("no trainable parameters (is everything frozen?)")
@@ -159,7 +172,8 @@ class Scheduler(torch.optim.lr_scheduler.LambdaLR):
 
 
 def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> Scheduler:
-    return Scheduler(opt, LRSchedule(o, steps))
+    # an offloaded optimizer's lr lives in its host AdamW's param_groups (the ones it exposes)
+    return Scheduler(getattr(opt, "host", opt), LRSchedule(o, steps))
 
 
 # the optim field each schedule attribute comes from (for the resume notes)

@@ -398,6 +398,16 @@ class ParallelConfig:
             "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"
         },
     )
+    optimizer_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the optimizer state in host memory and step on the CPU (moevlm/parallel/optimizer_offload.py; "
+            "same result). Under FSDP (several processes) FSDP2's CPU offload policy: the sharded fp32 "
+            "parameters, their gradients and the AdamW state live on the host. Under DDP and one process an "
+            "fp32 master copy and the AdamW state on the host; gradients go device->host after clipping, the "
+            "updated weights host->device"
+        },
+    )
     pp_schedule: str = field(
         default="1f1b",
         metadata={

@@ -69,6 +69,10 @@ Design choices:
   values only it knows (step, peak memory, skip counts, the expert counts of every stage) when the
   record is written.  Each step's images and image tokens are summed over the data-parallel ranks in
   the same all-reduce as its token counts.
+- `parallel.optimizer_offload` (moevlm.parallel.optimizer_offload): the optimizer state on the host,
+  by FSDP2's CPU offload policy under FSDP, else by a host AdamW over fp32 masters.  Clipping is
+  unchanged (on the reduced gradients, before they leave the device); the schedule drives the host
+  AdamW's groups; checkpoints keep the device optimizer's format.
 - Validation (`train.val_every`, moevlm.train.evaluate): after a due step, before its record and its
   checkpoint, on held-out rows of its own loader; its values join that step's record.
 """
@@ -183,7 +187,11 @@ class Trainer:
         self.loader = self._build_loader()
         self.held_out = self._held_out() if self.t.val_every else None
         self._materialise()
-        self.opt = build_optimizer(self.model, job.optim)
+        self.opt = build_optimizer(
+            self.model, job.optim, offload=self.parallel.optimizer_offload == "host"
+        )
+        if self.parallel.optimizer_offload is not None:
+            self.log.info(_offload_line(self.parallel.optimizer_offload, self.model))
         if self.fp8_plan is not None and self.fp8_plan.cache_weights:
             install_weight_cache(self.opt)  # FP8 weight codes live for one optimizer step
         self.sched = build_scheduler(self.opt, job.optim, self.t.steps)
@@ -324,6 +332,7 @@ class Trainer:
             fp8=fp8,
             fp8_modules=self.plan.model.fp8.modules,
             cuda_graph_scope=m.cuda_graph_scope,
+            optimizer_offload=p.optimizer_offload,
         )
         if fp8 is not None:
             self.log.info(
@@ -1044,3 +1053,19 @@ def _all_reduce_tensor(t: torch.Tensor, group) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, group=group)
     return t
+
+
+def _offload_line(kind: str, model: torch.nn.Module) -> str:
+    """The log line of parallel.optimizer_offload: where the state lives and this rank's host bytes."""
+    n = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel()
+        for p in model.parameters()
+        if p.requires_grad
+    )
+    if kind == "fsdp":
+        host = 16 * n  # fp32 shard, its gradient, exp_avg, exp_avg_sq
+        what = "FSDP2 CPU offload: this rank's fp32 parameter shards, their gradients and AdamW state"
+    else:
+        host = 16 * n  # master, gradient buffer, exp_avg, exp_avg_sq
+        what = "host AdamW: fp32 masters, gradient buffers and AdamW state of this rank's parameters"
+    return f"parallel.optimizer_offload: {what} in host memory ({host / 2**30:.2f} GiB)"

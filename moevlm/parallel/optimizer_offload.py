@@ -1,0 +1,212 @@
+"""Optimizer offload (`parallel.optimizer_offload=true`): the optimizer state in host memory, the
+AdamW step on the CPU.
+
+    opt = build_optimizer(model, job.optim, offload=True)   # HostOffloadAdamW under DDP / one process
+    ...backward, ctx.finish_gradients(), ctx.clip_grad_norm_(...)...
+    opt.step()      # grads device->host, AdamW on the host masters, weights host->device
+    opt.zero_grad(set_to_none=True)
+
+Two mechanisms, one per data-parallel mode:
+
+- FSDP2 (several processes, `parallel.dp_mode=fsdp`): FSDP's own `CPUOffloadPolicy`
+  (`fully_shard(offload_policy=...)`, applied by moevlm.parallel.data_parallel).  The sharded fp32
+  parameters, their reduce-scattered gradients and so the AdamW state live on the host; FSDP copies
+  each unit's shard host->device before its all-gather and the reduced gradient device->host.  The
+  optimizer is the ordinary one, built over those host parameters: nothing here.
+- DDP and one process: `HostOffloadAdamW` below.  The device keeps its fp32 parameters (the forward
+  reads them under bf16 autocast); the host holds an fp32 master copy of each trainable parameter's
+  local shard and the AdamW state (exp_avg, exp_avg_sq, step).  A step copies each gradient
+  device->host (after the data-parallel reduction and after clipping, so the clip norm is the one
+  computed on the device, unchanged), runs torch's AdamW on the host masters (fused CPU kernel where
+  torch has one, else foreach: `optim.implementation` as for the device), and copies every updated
+  master host->device into the parameter in place (its address stays: CUDA graphs and FSDP-free
+  references keep working).
+
+Design choices:
+- Result: the same AdamW arithmetic on the same fp32 values, only on another device, so a run with
+  offload equals one without (CPU: bitwise for the foreach/for_loop kernels; CUDA vs CPU kernels:
+  to rounding).
+- Pinned host buffers and non_blocking copies on CUDA: the device->host gradient copies are queued
+  on the current stream and waited for once (a stream synchronize) before the CPU step; the
+  host->device copies of the masters are queued non_blocking after it and need no wait (the next
+  forward is queued behind them on the same stream, and the next CPU step waits behind the next
+  gradient copies).  `pin_memory` follows torch's own probe (pinned only where an accelerator is
+  present); on CPU the copies are plain copies.
+- Checkpoints keep their format: the host masters form a shadow module with the model's parameter
+  names, each a tensor of the same kind as the model's (a DTensor with the parameter's own spec over
+  a host local tensor, or a plain tensor), and the optimizer's checkpoint state dict is DCP's
+  `get_optimizer_state_dict(shadow, adamw)`: the same keys, shapes and placements as the device
+  optimizer's (moevlm.train.checkpoint asks `checkpoint_view()`).  After a load the masters are read
+  back from the model (`load_masters()`).  So a run saved with offload resumes without it, and the
+  other way round.
+- The lr schedule drives this optimizer's param_groups (the host AdamW's own list); the weight-decay
+  groups are `moevlm.train.optim.param_groups` of the shadow module, so their names and members are
+  those of the device optimizer.  Step hooks (the FP8 weight cache) are the host AdamW's.
+- Host memory per trainable element: master 4 B + gradient buffer 4 B + AdamW state 8 B.  Device
+  memory saved: the AdamW state (8 B); the master is a second copy, since the device keeps fp32
+  weights for the autocast forward.  Traffic per step: 4 B device->host (gradient) + 4 B
+  host->device (weight) per element.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor of `param`'s kind: a DTensor with `param`'s spec (mesh, placements, global
+    shape) whose local tensor stays where it is (DTensor.from_local would move it to the mesh's
+    device), or `local` itself."""
+    if isinstance(param, DTensor):
+        return DTensor(local, param._spec, requires_grad=False)
+    return local
+
+
+def pin_host_memory() -> bool:
+    """Whether host buffers should be pinned: only with an accelerator to copy to."""
+    return torch.cuda.is_available()
+
+
+def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+
+
+class HostOffloadAdamW:
+    """AdamW over host fp32 masters of `model`'s trainable parameters (see the module docstring).
+    Quacks as the optimizer the trainer uses: `param_groups`, `state`, `step()`, `zero_grad()`,
+    `register_step_post_hook`, `state_dict()` / `load_state_dict()`."""
+
+    def __init__(self, model: nn.Module, make_adamw, pin: bool | None = None):
+        """`make_adamw(module)`: the device optimizer's constructor applied to a module (so the groups
+        and flags are the ones `build_optimizer` makes)."""
+        self.model = model
+        self.pin = pin_host_memory() if pin is None else pin
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.shadow = nn.Module()
+        self._masters: list[torch.Tensor] = []  # host local tensors, in `names` order
+        self._grads: list[torch.Tensor] = []  # host gradient buffers (local), same order
+        self._params: list[nn.Parameter] = []  # the shadow's parameters
+        device_params = dict(model.named_parameters())
+        for name in self.names:
+            p = device_params[name]
+            master = _host_empty(_local(p), self.pin)
+            master.copy_(_local(p).detach())
+            param = nn.Parameter(_like(p, master), requires_grad=True)
+            _register(self.shadow, name, param)
+            self._masters.append(master)
+            self._grads.append(_host_empty(_local(p), self.pin))
+            self._params.append(param)
+        self.host = make_adamw(self.shadow)
+
+    # ----------------------------------------------------------- optimizer API
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.host.param_groups
+
+    @property
+    def state(self):
+        return self.host.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.host.defaults
+
+    def register_step_post_hook(self, hook):
+        return self.host.register_step_post_hook(hook)
+
+    def register_step_pre_hook(self, hook):
+        return self.host.register_step_pre_hook(hook)
+
+    def state_dict(self) -> dict:
+        return self.host.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.host.load_state_dict(state)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+        for p in self._params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("HostOffloadAdamW.step takes no closure")
+        device_params = dict(self.model.named_parameters())
+        cuda = False
+        for name, grad, param in zip(self.names, self._grads, self._params):
+            g = device_params[name].grad
+            if g is None:  # not used this step: the device optimizer skips it too
+                param.grad = None
+                continue
+            local = _local(g)
+            cuda |= local.is_cuda
+            grad.copy_(local, non_blocking=self.pin)
+            param.grad = _like(param, grad)
+        if cuda:  # the gradients are on the host before the CPU reads them
+            torch.cuda.current_stream().synchronize()
+        self.host.step()
+        for name, master in zip(self.names, self._masters):
+            _local(device_params[name]).copy_(master, non_blocking=self.pin)
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_view(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """(module, optimizer) whose DCP optimizer state dict is this optimizer's, in the device
+        optimizer's format (the model's names and placements)."""
+        return self.shadow, self.host
+
+    @torch.no_grad()
+    def load_masters(self) -> None:
+        """Read the masters back from the model's parameters (after a checkpoint load)."""
+        device_params = dict(self.model.named_parameters())
+        for name, master in zip(self.names, self._masters):
+            master.copy_(_local(device_params[name]).detach())
+
+    # ------------------------------------------------------------------ sizes
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes of this rank: masters, gradient buffers, AdamW state."""
+        state = sum(
+            _local(v).numel() * _local(v).element_size()
+            for s in self.host.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return {
+            "masters": sum(m.numel() * m.element_size() for m in self._masters),
+            "grads": sum(g.numel() * g.element_size() for g in self._grads),
+            "state": state,
+        }
+
+
+def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
+    """`param` at dotted `name` under `root`, making the empty modules on the way."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    module.register_parameter(leaf, param)
+
+
+def fsdp_offload_policy(pin: bool | None = None):
+    """FSDP2's CPU offload policy (sharded parameters, gradients and optimizer state on the host), with
+    pinned memory where an accelerator is present and the policy accepts the option."""
+    import inspect
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    pin = pin_host_memory() if pin is None else pin
+    if "pin_memory" in inspect.signature(CPUOffloadPolicy).parameters:
+        return CPUOffloadPolicy(pin_memory=pin)
+    return CPUOffloadPolicy()
+
+
+__all__ = ["HostOffloadAdamW", "fsdp_offload_policy", "pin_host_memory"]

@@ -1,0 +1,148 @@
+"""parallel.optimizer_offload in one process (fp32, CPU): the host AdamW trains exactly what the device
+optimizer trains, its checkpoints are in the device optimizer's format (a run saved with offload resumes
+without it and the other way round, exactly), and the settings it cannot run with are config errors.
+The FSDP and DDP layouts with offload are entries of tests/parallel/test_layouts.py; resume after a
+SIGKILL with offload is a parametrization of tests/train/test_trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moevlm.data.sample_cache import ensure_sample
+from moevlm.model.config import ConfigError
+from moevlm.parallel.optimizer_offload import HostOffloadAdamW
+from moevlm.train.config import compose_job
+from moevlm.train.trainer import Trainer
+from moevlm.train.validate import validate
+
+OFFLOAD = "parallel.optimizer_offload=true"
+STEPS = 3
+
+
+class _NoWindow:
+    def add(self, **kw):
+        pass
+
+
+def overrides(run_dir, extra=()) -> list[str]:
+    return [
+        f"data.shards={ensure_sample()[0]}",
+        "data.num_workers=0",
+        "data.streams=2",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=1",
+        f"train.steps={STEPS}",
+        f"train.run_dir={run_dir}",
+        "train.tensorboard=false",
+        "train.checkpoint_at_end=false",
+        "train.checkpoint_every=0",
+        "train.require_loss_decrease=false",
+        "train.progress=false",
+        "optim.warmup_steps=2",  # the schedule moves between steps
+        "optim.grad_clip=0.05",  # active: the clipped gradients are what crosses to the host
+        *extra,
+    ]
+
+
+def train(run_dir, extra=(), *, save_after=None, stop_at=STEPS):
+    """(per-step losses, final parameters, optimizer state by name, trainer's optimizer type)."""
+    tr = Trainer(compose_job(overrides(run_dir, extra)))
+    kind = type(tr.opt)
+    try:
+        while tr.step < stop_at:
+            assert tr.train_step(_NoWindow())
+            if tr.step == save_after:
+                tr.save(complete=True)
+        params = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        return list(tr.losses), params, _state_by_name(tr), kind
+    finally:
+        tr.close()
+
+
+def _state_by_name(tr) -> dict:
+    view = getattr(tr.opt, "checkpoint_view", None)
+    module, opt = view() if view is not None else (tr.model, tr.opt)
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {
+        f"{names[id(p)]}.{k}": v.detach().clone()
+        for p, s in opt.state.items()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("plain"))
+
+
+def test_offload_trains_exactly_what_the_device_optimizer_trains(plain, tmp_path):
+    losses, params, state, kind = train(tmp_path, [OFFLOAD])
+    assert kind is HostOffloadAdamW and plain[3] is torch.optim.AdamW
+    # the same AdamW arithmetic on the same fp32 values (CPU here: the same kernels), bit for bit
+    assert losses == plain[0]
+    assert_equal(params, plain[1])
+    assert_equal(state, plain[2])
+
+
+def test_host_masters_are_copies_and_the_step_writes_back(tmp_path):
+    tr = Trainer(compose_job(overrides(tmp_path, [OFFLOAD])))
+    try:
+        opt = tr.opt
+        shadow = dict(opt.shadow.named_parameters())
+        device = dict(tr.model.named_parameters())
+        assert shadow.keys() == {n for n, p in device.items() if p.requires_grad}
+        name = "lm_head.weight"
+        assert shadow[name].data_ptr() != device[name].data_ptr()
+        before = device[name].detach().clone()
+        assert tr.train_step(_NoWindow())
+        # the update reached the model, the master equals it, and the state is the host AdamW's
+        assert not torch.equal(device[name], before)
+        torch.testing.assert_close(device[name].detach(), shadow[name].detach(), rtol=0, atol=0)
+        assert opt.state[shadow[name]]["exp_avg"].device.type == "cpu"
+        # the schedule drives the groups the host AdamW steps with
+        assert opt.param_groups is opt.host.param_groups
+        assert tr.sched.get_last_lr()[0] == opt.param_groups[0]["lr"]
+        sizes = opt.host_bytes()
+        n = sum(p.numel() for p in device.values() if p.requires_grad)
+        assert sizes == {"masters": 4 * n, "grads": 4 * n, "state": 8 * n + 4 * len(shadow)}
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize(
+    "saved,resumed", [([OFFLOAD], []), ([], [OFFLOAD])], ids=["offload_to_plain", "plain_to_offload"]
+)
+def test_checkpoint_resumes_across_offload_exactly(plain, tmp_path, saved, resumed):
+    """Saved after step 1 with one setting, resumed with the other: the same steps 2..3 as the
+    uninterrupted run without offload (which equals the one with it, above)."""
+    train(tmp_path, saved, save_after=1, stop_at=1)
+    losses, params, state, _ = train(tmp_path, [*resumed, "train.resume=auto"])
+    assert losses == plain[0]
+    assert_equal(params, plain[1])
+    assert_equal(state, plain[2])
+
+
+@pytest.mark.parametrize(
+    "layout,world,words",
+    [
+        (
+            ["parallel.dp_mode=fsdp", "parallel.pp=2", "parallel.dp=1"],
+            2,
+            "FSDP2's CPU offload policy under pipeline stages",
+        ),
+    ],
+)
+def test_refusals_are_one_line_config_errors(layout, world, words):
+    job = compose_job([OFFLOAD, *layout])
+    with pytest.raises(ConfigError) as err:
+        validate(job, world, environment=False)
+    lines = [line for line in str(err.value).splitlines() if "optimizer_offload" in line]
+    assert len(lines) == 1 and words in lines[0], str(err.value)
