@@ -71,9 +71,14 @@ def full_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
     """The unsharded value of parameter `name` (collective for DTensors: every rank
     must call it).  Expert gate_up tensors are gathered through their storage view:
     torch's redistribute refuses `_StridedShard` on two dimensions (FSDP over edp
-    on dim 0 and ETP on dim 2)."""
+    on dim 0 and ETP on dim 2).  A shard held on the host (FSDP's CPU offload) is gathered on its
+    mesh's device (an NCCL group takes no host tensors)."""
     if not isinstance(t, DTensor):
         return t
+    if t._local_tensor.device.type != t.device_mesh.device_type:
+        t = DTensor.from_local(  # moves the local tensor to the mesh's device
+            t._local_tensor, t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+        )
     # "2 sequential
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     # all_gathers" for FSDP-over-TP shards, once per tensor: expected here

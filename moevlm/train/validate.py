@@ -138,6 +138,8 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
         run(_data_problem, check_job_data, job.data, model, dims.dp, dims.tp, dims.cp)
         run(_check_cuda_graphs, job, model, dims)
         run(_check_fp8, job, model, dims, environment)
+    if dims is not None:
+        run(_check_optimizer_offload, job, dims)
     if environment and dims is not None:
         run(_data_problem, check_stream_layout, job.data, dims.dp)
     if environment and model is not None:
@@ -648,6 +650,40 @@ def _check_fp8(job, model: VLMConfig, dims: ParallelDims, environment: bool) -> 
             )
         except Fp8Unavailable as err:
             raise ConfigError(str(err)) from None
+
+
+def _check_optimizer_offload(job, dims: ParallelDims) -> None:
+    """What parallel.optimizer_offload needs of this torch (moevlm.parallel.optimizer_offload): FSDP2's CPU
+    offload policy under FSDP over several processes, and a CPU kernel for an explicitly fused AdamW (the
+    offloaded step runs on the host)."""
+    if not job.parallel.optimizer_offload:
+        return
+    key = "parallel.optimizer_offload=true"
+    if dims.world > 1 and job.parallel.dp_mode == "fsdp":
+        _check(
+            fsdp_cpu_offload_available(),
+            f"{key} under FSDP needs FSDP2's CPU offload policy (torch.distributed.fsdp.CPUOffloadPolicy), "
+            "which this torch lacks; use parallel.dp_mode=ddp (a host AdamW) or parallel.optimizer_offload=false",
+        )
+    _check(
+        job.optim.implementation != "fused" or cpu_fused_adamw(),
+        f"{key} with optim.implementation=fused: this torch has no fused AdamW kernel for the CPU, where the "
+        "offloaded step runs; use optim.implementation=auto (foreach there) or foreach",
+    )
+
+
+def fsdp_cpu_offload_available() -> bool:
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cpu_fused_adamw() -> bool:
+    from moevlm.train.optim import _has_fused
+
+    return _has_fused(torch.device("cpu"))
 
 
 def _check_batch(t, dims: ParallelDims) -> None:

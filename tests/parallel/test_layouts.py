@@ -330,6 +330,15 @@ WORLD_2 = [
         "forced",
         ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
     ),
+    # optimizer offload: FSDP2's CPU offload policy (host shards; with a checkpoint and a resume), and
+    # DDP's host AdamW over fp32 masters with ep 2 (expert DTensors mirrored on the host)
+    ["parallel.dp_mode=fsdp", "parallel.optimizer_offload=true", "RESUME"],
+    [
+        "parallel.dp_mode=ddp",
+        "parallel.ep=2",
+        "model.dispatcher=alltoall",
+        "parallel.optimizer_offload=true",
+    ],
 ]
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],

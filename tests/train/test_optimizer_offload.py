@@ -130,19 +130,48 @@ def test_checkpoint_resumes_across_offload_exactly(plain, tmp_path, saved, resum
     assert_equal(state, plain[2])
 
 
+def test_fp8_weight_cache_follows_the_host_step(tmp_path):
+    """FP8 (emulated on the CPU) with its per-step weight codes: the host step ends a cache generation
+    (its step hook is the host AdamW's), so offload trains exactly what the device optimizer trains."""
+    fp8 = ["model.fp8=blockwise", "model.fp8_backend=emulate"]
+    plain = train(tmp_path / "plain", fp8)
+    losses, params, _, _ = train(tmp_path / "offload", [*fp8, OFFLOAD])
+    assert losses == plain[0]
+    assert_equal(params, plain[1])
+
+
 @pytest.mark.parametrize(
-    "layout,world,words",
+    "probe,layout,world,words",
     [
         (
-            ["parallel.dp_mode=fsdp", "parallel.pp=2", "parallel.dp=1"],
+            "fsdp_cpu_offload_available",
+            ["parallel.dp_mode=fsdp"],
             2,
-            "FSDP2's CPU offload policy under pipeline stages",
+            "under FSDP needs FSDP2's CPU offload policy (torch.distributed.fsdp.CPUOffloadPolicy), which "
+            "this torch lacks; use parallel.dp_mode=ddp",
+        ),
+        (
+            "cpu_fused_adamw",
+            ["optim.implementation=fused"],
+            1,
+            "with optim.implementation=fused: this torch has no fused AdamW kernel for the CPU, where the "
+            "offloaded step runs; use optim.implementation=auto",
         ),
     ],
+    ids=["fsdp_without_cpu_offload_policy", "fused_without_cpu_kernel"],
 )
-def test_refusals_are_one_line_config_errors(layout, world, words):
+def test_refusals_are_one_line_config_errors(monkeypatch, probe, layout, world, words):
+    """Each refusal names the setting, the reason and what to change, on one line; the same job without
+    the missing feature (the probe true) or without offload validates."""
+    import moevlm.train.validate as v
+
     job = compose_job([OFFLOAD, *layout])
+    validate(job, world, environment=False)  # this torch has the feature
+    monkeypatch.setattr(v, probe, lambda: False)
     with pytest.raises(ConfigError) as err:
         validate(job, world, environment=False)
-    lines = [line for line in str(err.value).splitlines() if "optimizer_offload" in line]
-    assert len(lines) == 1 and words in lines[0], str(err.value)
+    (line,) = str(err.value).splitlines()
+    assert line.startswith("parallel.optimizer_offload=true ") and words in line, line
+    validate(compose_job(layout), world, environment=False)
+    if world > 1:  # DDP's host AdamW does not need FSDP's policy
+        validate(compose_job([OFFLOAD, "parallel.dp_mode=ddp"]), world, environment=False)

@@ -313,12 +313,16 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
     )
 
 
-def test_resume_after_sigkill_is_exact(tmp_path, capsys):
+@pytest.mark.parametrize("offload", [False, True], ids=["device_optimizer", "optimizer_offload"])
+def test_resume_after_sigkill_is_exact(tmp_path, capsys, offload):
     """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
     train.resume=auto: per-step losses and validation losses equal the uninterrupted run's.  Then with
     train.async_checkpoint: the kill lands while step 4's write is held mid-way in the background
-    (a test-only hook) and training has gone on; the relaunch resumes from step 3, exactly."""
+    (a test-only hook) and training has gone on; the relaunch resumes from step 3, exactly.
+    `optimizer_offload`: every launch with parallel.optimizer_offload=true (the host AdamW's state and
+    masters come back from the checkpoint); the synchronous part only."""
     common = [
+        *(["parallel.optimizer_offload=true"] if offload else []),
         "train.steps=7",
         "train.checkpoint_every=1",
         "train.tensorboard=false",
@@ -359,6 +363,8 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     )
     assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
     assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
+    if offload:
+        return
 
     async_dir, hold = tmp_path / "async", tmp_path / "hold"
     hold.mkdir()
