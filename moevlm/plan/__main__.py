@@ -89,6 +89,24 @@ def format_plan(out: dict) -> str:
             f"{g(r['optimizer_bytes'])} | {g(r['activation_peak_bytes'])} | {g(r['peak_bytes'])} | "
             f"{'yes' if r['fits'] else 'NO'} |"
         )
+    if any(r.get("offload") for r in out["ranks"]):
+        how = {
+            "host": "host AdamW: fp32 masters, gradient buffers and AdamW state in host memory",
+            "fsdp": "FSDP2 CPU offload: parameter shards, their gradients and AdamW state in host memory",
+        }[out["ranks"][0]["offload"]]
+        lines += [
+            "",
+            f"optimizer offload ({how}; the peak above is the device's):",
+            "",
+            "| rank | off the device GiB | host memory GiB | host->device GiB per step | "
+            "device->host GiB per step |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in out["ranks"]:
+            lines.append(
+                f"| {r['rank']} | {g(r['offloaded_bytes'])} | {g(r['host_bytes'])} | "
+                f"{g(r['h2d_bytes'])} | {g(r['d2h_bytes'])} |"
+            )
     for r in out["ranks"]:
         lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
         lines += ["| group | collective | GiB per step |", "|---|---|---:|"]

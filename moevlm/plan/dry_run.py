@@ -24,6 +24,17 @@ Design choices:
   peak less the parameters, the gradients and the optimizer state: activations and temporaries
   (FSDP's unsharded weights, communication buffers) with the gradients counted whole, as they are
   from the second micro-batch on.
+- Optimizer offload (`parallel.optimizer_offload`): the step runs as without it (the fake device is the
+  CPU, where the copies would be no-ops) and what lives on the host is taken off the device's figures
+  (`offload_figures`): under DDP / one process (a host AdamW) the optimizer state leaves the device
+  (the peak is the forward/backward's; the step runs on the host), and the host holds fp32 masters,
+  gradient buffers and the state; under FSDP (CPU offload policy) the parameter shards, their gradients
+  and the state leave it.  Copies per step: host AdamW, each gradient device->host and each master
+  host->device once; FSDP, every micro-batch's reduced gradient shard device->host, and the fp32
+  shard host->device at each all-gather: forward and backward of every micro-batch (an upper bound:
+  the root unit stays gathered from its forward to its backward), once a step under pipeline stages
+  (kept gathered until the schedule ends).  The transient device copy of one unit's shard before its
+  all-gather is left in the activations.
 """
 
 from __future__ import annotations
@@ -63,6 +74,12 @@ class RankPlan:
     peak_bytes: int
     comm_bytes: dict = field(default_factory=dict)  # group role -> collective -> bytes per step
     seconds: float = 0.0
+    # parallel.optimizer_offload (moevlm.parallel.optimizer_offload): "fsdp", "host" or None
+    offload: str | None = None
+    offloaded_bytes: int = 0  # of params/grads/optimizer above, held in host memory instead
+    host_bytes: int = 0  # host memory the offload needs (this rank)
+    h2d_bytes: int = 0  # host->device copies per step
+    d2h_bytes: int = 0  # device->host copies per step
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -176,11 +193,16 @@ def dry_run(
             # (torch's receive buffers and the losses of each): linear in M too
             peak = round(peak1 + (peak2 - peak1) * (M - m1) / (m2 - m1))
             comm_bytes = _extrapolate(c1.as_dict(), c2.as_dict(), m1, m2, M)
+    trainable = sizes.pop("trainable_bytes")
+    kind = ctx_offload(job, plan)
+    moved = {} if kind is None else offload_figures(kind, sizes, trainable, M, p is not None)
     return RankPlan(
         rank=rank,
         role=rank_role(plan, rank),
         **sizes,
-        activation_peak_bytes=peak - sum(sizes.values()),
+        offload=kind,
+        **moved,
+        activation_peak_bytes=peak - sum(sizes.values()) + moved.get("offloaded_bytes", 0),
         peak_bytes=peak,
         comm_bytes=comm_bytes,
         seconds=time.perf_counter() - t0,
@@ -300,8 +322,39 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                 "grads_bytes": _bytes([p.grad for p in grads]),
                 "optimizer_bytes": _bytes(state),
             }
-            peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
-    return sizes, peak, comm
+            trainable = _bytes([p for p in params if p.requires_grad])
+            if ctx_offload(job, plan) is None:
+                peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
+            else:
+                # the steady state's forward/backward (the state alive) less what lives on the host;
+                # the step itself runs on the host
+                moved = offload_figures(ctx_offload(job, plan), sizes, trainable, 1, False)
+                peak = fwd_bwd_peak + sizes["optimizer_bytes"] - moved["offloaded_bytes"]
+    return {**sizes, "trainable_bytes": trainable}, peak, comm
+
+
+def ctx_offload(job, plan) -> str | None:
+    """parallel.optimizer_offload's mechanism for this layout (moevlm.parallel.build)."""
+    if not job.parallel.optimizer_offload:
+        return None
+    return "fsdp" if plan.dims.world > 1 and job.parallel.dp_mode == "fsdp" else "host"
+
+
+def offload_figures(
+    kind: str, sizes: dict, trainable: int, micro_batches: int, pipeline: bool
+) -> dict:
+    """Bytes of one rank under optimizer offload `kind` (module docstring): taken off the device, needed
+    on the host, copied host->device and device->host per step."""
+    p, g, o = sizes["params_bytes"], sizes["grads_bytes"], sizes["optimizer_bytes"]
+    if kind == "host":  # masters, gradient buffers, AdamW state
+        return dict(offloaded_bytes=o, host_bytes=2 * trainable + o, h2d_bytes=trainable, d2h_bytes=g)
+    gathers = 1 if pipeline else 2 * micro_batches
+    return dict(
+        offloaded_bytes=p + g + o,
+        host_bytes=p + g + o,
+        h2d_bytes=gathers * p,
+        d2h_bytes=micro_batches * g,
+    )
 
 
 def _decide_static_vote(schedule) -> None:
