@@ -10,6 +10,10 @@ Design choices:
   GPU's free memory or on the CPU the machine's available memory over the node's ranks
   (`memory_limit`).  Activations are not estimated: the job is refused only when the model state
   alone exceeds the limit, and a note is logged above 80% of it.
+- `parallel.optimizer_offload` on a GPU (`device_type="cuda"`): what lives on the host is not counted
+  against the GPU: the AdamW state under DDP / one process (8 bytes a trained parameter are left: the
+  weight and its gradient), everything FSDP shards under FSDP's CPU offload (nothing persistent is
+  left).  On the CPU the host is the device, so nothing is taken off.
 """
 
 from __future__ import annotations
@@ -49,16 +53,31 @@ class MemoryEstimate:
     params: float  # parameters held by that rank (a shard counts its fraction)
     bytes: float
     total_params: int  # the whole model's
+    offloaded: bool = False  # parallel.optimizer_offload took what lives on the host off `bytes`
 
     def describe(self, layout: str = "") -> str:
+        what = (
+            "what stays on the device of weights, gradients and AdamW state (parallel.optimizer_offload)"
+            if self.offloaded
+            else "weights, gradients and AdamW state"
+        )
         return (
-            f"{self.bytes / 2**30:.1f} GiB per rank for weights, gradients and AdamW state "
+            f"{self.bytes / 2**30:.1f} GiB per rank for {what} "
             f"({self.params / 1e9:.3g}B of the model's {self.total_params / 1e9:.3g}B parameters"
             + (f"; {layout})" if layout else ")")
         )
 
 
-def estimate_memory(job, plan: Plan) -> MemoryEstimate:
+def _bytes_per_parameter(job, dims: ParallelDims, device_type: str) -> tuple[int, int]:
+    """(trained, frozen) bytes a parameter keeps on the device (module docstring)."""
+    if not job.parallel.optimizer_offload or device_type == "cpu":
+        return BYTES_TRAINED, BYTES_FROZEN
+    if dims.world > 1 and job.parallel.dp_mode == "fsdp":
+        return 0, 0
+    return BYTES_TRAINED - 8, BYTES_FROZEN
+
+
+def estimate_memory(job, plan: Plan, device_type: str = "cpu") -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and AdamW state, from the config and the layout alone
     (nothing is built).  Each part is divided by its sharding (`_divisors`); under pipeline stages
     each pp rank holds its stages' layers, the first stage the vision tower and embedding, the last
@@ -67,8 +86,10 @@ def estimate_memory(job, plan: Plan) -> MemoryEstimate:
     cfg, pipe = plan.model, plan.pipeline
     div = _divisors(job.parallel.dp_mode, plan.dims, cfg)
     whole = parameter_counts(cfg)
-    frozen_bytes = BYTES_FROZEN if job.model.freeze_vision else BYTES_TRAINED
-    best = MemoryEstimate(0, 0, sum(whole.values()))
+    trained_bytes, frozen = _bytes_per_parameter(job, plan.dims, device_type)
+    frozen_bytes = frozen if job.model.freeze_vision else trained_bytes
+    offloaded = (trained_bytes, frozen) != (BYTES_TRAINED, BYTES_FROZEN)
+    best = MemoryEstimate(0, 0, sum(whole.values()), offloaded)
     for r in range(pipe.pp) if pipe else [0]:
         stages = pipe.stages_of(r) if pipe else [0]
         last = pipe.num_stages - 1 if pipe else 0
@@ -82,7 +103,10 @@ def estimate_memory(job, plan: Plan) -> MemoryEstimate:
         if last in stages:
             trained += whole["norm"] / div["whole"] + whole["lm_head"] / div["tp"]
         est = MemoryEstimate(
-            trained + vision, trained * BYTES_TRAINED + vision * frozen_bytes, best.total_params
+            trained + vision,
+            trained * trained_bytes + vision * frozen_bytes,
+            best.total_params,
+            offloaded,
         )
         best = max(best, est, key=lambda e: e.bytes)
     return best
@@ -104,11 +128,14 @@ def _divisors(dp_mode: str, dims: ParallelDims, cfg: VLMConfig) -> dict[str, int
     }
 
 
-def check_memory(job, plan: Plan, limit: float | None, where: str = "the device") -> MemoryEstimate:
+def check_memory(
+    job, plan: Plan, limit: float | None, where: str = "the device", device_type: str = "cpu"
+) -> MemoryEstimate:
     """Refuse a job whose weights, gradients and AdamW state alone exceed `limit` bytes per rank (the
     trainer passes the device's free memory: `memory_limit`), before any model is built; above
-    MEMORY_NOTE of it, add a note to `plan.notes`.  `limit=None` checks nothing."""
-    est = estimate_memory(job, plan)
+    MEMORY_NOTE of it, add a note to `plan.notes`.  `limit=None` checks nothing.  `device_type`: what
+    optimizer offload takes off (module docstring)."""
+    est = estimate_memory(job, plan, device_type)
     if limit is None:
         return est
     have = f"{where} has {limit / 2**30:.1f} GiB"

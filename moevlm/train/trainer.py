@@ -150,7 +150,7 @@ class Trainer:
             raise
         self.device = _device(self.t.device)
         # from the config alone: before the meta build
-        check_memory(job, self.plan, *memory_limit(self.device))
+        check_memory(job, self.plan, *memory_limit(self.device), device_type=self.device.type)
         self.sweep = sweep
         self.faults = Faults(
             self.rank,

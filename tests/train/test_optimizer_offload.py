@@ -13,6 +13,7 @@ from moevlm.data.sample_cache import ensure_sample
 from moevlm.model.config import ConfigError
 from moevlm.parallel.optimizer_offload import HostOffloadAdamW
 from moevlm.train.config import compose_job
+from moevlm.train.memory import estimate_memory
 from moevlm.train.trainer import Trainer
 from moevlm.train.validate import validate
 
@@ -175,3 +176,22 @@ def test_refusals_are_one_line_config_errors(monkeypatch, probe, layout, world, 
     validate(compose_job(layout), world, environment=False)
     if world > 1:  # DDP's host AdamW does not need FSDP's policy
         validate(compose_job([OFFLOAD, "parallel.dp_mode=ddp"]), world, environment=False)
+
+
+def test_memory_check_counts_only_what_stays_on_the_gpu():
+    """The pre-build memory check (moevlm.train.memory) against a GPU: the host AdamW leaves the weight and
+    its gradient (8 of 16 bytes a trained parameter), FSDP's CPU offload nothing persistent; on the CPU
+    the host is the device and nothing is taken off."""
+
+    def est(overrides, world, device_type):
+        job = compose_job(overrides)
+        return estimate_memory(job, validate(job, world, environment=False), device_type)
+
+    plain = est([], 1, "cuda")
+    host = est([OFFLOAD], 1, "cuda")
+    assert host.bytes == plain.bytes / 2 and host.params == plain.params
+    assert host.offloaded and "parallel.optimizer_offload" in host.describe()
+    assert est([OFFLOAD], 1, "cpu").bytes == plain.bytes
+    assert est([OFFLOAD, "parallel.dp_mode=ddp"], 2, "cuda").bytes == plain.bytes / 2
+    fsdp = est([OFFLOAD, "parallel.dp_mode=fsdp"], 2, "cuda")
+    assert fsdp.bytes == 0 < est(["parallel.dp_mode=fsdp"], 2, "cuda").bytes
