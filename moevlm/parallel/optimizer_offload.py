@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 

@@ -347,7 +347,9 @@ def offload_figures(
     on the host, copied host->device and device->host per step."""
     p, g, o = sizes["params_bytes"], sizes["grads_bytes"], sizes["optimizer_bytes"]
     if kind == "host":  # masters, gradient buffers, AdamW state
-        return dict(offloaded_bytes=o, host_bytes=2 * trainable + o, h2d_bytes=trainable, d2h_bytes=g)
+        return dict(
+            offloaded_bytes=o, host_bytes=2 * trainable + o, h2d_bytes=trainable, d2h_bytes=g
+        )
     gathers = 1 if pipeline else 2 * micro_batches
     return dict(
         offloaded_bytes=p + g + o,

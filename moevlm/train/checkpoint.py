@@ -30,6 +30,12 @@ Design choices:
   `get_optimizer_state_dict`, `set_*`): keys are parameter FQNs and values may
   be DTensors (FSDP2, TP), so DCP reshards on load; a checkpoint saved under
   one layout or world size loads under another.
+- An offloaded optimizer (`parallel.optimizer_offload` under DDP or one process,
+  moevlm.parallel.optimizer_offload) is saved and loaded through its
+  `checkpoint_view()`: host masters named like the model's parameters, so its
+  keys, shapes and placements are the device optimizer's and a checkpoint
+  resumes with the setting on or off; after a load its masters are read back
+  from the loaded weights (`load_masters()`).
 - `extra` (identical on all ranks, e.g. the LR scheduler) and `per_rank`
   (data-loader state, RNG) are small Python values (an object's state_dict()
   if it has one) made of None, bool, int, float, str, list, tuple, dict,

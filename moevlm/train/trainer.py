@@ -1056,16 +1056,16 @@ def _all_reduce_tensor(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def _offload_line(kind: str, model: torch.nn.Module) -> str:
-    """The log line of parallel.optimizer_offload: where the state lives and this rank's host bytes."""
+    """The log line of parallel.optimizer_offload: where the state lives and this rank's host memory
+    (16 bytes a trained element: FSDP's fp32 shard, its gradient and the AdamW state, or the host
+    AdamW's master, gradient buffer and state)."""
     n = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel()
         for p in model.parameters()
         if p.requires_grad
     )
-    if kind == "fsdp":
-        host = 16 * n  # fp32 shard, its gradient, exp_avg, exp_avg_sq
-        what = "FSDP2 CPU offload: this rank's fp32 parameter shards, their gradients and AdamW state"
-    else:
-        host = 16 * n  # master, gradient buffer, exp_avg, exp_avg_sq
-        what = "host AdamW: fp32 masters, gradient buffers and AdamW state of this rank's parameters"
-    return f"parallel.optimizer_offload: {what} in host memory ({host / 2**30:.2f} GiB)"
+    what = {
+        "fsdp": "FSDP2's CPU offload policy: this rank's fp32 parameter shards, their gradients and AdamW state",
+        "host": "a host AdamW: fp32 masters, gradient buffers and AdamW state of this rank's parameters",
+    }[kind]
+    return f"parallel.optimizer_offload: {what} in host memory ({16 * n / 2**20:.1f} MiB)"

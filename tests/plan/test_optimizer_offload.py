@@ -27,7 +27,11 @@ OFFLOAD = "parallel.optimizer_offload=true"
 
 @pytest.mark.parametrize(
     "layout,world,kind",
-    [([], 1, "host"), (["parallel.dp_mode=ddp"], 2, "host"), (["parallel.dp_mode=fsdp"], 2, "fsdp")],
+    [
+        ([], 1, "host"),
+        (["parallel.dp_mode=ddp"], 2, "host"),
+        (["parallel.dp_mode=fsdp"], 2, "fsdp"),
+    ],
     ids=["one_process", "ddp_dp2", "fsdp_dp2"],
 )
 def test_offload_moves_bytes_to_the_host_and_lowers_the_device_peak(layout, world, kind):

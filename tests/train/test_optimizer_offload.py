@@ -119,7 +119,9 @@ def test_host_masters_are_copies_and_the_step_writes_back(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "saved,resumed", [([OFFLOAD], []), ([], [OFFLOAD])], ids=["offload_to_plain", "plain_to_offload"]
+    "saved,resumed",
+    [([OFFLOAD], []), ([], [OFFLOAD])],
+    ids=["offload_to_plain", "plain_to_offload"],
 )
 def test_checkpoint_resumes_across_offload_exactly(plain, tmp_path, saved, resumed):
     """Saved after step 1 with one setting, resumed with the other: the same steps 2..3 as the
