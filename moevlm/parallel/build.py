@@ -291,7 +291,7 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
             dims.tp,
             bf16,
             roots=ctx.pipeline.modules if ctx.pipeline else None,
-            offload_policy=_offload_policy() if ctx.optimizer_offload == "fsdp" else None,
+            offload_policy=_offload_policy(ctx) if ctx.optimizer_offload == "fsdp" else None,
         )
     ctx.grad_sync = GradSync(
         model,
@@ -305,10 +305,11 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
     )
 
 
-def _offload_policy():
-    from moevlm.parallel.optimizer_offload import fsdp_offload_policy
+def _offload_policy(ctx: ParallelContext):
+    """FSDP2's CPU offload policy, with pinned host memory when the job runs on CUDA."""
+    from moevlm.parallel.optimizer_offload import fsdp_offload_policy, pin_host_memory
 
-    return fsdp_offload_policy()
+    return fsdp_offload_policy(pin=ctx.device_type == "cuda" and pin_host_memory())
 
 
 def _comm_device(ctx: ParallelContext) -> torch.device:

@@ -30,8 +30,8 @@ Design choices:
   on the current stream and waited for once (a stream synchronize) before the CPU step; the
   host->device copies of the masters are queued non_blocking after it and need no wait (the next
   forward is queued behind them on the same stream, and the next CPU step waits behind the next
-  gradient copies).  `pin_memory` follows torch's own probe (pinned only where an accelerator is
-  present); on CPU the copies are plain copies.
+  gradient copies).  Host buffers are pinned only when the parameters are on a CUDA device (FSDP's
+  policy: when the job's device is CUDA); on the CPU the copies are plain copies.
 - Checkpoints keep their format: the host masters form a shadow module with the model's parameter
   names, each a tensor of the same kind as the model's (a DTensor with the parameter's own spec over
   a host local tensor, or a plain tensor), and the optimizer's checkpoint state dict is DCP's
@@ -86,7 +86,10 @@ class HostOffloadAdamW:
         """`make_adamw(module)`: the device optimizer's constructor applied to a module (so the groups
         and flags are the ones `build_optimizer` makes)."""
         self.model = model
-        self.pin = pin_host_memory() if pin is None else pin
+        if pin is None:  # pinned only when the parameters are on an accelerator
+            first = next((p for p in model.parameters() if p.requires_grad), None)
+            pin = first is not None and _local(first).is_cuda and pin_host_memory()
+        self.pin = pin
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.shadow = nn.Module()
         self._masters: list[torch.Tensor] = []  # host local tensors, in `names` order
