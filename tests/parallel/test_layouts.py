@@ -18,7 +18,8 @@ Trainer resumes (same layout), the next resumes that checkpoint under another
 layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  Both run the router
 balancing options of `ROUTER_OPTIONS["global"]` (global-batch loss, expert bias,
 z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
-step 2 to match.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
+step 2 to match.  Two world-2 entries run `parallel.optimizer_offload=true`: FSDP2's CPU offload
+policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
 compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.

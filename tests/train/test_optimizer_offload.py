@@ -2,7 +2,7 @@
 optimizer trains, its checkpoints are in the device optimizer's format (a run saved with offload resumes
 without it and the other way round, exactly), and the settings it cannot run with are config errors.
 The FSDP and DDP layouts with offload are entries of tests/parallel/test_layouts.py; resume after a
-SIGKILL with offload is a parametrization of tests/train/test_trainer.py."""
+SIGKILL with offload is part of tests/train/test_trainer.py::test_resume_after_sigkill_is_exact."""
 
 from __future__ import annotations
 
@@ -46,15 +46,20 @@ def overrides(run_dir, extra=()) -> list[str]:
     ]
 
 
-def train(run_dir, extra=(), *, save_after=None, stop_at=STEPS):
-    """(per-step losses, final parameters, optimizer state by name, trainer's optimizer type)."""
+def train(run_dir, extra=(), *, save_after=None, stop_at=STEPS, look=None):
+    """(per-step losses, final parameters, optimizer state by name, trainer's optimizer type).
+    `look(trainer)`: called before the first step and after each (checks of the internals)."""
     tr = Trainer(compose_job(overrides(run_dir, extra)))
     kind = type(tr.opt)
     try:
         while tr.step < stop_at:
+            if look is not None:
+                look(tr)
             assert tr.train_step(_NoWindow())
             if tr.step == save_after:
                 tr.save(complete=True)
+        if look is not None:
+            look(tr)
         params = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
         return list(tr.losses), params, _state_by_name(tr), kind
     finally:
@@ -80,54 +85,72 @@ def assert_equal(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("plain"))
+def runs(tmp_path_factory):
+    """The job without and with offload, each checkpointed after step 1: {"plain": (dir, result),
+    "offload": (dir, result, what `_HostChecks` saw)}."""
+    plain, offload = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("offload")
+    checks = _HostChecks()
+    return {
+        "plain": (plain, train(plain, save_after=1)),
+        "offload": (offload, train(offload, [OFFLOAD], save_after=1, look=checks), checks),
+    }
 
 
-def test_offload_trains_exactly_what_the_device_optimizer_trains(plain, tmp_path):
-    losses, params, state, kind = train(tmp_path, [OFFLOAD])
+class _HostChecks:
+    """Before the first step and after each, on the host AdamW's trainer: the masters are host copies
+    named like the trainable parameters, each step changes the model and leaves master == weight, the
+    schedule drives the host AdamW's groups, its host buffers have the documented sizes."""
+
+    name = "lm_head.weight"
+
+    def __init__(self):
+        self.before, self.steps_seen = None, 0
+
+    def __call__(self, tr):
+        opt = tr.opt
+        shadow = dict(opt.shadow.named_parameters())
+        device = dict(tr.model.named_parameters())
+        assert shadow.keys() == {n for n, p in device.items() if p.requires_grad}
+        w, master = device[self.name].detach(), shadow[self.name].detach()
+        assert master.data_ptr() != w.data_ptr() and master.device.type == "cpu"
+        torch.testing.assert_close(w, master, rtol=0, atol=0)
+        assert opt.param_groups is opt.host.param_groups
+        assert tr.sched.get_last_lr()[0] == opt.param_groups[0]["lr"]
+        if self.before is not None:  # the update reached the model
+            assert not torch.equal(w, self.before)
+            n = sum(p.numel() for p in device.values() if p.requires_grad)
+            assert opt.state[shadow[self.name]]["exp_avg"].device.type == "cpu"
+            assert opt.host_bytes() == {
+                "masters": 4 * n,
+                "grads": 4 * n,
+                "state": 8 * n + 4 * len(shadow),  # exp_avg, exp_avg_sq, a float32 step each
+            }
+            self.steps_seen += 1
+        self.before = w.clone()
+
+
+def test_offload_trains_exactly_what_the_device_optimizer_trains(runs):
+    _, plain = runs["plain"]
+    _, (losses, params, state, kind), checks = runs["offload"]
     assert kind is HostOffloadAdamW and plain[3] is torch.optim.AdamW
+    assert checks.steps_seen == STEPS
     # the same AdamW arithmetic on the same fp32 values (CPU here: the same kernels), bit for bit
     assert losses == plain[0]
     assert_equal(params, plain[1])
     assert_equal(state, plain[2])
 
 
-def test_host_masters_are_copies_and_the_step_writes_back(tmp_path):
-    tr = Trainer(compose_job(overrides(tmp_path, [OFFLOAD])))
-    try:
-        opt = tr.opt
-        shadow = dict(opt.shadow.named_parameters())
-        device = dict(tr.model.named_parameters())
-        assert shadow.keys() == {n for n, p in device.items() if p.requires_grad}
-        name = "lm_head.weight"
-        assert shadow[name].data_ptr() != device[name].data_ptr()
-        before = device[name].detach().clone()
-        assert tr.train_step(_NoWindow())
-        # the update reached the model, the master equals it, and the state is the host AdamW's
-        assert not torch.equal(device[name], before)
-        torch.testing.assert_close(device[name].detach(), shadow[name].detach(), rtol=0, atol=0)
-        assert opt.state[shadow[name]]["exp_avg"].device.type == "cpu"
-        # the schedule drives the groups the host AdamW steps with
-        assert opt.param_groups is opt.host.param_groups
-        assert tr.sched.get_last_lr()[0] == opt.param_groups[0]["lr"]
-        sizes = opt.host_bytes()
-        n = sum(p.numel() for p in device.values() if p.requires_grad)
-        assert sizes == {"masters": 4 * n, "grads": 4 * n, "state": 8 * n + 4 * len(shadow)}
-    finally:
-        tr.close()
-
-
 @pytest.mark.parametrize(
     "saved,resumed",
-    [([OFFLOAD], []), ([], [OFFLOAD])],
+    [("offload", []), ("plain", [OFFLOAD])],
     ids=["offload_to_plain", "plain_to_offload"],
 )
-def test_checkpoint_resumes_across_offload_exactly(plain, tmp_path, saved, resumed):
-    """Saved after step 1 with one setting, resumed with the other: the same steps 2..3 as the
+def test_checkpoint_resumes_across_offload_exactly(runs, tmp_path, saved, resumed):
+    """The step-1 checkpoint of one setting resumed with the other: the same steps 2..3 as the
     uninterrupted run without offload (which equals the one with it, above)."""
-    train(tmp_path, saved, save_after=1, stop_at=1)
-    losses, params, state, _ = train(tmp_path, [*resumed, "train.resume=auto"])
+    source, plain = runs[saved][0], runs["plain"][1]
+    start = f"train.resume={source / 'checkpoints' / 'step_00000001'}"
+    losses, params, state, _ = train(tmp_path, [*resumed, start])
     assert losses == plain[0]
     assert_equal(params, plain[1])
     assert_equal(state, plain[2])
@@ -137,8 +160,8 @@ def test_fp8_weight_cache_follows_the_host_step(tmp_path):
     """FP8 (emulated on the CPU) with its per-step weight codes: the host step ends a cache generation
     (its step hook is the host AdamW's), so offload trains exactly what the device optimizer trains."""
     fp8 = ["model.fp8=blockwise", "model.fp8_backend=emulate"]
-    plain = train(tmp_path / "plain", fp8)
-    losses, params, _, _ = train(tmp_path / "offload", [*fp8, OFFLOAD])
+    plain = train(tmp_path / "plain", fp8, stop_at=2)
+    losses, params, _, _ = train(tmp_path / "offload", [*fp8, OFFLOAD], stop_at=2)
     assert losses == plain[0]
     assert_equal(params, plain[1])
 
