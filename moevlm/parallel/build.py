@@ -323,7 +323,7 @@ def materialize_(model: nn.Module, device, ctx: ParallelContext | None = None) -
     """`model.to_empty(device)` for a built model: under pipeline stages with FSDP the stage modules are
     the FSDP roots, so they move their parameters (FSDP re-registers its shards).  Under FSDP's CPU
     offload (parallel.optimizer_offload) the parameters are made on the host, where the policy keeps
-    them, and the buffers (rotary tables, expert biases...) on `device`."""
+    them, and the buffers (the routers' expert biases) on `device`."""
     offload = ctx is not None and ctx.optimizer_offload == "fsdp"
     roots = (
         ctx.pipeline.modules

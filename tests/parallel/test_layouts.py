@@ -19,7 +19,8 @@ layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  Both run the router
 balancing options of `ROUTER_OPTIONS["global"]` (global-batch loss, expert bias,
 z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
 step 2 to match.  Two world-2 entries run `parallel.optimizer_offload=true`: FSDP2's CPU offload
-policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
+policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2; a third, DDP without offload,
+resumes the first one's checkpoint.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
 compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.
@@ -305,6 +306,8 @@ def reference(tmp_path_factory):
     return tmp, shards
 
 
+# optimizer offload under FSDP2's CPU offload policy, with a checkpoint and a resume
+OFFLOAD_FSDP = ["parallel.dp_mode=fsdp", "parallel.optimizer_offload=true", "RESUME"]
 WORLD_2 = [
     ["parallel.tp=2"],
     ["parallel.ep=2", "model.dispatcher=alltoall"],
@@ -333,14 +336,16 @@ WORLD_2 = [
     ),
     # optimizer offload: FSDP2's CPU offload policy (host shards; with a checkpoint and a resume), and
     # DDP's host AdamW over fp32 masters with ep 2 (expert DTensors mirrored on the host)
-    ["parallel.dp_mode=fsdp", "parallel.optimizer_offload=true", "RESUME"],
+    OFFLOAD_FSDP,
     [
         "parallel.dp_mode=ddp",
         "parallel.ep=2",
         "model.dispatcher=alltoall",
         "parallel.optimizer_offload=true",
     ],
+    # (DDP without offload resuming OFFLOAD_FSDP's step-1 checkpoint: appended below, by its index)
 ]
+WORLD_2.append(["parallel.dp_mode=ddp", f"FROM=w2_{WORLD_2.index(OFFLOAD_FSDP)}"])
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],
     ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.dispatcher=alltoall"],
