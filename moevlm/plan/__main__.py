@@ -57,6 +57,7 @@ def make_plan(job, world: int, gpu_name: str) -> dict:
     for rank in role_ranks(plan):
         r = dry_run(job, world=world, rank=rank).as_dict()
         r["fits"] = device.fits(r["peak_bytes"])
+        r["comm_groups"] = comm_groups(r["comm_bytes"], plan.dims, device, rank)
         ranks.append(r)
     return {
         "world": world,
@@ -71,6 +72,24 @@ def make_plan(job, world: int, gpu_name: str) -> dict:
         "fits": all(r["fits"] for r in ranks),
         "ranks": ranks,
     }
+
+
+def comm_groups(comm_bytes: dict, dims, device, rank: int = 0) -> dict:
+    """Per group of `comm_bytes`: its size (`ranks`), its link (`nvlink` or `network`, as the search's
+    time model takes it) and per collective the bytes one GPU sends on the wire
+    (`moevlm.plan.search.wire_bytes`).  The groups are rank 0's (a later stage's have the same size)."""
+    from moevlm.plan.search import _group_ranks, link_gbps, wire_bytes
+
+    out = {}
+    for group, kinds in comm_bytes.items():
+        n = len(_group_ranks(group, dims))
+        link = "nvlink" if link_gbps(group, dims, device) == device.nvlink_gbps else "network"
+        out[group] = {
+            "ranks": n,
+            "link": link,
+            "wire_bytes": {k: wire_bytes(k, b, n) for k, b in kinds.items()},
+        }
+    return out
 
 
 def format_plan(out: dict) -> str:
@@ -91,12 +110,19 @@ def format_plan(out: dict) -> str:
         )
     for r in out["ranks"]:
         lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
-        lines += ["| group | collective | GiB per step |", "|---|---|---:|"]
+        lines += [
+            "| group | ranks | link | collective | GiB per step | wire GiB per GPU |",
+            "|---|---:|---|---|---:|---:|",
+        ]
         for group, kinds in r["comm_bytes"].items():
+            info = r["comm_groups"][group]
             for kind, b in kinds.items():
-                lines.append(f"| {group} | {kind} | {b / GiB:.3f} |")
+                lines.append(
+                    f"| {group} | {info['ranks']} | {info['link']} | {kind} | {b / GiB:.3f} "
+                    f"| {info['wire_bytes'][kind] / GiB:.3f} |"
+                )
         if not r["comm_bytes"]:
-            lines.append("| (none: one rank) | | |")
+            lines.append("| (none: one rank) | | | | | |")
     if out["schedule"]:
         lines += [
             "",
