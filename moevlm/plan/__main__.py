@@ -5,18 +5,21 @@
     python -m moevlm.plan +experiment=h100_fsdp parallel.ep=4 model.recompute=full --world 16
     python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
     python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
+    python -m moevlm.plan +experiment=h100_fsdp --world 64 parallel.dp_replicate=8   # HSDP: 8 replicas
 
 The job is composed and validated as `train.py` composes it (the same overrides; `data.shards`
 defaults to the sample set, since a plan reads no data).  For each distinct rank role of the layout
 (every pipeline rank's stages differ; the ranks of one stage hold the same shapes under balanced
-routing) one training step runs on fake tensors (`moevlm.plan.dry_run`).  Exit status: 0 when every
+routing) one training step runs on fake tensors (`moevlm.plan.dry_run`); each collective's group is
+reported with its size, its link and its bytes on the wire (`comm_groups`).  Exit status: 0 when every
 rank fits the GPU, 9 when one does not, 2 for a config error (`moevlm.train.exit_codes`).
 
 `--search` ranks the layouts of the job on `--world` GPUs instead (`moevlm.plan.search`: the
 candidate space, the extrapolated dry runs, the step time model and what overlaps): the top
 `--top` that fit, then every other candidate grouped by the reason it was left out.  `--only
 FIELD=V1,V2` sets the values a field of the space takes (tp, cp, pp, vpp, ep, etp, dp_mode,
-recompute, micro_batch_size; repeatable), `--full-space` searches the whole space rather than the
+recompute, micro_batch_size, dp_replicate (a number, or nodes: one HSDP replica per NVLink domain);
+repeatable), `--full-space` searches the whole space rather than the
 default reduction.  Exit status: 0 when a layout fits, 9 when none does.
 """
 

@@ -14,12 +14,14 @@ Design choices:
   1 (1f1b) or, for pp > 1, 2 (interleaved_1f1b); tp in the powers of 2 up to min(8, the GPU's
   NVLink domain); cp in {1, 2}; ep the divisors of the expert count that divide the world; etp 1
   or tp; dp_mode fsdp or ddp; recompute none, selective (the job's model.recompute_modules) or
-  full; micro_batch_size 1 or 2.  Each candidate is the job with these fields set
+  full; micro_batch_size 1 or 2; dp_replicate (HSDP replicas) 1 or "nodes" = world / the NVLink
+  domain (one replica per domain, the shard groups inside it: the one R at which HSDP moves FSDP's
+  gathers off the network; any R can be given with `fields`).  Each candidate is the job with these fields set
   (parallel.world_size = world, dp derived), checked by `validate()`; a refusal is kept as
   "invalid: <its first line>".
 - Reduction, stated because the whole space does not fit in a few minutes of one core (each
-  candidate in reach costs dry runs of one to a few seconds): by default only etp 1, fsdp and
-  micro_batch_size 1 (`NARROWED`; `full_space=True` or `fields` brings them back).  A pipeline
+  candidate in reach costs dry runs of one to a few seconds): by default only etp 1, fsdp,
+  dp_replicate 1 and micro_batch_size 1 (`NARROWED`; `full_space=True` or `fields` brings them back).  A pipeline
   of any micro-batch count costs the same: its dry run steps two short schedules and extrapolates
   (`moevlm.plan.dry_run`).
 - Memory and collectives come from dry runs (`moevlm.plan.dry_run`) of pp rank 0, the rank that
@@ -56,7 +58,8 @@ Design choices:
   is the peer's send, not counted twice (`wire_bytes`).  The link is NVLink when rank 0's group of
   that role lies in one NVLink domain (rank order pp x dp x cp x tp, tp fastest), else the
   network (per GPU: each has its own NIC).  All-to-alls, sends and collectives of a group serving
-  tp, cp, etp, cp_tp or pp are exposed (added); the rest (dp, dense, expert, vision: FSDP/DDP) overlap the compute.
+  tp, cp, etp, cp_tp or pp are exposed (added); the rest (dp, dense, expert, vision: FSDP/DDP, and
+  under HSDP their *_shard and *_replicate groups) overlap the compute.
   step_s = max(busy_s, overlapped_comm_s) + exposed_comm_s; tokens/s = global batch x seq_len /
   step_s; mfu = compute_s / step_s (useful FLOPs: recompute and the bubble lower it).  Ranked by
   step_s, ties in enumeration order.
