@@ -173,7 +173,9 @@ class ParallelDims:
             ("expert_shard", ("edp_shard",)),
         ):
             names = next(
-                n for n in (self.ATTN, self.EXPERT, self.ATTN_HSDP, self.EXPERT_HSDP) if dims[0] in n
+                n
+                for n in (self.ATTN, self.EXPERT, self.ATTN_HSDP, self.EXPERT_HSDP)
+                if dims[0] in n
             )
             shape = {**{n: getattr(self, n) for n in self.ATTN + self.EXPERT}, **sizes}
             members = [rank]
@@ -210,7 +212,9 @@ class ParallelDims:
         ranks = torch.arange(self.world)
         if self.dp_replicate == 1:
             return (
-                DeviceMesh(device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN),
+                DeviceMesh(
+                    device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN
+                ),
                 DeviceMesh(
                     device_type, ranks.reshape(self.shape(self.EXPERT)), mesh_dim_names=self.EXPERT
                 ),

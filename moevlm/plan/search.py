@@ -318,7 +318,9 @@ def candidates(space: dict) -> list[Layout]:
                                     for mbs in space["micro_batch_size"]:
                                         for r in space.get("dp_replicate", [1]):
                                             out.append(
-                                                Layout(tp, cp, pp, vpp, ep, etp, dp_mode, rc, mbs, r)
+                                                Layout(
+                                                    tp, cp, pp, vpp, ep, etp, dp_mode, rc, mbs, r
+                                                )
                                             )
     return out
 

@@ -68,7 +68,9 @@ def test_hsdp_expert_fold_differs_from_dense():
     g = d.groups(6)
     assert g["dense_replicate"] == [2, 6] and g["dense_shard"] == [4, 5, 6, 7]
     assert g["expert_replicate"] == [2, 6] and g["expert_shard"] == [6] and g["ep"] == [4, 5, 6, 7]
-    assert "replicate 2 x shard 4" in d.describe() and "edp 2 (replicate 2 x shard 1)" in d.describe()
+    assert (
+        "replicate 2 x shard 4" in d.describe() and "edp 2 (replicate 2 x shard 1)" in d.describe()
+    )
 
 
 def test_without_replicas_the_shard_groups_are_fsdp_groups():
@@ -103,8 +105,10 @@ def test_hsdp_groups_partition_the_ranks_and_multiply_to_fsdp(world, kw):
             g = d.groups(r)
             # replica x shard: the ranks FSDP would shard over without replicas
             span = sorted(x for y in g[rep] for x in d.groups(y)[shard])
-            want = g[whole[kind]] if kind in whole else sorted(
-                x for y in g["dp_cp"] for x in d.groups(y)["tp"]
+            want = (
+                g[whole[kind]]
+                if kind in whole
+                else sorted(x for y in g["dp_cp"] for x in d.groups(y)["tp"])
             )
             assert span == want, (kind, r)
             # the replicas are the outer ranks: every member of my replicate group lies in another
@@ -141,7 +145,9 @@ def test_hsdp_refusals_are_one_config_error_line(world, overrides, words):
     assert "choose a divisor" in lines[0] or "use dp_mode=fsdp" in lines[0]
     # the same layout with dp_replicate 1 (or a divisor) is valid
     fixed = [o for o in overrides if not o.startswith("parallel.dp_replicate")]
-    validate(compose_job(base + fixed + ["parallel.dp_replicate=1"]), world_size=world, environment=False)
+    validate(
+        compose_job(base + fixed + ["parallel.dp_replicate=1"]), world_size=world, environment=False
+    )
     validate(compose_job(base + ["parallel.dp_replicate=2"]), world_size=world, environment=False)
 
 
@@ -159,8 +165,12 @@ TINY = VLMConfig.preset("tiny")  # 4 heads, 2 kv heads, vision 2 heads, 3 layers
         (8, dict(ep=2, edp=2), r"parallel.edp=2 x ep\*etp=2 = 4 but world/pp = 8"),
         (8, dict(tp=-1), "parallel.tp=-1 must be >= 1"),
         (8, dict(dp_replicate=3), r"parallel.dp_replicate=3 does not divide parallel.dp=8"),
-        (8, dict(ep=4, dp_replicate=4), r"parallel.dp_replicate=4 does not divide the experts' data-parallel "
-         r"size edp=2 .*choose a divisor of 2"),
+        (
+            8,
+            dict(ep=4, dp_replicate=4),
+            r"parallel.dp_replicate=4 does not divide the experts' data-parallel "
+            r"size edp=2 .*choose a divisor of 2",
+        ),
         (8, dict(dp_replicate=0), "parallel.dp_replicate=0 must be >= 1"),
     ],
 )
@@ -264,9 +274,10 @@ def _mesh_checks(rank: int, world: int) -> None:
     # (edp replicate, edp shard, ep, etp): each expert shard on the 2 replicas
     assert isinstance(expert.placements[0], Replicate) and expert.device_mesh.ndim == 4
     assert expert.device_mesh.shape == (2, 1, 2, 1) and _copies(expert, world) == 2
-    assert sorted(dist.get_process_group_ranks(ctx.groups["dense_replicate"])) == d.groups(rank)[
-        "dense_replicate"
-    ]
+    assert (
+        sorted(dist.get_process_group_ranks(ctx.groups["dense_replicate"]))
+        == d.groups(rank)["dense_replicate"]
+    )
 
 
 def test_device_meshes_match_the_arithmetic(tmp_path):

@@ -71,15 +71,47 @@ def test_a_plan_under_hsdp_shards_within_replicas_and_reports_its_groups(capsys)
     assert groups[shard]["ranks"] == groups[replicas]["ranks"] == 2
     assert set(hsdp["comm_bytes"][replicas]) == {"all_reduce"}
     # ring all-reduce over 2: 2 (n - 1) / n = 1 x what a rank puts in
-    assert groups[replicas]["wire_bytes"]["all_reduce"] == hsdp["comm_bytes"][replicas]["all_reduce"]
+    assert (
+        groups[replicas]["wire_bytes"]["all_reduce"] == hsdp["comm_bytes"][replicas]["all_reduce"]
+    )
     fsdp_group = next(k for k in fsdp["comm_groups"] if "dense" in k.split("/"))
     assert fsdp["comm_groups"][fsdp_group]["ranks"] == 4
     assert not any("replicate" in k for k in fsdp["comm_bytes"])
-    assert main(["train.global_batch_size=4", "data.streams=4", "--world", "4", "parallel.dp_replicate=2"]) == 0
+    assert (
+        main(
+            [
+                "train.global_batch_size=4",
+                "data.streams=4",
+                "--world",
+                "4",
+                "parallel.dp_replicate=2",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
-    assert "dp 4 (replicate 2 x shard 2)" in text and "| dense_shard | 2 | nvlink | all_gather |" in text
+    assert (
+        "dp 4 (replicate 2 x shard 2)" in text
+        and "| dense_shard | 2 | nvlink | all_gather |" in text
+    )
     # a search given the replicas ranks HSDP beside FSDP
-    only = [f"--only={f}" for f in ("pp=1", "tp=1", "cp=1", "ep=1", "recompute=none", "dp_replicate=1,2")]
-    assert main(["train.global_batch_size=4", "data.streams=4", "--world", "4", "--search", "--json", *only]) == 0
+    only = [
+        f"--only={f}"
+        for f in ("pp=1", "tp=1", "cp=1", "ep=1", "recompute=none", "dp_replicate=1,2")
+    ]
+    assert (
+        main(
+            [
+                "train.global_batch_size=4",
+                "data.streams=4",
+                "--world",
+                "4",
+                "--search",
+                "--json",
+                *only,
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert sorted(e["layout"]["dp_replicate"] for e in result["top"]) == [1, 2]

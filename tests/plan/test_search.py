@@ -149,7 +149,13 @@ def test_hsdp_replicas_in_the_space_layout_and_links():
     dims = validate(hsdp.apply(job, WORLD), WORLD, environment=False).dims
     assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
     g0 = dims.groups(0)
-    for role in ("dense_shard", "dense_replicate", "vision_shard", "expert_shard", "expert_replicate"):
+    for role in (
+        "dense_shard",
+        "dense_replicate",
+        "vision_shard",
+        "expert_shard",
+        "expert_replicate",
+    ):
         assert _group_ranks(role, dims) == g0[role]
     assert link_gbps("dense_shard", dims, g) == link_gbps("vision_shard", dims, g) == g.nvlink_gbps
     assert link_gbps("dense_replicate/vision_replicate", dims, g) == g.network_gbps
