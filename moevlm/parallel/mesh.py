@@ -29,8 +29,9 @@ Design choices:
   dp and edp must both be divisible by it (`ParallelDims` says so).
 - R = 1 is today's FSDP: the same 4-dimension meshes and 1-D FSDP meshes, no new groups.
 - The meshes for R > 1 are 5-dimensional, (pp, dp_replicate, dp_shard, cp, tp) and
-  (pp, edp_replicate, edp_shard, ep, etp); `dp` and `edp` are their first two data dimensions
-  flattened, so every group of R = 1 exists under the same name.
+  (pp, edp_replicate, edp_shard, ep, etp); `data_meshes` flattens their data dimensions back into
+  the 1-D `dp`, `edp`, `dp_cp` and `dp_cp_tp`, so every group of R = 1 exists with the same ranks
+  (the loader's dp, the loss's dp x cp), and gives FSDP2 its 2-D meshes.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class ParallelDims:
             "edp_replicate": r,
             "edp_shard": self.edp_shard,
         }
+        shape = {**{n: getattr(self, n) for n in self.ATTN + self.EXPERT}, **sizes}
         out = {}
         for key, dims in (
             ("tp", ("tp",)),
@@ -177,7 +179,6 @@ class ParallelDims:
                 for n in (self.ATTN, self.EXPERT, self.ATTN_HSDP, self.EXPERT_HSDP)
                 if dims[0] in n
             )
-            shape = {**{n: getattr(self, n) for n in self.ATTN + self.EXPERT}, **sizes}
             members = [rank]
             for d in dims:
                 stride = math.prod(shape[n] for n in names[names.index(d) + 1 :])
