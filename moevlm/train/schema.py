@@ -404,7 +404,7 @@ class ParallelConfig:
             "help": "HSDP: the data-parallel ranks as dp_replicate replicas x shard groups (FSDP2 on a 2-D mesh); "
             "weights, gradients and optimizer state sharded over dp/dp_replicate x cp (experts over "
             "edp/dp_replicate) within a replica, gradients all-reduced across replicas (the outer ranks, "
-            "across nodes); 1 = FSDP over all of dp x cp.  Must divide dp and edp; needs dp_mode=fsdp"
+            "across nodes); 1 = FSDP over all of dp x cp. Must divide dp and edp; needs dp_mode=fsdp"
         },
     )
     pp_schedule: str = field(
