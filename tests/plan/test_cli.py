@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moevlm.plan.__main__ import main, parse_only
+from moevlm.plan.__main__ import format_plan, main, parse_only
 from moevlm.train.exit_codes import ExitCode
 
 TINY = ["train.global_batch_size=4", "data.streams=2"]
@@ -61,8 +61,9 @@ def test_a_plan_under_hsdp_shards_within_replicas_and_reports_its_groups(capsys)
     for r in (1, 2):
         argv = ["train.global_batch_size=4", "data.streams=4", "--world", "4", "--json"]
         assert main([*argv, f"parallel.dp_replicate={r}"]) == ExitCode.OK
-        (plans[r],) = json.loads(capsys.readouterr().out)["ranks"]
-    fsdp, hsdp = plans[1], plans[2]
+        plans[r] = json.loads(capsys.readouterr().out)
+    text = format_plan(plans[2])  # the table the command prints without --json
+    (fsdp,), (hsdp,) = plans[1]["ranks"], plans[2]["ranks"]
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert hsdp[key] == pytest.approx(2 * fsdp[key], rel=0.01), key
     groups = hsdp["comm_groups"]
@@ -77,19 +78,6 @@ def test_a_plan_under_hsdp_shards_within_replicas_and_reports_its_groups(capsys)
     fsdp_group = next(k for k in fsdp["comm_groups"] if "dense" in k.split("/"))
     assert fsdp["comm_groups"][fsdp_group]["ranks"] == 4
     assert not any("replicate" in k for k in fsdp["comm_bytes"])
-    assert (
-        main(
-            [
-                "train.global_batch_size=4",
-                "data.streams=4",
-                "--world",
-                "4",
-                "parallel.dp_replicate=2",
-            ]
-        )
-        == 0
-    )
-    text = capsys.readouterr().out
     assert (
         "dp 4 (replicate 2 x shard 2)" in text
         and "| dense_shard | 2 | nvlink | all_gather |" in text
