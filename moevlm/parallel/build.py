@@ -1,7 +1,8 @@
 """`build_model(cfg, dims, ...)`: the one place a model is built for its parallel layout, in this
 order, on the meta device:
 
-    meshes and groups   ParallelDims.build_meshes: attention (pp, dp, cp, tp), experts (pp, edp, ep, etp)
+    meshes and groups   ParallelDims.build_meshes: attention (pp, dp, cp, tp), experts (pp, edp, ep, etp);
+                        ParallelDims.data_meshes: FSDP's meshes, 2-D (replicate, shard) under HSDP
     layouts             the strategies the model is built with (moevlm.model.layout): tensor parallel's
                         (tensor_parallel.py) under context parallel's (context_parallel.py), the router
                         statistics' reduction, each MoE block's dispatcher (built once, with its groups)
@@ -79,6 +80,8 @@ class ParallelContext:
     init_rules: dict | None = None  # the whole model's (a pipeline rank holds part of it)
     # flattened meshes: dense (dp x cp), vision (dp x cp x tp)
     flat: dict = field(default_factory=dict)
+    # the meshes FSDP2 shards over: dense, vision, expert; 2-D (replicate, shard) under HSDP
+    fsdp: dict = field(default_factory=dict)
     cuda_graphs: CudaGraphs | None = None
     fp8_marked: int = 0
     # parallel.optimizer_offload: "fsdp" (FSDP2's CPU offload policy: the shards live on the host),
@@ -131,7 +134,7 @@ def build_model(
     """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module docstring).
     `dispatcher`: the MoE blocks' dispatcher by registry name; default `cfg.moe.dispatcher`."""
     dispatcher = dispatcher or cfg.moe.dispatcher
-    _check(cfg, dims, dispatcher, pipeline, ep_overlap)
+    _check(cfg, dims, dispatcher, pipeline, ep_overlap, dp_mode)
     ctx = ParallelContext(dims, dp_mode, device_type=device_type)
     if optimizer_offload:
         ctx.optimizer_offload = "fsdp" if dims.world > 1 and dp_mode == "fsdp" else "host"
@@ -159,7 +162,9 @@ def build_model(
     return model, ctx
 
 
-def _check(cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_overlap: bool) -> None:
+def _check(
+    cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_overlap: bool, dp_mode: str
+) -> None:
     if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
         raise ValueError(
             f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)"
@@ -169,6 +174,11 @@ def _check(cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_ove
         raise ParallelNotBuilt(
             f"model.dispatcher={dispatcher!r} is not built yet; available: {list(dispatcher_names())}"
         )
+    if dims.dp_replicate > 1 and dp_mode != "fsdp":
+        raise ValueError(
+            f"parallel.dp_replicate={dims.dp_replicate} shards within replicas (HSDP), but "
+            f"parallel.dp_mode={dp_mode} replicates every weight on every data rank; use dp_mode=fsdp"
+        )
     if ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
         raise ValueError(
             "parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)"
@@ -176,22 +186,26 @@ def _check(cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_ove
 
 
 def _groups(ctx: ParallelContext, device_type: str) -> None:
-    attn, expert = ctx.dims.build_meshes(device_type)
+    dims = ctx.dims
+    attn, expert = dims.build_meshes(device_type)
     ctx.meshes = (attn, expert)
-    ctx.flat = {
-        "dense": attn["dp", "cp"]._flatten("dp_cp"),
-        "vision": attn["dp", "cp", "tp"]._flatten("dp_cp_tp"),
-    }
+    data = dims.data_meshes(attn, expert)
+    ctx.fsdp = {k: data[k] for k in ("dense", "vision", "expert")}
+    ctx.flat = {"dense": data["dp_cp"], "vision": data["dp_cp_tp"]}
     ctx.groups = {
         "tp": attn["tp"].get_group(),
-        "dp": attn["dp"].get_group(),
+        "dp": data["dp"].get_group(),
         "dense": ctx.flat["dense"].get_group(),
-        "expert": expert["edp"].get_group(),
+        "expert": data["edp"].get_group(),
         "vision": ctx.flat["vision"].get_group(),
         "pp": attn["pp"].get_group(),
         "ep": expert["ep"].get_group(),
         "etp": expert["etp"].get_group(),
     }
+    if dims.dp_replicate > 1:  # HSDP: FSDP's two groups per mesh (ParallelDims.FOLDED's names)
+        for kind, names in dims.FOLDED.items():
+            for i, name in enumerate(names):
+                ctx.groups[name] = ctx.fsdp[kind].get_group(i)
     if ctx.dims.cp > 1:  # the ranks a row is split over: router statistics are summed over them
         ctx.groups.update(
             cp=attn["cp"].get_group(), cp_tp=attn["cp", "tp"]._flatten("cp_tp").get_group()
@@ -285,9 +299,9 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
     if ctx.dp_mode == "fsdp":
         apply_fsdp(
             model,
-            ctx.flat["dense"],
-            ctx.meshes[1]["edp"],
-            ctx.flat["vision"],
+            ctx.fsdp["dense"],
+            ctx.fsdp["expert"],
+            ctx.fsdp["vision"],
             dims.tp,
             bf16,
             roots=ctx.pipeline.modules if ctx.pipeline else None,

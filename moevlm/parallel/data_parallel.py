@@ -25,6 +25,15 @@ CPUOffloadPolicy (moevlm.parallel.optimizer_offload): the shards and their gradi
 and the collectives this module adds itself (the norm, the tp sums) move host gradients to the
 process group's device (`comm_device`) and back.
 
+HSDP (`parallel.dp_replicate` = R > 1): the same units on 2-D meshes (R replicas, shard group), which
+`fully_shard` takes as HSDP: placements (Replicate(), Shard(0)), each unit reduce-scattered over its
+shard group and the shards all-reduced over the replicas.  The conventions hold unchanged: with a
+gradient divide factor set (1, or tp for the vision tower) and sums forced, torch reduces with SUM on
+both collectives and divides once by that factor after them (never by the data-parallel size), so a
+gradient is the sum over the R x shard ranks as under FSDP.  The clip counts a shard once: its copies
+are the ranks over its Replicate dimensions (`_copies`: the world over the product of its sharded
+mesh dimensions), the replicas included.
+
 DDP (`parallel.dp_mode=ddp`): parameters stay whole per rank; after the last
 micro-batch every gradient is all-reduced (sum) over its group in flat fp32
 buckets of `bucket_mb`.
@@ -93,6 +102,7 @@ def apply_fsdp(
     for root in roots or [model]:
         shard(root, dense_mesh, 1.0, cast_inputs=roots is None)
     for module, divide in units:
+        # sum over the shard group and (HSDP) the replicas, then / divide: our sums (module docstring)
         module.set_gradient_divide_factor(float(divide))
         # plain SUM (+ a division): gloo has no PREMUL_SUM
         if hasattr(module, "set_force_sum_reduction_for_comms"):

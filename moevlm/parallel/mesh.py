@@ -13,6 +13,25 @@ processes); `build_meshes` makes the two torch DeviceMeshes from it.
 Rank order (Megatron's "tp-cp-ep-dp-pp", tp fastest):
     attention  rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
     experts    rank = ((pp_i * edp + edp_i) * ep + ep_i) * etp + etp_i
+
+HSDP (`dp_replicate` = R > 1): the data-parallel index splits as R replicas x shard groups,
+the replica index the outer (slower) one, so a shard group is a block of consecutive ranks
+(within a node when the block fits one) and the replicas lie across nodes:
+
+    dp_i  = rep_i  * (dp / R)  + shard_i        dense  mesh (R, dp/R x cp)        FSDP2's 2-D mesh
+                                                vision mesh (R, dp/R x cp x tp)
+    edp_i = erep_i * (edp / R) + eshard_i       expert mesh (R, edp/R)
+
+Design choices:
+- cp is sharded over, never replicated: the parameters are sharded over (dp/R) x cp, as FSDP shards
+  them over dp x cp today; R only takes replicas out of dp.  The vision tower folds the same way
+  with tp inside its shard group; the experts fold edp as R x edp/R.  One R serves all three, so
+  dp and edp must both be divisible by it (`ParallelDims` says so).
+- R = 1 is today's FSDP: the same 4-dimension meshes and 1-D FSDP meshes, no new groups.
+- The meshes for R > 1 are 5-dimensional, (pp, dp_replicate, dp_shard, cp, tp) and
+  (pp, edp_replicate, edp_shard, ep, etp); `data_meshes` flattens their data dimensions back into
+  the 1-D `dp`, `edp`, `dp_cp` and `dp_cp_tp`, so every group of R = 1 exists with the same ranks
+  (the loader's dp, the loss's dp x cp), and gives FSDP2 its 2-D meshes.
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     edp: int = -1
+    dp_replicate: int = 1  # HSDP replicas (module docstring); 1 = FSDP over every data rank
 
     def __post_init__(self):
         _check(self.world >= 1, f"world size {self.world} must be >= 1")
@@ -49,6 +69,28 @@ class ParallelDims:
         object.__setattr__(
             self, "edp", self._derive("edp", self.edp, per_stage, self.ep * self.etp, "ep*etp")
         )
+        r = self.dp_replicate
+        _check(r >= 1, f"parallel.dp_replicate={r} must be >= 1 (1 = FSDP without replicas)")
+        _check(
+            self.dp % r == 0,
+            f"parallel.dp_replicate={r} does not divide parallel.dp={self.dp} (the replicas are taken out "
+            f"of the data-parallel ranks); choose a divisor of {self.dp}",
+        )
+        _check(
+            self.edp % r == 0,
+            f"parallel.dp_replicate={r} does not divide the experts' data-parallel size edp={self.edp} "
+            f"(world/pp / (ep x etp)); choose a divisor of {math.gcd(self.dp, self.edp)} or change "
+            "parallel.ep / parallel.etp",
+        )
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks in one HSDP shard group (dp without replicas: dp)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def edp_shard(self) -> int:
+        return self.edp // self.dp_replicate
 
     @staticmethod
     def _derive(name: str, value: int, per_stage: int, inner: int, what: str) -> int:
@@ -85,20 +127,63 @@ class ParallelDims:
                 rest, out[name] = divmod(rest, size)
         return out
 
+    # the HSDP dimensions (module docstring), outer first; the rest of each folding as above
+    ATTN_HSDP = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    EXPERT_HSDP = ("pp", "edp_replicate", "edp_shard", "ep", "etp")
+    # groups() names of the HSDP groups: (replicate, shard) per FSDP mesh
+    FOLDED = {
+        "dense": ("dense_replicate", "dense_shard"),
+        "vision": ("vision_replicate", "vision_shard"),
+        "expert": ("expert_replicate", "expert_shard"),
+    }
+
     def groups(self, rank: int) -> dict[str, list[int]]:
         """The ranks that differ from `rank` only along one dimension, per dimension,
-        plus `dp_cp` (where dense parameters are sharded), in rank order."""
+        plus `dp_cp` (where dense parameters are sharded) and the HSDP groups (`FOLDED`: with
+        R = 1 each replicate group is the rank alone and each shard group the whole FSDP group),
+        in rank order."""
         mine = self.coords(rank)
+        r = self.dp_replicate
+        mine.update(
+            dp_replicate=mine["dp"] // self.dp_shard,
+            dp_shard=mine["dp"] % self.dp_shard,
+            edp_replicate=mine["edp"] // self.edp_shard,
+            edp_shard=mine["edp"] % self.edp_shard,
+        )
+        sizes = {
+            "dp_replicate": r,
+            "dp_shard": self.dp_shard,
+            "edp_replicate": r,
+            "edp_shard": self.edp_shard,
+        }
+        shape = {**{n: getattr(self, n) for n in self.ATTN + self.EXPERT}, **sizes}
         out = {}
-        for dims in (("tp",), ("cp",), ("dp",), ("pp",), ("etp",), ("ep",), ("edp",), ("dp", "cp")):
-            names = self.EXPERT if dims[0] in self.EXPERT[1:] else self.ATTN
+        for key, dims in (
+            ("tp", ("tp",)),
+            ("cp", ("cp",)),
+            ("dp", ("dp",)),
+            ("pp", ("pp",)),
+            ("etp", ("etp",)),
+            ("ep", ("ep",)),
+            ("edp", ("edp",)),
+            ("dp_cp", ("dp", "cp")),
+            ("dense_replicate", ("dp_replicate",)),
+            ("dense_shard", ("dp_shard", "cp")),
+            ("vision_replicate", ("dp_replicate",)),
+            ("vision_shard", ("dp_shard", "cp", "tp")),
+            ("expert_replicate", ("edp_replicate",)),
+            ("expert_shard", ("edp_shard",)),
+        ):
+            names = next(
+                n
+                for n in (self.ATTN, self.EXPERT, self.ATTN_HSDP, self.EXPERT_HSDP)
+                if dims[0] in n
+            )
             members = [rank]
             for d in dims:
-                stride = math.prod(self.shape(names[names.index(d) + 1 :]))
-                members = [
-                    m + (k - mine[d]) * stride for m in members for k in range(getattr(self, d))
-                ]
-            out["_".join(dims)] = sorted(members)
+                stride = math.prod(shape[n] for n in names[names.index(d) + 1 :])
+                members = [m + (k - mine[d]) * stride for m in members for k in range(shape[d])]
+            out[key] = sorted(members)
         return out
 
     def describe_ranks(self) -> str:
@@ -108,23 +193,82 @@ class ParallelDims:
             g = self.groups(r)
             lines.append(
                 f"rank {r}: "
-                + "  ".join(f"{k} {v}" for k, v in g.items() if len(v) > 1 or k == "dp")
+                + "  ".join(
+                    f"{k} {v}"
+                    for k, v in g.items()
+                    if (len(v) > 1 or k == "dp")
+                    and (self.dp_replicate > 1 or k.split("_")[-1] not in ("replicate", "shard"))
+                )
             )
         return "\n".join(lines)
 
     def build_meshes(self, device_type: str):
         """(attention mesh (pp, dp, cp, tp), expert mesh (pp, edp, ep, etp)) over the same ranks.
-        Collective: every rank calls it, after init_process_group."""
+        With dp_replicate > 1 the meshes are (pp, dp_replicate, dp_shard, cp, tp) and
+        (pp, edp_replicate, edp_shard, ep, etp), with `dp` and `edp` flattened from their data
+        dimensions (module docstring).  Collective: every rank calls it, after init_process_group."""
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = torch.arange(self.world)
+        if self.dp_replicate == 1:
+            return (
+                DeviceMesh(
+                    device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN
+                ),
+                DeviceMesh(
+                    device_type, ranks.reshape(self.shape(self.EXPERT)), mesh_dim_names=self.EXPERT
+                ),
+            )
+        r = self.dp_replicate
         return (
-            DeviceMesh(device_type, ranks.reshape(self.shape(self.ATTN)), mesh_dim_names=self.ATTN),
             DeviceMesh(
-                device_type, ranks.reshape(self.shape(self.EXPERT)), mesh_dim_names=self.EXPERT
+                device_type,
+                ranks.reshape(self.pp, r, self.dp_shard, self.cp, self.tp),
+                mesh_dim_names=self.ATTN_HSDP,
+            ),
+            DeviceMesh(
+                device_type,
+                ranks.reshape(self.pp, r, self.edp_shard, self.ep, self.etp),
+                mesh_dim_names=self.EXPERT_HSDP,
             ),
         )
+
+    def data_meshes(self, attn, expert) -> dict:
+        """The data-parallel meshes, from `build_meshes`' two.  1-D: `dp`, `edp`, `dp_cp` (dense) and
+        `dp_cp_tp` (vision).  FSDP2's: `dense`, `vision`, `expert`: the 1-D dp_cp, dp_cp_tp and edp,
+        or with dp_replicate > 1 each 2-D (replicate, shard), which makes `fully_shard` HSDP.
+        Flattened meshes are kept as `_flatten` returns them (slicing a flattened name from the root
+        is deprecated in torch); a 2-D mesh of a root dimension and a flattened one is
+        `DeviceMesh._concatenate` where torch has it, else the root sliced by both names.
+        Collective (flattening makes process groups)."""
+        if self.dp_replicate == 1:
+            out = {
+                "dp": attn["dp"],
+                "edp": expert["edp"],
+                "dp_cp": attn["dp", "cp"]._flatten("dp_cp"),
+                "dp_cp_tp": attn["dp", "cp", "tp"]._flatten("dp_cp_tp"),
+            }
+            return out | {"dense": out["dp_cp"], "vision": out["dp_cp_tp"], "expert": out["edp"]}
+        from torch.distributed.device_mesh import DeviceMesh
+
+        data = ("dp_replicate", "dp_shard", "cp")
+        out = {
+            "dp": attn["dp_replicate", "dp_shard"]._flatten("dp"),
+            "edp": expert["edp_replicate", "edp_shard"]._flatten("edp"),
+            "dp_cp": attn[data]._flatten("dp_cp"),
+            "dp_cp_tp": attn[(*data, "tp")]._flatten("dp_cp_tp"),
+            "expert": expert["edp_replicate", "edp_shard"],
+        }
+        shard = attn["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard_tp = attn["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+        if hasattr(DeviceMesh, "_concatenate"):
+            out["dense"] = DeviceMesh._concatenate([attn["dp_replicate"], shard])
+            out["vision"] = DeviceMesh._concatenate([attn["dp_replicate"], shard_tp])
+        else:  # pragma: no cover - torch without _concatenate
+            out["dense"] = attn["dp_replicate", "dp_shard_cp"]
+            out["vision"] = attn["dp_replicate", "dp_shard_cp_tp"]
+        return out
 
     def check_model(self, cfg: VLMConfig) -> None:
         """Divisibility of the model by the layout, with what to change."""
@@ -156,9 +300,15 @@ class ParallelDims:
             raise ConfigError("parallel.ep/etp > 1 need a MoE model (moe.num_experts > 0)")
 
     def describe(self) -> str:
+        if self.dp_replicate == 1:
+            dp, edp = f"dp {self.dp}", f"edp {self.edp}"
+        else:
+            r = self.dp_replicate
+            dp = f"dp {self.dp} (replicate {r} x shard {self.dp_shard})"
+            edp = f"edp {self.edp} (replicate {r} x shard {self.edp_shard})"
         return (
-            f"world {self.world} = pp {self.pp} x dp {self.dp} x cp {self.cp} x tp {self.tp} "
-            f"= pp {self.pp} x edp {self.edp} x ep {self.ep} x etp {self.etp}"
+            f"world {self.world} = pp {self.pp} x {dp} x cp {self.cp} x tp {self.tp} "
+            f"= pp {self.pp} x {edp} x ep {self.ep} x etp {self.etp}"
         )
 
 

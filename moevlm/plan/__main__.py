@@ -5,18 +5,21 @@
     python -m moevlm.plan +experiment=h100_fsdp parallel.ep=4 model.recompute=full --world 16
     python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
     python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
+    python -m moevlm.plan +experiment=h100_fsdp --world 64 parallel.dp_replicate=8   # HSDP: 8 replicas
 
 The job is composed and validated as `train.py` composes it (the same overrides; `data.shards`
 defaults to the sample set, since a plan reads no data).  For each distinct rank role of the layout
 (every pipeline rank's stages differ; the ranks of one stage hold the same shapes under balanced
-routing) one training step runs on fake tensors (`moevlm.plan.dry_run`).  Exit status: 0 when every
+routing) one training step runs on fake tensors (`moevlm.plan.dry_run`); each collective's group is
+reported with its size, its link and its bytes on the wire (`comm_groups`).  Exit status: 0 when every
 rank fits the GPU, 9 when one does not, 2 for a config error (`moevlm.train.exit_codes`).
 
 `--search` ranks the layouts of the job on `--world` GPUs instead (`moevlm.plan.search`: the
 candidate space, the extrapolated dry runs, the step time model and what overlaps): the top
 `--top` that fit, then every other candidate grouped by the reason it was left out.  `--only
 FIELD=V1,V2` sets the values a field of the space takes (tp, cp, pp, vpp, ep, etp, dp_mode,
-recompute, micro_batch_size; repeatable), `--full-space` searches the whole space rather than the
+recompute, micro_batch_size, dp_replicate (a number, or nodes: one HSDP replica per NVLink domain);
+repeatable), `--full-space` searches the whole space rather than the
 default reduction.  Exit status: 0 when a layout fits, 9 when none does.
 """
 
@@ -57,6 +60,7 @@ def make_plan(job, world: int, gpu_name: str) -> dict:
     for rank in role_ranks(plan):
         r = dry_run(job, world=world, rank=rank).as_dict()
         r["fits"] = device.fits(r["peak_bytes"])
+        r["comm_groups"] = comm_groups(r["comm_bytes"], plan.dims, device, rank)
         ranks.append(r)
     return {
         "world": world,
@@ -71,6 +75,24 @@ def make_plan(job, world: int, gpu_name: str) -> dict:
         "fits": all(r["fits"] for r in ranks),
         "ranks": ranks,
     }
+
+
+def comm_groups(comm_bytes: dict, dims, device, rank: int = 0) -> dict:
+    """Per group of `comm_bytes`: its size (`ranks`), its link (`nvlink` or `network`, as the search's
+    time model takes it) and per collective the bytes one GPU sends on the wire
+    (`moevlm.plan.search.wire_bytes`).  The groups are rank 0's (a later stage's have the same size)."""
+    from moevlm.plan.search import _group_ranks, link_gbps, wire_bytes
+
+    out = {}
+    for group, kinds in comm_bytes.items():
+        n = len(_group_ranks(group, dims))
+        link = "nvlink" if link_gbps(group, dims, device) == device.nvlink_gbps else "network"
+        out[group] = {
+            "ranks": n,
+            "link": link,
+            "wire_bytes": {k: wire_bytes(k, b, n) for k, b in kinds.items()},
+        }
+    return out
 
 
 def format_plan(out: dict) -> str:
@@ -109,12 +131,19 @@ def format_plan(out: dict) -> str:
             )
     for r in out["ranks"]:
         lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
-        lines += ["| group | collective | GiB per step |", "|---|---|---:|"]
+        lines += [
+            "| group | ranks | link | collective | GiB per step | wire GiB per GPU |",
+            "|---|---:|---|---|---:|---:|",
+        ]
         for group, kinds in r["comm_bytes"].items():
+            info = r["comm_groups"][group]
             for kind, b in kinds.items():
-                lines.append(f"| {group} | {kind} | {b / GiB:.3f} |")
+                lines.append(
+                    f"| {group} | {info['ranks']} | {info['link']} | {kind} | {b / GiB:.3f} "
+                    f"| {info['wire_bytes'][kind] / GiB:.3f} |"
+                )
         if not r["comm_bytes"]:
-            lines.append("| (none: one rank) | | |")
+            lines.append("| (none: one rank) | | | | | |")
     if out["schedule"]:
         lines += [
             "",

@@ -14,12 +14,14 @@ Design choices:
   1 (1f1b) or, for pp > 1, 2 (interleaved_1f1b); tp in the powers of 2 up to min(8, the GPU's
   NVLink domain); cp in {1, 2}; ep the divisors of the expert count that divide the world; etp 1
   or tp; dp_mode fsdp or ddp; recompute none, selective (the job's model.recompute_modules) or
-  full; micro_batch_size 1 or 2.  Each candidate is the job with these fields set
+  full; micro_batch_size 1 or 2; dp_replicate (HSDP replicas) 1 or "nodes" = world / the NVLink
+  domain (one replica per domain, the shard groups inside it: the one R at which HSDP moves FSDP's
+  gathers off the network; any R can be given with `fields`).  Each candidate is the job with these fields set
   (parallel.world_size = world, dp derived), checked by `validate()`; a refusal is kept as
   "invalid: <its first line>".
 - Reduction, stated because the whole space does not fit in a few minutes of one core (each
-  candidate in reach costs dry runs of one to a few seconds): by default only etp 1, fsdp and
-  micro_batch_size 1 (`NARROWED`; `full_space=True` or `fields` brings them back).  A pipeline
+  candidate in reach costs dry runs of one to a few seconds): by default only etp 1, fsdp,
+  dp_replicate 1 and micro_batch_size 1 (`NARROWED`; `full_space=True` or `fields` brings them back).  A pipeline
   of any micro-batch count costs the same: its dry run steps two short schedules and extrapolates
   (`moevlm.plan.dry_run`).
 - Memory and collectives come from dry runs (`moevlm.plan.dry_run`) of pp rank 0, the rank that
@@ -56,7 +58,8 @@ Design choices:
   is the peer's send, not counted twice (`wire_bytes`).  The link is NVLink when rank 0's group of
   that role lies in one NVLink domain (rank order pp x dp x cp x tp, tp fastest), else the
   network (per GPU: each has its own NIC).  All-to-alls, sends and collectives of a group serving
-  tp, cp, etp, cp_tp or pp are exposed (added); the rest (dp, dense, expert, vision: FSDP/DDP) overlap the compute.
+  tp, cp, etp, cp_tp or pp are exposed (added); the rest (dp, dense, expert, vision: FSDP/DDP, and
+  under HSDP their *_shard and *_replicate groups) overlap the compute.
   step_s = max(busy_s, overlapped_comm_s) + exposed_comm_s; tokens/s = global batch x seq_len /
   step_s; mfu = compute_s / step_s (useful FLOPs: recompute and the bubble lower it).  Ranked by
   step_s, ties in enumeration order.
@@ -99,7 +102,10 @@ RECOMPUTE = ("none", "selective", "full")  # less memory, more FLOPs, left to ri
 SCHEDULE = {1: "1f1b", 2: "interleaved_1f1b"}  # vpp -> schedule
 EXPOSED_ROLES = frozenset({"tp", "cp", "etp", "cp_tp", "pp"})
 EXPOSED_KINDS = frozenset({"all_to_all", "send"})
-ATTENTION_ROLES = frozenset({"tp", "cp", "dp", "dense", "vision", "pp", "cp_tp"})
+ATTENTION_ROLES = frozenset(
+    {"tp", "cp", "dp", "dense", "vision", "pp", "cp_tp"}
+    | {"dense_replicate", "dense_shard", "vision_replicate", "vision_shard"}
+)
 MEMORY = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes")
 
 
@@ -117,6 +123,7 @@ class Layout:
     dp_mode: str
     recompute: str
     micro_batch_size: int
+    dp_replicate: int = 1  # HSDP replicas (parallel.dp_replicate); 1 = FSDP over all of dp x cp
 
     @property
     def schedule(self) -> str:
@@ -131,6 +138,7 @@ class Layout:
             f"parallel.ep={self.ep}",
             f"parallel.etp={self.etp}",
             f"parallel.dp_mode={self.dp_mode}",
+            *([f"parallel.dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []),
             f"model.recompute={self.recompute}",
             f"train.micro_batch_size={self.micro_batch_size}",
         ]
@@ -139,9 +147,14 @@ class Layout:
     def label(self) -> str:
         pipe = f"pp{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")
         return (
-            f"tp{self.tp} cp{self.cp} {pipe} ep{self.ep} etp{self.etp} {self.dp_mode} "
+            f"tp{self.tp} cp{self.cp} {pipe} ep{self.ep} etp{self.etp} {self.data_parallel} "
             f"recompute={self.recompute} mbs{self.micro_batch_size}"
         )
+
+    @property
+    def data_parallel(self) -> str:
+        """dp_mode, or `hsdp rR` for R HSDP replicas."""
+        return self.dp_mode if self.dp_replicate == 1 else f"hsdp r{self.dp_replicate}"
 
     def apply(self, job, world: int):
         """A copy of `job` (a JobConfig object) laid out as this candidate on `world` ranks."""
@@ -159,6 +172,7 @@ class Layout:
         p.pp_schedule = SCHEDULE[self.vpp]
         p.pp_layers = "auto"
         p.dp, p.world_size, p.scale_to = -1, world, None
+        p.dp_replicate = self.dp_replicate
         job.model.recompute = self.recompute
         job.train.micro_batch_size = self.micro_batch_size
         return job
@@ -254,7 +268,9 @@ class SearchResult:
 # ------------------------------------------------------------------ the candidates
 # The default search leaves these values out of the full space (module docstring); search's
 # `full_space=True` or `fields` brings them back.
-NARROWED = {"etp": [1], "dp_mode": ["fsdp"], "micro_batch_size": [1]}
+NARROWED = {"etp": [1], "dp_mode": ["fsdp"], "micro_batch_size": [1], "dp_replicate": [1]}
+# "nodes": one HSDP replica per NVLink domain (world / domain replicas, each sharded within a domain)
+NODES = "nodes"
 
 
 def candidate_space(job, world: int, g: Gpu, full: bool = False) -> dict[str, list]:
@@ -273,8 +289,20 @@ def candidate_space(job, world: int, g: Gpu, full: bool = False) -> dict[str, li
         "dp_mode": ["fsdp", "ddp"],
         "recompute": list(RECOMPUTE),
         "micro_batch_size": [1, 2],
+        "dp_replicate": [1, NODES],
     }
-    return space if full else space | NARROWED
+    return resolve_replicas(space if full else space | NARROWED, world, g)
+
+
+def resolve_replicas(space: dict, world: int, g: Gpu) -> dict:
+    """`space` with dp_replicate's "nodes" as a number: world / the NVLink domain (at least 1),
+    without repeats."""
+    values = []
+    for v in space.get("dp_replicate", [1]):
+        v = max(1, world // g.domain) if v == NODES else int(v)
+        if v not in values:
+            values.append(v)
+    return space | {"dp_replicate": values}
 
 
 def candidates(space: dict) -> list[Layout]:
@@ -288,9 +316,12 @@ def candidates(space: dict) -> list[Layout]:
                             for dp_mode in space["dp_mode"]:
                                 for rc in space["recompute"]:
                                     for mbs in space["micro_batch_size"]:
-                                        out.append(
-                                            Layout(tp, cp, pp, vpp, ep, etp, dp_mode, rc, mbs)
-                                        )
+                                        for r in space.get("dp_replicate", [1]):
+                                            out.append(
+                                                Layout(
+                                                    tp, cp, pp, vpp, ep, etp, dp_mode, rc, mbs, r
+                                                )
+                                            )
     return out
 
 
@@ -334,6 +365,7 @@ def _role_ranks(role: str, dims) -> list[int]:
         "expert": g["edp"],
         "dense": g["dp_cp"],
         "vision": list(range(per_stage)),
+        **{name: g[name] for pair in dims.FOLDED.values() for name in pair},
         "cp_tp": list(range(dims.cp * dims.tp)),
     }.get(role)
 
@@ -855,6 +887,7 @@ def search(
     if unknown:
         raise ValueError(f"fields {sorted(unknown)}: the candidate fields are {list(space)}")
     space |= {k: list(v) for k, v in (fields or {}).items()}
+    space = resolve_replicas(space, world, g)
     plans, invalid, layouts = enumerate_layouts(job, world, space)
     order = {lay: i for i, lay in enumerate(layouts)}
     with _quiet_threads(1):
@@ -923,7 +956,7 @@ def format_search(result: SearchResult) -> str:
     for i, e in enumerate(r.top, 1):
         a = e.layout
         lines.append(
-            f"| {i} | {a.tp} | {a.cp} | {a.pp} | {a.vpp} | {a.ep} | {a.etp} | {e.dp} | {a.dp_mode} "
+            f"| {i} | {a.tp} | {a.cp} | {a.pp} | {a.vpp} | {a.ep} | {a.etp} | {e.dp} | {a.data_parallel} "
             f"| {a.recompute} | {a.micro_batch_size} | {e.grad_accum} | {_gib(e.peak_bytes)} "
             f"| {_s(e.compute_s)} | {_s(e.busy_s)} | {_s(e.exposed_comm_s)} "
             f"| {_s(e.overlapped_comm_s)} | {_s(e.step_s)} | {e.tokens_per_s:,.0f} "

@@ -117,14 +117,15 @@ def _divisors(dp_mode: str, dims: ParallelDims, cfg: VLMConfig) -> dict[str, int
     weights over dp x cp (after TP's split) and the experts over edp (after EP's and ETP's); DDP keeps
     them whole per rank.  TP splits attention q/o, the dense MLP, the embedding and the LM head, and
     k/v when there are at least tp kv heads; norms and the router stay whole per tp rank.  The vision
-    tower is not tensor parallel; FSDP shards it over dp x cp x tp."""
-    shard = dims.dp * dims.cp if dp_mode == "fsdp" else 1
+    tower is not tensor parallel; FSDP shards it over dp x cp x tp.  HSDP (parallel.dp_replicate = R)
+    shards within a replica only: over dp/R instead of dp, edp/R instead of edp."""
+    shard = dims.dp_shard * dims.cp if dp_mode == "fsdp" else 1
     return {
         "tp": dims.tp * shard,
         "kv": (dims.tp if cfg.text.num_kv_heads >= dims.tp else 1) * shard,
         "whole": shard,
         "vision": dims.tp * shard if dp_mode == "fsdp" else 1,
-        "experts": dims.ep * dims.etp * (dims.edp if dp_mode == "fsdp" else 1),
+        "experts": dims.ep * dims.etp * (dims.edp_shard if dp_mode == "fsdp" else 1),
     }
 
 

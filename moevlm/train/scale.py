@@ -23,6 +23,8 @@ Design choices:
 - ep shrinks only when it must: the largest ep <= the recipe's that divides
   the model's experts and whose ep x etp divides the ranks of a pipeline stage
   (tp x cp x dp), so expert parallelism stays exercised wherever it can.
+- HSDP replicas (parallel.dp_replicate) shrink last, to the largest divisor of
+  the recipe's that divides the scaled dp and edp (1 when none does: FSDP).
 - The batch: micro_batch_size from the CPU settings; micro-batches per step
   2 x pp x vpp under a pipeline (every torch schedule's rule holds: 1f1b >= pp,
   dualpipev >= 2 pp, interleaved a multiple of pp; two per stage reach the
@@ -95,6 +97,15 @@ def scale_down(job, launched: int, build_model) -> list[str]:
         or [p.ep]
     )  # none fits: ParallelDims says why
     p.dp, p.world_size = dp, dp * stage
+    # HSDP replicas: the recipe's, or its largest divisor that still divides dp and edp
+    edp = p.tp * p.cp * dp // (p.ep * p.etp)
+    recipe["dp_replicate"] = p.dp_replicate
+    if p.dp_replicate > 1:
+        p.dp_replicate = max(
+            r
+            for r in range(1, p.dp_replicate + 1)
+            if p.dp_replicate % r == 0 and dp % r == 0 and edp % r == 0
+        )
     micro = 2 * stages if p.pp > 1 else 2
     t.global_batch_size = t.micro_batch_size * dp * micro
     job.data.streams = (
@@ -142,7 +153,13 @@ def _report(job, s: int, recipe: dict, micro: int) -> str:
     return (
         f"scale (parallel.scale_to={s}): {SCALE_PRESET} model on {p.world_size} process"
         f"{'es' if p.world_size > 1 else ''}: world_size {was(p.world_size, recipe['world'])}, "
-        f"dp {was(p.dp, recipe['dp'])}, ep {was(p.ep, recipe['ep'])}{layers}; global_batch_size "
+        f"dp {was(p.dp, recipe['dp'])}, ep {was(p.ep, recipe['ep'])}"
+        + (
+            f", dp_replicate {was(p.dp_replicate, recipe['dp_replicate'])}"
+            if recipe["dp_replicate"] > 1
+            else ""
+        )
+        + f"{layers}; global_batch_size "
         f"{t.global_batch_size} ({micro} micro-batches x {t.micro_batch_size} row x dp {p.dp}), data.streams "
         f"{job.data.streams}; kept {kept}"
     )

@@ -408,6 +408,15 @@ class ParallelConfig:
             "updated weights host->device"
         },
     )
+    dp_replicate: int = field(
+        default=1,
+        metadata={
+            "help": "HSDP: the data-parallel ranks as dp_replicate replicas x shard groups (FSDP2 on a 2-D mesh); "
+            "weights, gradients and optimizer state sharded over dp/dp_replicate x cp (experts over "
+            "edp/dp_replicate) within a replica, gradients all-reduced across replicas (the outer ranks, "
+            "across nodes); 1 = FSDP over all of dp x cp. Must divide dp and edp; needs dp_mode=fsdp"
+        },
+    )
     pp_schedule: str = field(
         default="1f1b",
         metadata={

@@ -104,7 +104,24 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     )
     for check in environment_checks(job) if environment else ():
         run(check)
-    dims = run(ParallelDims, world_size, tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, ep=p.ep, etp=p.etp)
+    run(
+        _check,
+        p.dp_replicate == 1 or p.dp_mode == "fsdp",
+        f"parallel.dp_replicate={p.dp_replicate} needs parallel.dp_mode=fsdp: ddp already replicates every "
+        "weight on every data rank (it is all replicate, nothing sharded); use dp_mode=fsdp for HSDP or "
+        "set parallel.dp_replicate=1",
+    )
+    dims = run(
+        ParallelDims,
+        world_size,
+        tp=p.tp,
+        cp=p.cp,
+        pp=p.pp,
+        dp=p.dp,
+        ep=p.ep,
+        etp=p.etp,
+        dp_replicate=p.dp_replicate,
+    )
     model = run(model_config, job.model)
     if dims is not None and model is not None:
         run(dims.check_model, model)

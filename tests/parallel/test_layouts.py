@@ -15,7 +15,9 @@ launch per world size.
 
 Two world-4 entries also check checkpoints: one saves after step 1 and a new
 Trainer resumes (same layout), the next resumes that checkpoint under another
-layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  Both run the router
+layout (tp4 ep4 etp1 DDP from etp2 FSDP: DCP resharding).  Likewise an HSDP
+entry (parallel.dp_replicate=2) saves and resumes, and its checkpoint resumes
+under FSDP and under DDP.  Both run the router
 balancing options of `ROUTER_OPTIONS["global"]` (global-batch loss, expert bias,
 z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
 step 2 to match.  Two world-2 entries run `parallel.optimizer_offload=true`: FSDP2's CPU offload
@@ -374,6 +376,18 @@ WORLD_4 = [
             "FROM=w4_4",
         ],
     ),
+    # HSDP: dense and vision weights (replicate 2 x shard 2), experts edp 2 = (replicate 2 x shard 1);
+    # its step-1 checkpoint then resumes under FSDP (ep 4, with the optimizer offloaded: FSDP2's CPU
+    # policy reading (Replicate, Shard) placements into host shards) and under DDP (tp 2): DCP resharding
+    ["parallel.dp_replicate=2", "parallel.ep=2", "model.dispatcher=alltoall", "RESUME"],
+    ["parallel.ep=4", "model.dispatcher=alltoall", "parallel.optimizer_offload=true", "FROM=w4_6"],
+    [
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "parallel.dp_mode=ddp",
+        "model.dispatcher=alltoall",
+        "FROM=w4_6",
+    ],
 ]
 
 

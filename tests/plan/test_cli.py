@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from moevlm.plan.__main__ import main, parse_only
+import pytest
+
+from moevlm.plan.__main__ import format_plan, main, parse_only
 from moevlm.train.exit_codes import ExitCode
 
 TINY = ["train.global_batch_size=4", "data.streams=2"]
@@ -49,3 +51,55 @@ def test_search_ranks_the_layouts_of_the_space_it_is_given(capsys):
     assert "expected FIELD=V1,V2" in capsys.readouterr().err
     assert main([*TINY, "--world", "2", "--search", "--only", "zz=1"]) == ExitCode.CONFIG
     assert "the candidate fields are" in capsys.readouterr().err
+
+
+def test_a_plan_under_hsdp_shards_within_replicas_and_reports_its_groups(capsys):
+    """dp_replicate 2 on 4 ranks: parameters, gradients and optimizer state sharded over 2, not 4
+    (twice FSDP's bytes); FSDP's collectives on the shard groups of 2, the gradients' all-reduce
+    across the 2 replicas; each group reported with its size and its bytes on the wire."""
+    plans = {}
+    for r in (1, 2):
+        argv = ["train.global_batch_size=4", "data.streams=4", "--world", "4", "--json"]
+        assert main([*argv, f"parallel.dp_replicate={r}"]) == ExitCode.OK
+        plans[r] = json.loads(capsys.readouterr().out)
+    text = format_plan(plans[2])  # the table the command prints without --json
+    (fsdp,), (hsdp,) = plans[1]["ranks"], plans[2]["ranks"]
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert hsdp[key] == pytest.approx(2 * fsdp[key], rel=0.01), key
+    groups = hsdp["comm_groups"]
+    shard = next(k for k in groups if "dense_shard" in k.split("/"))
+    replicas = next(k for k in groups if "dense_replicate" in k.split("/"))
+    assert groups[shard]["ranks"] == groups[replicas]["ranks"] == 2
+    assert set(hsdp["comm_bytes"][replicas]) == {"all_reduce"}
+    # ring all-reduce over 2: 2 (n - 1) / n = 1 x what a rank puts in
+    assert (
+        groups[replicas]["wire_bytes"]["all_reduce"] == hsdp["comm_bytes"][replicas]["all_reduce"]
+    )
+    fsdp_group = next(k for k in fsdp["comm_groups"] if "dense" in k.split("/"))
+    assert fsdp["comm_groups"][fsdp_group]["ranks"] == 4
+    assert not any("replicate" in k for k in fsdp["comm_bytes"])
+    assert (
+        "dp 4 (replicate 2 x shard 2)" in text
+        and "| dense_shard | 2 | nvlink | all_gather |" in text
+    )
+    # a search given the replicas ranks HSDP beside FSDP
+    only = [
+        f"--only={f}"
+        for f in ("pp=1", "tp=1", "cp=1", "ep=1", "recompute=none", "dp_replicate=1,2")
+    ]
+    assert (
+        main(
+            [
+                "train.global_batch_size=4",
+                "data.streams=4",
+                "--world",
+                "4",
+                "--search",
+                "--json",
+                *only,
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert sorted(e["layout"]["dp_replicate"] for e in result["top"]) == [1, 2]

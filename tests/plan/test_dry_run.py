@@ -46,11 +46,13 @@ def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute)
 
 
 # Layouts of 4 ranks checked in one gloo launch: FSDP with tensor and expert parallelism, pipeline
-# stages over data parallelism, DDP with experts over all ranks.
+# stages over data parallelism, DDP with experts over all ranks, HSDP (2 replicas x 2 shards, the
+# all-gathers and reduce-scatters on the shard groups, the all-reduces on the replica groups).
 LAYOUTS = {
     "fsdp_tp2_ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.dp_mode=fsdp"],
     "pp2_dp2": ["parallel.pp=2", "parallel.dp_mode=fsdp"],
     "ddp_ep4": ["parallel.ep=4", "parallel.dp_mode=ddp"],
+    "hsdp_r2": ["parallel.dp_replicate=2", "parallel.dp_mode=fsdp"],
 }
 
 
@@ -101,6 +103,22 @@ def test_four_rank_layouts_bytes_and_collectives_equal_the_real_run(tmp_path):
                 plan.peak_bytes,
                 real["peak_bytes"],
             )
+    # HSDP: FSDP's gathers and reduce-scatters on the shard groups, the gradients' all-reduce on the
+    # replica groups, nothing left on the whole dp x cp group (it serves only the step's scalars)
+    comm = json.loads((tmp_path / "hsdp_r2.0.json").read_text())["comm_bytes"]
+    shard = next(v for k, v in comm.items() if "dense_shard" in k.split("/"))
+    replica = next(v for k, v in comm.items() if "dense_replicate" in k.split("/"))
+    assert shard["all_gather"] > 0 and shard["reduce_scatter"] > 0 and "all_reduce" not in shard
+    assert set(replica) == {"all_reduce"} and replica["all_reduce"] > 0
+    # the all-reduce carries the reduce-scatter's output: 1/2 of its input (shard groups of 2)
+    replicated = sum(
+        v.get("all_reduce", 0)
+        for k, v in comm.items()
+        if any(role.endswith("_replicate") for role in k.split("/"))
+    )
+    assert replicated == pytest.approx(
+        sum(v.get("reduce_scatter", 0) for v in comm.values()) / 2, rel=0.01
+    ), comm
 
 
 def test_micro_batches_not_run_are_extrapolated_exactly(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 from omegaconf import OmegaConf
@@ -20,11 +21,13 @@ from moevlm.plan.search import (
     NARROWED,
     Extrapolator,
     Layout,
+    _group_ranks,
     candidate_space,
     enumerate_layouts,
     format_search,
     is_exposed,
     link_gbps,
+    resolve_replicas,
     search,
 )
 from moevlm.train.config import compose_job
@@ -128,6 +131,37 @@ def test_link_classes_and_exposure():
     assert link_gbps("dp/dense/vision", dims, g) == g.network_gbps
     assert is_exposed("ep", "all_to_all") and is_exposed("tp", "all_gather")
     assert is_exposed("pp", "send") and not is_exposed("dp/dense/vision/ep", "all_gather")
+
+
+def test_hsdp_replicas_in_the_space_layout_and_links():
+    """dp_replicate: "nodes" resolves to one replica per NVLink domain, the default search leaves
+    replicas out, a layout with replicas sets parallel.dp_replicate, and under HSDP the shard group
+    stays inside a domain while the replicas cross the network."""
+    job = tiny_job()
+    g = small_gpu(1)  # NVLink domains of 2: world 4 is two "nodes"
+    assert candidate_space(job, WORLD, g, full=True)["dp_replicate"] == [1, 2]
+    assert candidate_space(job, WORLD, g)["dp_replicate"] == [1] == NARROWED["dp_replicate"]
+    assert resolve_replicas({"dp_replicate": ["nodes", 2, 1]}, WORLD, g)["dp_replicate"] == [2, 1]
+    assert resolve_replicas({"dp_replicate": ["nodes"]}, 2, g)["dp_replicate"] == [1]
+    hsdp = Layout(1, 1, 1, 1, 1, 1, "fsdp", "none", 1, dp_replicate=2)
+    assert "parallel.dp_replicate=2" in hsdp.overrides() and "hsdp r2" in hsdp.label()
+    assert not any("dp_replicate" in o for o in replace(hsdp, dp_replicate=1).overrides())
+    dims = validate(hsdp.apply(job, WORLD), WORLD, environment=False).dims
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
+    g0 = dims.groups(0)
+    for role in (
+        "dense_shard",
+        "dense_replicate",
+        "vision_shard",
+        "expert_shard",
+        "expert_replicate",
+    ):
+        assert _group_ranks(role, dims) == g0[role]
+    assert link_gbps("dense_shard", dims, g) == link_gbps("vision_shard", dims, g) == g.nvlink_gbps
+    assert link_gbps("dense_replicate/vision_replicate", dims, g) == g.network_gbps
+    assert link_gbps("dp/dense/vision", dims, g) == g.network_gbps  # FSDP's group without replicas
+    assert not is_exposed("dense_replicate/vision_replicate", "all_reduce")
+    assert not is_exposed("expert_shard", "all_gather")
 
 
 # A space small enough for the tests: pp 1, tp 1/2 (8: invalid on 4 ranks, no dry run), ep 1/2,

@@ -169,6 +169,13 @@ def test_sharded_estimates_divide_each_part_by_its_sharding():
     # tp=2 (dp=1): TP halves attention, embedding and head; norms and router stay whole; FSDP shards the
     # vision tower and (edp=2) the experts over both ranks
     assert est(["parallel.tp=2"], 2) == (total - whole_per_tp) / 2 + whole_per_tp
+    # HSDP, 2 replicas of 4 (experts edp 8 = 2 x 4): everything sharded over 4 ranks, not 8
+    assert est(["parallel.dp_replicate=2", "train.global_batch_size=8"], 8) == total / 4
+    # tp 2 x dp 4 as 2 replicas x 2: TP-split weights over tp 2 x shard 2, the tp-whole norms and
+    # router over the shard 2 only (FSDP: 8 and 4), the experts over edp 8 / 2 replicas
+    assert est(
+        ["parallel.tp=2", "parallel.dp_replicate=2", "train.global_batch_size=8"], 8
+    ) == pytest.approx((total - whole_per_tp) / 4 + whole_per_tp / 2)
     assert vision > 0 and experts > 0
 
 

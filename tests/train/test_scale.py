@@ -91,6 +91,19 @@ def test_gb200_3d_and_gb200_fsdp_scaled():
     assert jobs[0] == jobs[1]
 
 
+def test_hsdp_replicas_shrink_to_what_the_scaled_layout_divides():
+    """A recipe with HSDP replicas keeps them where the scaled dp and edp allow, else fewer."""
+    base = ["+experiment=h100_fsdp", "parallel.world_size=64", "+scale=cpu"]
+    # ep 4 -> edp 2 at 8 ranks: 8 replicas become 2
+    job = compose_job([*base, "parallel.dp_replicate=8", "parallel.ep=4"])
+    plan = validate(job, 8)
+    assert (plan.dims.dp, plan.dims.edp, plan.dims.dp_replicate) == (8, 2, 2)
+    assert "dp_replicate 8->2" in plan.notes[0]
+    # ep 8 leaves edp 1: no replica fits, plain FSDP
+    plan = validate(compose_job([*base, "parallel.dp_replicate=8"]), 8)
+    assert plan.dims.dp_replicate == 1 and "dp_replicate 8->1" in plan.notes[0]
+
+
 def test_scale_before_the_experiment_and_a_shape_too_big_are_refused():
     with pytest.raises(ConfigError, match=r"put \+scale=cpu after \+experiment=NAME"):
         validate(compose_job(["+scale=cpu", "+experiment=h100_fsdp"]), 8)
