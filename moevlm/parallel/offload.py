@@ -109,6 +109,17 @@ _INSIDE_RECOMPUTE = {
 }
 
 
+# the CUDA-graph scopes (moevlm.parallel.cuda_graphs) each offload scope contains or shares code with
+GRAPH_OVERLAPS = {
+    "layer_input": ("attn", "moe_router", "moe_preprocess", "full_layer"),
+    "core_attn": ("attn", "full_layer"),
+    "mlp": ("full_layer",),
+    "moe_act": ("full_layer",),
+    "moe": ("moe_router", "moe_preprocess", "full_layer"),
+    "vision": (),
+}
+
+
 def offload_setting(model_cfg) -> tuple[str, ...]:
     """The job's `model.offload_modules`."""
     return tuple(getattr(model_cfg, "offload_modules", None) or ())

@@ -223,8 +223,9 @@ class SavedBytes:
 
     @property
     def offloaded_storage_bytes(self) -> int:
-        """Bytes of the distinct device storages something was offloaded from."""
-        seen = {k[0]: t for k, (t, _) in self._offloaded.items()}
+        """Bytes of the distinct device storages something was offloaded from and nothing else holds
+        (what offloading freed on the device)."""
+        seen = {k[0]: t for k, (t, _) in self._offloaded.items() if k[0] not in self._held}
         return sum(t.untyped_storage().nbytes() for t in seen.values())
 
     def offload(self, t: torch.Tensor, host: torch.Tensor) -> None:

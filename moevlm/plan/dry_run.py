@@ -95,6 +95,7 @@ def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
 def _build(job, plan, device_type: str, bf16: bool):
     """The trainer's model build for this rank (moevlm.train.trainer.Trainer._parallel_model_on_meta)."""
     from moevlm.parallel.build import build_model
+    from moevlm.parallel.offload import offload_setting
     from moevlm.parallel.recompute import recompute_setting
 
     p, m = job.parallel, job.model
@@ -106,6 +107,7 @@ def _build(job, plan, device_type: str, bf16: bool):
         bf16=bf16,
         pipeline=plan.pipeline,
         recompute=recompute_setting(m),
+        offload=offload_setting(m),
         cp_comm=p.cp_comm,
         ep_overlap=p.ep_overlap,
         cuda_graph_scope=(),
