@@ -89,6 +89,19 @@ def format_plan(out: dict) -> str:
             f"{g(r['optimizer_bytes'])} | {g(r['activation_peak_bytes'])} | {g(r['peak_bytes'])} | "
             f"{'yes' if r['fits'] else 'NO'} |"
         )
+    if any(r.get("offload_bytes") for r in out["ranks"]):
+        lines += [
+            "",
+            "activation offload (model.offload_modules): the peaks above count what stays on the device; "
+            "the offloaded activations are in host memory",
+            "",
+            "| rank | copied to host per step GiB | host memory GiB (pinned) |",
+            "|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['rank']} | {g(r['offload_bytes'])} | {g(r['offload_host_bytes'])} |"
+            for r in out["ranks"]
+        ]
     for r in out["ranks"]:
         lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
         lines += ["| group | collective | GiB per step |", "|---|---|---:|"]

@@ -24,6 +24,12 @@ Design choices:
   peak less the parameters, the gradients and the optimizer state: activations and temporaries
   (FSDP's unsharded weights, communication buffers) with the gradients counted whole, as they are
   from the second micro-batch on.
+- Activation offload (`model.offload_modules`, moevlm/parallel/offload.py) runs as on the GPU: its
+  host copies are made while the tracker is told they are host memory (`allocating_host`), so they
+  leave the device peak, and the device storages they replace are freed at the scope's exit (on a
+  GPU: once the copy has read them, a little later); the prefetched scope in backward is on the
+  device again, as it is there.  `offload_bytes` = bytes copied to the host per step (and back),
+  `offload_host_bytes` = the most host memory they hold at once (per rank; pinned on a GPU).
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class RankPlan:
     peak_bytes: int
     comm_bytes: dict = field(default_factory=dict)  # group role -> collective -> bytes per step
     seconds: float = 0.0
+    offload_bytes: int = 0  # activation bytes copied to the host per step (model.offload_modules)
+    offload_host_bytes: int = 0  # the most host memory those copies hold at once
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -158,14 +166,17 @@ def dry_run(
     M, p = plan.grad_accum, plan.pipeline
     if p is None:
         run = M if every_micro_batch else min(M, 2)
-        sizes, peak, comm = _step(job, plan, world, rank, bf16, run)
+        sizes, peak, comm, host = _step(job, plan, world, rank, bf16, run)
         comm_bytes = comm.as_dict({"micro-batches": M / run})
+        # the host copies are made per micro-batch and freed by its backward
+        offload = round(host.host_total_bytes * M / run), host.host_peak_bytes
     else:
         m1 = 2 * p.pp * p.vpp  # past the warm-up (pp x vpp deep) on every stage
         m2 = m1 + p.pp
         if every_micro_batch or M <= m2:
-            sizes, peak, comm = _step(job, plan, world, rank, bf16, M)
+            sizes, peak, comm, host = _step(job, plan, world, rank, bf16, M)
             comm_bytes = comm.as_dict()
+            offload = host.host_total_bytes, host.host_peak_bytes
         else:
             runs = []
             for m in (m1, m2):
@@ -173,10 +184,17 @@ def dry_run(
                     plan, pipeline=dataclasses.replace(p, microbatches=m), grad_accum=m
                 )
                 runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
-            (_, peak1, c1), (sizes, peak2, c2) = runs
+            (_, peak1, c1, h1), (sizes, peak2, c2, h2) = runs
             # past the warm-up the peak still grows by what the schedule keeps per micro-batch
             # (torch's receive buffers and the losses of each): linear in M too
             peak = round(peak1 + (peak2 - peak1) * (M - m1) / (m2 - m1))
+            offload = tuple(
+                round(a + (b - a) * (M - m1) / (m2 - m1))
+                for a, b in (
+                    (h1.host_total_bytes, h2.host_total_bytes),
+                    (h1.host_peak_bytes, h2.host_peak_bytes),
+                )
+            )
             comm_bytes = _extrapolate(c1.as_dict(), c2.as_dict(), m1, m2, M)
     return RankPlan(
         rank=rank,
@@ -186,6 +204,8 @@ def dry_run(
         peak_bytes=peak,
         comm_bytes=comm_bytes,
         seconds=time.perf_counter() - t0,
+        offload_bytes=offload[0],
+        offload_host_bytes=offload[1],
     )
 
 
@@ -215,7 +235,8 @@ def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
 
 def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_batches=None):
     """`run` micro-batches of the trainer's step on fake tensors: (bytes of parameters, gradients and
-    optimizer state; the steady-state peak; the CollectiveCounter).  `step_micro_batches`: the step's
+    optimizer state; the steady-state peak; the CollectiveCounter; the StorageTracker, whose host_*
+    fields count the activation offload's host copies).  `step_micro_batches`: the step's
     real count, for the loss normalisation (default `plan.grad_accum`)."""
     from moevlm.model.objective import objective
     from moevlm.parallel.build import materialize_
@@ -303,7 +324,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                 "optimizer_bytes": _bytes(state),
             }
             peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
-    return sizes, peak, comm
+    return sizes, peak, comm, mem
 
 
 def _decide_static_vote(schedule) -> None:

@@ -330,6 +330,15 @@ WORLD_2 = [
         "forced",
         ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
     ),
+    # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
+    # core attention's checkpoint inputs, each layer's input and the MoE blocks' tensors go to host
+    # copies and come back
+    [
+        "parallel.tp=2",
+        "model.recompute=selective",
+        "model.recompute_modules=[core_attn]",
+        "model.offload_modules=[layer_input,core_attn,moe]",
+    ],
 ]
 WORLD_4 = [
     ["parallel.ep=4", "model.dispatcher=alltoall"],
