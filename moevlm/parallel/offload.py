@@ -232,7 +232,10 @@ def _host_buffer(t: torch.Tensor, pin: bool) -> torch.Tensor:
 # ------------------------------------------------------------------ state, groups, entries
 class OffloadState:
     """Shared by every `Offload` of a model: the run's device type, the side streams, the open chains,
-    and (with `timing`) CUDA timing events of every copy for tests and benchmarks."""
+    and (with `timing`, CUDA) timing events for tests and benchmarks: `events` holds
+    (kind, scope call, start, end) with kind `d2h` / `h2d` (a copy, on the side stream), `exit` (the
+    scope's forward ended, on the compute stream) or `need` (backward first needs the scope's
+    tensors, on the compute stream; start = end); scope calls are numbered in forward order."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type
@@ -240,7 +243,8 @@ class OffloadState:
         self._streams: dict[int, Any] = {}
         self._tails: dict[int, tuple["_Group", set[int]]] = {}  # chain -> (last group, regions in it)
         self.timing = False
-        self.events: list[tuple[str, Any, Any]] = []  # (d2h | h2d, start, end) with `timing`
+        self.events: list[tuple[str, int, Any, Any]] = []
+        self.calls = 0  # scope calls opened (numbers them)
 
     def side_stream(self, device: torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -254,11 +258,19 @@ class OffloadState:
             tail, seen = None, set()
         seen.add(id(region))
         group = _Group(self, region, args, tail)
+        group.serial, self.calls = self.calls, self.calls + 1
         self._tails[region.chain] = (group, seen)
         return group
 
+    def mark(self, device: torch.device, kind: str, serial: int) -> None:
+        """With `timing` on CUDA: an event on the compute stream now."""
+        if self.cuda and self.timing:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(device))
+            self.events.append((kind, serial, ev, ev))
+
     @contextlib.contextmanager
-    def copying(self, device: torch.device, kind: str):
+    def copying(self, device: torch.device, kind: str, serial: int):
         """A copy's stream (CUDA: the side stream, timed with `timing`); nothing on the CPU."""
         if not self.cuda:
             yield None
@@ -272,7 +284,7 @@ class OffloadState:
             if start is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(side)
-                self.events.append((kind, start, end))
+                self.events.append((kind, serial, start, end))
 
 
 class _Entry:
@@ -327,6 +339,7 @@ class _Group:
         self.loaded = False  # its own tensors copied back
         self.prefetched = False  # the previous scope's copy started
         self.event = None
+        self.serial = 0
         inputs = list(_tensors(args))
         self.keep_ptrs = {_ptr(t) for t in inputs if not t.requires_grad}
         # layer_input: only the storage of the scope's first input, the one carrying the gradient (h)
@@ -363,22 +376,30 @@ class _Group:
         """At the scope's exit: offload every pending storage but the outputs'."""
         pending, self.pending = self.pending, None
         out_ptrs = {_ptr(t) for t in _tensors(out)}
+        moving = []
         for entry in pending.values():
             self.entries.append(weakref.ref(entry))
             if _ptr(entry.base) in out_ptrs:
                 entry.kept = True
                 for meter in _METERS:
                     meter.hold((entry.base,))
-                continue
-            span = entry.span()
-            host = _host_buffer(span, pin=self.state.cuda)
-            with self.state.copying(entry.device, "d2h") as side:
+            else:
+                moving.append(entry)
+        if not moving:
+            return
+        device = moving[0].device
+        self.state.mark(device, "exit", self.serial)
+        hosts = [_host_buffer(e.span(), pin=self.state.cuda) for e in moving]
+        with self.state.copying(device, "d2h", self.serial) as side:
+            if side is not None:  # after the producers, on the compute stream
+                side.wait_stream(torch.cuda.current_stream(device))
+            for entry, host in zip(moving, hosts):
                 if side is not None:
-                    side.wait_stream(torch.cuda.current_stream(entry.device))
-                    host.copy_(span, non_blocking=True)
-                    entry.base.record_stream(side)
+                    host.copy_(entry.span(), non_blocking=True)
+                    entry.base.record_stream(side)  # its memory stays until the copy has read it
                 else:
-                    host.copy_(span)
+                    host.copy_(entry.span())
+        for entry, host in zip(moving, hosts):
             for meter in _METERS:
                 meter.offload(entry.base, host)
             entry.host, entry.base = host, None
@@ -411,6 +432,8 @@ class _Group:
     def load(self) -> None:
         """Copy this scope's tensors back (once), then start the copy of the scope before it (prefetch:
         one scope ahead, not the whole chain)."""
+        if not self.prefetched and self.state.timing:
+            self.state.mark(torch.device(self.state.device_type), "need", self.serial)
         self._load_own()
         if not self.prefetched:
             self.prefetched = True
@@ -429,15 +452,21 @@ class _Group:
         ]
         if not entries:
             return
-        with self.state.copying(entries[0].device, "h2d") as side:
+        with self.state.copying(entries[0].device, "h2d", self.serial) as side:
             for e in entries:
                 e.device_flat = self._to_device(e, side is not None)
             if side is not None:
                 self.event = side.record_event()
 
-    def _to_device(self, entry: _Entry, non_blocking: bool = False) -> torch.Tensor:
+    def _to_device(self, entry: _Entry, on_side: bool = False) -> torch.Tensor:
+        """The entry's span on its device again: on the side stream (`on_side`, asynchronous), or on the
+        compute stream after the side stream's work (the copy to host) and synchronously."""
+        if self.state.cuda and not on_side:
+            torch.cuda.current_stream(entry.device).wait_stream(
+                self.state.side_stream(entry.device)
+            )
         flat = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=entry.device)
-        return flat.copy_(entry.host, non_blocking=non_blocking)
+        return flat.copy_(entry.host, non_blocking=on_side)
 
 
 # ------------------------------------------------------------------ the region
