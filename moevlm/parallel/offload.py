@@ -35,7 +35,7 @@ Design choices:
   tensor is `record_stream`ed on the compute stream.  The copies overlap the next layers' forward
   and the later layers' backward.  On the CPU the same code runs with no stream: the copies are
   host-to-host and synchronous, so a saved tensor really comes back in a new storage and the
-  numerics of the path are tested (bit-identical to no offload, tests/parallel/test_offload.py).
+  numerics of the path are tested (bit-identical to no offload, tests/parallel/test_activation_offload.py).
 - What stays on the device: tensors of the scope's outputs' storages (the next op saves them
   too: moving them would free nothing), the scope's inputs that need no gradient (the document
   mask, positions, token mask: shared by all layers, alive the whole step), parameters and their
