@@ -241,7 +241,8 @@ class OffloadState:
         self.device_type = device_type
         self.cuda = device_type == "cuda"
         self._streams: dict[int, Any] = {}
-        self._tails: dict[int, tuple["_Group", set[int]]] = {}  # chain -> (last group, regions in it)
+        # chain -> (its last group, the regions that opened in it)
+        self._tails: dict[int, tuple["_Group", set[int]]] = {}
         self.timing = False
         self.events: list[tuple[str, int, Any, Any]] = []
         self.calls = 0  # scope calls opened (numbers them)
