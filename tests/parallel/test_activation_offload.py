@@ -5,8 +5,8 @@ the numbers.
 copies: every offloaded tensor comes back in a new storage): each scope alone, all of them, under
 no recompute, selective recompute and full recompute: the loss and every gradient are bit-identical
 to the same recompute setting without offload (`torch.equal`).
-(b) Saved bytes per scope (`SavedBytes`): the bytes still held on the device fall by exactly the
-device storages offloaded (none held elsewhere), and where the offloaded share is known from the
+(b) Saved bytes per scope (`SavedBytes`, printed per scope with -s): the bytes still held on the
+device fall by exactly the device storages offloaded that no other save holds, and where the offloaded share is known from the
 shapes it is checked against them: `layer_input` offloads each layer's input (B,S,D) once (fp32:
 the input norm saves h; under full recompute the checkpoint's saved input), `core_attn` under
 `core_attn` recompute offloads exactly q, k and v of every attention (the checkpoint's inputs),
@@ -75,6 +75,11 @@ def test_offload_is_bit_identical_and_frees_what_it_moves(setup, recompute):
         # what left the device is exactly the offloaded storages that no other save holds (a vision
         # block's input tapped by a deepstack merger stays), and nothing else changed
         assert 0 < freed == meter.offloaded_storage_bytes, (offload, freed)
+        print(
+            f"recompute {recompute[0]} {','.join(recompute[1])} | offload {','.join(offload)} | on device "
+            f"{ref_meter.bytes} -> {meter.bytes} B | offloaded share {freed / ref_meter.bytes:.1%} | "
+            f"host {meter.offloaded_bytes} B"
+        )
 
 
 def test_layer_input_offloads_each_layer_input_once(setup):
