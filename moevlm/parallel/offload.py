@@ -391,9 +391,11 @@ class _Group:
         device = moving[0].device
         self.state.mark(device, "exit", self.serial)
         hosts = [_host_buffer(e.span(), pin=self.state.cuda) for e in moving]
+        # the compute stream, taken before `copying` makes the side stream current
+        compute = torch.cuda.current_stream(device) if self.state.cuda else None
         with self.state.copying(device, "d2h", self.serial) as side:
             if side is not None:  # after the producers, on the compute stream
-                side.wait_stream(torch.cuda.current_stream(device))
+                side.wait_stream(compute)
             for entry, host in zip(moving, hosts):
                 if side is not None:
                     host.copy_(entry.span(), non_blocking=True)
