@@ -33,7 +33,8 @@ Design choices:
   allocator keeps its memory until the copy has read it; host to device allocates on the side
   stream, records an event, the compute stream waits on that event at the first unpack, and the
   tensor is `record_stream`ed on the compute stream.  The copies overlap the next layers' forward
-  and the later layers' backward.  On the CPU the same code runs with no stream: the copies are
+  and the later layers' backward.  Every stream call goes through `CudaStreams`, which a CPU
+  stand-in replaces in a test to check the calls' order without a GPU.  On the CPU the same code runs with no stream: the copies are
   host-to-host and synchronous, so a saved tensor really comes back in a new storage and the
   numerics of the path are tested (bit-identical to no offload, tests/parallel/test_activation_offload.py).
 - What stays on the device: tensors of the scope's outputs' storages (the next op saves them
@@ -230,6 +231,43 @@ def _host_buffer(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ state, groups, entries
+class CudaStreams:
+    """Every CUDA stream call the offload makes, in one place (tests stand in for it on the CPU to check
+    the order of the calls: tests/parallel/test_activation_offload.py)."""
+
+    pin = True  # host copies in pinned memory
+
+    def __init__(self):
+        self._side: dict[int, Any] = {}
+
+    def current(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def side(self, device: torch.device):
+        """The copies' stream of `device` (one per device)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._side:
+            self._side[index] = torch.cuda.Stream(device=index)
+        return self._side[index]
+
+    def using(self, stream):
+        return torch.cuda.stream(stream)
+
+    def wait_stream(self, waiter, other) -> None:
+        waiter.wait_stream(other)
+
+    def record_stream(self, t: torch.Tensor, stream) -> None:
+        t.record_stream(stream)
+
+    def record_event(self, stream, timing: bool = False):
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)
+
+
 class OffloadState:
     """Shared by every `Offload` of a model: the run's device type, the side streams, the open chains,
     and (with `timing`, CUDA) timing events for tests and benchmarks: `events` holds
@@ -239,19 +277,16 @@ class OffloadState:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self.cuda = device_type == "cuda"
-        self._streams: dict[int, Any] = {}
+        self.streams: CudaStreams | None = CudaStreams() if device_type == "cuda" else None
         # chain -> (its last group, the regions that opened in it)
         self._tails: dict[int, tuple["_Group", set[int]]] = {}
         self.timing = False
         self.events: list[tuple[str, int, Any, Any]] = []
         self.calls = 0  # scope calls opened (numbers them)
 
-    def side_stream(self, device: torch.device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=index)
-        return self._streams[index]
+    @property
+    def cuda(self) -> bool:
+        return self.streams is not None
 
     def open(self, region: "Offload", args) -> "_Group":
         tail, seen = self._tails.get(region.chain, (None, set()))
@@ -266,8 +301,7 @@ class OffloadState:
     def mark(self, device: torch.device, kind: str, serial: int) -> None:
         """With `timing` on CUDA: an event on the compute stream now."""
         if self.cuda and self.timing:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(device))
+            ev = self.streams.record_event(self.streams.current(device), timing=True)
             self.events.append((kind, serial, ev, ev))
 
     @contextlib.contextmanager
@@ -276,16 +310,13 @@ class OffloadState:
         if not self.cuda:
             yield None
             return
-        side = self.side_stream(device)
-        with torch.cuda.stream(side):
-            start = torch.cuda.Event(enable_timing=True) if self.timing else None
-            if start is not None:
-                start.record(side)
+        streams = self.streams
+        side = streams.side(device)
+        with streams.using(side):
+            start = streams.record_event(side, timing=True) if self.timing else None
             yield side
             if start is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(side)
-                self.events.append((kind, serial, start, end))
+                self.events.append((kind, serial, start, streams.record_event(side, timing=True)))
 
 
 class _Entry:
@@ -390,18 +421,17 @@ class _Group:
             return
         device = moving[0].device
         self.state.mark(device, "exit", self.serial)
-        hosts = [_host_buffer(e.span(), pin=self.state.cuda) for e in moving]
+        streams = self.state.streams
+        hosts = [_host_buffer(e.span(), pin=streams is not None and streams.pin) for e in moving]
         # the compute stream, taken before `copying` makes the side stream current
-        compute = torch.cuda.current_stream(device) if self.state.cuda else None
+        compute = streams.current(device) if streams is not None else None
         with self.state.copying(device, "d2h", self.serial) as side:
             if side is not None:  # after the producers, on the compute stream
-                side.wait_stream(compute)
+                streams.wait_stream(side, compute)
             for entry, host in zip(moving, hosts):
-                if side is not None:
-                    host.copy_(entry.span(), non_blocking=True)
-                    entry.base.record_stream(side)  # its memory stays until the copy has read it
-                else:
-                    host.copy_(entry.span())
+                host.copy_(entry.span(), non_blocking=side is not None)
+                if side is not None:  # its memory stays until the copy has read it
+                    streams.record_stream(entry.base, side)
         for entry, host in zip(moving, hosts):
             for meter in _METERS:
                 meter.offload(entry.base, host)
@@ -425,11 +455,12 @@ class _Group:
             entry.unpacked += 1
             if entry.unpacked >= entry.refs:
                 entry.device_flat = None  # autograd holds the views now; freed after their use
-        if self.state.cuda:
-            stream = torch.cuda.current_stream(flat.device)
+        streams = self.state.streams
+        if streams is not None:
+            stream = streams.current(flat.device)
             if self.event is not None:
-                stream.wait_event(self.event)
-            flat.record_stream(stream)
+                streams.wait_event(stream, self.event)
+            streams.record_stream(flat, stream)
         return view.on(flat)
 
     def load(self) -> None:
@@ -459,15 +490,14 @@ class _Group:
             for e in entries:
                 e.device_flat = self._to_device(e, side is not None)
             if side is not None:
-                self.event = side.record_event()
+                self.event = self.state.streams.record_event(side)
 
     def _to_device(self, entry: _Entry, on_side: bool = False) -> torch.Tensor:
         """The entry's span on its device again: on the side stream (`on_side`, asynchronous), or on the
         compute stream after the side stream's work (the copy to host) and synchronously."""
-        if self.state.cuda and not on_side:
-            torch.cuda.current_stream(entry.device).wait_stream(
-                self.state.side_stream(entry.device)
-            )
+        streams = self.state.streams
+        if streams is not None and not on_side:
+            streams.wait_stream(streams.current(entry.device), streams.side(entry.device))
         flat = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=entry.device)
         return flat.copy_(entry.host, non_blocking=on_side)
 

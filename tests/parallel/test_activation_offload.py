@@ -19,6 +19,7 @@ tp2 and pp2 x ep2 run in the layout lists of test_layouts.py and test_pipeline.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -183,6 +184,98 @@ def test_prefetch_loads_one_scope_ahead_and_chains_restart(setup):
     groups.clear()
     model(**batch)
     assert groups[0].prev is None and groups[1].prev is groups[0]
+
+
+class StreamLog:
+    """Stands in for `CudaStreams` on the CPU: the streams are names, every call is logged, so the order
+    of the offload's stream calls (what makes the CUDA copies safe) is checked without a GPU."""
+
+    pin = False
+
+    def __init__(self):
+        self.log, self.now, self.events = [], "compute", 0
+
+    def current(self, device):
+        return self.now
+
+    def side(self, device):
+        return "side"
+
+    @contextlib.contextmanager
+    def using(self, stream):
+        before, self.now = self.now, stream
+        self.log.append(("enter", stream))
+        try:
+            yield
+        finally:
+            self.now = before
+            self.log.append(("exit", stream))
+
+    def wait_stream(self, waiter, other):
+        self.log.append(("wait_stream", waiter, other))
+
+    def record_stream(self, t, stream):
+        self.log.append(("record_stream", stream))
+
+    def record_event(self, stream, timing=False):
+        self.events += 1
+        self.log.append(("record_event", stream, self.events))
+        return self.events
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait_event", stream, event))
+
+
+def _blocks(log):
+    """The calls inside each `using` block: [(first index, calls)]."""
+    out, cur = [], None
+    for i, call in enumerate(log):
+        if call[0] == "enter":
+            cur = (i, [])
+        elif call[0] == "exit":
+            out.append(cur)
+            cur = None
+        elif cur is not None:
+            cur[1].append(call)
+    return out
+
+
+def test_cuda_stream_protocol_on_the_cpu(setup):
+    """The CUDA path's stream calls, in order, with the copies on the CPU (and its numbers): each copy to
+    host waits for the compute stream first and keeps the device tensor's memory for the side stream;
+    each copy back records an event on the side stream, which the compute stream waits for before a
+    tensor is used, and the tensor is kept for the compute stream."""
+    cfg, base, batch = setup
+    ref_loss, ref_grads, *_ = run(base, batch, ("none", ()), ())
+    model = copy.deepcopy(base)
+    state = apply_offload(model, ("layer_input", "core_attn", "moe"), "cpu")
+    state.streams = streams = StreamLog()
+    out = model(**batch)
+    forward = _blocks(streams.log)
+    streams.log.append(("backward",))
+    start = len(streams.log)
+    out.loss.backward()
+    assert torch.equal(out.loss.detach(), ref_loss)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref_grads[n]), n
+    assert len(forward) == state.calls  # one copy block per scope call (each moved something)
+    for _, calls in forward:
+        assert calls[0] == ("wait_stream", "side", "compute"), calls  # after the producers
+        assert calls[1:] and all(c == ("record_stream", "side") for c in calls[1:]), calls
+    back = streams.log[start:]
+    loads = _blocks(back)
+    assert len(loads) == state.calls  # every scope copied back once
+    events = set()
+    for _, calls in loads:
+        assert calls[-1][:2] == ("record_event", "side"), calls  # after its copies
+        events.add(calls[-1][2])
+    outside = [c for c in back if c[0] in ("wait_event", "record_stream") and c[1] == "compute"]
+    waits = [c for c in outside if c[0] == "wait_event"]
+    # every unpack waits for its scope's event, then keeps the tensor for the compute stream
+    assert {c[2] for c in waits} == events
+    assert len(waits) == len([c for c in outside if c[0] == "record_stream"]) > len(events)
+    for c in waits:  # never before the event was recorded
+        assert back.index(("record_event", "side", c[2])) < back.index(c)
 
 
 def test_plain_without_autograd(setup):
