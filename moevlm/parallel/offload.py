@@ -34,14 +34,16 @@ Design choices:
   stream, records an event, the compute stream waits on that event at the first unpack, and the
   tensor is `record_stream`ed on the compute stream.  The copies overlap the next layers' forward
   and the later layers' backward.  Every stream call goes through `CudaStreams`, which a CPU
-  stand-in replaces in a test to check the calls' order without a GPU.  On the CPU the same code runs with no stream: the copies are
-  host-to-host and synchronous, so a saved tensor really comes back in a new storage and the
-  numerics of the path are tested (bit-identical to no offload, tests/parallel/test_activation_offload.py).
+  stand-in replaces in a test to check the calls' order without a GPU.
+- On the CPU the same code runs with no stream: the copies are host-to-host and synchronous, so a
+  saved tensor really comes back in a new storage and the numerics of the path are tested
+  (bit-identical to no offload: tests/parallel/test_activation_offload.py).
 - What stays on the device: tensors of the scope's outputs' storages (the next op saves them
   too: moving them would free nothing), the scope's inputs that need no gradient (the document
   mask, positions, token mask: shared by all layers, alive the whole step), parameters and their
-  views or casts (alive anyway; FSDP re-gathers its own), tensor subclasses (DTensor), tensors not
-  on the run's device, empty ones.
+  views or casts (alive anyway; FSDP re-gathers its own), tensor subclasses (DTensor, a functional
+  collective's AsyncCollectiveTensor: its buffer may still be being written), tensors not on the
+  run's device, empty ones.
 - Per storage, not per tensor: the span of a device storage that a scope's saved tensors cover is
   copied once (x saved by `pow` and by `mul`, the gate and up halves of the SwiGLU input), and each
   saved tensor comes back as a view with its own offset, shape and strides on one new storage.  The
@@ -70,6 +72,8 @@ Design choices:
 - Refused elsewhere (moevlm.train.validate): train.compile (the hooks copy and synchronise streams
   from Python, which a compiled block cannot trace), and CUDA-graph scopes that overlap an offload
   scope (a capture cannot contain host copies and synchronisation).
+- Not run on a GPU in the session that wrote it: tests/gpu/test_offload.py is the check (overlap
+  read from CUDA events, peak memory, numbers).
 """
 
 from __future__ import annotations
