@@ -39,6 +39,10 @@ def test_offload_moves_layer_inputs_to_host_and_lowers_the_device_peak(tmp_path)
     assert on.offload_host_bytes == per_micro_batch  # one micro-batch's, freed by its backward
     # the device peak falls by the offloaded inputs, less the one layer's prefetched back early
     fall = off.peak_bytes - on.peak_bytes
+    print(
+        f"peak {off.peak_bytes} -> {on.peak_bytes} B (fall {fall}), offloaded per micro-batch "
+        f"{per_micro_batch} B, per step {on.offload_bytes} B, host {on.offload_host_bytes} B"
+    )
     assert per_micro_batch - 2 * h_bytes <= fall <= per_micro_batch, (fall, per_micro_batch)
     assert on.params_bytes == off.params_bytes and on.optimizer_bytes == off.optimizer_bytes
     # a real step on the CPU measured the same way
