@@ -185,7 +185,7 @@ def apply_offload(
                 continue
             if isinstance(m._modules.get(slot), Offload) or _inside(name, slot, recomputed):
                 continue
-            m.add_module(slot, Offload(scope, state, m, inner=m._modules.get(slot)))
+            m.add_module(slot, Offload(scope, state, inner=m._modules.get(slot)))
             if slot == "region" and scope != "layer_input":
                 covered |= {id(sub) for sub in m.modules()}
     return state
@@ -292,12 +292,12 @@ class OffloadState:
     def cuda(self) -> bool:
         return self.streams is not None
 
-    def open(self, region: "Offload", args) -> "_Group":
+    def open(self, region: "Offload", args, owner: nn.Module | None = None) -> "_Group":
         tail, seen = self._tails.get(region.chain, (None, set()))
         if id(region) in seen:  # this scope ran already in the chain: the next forward
             tail, seen = None, set()
         seen.add(id(region))
-        group = _Group(self, region, args, tail)
+        group = _Group(self, region, args, tail, owner)
         group.serial, self.calls = self.calls, self.calls + 1
         self._tails[region.chain] = (group, seen)
         return group
@@ -368,8 +368,10 @@ class _View:
 class _Group:
     """The tensors one call of one scope saved, and its place in the prefetch chain."""
 
-    def __init__(self, state: OffloadState, region: "Offload", args, prev: "_Group | None"):
-        self.state, self.region, self.prev = state, region, prev
+    def __init__(
+        self, state: OffloadState, region: "Offload", args, prev: "_Group | None", owner=None
+    ):
+        self.state, self.region, self.prev, self.owner = state, region, prev, owner
         self.pending: dict[tuple, _Entry] | None = {}
         self.entries: list[weakref.ref] = []
         self.loaded = False  # its own tensors copied back
@@ -405,7 +407,8 @@ class _Group:
         if ptr in self.keep_ptrs or _is_param_cast(t):
             return False
         if self._param_ptrs is None:
-            self._param_ptrs = {_ptr(_local(p)) for p in self.region.owner.parameters()}
+            params = () if self.owner is None else self.owner.parameters()
+            self._param_ptrs = {_ptr(_local(p)) for p in params}
         return ptr not in self._param_ptrs
 
     def commit(self, out) -> None:
@@ -511,18 +514,13 @@ class Offload(Region):
     """A scope whose saved activations go to host memory in forward and come back in backward
     (module docstring); wraps the region already at its slot (`inner`: a Recompute) if any."""
 
-    def __init__(self, scope: str, state: OffloadState, owner: nn.Module, inner=None):
+    def __init__(self, scope: str, state: OffloadState, inner=None):
         super().__init__()
         self.scope = scope
         self.chain = 0
         object.__setattr__(self, "state", state)  # shared, not a submodule
-        object.__setattr__(self, "_owner", weakref.ref(owner))  # the module holding the slot
         if inner is not None:
             self.inner = inner
-
-    @property
-    def owner(self) -> nn.Module:
-        return self._owner()
 
     def extra_repr(self) -> str:
         return f"scope={self.scope}"
@@ -532,7 +530,9 @@ class Offload(Region):
         run = fn if inner is None else functools.partial(inner, fn)
         if not torch.is_grad_enabled():
             return run(*args)
-        group = self.state.open(self, args)
+        # the module whose forward this is (a bound method's owner; a plain function has no weights)
+        owner = getattr(fn, "__self__", None)
+        group = self.state.open(self, args, owner if isinstance(owner, nn.Module) else None)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
                 out = run(*args)

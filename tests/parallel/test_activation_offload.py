@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from moevlm.model import Qwen3VLMoe
-from moevlm.parallel.offload import MODULES, Offload, apply_offload, check
+from moevlm.parallel.offload import MODULES, Offload, OffloadState, apply_offload, check
 from moevlm.parallel.recompute import SavedBytes, apply_recompute
 from test_recompute import image_batch, tiny_config
 
@@ -147,8 +147,8 @@ def test_prefetch_loads_one_scope_ahead_and_chains_restart(setup):
     groups = []
     opened = state.open
 
-    def record(region, args):
-        g = opened(region, args)
+    def record(region, args, owner=None):
+        g = opened(region, args, owner)
         groups.append(g)
         return g
 
@@ -278,6 +278,39 @@ def test_cuda_stream_protocol_on_the_cpu(setup):
         assert back.index(("record_event", "side", c[2])) < back.index(c)
 
 
+def test_parameters_views_and_casts_stay_on_the_device():
+    """A scope keeps the weights of the module it runs (a transposed view, a dtype cast: not
+    nn.Parameter objects, as a tensor-parallel shard's local view is not) and moves the activations."""
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return self._forward(x)
+
+        def _forward(self, x):
+            h = x @ self.w.t()  # saves x and a view of w
+            return (
+                (h.double() @ self.w.double()).sin().sum()
+            )  # saves h's and w's casts, sin's input
+
+    mod = Mlp()
+    region = Offload("mlp", OffloadState("cpu"))
+    x = torch.randn(4, 8, requires_grad=True)
+    want = torch.autograd.grad(mod._forward(x), (x, mod.w))
+    with SavedBytes(mod) as meter:
+        y = region(mod._forward, x)
+    got = torch.autograd.grad(y, (x, mod.w))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    moved = {key[0] for key in meter._offloaded}
+    assert x.untyped_storage().data_ptr() in moved  # the activation went
+    assert mod.w.untyped_storage().data_ptr() not in moved  # the weight's view stayed
+    # x (4x8 fp32), h as float64 and sin's input (4x8 float64 each): never w's view or cast
+    assert meter.offloaded_bytes == 4 * 8 * 4 + 2 * 4 * 8 * 8
+
+
 def test_plain_without_autograd(setup):
     cfg, base, batch = setup
     model = copy.deepcopy(base)
@@ -286,7 +319,7 @@ def test_plain_without_autograd(setup):
     groups = []
     state = next(m for m in model.modules() if isinstance(m, Offload)).state
     opened = state.open
-    state.open = lambda r, a: groups.append(r) or opened(r, a)
+    state.open = lambda r, a, o=None: groups.append(r) or opened(r, a, o)
     with torch.no_grad():
         assert torch.equal(model(**batch).loss, want)
     assert not groups
