@@ -126,8 +126,8 @@ def test_model_imports_no_parallelism():
 
 
 def test_built_model_has_no_function_attributes_and_repr_shows_what_runs():
-    """Under every build step that wraps (recompute, CUDA-graph regions), no module instance holds a function of
-    its own; the regions are modules, so `repr(model)` names them."""
+    """Under every build step that wraps (recompute, activation offload, CUDA-graph regions), no module
+    instance holds a function of its own; the regions are modules, so `repr(model)` names them."""
     from moevlm.model import VLMConfig
     from moevlm.parallel import ParallelDims, build_model
 
@@ -137,6 +137,7 @@ def test_built_model_has_no_function_attributes_and_repr_shows_what_runs():
         cfg,
         ParallelDims(1),
         recompute=("selective", ("core_attn", "moe_act", "layernorm")),
+        offload=("core_attn",),
         cuda_graph_scope=("moe_router",),
     )
     for name, m in model.named_modules():
@@ -149,6 +150,7 @@ def test_built_model_has_no_function_attributes_and_repr_shows_what_runs():
     text = repr(model)
     assert (
         "Recompute()" in text
+        and "scope=core_attn" in text
         and "GraphedRegion(moe_router" in text
         and "LocalDispatcher(local" in text
     )

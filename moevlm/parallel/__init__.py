@@ -4,8 +4,9 @@ The model in `moevlm.model` is built without any process group; `build_model` bu
 layout: the strategies its modules receive (tensor + sequence parallel: tensor_parallel.py; context
 parallel: context_parallel.py; expert and expert-tensor parallel: expert_parallel.py, with the
 dispatchers of moevlm.dispatch; the overlapped experts runner: ep_overlap.py), the weight placements,
-recompute (recompute.py), per-block compile (compile.py), FSDP2 or DDP-style data parallel and the
-cross-group gradient clipping (data_parallel.py), CUDA-graph regions (cuda_graphs.py), pipeline
+recompute (recompute.py), activation offload to host memory (offload.py), per-block compile
+(compile.py), FSDP2 or DDP-style data parallel and the cross-group gradient clipping
+(data_parallel.py), CUDA-graph regions (cuda_graphs.py), pipeline
 stages (pipeline_plan.py: the split and the schedule's rules; pipeline.py: stage modules on
 torch.distributed.pipelining); Hugging Face checkpoints in and out of a laid-out model (hf_io.py);
 layout-independent initialisation and unsharded values (weights.py).

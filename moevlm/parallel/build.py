@@ -11,11 +11,13 @@ order, on the meta device:
     pipeline stages     this rank keeps its stages' parts (pipeline.py)
     weight shards       tensor-parallel and expert placements as DTensors
     recompute           Recompute regions (recompute.py)
+    activation offload  Offload regions (offload.py), wrapping a Recompute at the same slot
     FP8                 the chosen modules marked (moevlm.model.fp8)
     compile             per-block torch.compile (compile.py)
     FSDP / DDP          data_parallel.py
     CUDA graphs         GraphedRegion regions (cuda_graphs.py), captured at the first training forward
-    schedule            the pipeline's stages and schedule (pipeline.py)
+    schedule            the pipeline's stages and schedule (pipeline.py); each stage's offload
+                        scopes form their own prefetch chain
 
     model, ctx = build_model(cfg, dims, dp_mode="fsdp", device_type="cuda", bf16=True, dispatcher="alltoall")
     materialize_(model, device, ctx)         # to_empty, through FSDP's pipeline roots
@@ -53,6 +55,7 @@ from moevlm.parallel.data_parallel import GradSync, apply_fsdp
 from moevlm.parallel.ep_overlap import OverlappedRunner, problem
 from moevlm.parallel.expert_parallel import shard_experts
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.offload import OffloadState, apply_offload, set_chains
 from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
 from moevlm.parallel.pipeline_plan import PipelinePlan
 from moevlm.parallel.recompute import apply_recompute
@@ -83,6 +86,7 @@ class ParallelContext:
     # the meshes FSDP2 shards over: dense, vision, expert; 2-D (replicate, shard) under HSDP
     fsdp: dict = field(default_factory=dict)
     cuda_graphs: CudaGraphs | None = None
+    offload: OffloadState | None = None  # the activation offload's streams and chains (None: off)
     fp8_marked: int = 0
     # parallel.optimizer_offload: "fsdp" (FSDP2's CPU offload policy: the shards live on the host),
     # "host" (DDP / one process: the trainer's optimizer keeps host masters), None (off)
@@ -122,6 +126,7 @@ def build_model(
     dispatcher: str | None = None,
     pipeline: PipelinePlan | None = None,
     recompute: tuple[str, tuple[str, ...]] = ("none", ()),
+    offload: tuple[str, ...] = (),
     compile: bool = False,
     compile_mode: str | None = None,
     cp_comm: str = "allgather",
@@ -151,9 +156,11 @@ def build_model(
     if cfg.moe.num_experts and dims.ep * dims.etp > 1:
         shard_experts(model, ctx.meshes[1])
     apply_recompute(model, *recompute)
+    ctx.offload = apply_offload(model, offload, device_type, recompute)
     ctx.fp8_marked = apply_fp8(model, fp8, fp8_modules)
     if dims.pp > 1:
         ctx.pipeline = _pipeline(model, pipeline, ctx)
+        set_chains(ctx.pipeline.modules)
     if compile:  # after the parallelisms (and recompute), before FSDP/DDP
         apply_compile(model, mode=compile_mode, bf16=bf16)
     _data_parallel(model, ctx, bf16)

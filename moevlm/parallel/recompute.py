@@ -44,8 +44,12 @@ Design choices:
   (moevlm/model/flops.py), never from what runs, so recompute is not counted.
 - `SavedBytes` measures, per forward, the distinct storages held for backward:
   what autograd saves outside the regions (`saved_tensors_hooks`), each
-  region's tensor inputs (the checkpoint keeps them to recompute from) and the
-  collective outputs the selective cache keeps; parameters are left out.
+  region's tensor inputs (the checkpoint saves them through the same hooks) and the
+  collective outputs the selective cache keeps; parameters are left out.  Under
+  activation offload (moevlm/parallel/offload.py) a scope's hooks report to the meter
+  what they keep on the device (`hold`) and what they copied to host (`offload`):
+  `bytes` counts the device storages still held by some saved reference,
+  `offloaded_bytes` the distinct host copies.
 """
 
 from __future__ import annotations
@@ -142,10 +146,10 @@ class Recompute(Region):
     keeps collective outputs; plain when autograd is off."""
 
     def forward(self, fn, *args):
+        # the checkpoint saves its tensor inputs through the saved-tensor hooks active here (SavedBytes's,
+        # or an enclosing offload scope's), so a meter sees them there
         if not torch.is_grad_enabled():
             return fn(*args)
-        for meter in _METERS:
-            meter.hold(args)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_contexts)
 
 
@@ -204,11 +208,31 @@ class SavedBytes:
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         # storage pointer -> a tensor on it (kept alive: no reuse)
         self._held: dict[int, torch.Tensor] = {}
+        # offloaded tensors (kept alive: no reuse) -> their host copies' bytes
+        self._offloaded: dict[tuple, tuple[torch.Tensor, int]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @property
     def bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self._held.values())
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of the distinct host copies the offload scopes made in this forward."""
+        return sum(n for _, n in self._offloaded.values())
+
+    @property
+    def offloaded_storage_bytes(self) -> int:
+        """Bytes of the distinct device storages something was offloaded from and nothing else holds
+        (what offloading freed on the device)."""
+        seen = {k[0]: t for k, (t, _) in self._offloaded.items() if k[0] not in self._held}
+        return sum(t.untyped_storage().nbytes() for t in seen.values())
+
+    def offload(self, t: torch.Tensor, host: torch.Tensor) -> None:
+        """`t` (saved in an offload scope) now lives in `host`; its storage counts on the device only
+        if some other saved reference holds it (`hold`)."""
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        self._offloaded.setdefault(key, (t, host.untyped_storage().nbytes()))
 
     def hold(self, *groups) -> None:
         for group in groups:

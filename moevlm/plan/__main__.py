@@ -111,11 +111,11 @@ def format_plan(out: dict) -> str:
             f"{g(r['optimizer_bytes'])} | {g(r['activation_peak_bytes'])} | {g(r['peak_bytes'])} | "
             f"{'yes' if r['fits'] else 'NO'} |"
         )
-    if any(r.get("offload") for r in out["ranks"]):
+    if any(r.get("optimizer_offload") for r in out["ranks"]):
         how = {
             "host": "host AdamW: fp32 masters, gradient buffers and AdamW state in host memory",
             "fsdp": "FSDP2 CPU offload: parameter shards, their gradients and AdamW state in host memory",
-        }[out["ranks"][0]["offload"]]
+        }[out["ranks"][0]["optimizer_offload"]]
         lines += [
             "",
             f"optimizer offload ({how}; the peak above is the device's):",
@@ -126,9 +126,22 @@ def format_plan(out: dict) -> str:
         ]
         for r in out["ranks"]:
             lines.append(
-                f"| {r['rank']} | {g(r['offloaded_bytes'])} | {g(r['host_bytes'])} | "
+                f"| {r['rank']} | {g(r['offloaded_bytes'])} | {g(r['optimizer_host_bytes'])} | "
                 f"{g(r['h2d_bytes'])} | {g(r['d2h_bytes'])} |"
             )
+    if any(r.get("activation_offload_bytes") for r in out["ranks"]):
+        lines += [
+            "",
+            "activation offload (model.offload_modules): the peaks above count what stays on the device; "
+            "the offloaded activations are in host memory",
+            "",
+            "| rank | copied to host per step GiB | host memory GiB (pinned) |",
+            "|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['rank']} | {g(r['activation_offload_bytes'])} | {g(r['activation_host_bytes'])} |"
+            for r in out["ranks"]
+        ]
     for r in out["ranks"]:
         lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
         lines += [

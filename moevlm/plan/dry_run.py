@@ -35,6 +35,12 @@ Design choices:
   the root unit stays gathered from its forward to its backward), once a step under pipeline stages
   (kept gathered until the schedule ends).  The transient device copy of one unit's shard before its
   all-gather is left in the activations.
+- Activation offload (`model.offload_modules`, moevlm/parallel/offload.py) runs as on the GPU: its
+  host copies are made while the tracker is told they are host memory (`allocating_host`), so they
+  leave the device peak, and the device storages they replace are freed at the scope's exit (on a
+  GPU: once the copy has read them, a little later); the prefetched scope in backward is on the
+  device again, as it is there.  `activation_offload_bytes` = bytes copied to the host per step (and back),
+  `activation_host_bytes` = the most host memory they hold at once (per rank; pinned on a GPU).
 """
 
 from __future__ import annotations
@@ -75,11 +81,15 @@ class RankPlan:
     comm_bytes: dict = field(default_factory=dict)  # group role -> collective -> bytes per step
     seconds: float = 0.0
     # parallel.optimizer_offload (moevlm.parallel.optimizer_offload): "fsdp", "host" or None
-    offload: str | None = None
+    optimizer_offload: str | None = None
     offloaded_bytes: int = 0  # of params/grads/optimizer above, held in host memory instead
-    host_bytes: int = 0  # host memory the offload needs (this rank)
+    optimizer_host_bytes: int = 0  # host memory the offload needs (this rank)
     h2d_bytes: int = 0  # host->device copies per step
     d2h_bytes: int = 0  # device->host copies per step
+    activation_offload_bytes: int = (
+        0  # activation bytes copied to the host per step (model.offload_modules)
+    )
+    activation_host_bytes: int = 0  # the most host memory those copies hold at once
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -112,6 +122,7 @@ def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
 def _build(job, plan, device_type: str, bf16: bool):
     """The trainer's model build for this rank (moevlm.train.trainer.Trainer._parallel_model_on_meta)."""
     from moevlm.parallel.build import build_model
+    from moevlm.parallel.offload import offload_setting
     from moevlm.parallel.recompute import recompute_setting
 
     p, m = job.parallel, job.model
@@ -123,6 +134,7 @@ def _build(job, plan, device_type: str, bf16: bool):
         bf16=bf16,
         pipeline=plan.pipeline,
         recompute=recompute_setting(m),
+        offload=offload_setting(m),
         cp_comm=p.cp_comm,
         ep_overlap=p.ep_overlap,
         cuda_graph_scope=(),
@@ -173,14 +185,17 @@ def dry_run(
     M, p = plan.grad_accum, plan.pipeline
     if p is None:
         run = M if every_micro_batch else min(M, 2)
-        sizes, peak, comm = _step(job, plan, world, rank, bf16, run)
+        sizes, peak, comm, host = _step(job, plan, world, rank, bf16, run)
         comm_bytes = comm.as_dict({"micro-batches": M / run})
+        # the host copies are made per micro-batch and freed by its backward
+        offload = round(host.host_total_bytes * M / run), host.host_peak_bytes
     else:
         m1 = 2 * p.pp * p.vpp  # past the warm-up (pp x vpp deep) on every stage
         m2 = m1 + p.pp
         if every_micro_batch or M <= m2:
-            sizes, peak, comm = _step(job, plan, world, rank, bf16, M)
+            sizes, peak, comm, host = _step(job, plan, world, rank, bf16, M)
             comm_bytes = comm.as_dict()
+            offload = host.host_total_bytes, host.host_peak_bytes
         else:
             runs = []
             for m in (m1, m2):
@@ -188,10 +203,17 @@ def dry_run(
                     plan, pipeline=dataclasses.replace(p, microbatches=m), grad_accum=m
                 )
                 runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
-            (_, peak1, c1), (sizes, peak2, c2) = runs
+            (_, peak1, c1, h1), (sizes, peak2, c2, h2) = runs
             # past the warm-up the peak still grows by what the schedule keeps per micro-batch
             # (torch's receive buffers and the losses of each): linear in M too
             peak = round(peak1 + (peak2 - peak1) * (M - m1) / (m2 - m1))
+            offload = tuple(
+                round(a + (b - a) * (M - m1) / (m2 - m1))
+                for a, b in (
+                    (h1.host_total_bytes, h2.host_total_bytes),
+                    (h1.host_peak_bytes, h2.host_peak_bytes),
+                )
+            )
             comm_bytes = _extrapolate(c1.as_dict(), c2.as_dict(), m1, m2, M)
     trainable = sizes.pop("trainable_bytes")
     kind = ctx_offload(job, plan)
@@ -200,12 +222,14 @@ def dry_run(
         rank=rank,
         role=rank_role(plan, rank),
         **sizes,
-        offload=kind,
+        optimizer_offload=kind,
         **moved,
         activation_peak_bytes=peak - sum(sizes.values()) + moved.get("offloaded_bytes", 0),
         peak_bytes=peak,
         comm_bytes=comm_bytes,
         seconds=time.perf_counter() - t0,
+        activation_offload_bytes=offload[0],
+        activation_host_bytes=offload[1],
     )
 
 
@@ -235,7 +259,8 @@ def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
 
 def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_batches=None):
     """`run` micro-batches of the trainer's step on fake tensors: (bytes of parameters, gradients and
-    optimizer state; the steady-state peak; the CollectiveCounter).  `step_micro_batches`: the step's
+    optimizer state; the steady-state peak; the CollectiveCounter; the StorageTracker, whose host_*
+    fields count the activation offload's host copies).  `step_micro_batches`: the step's
     real count, for the loss normalisation (default `plan.grad_accum`)."""
     from moevlm.model.objective import objective
     from moevlm.parallel.build import materialize_
@@ -330,7 +355,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                 # the step itself runs on the host
                 moved = offload_figures(ctx_offload(job, plan), sizes, trainable, 1, False)
                 peak = fwd_bwd_peak + sizes["optimizer_bytes"] - moved["offloaded_bytes"]
-    return {**sizes, "trainable_bytes": trainable}, peak, comm
+    return {**sizes, "trainable_bytes": trainable}, peak, comm, mem
 
 
 def ctx_offload(job, plan) -> str | None:
@@ -348,12 +373,15 @@ def offload_figures(
     p, g, o = sizes["params_bytes"], sizes["grads_bytes"], sizes["optimizer_bytes"]
     if kind == "host":  # masters, gradient buffers, AdamW state
         return dict(
-            offloaded_bytes=o, host_bytes=2 * trainable + o, h2d_bytes=trainable, d2h_bytes=g
+            offloaded_bytes=o,
+            optimizer_host_bytes=2 * trainable + o,
+            h2d_bytes=trainable,
+            d2h_bytes=g,
         )
     gathers = 1 if pipeline else 2 * micro_batches
     return dict(
         offloaded_bytes=p + g + o,
-        host_bytes=p + g + o,
+        optimizer_host_bytes=p + g + o,
         h2d_bytes=gathers * p,
         d2h_bytes=micro_batches * g,
     )

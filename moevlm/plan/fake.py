@@ -56,6 +56,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moevlm.parallel.offload import allocating_host
+
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 25  # elements: ids, masks, counts, a gathered routing map; never activations
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -347,6 +349,11 @@ class StorageTracker(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        # host memory: the activation offload's copies (moevlm.parallel.offload), never device bytes
+        self.host_live: dict[int, int] = {}
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
+        self.host_total_bytes = 0  # every host copy made (= bytes copied to the host and back)
 
     def track(self, tensors) -> None:
         for t in tensors:
@@ -360,10 +367,21 @@ class StorageTracker(TorchDispatchMode):
 
     def _add_storage(self, st) -> None:
         key = st._cdata
-        if key in self.live:
+        if key in self.live or key in self.host_live:
+            return
+        if allocating_host():
+            self.host_total_bytes += st.nbytes()
+            self._set_host(key, st.nbytes())
+            weakref.finalize(st, self._set_host, key, 0)
             return
         self._set(key, st.nbytes())
         weakref.finalize(st, self._set, key, 0)
+
+    def _set_host(self, key: int, nbytes: int) -> None:
+        self.host_live_bytes += nbytes - self.host_live.pop(key, 0)
+        if nbytes:
+            self.host_live[key] = nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
 
     def _set(self, key: int, nbytes: int) -> None:
         self.live_bytes += nbytes - self.live.pop(key, 0)

@@ -46,6 +46,9 @@ def measure_trainer_step(job) -> dict:
             "optimizer_bytes": _bytes(state),
             "peak_bytes": mem.peak_bytes,
             "comm_bytes": comm.as_dict(),
+            # the activation offload's host copies (moevlm.parallel.offload): made, most held at once
+            "activation_offload_bytes": mem.host_total_bytes,
+            "activation_host_bytes": mem.host_peak_bytes,
         }
         if cuda:
             got["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(trainer.device)

@@ -56,6 +56,7 @@ from moevlm.model.config import (
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cuda_graphs import SCOPES as CUDA_GRAPH_SCOPES
 from moevlm.parallel.pipeline_plan import SCHEDULES
+from moevlm.parallel.offload import MODULES as OFFLOAD_MODULES
 from moevlm.parallel.recompute import MODES as RECOMPUTE_MODES
 from moevlm.parallel.recompute import MODULES as RECOMPUTE_MODULES
 from moevlm.train.schema import CHOICES, JobConfig
@@ -97,6 +98,7 @@ def allowed_values() -> dict[str, tuple[str, ...]]:
         "model.moe_aux_loss": AUX_LOSSES,
         "model.recompute": RECOMPUTE_MODES,
         "model.recompute_modules": RECOMPUTE_MODULES,
+        "model.offload_modules": OFFLOAD_MODULES,
         "model.fp8_modules": FP8_MODULES,
         "model.cuda_graph_scope": CUDA_GRAPH_SCOPES,
         "parallel.pp_schedule": tuple(SCHEDULES),

@@ -290,6 +290,15 @@ class ModelConfig:
             "(whole MoE block), vision (each vision block)"
         },
     )
+    offload_modules: List[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "scopes whose activations saved for backward go to pinned host memory in forward and come back "
+            "(prefetched one scope ahead, on a side stream) in backward (moevlm/parallel/offload.py): layer_input "
+            "(each decoder layer's input, e.g. the one model.recompute=full keeps), core_attn, mlp, moe_act, moe, "
+            "vision; a tensor recomputed in backward is never offloaded; [] = none"
+        },
+    )
     fp8: str = field(
         default="none",
         metadata={

@@ -107,6 +107,8 @@ from moevlm.parallel import build_model, init_parameters_, materialize_
 from moevlm.parallel.balance import StepFrequencies, step_load
 from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
+from moevlm.parallel.offload import describe as describe_offload
+from moevlm.parallel.offload import offload_setting
 from moevlm.parallel.recompute import describe as describe_recompute
 from moevlm.parallel.recompute import recompute_setting
 from moevlm.train.checkpoint import (
@@ -325,6 +327,7 @@ class Trainer:
             bf16=self._bf16,
             pipeline=self.plan.pipeline,
             recompute=recompute_setting(m),
+            offload=offload_setting(m),
             compile=self.t.compile,
             compile_mode=self.t.compile_mode,
             cp_comm=p.cp_comm,
@@ -867,6 +870,7 @@ class Trainer:
             nonfinite_steps=self.nonfinite_steps,
         )
         rec["recompute"] = describe_recompute(*recompute_setting(self.job.model))
+        rec["offload"] = describe_offload(offload_setting(self.job.model))
         # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
         if self.compiled is not None:
             rec.update(self.compiled.record())

@@ -73,6 +73,42 @@ def _check_recompute(m) -> None:
         raise ConfigError(reason)
 
 
+def _check_offload(job) -> None:
+    """model.offload_modules: known scopes, not inside recomputed regions, nothing it cannot run with."""
+    from moevlm.parallel.offload import GRAPH_OVERLAPS, check
+    from moevlm.parallel.recompute import recompute_setting
+
+    m = job.model
+    modules = tuple(m.offload_modules or ())
+    if not modules:
+        return
+    reason = check(modules, recompute_setting(m))
+    if reason is not None:
+        raise ConfigError(reason)
+    key = f"model.offload_modules=[{','.join(modules)}]"
+    graphed = sorted(
+        {g for s in modules for g in GRAPH_OVERLAPS[s]} & {str(s) for s in m.cuda_graph_scope}
+    )
+    refusals = [
+        (
+            bool(job.train.compile),
+            "with train.compile=true: the offload's saved-tensor hooks copy on a side stream and wait on "
+            "events from Python, which a compiled block cannot trace; use train.compile=false or "
+            "model.offload_modules=[]",
+        ),
+        (
+            bool(graphed),
+            f"overlaps model.cuda_graph_scope {graphed}: a CUDA-graph capture cannot hold the host copies and "
+            "stream waits of an offload scope (and the graph keeps its saved activations in its own pool); "
+            "leave those scopes out of one of the two lists",
+        ),
+    ]
+    _check(
+        not any(bad for bad, _ in refusals),
+        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
+    )
+
+
 def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     """Every check that needs no allocation (config values, the launch, and with `environment` the
     device, packages and files the config names), all at once: ConfigError with one line per problem
@@ -142,6 +178,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> Plan:
     notes += run(_check_validation, t, job.data) or []
     run(_check_faults, p, t)
     run(_check_recompute, job.model)
+    run(_check_offload, job)
     run(
         _check,
         not (t.compile and job.model.attn_backend == "sdpa_per_doc"),

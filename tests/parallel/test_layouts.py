@@ -346,6 +346,15 @@ WORLD_2 = [
         "parallel.optimizer_offload=true",
     ],
     # (DDP without offload resuming OFFLOAD_FSDP's step-1 checkpoint: appended below, by its index)
+    # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
+    # core attention's checkpoint inputs, each layer's input and the MoE blocks' tensors go to host
+    # copies and come back
+    [
+        "parallel.tp=2",
+        "model.recompute=selective",
+        "model.recompute_modules=[core_attn]",
+        "model.offload_modules=[layer_input,core_attn,moe]",
+    ],
 ]
 WORLD_2.append(["parallel.dp_mode=ddp", f"FROM=w2_{WORLD_2.index(OFFLOAD_FSDP)}"])
 WORLD_4 = [

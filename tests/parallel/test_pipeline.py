@@ -119,6 +119,14 @@ WORLD_4 = [
     # the global-batch frequencies gathered over dp 2 on the last stage, inside the schedule
     with_options("global", [*PP2, "parallel.dp_mode=fsdp"]),
     [MODEL, "parallel.pp=4", "parallel.pp_layers=[1,1,1,1]"],
+    # activation offload in pipeline stages (each stage's prefetch chain, several micro-batches in
+    # flight) with the experts over ep 2: the all-to-all's saved tensors inside the MoE scope go too
+    [
+        *PP2,
+        "parallel.ep=2",
+        "model.dispatcher=alltoall",
+        "model.offload_modules=[layer_input,core_attn,moe]",
+    ],
 ]
 WORLD_8 = [
     [

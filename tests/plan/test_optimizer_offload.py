@@ -37,16 +37,20 @@ OFFLOAD = "parallel.optimizer_offload=true"
 def test_offload_moves_bytes_to_the_host_and_lowers_the_device_peak(layout, world, kind):
     off = dry_run(compose_job(COMMON + layout), world=world, bf16=False)
     on = dry_run(compose_job(COMMON + layout + [OFFLOAD]), world=world, bf16=False)
-    assert off.offload is None and off.host_bytes == 0 and on.offload == kind
+    assert (
+        off.optimizer_offload is None
+        and off.optimizer_host_bytes == 0
+        and on.optimizer_offload == kind
+    )
     # the same tensors, now partly on the host
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes"):
         assert getattr(on, k) == getattr(off, k), k
     p, g, o = on.params_bytes, on.grads_bytes, on.optimizer_bytes
     if kind == "host":  # the state leaves; masters and gradient buffers are host copies
-        assert on.offloaded_bytes == o and on.host_bytes == p + g + o
+        assert on.offloaded_bytes == o and on.optimizer_host_bytes == p + g + o
         assert on.h2d_bytes == p and on.d2h_bytes == g
     else:  # FSDP's shards, gradients and state live on the host
-        assert on.offloaded_bytes == on.host_bytes == p + g + o
+        assert on.offloaded_bytes == on.optimizer_host_bytes == p + g + o
         micro_batches = 4 // world
         assert on.d2h_bytes == micro_batches * g and on.h2d_bytes == 2 * micro_batches * p
     assert off.peak_bytes - on.peak_bytes == on.offloaded_bytes > 0
@@ -62,7 +66,7 @@ def test_host_figure_is_the_real_host_optimizer_s(tmp_path):
         real = tr.opt.host_bytes()
     finally:
         tr.close()
-    assert planned.host_bytes == sum(real.values())
+    assert planned.optimizer_host_bytes == sum(real.values())
     assert planned.offloaded_bytes == real["state"] == planned.optimizer_bytes
     assert planned.h2d_bytes == real["masters"] and planned.d2h_bytes == real["grads"]
 
@@ -72,7 +76,7 @@ def test_cli_report_has_the_offload_table():
     text = format_plan(out)
     assert "optimizer offload (host AdamW" in text
     r = out["ranks"][0]
-    row = f"| 0 | {r['offloaded_bytes'] / 2**30:.1f} | {r['host_bytes'] / 2**30:.1f} |"
+    row = f"| 0 | {r['offloaded_bytes'] / 2**30:.1f} | {r['optimizer_host_bytes'] / 2**30:.1f} |"
     assert row in text, text
 
 
