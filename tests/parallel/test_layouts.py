@@ -72,6 +72,9 @@ ROUTER_OPTIONS = {
     "sequence": ["model.moe_aux_loss=sequence", "model.moe_z_loss_coeff=0.01"],
     # round robin by each token's position in its sequence: the same experts under any split
     "forced": ["model.moe_router_force_balance=true"],
+    # not a router option: the vision-FLOPs packing budget (moevlm.data.packing) changes which samples
+    # share a row, so its layout needs a reference packed the same way
+    "vision": ["data.pack.max_vision_flops=auto"],
 }
 
 
@@ -325,6 +328,8 @@ WORLD_2 = [
     with_options("global", ["parallel.ep=2", "model.dispatcher=alltoall"]),
     with_options("sequence", ["parallel.tp=2"]),
     with_options("forced", ["parallel.ep=2", "model.dispatcher=alltoall"]),
+    # the vision-FLOPs packing budget: each rank's packers make the rows the one process makes
+    with_options("vision", ["parallel.dp_mode=fsdp"]),
     # forced routing with the sequence split over tp 2 (sequence parallel) and ep over those ranks
     with_options(
         "forced",
