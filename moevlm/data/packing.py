@@ -123,7 +123,7 @@ class Packer:
         self.cfg = cfg
         self.held: list[Sample] = []
         self.budget = vision_budget(cfg.max_vision_flops, cfg.max_patches, vision)
-        if self.budget is not None and vision is None:
+        if str(cfg.max_vision_flops).strip().lower() not in VISION_OFF and vision is None:
             raise ValueError(
                 "data.pack.max_vision_flops is set but the packer has no model to count vision FLOPs "
                 "with (build the loader with the model config)"
