@@ -119,10 +119,10 @@ class PackConfig:
         default="off",
         metadata={
             "help": "vision balance: a bound on the vision tower's forward FLOPs per packed row (the model's "
-            "formula, attention's quadratic term per image included; moevlm.data.packing): off, auto (the "
-            "FLOPs of max_patches patches before attention's quadratic term, so a row of large images holds "
-            "fewer patches than one of small images), or a number of FLOPs; a row closes when it is reached "
-            "and first fit fills toward it; a sample over it alone goes alone in its row (counted)"
+            "formula, attention's quadratic term per image included; moevlm.data.packing): off, auto (halfway "
+            "between a full row of images too small for attention to count and a full row of images of "
+            "data.image.max_pixels), or a number of FLOPs; a row closes when it is reached and first fit "
+            "fills toward it; a sample over it alone goes alone in its row (counted)"
         },
     )
     oversize: str = field(

@@ -1032,7 +1032,9 @@ def build_loader(
             f"data.pack.max_vision_flops={cfg.pack.max_vision_flops} counts vision FLOPs with the model's "
             "formula: build the loader with the model config"
         )
-    vision = None if model_cfg is None else VisionFlops(model_cfg)
+    vision = (
+        None if model_cfg is None else VisionFlops(model_cfg, im.max_pixels // im.patch_size**2)
+    )
     return PackedLoader(
         cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world, vision=vision
     )

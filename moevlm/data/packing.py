@@ -38,9 +38,11 @@ Design choices:
   communication, so the rows are the same for every layout, and the rule holds no state beyond the
   held samples (resume packs identically).  It is a fifth budget of the first fit above: a row closes
   when it is reached (the held samples overflow it) and the later held samples that still fit fill
-  toward it.  "auto" is the FLOPs of `max_patches` patches before the attention's quadratic term
-  (`VisionFlops.budget`): a row of small images still fills its patch budget, a row of large ones
-  stops earlier, so that no row's vision work exceeds a full row of small images'.  A sample whose own
+  toward it.  "auto" (`VisionFlops.auto`) is halfway between the vision work of the lightest full row
+  (`max_patches` patches of images too small for attention's square to count) and of the heaviest
+  (`max_patches` patches in images of `data.image.max_pixels`): it cuts the upper half of the range a
+  row's work can take, where a lower cap costs patch fill (a row of large images closes an image
+  early; on the sample set a cap at the lightest row's work cost 10-25 points of patch fill).  A sample whose own
   vision FLOPs exceed the budget goes alone in its row (nothing else joins it; `over_budget` counts
   them), never a crash nor a skip: its images still train.  Tensor shapes do not change.  Off by
   default: a budget changes which samples share a row, so it would change the rows of every existing
@@ -71,8 +73,9 @@ class VisionFlops:
     budget `pack.max_vision_flops` resolves to.  Picklable: the loader's workers build their packers
     with it."""
 
-    def __init__(self, model):
+    def __init__(self, model, max_image_patches: int):
         self.model = model
+        self.max_image_patches = max_image_patches  # the largest image the resize allows
 
     def __call__(self, grids) -> float:
         return vision_forward_flops(self.model, grids)[0] if grids else 0.0
@@ -86,6 +89,18 @@ class VisionFlops:
         depth = self.model.vision.depth
         linear = (self([two]) - depth * quad(two)) - (self([one]) - depth * quad(one))
         return linear / (m * m)
+
+    def attention_per_patch(self, image_patches: float) -> float:
+        """Forward FLOPs of attention's quadratic term per patch of an image of `image_patches` patches
+        (every block: QK^T and PV over the image's patches)."""
+        v = self.model.vision
+        return v.depth * vision_block_forward_parts(self.model, [(1, 1, 1)])["core_attn"] * image_patches
+
+    def auto(self, max_patches: int) -> float:
+        """The budget "auto": halfway between the lightest full row (max_patches patches of images too
+        small for attention to count) and the heaviest (max_patches patches in images of the largest
+        size): it cuts the upper half of the range of vision work a row can carry."""
+        return max_patches * (self.per_patch() + self.attention_per_patch(self.max_image_patches) / 2)
 
     def budget(self, pack: PackConfig) -> float | None:
         """`pack.max_vision_flops` as FLOPs per row; None when off."""
@@ -102,7 +117,7 @@ def vision_budget(value, max_patches: int, flops: VisionFlops | None = None) -> 
     if text in VISION_OFF:
         return None
     if text == "auto":
-        return None if flops is None else max_patches * flops.per_patch()
+        return None if flops is None else flops.auto(max_patches)
     try:
         number = float(text)
     except ValueError:

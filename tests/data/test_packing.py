@@ -294,9 +294,12 @@ def pack_all(packer, samples):
 
 
 def test_vision_budget_values():
-    vf = VisionFlops(TINY)
+    vf = VisionFlops(TINY, 256)
     assert vision_budget("off", 256, vf) is None and vision_budget("0", 256, vf) is None
-    assert vision_budget("auto", 256, vf) == 256 * vf.per_patch()
+    # auto: halfway between a full row of images too small for attention to count and a full row of the
+    # largest images (256 patches here)
+    light, heavy = 512 * vf.per_patch(), 2 * vf([(1, 16, 16)])
+    assert vision_budget("auto", 512, vf) == pytest.approx((light + heavy) / 2, rel=1e-12)
     assert vision_budget("2.5e6", 256, vf) == 2.5e6 and vision_budget(3e6, 256) == 3e6
     for bad in ("-1", "much", "inf"):
         with pytest.raises(ValueError, match="max_vision_flops"):
@@ -309,7 +312,7 @@ def test_vision_budget_values():
 
 
 def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
-    vf = VisionFlops(TINY)
+    vf = VisionFlops(TINY, 256)
     cfg = PackConfig(
         seq_len=128, max_patches=512, max_samples=16, max_images=8, lookahead=6,
         max_vision_flops="auto",
@@ -317,7 +320,7 @@ def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
     samples = variable_samples(300)
     packer = Packer(cfg, vf)
     budget = packer.budget
-    assert budget == 512 * vf.per_patch()
+    assert budget == vision_budget("auto", 512, vf)
     rows = pack_all(packer, samples)
     assert sorted(s.id for row, _ in rows for s in row) == sorted(s.id for s in samples)
     for row, left in rows:
@@ -339,7 +342,7 @@ def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
 
 
 def test_hand_worked_vision_budget_closes_a_row():
-    vf = VisionFlops(TINY)
+    vf = VisionFlops(TINY, 256)
     a, b, c = (image_sample(n, 4, (1, 8, 8)) for n in "abc")  # 64 patches each
     text = image_sample("t", 4)
     # room for two of the three images' vision work, though the patches would take all three
@@ -352,7 +355,7 @@ def test_hand_worked_vision_budget_closes_a_row():
 
 
 def test_sample_over_the_vision_budget_goes_alone_and_is_counted():
-    vf = VisionFlops(TINY)
+    vf = VisionFlops(TINY, 256)
     big = image_sample("big", 8, (1, 16, 16))
     small, text = image_sample("small", 4, (1, 2, 2)), image_sample("text", 4)
     budget = vf(big.grids) / 2  # the big image alone is over it; it still fits the patch budget
@@ -368,7 +371,7 @@ def test_sample_over_the_vision_budget_goes_alone_and_is_counted():
 def test_vision_budget_is_deterministic_and_resumes_from_the_held_samples():
     """The same samples pack the same rows; a packer rebuilt from the held samples alone (what the
     loader's state keeps) packs what follows exactly as the uninterrupted one."""
-    vf = VisionFlops(TINY)
+    vf = VisionFlops(TINY, 256)
     cfg = PackConfig(
         seq_len=128, max_patches=512, max_samples=16, max_images=8, lookahead=6,
         max_vision_flops="auto",
