@@ -20,6 +20,7 @@ Design choices:
 from __future__ import annotations
 
 from moevlm.data.config import DataConfig
+from moevlm.data.packing import VisionFlops
 from moevlm.model.flops import count_flops
 
 
@@ -41,7 +42,10 @@ def measure(cfg: DataConfig, model, *, dp: int, steps: int, rows_per_step: int) 
     cfg.num_workers=0 for no worker processes) and returns the balance and fill figures."""
     from moevlm.data.loader import build_loader
 
+    im = cfg.image
+    vision = VisionFlops(model, im.max_pixels // im.patch_size**2)
     per_step = [[0.0] * dp for _ in range(steps)]
+    forward = []  # each row's vision forward FLOPs (what the budget bounds) and its images
     tokens = patches = rows = over = 0
     for r in range(dp):
         with build_loader(cfg, model, rank=r, world=dp) as loader:
@@ -49,6 +53,8 @@ def measure(cfg: DataConfig, model, *, dp: int, steps: int, rows_per_step: int) 
                 for _ in range(rows_per_step):
                     row = next(loader)
                     per_step[k][r] += row_vision_flops(row, model)
+                    grids = row["image_grid_thw"][: row["num_images"]].tolist()
+                    forward.append((vision(grids), len(grids)))
                     tokens += row["useful_tokens"]
                     patches += row["useful_patches"]
                     rows += 1
@@ -61,5 +67,7 @@ def measure(cfg: DataConfig, model, *, dp: int, steps: int, rows_per_step: int) 
         "patch_fill": patches / (rows * pk.max_patches) if pk.max_patches else None,
         "rows": rows,
         "over_budget_rows": over,
+        "budget": vision.budget(pk),
+        "row_forward": forward,
         "per_step": per_step,
     }
