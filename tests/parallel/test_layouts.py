@@ -139,7 +139,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
         layout.append(
             f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}"
         )
-    grads, vals = [], []
+    grads, vals, window = [], [], _NoWindow()
     for part in (1, STEPS) if resume else (STEPS,):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
         assert tr.step == 1 or not start
@@ -148,7 +148,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
         )
         try:
             while tr.step < part:
-                assert tr.train_step(_NoWindow())
+                assert tr.train_step(window)
                 if val:
                     vals.append(tr.validate())
             if part < STEPS:
@@ -160,6 +160,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
                     "losses": list(tr.losses),
                     "grads": grads,
                     "val": vals,
+                    "vision": window.vision,
                     "params": every_stage(tr, {**full_state_dict(tr.model), **biases}),
                 }
         finally:
@@ -176,8 +177,36 @@ def every_stage(tr: Trainer, tensors: dict) -> dict:
 
 
 class _NoWindow:
+    """Keeps only each step's vision figures (slowest rank's and mean rank's vision FLOPs)."""
+
+    def __init__(self):
+        self.vision = []
+
     def add(self, **kw):
-        pass
+        self.vision.append((kw["vision_max"], kw["vision_mean"]))
+
+
+def check_vision_figures(got: dict, shards: str, run_dir: str, layout: list[str], world: int) -> None:
+    """The trainer's per-step vision figures under `layout` (cp 1) equal the ones counted in this
+    process from each data-parallel rank's loader rows (moevlm.data.vision_balance.measure)."""
+    from omegaconf import OmegaConf
+
+    from moevlm.data.vision_balance import measure
+    from moevlm.train.config import validate
+
+    options = [x for x in layout if "." in x.split("=", 1)[0]]  # not the REF=, RESUME, VAL marks
+    job = compose_job(job_overrides(shards, run_dir, options))
+    plan = validate(job, world_size=world, environment=False)
+    dp = plan.dims.dp
+    data = OmegaConf.to_object(job.data)
+    rows = job.train.global_batch_size // dp
+    per_step = measure(data, plan.model, dp=dp, steps=STEPS, rows_per_step=rows)["per_step"]
+    assert dp > 1, plan.dims
+    assert len(got["vision"]) == STEPS, got["vision"]
+    for (top, mean), ranks in zip(got["vision"], per_step):
+        assert top == pytest.approx(max(ranks), rel=1e-12)
+        assert mean == pytest.approx(sum(ranks) / dp, rel=1e-12)
+    assert any(max(r) > sum(r) / dp for r in per_step)  # the ranks' work did differ
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -283,6 +312,8 @@ def check_layouts(
             path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
             refs[name] = torch.load(path, weights_only=False)
         errors = compare(got, refs[name])
+        if name == "vision":  # the logged balance figure under data parallelism
+            check_vision_figures(got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world)
         report[" ".join(x for x in layout if x not in hide)] = errors
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
