@@ -54,7 +54,9 @@ def data_config(args, budget: str) -> DataConfig:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shards", default="sample")
     ap.add_argument("--model", default="qwen3_vl_30b_a3b")
     ap.add_argument("--dp", type=int, default=4)
@@ -67,8 +69,12 @@ def main(argv=None) -> None:
     ap.add_argument("--max-samples", type=int, default=64)
     ap.add_argument("--max-images", type=int, default=32)
     ap.add_argument("--lookahead", type=int, default=32)
-    ap.add_argument("--budgets", nargs="+", default=["auto"], help="max_vision_flops values to compare")
-    ap.add_argument("--mock", default="none", help="data.mock (random_pixels: the same grids, no decode)")
+    ap.add_argument(
+        "--budgets", nargs="+", default=["auto"], help="max_vision_flops values to compare"
+    )
+    ap.add_argument(
+        "--mock", default="none", help="data.mock (random_pixels: the same grids, no decode)"
+    )
     args = ap.parse_args(argv)
     model = model_for(args.model)
     print(
@@ -82,7 +88,9 @@ def main(argv=None) -> None:
     before = None
     for budget in ["off", *args.budgets]:
         t0 = time.perf_counter()
-        m = measure(data_config(args, budget), model, dp=args.dp, steps=args.steps, rows_per_step=args.rows)
+        m = measure(
+            data_config(args, budget), model, dp=args.dp, steps=args.steps, rows_per_step=args.rows
+        )
         before = before or m
         print(
             f"{budget:>18} | {m['max_over_mean']:8.3f} | {m['worst_step']:10.3f} | {m['token_fill']:10.3f} | "

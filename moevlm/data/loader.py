@@ -990,9 +990,7 @@ class PackedLoader:
             "skipped_total": sum(skipped.values()),
             "fell_back": fell_back,
             "images_packed": sum(s.get("images_packed", 0) for s in self.states.values()),
-            "over_vision_budget": sum(
-                s.get("over_vision_budget", 0) for s in self.states.values()
-            ),
+            "over_vision_budget": sum(s.get("over_vision_budget", 0) for s in self.states.values()),
             "shards_all_skipped": dict(sorted(unusable.items())),
             "samples_read": sum(s["read"] for s in self.states.values()),
             "samples_packed": sum(s["packed"] for s in self.states.values()),

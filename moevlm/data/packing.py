@@ -83,24 +83,32 @@ class VisionFlops:
     def per_patch(self) -> float:
         """Forward FLOPs of one patch before attention's quadratic term (every part linear in the
         patches): the difference of two grids of 2 and 1 merge blocks of one row, per patch added."""
-        m = self.model.vision.spatial_merge_size
-        one, two = (1, m, m), (1, m, 2 * m)
-        quad = lambda g: vision_block_forward_parts(self.model, [g])["core_attn"]  # noqa: E731
-        depth = self.model.vision.depth
-        linear = (self([two]) - depth * quad(two)) - (self([one]) - depth * quad(one))
-        return linear / (m * m)
+        m, depth = self.model.vision.spatial_merge_size, self.model.vision.depth
+
+        def linear(grid) -> float:  # the grid's FLOPs less attention's square (every block)
+            return (
+                self([grid]) - depth * vision_block_forward_parts(self.model, [grid])["core_attn"]
+            )
+
+        return (linear((1, m, 2 * m)) - linear((1, m, m))) / (m * m)
 
     def attention_per_patch(self, image_patches: float) -> float:
         """Forward FLOPs of attention's quadratic term per patch of an image of `image_patches` patches
         (every block: QK^T and PV over the image's patches)."""
         v = self.model.vision
-        return v.depth * vision_block_forward_parts(self.model, [(1, 1, 1)])["core_attn"] * image_patches
+        return (
+            v.depth
+            * vision_block_forward_parts(self.model, [(1, 1, 1)])["core_attn"]
+            * image_patches
+        )
 
     def auto(self, max_patches: int) -> float:
         """The budget "auto": halfway between the lightest full row (max_patches patches of images too
         small for attention to count) and the heaviest (max_patches patches in images of the largest
         size): it cuts the upper half of the range of vision work a row can carry."""
-        return max_patches * (self.per_patch() + self.attention_per_patch(self.max_image_patches) / 2)
+        return max_patches * (
+            self.per_patch() + self.attention_per_patch(self.max_image_patches) / 2
+        )
 
     def budget(self, pack: PackConfig) -> float | None:
         """`pack.max_vision_flops` as FLOPs per row; None when off."""

@@ -242,7 +242,10 @@ class Window:
         self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
         self.images, self.image_tokens = self.images + images, self.image_tokens + image_tokens
         self.seconds, self.wait = self.seconds + seconds, self.wait + wait
-        self.vision_max, self.vision_mean = self.vision_max + vision_max, self.vision_mean + vision_mean
+        self.vision_max, self.vision_mean = (
+            self.vision_max + vision_max,
+            self.vision_mean + vision_mean,
+        )
         if counts is not None:
             self.counts = counts if self.counts is None else self.counts + counts
         self.last = {"grad_norm": grad_norm, "lr": lr, "updated": updated}

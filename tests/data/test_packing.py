@@ -274,7 +274,11 @@ def variable_samples(n, seed=0):
     for i in range(n):
         k = int(torch.randint(0, 3, (1,), generator=g))
         grids = [
-            (1, 2 * int(torch.randint(1, 9, (1,), generator=g)), 2 * int(torch.randint(1, 9, (1,), generator=g)))
+            (
+                1,
+                2 * int(torch.randint(1, 9, (1,), generator=g)),
+                2 * int(torch.randint(1, 9, (1,), generator=g)),
+            )
             for _ in range(k)
         ]
         out.append(image_sample(f"s{i}", int(torch.randint(4, 40, (1,), generator=g)), *grids))
@@ -314,7 +318,11 @@ def test_vision_budget_values():
 def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
     vf = VisionFlops(TINY, 256)
     cfg = PackConfig(
-        seq_len=128, max_patches=512, max_samples=16, max_images=8, lookahead=6,
+        seq_len=128,
+        max_patches=512,
+        max_samples=16,
+        max_images=8,
+        lookahead=6,
         max_vision_flops="auto",
     )
     samples = variable_samples(300)
@@ -347,7 +355,9 @@ def test_hand_worked_vision_budget_closes_a_row():
     text = image_sample("t", 4)
     # room for two of the three images' vision work, though the patches would take all three
     budget = 2 * vf(a.grids) + vf(a.grids) / 2
-    p = Packer(PackConfig(seq_len=64, max_patches=256, lookahead=4, max_vision_flops=str(budget)), vf)
+    p = Packer(
+        PackConfig(seq_len=64, max_patches=256, lookahead=4, max_vision_flops=str(budget)), vf
+    )
     for s in (a, b, c, text):
         p.push(s)
     assert p.full()  # only the vision budget overflows
@@ -359,7 +369,9 @@ def test_sample_over_the_vision_budget_goes_alone_and_is_counted():
     big = image_sample("big", 8, (1, 16, 16))
     small, text = image_sample("small", 4, (1, 2, 2)), image_sample("text", 4)
     budget = vf(big.grids) / 2  # the big image alone is over it; it still fits the patch budget
-    p = Packer(PackConfig(seq_len=64, max_patches=512, lookahead=3, max_vision_flops=str(budget)), vf)
+    p = Packer(
+        PackConfig(seq_len=64, max_patches=512, lookahead=3, max_vision_flops=str(budget)), vf
+    )
     for s in (big, small, text):
         p.push(s)
     assert p.full()
@@ -373,11 +385,18 @@ def test_vision_budget_is_deterministic_and_resumes_from_the_held_samples():
     loader's state keeps) packs what follows exactly as the uninterrupted one."""
     vf = VisionFlops(TINY, 256)
     cfg = PackConfig(
-        seq_len=128, max_patches=512, max_samples=16, max_images=8, lookahead=6,
+        seq_len=128,
+        max_patches=512,
+        max_samples=16,
+        max_images=8,
+        lookahead=6,
         max_vision_flops="auto",
     )
     samples = variable_samples(200, seed=3)
-    ids = lambda rows: [[s.id for s in row] for row, _ in rows]  # noqa: E731
+
+    def ids(rows):
+        return [[s.id for s in row] for row, _ in rows]
+
     whole = ids(pack_all(Packer(cfg, vf), samples))
     assert whole == ids(pack_all(Packer(cfg, vf), samples))
     first = Packer(cfg, vf)

@@ -44,7 +44,9 @@ def config(budget: str) -> DataConfig:
 @pytest.fixture(scope="module")
 def measured(sample_shards):
     m = model()
-    out = {b: measure(config(b), m, dp=DP, steps=STEPS, rows_per_step=ROWS) for b in ("off", "auto")}
+    out = {
+        b: measure(config(b), m, dp=DP, steps=STEPS, rows_per_step=ROWS) for b in ("off", "auto")
+    }
     for b, r in out.items():
         print(
             f"max_vision_flops={b}: max/mean {r['max_over_mean']:.3f} (worst step {r['worst_step']:.3f}), "

@@ -188,7 +188,9 @@ class _NoWindow:
         self.vision.append((kw["vision_max"], kw["vision_mean"]))
 
 
-def check_vision_figures(got: dict, shards: str, run_dir: str, layout: list[str], world: int) -> None:
+def check_vision_figures(
+    got: dict, shards: str, run_dir: str, layout: list[str], world: int
+) -> None:
     """The trainer's per-step vision figures under `layout` (cp 1) equal the ones counted in this
     process from each data-parallel rank's loader rows (moevlm.data.vision_balance.measure)."""
     from omegaconf import OmegaConf
@@ -315,7 +317,9 @@ def check_layouts(
             refs[name] = torch.load(path, weights_only=False)
         errors = compare(got, refs[name])
         if name == "vision":  # the logged balance figure under data parallelism
-            check_vision_figures(got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world)
+            check_vision_figures(
+                got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world
+            )
         report[" ".join(x for x in layout if x not in hide)] = errors
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"

@@ -101,10 +101,29 @@ def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
     }
     # a window without images has no vision balance to report
     empty = Window()
-    empty.add(loss=1.0, aux=0.0, grad_norm=1.0, lr=1e-3, useful_tokens=1, flops=1.0, seconds=1.0,
-              wait=0.0, counts=None)
-    assert empty.record(step=1, world_size=1, peak_tflops=None, mem_gib=None, expert_counts=None,
-                        skipped={}, nonfinite_steps=0)["vision_flops_max_over_mean"] is None
+    empty.add(
+        loss=1.0,
+        aux=0.0,
+        grad_norm=1.0,
+        lr=1e-3,
+        useful_tokens=1,
+        flops=1.0,
+        seconds=1.0,
+        wait=0.0,
+        counts=None,
+    )
+    assert (
+        empty.record(
+            step=1,
+            world_size=1,
+            peak_tflops=None,
+            mem_gib=None,
+            expert_counts=None,
+            skipped={},
+            nonfinite_steps=0,
+        )["vision_flops_max_over_mean"]
+        is None
+    )
 
 
 def test_mfu_null_without_peak_and_on_cpu():
