@@ -626,7 +626,7 @@ class Trainer:
             micro = self._fetch() if micro is None else micro
         with self._phase("data-parallel token-count all-reduce"):
             dp = self.plan.dims.dp
-            # this data-parallel rank's slowest cp rank, in its own slot: one SUM gives every rank's
+            # this data-parallel rank's slowest cp rank in its own slot: one SUM gives every rank all slots
             vision_slots = [0.0] * dp
             vision_slots[self._dp_rank()] = max(map(sum, zip(*(m.vision_flops_cp for m in micro))))
             totals = _all_reduce(
