@@ -21,7 +21,10 @@ z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
 step 2 to match.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
 compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
-written to `layouts_w<world>.json` under the test's tmp dir.
+written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
+marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
+figures (`vision_flops_max_over_mean`'s slowest and mean rank) against the loaders' rows counted in
+one process.
 
 Validation (moevlm.train.evaluate): the reference validates after every step (`VAL`: held-out rows of
 the sample set, 2 global batches), so every layout that does not validate, matching it step for step,
@@ -128,7 +131,9 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
     layout = [
-        x for x in layout if x not in ("RESUME", "VAL") and not x.startswith(("FROM=", "REF="))
+        x
+        for x in layout
+        if x not in ("RESUME", "VAL", "VISION") and not x.startswith(("FROM=", "REF="))
     ]
     layout += [f"data.val_shards={shards}", *VAL] if val else []
     layout = [
@@ -191,8 +196,9 @@ class _NoWindow:
 def check_vision_figures(
     got: dict, shards: str, run_dir: str, layout: list[str], world: int
 ) -> None:
-    """The trainer's per-step vision figures under `layout` (cp 1) equal the ones counted in this
-    process from each data-parallel rank's loader rows (moevlm.data.vision_balance.measure)."""
+    """The trainer's per-step vision figures under `layout` (slowest (dp, cp) rank's vision FLOPs and
+    the mean rank's) equal the ones counted in this process from each data-parallel rank's loader
+    rows, cut into cp shares as the model cuts them (moevlm.data.vision_balance.measure)."""
     from omegaconf import OmegaConf
 
     from moevlm.data.vision_balance import measure
@@ -201,16 +207,24 @@ def check_vision_figures(
     options = [x for x in layout if "." in x.split("=", 1)[0]]  # not the REF=, RESUME, VAL marks
     job = compose_job(job_overrides(shards, run_dir, options))
     plan = validate(job, world_size=world, environment=False)
-    dp = plan.dims.dp
+    dp, cp = plan.dims.dp, plan.dims.cp
     data = OmegaConf.to_object(job.data)
     rows = job.train.global_batch_size // dp
-    per_step = measure(data, plan.model, dp=dp, steps=STEPS, rows_per_step=rows)["per_step"]
-    assert dp > 1, plan.dims
+    per_step = measure(
+        data,
+        plan.model,
+        dp=dp,
+        steps=STEPS,
+        rows_per_step=rows,
+        cp=cp,
+        micro_batch_size=job.train.micro_batch_size,
+    )["per_step"]
+    assert dp * cp > 1, plan.dims
     assert len(got["vision"]) == STEPS, got["vision"]
     for (top, mean), ranks in zip(got["vision"], per_step):
         assert top == pytest.approx(max(ranks), rel=1e-12)
-        assert mean == pytest.approx(sum(ranks) / dp, rel=1e-12)
-    assert any(max(r) > sum(r) / dp for r in per_step)  # the ranks' work did differ
+        assert mean == pytest.approx(sum(ranks) / (dp * cp), rel=1e-12)
+    assert any(max(r) > sum(r) / len(r) for r in per_step)  # the ranks' work did differ
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -316,7 +330,7 @@ def check_layouts(
             path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
             refs[name] = torch.load(path, weights_only=False)
         errors = compare(got, refs[name])
-        if name == "vision":  # the logged balance figure under data parallelism
+        if name == "vision" or "VISION" in layout:  # the logged balance figure
             check_vision_figures(
                 got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world
             )
