@@ -23,7 +23,7 @@ Design choices:
 - First fit with lookahead: samples are held until they overflow one
   micro-batch and at least `lookahead` are held; then the oldest goes in (so
   nothing waits long), then every later held sample that still fits all four
-  budgets, in arrival order.  Deterministic, so a resumed run packs identically.
+  budgets (five with the vision budget below), in arrival order.  Deterministic, so a resumed run packs identically.
 - Several rows per micro-batch (`stack_rows`): text boundaries become offsets
   into the flattened B*S tokens (each row's cu_seqlens shifted by r*S, so the
   rows' documents never attend across rows); the rows' real patches come first
@@ -42,9 +42,10 @@ Design choices:
   (`max_patches` patches of images too small for attention's square to count) and of the heaviest
   (`max_patches` patches in images of `data.image.max_pixels`): it cuts the upper half of the range a
   row's work can take, where a lower cap costs patch fill (a row of large images closes an image
-  early; on the sample set a cap at the lightest row's work cost 10-25 points of patch fill).  A sample whose own
-  vision FLOPs exceed the budget goes alone in its row (nothing else joins it; `over_budget` counts
-  them), never a crash nor a skip: its images still train.  Tensor shapes do not change.  Off by
+  early; on the sample set a cap at the lightest row's work cost 10-25 points of patch fill).  A
+  sample whose own vision FLOPs exceed the budget goes alone in its row (nothing else joins it;
+  `Packer.over_budget`, `over_vision_budget` in the loader's stats), never a crash nor a skip: its
+  images still train.  Tensor shapes do not change.  Off by
   default: a budget changes which samples share a row, so it would change the rows of every existing
   recipe and of a run resumed from a checkpoint written before (docs/benchmarks.md has what it does
   to balance and fill on the sample set).
