@@ -21,6 +21,10 @@ Design choices:
   FSDP collectives whether or not it drew an image.
 - FLOPs are counted per row from its real documents and images (padding excluded), so MFU, like
   tokens/s, is useful work (`moevlm.model.flops.count_flops`, training = 3 x forward).
+- `vision_flops_cp`: the vision tower's training FLOPs on each context-parallel rank (its share of the
+  micro-batch's whole images, the model's own rule `cp_layout.balance_images`), for the trainer's
+  `vision_flops_max_over_mean`: computed here from the grids, so a pipeline stage after the first,
+  which receives no images, still has it.
 - `n_image` is the number of merged image rows (real patches / merge^2), which is also the number of
   image tokens in the text: a pipeline stage after the first keeps that many rows of the deepstack
   features it receives, and the trainer logs it as `image_tokens` beside `images` (the real images).
@@ -36,6 +40,7 @@ import torch
 
 from moevlm.data.packing import stack_rows
 from moevlm.model.flops import count_flops
+from moevlm.parallel.cp_layout import balance_images
 
 
 @dataclass
@@ -53,6 +58,9 @@ class MicroBatch:
     flops: float  # model FLOPs of the real documents and images, training
     n_image: int  # merged image rows (= image tokens in the text)
     images: int  # real images (grids)
+    # training vision FLOPs each context-parallel rank's tower spends on this micro-batch (its share of the
+    # images, cp_layout.balance_images; one entry without CP)
+    vision_flops_cp: tuple[float, ...] = (0.0,)
 
     MODEL_INPUTS: ClassVar[tuple[str, ...]] = (
         "input_ids",
@@ -65,12 +73,17 @@ class MicroBatch:
     )
 
     @classmethod
-    def read(cls, rows, *, rows_per_batch: int, model, freeze_vision: bool = False) -> MicroBatch:
-        """The next `rows_per_batch` packed rows of the iterator `rows` (a loader) as one micro-batch."""
-        return cls.from_rows([next(rows) for _ in range(rows_per_batch)], model, freeze_vision)
+    def read(
+        cls, rows, *, rows_per_batch: int, model, freeze_vision: bool = False, cp: int = 1
+    ) -> MicroBatch:
+        """The next `rows_per_batch` packed rows of the iterator `rows` (a loader) as one micro-batch;
+        `cp`: the context-parallel size (the vision work per cp rank)."""
+        return cls.from_rows([next(rows) for _ in range(rows_per_batch)], model, freeze_vision, cp)
 
     @classmethod
-    def from_rows(cls, rows: list[dict], model, freeze_vision: bool = False) -> MicroBatch:
+    def from_rows(
+        cls, rows: list[dict], model, freeze_vision: bool = False, cp: int = 1
+    ) -> MicroBatch:
         """Packed rows (`packing.collate` dicts) of one micro-batch; `model` is the VLMConfig (FLOPs,
         merge size)."""
         b = stack_rows(rows)
@@ -89,6 +102,9 @@ class MicroBatch:
             flops=sum(row_flops(r, model, freeze_vision) for r in rows),
             n_image=b["useful_patches"] // model.vision.spatial_merge_size**2,
             images=b["num_images"],
+            vision_flops_cp=vision_flops_by_cp(
+                b["image_grid_thw"][: b["num_images"]].tolist(), model, cp, freeze_vision
+            ),
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor | None]:
@@ -106,6 +122,16 @@ class MicroBatch:
     def without_images(self) -> MicroBatch:
         """A copy without the pixels and grids: what a pipeline stage after the first needs."""
         return dataclasses.replace(self, pixel_values=None, image_grid_thw=None)
+
+
+def vision_flops_by_cp(grids: list, model, cp: int, freeze_vision: bool = False) -> tuple:
+    """Training vision FLOPs of each context-parallel rank's share of the images `grids` (whole images,
+    as moevlm.parallel.cp_layout.balance_images hands them out); one entry for cp = 1."""
+    shares = balance_images([t * h * w for t, h, w in grids], cp) if cp > 1 else [range(len(grids))]
+    return tuple(
+        count_flops(model, [], [grids[i] for i in share], freeze_vision=freeze_vision).vision
+        for share in shares
+    )
 
 
 def row_flops(row: dict, model, freeze_vision: bool = False) -> float:

@@ -115,6 +115,16 @@ class PackConfig:
             "help": "at least this many samples to choose from (first fit) once they overflow a micro-batch"
         },
     )
+    max_vision_flops: str = field(
+        default="off",
+        metadata={
+            "help": "vision balance: a bound on the vision tower's forward FLOPs per packed row (the model's "
+            "formula, attention's quadratic term per image included; moevlm.data.packing): off, auto (halfway "
+            "between a full row of images too small for attention to count and a full row of images of "
+            "data.image.max_pixels), or a number of FLOPs; a row closes when it is reached and first fit "
+            "fills toward it; a sample over it alone goes alone in its row (counted)"
+        },
+    )
     oversize: str = field(
         default="skip",
         metadata={

@@ -175,7 +175,7 @@ from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import FALLBACKS, DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.layouts import image_members
 from moevlm.data.lifetime import watch_parent
-from moevlm.data.packing import Packer, collate
+from moevlm.data.packing import VISION_OFF, Packer, VisionFlops, collate, vision_budget
 from moevlm.data.reader import (
     ShardPlan,
     ShuffleBuffer,
@@ -217,6 +217,7 @@ def fresh_state(stream: int) -> dict:
         "images_used": 0,  # images of the samples that encoded
         "images_packed": 0,  # images in the rows produced
         "images_checked": False,  # the whole data set was seen to hold a usable image
+        "over_vision_budget": 0,  # rows of one sample over data.pack.max_vision_flops (it went alone)
     }
 
 
@@ -316,9 +317,10 @@ class Stream:
             cfg.max_image_bytes,
         )
         self.pad_id = encode.chat.eot_id
-        self.packer = Packer(cfg.pack)
+        self.packer = Packer(cfg.pack, ds.vision)
         self.st = {**fresh_state(stream), **copy.deepcopy(ds.states.get(stream) or {})}
         self.skips = SkipCounter(self.st["skipped"])
+        self.over_base = self.st.get("over_vision_budget", 0)
         self.tally = {t[0]: list(t[1:]) for t in self.st["tally"]}  # shard index -> counts
         self.failed = 0  # samples skipped in a row (since the last one that encoded)
         self.shuffle = self._new_buffer(self.st["epoch"], self.st["draws"])
@@ -575,6 +577,7 @@ class Stream:
         st["draws"] = self.shuffle.draws
         st["shuffle"] = [list(p) for p in self.shuffle.positions()]
         st["packer"] = [list(s.pos) for s in self.packer.held]
+        st["over_vision_budget"] = self.over_base + self.packer.over_budget
         st["skipped"] = dict(self.skips)
         st["tally"] = [[s, *t] for s, t in sorted(self.tally.items())]
         return copy.deepcopy(st)
@@ -620,7 +623,9 @@ class PackedDataset(IterableDataset):
         local,
         states,
         offset,
+        vision: VisionFlops | None = None,
     ):
+        self.vision = vision  # the model's vision FLOPs (data.pack.max_vision_flops)
         self.cfg, self.shards, self.counts, self.tokenizer_path = (
             cfg,
             shards,
@@ -754,8 +759,16 @@ def merge_states(states: list[dict]) -> dict:
 
 class PackedLoader:
     def __init__(
-        self, cfg: DataConfig, *, tokenizer_path: str, patch_dim: int, rank: int = 0, world: int = 1
+        self,
+        cfg: DataConfig,
+        *,
+        tokenizer_path: str,
+        patch_dim: int,
+        rank: int = 0,
+        world: int = 1,
+        vision: VisionFlops | None = None,
     ):
+        self.vision = vision
         self.cfg, self.tokenizer_path, self.patch_dim, self.rank, self.world = (
             cfg,
             tokenizer_path,
@@ -840,6 +853,7 @@ class PackedLoader:
             self.local,
             dict(self.states),
             self.offset,
+            self.vision,
         )
         pin = (
             torch.cuda.is_available()
@@ -976,6 +990,7 @@ class PackedLoader:
             "skipped_total": sum(skipped.values()),
             "fell_back": fell_back,
             "images_packed": sum(s.get("images_packed", 0) for s in self.states.values()),
+            "over_vision_budget": sum(s.get("over_vision_budget", 0) for s in self.states.values()),
             "shards_all_skipped": dict(sorted(unusable.items())),
             "samples_read": sum(s["read"] for s in self.states.values()),
             "samples_packed": sum(s["packed"] for s in self.states.values()),
@@ -1010,7 +1025,17 @@ def build_loader(
             if cfg.mock == "image_free"
             else "random pixels in place of the decoded images",
         )
-    return PackedLoader(cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world)
+    if model_cfg is None and str(cfg.pack.max_vision_flops).strip().lower() not in VISION_OFF:
+        raise ValueError(
+            f"data.pack.max_vision_flops={cfg.pack.max_vision_flops} counts vision FLOPs with the model's "
+            "formula: build the loader with the model config"
+        )
+    vision = (
+        None if model_cfg is None else VisionFlops(model_cfg, im.max_pixels // im.patch_size**2)
+    )
+    return PackedLoader(
+        cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world, vision=vision
+    )
 
 
 def sample_set(log_it: bool = True):
@@ -1108,6 +1133,7 @@ def check_fields(cfg: DataConfig) -> None:
     _require(pk.max_images >= 0, "pack.max_images", pk.max_images, "0 (text only) or more images")
     _require(pk.lookahead >= 0, "pack.lookahead", pk.lookahead, "0 or more samples")
     _require(pk.oversize in OVERSIZE, "pack.oversize", pk.oversize, _one_of(OVERSIZE))
+    vision_budget(pk.max_vision_flops, pk.max_patches)  # off, auto or a positive number: ValueError
     for name in ("patch_size", "temporal_patch_size", "merge_size"):
         _require(getattr(im, name) >= 1, f"image.{name}", getattr(im, name), "a positive integer")
     _require(im.min_pixels >= 1, "image.min_pixels", im.min_pixels, "a positive pixel count")

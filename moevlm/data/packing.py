@@ -23,13 +23,32 @@ Design choices:
 - First fit with lookahead: samples are held until they overflow one
   micro-batch and at least `lookahead` are held; then the oldest goes in (so
   nothing waits long), then every later held sample that still fits all four
-  budgets, in arrival order.  Deterministic, so a resumed run packs identically.
+  budgets (five with the vision budget below), in arrival order.  Deterministic, so a resumed run packs identically.
 - Several rows per micro-batch (`stack_rows`): text boundaries become offsets
   into the flattened B*S tokens (each row's cu_seqlens shifted by r*S, so the
   rows' documents never attend across rows); the rows' real patches come first
   in row order and all padding patches after, and the real image_grid_thw rows
   first and the zero rows after, because the model accepts padding patches
   only at the end.  Shapes stay fixed for a fixed B.
+- Vision balance (`pack.max_vision_flops`, off by default): the vision tower's attention grows with
+  the square of each image's patches, so rows of equal patch counts differ in work and data-parallel
+  ranks wait for the one with the most at the gradient reduction.  The budget bounds each row's vision
+  forward FLOPs, computed by the model's own formula (`moevlm.model.flops.vision_forward_flops`, the
+  quadratic term per image) from the sample's patch grids alone: each packer decides locally, with no
+  communication, so the rows are the same for every layout, and the rule holds no state beyond the
+  held samples (resume packs identically).  It is a fifth budget of the first fit above: a row closes
+  when it is reached (the held samples overflow it) and the later held samples that still fit fill
+  toward it.  "auto" (`VisionFlops.auto`) is halfway between the vision work of the lightest full row
+  (`max_patches` patches of images too small for attention's square to count) and of the heaviest
+  (`max_patches` patches in images of `data.image.max_pixels`): it cuts the upper half of the range a
+  row's work can take, where a lower cap costs patch fill (a row of large images closes an image
+  early; on the sample set a cap at the lightest row's work cost 10-25 points of patch fill).  A
+  sample whose own vision FLOPs exceed the budget goes alone in its row (nothing else joins it;
+  `Packer.over_budget`, `over_vision_budget` in the loader's stats), never a crash nor a skip: its
+  images still train.  Tensor shapes do not change.  Off by
+  default: a budget changes which samples share a row, so it would change the rows of every existing
+  recipe and of a run resumed from a checkpoint written before (docs/benchmarks.md has what it does
+  to balance and fill on the sample set).
 - Labels follow the Hugging Face convention (the model shifts); padding and
   non-trained tokens are -100.  Counts of useful vs padded tokens/patches ride
   along: tokens/s and MFU must count useful ones only.
@@ -42,6 +61,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moevlm.data.config import PackConfig
+from moevlm.model.flops import vision_block_forward_parts, vision_forward_flops
 
 if TYPE_CHECKING:  # encode.py imports IGNORE from here
     from moevlm.data.encode import Sample
@@ -49,15 +69,96 @@ if TYPE_CHECKING:  # encode.py imports IGNORE from here
 IGNORE = -100
 
 
-class Packer:
-    """Holds up to `lookahead` samples; `pop()` returns the samples of the next micro-batch."""
+class VisionFlops:
+    """The vision tower's forward FLOPs of a sample's images (the model's formula), and the per-row
+    budget `pack.max_vision_flops` resolves to.  Picklable: the loader's workers build their packers
+    with it."""
 
-    def __init__(self, cfg: PackConfig):
+    def __init__(self, model, max_image_patches: int):
+        self.model = model
+        self.max_image_patches = max_image_patches  # the largest image the resize allows
+
+    def __call__(self, grids) -> float:
+        return vision_forward_flops(self.model, grids)[0] if grids else 0.0
+
+    def per_patch(self) -> float:
+        """Forward FLOPs of one patch before attention's quadratic term (every part linear in the
+        patches): the difference of two grids of 2 and 1 merge blocks of one row, per patch added."""
+        m, depth = self.model.vision.spatial_merge_size, self.model.vision.depth
+
+        def linear(grid) -> float:  # the grid's FLOPs less attention's square (every block)
+            return (
+                self([grid]) - depth * vision_block_forward_parts(self.model, [grid])["core_attn"]
+            )
+
+        return (linear((1, m, 2 * m)) - linear((1, m, m))) / (m * m)
+
+    def attention_per_patch(self, image_patches: float) -> float:
+        """Forward FLOPs of attention's quadratic term per patch of an image of `image_patches` patches
+        (every block: QK^T and PV over the image's patches)."""
+        v = self.model.vision
+        return (
+            v.depth
+            * vision_block_forward_parts(self.model, [(1, 1, 1)])["core_attn"]
+            * image_patches
+        )
+
+    def auto(self, max_patches: int) -> float:
+        """The budget "auto": halfway between the lightest full row (max_patches patches of images too
+        small for attention to count) and the heaviest (max_patches patches in images of the largest
+        size): it cuts the upper half of the range of vision work a row can carry."""
+        return max_patches * (
+            self.per_patch() + self.attention_per_patch(self.max_image_patches) / 2
+        )
+
+    def budget(self, pack: PackConfig) -> float | None:
+        """`pack.max_vision_flops` as FLOPs per row; None when off."""
+        return vision_budget(pack.max_vision_flops, pack.max_patches, self)
+
+
+VISION_OFF = ("off", "none", "0", "0.0", "")  # pack.max_vision_flops values that turn the rule off
+
+
+def vision_budget(value, max_patches: int, flops: VisionFlops | None = None) -> float | None:
+    """`pack.max_vision_flops` ("off", "auto" or a number of FLOPs) as FLOPs per row, None when off;
+    ValueError for any other value (checked before any worker starts)."""
+    text = str(value).strip().lower()
+    if text in VISION_OFF:
+        return None
+    if text == "auto":
+        return None if flops is None else flops.auto(max_patches)
+    try:
+        number = float(text)
+    except ValueError:
+        number = -1.0
+    if not number > 0 or number == float("inf"):
+        raise ValueError(
+            f"data.pack.max_vision_flops={value!r} is invalid: set it to off, auto or a positive number "
+            "of forward FLOPs per packed row"
+        )
+    return number
+
+
+class Packer:
+    """Holds up to `lookahead` samples; `pop()` returns the samples of the next micro-batch.
+    `vision`: the model's VisionFlops, needed when `cfg.max_vision_flops` is not off."""
+
+    def __init__(self, cfg: PackConfig, vision: VisionFlops | None = None):
         self.cfg = cfg
         self.held: list[Sample] = []
+        self.budget = vision_budget(cfg.max_vision_flops, cfg.max_patches, vision)
+        if str(cfg.max_vision_flops).strip().lower() not in VISION_OFF and vision is None:
+            raise ValueError(
+                "data.pack.max_vision_flops is set but the packer has no model to count vision FLOPs "
+                "with (build the loader with the model config)"
+            )
+        self.vision = vision
+        self.costs: list[float] = []  # the held samples' vision forward FLOPs, in held order
+        self.over_budget = 0  # rows of one sample whose own vision FLOPs exceed the budget
 
     def push(self, sample: Sample) -> None:
         self.held.append(sample)
+        self.costs.append(self.vision(sample.grids) if self.budget is not None else 0.0)
 
     def full(self) -> bool:
         """Ready to emit: the held samples overflow one micro-batch (so it can be
@@ -71,27 +172,36 @@ class Packer:
             and sum(s.patches for s in h) <= c.max_patches
             and sum(len(s.grids) for s in h) <= c.max_images
             and len(h) <= c.max_samples
+            and (self.budget is None or sum(self.costs) <= self.budget)
         )
 
     def pop(self) -> list[Sample]:
-        c = self.cfg
+        c, F = self.cfg, self.budget
         tokens = patches = images = 0
-        take, keep = [], []
-        for s in self.held:
+        flops = 0.0
+        take, keep, kept_costs = [], [], []
+        for s, cost in zip(self.held, self.costs):
             fits = (
                 tokens + s.tokens <= c.seq_len
                 and patches + s.patches <= c.max_patches
                 and images + len(s.grids) <= c.max_images
                 and len(take) < c.max_samples
+                # the oldest always goes in: alone when its own vision work is over the budget
+                and (F is None or flops + cost <= F or not take)
             )
-            (take if fits else keep).append(s)
             if fits:
+                take.append(s)
                 tokens, patches, images = (
                     tokens + s.tokens,
                     patches + s.patches,
                     images + len(s.grids),
                 )
-        self.held = keep
+                flops += cost
+            else:
+                keep.append(s)
+                kept_costs.append(cost)
+        self.over_budget += F is not None and flops > F
+        self.held, self.costs = keep, kept_costs
         return take
 
 

@@ -13,6 +13,11 @@ Conventions:
   packer's `useful_tokens`, summed over micro-batches and ranks).  A record carries
   them as `tokens`, with `images` (real images) and `image_tokens` (their merged
   tokens in the text), each summed over the global batches of the log window.
+- `vision_flops_max_over_mean`: the vision tower's FLOPs of the slowest data-parallel rank (the
+  slowest context-parallel share within it) over the mean rank's, per step (tp ranks encode the same
+  images and count once); over a log window, the sum of the steps' maxima over the sum of their means
+  (each step weighted by its vision work; null when no image was encoded).  1.0 is perfect balance;
+  `data.pack.max_vision_flops` bounds each row's share (moevlm.data.packing).
 - Validation (moevlm.train.evaluate) adds `val_loss` and `val_tokens` to the record
   of the step it followed (TensorBoard/W&B `val/loss`, `val/tokens`).
 - FLOPs are model FLOPs from `moevlm.model.flops.count_flops` (2*m*k*n per
@@ -207,6 +212,7 @@ class Window:
         self.steps, self.loss, self.aux, self.tokens = 0, 0.0, 0.0, 0
         self.flops, self.seconds, self.wait = 0.0, 0.0, 0.0
         self.images, self.image_tokens = 0, 0
+        self.vision_max, self.vision_mean = 0.0, 0.0
         self.counts, self.last, self.skipped_steps = None, {}, 0
 
     def add(
@@ -224,15 +230,22 @@ class Window:
         updated=True,
         images=0,
         image_tokens=0,
+        vision_max=0.0,
+        vision_mean=0.0,
     ) -> None:
         """`updated`: the step changed the weights (False: skipped for non-finite values); `images`,
-        `image_tokens`: the global batch's real images and their tokens."""
+        `image_tokens`: the global batch's real images and their tokens; `vision_max`, `vision_mean`: the
+        step's vision FLOPs of the slowest data-parallel (x cp) rank and of the mean rank."""
         self.steps += 1
         self.skipped_steps += not updated
         self.loss, self.aux = self.loss + loss, self.aux + aux
         self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
         self.images, self.image_tokens = self.images + images, self.image_tokens + image_tokens
         self.seconds, self.wait = self.seconds + seconds, self.wait + wait
+        self.vision_max, self.vision_mean = (
+            self.vision_max + vision_max,
+            self.vision_mean + vision_mean,
+        )
         if counts is not None:
             self.counts = counts if self.counts is None else self.counts + counts
         self.last = {"grad_norm": grad_norm, "lr": lr, "updated": updated}
@@ -274,6 +287,9 @@ class Window:
         rec["tokens"], rec["images"] = int(self.tokens), int(self.images)
         rec["image_tokens"] = int(self.image_tokens)
         rec["steps_in_window"] = self.steps
+        rec["vision_flops_max_over_mean"] = (
+            self.vision_max / self.vision_mean if self.vision_mean > 0 else None
+        )
         # a skipped step is logged at once, marked: did the logged step update?
         if self.skipped_steps:
             rec["updated"], rec["skipped_steps_in_window"] = (
@@ -319,6 +335,7 @@ _TB_TAGS = {
     "tokens": "data/tokens",
     "images": "data/images",
     "image_tokens": "data/image_tokens",
+    "vision_flops_max_over_mean": "data/vision_flops_max_over_mean",
     "val_loss": "val/loss",
     "val_tokens": "val/tokens",
 }

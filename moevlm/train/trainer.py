@@ -73,6 +73,13 @@ Design choices:
   by FSDP2's CPU offload policy under FSDP, else by a host AdamW over fp32 masters.  Clipping is
   unchanged (on the reduced gradients, before they leave the device); the schedule drives the host
   AdamW's groups; checkpoints keep the device optimizer's format.
+- Vision balance (`vision_flops_max_over_mean`): each step, every (dp, cp) rank's vision tower FLOPs
+  (the sum over its micro-batches of its cp share of their images, `MicroBatch.vision_flops_cp`); the
+  slowest of them over the mean, the straggler the gradient reduction waits for.  tp ranks run the
+  tower on the same images (it is not tensor parallel) and count once; pipeline stages after the first
+  run no tower but carry the first stage's figures.  No extra collective: each data-parallel rank
+  puts its slowest cp rank's figure in its own slot of the token-count all-reduce (cp ranks of one
+  replica compute their shares of the same micro-batch, so every rank knows them all).
 - Validation (`train.val_every`, moevlm.train.evaluate): after a due step, before its record and its
   checkpoint, on held-out rows of its own loader; its values join that step's record.
 """
@@ -273,7 +280,7 @@ class Trainer:
         return build_loader(
             d,
             self.plan.model,
-            rank=self.rank // (dims.tp * dims.cp) % dims.dp,
+            rank=self._dp_rank(),
             world=dims.dp,
             hf_checkpoint=self.job.model.hf_checkpoint,
         )
@@ -630,6 +637,10 @@ class Trainer:
         with self._phase("data", span="data"):
             micro = self._fetch() if micro is None else micro
         with self._phase("data-parallel token-count all-reduce"):
+            dp = self.plan.dims.dp
+            # this data-parallel rank's slowest cp rank in its own slot: one SUM gives every rank all slots
+            vision_slots = [0.0] * dp
+            vision_slots[self._dp_rank()] = max(map(sum, zip(*(m.vision_flops_cp for m in micro))))
             totals = _all_reduce(
                 [
                     sum(m.loss_tokens for m in micro),
@@ -637,6 +648,8 @@ class Trainer:
                     sum(m.flops for m in micro),
                     sum(m.images for m in micro),
                     sum(m.n_image for m in micro),
+                    sum(sum(m.vision_flops_cp) for m in micro),
+                    *vision_slots,
                 ],
                 self.device,
                 self.parallel.dp_group,
@@ -689,6 +702,9 @@ class Trainer:
             updated=ok,
             images=int(totals[3]),
             image_tokens=int(totals[4]),
+            # the slowest (dp, cp) rank's and the mean rank's vision FLOPs of this step
+            vision_max=max(totals[6:]),
+            vision_mean=totals[5] / (dp * self.plan.dims.cp),
         )
         if self.compiled is not None and self.compiled.warm_at is None:
             self.compiled.warm()  # every block has compiled (forward and backward): what follows is a recompile
@@ -791,7 +807,13 @@ class Trainer:
             rows_per_batch=self.t.micro_batch_size,
             model=self.plan.model,
             freeze_vision=self.job.model.freeze_vision,
+            cp=self.plan.dims.cp,
         )
+
+    def _dp_rank(self) -> int:
+        """This rank's data-parallel index (the loader's rank)."""
+        dims = self.plan.dims
+        return self.rank // (dims.tp * dims.cp) % dims.dp
 
     def _autocast(self):
         if self._bf16:

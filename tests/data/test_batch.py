@@ -59,3 +59,25 @@ def test_model_takes_the_micro_batch_and_the_objective_is_its_loss(rows):
         1,
     )
     torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=0)
+
+
+def test_vision_flops_per_context_parallel_rank_are_the_shares_of_whole_images(rows):
+    """`vision_flops_cp`: each cp rank's share of the micro-batch's images, as the model hands them out
+    (cp_layout.balance_images), counted by the FLOP formula; the shares add up to the whole."""
+    from moevlm.parallel.cp_layout import balance_images
+
+    cfg = VLMConfig.preset("tiny")
+    grids = [g for r in rows for g in r["image_grid_thw"][: r["num_images"]].tolist()]
+    assert len(grids) >= 2
+    whole = MicroBatch.from_rows(rows, cfg).vision_flops_cp
+    assert whole == (count_flops(cfg, [], grids).vision,)
+    for cp in (2, 3):
+        per_rank = MicroBatch.from_rows(rows, cfg, cp=cp).vision_flops_cp
+        shares = balance_images([t * h * w for t, h, w in grids], cp)
+        assert per_rank == tuple(
+            count_flops(cfg, [], [grids[i] for i in share]).vision for share in shares
+        )
+        assert sum(per_rank) == pytest.approx(whole[0], rel=1e-12)
+    # frozen tower: forward only
+    frozen = MicroBatch.from_rows(rows, cfg, freeze_vision=True).vision_flops_cp[0]
+    assert frozen == count_flops(cfg, [], grids, freeze_vision=True).vision < whole[0]

@@ -70,12 +70,15 @@ def assert_same_batches(a, b):
                 assert torch.equal(v, y[k]), k
 
 
-def test_resume_continues_exactly_across_workers_and_epochs(sample_shards):
+@pytest.mark.parametrize("vision_budget", ["off", "auto"])
+def test_resume_continues_exactly_across_workers_and_epochs(sample_shards, vision_budget):
     """Four shards over two streams (one per worker): epochs end within the run,
     the shuffle buffer and the packer hold samples at the checkpoint, and the
-    next batch is due from stream 1 (an odd number of batches was delivered)."""
+    next batch is due from stream 1 (an odd number of batches was delivered).
+    With the vision-FLOPs budget on too (it holds no state beyond the held samples)."""
     shards = ",".join(str(p) for p in sorted(sample_shards.glob("shard-*.tar"))[:4])
     cfg = small_data_config(shards, tokenizer=str(sample_shards / "tokenizer.json"), streams=2)
+    cfg.pack.max_vision_flops = vision_budget
     first = build_loader(cfg, TINY)
     take(first, 7)
     state = first.state_dict()

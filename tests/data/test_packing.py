@@ -2,6 +2,8 @@
 packed row (or a stack of rows) through the tiny model equal to its parts run
 one by one."""
 
+import dataclasses
+
 import pytest
 import torch
 from PIL import Image
@@ -12,7 +14,7 @@ from moevlm.data.packing import IGNORE
 from moevlm.data.image import preprocess_image
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.loader import build_loader
-from moevlm.data.packing import Packer, collate, stack_rows
+from moevlm.data.packing import Packer, VisionFlops, collate, stack_rows, vision_budget
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.rope import mrope_position_ids, vision_cu_seqlens
 
@@ -249,3 +251,166 @@ def test_stacked_rows_equal_rows_one_by_one(real_rows):
     torch.testing.assert_close(
         both.lm_loss * both.num_loss_tokens, sum(o.lm_loss * o.num_loss_tokens for o in alone)
     )
+
+
+# ------------------------------------------------------------ vision balance (pack.max_vision_flops)
+TINY = VLMConfig.preset("tiny")
+
+
+def image_sample(sid, tokens, *grids):
+    """A sample with images of the given (t, h, w) patch grids."""
+    n = sum(t * h * w for t, h, w in grids)
+    ids = torch.arange(tokens) % 1000
+    pix = torch.zeros(n, D) if n else None
+    return Sample(
+        sid, (0, 0, 0), ids, ids.clone(), torch.stack([torch.arange(tokens)] * 3), pix, list(grids)
+    )
+
+
+def variable_samples(n, seed=0):
+    """Text-only samples and samples of 1-2 images of variable sides (2..16 patches, even)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        k = int(torch.randint(0, 3, (1,), generator=g))
+        grids = [
+            (
+                1,
+                2 * int(torch.randint(1, 9, (1,), generator=g)),
+                2 * int(torch.randint(1, 9, (1,), generator=g)),
+            )
+            for _ in range(k)
+        ]
+        out.append(image_sample(f"s{i}", int(torch.randint(4, 40, (1,), generator=g)), *grids))
+    return out
+
+
+def pack_all(packer, samples):
+    """Rows as the loader makes them: pop while full after each push, then drain."""
+    rows = []
+    for s in samples:
+        packer.push(s)
+        while packer.full():
+            rows.append((packer.pop(), [*packer.held]))
+    while packer.held:
+        rows.append((packer.pop(), [*packer.held]))
+    return rows
+
+
+def test_vision_budget_values():
+    vf = VisionFlops(TINY, 256)
+    assert vision_budget("off", 256, vf) is None and vision_budget("0", 256, vf) is None
+    # auto: halfway between a full row of images too small for attention to count and a full row of the
+    # largest images (256 patches here)
+    light, heavy = 512 * vf.per_patch(), 2 * vf([(1, 16, 16)])
+    assert vision_budget("auto", 512, vf) == pytest.approx((light + heavy) / 2, rel=1e-12)
+    assert vision_budget("2.5e6", 256, vf) == 2.5e6 and vision_budget(3e6, 256) == 3e6
+    for bad in ("-1", "much", "inf"):
+        with pytest.raises(ValueError, match="max_vision_flops"):
+            vision_budget(bad, 256, vf)
+    # the per-patch figure is the formula's linear part: a grid's FLOPs minus its attention square
+    quad = TINY.vision.depth * 4 * TINY.vision.hidden_size
+    assert vf([(1, 4, 4)]) == pytest.approx(16 * vf.per_patch() + quad * 16**2, rel=1e-12)
+    with pytest.raises(ValueError, match="no model"):
+        Packer(PackConfig(max_vision_flops="auto"))
+
+
+def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
+    vf = VisionFlops(TINY, 256)
+    cfg = PackConfig(
+        seq_len=128,
+        max_patches=512,
+        max_samples=16,
+        max_images=8,
+        lookahead=6,
+        max_vision_flops="auto",
+    )
+    samples = variable_samples(300)
+    packer = Packer(cfg, vf)
+    budget = packer.budget
+    assert budget == vision_budget("auto", 512, vf)
+    rows = pack_all(packer, samples)
+    assert sorted(s.id for row, _ in rows for s in row) == sorted(s.id for s in samples)
+    for row, left in rows:
+        flops = sum(vf(s.grids) for s in row)
+        assert flops <= budget  # every sample of this set fits the budget alone
+        # first fit: no sample left held would have fitted on top of the row, on any budget
+        for s in left:
+            assert (
+                sum(x.tokens for x in row) + s.tokens > cfg.seq_len
+                or sum(x.patches for x in row) + s.patches > cfg.max_patches
+                or sum(len(x.grids) for x in row) + len(s.grids) > cfg.max_images
+                or len(row) + 1 > cfg.max_samples
+                or flops + vf(s.grids) > budget
+            )
+    assert packer.over_budget == 0
+    # the budget binds: without it some rows carry more vision work than it allows
+    plain = pack_all(Packer(dataclasses.replace(cfg, max_vision_flops="off"), vf), samples)
+    assert max(sum(vf(s.grids) for s in row) for row, _ in plain) > budget
+
+
+def test_hand_worked_vision_budget_closes_a_row():
+    vf = VisionFlops(TINY, 256)
+    a, b, c = (image_sample(n, 4, (1, 8, 8)) for n in "abc")  # 64 patches each
+    text = image_sample("t", 4)
+    # room for two of the three images' vision work, though the patches would take all three
+    budget = 2 * vf(a.grids) + vf(a.grids) / 2
+    p = Packer(
+        PackConfig(seq_len=64, max_patches=256, lookahead=4, max_vision_flops=str(budget)), vf
+    )
+    for s in (a, b, c, text):
+        p.push(s)
+    assert p.full()  # only the vision budget overflows
+    assert [s.id for s in p.pop()] == ["a", "b", "t"] and [s.id for s in p.held] == ["c"]
+
+
+def test_sample_over_the_vision_budget_goes_alone_and_is_counted():
+    vf = VisionFlops(TINY, 256)
+    big = image_sample("big", 8, (1, 16, 16))
+    small, text = image_sample("small", 4, (1, 2, 2)), image_sample("text", 4)
+    budget = vf(big.grids) / 2  # the big image alone is over it; it still fits the patch budget
+    p = Packer(
+        PackConfig(seq_len=64, max_patches=512, lookahead=3, max_vision_flops=str(budget)), vf
+    )
+    for s in (big, small, text):
+        p.push(s)
+    assert p.full()
+    assert [s.id for s in p.pop()] == ["big"]  # alone: not even the text-only sample joins it
+    assert p.over_budget == 1 and [s.id for s in p.held] == ["small", "text"]
+    assert [s.id for s in p.pop()] == ["small", "text"] and p.over_budget == 1
+
+
+def test_vision_budget_is_deterministic_and_resumes_from_the_held_samples():
+    """The same samples pack the same rows; a packer rebuilt from the held samples alone (what the
+    loader's state keeps) packs what follows exactly as the uninterrupted one."""
+    vf = VisionFlops(TINY, 256)
+    cfg = PackConfig(
+        seq_len=128,
+        max_patches=512,
+        max_samples=16,
+        max_images=8,
+        lookahead=6,
+        max_vision_flops="auto",
+    )
+    samples = variable_samples(200, seed=3)
+
+    def ids(rows):
+        return [[s.id for s in row] for row, _ in rows]
+
+    whole = ids(pack_all(Packer(cfg, vf), samples))
+    assert whole == ids(pack_all(Packer(cfg, vf), samples))
+    first = Packer(cfg, vf)
+    head = ids(pack_all_no_drain(first, samples[:97]))
+    resumed = Packer(cfg, vf)
+    for s in first.held:
+        resumed.push(s)
+    assert head + ids(pack_all(resumed, samples[97:])) == whole
+
+
+def pack_all_no_drain(packer, samples):
+    rows = []
+    for s in samples:
+        packer.push(s)
+        while packer.full():
+            rows.append((packer.pop(), [*packer.held]))
+    return rows

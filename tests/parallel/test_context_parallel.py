@@ -53,7 +53,8 @@ WORLD_2 = [
 WORLD_4 = [
     ["parallel.cp=4", "parallel.cp_comm=ring"],
     ["parallel.cp=2", "parallel.tp=2"],
-    ["parallel.cp=2", "parallel.dp_mode=fsdp"],
+    # VISION: the logged vision figures per (dp, cp) rank too (test_layouts.check_vision_figures)
+    ["parallel.cp=2", "parallel.dp_mode=fsdp", "VISION"],
     # validation through the forward-only pipeline on cp-split rows
     ["parallel.cp=2", "parallel.pp=2", "VAL"],
 ]

@@ -25,7 +25,10 @@ policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2; a third,
 resumes the first one's checkpoint.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
 compared with a one-process reference run with the same options.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
-written to `layouts_w<world>.json` under the test's tmp dir.
+written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
+marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
+figures (`vision_flops_max_over_mean`'s slowest and mean rank) against the loaders' rows counted in
+one process.
 
 Validation (moevlm.train.evaluate): the reference validates after every step (`VAL`: held-out rows of
 the sample set, 2 global batches), so every layout that does not validate, matching it step for step,
@@ -76,6 +79,11 @@ ROUTER_OPTIONS = {
     "sequence": ["model.moe_aux_loss=sequence", "model.moe_z_loss_coeff=0.01"],
     # round robin by each token's position in its sequence: the same experts under any split
     "forced": ["model.moe_router_force_balance=true"],
+    # not a router option: the vision-FLOPs packing budget (moevlm.data.packing) changes which samples
+    # share a row, so its layout needs a reference packed the same way.  1.6e7 FLOPs is about 1.5 of
+    # the recipe's largest images (64 patches, 1.1e7 in the tiny tower): it binds on 4 of the 8 rows
+    # of the 2 steps (auto, halfway to a row of 4 such images, binds on none of them)
+    "vision": ["data.pack.max_vision_flops=1.6e7"],
 }
 
 
@@ -127,7 +135,9 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
     layout = [
-        x for x in layout if x not in ("RESUME", "VAL") and not x.startswith(("FROM=", "REF="))
+        x
+        for x in layout
+        if x not in ("RESUME", "VAL", "VISION") and not x.startswith(("FROM=", "REF="))
     ]
     layout += [f"data.val_shards={shards}", *VAL] if val else []
     layout = [
@@ -140,7 +150,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
         layout.append(
             f"train.resume={os.path.join(os.path.dirname(run_dir), start[0], 'checkpoints', 'step_00000001')}"
         )
-    grads, vals = [], []
+    grads, vals, window = [], [], _NoWindow()
     for part in (1, STEPS) if resume else (STEPS,):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
         assert tr.step == 1 or not start
@@ -149,7 +159,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
         )
         try:
             while tr.step < part:
-                assert tr.train_step(_NoWindow())
+                assert tr.train_step(window)
                 if val:
                     vals.append(tr.validate())
             if part < STEPS:
@@ -161,6 +171,7 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
                     "losses": list(tr.losses),
                     "grads": grads,
                     "val": vals,
+                    "vision": window.vision,
                     "params": every_stage(tr, {**full_state_dict(tr.model), **biases}),
                 }
         finally:
@@ -177,8 +188,47 @@ def every_stage(tr: Trainer, tensors: dict) -> dict:
 
 
 class _NoWindow:
+    """Keeps only each step's vision figures (slowest rank's and mean rank's vision FLOPs)."""
+
+    def __init__(self):
+        self.vision = []
+
     def add(self, **kw):
-        pass
+        self.vision.append((kw["vision_max"], kw["vision_mean"]))
+
+
+def check_vision_figures(
+    got: dict, shards: str, run_dir: str, layout: list[str], world: int
+) -> None:
+    """The trainer's per-step vision figures under `layout` (slowest (dp, cp) rank's vision FLOPs and
+    the mean rank's) equal the ones counted in this process from each data-parallel rank's loader
+    rows, cut into cp shares as the model cuts them (moevlm.data.vision_balance.measure)."""
+    from omegaconf import OmegaConf
+
+    from moevlm.data.vision_balance import measure
+    from moevlm.train.config import validate
+
+    options = [x for x in layout if "." in x.split("=", 1)[0]]  # not the REF=, RESUME, VAL marks
+    job = compose_job(job_overrides(shards, run_dir, options))
+    plan = validate(job, world_size=world, environment=False)
+    dp, cp = plan.dims.dp, plan.dims.cp
+    data = OmegaConf.to_object(job.data)
+    rows = job.train.global_batch_size // dp
+    per_step = measure(
+        data,
+        plan.model,
+        dp=dp,
+        steps=STEPS,
+        rows_per_step=rows,
+        cp=cp,
+        micro_batch_size=job.train.micro_batch_size,
+    )["per_step"]
+    assert dp * cp > 1, plan.dims
+    assert len(got["vision"]) == STEPS, got["vision"]
+    for (top, mean), ranks in zip(got["vision"], per_step):
+        assert top == pytest.approx(max(ranks), rel=1e-12)
+        assert mean == pytest.approx(sum(ranks) / (dp * cp), rel=1e-12)
+    assert any(max(r) > sum(r) / len(r) for r in per_step)  # the ranks' work did differ
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -284,6 +334,10 @@ def check_layouts(
             path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
             refs[name] = torch.load(path, weights_only=False)
         errors = compare(got, refs[name])
+        if name == "vision" or "VISION" in layout:  # the logged balance figure
+            check_vision_figures(
+                got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world
+            )
         report[" ".join(x for x in layout if x not in hide)] = errors
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, f"layout {layout}: relative error above {TOL}: {bad}"
@@ -331,6 +385,8 @@ WORLD_2 = [
     with_options("global", ["parallel.ep=2", "model.dispatcher=alltoall"]),
     with_options("sequence", ["parallel.tp=2"]),
     with_options("forced", ["parallel.ep=2", "model.dispatcher=alltoall"]),
+    # the vision-FLOPs packing budget: each rank's packers make the rows the one process makes
+    with_options("vision", ["parallel.dp_mode=fsdp"]),
     # forced routing with the sequence split over tp 2 (sequence parallel) and ep over those ranks
     with_options(
         "forced",

@@ -65,6 +65,9 @@ def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
         w.add(
             images=int(loss),
             image_tokens=16 * int(loss),
+            # the slowest rank's vision FLOPs and the mean rank's: 9 + 4 over 6 + 2
+            vision_max=9.0 if loss == 3.0 else 4.0,
+            vision_mean=6.0 if loss == 3.0 else 2.0,
             loss=loss,
             aux=0.02,
             grad_norm=loss / 2,
@@ -93,7 +96,34 @@ def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
         "tokens": 40_000,
         "images": 5,
         "image_tokens": 80,
+        # steps weighted by their vision work, not a mean of the ratios (1.5 and 2.0)
+        "vision_flops_max_over_mean": 13.0 / 8.0,
     }
+    # a window without images has no vision balance to report
+    empty = Window()
+    empty.add(
+        loss=1.0,
+        aux=0.0,
+        grad_norm=1.0,
+        lr=1e-3,
+        useful_tokens=1,
+        flops=1.0,
+        seconds=1.0,
+        wait=0.0,
+        counts=None,
+    )
+    assert (
+        empty.record(
+            step=1,
+            world_size=1,
+            peak_tflops=None,
+            mem_gib=None,
+            expert_counts=None,
+            skipped={},
+            nonfinite_steps=0,
+        )["vision_flops_max_over_mean"]
+        is None
+    )
 
 
 def test_mfu_null_without_peak_and_on_cpu():
@@ -196,6 +226,8 @@ def test_console_line_step_eta_throughput_and_validation():
     tags = scalars(rec)
     assert (tags["val/loss"], tags["val/tokens"], tags["data/images"]) == (2.25, 512, 3)
     assert tags["data/image_tokens"] == 48
+    rec["vision_flops_max_over_mean"] = 1.25
+    assert scalars(rec)["data/vision_flops_max_over_mean"] == 1.25
     log = MetricsLogger(None, rank=1, total_steps=100, log_every=1)  # (the ETA's arithmetic only)
     assert log._eta(record(step=10, step_time_s=2.0)) == pytest.approx(180.0)
     log._since = (log._since[0] - 30.0, 10)  # 30 s later, 5 steps on: 6 s a step, 85 steps left

@@ -123,6 +123,8 @@ def test_logged_flops_and_tokens_are_the_packed_batches(default_run):
             step_images += int((row["image_grid_thw"].prod(-1) > 0).sum())
             step_image_tokens += int((row["input_ids"] == plan.model.image_token_id).sum())
         assert (rec["images"], rec["image_tokens"]) == (step_images, step_image_tokens)
+        # one rank: the slowest is the mean where the step encoded images, and no figure where it did not
+        assert rec["vision_flops_max_over_mean"] == (1.0 if step_images else None)
         images, image_tokens = images + step_images, image_tokens + step_image_tokens
         assert rec["tokens"] == tokens
         assert rec["flops"] == pytest.approx(flops, rel=1e-12)
