@@ -22,7 +22,6 @@ backward, with and without `apply_offload`:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -30,11 +29,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recompute_memory import make_batch, step_seconds  # noqa: E402
+from recompute_memory import model_and_batch, parse_args, step_seconds
 
-from moevlm.model import Qwen3VLMoe, VLMConfig  # noqa: E402
-from moevlm.parallel.offload import MODULES, apply_offload, check  # noqa: E402
-from moevlm.parallel.recompute import SavedBytes, apply_recompute, describe  # noqa: E402
+from moevlm.parallel.offload import MODULES, apply_offload, check
+from moevlm.parallel.recompute import SavedBytes, apply_recompute, describe
 
 RECOMPUTES = [("none", ()), ("selective", ("core_attn",)), ("full", ())]
 
@@ -73,38 +71,9 @@ def peak(base, batch, rec, offload, device) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (proxy)")
-    ap.add_argument("--vision-depth", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--image-side", type=int, default=8, help="patches per image side (even)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--repeat", type=int, default=3)
-    a = ap.parse_args()
-    cfg = VLMConfig.preset(a.preset)
-    if a.layers:
-        cfg.text.num_layers = a.layers
-    if a.vision_depth:
-        cfg.vision.depth = a.vision_depth
-        cfg.vision.deepstack_visual_indexes = tuple(
-            i for i in cfg.vision.deepstack_visual_indexes if i < a.vision_depth
-        )
-    cfg.moe.mlp_only_layers = (0,)  # one dense layer, so `mlp` has a decoder MLP
-    device = torch.device(a.device)
-    torch.manual_seed(0)
-    base = Qwen3VLMoe(cfg).to(
-        device=device, dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    )
-    batch = make_batch(cfg, a.seq, a.image_side, device)
+    a = parse_args(__doc__, repeat=3)
+    _, device, base, batch = model_and_batch(a)
     cuda = device.type == "cuda"
-    print(
-        f"{a.preset} ({cfg.text.num_layers} layers, vision depth {cfg.vision.depth}), {a.seq} tokens, "
-        f"2 images of {a.image_side}x{a.image_side} patches, {device.type}, {a.dtype}"
-    )
     head = "| recompute | offload | on device without MiB | on device with MiB | offloaded share | host MiB | step time with/without |"
     rule = "|---|---|---:|---:|---:|---:|---:|"
     if cuda:

@@ -67,9 +67,10 @@ def step_seconds(model, batch, repeat: int, device) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def parse_args(doc: str, repeat: int) -> argparse.Namespace:
+    """The model, batch and device options shared with bench/offload_memory.py."""
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (proxy)")
@@ -78,8 +79,12 @@ def main() -> None:
     ap.add_argument("--image-side", type=int, default=8, help="patches per image side (even)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--repeat", type=int, default=5)
-    a = ap.parse_args()
+    ap.add_argument("--repeat", type=int, default=repeat)
+    return ap.parse_args()
+
+
+def model_and_batch(a: argparse.Namespace):
+    """(config, device, weights, batch) of the options `a`; prints what they are."""
     cfg = VLMConfig.preset(a.preset)
     if a.layers:
         cfg.text.num_layers = a.layers
@@ -88,7 +93,7 @@ def main() -> None:
         cfg.vision.deepstack_visual_indexes = tuple(
             i for i in cfg.vision.deepstack_visual_indexes if i < a.vision_depth
         )
-    cfg.moe.mlp_only_layers = (0,)  # one dense layer, so `mlp` has a decoder MLP to recompute
+    cfg.moe.mlp_only_layers = (0,)  # one dense layer, so `mlp` has a decoder MLP
     device = torch.device(a.device)
     torch.manual_seed(0)
     base = Qwen3VLMoe(cfg).to(
@@ -99,6 +104,12 @@ def main() -> None:
         f"{a.preset} ({cfg.text.num_layers} layers, vision depth {cfg.vision.depth}), {a.seq} tokens, "
         f"2 images of {a.image_side}x{a.image_side} patches, {device.type}, {a.dtype}"
     )
+    return cfg, device, base, batch
+
+
+def main() -> None:
+    a = parse_args(__doc__, repeat=5)
+    _, device, base, batch = model_and_batch(a)
     print("| recompute | saved MiB | vs none | step time vs none |\n|---|---:|---:|---:|")
     ref = None
     for mode, modules in SETTINGS:
