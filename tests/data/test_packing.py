@@ -315,9 +315,9 @@ def test_vision_budget_values():
         Packer(PackConfig(max_vision_flops="auto"))
 
 
-def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
-    vf = VisionFlops(TINY, 256)
-    cfg = PackConfig(
+def vision_pack() -> PackConfig:
+    """Small rows with the vision budget `auto` (the budget tests' packing)."""
+    return PackConfig(
         seq_len=128,
         max_patches=512,
         max_samples=16,
@@ -325,6 +325,11 @@ def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
         lookahead=6,
         max_vision_flops="auto",
     )
+
+
+def test_vision_budget_bounds_every_row_and_first_fit_fills_toward_it():
+    vf = VisionFlops(TINY, 256)
+    cfg = vision_pack()
     samples = variable_samples(300)
     packer = Packer(cfg, vf)
     budget = packer.budget
@@ -384,14 +389,7 @@ def test_vision_budget_is_deterministic_and_resumes_from_the_held_samples():
     """The same samples pack the same rows; a packer rebuilt from the held samples alone (what the
     loader's state keeps) packs what follows exactly as the uninterrupted one."""
     vf = VisionFlops(TINY, 256)
-    cfg = PackConfig(
-        seq_len=128,
-        max_patches=512,
-        max_samples=16,
-        max_images=8,
-        lookahead=6,
-        max_vision_flops="auto",
-    )
+    cfg = vision_pack()
     samples = variable_samples(200, seed=3)
 
     def ids(rows):
