@@ -175,7 +175,7 @@ from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import FALLBACKS, DataError, DataSetupError, SkipCounter, SkipSample
 from moevlm.data.layouts import image_members
 from moevlm.data.lifetime import watch_parent
-from moevlm.data.packing import VISION_OFF, Packer, VisionFlops, collate, vision_budget
+from moevlm.data.packing import Packer, VisionFlops, collate, vision_budget, vision_budget_set
 from moevlm.data.reader import (
     ShardPlan,
     ShuffleBuffer,
@@ -1025,14 +1025,12 @@ def build_loader(
             if cfg.mock == "image_free"
             else "random pixels in place of the decoded images",
         )
-    if model_cfg is None and str(cfg.pack.max_vision_flops).strip().lower() not in VISION_OFF:
+    if model_cfg is None and vision_budget_set(cfg.pack.max_vision_flops):
         raise ValueError(
             f"data.pack.max_vision_flops={cfg.pack.max_vision_flops} counts vision FLOPs with the model's "
             "formula: build the loader with the model config"
         )
-    vision = (
-        None if model_cfg is None else VisionFlops(model_cfg, im.max_pixels // im.patch_size**2)
-    )
+    vision = None if model_cfg is None else VisionFlops.for_images(model_cfg, im)
     return PackedLoader(
         cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world, vision=vision
     )

@@ -78,6 +78,12 @@ class VisionFlops:
         self.model = model
         self.max_image_patches = max_image_patches  # the largest image the resize allows
 
+    @classmethod
+    def for_images(cls, model, image) -> "VisionFlops":
+        """For the model `model` and the data's image settings `image` (data.image): the largest image
+        is `max_pixels` over the patch area."""
+        return cls(model, image.max_pixels // image.patch_size**2)
+
     def __call__(self, grids) -> float:
         return vision_forward_flops(self.model, grids)[0] if grids else 0.0
 
@@ -119,12 +125,17 @@ class VisionFlops:
 VISION_OFF = ("off", "none", "0", "0.0", "")  # pack.max_vision_flops values that turn the rule off
 
 
+def vision_budget_set(value) -> bool:
+    """Whether `pack.max_vision_flops` asks for a budget (any value but the VISION_OFF ones)."""
+    return str(value).strip().lower() not in VISION_OFF
+
+
 def vision_budget(value, max_patches: int, flops: VisionFlops | None = None) -> float | None:
     """`pack.max_vision_flops` ("off", "auto" or a number of FLOPs) as FLOPs per row, None when off;
     ValueError for any other value (checked before any worker starts)."""
-    text = str(value).strip().lower()
-    if text in VISION_OFF:
+    if not vision_budget_set(value):
         return None
+    text = str(value).strip().lower()
     if text == "auto":
         return None if flops is None else flops.auto(max_patches)
     try:
@@ -147,7 +158,7 @@ class Packer:
         self.cfg = cfg
         self.held: list[Sample] = []
         self.budget = vision_budget(cfg.max_vision_flops, cfg.max_patches, vision)
-        if str(cfg.max_vision_flops).strip().lower() not in VISION_OFF and vision is None:
+        if vision_budget_set(cfg.max_vision_flops) and vision is None:
             raise ValueError(
                 "data.pack.max_vision_flops is set but the packer has no model to count vision FLOPs "
                 "with (build the loader with the model config)"

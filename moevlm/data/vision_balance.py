@@ -51,8 +51,7 @@ def measure(
     from moevlm.data.batch import vision_flops_by_cp
     from moevlm.data.loader import build_loader
 
-    im = cfg.image
-    vision = VisionFlops(model, im.max_pixels // im.patch_size**2)
+    vision = VisionFlops.for_images(model, cfg.image)
     per_step = [[0.0] * (dp * cp) for _ in range(steps)]
     forward = []  # each row's vision forward FLOPs (what the budget bounds) and its images
     tokens = patches = rows = over = 0

@@ -56,6 +56,7 @@ from moevlm.parallel.ep_overlap import OverlappedRunner, problem
 from moevlm.parallel.expert_parallel import shard_experts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import OffloadState, apply_offload, set_chains
+from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
 from moevlm.parallel.pipeline_plan import PipelinePlan
 from moevlm.parallel.recompute import apply_recompute
@@ -92,6 +93,13 @@ class ParallelContext:
     # "host" (DDP / one process: the trainer's optimizer keeps host masters), None (off)
     optimizer_offload: str | None = None
     device_type: str = "cpu"
+
+    @property
+    def compute_device(self) -> torch.device:
+        """The device this rank computes and communicates on (the current CUDA device for NCCL)."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
 
     @property
     def dp_group(self):
@@ -141,8 +149,7 @@ def build_model(
     dispatcher = dispatcher or cfg.moe.dispatcher
     _check(cfg, dims, dispatcher, pipeline, ep_overlap, dp_mode)
     ctx = ParallelContext(dims, dp_mode, device_type=device_type)
-    if optimizer_offload:
-        ctx.optimizer_offload = "fsdp" if dims.world > 1 and dp_mode == "fsdp" else "host"
+    ctx.optimizer_offload = offload_kind(optimizer_offload, dims.world, dp_mode)
     if dims.world > 1:
         _groups(ctx, device_type)
     with torch.device("meta"):
@@ -322,7 +329,7 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
         tp=dims.tp,
         world=dims.world,
         stage_world=dims.world // dims.pp,
-        comm_device=_comm_device(ctx) if ctx.optimizer_offload == "fsdp" else None,
+        comm_device=ctx.compute_device if ctx.optimizer_offload == "fsdp" else None,
     )
 
 
@@ -331,13 +338,6 @@ def _offload_policy(ctx: ParallelContext):
     from moevlm.parallel.optimizer_offload import fsdp_offload_policy, pin_host_memory
 
     return fsdp_offload_policy(pin=ctx.device_type == "cuda" and pin_host_memory())
-
-
-def _comm_device(ctx: ParallelContext) -> torch.device:
-    """The device the process groups' collectives take (the current CUDA device for NCCL)."""
-    if ctx.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(ctx.device_type)
 
 
 def materialize_(model: nn.Module, device, ctx: ParallelContext | None = None) -> None:

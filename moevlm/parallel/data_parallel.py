@@ -186,7 +186,7 @@ class GradSync:
         the whole world, every pipeline stage included), then scale by min(1, max_norm / norm).
         One all-reduce."""
         grads = [p.grad for p in params if p.grad is not None]
-        locals_ = [_local(g) for g in grads]
+        locals_ = [local_tensor(g) for g in grads]
         device = locals_[0].device if locals_ else _device(self.model)
         # a rank without gradients still joins the sum
         total = torch.zeros((), dtype=torch.float64, device=device)
@@ -215,10 +215,11 @@ class GradSync:
 
 def _device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
-    return torch.device("cpu") if p is None else _local(p).device
+    return torch.device("cpu") if p is None else local_tensor(p).device
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage, outside autograd), or `t` itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -244,7 +245,7 @@ def _all_reduce_flat(
 ) -> None:
     """Sum the local tensors of `grads` over `group`, in flat fp32 buckets (on `device` when the
     tensors are elsewhere: host gradients under FSDP's CPU offload, an NCCL group)."""
-    locals_ = [_local(g) for g in grads]
+    locals_ = [local_tensor(g) for g in grads]
     start = 0
     while start < len(locals_):
         end, n = start, 0

@@ -86,13 +86,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
 
 from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer
 from moevlm.model.layout import Region
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock
 from moevlm.model.vision import VisionBlock, VisionMLP
+from moevlm.parallel.data_parallel import local_tensor
 from moevlm.parallel.recompute import _METERS, Recompute
 
 MODULES = ("layer_input", "core_attn", "mlp", "moe_act", "moe", "vision")
@@ -408,7 +408,7 @@ class _Group:
             return False
         if self._param_ptrs is None:
             params = () if self.owner is None else self.owner.parameters()
-            self._param_ptrs = {_ptr(_local(p)) for p in params}
+            self._param_ptrs = {_ptr(local_tensor(p)) for p in params}
         return ptr not in self._param_ptrs
 
     def commit(self, out) -> None:
@@ -453,7 +453,7 @@ class _Group:
             return view
         entry = view.entry
         if entry.kept:
-            return view.on(entry.base.as_strided((entry.hi - entry.lo,), (1,), entry.lo))
+            return view.on(entry.span())
         self.load()
         flat = entry.device_flat
         if flat is None:  # all unpacked before (a second backward): again from the host
@@ -547,10 +547,6 @@ class Offload(Region):
 def _ptr(t: torch.Tensor) -> int:
     """The storage's identity (its StorageImpl; a fake tensor's too)."""
     return t.untyped_storage()._cdata
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 def _is_fake(t) -> bool:

@@ -54,9 +54,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+from moevlm.parallel.data_parallel import local_tensor
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -66,6 +64,14 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         return DTensor(local, param._spec, requires_grad=False)
     return local
+
+
+def offload_kind(enabled: bool, world: int, dp_mode: str) -> str | None:
+    """parallel.optimizer_offload's mechanism for a layout: "fsdp" (FSDP2's CPU offload policy: FSDP over
+    several processes), "host" (HostOffloadAdamW: DDP or one process), None when off."""
+    if not enabled:
+        return None
+    return "fsdp" if world > 1 and dp_mode == "fsdp" else "host"
 
 
 def pin_host_memory() -> bool:
@@ -88,7 +94,7 @@ class HostOffloadAdamW:
         self.model = model
         if pin is None:  # pinned only when the parameters are on an accelerator
             first = next((p for p in model.parameters() if p.requires_grad), None)
-            pin = first is not None and _local(first).is_cuda and pin_host_memory()
+            pin = first is not None and local_tensor(first).is_cuda and pin_host_memory()
         self.pin = pin
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.shadow = nn.Module()
@@ -98,12 +104,12 @@ class HostOffloadAdamW:
         device_params = dict(model.named_parameters())
         for name in self.names:
             p = device_params[name]
-            master = _host_empty(_local(p), self.pin)
-            master.copy_(_local(p).detach())
+            master = _host_empty(local_tensor(p), self.pin)
+            master.copy_(local_tensor(p).detach())
             param = nn.Parameter(_like(p, master), requires_grad=True)
             _register(self.shadow, name, param)
             self._masters.append(master)
-            self._grads.append(_host_empty(_local(p), self.pin))
+            self._grads.append(_host_empty(local_tensor(p), self.pin))
             self._params.append(param)
         self.host = make_adamw(self.shadow)
 
@@ -148,7 +154,7 @@ class HostOffloadAdamW:
             if g is None:  # not used this step: the device optimizer skips it too
                 param.grad = None
                 continue
-            local = _local(g)
+            local = local_tensor(g)
             cuda |= local.is_cuda
             grad.copy_(local, non_blocking=self.pin)
             param.grad = _like(param, grad)
@@ -156,7 +162,7 @@ class HostOffloadAdamW:
             torch.cuda.current_stream().synchronize()
         self.host.step()
         for name, master in zip(self.names, self._masters):
-            _local(device_params[name]).copy_(master, non_blocking=self.pin)
+            local_tensor(device_params[name]).copy_(master, non_blocking=self.pin)
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint_view(self) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -169,13 +175,13 @@ class HostOffloadAdamW:
         """Read the masters back from the model's parameters (after a checkpoint load)."""
         device_params = dict(self.model.named_parameters())
         for name, master in zip(self.names, self._masters):
-            master.copy_(_local(device_params[name]).detach())
+            master.copy_(local_tensor(device_params[name]).detach())
 
     # ------------------------------------------------------------------ sizes
     def host_bytes(self) -> dict[str, int]:
         """Host bytes of this rank: masters, gradient buffers, AdamW state."""
         state = sum(
-            _local(v).numel() * _local(v).element_size()
+            local_tensor(v).numel() * local_tensor(v).element_size()
             for s in self.host.state.values()
             for v in s.values()
             if isinstance(v, torch.Tensor)
@@ -213,4 +219,4 @@ def fsdp_offload_policy(pin: bool | None = None):
     return CPUOffloadPolicy()
 
 
-__all__ = ["HostOffloadAdamW", "fsdp_offload_policy", "pin_host_memory"]
+__all__ = ["HostOffloadAdamW", "fsdp_offload_policy", "offload_kind", "pin_host_memory"]

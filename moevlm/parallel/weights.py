@@ -50,13 +50,8 @@ def init_parameters_(model: nn.Module, seed: int, ctx=None) -> None:
     device, as without offload, and copied to the host shards."""
     params = dict(model.named_parameters())
     rules = ctx.init_rules if ctx is not None and ctx.init_rules is not None else model.init_rules()
-    draw_on = None
-    if ctx is not None and getattr(ctx, "optimizer_offload", None) == "fsdp":
-        draw_on = (
-            torch.device("cuda", torch.cuda.current_device())
-            if ctx.device_type == "cuda"
-            else torch.device(ctx.device_type)
-        )
+    offloaded = ctx is not None and getattr(ctx, "optimizer_offload", None) == "fsdp"
+    draw_on = ctx.compute_device if offloaded else None
     for name, (kind, std) in rules.items():
         if name not in params and ctx is not None and ctx.pipeline is not None:
             continue  # held by another pipeline stage

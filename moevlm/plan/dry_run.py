@@ -56,6 +56,7 @@ from moevlm.data.batch import MicroBatch
 from moevlm.data.encode import Sample
 from moevlm.data.packing import IGNORE, collate
 from moevlm.model.rope import mrope_position_ids
+from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.plan.fake import (
     CollectiveCounter,
     ExpandDynamicOps,
@@ -204,15 +205,18 @@ def dry_run(
                 )
                 runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
             (_, peak1, c1, h1), (sizes, peak2, c2, h2) = runs
+
+            def at_m(
+                a: float, b: float
+            ) -> int:  # the value at M of a line through (m1, a), (m2, b)
+                return round(a + (b - a) * (M - m1) / (m2 - m1))
+
             # past the warm-up the peak still grows by what the schedule keeps per micro-batch
-            # (torch's receive buffers and the losses of each): linear in M too
-            peak = round(peak1 + (peak2 - peak1) * (M - m1) / (m2 - m1))
-            offload = tuple(
-                round(a + (b - a) * (M - m1) / (m2 - m1))
-                for a, b in (
-                    (h1.host_total_bytes, h2.host_total_bytes),
-                    (h1.host_peak_bytes, h2.host_peak_bytes),
-                )
+            # (torch's receive buffers and the losses of each): linear in M too, as the host copies
+            peak = at_m(peak1, peak2)
+            offload = (
+                at_m(h1.host_total_bytes, h2.host_total_bytes),
+                at_m(h1.host_peak_bytes, h2.host_peak_bytes),
             )
             comm_bytes = _extrapolate(c1.as_dict(), c2.as_dict(), m1, m2, M)
     trainable = sizes.pop("trainable_bytes")
@@ -350,21 +354,20 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                 "optimizer_bytes": _bytes(state),
             }
             trainable = _bytes([p for p in params if p.requires_grad])
-            if ctx_offload(job, plan) is None:
+            kind = ctx_offload(job, plan)
+            if kind is None:
                 peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
             else:
                 # the steady state's forward/backward (the state alive) less what lives on the host;
                 # the step itself runs on the host
-                moved = offload_figures(ctx_offload(job, plan), sizes, trainable, 1, False)
+                moved = offload_figures(kind, sizes, trainable, 1, False)
                 peak = fwd_bwd_peak + sizes["optimizer_bytes"] - moved["offloaded_bytes"]
     return {**sizes, "trainable_bytes": trainable}, peak, comm, mem
 
 
 def ctx_offload(job, plan) -> str | None:
     """parallel.optimizer_offload's mechanism for this layout (moevlm.parallel.build)."""
-    if not job.parallel.optimizer_offload:
-        return None
-    return "fsdp" if plan.dims.world > 1 and job.parallel.dp_mode == "fsdp" else "host"
+    return offload_kind(job.parallel.optimizer_offload, plan.dims.world, job.parallel.dp_mode)
 
 
 def offload_figures(

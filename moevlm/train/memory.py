@@ -27,6 +27,7 @@ import torch
 from moevlm.model.config import VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.train.schema import _check
 
 if TYPE_CHECKING:
@@ -70,9 +71,10 @@ class MemoryEstimate:
 
 def _bytes_per_parameter(job, dims: ParallelDims, device_type: str) -> tuple[int, int]:
     """(trained, frozen) bytes a parameter keeps on the device (module docstring)."""
-    if not job.parallel.optimizer_offload or device_type == "cpu":
+    kind = offload_kind(job.parallel.optimizer_offload, dims.world, job.parallel.dp_mode)
+    if kind is None or device_type == "cpu":
         return BYTES_TRAINED, BYTES_FROZEN
-    if dims.world > 1 and job.parallel.dp_mode == "fsdp":
+    if kind == "fsdp":
         return 0, 0
     return BYTES_TRAINED - 8, BYTES_FROZEN
 

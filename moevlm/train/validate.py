@@ -44,6 +44,7 @@ from moevlm.model.attention import varlen_available, varlen_missing
 from moevlm.model.config import ConfigError, VLMConfig
 from moevlm.model.fp8 import BLOCK
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
 from moevlm.train.profile import parse_profile_steps
 from moevlm.train.scale import scale_down
@@ -713,7 +714,7 @@ def _check_optimizer_offload(job, dims: ParallelDims) -> None:
     if not job.parallel.optimizer_offload:
         return
     key = "parallel.optimizer_offload=true"
-    if dims.world > 1 and job.parallel.dp_mode == "fsdp":
+    if offload_kind(True, dims.world, job.parallel.dp_mode) == "fsdp":
         _check(
             fsdp_cpu_offload_available(),
             f"{key} under FSDP needs FSDP2's CPU offload policy (torch.distributed.fsdp.CPUOffloadPolicy), "
