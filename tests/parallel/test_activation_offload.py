@@ -377,35 +377,14 @@ def test_accepted_settings_validate():
 def test_trainer_runs_offload_and_logs_it(tmp_path):
     """One step through the Trainer (config, validation, build_model): the same loss and gradient norm
     as without offload, and each metrics record names the scopes."""
-    import json
+    from one_step import first_records
 
-    from moevlm.train.config import compose_job
-    from moevlm.train.trainer import Trainer
-
-    recs = {}
-    for name, extra in (
-        ("none", []),
-        ("on", ["model.offload_modules=[layer_input,core_attn,moe]"]),
-    ):
-        job = compose_job(
-            [
-                "data.num_workers=0",
-                "data.streams=1",
-                "train.log_every=1",
-                "train.tensorboard=false",
-                "train.steps=1",
-                "train.global_batch_size=1",
-                f"train.run_dir={tmp_path / name}",
-                "train.checkpoint_at_end=false",
-                "train.require_loss_decrease=false",
-                "train.progress=false",
-                *extra,
-            ]
-        )
-        trainer = Trainer(job)
+    def look(name, trainer):
         assert (trainer.parallel.offload is None) == (name == "none")
-        assert trainer.run() == 0
-        recs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+
+    recs = first_records(
+        tmp_path, {"none": [], "on": ["model.offload_modules=[layer_input,core_attn,moe]"]}, look
+    )
     a, b = recs["none"], recs["on"]
     assert a["offload"] == "none" and b["offload"] == "layer_input,core_attn,moe"
     assert b["loss"] == a["loss"] and b["grad_norm"] == a["grad_norm"]

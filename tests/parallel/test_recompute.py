@@ -242,37 +242,18 @@ def test_config_errors_name_the_choices(overrides, message):
 def test_trainer_logs_which_recompute_ran_and_useful_flops(tmp_path):
     """One step without and with full recompute: same loss, same FLOPs (useful work only), and
     each metrics record names the setting."""
-    import json
+    from one_step import first_records
 
-    from moevlm.train.config import compose_job
-    from moevlm.train.trainer import Trainer
-
-    recs = {}
-    for name, extra in (
-        ("none", []),
-        (
-            "selective:core_attn,moe",
-            ["model.recompute=selective", "model.recompute_modules=[core_attn,moe]"],
-        ),
-    ):
-        run_dir = tmp_path / name.split(":")[0]
-        job = compose_job(
-            [
-                "data.num_workers=0",
-                "data.streams=1",
-                "train.log_every=1",
-                "train.tensorboard=false",
-                "train.steps=1",
-                "train.global_batch_size=1",
-                f"train.run_dir={run_dir}",
-                "train.checkpoint_at_end=false",
-                "train.require_loss_decrease=false",
-                "train.progress=false",
-                *extra,
-            ]
-        )
-        assert Trainer(job).run() == 0
-        recs[name] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    recs = first_records(
+        tmp_path,
+        {
+            "none": [],
+            "selective:core_attn,moe": [
+                "model.recompute=selective",
+                "model.recompute_modules=[core_attn,moe]",
+            ],
+        },
+    )
     a, b = recs["none"], recs["selective:core_attn,moe"]
     assert a["recompute"] == "none" and b["recompute"] == "selective:core_attn,moe"
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["flops"] == a["flops"] > 0
