@@ -404,21 +404,28 @@ def build_sample(
     overwrite: bool = False,
     workers: int = DEFAULT_WORKERS,
     progress: bool | None = None,
+    images_only: bool = False,
 ) -> dict:
-    """Shards of moevlm.data.sample's records (>= 8 shards) plus OUT/tokenizer.json."""
+    """Shards of moevlm.data.sample's records (>= 8 shards) plus OUT/tokenizer.json.  `images_only`:
+    only the records that carry photos (captions, chats and pairs; no text-only documents), one per
+    shard by default so the set still feeds every data stream: image-text data, where the vision
+    tower's work per row depends on the photos' resolutions alone (bench/vision_balance.py)."""
     from moevlm.data.sample import sample_records, sample_tokenizer
 
-    root, records = relative_to_common_root(interleave(list(sample_records())))
+    records = list(sample_records())
+    if images_only:
+        records = [r for r in records if r.get("images")]
+    root, records = relative_to_common_root(interleave(records))
     tokenizer = sample_tokenizer()
     if samples_per_shard is None:
-        samples_per_shard = max(1, min(16, len(records) // SAMPLE_SHARDS_MIN))
+        samples_per_shard = 1 if images_only else max(1, min(16, len(records) // SAMPLE_SHARDS_MIN))
     summary = build_shards(
         records,
         root,
         Path(out),
         samples_per_shard,
         overwrite=overwrite,
-        build_args={"sample": True},
+        build_args={"sample": True, "images_only": images_only},
         workers=workers,
         progress=progress,
     )
@@ -492,6 +499,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="build the bundled sample set (and tokenizer.json)",
     )
     p.add_argument(
+        "--images-only",
+        action="store_true",
+        help="--sample: only its records with photos (image-text data, one sample per shard)",
+    )
+    p.add_argument(
         "--samples-per-shard",
         type=_per_shard,
         default=None,
@@ -539,6 +551,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--sample OUT takes no --images/--annotations/--parquet/--energon/--out/--caption-prompt/"
             "--tokenizer (it trains its own)"
         )
+    if args.images_only and args.sample is None:
+        p.error("--images-only goes with --sample OUT")
     if args.sample is None and (len(inputs) != 1 or not args.out):
         p.error(
             "give one input and --out DIR: --images DIR --annotations FILE [FILE ...], --parquet FILE "
@@ -557,7 +571,13 @@ def main(argv: list[str] | None = None) -> int:
             per_shard = None if args.samples_per_shard == "auto" else args.samples_per_shard
             out, summary = (
                 args.sample,
-                build_sample(args.sample, per_shard, args.overwrite, args.workers),
+                build_sample(
+                    args.sample,
+                    per_shard,
+                    args.overwrite,
+                    args.workers,
+                    images_only=args.images_only,
+                ),
             )
         else:
             tokenizer = _checked_tokenizer(args.tokenizer)

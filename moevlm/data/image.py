@@ -186,7 +186,7 @@ def random_image(
         grid[1] * grid[2], 3, cfg.temporal_patch_size * cfg.patch_size**2, generator=g
     )
     mean, std = torch.tensor(cfg.mean).view(1, 3, 1), torch.tensor(cfg.std).view(1, 3, 1)
-    return ((x_NCQ - mean) / std).flatten(1), grid
+    return x_NCQ.sub_(mean).div_(std).flatten(1), grid  # in place: no copies of a large image
 
 
 def open_image(data: bytes, cfg: ImageConfig) -> Image.Image:

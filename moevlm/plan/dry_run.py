@@ -307,10 +307,10 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             share = M * plan.dims.dp
             # the trainer's token-count all-reduce (its values are read on the host there, not here):
             # loss tokens, useful tokens, FLOPs, images, image tokens, vision FLOPs, and one vision
-            # FLOPs slot per data-parallel rank (vision_flops_max_over_mean)
+            # FLOPs slot per data-parallel rank and micro-batch (vision_flops_max_over_mean)
             if ctx.dp_group is not None:
                 dist.all_reduce(
-                    torch.zeros(6 + plan.dims.dp, dtype=torch.float64, device=device),
+                    torch.zeros(6 + plan.dims.dp * M, dtype=torch.float64, device=device),
                     group=ctx.dp_group,
                 )
             comm.phase = "micro-batches"

@@ -14,10 +14,12 @@ Conventions:
   them as `tokens`, with `images` (real images) and `image_tokens` (their merged
   tokens in the text), each summed over the global batches of the log window.
 - `vision_flops_max_over_mean`: the vision tower's FLOPs of the slowest data-parallel rank (the
-  slowest context-parallel share within it) over the mean rank's, per step (tp ranks encode the same
-  images and count once); over a log window, the sum of the steps' maxima over the sum of their means
-  (each step weighted by its vision work; null when no image was encoded).  1.0 is perfect balance;
-  `data.pack.max_vision_flops` bounds each row's share (moevlm.data.packing).
+  slowest context-parallel share within it) over the mean rank's, per micro-batch, since the ranks
+  meet at every micro-batch under FSDP and expert parallelism (tp ranks encode the same images and
+  count once); over a log window, the
+  sum of the micro-batches' maxima over the sum of their means (each weighted by its vision work;
+  null when no image was encoded).  1.0 is perfect balance; `data.pack.max_vision_flops` bounds each
+  row's share (moevlm.data.packing).
 - Validation (moevlm.train.evaluate) adds `val_loss` and `val_tokens` to the record
   of the step it followed (TensorBoard/W&B `val/loss`, `val/tokens`).
 - FLOPs are model FLOPs from `moevlm.model.flops.count_flops` (2*m*k*n per
@@ -143,6 +145,24 @@ def _load_ratios(counts_LE: torch.Tensor | None) -> list[float | None] | None:
     return [float(m / a) if a > 0 else None for m, a in zip(max_L, mean_L)]
 
 
+def vision_flops_slots(micro, dp_rank: int, dp: int) -> list[float]:
+    """This data-parallel rank's share of the vision-balance values in the step's token-count all-reduce
+    (SUM): dp x M slots for M micro-batches, its own `dp_rank * M + i` holding micro-batch i's slowest
+    context-parallel share (`MicroBatch.vision_flops_cp`), every other slot zero."""
+    M = len(micro)
+    slots = [0.0] * (dp * M)
+    for i, m in enumerate(micro):
+        slots[dp_rank * M + i] = max(m.vision_flops_cp)
+    return slots
+
+
+def slowest_over_micro_batches(slots, dp: int) -> float:
+    """The all-reduced `vision_flops_slots`: the slowest data-parallel rank's vision FLOPs of each
+    micro-batch, summed over the step's micro-batches."""
+    M = len(slots) // dp
+    return sum(max(slots[r * M + i] for r in range(dp)) for i in range(M))
+
+
 def expert_load_max_over_mean(counts_LE: torch.Tensor | None) -> float | None:
     """max over layers of max_e / mean_e of routed-token counts (layers x experts); empty layers ignored."""
     used = [r for r in _load_ratios(counts_LE) or () if r is not None]
@@ -235,7 +255,8 @@ class Window:
     ) -> None:
         """`updated`: the step changed the weights (False: skipped for non-finite values); `images`,
         `image_tokens`: the global batch's real images and their tokens; `vision_max`, `vision_mean`: the
-        step's vision FLOPs of the slowest data-parallel (x cp) rank and of the mean rank."""
+        step's vision FLOPs of the slowest data-parallel (x cp) rank of each micro-batch and of the mean
+        rank, summed over its micro-batches."""
         self.steps += 1
         self.skipped_steps += not updated
         self.loss, self.aux = self.loss + loss, self.aux + aux

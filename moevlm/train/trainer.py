@@ -73,13 +73,17 @@ Design choices:
   by FSDP2's CPU offload policy under FSDP, else by a host AdamW over fp32 masters.  Clipping is
   unchanged (on the reduced gradients, before they leave the device); the schedule drives the host
   AdamW's groups; checkpoints keep the device optimizer's format.
-- Vision balance (`vision_flops_max_over_mean`): each step, every (dp, cp) rank's vision tower FLOPs
-  (the sum over its micro-batches of its cp share of their images, `MicroBatch.vision_flops_cp`); the
-  slowest of them over the mean, the straggler the gradient reduction waits for.  tp ranks run the
-  tower on the same images (it is not tensor parallel) and count once; pipeline stages after the first
-  run no tower but carry the first stage's figures.  No extra collective: each data-parallel rank
-  puts its slowest cp rank's figure in its own slot of the token-count all-reduce (cp ranks of one
-  replica compute their shares of the same micro-batch, so every rank knows them all).
+- Vision balance (`vision_flops_max_over_mean`): for each micro-batch of the step, every (dp, cp)
+  rank's vision tower FLOPs (its cp share of the micro-batch's images, `MicroBatch.vision_flops_cp`);
+  the slowest rank's, summed over the micro-batches, over the mean rank's: the straggler that the
+  ranks wait for each time they meet, which is every micro-batch under FSDP (its reduce-scatter) and
+  wherever experts are sharded (the all-to-alls), so a step's sum per rank would hide it (DDP without
+  expert parallelism meets once a step, after the last micro-batch: the figure is then an upper
+  bound).  tp ranks run the tower on the same images (it is not tensor parallel) and count once;
+  pipeline stages after the first run no tower but carry the first stage's figures.  No extra
+  collective: each data-parallel rank puts its slowest cp share of each micro-batch in its own slots
+  of the token-count all-reduce (dp x micro-batches values; cp ranks of one replica compute their
+  shares of the same micro-batch, so every rank knows them all).
 - Validation (`train.val_every`, moevlm.train.evaluate): after a due step, before its record and its
   checkpoint, on held-out rows of its own loader; its values join that step's record.
 """
@@ -138,6 +142,8 @@ from moevlm.train.metrics import (
     device_peak_tflops,
     peak_memory_gib,
     reset_peak_memory,
+    slowest_over_micro_batches,
+    vision_flops_slots,
 )
 from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
 from moevlm.train.profile import Profiling
@@ -638,9 +644,9 @@ class Trainer:
             micro = self._fetch() if micro is None else micro
         with self._phase("data-parallel token-count all-reduce"):
             dp = self.plan.dims.dp
-            # this data-parallel rank's slowest cp rank in its own slot: one SUM gives every rank all slots
-            vision_slots = [0.0] * dp
-            vision_slots[self._dp_rank()] = max(map(sum, zip(*(m.vision_flops_cp for m in micro))))
+            # per micro-batch (FSDP's reduce-scatters and the expert all-to-alls meet every one), this
+            # data-parallel rank's slowest cp share in its own slot: one SUM gives every rank all slots
+            vision_slots = vision_flops_slots(micro, self._dp_rank(), dp)
             totals = _all_reduce(
                 [
                     sum(m.loss_tokens for m in micro),
@@ -702,8 +708,8 @@ class Trainer:
             updated=ok,
             images=int(totals[3]),
             image_tokens=int(totals[4]),
-            # the slowest (dp, cp) rank's and the mean rank's vision FLOPs of this step
-            vision_max=max(totals[6:]),
+            # the slowest (dp, cp) rank's vision FLOPs summed over the micro-batches, and the mean rank's
+            vision_max=slowest_over_micro_batches(totals[6:], dp),
             vision_mean=totals[5] / (dp * self.plan.dims.cp),
         )
         if self.compiled is not None and self.compiled.warm_at is None:

@@ -27,8 +27,8 @@ compared with a one-process reference run with the same options.  A summary line
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
 marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
-figures (`vision_flops_max_over_mean`'s slowest and mean rank) against the loaders' rows counted in
-one process.
+figures (`vision_flops_max_over_mean`'s slowest rank of each micro-batch, summed, and mean rank)
+against the loaders' rows counted in one process.
 
 Validation (moevlm.train.evaluate): the reference validates after every step (`VAL`: held-out rows of
 the sample set, 2 global batches), so every layout that does not validate, matching it step for step,
@@ -214,7 +214,7 @@ def check_vision_figures(
     dp, cp = plan.dims.dp, plan.dims.cp
     data = OmegaConf.to_object(job.data)
     rows = job.train.global_batch_size // dp
-    per_step = measure(
+    counted = measure(
         data,
         plan.model,
         dp=dp,
@@ -222,13 +222,15 @@ def check_vision_figures(
         rows_per_step=rows,
         cp=cp,
         micro_batch_size=job.train.micro_batch_size,
-    )["per_step"]
+    )
+    per_micro, M = counted["per_micro"], counted["micro_batches"]
     assert dp * cp > 1, plan.dims
     assert len(got["vision"]) == STEPS, got["vision"]
-    for (top, mean), ranks in zip(got["vision"], per_step):
-        assert top == pytest.approx(max(ranks), rel=1e-12)
-        assert mean == pytest.approx(sum(ranks) / (dp * cp), rel=1e-12)
-    assert any(max(r) > sum(r) / len(r) for r in per_step)  # the ranks' work did differ
+    for k, (top, mean) in enumerate(got["vision"]):
+        step = per_micro[k * M : (k + 1) * M]  # the step's micro-batches: the slowest rank of each
+        assert top == pytest.approx(sum(max(ranks) for ranks in step), rel=1e-12)
+        assert mean == pytest.approx(sum(sum(ranks) for ranks in step) / (dp * cp), rel=1e-12)
+    assert any(max(r) > sum(r) / len(r) for r in per_micro)  # the ranks' work did differ
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

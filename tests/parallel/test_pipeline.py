@@ -231,9 +231,10 @@ GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (the README's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
-    Hugging Face weights (gathered from both stages) equal one process's (1e-5); and the same recipe in a
-    plain FSDP layout (dp8 x ep8, no pipeline, no tp) on 8 processes logs the same losses: with the default
-    data streams every layout trains on the same rows."""
+    Hugging Face weights (gathered from both stages) equal one process's (1e-5): with the default data
+    streams every layout trains on the same rows.  (A third launch, the recipe as plain FSDP dp8 x ep8,
+    was dropped to save 25 s of the suite: other world-8 launches compare folded layouts with one process,
+    test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
     readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     # eps raised as in test_layouts (UNCLIPPED_EPS: this job is not clipped): with the CPU lr (2e-3) and a
@@ -259,15 +260,6 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    fsdp = [
-        *common,
-        "parallel.scale_to=null",
-        "parallel.world_size=8",
-        "parallel.tp=1",
-        "parallel.pp=1",
-        "parallel.ep=8",
-        "train.global_batch_size=8",
-    ]
     torchrun = [
         sys.executable,
         "-m",
@@ -280,7 +272,6 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     runs = {
         "one": [sys.executable, str(REPO / "train.py"), *one],
         "eight": [*torchrun, *common],
-        "fsdp": [*torchrun, *fsdp],
     }
     out = {}
     for name, cmd in runs.items():
@@ -303,16 +294,11 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
         f"gb200_3d scaled down, torchrun world 8: 3 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}"
     )
     assert loss_err <= TOL and param_err <= TOL
-    assert "world 8 = pp 1 x dp 8 x cp 1 x tp 1 = pp 1 x edp 1 x ep 8 x etp 1" in out["fsdp"]
     records = {
         d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-        for d in ("one", "eight", "fsdp")
+        for d in ("one", "eight")
     }
-    fsdp_err = max(
-        abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(records["one"], records["fsdp"])
-    )
-    print(f"the same recipe as FSDP dp8 x ep8: max rel err loss {fsdp_err:.1e}")
-    assert len(records["fsdp"]) == 3 and fsdp_err <= TOL
+    assert len(records["eight"]) == 3
     # tokens and FLOPs are the step's, counted once (not once per stage or tp rank): one process's numbers
     assert [r["flops"] for r in records["eight"]] == pytest.approx(
         [r["flops"] for r in records["one"]], rel=1e-12

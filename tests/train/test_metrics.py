@@ -17,7 +17,9 @@ from moevlm.train.metrics import (
     peak_memory_gib,
     peak_tflops_for_name,
     scalars,
+    slowest_over_micro_batches,
     step_record,
+    vision_flops_slots,
 )
 
 
@@ -199,6 +201,29 @@ def test_expert_load_by_layer_and_dropped_share_per_layer():
         pipeline=None,
     )
     assert Trainer._dropped_by_layer(fake) == [0.25, None]
+
+
+def test_vision_slots_count_the_slowest_rank_of_each_micro_batch():
+    """The trainer's vision-balance values: each rank fills its own dp x M slots (the slowest cp share
+    of each of its M micro-batches), the SUM all-reduce gives every rank all of them, and the step's
+    figure is the slowest rank of each micro-batch, summed: two ranks whose steps sum the same but whose
+    micro-batches alternate heavy and light still wait for each other at every micro-batch."""
+
+    class Micro:
+        def __init__(self, *cp):
+            self.vision_flops_cp = cp
+
+    rank0 = [Micro(3.0, 1.0), Micro(1.0, 1.0)]  # cp shares of its two micro-batches
+    rank1 = [Micro(1.0, 0.5), Micro(3.0, 2.0)]
+    slots = [
+        a + b for a, b in zip(vision_flops_slots(rank0, 0, 2), vision_flops_slots(rank1, 1, 2))
+    ]
+    assert vision_flops_slots(rank0, 0, 2) == [3.0, 1.0, 0.0, 0.0]
+    assert slots == [3.0, 1.0, 1.0, 3.0]
+    assert (
+        slowest_over_micro_batches(slots, 2) == 6.0
+    )  # per step the two ranks' sums would be 4 and 4
+    assert slowest_over_micro_batches([5.0, 2.0], 2) == 5.0  # one micro-batch per step
 
 
 def test_fmt_count():
