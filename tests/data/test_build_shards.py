@@ -314,7 +314,9 @@ def test_sample_mode(tmp_path, monkeypatch, capsys):
     # --images-only: the 40 records with photos, one per shard; and only together with --sample
     assert main(["--sample", str(tmp_path / "i"), "--images-only"]) == 0
     summary = json.loads((tmp_path / "i" / "summary.json").read_text())
-    assert summary["kinds"]["text"] == 0 and summary["images"] == 40 and len(summary["shards"]) == 40
+    assert (
+        summary["kinds"]["text"] == 0 and summary["images"] == 40 and len(summary["shards"]) == 40
+    )
     assert summary["args"]["images_only"] is True
     with pytest.raises(SystemExit):
         main(["--images-only", "--out", str(tmp_path / "x")])
