@@ -53,9 +53,9 @@ def resolve_budget(budget: str, args, model) -> str:
     vision = VisionFlops.for_images(
         model, ImageConfig(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     )
-    light = args.max_patches * vision.per_patch()
-    heavy = light + args.max_patches * vision.attention_per_patch(vision.max_image_patches)
-    return str(light + float(budget[5:]) * (heavy - light))
+    # per patch, what attention's square adds in a full row of the largest images (auto: half of it)
+    attention = vision.attention_per_patch(vision.max_image_patches)
+    return str(args.max_patches * (vision.per_patch() + float(budget[5:]) * attention))
 
 
 def data_config(args, budget: str) -> DataConfig:
