@@ -87,9 +87,8 @@ class RankPlan:
     optimizer_host_bytes: int = 0  # host memory the offload needs (this rank)
     h2d_bytes: int = 0  # host->device copies per step
     d2h_bytes: int = 0  # device->host copies per step
-    activation_offload_bytes: int = (
-        0  # activation bytes copied to the host per step (model.offload_modules)
-    )
+    # activation bytes copied to the host per step (model.offload_modules)
+    activation_offload_bytes: int = 0
     activation_host_bytes: int = 0  # the most host memory those copies hold at once
 
     def as_dict(self) -> dict:
@@ -206,9 +205,8 @@ def dry_run(
                 runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
             (_, peak1, c1, h1), (sizes, peak2, c2, h2) = runs
 
-            def at_m(
-                a: float, b: float
-            ) -> int:  # the value at M of a line through (m1, a), (m2, b)
+            def at_m(a: float, b: float) -> int:
+                """The value at M of the line through (m1, a) and (m2, b)."""
                 return round(a + (b - a) * (M - m1) / (m2 - m1))
 
             # past the warm-up the peak still grows by what the schedule keeps per micro-batch
