@@ -285,14 +285,15 @@ def variable_samples(n, seed=0):
     return out
 
 
-def pack_all(packer, samples):
-    """Rows as the loader makes them: pop while full after each push, then drain."""
+def pack_all(packer, samples, drain=True):
+    """Rows as the loader makes them: pop while full after each push, then (with `drain`) empty the
+    packer; each row beside what the packer still held after it."""
     rows = []
     for s in samples:
         packer.push(s)
         while packer.full():
             rows.append((packer.pop(), [*packer.held]))
-    while packer.held:
+    while drain and packer.held:
         rows.append((packer.pop(), [*packer.held]))
     return rows
 
@@ -398,17 +399,8 @@ def test_vision_budget_is_deterministic_and_resumes_from_the_held_samples():
     whole = ids(pack_all(Packer(cfg, vf), samples))
     assert whole == ids(pack_all(Packer(cfg, vf), samples))
     first = Packer(cfg, vf)
-    head = ids(pack_all_no_drain(first, samples[:97]))
+    head = ids(pack_all(first, samples[:97], drain=False))
     resumed = Packer(cfg, vf)
     for s in first.held:
         resumed.push(s)
     assert head + ids(pack_all(resumed, samples[97:])) == whole
-
-
-def pack_all_no_drain(packer, samples):
-    rows = []
-    for s in samples:
-        packer.push(s)
-        while packer.full():
-            rows.append((packer.pop(), [*packer.held]))
-    return rows
