@@ -101,9 +101,10 @@ class HostOffloadAdamW:
         self._masters: list[torch.Tensor] = []  # host local tensors, in `names` order
         self._grads: list[torch.Tensor] = []  # host gradient buffers (local), same order
         self._params: list[nn.Parameter] = []  # the shadow's parameters
-        device_params = dict(model.named_parameters())
-        for name in self.names:
-            p = device_params[name]
+        # the model's trainable parameters, same order: held as a torch optimizer holds its params
+        named = dict(model.named_parameters())
+        self._device = [named[name] for name in self.names]
+        for name, p in zip(self.names, self._device):
             master = _host_empty(local_tensor(p), self.pin)
             master.copy_(local_tensor(p).detach())
             param = nn.Parameter(_like(p, master), requires_grad=True)
@@ -147,10 +148,9 @@ class HostOffloadAdamW:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("HostOffloadAdamW.step takes no closure")
-        device_params = dict(self.model.named_parameters())
         cuda = False
-        for name, grad, param in zip(self.names, self._grads, self._params):
-            g = device_params[name].grad
+        for device, grad, param in zip(self._device, self._grads, self._params):
+            g = device.grad
             if g is None:  # not used this step: the device optimizer skips it too
                 param.grad = None
                 continue
@@ -161,8 +161,8 @@ class HostOffloadAdamW:
         if cuda:  # the gradients are on the host before the CPU reads them
             torch.cuda.current_stream().synchronize()
         self.host.step()
-        for name, master in zip(self.names, self._masters):
-            local_tensor(device_params[name]).copy_(master, non_blocking=self.pin)
+        for device, master in zip(self._device, self._masters):
+            local_tensor(device).copy_(master, non_blocking=self.pin)
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint_view(self) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -173,9 +173,8 @@ class HostOffloadAdamW:
     @torch.no_grad()
     def load_masters(self) -> None:
         """Read the masters back from the model's parameters (after a checkpoint load)."""
-        device_params = dict(self.model.named_parameters())
-        for name, master in zip(self.names, self._masters):
-            master.copy_(local_tensor(device_params[name]).detach())
+        for device, master in zip(self._device, self._masters):
+            master.copy_(local_tensor(device).detach())
 
     # ------------------------------------------------------------------ sizes
     def host_bytes(self) -> dict[str, int]:
