@@ -200,12 +200,10 @@ class GradSync:
             )
             total = (norms.pow(2) * weights).sum()
         if dist.is_initialized() and self.world > 1:
-            if self.comm_device is not None and total.device != self.comm_device:
-                total = total.to(self.comm_device)
-                dist.all_reduce(total)
-                total = total.to(device)
-            else:
-                dist.all_reduce(total)
+            # host gradients (FSDP's CPU offload): the sum runs on the group's device
+            total = total.to(self.comm_device or device)
+            dist.all_reduce(total)
+            total = total.to(device)
         norm = total.sqrt().float()
         if math.isfinite(max_norm) and locals_:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
