@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.train.config import check_overrides, compose_job, register_configs

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from moevlm.errors import check
+
 # allowed values, checked by moevlm.data.loader.check_fields and listed by `python train.py --help`
 OVERSIZE = ("skip", "truncate")
 PIN_MEMORY = ("auto", "true", "false")
@@ -247,29 +249,33 @@ def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) 
     evenly by the layout's dp x cp x tp.  ValueError (moevlm.train.validate reports it) on the first."""
     from moevlm.data.loader import check_config
 
-    _check(
+    check(
         d.shards not in ("", MISSING),
         "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
         "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set",
+        ValueError,
     )
     check_config(d, model, dp)
     pk = d.pack
-    _check(
+    check(
         pk.seq_len <= model.text.max_position_embeddings,
         f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
         f"{model.text.max_position_embeddings}",
+        ValueError,
     )
     if cp == 1:
-        _check(
+        check(
             pk.seq_len % tp == 0,
             f"data.pack.seq_len={pk.seq_len} must be divisible by tp={tp} (sequence parallel)",
+            ValueError,
         )
     else:
-        _check(
+        check(
             pk.seq_len % (2 * cp) == 0 and (pk.seq_len // cp) % tp == 0,
             f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * cp} (each row is cut into 2*cp "
             f"chunks for load-balanced context parallel) and seq_len/cp by tp={tp} (sequence parallel): "
             f"use a multiple of {math.lcm(2 * cp, cp * tp)}",
+            ValueError,
         )
 
 
@@ -393,12 +399,8 @@ def check_shards(spec: str) -> None:
 
     shards = expand_shards(spec)  # naming nothing that exists: DataSetupError
     missing = [s for s in shards if not os.path.isfile(s)]
-    _check(
+    check(
         not missing,
         f"data.shards={spec} names {len(missing)} shard(s) that do not exist, e.g. {missing[:3]}",
+        ValueError,
     )
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)

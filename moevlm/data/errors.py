@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 
 REASONS = {
     # records / annotations

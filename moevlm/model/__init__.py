@@ -1,6 +1,7 @@
 """The Qwen3-VL-MoE network, free of parallelism (docs/architecture.md)."""
 
-from moevlm.model.config import ConfigError, MoEConfig, TextConfig, VisionConfig, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import MoEConfig, TextConfig, VisionConfig, VLMConfig
 from moevlm.model.flops import FlopCount, count_flops
 from moevlm.model.vlm import Qwen3VLMoe, VLMOutput
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moevlm.errors import ConfigError, check
 from moevlm.kernels import GROUPED_GEMMS
 
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
@@ -38,10 +39,6 @@ AUX_LOSSES = ("micro_batch", "global_batch", "sequence")
 FP8_RECIPES = ("none", "blockwise", "mxfp8")
 FP8_MODULES = ("experts", "attn", "mlp", "vision")
 FP8_BACKENDS = ("auto", "triton", "torch", "emulate")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 @dataclass
@@ -161,100 +158,100 @@ class VLMConfig:
     def validate(self) -> "VLMConfig":
         v, t, m = self.vision, self.text, self.moe
         self._check_numbers()
-        _check(
+        check(
             v.hidden_size % v.num_heads == 0,
             f"vision.hidden_size={v.hidden_size} is not divisible by vision.num_heads={v.num_heads}",
         )
-        _check(
+        check(
             v.head_dim % 4 == 0,
             f"vision head dim {v.head_dim} (vision.hidden_size/vision.num_heads) must be a multiple "
             "of 4 for the 2-D rotary embedding",
         )
         side = math.isqrt(v.num_position_embeddings)
-        _check(
+        check(
             side * side == v.num_position_embeddings,
             f"vision.num_position_embeddings={v.num_position_embeddings} must be a perfect square",
         )
         for i in v.deepstack_visual_indexes:
-            _check(
+            check(
                 0 <= i < v.depth,
                 f"vision.deepstack_visual_indexes has {i}, outside 0..vision.depth-1={v.depth - 1}",
             )
-        _check(
+        check(
             len(v.deepstack_visual_indexes) <= t.num_layers,
             f"{len(v.deepstack_visual_indexes)} deepstack features but only text.num_layers={t.num_layers}",
         )
-        _check(
+        check(
             t.num_heads % t.num_kv_heads == 0,
             f"text.num_heads={t.num_heads} is not divisible by text.num_kv_heads={t.num_kv_heads}",
         )
-        _check(t.head_dim % 2 == 0, f"text.head_dim={t.head_dim} must be even")
-        _check(
+        check(t.head_dim % 2 == 0, f"text.head_dim={t.head_dim} must be even")
+        check(
             len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2,
             f"text.mrope_section={tuple(t.mrope_section)} must have 3 entries summing to "
             f"text.head_dim/2={t.head_dim // 2}",
         )
-        _check(m.num_experts >= 0, f"moe.num_experts={m.num_experts} must be >= 0")
+        check(m.num_experts >= 0, f"moe.num_experts={m.num_experts} must be >= 0")
         if m.num_experts:
-            _check(
+            check(
                 1 <= m.top_k <= m.num_experts,
                 f"moe.top_k={m.top_k} must be in 1..moe.num_experts={m.num_experts}",
             )
-        _check(
+        check(
             m.decoder_sparse_step >= 1,
             f"moe.decoder_sparse_step={m.decoder_sparse_step} must be >= 1",
         )
         for i in m.mlp_only_layers:
-            _check(
+            check(
                 0 <= i < t.num_layers, f"moe.mlp_only_layers has {i}, outside 0..{t.num_layers - 1}"
             )
-        _check(
+        check(
             m.capacity_factor is None or _real(m.capacity_factor) and m.capacity_factor > 0,
             f"moe.capacity_factor={m.capacity_factor!r} must be a finite number > 0 (1.0: the balanced load per "
             "expert), or None (null) for the dropless all-to-all",
         )
-        _check(
+        check(
             m.capacity_overflow in CAPACITY_OVERFLOWS,
             f"moe.capacity_overflow={m.capacity_overflow!r}; choose one of {list(CAPACITY_OVERFLOWS)}",
         )
-        _check(
+        check(
             m.aux_loss in AUX_LOSSES,
             f"moe.aux_loss={m.aux_loss!r}; choose one of {list(AUX_LOSSES)}",
         )
-        _check(
+        check(
             isinstance(m.router_force_balance, bool),
             f"moe.router_force_balance={m.router_force_balance!r} must be true or false",
         )
-        _check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
-        _check(
+        check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
+        check(
             m.deepep_api in DEEPEP_APIS,
             f"moe.deepep_api={m.deepep_api!r}; choose one of {list(DEEPEP_APIS)}",
         )
-        _check(
+        check(
             m.dispatcher_max_tokens_per_rank is None or m.dispatcher_max_tokens_per_rank > 0,
             f"moe.dispatcher_max_tokens_per_rank={m.dispatcher_max_tokens_per_rank} must be > 0, or None (null)",
         )
-        _check(
+        check(
             m.dispatcher_num_sms >= 0 and m.dispatcher_num_sms % 2 == 0,
             f"moe.dispatcher_num_sms={m.dispatcher_num_sms} must be even and >= 0 (0: the backend's choice)",
         )
-        _check(
+        check(
             "triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
             "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "
             "builds of torch ship it); use 'torch'",
         )
-        _check(
+        check(
             m.grouped_gemm in GROUPED_GEMMS,
             f"moe.grouped_gemm={m.grouped_gemm!r}; choose one of {sorted(GROUPED_GEMMS)}",
         )
-        _check(
+        check(
             m.grouped_gemm != "torch"
             or (t.hidden_size % 8 == 0 and m.moe_intermediate_size % 8 == 0),
             f"moe.grouped_gemm='torch' (torch._grouped_mm) needs 16-byte rows: text.hidden_size="
             f"{t.hidden_size} and moe.moe_intermediate_size={m.moe_intermediate_size} must be multiples "
             "of 8; use moe.grouped_gemm='loop' or change the sizes",
         )
-        _check(
+        check(
             self.attn_backend in ATTN_BACKENDS,
             f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}",
         )
@@ -266,7 +263,7 @@ class VLMConfig:
             "vision_end_token_id",
         ):
             tok = getattr(self, name)
-            _check(
+            check(
                 0 <= tok < t.vocab_size,
                 f"{name}={tok} is outside the vocabulary (text.vocab_size={t.vocab_size})",
             )
@@ -274,21 +271,21 @@ class VLMConfig:
 
     def _check_fp8(self) -> None:
         f = self.fp8
-        _check(
+        check(
             f.recipe in FP8_RECIPES, f"fp8.recipe={f.recipe!r}; choose one of {list(FP8_RECIPES)}"
         )
-        _check(
+        check(
             f.backend in FP8_BACKENDS,
             f"fp8.backend={f.backend!r}; choose one of {list(FP8_BACKENDS)}",
         )
         check_fp8_modules(f.modules)
-        _check(
+        check(
             f.recipe == "none" or bool(f.modules),
             "fp8.recipe is set but fp8.modules (model.fp8_modules) is "
             "empty: name the "
             f"linears to run in FP8 ({list(FP8_MODULES)}) or set none",
         )
-        _check(
+        check(
             not f.pow2_scales or f.recipe != "mxfp8",
             "fp8.pow2_scales is a blockwise option (MXFP8 scales are powers of two already)",
         )
@@ -325,7 +322,7 @@ class VLMConfig:
         for section, names in sizes.items():
             for name in names:
                 value = getattr(getattr(self, section), name)
-                _check(
+                check(
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                     f"{section}.{name}={value!r} must be a positive integer",
                 )
@@ -336,7 +333,7 @@ class VLMConfig:
             "text.rope_theta": t.rope_theta,
         }
         for name, value in positive.items():
-            _check(_real(value) and value > 0, f"{name}={value!r} must be a finite number > 0")
+            check(_real(value) and value > 0, f"{name}={value!r} must be a finite number > 0")
         non_negative = {
             "moe.router_aux_loss_coef": m.router_aux_loss_coef,
             "moe.router_bias_rate": m.router_bias_rate,
@@ -345,7 +342,7 @@ class VLMConfig:
             "text.initializer_range": t.initializer_range,
         }
         for name, value in non_negative.items():
-            _check(_real(value) and value >= 0, f"{name}={value!r} must be a finite number >= 0")
+            check(_real(value) and value >= 0, f"{name}={value!r} must be a finite number >= 0")
 
     # ------------------------------------------------------- Hugging Face JSON
     @classmethod
@@ -496,16 +493,11 @@ def check_fp8_modules(modules) -> None:
     """Every name in `modules` (fp8.modules; VLMConfig.validate and moevlm.model.fp8.apply_fp8) is one of
     FP8_MODULES."""
     bad = sorted(set(modules) - set(FP8_MODULES))
-    _check(
+    check(
         not bad,
         f"fp8.modules (model.fp8_modules) has {bad}; choose among {list(FP8_MODULES)} (the router, "
         "norms, embeddings and LM head always stay in high precision)",
     )
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def _real(value) -> bool:

@@ -39,7 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError, check
+from moevlm.model.config import VLMConfig
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,10 @@ class ParallelDims:
     dp_replicate: int = 1  # HSDP replicas (module docstring); 1 = FSDP over every data rank
 
     def __post_init__(self):
-        _check(self.world >= 1, f"world size {self.world} must be >= 1")
+        check(self.world >= 1, f"world size {self.world} must be >= 1")
         for name in ("tp", "cp", "pp", "ep", "etp"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)} must be >= 1")
-        _check(
+            check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)} must be >= 1")
+        check(
             self.world % self.pp == 0,
             f"world size {self.world} is not divisible by parallel.pp={self.pp}",
         )
@@ -70,13 +71,13 @@ class ParallelDims:
             self, "edp", self._derive("edp", self.edp, per_stage, self.ep * self.etp, "ep*etp")
         )
         r = self.dp_replicate
-        _check(r >= 1, f"parallel.dp_replicate={r} must be >= 1 (1 = FSDP without replicas)")
-        _check(
+        check(r >= 1, f"parallel.dp_replicate={r} must be >= 1 (1 = FSDP without replicas)")
+        check(
             self.dp % r == 0,
             f"parallel.dp_replicate={r} does not divide parallel.dp={self.dp} (the replicas are taken out "
             f"of the data-parallel ranks); choose a divisor of {self.dp}",
         )
-        _check(
+        check(
             self.edp % r == 0,
             f"parallel.dp_replicate={r} does not divide the experts' data-parallel size edp={self.edp} "
             f"(world/pp / (ep x etp)); choose a divisor of {math.gcd(self.dp, self.edp)} or change "
@@ -95,14 +96,14 @@ class ParallelDims:
     @staticmethod
     def _derive(name: str, value: int, per_stage: int, inner: int, what: str) -> int:
         if value == -1:
-            _check(
+            check(
                 per_stage % inner == 0,
                 f"world/pp = {per_stage} ranks per pipeline stage is not divisible by {what} = {inner}; "
                 f"change parallel.{what.replace('*', ' or parallel.')} or the number of processes",
             )
             return per_stage // inner
-        _check(value >= 1, f"parallel.{name}={value} must be >= 1 or -1 (derived)")
-        _check(
+        check(value >= 1, f"parallel.{name}={value} must be >= 1 or -1 (derived)")
+        check(
             value * inner == per_stage,
             f"parallel.{name}={value} x {what}={inner} = {value * inner} but world/pp = {per_stage}; "
             f"set parallel.{name}=-1 to derive it",
@@ -273,26 +274,26 @@ class ParallelDims:
     def check_model(self, cfg: VLMConfig) -> None:
         """Divisibility of the model by the layout, with what to change."""
         t, m = cfg.text, cfg.moe
-        _check(
+        check(
             t.num_heads % self.tp == 0,
             f"text.num_heads={t.num_heads} is not divisible by parallel.tp={self.tp}",
         )
-        _check(
+        check(
             t.num_kv_heads % self.tp == 0 or self.tp % t.num_kv_heads == 0,
             f"text.num_kv_heads={t.num_kv_heads} and parallel.tp={self.tp}: one must divide the other",
         )
-        _check(
+        check(
             t.vocab_size % self.tp == 0,
             f"text.vocab_size={t.vocab_size} is not divisible by parallel.tp={self.tp} (the embedding and LM head "
             "are split along the vocabulary); pad the vocabulary or change parallel.tp",
         )
-        _check(t.num_layers >= self.pp, f"text.num_layers={t.num_layers} < parallel.pp={self.pp}")
+        check(t.num_layers >= self.pp, f"text.num_layers={t.num_layers} < parallel.pp={self.pp}")
         if m.num_experts:
-            _check(
+            check(
                 m.num_experts % self.ep == 0,
                 f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={self.ep}",
             )
-            _check(
+            check(
                 m.moe_intermediate_size % self.etp == 0,
                 f"moe.moe_intermediate_size={m.moe_intermediate_size} is not divisible by parallel.etp={self.etp}",
             )
@@ -310,8 +311,3 @@ class ParallelDims:
             f"world {self.world} = pp {self.pp} x {dp} x cp {self.cp} x tp {self.tp} "
             f"= pp {self.pp} x {edp} x ep {self.ep} x etp {self.etp}"
         )
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)

@@ -37,7 +37,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError, check
+from moevlm.model.config import VLMConfig
 from moevlm.model.flops import head_forward_flops, layer_forward_flops, vision_forward_flops
 
 # name -> (torch.distributed.pipelining class, stage placement, stages per rank: fixed or minimum)
@@ -150,12 +151,12 @@ def plan_pipeline(
     cls, _, rule = SCHEDULES[name]
     v = _stages_per_rank(name, rule, vpp)
     K, L = pp * v, cfg.text.num_layers
-    _check(
+    check(
         L >= K,
         f"text.num_layers={L} < {K} pipeline stages (pp {pp} x vpp {v}): every stage needs at least one "
         "decoder layer; lower parallel.pp or parallel.vpp",
     )
-    _check(
+    check(
         not cfg.tie_word_embeddings,
         "tied word embeddings (the LM head is the embedding) cannot be split over pipeline stages here: the "
         "embedding sits on the first stage and the head on the last; use parallel.pp=1 or an untied model",
@@ -189,12 +190,12 @@ def plan_pipeline(
 def _stages_per_rank(name: str, rule: str, vpp: int | None) -> int:
     if vpp in (None, 0):
         return int(rule[-1])
-    _check(
+    check(
         isinstance(vpp, int) and vpp >= 1,
         f"parallel.vpp={vpp} must be a positive integer (or null: auto)",
     )
     if rule.startswith("="):
-        _check(
+        check(
             vpp == int(rule[1:]),
             f"parallel.pp_schedule={name} runs {rule[1:]} stage(s) per rank but parallel.vpp={vpp}; set "
             f"parallel.vpp={rule[1:]} (or null)"
@@ -205,7 +206,7 @@ def _stages_per_rank(name: str, rule: str, vpp: int | None) -> int:
             ),
         )
     else:
-        _check(
+        check(
             vpp >= 2,
             f"parallel.pp_schedule={name} needs parallel.vpp >= 2 stages per rank (vpp=1 is plain 1F1B: "
             "use parallel.pp_schedule=1f1b)",
@@ -220,14 +221,14 @@ def _check_microbatches(name: str, pp: int, K: int, M: int) -> None:
         "or lower train.micro_batch_size"
     )
     if name == "1f1b":
-        _check(M >= pp, f"1f1b needs at least pp={pp} micro-batches per step, got {M}; {how}")
+        check(M >= pp, f"1f1b needs at least pp={pp} micro-batches per step, got {M}; {how}")
     elif name == "dualpipev":
-        _check(
+        check(
             M >= K, f"dualpipev needs at least {K} micro-batches per step (2 x pp), got {M}; {how}"
         )
     elif name == "interleaved_1f1b":
         rounds = max(1, M // pp)
-        _check(
+        check(
             M % rounds == 0,
             f"interleaved_1f1b runs micro-batches in rounds of about pp={pp}: {M} micro-batches "
             f"is not a multiple of its {rounds} rounds; use a multiple of {pp}",
@@ -242,16 +243,16 @@ def _explicit(layers, K: int, L: int) -> tuple[int, ...]:
             f"parallel.pp_layers={layers!r}: give 'auto' or the decoder layers of every stage "
             f"as {K} comma-separated integers, e.g. '{_even_split(L, K)}'"
         ) from None
-    _check(
+    check(
         len(parts) == K,
         f"parallel.pp_layers={layers!r} lists {len(parts)} stages but there are {K} "
         f"(pp x vpp); e.g. parallel.pp_layers='{_even_split(L, K)}'",
     )
-    _check(
+    check(
         all(p >= 1 for p in parts),
         f"parallel.pp_layers={layers!r}: every stage needs at least one decoder layer",
     )
-    _check(
+    check(
         sum(parts) == L,
         f"parallel.pp_layers={layers!r} sums to {sum(parts)} but the model has "
         f"text.num_layers={L}; e.g. parallel.pp_layers='{_even_split(L, K)}'",
@@ -375,11 +376,6 @@ def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int,
         if score(cand) >= current:
             return split
         split, current = cand, score(cand)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 __all__ = [

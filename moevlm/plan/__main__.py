@@ -213,7 +213,7 @@ def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moevlm.model.config import ConfigError
+    from moevlm.errors import ConfigError
     from moevlm.train.config import check_overrides, compose_job
 
     ap = argparse.ArgumentParser(

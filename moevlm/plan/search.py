@@ -93,7 +93,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.plan.devices import Gpu, gpu
 from moevlm.plan.dry_run import budget_micro_batch, dry_run
 

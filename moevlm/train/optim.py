@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn as nn
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 
 
 def param_groups(model: nn.Module, o) -> list[dict]:

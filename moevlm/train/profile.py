@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.model.decoder import Head, TextAttention
 from moevlm.model.layout import Combine, Dispatch, Loss
 from moevlm.model.moe import Experts, Router

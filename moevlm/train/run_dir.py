@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 
 MARKER, LOCK = ".moevlm-run", ".moevlm-run.lock"
 OURS = (

@@ -43,7 +43,7 @@ Design choices:
 
 from __future__ import annotations
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import check
 from moevlm.parallel.pipeline_plan import SCHEDULES, schedule_name
 
 SCALE_PRESET = "tiny"
@@ -57,23 +57,23 @@ def scale_down(job, launched: int, build_model) -> list[str]:
     s = p.scale_to
     if s is None:
         return []
-    _check(
+    check(
         isinstance(s, int) and not isinstance(s, bool) and s >= 1,
         f"parallel.scale_to={s!r} must be a positive number of processes, or null (no scaling)",
     )
-    _check(
+    check(
         t.global_batch_size == 0 or _is_scaled(job),
         f"train.global_batch_size={t.global_batch_size} is set after +scale=cpu, which derives "
         "it: put +scale=cpu after +experiment=NAME on the command line (the later one wins) and leave the batch "
         "to the scale",
     )
     stage = p.tp * p.cp * p.pp
-    _check(
+    check(
         stage <= s,
         f"the recipe's tp x cp x pp = {p.tp} x {p.cp} x {p.pp} = {stage} processes do not fit in "
         f"parallel.scale_to={s}; raise parallel.scale_to to {stage} (its shape is kept, never reshaped)",
     )
-    _check(
+    check(
         not p.world_size or p.world_size % stage == 0,
         f"parallel.world_size={p.world_size} is not divisible by tp x cp x pp = {stage}",
     )
@@ -112,7 +112,7 @@ def scale_down(job, launched: int, build_model) -> list[str]:
         0  # the default: layout independent, so every scaled recipe reads the same rows
     )
     line = _report(job, s, recipe, micro)
-    _check(
+    check(
         launched == p.world_size,
         f"+scale lays this recipe out for {p.world_size} processes ({line}) but {launched} were launched; launch "
         f"torchrun --standalone --nproc-per-node {p.world_size} train.py with the same overrides",
@@ -163,11 +163,6 @@ def _report(job, s: int, recipe: dict, micro: int) -> str:
         f"{t.global_batch_size} ({micro} micro-batches x {t.micro_batch_size} row x dp {p.dp}), data.streams "
         f"{job.data.streams}; kept {kept}"
     )
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 __all__ = ["SCALE_PRESET", "scale_down"]

@@ -44,7 +44,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from moevlm.data.config import DataConfig
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 from moevlm.train.wandb_log import MODES as WANDB_MODES
 
 

@@ -41,7 +41,8 @@ from moevlm.data.config import (
 from moevlm.dispatch import dispatcher_names
 from moevlm.dispatch.availability import CLASSES as GATED_CLASSES
 from moevlm.model.attention import varlen_available, varlen_missing
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import BLOCK
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.optimizer_offload import offload_kind

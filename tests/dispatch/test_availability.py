@@ -23,7 +23,7 @@ from moevlm.dispatch.availability import (
 )
 from moevlm.dispatch.hybridep import HybridEPDispatcher
 from moevlm.dispatch.local import LocalDispatcher
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 
 FAKES = Path(__file__).parent / "fake_deep_ep"

@@ -27,7 +27,7 @@ from moevlm.dispatch.capacity import (
     slot_sources,
 )
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 
 E, K, D, T = 8, 2, 6, 6

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import moevlm.model.attention as A
 from moevlm.model.attention import attention, doc_mask, resolve_backend, static_bounds
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from moevlm.kernels import fp8_quant as Q
 from moevlm.model import fp8 as fp8_mod
-from moevlm.model.config import ConfigError, Fp8Config, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import Fp8Config, VLMConfig
 from moevlm.model.fp8 import Fp8Unavailable, apply_fp8, fp8_mm, install_weight_cache, resolve_fp8
 from moevlm.model.moe import MoEBlock, Router
 from moevlm.model.vlm import Qwen3VLMoe

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.model.decoder import document_index
 from moevlm.model.hf import export_state_dict
 from moevlm.model.moe import (

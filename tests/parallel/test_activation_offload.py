@@ -356,7 +356,7 @@ def test_plain_without_autograd(setup):
     ],
 )
 def test_config_errors(overrides, message):
-    from moevlm.model.config import ConfigError
+    from moevlm.errors import ConfigError
     from moevlm.train.config import compose_job, validate
 
     with pytest.raises(ConfigError, match=message):

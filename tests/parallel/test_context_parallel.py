@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from moevlm.data.sample_cache import ensure_sample
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks

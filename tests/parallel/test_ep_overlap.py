@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.dispatch.alltoall import AllToAllDispatcher
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.model.moe import MoEBlock
 from moevlm.model.layout import ExpertsRunner, Layout
 from moevlm.parallel.ep_overlap import OverlappedRunner, chunk_bounds

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.attention import doc_mask
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.parallel.cuda_graphs import apply_cuda_graphs, cuda_graphs
 from moevlm.train.config import compose_job, validate
 

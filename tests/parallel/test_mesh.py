@@ -6,7 +6,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 
 from moevlm.model import VLMConfig
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.parallel import ParallelDims
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moevlm.model import VLMConfig, count_flops
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.parallel.pipeline_plan import (
     StageCosts,
     balance,

@@ -232,7 +232,7 @@ def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
     ],
 )
 def test_config_errors_name_the_choices(overrides, message):
-    from moevlm.model.config import ConfigError
+    from moevlm.errors import ConfigError
     from moevlm.train.config import compose_job, validate
 
     with pytest.raises(ConfigError, match=message):

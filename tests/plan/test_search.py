@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.plan.devices import Gpu, gpu
 from moevlm.plan.dry_run import budget_micro_batch, dry_run
 from moevlm.plan.search import (

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 from moevlm.train.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]

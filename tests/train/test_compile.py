@@ -10,7 +10,7 @@ import torch
 
 from gloo_ranks import run_ranks
 from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.parallel.compile import CompileCounters, apply_compile
 from moevlm.train.config import compose_job, validate
 from moevlm.train.trainer import Trainer

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 from moevlm.train.config import compose_job, model_fields, validate
 from moevlm.train.options import options
 

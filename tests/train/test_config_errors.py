@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]

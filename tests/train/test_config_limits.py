@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moevlm.model import Qwen3VLMoe
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.model.params import layer_parameters, num_parameters, parameter_counts
 from moevlm.parallel.pipeline import prune_to_stages
 from moevlm.train.config import (

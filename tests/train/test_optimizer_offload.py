@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moevlm.data.sample_cache import ensure_sample
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.parallel.optimizer_offload import HostOffloadAdamW
 from moevlm.train.config import compose_job
 from moevlm.train.memory import estimate_memory

@@ -11,7 +11,7 @@ import pytest
 from moevlm.kernels import GROUPED_GEMMS
 from omegaconf import OmegaConf
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.parallel.pipeline_plan import SCHEDULES
 from moevlm.train import options as opt
 from moevlm.train.config import JobConfig, compose_job, validate

@@ -14,7 +14,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moevlm.model import Qwen3VLMoe
-from moevlm.model.config import ConfigError, VLMConfig
+from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 from moevlm.train.config import _check_profile, compose_job, validate
 from moevlm.train.profile import COMPONENTS, ComponentTimer, WallClock, parse_profile_steps
 from moevlm.train.trainer import Trainer

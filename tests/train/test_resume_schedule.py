@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import OptimConfig, compose_job
 from moevlm.train.optim import LRSchedule, build_scheduler, fit_resumed_schedule
 from moevlm.train.trainer import Trainer

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]

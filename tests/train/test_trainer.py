@@ -28,7 +28,7 @@ from moevlm.data.batch import MicroBatch
 from moevlm.data.loader import build_loader
 from moevlm.data.sample_cache import sample_dir
 from moevlm.model import count_flops
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.checkpoint import HOLD_ENV, MARKER, CheckpointManager
 from moevlm.train.config import compose_job, validate
 from moevlm.train.exit_codes import ExitCode

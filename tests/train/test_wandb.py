@@ -18,7 +18,7 @@ from importlib.machinery import ModuleSpec
 import pytest
 from omegaconf import OmegaConf
 
-from moevlm.model.config import ConfigError
+from moevlm.errors import ConfigError
 from moevlm.train.config import compose_job, validate
 from moevlm.train.metrics import _TB_TAGS, MetricsLogger, step_record
 from moevlm.train.wandb_log import run_id, start_wandb
