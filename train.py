@@ -19,12 +19,12 @@ from hydra.types import RunMode
 from moevlm.errors import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
-from moevlm.train.config import check_overrides, compose_job, register_configs
+from moevlm.config import check_overrides, compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import write_failed_line, looks_like_disk_full
-from moevlm.train.options import show_sections
+from moevlm.config.reference import register_configs, show_sections
 from moevlm.train.sweep import run_job, sweep_probes, sweep_root
 from moevlm.train.torchrun_exit import config_error_exit
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from moevlm.train import integrity
 from moevlm.train.checkpoint import MARKER, CheckpointManager, read_marker
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.metrics import Window
 from moevlm.train.trainer import Trainer
 

@@ -69,7 +69,7 @@ from moevlm.data.batch import row_flops
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import IGNORE
 from moevlm.parallel.hf_io import save_hf
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.metrics import Window, device_name, device_peak_tflops
 from moevlm.train.trainer import Trainer
 
@@ -312,7 +312,7 @@ def run(args) -> dict:
         warmup, iters = 1, 2
     warmup, iters = args.warmup if args.warmup is not None else warmup, args.iters or iters
     tr = Trainer(job)
-    dev, bf16, cfg = tr.device, tr._bf16, tr.plan.model
+    dev, bf16, cfg = tr.device, tr.plan.build.bf16, tr.plan.model
     merge, image_id = cfg.vision.spatial_merge_size, cfg.image_token_id
     peak = device_peak_tflops(dev, "bf16" if bf16 else "fp32", job.train.peak_tflops)
     hf_dir = str(Path(tmp.name) / "hf")

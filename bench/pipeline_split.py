@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from moevlm.parallel.pipeline_plan import stage_flops, stage_costs
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 
 def layout(spec: str) -> tuple[int, int, str]:

@@ -62,7 +62,7 @@ def recipes() -> None:
 
     from moevlm.plan.__main__ import make_plan
     from moevlm.plan.devices import GPUS
-    from moevlm.train.config import compose_job
+    from moevlm.config import compose_job
 
     names = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
     print(
@@ -108,7 +108,7 @@ def _ratio(plan: float, real: float) -> str:
 def accuracy() -> None:
     from moevlm.plan.dry_run import dry_run
     from moevlm.plan.measure import measure_trainer_step
-    from moevlm.train.config import compose_job
+    from moevlm.config import compose_job
 
     print(
         "| job | ranks | rank | params (plan = real) | peak plan MiB | peak real MiB | plan/real | "
@@ -148,7 +148,7 @@ def _slug(name: str) -> str:
 
 
 def _four_rank_job(name: str, run_dir: str):
-    from moevlm.train.config import compose_job
+    from moevlm.config import compose_job
 
     return compose_job(
         COMMON

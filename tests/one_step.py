@@ -8,7 +8,7 @@ def first_records(tmp_path, settings: dict, look=None) -> dict:
     """{name: the first metrics.jsonl record} of a one-step run per `settings` entry (name -> extra
     overrides), each in its own run dir under `tmp_path`; `look(name, trainer)` sees each trainer
     before it runs."""
-    from moevlm.train.config import compose_job
+    from moevlm.config import compose_job
     from moevlm.train.trainer import Trainer
 
     recs = {}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from moevlm.parallel.build import BuildOptions
+from moevlm.dispatch import DispatcherSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "moevlm").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
@@ -136,9 +138,11 @@ def test_built_model_has_no_function_attributes_and_repr_shows_what_runs():
     model, ctx = build_model(
         cfg,
         ParallelDims(1),
-        recompute=("selective", ("core_attn", "moe_act", "layernorm")),
-        offload=("core_attn",),
-        cuda_graph_scope=("moe_router",),
+        BuildOptions(
+            recompute=("selective", ("core_attn", "moe_act", "layernorm")),
+            offload=("core_attn",),
+            cuda_graph_scope=("moe_router",),
+        ),
     )
     for name, m in model.named_modules():
         own = {
@@ -175,7 +179,7 @@ def test_dispatcher_built_once_per_moe_layer(monkeypatch, name):
 
     monkeypatch.setattr(cls, "__init__", counting)
     cfg = VLMConfig.preset("tiny")
-    model, _ = build_model(cfg, ParallelDims(1), dispatcher=name)
+    model, _ = build_model(cfg, ParallelDims(1), BuildOptions(dispatcher=DispatcherSpec(name)))
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     assert blocks and len(made) == len(blocks)
     assert [id(b.dispatcher) for b in blocks] == [id(d) for d in made]

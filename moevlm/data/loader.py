@@ -1207,3 +1207,22 @@ def check_fields(cfg: DataConfig) -> None:
         cfg.start_method,
         f"one of {mp.get_all_start_methods()}",
     )
+
+
+class NoData:
+    """The data source of a rank that reads nothing: a pipeline rank without the first stage
+    receives each micro-batch's text from that stage's rank (`Pipeline.share`)."""
+
+    wait_s = 0.0
+
+    def stats(self) -> dict:
+        return {"skipped": {}, "skipped_total": 0, "data_wait_s": 0.0}
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -11,6 +11,7 @@ hybridep could run here (the deep_ep package, the adapter, their layout rules) f
 
 from moevlm.dispatch.base import (
     DISPATCHERS,
+    DispatcherSpec,
     TokenDispatcher,
     build_dispatcher,
     dense_routing,
@@ -24,6 +25,7 @@ from moevlm.dispatch.hybridep import HybridEPDispatcher
 
 __all__ = [
     "DISPATCHERS",
+    "DispatcherSpec",
     "AllToAllDispatcher",
     "DeepEPDispatcher",
     "HybridEPDispatcher",

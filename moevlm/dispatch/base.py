@@ -1,4 +1,5 @@
-"""The dispatcher registry, its availability gate, and what the distributed backends share.
+"""The dispatcher registry, the `DispatcherSpec` a job builds its MoE blocks with, and what the
+distributed backends share.
 
 Legend: T tokens on this rank, K top-k, D hidden, E experts in the model,
 L experts on this rank (E for the local dispatcher), M rows after dispatch.
@@ -7,23 +8,17 @@ L experts on this rank (E for the local dispatcher), M rows after dispatch.
     expert_y_MD = experts(expert_x_MD, tokens_per_expert_L)
     y_TD = d.combine(expert_y_MD, handle)
 
-The interface itself (`TokenDispatcher`, with the contract) is the model's:
-`moevlm.model.dispatcher`, beside the single-process `LocalDispatcher`; docs/dispatchers.md
-describes every backend.  Here: the registry, `build_dispatcher` with its availability gate
-(a backend whose runtime package is missing, or whose constraints are not met, says so from
-`unavailable_reason`; that becomes an error naming the package or constraint, or the
-configured fallback, logged once), and helpers the distributed backends share.
+The interface (`TokenDispatcher`) is the model's, moevlm.model.dispatcher; docs/dispatchers.md
+describes every backend.
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 import torch
 
 from moevlm.model.dispatcher import TokenDispatcher
-
-log = logging.getLogger(__name__)
 
 
 def dense_routing(
@@ -66,7 +61,7 @@ def token_bound(
 
 
 DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
-_fallbacks_logged: set[tuple[str, str]] = set()
+DEEPEP_APIS = ("auto", "v2", "v1")  # the deepep backend's DeepEP API (moevlm.dispatch.deepep)
 
 
 def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
@@ -76,26 +71,42 @@ def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
 
 def dispatcher_names() -> tuple[str, ...]:
     """The registered names in a fixed order (`local`, the default, then alphabetical), whatever order
-    the modules were imported or registered in: --help, conf/README.md and validation messages list them so."""
+    the modules were imported or registered in: --help, the configuration reference and validation
+    messages list them so."""
     return tuple(sorted(DISPATCHERS, key=lambda name: (name != "local", name)))
 
 
-def build_dispatcher(name: str, *, fallback: str | None = None, **kwargs) -> TokenDispatcher:
-    """Construct dispatcher `name`; if it cannot run here, raise with the reason, or
-    build `fallback` instead (logged once per pair)."""
+def build_dispatcher(name: str, **kwargs) -> TokenDispatcher:
+    """Construct dispatcher `name`; RuntimeError with the reason if it cannot run here."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {list(dispatcher_names())}")
     reason = DISPATCHERS[name].unavailable_reason(**kwargs)
-    if reason is None:
-        return DISPATCHERS[name](**kwargs)
-    if fallback is None:
+    if reason is not None:
         raise RuntimeError(f"dispatcher {name!r} cannot run: {reason}")
-    if (name, fallback) not in _fallbacks_logged:
-        _fallbacks_logged.add((name, fallback))
-        log.warning(
-            "dispatcher %r cannot run (%s); falling back to %r as configured",
-            name,
-            reason,
-            fallback,
-        )
-    return build_dispatcher(fallback, **kwargs)
+    return DISPATCHERS[name](**kwargs)
+
+
+@dataclass(frozen=True)
+class DispatcherSpec:
+    """The dispatcher every MoE block is built with: a registered backend and its options (chosen once
+    for a job by moevlm.config.choose_dispatcher).  `build` makes one block's dispatcher; the MoE
+    config gives the expert count, top-k, the permute backend and the capacity mode."""
+
+    name: str = "local"
+    api: str = "auto"  # deepep: which DeepEP API drives it (DEEPEP_APIS)
+    num_sms: int = 0  # deepep / hybridep: SMs of their kernels; 0 = the backend's choice
+    # deepep (V2) / hybridep: a static bound on any rank's tokens (no all-reduce of token counts)
+    max_tokens_per_rank: int | None = None
+
+    def build(self, moe, ep_group=None, etp_group=None) -> TokenDispatcher:
+        """Block's dispatcher for MoE config `moe` over the expert groups (None: one process)."""
+        kwargs: dict = {"permute": moe.permute}
+        if moe.capacity_factor is not None:
+            kwargs.update(
+                capacity_factor=moe.capacity_factor, capacity_overflow=moe.capacity_overflow
+            )
+        if self.name != "local" and (ep_group is not None or etp_group is not None):
+            kwargs.update(ep_group=ep_group, etp_group=etp_group)
+        cls = DISPATCHERS.get(self.name)
+        kwargs.update({key: getattr(self, key) for key in getattr(cls, "spec_options", ())})
+        return build_dispatcher(self.name, num_experts=moe.num_experts, top_k=moe.top_k, **kwargs)

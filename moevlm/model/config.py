@@ -7,7 +7,7 @@ Design choices:
   `config.json` is a rename table, not a translation; the renames live in
   `VLMConfig.from_hf` / `to_hf` and nowhere else.
 - Runtime choices that do not change the function the network computes
-  (`attn_backend`, `moe.grouped_gemm`, `moe.dispatcher`) sit beside the
+  (`attn_backend`, `moe.grouped_gemm`, `moe.permute`) sit beside the
   architecture so one object describes a runnable model; they are never written
   to an exported `config.json`.
 - `validate()` runs before any parameter exists and names the offending field
@@ -32,7 +32,6 @@ from moevlm.kernels import GROUPED_GEMMS
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
 CAPACITY_OVERFLOWS = ("drop", "error")  # moe.capacity_overflow (moevlm.dispatch.capacity)
-DEEPEP_APIS = ("auto", "v2", "v1")  # moe.deepep_api (moevlm.dispatch.deepep)
 # moe.aux_loss (moevlm.model.moe): the load-balancing loss's form
 AUX_LOSSES = ("micro_batch", "global_batch", "sequence")
 # fp8 (moevlm.model.fp8): recipes, the linears it may cover, GEMM backends
@@ -97,16 +96,11 @@ class MoEConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     grouped_gemm: str = "torch"  # see moevlm.kernels.GROUPED_GEMMS
-    dispatcher: str = "local"
     permute: str = "torch"  # token rows <-> expert rows: torch | triton (moevlm.model.rows)
     capacity_factor: float | None = (
         None  # alltoall only: None = dropless (moevlm.dispatch.capacity)
     )
     capacity_overflow: str = "drop"  # drop (and count) | error (the trainer fails the step)
-    deepep_api: str = "auto"  # the deepep dispatcher's DeepEP API: auto | v2 | v1
-    # deepep (V2) / hybridep: a static bound on any rank's tokens (no all-reduce of token counts); None: none
-    dispatcher_max_tokens_per_rank: int | None = None
-    dispatcher_num_sms: int = 0  # deepep / hybridep: SMs of their kernels; 0 = the backend's choice
     # the load-balancing loss's form: micro_batch (the reference's) | global_batch | sequence
     aux_loss: str = "micro_batch"
     router_bias_rate: float = 0.0  # aux-loss-free balancing: the expert bias's step (0 = off)
@@ -223,18 +217,6 @@ class VLMConfig:
             f"moe.router_force_balance={m.router_force_balance!r} must be true or false",
         )
         check(m.permute in PERMUTES, f"moe.permute={m.permute!r}; choose one of {list(PERMUTES)}")
-        check(
-            m.deepep_api in DEEPEP_APIS,
-            f"moe.deepep_api={m.deepep_api!r}; choose one of {list(DEEPEP_APIS)}",
-        )
-        check(
-            m.dispatcher_max_tokens_per_rank is None or m.dispatcher_max_tokens_per_rank > 0,
-            f"moe.dispatcher_max_tokens_per_rank={m.dispatcher_max_tokens_per_rank} must be > 0, or None (null)",
-        )
-        check(
-            m.dispatcher_num_sms >= 0 and m.dispatcher_num_sms % 2 == 0,
-            f"moe.dispatcher_num_sms={m.dispatcher_num_sms} must be even and >= 0 (0: the backend's choice)",
-        )
         check(
             "triton" not in (m.permute, m.grouped_gemm) or _has_triton(),
             "moe.permute / moe.grouped_gemm = 'triton' need the package 'triton' (pip install triton; CUDA "

@@ -19,7 +19,7 @@ order, on the meta device:
     schedule            the pipeline's stages and schedule (pipeline.py); each stage's offload
                         scopes form their own prefetch chain
 
-    model, ctx = build_model(cfg, dims, dp_mode="fsdp", device_type="cuda", bf16=True, dispatcher="alltoall")
+    model, ctx = build_model(cfg, dims, BuildOptions(dp_mode="fsdp", device_type="cuda", bf16=True))
     materialize_(model, device, ctx)         # to_empty, through FSDP's pipeline roots
     init_parameters_(model, seed, ctx)       # or moevlm.parallel.hf_io.load_hf_weights_
     ...loss.backward() per micro-batch, or ctx.pipeline.forward_backward(...)...
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from moevlm.dispatch import DISPATCHERS, build_dispatcher, dispatcher_names
+from moevlm.dispatch import DISPATCHERS, DispatcherSpec, dispatcher_names
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Fp8Plan, apply_fp8
 from moevlm.model.layout import Layout
@@ -124,76 +124,85 @@ class ParallelContext:
         return self.grad_sync.clip_grad_norm_(params, max_norm)
 
 
+@dataclass
+class BuildOptions:
+    """How `build_model` lays a model out beyond its dims (the defaults: one process, nothing added)."""
+
+    dp_mode: str = "fsdp"  # fsdp | ddp
+    device_type: str = "cpu"  # what the model will run on
+    bf16: bool = False  # bf16 compute (FSDP's parameter dtype, compile's autocast)
+    pipeline: PipelinePlan | None = None  # the stages; needed when dims.pp > 1
+    dispatcher: DispatcherSpec = field(default_factory=DispatcherSpec)  # every MoE block's
+    recompute: tuple[str, tuple[str, ...]] = ("none", ())  # mode and selective regions
+    offload: tuple[str, ...] = ()  # activation offload scopes
+    compile: bool = False
+    compile_mode: str | None = None
+    cp_comm: str = "allgather"  # allgather | ring
+    ep_overlap: bool = False
+    fp8: Fp8Plan | None = None  # the FP8 recipe resolved for the device; None: off
+    fp8_modules: tuple[str, ...] = ()
+    cuda_graph_scope: tuple[str, ...] = ()
+    optimizer_offload: bool = False
+
+
 def build_model(
-    cfg: VLMConfig,
-    dims: ParallelDims,
-    *,
-    dp_mode: str = "fsdp",
-    device_type: str = "cpu",
-    bf16: bool = False,
-    dispatcher: str | None = None,
-    pipeline: PipelinePlan | None = None,
-    recompute: tuple[str, tuple[str, ...]] = ("none", ()),
-    offload: tuple[str, ...] = (),
-    compile: bool = False,
-    compile_mode: str | None = None,
-    cp_comm: str = "allgather",
-    ep_overlap: bool = False,
-    fp8: Fp8Plan | None = None,
-    fp8_modules=(),
-    cuda_graph_scope=(),
-    optimizer_offload: bool = False,
+    cfg: VLMConfig, dims: ParallelDims, options: BuildOptions | None = None
 ) -> tuple[nn.Module, ParallelContext]:
-    """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module docstring).
-    `dispatcher`: the MoE blocks' dispatcher by registry name; default `cfg.moe.dispatcher`."""
-    dispatcher = dispatcher or cfg.moe.dispatcher
-    _check(cfg, dims, dispatcher, pipeline, ep_overlap, dp_mode)
-    ctx = ParallelContext(dims, dp_mode, device_type=device_type)
-    ctx.optimizer_offload = offload_kind(optimizer_offload, dims.world, dp_mode)
+    """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module
+    docstring)."""
+    o = options or BuildOptions()
+    _check(cfg, dims, o)
+    ctx = ParallelContext(dims, o.dp_mode, device_type=o.device_type)
+    ctx.optimizer_offload = offload_kind(o.optimizer_offload, dims.world, o.dp_mode)
     if dims.world > 1:
-        _groups(ctx, device_type)
+        _groups(ctx, o.device_type)
     with torch.device("meta"):
-        model = Qwen3VLMoe(cfg, _layout(cfg, ctx, dispatcher, cp_comm, ep_overlap))
+        model = Qwen3VLMoe(cfg, _layout(cfg, ctx, o))
     _check_runners(model)
     if dims.pp > 1:  # this rank's stages only, before anything is sharded
         ctx.init_rules = model.init_rules()
-        prune_to_stages(model, pipeline, ctx.meshes[0]["pp"].get_local_rank())
+        prune_to_stages(model, o.pipeline, ctx.meshes[0]["pp"].get_local_rank())
     if dims.tp > 1:
         ctx.tp_partial = shard_tensor_parallel(model, ctx.meshes[0]["tp"])
     if cfg.moe.num_experts and dims.ep * dims.etp > 1:
         shard_experts(model, ctx.meshes[1])
-    apply_recompute(model, *recompute)
-    ctx.offload = apply_offload(model, offload, device_type, recompute)
-    ctx.fp8_marked = apply_fp8(model, fp8, fp8_modules)
+    apply_recompute(model, *o.recompute)
+    ctx.offload = apply_offload(model, o.offload, o.device_type, o.recompute)
+    ctx.fp8_marked = apply_fp8(model, o.fp8, o.fp8_modules)
     if dims.pp > 1:
-        ctx.pipeline = _pipeline(model, pipeline, ctx)
+        ctx.pipeline = _pipeline(model, o.pipeline, ctx)
         set_chains(ctx.pipeline.modules)
-    if compile:  # after the parallelisms (and recompute), before FSDP/DDP
-        apply_compile(model, mode=compile_mode, bf16=bf16)
-    _data_parallel(model, ctx, bf16)
+    if o.compile:  # after the parallelisms (and recompute), before FSDP/DDP
+        apply_compile(model, mode=o.compile_mode, bf16=o.bf16)
+    _data_parallel(model, ctx, o.bf16)
     # captured at the first training forward
-    ctx.cuda_graphs = apply_cuda_graphs(model, cuda_graph_scope)
+    ctx.cuda_graphs = apply_cuda_graphs(model, o.cuda_graph_scope)
     return model, ctx
 
 
-def _check(
-    cfg: VLMConfig, dims: ParallelDims, dispatcher: str, pipeline, ep_overlap: bool, dp_mode: str
-) -> None:
-    if dims.pp > 1 and (pipeline is None or pipeline.pp != dims.pp):
+def _check(cfg: VLMConfig, dims: ParallelDims, o: BuildOptions) -> None:
+    if dims.pp > 1 and (o.pipeline is None or o.pipeline.pp != dims.pp):
         raise ValueError(
             f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)"
         )
     experts_split = cfg.moe.num_experts and dims.ep * dims.etp > 1
-    if experts_split and dispatcher not in DISPATCHERS:
+    if experts_split and o.dispatcher.name not in DISPATCHERS:
         raise ParallelNotBuilt(
-            f"model.dispatcher={dispatcher!r} is not built yet; available: {list(dispatcher_names())}"
+            f"model.dispatcher={o.dispatcher.name!r} is not built yet; available: "
+            f"{list(dispatcher_names())}"
         )
-    if dims.dp_replicate > 1 and dp_mode != "fsdp":
+    if experts_split and o.dispatcher.name == "local":
+        raise ValueError(
+            f"parallel.ep x etp = {dims.ep} x {dims.etp} splits the experts over ranks, which the local "
+            "dispatcher cannot reach: build with BuildOptions(dispatcher=DispatcherSpec('alltoall')) "
+            "or another exchanging backend"
+        )
+    if dims.dp_replicate > 1 and o.dp_mode != "fsdp":
         raise ValueError(
             f"parallel.dp_replicate={dims.dp_replicate} shards within replicas (HSDP), but "
-            f"parallel.dp_mode={dp_mode} replicates every weight on every data rank; use dp_mode=fsdp"
+            f"parallel.dp_mode={o.dp_mode} replicates every weight on every data rank; use dp_mode=fsdp"
         )
-    if ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
+    if o.ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
         raise ValueError(
             "parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)"
         )
@@ -226,9 +235,7 @@ def _groups(ctx: ParallelContext, device_type: str) -> None:
         )
 
 
-def _layout(
-    cfg: VLMConfig, ctx: ParallelContext, dispatcher: str, cp_comm: str, ep_overlap: bool
-) -> Layout:
+def _layout(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Layout:
     """The strategies of this layout: tensor parallel under context parallel, the dispatchers, the runner."""
     dims, fields = ctx.dims, {}
     loss = {}
@@ -239,51 +246,21 @@ def _layout(
         loss.update(group=group, vocab_start=start)
     if dims.cp > 1:
         info, cp = cp_strategies(
-            ctx.groups["cp"], cp_comm, fields.get("sequence", Layout().sequence)
+            ctx.groups["cp"], o.cp_comm, fields.get("sequence", Layout().sequence)
         )
         fields.update(cp, router_stats=SumOverGroup(ctx.groups["cp_tp"]))
         loss.update(take=info.take)
     if loss:
         fields["loss"] = lambda: ParallelLoss(**loss)
-    fields["dispatcher"] = _dispatcher_factory(cfg, ctx, dispatcher)
-    if ep_overlap:
+    spec, groups = (
+        o.dispatcher,
+        {"ep_group": ctx.groups.get("ep"), "etp_group": ctx.groups.get("etp")},
+    )
+    # (layer index, MoE config) -> the block's dispatcher, built once per MoE block with its groups
+    fields["dispatcher"] = lambda layer_idx, moe_cfg: spec.build(moe_cfg, **groups)
+    if o.ep_overlap:
         fields["experts_runner"] = OverlappedRunner
     return Layout(**fields)
-
-
-def _dispatcher_factory(cfg: VLMConfig, ctx: ParallelContext, name: str):
-    """(layer index, MoE config) -> the block's dispatcher, built once per MoE block with its groups:
-    `name` over (ep, etp) when the experts are split; else `local`, or with a capacity factor the capacity
-    all-to-all over a group of one (the same drops as with ep > 1); one process: `name` as given."""
-    moe, dims = cfg.moe, ctx.dims
-    kwargs = {"permute": moe.permute}
-    if moe.capacity_factor is not None:
-        kwargs.update(capacity_factor=moe.capacity_factor, capacity_overflow=moe.capacity_overflow)
-    if dims.world == 1:
-        pass
-    elif dims.ep * dims.etp > 1:
-        name = "alltoall" if name == "local" else name
-        kwargs.update(ep_group=ctx.groups["ep"], etp_group=ctx.groups["etp"])
-    elif moe.capacity_factor is None:
-        name, kwargs = "local", {"permute": moe.permute}
-    else:
-        name = "alltoall"
-        kwargs.update(ep_group=ctx.groups["ep"])
-
-    # the options only DeepEP / HybridEP take
-    if name in ("deepep", "hybridep"):
-        kwargs.update(
-            num_sms=moe.dispatcher_num_sms, max_tokens_per_rank=moe.dispatcher_max_tokens_per_rank
-        )
-    if name == "deepep":
-        kwargs["api"] = moe.deepep_api
-
-    def build(layer_idx: int, moe_cfg):
-        return build_dispatcher(
-            name, num_experts=moe_cfg.num_experts, top_k=moe_cfg.top_k, **kwargs
-        )
-
-    return build
 
 
 def _pipeline(model: nn.Module, plan: PipelinePlan, ctx: ParallelContext) -> Pipeline:
@@ -360,4 +337,4 @@ def materialize_(model: nn.Module, device, ctx: ParallelContext | None = None) -
                     module._buffers[name] = buf.to(device)
 
 
-__all__ = ["ParallelContext", "ParallelNotBuilt", "build_model", "materialize_"]
+__all__ = ["BuildOptions", "ParallelContext", "ParallelNotBuilt", "build_model", "materialize_"]

@@ -57,6 +57,16 @@ from torch.distributed.tensor import DTensor
 from moevlm.parallel.data_parallel import local_tensor
 
 
+def fused_adamw_available(device: torch.device) -> bool:
+    """Whether this torch has a fused AdamW kernel for `device`'s type."""
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        return device.type in _get_fused_kernels_supported_devices()
+    except ImportError:  # private helper moved: foreach is always available
+        return False
+
+
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` as a tensor of `param`'s kind: a DTensor with `param`'s spec (mesh, placements, global
     shape) whose local tensor stays where it is (DTensor.from_local would move it to the mesh's

@@ -52,7 +52,7 @@ def make_plan(job, world: int, gpu_name: str) -> dict:
     """The plan of every rank role of `job` on `world` ranks against the GPU `gpu_name` (a dict: the
     JSON `--json` prints)."""
     from moevlm.plan.dry_run import dry_run
-    from moevlm.train.validate import validate
+    from moevlm.config import validate
 
     plan = validate(job, world, environment=False)
     device = find_gpu(gpu_name)
@@ -214,7 +214,7 @@ def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     from moevlm.errors import ConfigError
-    from moevlm.train.config import check_overrides, compose_job
+    from moevlm.config import check_overrides, compose_job
 
     ap = argparse.ArgumentParser(
         prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True

@@ -120,25 +120,24 @@ def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
 
 
 def _build(job, plan, device_type: str, bf16: bool):
-    """The trainer's model build for this rank (moevlm.train.trainer.Trainer._parallel_model_on_meta)."""
-    from moevlm.parallel.build import build_model
-    from moevlm.parallel.offload import offload_setting
-    from moevlm.parallel.recompute import recompute_setting
+    """The trainer's model build for this rank (moevlm.train.setup.build), for `device_type` and
+    `bf16`; without compile, FP8, CUDA graphs and optimizer offload, which the plan does not model."""
+    import dataclasses
 
-    p, m = job.parallel, job.model
-    return build_model(
-        plan.model,
-        plan.dims,
-        dp_mode=p.dp_mode,
+    from moevlm.parallel.build import build_model
+
+    options = dataclasses.replace(
+        plan.build,
         device_type=device_type,
         bf16=bf16,
-        pipeline=plan.pipeline,
-        recompute=recompute_setting(m),
-        offload=offload_setting(m),
-        cp_comm=p.cp_comm,
-        ep_overlap=p.ep_overlap,
+        compile=False,
+        compile_mode=None,
+        fp8=None,
+        fp8_modules=(),
         cuda_graph_scope=(),
+        optimizer_offload=False,
     )
+    return build_model(plan.model, plan.dims, options)
 
 
 def _roles(ctx) -> dict[str, str]:
@@ -175,7 +174,7 @@ def dry_run(
     gathers and reductions, the loss) and b per micro-batch, M the step's count."""
     import dataclasses
 
-    from moevlm.train.validate import validate
+    from moevlm.config import validate
 
     world = world or job.parallel.world_size or 1
     plan = validate(job, world, environment=False)
@@ -267,7 +266,8 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
     from moevlm.model.objective import objective
     from moevlm.parallel.build import materialize_
     from moevlm.train.optim import build_optimizer
-    from moevlm.train.trainer import _all_reduce_tensor, _boundary_dtypes
+    from moevlm.train.setup import boundary_dtypes
+    from moevlm.train.trainer import sum_over
 
     device = torch.device("cpu")
     dtype = torch.bfloat16 if bf16 else None
@@ -290,7 +290,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                     max_patches=d.max_patches,
                     seq_shards=plan.dims.tp * plan.dims.cp,
                     autocast=lambda: emulated_autocast(device.type, dtype),
-                    **_boundary_dtypes(bf16, job.parallel.dp_mode),
+                    **boundary_dtypes(bf16, job.parallel.dp_mode),
                 )
                 _decide_static_vote(pipe.schedule)
             M = step_micro_batches or plan.grad_accum
@@ -315,7 +315,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             loss_sum = aux_sum = torch.zeros((), device=device)
             if pipe is not None:
                 lm, aux, _ = pipe.forward_backward(micro, loss_tokens, share)
-                sums = _all_reduce_tensor(torch.stack([lm, aux]), ctx.pp_group)
+                sums = sum_over(torch.stack([lm, aux]), ctx.pp_group)
                 loss_sum, aux_sum = sums[0], sums[1]
             else:
                 for mb in micro:
@@ -338,8 +338,8 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             grads = [p for p in model.parameters() if p.grad is not None]
             clip = job.optim.grad_clip if job.optim.grad_clip > 0 else float("inf")
             ctx.clip_grad_norm_(grads, clip)
-            _all_reduce_tensor(loss_sum, ctx.loss_group)  # the trainer's loss and aux reductions
-            _all_reduce_tensor(aux_sum, ctx.dp_group)
+            sum_over(loss_sum, ctx.loss_group)  # the trainer's loss and aux reductions
+            sum_over(aux_sum, ctx.dp_group)
             fwd_bwd_peak = mem.peak_bytes
             mem.peak_bytes = mem.live_bytes
             opt.step()  # the first step makes the state: in later steps it lives through all of this
@@ -417,7 +417,7 @@ def forward_on_fake_cuda(job) -> dict:
     """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
     trainer's GPU precision: the CUDA code paths at the real size, without memory."""
     from moevlm.parallel.build import materialize_
-    from moevlm.train.validate import validate
+    from moevlm.config import validate
 
     plan = validate(job, 1, environment=False)
     bf16 = job.train.precision in ("bf16", "auto")

@@ -275,7 +275,7 @@ NODES = "nodes"
 
 def candidate_space(job, world: int, g: Gpu, full: bool = False) -> dict[str, list]:
     """The values each field takes (module docstring): the full space, or less `NARROWED`."""
-    from moevlm.train.schema import model_config
+    from moevlm.config import model_config
 
     cfg = model_config(job.model)
     experts = cfg.moe.num_experts
@@ -338,7 +338,7 @@ def _last_line(err: Exception) -> str:
 
 def enumerate_layouts(job, world: int, space: dict) -> tuple[dict, list[Left], list[Layout]]:
     """(layout -> validated Plan, the invalid ones with validate's first line, all in order)."""
-    from moevlm.train.validate import validate
+    from moevlm.config import validate
 
     plans, invalid = {}, []
     layouts = candidates(space)
@@ -500,7 +500,7 @@ class Extrapolator:
     only add), `estimate(layout, plan)` with the vision term added."""
 
     def __init__(self, job, world: int, vision_layers: int = 1):
-        from moevlm.train.schema import model_config
+        from moevlm.config import model_config
 
         self.job, self.world = job, world
         self.cfg = model_config(job.model)

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from moevlm.errors import ConfigError
+from moevlm.parallel.optimizer_offload import fused_adamw_available
 
 
 def param_groups(model: nn.Module, o) -> list[dict]:
@@ -86,22 +87,13 @@ def _adamw(model: nn.Module, o) -> torch.optim.AdamW:
     kind = o.implementation
     if kind == "auto":
         device = groups[0]["params"][0].device
-        kind = "fused" if _has_fused(device) else "foreach"
+        kind = "fused" if fused_adamw_available(device) else "foreach"
     flags = {
         "fused": {"fused": True},
         "foreach": {"foreach": True},
         "for_loop": {"foreach": False},
     }[kind]
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, **flags)
-
-
-def _has_fused(device: torch.device) -> bool:
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-        return device.type in _get_fused_kernels_supported_devices()
-    except ImportError:  # private helper moved: foreach is always available
-        return False
 
 
 class LRSchedule:

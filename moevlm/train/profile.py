@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from moevlm.errors import ConfigError
+from moevlm.config.train_checks import parse_profile_steps
 from moevlm.model.decoder import Head, TextAttention
 from moevlm.model.layout import Combine, Dispatch, Loss
 from moevlm.model.moe import Experts, Router
@@ -98,33 +98,6 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 def in_autograd() -> bool:
     """True while the autograd engine runs (backward, and any recomputation inside it)."""
     return _graph_task_id is not None and _graph_task_id() != -1
-
-
-def parse_profile_steps(value, steps: int) -> tuple[int, int] | None:
-    """train.profile_steps as (A, B), or None when off; ConfigError naming the value otherwise."""
-    if value is None or value == "" or (not isinstance(value, (str, int)) and len(value) == 0):
-        return None
-    how = f"give two steps A,B with 1 <= A <= B <= train.steps={steps}, e.g. train.profile_steps=[3,5]"
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        parts = (
-            [value]
-            if isinstance(value, int)
-            else value.split(",")
-            if isinstance(value, str)
-            else list(value)
-        )
-        nums = [int(str(p).strip()) for p in parts]
-    except (ValueError, TypeError):
-        raise ConfigError(f"train.profile_steps={value!r} is not a step range; {how}") from None
-    if len(nums) == 1:
-        nums *= 2
-    if len(nums) != 2 or not 1 <= nums[0] <= nums[1] <= steps:
-        raise ConfigError(
-            f"train.profile_steps={value!r} is not a step range within this run; {how}"
-        )
-    return nums[0], nums[1]
 
 
 # ---------------------------------------------------------------- clocks

@@ -35,24 +35,9 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import sys
 from pathlib import Path
-
-MODES = ("disabled", "online", "offline")
-MISSING_PACKAGE = (
-    "train.wandb={mode!r} needs the wandb package, which is not installed: pip install wandb "
-    "(or the moevlm[wandb] extra), or set train.wandb=disabled"
-)
-
-
-def wandb_installed() -> bool:
-    """Whether `import wandb` can work, without importing it (it takes a second or two)."""
-    try:
-        return importlib.util.find_spec("wandb") is not None
-    except ValueError:  # in sys.modules without a spec
-        return sys.modules.get("wandb") is not None
 
 
 def run_id(run_dir: Path) -> str:

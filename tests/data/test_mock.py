@@ -10,7 +10,7 @@ from data_helpers import small_data_config
 from moevlm.data.loader import build_loader
 from moevlm.model import VLMConfig
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 TINY = VLMConfig.preset("tiny")
 ROWS = 3

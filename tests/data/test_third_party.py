@@ -27,8 +27,9 @@ from moevlm.data.loader import build_loader, check_fields
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.text import ChatEncoder, load_tokenizer
 from moevlm.model import VLMConfig
-from moevlm.train.config import compose_job
-from moevlm.train.trainer import Trainer, describe_data
+from moevlm.config import compose_job
+from moevlm.train.report import describe_data
+from moevlm.train.trainer import Trainer
 
 TINY = VLMConfig.preset("tiny")
 LAYOUTS = ("img2dataset", "datacomp", "image_txt", "parquet", "energon")

@@ -24,7 +24,7 @@ from moevlm.dispatch.availability import (
 from moevlm.dispatch.hybridep import HybridEPDispatcher
 from moevlm.dispatch.local import LocalDispatcher
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 FAKES = Path(__file__).parent / "fake_deep_ep"
 FALLBACK = "model.dispatcher_fallback=alltoall"
@@ -108,7 +108,7 @@ def test_missing_package_alone_with_a_built_adapter(no_deep_ep):
 @pytest.mark.parametrize("overrides, world", [([], 1), (EP2, 2)])
 def test_fallback_runs_alltoall_with_exactly_one_note(no_deep_ep, overrides, world):
     plan = validate(compose_job(["model.dispatcher=deepep", FALLBACK, *overrides]), world)
-    assert plan.model.moe.dispatcher == "alltoall"
+    assert plan.dispatcher.name == "alltoall"
     notes = [n for n in plan.notes if "dispatcher" in n]
     assert notes == [
         f"note: model.dispatcher=deepep cannot run: {unavailable_reason('deepep')}; running the "
@@ -147,7 +147,7 @@ def test_fallback_none_is_the_default_and_other_values_are_refused():
 
 def test_fallback_changes_nothing_for_a_dispatcher_that_runs():
     plan = validate(compose_job(["model.dispatcher=local", FALLBACK]), 1)
-    assert plan.model.moe.dispatcher == "local" and plan.notes == []
+    assert plan.dispatcher.name == "local" and plan.notes == []
 
 
 # ------------------------------------------- the package present (test doubles)
@@ -190,9 +190,7 @@ def test_v2_only_package_is_taken_unless_v1_is_asked(fake_deep_ep):
     fake_deep_ep("v2_only")
     assert probe_package().classes == ("ElasticBuffer",)
     assert unavailable_reason("deepep") is None and unavailable_reason("deepep", api="v2") is None
-    assert (
-        validate(compose_job(["model.dispatcher=deepep", *EP2]), 2).model.moe.dispatcher == "deepep"
-    )
+    assert validate(compose_job(["model.dispatcher=deepep", *EP2]), 2).dispatcher.name == "deepep"
     assert unavailable_reason("deepep", api="v1") == (
         "the installed deep_ep package has no Buffer (the deepep dispatcher's api='v1' drives it; api='auto' takes "
         f"whichever of ElasticBuffer or Buffer is there) ({INSTALL_DEEPEP})"
@@ -233,7 +231,7 @@ def test_a_recipe_checked_for_another_machine_never_imports_deep_ep(fake_deep_ep
     fake_deep_ep("broken_cuda")  # importing it would raise
     # the adapter is built
     plan = validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)
-    assert plan.model.moe.dispatcher == "deepep" and "deep_ep" not in sys.modules
+    assert plan.dispatcher.name == "deepep" and "deep_ep" not in sys.modules
     monkeypatch.delitem(DISPATCHERS, "deepep")  # as before the adapter
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2, environment=False)
@@ -411,9 +409,7 @@ def test_hybridep_layout(ep, experts, per_node, chunk, want):
 def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_ep, monkeypatch):
     """With the adapters built (test doubles) and the package present (the fake), the layout rules decide."""
     fake_deep_ep("full")
-    assert (
-        validate(compose_job(["model.dispatcher=deepep", *EP2]), 2).model.moe.dispatcher == "deepep"
-    )
+    assert validate(compose_job(["model.dispatcher=deepep", *EP2]), 2).dispatcher.name == "deepep"
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["model.dispatcher=deepep"]), 1)
     assert str(err.value) == (
@@ -424,7 +420,7 @@ def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4: the launch's node size
     job = ["model.dispatcher=deepep", "parallel.ep=8", "train.global_batch_size=8"]
     # the fake has ElasticBuffer: auto drives V2, which takes trays of 4; V1 does not
-    assert validate(compose_job(job), 8).model.moe.dispatcher == "deepep"
+    assert validate(compose_job(job), 8).dispatcher.name == "deepep"
     with pytest.raises(
         ConfigError,
         match=r"^model.dispatcher='deepep' cannot run: DeepEP V1 across nodes takes a "
@@ -432,7 +428,7 @@ def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_
     ):
         validate(compose_job([*job, "model.deepep_api=v1"]), 8)
     # node size unknown
-    assert validate(compose_job(job), 8, environment=False).model.moe.dispatcher == "deepep"
+    assert validate(compose_job(job), 8, environment=False).dispatcher.name == "deepep"
     with pytest.raises(
         ConfigError,
         match=r"HybridEP needs experts-per-rank x ranks-per-node to be a multiple of 4 "
@@ -442,7 +438,7 @@ def test_layout_checked_at_validation_with_the_reason(adapters_built, fake_deep_
     plan = validate(
         compose_job(["model.dispatcher=hybridep", "model.num_experts=2", FALLBACK, *EP2]), 2
     )
-    assert plan.model.moe.dispatcher == "alltoall" and plan.notes == [
+    assert plan.dispatcher.name == "alltoall" and plan.notes == [
         "note: model.dispatcher=hybridep cannot run: HybridEP needs experts-per-rank x ranks-per-node to be a "
         "multiple of 4 (1 x 2 = 2; parallel.ep=2, num_experts=2); running the alltoall dispatcher instead "
         "(model.dispatcher_fallback=alltoall)"
@@ -456,7 +452,7 @@ def test_hybridep_takes_the_capacity_mode_and_fp8_padding(adapters_built, fake_d
     plan = validate(
         compose_job(["model.dispatcher=hybridep", "model.moe_capacity_factor=1.25", *EP2]), 2
     )
-    assert (plan.model.moe.dispatcher, plan.model.moe.capacity_factor) == ("hybridep", 1.25)
+    assert (plan.dispatcher.name, plan.model.moe.capacity_factor) == ("hybridep", 1.25)
     pad = ["model.fp8=blockwise", "model.fp8_backend=emulate", "model.fp8_pad_experts=true", *EP2]
     assert validate(compose_job(["model.dispatcher=hybridep", *pad]), 2).model.fp8.pad_experts
     with pytest.raises(ConfigError, match="with the local and hybridep dispatchers only"):
@@ -484,14 +480,14 @@ def test_hybridep_node_is_its_nvlink_domain(adapters_built, fake_deep_ep, monkey
     ]
     job = compose_job(job_args)
     # 1 expert a rank x 8 (the default domain)
-    assert validate(job, 16).model.moe.dispatcher == "hybridep"
+    assert validate(job, 16).dispatcher.name == "hybridep"
     monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "2")
     with pytest.raises(
         ConfigError, match=r"experts-per-rank x ranks-per-node to be a multiple of 4 \(1 x 2 = 2"
     ):
         validate(job, 16)
     monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "16")
-    assert validate(job, 16).model.moe.dispatcher == "hybridep"  # 1 x 16
+    assert validate(job, 16).dispatcher.name == "hybridep"  # 1 x 16
     monkeypatch.delenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN")
     monkeypatch.setenv("NVLINK_DOMAIN_SIZE", "16")
     want = (
@@ -523,7 +519,7 @@ def test_import_time_assertion_is_reported_and_the_fallback_runs(fake_deep_ep, v
     ):
         validate(compose_job(["model.dispatcher=deepep", *EP2]), 2)
     plan = validate(compose_job(["model.dispatcher=deepep", FALLBACK, *EP2]), 2)
-    assert plan.model.moe.dispatcher == "alltoall" and "AssertionError" in plan.notes[0]
+    assert plan.dispatcher.name == "alltoall" and "AssertionError" in plan.notes[0]
 
 
 @pytest.mark.parametrize("name", ["deepep", "hybridep"])

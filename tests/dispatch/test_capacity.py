@@ -28,7 +28,7 @@ from moevlm.dispatch.capacity import (
 )
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 E, K, D, T = 8, 2, 6, 6
 
@@ -272,5 +272,5 @@ def test_capacity_needs_alltoall_without_etp():
         ),
         2,
     )
-    assert plan.model.moe.dispatcher == "alltoall" and plan.model.moe.capacity_factor == 1.25
+    assert plan.dispatcher.name == "alltoall" and plan.model.moe.capacity_factor == 1.25
     assert not math.isnan(plan.model.moe.capacity_factor)

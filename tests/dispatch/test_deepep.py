@@ -36,6 +36,8 @@ from moevlm.dispatch.deepep import DeepEPDispatcher, local_rows_plan, resolve_ap
 from moevlm.dispatch.handles import HANDLES, lookup
 from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.parallel.recompute import save_communication
+from moevlm.parallel.build import BuildOptions
+from moevlm.dispatch import DispatcherSpec
 
 EMULATOR = Path(__file__).parent / "deep_ep_emulator"
 FAKES = Path(__file__).parent / "fake_deep_ep"
@@ -345,8 +347,11 @@ def _model_step(rank, dispatcher, ep, options=()):
     ids = torch.randint(0, 900, (1, 32), generator=torch.Generator().manual_seed(11 + rank))
     results = []
     for name in (dispatcher, "alltoall"):
-        cfg.moe.dispatcher = name
-        model, ctx = build_model(cfg, ParallelDims(4, ep=ep), dp_mode="ddp", dispatcher=name)
+        model, ctx = build_model(
+            cfg,
+            ParallelDims(4, ep=ep),
+            BuildOptions(dp_mode="ddp", dispatcher=DispatcherSpec(name)),
+        )
         model.to_empty(device="cpu")
         for pname, p in model.named_parameters():
             copy_full_(p, dict(full.named_parameters())[pname].detach())

@@ -12,7 +12,7 @@ import torch
 
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.parallel import full_grads, full_state_dict
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.trainer import Trainer
 
 

@@ -246,7 +246,7 @@ def test_refusals_name_the_fix(monkeypatch):
 
 
 def test_the_trainer_refuses_what_fp8_cannot_run_with(monkeypatch):
-    from moevlm.train.config import compose_job, validate
+    from moevlm.config import compose_job, validate
 
     def problems(*overrides, world=1):
         with pytest.raises(ConfigError) as err:

@@ -19,7 +19,7 @@ from moevlm.model.moe import (
     update_router_bias_,
 )
 from moevlm.parallel.balance import StepFrequencies
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 E, K = 8, 2
 

@@ -357,14 +357,14 @@ def test_plain_without_autograd(setup):
 )
 def test_config_errors(overrides, message):
     from moevlm.errors import ConfigError
-    from moevlm.train.config import compose_job, validate
+    from moevlm.config import compose_job, validate
 
     with pytest.raises(ConfigError, match=message):
         validate(compose_job(overrides), 1, environment=False)
 
 
 def test_accepted_settings_validate():
-    from moevlm.train.config import compose_job, validate
+    from moevlm.config import compose_job, validate
 
     for overrides in (
         ["model.offload_modules=[layer_input]", "model.recompute=full"],

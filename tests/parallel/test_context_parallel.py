@@ -22,7 +22,7 @@ import torch
 
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
 from test_layouts import (

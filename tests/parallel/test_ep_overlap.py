@@ -33,7 +33,7 @@ from moevlm.errors import ConfigError
 from moevlm.model.moe import MoEBlock
 from moevlm.model.layout import ExpertsRunner, Layout
 from moevlm.parallel.ep_overlap import OverlappedRunner, chunk_bounds
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 from test_layouts import compare, run_job
 
 TOL = 1e-6
@@ -77,7 +77,7 @@ def test_config_accepts_ep2():
         2,
         environment=False,
     )
-    assert plan.model.moe.dispatcher == "alltoall"
+    assert plan.dispatcher.name == "alltoall"
 
 
 # ------------------------------------------------------------------ 2 ranks

@@ -15,7 +15,7 @@ from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.attention import doc_mask
 from moevlm.errors import ConfigError
 from moevlm.parallel.cuda_graphs import apply_cuda_graphs, cuda_graphs
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 SCOPES = [
     ["attn"],

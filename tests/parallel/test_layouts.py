@@ -53,9 +53,10 @@ import torch.distributed as dist
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.model.moe import is_training_state
 from moevlm.parallel import full_grads, full_state_dict
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
+from moevlm.parallel.build import BuildOptions
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -206,7 +207,7 @@ def check_vision_figures(
     from omegaconf import OmegaConf
 
     from moevlm.data.vision_balance import measure
-    from moevlm.train.config import validate
+    from moevlm.config import validate
 
     options = [x for x in layout if "." in x.split("=", 1)[0]]  # not the REF=, RESUME, VAL marks
     job = compose_job(job_overrides(shards, run_dir, options))
@@ -276,7 +277,7 @@ def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
     cfg.moe.mlp_only_layers, cfg.tie_word_embeddings, cfg.attn_backend = (1,), True, "sdpa"
     full = Qwen3VLMoe(cfg)
     init_parameters_(full, seed=3)
-    tp, ctx = build_model(cfg, ParallelDims(world, tp=world), dp_mode="ddp")
+    tp, ctx = build_model(cfg, ParallelDims(world, tp=world), BuildOptions(dp_mode="ddp"))
     tp.to_empty(device="cpu")
     for name, p in tp.named_parameters():
         copy_full_(p, dict(full.named_parameters())[name].detach())

@@ -8,6 +8,8 @@ from gloo_ranks import run_ranks
 from moevlm.model import VLMConfig
 from moevlm.errors import ConfigError
 from moevlm.parallel import ParallelDims
+from moevlm.parallel.build import BuildOptions
+from moevlm.dispatch import DispatcherSpec
 
 
 def test_groups_by_hand_world8_tp2_pp2_ep2():
@@ -135,7 +137,7 @@ def test_hsdp_groups_partition_the_ranks_and_multiply_to_fsdp(world, kw):
 def test_hsdp_refusals_are_one_config_error_line(world, overrides, words):
     """validate() (what train.py prints as `config error:` lines) refuses each with one line that names
     what to change."""
-    from moevlm.train.config import compose_job, validate
+    from moevlm.config import compose_job, validate
 
     base = ["train.global_batch_size=4"]  # a multiple of dp = 4
     with pytest.raises(ConfigError) as err:
@@ -263,7 +265,9 @@ def _mesh_checks(rank: int, world: int) -> None:
     from moevlm.parallel import build_model
 
     d = ParallelDims(world, dp_replicate=2, ep=2)
-    model, ctx = build_model(TINY, d, dp_mode="fsdp", dispatcher="alltoall")
+    model, ctx = build_model(
+        TINY, d, BuildOptions(dp_mode="fsdp", dispatcher=DispatcherSpec("alltoall"))
+    )
     params = dict(model.named_parameters())
     dense = params["text.layers.0.self_attn.q_proj.weight"]
     assert tuple(dense.placements) == (Replicate(), Shard(0)), dense.placements

@@ -32,8 +32,9 @@ from moevlm.data.sample_cache import ensure_sample
 from moevlm.model import VLMConfig
 from moevlm.parallel import full_state_dict
 from moevlm.parallel.pipeline import v_schedules_supported
-from moevlm.train.config import compose_job
-from moevlm.train.trainer import NoData, Trainer
+from moevlm.config import compose_job
+from moevlm.data.loader import NoData
+from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
 from test_layouts import (
     TOL,

@@ -21,7 +21,7 @@ from moevlm.parallel.pipeline_plan import (
     plan_pipeline,
     schedule_name,
 )
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 

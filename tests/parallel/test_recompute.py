@@ -32,6 +32,8 @@ from moevlm.parallel.recompute import (
     describe,
 )
 from gloo_ranks import run_ranks
+from moevlm.parallel.build import BuildOptions
+from moevlm.dispatch import DispatcherSpec
 
 TOL = 1e-6
 SETTINGS = [
@@ -191,9 +193,9 @@ def _tp2_ep2(rank: int) -> None:
         model, ctx = build_model(
             cfg,
             ParallelDims(2, tp=2, ep=2),
-            dp_mode="fsdp",
-            dispatcher="alltoall",
-            recompute=(mode, modules),
+            BuildOptions(
+                dp_mode="fsdp", dispatcher=DispatcherSpec("alltoall"), recompute=(mode, modules)
+            ),
         )
         materialize_(model, "cpu", ctx)
         init_parameters_(model, 7, ctx)
@@ -233,7 +235,7 @@ def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
 )
 def test_config_errors_name_the_choices(overrides, message):
     from moevlm.errors import ConfigError
-    from moevlm.train.config import compose_job, validate
+    from moevlm.config import compose_job, validate
 
     with pytest.raises(ConfigError, match=message):
         validate(compose_job(overrides), 1)

@@ -11,7 +11,7 @@ import pytest
 
 from moevlm.plan.dry_run import dry_run
 from moevlm.plan.measure import measure_trainer_step
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 
 COMMON = [
     "data.shards=sample",

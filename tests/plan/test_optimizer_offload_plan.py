@@ -9,7 +9,7 @@ import pytest
 
 from moevlm.plan.__main__ import format_plan, make_plan
 from moevlm.plan.dry_run import dry_run
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.trainer import Trainer
 
 COMMON = [

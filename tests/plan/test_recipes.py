@@ -19,8 +19,8 @@ import torch
 
 from moevlm.plan.__main__ import make_plan, role_ranks
 from moevlm.plan.dry_run import forward_on_fake_cuda
-from moevlm.train.config import compose_job
-from moevlm.train.validate import validate
+from moevlm.config import compose_job
+from moevlm.config import validate
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

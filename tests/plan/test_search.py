@@ -30,8 +30,8 @@ from moevlm.plan.search import (
     resolve_replicas,
     search,
 )
-from moevlm.train.config import compose_job
-from moevlm.train.validate import validate
+from moevlm.config import compose_job
+from moevlm.config import validate
 
 WORLD = 4
 COMMON = ["data.shards=sample", "train.global_batch_size=8", "data.streams=4"]

@@ -20,7 +20,7 @@ import pytest
 
 from moevlm.errors import ConfigError
 from moevlm.model.config import VLMConfig
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_HF = json.dumps(VLMConfig.preset("tiny").to_hf("float32"))

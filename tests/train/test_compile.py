@@ -12,8 +12,10 @@ from gloo_ranks import run_ranks
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.errors import ConfigError
 from moevlm.parallel.compile import CompileCounters, apply_compile
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 from moevlm.train.trainer import Trainer
+from moevlm.parallel.build import BuildOptions
+from moevlm.dispatch import DispatcherSpec
 
 STEPS = 21
 LOSS_RTOL = (
@@ -108,7 +110,11 @@ def _ep2_alltoall(rank: int) -> None:
     cfg.attn_backend = "sdpa"
 
     def build(cfg):
-        model, ctx = build_model(cfg, ParallelDims(2, ep=2), dp_mode="ddp", dispatcher="alltoall")
+        model, ctx = build_model(
+            cfg,
+            ParallelDims(2, ep=2),
+            BuildOptions(dp_mode="ddp", dispatcher=DispatcherSpec("alltoall")),
+        )
         model.to_empty(device="cpu")
         init_parameters_(model, seed=1, ctx=ctx)
         return model

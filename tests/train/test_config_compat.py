@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
 from moevlm.model.config import VLMConfig
-from moevlm.train.config import compose_job, model_fields, validate
-from moevlm.train.options import options
+from moevlm.config import compose_job, validate
+from moevlm.config.model_section import model_fields, spec_fields
+from moevlm.config.schema import options
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "conf" / "experiment").glob("*.yaml"))
@@ -129,9 +130,12 @@ def _override(key: str, value) -> str:
 
 def test_each_model_option_is_the_model_config_field_it_names():
     """`model.moe_capacity_factor=1.25` is VLMConfig's moe.capacity_factor = 1.25, and so on for every
-    declared field: the plan's model config equals the library's preset with those fields set."""
-    assert set(SET) == set(model_fields())
+    declared field: the plan's model config equals the library's preset with those fields set, and its
+    dispatcher spec has the dispatcher fields set (`model.dispatcher_num_sms=24` is its num_sms)."""
+    assert set(SET) == set(model_fields()) | set(spec_fields())
     plan = validate(compose_job([_override(k, v) for k, v in SET.items()]), 1, environment=False)
+    for key, name in spec_fields().items():
+        assert getattr(plan.dispatcher, name) == SET[key], key
     want = VLMConfig.preset("tiny")
     for key, path in model_fields().items():
         *parents, name = path.split(".")
@@ -143,6 +147,7 @@ def test_each_model_option_is_the_model_config_field_it_names():
     assert plan.model == want.validate()
     helps = {o.path: o.help for o in options()}
     assert all(f"VLMConfig.{path}" in helps[f"model.{key}"] for key, path in model_fields().items())
+    assert all(f"DispatcherSpec.{f}" in helps[f"model.{key}"] for key, f in spec_fields().items())
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 

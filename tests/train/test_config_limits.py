@@ -17,15 +17,8 @@ from moevlm.model import Qwen3VLMoe
 from moevlm.errors import ConfigError
 from moevlm.model.params import layer_parameters, num_parameters, parameter_counts
 from moevlm.parallel.pipeline import prune_to_stages
-from moevlm.train.config import (
-    BYTES_FROZEN,
-    BYTES_TRAINED,
-    check_memory,
-    compose_job,
-    estimate_memory,
-    memory_limit,
-    validate,
-)
+from moevlm.config.memory import BYTES_FROZEN, BYTES_TRAINED
+from moevlm.config import check_memory, compose_job, estimate_memory, memory_limit, validate
 
 REPO = Path(__file__).resolve().parents[2]
 HUGE = "model.num_layers=1000000"  # 86.7B tiny parameters, 1.3 TB of model state: more than any test machine
@@ -98,14 +91,14 @@ def test_documented_edge_values_stay_allowed():
 # ------------------------------------------------------------------ memory estimate
 def test_single_rank_estimate_is_the_exact_count_at_16_bytes():
     job = compose_job([])
-    est = estimate_memory(job, validate(job))
+    est = estimate_memory(validate(job))
     assert est.params == est.total_params == num_parameters(validate(job).model)
     assert est.bytes == BYTES_TRAINED * est.params
     # a frozen tower has no gradient, no AdamW state
     job = compose_job(["model.freeze_vision=true"])
     vision = parameter_counts(validate(job).model)["vision"]
     assert (
-        estimate_memory(job, validate(job)).bytes
+        estimate_memory(validate(job)).bytes
         == BYTES_TRAINED * (est.params - vision) + BYTES_FROZEN * vision
     )
 
@@ -132,7 +125,7 @@ def test_pipeline_estimate_is_the_fullest_pp_ranks_pruned_model(overrides):
             model = Qwen3VLMoe(plan.model)
         prune_to_stages(model, plan.pipeline, r)
         held.append(sum(p.numel() for p in model.parameters()))
-    assert estimate_memory(job, plan).params == max(held) < num_parameters(plan.model)
+    assert estimate_memory(plan).params == max(held) < num_parameters(plan.model)
 
 
 def test_sharded_estimates_divide_each_part_by_its_sharding():
@@ -146,7 +139,7 @@ def test_sharded_estimates_divide_each_part_by_its_sharding():
 
     def est(overrides, world):
         job = compose_job(overrides)
-        return estimate_memory(job, validate(job, world)).params
+        return estimate_memory(validate(job, world)).params
 
     # FSDP, tp=1: every weight sharded over the 8 ranks (experts by ep=8)
     assert (
@@ -183,20 +176,20 @@ def test_huge_model_refused_from_the_config_with_the_estimate():
     job = compose_job(["model.num_layers=100000"])
     plan = validate(job)
     with pytest.raises(ConfigError) as err:
-        check_memory(job, plan, 16 * 2**30, "a 16 GiB device")
+        check_memory(plan, 16 * 2**30, "a 16 GiB device")
     assert str(err.value).startswith(
         "the model needs about 129.2 GiB per rank for weights, gradients and AdamW state (8.67B of the model's "
         "8.67B parameters; world 1 = pp 1 x dp 1 x cp 1 x tp 1 = pp 1 x edp 1 x ep 1 x etp 1) but a 16 GiB "
         "device has 16.0 GiB; use fewer layers or experts (model.num_layers, model.num_experts) or shard more"
     )
-    est = check_memory(job, plan, 150 * 2**30)  # fits, but above 80%: a note for the log
+    est = check_memory(plan, 150 * 2**30)  # fits, but above 80%: a note for the log
     assert est.bytes < 150 * 2**30 and plan.notes[-1].startswith(
         "note: the model needs about 129.2 GiB"
     )
     job = compose_job([])
     plan = validate(job)
     # the embedded default fits this machine, without a note
-    check_memory(job, plan, *memory_limit("cpu"))
+    check_memory(plan, *memory_limit("cpu"))
     assert plan.notes == []
 
 
@@ -216,7 +209,8 @@ def test_trainer_refuses_before_building_anything(tmp_path, monkeypatch):
         ConfigError, match=r"the model needs about [0-9.]+ GiB per rank .* but this machine"
     ):
         Trainer(compose_job([HUGE, f"train.run_dir={tmp_path / 'run'}"]))
-    assert time.perf_counter() - start < 5  # building a million layers on meta would take minutes
+    # building a million layers on meta takes minutes; the refusal a few seconds, under load too
+    assert time.perf_counter() - start < 60
     assert not (tmp_path / "run").exists()
 
 

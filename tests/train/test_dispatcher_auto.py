@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moevlm.errors import ConfigError
-from moevlm.train.config import ModelConfig, compose_job, validate
+from moevlm.config import ModelConfig, compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 SHARDS = "data.shards='/datasets/shards/{000000..000999}.tar'"
@@ -36,7 +36,7 @@ def test_auto_is_the_default():
 )
 def test_auto_picks_from_the_layout(overrides, world, want):
     plan = validate(compose_job(overrides), world)
-    assert plan.model.moe.dispatcher == want  # the concrete name, carried by the model config
+    assert plan.dispatcher.name == want  # the concrete name, carried by the model config
     chose = [n for n in plan.notes if n.startswith("model.dispatcher=auto chose")]
     if want == "local":
         assert chose == []
@@ -52,13 +52,13 @@ def test_auto_picks_from_the_layout(overrides, world, want):
 @pytest.mark.parametrize("name", ["local", "alltoall"])
 def test_an_explicit_dispatcher_wins(name):
     plan = validate(compose_job([f"model.dispatcher={name}"]), 1)
-    assert plan.model.moe.dispatcher == name and plan.notes == []
+    assert plan.dispatcher.name == name and plan.notes == []
     if name != "local":
         plan = validate(
             compose_job([f"model.dispatcher={name}", "parallel.ep=2", "train.global_batch_size=2"]),
             2,
         )
-        assert plan.model.moe.dispatcher == name and plan.notes == []
+        assert plan.dispatcher.name == name and plan.notes == []
 
 
 def test_local_with_expert_parallel_and_unknown_names_are_refused():
@@ -89,12 +89,12 @@ def test_experiments_resolve_to_a_concrete_dispatcher(path):
     named = {"h100_deepep": "deepep", "gb200_hybridep": "hybridep"}
     if path.stem in named:
         assert (
-            validate(job, job.parallel.world_size, environment=False).model.moe.dispatcher
+            validate(job, job.parallel.world_size, environment=False).dispatcher.name
             == named[path.stem]
         )
         return
     # GPU recipes, checked here
     plan = validate(job, job.parallel.world_size or 1, environment=False)
     want = "alltoall" if plan.dims.ep * plan.dims.etp > 1 else "local"
-    assert plan.model.moe.dispatcher == want
+    assert plan.dispatcher.name == want
     assert path.stem != "h200_1gpu" or want == "local"

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train.checkpoint import CheckpointManager
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import WARMUP_STEPS, StepWatchdog, StopSignals, describe_failure
 from moevlm.train.trainer import Trainer
@@ -253,7 +253,7 @@ def test_data_workers_and_fork_server_outlive_a_stop_signal(reference):
     """Ctrl-C and a scheduler's SIGTERM reach every process of the job: the loader's fork server and workers
     ignore them (the trainer still needs its step's rows), and end with the trainer (moevlm.data.loader)."""
     from moevlm.data.loader import build_loader
-    from moevlm.train.config import validate
+    from moevlm.config import validate
 
     _, shards = reference
     job = compose_job(COMMON + [f"data.shards={shards}"])

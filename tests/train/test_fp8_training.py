@@ -13,7 +13,7 @@ The curves are printed side by side every 5 steps.
 from __future__ import annotations
 
 from moevlm.data.sample_cache import ensure_sample
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.trainer import Trainer
 
 STEPS = 50

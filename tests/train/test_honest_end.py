@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, rng_state
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import NonFiniteWeights, Trainer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.train.config import OptimConfig
+from moevlm.config import OptimConfig
 from moevlm.train.optim import LRSchedule, build_optimizer, build_scheduler, param_groups
 
 

@@ -12,10 +12,10 @@ import torch
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.errors import ConfigError
 from moevlm.parallel.optimizer_offload import HostOffloadAdamW
-from moevlm.train.config import compose_job
-from moevlm.train.memory import estimate_memory
+from moevlm.config import compose_job
+from moevlm.config import estimate_memory
 from moevlm.train.trainer import Trainer
-from moevlm.train.validate import validate
+from moevlm.config import validate
 
 OFFLOAD = "parallel.optimizer_offload=true"
 STEPS = 3
@@ -189,7 +189,7 @@ def test_fp8_weight_cache_follows_the_host_step(tmp_path):
 def test_refusals_are_one_line_config_errors(monkeypatch, probe, layout, world, words):
     """Each refusal names the setting, the reason and what to change, on one line; the same job without
     the missing feature (the probe true) or without offload validates."""
-    import moevlm.train.validate as v
+    import moevlm.config.build_checks as v
 
     job = compose_job([OFFLOAD, *layout])
     validate(job, world, environment=False)  # this torch has the feature
@@ -210,7 +210,7 @@ def test_memory_check_counts_only_what_stays_on_the_gpu():
 
     def est(overrides, world, device_type):
         job = compose_job(overrides)
-        return estimate_memory(job, validate(job, world, environment=False), device_type)
+        return estimate_memory(validate(job, world, environment=False), device_type)
 
     plain = est([], 1, "cuda")
     host = est([OFFLOAD], 1, "cuda")

@@ -1,5 +1,5 @@
-"""The option reference (moevlm.train.options): every field described once, in its dataclass, and shown by
-`python train.py --help` and conf/README.md with the allowed values validation checks against."""
+"""The option reference (moevlm.config.reference): every field described once, in its dataclass, and shown by
+`python train.py --help` and docs/configuration.md with the allowed values validation checks against."""
 
 import copy
 import os
@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
 from moevlm.parallel.pipeline_plan import SCHEDULES
-from moevlm.train import options as opt
-from moevlm.train.config import JobConfig, compose_job, validate
+from moevlm.config import reference as opt
+from moevlm.config import schema
+from moevlm.config import JobConfig, compose_job, validate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -29,10 +30,10 @@ def _leaf_paths(node, prefix=""):
 
 
 def test_every_field_of_the_job_is_listed_with_a_description():
-    paths = [o.path for o in opt.options()]
+    paths = [o.path for o in schema.options()]
     assert sorted(paths) == sorted(_leaf_paths(OmegaConf.structured(JobConfig)))
-    assert opt.missing_help() == []
-    assert all(doc for _, doc, _ in opt.sections())
+    assert schema.missing_help() == []
+    assert all(doc for _, doc, _ in schema.sections())
 
 
 def test_a_field_added_without_a_description_is_named():
@@ -45,12 +46,12 @@ def test_a_field_added_without_a_description_is_named():
     class Job:
         train: Section = field(default_factory=Section)
 
-    assert opt.missing_help(Job) == ["train.bare", "train"]
+    assert schema.missing_help(Job) == ["train.bare", "train"]
 
 
 def test_allowed_values_are_the_ones_validation_refuses_others_for():
     """Each listed choice field names a real field, and validation refuses a value outside its list."""
-    paths = {o.path for o in opt.options()}
+    paths = {o.path for o in schema.options()}
     allowed = opt.allowed_values()
     assert set(allowed) <= paths, "allowed_values() names fields the schema no longer has"
     assert set(GROUPED_GEMMS) <= set(allowed["model.grouped_gemm"])
@@ -113,11 +114,11 @@ def test_train_py_help_all_is_wrapped_and_shows_every_field_and_its_values():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert max(len(line) for line in text.splitlines()) <= opt.WIDTH
-    for section, _, _ in opt.sections():
+    for section, _, _ in schema.sections():
         assert f"== {section} ==" in text
     entries = _entries(text)
-    assert sorted(entries) == sorted(o.path for o in opt.options())
-    for o in opt.options():
+    assert sorted(entries) == sorted(o.path for o in schema.options())
+    for o in schema.options():
         assert entries[o.path].endswith(" ".join(o.help.split())), entries[o.path]
         if o.allowed:
             assert f"of {'|'.join(o.allowed)})" in entries[o.path], o.path
@@ -161,7 +162,7 @@ def test_an_enumerated_field_lists_its_values():
     allowed_values() (so --help and conf/README.md show the list): found by trying one on each."""
     job = compose_job(["data.shards=sample"])
     allowed, missed = opt.allowed_values(), []
-    for o in opt.options():
+    for o in schema.options():
         if o.path in allowed or o.type not in ("str", "[str]", "list", "any"):
             continue
         bad = copy.deepcopy(job)
@@ -177,17 +178,17 @@ def test_an_enumerated_field_lists_its_values():
     assert missed == []
 
 
-def test_conf_readme_reference_is_generated_from_the_dataclasses():
-    path = os.path.join(ROOT, "conf", "README.md")
+def test_configuration_reference_is_generated_from_the_dataclasses():
+    path = os.path.join(ROOT, "docs", "configuration.md")
     with open(path) as f:
         text = f.read()
-    assert opt.readme_with_options(text) == text, (
-        "conf/README.md's option reference is stale: run python -m moevlm.train.options --write-readme"
+    assert opt.with_options(text) == text, (
+        "docs/configuration.md's option reference is stale: run python -m moevlm.config.reference --write"
     )
-    for o in opt.options():
+    for o in schema.options():
         assert f"| `{o.path}` |" in text
 
 
 def test_readme_without_markers_is_refused_with_what_to_add():
     with pytest.raises(ValueError, match="lacks the markers"):
-        opt.readme_with_options("# conf/\n")
+        opt.with_options("# conf/\n")

@@ -16,7 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from moevlm.model import Qwen3VLMoe
 from moevlm.errors import ConfigError
 from moevlm.model.config import VLMConfig
-from moevlm.train.config import _check_profile, compose_job, validate
+from moevlm.config.train_checks import check_profile
+from moevlm.config import compose_job, validate
 from moevlm.train.profile import COMPONENTS, ComponentTimer, WallClock, parse_profile_steps
 from moevlm.train.trainer import Trainer
 
@@ -156,9 +157,9 @@ def test_validation_names_profile_problems():
     with pytest.raises(ConfigError, match=r"train.profile_steps=.*train.steps=3"):
         validate(compose_job(SMALL + ["train.steps=3", "train.profile_steps=[2,7]"]))
     with pytest.raises(ConfigError, match="profile eagerly"):
-        _check_profile(
+        check_profile(
             SimpleNamespace(profile_components=True, compile=True, profile_steps="", steps=3)
         )
-    _check_profile(
+    check_profile(
         SimpleNamespace(profile_components=True, compile=False, profile_steps="", steps=3)
     )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moevlm.errors import ConfigError
-from moevlm.train.config import OptimConfig, compose_job
+from moevlm.config import OptimConfig, compose_job
 from moevlm.train.optim import LRSchedule, build_scheduler, fit_resumed_schedule
 from moevlm.train.trainer import Trainer
 

@@ -21,7 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

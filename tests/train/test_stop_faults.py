@@ -12,7 +12,7 @@ import time
 import pytest
 
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import STOP_SIGNALS, StopSignals
 from moevlm.train.trainer import Trainer

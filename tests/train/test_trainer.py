@@ -30,9 +30,11 @@ from moevlm.data.sample_cache import sample_dir
 from moevlm.model import count_flops
 from moevlm.errors import ConfigError
 from moevlm.train.checkpoint import HOLD_ENV, MARKER, CheckpointManager
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 from moevlm.train.exit_codes import ExitCode
-from moevlm.train.trainer import NoData, Trainer, describe_data
+from moevlm.data.loader import NoData
+from moevlm.train.report import describe_data
+from moevlm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["data.num_workers=1", "data.streams=1", "train.log_every=1", "train.tensorboard=true"]

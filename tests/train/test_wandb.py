@@ -19,7 +19,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
-from moevlm.train.config import compose_job, validate
+from moevlm.config import compose_job, validate
 from moevlm.train.metrics import _TB_TAGS, MetricsLogger, step_record
 from moevlm.train.wandb_log import run_id, start_wandb
 

@@ -16,7 +16,7 @@ import pytest
 
 from moevlm.data import loader as loader_module
 from moevlm.data.loader import PackedLoader, worker_death
-from moevlm.train.config import compose_job
+from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import Trainer
 

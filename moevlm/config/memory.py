@@ -1,19 +1,7 @@
-"""The memory check: a job whose model state cannot fit one rank is refused before the model is
-built, even on meta.
+"""The memory check: a job whose model state (weights, gradients, AdamW state) cannot fit one rank
+is refused before the model is built, even on meta.
 
-    est = check_memory(job, plan, *memory_limit(device))     # ConfigError when it cannot fit
-
-Design choices:
-- `check_memory()` refuses a job whose weights, fp32 gradients and AdamW state (16 bytes a trained
-  parameter, 4 a frozen one) exceed one rank's memory: the closed-form counts of
-  `moevlm.model.params` divided by each part's sharding, on the fullest pipeline rank, against the
-  GPU's free memory or on the CPU the machine's available memory over the node's ranks
-  (`memory_limit`).  Activations are not estimated: the job is refused only when the model state
-  alone exceeds the limit, and a note is logged above 80% of it.
-- `parallel.optimizer_offload` on a GPU (`device_type="cuda"`): what lives on the host is not counted
-  against the GPU: the AdamW state under DDP / one process (8 bytes a trained parameter are left: the
-  weight and its gradient), everything FSDP shards under FSDP's CPU offload (nothing persistent is
-  left).  On the CPU the host is the device, so nothing is taken off.
+    est = check_memory(plan, *memory_limit(device))     # ConfigError when it cannot fit
 """
 
 from __future__ import annotations
@@ -28,10 +16,10 @@ from moevlm.model.config import VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.optimizer_offload import offload_kind
-from moevlm.train.schema import _check
+from moevlm.errors import check
 
 if TYPE_CHECKING:
-    from moevlm.train.validate import Plan
+    from moevlm.config.job_plan import JobPlan
 
 BYTES_TRAINED = 16  # fp32 master weight 4 + fp32 gradient 4 (FSDP reduces in fp32) + AdamW exp_avg, exp_avg_sq 8
 BYTES_FROZEN = 4  # a frozen weight: no gradient, no optimizer state
@@ -69,9 +57,10 @@ class MemoryEstimate:
         )
 
 
-def _bytes_per_parameter(job, dims: ParallelDims, device_type: str) -> tuple[int, int]:
+def _bytes_per_parameter(plan: JobPlan, device_type: str) -> tuple[int, int]:
     """(trained, frozen) bytes a parameter keeps on the device (module docstring)."""
-    kind = offload_kind(job.parallel.optimizer_offload, dims.world, job.parallel.dp_mode)
+    b = plan.build
+    kind = offload_kind(b.optimizer_offload, plan.dims.world, b.dp_mode)
     if kind is None or device_type == "cpu":
         return BYTES_TRAINED, BYTES_FROZEN
     if kind == "fsdp":
@@ -79,17 +68,17 @@ def _bytes_per_parameter(job, dims: ParallelDims, device_type: str) -> tuple[int
     return BYTES_TRAINED - 8, BYTES_FROZEN
 
 
-def estimate_memory(job, plan: Plan, device_type: str = "cpu") -> MemoryEstimate:
+def estimate_memory(plan: JobPlan, device_type: str = "cpu") -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and AdamW state, from the config and the layout alone
     (nothing is built).  Each part is divided by its sharding (`_divisors`); under pipeline stages
     each pp rank holds its stages' layers, the first stage the vision tower and embedding, the last
     the final norm and LM head, and the fullest pp rank counts.  Not counted: activations, FSDP's
     transient all-gathered units, DDP's reduction buckets, uneven shard padding."""
     cfg, pipe = plan.model, plan.pipeline
-    div = _divisors(job.parallel.dp_mode, plan.dims, cfg)
+    div = _divisors(plan.build.dp_mode, plan.dims, cfg)
     whole = parameter_counts(cfg)
-    trained_bytes, frozen = _bytes_per_parameter(job, plan.dims, device_type)
-    frozen_bytes = frozen if job.model.freeze_vision else trained_bytes
+    trained_bytes, frozen = _bytes_per_parameter(plan, device_type)
+    frozen_bytes = frozen if plan.job.model.freeze_vision else trained_bytes
     offloaded = (trained_bytes, frozen) != (BYTES_TRAINED, BYTES_FROZEN)
     best = MemoryEstimate(0, 0, sum(whole.values()), offloaded)
     for r in range(pipe.pp) if pipe else [0]:
@@ -132,17 +121,17 @@ def _divisors(dp_mode: str, dims: ParallelDims, cfg: VLMConfig) -> dict[str, int
 
 
 def check_memory(
-    job, plan: Plan, limit: float | None, where: str = "the device", device_type: str = "cpu"
+    plan: JobPlan, limit: float | None, where: str = "the device", device_type: str = "cpu"
 ) -> MemoryEstimate:
     """Refuse a job whose weights, gradients and AdamW state alone exceed `limit` bytes per rank (the
     trainer passes the device's free memory: `memory_limit`), before any model is built; above
     MEMORY_NOTE of it, add a note to `plan.notes`.  `limit=None` checks nothing.  `device_type`: what
     optimizer offload takes off (module docstring)."""
-    est = estimate_memory(job, plan, device_type)
+    est = estimate_memory(plan, device_type)
     if limit is None:
         return est
     have = f"{where} has {limit / 2**30:.1f} GiB"
-    _check(
+    check(
         est.bytes <= limit,
         f"the model needs about {est.describe(plan.dims.describe())} but {have}; use fewer layers or "
         "experts (model.num_layers, model.num_experts) or shard more (more GPUs, parallel.dp_mode=fsdp, "

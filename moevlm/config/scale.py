@@ -2,43 +2,10 @@
 
     torchrun --standalone --nproc-per-node 8 train.py +experiment=gb200_3d +scale=cpu
 
-`conf/scale/cpu.yaml` swaps the groups (the tiny model, the embedded sample
-set, the CPU train settings, the tiny optimizer schedule) and sets
-`parallel.scale_to: 8`; `scale_down` (called first by
-`moevlm.train.validate.validate`) then rewrites what a group file cannot
-compute: the data-parallel size, the expert-parallel size if the recipe's no
-longer fits, the global batch, the data streams, and the decoder layers if the
-pipeline needs more stages than the tiny model has layers.
-
-Design choices:
-- Kept from the recipe: tp, cp, pp, etp, pp_schedule, vpp, pp_layers,
-  dp_mode, model.dispatcher (and whatever else it sets that the groups do
-  not cover, e.g. model.grouped_gemm).  A recipe whose tp x cp x pp exceeds
-  scale_to is refused (raise scale_to), never silently reshaped.
-- dp shrinks first: dp = min(the recipe's dp, scale_to // (tp x cp x pp)).
-  The recipe's dp comes from its parallel.dp or parallel.world_size (without
-  either, from the launch).  The world size is then what the
-  scaled layout needs (<= scale_to), written to parallel.world_size, and a
-  launch with another process count is refused with the torchrun line to use.
-- ep shrinks only when it must: the largest ep <= the recipe's that divides
-  the model's experts and whose ep x etp divides the ranks of a pipeline stage
-  (tp x cp x dp), so expert parallelism stays exercised wherever it can.
-- HSDP replicas (parallel.dp_replicate) shrink last, to the largest divisor of
-  the recipe's that divides the scaled dp and edp (1 when none does: FSDP).
-- The batch: micro_batch_size from the CPU settings; micro-batches per step
-  2 x pp x vpp under a pipeline (every torch schedule's rule holds: 1f1b >= pp,
-  dualpipev >= 2 pp, interleaved a multiple of pp; two per stage reach the
-  1F1B steady state), else 2 (gradient accumulation exercised, as the CPU
-  default).  global_batch_size = micro x dp x that; data.streams = 0, the
-  layout-independent default (16, fitted to the sample set's shards), so an
-  FSDP and a 3-D recipe scaled down train on the same rows.
-- Order: the later config wins in Hydra, so +scale=cpu must follow
-  +experiment=NAME; the other way round the recipe's own values (its lr,
-  batch, budgets) would stay.  The scale file sets train.global_batch_size: 0
-  ("derived"), a value every recipe overrides, so that order is refused
-  with this advice (and so is a batch given on the command line: the scale
-  owns it).
-- Every change is reported in one line (`Plan.notes`, logged at start).
+`conf/scale/cpu.yaml` swaps the groups (tiny model, sample set, CPU settings) and sets
+`parallel.scale_to`; `scale_down` (the first step of moevlm.config.validate) rewrites what a group
+file cannot compute: dp, ep if it must, the global batch, the data streams, the layers a pipeline
+needs.  Every change is one line of `JobPlan.notes`.
 """
 
 from __future__ import annotations

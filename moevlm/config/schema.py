@@ -1,0 +1,189 @@
+"""The job's schema: one dataclass per config group, registered in Hydra's ConfigStore and filled by
+the YAML groups in `conf/` and the command line; every option it has, and the refusal of one it lacks.
+
+    job = compose_job(["+experiment=h100_fsdp", "data.shards=DIR"])   # what train.py composes
+    [o.path for o in options()]                                      # model.preset, ..., train.profile_steps
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+
+from moevlm.config.fields import allowed
+from moevlm.config.model_section import ModelConfig, model_fields
+from moevlm.config.sections import OptimConfig, ParallelConfig, TrainConfig
+from moevlm.data.config import DataConfig
+from moevlm.errors import ConfigError
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+
+
+@dataclass
+class JobConfig:
+    """The whole job, one section per config group."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def register_schema() -> None:
+    """The schema behind conf/config.yaml (its first default): every group file and override is
+    checked against these types."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def compose_job(overrides: list[str] = (), config_dir: str | None = None):
+    """The job config as `train.py` would compose it (for notebooks and tests).  Unlike the command
+    line, a list built in code may give a key again to change it: the last value wins, as in Hydra."""
+    from hydra import compose, initialize_config_dir
+
+    register_schema()
+    check_overrides(overrides, repeats=False)
+    config_dir = config_dir or CONF
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+# ------------------------------------------------------------------ the options
+class Option(NamedTuple):
+    path: str  # section.field, as written on the command line
+    type: str
+    default: Any
+    allowed: tuple[str, ...]  # empty: any value of the type
+    help: str
+
+
+def sections(cls: type = JobConfig, prefix: str = "") -> Iterator[tuple[str, str, list[Option]]]:
+    """(section path, its description, its leaf options) for every dataclass under `cls`, depth first."""
+    values, hints = allowed(cls), get_type_hints(cls)
+    leaves, nested = [], []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested.append((path, hints[f.name]))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        leaves.append(
+            Option(
+                path,
+                _type_name(hints[f.name]),
+                default,
+                values.get(f.name, ()),
+                _help(f.metadata),
+            )
+        )
+    if prefix:
+        yield prefix.rstrip("."), _doc(cls), leaves
+    for path, sub in nested:
+        yield from sections(sub, f"{path}.")
+
+
+def options(cls: type = JobConfig) -> list[Option]:
+    return [o for _, _, opts in sections(cls) for o in opts]
+
+
+def missing_help(cls: type = JobConfig) -> list[str]:
+    """Paths of the leaf fields without a description, and of the sections without a docstring."""
+    missing = [o.path for o in options(cls) if not o.help.strip()]
+    return missing + [path for path, doc, _ in sections(cls) if not doc]
+
+
+def _help(metadata) -> str:
+    """The field's description, and the model-config or dispatcher-spec field it sets."""
+    text = metadata.get("help", "")
+    if text and "sets" in metadata:
+        return f"{text} [VLMConfig.{metadata['sets']}]"
+    if text and "edits" in metadata:
+        return f"{text} [VLMConfig.{metadata['edits']} when not null]"
+    if text and "spec" in metadata:
+        return f"{text} [DispatcherSpec.{metadata['spec']}]"
+    return text
+
+
+def _doc(cls: type) -> str:
+    doc = cls.__doc__ or ""
+    # dataclass's generated repr
+    return "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split())
+
+
+def _type_name(tp) -> str:
+    if tp is Any:
+        return "any"
+    args = get_args(tp)
+    if get_origin(tp) in (Union, types.UnionType):
+        named = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(named + ["null"] * (len(named) < len(args)))
+    if get_origin(tp) in (tuple, list):
+        return f"[{', '.join(_type_name(a) for a in args)}]"
+    return tp.__name__
+
+
+# ------------------------------------------------------------------ unknown keys
+def check_overrides(overrides, repeats: bool = True) -> None:
+    """Refuse a command-line override of a field the schema lacks, naming the nearest ones (Hydra's own
+    refusal names neither the fields nor the model config's names); a VLMConfig path such as
+    `model.moe.capacity_factor` is pointed at the job key that sets it.  With `repeats`, a key given
+    twice too (on a command line a mistake, often the shell's brace expansion)."""
+    if repeats:
+        _check_repeats(overrides)
+    known = {o.path for o in options()}
+    by_model_path = {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
+    for item in overrides:
+        key = _override_key(str(item))
+        if key is None or key in known:
+            continue
+        near = (
+            [by_model_path[key]]
+            if key in by_model_path
+            else difflib.get_close_matches(key, known, n=3)
+        )
+        raise ConfigError(
+            f"{key} is not an option"
+            + (f"; did you mean {' or '.join(near)}?" if near else "")
+            + " (python train.py --help lists them all)"
+        )
+
+
+def _check_repeats(overrides) -> None:
+    """A key given twice: Hydra would keep the last.  Shards given many times are almost always a brace
+    pattern the shell expanded (`data.shards=/d/s-{000..009}.tar` unquoted): the quoted spec is shown."""
+    from moevlm.data.reader import shard_spec
+
+    given: dict[str, list[str]] = {}
+    for item in overrides:
+        if (key := _override_key(str(item))) is not None:
+            given.setdefault(key, []).append(str(item).split("=", 1)[1])
+    for key, values in given.items():
+        if len(values) < 2:
+            continue
+        seen = ", ".join(values[:3]) + (", ..." if len(values) > 3 else "")
+        if key.endswith("shards"):
+            raise ConfigError(
+                f"{key} is given {len(values)} times ({seen}): the shell expanded a brace pattern, and "
+                f"only the last would be used; quote it: {key}=\"'{shard_spec(values)}'\""
+            )
+        raise ConfigError(
+            f"{key} is given {len(values)} times ({seen}) and only the last would be used; give it once"
+        )
+
+
+def _override_key(item: str) -> str | None:
+    """`section.field` of a plain override `section.field=value`; None for group choices, `+`/`~` edits,
+    hydra.* and flags."""
+    match = re.match(r"([A-Za-z_][\w.]*)=", item)
+    if not match or "." not in match.group(1):
+        return None
+    key = match.group(1)
+    return key if key.split(".")[0] in {f.name for f in dataclasses.fields(JobConfig)} else None
