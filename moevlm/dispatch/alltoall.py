@@ -1,51 +1,15 @@
-"""The all-to-all dispatcher: expert parallel over an EP process group, with
-expert tensor parallel (ETP) over a second group, dropless; or, built with a
-`capacity_factor`, capacity-bounded with fixed-size buffers and no host sync
-(`capacity.py` states that mode's capacity and semantics; EP only).
+"""The all-to-all dispatcher: expert parallel over an EP process group, with expert tensor parallel
+(ETP) over a second group, dropless; or, built with a `capacity_factor`, capacity-bounded with
+fixed-size buffers and no host read (capacity.py; EP only).  Why: docs/dispatchers.md.
 
-Legend as in `base.py`, plus P ranks in the EP group, r this rank's index in it,
-L = E / P experts per rank (rank r owns experts [r*L, (r+1)*L)), N rows this rank
-sends (T*K), M rows it receives, Q ranks in the ETP group (they own the same
-experts, each a 1/Q slice of the expert hidden dimension, and hold different
-tokens).
+Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank (rank r owns
+experts [r*L, (r+1)*L)), N = T*K rows this rank sends, M rows it receives, Q ranks in the ETP group
+(the same experts, each a 1/Q slice of the expert hidden dimension, different tokens).
 
-    dispatch: sort the N (token, choice) rows by expert (stable, ties in token order;
-              rows for destination rank p are then one contiguous run)
-              -> exchange per-expert counts (all_to_all_single, E int64s)
-              -> uneven all_to_all_single of the rows
-              -> ETP: all-gather the received rows over the ETP group (uneven: an
-                 all_to_all_single that sends this rank's rows to every peer)
-              -> regroup the received (ETP source, EP source, local expert) blocks
-                 expert-major
-    combine:  inverse regroup -> ETP: reduce-scatter (each peer's block back to it,
-              the Q partial sums added) -> reverse all-to-all -> scale by router
-              weight -> sum the K rows of every token with `index_add_`
-
-Design choices:
-- **One host sync per dispatch**: the split sizes of an uneven all-to-all must be
-  Python ints, so the send and received counts come to the host in one copy
-  (DeepEP syncs there too, for its per-expert list).  `combine` and both
-  backwards reuse those splits and sync nothing.
-- The row exchange is `all_to_all_single_autograd` (functional collectives): its
-  backward is the reverse all-to-all with swapped splits.  Every rank of the EP
-  group must therefore run backward through the same dispatches/combines.
-- Router weights are applied in `combine` on the source rank, exactly once, so
-  their gradients stay local; no weight travels.
-- Received rows are ordered by local expert, then source rank, then the source's
-  own order (token order within an expert): deterministic, and with P=1 exactly
-  the local order.
-- The expert output under ETP is a partial sum (the down projection is row
-  parallel); the reduce-scatter in `combine` adds the Q partials in ETP-rank
-  order.  The backward of the all-gather is that reduce-scatter and vice versa
-  (autograd through the two all-to-alls and the `repeat`/`sum`).
-- EP and ETP size 1 (no groups, or groups of one) run no collective and no host
-  sync: it is `LocalDispatcher` exactly.
-- Every collective is a functional one (the counts through
-  `torch.ops._c10d_functional` ops, the rows through `all_to_all_single_autograd`), so a
-  recomputed MoE block gets its exchanges back from the selective-checkpoint
-  cache instead of running them again (moevlm/parallel/recompute.py).
-- The index logic lives in pure functions (`sort_rows_by_expert`, `rank_splits`,
-  `regroup_by_local_expert`, `invert_permutation`) tested without processes.
+    dispatch: sort the N rows by expert -> exchange per-expert counts (the one host read) -> uneven
+              all-to-all of the rows -> ETP: all-gather over the ETP group -> regroup expert-major
+    combine:  inverse regroup -> ETP: reduce-scatter -> reverse all-to-all -> scale by router weight
+              -> sum the K rows of every token (`index_add_`)
 """
 
 from __future__ import annotations

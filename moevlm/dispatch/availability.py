@@ -3,21 +3,10 @@
     reason = unavailable_reason("deepep")                      # None: runs; else one clause, why not
     problem = deepep_layout_problem(ep=16, num_experts=128)    # None: DeepEP takes this EP group
 
-Design choices:
-- Nothing heavy at import: `deep_ep` is located with `importlib.util.find_spec` and imported only when a
-  spec exists, so a machine without it (every CPU machine) never tries; no CUDA is needed to answer.  A
-  build that exists but cannot load is reported with its own words, not as "missing": any exception
-  its import raises, since DeepEP main checks its environment at import time with `assert` (torch's NCCL
-  not the one it was linked with, no CUDA toolkit for its run-time compiler), besides the loader's
-  ImportError / OSError of a build made for another machine.
-- Three separate facts, reported in this order: the package (installed? importable?), a class the
-  backend can use (DeepEP: V2's `ElasticBuffer` or V1's `Buffer`, or the one the deepep adapter's `api`
-  names; `HybridEPBuffer` from DeepEP's `hybrid-ep` branch), and whether moevlm's adapter for that backend
-  is registered in `moevlm.dispatch.DISPATCHERS` (both are: moevlm/dispatch/deepep.py, either API, and
-  moevlm/dispatch/hybridep.py).  A missing package also says when the adapter is missing, so no one
-  builds DeepEP only to meet the next refusal.
-- The layout rules are pure functions of the EP size, the expert count and the ranks per node, checked
-  by config validation before anything is allocated and, later, by the adapters' `unavailable_reason`.
+Three facts, reported in this order: the package (`probe_package`: located without importing it,
+imported only when found, an import that fails reported in its own words), a class the backend can
+drive, and moevlm's adapter registered in `moevlm.dispatch.DISPATCHERS`.  The layout rules are pure
+functions of the EP size, the expert count and the ranks per node.
 """
 
 from __future__ import annotations

@@ -1,55 +1,15 @@
-"""Capacity-bounded all-to-all (`model.moe_capacity_factor`): fixed-size exchange
-buffers, no host sync, overflow dropped and counted.  `AllToAllDispatcher` runs it
-when built with a `capacity_factor`; this module holds its index logic and the
-trainer's overflow counter.
+"""Capacity-bounded all-to-all (`model.moe_capacity_factor`): fixed-size buffers, no host read,
+overflow dropped and counted; `AllToAllDispatcher` runs it when built with a `capacity_factor`.
+Its index logic and the trainer's `OverflowCounter`; why: docs/dispatchers.md.
 
-Legend as in `alltoall.py`: T tokens on this rank, K top-k, D hidden, E experts,
-P ranks in the EP group, L = E / P local experts, N = T*K rows, C the capacity,
-S = E*C send slots.
-
-Capacity (Megatron's definition, per source rank):
+Legend as in `alltoall.py`: T tokens on this rank, K top-k, D hidden, E experts, P ranks in the EP
+group, L = E / P local experts, N = T*K rows, C the capacity, S = E*C send slots.
 
     C = ceil(capacity_factor * T * K / E)   rows per (source rank, expert)
-
-- Per *source* rank, not per destination: C depends only on this rank's token
-  count (a shape, known on the host), so every split of the exchange is a Python
-  int known before any communication: no counts exchange, no host sync, CUDA-graph
-  safe.  A per-destination budget (C over all sources) would need the other
-  ranks' counts first, i.e. the sync this mode exists to avoid.
-- capacity_factor = 1 is the balanced load: a perfectly balanced router drops
-  nothing; E / K (C = T) can never drop (an expert gets at most one row per token).
-- Every rank of the EP group must dispatch the same T (the trainer's micro-batches
-  are fixed-shape: micro_batch_size x seq_len, over cp when cp > 1); the receive
-  sizes assume the senders' C equals this rank's.
-
-Semantics:
-
-    dispatch: sort the N rows by expert (stable: token order within an expert, as in rows.py)
-              -> position of each row within its expert; a row at position >= C is dropped
-                 (the earliest tokens are kept: deterministic)
-              -> gather x into a fixed (S, D) send buffer, slot e*C + position, unfilled slots zero
-              -> all_to_all_single, splits [L*C] * P both ways
-              -> received (P, L, C) blocks viewed (L, P, C): grouped by local expert, P*C rows
-                 each (padding included: zero rows, whose expert output is discarded)
-    combine:  the inverse view -> reverse all-to-all -> every kept row reads its slot, a
-              dropped row reads zero -> scale by router weight -> `index_add_` per token
-
-- A dropped (token, choice) contributes zero; the token still gets its other
-  choices' weighted outputs and the router weights are NOT renormalised over the
-  kept choices (a token with every choice dropped gets zero from the block: the
-  residual carries it).  The weight of a dropped choice gets a zero gradient.
-- Router weights are applied once, in `combine`, on the source rank (docs/dispatchers.md).
-- Backward goes through the same fixed-size exchanges (`all_to_all_single_autograd`
-  with swapped, equal splits) and the same gathers.
-- Dropped rows are counted on the device, per dispatch, into the dispatcher's
-  counter (a tensor add: no sync), and so are the dispatches that dropped any (the
-  `hybridep` dispatcher's capacity mode keeps the same two counters, from HybridEP's
-  overflow flag); `OverflowCounter` reads every layer's counter
-  once per logged step (summed over micro-batches, layers and the ranks holding
-  different tokens), or once per step with `model.moe_capacity_overflow=error`,
-  beside the step's existing loss sync.  A forward re-run by activation recompute
-  during backward is not counted again.
-- Not built: capacity with ETP (parallel.etp > 1), refused at construction.
+    dispatch: rows sorted by expert; a row at position >= C within its expert is dropped, the others
+              fill slot e*C + position of a fixed (S, D) buffer -> all-to-all, [L*C] * P both ways
+    combine:  reverse all-to-all -> each kept row reads its slot, a dropped row zero -> scale by
+              router weight -> `index_add_` per token
 """
 
 from __future__ import annotations

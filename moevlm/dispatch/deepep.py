@@ -1,78 +1,15 @@
-"""The `deepep` dispatcher: DeepEP behind our interface, through its V2 `deep_ep.ElasticBuffer` or its V1
-(legacy) `deep_ep.Buffer` in normal mode.
+"""The `deepep` dispatcher: DeepEP behind our interface, through its V2 `deep_ep.ElasticBuffer` or
+its V1 `deep_ep.Buffer` in normal mode (`api="auto"` takes V2 where installed; docs/dispatchers.md).
 
-Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank, R rows DeepEP delivers
-to this rank (one per (source token, this rank) pair, whatever the number of its local choices), M
-expert rows after the local permute (one per (received token, local choice)), C the token bound every
-rank of the group dispatches under (V2's `num_max_tokens_per_rank`).
+Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank, R rows DeepEP
+delivers here (one per (source token, this rank)), M expert rows after the local permute, C the
+token bound of every rank (V2's `num_max_tokens_per_rank`).
 
-    dispatch: V1: preprocess = buffer.get_dispatch_layout(topk_idx, E)     (tokens per rank / expert, map)
-                  -> moevlm_deepep::dispatch: buffer.dispatch(x, topk_idx, topk_w, layout)
-              V2: C = the group's largest T (an all-reduce), the buffer built or grown for it
-                  -> moevlm_deepep::dispatch_v2: buffer.dispatch(x, topk_idx, topk_w, E, C)
-              either -> R rows, their top-k as local expert ids (-1: not here), tokens per local expert
-              -> local permute: each received row once per local choice, stable-sorted by local expert
-    combine:  local un-permute, scaled by the received router weights (here, once), summed per row
-              -> moevlm_deepep::combine: buffer.combine(y_RD, handle) (DeepEP's sum is unweighted, both APIs)
-
-Design choices:
-- Which API: `api="auto"` (the default) drives V2's `ElasticBuffer` when the installed deep_ep has it,
-  else V1's `Buffer`; "v1" / "v2" force one (refused with the reason when the package lacks it).  V2
-  first: DeepEP main (v2.1) develops it and keeps V1 as legacy (`deep_ep/buffers/legacy.py`); it moves
-  the same tokens with fewer SMs, over NCCL instead of NVSHMEM, without a layout step; a V2 build still
-  carries V1, so "v1" stays one argument away (V2 needs NCCL >= 2.30.4 and torch >= 2.10).
-- `deep_ep` is imported only when a buffer is built or the API resolved (at the first dispatch), so
-  moevlm imports without it; the availability gate (`availability.py`) refuses a missing package first.
-- One buffer per EP group and API (module level, keyed by both), built lazily on the first dispatch.
-  V1: NVLink / RDMA sizes from the package's hints (`get_dispatch_config(P)` and `get_combine_config(P)`,
-  each `get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` for the row width, bf16 at least: the
-  larger of the two); rebuilt only if a wider row needs more.  V2: `ElasticBuffer.get_buffer_size_hint(
-  group, C, D, K)` with C the group's largest T rounded up to a power of two: every rank must dispatch
-  under the same C, at least its own T, so each dispatch all-reduces T (a functional collective: selective
-  recompute reuses it); rebuilt only for a larger C or D (DeepEP compiles its kernels per C).  V2 is built
-  with `explicitly_destroy=True`, as torchtitan does: its implicit destroy runs a cross-rank barrier
-  whenever Python collects the buffer.  So an outgrown buffer must be destroyed, else its registered
-  memory leaks: it is retired and `destroy()`ed at the first growth check where no live handle (a
-  backward still to run) refers to it.  C: `max_tokens_per_rank` when given (a static bound, no
-  all-reduce).
-- V2 runs its compact layout (`do_expand=False`, `do_cpu_sync=True`): exact received rows and the
-  per-expert host list in one sync.  Its rows come grouped by source rank, in an unspecified order within
-  one (source-token order when the buffer is deterministic: built so when torch's deterministic
-  algorithms are on).  Its expanding layout (rows grouped by expert in DeepEP's epilogue, combine reducing
-  them) would save our local permute: not built.
-- Router weights are applied on the expert's rank (the only place a token's per-expert outputs are
-  apart: DeepEP's combine sums them), from the received top-k weights (V1 zeroes the choices not on this
-  rank, V2 sends them all: the local permute reads the local ones only).  Their gradient goes back to
-  the source through the combine of `topk_weights` in dispatch's backward: V1 sums each slot over the
-  ranks, V2 takes it from the rank owning the slot's expert; the same here, the other ranks' being 0.
-- The exchanges are `torch.library.custom_op`s with fakes (`moevlm_deepep::dispatch`, `dispatch_v2`,
-  `combine` and the backward ops) so selective recompute can save their outputs
-  (`recompute.COMM_NAMESPACES`) and torch.compile can trace around them.  An op cannot take DeepEP's
-  opaque handle, so it lives in `moevlm.dispatch.handles` (with what a cached dispatch on it needs)
-  under an int id carried by a one-element int64 CPU tensor, until that tensor's storage goes: after
-  backward, or at once when nothing needs grad.  Backward is the
-  opposite collective on the saved handle, as DeepEP's tests do: dispatch's a combine (of the row and
-  the weight gradients), combine's a cached dispatch (V2: with the handle's SM count, since upstream
-  picks one from `num_experts` before the handle supplies it).
-- The one host sync is DeepEP's own (its per-expert list, here a CPU tensor): it sizes the local rows
-  (V2 adds the read of the all-reduced T).  Within an expert, rows keep the received order: V1 and a
-  deterministic V2 give the `alltoall` dispatcher's order (source rank, then source token).
-- Rows cross DeepEP in bf16 whatever the model's dtype (V1 and V2 combine take bf16 only, V2 sizes its
-  buffer for 2-byte rows; without FSDP's bf16 compute the residual stream is fp32): cast at the boundary,
-  back to the input's dtype after, so autograd casts the gradients the same way; router weights stay fp32.
-- With torch's deterministic algorithms on, DeepEP asserts unless
-  `torch.utils.deterministic.fill_uninitialized_memory` is False: every DeepEP call runs with it False
-  (restored after), as torchtitan sets it.
-- SMs: `num_sms` (0: DeepEP's choice).  V1: `Buffer.set_num_sms` (even).  V2: its
-  `get_theoretical_num_sms`, which divides by the RDMA bandwidth it detects (`ibstat`, `mlx5_0`) and so
-  fails across nodes where detection finds none; then FALLBACK_NUM_SMS, logged once, as torchtitan falls
-  back to a fixed count.
-- Layout rules (availability.deepep_layout_problem): V1 runs only the EP sizes it has configs for; V2
-  only needs the experts to split evenly.  "auto" is checked under V2's at construction and under V1's at
-  the first dispatch if it resolves to V1.
-- Not built: V2's expanding layout and no-sync mode, V1's low-latency mode, fp8 dispatch,
-  `num_worst_tokens`, async events / comm-stream overlap, expert tensor parallel.  Never run here against
-  the real package: the tests use an emulator of both APIs (tests/dispatch/deep_ep_emulator).
+    dispatch: V1: preprocess = buffer.get_dispatch_layout -> moevlm_deepep::dispatch
+              V2: C = the group's largest T (an all-reduce) -> moevlm_deepep::dispatch_v2
+              -> R rows, their top-k as local expert ids; local permute: one row per local choice
+    combine:  local un-permute, scaled by the received router weights, summed per row
+              -> moevlm_deepep::combine (DeepEP's sum is unweighted)
 """
 
 from __future__ import annotations

@@ -1,59 +1,15 @@
-"""The `hybridep` dispatcher: `deep_ep.HybridEPBuffer` (DeepEP's hybrid-ep branch) behind our interface.
+"""The `hybridep` dispatcher: `deep_ep.HybridEPBuffer` (DeepEP's hybrid-ep branch) behind our
+interface.  Why, and its capacity mode: docs/dispatchers.md.
 
-Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank, T' the token count every
-rank hands HybridEP (T padded: HybridEP all-gathers the routing maps, so it must be equal on all ranks, and
-a multiple of TOKEN_ALIGN), M permuted rows on this rank (HybridEP's, already grouped by local expert).
+Legend as in `base.py`, plus P ranks in the EP group, L = E / P experts per rank, T' the token count
+every rank hands HybridEP (T padded: equal on all ranks, a multiple of TOKEN_ALIGN), M permuted rows
+on this rank (HybridEP's, already grouped by local expert).
 
-    dispatch: dense_routing(topk) -> (T, E) bool map + (T, E) fp32 probs, padded to T' rows (routed nowhere)
-              -> moevlm_hybridep::dispatch: buffer.dispatch_with_permute -> M rows grouped by local expert,
-                 one fp32 router weight per row, rows per local expert, overflow flag
-    combine:  rows scaled by their router weight (here, once) -> moevlm_hybridep::combine:
+    dispatch: dense_routing(topk) -> (T, E) bool map + (T, E) fp32 probs, padded to T' rows
+              -> moevlm_hybridep::dispatch: buffer.dispatch_with_permute -> M rows grouped by local
+                 expert, one fp32 router weight per row, rows per local expert, overflow flag
+    combine:  rows scaled by their router weight -> moevlm_hybridep::combine:
               buffer.combine_with_unpermute (HybridEP's sum is unweighted) -> the first T rows
-
-Design choices:
-- `deep_ep` is imported only when a buffer is built, so moevlm imports without it; the availability gate
-  (`availability.py`) refuses a missing package first, naming it and the branch to build.
-- One `HybridEPBuffer` per EP group (module level, keyed by the group's name), built on the first dispatch
-  for (hidden, T', L) and rebuilt only for a larger hidden or another L: HybridEP grows its own buffer
-  when a larger T' comes (a rebuild would only repeat the IPC exchange and leak the old registration).
-- T': `max_tokens_per_rank` when given (a static budget: no sync); in capacity mode this rank's T (the
-  trainer's micro-batches are fixed-shape, as the capacity all-to-all also assumes); otherwise the group's
-  largest T, one small all-reduce read on the host (the dropless mode syncs anyway: HybridEP sizes its
-  output from a host copy of the counts); each rounded up to a multiple of TOKEN_ALIGN (64, as Megatron
-  pads), since HybridEP's kernel asserts an alignment of the token count per chunk.  Padding tokens have an
-  empty routing row: nothing is sent.
-- Rows cross HybridEP in bf16 whatever the model's dtype: its dispatch copies 2-byte words without a
-  dtype check (fp32 rows would arrive as garbage) and its combine asserts 2-byte rows.  Cast at the
-  boundary, back to the input's dtype after, so autograd casts the gradients the same way; probs stay fp32.
-- NVLink domain: HybridEP reads NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN (else detects it); the
-  NVLINK_DOMAIN_SIZE it once read is refused with the new name (`availability.hybridep_env_problem`).
-- Router weights go in as the dense fp32 probs HybridEP permutes with the rows, and are applied on the
-  expert's rank in `combine` (the only place a token's per-expert outputs are apart: HybridEP's combine
-  sums them); their gradient comes back as HybridEP's dense (T', E) probs gradient in dispatch's backward
-  (`combine_with_unpermute` of the per-row gradients) and reaches the top-k weights through `dense_routing`.
-- Capacity mode (`capacity_factor`, `model.moe_capacity_factor`): a static `num_permuted_tokens`, so
-  nothing syncs with the host and every shape is fixed (CUDA-graph safe).  The budget per receiving rank
-  is E*C rows, C = ceil(f*T'*K/E) as in the capacity all-to-all (the same rows in memory: f = 1 is the
-  balanced load), plus L*(pad-1) for padding, rounded up to the pad.  Rows past it are dropped by HybridEP
-  (its permuted order puts them last: the highest local experts' last group tokens, unlike the all-to-all,
-  which drops each source's latest tokens per expert) and flagged in the handle.  The adapter counts the
-  dropped rows exactly on the device (one E-int all-reduce of the routing counts: it does not depend on
-  how HybridEP reports counts past the budget) and ORs the flag; `OverflowCounter` reports both in
-  metrics.jsonl.  The rows per local expert handed to the grouped GEMM are HybridEP's, clipped to the
-  budget, the unused tail added to the last expert, so they always sum to M.  HybridEP never writes that
-  tail (`torch::empty`, in forward and in the cached re-dispatch of combine's backward): the adapter
-  replaces it by zeros on the device (a mask from the counts, no host read) before the GEMM sees it, and
-  masks the tail's gradient in `combine` the same way, so no garbage reaches the last expert's weights.
-- `pad_multiple` (set for FP8 by `moevlm.model.fp8` with `model.fp8_pad_experts`): each expert's rows are
-  padded by HybridEP itself to a multiple of the scale block; the counts are the padded ones.
-- The exchanges are `torch.library.custom_op`s with fakes (`moevlm_hybridep::dispatch`, `combine` and
-  their backward ops), so selective recompute saves their outputs (`recompute.COMM_NAMESPACES`) and
-  torch.compile traces around them; the handle is kept in `moevlm.dispatch.handles` under an int id.
-- `model.permute` is unused (HybridEP permutes in its own kernel).  Not built: fp8 dispatch
-  (`scaling_factor`), expert tensor parallel, HybridEP's chunk tuning (its defaults); `num_sms` sets its
-  dispatch and combine SMs (0: HybridEP's defaults).  Never run here
-  against the real package: the tests use an emulator of its documented API
-  (tests/dispatch/hybrid_ep_emulator).
 """
 
 from __future__ import annotations
@@ -298,7 +254,7 @@ class HybridEPDispatcher(TokenDispatcher):
         max_tokens_per_rank: int | None = None,
         num_sms: int = 0,
     ):
-        """`capacity_factor` (None = dropless) selects the no-sync mode (see the module docstring);
+        """`capacity_factor` (None = dropless) selects the no-sync mode (docs/dispatchers.md);
         `max_tokens_per_rank`: a static T' (no all-reduce of token counts); `num_sms`: SMs of HybridEP's
         dispatch and combine kernels (0: its defaults)."""
         super().__init__(num_experts, top_k)

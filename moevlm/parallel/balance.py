@@ -1,24 +1,12 @@
 """Load balancing across a step's micro-batches and data-parallel ranks: the expert frequencies of
-the global-batch loss, and the step's load that moves the router bias.
+the global-batch loss (`moe.aux_loss=global_batch`), and the step's load that moves the router bias.
+
+Legend: E experts.  Rank r's m-th micro-batch is number g = m x dp + r of the step, and its
+frequencies count the selections of micro-batches 0..g over every MoE layer.
 
     freqs = StepFrequencies(dp_group)      # once
     freqs.begin_step()                     # before each step's first micro-batch
     freq_E = freqs(counts_E, tokens)       # each micro-batch, in order, on every dp rank together
-
-Design choices:
-- moe.aux_loss=global_batch.  A micro-batch's backward runs before the later micro-batches of its
-  step are routed, so no micro-batch can see the whole step's counts without holding every
-  micro-batch's activations (or routing the step twice).  Megatron's global loss (and Qwen3's, which
-  it follows) uses the selections of the micro-batches run so far, summed over the data-parallel
-  ranks.  Here the step's micro-batches are put in the order of the global rows they hold: rank r's
-  m-th micro-batch is number g = m x dp + r (the loader delivers global row k to rank k mod dp, so
-  with one row per micro-batch g is the row), and micro-batch g sees the selections of micro-batches
-  0..g.  That is the running count of Megatron read in one fixed order: a layout with more
-  data-parallel ranks and fewer micro-batches each forms exactly the same losses, so sharded equals
-  unsharded, and the last micro-batch of the step sees the whole step.
-- The frequencies are pooled over the MoE layers, as the reference pools its loss: selections of
-  every layer over tokens of every layer.
-- One all-gather of E + 1 numbers per micro-batch over the data-parallel group.
 """
 
 from __future__ import annotations

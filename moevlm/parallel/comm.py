@@ -1,26 +1,15 @@
-"""Collectives with the backward that tensor/sequence parallelism needs.
+"""Collectives with the backward that tensor/sequence parallelism needs (identity for one rank).
 
-Every function takes a process group and is the identity for a group of one.
-Each is the adjoint of another, so a forward/backward pair always moves the
-same bytes:
+Each is the adjoint of another, so a forward/backward pair always moves the same bytes:
 
     gather_seq          fwd all-gather along `dim`        bwd reduce-scatter (sum) along `dim`
     reduce_scatter_seq  fwd reduce-scatter along `dim`     bwd all-gather along `dim`
     split_seq           fwd keep this rank's chunk         bwd all-gather along `dim`
     sum_replicated      fwd all-reduce (sum)               bwd identity
 
-`sum_replicated` is for values every rank of the group then uses identically
-(the loss is replicated over tensor-parallel ranks): each rank already holds
-the whole upstream gradient, so the backward passes it through unchanged.
-
-Shapes must divide evenly along `dim` (the layout checks `seq_len % tp`).
-Runs on NCCL and gloo (all-gather / reduce-scatter into one flat tensor).
-
-Design choices:
-- The collectives are torch's *functional* ones (moevlm/comm.py, shared with
-  the dispatchers): selective activation checkpointing
-  (moevlm/parallel/recompute.py) can then keep their outputs and hand them back
-  when a region is recomputed, so backward never issues a collective twice.
+`sum_replicated` is for values every rank of the group then uses identically (the loss, replicated
+over tp): each rank already holds the whole upstream gradient.  Shapes must divide evenly along
+`dim`.  Built on the functional collectives of moevlm.comm (NCCL and gloo).
 """
 
 from __future__ import annotations

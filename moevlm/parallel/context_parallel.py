@@ -1,41 +1,15 @@
-"""Context parallel (CP) for packed multimodal rows: every row split over the cp ranks, load-balanced.
+"""Context parallel (CP) for packed multimodal rows: every row split over the cp ranks,
+load-balanced.
 
 Legend: B rows, S sequence (the packed row), s = S/cp this rank's tokens (s/tp between blocks under
-sequence parallel), D hidden, O text width, N patches, m = merge^2 patches per image token, L deepstack
-taps.
+sequence parallel), D hidden, O text width, N patches, I images, m = merge^2 patches per image
+token.
 
-What changes (`cp_strategies`: the strategies a model is built with, composed over tensor parallel's;
-no weight changes, parameter names do not change):
-
-    vision tower     each cp rank encodes a share of the micro-batch's whole images, balanced by
-                     patches (cp_layout.balance_images); the image tokens and deepstack features of
-                     every rank are all-gathered (backward: summed over cp, each rank keeps its own
-                     images' rows) and put back in image order
-    embedding        the full row on every cp rank (a lookup: cheap), image features scattered in, then
-                     this rank's tokens kept (cp_layout.split_rows: every document cut into 2cp
-                     chunks, chunks r and 2cp-1-r here); the backward of that selection is zero
-                     elsewhere, so the gradients of the replicated parts are each rank's share and
-                     FSDP/DDP's sum over dp x cp adds them up
-    position ids     the row's 3-D M-RoPE ids (from the packer) sliced like the tokens
-    attention        queries local, keys/values from every cp rank: cp_attention (allgather or ring,
-                     `parallel.cp_comm`) with the document mask from global positions and document ids
-    MoE              each rank routes its own tokens; router statistics summed over cp x tp, so the
-                     aux loss is the micro-batch's (the one-process value)
-    LM loss          next-token targets formed on the full row (a target may sit on another rank),
-                     then sliced: each rank sums its tokens' losses; the trainer divides by the global
-                     loss-token count and sums the loss over dp x cp
-
-Design choices:
-- Every cp rank of a data-parallel replica holds the whole micro-batch (ids, labels, boundaries,
-  positions: small), as the tp ranks do; only activations are split.  The loader is keyed by the dp
-  coordinate already.  The split of the micro-batch's rows is set where it enters the model
-  (`Sequence.begin`, called by the model's forward or a pipeline stage) and used by every strategy
-  after it.
-- Composition with sequence parallel: the cp split comes first, then the tp split of the cp-local
-  sequence (tokens sharded over cp x tp); the tp all-gather before attention restores the cp-local
-  sequence, whose rotary angles and mask this module builds.
-- The decoder's attention always runs through `cp_attention` when cp > 1 (SDPA blocks with a boolean
-  mask inside); `model.attn_backend` still picks the vision tower's kernel.
+`cp_strategies` gives the strategies a model is built with, composed over tensor parallel's (no
+weight changes): the vision tower encodes a share of whole images (cp_layout.balance_images) and
+all-gathers the features; the embedding keeps this rank's tokens of the full row
+(cp_layout.split_rows); attention runs local queries against every rank's keys (cp_attention); each
+rank routes and scores its own tokens.  What changes where, and why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,15 @@
 """Context-parallel attention: local queries against the whole packed row, forward and backward.
 
-Legend: B batch, S sequence (the packed row), s = S/cp local sequence, H query heads, K kv heads,
-G = H/K query heads per kv head, hd head dim, cp the context-parallel size (ranks of `group`).
+Legend: B batch, S sequence (the packed row), s = S/cp local sequence, H query heads, K kv heads, G
+= H/K query heads per kv head, hd head dim, cp the context-parallel size (ranks of `group`).
 
-    idx = zigzag_positions(S, cp, r)                               # cp_layout.py
-    pos_Bs = idx.expand(B, -1); doc_Bs = document_ids(B, S, cu_seqlens, dev)[:, idx]
     out_BsHD = cp_attention(q_BsHD, k_BsKD, v_BsKD, pos_Bs, doc_Bs, group=cp_group, comm="ring")
 
-Query i may attend key j iff doc_i == doc_j and (not causal or pos_j <= pos_i): the document mask of
-moevlm/model/attention.py, written with each token's global position and document id, so it holds for
-any split of the row (zigzag or not) and any document layout (short documents, one spanning every
-chunk, a trailing padding document).  A group of one (or None) is plain masked attention (SDPA).
-
-    comm         forward                                    backward
-    allgather    all-gather K/V (kv heads only) + ids;      all-gather K/V again, recompute (SDPA
-                 SDPA with a boolean mask (enable_gqa)      autograd), dQ local, dK/dV of every key
-                                                            reduce-scattered (sum) to their owners
-    ring         K/V blocks pass around the ring            K/V pass around the ring again; each
-                 (batch_isend_irecv, next block posted      block's dK/dV (fp32) travels with it and
-                 before computing on this one); blocks      reaches its owner after cp sends;
-                 merged by an online softmax (fp32 lse)     dS = P * (dP - rowsum(dO * out))
-
-Design choices:
-- Two custom autograd functions that keep only q, k, v (local), the ids, the output and, for the ring,
-  the fp32 log-sum-exp (what flash attention keeps): backward recomputes the scores.  Wrapping
-  `cp_attention` in the `core_attn` recompute region therefore saves nothing more; under it the ring's
-  point-to-point sends (not functional collectives, so not cached by recompute.py) would run twice.
-- Memory: `allgather` holds the gathered K/V of the whole row (cp x the local K/V, kv heads only, never
-  repeated to H) and the (B, H, s, S) scores inside SDPA, for one layer at a time: the gathered K/V is
-  dropped after forward and gathered again in backward (one more all-gather of K/V per layer, instead
-  of keeping cp x K/V per layer until backward).  `ring` holds two K/V blocks (current and in flight),
-  plus, in backward, two fp32 dK/dV blocks; its scores are (B, H, s, s) per step.
-- Collectives: `allgather` uses the functional ops of moevlm/comm.py (`all_gather_flat`, `reduce_scatter_sum`),
-  one for K and V stacked and one for the int64 (pos, doc) ids; `ring` gathers the ids once (tiny) and
-  moves only K/V (and dK/dV) with P2P to the next rank, tags 0 (K/V) and 1 (dK/dV).  Both run on gloo
-  and NCCL.
-- The ring's block math is explicit fp32 matmuls (portable: CPU tests, any GPU), in `_block` (forward:
-  out and lse) and `_block_grads` (backward), so a fused kernel can replace them.  GQA is a (K, G) view
-  of the query heads, so K/V are never repeated.  Queries with no allowed key in a block get lse = -inf
-  and a zero block output (no NaN); the online merge treats -inf + -inf as weight zero.  The merged
-  output stays fp32 until the end, then takes q's dtype; dK/dV accumulate (and travel) in fp32.
-- Every step computes its whole (s x s) block, masked; the zigzag layout balances the allowed pairs,
-  and skipping all-masked blocks (causal) is left to a kernel that can do it without a host sync.
+Query i may attend key j iff doc_i == doc_j and (not causal or pos_j <= pos_i), from global
+positions and document ids, so any split of the row works.  `allgather`: K/V and ids all-gathered,
+SDPA with a boolean mask, dK/dV reduce-scattered in backward.  `ring`: K/V blocks passed around the
+ring and merged by an online softmax (fp32 lse), dK/dV travelling back with them.  A group of one is
+plain masked SDPA.
 """
 
 from __future__ import annotations

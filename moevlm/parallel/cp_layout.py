@@ -1,27 +1,15 @@
-"""Which tokens of a packed row each context-parallel rank keeps (pure index logic, no processes).
+"""Which tokens of a packed row each context-parallel rank keeps, and which images it encodes (pure
+index logic, no processes).
 
-Legend: B batch, S sequence (the packed row), s = S / cp local sequence, cp the context-parallel size.
+Legend: B batch, S sequence (the packed row), s = S / cp local sequence, cp the context-parallel
+size.
 
     idx_Bs = split_rows(B, S, cu_seqlens, cp, r)   # (B, s) the positions rank r keeps of each row
     local = take_rows(x_BS, idx_Bs)                 # rank r's tokens of any (B, S, ...) tensor
     shares = balance_images(patches, cp)            # which images each rank's vision tower encodes
 
-Design choices:
-- Causal load balancing cuts a sequence into 2*cp chunks and gives rank r chunks r and 2*cp-1-r: the
-  work of a query grows with its position in its document, so an early chunk paired with its mirror
-  from the end gives every rank about the same number of allowed (query, key) pairs.  We cut each
-  *document* of the packed row that way (`doc_zigzag_positions`), not the row as a whole
-  (`zigzag_positions`): on 50 real packed rows of the embedded sample set (5 documents per 1024-token
-  row) the row-level cut left the busiest rank 1.14x (cp2) / 1.36x (cp4) the mean attention work, no
-  better than a contiguous split, while the per-document cut gives 1.01x / 1.03x
-  (bench/cp_balance.py, docs/benchmarks.md).  Documents are not padded (Megatron pads every sequence to
-  a multiple of 2*cp, which changes what is packed): chunk sizes differ by at most one token, the
-  extras going to the ranks holding fewest tokens, so every rank keeps exactly S/cp positions.
-- The split depends on the row's document boundaries, so it is computed per micro-batch on the host
-  (one copy of `cu_seqlens`) and differs per row; positions stay in ascending order on each rank.
-- Images are encoded where they are balanced, not where their tokens land: `balance_images` hands whole
-  images to ranks, largest first to the least loaded (LPT), so the vision tower's patches are spread
-  as evenly as whole images allow; the features are gathered afterwards.
+Every document is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r
+(`doc_zigzag_positions`); whole images go largest first to the least loaded rank.
 """
 
 from __future__ import annotations

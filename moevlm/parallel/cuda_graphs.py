@@ -1,60 +1,15 @@
-"""CUDA-graph scopes (`model.cuda_graph_scope`): parts of every decoder layer captured
-once as CUDA graphs (forward and backward) and replayed, to remove host launch overhead.
+"""CUDA-graph scopes (`model.cuda_graph_scope`): parts of every decoder layer captured once as CUDA
+graphs (forward and backward) and replayed, to remove host launch overhead.
 
 Legend: B batch, S sequence, D hidden, T tokens, K top-k, E experts, N = T*K rows.
 
-    graphs = apply_cuda_graphs(model, ["attn", "moe_router", "moe_preprocess"])   # after parallelize
+    graphs = apply_cuda_graphs(model, ["attn", "moe_router", "moe_preprocess"])   # in build_model
     ...train: the first training forward on CUDA captures, later ones replay...
     graphs.captures()    # {"attn": layers, "moe_router": MoE layers, ...} once shapes are fixed
 
-Regions (per decoder layer):
-- `attn`: `DecoderLayer.attention_part` = input norm, q/k/v, q/k norms, rope, the SDPA
-  kernel, o_proj; the residual add stays outside.  Inputs: h (B,S,D), rope cos/sin and
-  SDPA's (B,1,S,S) bool document mask: all static.  Only attn_backend=sdpa (flash and
-  varlen take cu_seqlens of varying length, flex a block-mask object): `validate` refuses
-  the others, and a DocMask of another backend here raises.
-- `moe_router`: `Router.forward` (fp32 logits, softmax, top-k, renormalise).
-- `moe_preprocess`: the dispatcher's `preprocess` (moevlm.model.dispatcher): the stable sort
-  by expert, source tokens, per-row weights, per-expert counts, before any exchange or
-  host sync (for alltoall the counts exchange and its host copy come after, eager).
-- `full_layer`: the whole `DecoderLayer.forward`; only where the layer is static and
-  sync-free: the local dispatcher with the torch or triton grouped GEMM (`validate`
-  refuses the exchanging dispatchers).  The layer's router statistics (a `RouterStats`
-  of its own tokens) leave the graph as tensors; their reduction over ranks runs
-  after it, in the decoder.
-The dropless expert computation of the first three scopes stays eager (row counts depend
-on the data).
-
-Design choices:
-- torch's own `torch.cuda.make_graphed_callables` (forward graph + backward graph in one
-  autograd node, warm-up iterations on a side stream, module parameters as static inputs),
-  called lazily at a region's first training call on CUDA, so the capture sees the real
-  device, shapes, dtypes and autocast state it will replay in.  One capture per input
-  signature (shapes, dtypes, requires_grad, which optional inputs are present, autocast
-  state); the packer's fixed budgets make that one capture per region.
-- A region is a `GraphedRegion` module installed at one of the model's region slots
-  (moevlm.model.layout: the layer's `attn_region` and `region`, the router's `region`,
-  the dispatcher's `preprocess_region`), so `repr(model)` shows it; the model keeps no
-  knowledge of graphs, the MoE layer still only calls `dispatch`.  Eager (the wrapped
-  computation) whenever the input is not on CUDA, grad is off, or the owning module is
-  in eval mode.
-- Memory pools: each capture gets its own private pool (make_graphed_callables' default).
-  Sharing one pool is only safe when graphs are captured in the order they replay (fwd 1..n,
-  bwd n..1); lazy per-layer capture goes fwd 1, bwd 1, fwd 2, ... so pools are not shared.
-  Static inputs the layers share (rope cos/sin, the mask, the token mask) are one buffer per
-  role for all layers; the hidden state and routing inputs get a buffer per region.
-- Static outputs: a replay overwrites the region's outputs and saved activations, so a
-  region must run backward before its next forward.  The trainer's accumulation loop does
-  forward+backward per micro-batch: safe.  Pipeline schedules (several forwards in flight)
-  and recompute (a second forward inside backward) are refused in `validate`.
-- Parameter gradients: make_graphed_callables returns its static gradient buffers, and
-  AccumulateGrad may adopt such a buffer as `.grad` when `.grad` is None; the next
-  micro-batch's backward replay would then overwrite it (pytorch/pytorch#181723).  A hook on
-  every graphed parameter clones its gradient in that case.
-- Autocast: capture and replay run inside the trainer's autocast; make_graphed_callables
-  refuses autocast's weight cache, so the trainer disables it (`cache_enabled=False`)
-  when a scope is set.
-- Not verified on a GPU in the session that wrote it (tests/gpu/test_cuda_graphs.py is the check).
+Scopes, each a `GraphedRegion` at a region slot of moevlm.model.layout: `attn` (sdpa only),
+`moe_router`, `moe_preprocess` (the dispatcher's `preprocess`) and `full_layer` (the whole layer,
+where it is static and sync-free).  Why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
-"""Data parallel (FSDP2 or DDP-style all-reduce), the per-step gradient finish,
-and gradient-norm clipping over every shard of every group.
+"""Data parallel: the FSDP2 units (`apply_fsdp`, HSDP included) and `GradSync` (DDP's bucketed
+all-reduce, the tp sums of partial gradients, gradient-norm clipping over every shard of every
+group).
 
-Gradient convention (every reduction is a **sum**): each rank's loss is its
-share of the global objective (token losses / global loss-token count, plus
-aux / all micro-batches of the step), so the gradient of the objective is the
-sum over ranks of the local gradients.  Where a weight is computed
-identically on several ranks from the same data (the vision tower on the tp
-ranks of one data-parallel replica), the sum over those copies is divided by
-their number.
+Every reduction is a sum; a weight computed identically on several ranks has it divided by their
+number (why: docs/architecture.md):
 
     group of the reduction         weights
     dense mesh (dp x cp)           attention, norms, router, embeddings, LM head
     expert mesh edp                experts (each EP/ETP shard with its copies)
     vision mesh (dp x cp x tp)     vision tower, divided by tp (FSDP and DDP)
-    tp (after the above)           `tp_partial` weights (sequence-parallel norms,
-                                   q/k norms, router, kv weights replicated over tp)
-
-FSDP2 (`fully_shard`): vision blocks, the vision tower, each decoder layer's
-experts (on edp), each decoder layer (on dp x cp) and the root (embeddings,
-final norm, LM head) are units; MixedPrecisionPolicy bf16 compute / fp32
-reduce when training in bf16.  Gradients are reduce-scattered after every
-micro-batch (the memory-lean default).  With `parallel.optimizer_offload` every unit takes FSDP's
-CPUOffloadPolicy (moevlm.parallel.optimizer_offload): the shards and their gradients live on the host,
-and the collectives this module adds itself (the norm, the tp sums) move host gradients to the
-process group's device (`comm_device`) and back.
-
-HSDP (`parallel.dp_replicate` = R > 1): the same units on 2-D meshes (R replicas, shard group), which
-`fully_shard` takes as HSDP: placements (Replicate(), Shard(0)), each unit reduce-scattered over its
-shard group and the shards all-reduced over the replicas.  The conventions hold unchanged: with a
-gradient divide factor set (1, or tp for the vision tower) and sums forced, torch reduces with SUM on
-both collectives and divides once by that factor after them (never by the data-parallel size), so a
-gradient is the sum over the R x shard ranks as under FSDP.  The clip counts a shard once: its copies
-are the ranks over its Replicate dimensions (`_copies`: the world over the product of its sharded
-mesh dimensions), the replicas included.
-
-DDP (`parallel.dp_mode=ddp`): parameters stay whole per rank; after the last
-micro-batch every gradient is all-reduced (sum) over its group in flat fp32
-buckets of `bucket_mb`.
+    tp (after the above)           `tp_partial` weights
 """
 
 from __future__ import annotations

@@ -1,59 +1,15 @@
-"""Expert-parallel communication overlapped with expert compute (`parallel.ep_overlap=true`).
+"""Expert-parallel exchanges overlapped with expert compute (`parallel.ep_overlap=true`).
 
 Legend as in moevlm/dispatch/alltoall.py: T tokens on this rank, K top-k, D hidden, E experts,
-P ranks in the EP group, L = E / P local experts, M rows received; c the chunk (0 or 1).
+P ranks in the EP group, L = E / P local experts, M rows received; c a chunk (0 or 1).
 
-Each MoE block's micro-batch is routed once, whole, then its tokens are cut in two chunks
-(T0 = ceil(T/2) tokens, T1 = T - T0) that go through the exchange one after the other:
+A block's micro-batch is routed once, whole, then cut in two chunks (T0 = ceil(T/2), T1 = T - T0);
+each chunk's exchanges (dispatch dc, combine cc) overlap the other's experts (docs/architecture.md):
 
-    route all T tokens (router, aux-loss statistics over the whole micro-batch)
-    chunk 0: permute, dispatch all-to-all issued          chunk 1: permute, dispatch issued
-    wait dispatch 0 -> experts(chunk 0)                    ... dispatch 1 in flight ...
-    combine all-to-all 0 issued
-    wait dispatch 1 -> experts(chunk 1)                    ... combine 0 in flight ...
-    combine all-to-all 1 issued
-    wait combine 0, combine 1 -> weighted sum per token -> concatenate the chunks
-
-Design choices:
-- An experts runner (`OverlappedRunner`, the layout's `experts_runner`): the MoE block holds
-  it from construction and hands it the routed tokens, its dispatcher and its experts; the
-  block's routing and router statistics are unchanged, and the model knows nothing of it.
-- It drives the `alltoall` dispatcher's pieces (its permutation, its exchange plan's pure
-  index functions) instead of calling `dispatch`/`combine`, because those wait on their
-  exchange at once.  Each row exchange is an `_Exchange`: two autograd nodes, `start` (issue
-  the async all-to-all) and `finish` (wait for it), placed where the overlap wants them, so an
-  exchange runs (on NCCL's stream, on gloo's worker thread) while the other chunk's experts
-  compute.  Every rank issues the same collectives in the same order (the chunk sizes come
-  from T, the splits from the exchanged counts), so nothing can deadlock.
-- Backward overlaps too, the mirror of forward: `finish`'s backward *issues* the reverse
-  all-to-all and `start`'s backward *waits* for it, and the autograd engine runs nodes in
-  reverse creation order, so chunk 0's combine gradient travels while chunk 1's experts run
-  backward, and chunk 1's dispatch gradient while chunk 0's do:
-
-      forward:  start d0, start d1 | finish d0, experts 0, start c0 | finish d1, experts 1, start c1
-                | finish c0, finish c1
-      backward: issue c1, issue c0 | wait c1, experts 1, issue d1 | wait c0, experts 0, issue d0
-                | wait d1, wait d0
-- Dropless: **one** counts exchange and **one** host sync per block for both chunks (the
-  counts of chunk 0 and 1 travel in one all_to_all of 2*E ints), i.e. no extra sync compared
-  with the non-overlapped path.
-- Capacity mode (`model.moe_capacity_factor`): each chunk has its own capacity,
-  C_c = ceil(f * T_c * K / E), from its own token count: every split is still a host number.
-  Which choices are dropped can therefore differ from the non-overlapped run (there the first
-  C rows of an expert over the whole micro-batch are kept; here the first C_c of each chunk).
-  Without overflow (e.g. f >= E/K) the result is the same.
-- Exactness: a token's K rows stay in one chunk and are summed in the same order (expert
-  order) as without overlap, so the output is the same function; only the expert-weight
-  gradients are summed over the chunks in another order (fp32 rounding, ~1e-7 relative).
-- Router statistics and routing come from one router call on all tokens, exactly as without
-  overlap (the router is per token, so chunking could not change a decision anyway).
-- The engine's order is the same on every rank (one device queue, nodes by creation order),
-  so the backward exchanges are issued in the same order everywhere.  A recomputed block
-  (selective recompute) issues its forward exchanges again: these are plain async
-  collectives, not functional ones the recompute cache could keep.
-- Not built: expert tensor parallel (etp > 1), the dispatcher's compile wrapping
-  (train.compile), the CUDA-graphed `moe_preprocess` (it captures one static shape); the
-  config refuses those (moevlm/train/config.py).
+    forward:  start d0, start d1 | finish d0, experts 0, start c0 | finish d1, experts 1, start c1
+              | finish c0, finish c1
+    backward: issue c1, issue c0 | wait c1, experts 1, issue d1 | wait c0, experts 0, issue d0
+              | wait d1, wait d0
 """
 
 from __future__ import annotations

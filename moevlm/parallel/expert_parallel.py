@@ -1,4 +1,5 @@
-"""Expert parallel (EP) and expert tensor parallel (ETP) for the MoE blocks.
+"""Expert parallel (EP) and expert tensor parallel (ETP) for the MoE blocks: the expert weights'
+placements (`shard_experts`); each block's dispatcher is built by `build_model`.
 
 Legend: E experts, L = E/ep local experts, D hidden, F expert hidden, etp the
 expert-tensor-parallel size.
@@ -8,20 +9,7 @@ expert-tensor-parallel size.
     router                   replicated (every rank routes its own tokens)
     dispatcher               built per block: AllToAllDispatcher(ep group, etp group[, capacity_factor]), ...
 
-Design choices:
-- Expert weights are DTensors on the expert mesh's (ep, etp) dimensions:
-  `Shard(0)` over ep; over etp, `down_proj` is `Shard(1)` and `gate_up_proj` is
-  `_StridedShard(2, split_factor=2)` (torch's placement for "split in two, then
-  shard each half"), so each ETP rank holds matching gate and up columns and the
-  global tensor is the unsharded layout: DCP checkpoints and HF export see the
-  model's own (E, D, 2F).
-- The expert output under ETP is a partial sum; the dispatcher's combine
-  reduce-scatters it over the ETP group (see moevlm/dispatch/alltoall.py).
-- ep = etp = 1: nothing changes here (the `local` dispatcher, whole experts);
-  the experts are still data parallel over edp (= every rank of the stage).
-- The dispatcher is built once per MoE block, with its groups, when the block is built
-  (by `moevlm.parallel.build_model`, the layout's `dispatcher`); the experts compute on their local shards
-  (`Experts` reads `local()` of its weights), so nothing of the model is rewritten here.
+DTensors on the expert mesh's (ep, etp); why these placements: docs/architecture.md.
 """
 
 from __future__ import annotations

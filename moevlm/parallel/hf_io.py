@@ -1,24 +1,9 @@
-"""Hugging Face checkpoints in and out of a model laid out by `parallelize`
-(sharded by TP/EP/FSDP, split into pipeline stages), or of a whole model.
+"""Hugging Face checkpoints in and out of a model laid out by `build_model` (sharded by TP/EP/FSDP,
+split into pipeline stages), or of a whole model.  moevlm.model.hf knows names, layouts and files;
+this module adds which rank holds which tensor, the gathers and who writes.
 
-    load_hf_weights_(model, hf_dir)      # each rank copies its own shards; no communication
-    save_hf(model, out_dir)              # collective: every rank calls it
-
-Design choices:
-- `moevlm.model.hf` knows whole tensors, names, layouts and files; this
-  module adds what needs the layout: which rank holds which tensor, the
-  gathers, who writes.
-- Loading: the checkpoint is checked (names, shapes, from the headers) against
-  the whole architecture, not this rank's part, so a pipeline rank refuses a
-  checkpoint that lacks another stage's weights too; then every rank reads
-  only the tensors it holds and keeps its shard of each.
-- Export: the files are planned from the whole architecture alone (names in
-  model order, grouped by the pipeline rank that holds them, cut at
-  `max_shard_bytes`), so every rank knows every file's name without talking.
-  Each tensor is gathered over its stage's ranks (one file at a time, so no
-  rank ever holds a whole stage), the stage's first rank writes its files,
-  global rank 0 writes the index and config.json.  Without a pipeline this is
-  the usual one writer.
+    load_hf_weights_(model, hf_dir)          # each rank copies its own shards; no communication
+    save_hf(model, out_dir, ctx=ctx)         # collective when laid out: every rank calls it
 """
 
 from __future__ import annotations

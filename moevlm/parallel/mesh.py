@@ -1,37 +1,14 @@
-"""`ParallelDims`: the parallel layout of a job, validated before anything is built.
+"""`ParallelDims`: the parallel layout of a job, validated before anything is built, and its meshes.
 
-Two foldings over the same ranks (Megatron's "parallel folding"):
+Two foldings over the same ranks, tp / etp fastest (Megatron's "tp-cp-ep-dp-pp"):
 
-    attention:  world = pp x dp x cp x tp          (tp fastest)
-    experts:    world = pp x edp x ep x etp        (etp fastest)
+    attention  world = pp x dp x cp x tp     rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+    experts    world = pp x edp x ep x etp   rank = ((pp_i * edp + edp_i) * ep + ep_i) * etp + etp_i
 
-`dp` and `edp` are derived when given as -1.  The pipeline groups are the
-same in both foldings.  Passed explicitly everywhere; there is no module
-global.  `groups(rank)` is the pure rank arithmetic (tested without
-processes); `build_meshes` makes the two torch DeviceMeshes from it.
-
-Rank order (Megatron's "tp-cp-ep-dp-pp", tp fastest):
-    attention  rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
-    experts    rank = ((pp_i * edp + edp_i) * ep + ep_i) * etp + etp_i
-
-HSDP (`dp_replicate` = R > 1): the data-parallel index splits as R replicas x shard groups,
-the replica index the outer (slower) one, so a shard group is a block of consecutive ranks
-(within a node when the block fits one) and the replicas lie across nodes:
-
-    dp_i  = rep_i  * (dp / R)  + shard_i        dense  mesh (R, dp/R x cp)        FSDP2's 2-D mesh
-                                                vision mesh (R, dp/R x cp x tp)
-    edp_i = erep_i * (edp / R) + eshard_i       expert mesh (R, edp/R)
-
-Design choices:
-- cp is sharded over, never replicated: the parameters are sharded over (dp/R) x cp, as FSDP shards
-  them over dp x cp today; R only takes replicas out of dp.  The vision tower folds the same way
-  with tp inside its shard group; the experts fold edp as R x edp/R.  One R serves all three, so
-  dp and edp must both be divisible by it (`ParallelDims` says so).
-- R = 1 is today's FSDP: the same 4-dimension meshes and 1-D FSDP meshes, no new groups.
-- The meshes for R > 1 are 5-dimensional, (pp, dp_replicate, dp_shard, cp, tp) and
-  (pp, edp_replicate, edp_shard, ep, etp); `data_meshes` flattens their data dimensions back into
-  the 1-D `dp`, `edp`, `dp_cp` and `dp_cp_tp`, so every group of R = 1 exists with the same ranks
-  (the loader's dp, the loss's dp x cp), and gives FSDP2 its 2-D meshes.
+`dp` and `edp` are derived when -1.  HSDP (`dp_replicate` = R > 1) splits dp_i = rep_i * (dp/R) +
+shard_i and edp alike, the replica index outer: FSDP2 meshes (R, dp/R x cp), (R, dp/R x cp x tp) and
+(R, edp/R).  `groups(rank)` is the pure rank arithmetic; `build_meshes` makes the two DeviceMeshes
+and `data_meshes` the data-parallel ones.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,79 +1,15 @@
-"""Activation offloading (`model.offload_modules`): `apply_offload(model, modules, device_type)`.
+"""Activation offloading (`model.offload_modules`): what a scope saves for backward goes to host
+memory at the scope's exit and comes back, one scope ahead, in backward.
 
-Legend: B batch, S sequence, D hidden, H/K query/kv heads, hd head dim, M dispatched rows,
-F expert hidden.
+Legend: B batch, S sequence, D hidden, H/K query/kv heads, hd head dim, M dispatched rows, F expert
+hidden.
 
     apply_offload(model, ("layer_input", "core_attn"), "cuda")   # in build_model, after recompute
-    with SavedBytes(model) as meter: loss = model(**batch).loss    # what stays on the device, what went to host
+    with SavedBytes(model) as meter: loss = model(**batch).loss    # device bytes held, host bytes
     meter.bytes, meter.offloaded_bytes
 
-Scopes (the names `model.recompute_modules` uses where they apply; each is a region slot of
-moevlm.model.layout, so an `Offload` module sits there and `repr(model)` shows it):
-
-    layer_input  each decoder layer (its `region`), offloading only what is saved on the storage of
-                 the layer's input h (B,S,D): under model.recompute=full the checkpoint's saved
-                 input, under recompute of `layernorm` that norm's saved input, else what the
-                 input norm saves of h itself (in fp32 h; in bf16 its fp32 upcast is a new
-                 tensor and nothing of h is saved)
-    core_attn    the attention kernel call (q, k, v -> out), text and vision
-    mlp          the dense MLPs (the decoder's mlp_only_layers SwiGLU, each vision block's MLP)
-    moe_act      the experts' SwiGLU between the two grouped GEMMs (its input h (M,2F))
-    moe          the whole MoE block (router, dispatch, experts, combine)
-    vision       each vision block whole
-
-Design choices:
-- Mechanism: inside a scope, torch's `saved_tensors_hooks` see every tensor autograd keeps for
-  backward.  Pack records it; at the scope's exit (when its outputs are known) each recorded
-  tensor is copied to host memory (pinned on CUDA) and the device reference dropped, so its
-  storage is freed once nothing else holds it.  In backward the first unpack of a scope's tensors
-  copies the whole scope back and starts the copy of the scope that ran before it in forward (the
-  next one backward needs): one scope of prefetch, as torchtitan's and Megatron's offload do.
-- Streams: on CUDA every copy runs on one side stream per device.  Device to host waits for the
-  compute stream (the producer) and `record_stream`s the device tensor on the side stream, so the
-  allocator keeps its memory until the copy has read it; host to device allocates on the side
-  stream, records an event, the compute stream waits on that event at the first unpack, and the
-  tensor is `record_stream`ed on the compute stream.  The copies overlap the next layers' forward
-  and the later layers' backward.  Every stream call goes through `CudaStreams`, which a CPU
-  stand-in replaces in a test to check the calls' order without a GPU.
-- On the CPU the same code runs with no stream: the copies are host-to-host and synchronous, so a
-  saved tensor really comes back in a new storage and the numerics of the path are tested
-  (bit-identical to no offload: tests/parallel/test_activation_offload.py).
-- What stays on the device: tensors of the scope's outputs' storages (the next op saves them
-  too: moving them would free nothing), the scope's inputs that need no gradient (the document
-  mask, positions, token mask: shared by all layers, alive the whole step), parameters and their
-  views or casts (alive anyway; FSDP re-gathers its own), tensor subclasses (DTensor, a functional
-  collective's AsyncCollectiveTensor: its buffer may still be being written), tensors not on the
-  run's device, empty ones.
-- Per storage, not per tensor: the span of a device storage that a scope's saved tensors cover is
-  copied once (x saved by `pow` and by `mul`, the gate and up halves of the SwiGLU input), and each
-  saved tensor comes back as a view with its own offset, shape and strides on one new storage.  The
-  layouts are those of the run without offload, which keeps the numerics bit-identical: a CPU
-  kernel takes another, differently rounded path (vectorised or not) for another layout.
-- Composition with recompute: applied after `apply_recompute`.  A scope at a slot that already
-  holds a `Recompute` region wraps it (`Offload(inner=Recompute)`): the checkpoint saves its inputs
-  through the outer hooks, so those are offloaded, while the tensors it recomputes are saved through
-  its own (inner) hooks and never reach the offload; a recomputed tensor is never offloaded.  A scope
-  inside a recomputed region is not installed (it keeps nothing: the region saves only its inputs);
-  where that leaves a chosen scope no instance (core_attn, mlp, moe_act, moe under recompute=full,
-  moe_act under selective moe) `check` refuses it.  A scope inside another chosen scope (the vision
-  block's MLP and attention under `vision`, the SwiGLU under `moe`) is not wrapped again;
-  `layer_input` selects by storage and covers nothing.
-- Prefetch chains: a scope's predecessor is the scope that opened before it in the same chain; a
-  chain is one forward of one pipeline stage module (`set_chains`), and a scope opening a second
-  time starts a new chain (the next micro-batch), so a schedule with several forwards in flight
-  never prefetches another micro-batch's tensors.
-- Runs plainly when autograd is off (eval, a frozen vision tower).  Parameter-free modules: names,
-  state dicts and checkpoints are the same with and without offload.
-- Host copies are made through `_host_buffer`, which the planner's storage tracker recognises
-  (`allocating_host()`), so a plan counts them as host memory, not device memory.
-- Measuring: `SavedBytes` (recompute.py) counts, per forward, the distinct storages still held
-  for backward on the device and the bytes of the distinct host copies (`offloaded_bytes`); an
-  offloaded tensor's original storage counts on the device only when something else still saves it.
-- Refused elsewhere (moevlm.train.validate): train.compile (the hooks copy and synchronise streams
-  from Python, which a compiled block cannot trace), and CUDA-graph scopes that overlap an offload
-  scope (a capture cannot contain host copies and synchronisation).
-- Not run on a GPU in the session that wrote it: tests/gpu/test_offload.py is the check (overlap
-  read from CUDA events, peak memory, numbers).
+Scopes, each an `Offload` at a region slot of moevlm.model.layout: layer_input (what is saved on
+the storage of a decoder layer's input h (B,S,D)), core_attn, mlp, moe_act (h (M,2F)), moe, vision.
 """
 
 from __future__ import annotations
@@ -205,7 +141,7 @@ def _inside(name: str, slot: str, recomputed: set[str]) -> bool:
 
 
 def set_chains(stages) -> None:
-    """Each pipeline stage module's scopes form their own prefetch chains (module docstring)."""
+    """Each pipeline stage module's scopes form their own prefetch chains (docs/architecture.md)."""
     for i, stage in enumerate(stages):
         for m in stage.modules():
             if isinstance(m, Offload):
@@ -512,7 +448,7 @@ class _Group:
 # ------------------------------------------------------------------ the region
 class Offload(Region):
     """A scope whose saved activations go to host memory in forward and come back in backward
-    (module docstring); wraps the region already at its slot (`inner`: a Recompute) if any."""
+    (docs/architecture.md); wraps the region already at its slot (`inner`: a Recompute) if any."""
 
     def __init__(self, scope: str, state: OffloadState, inner=None):
         super().__init__()

@@ -1,51 +1,13 @@
 """Optimizer offload (`parallel.optimizer_offload=true`): the optimizer state in host memory, the
-AdamW step on the CPU.
+AdamW step on the CPU.  Under FSDP2 it is FSDP's `CPUOffloadPolicy` (`fsdp_offload_policy`, applied
+by moevlm.parallel.data_parallel) with the ordinary optimizer over the host shards; under DDP and
+one process it is `HostOffloadAdamW`: fp32 host masters and AdamW state, gradients copied in,
+updated weights copied back in place.  Why: docs/architecture.md.
 
-    opt = build_optimizer(model, job.optim, offload=True)   # HostOffloadAdamW under DDP / one process
+    opt = build_optimizer(model, job.optim, offload=True)   # HostOffloadAdamW (DDP, one process)
     ...backward, ctx.finish_gradients(), ctx.clip_grad_norm_(...)...
     opt.step()      # grads device->host, AdamW on the host masters, weights host->device
     opt.zero_grad(set_to_none=True)
-
-Two mechanisms, one per data-parallel mode:
-
-- FSDP2 (several processes, `parallel.dp_mode=fsdp`): FSDP's own `CPUOffloadPolicy`
-  (`fully_shard(offload_policy=...)`, applied by moevlm.parallel.data_parallel).  The sharded fp32
-  parameters, their reduce-scattered gradients and so the AdamW state live on the host; FSDP copies
-  each unit's shard host->device before its all-gather and the reduced gradient device->host.  The
-  optimizer is the ordinary one, built over those host parameters: nothing here.
-- DDP and one process: `HostOffloadAdamW` below.  The device keeps its fp32 parameters (the forward
-  reads them under bf16 autocast); the host holds an fp32 master copy of each trainable parameter's
-  local shard and the AdamW state (exp_avg, exp_avg_sq, step).  A step copies each gradient
-  device->host (after the data-parallel reduction and after clipping, so the clip norm is the one
-  computed on the device, unchanged), runs torch's AdamW on the host masters (fused CPU kernel where
-  torch has one, else foreach: `optim.implementation` as for the device), and copies every updated
-  master host->device into the parameter in place (its address stays: CUDA graphs and FSDP-free
-  references keep working).
-
-Design choices:
-- Result: the same AdamW arithmetic on the same fp32 values, only on another device, so a run with
-  offload equals one without (CPU: bitwise for the foreach/for_loop kernels; CUDA vs CPU kernels:
-  to rounding).
-- Pinned host buffers and non_blocking copies on CUDA: the device->host gradient copies are queued
-  on the current stream and waited for once (a stream synchronize) before the CPU step; the
-  host->device copies of the masters are queued non_blocking after it and need no wait (the next
-  forward is queued behind them on the same stream, and the next CPU step waits behind the next
-  gradient copies).  Host buffers are pinned only when the parameters are on a CUDA device (FSDP's
-  policy: when the job's device is CUDA); on the CPU the copies are plain copies.
-- Checkpoints keep their format: the host masters form a shadow module with the model's parameter
-  names, each a tensor of the same kind as the model's (a DTensor with the parameter's own spec over
-  a host local tensor, or a plain tensor), and the optimizer's checkpoint state dict is DCP's
-  `get_optimizer_state_dict(shadow, adamw)`: the same keys, shapes and placements as the device
-  optimizer's (moevlm.train.checkpoint asks `checkpoint_view()`).  After a load the masters are read
-  back from the model (`load_masters()`).  So a run saved with offload resumes without it, and the
-  other way round.
-- The lr schedule drives this optimizer's param_groups (the host AdamW's own list); the weight-decay
-  groups are `moevlm.train.optim.param_groups` of the shadow module, so their names and members are
-  those of the device optimizer.  Step hooks (the FP8 weight cache) are the host AdamW's.
-- Host memory per trainable element: master 4 B + gradient buffer 4 B + AdamW state 8 B.  Device
-  memory saved: the AdamW state (8 B); the master is a second copy, since the device keeps fp32
-  weights for the autocast forward.  Traffic per step: 4 B device->host (gradient) + 4 B
-  host->device (weight) per element.
 """
 
 from __future__ import annotations

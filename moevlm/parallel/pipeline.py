@@ -1,63 +1,15 @@
 """Pipeline parallelism: the model cut into stages, run by torch.distributed.pipelining.
+Legend: B rows per micro-batch, S sequence, D hidden, Np patches per micro-batch, E experts.
 
-Legend: B rows per micro-batch, S sequence, s = S/tp (sequence parallel), D
-hidden, Np patches per micro-batch, m = Np/merge^2 merged image rows, E
-experts, M micro-batches per step.
-
-    prune_to_stages(model, plan, pp_rank)        # on meta, before TP/EP/FSDP (build_model does it)
-    pipe = Pipeline(model, plan, pp_rank, pp_group)           # build_model builds it; FSDP roots on its stages
-    pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's stages + schedule
-    micro = pipe.share(micro if pp_rank == 0 else None, device)      # every pp rank gets the step's inputs
+    prune_to_stages(model, plan, pp_rank)              # on meta, before TP/EP/FSDP (build_model)
+    pipe = Pipeline(model, plan, pp_rank, pp_group)     # build_model; FSDP roots on its stages
+    pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's schedule
+    micro = pipe.share(micro if pp_rank == 0 else None, device)   # the step's inputs, every pp rank
     lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_divisor)
-    lm_sum = pipe.forward_only(micro_batches)                  # validation: no backward, no schedule
+    lm_sum = pipe.forward_only(micro_batches)           # validation: no backward, no schedule
 
-What travels between stages (every tensor floating point, every one with a
-gradient coming back, static shapes from the packer's fixed budgets):
-
-    h        (B, s, D)       the residual stream (this rank's sequence shard, s = S/(cp x tp))
-    ds_k     (B*m, D)        deepstack feature k for every k still to be consumed
-                             (those of layers on later stages), with the
-                             padding rows: made once by the vision tower on
-                             stage 0, never recomputed
-    stats    (2E+3,) fp32    router statistics summed over the layers so far:
-                             [sum of probabilities (E) | selections (E) | tokens |
-                              per-layer sequence-wise losses | per-layer z-losses]
-                             (the last two zero unless moe.aux_loss=sequence / moe.z_loss_coeff)
-
-The last stage forms the step's objective for its micro-batch exactly as one
-process does (`moevlm.model.objective`): lm_sum / (global loss tokens) + coef *
-aux / (micro-batches x dp), with the aux loss from the statistics of *all* layers (it is not a sum over
-stages), so its gradient reaches every stage's router through `stats`.  With
-moe.aux_loss=global_batch the last stage weighs the micro-batch's probabilities by the step's
-frequencies so far (`frequencies`, moevlm.parallel.balance), in the schedule's micro-batch order.
-
-Design choices:
-- The model is pruned per rank (`prune_to_stages`): the decoder layers become
-  a ModuleDict keyed by their index, so parameter names, DCP checkpoints and
-  the optimizer state are those of the whole model, and a pp2 checkpoint loads
-  under pp1 or another split.  Parts a rank does not hold are set to None.
-- A stage is a `StageModule` over the rank model's own modules: it reuses the
-  model's code (`embed`, `layer_inputs`, `run_layers`, `lm_loss`), including
-  the tensor-parallel rewrites of those hooks.  Under FSDP each stage module
-  is the root of its stage's units, so torch's stage defers the gradient
-  reduce-scatter to the last micro-batch.
-- Per-micro-batch inputs (token ids, positions, document boundaries, masks,
-  labels) are not pipeline activations: every rank of a pipeline group holds
-  the step's micro-batches (the first stage's rank reads and decodes them,
-  `share` broadcasts their text part to the others, which never decode
-  images) and a stage finds its micro-batch by the index torch passes as the
-  keyword argument `mb`.
-- Stage shapes are given to torch (`input_args`/`output_args`), so no
-  shape-inference pass runs and torch 2.11 and 2.13 behave the same.
-- Gradients are not scaled by torch (`scale_grads=False`): the objective is
-  already normalised by the global token count.
-- Forward only (`forward_only`, validation under no_grad): not torch's schedule, whose eval mode
-  (torch 2.13) re-initialises the stages, metadata inference included, at every switch between
-  training and evaluation, and which differs between torch versions, but the stage modules called
-  in GPipe order (micro-batch by micro-batch, stage by stage) with blocking point-to-point sends of
-  the same static boundary tensors; every rank posts its sends and receives in that one order, so
-  it cannot deadlock.  The last stage returns its micro-batch's summed token loss (no aux loss, no
-  frequencies).
+Between stages: h (B, S/(cp x tp), D), the deepstack features still to be added and the router
+statistics (2E+3,) fp32; the last stage forms the objective (docs/architecture.md).
 """
 
 from __future__ import annotations

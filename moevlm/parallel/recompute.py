@@ -1,55 +1,15 @@
-"""Recompute (activation checkpointing): `apply_recompute(model, mode, modules)`.
+"""Recompute (activation checkpointing): `apply_recompute(model, mode, modules)` installs
+`Recompute` regions, recomputed in backward from their inputs; `SavedBytes` measures what is kept.
 
 Legend: T tokens, D hidden, M dispatched rows, F expert hidden.
 
-    apply_recompute(model, "selective", ("core_attn", "moe_act"))   # in parallelize(), after TP/EP
+    apply_recompute(model, "selective", ("core_attn", "moe_act"))   # in build_model, after TP/EP
     with SavedBytes(model) as meter: loss = model(**batch).loss      # measure what forward keeps
-    meter.bytes                                                       # activations held for backward
+    meter.bytes                                                      # activations held for backward
 
-Modes and regions (each region is recomputed in backward from its inputs):
-
-    none        nothing recomputed
-    full        each decoder layer whole and each vision block whole
-    selective   the regions named in `modules`:
-      core_attn   the attention kernel call alone (q, k, v -> out), text and vision
-      layernorm   every RMSNorm / LayerNorm of the decoder and the vision tower (its
-                  internals; its output is still kept by the matmul that reads it)
-      mlp         the dense MLPs: the decoder's `mlp_only_layers` SwiGLU and each vision
-                  block's MLP
-      moe_act     the experts' SwiGLU between the two grouped GEMMs
-      moe         the whole MoE block (router, dispatch, experts, combine)
-      vision      each vision block whole
-
-Design choices:
-- torch's non-reentrant `checkpoint` with a selective-checkpoint context whose
-  policy saves the output of every functional collective
-  (`torch.ops._c10d_functional.*`: all-gather, reduce-scatter, all-reduce,
-  all-to-all and their `wait_tensor`) and recomputes everything else, so a
-  recomputed region gets its communication back from the cache and backward
-  never issues a collective twice.  For that every collective inside a region
-  is a functional one (moevlm/parallel/comm.py, the all-to-all dispatcher)
-  or a custom op of the deepep dispatcher (`moevlm_deepep::*`);
-  FSDP's parameter all-gathers run in module hooks, outside the regions.
-- A region is a `Recompute` module installed at one of the model's region slots
-  (moevlm.model.layout: a module's `region`, the experts' `act_region`; the core
-  attention is its own module): parameter-free, so parameter names, state dicts and
-  checkpoints are the same under every setting, and `repr(model)` shows every
-  recomputed region.  A region inside a bigger chosen region (norms of a vision block
-  under `vision`, the SwiGLU under `moe`) is not wrapped again.
-- Applied after TP/EP and before compile/FSDP (torchtitan's order), on this
-  rank's pipeline stages (the pruned model), so pp works unchanged.
-- Regions run plainly when autograd is off (a frozen vision tower, eval).
-- The model stays parallelism-free: it only offers the seams.
-- FLOPs and MFU stay useful work: they come from the config
-  (moevlm/model/flops.py), never from what runs, so recompute is not counted.
-- `SavedBytes` measures, per forward, the distinct storages held for backward:
-  what autograd saves outside the regions (`saved_tensors_hooks`), each
-  region's tensor inputs (the checkpoint saves them through the same hooks) and the
-  collective outputs the selective cache keeps; parameters are left out.  Under
-  activation offload (moevlm/parallel/offload.py) a scope's hooks report to the meter
-  what they keep on the device (`hold`) and what they copied to host (`offload`):
-  `bytes` counts the device storages still held by some saved reference,
-  `offloaded_bytes` the distinct host copies.
+Modes: none; full (each decoder layer and vision block whole); selective, the regions in `modules`:
+core_attn, layernorm, mlp, moe_act, moe, vision.  Collective outputs are saved, not recomputed
+(`COMM_NAMESPACES`), so backward never issues a collective twice.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -202,7 +162,7 @@ _METERS: list["SavedBytes"] = []
 
 
 class SavedBytes:
-    """Bytes of the distinct storages one forward keeps for backward (see the module docstring)."""
+    """Bytes of the distinct storages one forward keeps for backward (docs/architecture.md)."""
 
     def __init__(self, model: nn.Module):
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -1,42 +1,14 @@
-"""Tensor parallel with sequence parallel (Megatron style) for the text decoder.
+"""Tensor parallel with sequence parallel (Megatron style) for the text decoder: the strategies a
+model is built with (`tp_strategies`) and the weight placements applied to it afterwards
+(`shard_tensor_parallel`; parameter names stay those of the unsharded model).
 
-Legend: B batch, S sequence, s = S/tp local sequence, D hidden, V vocabulary,
-H query heads, K kv heads, hd head dim, tp the tensor-parallel size.
+Legend: B batch, S sequence, s = S/tp local sequence, D hidden, V vocabulary, H query heads, K kv
+heads, hd head dim, tp the tensor-parallel size.
 
-The strategies a model is built with (`tp_layout`, moevlm.model.layout) and the weight
-placements applied to it afterwards (`shard_tensor_parallel`; parameter names stay those of
-the unsharded model):
-
-    embed_tokens     vocab-parallel: rows [r*V/tp, (r+1)*V/tp), Shard(0); the partial
-                     lookups are summed over tp (`sum_replicated`), image features are
-                     scattered into the full sequence, then the sequence is split
-    decoder layers   hidden states are (B, s, D) between blocks (sequence parallel):
-                     norms and residual adds run on 1/tp of the tokens
-    self_attn        all-gather the sequence -> q/k/v column parallel (H/tp heads;
-                     K/tp kv heads, or, when K < tp, the one kv head those query heads
-                     use, sliced from a replicated k/v weight: `kv_rows`) -> attention ->
-                     o_proj row parallel -> reduce-scatter the sequence
-    dense MLP        all-gather -> gate/up column parallel -> down row parallel ->
-                     reduce-scatter
-    MoE block        routes its own s tokens; router statistics (aux loss, expert
-                     load) are summed over tp so the aux loss is the micro-batch's
-    deepstack        added through `split_seq`, so every tp rank gets the vision
-                     tower's full gradient
-    lm_head          all-gather the sequence -> vocab-parallel logits (B, S, V/tp) ->
-                     vocab-parallel cross-entropy; full logits are never gathered
-
-Design choices:
-- Sharded weights are DTensors on the attention mesh's `tp` dimension (so FSDP2
-  composes with them and DCP checkpoints reshard); the forward runs on their
-  local shards with our own collectives (`comm.py`), which Megatron-style TP
-  needs anyway for the varlen attention and the MoE path.
-- Sequence parallel is always on when tp > 1 (Megatron requires it with MoE).
-- Weights that stay whole but see only part of the work (norms on 1/tp of the
-  tokens, q/k norms on H/tp heads, the router, kv weights replicated when K < tp)
-  get partial gradients: they are recorded in `tp_partial` and their gradients
-  summed over tp once per step (`ParallelContext.finish_gradients`).
-- The vision tower is not tensor parallel: every tp rank runs it on the same
-  images (FSDP2 shards its weights over all ranks; see data_parallel.py).
+Between blocks the hidden states are (B, s, D); attention and the dense MLP all-gather the sequence,
+run column- then row-parallel projections and reduce-scatter it; the embedding and the LM head are
+vocab-parallel.  Weights that stay whole but see part of the work are listed in `tp_partial`, their
+gradients summed over tp once per step.  Per module, and why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""Vocab-parallel cross-entropy: the LM head's logits stay sharded over the
-tensor-parallel group along the vocabulary; the full (T, V) logits are never
-gathered.
+"""Vocab-parallel cross-entropy: the LM head's logits stay sharded over the tensor-parallel group
+along the vocabulary; the full (T, V) logits are never gathered.
 
 Legend: T tokens, V local vocabulary shard.
 
     loss_T = vocab_parallel_cross_entropy(logits_TV, target_T, vocab_start, group)
 
-Three all-reduces of (T,) vectors: the max (for stability), the sum of
-exponentials, and the target's logit (each target lives on exactly one rank).
-Backward is local: softmax minus one-hot on the shard that holds the target,
-scaled by the incoming gradient.  Targets equal to `ignore_index` give 0 loss
-and 0 gradient.  Computed in fp32 whatever the logits' dtype.
+Three all-reduces of (T,) vectors: the max (for stability), the sum of exponentials, and the
+target's logit (each target lives on exactly one rank).  Backward is local: softmax minus one-hot
+on the shard that holds the target, scaled by the incoming gradient.  `ignore_index` targets give
+0 loss and 0 gradient.  Computed in fp32 whatever the logits' dtype.
 """
 
 from __future__ import annotations

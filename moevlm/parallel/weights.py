@@ -4,10 +4,8 @@ storage layout of the expert weights.
     init_parameters_(model, seed, ctx)       # the same weights under any layout
     full_state_dict(model); full_grads(model)  # unsharded, by name (collective)
 
-Design choices:
-- Initialisation is layout independent: every parameter is drawn whole from a
-  generator seeded by (seed, its name) and this rank keeps its shard, so one
-  process and any layout (pipeline stages included) start from the same weights.
+Every parameter is drawn whole from a generator seeded by (seed, its name) and this rank keeps its
+shard, so one process and any layout (pipeline stages included) start from the same weights.
 """
 
 from __future__ import annotations

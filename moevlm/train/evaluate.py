@@ -2,38 +2,13 @@
 
     held = HeldOut(loader, batches=4, grad_accum=2, rows=1, model=model_cfg)   # Trainer.__init__
     if val_due(step, train_cfg):
-        record.update(evaluate(trainer, held))        # {"val_loss": ..., "val_tokens": ...}, every rank
+        record.update(evaluate(trainer, held))   # {"val_loss": ..., "val_tokens": ...}, every rank
     held.close()
 
 Configured by `data.val_shards` (the forms of data.shards, `sample` included), `train.val_every`
-(steps; 0 = off) and `train.val_batches` (global batches of held-out rows per evaluation).
-
-Design choices:
-- Fixed rows: a loader over data.val_shards (the training run's data settings and tokenizer, only the
-  shards changed, streams looping forever) is put back to its fresh state at every evaluation, so
-  each evaluation reads the first `val_batches` x `train.global_batch_size` rows of the held-out
-  stream order: the same rows every time (a held-out set smaller than that wraps into its next
-  epoch's order, the same each time too).  The rows are re-read, not kept: a packed row carries its
-  whole patch budget of pixels (16,384 x 1,536 fp32 values = 96 MiB at the default budget), so
-  keeping 4 global batches would hold gigabytes on the host for the whole run.  The loader's
-  workers are stopped after each evaluation, so none reads ahead during training.
-- Layout independent, like the training loss: the held-out loader deals global row k to
-  data-parallel rank k mod dp from streams fitted to the held-out shards alone; each rank forwards
-  its `grad_accum` micro-batches per global batch; the sum of token losses (float64) is summed over
-  the loss group (dp x cp; with pipeline stages over the pipeline group, the last stage's) and
-  divided by the global count of loss tokens (summed over dp).  So one process, FSDP, TP, EP and
-  pipeline layouts give the same `val_loss` to float32 summation order.
-- Forward only: `torch.no_grad()` and `model.eval()`; with pipeline stages
-  `Pipeline.forward_only` (the stages in GPipe order, point-to-point sends; no schedule, no
-  backward).  FSDP units are resharded afterwards (a forward without backward leaves the roots'
-  weights gathered).  The aux loss is not part of `val_loss`: it is the LM loss only.
-- Training untouched: the training loader is not read; torch's RNG states (CPU and device) are put
-  back afterwards (a DataLoader iterator draws its base seed from the global generator); the expert
-  capacity counters of the step are restored (held-out drops are not the step's); graphs that
-  `train.compile` builds for the no-grad forward are not counted as recompiles.  A run resumed from
-  a checkpoint therefore continues exactly, validation on or off.
-- When: after step N if N % val_every == 0, and after the last step (train.steps) whatever N;
-  the values join step N's metrics record, which is then written even off the log_every grid.
+(steps; 0 = off) and `train.val_batches` (global batches of held-out rows per evaluation).  Due
+after every val_every-th step and after the last; `val_loss` is the LM loss alone, from the same
+held-out rows each time, with training left untouched (why: docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The process exit codes of a training run: `Trainer.run` returns them, train.py exits with them.
 
-Design choices:
-- One IntEnum, so a code compares, formats and exits as the plain number (`sys.exit(ExitCode.DATA)`
-  exits 8) while the name says what happened.  The numbers are the public interface: scripts and
-  schedulers branch on them, so they never change.
-- 1 is Python's own code for an uncaught exception as well as "the loss did not fall": a wrapper that
-  must tell them apart reads the log.  4-9 are the next free small numbers: a wrapper script can tell
-  "checkpoint written, relaunch" (4) from a kill (128+signum, the shells' convention, kept for the
-  second signal that skips the checkpoint) and from a crash.
+`ExitCode` is an IntEnum, so `sys.exit(ExitCode.DATA)` exits 8 while the name says what happened;
+the numbers are the public interface and never change.  A second stop signal exits 128+signum
+(`second_signal`).  Why these numbers: docs/architecture.md.
 """
 
 from __future__ import annotations

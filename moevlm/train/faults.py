@@ -1,44 +1,15 @@
-"""Faults the trainer turns into a checkpoint or one clear line instead of a lost run or a silent hang.
+"""Faults the trainer turns into a checkpoint or one clear line, not a lost run or a silent hang:
+stop signals, the stop agreement over ranks, failed collectives, and the step watchdog.
 
     faults = Faults(rank, world, timeout_s=600, watchdog=StepWatchdog(10, 60, None))
     faults.start()                       # in Trainer.run: signal handlers + watchdog thread
     faults.begin_step(n); faults.at("forward/backward"); ...; faults.end_step()
     if faults.stop_requested(device):    # collective, after each step
         save, print, return ExitCode.INTERRUPTED
-    code = faults.failure_code(err)      # a failed collective: one line to stderr, ExitCode.COLLECTIVE
+    code = faults.failure_code(err)      # a failed collective: one line, ExitCode.COLLECTIVE
     faults.close()                       # previous handlers back (library use, sweeps)
 
-The exit codes of these faults (INTERRUPTED, COLLECTIVE, WATCHDOG, and 128+signum for a second signal)
-are `moevlm.train.exit_codes.ExitCode`'s, documented there with the others.
-
-Design choices:
-- Signals: the Python handler does nothing; the C-level handler writes the
-  signal number to a wakeup fd (`signal.set_wakeup_fd`) that a thread reads.
-  So the first signal is noted and a second one exits *at once* even while
-  the main thread is blocked inside a collective (where Python handlers only
-  run after it returns).  A repeat within `REPEAT_WINDOW_S` counts as the same
-  signal: under Slurm the scheduler signals every process of the step and
-  torchrun forwards the same signal to its workers a moment later.
-- Agreement: after each step every rank all-reduces (MAX) its "signal seen"
-  flag over the default group (every rank, pipeline and tensor-parallel ranks
-  included), so all stop after the same step and write one checkpoint.  One
-  int32 all-reduce per step; the step already syncs the host for its loss, so
-  it adds no extra device sync.  Measured on CPU with gloo, 2 ranks, on a busy
-  2-core machine: ~1 ms per step (< 1% of the tiny model's 0.3-3 s steps).
-- Collective failures: gloo raises after `parallel.timeout_s` (or when a peer's
-  socket closes); the trainer catches it and prints what it was doing (the
-  phase set by `at`) and the likely cause.  NCCL's own watchdog aborts the
-  process after the same timeout; the step watchdog's report (below) has then
-  already named the phase.  600 s is torch's NCCL default: long enough for the
-  slowest legitimate wait (first-step compile, a large checkpoint write, an HF
-  import while others wait at a barrier), and a third of gloo's 30 min.
-- Step watchdog: a thread that, once `WARMUP_STEPS` steps are done (compile,
-  allocator warm-up) and one more was timed, reports a step running longer than both
-  `factor` x the median of the last `WINDOW` step times and `min_s`: one line,
-  then every thread's Python stack (faulthandler) to stderr, once per step.
-  `abort_s` (off by default: a stall outside a collective, e.g. a slow
-  filesystem, may recover, and collectives already end at timeout_s) ends the
-  process when any step, checkpoint save or other phase runs longer.
+Exit codes: moevlm.train.exit_codes.ExitCode.  Why it works this way: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,67 +1,14 @@
-"""Step metrics and logging: one JSON line, TensorBoard scalars, W&B (optional) and a console line per logged step.
+"""Step metrics and logging: one JSON line, TensorBoard scalars, W&B (optional) and a console line
+per logged step, written by rank 0 only, every line flushed.
 
     logger = MetricsLogger(run_dir, rank, total_steps, log_every)
     if logger.should_log(step):
         logger.log(step_record(step=step, loss=..., useful_tokens=..., flops=..., ...))
     logger.close()
 
-Conventions:
-- Throughput is PER DEVICE: `tokens_per_s` = global useful tokens / step time /
-  world size, `tflops` = global model FLOPs / step time / world size / 1e12.
-  The step time is the wall time of the whole step (data wait included).
-- Useful tokens are the text tokens of real samples: padding excluded (the
-  packer's `useful_tokens`, summed over micro-batches and ranks).  A record carries
-  them as `tokens`, with `images` (real images) and `image_tokens` (their merged
-  tokens in the text), each summed over the global batches of the log window.
-- `vision_flops_max_over_mean`: the vision tower's FLOPs of the slowest data-parallel rank (the
-  slowest context-parallel share within it) over the mean rank's, per micro-batch, since the ranks
-  meet at every micro-batch under FSDP and expert parallelism (tp ranks encode the same images and
-  count once); over a log window, the
-  sum of the micro-batches' maxima over the sum of their means (each weighted by its vision work;
-  null when no image was encoded).  1.0 is perfect balance; `data.pack.max_vision_flops` bounds each
-  row's share (moevlm.data.packing).
-- Validation (moevlm.train.evaluate) adds `val_loss` and `val_tokens` to the record
-  of the step it followed (TensorBoard/W&B `val/loss`, `val/tokens`).
-- FLOPs are model FLOPs from `moevlm.model.flops.count_flops` (2*m*k*n per
-  matmul, attention as the full L x L square per document, experts at top-k,
-  training = 3 x forward, recompute not counted).  count_flops counts whatever
-  documents it is given; the trainer passes the real documents' lengths, not
-  the padding segment, so MFU, like tokens/s, counts useful work only.
-- MFU = tflops / dense bf16 peak of the device (no sparsity), from
-  `PEAK_TFLOPS` by device name.  On CPU or an unknown GPU it is null, never
-  guessed; set config `train.peak_tflops` to override the peak.
-- `mem_gib` is the peak allocated CUDA memory since the last
-  `reset_peak_memory`, or on CPU the process's max RSS (never reset); with
-  pipeline stages the trainer adds `mem_gib_by_pp_rank` (the largest over the
-  ranks at each pipeline position: stage memory differs, the first holding
-  the vision tower and the last the LM head).
-- With pipeline stages tokens and FLOPs are counted once per micro-batch (from
-  the first stage's inputs), not once per stage; the expert load covers the
-  layers of every stage.
-- Expert load: max over layers of (max expert count / mean expert count) of the
-  routed-token counts; 1.0 is perfect balance, null without MoE layers.
-  `expert_load_by_layer` lists the same ratio per MoE layer (decoder order; TensorBoard
-  `moe/load_max_over_mean/layer_<i>`, i the MoE layer's position among the MoE layers), and
-  with an expert capacity the trainer adds `moe_dropped_fraction_by_layer` (dropped over routed
-  (token, expert) choices per MoE layer; `moe/dropped_fraction/layer_<i>`).
-- Non-finite numbers are written to metrics.jsonl as the strings "nan", "inf",
-  "-inf" (valid JSON; `float()` reads them back), so a NaN loss stays visible
-  as such rather than looking like a missing value.
-- `components_s` (train.profile_components; moevlm.train.profile): seconds per step component summed
-  over the log window like `step_time_s`, rank 0's own; TensorBoard/W&B tags `profile/<component>_s`.
-- Only rank 0 writes; every line is flushed, so a killed run keeps its log.
-- The console line starts `step i/N | eta T`: the steps left to N at this launch's mean wall time
-  per step since its first record (validation, checkpoints and data waits included: what the user
-  waits for), at that first record its own step time; then the losses, lr, the job's tokens/s
-  (several processes) and per device, TFLOP/s and the rest.
-- One value per step after a resume: `resume_at(step)` drops the records of
-  the steps after the checkpoint from metrics.jsonl (rewritten atomically) and
-  reopens TensorBoard with `purge_step`, which makes readers discard the older
-  sessions' events from that step on.
-- Weights & Biases (`train.wandb`, moevlm.train.wandb_log) receives the same
-  scalars as TensorBoard under the same tags (`scalars`), with `step=`; it
-  cannot drop history on a resume (one line says which steps keep their first
-  values there).
+Rates are per device (`tokens_per_s`, `tflops`: global useful tokens or model FLOPs / step time /
+world size); MFU divides by the device's dense bf16 peak (`PEAK_TFLOPS`).  What every field means:
+docs/architecture.md, "Training loop services".
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """AdamW and the learning-rate schedules.
 
-Design choices:
-- Two kinds of parameter group: matrices (and 3-D expert weights, the router) decay;
-  norms, biases and embeddings (`embed_tokens`, the vision `pos_embed`) do not,
-  unless `optim.decay_norms_biases_embeddings=true` (the Megatron and
-  torchtitan defaults agree on excluding them).  Frozen parameters are left out.
-  Under a parallel layout each kind is split further by device mesh (plain
-  tensors and each mesh's DTensors apart), one group each.
-- `implementation=auto` takes the fused kernel where the parameters' device has
-  one (CUDA, and CPU in recent torch), else foreach; the update is the same.
-- `parallel.optimizer_offload` under DDP or one process wraps the same AdamW (same groups, same
-  kernel choice, made for the host device) in moevlm.parallel.optimizer_offload.HostOffloadAdamW.
-- Schedules are a multiplier of `optim.lr` after a linear warmup from lr/warmup:
-  `cosine` to `min_lr_ratio` at the last step; `wsd` (warmup-stable-decay)
-  holds the peak, then decays over the last `decay_fraction` of the steps
-  (linear, cosine or 1-sqrt) to `min_lr_ratio`; `constant`.
-  The scheduler's state_dict is plain data (the multiplier's fields), so it
-  round-trips through checkpoints as JSON, with the run length it was built for.
-- Resuming with another `train.steps` rescales the schedule to the new
-  length (`fit_resumed_schedule`): the position (updates taken) is kept and
-  the lr follows the fresh `steps`-long curve from there, logged with the
-  old and new length and lr (torchtitan's behaviour, which rebuilds the
-  schedule from the config; Megatron refuses a changed length unless told to
-  override).  The other schedule fields stay the checkpoint's, with a note
-  when the config differs.  Fewer steps than already taken is refused by the
-  trainer.
+    opt = build_optimizer(model, job.optim)            # AdamW over decay / no-decay groups
+    sched = build_scheduler(opt, job.optim, steps)     # warmup, then cosine | wsd | constant
+    notes = fit_resumed_schedule(sched, job.optim, steps)   # after a resume: rescaled to `steps`
+
+No weight decay for parameters of fewer than 2 dimensions or whose name contains `embed`, unless
+`optim.decay_norms_biases_embeddings=true`; each group is split further by device mesh.  Why:
+docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,55 +1,15 @@
 """Where a training step's time goes: per-component times and torch.profiler traces.
 
-    prof = Profiling(job.train, model, device, run_dir, rank, log)   # after the model is parallelized
-    prof.begin_step(n)                 # the trainer, at the top of step n
-    prof.start("data"); ...; prof.stop("data")                  # its own phases
+    prof = Profiling(job.train, model, device, run_dir, rank, log)   # after the model is built
+    prof.begin_step(n); prof.start("data"); ...; prof.stop("data")   # the trainer's own phases
     prof.end_step(n)                   # one sync (CUDA), the step's intervals summed
-    prof.after_step(n)                 # after the trainer took the step time: a finished trace is written
+    prof.after_step(n)                 # after the trainer took the step time: a finished trace
     record["components_s"] = prof.take_window()                 # when a metrics line is written
     prof.close()                       # the end-of-run table, a trace still open
 
-`train.profile_components=true` fills COMPONENTS for every step; `train.profile_steps=A,B` writes a
-chrome trace of steps A..B to `<run_dir>/profile/rank<R>_steps<A>-<B>.json`.
-
-Components (seconds, disjoint, they and `other` add up to the step):
-    data              fetching the step's micro-batches (+ sharing them over the pipeline group)
-    vision_encoder    the vision tower's forward without its mergers (patch embedding, positions, blocks)
-    merger            the 2x2 merger and the deepstack mergers
-    attention         every decoder layer's `self_attn` (projections, q/k norm, rotary, attention)
-    router            every MoE layer's router (fp32 logits, softmax, top-k)
-    dispatch, combine the token dispatcher's two calls (permutation; all-to-all under expert parallel)
-    experts           the grouped-GEMM experts
-    lm_head_loss      the LM head and the cross-entropy (`lm_loss`; vocab-parallel under tp)
-    backward          `.backward()` of every micro-batch, recomputation included; with pipeline stages the
-                      schedule's time outside the forward components above (backward, stage transfers,
-                      bubbles, the untimed forward parts)
-    grad_reduce_clip  finishing the gradient reduction and clipping
-    optimizer         optimizer and schedule step, zeroing the gradients
-    other             the rest of the step: forward work outside the named parts (token embedding and
-                      image scatter, rotary tables and the document mask, layer norms, residual adds,
-                      deepstack adds, dense MLP layers, the aux loss, input checks), host-to-device copies
-                      of the inputs, the token-count and loss all-reduces, the non-finite check, bookkeeping
-
-Design choices:
-- Attached from outside: forward pre/post hooks on the modules found by class (VisionEncoder,
-  PatchMerger, TextAttention, Router, Experts, the experts runner's Dispatch and Combine steps, the LM
-  head and the layout's Loss: FSDP's classes are subclasses, so they are found too).  The model stays
-  profiling-free; what a pipeline rank does not hold is simply not timed there.
-- Intervals nest: each component's time is exclusive of the components opened inside it (the vision
-  tower's time excludes its mergers, the pipeline schedule's excludes the forward parts), so the named
-  parts never overlap and `other` = measured step - their sum, never negative beyond float noise.
-- Clocks: on CUDA, events recorded at every boundary and read once at the end of the step (one
-  synchronisation per step, only when profiling); on the CPU `time.perf_counter` (CPU ops are synchronous).
-- Recomputation (activation checkpointing) re-runs forward hooks inside backward: a hook that fires
-  while the autograd engine runs a graph task (`torch._C._current_graph_task_id() != -1`) is ignored,
-  so recomputed regions count once, as `backward`.
-- `components_s` in metrics.jsonl are sums over the steps of the log window, like `step_time_s`, so the
-  values add up to it.  Every rank times itself and rank 0 logs its own (no collective in the hot path);
-  every other rank writes its end table to `profile_components_rank<R>.md`.
-- Trace ranges: `record_function("moevlm.<component>")` around every component (hooks attached with
-  either option), so a trace shows them beside torch's operators.
-- Refused with `train.compile=true` (validation): hooks inside compiled blocks would break their graphs;
-  profile eagerly.
+`train.profile_components=true` times COMPONENTS (disjoint; with `other` they add up to the step)
+through hooks on the model's modules; `train.profile_steps=A,B` writes a chrome trace of steps A..B
+to `<run_dir>/profile/rank<R>_steps<A>-<B>.json`.  The components: docs/architecture.md.
 """
 
 from __future__ import annotations

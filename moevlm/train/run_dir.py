@@ -5,28 +5,10 @@
     run.write_config(yaml_text)                 # only once the resume checks passed
     run.release()                               # at exit; the kernel releases it if the process dies
 
-What is ours in a run directory (`OURS`): the marker `.moevlm-run`, the lock `.moevlm-run.lock`,
-`config.yaml` (and `config.previous.yaml`), `metrics.jsonl`, `checkpoints/`, `tb/`, `profile/`,
-`wandb/`, the layer statistics and profile tables the trainer writes.
-
-Design choices:
-- The lock is `flock(LOCK_EX | LOCK_NB)` on `.moevlm-run.lock`, held by rank 0's process for the
-  life of the job (a second trainer in the same process, as tests build them, reuses it): the kernel drops it when the process dies however it dies (SIGKILL included), so a crash never
-  leaves a stale lock to clean by hand.  The other ranks of the launch follow rank 0's claim (it
-  broadcasts the outcome), so a launch is one holder; another launch's rank 0 is refused at once with
-  the holder's host, pid, launch id and start time, which the holder writes into the lock file.
-  flock works within one machine and on file systems that implement it across machines (Lustre,
-  GPFS, NFSv4 with locking); where it is a no-op the lock cannot help, and the README says so.
-- A default run directory (`outputs/<date>/<time>`) is created with `mkdir` that must succeed, so two
-  launches in the same second cannot share it: the second takes `<time>-1`, then `-2`, ...
-- A directory that exists, is not empty and has no marker was not made by moevlm: refused, so a
-  mistyped `train.run_dir` never overwrites or moves anybody's files.  A run directory made before the
-  marker existed (a `config.yaml` with the job's groups) is recognised and marked.
-- Nothing inside is followed through a symlink: any of `OURS` that is a symlink refuses the start,
-  and the files written here are opened with `O_NOFOLLOW`.  The run directory itself may be a link
-  (to a larger disk).
-- `config.yaml` is written only after validation and the resume checks, so a relaunch that is refused
-  leaves the run's record as it was; the one it replaces is kept as `config.previous.yaml`.
+A directory is taken when it is empty or holds the marker `.moevlm-run`; the lock is an flock on
+`.moevlm-run.lock`, held by rank 0's process.  `OURS` names what moevlm writes there (the marker
+and lock, `config.yaml`, `config.previous.yaml`, `metrics.jsonl`, `checkpoints/`, `tb/`,
+`profile/`, `wandb/`), none of which may be a symlink.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations

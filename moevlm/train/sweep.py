@@ -1,30 +1,13 @@
-"""A Hydra sweep (`train.py -m`) that outlives its failed jobs: each job's outcome is recorded, the next
-job runs, and the sweep ends with one summary line and a non-zero code if any job failed.
+"""A Hydra sweep (`train.py -m`) that outlives its failed jobs: each job's outcome is recorded, the
+next job runs, and the sweep ends with one summary line and a non-zero code if any job failed.
 
-    python train.py -m train.micro_batch_size=3,1,2 train.steps=3   # job 0 fails: jobs 1 and 2 still run
-    cat <sweep dir>/status/0.json       # {"status": "failed", "exit_code": 2, "reason": "config error: ...", ...}
+    python train.py -m train.micro_batch_size=3,1,2 train.steps=3   # job 0 fails: 1 and 2 still run
+    cat <sweep dir>/status/0.json    # {"status": "failed", "exit_code": 2, "reason": ...}
     python bench/sweep_table.py <sweep dir>                         # one row per job, with its status
 
-Design choices:
-- Hydra's basic sweeper stops at the first job that raises, and a `sys.exit` inside a job ends the whole
-  process, so one mistyped value (or the loss check, on by default on the CPU) would cancel every later
-  job.  `run_job` wraps each job: whatever it returns, exits with or raises is written down and the job
-  returns normally, so the sweeper goes on.  A stop signal is different: a job that was interrupted
-  (exit 4, 128+signum, Ctrl-C during set-up) ends the sweep, as the user asked.
-- The record is a small JSON file per job, `<sweep root>/status/<job>.json` (the sweep root is
-  train.run_dir when set, else hydra.sweep.dir: the folder holding the jobs' run directories), written
-  atomically by rank 0 when the job starts (`running`, with pid and host) and again when it ends (`ok`,
-  `failed` or `interrupted`, the exit code, the reason, the time).  A job killed outright stays `running`,
-  which bench/sweep_table.py turns into `killed` when the pid is gone.  Files, not a list in this
-  process: any Hydra launcher (a process per job) writes them the same way, and they outlive the sweep.
-  The status folder is cleared when a sweep starts, so it describes one sweep, not a mix of two.
-- The reason is the job's last line of output (the `config error:` line, the `FAIL: loss did not fall`
-  line, the `stopping at step N:` line), taken by teeing stdout and stderr while the job runs; a crash's
-  reason is its exception's last line, and its traceback is printed as without a sweep.
-- `SweepStatus`, a Hydra callback (conf/config.yaml, hydra.callbacks), clears the folder before the first
-  job and prints the summary after the last: `sweep: 3 jobs, 1 failed, 2 ok: job 0 (failed, exit 2:
-  ...)`; the sweep exits with the first failed job's code (under torchrun, a rank other than 0 with the
-  first non-zero code of its own jobs).
+`run_job` wraps each job and writes `<sweep root>/status/<job>.json`; `SweepStatus` (a Hydra
+callback, conf/config.yaml) clears that folder before the first job and prints the summary after
+the last.  An interrupted job (exit 4, 128+signum) ends the sweep.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations

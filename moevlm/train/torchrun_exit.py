@@ -1,33 +1,12 @@
 """A config error under torchrun: the `config error:` line is the last thing the launch prints.
 
-    config_error_exit(lines, same_on_every_rank=True)   # prints (which ranks: below), exits 2
+    config_error_exit(lines, same_on_every_rank=True)   # prints (on the ranks that say it), exits 2
 
 Outside torchrun (python train.py, srun), and for one job of a sweep (`end_launch=False`: the sweep
-records the failure and goes on with its next job), this prints the lines and exits 2, nothing else.
-
-Design choices:
-- Why anything is needed.  torchrun's agent (torch.distributed.run -> launcher.api.launch_agent)
-  watches its workers; once one exits non-zero it stops the others and raises ChildFailedError, which
-  leaves the agent's `main` as an uncaught exception: Python prints its traceback and torch's failure
-  table (~50 lines) after the rank's one line, and torchrun exits 1.  Nothing in torchrun turns this
-  off: the error file (TORCHELASTIC_ERROR_FILE) only fills the table's `traceback` field, and a
-  SIGTERM, SIGINT, SIGHUP or SIGQUIT sent to the agent becomes a SignalException with a traceback of
-  its own.  The one way to have the agent print nothing more is that it never sees a failed worker:
-  it is ended with SIGKILL (which it cannot handle) before any worker of the launch exits.
-- So, under torchrun (TORCHELASTIC_RUN_ID set and the parent process is torch.distributed.run): the
-  rank that says the error (each node's local rank 0 when the error is the same on every rank, else
-  every rank that has it) prints it, ends the agent with SIGKILL, waits up to SIBLING_GRACE_S for the
-  node's other workers to exit and SIGKILLs those left (what the agent would have done, with SIGTERM
-  and a 30 s grace; a config error comes before any rank writes anything, so nothing is cut short),
-  then exits 2.  A rank that says nothing does not exit before the agent is gone (it waits, up to
-  QUIET_WAIT_S, then exits 2 anyway: the agent's own report is the fallback).  A killed agent also
-  never restarts workers (`--max-restarts`) on an error no restart can fix.
-- What the user sees: the error line(s), then at most the shell's one-line note of the killed
-  launcher (bash: `Killed`); the exit status is 137 (128 + SIGKILL), not torchrun's 1: non-zero
-  either way.  Each node of a multi-node launch ends its own agent; the rendezvous of the others
-  then fails as it would after any node's failure.
-- Not Linux (no /proc to check the parent and list the workers): the plain exit, with torchrun's
-  report after it.
+records the failure and goes on), this prints the lines and exits 2.  Under torchrun on Linux the
+rank that says the error also ends torchrun's agent with SIGKILL before any worker exits, so the
+agent prints no traceback or failure table after it, and ends the node's other workers; the
+launch's exit status is then 137.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations

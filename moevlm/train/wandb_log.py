@@ -1,35 +1,12 @@
-"""Optional Weights & Biases logging: the scalars TensorBoard gets, under the same tags, from rank 0.
+"""Optional Weights & Biases logging: the scalars TensorBoard gets, with the same tags, from rank 0.
 
     python train.py train.wandb=offline                       # no network: <run_dir>/wandb, `wandb sync` later
     torchrun ... train.py train.wandb=online train.wandb_project=qwen3-vl   # after `wandb login`
 
-Design choices:
-- Two config fields: `train.wandb` is wandb's own mode name (`disabled`, the
-  default, | `online` | `offline`), one word on the command line, and
-  `train.wandb_project` (default `moevlm`).  "disabled" rather than "off":
-  YAML 1.1 reads a bare `off` as false.  Entity, run name, tags and group are
-  W&B's own environment variables (WANDB_ENTITY, WANDB_NAME, WANDB_TAGS,
-  WANDB_RUN_GROUP), which W&B users already set per site or per job; without
-  WANDB_NAME the run is named after the run dir's last two parts.
-- `wandb` is imported only when turned on (it is an optional dependency:
-  `pip install wandb` or the `[wandb]` extra); `moevlm.train.validate.validate`
-  refuses the mode without the package in one line, before anything is built.
-- `wandb.init(dir=run_dir)`: W&B keeps its files in `<run_dir>/wandb` (offline
-  runs in `offline-run-*` folders there), beside metrics.jsonl and tb/.
-- Resume: the W&B run id is derived from the run dir's absolute path (a hash;
-  WANDB_RUN_ID overrides), with `resume="allow"`, so relaunching the same
-  command (pre-emption, Slurm requeue) continues the same W&B run.
-- Steps: every record is logged with `step=` the optimizer step.  W&B cannot
-  delete history (its "rewind" is a private preview) and ignores a step at or
-  below the last one it holds, so after a resume the steps between the
-  checkpoint and the crash keep their first values in W&B (identical when the
-  resume is bit-exact, as on CPU), while metrics.jsonl and TensorBoard keep
-  the new ones (MetricsLogger.resume_at says so in one line).  A run
-  restarted from step 0 in a used run dir should get a new run dir or
-  WANDB_RUN_ID.
-- The W&B config is the whole resolved job config.
-- W&B never stops training: a failed init or log call prints one line and
-  turns W&B off for the rest of the run; metrics.jsonl stays the record.
+`wandb` is imported only when turned on.  The W&B run id is derived from the run directory's path
+(WANDB_RUN_ID overrides), so a relaunch continues the same W&B run; entity, name, tags and group
+are W&B's own environment variables.  A failed init or log call prints one line and turns W&B off
+for the rest of the run.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations
