@@ -131,7 +131,7 @@ def test_time_limit_warning_checkpoints_and_requeues(tmp_path, send, requeue):
 
 
 def test_readme_multinode_torchrun_command_parses():
-    text = (REPO / "docs" / "training.md").read_text()
+    text = (REPO / "docs/training.md").read_text()
     section = text[text.index("## Multi-node") : text.index("## Tuning a run")]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).replace("\\\n", " ")
     (line,) = [ln for ln in block.splitlines() if ln.startswith("torchrun")]
