@@ -92,7 +92,7 @@ if [ "$SMOKE" -eq 1 ]; then
 else
   KERNELS=("$PY" bench/kernels.py)
   E2E=("$PY" bench/e2e.py --preset h100_1gpu)
-  # the sample set's tokenizer ids, which the random-init proxy takes (README, Training)
+  # the sample set's tokenizer ids, which the random-init proxy takes (docs/training.md, "The command line")
   SAMPLE_IDS=(model.image_token_id=1020 model.video_token_id=1021 model.vision_start_token_id=1018
               model.vision_end_token_id=1019)
   TRAIN=("$PY" train.py +experiment=h100_1gpu data.shards=sample "${SAMPLE_IDS[@]}" train.steps=30 train.precision=bf16

@@ -1,23 +1,25 @@
-"""The README's library example runs as written."""
+"""The README's library example, and the guide's loader example and own-data commands, run as written."""
 
 import re
 from pathlib import Path
 
+import pytest
+import user_docs
 from processes import processes_with_env
 
 
-def test_readme_python_example_runs():
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "README has no python example"
+@pytest.mark.parametrize("page", ["README.md", "docs/library.md"])
+def test_readme_python_example_runs(page):
+    blocks = user_docs.blocks("python", page)
+    assert blocks, f"{page} has no python example"
     scope: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), scope)
+    exec(compile(blocks[0], page, "exec"), scope)
     assert all(p.grad is not None for p in scope["model"].text.parameters())
     assert scope["out"].logits.shape[-1] == scope["cfg"].text.vocab_size
 
 
 def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
-    """The Data section's loader example, exactly as written, as its own script: it prints a batch's
+    """docs/data.md's loader example, exactly as written, as its own script: it prints a batch's
     shape and the stats, and the interpreter exits within 30 s (no close() needed) leaving no worker or
     fork server behind (found by an environment tag they inherit).  The session's sample cache."""
     import os
@@ -26,10 +28,7 @@ def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
     import time
     import uuid
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    block = next(
-        b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "build_loader" in b
-    )
+    block = next(b for b in user_docs.blocks("python", "docs/data.md") if "build_loader" in b)
     assert 'if __name__ == "__main__":' in block
     (tmp_path / "example.py").write_text(block)
     tag = uuid.uuid4().hex
@@ -59,7 +58,7 @@ def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
 
 
 def test_readme_own_data_commands_run(tmp_path):
-    """The Data section's commands, as written, on packaged photos and a caption JSONL
+    """docs/data.md's own-data commands, as written, on packaged photos and a caption JSONL
     written here: shards with the tokenizer beside them, then a short training run."""
     import json
     import os
@@ -70,10 +69,7 @@ def test_readme_own_data_commands_run(tmp_path):
     from moevlm.data.sample import sample_photo_paths
 
     repo = Path(__file__).parents[1]
-    text = (repo / "README.md").read_text()
-    block = next(
-        b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if "--tokenizer" in b
-    )
+    block = next(b for b in user_docs.blocks("bash", "docs/data.md") if "--tokenizer" in b)
     (tmp_path / "photos").mkdir()
     photos = sample_photo_paths()
     for p in photos:

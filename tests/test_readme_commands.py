@@ -1,7 +1,7 @@
-"""The README's shell commands run as written.
+"""The shell commands of the README and of the user guide's pages (user_docs.PAGES) run as written.
 
-Every command line of the README's ```bash blocks is in exactly one of these tables, and a new one in
-none of them fails `test_every_readme_command_is_run_or_listed`:
+Every command line of their ```bash blocks is in exactly one of these tables, and a new one in none of
+them fails `test_every_readme_command_is_run_or_listed`:
 
 - RUN: run here, exactly as written (`bash -c`, `python` and `torchrun` being this interpreter and
   its torch.distributed.run), in a fresh folder holding links to train.py and conf/ as the repository
@@ -14,7 +14,7 @@ none of them fails `test_every_readme_command_is_run_or_listed`:
 
 RUN costs about 90 CPU-seconds (measured: the two 4-rank torchrun lines ~21 each, the 20-step
 resume line ~46).
-- SKIP: cannot run on a CPU machine (the reason).
+- SKIP: cannot run on a CPU machine, or would take hours on one (the reason).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import user_docs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,6 +86,12 @@ SLOW = {
         "verdict",
         "~15 s; tests/plan covers parallel.fake_world",
     ),
+    "python train.py train.export_hf=outputs/hf": (
+        0,
+        "exported Hugging Face checkpoint to outputs/hf",
+        "the embedded default's 20 steps, then the export (~50 CPU-s); tests/train/test_trainer.py "
+        "exports a run in-process and loads the folder with transformers",
+    ),
     "python -m moevlm.plan +experiment=h100_fsdp --world 64 --search --only pp=1": (
         None,
         "fit",
@@ -114,15 +121,23 @@ SKIP = {
     "--tokenizer HF_DIR": "the user's Parquet files; tests/data/test_third_party.py builds from Parquet",
     "python -m moevlm.data.build_shards --energon energon_ds --split train --out my_shards "
     "--tokenizer HF_DIR": "the user's Energon folder; tests/data/test_third_party.py builds from one",
+    "python -m moevlm.plan +experiment=h100_fsdp --world 64 --search": (
+        "hours on a CPU (the pipeline layouts' dry runs, docs/plans.md); tests/plan/test_search.py and "
+        "test_cli.py run the search on small worlds"
+    ),
+    "python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1,2 --only "
+    "dp_mode=fsdp,ddp --top 5": "hours on a CPU (pp=2's dry runs); tests/plan/test_cli.py runs --only and --top",
+    "python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --json": (
+        "hours on a CPU (the pipeline layouts' dry runs); tests/plan/test_cli.py runs --search --json"
+    ),
 }
 
 
-def readme_commands() -> list[str]:
-    """Each command line of the README's ```bash blocks: continuation lines joined, comment lines and
+def readme_commands(page: str = "README.md") -> list[str]:
+    """Each command line of `page`'s ```bash blocks: continuation lines joined, comment lines and
     trailing comments dropped, whitespace collapsed."""
-    text = (REPO / "README.md").read_text()
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL):
+    for block in user_docs.blocks("bash", page):
         for line in block.replace("\\\n", " ").splitlines():
             cmd = re.sub(r"(^|\s)#.*$", "", line).strip()
             if cmd:
@@ -131,13 +146,17 @@ def readme_commands() -> list[str]:
 
 
 def test_every_readme_command_is_run_or_listed():
-    cmds = readme_commands()
+    """A page may repeat another page's command (the README's main commands are the guide's), never its
+    own."""
+    by_page = {page: readme_commands(page) for page in user_docs.PAGES}
+    cmds = [c for page_cmds in by_page.values() for c in page_cmds]
     tables = [RUN, ELSEWHERE, SLOW, SKIP]
     unlisted = [c for c in cmds if not any(c in t for t in tables)]
     assert not unlisted, f"README commands neither run nor listed (add them to a table): {unlisted}"
     stale = [c for t in tables for c in t if c not in cmds]
     assert not stale, f"listed commands the README no longer has: {stale}"
-    assert len(cmds) == len(set(cmds))
+    for page_cmds in by_page.values():
+        assert len(page_cmds) == len(set(page_cmds))
 
 
 def _slow_cases():

@@ -1,10 +1,10 @@
-"""The multi-node launch: scripts/slurm/train.sbatch and the README's torchrun command.
+"""The multi-node launch: scripts/slurm/train.sbatch and docs/training.md's torchrun command.
 
 The batch script runs under bash with TEST DOUBLES of Slurm's `srun` and
 `scontrol` on PATH (small shell scripts written here): the fake srun records
 its arguments and either exits at once or waits for SIGTERM like a training job
 that checkpoints and exits; the fake scontrol lists the nodes and records
-requeues.  The torchrun command lines (the script's and the README's) are
+requeues.  The torchrun command lines (the script's and docs/training.md's) are
 parsed by torch's own torchrun argument parser.
 """
 
@@ -131,8 +131,8 @@ def test_time_limit_warning_checkpoints_and_requeues(tmp_path, send, requeue):
 
 
 def test_readme_multinode_torchrun_command_parses():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Multi-node") : text.index("## The model as a library")]
+    text = (REPO / "docs/training.md").read_text()
+    section = text[text.index("## Multi-node") : text.index("## Tuning a run")]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).replace("\\\n", " ")
     (line,) = [ln for ln in block.splitlines() if ln.startswith("torchrun")]
     ns = get_args_parser().parse_args(shlex.split(line)[1:])

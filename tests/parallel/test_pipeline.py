@@ -12,8 +12,8 @@ every stage, `test_layouts.compare`; with `VAL` the validation loss of every ste
 layouts share one launch per
 world size; resuming is checked across pipeline sizes and splits: a pp2
 checkpoint resumes under another split, and in one process (pp1) to the
-uninterrupted run's loss (1e-6).  The scaled-down `gb200_3d` recipe of the
-README runs under torchrun on 8 processes to one process's losses and
+uninterrupted run's loss (1e-6).  The scaled-down `gb200_3d` recipe of
+docs/parallel.md runs under torchrun on 8 processes to one process's losses and
 exported weights.
 """
 
@@ -225,18 +225,18 @@ def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
     assert loss_err <= 1e-6 and param_err <= TOL
 
 
-# ------------------------------------------------------- the README's scaled-down gb200_3d, torchrun, world 8
+# ------------------------------------------------- docs/parallel.md's scaled-down gb200_3d, torchrun, world 8
 GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 
 
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
-    """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (the README's command; pp2 x dp2 x tp2
+    """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (docs/parallel.md's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
     Hugging Face weights (gathered from both stages) equal one process's (1e-5): with the default data
     streams every layout trains on the same rows.  (A third launch, the recipe as plain FSDP dp8 x ep8,
     was dropped to save 25 s of the suite: other world-8 launches compare folded layouts with one process,
     test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
-    readme = " ".join((REPO / "README.md").read_text().replace("\\\n", " ").split())
+    readme = " ".join((REPO / "docs/parallel.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     # eps raised as in test_layouts (UNCLIPPED_EPS: this job is not clipped): with the CPU lr (2e-3) and a
     # small eps, AdamW turns the float noise of near-zero gradients, which differs between CPU kinds, into

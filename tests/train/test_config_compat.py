@@ -1,7 +1,8 @@
-"""The names users type are the public interface: every training command line of the README and of the
-recipes' comments, and every recipe (with its own sweep), composes and validates as written (composition
-and validation only, nothing trained; checked as for the launch the line names, not this machine); each
-model option sets the model-config field it names; an unknown key is refused naming the nearest ones."""
+"""The names users type are the public interface: every training command line of the README and the
+guide (user_docs.PAGES) and of the recipes' comments, and every recipe (with its own sweep), composes
+and validates as written (composition and validation only, nothing trained; checked as for the launch
+the line names, not this machine); each model option sets the model-config field it names; an unknown
+key is refused naming the nearest ones."""
 
 import itertools
 import re
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import user_docs
 from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
@@ -24,12 +26,11 @@ RECIPES = sorted((REPO / "conf" / "experiment").glob("*.yaml"))
 
 
 def command_lines() -> list[str]:
-    """`train.py` lines of the README's bash blocks and of the recipes' comments (fragments with `...` after
-    train.py left out)."""
-    text = (REPO / "README.md").read_text()
+    """`train.py` lines of the README's and the guide's bash blocks and of the recipes' comments (fragments
+    with `...` after train.py left out), each once."""
     lines = [
         line
-        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+        for block in user_docs.blocks("bash")
         for line in block.replace("\\\n", " ").splitlines()
     ]
     lines += [
@@ -39,7 +40,7 @@ def command_lines() -> list[str]:
         if line.startswith("#")
     ]
     lines = [line.split(" #")[0].split("&&")[-1].strip() for line in lines if "train.py" in line]
-    return [line for line in lines if "..." not in line.split("train.py", 1)[1]]
+    return list(dict.fromkeys(line for line in lines if "..." not in line.split("train.py", 1)[1]))
 
 
 def jobs(line: str) -> tuple[int, list[list[str]]]:

@@ -70,8 +70,8 @@ class Clock:
 
 
 def test_exit_codes_are_the_readme_table():
-    """The numbers are the interface scripts branch on: README's "Exit codes", one name each."""
-    readme = " ".join((REPO / "README.md").read_text().split())
+    """The numbers are the interface scripts branch on: docs/faults.md's "Exit codes", one name each."""
+    readme = " ".join((REPO / "docs/faults.md").read_text().split())
     assert {c.name: int(c) for c in ExitCode} == {
         "OK": 0,
         "NO_PROGRESS": 1,
