@@ -129,7 +129,7 @@ def _config_error(*lines: str | None) -> None:
 
 def _help_sections() -> None:
     """`--help SECTION ...` (or `--help all`): the words after the flag that are not overrides choose the
-    sections listed in full (moevlm.train.options); taken off the command line before Hydra reads it."""
+    sections listed in full (moevlm.config.reference); taken off the command line before Hydra reads it."""
     flag = next((a for a in ("--help", "-h") if a in sys.argv), None)
     if flag is None:
         return

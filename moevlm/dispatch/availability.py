@@ -16,6 +16,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from moevlm.dispatch.base import DISPATCHERS
+
 PACKAGE = "deep_ep"
 DEEPEP_URL = "https://github.com/deepseek-ai/DeepEP"
 DEEPEP_API_CLASS = {
@@ -77,8 +79,6 @@ def probe_package(name: str = PACKAGE) -> PackageStatus:
 
 def adapter_built(backend: str) -> bool:
     """Is moevlm's dispatcher for `backend` registered (moevlm.dispatch.DISPATCHERS)?"""
-    from moevlm.dispatch import DISPATCHERS
-
     return backend in DISPATCHERS
 
 

@@ -14,6 +14,7 @@ describes every backend.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -99,14 +100,27 @@ class DispatcherSpec:
     max_tokens_per_rank: int | None = None
 
     def build(self, moe, ep_group=None, etp_group=None) -> TokenDispatcher:
-        """Block's dispatcher for MoE config `moe` over the expert groups (None: one process)."""
-        kwargs: dict = {"permute": moe.permute}
+        """Block's dispatcher for MoE config `moe` over the expert groups (None: one process); the
+        backend takes those of these arguments its constructor has."""
+        offered = {
+            "permute": moe.permute,
+            "ep_group": ep_group,
+            "etp_group": etp_group,
+            "api": self.api,
+            "num_sms": self.num_sms,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+        }
         if moe.capacity_factor is not None:
-            kwargs.update(
+            offered.update(
                 capacity_factor=moe.capacity_factor, capacity_overflow=moe.capacity_overflow
             )
-        if self.name != "local" and (ep_group is not None or etp_group is not None):
-            kwargs.update(ep_group=ep_group, etp_group=etp_group)
-        cls = DISPATCHERS.get(self.name)
-        kwargs.update({key: getattr(self, key) for key in getattr(cls, "spec_options", ())})
+        taken = constructor_arguments(self.name)
+        kwargs = {key: value for key, value in offered.items() if key in taken}
         return build_dispatcher(self.name, num_experts=moe.num_experts, top_k=moe.top_k, **kwargs)
+
+
+def constructor_arguments(name: str) -> frozenset[str]:
+    """The keyword arguments backend `name`'s constructor takes."""
+    if name not in DISPATCHERS:
+        raise ValueError(f"unknown dispatcher {name!r}; choose one of {list(dispatcher_names())}")
+    return frozenset(inspect.signature(DISPATCHERS[name]).parameters)

@@ -342,7 +342,6 @@ class DeepEPHandle:
 @register_dispatcher
 class DeepEPDispatcher(TokenDispatcher):
     name = "deepep"
-    spec_options = ("api", "num_sms", "max_tokens_per_rank")  # DispatcherSpec fields it takes
 
     @property
     def exchanges(self) -> bool:

@@ -235,7 +235,6 @@ class HybridEPHandle:
 @register_dispatcher
 class HybridEPDispatcher(TokenDispatcher):
     name = "hybridep"
-    spec_options = ("num_sms", "max_tokens_per_rank")  # DispatcherSpec fields it takes
     pads_experts = True  # HybridEP pads each expert's rows itself (`pad_multiple`, set for FP8 by moevlm.model.fp8)
 
     @property

@@ -14,7 +14,7 @@ Design choices:
   and what to change; sizes must be positive integers and real-valued fields
   finite (a NaN or infinite coefficient is refused, not trained with).  It is
   the one check of these fields: the trainer's job config sets them by name
-  (moevlm.train.schema) and reports this method's errors in its own keys.
+  (moevlm.config.model_section) and reports this method's errors in its own keys.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Design choices:
   to `sum(p.numel())` of the real model built on meta.
 - Counted by the parts a parallel layout treats differently (vision tower,
   embedding, the attention's q/o and k/v, norms, router, experts, dense MLP,
-  LM head), so `moevlm.train.memory` can divide each by its own sharding;
+  LM head), so `moevlm.config.memory` can divide each by its own sharding;
   this module itself knows nothing of parallelism.
 - A tied LM head is the embedding: counted once (`lm_head` = 0).
 """

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moevlm.dispatch import DISPATCHERS, DispatcherSpec, dispatcher_names
+from moevlm.dispatch.base import constructor_arguments
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Fp8Plan, apply_fp8
 from moevlm.model.layout import Layout
@@ -191,11 +192,11 @@ def _check(cfg: VLMConfig, dims: ParallelDims, o: BuildOptions) -> None:
             f"model.dispatcher={o.dispatcher.name!r} is not built yet; available: "
             f"{list(dispatcher_names())}"
         )
-    if experts_split and o.dispatcher.name == "local":
+    if experts_split and "ep_group" not in constructor_arguments(o.dispatcher.name):
         raise ValueError(
-            f"parallel.ep x etp = {dims.ep} x {dims.etp} splits the experts over ranks, which the local "
-            "dispatcher cannot reach: build with BuildOptions(dispatcher=DispatcherSpec('alltoall')) "
-            "or another exchanging backend"
+            f"parallel.ep x etp = {dims.ep} x {dims.etp} splits the experts over ranks, which the "
+            f"{o.dispatcher.name!r} dispatcher cannot reach: build with "
+            "BuildOptions(dispatcher=DispatcherSpec('alltoall')) or another exchanging backend"
         )
     if dims.dp_replicate > 1 and o.dp_mode != "fsdp":
         raise ValueError(

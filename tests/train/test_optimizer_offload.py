@@ -204,7 +204,7 @@ def test_refusals_are_one_line_config_errors(monkeypatch, probe, layout, world, 
 
 
 def test_memory_check_counts_only_what_stays_on_the_gpu():
-    """The pre-build memory check (moevlm.train.memory) against a GPU: the host AdamW leaves the weight and
+    """The pre-build memory check (moevlm.config.memory) against a GPU: the host AdamW leaves the weight and
     its gradient (8 of 16 bytes a trained parameter), FSDP's CPU offload nothing persistent; on the CPU
     the host is the device and nothing is taken off."""
 

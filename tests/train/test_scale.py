@@ -1,5 +1,5 @@
 """`+scale=cpu`: every recipe scaled down to at most 8 CPU processes with one override, its parallel
-shape kept (moevlm.train.scale).
+shape kept (moevlm.config.scale).
 
 Every experiment is composed with the scale and validated for the world size it asks for (no
 processes): tp, cp, pp, etp, the schedule, dp_mode and the dispatcher are the recipe's, ep is the
