@@ -44,7 +44,8 @@ import torch.nn as nn
 
 from moevlm.dispatch import DISPATCHERS, build_dispatcher, dispatcher_names
 from moevlm.model.config import VLMConfig
-from moevlm.model.fp8 import Fp8Plan, apply_fp8
+from moevlm.model.fp8 import Fp8Plan
+from moevlm.model.fp8_targets import apply_fp8
 from moevlm.model.layout import Layout
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vlm import Qwen3VLMoe
