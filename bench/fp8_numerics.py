@@ -1,42 +1,15 @@
-"""FP8 numerics on the CPU: what blockwise and MXFP8 quantization lose, and what
-our Triton FP8 GEMM adds to it, as Markdown tables.
+"""FP8 numerics on the CPU: what blockwise and MXFP8 quantization lose, and what our Triton FP8 GEMM
+adds to it, as Markdown tables (1: quantization error per format and input; 2: GEMM error, the
+emulation against the unquantized fp64 GEMM and our kernel against the emulation).
 
-Legend: M rows, K in-features, N out-features, E experts; codes e4m3 (max 448),
-blockwise scales fp32 per 1x128 (activations) or 128x128 (weights) tile, MXFP8
-scales e8m0 per 1x32 block (32x1 along K for a weight, as its GEMM reads it).
+Legend: M rows, K in-features, N out-features, E experts; codes e4m3, blockwise scales fp32 per
+1x128 / 128x128 tile, MXFP8 scales e8m0 per 1x32 block.
 
     TRITON_INTERPRET=1 python bench/fp8_numerics.py    # CPU: torch references and the Triton kernels
     python bench/fp8_numerics.py --no-triton           # the torch references only
 
-1. Quantization error, `kernels/fp8_quant.py`, for blockwise (fp32 scales, and
-   `pow2_scales=True`) and MXFP8, on Gaussian activations (M x K = 512 x 1024),
-   the same with outlier channels (4 columns x100), a Qwen-like weight init
-   (K x N = 1024 x 768, std 0.02) and bf16 Gaussian activations:
-   - rel. err: ||dequant(quant(x)) - x|| / ||x|| (Frobenius, fp64);
-   - max rel. err: max |dequant - x| / |x| over elements with |x| > 1% of their
-     tile's amax (smaller ones are at the mercy of the tile's scale);
-   - saturated: |x| / scale > 464, i.e. past where round-to-nearest still gives
-     448, clipped (MXFP8's power-of-two scale leaves amax / scale in [256, 512));
-     subnormal: a code below e4m3's 2^-6 (fewer than 3 mantissa bits);
-     flushed: x != 0 quantized to 0;
-   - Triton == torch: the Triton quantizer's codes and scales bit-identical to
-     the torch reference's, in the layout of the row and its transposed layout
-     (activations: `quant_blockwise_act_t`, MXFP8 dim=0).
-2. GEMM error, `kernels/fp8_gemm.py`, forward (mm), dgrad and wgrad, dense
-   (M = 1022) and grouped (expert rows [300, 0, 77, 640, 5]: uneven, one empty,
-   none on a 128-row block), K = 512, N = 384, x and dy ~ N(0, 1), w ~ N(0, 0.02):
-   - (a) the emulation (dequantized operands, fp64 GEMM, fp32 out) against the
-     unquantized fp64 GEMM: the recipe's quantization error; also with x's
-     outlier channels;
-   - (b) our Triton kernel (blockwise only; fp32 out) against the emulation: the
-     kernel's accumulation error (fp32 sums of exact fp8 products), relative
-     Frobenius and max |diff| / max |emulation|.  MXFP8 has no Triton kernel; its
-     torch._scaled_(grouped_)mm path needs a Blackwell GPU.
-
-Fixed seeds (--seed); the torch/triton versions and the device come first.  The
-Triton kernels run on the CPU under the interpreter: TRITON_INTERPRET=1 is set
-here when no GPU is present (before the kernels are imported).  About a minute
-on 2 CPU cores.
+Fixed seeds (--seed); about a minute on 2 CPU cores.  The columns: docs/architecture.md, "Kernels:
+why they are built this way".
 """
 
 from __future__ import annotations
@@ -217,7 +190,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def gemm_row(op, recipe, layout, data, triton_ok) -> list[str]:
-    from moevlm.kernels.fp8_gemm import unquantized_reference
+    from moevlm.kernels.fp8_gemm_ref import unquantized_reference
 
     x, outliers, w, dy = data
     counts = None if layout == "dense" else COUNTS

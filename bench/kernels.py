@@ -1,5 +1,5 @@
-"""MoE kernels on one GPU: our Triton grouped GEMM and permute/unpermute beside
-torch's and a per-expert loop.
+"""MoE kernels on one GPU: our Triton grouped GEMM, permute/unpermute and FP8 blockwise grouped GEMM
+beside torch's (`torch._grouped_mm`, `torch._scaled_grouped_mm`) and a per-expert loop, as ratios.
 
 Legend: T tokens, K top-k, E experts, H hidden, F expert hidden, M = T*K rows.
 
@@ -8,47 +8,8 @@ Legend: T tokens, K top-k, E experts, H hidden, F expert hidden, M = T*K rows.
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # CPU: tiny shapes, checks the script runs
     python bench/kernels.py --no-fp8              # the bf16 tables only
 
-Grouped GEMM, for the two GEMMs of an expert MLP (gate_up: (M, H) x (E, H, 2F);
-down: (M, F) x (E, F, H)), balanced routing (M/E rows per expert) and skewed
-routing (expert e's share ~ 1/(e+1), some experts empty):
-- ours: `moevlm.kernels.grouped_mm(..., "triton")`
-- baseline: `torch._grouped_mm` (`grouped_mm(..., "torch")`), and a per-expert
-  loop of matmuls (`"loop"`)
-- forward, and forward+backward (dgrad + wgrad: 3x the forward FLOPs), as
-  TFLOP/s = 2*M*K*N (x3) / median time, and the ratios ours/torch.
-
-Permute / unpermute (top-k expansion into expert order, and the weighted sum
-back): GB/s of the bytes each must move (read T*H, write M*H; and the
-reverse), beside a device copy of the same number of bytes (`clone` of an
-(M, H) tensor: read + write).
-
-FP8 blockwise grouped GEMM (`kernels/fp8_gemm.py`), for the same shapes, token
-counts and routings (`--fp8/--no-fp8`; on by default on CUDA sm89+, and for
---smoke under the interpreter), bf16 x, w and dy, bf16 out, fp32 dw:
-- fp8 ours: what a training step runs per micro-batch.  Forward = quantize x
-  1x128 along K (`quant_blockwise_act`, Triton) + `fp8_grouped_mm` (Triton).
-  Forward+backward = forward + dy 1x128 along N + `fp8_grouped_dgrad` + x^T and
-  dy^T 1x128 along M (`quant_blockwise_act_t`) + `fp8_grouped_wgrad`.  The
-  weight's 128x128 codes are made once per optimizer step, so they are
-  precomputed; their quantization is its own column (ms, and % of one f+b).
-  Expert rows are the bf16 rows' (not padded to 128: the kernel does not need it).
-- beside it, the bf16 rows of the first table (ours, torch._grouped_mm; timed
-  again in bf16 when --dtype is not bf16 or with --smoke) and their ratios
-  fp8/bf16 (TF/s over TF/s: above 1 is faster), and the quantizers' share of
-  the fp8 time ("quant %").
-- torch._scaled_grouped_mm MXFP8 (fp8_gemm backend "torch", recipe "mxfp8"),
-  only where `scaled_mm_support` finds it (sm100); else the probe's reason is
-  printed.  It needs expert rows in multiples of 128: its counts are rounded up
-  (the padding `permute_plan(pad_multiple=128)` makes), TF/s counts the unpadded
-  rows' FLOPs.  Its wgrad is fp8_gemm's per-expert `torch._scaled_mm` loop.
-- Before timing, the outputs of the timed problem (out, dx, dw) are compared
-  with the emulation (backend "emulate": dequantized operands, fp64 GEMM) on a
-  few experts (all under --smoke): each expert's rows and the 128-row scale
-  blocks around them, relative Frobenius error <= 1e-2 ("err" column).
-
-Outputs are checked against the loop / torch reference before timing.  Times
-are CUDA-event medians of --iters runs after a warm-up; the device name and
-torch/triton versions are printed with the table.
+Outputs are checked against a reference before timing; times are CUDA-event medians.  What each
+column measures: docs/architecture.md, "Kernels: why they are built this way".
 """
 
 from __future__ import annotations
@@ -62,7 +23,9 @@ import torch
 
 from moevlm.kernels import GROUPED_GEMMS, grouped_mm, grouped_mm_loop
 from moevlm.kernels import fp8_gemm as fg
+from moevlm.kernels import fp8_gemm_torch as fgt
 from moevlm.kernels import fp8_quant as fq
+from moevlm.kernels.fp8_gemm_ref import BLOCK
 
 SHAPES = {"30b": dict(E=128, K=8, H=2048, F=768), "235b": dict(E=128, K=8, H=4096, F=1536)}
 
@@ -170,7 +133,7 @@ def bench_permute(T, K, H, E, dtype, device, iters):
 
 def _quantizers(recipe: str):
     """(act, act_t, weights) of a recipe, Triton quantizers: act(x_MK) 1xB along K; act_t(x_MK) -> x^T 1xB along
-    M; weights(w_EKN) -> (the mm operand, the dgrad operand) per fp8_gemm's table (once per optimizer step)."""
+    M; weights(w_EKN) -> (the mm operand, the dgrad operand) per fp8_gemm_ref.operand_blocks (once per optimizer step)."""
     if recipe == "blockwise":
 
         def weights(w):
@@ -217,7 +180,7 @@ def check_fp8(x, dy, wts, counts, recipe, got, experts) -> float:
     """Worst relative Frobenius error of got = (out, dx, dw) against the emulation, over `experts`.  Expert e is
     emulated on rows [lo, hi): its rows widened to whole B-row scale blocks (so x^T and dy^T quantize into the
     same tiles as the full problem's), split as three experts (before, e, after)."""
-    B, M = fg.BLOCK[recipe], x.shape[0]
+    B, M = BLOCK[recipe], x.shape[0]
     starts = (counts.cumsum(0) - counts).tolist()
     sq = torch.zeros(3, 2, dtype=torch.float64)  # per output: sum |got - want|^2, sum |want|^2
     for e in experts:
@@ -335,7 +298,7 @@ def fp8_support(device, smoke: bool) -> tuple[bool, str]:
 def mx_torch_support(device) -> tuple[bool, str]:
     """The probe's verdict on the torch MXFP8 path here (torch._scaled_grouped_mm for mm and dgrad, the per-expert
     torch._scaled_mm loop for wgrad), and its reason (first sentence)."""
-    probe = fg._probe(fg._device_key(device))
+    probe = fgt._probe(fgt._device_key(device))
     ok, why = probe["scaled_grouped_mm_mxfp8"]
     if ok and not probe["scaled_mm_mxfp8"][0]:
         ok, why = False, f"torch._scaled_mm MXFP8 (wgrad): {probe['scaled_mm_mxfp8'][1]}"

@@ -5,16 +5,9 @@ Legend: B batch (1), S sequence, N patches, D patch dim, I images.
 
     python bench/model_vs_hf.py [--seq 512] [--iters 10] [--threads 2]
 
-Design choices:
-- The baseline runs in the same process on the same input; ours is loaded from
-  the reference's own saved checkpoint, and the losses are compared before
-  timing so a speedup of a different function cannot be reported.
-- Runs are interleaved (ours, HF, ours, HF, ...) after a warm-up and the
-  median is reported, so drift in machine load hits both sides alike.
-- "forward" is under torch.no_grad(); "fwd+bwd" is the training step's loss
-  (LM + router aux) and its backward, gradients cleared between iterations.
-- Our side is timed for each grouped GEMM ("torch" = torch._grouped_mm,
-  "loop" = one matmul per expert); HF uses its default experts implementation.
+Losses are compared before timing; runs are interleaved (ours, HF, ...) and the median reported.
+"forward" is under no_grad, "fwd+bwd" the training step's loss and its backward; ours is timed for
+each grouped GEMM ("torch", "loop").
 """
 
 from __future__ import annotations

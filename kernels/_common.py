@@ -6,16 +6,7 @@ sizes and the checks before a launch.
     @common.jit                                       # triton.jit, or the plain function without triton
     triton_mod = common.require_triton("permute backend='triton'")   # raises, naming the package
 
-Design choices:
-- triton is optional: the torch references run without it.  It is imported here and nowhere else, and
-  only a missing `triton` package is tolerated (any other import error propagates).  A module that
-  cannot work without it calls `require_triton` at import time; its ModuleNotFoundError carries
-  name="triton", so the registry in grouped_gemm.py can leave that backend out.
-- `INTERPRET`: TRITON_INTERPRET=1 as it was when moevlm.kernels was first imported.  Triton binds a
-  kernel to its interpreter when the kernel is decorated, so the kernels must be imported after it is
-  set (the tests' conftest sets it first); a later change of the variable does not change them.
-- Persistent kernels launch one program per SM on a GPU and `INTERPRET_PROGRAMS` (> 1, so the
-  persistent loop runs several items per program) under the interpreter.
+`INTERPRET`: TRITON_INTERPRET=1 as it was when moevlm.kernels was first imported (set it before).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Grouped GEMM for MoE experts: `out[rows of e] = x[rows of e] @ w[e]`.
+"""Grouped GEMM for MoE experts: `out[rows of e] = x[rows of e] @ w[e]`, behind one function.
 
-Legend: M rows (tokens x top-k, grouped by expert), K in-features, N out-features,
-E experts.  Rows are sorted by expert; `counts_E` says how many rows each expert
-owns (zeros allowed).
+Legend: M rows (tokens x top-k, grouped by expert), K in-features, N out-features, E experts;
+`counts_E` rows per expert, in order (zeros allowed).
 
-- `loop`: the reference, one matmul per expert; a host sync for the counts.
-- `torch`: `torch._grouped_mm` (one call, no host sync).  Its backward refuses
-  non-contiguous incoming gradients (e.g. from `.sum()`), so a hook on the
-  output makes its gradient contiguous first.  A hook, not an identity
-  autograd.Function: a Function returning its input returns a view of it, and
-  FSDP2 warns on every step that a wrapped module (the experts) returned a view
-  (an in-place op on it would skip FSDP's pre-backward all-gather).
-- `triton`: ours (`grouped_gemm_triton.py`): persistent Triton kernels, no host
-  sync, as custom ops with fakes and autograd.  Registered only when `triton`
-  imports; selecting it without triton names the package.
+    out_MN = grouped_mm(x_MK, w_EKN, counts_E, backend="torch")    # GROUPED_GEMMS: the backends
+
+`loop`: the reference, one matmul per expert (a host sync for the counts); `torch`:
+`torch._grouped_mm` (one call, no host sync); `triton`: ours (grouped_gemm_triton.py), registered
+only when triton imports.
 """
 
 from __future__ import annotations

@@ -1,50 +1,15 @@
-"""Triton grouped GEMM for MoE experts: `out[rows of e] = x[rows of e] @ w[e]`, with
-both gradients, as torch custom ops (torch.compile traces them as single nodes).
+"""Triton grouped GEMM for MoE experts, `out[rows of e] = x[rows of e] @ w[e]`, with both gradients, as
+torch custom ops (torch.compile traces them as single nodes).
 
-Legend: M rows (tokens x top-k, sorted by expert), K in-features, N out-features,
-E experts.  `counts_E[e]` rows belong to expert e (zeros allowed); `sum(counts_E)`
-must equal M, which is not checked (checking needs a host sync).
+Legend: M rows (tokens x top-k, sorted by expert), K in-features, N out-features, E experts;
+`counts_E[e]` rows belong to expert e (zeros allowed; sum = M, not checked: that needs a host sync).
 
     out_MN = grouped_mm_triton(x_MK, w_EKN, counts_E)      # differentiable
+    forward  out_MN = x_MK @ w_EKN[e]                      _grouped_mm_kernel, persistent
+    dgrad    dx_MK = dy_MN @ w_EKN[e]^T                    the same kernel, w through swapped strides
+    wgrad    dw_EKN[e] = x_MK[rows e]^T @ dy_MN[rows e]    _grouped_wgrad_kernel
 
-Two kernels, three custom ops, one autograd rule:
-    forward  out_MN  = x_MK  @ w_EKN[e]     `_grouped_mm_kernel`
-    dgrad    dx_MK   = dy_MN @ w_EKN[e]^T   the same kernel, w read through
-                                            swapped K/N strides (no copy)
-    wgrad    dw_EKN[e] = x_MK[rows e]^T @ dy_MN[rows e]   `_grouped_wgrad_kernel`
-
-Design choices:
-- No host sync.  Each program reads `counts_E` and derives every expert's first
-  row and its M tiles on the device (a cumsum over an E-wide vector).  The host
-  bounds the number of M tiles by cdiv(M, BLOCK_M) + E (each expert wastes at
-  most one partial tile), so the launch size never needs the counts.
-- Persistent forward: min(#SMs, tile bound) programs walk a flattened list of
-  (M tile, N tile) work items, N tile fastest, so neighbouring programs share a
-  block of x rows and one expert's w (which fits in L2 at MoE sizes).  Items
-  past the real end are never visited.  A tile never straddles two experts: its
-  rows are masked at the expert's end.
-- wgrad is one program per (expert, K tile, N tile), reducing over that
-  expert's rows; an expert with no rows runs zero iterations and stores exact
-  zeros.  Launch size E * tiles needs no counts either.
-- fp32 accumulation; the output has the input dtype.  fp32, fp16 and bf16 in.
-  fp32 inputs use TF32 only if `torch.backends.cuda.matmul.allow_tf32` says so
-  (torch's own default is off).
-- Strides everywhere, so expanded or transposed incoming gradients (from
-  `.sum()`, from a transpose) need no copy.  Row offsets are 64-bit.
-- Autotuned per (N, K) (and, for the forward kernel, whether it reads w or
-  w^T) over a few Hopper tiles (BLOCK_M 64/128, BLOCK_N 128/256, BLOCK_K 64,
-  4/8 warps, 3/4 stages); wgrad over (BLOCK_K, BLOCK_N) 64-128 x 128-256
-  reducing 64 rows a step.  Every config fits an H100's shared memory with
-  bf16 and fp32 inputs (compiled for sm_90 with ptxas on CPU); on smaller GPUs
-  the autotuner drops what does not fit.
-- CPU: kernels run under the Triton interpreter when `TRITON_INTERPRET=1` is set
-  before this module is imported (the tests' conftest does).  There a single
-  small config and 4 programs keep tests fast, and bf16 tiles are cast to fp32
-  before `tl.dot`, which the interpreter gets wrong for bf16 (on a GPU bf16 goes
-  to `tl.dot` directly).  The interpreter also truncates fp32 -> bf16 where a
-  GPU rounds to nearest, so bf16 results there are within one ulp, not half.
-- Importing this module needs `triton`; `moevlm.kernels.grouped_gemm` registers
-  the "triton" backend only when it imports.
+Importing this module needs `triton`.
 """
 
 from __future__ import annotations

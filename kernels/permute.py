@@ -1,66 +1,15 @@
-"""Fused permute / unpermute for top-k routing: token rows to expert-grouped rows
-and back, with a torch reference beside each Triton kernel.
+"""Fused permute / unpermute for top-k routing: token rows to expert-grouped rows and back, a torch
+reference beside each Triton kernel (`backend="torch" | "triton"`, torch by default).
 
-Legend: T tokens, K top-k choices per token, D hidden, E experts, M rows after
-permute (T*K, plus padding when `pad_multiple` > 1).
+Legend: T tokens, K top-k choices per token, D hidden, E experts, M rows after permute (T*K, plus
+padding when `pad_multiple` > 1).
 
     plan = permute_plan(topk_idx_TK, num_experts, pad_multiple=1)
     x_MD = permute(x_TD, plan)                               # K copies of each token
     y_MD = experts(x_MD, plan.rows_per_expert_E)             # e.g. grouped_mm
     y_TD = unpermute(y_MD, plan, topk_w_TK)                  # sum_k w[t,k] * y_MD[row(t,k)]
 
-The plan: `row_of_choice_TK[t, k]` is the destination row of (token t, choice k).
-Rows are grouped by expert, experts in order, and within an expert tokens ascend:
-exactly the order of a stable sort of the flattened choices by expert, so with
-`pad_multiple=1` `permute` gives the same rows as the local dispatcher.  With
-`pad_multiple > 1` every expert's block is rounded up to a multiple of it (FP8
-GEMM alignment); padding rows follow the expert's real rows, are zeros in the
-permuted x, never read by `unpermute` and get zero gradient.
-
-Counts: `rows_per_expert_E` are the *padded* counts (what a grouped GEMM takes;
-they sum to `num_rows`), `tokens_per_expert_E` the real ones (load balancing,
-logging).  With `pad_multiple=1` they are equal.
-
-**Router weights are applied in `unpermute`, exactly once**, to the expert output
-before the per-token sum (the `combine` contract of `moevlm.dispatch.base`);
-`permute` never scales rows.
-
-Design choices:
-- The plan is index work done with torch ops (scatter_add, cumsum, a stable
-  sort); the data movement is what the kernels fuse.  `num_rows` is a Python int:
-  T*K when `pad_multiple=1` (the plan then needs no host sync), else the padded
-  total (one host sync; a static row budget is the dispatcher's business).
-  `PermutePlan` is a NamedTuple whose first three fields are (row_of_choice_TK,
-  rows_per_expert_E, num_rows); the real counts come fourth.
-- Kernels are token-major: a program owns a (BLOCK_T tokens) x (BLOCK_D hidden)
-  tile, reads it once and writes its K copies (`permute`), or reads the K rows of
-  its tokens and writes one sum (`unpermute`, `permute`'s backward).  No (T*K, D)
-  intermediate anywhere.  Tiles are ~4k elements (BLOCK_D <= 256), not tuned on
-  a GPU.
-- Four custom ops in the "moevlm" namespace, each with a fake: `permute`,
-  `unpermute` (differentiable through `register_autograd`) and their backwards
-  `permute_backward` (a gather-sum of the K rows) and `unpermute_backward`.  The
-  latter is one kernel over token tiles that walks D: per step it reads dy once,
-  writes the K scaled rows of d y_MD and, only when topk_w needs a gradient,
-  reads those K rows of y_MD to reduce d w[t,k] = <dy[t], y_MD[row(t,k)]> in
-  fp32 registers (no atomics, no second pass over dy).  Double backward is not
-  supported.
-- Sums and weighting in fp32, outputs in the input's dtype (fp32, fp16, bf16);
-  topk_w is fp32 and its gradient has its dtype.  Row offsets are 64-bit.  Data
-  inputs are read through their strides (an expanded incoming gradient needs no
-  copy); outputs are fresh contiguous tensors.  The Triton interpreter (3.9)
-  truncates fp32 -> bf16 where a GPU rounds to nearest even, so on CPU bf16
-  outputs may differ from the torch reference by one bf16 ulp.
-- Padding rows of an output are zeroed by a small kernel that writes only those
-  rows (at most pad_multiple - 1 per expert), never a memset of the whole output.
-- `backend="torch" | "triton"`, torch by default.  Importing this module never
-  needs triton (`moevlm.kernels._common` imports it where installed) and the
-  kernels are built on first use; asking for the Triton backend without triton
-  raises an ImportError naming the package.  On CPU the kernels run only under
-  the Triton interpreter (`TRITON_INTERPRET=1` set before moevlm.kernels is
-  imported); otherwise the backend asks for CUDA tensors.
-- Topk indices must lie in [0, E): an index outside, e.g. DeepEP's -1 "skip",
-  fails in scatter_add_ (an index error on CPU, a device assert on CUDA).
+Router weights are applied in `unpermute`, exactly once; `permute` never scales rows.
 """
 
 import functools

@@ -1,45 +1,15 @@
-"""Variable-length (document-masked) attention behind one function.
+"""Variable-length (document-masked) attention behind one function, over several backends.
 
 Legend: B batch, S sequence, H query heads, K key/value heads, hd head dim.
 
     mask = doc_mask(B, S, cu_seqlens, causal=True, backend="auto", device=..., dtype=...)
     out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, mask)        # every layer reuses `mask`
 
-Tokens attend only within their document.  `cu_seqlens` are int32 boundaries
-over the flattened B*S tokens (flash-attn's convention); row ends are always
-boundaries; `None` means one document per row.  The mask is prepared once per
-forward (per tower) and shared by every layer: the backend is resolved, and
-whatever it needs (a boolean mask, a block mask, host-side boundaries) is built
-once.  GQA is native in every backend (no repeat_kv copies).
-
-Backends:
-- `sdpa`: one `scaled_dot_product_attention` call with a boolean document mask.
-  Works everywhere with forward and backward (CPU tests), no host sync per
-  layer; the mask is O(S^2), fine for CPU and short sequences.
-- `sdpa_per_doc`: one SDPA call per document (host loop, like the reference's
-  vision tower).  Does exactly the useful FLOPs; used by the FLOP-counter tests.
-- `flex`: FlexAttention with a document block mask, compiled on CUDA; eager on
-  CPU, where it has no backward (torch has no CPU backward for it).
-- `flash`: flash-attn's varlen kernel (optional package, CUDA, fp16/bf16).
-- `varlen`: `torch.nn.attention.varlen.varlen_attn` (torch's own flash kernel,
-  no extra package; CUDA only, fp16/bf16).  Documents are cu_seqlens over the
-  flattened tokens; it always takes the static form below (no host sync).
-  Probed, not version-compared: causal is `window_size=(-1, 0)` where the
-  function has it, else `is_causal=True`; GQA is `enable_gqa=True` where it
-  exists, else K/V heads are repeated.
-- `auto`: on CUDA in half precision the first available of `flash` (flash-attn
-  importable), `varlen` (this torch has it), `flex`, `sdpa`; on CUDA in fp32,
-  `sdpa`; on the CPU `sdpa_per_doc` (flex has no CPU backward, and the dense
-  document mask of `sdpa` computes every masked score of a packed row: on the
-  tiny model's 1024-token rows our training step went from 0.87x to 1.28x
-  HF's padded batch, bench/e2e.py), or `sdpa` under `static` (torch.compile:
-  no host loop).
-
-`static=True` (set under torch.compile) keeps host values out of what layers
-see: flash/varlen get the boundaries as one int32 tensor of fixed length
-(cu_seqlens merged with the row ends, sorted on the device: repeated entries
-are empty documents) and max_seqlen = S, so neither the document count nor the
-longest document can change a guard.
+Tokens attend only within their document; `cu_seqlens` are int32 boundaries over the flattened
+B*S tokens (None: one document per row).  Backends: `sdpa` (boolean document mask), `sdpa_per_doc`
+(one call per document), `flex` (FlexAttention), `flash` (flash-attn varlen), `varlen` (torch's
+varlen_attn) and `auto`, which picks one per device and dtype (`resolve_backend`).  `static=True`
+(under torch.compile) keeps host values out of what the layers see.
 """
 
 from __future__ import annotations
@@ -53,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moevlm.model.layout import run_region
+from moevlm.model.region import run_region
 
 
 @dataclass

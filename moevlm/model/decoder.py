@@ -1,27 +1,14 @@
-"""The MoE text decoder: embedding, GQA attention with q/k RMSNorm and
-interleaved M-RoPE, MoE or dense MLP, final norm.
+"""The MoE text decoder: embedding, GQA attention with q/k RMSNorm and interleaved M-RoPE, MoE or
+dense MLP, final norm, LM head.
 
 Legend: B batch, S sequence, D hidden, H query heads, K kv heads, hd head dim.
 
-Design choices:
-- Module and parameter names follow the reference (`self_attn.q_proj`,
-  `input_layernorm`, ...) so checkpoint import is a short rename table; the
-  router is `mlp.router` (the reference calls it `mlp.gate`).
-- Rotary cos/sin and the document mask are built once per forward and shared
-  by all layers (`layer_inputs`); `run_layers` runs the layers the module
-  holds, keyed by their index in the whole decoder, so a pipeline stage that
-  holds layers 12..23 runs the same code.
-- A layer returns `(hidden, RouterStats | None)`; nothing is stashed on
-  modules, so recompute and pipeline stages see pure functions.
-- Deepstack features are added to the hidden states of the first
-  len(deepstack) layers *after* the layer, at image-token positions.
-- The layout (moevlm.model.layout) is given at construction: the sequence strategy
-  decides what the layers see of the (B, S) inputs, how attention and the dense MLP
-  gather and scatter the sequence, the rotary positions and the document mask;
-  `kv_rows` which key/value rows a rank projects when there are fewer kv heads than
-  tensor-parallel ranks; the core attention is a module from the layout's factory.
-- Regions a build step may wrap: each layer (`region`), its attention branch before the
-  residual add (`attn_region`), each RMSNorm (`region`).
+    decoder = TextDecoder(cfg, layout)                       # layout: moevlm.model.layout.Layout
+    h_BSD, router_stats = decoder(h_BSD, position_ids_3BS, cu_seqlens, visual_mask_BS, deepstack)
+
+Module and parameter names follow the Hugging Face reference (`self_attn.q_proj`, ...) except
+the router, `mlp.router`.  Regions a build step may wrap: each layer (`region`), its attention
+branch (`attn_region`), each RMSNorm (`region`).
 """
 
 from __future__ import annotations
@@ -33,9 +20,10 @@ import torch.nn as nn
 
 from moevlm.model.attention import DocMask
 from moevlm.model.config import VLMConfig
-from moevlm.model.fp8 import Linear
-from moevlm.model.layout import Layout, Vocab, add_at_mask, run_region
+from moevlm.model.linear import Linear
+from moevlm.model.layout import Layout, Vocab, add_at_mask
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats, TokenInfo
+from moevlm.model.region import run_region
 from moevlm.model.rope import apply_rotary, mrope
 
 

@@ -5,30 +5,11 @@ L experts on this rank (E for the local dispatcher), M rows after dispatch.
 
     expert_x_MD, tokens_per_expert_L, handle = d.dispatch(x_TD, topk_idx_TK, topk_w_TK)
     expert_y_MD = experts(expert_x_MD, tokens_per_expert_L)
-    y_TD = d.combine(expert_y_MD, handle)
+    y_TD = d.combine(expert_y_MD, handle)                    # router weights applied here, once
 
-The contract (docs/dispatchers.md has the whole of it):
-- Routing comes in as top-k indices (int64) and fp32 weights.
-- `dispatch` returns rows grouped by local expert, in expert order, and a *tensor* of rows per
-  local expert (no host copy unless a backend forces one).
-- **Router weights are applied in `combine`, exactly once**, to the expert output before the
-  per-token sum.  `dispatch` never scales rows.
-- `handle` is opaque to the caller: whatever the backend needs to invert the permutation (and,
-  for collectives, to run backward through the same plan).
-- `preprocess(topk_idx_TK, topk_w_TK)` is the routing-only part of `dispatch` before any
-  exchange or host sync (static shapes), or None; a backend reaches it through `planned`, so a
-  region installed at `preprocess_region` (a CUDA graph) runs it.
-
-Design choices:
-- A dispatcher is a parameter-free module, built once per MoE block by whoever builds the model
-  (the local one by default; moevlm.parallel.build for expert parallelism) and held by the
-  block, so `repr(model)` names it.  The distributed backends and their registry live in
-  moevlm.dispatch; the model imports none of them.
-- What other steps need to know is a property here, never an `isinstance` check:
-  `exchanges` (a collective exchange with a host sync: kept out of compiled graphs),
-  `pads_experts` (can pad each expert's rows for FP8 scale blocks), `overlappable` (the
-  chunked EP-overlap runner can drive it), `capturable_preprocess` (its `preprocess` has
-  static shapes a CUDA graph may capture).
+Rows come back grouped by local expert, with a tensor of counts; `handle` is opaque to the caller.
+What other build steps need to know is a property (`exchanges`, `pads_experts`, `overlappable`,
+`capturable_preprocess`).  The whole contract: docs/dispatchers.md.
 """
 
 from __future__ import annotations
@@ -38,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from moevlm.model.layout import run_region
+from moevlm.model.region import run_region
 from moevlm.model.rows import from_expert_rows, rows_plan, to_expert_rows
 
 

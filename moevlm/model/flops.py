@@ -1,16 +1,12 @@
 """Model FLOPs of one micro-batch, vision tower included, for TFLOP/s and MFU.
 
-Conventions (the ones `torch.utils.flop_counter.FlopCounterMode` and the
-PaLM/torchtitan MFU formula use, so the numbers are comparable):
-- a (m x k) @ (k x n) product is 2*m*k*n FLOPs; norms, activations, softmax,
-  rotary and the loss are not counted;
-- attention is counted per document, as the full L x L square (QK^T and PV),
-  not halved for the causal mask;
-- experts are counted at top-k: every token's K expert MLPs (dropless);
-- training = forward + backward = 3 x forward, except the patch embedding,
-  whose input (pixels) needs no gradient (2 x), and a frozen vision tower,
-  which runs forward only (1 x).
-Recompute (activation checkpointing) is not model FLOPs and is not counted.
+    flops = count_flops(cfg, doc_lens, image_grid_thw)      # a FlopCount of one micro-batch
+
+The conventions are those of `torch.utils.flop_counter.FlopCounterMode` and the PaLM/torchtitan
+MFU formula: a (m x k) @ (k x n) product is 2*m*k*n; norms, activations, softmax, rotary and the
+loss are not counted; attention is the full L x L square per document; experts count at top-k;
+training is 3x forward (2x for the patch embedding, 1x for a frozen vision tower); recompute is
+not counted.
 """
 
 from __future__ import annotations

@@ -1,50 +1,13 @@
-"""FP8 training for the decoder's projections and the expert GEMMs: autograd rules
-over `moevlm.kernels.fp8_quant` (quantizers) and `fp8_gemm` (FP8 GEMMs).
+"""FP8 training of the decoder's projections and the expert GEMMs: the resolved recipe (`Fp8Plan`),
+the per-step cache of weight codes, and the autograd rule over moevlm.kernels' quantizers and GEMMs.
 
-Legend: M rows (tokens, or expert-grouped rows), K in-features, N out-features,
-E experts, B the recipe's scale block (128 blockwise, 32 MXFP8).  Suffix q:
-e4m3 codes, s: their scales.
+Legend: M rows (tokens, or expert-grouped rows), K in-features, N out-features, E experts, B the
+recipe's scale block (128 blockwise, 32 MXFP8).  Suffix q: e4m3 codes, s: their scales.
 
     plan = resolve_fp8(cfg.fp8, device)          # None when cfg.fp8.recipe == "none"
-    apply_fp8(model, plan, cfg.fp8.modules)      # marks the chosen modules (after parallelize)
-    y = linear.project(x, weight, bias)          # FP8 when the module is marked
-    y_MN = expert_mm(x_MK, w_EKN, counts_E, backend, plan, owner)
-
-Each FP8 GEMM is an autograd Function:
-- forward: x quantized 1xB along K, the weight per the recipe (blockwise 128x128;
-  MXFP8 32x1 along K), one FP8 GEMM with fp32 accumulation, output in x's dtype
-  (the autocast dtype under autocast).  What backward needs is quantized here
-  and kept instead of x: x^T 1xB along M (the weight-gradient operand), one byte
-  per element instead of two or four.
-- backward: dy quantized 1xB along N for the input gradient (blockwise reuses
-  the forward's 128x128 weight codes, the block being square; MXFP8 quantizes
-  the weight again, 1x32 along N), dy^T 1xB along M for the weight gradient
-  (fp32, cast to the weight's dtype).
-- The router, norms, softmax, embeddings, LM head, biases and the vision patch
-  embedding never go through here; `apply_fp8` refuses to mark a router.
-
-Weights are quantized once per optimizer step (`cache_weights`): the codes are
-kept on the owning module, keyed by a generation counter that
-`install_weight_cache(optimizer)` bumps after every `optimizer.step()` (and
-`weights_changed()` after a load).  Micro-batches, backward and recompute of one
-step reuse them.  Under FSDP2 the unsharded (bf16) weight is quantized, so each
-rank keeps its gathered layers' codes until the step ends: one byte per weight
-element (its scales 1/16384 of that).  Without the optimizer hook nothing is
-cached: a model used outside the trainer quantizes at every call.
-
-Backends (`model.fp8_backend`), chosen per device when the model is built:
-- `triton`: our kernels (blockwise only), quantizers and GEMMs; CUDA with FP8
-  tensor cores (sm89+), or the CPU under TRITON_INTERPRET=1.
-- `torch`: `torch._scaled_mm` / `torch._scaled_grouped_mm`, where the probe in
-  `fp8_gemm.scaled_mm_support` found that scaling to run and agree with the
-  emulation on this device; quantizers Triton on CUDA.
-- `emulate`: the torch reference quantizers and a dequantized fp64 GEMM per expert
-  (host syncs, slow): the numerics of the recipe on any device.
-- `auto`: blockwise on sm89+: `triton` for the projections and the experts (it
-  takes any size; cuBLAS wants whole 128-blocks, which `torch` checks at
-  validation, and `auto` cannot know the sizes here).  MXFP8: `torch` where the
-  probe finds the MXFP8 paths (Blackwell), refused elsewhere.  On the CPU auto
-  refuses: emulation must be asked for, never slipped in.
+    install_weight_cache(optimizer)              # weights quantized once per optimizer step
+    y_MN = fp8_mm(x_MK, w_EKN, counts_E, plan, owner)     # or w_KN with counts_E None
+    y_MN = expert_mm(x_MK, w_EKN, counts_E, backend, plan, owner)   # grouped_mm when plan is None
 """
 
 from __future__ import annotations
@@ -54,13 +17,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from moevlm.model.config import check_fp8_modules
-from moevlm.model.layout import local
-
-BLOCK = {"blockwise": 128, "mxfp8": 32}
+from moevlm.kernels import grouped_mm
+from moevlm.kernels.fp8_gemm_ref import BLOCK
+from moevlm.kernels.fp8_gemm_torch import scaled_mm_support
 
 
 class Fp8Unavailable(RuntimeError):
@@ -120,8 +80,6 @@ def _triton_ok(device: torch.device) -> str | None:
 def _probe(device: torch.device) -> dict[str, bool]:
     if importlib.util.find_spec("triton") is None:
         return {}
-    from moevlm.kernels.fp8_gemm import scaled_mm_support
-
     return scaled_mm_support(device) if device.type == "cuda" else {}
 
 
@@ -324,68 +282,8 @@ def fp8_linear(x, weight_NK, bias, plan: Fp8Plan, owner=None):
     return out if bias is None else out + bias.to(out.dtype)
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose GEMMs run in FP8 once `apply_fp8` marks it (the same parameters and state dict)."""
-
-    fp8: Fp8Plan | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, local(self.weight), local(self.bias))
-
-    def project(self, x, weight, bias=None):
-        """x @ weight^T + bias: this module's weight, or a shard of it that tensor parallelism passes."""
-        if self.fp8 is None:
-            return F.linear(x, weight, bias)
-        return fp8_linear(x, weight, bias, self.fp8, owner=self)
-
-
 def expert_mm(x_MK, w_EKN, counts_E, backend: str, plan: Fp8Plan | None, owner=None):
     """The experts' grouped GEMM: FP8 when a plan is given, else `moevlm.kernels.grouped_mm(backend)`."""
     if plan is None:
-        from moevlm.kernels import grouped_mm
-
         return grouped_mm(x_MK, w_EKN, counts_E, backend)
     return fp8_mm(x_MK, w_EKN, counts_E, plan, owner)
-
-
-# ------------------------------------------------------------------- marking
-def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
-    """The modules `model.fp8_modules` names: experts (the grouped GEMMs), attn (q/k/v/o of every decoder layer),
-    mlp (dense SwiGLU layers of the decoder), vision (vision blocks and mergers; not the patch embedding)."""
-    from moevlm.model.decoder import TextAttention
-    from moevlm.model.moe import DenseMLP, Experts, Router
-    from moevlm.model.vision import PatchMerger, VisionBlock
-
-    check_fp8_modules(modules)  # a ConfigError (ValueError) naming the allowed ones
-    kinds = {
-        "experts": (Experts,),
-        "attn": (TextAttention,),
-        "mlp": (DenseMLP,),
-        "vision": (VisionBlock, PatchMerger),
-    }
-    chosen = tuple(k for name in modules for k in kinds[name])
-    out = []
-    for m in model.modules():
-        if isinstance(m, Experts) and isinstance(m, chosen):
-            out.append(m)
-        elif isinstance(m, chosen):
-            out += [lin for lin in m.modules() if isinstance(lin, Linear)]
-    assert not any(isinstance(m, Router) for m in out)
-    return out
-
-
-def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
-    """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
-    from moevlm.model.moe import MoEBlock
-
-    targets = fp8_targets(model, modules) if plan is not None else []
-    for m in model.modules():
-        if "fp8" in m.__dict__:
-            del m.fp8
-        m.__dict__.pop("_fp8_weight", None)
-        if isinstance(m, MoEBlock) and m.dispatcher.pads_experts:
-            pad = plan is not None and plan.pad_experts and "experts" in modules
-            m.dispatcher.pad_multiple = plan.block if pad else 1
-    for m in targets:
-        m.fp8 = plan
-    return len(targets)

@@ -1,31 +1,13 @@
-"""Hugging Face Qwen3-VL-MoE checkpoints in and out.
+"""Hugging Face Qwen3-VL-MoE checkpoints in and out: whole tensors and files only.
 
 Reads a folder with `config.json` and `model.safetensors` or a sharded
 `model.safetensors.index.json`; writes the same.
 
-Design choices:
-- Names: one table of prefixes (`_PREFIXES`) and the router suffix, read
-  forwards on load and backwards on export.  Our module tree keeps the
-  reference's names except the top-level prefixes, the router (`mlp.router`),
-  the deepstack list and the patch embedding (a linear weight instead of a
-  Conv3d kernel).
-- Expert layouts: hub checkpoints store `gate_up_proj` (E, D, 2F) and
-  `down_proj` (E, F, D) (our layout); transformers >= 5 keeps and saves
-  (E, 2F, D) / (E, D, F).  `expert_layout="auto"` decides by shape; when the
-  shapes are square (D == 2F or D == F) it uses the layout recorded in the
-  file's metadata by our exporter, and otherwise asks the caller to say which.
-- Everything is checked from the safetensors headers (names, shapes and
-  dtypes) before any parameter is allocated; one error lists every missing,
-  unexpected, mis-shaped and non-floating tensor (an int or bool tensor would
-  otherwise be cast into a float weight and trained).  A float of another
-  width (a bf16 file into fp32 weights) is converted by the copy.
-- Export writes the hub layout by default (what the published checkpoints and
-  other tools read), `expert_layout="hf"` writes transformers' own.
-- Loading streams tensor by tensor into a model materialised from the meta
-  device; default dtype is the torch default (fp32 master weights).
-- This module knows whole tensors and files only: loading into a sharded or
-  pipeline-split model, and exporting one, is `moevlm.parallel.hf_io` (it
-  gathers shards and stages with the pieces here).
+    model = load_pretrained(Qwen3VLMoe, hf_dir, expert_layout="auto")   # headers checked first
+    save_pretrained(model, out_dir, expert_layout="hub")     # or "hf": transformers' own layout
+
+Expert layouts: the hub's `gate_up_proj` (E, D, 2F) / `down_proj` (E, F, D) (ours) and
+transformers' (E, 2F, D) / (E, D, F).  Sharded or pipeline-split models: moevlm.parallel.hf_io.
 """
 
 from __future__ import annotations

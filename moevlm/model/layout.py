@@ -1,36 +1,15 @@
-"""How the model's work is laid out over ranks: strategy objects the modules receive when
-they are built, with single-process defaults, and the regions a build step may wrap.
+"""The strategies a model is built with (`Layout`), with their single-process defaults: how the
+model's work is laid out over ranks, called by the modules at fixed points.
 
 Legend: B rows, S sequence, s this rank's share of it, D hidden, V vocabulary, N image rows.
 
-    model = Qwen3VLMoe(cfg)                                  # one process: every default below
+    model = Qwen3VLMoe(cfg)                                    # one process: every default here
     model = Qwen3VLMoe(cfg, layout=Layout(sequence=..., ...))  # moevlm.parallel.build makes these
 
-The model calls its strategies at fixed points and never asks which one it holds:
-
-    sequence      where the decoder's (B, S) tensors enter the layers (`enter`: a tensor- or
-                  context-parallel rank keeps its share), how each block gathers the sequence
-                  before its column-parallel projections and scatters after its row-parallel one
-                  (`gather` / `scatter_linear`), the rotary positions and the document mask the
-                  layers see (`positions`, `mask`), and where a micro-batch starts (`begin`)
-    attention     a factory of the core attention module (q, k, v, mask -> out) of each layer
-    images        how the vision tower's work is shared (`encode`: whole here)
-    vocab         the token embedding lookup and the LM head (whole vocabulary here)
-    loss          next-token targets and the summed cross-entropy (`targets`, `token_loss`)
-    router_stats  the reduction of a MoE block's router statistics (none here)
-    kv_rows       the key/value projection rows a rank computes when heads are split (all here)
-    dispatcher    a factory of each MoE block's token dispatcher (the local one here)
-    experts_runner  a factory of the object that runs dispatch -> experts -> combine
-
-Design choices:
-- Strategies are plain objects (or parameter-free modules where a build step must reach them:
-  the core attention, the loss, the experts runner), so parameter names and checkpoints do not
-  depend on the layout.  `moevlm.parallel` provides the tensor-, context- and expert-parallel
-  versions; they compose (context parallel over tensor parallel) by holding one another.
-- A `Region` is a parameter-free child module a build step may set at a named point (`region`
-  for a module's whole forward; `attn_region`, `preprocess_region` for parts): recompute and
-  CUDA graphs install theirs there, so `repr(model)` shows what runs.  Without one the
-  computation runs plainly (`run_region`).
+Fields: `sequence` (what the layers see of (B, S) tensors, gather/scatter around projections,
+positions, the document mask), `attention` (core attention factory), `images`, `vocab`, `loss`,
+`router_stats`, `kv_rows`, `dispatcher` (per MoE block) and `experts_runner` (dispatch -> experts
+-> combine).
 """
 
 from __future__ import annotations
@@ -43,26 +22,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from moevlm.model.attention import CoreAttention, doc_mask
+from moevlm.model.dispatcher import LocalDispatcher
+
 IGNORE_INDEX = -100
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The shard of a parameter this rank computes with (differentiable); the tensor itself when whole."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-# ------------------------------------------------------------------ regions
-class Region(nn.Module):
-    """A point where a computation may be wrapped; this plain one runs it."""
-
-    def forward(self, fn: Callable, *args):
-        return fn(*args)
-
-
-def run_region(module: nn.Module, slot: str, fn: Callable, *args):
-    """`fn(*args)` through the region `module` holds at `slot`, if any."""
-    region = module._modules.get(slot)
-    return fn(*args) if region is None else region(fn, *args)
 
 
 # ------------------------------------------------------------------ strategies
@@ -94,8 +62,6 @@ class Sequence:
         return position_ids_3BS
 
     def mask(self, B: int, S: int, cu_seqlens, **doc_mask_kwargs):
-        from moevlm.model.attention import doc_mask
-
         return doc_mask(B, S, cu_seqlens, causal=True, **doc_mask_kwargs)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,15 +165,7 @@ def _combine_eager(dispatcher, expert_y_MD, handle):
 
 
 def _local_dispatcher(layer_idx: int, moe_cfg):
-    from moevlm.model.dispatcher import LocalDispatcher
-
     return LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.permute)
-
-
-def _core_attention():
-    from moevlm.model.attention import CoreAttention
-
-    return CoreAttention()
 
 
 @dataclass
@@ -215,7 +173,7 @@ class Layout:
     """The strategies a model is built with (see the module docstring); defaults: one process."""
 
     sequence: Sequence = field(default_factory=Sequence)
-    attention: Callable[[], nn.Module] = _core_attention
+    attention: Callable[[], nn.Module] = CoreAttention
     images: Images = field(default_factory=Images)
     vocab: Vocab = field(default_factory=Vocab)
     loss: Callable[[], nn.Module] = Loss
@@ -267,13 +225,11 @@ __all__ = [
     "Images",
     "Layout",
     "Loss",
-    "Region",
     "RouterStatsReduction",
     "Sequence",
     "Vocab",
     "add_at_mask",
     "local",
     "next_token_targets",
-    "run_region",
     "token_loss",
 ]

@@ -1,37 +1,14 @@
-"""The MoE MLP: fp32 top-k router, dispatcher, grouped-GEMM SwiGLU experts.
+"""The MoE MLP: fp32 top-k router, dispatcher, grouped-GEMM SwiGLU experts; and the dense MLP.
 
 Legend: T tokens, D hidden, E experts, K top-k, F expert hidden, M dispatched rows.
 
-Design choices:
-- The router runs in fp32 whatever the model dtype (logits, softmax, top-k,
-  renormalisation): routing decisions are the most precision-sensitive step.
-- Expert weights are stored `x @ W` style: `gate_up_proj` (E, D, 2F) with the
-  gate columns first, `down_proj` (E, F, D).  That is the hub checkpoint layout
-  and what grouped GEMMs take directly; `hf.py` transposes the transformers
-  in-memory layout on load/export.
-- The block never knows which dispatcher runs: it is handed one when built (the local one by
-  default; `moevlm.parallel.build` builds the expert-parallel ones), and an experts runner
-  (dispatch -> experts -> combine; `parallel.ep_overlap` hands a chunked, overlapped one).
-  Router weights are applied once, in `combine`.
-- Every MoE block returns `RouterStats` of its own tokens (sums, not means) so the
-  auxiliary loss is formed once over all layers exactly as the reference does; the
-  decoder reduces them over the ranks that share the sequence (the layout's
-  `router_stats`), and the trainer the same sums over data-parallel ranks.
-- Balancing options beside the reference's loss (all off by default; `moe.aux_loss` picks the
-  loss's form, see `load_balancing_loss`, `sequence_balance_loss`, `global_balance_loss`):
-  `moe.router_bias_rate` > 0 gives the router an `expert_bias` buffer added to the probabilities
-  for the choice of experts only (the combine weights stay the unbiased probabilities), which the
-  trainer moves after every optimizer step (`update_router_bias_`); it is training state, saved
-  in training checkpoints and never exported (`is_training_state`).  `moe.z_loss_coeff` > 0
-  adds each block's sum of logsumexp(logits)^2 to its statistics (`z_loss`).
-  `moe.router_force_balance` (benchmarks only) replaces the choice by a fixed round robin over
-  sequence positions: the token at position p of its sequence takes experts (p K + j) mod E,
-  j < K (the decoder hands each token's position, so a sequence split over tp or cp ranks routes
-  as one process does), and every expert gets the same number of rows whatever the scores
-  when the sequence length times K is a multiple of E; the combine weights are the router's
-  probabilities of those experts, renormalised, so the router still trains.
-- Regions a build step may wrap: the whole block (`region`), the SwiGLU between the
-  two grouped GEMMs (`act_region`); see `moevlm.model.layout`.
+    block = MoEBlock(D, cfg.moe, layer_idx, layout)     # dispatcher and experts runner from the layout
+    y_BSD, stats = block(x_BSD, token_mask_BS, tokens)   # stats: RouterStats (sums) of its tokens
+    aux = load_balancing_loss(stats_list, E)             # or sequence_ / global_balance_loss
+
+Expert weights: `gate_up_proj` (E, D, 2F), gate columns first, and `down_proj` (E, F, D).
+Regions a build step may wrap: the whole block (`region`) and the SwiGLU between the two grouped
+GEMMs (`act_region`).
 """
 
 from __future__ import annotations
@@ -44,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moevlm.model.config import MoEConfig
-from moevlm.model.fp8 import Fp8Plan, Linear, expert_mm
-from moevlm.model.layout import Layout, local, run_region
+from moevlm.model.fp8 import Fp8Plan, expert_mm
+from moevlm.model.layout import Layout, local
+from moevlm.model.linear import Linear
+from moevlm.model.region import run_region
 
 
 BIAS_BUFFER = "router.expert_bias"

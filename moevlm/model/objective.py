@@ -3,16 +3,9 @@
     loss = objective(lm_sum, loss_tokens, aux, aux_coef, aux_divisor)
     loss.backward()
 
-Design choices:
-- The LM term is the micro-batch's summed token loss over the step's global count of loss tokens
-  (every micro-batch, every data-parallel rank): every token weighs the same whatever the packing,
-  accumulation or layout, and the gradient sums over micro-batches and ranks (each data-parallel
-  reduction sums) give the step's mean.
-- The aux (load-balancing) loss is formed per micro-batch, as in Megatron and the reference, and
-  averaged over the step's micro-batches and data-parallel ranks: `aux_divisor` = micro-batches x dp.
-  The router z-loss (moe.z_loss_coeff) is averaged the same way.
-- One function for the whole-model path (the trainer) and a pipeline's last stage, so both compute
-  the same numbers in the same order; `aux` is None without MoE layers.
+The LM term is the summed token loss over the step's global count of loss tokens; the aux
+(load-balancing) and z-loss terms are averaged over `aux_divisor` = micro-batches x dp.  `aux` is
+None without MoE layers.
 """
 
 from __future__ import annotations

@@ -3,16 +3,8 @@
     parameter_counts(cfg)      # {"vision": ..., "embed_tokens": ..., "layers": ..., "norm": ..., "lm_head": ...}
     layer_parameters(cfg, i)   # decoder layer i by part: q_o, k_v, norms, router, experts, dense_mlp
 
-Design choices:
-- Used where building the model would already cost too much: the trainer
-  estimates per-rank memory before the model exists, even on the meta device
-  (100,000 decoder layers take minutes to build).  Tests hold the counts equal
-  to `sum(p.numel())` of the real model built on meta.
-- Counted by the parts a parallel layout treats differently (vision tower,
-  embedding, the attention's q/o and k/v, norms, router, experts, dense MLP,
-  LM head), so `moevlm.config.memory` can divide each by its own sharding;
-  this module itself knows nothing of parallelism.
-- A tied LM head is the embedding: counted once (`lm_head` = 0).
+Counted by the parts a parallel layout shards differently; a tied LM head counts 0.  Tests hold
+the counts equal to `sum(p.numel())` of the model built on meta.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Rotary embeddings and position ids: 2-D rotary for the vision tower, interleaved
-3-D M-RoPE for the decoder, and the 3-D position ids of a (packed) sequence.
+"""Rotary embeddings and position ids: 2-D rotary for the vision tower, interleaved 3-D M-RoPE for
+the decoder, and the 3-D position ids of a (packed) sequence.
 
 Legend: B batch, S sequence, N vision patches, I images, hd head dim.
 
-Design choices:
-- Frequencies are recomputed from the config on every call (a few hundred
-  elements): no non-persistent buffers, so meta-device construction and
-  `to_empty()` need no special re-initialisation.
-- `mrope_position_ids` is pure index logic on the host, usable both inside the
-  model and in data-loader workers (the packer precomputes it).  It splits a run
-  of image tokens by the grid sizes, so two adjacent images are handled; the
-  reference groups runs and would need separators between images.  With
-  separators (the chat template always has them) both agree exactly.
-- Packed documents (`cu_seqlens`) restart positions at every document start.
+    pos_3BS = mrope_position_ids(input_ids_BS, grid_thw_I3, image_token_id, merge, cu_seqlens)
+    cos, sin = mrope(pos_3BS, head_dim, theta, mrope_section);  q = apply_rotary(q, cos, sin)
+
+Packed documents (`cu_seqlens`) restart positions at every document start.
 """
 
 from __future__ import annotations

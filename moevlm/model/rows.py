@@ -1,23 +1,14 @@
-"""Token rows to expert-grouped rows and back, on one rank: the permutation every
-dispatcher does around (or instead of) its exchange.
+"""Token rows to expert-grouped rows and back, on one rank: the permutation every dispatcher does
+around (or instead of) its exchange.
 
 Legend: T tokens, K top-k, D hidden, E experts, N = T*K rows.
 
     rows_ND, counts_E, state = to_expert_rows(x_TD, topk_idx_TK, topk_w_TK, E, backend)
-    ...rows_ND grouped by expert (experts in order, tokens ascending within one)...
     y_TD = from_expert_rows(y_ND, state)       # router weights applied here, once
+    src_N, w_N, counts_E = rows_plan(topk_idx_TK, topk_w_TK, E)   # the routing-only half
 
-Backends (`moe.permute`):
-- `torch`: a stable sort by expert, a row gather, and a weighted `index_add_`
-  (any floating dtype, float64 included).
-- `triton`: `moevlm.kernels.permute` (one fused pass each way, fp32 sums;
-  fp32/fp16/bf16), the same rows in the same order.
-
-Counts come from `scatter_add_` into E slots: no host sync (`bincount` syncs on
-CUDA).  `rows_plan` is the torch backend's routing-only half (the sort, the
-source tokens, the per-row weights, the counts: static shapes, no host sync),
-so a dispatcher's `preprocess` can hand it over on its own (a CUDA graph
-captures it: moevlm.parallel.cuda_graphs).
+Backends (`moe.permute`): `torch` (a stable sort, a gather, a weighted `index_add_`) and `triton`
+(`moevlm.kernels.permute`), the same rows in the same order.  Counts need no host sync.
 """
 
 from __future__ import annotations

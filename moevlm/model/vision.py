@@ -1,20 +1,14 @@
-"""The vision tower: patch embedding, learned + 2-D rotary positions, pre-norm
-ViT blocks with variable-length attention over images, the 2x2 merger and the
-deepstack mergers.
+"""The vision tower: patch embedding, learned + 2-D rotary positions, pre-norm ViT blocks with
+variable-length attention over images, the 2x2 merger and the deepstack mergers.
 
-Legend: N patches (all images), I images, d vision width, P patch dim
-(C*T*p*p), hd head dim, O text width (merger output).
+Legend: N patches (all images), I images, d vision width, P patch dim (C*T*p*p), hd head dim,
+O text width (merger output).
 
-Design choices:
-- The Conv3d patch embedding with stride = kernel is a linear map of the
-  flattened patch; it is stored as a (d, P) linear weight (`hf.py` reshapes
-  the reference's (d, C, T, p, p) kernel).  Row order of a patch is (C, T, p, p).
-- Every grid-dependent index (rotary rows/cols, position-table taps, attention
-  segments) is computed once per forward from `grid_thw` on the host.
-- Regions a build step may wrap (moevlm.model.layout): each block, its MLP, each
-  LayerNorm (`region`), the attention kernel (`attn.core`).
-- Patches arrive in merge-block order (the processor's order), so the 2x2
-  merger is a reshape of four consecutive rows.
+    tokens_O, deepstack = VisionEncoder(cfg)(pixel_values_NP, grid_thw_I3)   # N/4 rows each
+
+The patch embedding is a (d, P) linear weight (the reference's Conv3d with stride = kernel).
+Regions a build step may wrap: each block, its MLP, each LayerNorm (`region`), the attention
+kernel (`attn.core`).
 """
 
 from __future__ import annotations
@@ -27,8 +21,8 @@ import torch.nn.functional as F
 
 from moevlm.model.attention import CoreAttention, DocMask, doc_mask
 from moevlm.model.config import VisionConfig
-from moevlm.model.fp8 import Linear
-from moevlm.model.layout import run_region
+from moevlm.model.linear import Linear
+from moevlm.model.region import run_region
 from moevlm.model.rope import (
     apply_rotary,
     pos_embed_taps,

@@ -2,29 +2,14 @@
 
 Legend: B batch, S sequence, V vocab, N patches, I images, O text width.
 
-    model = Qwen3VLMoe(VLMConfig.preset("tiny"))            # built and initialised
-    with torch.device("meta"): model = Qwen3VLMoe(cfg)      # parallelize, then
+    model = Qwen3VLMoe(VLMConfig.preset("tiny"))            # built and initialised, one process
+    with torch.device("meta"): model = Qwen3VLMoe(cfg, layout=...)   # parallelize, then
     model.to_empty(device="cuda"); model.init_weights()    # materialise + init
     model = Qwen3VLMoe.from_pretrained(hf_dir)              # HF checkpoint folder
     out = model(input_ids, pixel_values, image_grid_thw, labels=labels)
 
-Design choices:
-- `labels` follow the Hugging Face convention (same positions as `input_ids`,
-  -100 = ignored; the shift happens here).  With packed documents
-  (`cu_seqlens`) the target that would cross into the next document is
-  ignored.  `lm_loss` is the mean over counted targets; `num_loss_tokens` is
-  returned so a trainer can re-normalise by a global token count.
-- `loss = lm_loss + router_aux_loss_coef * aux_loss`, the reference's training
-  objective with router logits on.
-- Packed micro-batches have fixed shapes: `pixel_values` may carry trailing
-  padding patches (run as one isolated segment, output dropped) and
-  `image_grid_thw` all-zero rows (unused image slots).
-- Inputs are validated on the host before the vision tower runs, with messages
-  naming the offending argument.
-- The layout (moevlm.model.layout) is a constructor argument: `Qwen3VLMoe(cfg)` is the
-  one-process model; `moevlm.parallel.build` passes the strategies of a parallel layout
-  (how images are shared, the vocabulary, the loss, the sequence...).  The model keeps
-  it as `model.layout` and never asks which one it holds.
+`labels` follow the Hugging Face convention (same positions as `input_ids`, -100 ignored; the
+shift happens here).  `out.loss = lm_loss + router_aux_loss_coef * aux_loss`.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ import torch.nn as nn
 from moevlm.dispatch import DISPATCHERS, DispatcherSpec, dispatcher_names
 from moevlm.dispatch.base import constructor_arguments
 from moevlm.model.config import VLMConfig
-from moevlm.model.fp8 import Fp8Plan, apply_fp8
+from moevlm.model.fp8 import Fp8Plan
+from moevlm.model.fp8_targets import apply_fp8
 from moevlm.model.layout import Layout
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vlm import Qwen3VLMoe

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from moevlm.model.attention import CoreAttention, DocMask, document_ids
-from moevlm.model.layout import Images, Sequence, run_region
+from moevlm.model.layout import Images, Sequence
+from moevlm.model.region import run_region
 from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from moevlm.model.attention import DocMask
-from moevlm.model.layout import Region
 from moevlm.model.moe import RouterStats
+from moevlm.model.region import Region
 
 SCOPES = ("attn", "moe_router", "moe_preprocess", "full_layer")
 

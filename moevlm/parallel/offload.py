@@ -25,8 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer
-from moevlm.model.layout import Region
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock
+from moevlm.model.region import Region
 from moevlm.model.vision import VisionBlock, VisionMLP
 from moevlm.parallel.data_parallel import local_tensor
 from moevlm.parallel.recompute import _METERS, Recompute

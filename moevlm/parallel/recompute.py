@@ -26,8 +26,8 @@ from torch.utils.checkpoint import (
 
 from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer, RMSNorm
-from moevlm.model.layout import Region
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock
+from moevlm.model.region import Region
 from moevlm.model.vision import VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")

@@ -1,4 +1,4 @@
-"""FP8 GEMMs (kernels/fp8_gemm.py) on CPU, the Triton kernels under the interpreter.
+"""FP8 GEMMs (kernels/fp8_gemm*.py) on CPU, the Triton kernels under the interpreter.
 
 - Triton blockwise forward, dgrad and wgrad against the emulation (dequantize,
   fp64 GEMM): uneven experts with an empty one, experts not on 128-row blocks,
@@ -15,7 +15,7 @@
   checks cuBLAS's operand/scale layouts; MXFP8 scale swizzle by hand.
 - Fakes (FakeTensorMode shapes, opcheck) and the sm_90 compile (fp8 wgmma, smem).
 
-Operands are quantized with `moevlm.kernels.fp8_quant`'s torch references, so the
+Operands are quantized with `moevlm.kernels.fp8_quant_ref`'s torch references, so the
 two modules' formats are tested together.  Inputs are fresh every run; the seed is
 in every failure message and FP8_GEMM_SEED=<seed> replays it."""
 
@@ -29,9 +29,12 @@ import torch
 pytest.importorskip("triton")
 
 from moevlm.kernels import fp8_gemm as fg  # noqa: E402
-from moevlm.kernels.fp8_quant import (
+from moevlm.kernels import fp8_gemm_ref as fref  # noqa: E402
+from moevlm.kernels import fp8_gemm_torch as fgt  # noqa: E402
+from moevlm.kernels import fp8_gemm_triton as fgk  # noqa: E402
+from moevlm.kernels.fp8_quant_ref import (  # noqa: E402
     quant_blockwise_act_t_torch,
-    quant_blockwise_act_torch,  # noqa: E402
+    quant_blockwise_act_torch,
     quant_blockwise_weight_torch,
     quant_mxfp8_torch,
 )
@@ -157,7 +160,8 @@ def test_quantization_error_vs_unquantized(recipe, gen):
                     case,
                     op,
                     _rel(
-                        got.reshape(-1), fg.unquantized_reference(op, x, w, dy, counts).reshape(-1)
+                        got.reshape(-1),
+                        fref.unquantized_reference(op, x, w, dy, counts).reshape(-1),
                     ),
                 )
             )
@@ -169,11 +173,11 @@ def test_quantization_error_vs_unquantized(recipe, gen):
 
 
 def test_probe_on_cpu_reports_missing_and_selection_names_it(gen):
-    support = fg.scaled_mm_support("cpu")
+    support = fgt.scaled_mm_support("cpu")
     assert set(support) == {"scaled_mm_blockwise", "scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"}
     assert all(type(v) is bool for v in support.values()) and not any(support.values()), support
     # a fresh dict from the cached probe
-    assert fg.scaled_mm_support(torch.device("cpu")) is not support
+    assert fgt.scaled_mm_support(torch.device("cpu")) is not support
     counts = CASES["grouped"]
     args = _quantize("mm", "blockwise", *_data(counts, gen))
     with pytest.raises(
@@ -213,16 +217,16 @@ def _scaled_mm_standin(a, b, scale_a, scale_b, out_dtype=None):
         else:
             assert scale_b.shape == (kb, Nc) and scale_b.is_contiguous()
             blk_b = (128, 1)
-    out = fg.dequantize(a, sa, blk_a).double() @ fg.dequantize(b, sb, blk_b).double()
+    out = fref.dequantize(a, sa, blk_a).double() @ fref.dequantize(b, sb, blk_b).double()
     return out.to(out_dtype)
 
 
 def test_torch_path_against_a_standin_scaled_mm(monkeypatch, gen):
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_standin)
-    fg._probe.cache_clear()
+    fgt._probe.cache_clear()
     try:
-        support = fg.scaled_mm_support("cpu")
-        assert support["scaled_mm_blockwise"] and support["scaled_mm_mxfp8"], fg._probe("cpu")
+        support = fgt.scaled_mm_support("cpu")
+        assert support["scaled_mm_blockwise"] and support["scaled_mm_mxfp8"], fgt._probe("cpu")
         assert not support["scaled_grouped_mm_mxfp8"]
         for recipe in ("blockwise", "mxfp8"):
             for case in ("dense", "grouped"):
@@ -257,16 +261,16 @@ def test_torch_path_against_a_standin_scaled_mm(monkeypatch, gen):
                 * 1.5
             ),
         )
-        fg._probe.cache_clear()
-        assert "disagreed with the emulation" in fg._probe("cpu")["scaled_mm_blockwise"][1]
+        fgt._probe.cache_clear()
+        assert "disagreed with the emulation" in fgt._probe("cpu")["scaled_mm_blockwise"][1]
     finally:
-        fg._probe.cache_clear()
+        fgt._probe.cache_clear()
 
 
 def test_mx_scale_swizzle_by_hand():
     rows, cols = 130, 5  # padded to 256 x 8: two row blocks, two column blocks
     s = (torch.arange(rows * cols) % 251).to(torch.uint8).view(rows, cols)
-    flat = fg._swizzle_mx(s.view(torch.float8_e8m0fnu)).view(torch.uint8)
+    flat = fgt._swizzle_mx(s.view(torch.float8_e8m0fnu)).view(torch.uint8)
     assert flat.numel() == 256 * 8
     for r, c in [(0, 0), (1, 0), (31, 3), (32, 0), (33, 2), (127, 3), (128, 0), (129, 4), (5, 4)]:
         tile = (r // 128) * 2 + c // 4
@@ -399,22 +403,22 @@ def _compile_sm90():
     ]
     cases = [
         (
-            fg._fp8_mm_kernel,
-            fg._MM_CONFIGS,
+            fgk._fp8_mm_kernel,
+            fgk._MM_CONFIGS,
             mm,
             ("stride_ak", "stride_bn", "stride_on"),
             dict(BLOCK_K=128),
         ),
         (
-            fg._fp8_mm_kernel,
-            fg._MM_CONFIGS,
+            fgk._fp8_mm_kernel,
+            fgk._MM_CONFIGS,
             mm,
             ("stride_ak", "stride_bk", "stride_on"),
             dict(BLOCK_K=128),
         ),
         (
-            fg._fp8_wgrad_kernel,
-            fg._WGRAD_CONFIGS,
+            fgk._fp8_wgrad_kernel,
+            fgk._WGRAD_CONFIGS,
             wg,
             ("stride_am", "stride_bm", "stride_wn"),
             dict(BLOCK_M=128),

@@ -21,6 +21,8 @@ pytest.importorskip("triton")
 
 from moevlm.kernels import _common as common  # noqa: E402
 from moevlm.kernels import fp8_quant as Q  # noqa: E402
+from moevlm.kernels import fp8_quant_ref as R  # noqa: E402
+from moevlm.kernels import fp8_quant_triton as QT  # noqa: E402
 from sm90 import compile_sm90, run_compile_script  # noqa: E402
 
 FP8, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
@@ -267,7 +269,7 @@ def test_non_finite_tile_gets_nan_scale_and_nan_codes(fmt, seed):
         x[min(i * tile[0] + tile[0] // 2, M - 1), min(j * tile[1] + tile[1] // 2, K - 1)] = (
             v  # inside tile (i, j)
         )
-    bad_elem = Q._expand(bad[None], tile, M, K)[0]
+    bad_elem = R._expand(bad[None], tile, M, K)[0]
     for backend in Q.BACKENDS:
         codes, scales = fn(x, backend=backend)
         clean_codes, clean_scales = fn(x.masked_fill(bad_elem, 0.0), backend=backend)
@@ -300,7 +302,7 @@ def test_blockwise_round_trip_error(pow2, seed):
     x = data((M, K), (1, 128))
     codes, scales = Q.quant_blockwise_act(x, pow2_scales=pow2, backend="triton")
     dq = Q.dequant_blockwise(codes, scales, backend="triton")
-    s = Q._expand(scales[None], (1, 128), M, K)[0]
+    s = R._expand(scales[None], (1, 128), M, K)[0]
     normal = (x / s).abs() >= 2.0**-6
     err = (dq - x).abs()
     assert bool((err[normal] <= 2.0**-4 * x.abs()[normal]).all()), f"seed={seed}"
@@ -324,7 +326,7 @@ def test_mxfp8_round_trip_error(dim, seed):
     codes, scales = Q.quant_mxfp8(x, dim=dim, backend="triton")
     dq = Q.dequant_mxfp8(codes, scales, dim=dim, backend="triton")
     tile = (1, 32) if dim == -1 else (32, 1)
-    scaled = (x / Q._expand(scales.float()[None], tile, M, K)[0]).abs()
+    scaled = (x / R._expand(scales.float()[None], tile, M, K)[0]).abs()
     err = (dq - x).abs()
     normal, sat = (scaled >= 2.0**-6) & (scaled <= 448), scaled > 448
     assert bool((err[normal] <= 2.0**-4 * x.abs()[normal]).all()), f"seed={seed}"
@@ -350,8 +352,8 @@ def test_act_t_with_counts():
             Q.quant_blockwise_act_t(x, counts_E=torch.tensor([130, 126, 128]), backend=backend)
         with pytest.raises(ValueError, match="sum to 256, x has 384 rows"):
             Q.quant_blockwise_act_t(x, counts_E=torch.tensor([128, 128]), backend=backend)
-    assert Q.row_block_starts(counts).tolist() == [0, 1, 1]
-    assert Q.row_block_starts(torch.tensor([64, 32, 0]), block=32).tolist() == [0, 2, 3]
+    assert R.row_block_starts(counts).tolist() == [0, 1, 1]
+    assert R.row_block_starts(torch.tensor([64, 32, 0]), block=32).tolist() == [0, 2, 3]
 
 
 # ---------------------------------------------------------------- custom ops
@@ -473,7 +475,7 @@ def _compile_sm90():
     ]  # *i16: bf16 read as its bits
     cases = [
         (
-            Q._quant_kernel,
+            QT._quant_kernel,
             [x, "*u8", "*u8" if mx else "*fp32"],
             12,
             dict(
@@ -484,7 +486,7 @@ def _compile_sm90():
     ]
     cases += [
         (
-            Q._dequant_kernel,
+            QT._dequant_kernel,
             ["*u8", "*u8" if mx else "*fp32", "*fp32"],
             9,
             dict(TILE_R=1, TILE_C=128, BLOCK_R=32, BLOCK_C=128, MX=mx),
@@ -495,10 +497,10 @@ def _compile_sm90():
         fn = kernel
         sig = dict(zip(fn.arg_names, ptrs + ["i32"] * n_ints))
         # as the launcher picks
-        warps = 8 if consts["BLOCK_R"] * consts["BLOCK_C"] > Q._TILE_ELEMS else 4
+        warps = 8 if consts["BLOCK_R"] * consts["BLOCK_C"] > QT._TILE_ELEMS else 4
         ptx = compile_sm90(fn, sig, consts, warps).asm["ptx"]
         bad = [s for s in ("div.full", "div.approx", ".ftz", "fma.", ".local") if s in ptx]
-        wants_div = kernel is Q._quant_kernel and not consts["MX"]
+        wants_div = kernel is QT._quant_kernel and not consts["MX"]
         print(
             fn.__name__,
             consts,

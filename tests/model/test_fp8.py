@@ -1,7 +1,7 @@
-"""FP8 training pieces (moevlm.model.fp8) on the CPU, in fp32.
+"""FP8 training pieces (moevlm.model.fp8, fp8_targets) on the CPU, in fp32.
 
 - The autograd rule against the recipe written out by hand: operands quantized with the torch
-  reference quantizers (kernels/fp8_quant.py), dequantized, multiplied in fp64.  Forward, input
+  reference quantizers (kernels/fp8_quant_ref.py), dequantized, multiplied in fp64.  Forward, input
   gradient and weight gradient; dense and grouped (uneven experts, one empty, boundaries off the
   128-row blocks); blockwise and MXFP8 through the emulation, blockwise through our Triton kernels
   (interpreter).  The emulation is the same arithmetic: 1e-6; Triton accumulates in fp32: 1e-5.
@@ -19,11 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moevlm.kernels import fp8_quant as Q
+from moevlm.kernels import fp8_quant_ref as Q
 from moevlm.model import fp8 as fp8_mod
 from moevlm.errors import ConfigError
 from moevlm.model.config import Fp8Config, VLMConfig
-from moevlm.model.fp8 import Fp8Unavailable, apply_fp8, fp8_mm, install_weight_cache, resolve_fp8
+from moevlm.model.fp8 import Fp8Unavailable, fp8_mm, install_weight_cache, resolve_fp8
+from moevlm.model.fp8_targets import apply_fp8
 from moevlm.model.moe import MoEBlock, Router
 from moevlm.model.vlm import Qwen3VLMoe
 from moevlm.parallel.weights import init_parameters_

@@ -1,0 +1,57 @@
+"""Which modules of a built model compute in FP8: the targets each `model.fp8_modules` entry names,
+and the marking that hands them the resolved FP8 recipe (an `Fp8Plan`).
+
+    n = apply_fp8(model, plan, ("experts", "attn"))   # after parallelize; plan None unmarks all
+
+The router, norms, embeddings, LM head and the vision patch embedding are never marked.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from moevlm.model.config import check_fp8_modules
+from moevlm.model.decoder import TextAttention
+from moevlm.model.fp8 import Fp8Plan
+from moevlm.model.linear import Linear
+from moevlm.model.moe import DenseMLP, Experts, MoEBlock, Router
+from moevlm.model.vision import PatchMerger, VisionBlock
+
+__all__ = ["apply_fp8", "fp8_targets"]
+
+_KINDS = {
+    "experts": (Experts,),
+    "attn": (TextAttention,),
+    "mlp": (DenseMLP,),
+    "vision": (VisionBlock, PatchMerger),
+}
+
+
+def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
+    """The modules `model.fp8_modules` names: experts (the grouped GEMMs), attn (q/k/v/o of every decoder layer),
+    mlp (dense SwiGLU layers of the decoder), vision (vision blocks and mergers; not the patch embedding)."""
+    check_fp8_modules(modules)  # a ConfigError (ValueError) naming the allowed ones
+    chosen = tuple(k for name in modules for k in _KINDS[name])
+    out = []
+    for m in model.modules():
+        if isinstance(m, Experts) and isinstance(m, chosen):
+            out.append(m)
+        elif isinstance(m, chosen):
+            out += [lin for lin in m.modules() if isinstance(lin, Linear)]
+    assert not any(isinstance(m, Router) for m in out)
+    return out
+
+
+def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
+    """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
+    targets = fp8_targets(model, modules) if plan is not None else []
+    for m in model.modules():
+        if "fp8" in m.__dict__:
+            del m.fp8
+        m.__dict__.pop("_fp8_weight", None)
+        if isinstance(m, MoEBlock) and m.dispatcher.pads_experts:
+            pad = plan is not None and plan.pad_experts and "experts" in modules
+            m.dispatcher.pad_multiple = plan.block if pad else 1
+    for m in targets:
+        m.fp8 = plan
+    return len(targets)
