@@ -191,7 +191,7 @@ def bench_image(args) -> None:
         "settings: qwen3-vl = min 256*256, max 4096*4096 pixels (the hub config); train-N = max N*N.\n"
         "pil-only: PIL decode + EXIF + bicubic resize alone, no patches: the ceiling of a bit-identical path.\n"
         "drafted: images whose pixels draft mode changed; |d|: per-image mean |ours+draft - reference| in\n"
-        "normalised units (one 8-bit level = 2/255 = 0.0078), mean over images and worst image."
+        "normalized units (one 8-bit level = 2/255 = 0.0078), mean over images and worst image."
     )
 
 

@@ -88,7 +88,7 @@ class ModelConfig:
             "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own",
         },
     )
-    # the token ids: a randomly initialised model can take the ids of the data's tokenizer (the sample
+    # the token ids: a randomly initialized model can take the ids of the data's tokenizer (the sample
     # set's tiny BPE with a large model's proxy); a checkpoint's model keeps its own
     vocab_size: Optional[int] = field(
         default=None,

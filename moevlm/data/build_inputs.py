@@ -39,7 +39,7 @@ Design choices:
   is one document and is read whole (use .jsonl for huge sets).
 - Bad input is skipped and counted by reason (errors.py), never fatal: a
   malformed JSONL line (`bad_json`, with its line number; also one nested too
-  deep for the parser), a record that does not normalise, a non-string or
+  deep for the parser), a record that does not normalize, a non-string or
   NUL-holding image path (`bad_record`), a missing / empty / broken image or
   one whose name the file system refuses (`missing_image`, e.g. "File name too
   long"), and any other exception while checking one record (`bad_record`).

@@ -194,7 +194,7 @@ class DataConfig:
     start_method: str = field(
         default="forkserver",
         metadata={
-            "help": "how workers start; fork is unsafe once CUDA is initialised (and with PIL + CUDA)"
+            "help": "how workers start; fork is unsafe once CUDA is initialized (and with PIL + CUDA)"
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of the shard and sample shuffles"})
@@ -340,7 +340,7 @@ def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
         keys = [f"model.{name}={want}" for name, (want, _) in wrong.items()]
         keys += [f"model.vocab_size={vocab_wrong[0]}"] if vocab_wrong else []
         fix = (
-            f"a randomly initialised model can take the tokenizer's: {' '.join(keys)}; or give the "
+            f"a randomly initialized model can take the tokenizer's: {' '.join(keys)}; or give the "
             "model's own tokenizer (data.tokenizer=FILE)"
         )
     raise ValueError(f"{source} does not fit the model: {', '.join(found)}; {fix}")

@@ -6,7 +6,7 @@ Legend: L tokens of the sample, N its patches, D patch dim (3*T*P*P).
     sample = enc(raw, pos)            # raises SkipSample(reason) for unusable input
 
 Design choices:
-- Order: byte caps -> json -> record (normalised) -> images decoded -> tokens.  Images go
+- Order: byte caps -> json -> record (normalized) -> images decoded -> tokens.  Images go
   first because the number of <|image_pad|> tokens is the image's merged grid.
 - A member the reader did not read because it is over its byte cap (an
   `Oversize` marker, see reader.py) skips the sample first: `text_too_large`

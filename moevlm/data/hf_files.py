@@ -23,7 +23,7 @@ Design choices:
   pad to the image's token count), no default system prompt.
 - preprocessor_config.json carries the training run's image settings (patch,
   temporal patch, merge, min/max pixels, mean, std) in the Qwen2-VL image
-  processor's fields, so inference resizes and normalises as training did.
+  processor's fields, so inference resizes and normalizes as training did.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Qwen3-VL image preprocessing: encoded bytes -> decode -> smart resize ->
-rescale + normalise -> patchify.
+rescale + normalize -> patchify.
 
 Legend: H, W image height/width in pixels, C channels (3), T temporal patch
 (frames per patch), P patch side, M merge side, Hb/Wb merge blocks down/across
@@ -55,7 +55,7 @@ Design choices:
   giving grid t = 1.
 - `random_image` (data.mock=random_pixels) reads only the header (plus EXIF;
   for PNG, Pillow decodes to find an eXIf chunk after the pixels) and gives the
-  same grid as decode_image; its values are uniform over the normalised pixel
+  same grid as decode_image; its values are uniform over the normalized pixel
   range, not N(0, 1): the same bounds as real pixels, only the content is noise.
 - Rows come out in merge-block order: for each M x M block (raster order over
   blocks), its M*M patches in raster order.  The vision merger then groups four
@@ -169,7 +169,7 @@ def random_image(
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """data.mock=random_pixels: the grid decode_image would give (same header checks, EXIF orientation,
     smart resize), with seeded random patches instead of the decoded pixels: each value uniform over
-    what a pixel in [0, 1] normalises to on its channel, (0 - mean) / std .. (1 - mean) / std."""
+    what a pixel in [0, 1] normalizes to on its channel, (0 - mean) / std .. (1 - mean) / std."""
     if len(data) == 0:
         raise SkipSample("empty_image", "0 bytes")
     with _strict_pil():

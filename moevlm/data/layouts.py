@@ -21,7 +21,7 @@ Design choices:
   sample with neither json nor txt is `bad_json`, one with no caption `bad_record`.  The
   json is otherwise metadata: url, width, similarity scores are never read as text.  The id is
   the sample key (img2dataset's json `key` holds the same value).
-- Image members are recognised by webdataset's image extensions (last dot-part, any case).  A
+- Image members are recognized by webdataset's image extensions (last dot-part, any case).  A
   sample may carry members its record does not use (a second image, or with data.format=moevlm a
   metadata json that names none): they are returned as `unused`, which the loader counts
   (`images_unused`, errors.FALLBACKS), so a shard of images never trains as text without a

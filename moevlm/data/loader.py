@@ -44,7 +44,7 @@ Design choices:
   from local stream `offset` on.  The main process only pins and hands over
   tensors.  A worker holds a shuffle buffer and a packer per stream it serves.
 - Worker processes start with `forkserver` (configurable): forking a process
-  that has initialised CUDA (or PIL with CUDA) is unsafe; forkserver forks from
+  that has initialized CUDA (or PIL with CUDA) is unsafe; forkserver forks from
   a clean server that preloads this module, so starting is cheap too.
 - Exact resume.  Every row carries its stream's state after producing it:
   epoch, next read position, the positions held in the shuffle buffer and in

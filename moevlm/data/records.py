@@ -1,4 +1,4 @@
-"""One annotation normaliser for the shard builder (build time) and the shard
+"""One annotation normalizer for the shard builder (build time) and the shard
 reader (read time, for our shards and third-party ones).
 
     rec = normalize_record(parse_json_bytes(raw), default_id=key, caption_prompt="")
@@ -63,7 +63,7 @@ KINDS = ("chat", "caption", "text")
 
 @dataclass
 class Record:
-    """A normalised sample.  `images` are paths (builder input) or tar field
+    """A normalized sample.  `images` are paths (builder input) or tar field
     names (reader), in the order of the `<image>` tags."""
 
     id: str

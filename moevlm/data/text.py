@@ -12,7 +12,7 @@ Design choices:
 - The tokenizer is a `tokenizers.Tokenizer` (a tokenizer.json), the format
   Qwen checkpoints ship; nothing here needs transformers.  `train_bpe` makes a
   small byte-level BPE of the same kind (GPT-2 / Qwen byte alphabet, NFC
-  normalisation, no BOS) for the tiny preset and the embedded sample data.
+  normalization, no BOS) for the tiny preset and the embedded sample data.
   Special tokens sit at fixed ids at the top of the vocabulary, where the
   model config expects them (`TINY_SPECIAL_IDS` matches `VLMConfig.preset("tiny")`).
 - The chat layout is Qwen3-VL's chat template with no default system prompt:
@@ -247,7 +247,7 @@ class ChatEncoder:
         self._headers = {role: [self.im_start_id] + self._text(f"{role}\n") for role in ROLES}
 
     def __getstate__(self) -> dict:
-        # `encode_special_tokens` is not part of a tokenizer's serialised form, so
+        # `encode_special_tokens` is not part of a tokenizer's serialized form, so
         # the copy is rebuilt after pickling (DataLoader workers) rather than sent.
         return {k: v for k, v in self.__dict__.items() if k != "_text_tok"}
 

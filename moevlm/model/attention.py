@@ -188,7 +188,7 @@ def _sdpa_per_doc(q, k, v, mask: DocMask):
 def _flex(q, k, v, mask: DocMask):
     from torch.nn.attention.flex_attention import flex_attention
 
-    kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materialises the scores
+    kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materializes the scores
     out = kernel(
         q.transpose(1, 2),
         k.transpose(1, 2),

@@ -237,7 +237,7 @@ def add_doc_stats(stats: RouterStats, topk_idx_TK, probs_TE, keep_T, doc_BS, num
 def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
     """Switch-style auxiliary loss over all MoE layers, as the reference defines it:
     E * sum_e (selections_e / tokens) * (mean router prob_e), with selections and
-    probabilities summed over every layer's tokens before normalising."""
+    probabilities summed over every layer's tokens before normalizing."""
     tokens = sum(s.num_tokens for s in stats)
     frac_tokens_E = torch.stack([s.counts_E for s in stats]).sum(0) / tokens
     mean_prob_E = torch.stack([s.prob_sum_E for s in stats]).sum(0) / tokens

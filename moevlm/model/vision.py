@@ -94,8 +94,8 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """Four neighbouring patches -> one text token.  The main merger normalises each
-    patch (width d) before the shuffle; deepstack mergers normalise after (4d)."""
+    """Four neighbouring patches -> one text token.  The main merger normalizes each
+    patch (width d) before the shuffle; deepstack mergers normalize after (4d)."""
 
     def __init__(self, cfg: VisionConfig, postshuffle_norm: bool):
         super().__init__()

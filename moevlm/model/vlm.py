@@ -2,9 +2,9 @@
 
 Legend: B batch, S sequence, V vocab, N patches, I images, O text width.
 
-    model = Qwen3VLMoe(VLMConfig.preset("tiny"))            # built and initialised, one process
+    model = Qwen3VLMoe(VLMConfig.preset("tiny"))            # built and initialized, one process
     with torch.device("meta"): model = Qwen3VLMoe(cfg, layout=...)   # parallelize, then
-    model.to_empty(device="cuda"); model.init_weights()    # materialise + init
+    model.to_empty(device="cuda"); model.init_weights()    # materialize + init
     model = Qwen3VLMoe.from_pretrained(hf_dir)              # HF checkpoint folder
     out = model(input_ids, pixel_values, image_grid_thw, labels=labels)
 

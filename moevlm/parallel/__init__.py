@@ -9,7 +9,7 @@ recompute (recompute.py), activation offload to host memory (offload.py), per-bl
 (data_parallel.py), CUDA-graph regions (cuda_graphs.py), pipeline
 stages (pipeline_plan.py: the split and the schedule's rules; pipeline.py: stage modules on
 torch.distributed.pipelining); Hugging Face checkpoints in and out of a laid-out model (hf_io.py);
-layout-independent initialisation and unsharded values (weights.py).
+layout-independent initialization and unsharded values (weights.py).
 """
 
 from moevlm.parallel.build import ParallelContext, ParallelNotBuilt, build_model, materialize_

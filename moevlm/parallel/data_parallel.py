@@ -84,7 +84,7 @@ def apply_fsdp(
 
 class GradSync:
     """The per-step gradient finish: DDP all-reduces (when not FSDP) and the tp sums.
-    Parameters are looked up by name at every call (materialising a meta model
+    Parameters are looked up by name at every call (materializing a meta model
     replaces the parameter objects)."""
 
     def __init__(

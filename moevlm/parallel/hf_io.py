@@ -21,7 +21,7 @@ from moevlm.parallel.weights import copy_full_, full_tensor
 
 
 def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> None:
-    """Copy an HF checkpoint's weights into a materialised model (sharded, pipeline-split or whole)."""
+    """Copy an HF checkpoint's weights into a materialized model (sharded, pipeline-split or whole)."""
     hf_dir = Path(hf_dir)
     hf.check_architecture(hf_dir, model.config)
     expected = hf.expected_shapes(_whole_on_meta(model))

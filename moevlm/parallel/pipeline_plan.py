@@ -22,7 +22,7 @@ Design choices:
   (`moevlm.model.flops`, the MFU convention): each decoder layer at one
   document of seq_len tokens per row, stage 0 charged with the vision tower at
   the patch budget (max_patches per row, as images of the largest allowed size)
-  and the last stage with the LM head.  It minimises the most expensive stage
+  and the last stage with the LM head.  It minimizes the most expensive stage
   (exact, by dynamic programming over contiguous splits); ties go to the split
   with the smaller sum of squared stage costs.  A heavy tower thus moves
   decoder layers off stage 0 without hand-tuning.
@@ -323,7 +323,7 @@ def _rank_of(schedule: str, pp: int, stage: int) -> int:
 
 
 def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int, ...]:
-    """The contiguous split of the layers into K stages (each >= 1 layer) that minimises the largest
+    """The contiguous split of the layers into K stages (each >= 1 layer) that minimizes the largest
     stage cost, then the sum of squared stage costs (exact, dynamic programming).  With several
     stages per rank (`ranks[s]` = the rank of stage s), single layers are then moved (taken from
     one stage, given to another, the stages between shifting by one) while that lowers the busiest

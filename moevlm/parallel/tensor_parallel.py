@@ -24,7 +24,7 @@ from moevlm.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 
 def shard_param(module: nn.Module, name: str, mesh, placements) -> None:
-    """Replace `module.name` (on meta or materialised) by a DTensor parameter with
+    """Replace `module.name` (on meta or materialized) by a DTensor parameter with
     these placements; the global shape is the original one."""
     p = getattr(module, name)
     full = p.detach()

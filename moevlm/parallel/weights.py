@@ -1,4 +1,4 @@
-"""Parameters of a laid-out model: layout-independent initialisation, unsharded values, the DCP
+"""Parameters of a laid-out model: layout-independent initialization, unsharded values, the DCP
 storage layout of the expert weights.
 
     init_parameters_(model, seed, ctx)       # the same weights under any layout

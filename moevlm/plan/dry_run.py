@@ -262,7 +262,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
     """`run` micro-batches of the trainer's step on fake tensors: (bytes of parameters, gradients and
     optimizer state; the steady-state peak; the CollectiveCounter; the StorageTracker, whose host_*
     fields count the activation offload's host copies).  `step_micro_batches`: the step's
-    real count, for the loss normalisation (default `plan.grad_accum`)."""
+    real count, for the loss normalization (default `plan.grad_accum`)."""
     from moevlm.model.objective import objective
     from moevlm.parallel.build import materialize_
     from moevlm.train.optim import build_optimizer

@@ -201,7 +201,7 @@ def _optimizer_view(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Mo
 
 
 def rng_state() -> dict[str, Any]:
-    """Python `random`, numpy's global RNG, torch CPU and (if initialised) CUDA."""
+    """Python `random`, numpy's global RNG, torch CPU and (if initialized) CUDA."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),

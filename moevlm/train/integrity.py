@@ -18,7 +18,7 @@ Design choices:
 - Files are read in 8 MiB chunks on a few threads (zlib releases the GIL), so
   memory stays flat whatever the checkpoint size.  The manager splits the
   files of a checkpoint over its ranks (moevlm.train.checkpoint).
-- A failed write is recognised as a full disk from ENOSPC/EDQUOT anywhere in
+- A failed write is recognized as a full disk from ENOSPC/EDQUOT anywhere in
   the exception chain, or in the per-rank errors DCP gathers (torch's zip
   writer reports a short write as "unexpected pos ...").
 - The size estimate is the bytes of the tensors (local shards of DTensors) and

@@ -6,7 +6,7 @@ checked):
     launch    the device and the process group
     run dir   one directory for every rank, claimed        (moevlm.train.run_dir)
     log       metrics, TensorBoard, W&B, the notes
-    model     built on meta for the layout, then the data, then materialised: HF weights or init
+    model     built on meta for the layout, then the data, then materialized: HF weights or init
     optimizer AdamW and its schedule
     resume    the newest verified checkpoint, if any       (moevlm.train.checkpoint)
 """
@@ -335,7 +335,7 @@ def open_held_out(plan: JobPlan, launch: Launch, built: Built, sample, loader) -
 def materialize(
     plan: JobPlan, launch: Launch, built: Built, log: MetricsLogger, run_dir: Path
 ) -> None:
-    """The weights made on the device, then loaded from model.hf_checkpoint or initialised (the same
+    """The weights made on the device, then loaded from model.hf_checkpoint or initialized (the same
     under any layout); the router biases zeroed, the vision tower frozen if asked, the pipeline
     started."""
     model, m, t = built.model, plan.job.model, plan.train

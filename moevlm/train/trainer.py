@@ -4,7 +4,7 @@
     code = trainer.run()            # a moevlm.train.exit_codes.ExitCode; train.py exits with it
 
 One step = `grad_accum` micro-batches per data-parallel rank, all fetched first so the loss is
-normalised by the step's global count of loss tokens before any backward.  docs/architecture.md
+normalized by the step's global count of loss tokens before any backward.  docs/architecture.md
 says why each part of the loop is built as it is.
 """
 
