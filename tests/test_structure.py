@@ -185,3 +185,215 @@ def test_dispatcher_built_once_per_moe_layer(monkeypatch, name):
     assert [id(b.dispatcher) for b in blocks] == [id(d) for d in made]
     assert all(type(b.dispatcher) is cls for b in blocks)
     assert torch.device("meta") == next(model.parameters()).device
+
+
+# ------------------------------------------------------------------ the layout of the files
+# package -> the moevlm packages its files may import (its own included); top-level modules are
+# moevlm.errors, moevlm.comm, moevlm.signals, moevlm.kernels
+MAY_IMPORT = {
+    "kernels": {"kernels"},
+    "model": {"model", "kernels", "errors"},
+    "dispatch": {"dispatch", "model", "kernels", "comm", "errors"},
+    "parallel": {"parallel", "dispatch", "model", "kernels", "comm", "errors"},
+    "data": {"data", "model", "kernels", "errors", "signals"},
+    "config": {"config", "data", "dispatch", "parallel", "model", "kernels", "errors"},
+}
+
+
+def _module(path: Path) -> str:
+    """The dotted module a product file is (kernels/ is installed as moevlm.kernels)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "kernels":
+        parts = ["moevlm", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every moevlm import of a file, inside functions too; not the ones under
+    `if TYPE_CHECKING:` (annotations only)."""
+    tree = ast.parse(path.read_text())
+    hidden = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(line, name) for line, name in out if name.startswith("moevlm.")]
+
+
+def _graph() -> dict[str, set[str]]:
+    """Product module -> the product modules it imports (a `from package import name` names the
+    submodule when there is one, else the package)."""
+    modules = {_module(p): p for p in SOURCES}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, imported in _imports(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_product_file_is_over_650_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in [*SOURCES, ROOT / "train.py"]
+        if (n := len(p.read_text().splitlines())) > 650
+    }
+    assert long == {}
+
+
+def test_no_import_circle_among_product_files():
+    """Counting the imports made inside functions too: a circle held together by a late import is
+    still a circle."""
+    assert _circles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    """model/ nothing of parallel/, train/, data/, dispatch/ or config/; data/ nothing of parallel/ or
+    train/; config/ nothing of train/ or the planner; and so on (MAY_IMPORT)."""
+    wrong = []
+    for path in SOURCES:
+        package = _module(path).split(".")[1] if "." in _module(path) else ""
+        allowed = MAY_IMPORT.get(package)
+        if allowed is None:
+            continue
+        for line, name in _imports(path):
+            if name.split(".")[1] not in allowed:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert wrong == []
+
+
+def test_nothing_imports_a_main_module():
+    found = [
+        f"{p.relative_to(ROOT)}:{line} {name}"
+        for p in [
+            *SOURCES,
+            ROOT / "train.py",
+            *ROOT.glob("bench/*.py"),
+            *ROOT.glob("tests/**/*.py"),
+        ]
+        for line, name in _imports(p)
+        if ".__main__" in name
+    ]
+    assert found == []
+
+
+def test_module_docstrings_say_what_the_module_is_in_a_dozen_lines():
+    """The median module docstring is at most 12 lines; the design rationale lives in
+    docs/architecture.md, and no docstring carries a "Design choices" essay."""
+    lengths, essays = [], []
+    for path in SOURCES:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        lengths.append(len(doc.splitlines()))
+        if "Design choices" in doc:
+            essays.append(str(path.relative_to(ROOT)))
+    lengths.sort()
+    assert lengths[len(lengths) // 2] <= 12, lengths
+    assert essays == []
+
+
+def _names_compared(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines where a value is compared with one of `names` (==, !=, in a literal tuple/list/set)."""
+
+    def literals(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(literals(e) for e in node.elts))
+        return set()
+
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare)
+        and literals(node.left).union(*(literals(c) for c in node.comparators)) & names
+    ]
+
+
+def test_the_dispatcher_backend_is_chosen_in_one_function(monkeypatch):
+    """`model.dispatcher` becomes a DispatcherSpec in moevlm.config.dispatcher.choose_dispatcher and
+    nowhere else: no product code outside it (and the backends themselves) compares a backend name,
+    and the model built from the plan runs exactly the backend that function chose."""
+    from moevlm.config import compose_job, validate
+    from moevlm.config import validation as validate_module
+    from moevlm.dispatch import DISPATCHERS, DispatcherSpec, LocalDispatcher
+    from moevlm.model.moe import MoEBlock
+    from moevlm.parallel import build_model
+
+    names = set(DISPATCHERS)
+    allowed = {
+        ROOT / "moevlm" / "config" / "dispatcher.py",
+        *(ROOT / "moevlm" / "dispatch").glob("*.py"),
+    }
+    found = {
+        str(p.relative_to(ROOT)): lines
+        for p in SOURCES
+        if p not in allowed and (lines := _names_compared(ast.parse(p.read_text()), names))
+    }
+    assert found == {}
+    assert _names_compared(ast.parse("x.name == 'alltoall'\ny in ('a', 'deepep')"), names) == [1, 2]
+
+    class ChosenForTest(LocalDispatcher):  # a test double: the local dispatcher under another name
+        name = "chosen_for_test"
+
+    monkeypatch.setitem(DISPATCHERS, ChosenForTest.name, ChosenForTest)
+    chosen = validate_module.choose_dispatcher
+    monkeypatch.setattr(
+        validate_module,
+        "choose_dispatcher",
+        lambda *a, **k: (DispatcherSpec(ChosenForTest.name), chosen(*a, **k)[1]),
+    )
+    plan = validate(compose_job(["data.shards=sample"]))
+    model, _ = build_model(plan.model, plan.dims, plan.build)
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(type(b.dispatcher) is ChosenForTest for b in blocks)

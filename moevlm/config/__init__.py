@@ -10,7 +10,7 @@ from moevlm.config.memory import check_memory, estimate_memory, memory_limit
 from moevlm.config.model_section import ModelConfig, model_config
 from moevlm.config.schema import JobConfig, check_overrides, compose_job
 from moevlm.config.sections import OptimConfig, ParallelConfig, TrainConfig
-from moevlm.config.validate import validate
+from moevlm.config.validation import validate
 
 __all__ = [
     "JobConfig",

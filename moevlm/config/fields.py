@@ -4,7 +4,7 @@
     recompute: one_of(*MODES, checked_by=recompute.check) = ...   # its owner words the refusal
     allowed(ParallelConfig)["dp_mode"]      # ("fsdp", "ddp")
 
-Hydra sees `str`; `allowed` and the reference see the values; `moevlm.config.validate` refuses any
+Hydra sees `str`; `allowed` and the reference see the values; `moevlm.config.validation` refuses any
 other value of a field that names no `checked_by`.
 """
 

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 8 train.py +experiment=gb200_3d +scale=cpu
 
 `conf/scale/cpu.yaml` swaps the groups (tiny model, sample set, CPU settings) and sets
-`parallel.scale_to`; `scale_down` (the first step of moevlm.config.validate) rewrites what a group
+`parallel.scale_to`; `scale_down` (the first step of moevlm.config.validation) rewrites what a group
 file cannot compute: dp, ep if it must, the global batch, the data streams, the layers a pipeline
 needs.  Every change is one line of `JobPlan.notes`.
 """

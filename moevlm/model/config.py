@@ -1,20 +1,8 @@
-"""Model configuration: vision, text, MoE and the whole VLM.
+"""Model configuration: vision, text, MoE and the whole VLM, with its presets, its checks and the
+renames to and from a Hugging Face `config.json`.
 
-Design choices:
-- Plain dataclasses, no framework base class: Hydra's ConfigStore
-  can register them as-is, and tests build them in one line.
-- Field names follow the Hugging Face config where one exists, so reading
-  `config.json` is a rename table, not a translation; the renames live in
-  `VLMConfig.from_hf` / `to_hf` and nowhere else.
-- Runtime choices that do not change the function the network computes
-  (`attn_backend`, `moe.grouped_gemm`, `moe.permute`) sit beside the
-  architecture so one object describes a runnable model; they are never written
-  to an exported `config.json`.
-- `validate()` runs before any parameter exists and names the offending field
-  and what to change; sizes must be positive integers and real-valued fields
-  finite (a NaN or infinite coefficient is refused, not trained with).  It is
-  the one check of these fields: the trainer's job config sets them by name
-  (moevlm.config.model_section) and reports this method's errors in its own keys.
+    cfg = VLMConfig.preset("tiny").validate()      # ConfigError naming the field and the fix
+    cfg = VLMConfig.from_hf("path/to/config.json")
 """
 
 from __future__ import annotations

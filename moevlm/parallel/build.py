@@ -1,23 +1,5 @@
-"""`build_model(cfg, dims, ...)`: the one place a model is built for its parallel layout, in this
-order, on the meta device:
-
-    meshes and groups   ParallelDims.build_meshes: attention (pp, dp, cp, tp), experts (pp, edp, ep, etp);
-                        ParallelDims.data_meshes: FSDP's meshes, 2-D (replicate, shard) under HSDP
-    layouts             the strategies the model is built with (moevlm.model.layout): tensor parallel's
-                        (tensor_parallel.py) under context parallel's (context_parallel.py), the router
-                        statistics' reduction, each MoE block's dispatcher (built once, with its groups)
-                        and experts runner (ep_overlap.py with `ep_overlap`)
-    construction        Qwen3VLMoe(cfg, layout) on meta
-    pipeline stages     this rank keeps its stages' parts (pipeline.py)
-    weight shards       tensor-parallel and expert placements as DTensors
-    recompute           Recompute regions (recompute.py)
-    activation offload  Offload regions (offload.py), wrapping a Recompute at the same slot
-    FP8                 the chosen modules marked (moevlm.model.fp8)
-    compile             per-block torch.compile (compile.py)
-    FSDP / DDP          data_parallel.py
-    CUDA graphs         GraphedRegion regions (cuda_graphs.py), captured at the first training forward
-    schedule            the pipeline's stages and schedule (pipeline.py); each stage's offload
-                        scopes form their own prefetch chain
+"""`build_model(cfg, dims, options)`: the one place a model is built for its parallel layout, on the
+meta device (the order is docs/architecture.md's "Build order"), and the `ParallelContext` it returns.
 
     model, ctx = build_model(cfg, dims, BuildOptions(dp_mode="fsdp", device_type="cuda", bf16=True))
     materialize_(model, device, ctx)         # to_empty, through FSDP's pipeline roots
@@ -25,13 +7,6 @@ order, on the meta device:
     ...loss.backward() per micro-batch, or ctx.pipeline.forward_backward(...)...
     ctx.finish_gradients()                   # DDP all-reduces, tp sums of partial gradients
     norm = ctx.clip_grad_norm_(params, max_norm)
-
-Design choices:
-- Nothing rewrites the model: its modules receive their strategies when they are built and the
-  later steps install modules at its region slots or wrap whole modules (FSDP, compile); the
-  returned `ParallelContext` (meshes, groups, pipeline, gradient finish, CUDA graphs) is the
-  caller's, nothing is stored on the model.
-- One process is the same path with every default: no mesh, no shard.
 """
 
 from __future__ import annotations
