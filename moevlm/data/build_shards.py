@@ -7,7 +7,7 @@
     python -m moevlm.data.build_shards --energon ENERGON_DIR [--split train] --out SHARDS
     python -m moevlm.data.build_shards --sample SHARDS      # the bundled sample set + tokenizer.json
 
-Layout: `OUT/shard-000000.tar, ...` and `OUT/summary.json`.  Sample i (a
+Strategies: `OUT/shard-000000.tar, ...` and `OUT/summary.json`.  Sample i (a
 running count of samples written) is stored as the tar members
 
     000000042.json       canonical record (records.py), UTF-8, sort_keys, compact

@@ -3,7 +3,7 @@ dense MLP, final norm, LM head.
 
 Legend: B batch, S sequence, D hidden, H query heads, K kv heads, hd head dim.
 
-    decoder = TextDecoder(cfg, layout)                       # layout: moevlm.model.layout.Layout
+    decoder = TextDecoder(cfg, strategies)                   # moevlm.model.strategies.Strategies
     h_BSD, router_stats = decoder(h_BSD, position_ids_3BS, cu_seqlens, visual_mask_BS, deepstack)
 
 Module and parameter names follow the Hugging Face reference (`self_attn.q_proj`, ...) except
@@ -21,7 +21,7 @@ import torch.nn as nn
 from moevlm.model.attention import DocMask
 from moevlm.model.config import VLMConfig
 from moevlm.model.linear import Linear
-from moevlm.model.layout import Layout, Vocab, add_at_mask
+from moevlm.model.strategies import Strategies, Vocab, add_at_mask
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats, TokenInfo
 from moevlm.model.region import run_region
 from moevlm.model.rope import apply_rotary, mrope
@@ -54,19 +54,19 @@ class TextAttention(nn.Module):
     """The sequence gathered before q/k/v (column parallel under tensor parallelism: this rank's heads),
     the core attention, o_proj scattering the sequence back (row parallel)."""
 
-    def __init__(self, cfg: VLMConfig, layout: Layout | None = None):
+    def __init__(self, cfg: VLMConfig, strategies: Strategies | None = None):
         super().__init__()
-        layout = layout or Layout()
+        strategies = strategies or Strategies()
         t = cfg.text
         self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
-        self.seq, self.kv_rows = layout.sequence, layout.kv_rows(t.num_kv_heads, t.head_dim)
+        self.seq, self.kv_rows = strategies.sequence, strategies.kv_rows(t.num_kv_heads, t.head_dim)
         self.q_proj = Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
         self.k_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.v_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.o_proj = Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
         self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
         self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
-        self.core = layout.attention()
+        self.core = strategies.attention()
 
     def forward(self, x_BsD, rope_cos_sin, mask: DocMask):
         x_BSD = self.seq.gather(x_BsD)
@@ -88,17 +88,17 @@ class TextAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: VLMConfig, layer_idx: int, layout: Layout | None = None):
+    def __init__(self, cfg: VLMConfig, layer_idx: int, strategies: Strategies | None = None):
         super().__init__()
         t = cfg.text
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.self_attn = TextAttention(cfg, layout)
+        self.self_attn = TextAttention(cfg, strategies)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
         self.mlp = (
-            MoEBlock(t.hidden_size, cfg.moe, layer_idx, layout)
+            MoEBlock(t.hidden_size, cfg.moe, layer_idx, strategies)
             if self.is_moe
-            else DenseMLP(t.hidden_size, t.intermediate_size, layout)
+            else DenseMLP(t.hidden_size, t.intermediate_size, strategies)
         )
 
     def forward(
@@ -125,7 +125,7 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """Token embedding through the layout's vocabulary strategy (whole, or this rank's rows)."""
+    """Token embedding through the vocabulary strategy (whole, or this rank's rows)."""
 
     def __init__(self, num: int, dim: int, vocab: Vocab | None = None):
         super().__init__(num, dim)
@@ -138,16 +138,16 @@ class Embedding(nn.Embedding):
 class TextDecoder(nn.Module):
     static_mask = False  # fixed-size mask tensors only (set by moevlm.parallel.compile)
 
-    def __init__(self, cfg: VLMConfig, layout: Layout | None = None):
+    def __init__(self, cfg: VLMConfig, strategies: Strategies | None = None):
         super().__init__()
-        layout = layout or Layout()
+        strategies = strategies or Strategies()
         t = cfg.text
         self.cfg, self.attn_backend = t, cfg.attn_backend
         self.sequence_loss = cfg.moe.num_experts > 0 and cfg.moe.aux_loss == "sequence"
         self.force_balance = cfg.moe.num_experts > 0 and cfg.moe.router_force_balance
-        self.seq, self.router_stats = layout.sequence, layout.router_stats
-        self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, layout.vocab)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout) for i in range(t.num_layers))
+        self.seq, self.router_stats = strategies.sequence, strategies.router_stats
+        self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, strategies.vocab)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, strategies) for i in range(t.num_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
 
     def forward(
@@ -237,7 +237,7 @@ def document_index(cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> t
 
 
 class Head(nn.Linear):
-    """The LM head through the layout's vocabulary strategy (whole, or this rank's vocabulary rows)."""
+    """The LM head through the vocabulary strategy (whole, or this rank's vocabulary rows)."""
 
     def __init__(self, hidden: int, vocab_size: int, vocab: Vocab | None = None):
         super().__init__(hidden, vocab_size, bias=False)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moevlm.model.fp8 import Fp8Plan, fp8_linear
-from moevlm.model.layout import local
+from moevlm.model.strategies import local
 
 __all__ = ["Linear"]
 

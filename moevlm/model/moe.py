@@ -2,7 +2,7 @@
 
 Legend: T tokens, D hidden, E experts, K top-k, F expert hidden, M dispatched rows.
 
-    block = MoEBlock(D, cfg.moe, layer_idx, layout)     # dispatcher and experts runner from the layout
+    block = MoEBlock(D, cfg.moe, layer_idx, strategies)  # dispatcher and experts runner from them
     y_BSD, stats = block(x_BSD, token_mask_BS, tokens)   # stats: RouterStats (sums) of its tokens
     aux = load_balancing_loss(stats_list, E)             # or sequence_ / global_balance_loss
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moevlm.model.config import MoEConfig
 from moevlm.model.fp8 import Fp8Plan, expert_mm
-from moevlm.model.layout import Layout, local
+from moevlm.model.strategies import Strategies, local
 from moevlm.model.linear import Linear
 from moevlm.model.region import run_region
 
@@ -143,17 +143,17 @@ def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
 
 class MoEBlock(nn.Module):
     def __init__(
-        self, hidden: int, cfg: MoEConfig, layer_idx: int = 0, layout: Layout | None = None
+        self, hidden: int, cfg: MoEConfig, layer_idx: int = 0, strategies: Strategies | None = None
     ):
         super().__init__()
-        layout = layout or Layout()
+        strategies = strategies or Strategies()
         self.num_experts, self.z_loss = cfg.num_experts, cfg.z_loss_coeff > 0
         self.router = Router(
             hidden, cfg.num_experts, cfg.top_k, cfg.router_bias_rate > 0, cfg.router_force_balance
         )
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
-        self.dispatcher = layout.dispatcher(layer_idx, cfg)
-        self.runner = layout.experts_runner()
+        self.dispatcher = strategies.dispatcher(layer_idx, cfg)
+        self.runner = strategies.experts_runner()
 
     def forward(
         self,
@@ -205,9 +205,9 @@ class DenseMLP(nn.Module):
     """SwiGLU MLP of the `mlp_only_layers`: the sequence gathered before the gate/up projections and
     scattered by the down projection (both no-ops in one process)."""
 
-    def __init__(self, hidden: int, ffn: int, layout: Layout | None = None):
+    def __init__(self, hidden: int, ffn: int, strategies: Strategies | None = None):
         super().__init__()
-        self.seq = (layout or Layout()).sequence
+        self.seq = (strategies or Strategies()).sequence
         self.gate_proj = Linear(hidden, ffn, bias=False)
         self.up_proj = Linear(hidden, ffn, bias=False)
         self.down_proj = Linear(ffn, hidden, bias=False)

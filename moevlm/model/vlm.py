@@ -3,7 +3,7 @@
 Legend: B batch, S sequence, V vocab, N patches, I images, O text width.
 
     model = Qwen3VLMoe(VLMConfig.preset("tiny"))            # built and initialized, one process
-    with torch.device("meta"): model = Qwen3VLMoe(cfg, layout=...)   # parallelize, then
+    with torch.device("meta"): model = Qwen3VLMoe(cfg, strategies=...)   # build_model, then
     model.to_empty(device="cuda"); model.init_weights()    # materialize + init
     model = Qwen3VLMoe.from_pretrained(hf_dir)              # HF checkpoint folder
     out = model(input_ids, pixel_values, image_grid_thw, labels=labels)
@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
-from moevlm.model.layout import IGNORE_INDEX, Layout, next_token_targets, token_loss
+from moevlm.model.strategies import IGNORE_INDEX, Strategies, next_token_targets, token_loss
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.vision import VisionEncoder
@@ -42,14 +42,14 @@ class VLMOutput:
 
 
 class Qwen3VLMoe(nn.Module):
-    def __init__(self, config: VLMConfig, layout: Layout | None = None):
+    def __init__(self, config: VLMConfig, strategies: Strategies | None = None):
         super().__init__()
         self.config = config.validate()
-        self.layout = layout = layout or Layout()
+        self.strategies = strategies = strategies or Strategies()
         self.vision = VisionEncoder(config.vision, config.attn_backend)
-        self.text = TextDecoder(config, layout)
-        self.lm_head = Head(config.text.hidden_size, config.text.vocab_size, layout.vocab)
-        self.loss = layout.loss()
+        self.text = TextDecoder(config, strategies)
+        self.lm_head = Head(config.text.hidden_size, config.text.vocab_size, strategies.vocab)
+        self.loss = strategies.loss()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.text.embed_tokens.weight
         if not any(p.is_meta for p in self.parameters()):
@@ -107,7 +107,7 @@ class Qwen3VLMoe(nn.Module):
             labels,
             token_mask,
         )
-        self.layout.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
+        self.strategies.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
         h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
             input_ids, pixel_values, image_grid_thw
         )
@@ -178,10 +178,10 @@ class Qwen3VLMoe(nn.Module):
         return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, deepstack, n
 
     def encode_images(self, pixel_values_NP, grid_thw_I3):
-        """(image tokens, deepstack features, n) of every image, the work shared as the layout's
+        """(image tokens, deepstack features, n) of every image, the work shared as the strategies'
         `images` strategy says."""
         merge = self.config.vision.spatial_merge_size
-        return self.layout.images.encode(
+        return self.strategies.images.encode(
             self.encode_own_images, pixel_values_NP, grid_thw_I3, merge
         )
 
@@ -200,7 +200,7 @@ class Qwen3VLMoe(nn.Module):
         return image_NO, deepstack, used // merge**2
 
     def lm_loss(self, logits_BSV, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean next-token loss over the targets this rank holds, their number): the layout's loss."""
+        """(mean next-token loss over the targets this rank holds, their number): the loss strategy's."""
         return self.loss(logits_BSV, labels_BS, cu_seqlens)
 
     # ------------------------------------------------------- checkpoints (HF)

@@ -22,7 +22,7 @@ from moevlm.dispatch.base import constructor_arguments
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Fp8Plan
 from moevlm.model.fp8_targets import apply_fp8
-from moevlm.model.layout import Layout
+from moevlm.model.strategies import Strategies
 from moevlm.model.moe import MoEBlock
 from moevlm.model.vlm import Qwen3VLMoe
 from moevlm.parallel.compile import apply_compile
@@ -134,7 +134,7 @@ def build_model(
     if dims.world > 1:
         _groups(ctx, o.device_type)
     with torch.device("meta"):
-        model = Qwen3VLMoe(cfg, _layout(cfg, ctx, o))
+        model = Qwen3VLMoe(cfg, _strategies(cfg, ctx, o))
     _check_runners(model)
     if dims.pp > 1:  # this rank's stages only, before anything is sharded
         ctx.init_rules = model.init_rules()
@@ -212,7 +212,7 @@ def _groups(ctx: ParallelContext, device_type: str) -> None:
         )
 
 
-def _layout(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Layout:
+def _strategies(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Strategies:
     """The strategies of this layout: tensor parallel under context parallel, the dispatchers, the runner."""
     dims, fields = ctx.dims, {}
     loss = {}
@@ -223,7 +223,7 @@ def _layout(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Layout:
         loss.update(group=group, vocab_start=start)
     if dims.cp > 1:
         info, cp = cp_strategies(
-            ctx.groups["cp"], o.cp_comm, fields.get("sequence", Layout().sequence)
+            ctx.groups["cp"], o.cp_comm, fields.get("sequence", Strategies().sequence)
         )
         fields.update(cp, router_stats=SumOverGroup(ctx.groups["cp_tp"]))
         loss.update(take=info.take)
@@ -237,7 +237,7 @@ def _layout(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Layout:
     fields["dispatcher"] = lambda layer_idx, moe_cfg: spec.build(moe_cfg, **groups)
     if o.ep_overlap:
         fields["experts_runner"] = OverlappedRunner
-    return Layout(**fields)
+    return Strategies(**fields)
 
 
 def _pipeline(model: nn.Module, plan: PipelinePlan, ctx: ParallelContext) -> Pipeline:

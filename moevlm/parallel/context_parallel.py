@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moevlm.model.attention import CoreAttention, DocMask, document_ids
-from moevlm.model.layout import Images, Sequence
+from moevlm.model.strategies import Images, Sequence
 from moevlm.model.region import run_region
 from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
@@ -169,7 +169,7 @@ class CPCoreAttention(CoreAttention):
 
 
 def cp_strategies(cp_group, comm: str, inner: Sequence) -> tuple[CPInfo, dict]:
-    """(the cp group's info, the Layout fields of context parallel over `cp_group`, composed over the
+    """(the cp group's info, the Strategies fields of context parallel over `cp_group`, composed over the
     sequence strategy `inner`: tensor parallel's, or the whole-sequence one)."""
     info = CPInfo(cp_group, comm)
     return info, dict(

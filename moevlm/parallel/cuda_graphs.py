@@ -7,7 +7,7 @@ Legend: B batch, S sequence, D hidden, T tokens, K top-k, E experts, N = T*K row
     ...train: the first training forward on CUDA captures, later ones replay...
     graphs.captures()    # {"attn": layers, "moe_router": MoE layers, ...} once shapes are fixed
 
-Scopes, each a `GraphedRegion` at a region slot of moevlm.model.layout: `attn` (sdpa only),
+Scopes, each a `GraphedRegion` at a region slot of moevlm.model.strategies: `attn` (sdpa only),
 `moe_router`, `moe_preprocess` (the dispatcher's `preprocess`) and `full_layer` (the whole layer,
 where it is static and sync-free).  Why: docs/architecture.md.
 """

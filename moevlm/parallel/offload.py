@@ -8,7 +8,7 @@ hidden.
     with SavedBytes(model) as meter: loss = model(**batch).loss    # device bytes held, host bytes
     meter.bytes, meter.offloaded_bytes
 
-Scopes, each an `Offload` at a region slot of moevlm.model.layout: layer_input (what is saved on
+Scopes, each an `Offload` at a region slot of moevlm.model.strategies: layer_input (what is saved on
 the storage of a decoder layer's input h (B,S,D)), core_attn, mlp, moe_act (h (M,2F)), moe, vision.
 """
 

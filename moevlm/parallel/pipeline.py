@@ -80,7 +80,7 @@ class StageModule(nn.Module):
 
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):
         model, b = self.model, self.batches[int(mb)]
-        model.layout.sequence.begin(b.cu_seqlens, *b.input_ids.shape, b.input_ids.device)
+        model.strategies.sequence.begin(b.cu_seqlens, *b.input_ids.shape, b.input_ids.device)
         with self.autocast():
             if self.first:
                 h, visual_mask, ds_list, n = model.embed(

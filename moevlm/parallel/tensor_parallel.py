@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from moevlm.model.layout import IGNORE_INDEX, Loss, Sequence, Vocab, local
+from moevlm.model.strategies import IGNORE_INDEX, Loss, Sequence, Vocab, local
 from moevlm.parallel.comm import gather_seq, reduce_scatter_seq, split_seq, sum_replicated
 from moevlm.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -125,7 +125,7 @@ class SumOverGroup:
 
 
 def kv_rows(tp: int, rank: int):
-    """The `Layout.kv_rows` of tensor parallelism: all rows of this rank's k/v shard when K >= tp; when
+    """The `Strategies.kv_rows` of tensor parallelism: all rows of this rank's k/v shard when K >= tp; when
     K < tp the rows of the one kv head this rank's query heads use, from a replicated weight."""
 
     def rows(num_kv_heads: int, head_dim: int):
@@ -138,7 +138,7 @@ def kv_rows(tp: int, rank: int):
 
 
 def tp_strategies(tp_mesh, vocab_size: int) -> dict:
-    """The Layout fields of tensor parallelism over `tp_mesh` (the caller composes them with context parallel)."""
+    """The Strategies fields of tensor parallelism over `tp_mesh` (the caller composes them with context parallel)."""
     tp, r, g = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
     if vocab_size % tp:
         raise ValueError(f"text.vocab_size={vocab_size} is not divisible by parallel.tp={tp}")

@@ -21,7 +21,7 @@ import torch
 
 from moevlm.config.train_checks import parse_profile_steps
 from moevlm.model.decoder import Head, TextAttention
-from moevlm.model.layout import Combine, Dispatch, Loss
+from moevlm.model.strategies import Combine, Dispatch, Loss
 from moevlm.model.moe import Experts, Router
 from moevlm.model.vision import PatchMerger, VisionEncoder
 

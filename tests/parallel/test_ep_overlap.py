@@ -31,7 +31,7 @@ from moevlm.data.sample_cache import ensure_sample
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.errors import ConfigError
 from moevlm.model.moe import MoEBlock
-from moevlm.model.layout import ExpertsRunner, Layout
+from moevlm.model.strategies import ExpertsRunner, Strategies
 from moevlm.parallel.ep_overlap import OverlappedRunner, chunk_bounds
 from moevlm.config import compose_job, validate
 from test_layouts import compare, run_job
@@ -99,11 +99,11 @@ def _blocks(seed: int, capacity_factor: float | None, D: int = D, F: int = F):
     r, L = dist.get_rank(), E // 2
     blocks = []
     for runner in (ExpertsRunner, OverlappedRunner):
-        layout = Layout(
+        strategies = Strategies(
             dispatcher=lambda i, c: AllToAllDispatcher(E, K, capacity_factor=capacity_factor),
             experts_runner=runner,
         )
-        b = MoEBlock(D, cfg, layout=layout)
+        b = MoEBlock(D, cfg, strategies=strategies)
         with torch.no_grad():
             b.router.weight.copy_(router)
             b.experts.gate_up_proj = torch.nn.Parameter(gate_up[r * L : (r + 1) * L].clone())

@@ -1,10 +1,10 @@
-"""The strategies a model is built with (`Layout`), with their single-process defaults: how the
+"""The strategies a model is built with (`Strategies`), with their single-process defaults: how the
 model's work is laid out over ranks, called by the modules at fixed points.
 
 Legend: B rows, S sequence, s this rank's share of it, D hidden, V vocabulary, N image rows.
 
     model = Qwen3VLMoe(cfg)                                    # one process: every default here
-    model = Qwen3VLMoe(cfg, layout=Layout(sequence=..., ...))  # moevlm.parallel.build makes these
+    model = Qwen3VLMoe(cfg, strategies=Strategies(sequence=..., ...))  # moevlm.parallel.build makes these
 
 Fields: `sequence` (what the layers see of (B, S) tensors, gather/scatter around projections,
 positions, the document mask), `attention` (core attention factory), `images`, `vocab`, `loss`,
@@ -169,7 +169,7 @@ def _local_dispatcher(layer_idx: int, moe_cfg):
 
 
 @dataclass
-class Layout:
+class Strategies:
     """The strategies a model is built with (see the module docstring); defaults: one process."""
 
     sequence: Sequence = field(default_factory=Sequence)
@@ -223,7 +223,7 @@ __all__ = [
     "Dispatch",
     "ExpertsRunner",
     "Images",
-    "Layout",
+    "Strategies",
     "Loss",
     "RouterStatsReduction",
     "Sequence",
