@@ -11,7 +11,7 @@ from moevlm.config.environment import graph_scope
 from moevlm.dispatch import DISPATCHERS, DispatcherSpec
 from moevlm.errors import ConfigError, check
 from moevlm.model.config import VLMConfig
-from moevlm.model.fp8 import BLOCK, Fp8Plan, Fp8Unavailable, resolve_fp8
+from moevlm.model.fp8 import BLOCK, Fp8Recipe, Fp8Unavailable, resolve_fp8
 from moevlm.parallel.cuda_graphs import scope_problem
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import GRAPH_OVERLAPS
@@ -180,7 +180,7 @@ def check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims, spec: Dispatche
 
 def check_fp8(
     job, model: VLMConfig, dims: ParallelDims, spec: DispatcherSpec, environment: bool
-) -> Fp8Plan | None:
+) -> Fp8Recipe | None:
     """What model.fp8 cannot run with, then (with `environment`) whether its kernels run on this device."""
     f, m = model.fp8, job.model
     if f.recipe == "none":

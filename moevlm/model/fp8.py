@@ -1,13 +1,13 @@
-"""FP8 training of the decoder's projections and the expert GEMMs: the resolved recipe (`Fp8Plan`),
+"""FP8 training of the decoder's projections and the expert GEMMs: the resolved recipe (`Fp8Recipe`),
 the per-step cache of weight codes, and the autograd rule over moevlm.kernels' quantizers and GEMMs.
 
 Legend: M rows (tokens, or expert-grouped rows), K in-features, N out-features, E experts, B the
 recipe's scale block (128 blockwise, 32 MXFP8).  Suffix q: e4m3 codes, s: their scales.
 
-    plan = resolve_fp8(cfg.fp8, device)          # None when cfg.fp8.recipe == "none"
+    recipe = resolve_fp8(cfg.fp8, device)          # None when cfg.fp8.recipe == "none"
     install_weight_cache(optimizer)              # weights quantized once per optimizer step
-    y_MN = fp8_mm(x_MK, w_EKN, counts_E, plan, owner)     # or w_KN with counts_E None
-    y_MN = expert_mm(x_MK, w_EKN, counts_E, backend, plan, owner)   # grouped_mm when plan is None
+    y_MN = fp8_mm(x_MK, w_EKN, counts_E, recipe, owner)     # or w_KN with counts_E None
+    y_MN = expert_mm(x_MK, w_EKN, counts_E, backend, recipe, owner)   # grouped_mm when recipe is None
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Fp8Unavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Fp8Plan:
+class Fp8Recipe:
     recipe: str  # blockwise | mxfp8
     dense: str  # GEMM backend of the projections: triton | torch | emulate
     grouped: str  # GEMM backend of the experts
@@ -83,8 +83,8 @@ def _probe(device: torch.device) -> dict[str, bool]:
     return scaled_mm_support(device) if device.type == "cuda" else {}
 
 
-def resolve_fp8(cfg, device) -> Fp8Plan | None:
-    """The plan for `cfg` (`model.fp8*` fields as `Fp8Config`) on `device`, or Fp8Unavailable naming the fix."""
+def resolve_fp8(cfg, device) -> Fp8Recipe | None:
+    """The recipe for `cfg` (`model.fp8*` fields as `Fp8Config`) on `device`, or Fp8Unavailable naming the fix."""
     if cfg.recipe == "none":
         return None
     device = torch.device(device)
@@ -99,7 +99,7 @@ def resolve_fp8(cfg, device) -> Fp8Plan | None:
                 "model.fp8_backend=emulate uses moevlm.kernels.fp8_gemm, which imports triton: "
                 "pip install triton"
             )
-        return Fp8Plan(cfg.recipe, "emulate", "emulate", "torch", **opts)
+        return Fp8Recipe(cfg.recipe, "emulate", "emulate", "torch", **opts)
     if cfg.backend == "triton" or (cfg.backend == "auto" and cfg.recipe == "blockwise"):
         if cfg.recipe != "blockwise":
             raise Fp8Unavailable(
@@ -113,7 +113,7 @@ def resolve_fp8(cfg, device) -> Fp8Plan | None:
                 f"{why}; set model.fp8_backend=emulate to train with the recipe's numerics "
                 "(slow), or model.fp8=none"
             )
-        return Fp8Plan("blockwise", "triton", "triton", "triton", **opts)
+        return Fp8Recipe("blockwise", "triton", "triton", "triton", **opts)
     need = (
         ("scaled_mm_blockwise",)
         if cfg.recipe == "blockwise"
@@ -134,7 +134,7 @@ def resolve_fp8(cfg, device) -> Fp8Plan | None:
             f"use {hint}"
         )
     opts["pad_experts"] = True  # torch's grouped FP8 paths need whole scale blocks per expert
-    return Fp8Plan(cfg.recipe, "torch", "torch", quant, **opts)
+    return Fp8Recipe(cfg.recipe, "torch", "torch", quant, **opts)
 
 
 # ------------------------------------------------------------- weight cache
@@ -156,23 +156,23 @@ def install_weight_cache(optimizer: torch.optim.Optimizer) -> None:
     _hooked = True
 
 
-def _cache_on(plan: Fp8Plan) -> bool:
-    return plan.cache_weights and _hooked
+def _cache_on(recipe: Fp8Recipe) -> bool:
+    return recipe.cache_weights and _hooked
 
 
-def _weight_codes(owner, w, plan: Fp8Plan, grouped: bool):
+def _weight_codes(owner, w, recipe: Fp8Recipe, grouped: bool):
     """((codes, scales) for the forward, (codes, scales) for the input gradient) of w (K, N) or (E, K, N).
     `owner`: the module holding w, or (module, name) when it holds several; None caches nothing."""
     module, name = owner if isinstance(owner, tuple) else (owner, "weight")
     cache = (
         module.__dict__.setdefault("_fp8_weight", {})
-        if module is not None and _cache_on(plan)
+        if module is not None and _cache_on(recipe)
         else None
     )
-    key = (_generation, tuple(w.shape), w.dtype, w.device, plan)
+    key = (_generation, tuple(w.shape), w.dtype, w.device, recipe)
     if cache is not None and name in cache and cache[name][0] == key:
         return cache[name][1]
-    codes = _quant_weight(w, plan, grouped)
+    codes = _quant_weight(w, recipe, grouped)
     if cache is not None:
         cache[name] = (key, codes)
     return codes
@@ -185,29 +185,29 @@ def _q():
     return fp8_quant
 
 
-def _quant_act(x_MK, plan):
+def _quant_act(x_MK, recipe):
     """1xB along the last dim: (codes (M, K), scales (M, K/B))."""
-    if plan.recipe == "mxfp8":
-        return _q().quant_mxfp8(x_MK, dim=-1, backend=plan.quant)
-    return _q().quant_blockwise_act(x_MK, pow2_scales=plan.pow2_scales, backend=plan.quant)
+    if recipe.recipe == "mxfp8":
+        return _q().quant_mxfp8(x_MK, dim=-1, backend=recipe.quant)
+    return _q().quant_blockwise_act(x_MK, pow2_scales=recipe.pow2_scales, backend=recipe.quant)
 
 
-def _quant_act_t(x_MK, plan):
+def _quant_act_t(x_MK, recipe):
     """x^T 1xB along M: (codes (K, M), scales (K, M/B))."""
-    if plan.recipe == "mxfp8":
-        codes, scales = _q().quant_mxfp8(x_MK, dim=0, backend=plan.quant)
+    if recipe.recipe == "mxfp8":
+        codes, scales = _q().quant_mxfp8(x_MK, dim=0, backend=recipe.quant)
         return codes.t(), scales.t()
-    return _q().quant_blockwise_act_t(x_MK, pow2_scales=plan.pow2_scales, backend=plan.quant)
+    return _q().quant_blockwise_act_t(x_MK, pow2_scales=recipe.pow2_scales, backend=recipe.quant)
 
 
-def _quant_weight(w, plan, grouped):
-    if plan.recipe == "blockwise":
-        q = _q().quant_blockwise_weight(w, pow2_scales=plan.pow2_scales, backend=plan.quant)
+def _quant_weight(w, recipe, grouped):
+    if recipe.recipe == "blockwise":
+        q = _q().quant_blockwise_weight(w, pow2_scales=recipe.pow2_scales, backend=recipe.quant)
         return q, q  # 128x128: the same codes serve w and w^T
     along_k = w.transpose(-2, -1)  # (.., N, K): 1x32 along K
-    cq, cs = _q().quant_mxfp8(along_k, dim=-1, backend=plan.quant)
+    cq, cs = _q().quant_mxfp8(along_k, dim=-1, backend=recipe.quant)
     return (cq.transpose(-2, -1), cs.transpose(-2, -1)), _q().quant_mxfp8(
-        w, dim=-1, backend=plan.quant
+        w, dim=-1, backend=recipe.quant
     )
 
 
@@ -222,37 +222,37 @@ class _Fp8Mm(torch.autograd.Function):
     """out_MN = x_MK @ w (w (K, N), or (E, K, N) with counts_E), every GEMM in FP8."""
 
     @staticmethod
-    def forward(ctx, x_MK, w, counts_E, plan: Fp8Plan, owner, out_dtype):
+    def forward(ctx, x_MK, w, counts_E, recipe: Fp8Recipe, owner, out_dtype):
         grouped = counts_E is not None
-        (wq, ws), w_dgrad = _weight_codes(owner, w, plan, grouped)
-        xq, xs = _quant_act(x_MK, plan)
-        g, backend = _gemm(), plan.grouped if grouped else plan.dense
-        kw = dict(recipe=plan.recipe, backend=backend, out_dtype=out_dtype)
+        (wq, ws), w_dgrad = _weight_codes(owner, w, recipe, grouped)
+        xq, xs = _quant_act(x_MK, recipe)
+        g, backend = _gemm(), recipe.grouped if grouped else recipe.dense
+        kw = dict(recipe=recipe.recipe, backend=backend, out_dtype=out_dtype)
         out = (
             g.fp8_grouped_mm(xq, xs, wq, ws, counts_E, **kw)
             if grouped
             else g.fp8_linear(xq, xs, wq, ws, **kw)
         )
-        x_t = _quant_act_t(x_MK, plan) if ctx.needs_input_grad[1] else (None, None)
+        x_t = _quant_act_t(x_MK, recipe) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*x_t, *w_dgrad, counts_E)
-        ctx.plan, ctx.grouped, ctx.w_dtype, ctx.x_dtype = plan, grouped, w.dtype, x_MK.dtype
+        ctx.recipe, ctx.grouped, ctx.w_dtype, ctx.x_dtype = recipe, grouped, w.dtype, x_MK.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy_MN):
         xtq, xts, wq, ws, counts_E = ctx.saved_tensors
-        plan, g = ctx.plan, _gemm()
-        kw = dict(recipe=plan.recipe, backend=plan.grouped if ctx.grouped else plan.dense)
+        recipe, g = ctx.recipe, _gemm()
+        kw = dict(recipe=recipe.recipe, backend=recipe.grouped if ctx.grouped else recipe.dense)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq, dys = _quant_act(dy_MN, plan)
+            dyq, dys = _quant_act(dy_MN, recipe)
             dx = (
                 g.fp8_grouped_dgrad(dyq, dys, wq, ws, counts_E, out_dtype=ctx.x_dtype, **kw)
                 if ctx.grouped
                 else g.fp8_linear_dgrad(dyq, dys, wq, ws, out_dtype=ctx.x_dtype, **kw)
             )
         if ctx.needs_input_grad[1]:
-            dytq, dyts = _quant_act_t(dy_MN, plan)
+            dytq, dyts = _quant_act_t(dy_MN, recipe)
             dw = (
                 g.fp8_grouped_wgrad(xtq, xts, dytq, dyts, counts_E, out_dtype=torch.float32, **kw)
                 if ctx.grouped
@@ -268,22 +268,22 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def fp8_mm(x_MK, w, counts_E, plan: Fp8Plan, owner=None):
+def fp8_mm(x_MK, w, counts_E, recipe: Fp8Recipe, owner=None):
     """x_MK @ w[e] per expert (counts_E given, w (E, K, N)) or x_MK @ w (w (K, N)), in FP8."""
     dtype = _compute_dtype(x_MK)
     with torch.autocast(x_MK.device.type, enabled=False):
-        return _Fp8Mm.apply(x_MK.to(dtype), w, counts_E, plan, owner, dtype)
+        return _Fp8Mm.apply(x_MK.to(dtype), w, counts_E, recipe, owner, dtype)
 
 
-def fp8_linear(x, weight_NK, bias, plan: Fp8Plan, owner=None):
+def fp8_linear(x, weight_NK, bias, recipe: Fp8Recipe, owner=None):
     """F.linear(x, weight, bias) with the GEMMs in FP8 (the bias is added in the output dtype)."""
-    out = fp8_mm(x.reshape(-1, x.shape[-1]), weight_NK.t(), None, plan, owner)
+    out = fp8_mm(x.reshape(-1, x.shape[-1]), weight_NK.t(), None, recipe, owner)
     out = out.view(*x.shape[:-1], weight_NK.shape[0])
     return out if bias is None else out + bias.to(out.dtype)
 
 
-def expert_mm(x_MK, w_EKN, counts_E, backend: str, plan: Fp8Plan | None, owner=None):
-    """The experts' grouped GEMM: FP8 when a plan is given, else `moevlm.kernels.grouped_mm(backend)`."""
-    if plan is None:
+def expert_mm(x_MK, w_EKN, counts_E, backend: str, recipe: Fp8Recipe | None, owner=None):
+    """The experts' grouped GEMM: FP8 when a recipe is given, else `moevlm.kernels.grouped_mm(backend)`."""
+    if recipe is None:
         return grouped_mm(x_MK, w_EKN, counts_E, backend)
-    return fp8_mm(x_MK, w_EKN, counts_E, plan, owner)
+    return fp8_mm(x_MK, w_EKN, counts_E, recipe, owner)

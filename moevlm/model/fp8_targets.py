@@ -1,7 +1,7 @@
 """Which modules of a built model compute in FP8: the targets each `model.fp8_modules` entry names,
-and the marking that hands them the resolved FP8 recipe (an `Fp8Plan`).
+and the marking that hands them the resolved FP8 recipe (an `Fp8Recipe`).
 
-    n = apply_fp8(model, plan, ("experts", "attn"))   # after parallelize; plan None unmarks all
+    n = apply_fp8(model, recipe, ("experts", "attn"))   # in build_model; None unmarks all
 
 The router, norms, embeddings, LM head and the vision patch embedding are never marked.
 """
@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from moevlm.model.config import check_fp8_modules
 from moevlm.model.decoder import TextAttention
-from moevlm.model.fp8 import Fp8Plan
+from moevlm.model.fp8 import Fp8Recipe
 from moevlm.model.linear import Linear
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock, Router
 from moevlm.model.vision import PatchMerger, VisionBlock
@@ -42,16 +42,16 @@ def fp8_targets(model: nn.Module, modules) -> list[nn.Module]:
     return out
 
 
-def apply_fp8(model: nn.Module, plan: Fp8Plan | None, modules) -> int:
-    """Marks the chosen modules with `plan` (None: unmarks every one); returns how many were marked."""
-    targets = fp8_targets(model, modules) if plan is not None else []
+def apply_fp8(model: nn.Module, recipe: Fp8Recipe | None, modules) -> int:
+    """Marks the chosen modules with `recipe` (None: unmarks every one); returns how many were marked."""
+    targets = fp8_targets(model, modules) if recipe is not None else []
     for m in model.modules():
         if "fp8" in m.__dict__:
             del m.fp8
         m.__dict__.pop("_fp8_weight", None)
         if isinstance(m, MoEBlock) and m.dispatcher.pads_experts:
-            pad = plan is not None and plan.pad_experts and "experts" in modules
-            m.dispatcher.pad_multiple = plan.block if pad else 1
+            pad = recipe is not None and recipe.pad_experts and "experts" in modules
+            m.dispatcher.pad_multiple = recipe.block if pad else 1
     for m in targets:
-        m.fp8 = plan
+        m.fp8 = recipe
     return len(targets)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moevlm.model.fp8 import Fp8Plan, fp8_linear
+from moevlm.model.fp8 import Fp8Recipe, fp8_linear
 from moevlm.model.strategies import local
 
 __all__ = ["Linear"]
@@ -22,7 +22,7 @@ __all__ = ["Linear"]
 class Linear(nn.Linear):
     """nn.Linear whose GEMMs run in FP8 once `apply_fp8` marks it (the same parameters and state dict)."""
 
-    fp8: Fp8Plan | None = None
+    fp8: Fp8Recipe | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, local(self.weight), local(self.bias))

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moevlm.model.config import MoEConfig
-from moevlm.model.fp8 import Fp8Plan, expert_mm
+from moevlm.model.fp8 import Fp8Recipe, expert_mm
 from moevlm.model.strategies import Strategies, local
 from moevlm.model.linear import Linear
 from moevlm.model.region import run_region
@@ -103,7 +103,7 @@ class TokenInfo(NamedTuple):
 
 
 class Experts(nn.Module):
-    fp8: Fp8Plan | None = None  # set by moevlm.model.fp8.apply_fp8
+    fp8: Fp8Recipe | None = None  # set by moevlm.model.fp8.apply_fp8
     compile_eager_gemm = (
         False  # the grouped GEMMs stay out of a compiled graph (moevlm.parallel.compile)
     )

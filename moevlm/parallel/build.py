@@ -20,7 +20,7 @@ import torch.nn as nn
 from moevlm.dispatch import DISPATCHERS, DispatcherSpec, dispatcher_names
 from moevlm.dispatch.base import constructor_arguments
 from moevlm.model.config import VLMConfig
-from moevlm.model.fp8 import Fp8Plan
+from moevlm.model.fp8 import Fp8Recipe
 from moevlm.model.fp8_targets import apply_fp8
 from moevlm.model.strategies import Strategies
 from moevlm.model.moe import MoEBlock
@@ -116,7 +116,7 @@ class BuildOptions:
     compile_mode: str | None = None
     cp_comm: str = "allgather"  # allgather | ring
     ep_overlap: bool = False
-    fp8: Fp8Plan | None = None  # the FP8 recipe resolved for the device; None: off
+    fp8: Fp8Recipe | None = None  # the FP8 recipe resolved for the device; None: off
     fp8_modules: tuple[str, ...] = ()
     cuda_graph_scope: tuple[str, ...] = ()
     optimizer_offload: bool = False
