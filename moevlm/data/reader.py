@@ -58,13 +58,27 @@ import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from webdataset.tariterators import group_by_keys
 
 from moevlm.data.errors import DataSetupError, SkipCounter, SkipSample
 
-Pos = tuple[int, int, int]  # (epoch, shard index in the stream's list, sample index in the shard)
+
+class Pos(NamedTuple):
+    """Where a sample is: its epoch, its shard's index in the stream's list of the epoch, its index in
+    the shard."""
+
+    epoch: int
+    shard: int
+    sample: int
+
+
+class ReadAt(NamedTuple):
+    """Where a stream reads next in its epoch: a shard index in its list and a sample index in it."""
+
+    shard: int
+    sample: int
 
 
 def shard_spec(paths: list[str]) -> str:
@@ -262,19 +276,19 @@ class ShardPlan:
     def read(
         self,
         epoch: int,
-        start: tuple[int, int],
+        start: ReadAt,
         counter: SkipCounter | None,
         shard_done: Callable[[int, str], None] | None = None,
     ) -> Iterator[tuple[Pos, dict]]:
         """Raw samples (dicts of member bytes) of this stream's epoch from (shard, sample) `start` on;
         `shard_done(s, url)` is called after each shard is read to its end (or could not be opened)."""
         for s, url in enumerate(self.mine(epoch)):
-            if s < start[0]:
+            if s < start.shard:
                 continue
-            skip = start[1] if s == start[0] else 0
+            skip = start.sample if s == start.shard else 0
             for k, raw in enumerate(self.read_shard(url, counter)):
                 if k >= skip:
-                    yield (epoch, s, k), raw
+                    yield Pos(epoch, s, k), raw
             if shard_done is not None:
                 shard_done(s, url)
 
@@ -326,7 +340,7 @@ class ShardPlan:
             url, last = self.mine(e)[s], max(ks)
             for k, raw in enumerate(self.read_shard(url, None)):
                 if k in ks:
-                    out[(e, s, k)] = raw
+                    out[Pos(e, s, k)] = raw
                 if k >= last:
                     break
         missing = [p for p in positions if p not in out]

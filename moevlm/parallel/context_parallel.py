@@ -8,7 +8,7 @@ What changes (`cp_strategies`: the strategies a model is built with, composed ov
 no weight changes, parameter names do not change):
 
     vision tower     each cp rank encodes a share of the micro-batch's whole images, balanced by
-                     patches (cp_layout.balance_images); the image tokens and deepstack features of
+                     patches (image_shares.balance_images); the image tokens and deepstack features of
                      every rank are all-gathered (backward: summed over cp, each rank keeps its own
                      images' rows) and put back in image order
     embedding        the full row on every cp rank (a lookup: cheap), image features scattered in, then
@@ -44,11 +44,12 @@ import torch
 import torch.distributed as dist
 
 from moevlm.model.attention import CoreAttention, DocMask, document_ids
+from moevlm.model.image_shares import balance_images
 from moevlm.model.layout import Images, Sequence, run_region
 from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
-from moevlm.parallel.cp_layout import balance_images, split_rows, take_rows
+from moevlm.parallel.cp_layout import split_rows, take_rows
 
 
 class CPInfo:

@@ -4,7 +4,6 @@ Legend: B batch, S sequence (the packed row), s = S / cp local sequence, cp the 
 
     idx_Bs = split_rows(B, S, cu_seqlens, cp, r)   # (B, s) the positions rank r keeps of each row
     local = take_rows(x_BS, idx_Bs)                 # rank r's tokens of any (B, S, ...) tensor
-    shares = balance_images(patches, cp)            # which images each rank's vision tower encodes
 
 Design choices:
 - Causal load balancing cuts a sequence into 2*cp chunks and gives rank r chunks r and 2*cp-1-r: the
@@ -19,9 +18,8 @@ Design choices:
   extras going to the ranks holding fewest tokens, so every rank keeps exactly S/cp positions.
 - The split depends on the row's document boundaries, so it is computed per micro-batch on the host
   (one copy of `cu_seqlens`) and differs per row; positions stay in ascending order on each rank.
-- Images are encoded where they are balanced, not where their tokens land: `balance_images` hands whole
-  images to ranks, largest first to the least loaded (LPT), so the vision tower's patches are spread
-  as evenly as whole images allow; the features are gathered afterwards.
+- Images are encoded where they are balanced, not where their tokens land
+  (`moevlm.model.image_shares.balance_images`); the features are gathered afterwards.
 """
 
 from __future__ import annotations
@@ -133,19 +131,8 @@ def attention_work(
     return work
 
 
-def balance_images(patches_per_image: list[int], cp: int) -> list[list[int]]:
-    """Image indices per rank (each list ascending), whole images, patches balanced largest-first."""
-    load, shares = [0] * cp, [[] for _ in range(cp)]
-    for i in sorted(range(len(patches_per_image)), key=lambda i: (-patches_per_image[i], i)):
-        r = min(range(cp), key=lambda r: (load[r], r))
-        shares[r].append(i)
-        load[r] += patches_per_image[i]
-    return [sorted(s) for s in shares]
-
-
 __all__ = [
     "attention_work",
-    "balance_images",
     "check_divisible",
     "contiguous_positions",
     "doc_zigzag_positions",

@@ -779,7 +779,7 @@ def model_config(m: ModelConfig) -> VLMConfig:
 
 def _hf_config(path: str) -> VLMConfig:
     """model.hf_config read, or a ConfigError saying why not (missing, not JSON, not the model's keys)."""
-    from moevlm.data.config import shown_path
+    from moevlm.data.checks import shown_path
 
     key = f"model.hf_config={shown_path(path)}"
     _check(os.path.exists(path), f"{key} does not exist; give an HF config.json or its folder")

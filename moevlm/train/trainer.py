@@ -108,7 +108,7 @@ from omegaconf import OmegaConf
 from moevlm.data import DataError
 from moevlm.data.batch import MicroBatch
 from moevlm.data.hf_files import write_processor_files
-from moevlm.data.loader import build_loader, merge_states, worker_death
+from moevlm.data import build_loader, merge_states, worker_death
 from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
 from moevlm.errors import ConfigError
 from moevlm.model.fp8 import install_weight_cache, resolve_fp8, weights_changed

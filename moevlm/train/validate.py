@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from moevlm.data.config import (
+from moevlm.data.checks import (
     check_job_data,
     check_shards,
     check_stream_layout,

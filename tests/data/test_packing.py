@@ -10,9 +10,9 @@ from PIL import Image
 
 from moevlm.data.config import PackConfig
 from moevlm.data.encode import Sample
-from moevlm.data.packing import IGNORE
 from moevlm.data.image import preprocess_image
 from moevlm.data.sample import sample_photo_paths
+from moevlm.data.text import IGNORE_INDEX as IGNORE
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import Packer, VisionFlops, collate, stack_rows, vision_budget
 from moevlm.model import Qwen3VLMoe, VLMConfig
