@@ -8,9 +8,8 @@
         row = next(loader)
     ckpt["data"] = loader.state_dict()          # what each of this rank's streams has delivered
     loader.load_state_dict(state.merge_states(saved))   # exactly there, on any data-parallel layout
-    loader.stats()                              # skipped by reason, samples, tokens, data wait
-
-The parts: checks.py (the config), streams.py (read, encode, pack), state.py, lifetime.py (workers).
+    loader.stats()                              # skipped by reason, samples read/packed, data wait
+Its parts: checks.py (the config), streams.py (read, encode, pack), state.py, lifetime.py (workers).
 """
 
 from __future__ import annotations
