@@ -109,7 +109,7 @@ class Stream:
             st.next_read, st.draws, st.epoch_unusable = ReadAt(0, 0), 0, 0
             self.shuffle = self._new_buffer(st.epoch)
         while self.packer.held:
-            yield self._batch(self.packer.pop())
+            yield self._deliver(self.packer.pop())
         # the state after the last read, for the loader's stats: skips after the last row count too
         yield Delivery(self._state())
 
@@ -149,7 +149,7 @@ class Stream:
         self._settle_sample(pos.shard, usable=True)
         self.packer.push(sample)
         while self.packer.full():
-            yield self._batch(self.packer.pop())
+            yield self._deliver(self.packer.pop())
 
     # ------------------------------------------------ shards without a usable sample
     def _read_all(self, s: int, url: str) -> None:
@@ -334,7 +334,7 @@ class Stream:
         st.skipped = dict(self.skips)
         return copy.deepcopy(st)
 
-    def _batch(self, samples) -> Delivery:
+    def _deliver(self, samples) -> Delivery:
         # check_config's budgets make this unreachable; an empty row must never train
         if not samples:
             raise RuntimeError(
