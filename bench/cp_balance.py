@@ -24,9 +24,9 @@ import statistics
 import torch
 
 from moevlm.model.attention import document_ids
+from moevlm.model.image_shares import balance_images
 from moevlm.parallel.cp_layout import (
     attention_work,
-    balance_images,
     contiguous_positions,
     doc_zigzag_positions,
     zigzag_positions,

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moevlm.data.batch import row_flops
 from moevlm.data.loader import build_loader
-from moevlm.data.packing import IGNORE
+from moevlm.data.text import IGNORE_INDEX
 from moevlm.parallel.hf_io import save_hf
 from moevlm.config import compose_job
 from moevlm.train.metrics import Window, device_name, device_peak_tflops
@@ -164,7 +164,7 @@ def hf_batch(samples: list[dict], image_token_id: int, device) -> dict:
     """The samples as one right-padded batch for transformers (B, L)."""
     B, L = len(samples), max(s["ids"].numel() for s in samples)
     ids_BL = torch.zeros(B, L, dtype=torch.long)
-    labels_BL = torch.full((B, L), IGNORE, dtype=torch.long)
+    labels_BL = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
     mask_BL = torch.zeros(B, L, dtype=torch.long)
     for i, s in enumerate(samples):
         n = s["ids"].numel()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moevlm.data.config import check_shards, shown_path
+from moevlm.data.checks import check_shards, shown_path
 from moevlm.errors import ConfigError, check
 from moevlm.model.attention import varlen_available, varlen_missing
 from moevlm.model.config import VLMConfig

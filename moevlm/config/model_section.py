@@ -18,9 +18,9 @@ from typing import List, Optional
 from omegaconf import OmegaConf
 
 from moevlm.config.dispatcher import choose_dispatcher
-from moevlm.config.fields import is_int, one_of
+from moevlm.fields import is_int, one_of
 from moevlm.dispatch import dispatcher_names
-from moevlm.data.config import shown_path
+from moevlm.data.checks import shown_path
 from moevlm.errors import ConfigError, check
 from moevlm.model.config import (
     ATTN_BACKENDS,

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
-from moevlm.config.fields import allowed
+from moevlm.fields import allowed
 from moevlm.config.model_section import ModelConfig, model_fields
 from moevlm.config.sections import OptimConfig, ParallelConfig, TrainConfig
 from moevlm.data.config import DataConfig

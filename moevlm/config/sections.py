@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from moevlm.config.fields import one_of
+from moevlm.fields import one_of
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.pipeline_plan import SCHEDULES, schedule_name
 

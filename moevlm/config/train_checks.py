@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moevlm.config.fields import is_int, is_real
+from moevlm.fields import is_int, is_real
 from moevlm.errors import ConfigError, check
 from moevlm.parallel.mesh import ParallelDims
 

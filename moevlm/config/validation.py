@@ -34,7 +34,7 @@ from moevlm.config.environment import (
     environment_checks,
     wandb_installed,
 )
-from moevlm.config.fields import allowed, checked_elsewhere
+from moevlm.fields import allowed, checked_elsewhere
 from moevlm.config.job_plan import JobPlan
 from moevlm.config.model_section import model_config
 from moevlm.config.scale import scale_down
@@ -46,7 +46,7 @@ from moevlm.config.train_checks import (
     check_profile,
     check_validation,
 )
-from moevlm.data.config import check_job_data, check_stream_layout, check_tokenizer
+from moevlm.data.checks import check_job_data, check_stream_layout, check_tokenizer
 from moevlm.errors import Problems, check
 from moevlm.model.config import VLMConfig
 from moevlm.parallel.build import BuildOptions

@@ -2,32 +2,13 @@
 
 Legend: B rows, S seq_len, J max_samples, Np max_patches, I max_images, D patch dim.
 
-    mb = MicroBatch.read(loader, rows=B, model=model_cfg, freeze_vision=False)   # B packed rows
+    mb = MicroBatch.read(loader, rows_per_batch=B, model=model_cfg, freeze_vision=False)   # B rows
     mb = mb.to(device)
     out = model(**mb.model_inputs())
     mb.loss_tokens, mb.useful_tokens, mb.flops, mb.images, mb.n_image          # the counts ride along
 
-Design choices:
-- Typed, and finished here: the rows are stacked (`packing.stack_rows`), the token mask built, the
-  FLOPs counted, once, on the data side; the trainer and the pipeline stages read fields, and what
-  the model takes is `model_inputs()` (one list, `MODEL_INPUTS`).
-- The vision tower's attention segments (one per frame) have one definition,
-  `moevlm.model.rope.vision_cu_seqlens`, which the model applies to `image_grid_thw`: the packer does
-  not compute a copy, and callers without this data path (the Hugging Face parity and inference
-  paths) get the same segments.
-- A text-only patch budget gives `pixel_values = image_grid_thw = None`.  Otherwise the tower runs
-  even on padding patches only: its weights then get exact-zero gradients, so every step updates the
-  same parameters (AdamW momentum, decay) under any layout, and every data-parallel rank runs the same
-  FSDP collectives whether or not it drew an image.
-- FLOPs are counted per row from its real documents and images (padding excluded), so MFU, like
-  tokens/s, is useful work (`moevlm.model.flops.count_flops`, training = 3 x forward).
-- `vision_flops_cp`: the vision tower's training FLOPs on each context-parallel rank (its share of the
-  micro-batch's whole images, the model's own rule `cp_layout.balance_images`), for the trainer's
-  `vision_flops_max_over_mean`: computed here from the grids, so a pipeline stage after the first,
-  which receives no images, still has it.
-- `n_image` is the number of merged image rows (real patches / merge^2), which is also the number of
-  image tokens in the text: a pipeline stage after the first keeps that many rows of the deepstack
-  features it receives, and the trainer logs it as `image_tokens` beside `images` (the real images).
+A text-only patch budget gives `pixel_values = image_grid_thw = None`.  FLOPs count the real documents
+and images only; `vision_flops_cp` is each context-parallel rank's share (image_shares.balance_images).
 """
 
 from __future__ import annotations
@@ -38,9 +19,9 @@ from typing import ClassVar
 
 import torch
 
-from moevlm.data.packing import stack_rows
+from moevlm.data.packing import PackedRow, stack_rows
 from moevlm.model.flops import count_flops
-from moevlm.parallel.cp_layout import balance_images
+from moevlm.model.image_shares import balance_images
 
 
 @dataclass
@@ -59,7 +40,7 @@ class MicroBatch:
     n_image: int  # merged image rows (= image tokens in the text)
     images: int  # real images (grids)
     # training vision FLOPs each context-parallel rank's tower spends on this micro-batch (its share of the
-    # images, cp_layout.balance_images; one entry without CP)
+    # images, image_shares.balance_images; one entry without CP)
     vision_flops_cp: tuple[float, ...] = (0.0,)
 
     MODEL_INPUTS: ClassVar[tuple[str, ...]] = (
@@ -82,28 +63,28 @@ class MicroBatch:
 
     @classmethod
     def from_rows(
-        cls, rows: list[dict], model, freeze_vision: bool = False, cp: int = 1
+        cls, rows: list[PackedRow], model, freeze_vision: bool = False, cp: int = 1
     ) -> MicroBatch:
-        """Packed rows (`packing.collate` dicts) of one micro-batch; `model` is the VLMConfig (FLOPs,
+        """Packed rows (`packing.collate`) of one micro-batch; `model` is the VLMConfig (FLOPs,
         merge size)."""
         b = stack_rows(rows)
-        S = b["input_ids"].shape[1]
-        text_only = b["pixel_values"].shape[0] == 0
+        S = b.input_ids.shape[1]
+        text_only = b.pixel_values.shape[0] == 0
         return cls(
-            input_ids=b["input_ids"],
-            labels=b["labels"],
-            position_ids=b["position_ids"],
-            cu_seqlens=b["cu_seqlens"],
-            token_mask=torch.stack([torch.arange(S) < r["useful_tokens"] for r in rows]),
-            pixel_values=None if text_only else b["pixel_values"],
-            image_grid_thw=None if text_only else b["image_grid_thw"],
-            loss_tokens=b["loss_tokens"],
-            useful_tokens=b["useful_tokens"],
+            input_ids=b.input_ids,
+            labels=b.labels,
+            position_ids=b.position_ids,
+            cu_seqlens=b.cu_seqlens,
+            token_mask=torch.stack([torch.arange(S) < r.useful_tokens for r in rows]),
+            pixel_values=None if text_only else b.pixel_values,
+            image_grid_thw=None if text_only else b.image_grid_thw,
+            loss_tokens=b.loss_tokens,
+            useful_tokens=b.useful_tokens,
             flops=sum(row_flops(r, model, freeze_vision) for r in rows),
-            n_image=b["useful_patches"] // model.vision.spatial_merge_size**2,
-            images=b["num_images"],
+            n_image=b.useful_patches // model.vision.spatial_merge_size**2,
+            images=b.num_images,
             vision_flops_cp=vision_flops_by_cp(
-                b["image_grid_thw"][: b["num_images"]].tolist(), model, cp, freeze_vision
+                b.image_grid_thw[: b.num_images].tolist(), model, cp, freeze_vision
             ),
         )
 
@@ -126,7 +107,7 @@ class MicroBatch:
 
 def vision_flops_by_cp(grids: list, model, cp: int, freeze_vision: bool = False) -> tuple:
     """Training vision FLOPs of each context-parallel rank's share of the images `grids` (whole images,
-    as moevlm.parallel.cp_layout.balance_images hands them out); one entry for cp = 1."""
+    as moevlm.model.image_shares.balance_images hands them out); one entry for cp = 1."""
     shares = balance_images([t * h * w for t, h, w in grids], cp) if cp > 1 else [range(len(grids))]
     return tuple(
         count_flops(model, [], [grids[i] for i in share], freeze_vision=freeze_vision).vision
@@ -134,9 +115,9 @@ def vision_flops_by_cp(grids: list, model, cp: int, freeze_vision: bool = False)
     )
 
 
-def row_flops(row: dict, model, freeze_vision: bool = False) -> float:
+def row_flops(row: PackedRow, model, freeze_vision: bool = False) -> float:
     """Training FLOPs of one packed row: its real documents and images, not the padding."""
-    cu = row["cu_seqlens"][: row["num_samples"] + 1].tolist()
+    cu = row.cu_seqlens[: row.num_samples + 1].tolist()
     docs = [b - a for a, b in zip(cu, cu[1:])]
-    grids = row["image_grid_thw"][: row["num_images"]]
+    grids = row.image_grid_thw[: row.num_images]
     return count_flops(model, docs, grids, training=True, freeze_vision=freeze_vision).total

@@ -4,52 +4,9 @@
     n = count_records(paths)              # an upper bound, for the automatic shard size
     data, fmt = load_image(path_as_written, images_root, max_image_bytes)   # or SkipSample
 
-Design choices:
-- Images are checked before writing, cheaply: PIL identifies the header
-  among the reader's allowed formats (image.allowed_formats, so nothing the
-  reader would refuse is written; `not_an_image`), `verify()` checks structure (PNG chunk CRCs: `bad_image`),
-  and because verify() is a no-op for JPEG, a JPEG is also decoded at 1/8
-  scale (libjpeg DCT scaling, a few ms), which finds truncated files.
-- Annotation files are untrusted: image paths stay inside --images.  A path
-  is taken relative to the root; an absolute path, one starting with `~`
-  (never expanded), and one whose real path (os.path.realpath: `..` and every
-  symlink on the way, file or folder) leaves the root are `outside_images`.
-  Symlinks and `..` that stay inside are fine.  The real path is what is
-  opened (O_NOFOLLOW on its last part), so the checked path is the one read.
-  This guards against annotation files, not against someone swapping folders
-  while the build runs.
-  --images is required with annotation files: there is no fallback to the
-  working directory or the annotation file's folder, so what a build may
-  read is always named (inputs that carry their image bytes, Parquet and
-  Energon, may leave it out: an image path is then `missing_image`).  --sample confines its records (absolute files in
-  installed packages) to their deepest common folder.
-- Skip details never show a path that was refused: they say "image path #k
-  of record 'id' is absolute / starts with '~' / leaves --images" (the file
-  and line are in front), because summary.json travels with the shards and a
-  path can itself say something private.  Paths inside the root are shown as
-  written (cut at 80 characters).
-- Byte caps are checked before anything is read: an image file's size comes
-  from stat (non-regular files are never opened: a FIFO cannot hang the
-  build) and again from fstat on the opened file, above --max-image-bytes
-  (default 32 MiB, the loader's data.max_image_bytes) it is `file_too_large`,
-  and at most cap+1 bytes are read.  --max-text-bytes (default 1 MiB) caps the
-  UTF-8 bytes of a record's text or messages (`text_too_large`); a JSONL line
-  is read at most 6 x that + 64 KiB (JSON may escape a byte as 6), a longer
-  line is skipped as `text_too_large` unparsed and never held.  A .json list
-  is one document and is read whole (use .jsonl for huge sets).
-- Bad input is skipped and counted by reason (errors.py), never fatal: a
-  malformed JSONL line (`bad_json`, with its line number; also one nested too
-  deep for the parser), a record that does not normalize, a non-string or
-  NUL-holding image path (`bad_record`), a missing / empty / broken image or
-  one whose name the file system refuses (`missing_image`, e.g. "File name too
-  long"), and any other exception while checking one record (`bad_record`).
-  Only setup errors abort, checked before anything is written: a missing
-  annotation file, a .json file that does not start with a JSON list, a
-  non-empty OUT without --overwrite.  A .json list that is broken further in
-  (invalid, or nested deeper than the parser allows) is found when the file is
-  parsed, which may be after earlier files were written: the build stops with
-  a one-line error (exit 2), finished shards stay, no summary.json is written
-  (so it does not look complete); rebuild with --overwrite.
+Image paths stay inside --images, byte caps are checked before anything is read, images are
+identified among image.allowed_formats and verified; bad input is skipped and counted by reason
+(errors.py), only setup errors abort.
 """
 
 from __future__ import annotations

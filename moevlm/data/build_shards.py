@@ -2,64 +2,13 @@
 
     python -m moevlm.data.build_shards --images DIR --annotations a.json b.jsonl --out SHARDS
         [--tokenizer tokenizer.json|HF_DIR] [--samples-per-shard auto|N]
-        [--max-image-bytes 33554432] [--max-text-bytes 1048576]
     python -m moevlm.data.build_shards --parquet train-*.parquet --out SHARDS [--images DIR]
     python -m moevlm.data.build_shards --energon ENERGON_DIR [--split train] --out SHARDS
     python -m moevlm.data.build_shards --sample SHARDS      # the bundled sample set + tokenizer.json
 
-Strategies: `OUT/shard-000000.tar, ...` and `OUT/summary.json`.  Sample i (a
-running count of samples written) is stored as the tar members
-
-    000000042.json       canonical record (records.py), UTF-8, sort_keys, compact
-    000000042.img0.jpg   the image file's original bytes (no re-encode) ...
-
-`images` in the json lists the member names (`img0.jpg`, ...) in tag order.
-summary.json holds the counts printed at the end, per-shard sample counts
-(`{"shards": [{"name": "shard-000000.tar", "samples": N}, ...]}`, which the
-reader uses to skip whole shards on resume and to spot truncated ones) and the
-build arguments.
-
-Design choices:
-- Keys are the running index, not the record id: ids may contain dots, which
-  webdataset reads as a field separator.  The id is kept in the json.
-- Byte-deterministic output: a fixed member mtime/owner/mode, members in
-  sorted order (webdataset's TarWriter), the json sort_keys'd, samples in input
-  order even though images are checked on a thread pool (results are consumed
-  in submission order from a bounded window, so memory stays flat).
-- Nothing is re-encoded: an image is written exactly as read; its member
-  extension is the file's own (lowercase, jpeg -> jpg; the PIL format when
-  the file has none).  The reader sniffs the format from the bytes anyway.
-- Inputs are untrusted: images stay inside --images, byte caps are checked
-  before reading, bad records are skipped and counted (build_inputs.py).
-- Duplicate ids are kept (ids are the dataset's business) and counted in the
-  summary.
-- Captions stay captions (the prompt is then a training-time setting,
-  DataConfig.caption_prompt) unless --caption-prompt is given: the builder then
-  bakes the prompt in and writes the sample as a chat.
-- --sample interleaves the sample set's image records with its text ones
-  (sample_records() lists them by kind) so its shards, split across ranks and
-  workers, each carry a similar share of the images.
-- `--samples-per-shard auto` (the default) is min(1000, ceil(n / 64)) for n
-  annotation records (counted first: JSONL newlines by a byte scan, a .json
-  list parsed once more), so a small set still gives up to 64 shards: the
-  loader needs one shard per data stream (16 by default, 64 in the largest
-  recipes) and otherwise reads fewer streams.  Large sets get 1000 per shard
-  (64,000 records and up).  Tiny shards cost a file each, nothing else.
-- `--tokenizer FILE|DIR` copies that tokenizer.json (a folder: its
-  tokenizer.json, e.g. an HF checkpoint) beside the shards, where the trainer
-  looks for it; it is loaded once first, so a wrong file stops the build before
-  anything is written.  Without it the build says where the trainer will look.
-- Parquet and Energon inputs (build_sources.py) bring their image bytes with
-  them: they are checked as image files are (byte cap, format, structure)
-  and written as they are; --images is then needed only for rows that name
-  image files.
-- Progress goes to stderr: a tqdm bar with an ETA on a terminal (the total
-  is the annotation lines, the Parquet rows, or Energon's shard counts), a
-  plain line every 30 s otherwise (a log file is not filled with bar
-  redraws).
-- A shard is written as `name.tmp` and renamed when complete, so a crashed
-  build never leaves a truncated `.tar` that looks finished; a build stopped
-  by an exception deletes the `.tmp` it was writing.
+Layout: OUT/shard-000000.tar, ... and OUT/summary.json (counts, samples per shard, the arguments).
+Sample i (a running count) is the members 000000042.json (the canonical record: records.py, with
+`images` naming its image members in tag order) and 000000042.img0.jpg, ... (the original bytes).
 """
 
 from __future__ import annotations

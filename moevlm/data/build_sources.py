@@ -6,31 +6,9 @@ Megatron-Energon WebDataset folders.  Each yields (where, Inline) records for bu
     src = EnergonSource(Path("energon_dir"), split="train")   # reads .nv-meta/*.yaml
     for where, item in src.records(skips): ...
 
-Parquet: one row per sample.  The image column is the first of IMAGE_COLUMNS the file has; a
-value is the Hugging Face Image struct {bytes, path}, raw bytes, a path (resolved inside --images)
-or a list of those.  The text is the first of TEXT_COLUMNS: `messages` / `conversations` (turns of
-role/content or from/value; a content may be a list of parts, {"type": "image"} and {"type":
-"text", "text": ...}, as HF chat datasets write them), `caption`, `text`.  `id` is used when there.
-
-Energon: `.nv-meta/dataset.yaml` names the sample type (`sample_type: {__class__: ...}`, or the
-older top-level `__class__: ...Webdataset`) and a `field_map` from sample fields to tar members
-(`jpg`, `json[caption]`, alternatives separated by commas); `.nv-meta/split.yaml` (or split.json)
-lists each split's shards (brace patterns; `exclude` drops shards, or samples as `shard/key`);
-`.nv-meta/.info.json` (or .info.yaml) gives per-shard counts, used for the progress total.
-Read sample types: CaptioningSample, VQASample (context -> user, the heaviest answer ->
-assistant), OCRSample (text as the caption), TextSample.
-
-Design choices:
-- No pyarrow or megatron-energon import at module level: pyarrow is the `parquet` extra, imported
-  when a Parquet file is read, with a message naming the extra when missing; Energon's metadata is
-  plain YAML/JSON (PyYAML comes with omegaconf), so the package is never needed.
-- The same bad-input policy as annotation files: what can be checked before writing (files exist,
-  the columns or the sample type are known, the split exists) stops the build with one line; a bad
-  row or sample is skipped and counted by reason; a Parquet file that breaks while being read is
-  `unreadable_input` (rows before kept), a damaged tar `truncated_shard` (reader.py), and the build
-  goes on with the next file.
-- A custom Energon `sample_loader` (Python code in the dataset folder) is refused at setup: it
-  would have to be run to know what a sample holds.
+Parquet: one row per sample, the image from the first of IMAGE_COLUMNS, the text from the first of
+TEXT_COLUMNS.  Energon: .nv-meta/dataset.yaml (sample type, field_map), split.yaml (shards per
+split), .info.json (counts); sample types ENERGON_TYPES.
 """
 
 from __future__ import annotations

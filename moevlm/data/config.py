@@ -1,37 +1,25 @@
-"""Data configuration: plain dataclasses (Hydra registers them as schemas).
+"""The data configuration: plain dataclasses (Hydra registers them as schemas), each field with its
+help text (`python train.py --help`, docs/configuration.md), and the allowed values of the string fields.
+The checks of these fields sit beside them, in moevlm.data.checks.
 
-Defaults follow Qwen3-VL's preprocessor_config.json for everything that
-changes the numbers the model sees (patch 16, merge 2, temporal 2, mean = std
-= 0.5, min 256*256 pixels) except `max_pixels`: the reference allows
-4096*4096 (65,536 patches, an inference setting); training defaults to
-1024*1024 (4,096 patches) so one image always fits the default patch budget.
-
-Every field carries its description (`metadata={"help": ...}`, shown by `python train.py --help`
-and conf/README.md: moevlm.train.options) and is checked by `moevlm.data.loader.check_config` before any file is
-read (a one-line message naming the field, its value and what to set).  What a job asks of its data
-beyond that (shards named and present, the tokenizer fitting the model, the packed row cut evenly by the
-layout) is checked here, below the dataclasses, for moevlm.train.validate.
-`mock` (moevlm.data.encode) swaps only the image step, so a measurement on
-mock data runs the same reader, workers, tokenizer and packer as real data.
-`pack.max_patches: 0` is a text-only budget: samples with images are skipped as
-`too_long` (or, with `oversize: truncate`, cut before their first image).
+    DataConfig(shards=..., image=ImageConfig(...), pack=PackConfig(...), num_workers=2, streams=0)
 """
 
 from __future__ import annotations
 
-import math
-import os
+import multiprocessing as mp
 from dataclasses import dataclass, field
 
-from omegaconf import MISSING
+from moevlm.fields import one_of
 
-from moevlm.errors import check
-
-# allowed values, checked by moevlm.data.loader.check_fields and listed by `python train.py --help`
+# allowed values, checked by moevlm.data.checks.check_fields and listed by `python train.py --help`
 OVERSIZE = ("skip", "truncate")
 PIN_MEMORY = ("auto", "true", "false")
 MOCK = ("none", "image_free", "random_pixels")
 FORMATS = ("auto", "moevlm", "image_caption")
+START_METHODS = tuple(sorted(mp.get_all_start_methods()))  # data.start_method: this platform's
+# data.streams=0 (auto): the same rows for dp in {1, 2, 4, 8, 16}, any num_workers
+DEFAULT_STREAMS = 16
 
 
 @dataclass
@@ -127,7 +115,7 @@ class PackConfig:
             "fills toward it; a sample over it alone goes alone in its row (counted)"
         },
     )
-    oversize: str = field(
+    oversize: one_of(*OVERSIZE, checked_by="moevlm.data.checks.check_fields") = field(
         default="skip",
         metadata={
             "help": "a sample over a budget: skip (counted) or truncate (its text cut, images that no longer fit "
@@ -147,7 +135,7 @@ class DataConfig:
             "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"
         },
     )
-    format: str = field(
+    format: one_of(*FORMATS, checked_by="moevlm.data.checks.check_fields") = field(
         default="auto",
         metadata={
             "help": "how a shard's samples are read: moevlm (a json record naming its image members, as "
@@ -185,13 +173,13 @@ class DataConfig:
         },
     )
     prefetch_factor: int = field(default=2, metadata={"help": "rows each worker prepares ahead"})
-    pin_memory: str = field(
+    pin_memory: one_of(*PIN_MEMORY, checked_by="moevlm.data.checks.check_fields") = field(
         default="auto",
         metadata={
             "help": "page-locked batches for faster host-to-GPU copies: auto (when CUDA is available), true, false"
         },
     )
-    start_method: str = field(
+    start_method: one_of(*START_METHODS, checked_by="moevlm.data.checks.check_fields") = field(
         default="forkserver",
         metadata={
             "help": "how workers start; fork is unsafe once CUDA is initialized (and with PIL + CUDA)"
@@ -231,7 +219,7 @@ class DataConfig:
             "false: such a resume is refused, naming the changed shards"
         },
     )
-    mock: str = field(
+    mock: one_of(*MOCK, checked_by="moevlm.data.checks.check_fields") = field(
         default="none",
         metadata={
             "help": "mock data for measuring, same loader path and batch shapes: none (real), image_free (images and "
@@ -239,168 +227,4 @@ class DataConfig:
             "seeded uniform random pixels instead of the decoded ones); part of the data identity: a resume "
             "with another value is refused"
         },
-    )
-
-
-# ------------------------------------------------------------------ job checks
-def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) -> None:
-    """The data as the job uses it: shards named, each field in range and the image geometry the
-    model's (moevlm.data.loader.check_config), the packed row within the model's positions and cut
-    evenly by the layout's dp x cp x tp.  ValueError (moevlm.train.validate reports it) on the first."""
-    from moevlm.data.loader import check_config
-
-    check(
-        d.shards not in ("", MISSING),
-        "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "
-        "with python -m moevlm.data.build_shards) or use data.shards=sample for the embedded sample set",
-        ValueError,
-    )
-    check_config(d, model, dp)
-    pk = d.pack
-    check(
-        pk.seq_len <= model.text.max_position_embeddings,
-        f"data.pack.seq_len={pk.seq_len} exceeds the model's max_position_embeddings="
-        f"{model.text.max_position_embeddings}",
-        ValueError,
-    )
-    if cp == 1:
-        check(
-            pk.seq_len % tp == 0,
-            f"data.pack.seq_len={pk.seq_len} must be divisible by tp={tp} (sequence parallel)",
-            ValueError,
-        )
-    else:
-        check(
-            pk.seq_len % (2 * cp) == 0 and (pk.seq_len // cp) % tp == 0,
-            f"data.pack.seq_len={pk.seq_len} must be divisible by 2*cp={2 * cp} (each row is cut into 2*cp "
-            f"chunks for load-balanced context parallel) and seq_len/cp by tp={tp} (sequence parallel): "
-            f"use a multiple of {math.lcm(2 * cp, cp * tp)}",
-            ValueError,
-        )
-
-
-def check_stream_layout(d: DataConfig, dp: int) -> None:
-    """data.shards and data.val_shards can feed `dp` data-parallel ranks: the loader's own rule
-    (loader.resolve_streams), applied here, on every rank, before anything is built.  At loader build
-    it would come too late on a pipeline: only the first stage's ranks build a loader, and the other
-    stages would wait for them until the collective timeout."""
-    from moevlm.data.loader import log, resolve_streams
-    from moevlm.data.reader import expand_shards
-
-    for key, spec in (("data.shards", d.shards), ("data.val_shards", d.val_shards)):
-        if spec in ("", "sample", MISSING) or not isinstance(spec, str):
-            continue
-        try:
-            shards = expand_shards(spec)
-        except ValueError:
-            # a spec that names nothing: check_shards says so, in its own words
-            continue
-        # the loader logs the same reductions when it is built: said once
-        was, log.disabled = log.disabled, True
-        try:
-            resolve_streams(d, 0, dp, len(shards))
-        except ValueError as err:
-            raise ValueError(str(err) if key == "data.shards" else f"{key}: {err}") from None
-        finally:
-            log.disabled = was
-
-
-def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
-    """The data's tokenizer is found (data.tokenizer, beside the shards, or the HF checkpoint's; the sample
-    set's own, which it builds later with TINY_SPECIAL_IDS) and its special tokens sit where the model
-    expects them: ValueError, one line saying which keys fix it."""
-    from moevlm.data.text import TINY_SPECIAL_IDS, model_mismatches
-
-    if data.shards in ("", MISSING):
-        return
-    if data.shards == "sample" and not data.tokenizer:
-        ids, vocab = TINY_SPECIAL_IDS, max(TINY_SPECIAL_IDS.values()) + 1
-        source = "the sample set's tokenizer (data.shards=sample: a small BPE for the tiny model)"
-    else:
-        path = _find_tokenizer(data, hf_checkpoint)
-        if path is None:
-            return  # check_shards says why the shards cannot be read
-        ids, vocab = _tokenizer_ids(path)
-        source = f"the tokenizer {os.path.abspath(path)}"
-    wrong = model_mismatches(ids, vocab, model)
-    if not wrong:
-        return
-    vocab_wrong = wrong.pop("text.vocab_size", None)
-    found = [
-        f"{name} is {want} there but {have} in the model" for name, (want, have) in wrong.items()
-    ]
-    if vocab_wrong:
-        found.append(f"it has {vocab_wrong[0]} ids but the model's vocabulary {vocab_wrong[1]}")
-    if hf_checkpoint:
-        ckpt = os.path.join(os.path.abspath(hf_checkpoint), "tokenizer.json")
-        fix = "the checkpoint's weights are trained for its own ids: use its tokenizer " + (
-            f"(data.tokenizer={ckpt})" if os.path.isfile(ckpt) else "(data.tokenizer=FILE)"
-        )
-    else:
-        keys = [f"model.{name}={want}" for name, (want, _) in wrong.items()]
-        keys += [f"model.vocab_size={vocab_wrong[0]}"] if vocab_wrong else []
-        fix = (
-            f"a randomly initialized model can take the tokenizer's: {' '.join(keys)}; or give the "
-            "model's own tokenizer (data.tokenizer=FILE)"
-        )
-    raise ValueError(f"{source} does not fit the model: {', '.join(found)}; {fix}")
-
-
-def _find_tokenizer(data: DataConfig, hf_checkpoint: str) -> str | None:
-    """The tokenizer.json the loader will use; None when the shards cannot be listed (reported elsewhere).
-    DataSetupError (a ConfigError) names the three places when there is none."""
-    from moevlm.data.loader import find_tokenizer
-    from moevlm.data.reader import expand_shards
-
-    if data.tokenizer or data.shards == "sample":
-        return find_tokenizer(data, [], hf_checkpoint)
-    try:
-        shards = expand_shards(data.shards)
-    except FileNotFoundError:
-        return None
-    return find_tokenizer(data, shards, hf_checkpoint)
-
-
-def _tokenizer_ids(path: str) -> tuple[dict[str, int], int]:
-    """(special token -> id, number of ids) of the tokenizer.json at `path`."""
-    from moevlm.data.text import ChatEncoder, load_tokenizer
-
-    try:
-        enc = ChatEncoder(load_tokenizer(path))
-    except Exception as err:  # noqa: BLE001  (not a usable tokenizer.json at all)
-        raise ValueError(
-            f"the tokenizer {os.path.abspath(path)} cannot be loaded ({type(err).__name__}: "
-            f"{' '.join(str(err).split())}); point data.tokenizer at a tokenizers tokenizer.json"
-        ) from None
-    return enc.special_ids, enc.vocab_size
-
-
-def shown_path(path: str) -> str:
-    """`path` as typed, and where it resolves when it is relative: `ckpt (= /work/ckpt)`."""
-    path = str(path)
-    return path if os.path.isabs(path) else f"{path} (= {os.path.abspath(path)})"
-
-
-def check_shards(spec: str) -> None:
-    """A shard spec that names nothing readable (the sample set and the empty value are checked elsewhere)."""
-    if spec in ("", "sample", MISSING) or not isinstance(spec, str):
-        return
-    if (
-        "{" not in spec
-        and "," not in spec
-        and not any(c in spec for c in "*?[")
-        and not os.path.exists(spec)
-    ):
-        raise ValueError(
-            f"data.shards={shown_path(spec)} does not exist; give a folder of .tar shards (build them with "
-            "python -m moevlm.data.build_shards), a brace pattern or a list"
-        )
-    from moevlm.data.reader import expand_shards
-
-    shards = expand_shards(spec)  # naming nothing that exists: DataSetupError
-    missing = [s for s in shards if not os.path.isfile(s)]
-    check(
-        not missing,
-        f"data.shards={spec} names {len(missing)} shard(s) that do not exist, e.g. {missing[:3]}",
-        ValueError,
     )

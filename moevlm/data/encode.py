@@ -1,32 +1,13 @@
-"""One raw WebDataset sample (member bytes) -> one model-ready `Sample`.
+"""One raw WebDataset sample (member bytes) -> one model-ready `Sample`: byte caps, the record
+(data.format), images decoded, tokens with the loss mask, 3-D M-RoPE positions.
 
 Legend: L tokens of the sample, N its patches, D patch dim (3*T*P*P).
 
-    enc = SampleEncoder(tokenizer, image_cfg, pack_cfg, model_ids)
+    enc = SampleEncoder(chat, image_cfg, pack_cfg, caption_prompt, mock, fmt)
     sample = enc(raw, pos)            # raises SkipSample(reason) for unusable input
 
-Design choices:
-- Order: byte caps -> json -> record (normalized) -> images decoded -> tokens.  Images go
-  first because the number of <|image_pad|> tokens is the image's merged grid.
-- A member the reader did not read because it is over its byte cap (an
-  `Oversize` marker, see reader.py) skips the sample first: `text_too_large`
-  for json/txt, `file_too_large` for an image or any other file.
-- Which record a sample holds (our json, or a third-party image-text layout:
-  img2dataset, DataComp, image + txt) is data.format's business
-  (layouts.py); image members the record does not use ride along as
-  `Sample.unused` for the loader to count.
-- A sample over a budget (seq_len tokens, max_patches patches, max_images
-  images) is skipped as `too_long`, or with `oversize: truncate` cut: the text
-  ends at seq_len or before the first image that no longer fits, whichever is
-  first; images after the cut are dropped with their pixels.  A cut that leaves
-  nothing to train on is `too_long` too.
-- data.mock swaps only the image step: `image_free` drops a record's images
-  and their <image> tags before tokenizing (a caption becomes a text-only
-  chat: prompt and caption), `random_pixels` keeps each image's grid and
-  tokens from its header but fills its patches with noise seeded by
-  (sample id, member name), so two runs get the same values.
-- 3-D M-RoPE positions are computed here, per sample, in the worker: the
-  packer only concatenates them (they restart at every document anyway).
+A sample over a budget is `too_long`, or with pack.oversize=truncate cut before the first image that
+no longer fits.  data.mock swaps only the image step (image_free, random_pixels).
 """
 
 from __future__ import annotations
@@ -41,9 +22,8 @@ from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.errors import SkipSample
 from moevlm.data.image import decode_image, random_image
 from moevlm.data.layouts import read_record
-from moevlm.data.packing import IGNORE
 from moevlm.data.reader import Oversize, Pos
-from moevlm.data.text import IMAGE_PLACEHOLDER, ChatEncoder
+from moevlm.data.text import IGNORE_INDEX, IMAGE_PLACEHOLDER, ChatEncoder
 from moevlm.model.rope import mrope_position_ids
 
 
@@ -151,7 +131,7 @@ class SampleEncoder:
                 break
             keep, used = i + 1, used + n
         ids_L, labels_L = ids_L[:cut], labels_L[:cut]
-        if not bool((labels_L != IGNORE).any()):
+        if not bool((labels_L != IGNORE_INDEX).any()):
             raise SkipSample("too_long", what + "; nothing trainable is left after truncation")
         return ids_L, labels_L, (pixels[:used] if keep else None), grids[:keep]
 

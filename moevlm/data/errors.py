@@ -1,21 +1,11 @@
-"""Why a sample was skipped.
+"""Why a sample was skipped, and the errors that stop the data.
 
-Every stage of the data pipeline (shard builder, reader, decoder, tokenizer,
-packer) signals an unusable sample by raising `SkipSample(reason, detail)`.
-The stage that drives the stream catches it, adds one to `counts[reason]` and
-goes on with the next sample: bad data never crashes a worker and is never
-dropped silently.  `reason` is a short, stable key (the table below); it is
-what the builder's summary.json and the loader's stats report.  A shard none
-of whose samples is usable is passed over and counted by name (the loader's
-`shards_all_skipped`).  A sample that trains without some of the images it
-carries is counted too, under a FALLBACKS reason (the loader's `fell_back`
-stats, not `skipped`); a stream whose samples carry images of which none can
-be used stops with a `DataError`.  When the whole data set has no usable sample, the
-loader raises `DataError` instead (a RuntimeError whose message gives the skip
-counts and the fix).  Missing inputs found before
-anything is read (no shards, no tokenizer) raise `DataSetupError`, a ConfigError
-(train.py prints it as one `config error:` line, exit 2) that is also a
-FileNotFoundError.
+    raise SkipSample("bad_image", detail)    # any stage; the driver counts REASONS[reason] and goes on
+    SkipCounter().add(err, where)            # counts by reason, with the first examples
+
+REASONS: the stable skip keys (the builder's summary.json, the loader's stats); FALLBACKS: samples that
+train without some of their images (counted, not skipped).  DataError (a RuntimeError): the data can
+feed nothing.  DataSetupError (a ConfigError and FileNotFoundError): an input missing before any read.
 """
 
 from __future__ import annotations

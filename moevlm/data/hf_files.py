@@ -3,27 +3,8 @@
     write_processor_files(out_dir, tokenizer="shards/tokenizer.json", image=cfg.data.image,
                           source="hf_in")          # the checkpoint the run started from, if any
 
-After `moevlm.parallel.save_hf` has written config.json and the safetensors,
-this makes the folder one that `AutoTokenizer.from_pretrained` and the image
-processor load, so the exported model is usable end to end.
-
-Design choices:
-- tokenizer.json is always the one the run trained with.  A checkpoint's
-  own other files win: when the run started from an HF folder (`source`),
-  its tokenizer_config.json, chat template and processor configs are copied
-  unchanged (they are what its users expect, e.g. Qwen's full chat template
-  with tools and thinking).
-- Otherwise (a tokenizer trained for the run, like the embedded sample's) we
-  write our own: tokenizer_config.json (the tokenizers-backed fast tokenizer,
-  `<|im_end|>` as eos, `<|endoftext|>` as pad) and a chat template of our own
-  that renders exactly what moevlm.data.text.ChatEncoder trains on:
-  `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, an `<image>`
-  placeholder (or a content item of type "image") as
-  `<|vision_start|><|image_pad|><|vision_end|>` (the processor expands the
-  pad to the image's token count), no default system prompt.
-- preprocessor_config.json carries the training run's image settings (patch,
-  temporal patch, merge, min/max pixels, mean, std) in the Qwen2-VL image
-  processor's fields, so inference resizes and normalizes as training did.
+Written after `moevlm.parallel.save_hf` (config.json and the safetensors), so that
+`AutoTokenizer.from_pretrained` and the image processor load the folder.
 """
 
 from __future__ import annotations

@@ -1,65 +1,14 @@
-"""Qwen3-VL image preprocessing: encoded bytes -> decode -> smart resize ->
-rescale + normalize -> patchify.
+"""Qwen3-VL image preprocessing: encoded bytes -> decode -> smart resize -> rescale + normalize ->
+patchify, equal value for value to transformers' Qwen2VLImageProcessorPil set up as Qwen3-VL ships it.
 
-Legend: H, W image height/width in pixels, C channels (3), T temporal patch
-(frames per patch), P patch side, M merge side, Hb/Wb merge blocks down/across
-(H / (P*M), W / (P*M)), N patches (Hb*M * Wb*M), Q pixels of a patch (P*P).
+Legend: H, W image height/width in pixels, C channels (3), T temporal patch (frames per patch), P patch
+side, M merge side, Hb/Wb merge blocks down/across (H / (P*M), W / (P*M)), N patches (Hb*M * Wb*M),
+Q pixels of a patch (P*P).
 
     pixels_ND, (t, h, w) = decode_image(jpeg_bytes, ImageConfig())   # in a data worker
     pixels_ND, (t, h, w) = preprocess_image(PIL.Image.open(path))    # a PIL image at hand
     pixels_ND, (t, h, w) = random_image(jpeg_bytes, cfg, seed)        # data.mock=random_pixels
-    # pixels_ND: (h*w, C*T*P*P) float32; the text needs t*h*w / M**2 image tokens
-
-Design choices:
-- The output equals, value for value, what transformers' Qwen2VLImageProcessorPil
-  emits when configured as Qwen3-VL ships it (tests/data/test_image.py), for
-  decode_image with jpeg_draft=False too (the reference decoding with
-  PIL.Image.open + ImageOps.exif_transpose, as its load_image does).  The
-  Qwen3-VL defaults are not in transformers' source (its class defaults are
-  Qwen2-VL's: patch 14, CLIP mean/std, 56*56..28*28*1280 pixels); they come from
-  the hub's preprocessor_config.json: patch 16, merge 2, temporal 2, mean = std
-  = 0.5, size {shortest_edge: 256*256, longest_edge: 4096*4096}.
-- Resizing is PIL bicubic on the uint8 image (as the reference).  The reference
-  then computes x * (1/255) in float64, casts to float32 and does
-  (x - mean) / std in float32; here x / 255 is done in float32, which is the
-  same float32 number for every uint8 value (checked exhaustively in the
-  tests), so the result is bit-identical, not just close (`normalize` and
-  `patchify` keep the reference arithmetic, for tests).
-- Speed (bench/data_pipeline.py): the patchify transpose is done on the uint8
-  image (1 byte per element), the float work on compact (C, Q) patches a few
-  rows of merge blocks at a time (in cache), and the T copies of the frame are
-  only made by the write into the output.  A grey image stays one band through resize and patchify and is
-  broadcast to three channels at that same step (PIL resamples each band with
-  the same integer arithmetic, so this equals converting to RGB first).
-- Decoding treats the bytes as untrusted: only a list of raster formats is
-  tried (no EPS, which runs Ghostscript); the header's width*height is checked
-  against ImageConfig.max_image_pixels before any pixel is decoded, and so are
-  the bytes decoding will hold (`decode_bytes`: width*height times the bytes per
-  pixel of the header's mode and of its conversion to RGB or L, so a small
-  16-bit PNG of 100 Mpixel, about 3.5 GiB to decode, is skipped as
-  `decode_too_large` under the default ImageConfig.max_decode_bytes, while any
-  8-bit RGB image within max_image_pixels still passes).  Frames are not
-  counted: only the first frame of an animated or multi-page file is decoded
-  (and counting them would read the whole file).  Truncated
-  files always fail, whatever ImageFile.LOAD_TRUNCATED_IMAGES says; every
-  failure becomes a SkipSample with a reason from data/errors.py.
-- EXIF orientation is applied (as the reference's load_image), before the
-  target size is computed.  JPEG draft mode (ImageConfig.jpeg_draft) lets
-  libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is that much smaller;
-  the target comes from the original (upright) size, so the grid is unchanged
-  and only the pixel values move a little (tests bound the difference).
-- Transparency is composited onto white before dropping alpha (as the
-  reference).  16/32-bit grey and float images are scaled to 8 bits over their
-  nominal range (the reference's PIL convert clips them instead).
-- A still image is one temporal patch: its single frame is repeated T times,
-  giving grid t = 1.
-- `random_image` (data.mock=random_pixels) reads only the header (plus EXIF;
-  for PNG, Pillow decodes to find an eXIf chunk after the pixels) and gives the
-  same grid as decode_image; its values are uniform over the normalized pixel
-  range, not N(0, 1): the same bounds as real pixels, only the content is noise.
-- Rows come out in merge-block order: for each M x M block (raster order over
-  blocks), its M*M patches in raster order.  The vision merger then groups four
-  consecutive rows; within a row the order is (C, T, P, P), the Conv3d kernel's.
+    # pixels_ND: (h*w, C*T*P*P) float32, rows in merge-block order; t*h*w / M**2 image tokens
 """
 
 from __future__ import annotations

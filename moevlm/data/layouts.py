@@ -1,35 +1,13 @@
 """Which record a raw WebDataset sample holds: our own layout, or a third-party image-text one.
 
-    rec, unused = read_record(raw, fmt="auto", caption_prompt="")
-    rec.images    # member names of the images it trains on, in <image> tag order
-    unused        # image members of the sample that the record does not use
+rec, unused = read_record(raw, fmt="auto", caption_prompt="")
+rec.images    # member names of the images it trains on, in <image> tag order
+unused        # image members of the sample that the record does not use
 
-Layouts (data.format):
-
-    moevlm         KEY.json = a record naming its image members ("images": ["img0.jpg"]), as
-                   build_shards writes; a record without images is a text sample
-    image_caption  KEY.jpg|jpeg|png|webp (...) + KEY.txt and/or KEY.json of metadata: img2dataset's
-                   layout (LAION, CC3M, CC12M, COYO: json with caption, url, width, ...), DataComp's
-                   (json with text, uid, ...) and plain image + txt
-    auto           per sample: moevlm when its json names images (`images` or `image`) or the sample
-                   has no image member, else image_caption
-
-Design choices:
-- image_caption trains the first image member (name order) with the caption from `txt`, else the
-  json's `caption`, else its `text`; a json with none of those but `messages` or `conversations`
-  is a chat about that image (LLaVA's rule puts the <image> tag in front when it has none); a
-  sample with neither json nor txt is `bad_json`, one with no caption `bad_record`.  The
-  json is otherwise metadata: url, width, similarity scores are never read as text.  The id is
-  the sample key (img2dataset's json `key` holds the same value).
-- Image members are recognized by webdataset's image extensions (last dot-part, any case).  A
-  sample may carry members its record does not use (a second image, or with data.format=moevlm a
-  metadata json that names none): they are returned as `unused`, which the loader counts
-  (`images_unused`, errors.FALLBACKS), so a shard of images never trains as text without a
-  number saying so; when no image of a stream's samples can be used the loader stops
-  (loader.Stream).
-- auto never guesses between two readings of one sample: a json naming images is ours (the
-  builder writes no unnamed image), a sample without images can only be text, and a json that
-  names no image beside an image member cannot be our record (we never write one).
+moevlm         KEY.json, a record naming its image members, as build_shards writes
+image_caption  KEY.jpg|png|... + KEY.txt and/or KEY.json of metadata (img2dataset: LAION, CC3M,
+               COYO; DataComp; plain image + txt): the first image with its caption
+auto           per sample: moevlm when its json names images or it has no image, else image_caption
 """
 
 from __future__ import annotations

@@ -1,42 +1,26 @@
-"""How a data worker process ends with the process that uses the loader, however that one ends.
+"""How the loader's worker processes end with the process that uses the loader, however it ends, and
+what the trainer is told when one dies first.
 
-    # in the worker, first thing (moevlm.data.loader.PackedDataset.__iter__)
-    watch_parent(main_pid, through_fork_server=True)
+    watch_parent(main_pid, through_fork_server=True)   # in each worker, first thing
+    close_at_exit(loader)                              # loaders still open are closed at interpreter exit
+    line = worker_death(err, workers)                  # torch's dead-worker error as one line (or None)
+    dead = dead_workers(workers, grace_s)              # the workers that have ended
 
-The workers ignore the stop signals (SIGTERM, SIGINT, ...: moevlm.data.loader says why), so a
-signal cannot end them; they end themselves once the training process is gone.
-
-Design choices:
-- With `forkserver` (the default start method) a worker's parent is the fork server, not the training
-  process.  The fork server ends once every process holding the write end of its "alive" pipe has
-  ended: the kernel closes the pipe, killed with SIGKILL included.  multiprocessing hands that end to
-  every child the server forks (so the child could use the server too), which kept the server, and
-  so the workers, alive after the training process died: each worker closes its copy (it starts no
-  processes), then asks the kernel for SIGKILL when its parent ends (Linux
-  `prctl(PR_SET_PDEATHSIG)`, through ctypes).  Training process gone -> fork server gone -> workers
-  killed the moment the server's interpreter has shut down (about 1 s after a SIGKILL on a busy
-  2-core machine: it holds torch from its preload), with no polling, and even while the dead training
-  process is still an unreaped zombie (which a pid probe takes for alive).  Only under the fork server: the signal
-  follows the parent *thread*, and the fork server forks from its one thread, whereas with
-  `fork`/`spawn` the parent is whichever thread of the training process first iterated the loader,
-  which may end long before the process.  The pipe end lives in a private attribute of
-  multiprocessing.forkserver (Python 3.10-3.13): where it is not found, the probe below does the work.
-- Everywhere (other start methods, other systems, a fork server kept alive by a pipe end that some
-  other child of the training process inherited) a daemon thread in the worker probes the training
-  process's pid once a second and exits the worker when it is gone.  A pid the kernel has reused for
-  another process by then is taken for alive: the probe is the fallback, not the main path.
-- SIGKILL, not a catchable signal: the workers ignore the stop signals, and a worker whose training
-  process is gone has nobody to hand a row to, so nothing is lost (the loader's state lives in the
-  training process).
+The workers ignore the stop signals, so none ends them: they end with the training process (its fork
+server's parent-death signal, and a once-a-second pid probe as the fallback).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import multiprocessing.connection as mp_connection  # (imports multiprocessing.util: its exit hook first)
 import os
+import re
 import signal
 import threading
 import time
+import weakref
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PROBE_EVERY_S = 1.0
@@ -90,3 +74,77 @@ def _exit_without(pid: int, every_s: float = PROBE_EVERY_S) -> None:
     while _alive(pid):
         time.sleep(every_s)
     os._exit(0)
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # loaders with workers, closed at interpreter exit
+
+
+def close_at_exit(loader) -> None:
+    """Closes `loader` (its `close()`) at interpreter exit if it is still open then."""
+    _OPEN.add(loader)
+
+
+# registered after multiprocessing's own exit hook (imported above), so it runs before that one
+# terminates and joins the workers, which ignore SIGTERM
+@atexit.register
+def _close_open_loaders() -> None:
+    for loader in list(_OPEN):
+        loader.close()
+
+
+_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (.*)")
+
+
+def worker_death(err: BaseException, workers=()) -> str | None:
+    """One line for torch's error about a dead DataLoader worker (None for any other error): which
+    worker, how it ended (its exit code or signal, from `workers`' processes where known) and the likely
+    cause."""
+    match = _DIED.search(str(err))
+    if match is None:
+        return None
+    pids, how = match.group(1).strip(), match.group(2).strip().split(". ")[0].rstrip(".")
+    codes = [w.exitcode for w in workers if str(w.pid) in pids.split(", ") and w.exitcode]
+    if codes and codes[0] < 0:
+        how = f"was killed by {signal.Signals(-codes[0]).name}"
+    elif codes:
+        how = f"exited with code {codes[0]}"
+    if "Killed" in how or "SIGKILL" in how or "exited unexpectedly" == how:
+        free = _available_gib()
+        cause = (
+            "most likely the kernel's out-of-memory killer (see dmesg"
+            + (f"; {free:.1f} GiB available now" if free is not None else "")
+            + "): lower data.num_workers, data.prefetch_factor or data.image.max_pixels"
+        )
+    elif "Bus error" in how:
+        cause = "most likely shared memory (/dev/shm) ran out: enlarge it or lower data.num_workers"
+    else:
+        cause = "run with data.num_workers=0 to see the error in this process"
+    return (
+        f"data worker (pid {pids}) {how}: {cause}; the run stops, and a relaunch resumes exactly from "
+        "the last checkpoint"
+    )
+
+
+# a killed worker is reaped within milliseconds; a busy machine may take more
+WORKER_REAP_GRACE_S = 30.0
+
+
+def dead_workers(workers, grace_s: float) -> list:
+    """The workers that have ended, waiting up to `grace_s` for one to be reported (its exit reaches
+    the trainer only once its parent, the fork server, reaps it); empty if all are alive by then."""
+    workers = list(workers)
+    deadline = time.monotonic() + grace_s
+    while True:
+        dead = [w for w in workers if not w.is_alive()]
+        if dead or not workers or time.monotonic() >= deadline:
+            return dead
+        mp_connection.wait([w.sentinel for w in workers], timeout=0.1)
+
+
+def _available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:"))
+        return kib / 2**20
+    except (OSError, StopIteration, ValueError):
+        return None

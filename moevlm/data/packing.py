@@ -1,76 +1,29 @@
-"""Packing samples into fixed-shape micro-batches.
+"""Packing samples into fixed-shape rows: first fit to the token / patch / image / document budgets
+(and the optional vision-FLOPs budget), `collate` into one `PackedRow`, `stack_rows` for B of them.
 
-Legend: S seq_len (token budget), Np max_patches (patch budget), D patch dim,
-I max_images, J max_samples (documents), L one sample's tokens, B rows.
+Legend: S seq_len (token budget), Np max_patches (patch budget), D patch dim, I max_images,
+J max_samples (documents), L one sample's tokens, B rows.
 
-Every packed row (`collate`) has exactly these shapes, whatever the images'
-resolutions, and `stack_rows` makes a micro-batch of B rows:
+    input_ids (B, S)  labels (B, S)  position_ids (3, B, S)  cu_seqlens (B(J+2),)
+    pixel_values (B Np, D)  image_grid_thw (B I, 3)          (one row: B = 1)
 
-    input_ids (1, S)  labels (1, S)  position_ids (3, 1, S)  cu_seqlens (J+2,)
-    pixel_values (Np, D)  image_grid_thw (I, 3)
-
-    stacked: (B, S)  (B, S)  (3, B, S)  (B(J+2),)  (B Np, D)  (B I, 3)
-
-Design choices:
-- One packed row per micro-batch (THD layout): documents back to back, then one
-  padding document up to S.  `cu_seqlens` lists every document end, the
-  padding document's end (= S), then S repeated to the fixed length (empty
-  documents cost nothing in any attention backend).
-- Images' patches back to back, then one padding segment up to Np (zeros) that
-  the vision tower attends only within and whose merged tokens it drops (the
-  model accepts pixel_values longer than the grids describe).  Unused
-  image_grid_thw rows are zeros (0 patches).
-- First fit with lookahead: samples are held until they overflow one
-  micro-batch and at least `lookahead` are held; then the oldest goes in (so
-  nothing waits long), then every later held sample that still fits all four
-  budgets (five with the vision budget below), in arrival order.  Deterministic, so a resumed run packs identically.
-- Several rows per micro-batch (`stack_rows`): text boundaries become offsets
-  into the flattened B*S tokens (each row's cu_seqlens shifted by r*S, so the
-  rows' documents never attend across rows); the rows' real patches come first
-  in row order and all padding patches after, and the real image_grid_thw rows
-  first and the zero rows after, because the model accepts padding patches
-  only at the end.  Shapes stay fixed for a fixed B.
-- Vision balance (`pack.max_vision_flops`, off by default): the vision tower's attention grows with
-  the square of each image's patches, so rows of equal patch counts differ in work and data-parallel
-  ranks wait for the one with the most at the gradient reduction.  The budget bounds each row's vision
-  forward FLOPs, computed by the model's own formula (`moevlm.model.flops.vision_forward_flops`, the
-  quadratic term per image) from the sample's patch grids alone: each packer decides locally, with no
-  communication, so the rows are the same for every layout, and the rule holds no state beyond the
-  held samples (resume packs identically).  It is a fifth budget of the first fit above: a row closes
-  when it is reached (the held samples overflow it) and the later held samples that still fit fill
-  toward it.  "auto" (`VisionFlops.auto`) is halfway between the vision work of the lightest full row
-  (`max_patches` patches of images too small for attention's square to count) and of the heaviest
-  (`max_patches` patches in images of `data.image.max_pixels`): it cuts the upper half of the range a
-  row's work can take, where a lower cap costs patch fill (a row of large images closes an image
-  early; on the sample set a cap at the lightest row's work cost 10-25 points of patch fill).  A
-  sample whose own vision FLOPs exceed the budget goes alone in its row (nothing else joins it;
-  `Packer.over_budget`, `over_vision_budget` in the loader's stats), never a crash nor a skip: its
-  images still train.  Tensor shapes do not change.  Where it helps: image-text data whose photos
-  differ in size, so attention's square makes rows of equal patches unequal work (on the sample set's
-  photo records at the default image bounds, max/mean over 4 ranks 1.109 -> 1.055 for 2 points of
-  fill).  Where it does not: rows whose work differs by how many images they got (data where one
-  sample in eight has an image, or images half a row each), which a bound cannot even out and where a
-  binding cap drops whole images from rows.  Off by default: a budget changes which samples share a
-  row, so it would change the rows of every existing recipe and of a run resumed from a checkpoint
-  written before (docs/benchmarks.md, vision balance, has both cases).
-- Labels follow the Hugging Face convention (the model shifts); padding and
-  non-trained tokens are -100.  Counts of useful vs padded tokens/patches ride
-  along: tokens/s and MFU must count useful ones only.
+A row's documents lie back to back, then one padding document up to S; its images' patches back to
+back, then zero patches up to Np; unused grid rows are zeros.  Stacked rows keep every real patch and
+grid first.  Labels are -100 (IGNORE_INDEX) where no loss; the useful/padded counts ride along.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from moevlm.data.config import PackConfig
+from moevlm.data.encode import Sample
+from moevlm.data.text import IGNORE_INDEX
 from moevlm.model.flops import vision_block_forward_parts, vision_forward_flops
-
-if TYPE_CHECKING:  # encode.py imports IGNORE from here
-    from moevlm.data.encode import Sample
-
-IGNORE = -100
 
 
 class VisionFlops:
@@ -220,12 +173,62 @@ class Packer:
         return take
 
 
-def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int) -> dict:
-    """Samples (that fit the budgets) -> one packed row: a dict of fixed-shape tensors + counts."""
+@dataclass(frozen=True, eq=False)
+class PackedRow(Mapping):
+    """One packed row (`collate`, B = 1) or B of them stacked (`stack_rows`): fixed-shape tensors and the
+    counts of what is real in them.  Read by attribute, or by name as a read-only mapping
+    (`row["input_ids"]`, `row.items()`)."""
+
+    input_ids: torch.Tensor  # (B, S)
+    labels: torch.Tensor  # (B, S), IGNORE_INDEX where no loss
+    position_ids: torch.Tensor  # (3, B, S) M-RoPE positions
+    cu_seqlens: torch.Tensor  # (B(J+2),) int32 document ends, then S repeated (per row, offset r*S)
+    pixel_values: torch.Tensor  # (B Np, D), real patches first
+    image_grid_thw: torch.Tensor  # (B I, 3), real grids first, zero rows after
+    num_samples: int  # documents
+    num_images: int
+    useful_tokens: int
+    padded_tokens: int
+    loss_tokens: int  # the model's targets: labels shifted by one inside each document
+    useful_patches: int
+    padded_patches: int
+    sample_ids: list[str]
+
+    def __getitem__(self, name: str):
+        if name not in _ROW_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_ROW_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_ROW_FIELDS)
+
+    def pin_memory(self) -> PackedRow:
+        """A copy with the tensors in page-locked memory (torch's DataLoader calls it)."""
+        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in _ROW_TENSORS})
+
+
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(PackedRow))
+_ROW_TENSORS = _ROW_FIELDS[:6]
+COUNTS = (
+    "num_samples",
+    "num_images",
+    "useful_tokens",
+    "padded_tokens",
+    "loss_tokens",
+    "useful_patches",
+    "padded_patches",
+)
+
+
+def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int) -> PackedRow:
+    """Samples (that fit the budgets) -> one packed row of fixed-shape tensors + counts."""
     S, Np, I, J = cfg.seq_len, cfg.max_patches, cfg.max_images, cfg.max_samples
     used = sum(s.tokens for s in samples)
     input_ids = torch.full((S,), pad_id, dtype=torch.long)
-    labels = torch.full((S,), IGNORE, dtype=torch.long)
+    labels = torch.full((S,), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros(3, S, dtype=torch.long)
     cu = torch.full((J + 2,), S, dtype=torch.int32)
     cu[0], at = 0, 0
@@ -247,34 +250,22 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
     grid_thw = torch.zeros(I, 3, dtype=torch.long)
     if grids:
         grid_thw[: len(grids)] = torch.tensor(grids, dtype=torch.long)
-    return {
-        "input_ids": input_ids[None],
-        "labels": labels[None],
-        "position_ids": position_ids[:, None],
-        "cu_seqlens": cu,
-        "pixel_values": pixels,
-        "image_grid_thw": grid_thw,
-        "num_samples": len(samples),
-        "num_images": len(grids),
-        "useful_tokens": used,
-        "padded_tokens": S - used,
-        # the model's targets: labels shifted by one inside each document
-        "loss_tokens": int(sum(int((s.labels_L[1:] != IGNORE).sum()) for s in samples)),
-        "useful_patches": patches,
-        "padded_patches": Np - patches,
-        "sample_ids": [s.id for s in samples],
-    }
-
-
-COUNTS = (
-    "num_samples",
-    "num_images",
-    "useful_tokens",
-    "padded_tokens",
-    "loss_tokens",
-    "useful_patches",
-    "padded_patches",
-)
+    return PackedRow(
+        input_ids=input_ids[None],
+        labels=labels[None],
+        position_ids=position_ids[:, None],
+        cu_seqlens=cu,
+        pixel_values=pixels,
+        image_grid_thw=grid_thw,
+        num_samples=len(samples),
+        num_images=len(grids),
+        useful_tokens=used,
+        padded_tokens=S - used,
+        loss_tokens=int(sum(int((s.labels_L[1:] != IGNORE_INDEX).sum()) for s in samples)),
+        useful_patches=patches,
+        padded_patches=Np - patches,
+        sample_ids=[s.id for s in samples],
+    )
 
 
 def _real_first(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
@@ -285,25 +276,25 @@ def _real_first(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
     return out
 
 
-def stack_rows(rows: list[dict]) -> dict:
-    """B packed rows (collate() dicts of one PackConfig) -> one micro-batch of B rows."""
-    S = rows[0]["input_ids"].shape[1]
+def stack_rows(rows: list[PackedRow]) -> PackedRow:
+    """B packed rows (of one PackConfig) -> one micro-batch of B rows: each row's cu_seqlens offset by
+    r*S (documents never attend across rows), every real patch and grid before the padding."""
+    S = rows[0].input_ids.shape[1]
     pixels = _real_first(
-        [r["pixel_values"][: r["useful_patches"]] for r in rows],
-        sum(r["pixel_values"].shape[0] for r in rows),
+        [r.pixel_values[: r.useful_patches] for r in rows],
+        sum(r.pixel_values.shape[0] for r in rows),
     )
     grid_thw = _real_first(
-        [r["image_grid_thw"][: r["num_images"]] for r in rows],
-        sum(r["image_grid_thw"].shape[0] for r in rows),
+        [r.image_grid_thw[: r.num_images] for r in rows],
+        sum(r.image_grid_thw.shape[0] for r in rows),
     )
-    out = {
-        "input_ids": torch.cat([r["input_ids"] for r in rows]),
-        "labels": torch.cat([r["labels"] for r in rows]),
-        "position_ids": torch.cat([r["position_ids"] for r in rows], dim=1),
-        "cu_seqlens": torch.cat([r["cu_seqlens"] + i * S for i, r in enumerate(rows)]),
-        "pixel_values": pixels,
-        "image_grid_thw": grid_thw,
-    }
-    out.update({k: sum(r[k] for r in rows) for k in COUNTS})
-    out["sample_ids"] = [sid for r in rows for sid in r["sample_ids"]]
-    return out
+    return PackedRow(
+        input_ids=torch.cat([r.input_ids for r in rows]),
+        labels=torch.cat([r.labels for r in rows]),
+        position_ids=torch.cat([r.position_ids for r in rows], dim=1),
+        cu_seqlens=torch.cat([r.cu_seqlens + i * S for i, r in enumerate(rows)]),
+        pixel_values=pixels,
+        image_grid_thw=grid_thw,
+        **{k: sum(getattr(r, k) for r in rows) for k in COUNTS},
+        sample_ids=[sid for r in rows for sid in r.sample_ids],
+    )

@@ -1,49 +1,13 @@
-"""Reading WebDataset shards: which shards a data stream reads in an epoch,
-a seeded shuffle buffer, and positions that make the stream resumable.
+"""Reading WebDataset shards: which shards a data stream reads in an epoch, a seeded shuffle buffer,
+and positions that make the stream resumable.
 
     shards = expand_shards("data/shards")                 # dir, brace pattern or comma list
     plan = ShardPlan(shards, seed=0, stream=s, streams=L)
-    for pos, raw in plan.read(epoch, start=(0, 0), counter=skips): ...
+    for pos, raw in plan.read(epoch, ReadAt(0, 0), skips): ...   # pos: Pos(epoch, shard, sample)
 
-Design choices:
-- Shards are split, not samples, over the job's L logical streams: in epoch e
-  stream s reads `order[s::L]` of one seeded permutation of all shards shared
-  by everybody (`plan.mine(e)`), so each sample is read once per epoch across
-  the job and no reader reads bytes it throws away.  Which rank and which
-  worker process serve a stream is the loader's business (loader.py), so what
-  a stream reads does not depend on the parallel layout.  That is also why
-  webdataset's split_by_node/split_by_worker (global rank, no epoch) are not
-  used.
-- Tar members are listed with the standard `tarfile` module in stream mode
-  (`members`, the same rules as webdataset's `tar_file_iterator`: regular
-  files, no `__meta__` names) and grouped into samples by webdataset's
-  `group_by_keys`, one shard at a time so a damaged shard cannot bleed into
-  the next.  Own member loop rather than webdataset's so that a member above
-  its byte cap (data.max_text_bytes for json/txt, data.max_image_bytes for any
-  other) is never read into memory: its size comes from the tar header, its
-  bytes are passed over (tarfile's stream reader discards them in 10 KiB
-  blocks) and the sample carries an `Oversize` marker instead, which the
-  encoder turns into `text_too_large` / `file_too_large` before parsing or
-  decoding anything.  The sample stays in the stream (positions and the
-  per-shard sample counts are unchanged).  Reading the member and checking its
-  length would also have stopped the tokenizer blow-up (31 MB of text took a
-  worker to 6 GB), but a multi-GB member would still be held whole.  Damage is counted
-  as `truncated_shard` (once per shard) and the samples before it are kept.
-  A tar cut exactly between members parses without error, so a shard is also
-  checked against its sample count in the builder's summary.json (when
-  present) and for the tar end-of-archive zero blocks.
-- Each shard's identity (`shard_identity`): name, size and a hash of its
-  first and last 64 KiB (two reads per shard, whatever its size; the tail
-  covers the last member, past the tar's zero padding).  The loader state
-  records it, so shards rewritten under the same names are noticed on resume.
-  A rewrite that keeps the size and both ends is not noticed (hashing whole
-  shards would read the whole dataset on every start).
-- A position is (epoch, shard index in this stream's list, sample index in the
-  shard).  Seeking to a position opens that shard and skips members without
-  decoding them, so resuming never re-decodes images it does not need.
-- The shuffle buffer draws with a counter-based hash of (seed, epoch, stream,
-  draw number): its whole state is the positions it holds and the draw count,
-  both small enough to checkpoint every step.
+In epoch e stream s reads order[s::L] of one seeded permutation of all shards.  A member over its
+byte cap is passed over unread (an `Oversize` marker); damage is `truncated_shard`.  Each shard's
+identity (name, size, hash of both ends) lets a resume notice rewritten shards.
 """
 
 from __future__ import annotations
@@ -58,13 +22,27 @@ import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from webdataset.tariterators import group_by_keys
 
 from moevlm.data.errors import DataSetupError, SkipCounter, SkipSample
 
-Pos = tuple[int, int, int]  # (epoch, shard index in the stream's list, sample index in the shard)
+
+class Pos(NamedTuple):
+    """Where a sample is: its epoch, its shard's index in the stream's list of the epoch, its index in
+    the shard."""
+
+    epoch: int
+    shard: int
+    sample: int
+
+
+class ReadAt(NamedTuple):
+    """Where a stream reads next in its epoch: a shard index in its list and a sample index in it."""
+
+    shard: int
+    sample: int
 
 
 def shard_spec(paths: list[str]) -> str:
@@ -262,19 +240,19 @@ class ShardPlan:
     def read(
         self,
         epoch: int,
-        start: tuple[int, int],
+        start: ReadAt,
         counter: SkipCounter | None,
         shard_done: Callable[[int, str], None] | None = None,
     ) -> Iterator[tuple[Pos, dict]]:
         """Raw samples (dicts of member bytes) of this stream's epoch from (shard, sample) `start` on;
         `shard_done(s, url)` is called after each shard is read to its end (or could not be opened)."""
         for s, url in enumerate(self.mine(epoch)):
-            if s < start[0]:
+            if s < start.shard:
                 continue
-            skip = start[1] if s == start[0] else 0
+            skip = start.sample if s == start.shard else 0
             for k, raw in enumerate(self.read_shard(url, counter)):
                 if k >= skip:
-                    yield (epoch, s, k), raw
+                    yield Pos(epoch, s, k), raw
             if shard_done is not None:
                 shard_done(s, url)
 
@@ -326,7 +304,7 @@ class ShardPlan:
             url, last = self.mine(e)[s], max(ks)
             for k, raw in enumerate(self.read_shard(url, None)):
                 if k in ks:
-                    out[(e, s, k)] = raw
+                    out[Pos(e, s, k)] = raw
                 if k >= last:
                     break
         missing = [p for p in positions if p not in out]

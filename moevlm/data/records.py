@@ -1,46 +1,14 @@
-"""One annotation normalizer for the shard builder (build time) and the shard
-reader (read time, for our shards and third-party ones).
+"""One annotation normalizer for the shard builder (build time) and the shard reader (read time).
 
     rec = normalize_record(parse_json_bytes(raw), default_id=key, caption_prompt="")
     rec.messages  # [{"role": "user", "content": "<image>\\nWhat is this?"}, ...]
 
-Canonical forms (what build_shards writes as each sample's `json` member;
-`images` lists the tar field names of the sample's images, in order):
-
+Canonical forms (build_shards' json member; `images` names the sample's image members, in order):
     chat:    {"id": str, "images": ["img0.jpg", ...], "messages": [{"role": ..., "content": str}]}
     caption: {"id": str, "images": ["img0.jpg"], "caption": str}
     text:    {"id": str, "text": str}
-
-Accepted inputs, tried in this order (the first key found decides; other keys
-are ignored, so metadata riding along never makes a record ambiguous):
-
-- `messages`: canonical chat; entries may also use LLaVA's `from`/`value`.
-- `conversations`: LLaVA / ShareGPT; roles `human`|`gpt`|`system` (and
-  `user`|`assistant`).  Multi-turn, several images, or none (text-only chat).
-- `caption`: a caption pair; needs at least one image.
-- `text`: with an image it is a caption (LAION-style exports often call the
-  caption `text`); without one it is a text-only sample.
-
-Images come from `images` (canonical: a list) or `image` (LLaVA: a string or
-a list), never both.  An `id` may be a string or an int (kept as a string);
-when absent the caller's `default_id` is used (the builder passes
-"file:line", the reader the tar key).
-
-Design choices:
-- A caption keeps its own form (`Record.caption`) so the builder can store it
-  as a caption and the prompt stays a training-time choice; `messages` always
-  holds the chat the trainer sees: user "<image>" (+ "\\n" + prompt), assistant
-  caption.  With several images the user turn starts with one tag per image.
-- `<image>` tags must match the images one to one.  The only repair is
-  LLaVA's: images but no tag at all puts "<image>\\n" per image in front of
-  the first user turn.  Anything else (tags without images, a text sample
-  containing "<image>", 2 tags for 3 images) is `image_tag_mismatch`: a
-  guess there would silently misplace images.
-- Roles are not otherwise policed (no alternation rule, an assistant turn is
-  not required): a sample with nothing to train on is the packer's
-  `empty_sample`.
-- Every string must be encodable as UTF-8 (JSON allows lone surrogates, which
-  would fail later in the writer or the tokenizer): `bad_text_encoding`.
+Accepted inputs, the first key found deciding: `messages`, `conversations` (LLaVA / ShareGPT),
+`caption`, `text`; images from `images` or `image`, never both.
 """
 
 from __future__ import annotations

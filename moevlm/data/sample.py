@@ -1,30 +1,12 @@
-"""The embedded default dataset: photographs and prose that installed packages
-ship, turned into caption, chat and text records plus a small tokenizer.
+"""The embedded default dataset: photographs and prose that installed packages ship, turned into
+caption, chat and text records plus a small tokenizer; nothing is downloaded.
 
     photos = packaged_photos()            # [Photo(path, caption, source), ...]
     records = sample_records()            # what build_shards --sample writes
     tok = sample_tokenizer()              # byte-level BPE fitting the tiny preset
 
-Design choices:
-- Nothing is downloaded.  Photographs are files inside installed wheels:
-  scikit-image (required; a project dependency), and scikit-learn and
-  matplotlib when present (fewer photos otherwise).  Package folders are found
-  with `importlib.util.find_spec`, which does not import the package (importing
-  sklearn takes seconds).  Only real photographs are used: synthetic test
-  patterns, silhouettes, logos and simulated images in those folders are not.
-- Captions are written for this project from what each package's docstring
-  says the image shows, plus what is plainly visible in it.
-- Prose comes from Python's own `pydoc_data.topics` (the text behind
-  `help("assert")`): every Python install has it.  Topics are cut at blank
-  lines into documents of about 400-2000 characters (a topic shorter than
-  that stays whole).  Its exact text follows the Python version.
-- Everything is deterministic: fixed tables, sorted topic keys, no randomness.
-  The same installed packages give the same records and the same tokenizer.
-- Records are the canonical forms the shard builder writes; `images` holds
-  absolute file paths here (the builder swaps them for tar member names):
-      chat:    {"id", "images": [path, ...], "messages": [{"role", "content"}, ...]}
-      caption: {"id", "images": [path], "caption"}
-      text:    {"id", "text"}
+Records are the canonical forms (records.py) with absolute file paths in `images` (the builder
+swaps them for tar member names).  The same installed packages give the same records.
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
-"""The embedded sample set, built once per content version in a cache folder.
+"""The embedded sample set, built once per content version in a cache folder: what
+`data.shards=sample` resolves to, for every run, rank and sweep job on the machine.
 
     path, built = ensure_sample()     # build (or reuse) <cache>/sample-<version>
     path = sample_dir()               # where it is (or will be); no building
 
-`data.shards=sample` resolves to this folder: every run, rank and sweep job
-on a machine reads the same shards instead of copying ~31 MB into each run
-directory.
-
-Design choices:
-- Location: `$MOEVLM_CACHE`, else `$XDG_CACHE_HOME/moevlm`, else
-  `~/.cache/moevlm`.  An environment variable, not a config field: where a
-  machine keeps its caches is a property of the machine, not of the
-  experiment, so it stays out of each run's config.yaml; sweep jobs and
-  torchrun's ranks inherit it; the test suite points it at a per-session
-  temporary folder (tests/conftest.py).  Pointing it at a shared filesystem
-  shares one set across nodes (the lock is `flock`).
-- Version: a hash of what the content follows from: SAMPLE_FORMAT (bump it by
-  hand when build_sample writes something different for the same records),
-  the records themselves (captions, chats, pydoc prose, photo paths), each
-  photo file's size and mtime (a reinstalled or upgraded package rebuilds;
-  hashing 31 MB of photos on every start would cost more than it saves), and
-  the versions of the packages that shape the bytes (tokenizers trains the
-  BPE, webdataset writes the tars).  Old versions are left in place (a
-  running job may still read one); deleting the cache folder is always safe
-  between runs.
-- Concurrency: builders take an exclusive `fcntl.flock` on
-  `sample-<version>.lock`; the one that gets it first builds into
-  `sample-<version>.tmp-<pid>` beside the final folder and `os.rename`s it into
-  place; the others wait on the lock, then find the folder and reuse it.  The
-  final folder therefore only ever appears complete.  A crashed builder
-  leaves a `.tmp-*` folder (and the lock file, whose lock the kernel released
-  with the process): the next builder, holding the lock, knows no one else
-  is writing there, deletes it and builds afresh.  A final folder missing
-  summary.json or tokenizer.json (edited by hand) is rebuilt the same way.
+The cache is $MOEVLM_CACHE, else $XDG_CACHE_HOME/moevlm, else ~/.cache/moevlm; the version hashes
+what the content follows from; builders serialise on an flock and rename a finished folder into place.
 """
 
 from __future__ import annotations

@@ -1,44 +1,15 @@
 """Tokenizer, Qwen3-VL chat template and loss mask.
 
-Legend: L tokens of one sample; `input_ids_L` and `labels_L` are plain lists
-of ints (the packer turns them into tensors).
+Legend: L tokens of one sample; `input_ids_L` and `labels_L` are plain lists of ints (the packer
+turns them into tensors).
 
     enc = ChatEncoder(load_tokenizer("shards/tokenizer.json"))
     enc.check_model(cfg)                          # before any weight exists
     input_ids_L, labels_L = enc.encode_chat(messages, image_tokens=[64, 16])
     input_ids_L, labels_L = enc.encode_text("a plain document")
 
-Design choices:
-- The tokenizer is a `tokenizers.Tokenizer` (a tokenizer.json), the format
-  Qwen checkpoints ship; nothing here needs transformers.  `train_bpe` makes a
-  small byte-level BPE of the same kind (GPT-2 / Qwen byte alphabet, NFC
-  normalization, no BOS) for the tiny preset and the embedded sample data.
-  Special tokens sit at fixed ids at the top of the vocabulary, where the
-  model config expects them (`TINY_SPECIAL_IDS` matches `VLMConfig.preset("tiny")`).
-- The chat layout is Qwen3-VL's chat template with no default system prompt:
-  `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message.  As in that
-  template a system message is rendered only when it comes first (the
-  template silently drops any other); here a later one is a bad record.
-- Each text piece is encoded on its own and the ids are concatenated: the
-  special tokens and the image spans (`<|vision_start|>`, `<|image_pad|>` x n,
-  `<|vision_end|>`) are inserted as ids, never produced by tokenising text.
-  Special tokens split the text inside the tokenizer anyway, so this gives
-  the same ids as rendering the whole string and tokenising it (tested) as
-  long as no content begins with whitespace; where one does, whole-string
-  tokenising could merge it with the header's "\\n" into one token that is
-  half prompt, half answer.  Piecewise, the mask always falls on token
-  boundaries.
-- Text is encoded with `encode_special_tokens` on (on a private copy of the
-  tokenizer): a literal "<|im_end|>" inside a record's text becomes ordinary
-  bytes, so data can never forge a turn boundary or an image span.  (Rendering
-  with transformers' chat template would turn it into the special id.)
-- Labels follow the Hugging Face convention: `labels[i] = input_ids[i]` where
-  the token is trained, -100 elsewhere; the model shifts internally.  Trained
-  are the assistant's content tokens and its closing `<|im_end|>` (so the model
-  learns to stop); the `<|im_start|>assistant\\n` header, the `\\n` after
-  `<|im_end|>`, all user/system tokens and every image span are not.
-- Unusable records raise `SkipSample` (counted by the caller, never fatal);
-  a wrong tokenizer/model pairing raises ValueError naming both ids.
+Labels are the token where trained (the assistant's content and its <|im_end|>), IGNORE_INDEX (-100)
+elsewhere; the model shifts.  `train_bpe` makes the tiny preset's byte-level BPE.
 """
 
 from __future__ import annotations

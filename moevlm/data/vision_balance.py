@@ -1,31 +1,18 @@
-"""Vision work per data-parallel rank, measured from packed rows alone (no processes, no model).
+"""Vision work per data-parallel rank, measured from packed rows alone (no processes, no model):
+what the trainer logs as `vision_flops_max_over_mean`, computed in one process.
 
     table = measure(data_cfg, model_cfg, dp=4, steps=12, rows_per_step=4)
     table["max_over_mean"], table["token_fill"], table["patch_fill"]
 
-Design choices:
-- What the trainer logs as `vision_flops_max_over_mean`, computed in one process: one loader per
-  data-parallel rank (`build_loader(rank=r, world=dp)`, so each owns the streams the loader gives it and
-  delivers their rows in the loader's order), `rows_per_step` rows per rank per step (grad_accum x
-  micro_batch_size) in micro-batches of `micro_batch_size` rows; each rank's figure per micro-batch is
-  its rows' vision FLOPs (training FLOPs as `moevlm.model.flops.count_flops` counts them: the quadratic
-  attention term per image).  Per micro-batch, not per step: the ranks meet at every micro-batch under
-  FSDP (its reduce-scatter) and expert parallelism (the all-to-alls), so a step's sum per rank would
-  average the straggler away.
-- Under context parallelism each cp rank encodes a share of each micro-batch's whole images
-  (`cp_layout.balance_images`): the figures are then per (dp, cp) rank, the slowest of them being
-  what the reduction waits for; tp ranks encode the same images and count once.
-- The window figure is the sum over micro-batches of the max over ranks, divided by the sum of the
-  means: the share of vision time the slowest rank adds where the ranks meet, weighted by the
-  micro-batches' vision work (one without images weighs nothing).  The trainer's record uses the same
-  definition over its log window (`moevlm.train.metrics.Window`).
-- Fill rates are the packer's: useful over budget, tokens of seq_len and patches of max_patches, over
-  all rows measured.
+One loader per data-parallel rank; per micro-batch, each (dp, cp) rank's training vision FLOPs;
+the figure is the sum over micro-batches of the max over ranks divided by the sum of the means.
 """
 
 from __future__ import annotations
 
+from moevlm.data.batch import vision_flops_by_cp
 from moevlm.data.config import DataConfig
+from moevlm.data.loader import build_loader
 from moevlm.data.packing import VisionFlops
 
 
@@ -51,9 +38,6 @@ def measure(
     micro-batch of `micro_batch_size` rows (`micro_batches` per step, micro-batch j of step k at
     `per_micro[k * micro_batches + j]`) has dp x cp figures, rank r's cp share c at r * cp + c: it hands
     its images out to the cp ranks as the model does (`moevlm.data.batch.vision_flops_by_cp`)."""
-    from moevlm.data.batch import vision_flops_by_cp
-    from moevlm.data.loader import build_loader
-
     vision = VisionFlops.for_images(model, cfg.image)
     micro_batches = -(-rows_per_step // micro_batch_size)
     per_micro = [[0.0] * (dp * cp) for _ in range(steps * micro_batches)]
@@ -65,15 +49,15 @@ def measure(
                 micro, j = [], k * micro_batches
                 for i in range(rows_per_step):
                     row = next(loader)
-                    grids = row["image_grid_thw"][: row["num_images"]].tolist()
+                    grids = row.image_grid_thw[: row.num_images].tolist()
                     forward.append((vision(grids), len(grids)))
                     micro += grids
                     if (i + 1) % micro_batch_size == 0 or i + 1 == rows_per_step:
                         for c, flops in enumerate(vision_flops_by_cp(micro, model, cp)):
                             per_micro[j][r * cp + c] = flops
                         micro, j = [], j + 1
-                    tokens += row["useful_tokens"]
-                    patches += row["useful_patches"]
+                    tokens += row.useful_tokens
+                    patches += row.useful_patches
                     rows += 1
             over += loader.stats()["over_vision_budget"]
     pk = cfg.pack

@@ -6,7 +6,7 @@ sequence parallel), D hidden, O text width, N patches, I images, m = merge^2 pat
 token.
 
 `cp_strategies` gives the strategies a model is built with, composed over tensor parallel's (no
-weight changes): the vision tower encodes a share of whole images (cp_layout.balance_images) and
+weight changes): the vision tower encodes a share of whole images (moevlm.model.image_shares.balance_images) and
 all-gathers the features; the embedding keeps this rank's tokens of the full row
 (cp_layout.split_rows); attention runs local queries against every rank's keys (cp_attention); each
 rank routes and scores its own tokens.  What changes where, and why: docs/architecture.md.
@@ -23,7 +23,8 @@ from moevlm.model.region import run_region
 from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
-from moevlm.parallel.cp_layout import balance_images, split_rows, take_rows
+from moevlm.model.image_shares import balance_images
+from moevlm.parallel.cp_layout import split_rows, take_rows
 
 
 class CPInfo:

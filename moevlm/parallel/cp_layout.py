@@ -6,7 +6,6 @@ size.
 
     idx_Bs = split_rows(B, S, cu_seqlens, cp, r)   # (B, s) the positions rank r keeps of each row
     local = take_rows(x_BS, idx_Bs)                 # rank r's tokens of any (B, S, ...) tensor
-    shares = balance_images(patches, cp)            # which images each rank's vision tower encodes
 
 Every document is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r
 (`doc_zigzag_positions`); whole images go largest first to the least loaded rank.
@@ -121,19 +120,8 @@ def attention_work(
     return work
 
 
-def balance_images(patches_per_image: list[int], cp: int) -> list[list[int]]:
-    """Image indices per rank (each list ascending), whole images, patches balanced largest-first."""
-    load, shares = [0] * cp, [[] for _ in range(cp)]
-    for i in sorted(range(len(patches_per_image)), key=lambda i: (-patches_per_image[i], i)):
-        r = min(range(cp), key=lambda r: (load[r], r))
-        shares[r].append(i)
-        load[r] += patches_per_image[i]
-    return [sorted(s) for s in shares]
-
-
 __all__ = [
     "attention_work",
-    "balance_images",
     "check_divisible",
     "contiguous_positions",
     "doc_zigzag_positions",

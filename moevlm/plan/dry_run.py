@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from moevlm.data.batch import MicroBatch
 from moevlm.data.encode import Sample
-from moevlm.data.packing import IGNORE, collate
+from moevlm.data.text import IGNORE_INDEX
+from moevlm.data.packing import collate
 from moevlm.model.rope import mrope_position_ids
 from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.plan.fake import (
@@ -109,7 +110,7 @@ def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
     if n_img:
         ids[8] = model_cfg.vision_start_token_id
         ids[9 : 9 + n_img] = model_cfg.image_token_id
-        labels[8 : 9 + n_img] = IGNORE
+        labels[8 : 9 + n_img] = IGNORE_INDEX
         grids = [(1, side, side)]
         pixels = torch.randn(side * side, model_cfg.vision.patch_dim, generator=gen)
     grid_t = torch.tensor(grids, dtype=torch.long) if grids else None

@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from moevlm.config import JobPlan, check_memory, memory_limit, validate
-from moevlm.data.loader import NoData, build_loader, merge_states
+from moevlm.data import merge_states
+from moevlm.data.loader import NoData, build_loader
 from moevlm.data.sample_cache import describe as describe_sample
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.dispatch.capacity import OverflowCounter

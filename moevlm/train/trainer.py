@@ -23,7 +23,8 @@ import torch.distributed as dist
 from moevlm.data import DataError
 from moevlm.data.batch import MicroBatch
 from moevlm.data.hf_files import write_processor_files
-from moevlm.data.loader import NoData, worker_death
+from moevlm.data.lifetime import worker_death
+from moevlm.data.loader import NoData
 from moevlm.model.moe import global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
 from moevlm.parallel.balance import step_load

@@ -63,8 +63,8 @@ def test_model_takes_the_micro_batch_and_the_objective_is_its_loss(rows):
 
 def test_vision_flops_per_context_parallel_rank_are_the_shares_of_whole_images(rows):
     """`vision_flops_cp`: each cp rank's share of the micro-batch's images, as the model hands them out
-    (cp_layout.balance_images), counted by the FLOP formula; the shares add up to the whole."""
-    from moevlm.parallel.cp_layout import balance_images
+    (image_shares.balance_images), counted by the FLOP formula; the shares add up to the whole."""
+    from moevlm.model.image_shares import balance_images
 
     cfg = VLMConfig.preset("tiny")
     grids = [g for r in rows for g in r["image_grid_thw"][: r["num_images"]].tolist()]

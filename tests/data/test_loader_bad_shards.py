@@ -77,7 +77,7 @@ def test_a_long_run_of_skips_does_not_stop_a_stream_that_good_shards_follow(
 ):
     """One stream reads a bad shard longer than NO_PROGRESS_SAMPLES (lowered to 5) and then good
     ones: the run of skips only makes it check the data set, which holds usable samples."""
-    monkeypatch.setattr("moevlm.data.loader.NO_PROGRESS_SAMPLES", 5)
+    monkeypatch.setattr("moevlm.data.streams.NO_PROGRESS_SAMPLES", 5)
     paths, ids = shards_with(tmp_path, sample_shards, n_good=2, per_shard=12)
     paths = [p for p in paths if is_bad(p)] + [p for p in paths if not is_bad(p)]
     cfg = config(tmp_path, paths, epochs=1, num_workers=0, streams=1, shuffle_shards=False)

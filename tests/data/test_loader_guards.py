@@ -16,7 +16,9 @@ from PIL import Image
 
 from moevlm.data.config import DataConfig
 from moevlm.data.errors import DataError
-from moevlm.data.loader import build_loader, check_config, merge_states
+from moevlm.data.checks import check_config
+from moevlm.data.loader import build_loader
+from moevlm.data.state import merge_states
 from moevlm.data.reader import Oversize, members, shard_identity
 from moevlm.data.sample import sample_photo_paths
 from moevlm.model import VLMConfig
@@ -148,7 +150,7 @@ def test_budget_no_sample_fits_stops_with_the_skip_counts(sample_shards, workers
 def test_stream_that_never_packs_stops_after_a_run_of_skips(sample_shards, monkeypatch):
     """Shards too big to read in a whole epoch before failing: NO_PROGRESS_SAMPLES skipped
     in a row by a stream that never packed anything stop it too (lowered here to 20)."""
-    monkeypatch.setattr("moevlm.data.loader.NO_PROGRESS_SAMPLES", 20)
+    monkeypatch.setattr("moevlm.data.streams.NO_PROGRESS_SAMPLES", 20)
     cfg = small_data_config(sample_shards, num_workers=0)
     cfg.pack.seq_len, cfg.pack.oversize = 8, "skip"
     with (

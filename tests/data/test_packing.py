@@ -10,9 +10,9 @@ from PIL import Image
 
 from moevlm.data.config import PackConfig
 from moevlm.data.encode import Sample
-from moevlm.data.packing import IGNORE
 from moevlm.data.image import preprocess_image
 from moevlm.data.sample import sample_photo_paths
+from moevlm.data.text import IGNORE_INDEX as IGNORE
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import Packer, VisionFlops, collate, stack_rows, vision_budget
 from moevlm.model import Qwen3VLMoe, VLMConfig
@@ -404,3 +404,14 @@ def test_vision_budget_is_deterministic_and_resumes_from_the_held_samples():
     for s in first.held:
         resumed.push(s)
     assert head + ids(pack_all(resumed, samples[97:])) == whole
+
+
+def test_a_packed_row_reads_by_attribute_and_as_a_mapping_of_its_fields():
+    """The row is a typed PackedRow; scripts that read it by name (row["input_ids"]) keep working."""
+    cfg = PackConfig(seq_len=32, max_patches=16, max_samples=4, max_images=2, lookahead=1)
+    row = collate([fake("a", 10, 4, 1)], cfg, D, pad_id=5)
+    assert row["input_ids"] is row.input_ids and row.num_samples == row["num_samples"] == 1
+    assert set(row) == set(row.keys()) >= {"input_ids", "labels", "sample_ids", "loss_tokens"}
+    assert "state" not in row and "end" not in row  # no control values inside a row
+    with pytest.raises(KeyError):
+        row["state"]

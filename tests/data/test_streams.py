@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from moevlm.data.loader import PackedDataset, build_loader, merge_states
+from moevlm.data.loader import build_loader
+from moevlm.data.state import merge_states
+from moevlm.data.streams import PackedDataset
 from moevlm.model import VLMConfig
 
 from data_helpers import small_data_config

@@ -23,7 +23,8 @@ from PIL import Image
 from moevlm.data import build_shards as bs
 from moevlm.data.errors import DataError, SkipSample
 from moevlm.data.layouts import read_record
-from moevlm.data.loader import build_loader, check_fields
+from moevlm.data.checks import check_fields
+from moevlm.data.loader import build_loader
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.text import ChatEncoder, load_tokenizer
 from moevlm.model import VLMConfig

@@ -4,9 +4,9 @@ inverse, the attention work it balances, and the image shares of the vision towe
 import pytest
 import torch
 
+from moevlm.model.image_shares import balance_images
 from moevlm.parallel.cp_layout import (
     attention_work,
-    balance_images,
     check_divisible,
     contiguous_positions,
     doc_zigzag_positions,

@@ -20,11 +20,12 @@ from typing import Annotated, Callable, Literal, Union, get_args, get_origin, ge
 class CheckedBy:
     """The function that refuses a value outside the field's choices, in its own words."""
 
-    function: Callable
+    function: Callable | str
 
 
-def one_of(*values: str, checked_by: Callable | None = None):
-    """A string field that takes one of `values` (each item, for a list of it)."""
+def one_of(*values: str, checked_by: Callable | str | None = None):
+    """A string field that takes one of `values` (each item, for a list of it); `checked_by`: the
+    function (or its dotted name, where importing it would be circular) that refuses other values."""
     if checked_by is None:
         return Annotated[str, Literal[values]]
     return Annotated[str, Literal[values], CheckedBy(checked_by)]
