@@ -123,7 +123,7 @@ def test_every_written_moevlm_name_resolves():
 def test_the_resolver_finds_what_it_should():
     assert resolves("moevlm.data.build_shards") and resolves("moevlm.kernels")
     assert resolves("moevlm.data.REASONS") and resolves("moevlm.model.VLMConfig.preset")
-    assert resolves("moevlm.model.VLMConfig.moe.dispatcher")  # dataclass fields, followed by type
+    assert resolves("moevlm.model.VLMConfig.moe.permute")  # dataclass fields, followed by type
     assert not resolves("moevlm.nowhere") and not resolves("moevlm.model.VLMConfig.nowhere")
     assert not resolves("moevlm.model.VLMConfig.moe.nowhere") and not resolves(
         "moevlm.data.nowhere"

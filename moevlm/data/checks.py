@@ -269,7 +269,7 @@ def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") 
 def check_job_data(d: DataConfig, model, dp: int = 1, tp: int = 1, cp: int = 1) -> None:
     """The data as the job uses it: shards named, each field in range and the image geometry the
     model's (check_config), the packed row within the model's positions and cut
-    evenly by the layout's dp x cp x tp.  ValueError (moevlm.train.validate reports it) on the first."""
+    evenly by the layout's dp x cp x tp.  ValueError (moevlm.config.validation reports it) on the first."""
     check(
         d.shards not in ("", MISSING),
         "data.shards is not set: point it at WebDataset shards (a folder, a brace pattern or a list; build them "

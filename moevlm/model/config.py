@@ -109,7 +109,7 @@ class Fp8Config:
     """FP8 training (moevlm.model.fp8): which recipe, for which linears, through which kernels."""
 
     recipe: str = "none"  # none | blockwise | mxfp8
-    modules: tuple[str, ...] = ("experts", "attn", "mlp")  # see moevlm.model.fp8.FP8_MODULES
+    modules: tuple[str, ...] = ("experts", "attn", "mlp")  # see moevlm.model.config.FP8_MODULES
     backend: str = "auto"  # auto | triton | torch | emulate
     pow2_scales: bool = False  # blockwise scales rounded up to powers of two
     cache_weights: bool = True  # weight codes kept from the first micro-batch of a step to its last
@@ -460,7 +460,7 @@ class VLMConfig:
 
 
 def check_fp8_modules(modules) -> None:
-    """Every name in `modules` (fp8.modules; VLMConfig.validate and moevlm.model.fp8.apply_fp8) is one of
+    """Every name in `modules` (fp8.modules; VLMConfig.validate and moevlm.model.fp8_targets.apply_fp8) is one of
     FP8_MODULES."""
     bad = sorted(set(modules) - set(FP8_MODULES))
     check(

@@ -103,7 +103,7 @@ class TokenInfo(NamedTuple):
 
 
 class Experts(nn.Module):
-    fp8: Fp8Recipe | None = None  # set by moevlm.model.fp8.apply_fp8
+    fp8: Fp8Recipe | None = None  # set by moevlm.model.fp8_targets.apply_fp8
     compile_eager_gemm = (
         False  # the grouped GEMMs stay out of a compiled graph (moevlm.parallel.compile)
     )
