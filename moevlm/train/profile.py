@@ -94,12 +94,17 @@ class ComponentTimer:
     def __init__(self, clock, ranges: bool = True):
         self.clock, self.ranges = clock, ranges
         self.handles: list = []
-        self.reset()
-
-    def reset(self) -> None:
-        self.names, self.starts, self.ends, self.parents = [], [], [], []
+        self.names: list[str] = []
+        self.starts: list[float] = []
+        self.ends: list[float | None] = []
+        self.parents: list[int] = []
         self.stack: list[int] = []
         self.ranges_open: list = []
+        self.step_start = self.clock.mark()
+
+    def reset(self) -> None:
+        for held in (self.names, self.starts, self.ends, self.parents, self.stack, self.ranges_open):
+            held.clear()
         self.step_start = self.clock.mark()
 
     def open(self, name: str) -> None:

@@ -230,6 +230,7 @@ class _LastLine:
 
     def __init__(self):
         self.last: str | None = None
+        self._saved = sys.stdout, sys.stderr
 
     def _seen(self, line: str) -> None:
         if line.strip() and "\r" not in line:
