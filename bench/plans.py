@@ -60,7 +60,7 @@ FOUR_RANKS = {
 def recipes() -> None:
     import importlib.util
 
-    from moevlm.plan.__main__ import make_plan
+    from moevlm.plan.report import make_plan
     from moevlm.plan.devices import GPUS
     from moevlm.train.config import compose_job
 
