@@ -88,7 +88,7 @@ def _job(cfg, sweep: tuple[str, int] | None) -> int:
 
 def _plan(cfg) -> int:
     """parallel.fake_world=N: the job planned on N fake ranks and printed (moevlm.plan); nothing trains."""
-    from moevlm.plan.__main__ import format_plan, make_plan
+    from moevlm.plan.report import format_plan, make_plan
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         _config_error(

@@ -2,12 +2,12 @@
 
 The simulation (torch's own per-rank action lists replayed with unit costs F = 1, B = 2, I = 1,
 W = 1, communication free; the repair of torch's 1F1B off-by-one; the completeness and deadlock
-checks) lives in `moevlm/parallel/pipeline_bubble.py`, whose docstring gives the method; the
-planner reports the same number. This script runs it over a grid of configurations and prints
-one row per configuration: the bubble, the makespan in per-stage units (not comparable across
-vpp; the bubble is), the busy time per rank (3 * vpp * m on every rank for all five schedules)
-and a note when torch refuses the configuration, when its action lists are invalid, or when the
-1F1B repair was applied.
+checks) lives in `moevlm/parallel/pipeline_bubble.py` (the method: docs/architecture.md,
+"Pipeline split and schedule"); the planner reports the same number. This script runs it over a
+grid of configurations and prints one row per configuration: the bubble, the makespan in
+per-stage units (not comparable across vpp; the bubble is), the busy time per rank (3 * vpp * m
+on every rank for all five schedules) and a note when torch refuses the configuration, when its
+action lists are invalid, or when the 1F1B repair was applied.
 
 Baseline. The textbook formulas are printed beside the simulation:
 GPipe and 1F1B (p-1)/(m+p-1), interleaved 1F1B (p-1)/(v*m+p-1). For GPipe and
@@ -35,7 +35,7 @@ def _formula_interleaved(p: int, m: int, v: int) -> Fraction:
     return Fraction(p - 1, v * m + p - 1)
 
 
-# schedule name (moevlm.parallel.pipeline_plan.SCHEDULES) -> (default stages per rank, textbook
+# schedule name (moevlm.parallel.pipeline_schedules.SCHEDULES) -> (default stages per rank, textbook
 # formula)
 SCHEDULES = {
     "gpipe": (1, _formula_single),

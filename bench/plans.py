@@ -3,12 +3,12 @@
     python bench/plans.py recipes              # markdown: every recipe's plan, verdicts on H100/H200/own GPU
     python bench/plans.py accuracy             # markdown: plan vs measured step (CPU, fp32; gloo for 4 ranks)
 
-`recipes` runs `python -m moevlm.plan`'s `make_plan` for each conf/experiment/ recipe at its launch
-size (one training step per rank role on fake tensors), prints one table row per rank role, the
-largest communication term, the fit on H100 and H200 (and the recipe's own GPU) and the dry run's
-wall time on this machine.  A recipe whose dispatcher package is absent runs with moevlm's TEST
-EMULATOR of it (tests/dispatch/*_emulator; named in the table): its collectives are the emulator's,
-not the real package's.
+`recipes` runs `moevlm.plan.report.make_plan` (what `python -m moevlm.plan` prints) for each
+conf/experiment/ recipe at its launch size (one training step per rank role on fake tensors),
+prints one table row per rank role, the largest communication term, the fit on H100 and H200 (and
+the recipe's own GPU) and the dry run's wall time on this machine.  A recipe whose dispatcher
+package is absent runs with moevlm's TEST EMULATOR of it (tests/dispatch/*_emulator; named in the
+table): its collectives are the emulator's, not the real package's.
 
 `accuracy` is the baseline comparison: the same job measured as the trainer really runs it
 (`moevlm.plan.measure`: the Trainer's second step on the plan's budget micro-batches, storages
@@ -60,7 +60,7 @@ FOUR_RANKS = {
 def recipes() -> None:
     import importlib.util
 
-    from moevlm.plan.__main__ import make_plan
+    from moevlm.plan.report import make_plan
     from moevlm.plan.devices import GPUS
     from moevlm.config import compose_job
 

@@ -11,7 +11,7 @@ needs.  Every change is one line of `JobPlan.notes`.
 from __future__ import annotations
 
 from moevlm.errors import check
-from moevlm.parallel.pipeline_plan import SCHEDULES, schedule_name
+from moevlm.parallel.pipeline_schedules import SCHEDULES, schedule_name
 
 SCALE_PRESET = "tiny"
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from moevlm.fields import one_of
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
-from moevlm.parallel.pipeline_plan import SCHEDULES, schedule_name
+from moevlm.parallel.pipeline_schedules import SCHEDULES, schedule_name
 
 WANDB_MODES = ("disabled", "online", "offline")  # train.wandb (moevlm.train.wandb_log)
 GPUS = (

@@ -52,7 +52,8 @@ from moevlm.model.config import VLMConfig
 from moevlm.parallel.build import BuildOptions
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import offload_setting
-from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline, schedule_name
+from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from moevlm.parallel.pipeline_schedules import schedule_name
 from moevlm.parallel.recompute import recompute_setting
 
 

@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from moevlm.model.moe import RouterStats, global_balance_loss, layer_extras, load_balancing_loss
 from moevlm.model.objective import objective
-from moevlm.parallel.pipeline_plan import SCHEDULES, PipelinePlan
+from moevlm.parallel.pipeline_plan import PipelinePlan
+from moevlm.parallel.pipeline_schedules import SCHEDULES
 
 
 def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> list[int]:

@@ -1,44 +1,14 @@
 """The pipeline bubble of a torch.distributed.pipelining schedule, simulated from torch's own
-per-rank action lists, so a plan can report the idle fraction of the schedule a job will run.
+per-rank action lists under unit costs (F = 1, B = 2, I = 1, W = 1; communication free), so a plan
+can report the idle fraction of the schedule a job will run.
 
     schedule_bubble("1f1b", pp=4, microbatches=8)            # 3/11 = 0.2727...
     run = simulate_schedule("zbv", pp=4, microbatches=8, vpp=2)
     run.bubble, run.makespan, run.busy, run.placement        # exact Fraction and the details
 
-Method. torch's per-rank action lists are built without a process group by
-`torch.distributed.pipelining._schedule_visualizer.get_schedule_ops` (it instantiates the
-schedule class on mock stages and returns `pipeline_order`, the compute-only IR every rank
-derives). Placeholders (None) and non-compute actions (REDUCE_GRAD, sends and receives) are
-dropped; an OVERLAP_F_B action is split into its sub-actions, run back to back, because that is
-what `_PipelineScheduleRuntime` does with it unless a custom overlap function is registered. One
-known torch bug is repaired (`repair_1f1b_last_rank`, reported as `ScheduleRun.repaired_1f1b`):
-Schedule1F1B's IR numbers the last rank's forwards 1..m. Each rank then runs its list in order:
-an action starts when the rank is free and its dependencies have finished, wherever they ran:
-
-    F(s, m)       needs F(s-1, m)                       (s > 0)
-    B/I(s, m)     needs F(s, m) and B/I(s+1, m)         (s < last; the last
-                                                         stage needs only F)
-    W(s, m)       needs I(s, m)
-
-Receives are waited on lazily, just before the consuming compute (as in the runtime), so each
-sub-action of an OVERLAP_F_B waits only on its own inputs. (Gating the whole OVERLAP_F_B on all
-its sub-actions' inputs, as the visualizer's own `add_schedule_op_spacing` does, adds p-1 units
-to DualPipeV's makespan.) Every (stage, micro-batch) must appear exactly once as F and as B or
-I+W; lists that fail this, or deadlock, raise `InvalidSchedule`.
-
-Cost model. Per stage action: F = 1, B = 2, I = 1, W = 1 (a full backward equals I + W);
-communication is free. The makespan is in these per-stage units, so it is not comparable across
-different vpp (a stage of an interleaved schedule holds 1/vpp of a rank's layers); the bubble
-fraction is:
-
-    bubble = sum over ranks (makespan - busy_r) / (num_ranks * makespan)
-
-For GPipe and 1F1B this equals the textbook (p-1)/(m+p-1) exactly (tests/parallel/
-test_pipeline_bubble.py checks it); `bench/pipeline_bubble.py` prints the table for several
-configurations beside the textbook formulas.
-
-torch decides which configurations a schedule accepts (micro-batch counts, stages per rank); a
-refusal raises `ScheduleRefused` (a ValueError) carrying torch's reason.
+bubble = sum over ranks (makespan - busy_r) / (num_ranks * makespan).  torch refusing a
+configuration raises `ScheduleRefused`, incomplete or deadlocked action lists `InvalidSchedule`
+(both ValueError).  The method: docs/architecture.md, "Pipeline split and schedule".
 """
 
 from __future__ import annotations
@@ -46,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from moevlm.parallel.pipeline_plan import SCHEDULES, schedule_name
+from moevlm.parallel.pipeline_schedules import SCHEDULES, schedule_name
 
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 
@@ -209,7 +179,7 @@ def simulate(rank_ops: list[list[Op]], num_stages: int) -> tuple[int, list[int]]
 
 def simulate_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> ScheduleRun:
     """Build torch's action lists for the schedule, repair and check them, and run them with the
-    unit costs. `schedule` is a name of pipeline_plan.SCHEDULES or one of its aliases; `vpp` is
+    unit costs. `schedule` is a name of pipeline_schedules.SCHEDULES or one of its aliases; `vpp` is
     the stages per rank (1 for gpipe and 1f1b, 2 for zbv and dualpipev, >= 2 for
     interleaved_1f1b). Raises ScheduleRefused or InvalidSchedule (both ValueError)."""
     name = schedule_name(schedule)

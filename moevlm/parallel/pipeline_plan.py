@@ -1,6 +1,5 @@
-"""The pipeline layout, planned and checked before anything is built: which
-decoder layers each stage holds, which rank holds each stage, the schedule's
-rules, and what every stage costs.
+"""The pipeline layout, planned and checked before anything is built: which decoder layers each
+stage holds, which rank holds each stage, and what every stage costs.
 
 Legend: pp pipeline ranks, v = vpp stages per rank, K = pp*v (virtual) stages,
 L decoder layers, M micro-batches per optimizer step.
@@ -10,25 +9,6 @@ L decoder layers, M micro-batches per optimizer step.
     plan.layers            # decoder layers per stage, e.g. (22, 26)
     plan.stages_of(rank)   # the stages this pp rank holds
     print(plan.describe()) # one line per stage: rank, layers, what else it holds, FLOP share
-
-Design choices:
-- Stage 0 holds the vision tower, the merger(s) and the token embedding; the
-  last stage the final norm, the LM head and the loss.  Every stage holds at
-  least one decoder layer (the split is contiguous).
-- Placement: `loop` schedules (gpipe, 1f1b, interleaved_1f1b) put stage s on
-  rank s % pp; `v` schedules (zbv, dualpipev) put stages r and 2pp-1-r on rank
-  r, so each rank holds both ends of a V (torch's placement for them).
-- `layers="auto"` balances stages by counted training FLOPs
-  (`moevlm.model.flops`, the MFU convention): each decoder layer at one
-  document of seq_len tokens per row, stage 0 charged with the vision tower at
-  the patch budget (max_patches per row, as images of the largest allowed size)
-  and the last stage with the LM head.  It minimizes the most expensive stage
-  (exact, by dynamic programming over contiguous splits); ties go to the split
-  with the smaller sum of squared stage costs.  A heavy tower thus moves
-  decoder layers off stage 0 without hand-tuning.
-- `layers="a,b,..."` gives the layers of every virtual stage explicitly.
-- The schedule's own rules (torch.distributed.pipelining raises on them deep
-  inside the first step) are checked here, with what to change.
 """
 
 from __future__ import annotations
@@ -40,33 +20,8 @@ from functools import lru_cache
 from moevlm.errors import ConfigError, check
 from moevlm.model.config import VLMConfig
 from moevlm.model.flops import head_forward_flops, layer_forward_flops, vision_forward_flops
-
-# name -> (torch.distributed.pipelining class, stage placement, stages per rank: fixed or minimum)
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "loop", "=1"),
-    "1f1b": ("Schedule1F1B", "loop", "=1"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", ">=2"),
-    "zbv": ("ScheduleZBVZeroBubble", "v", "=2"),
-    "dualpipev": ("ScheduleDualPipeV", "v", "=2"),
-}
-# earlier spellings (the class names) keep working
-_ALIASES = {
-    "gpipe": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved1f1b": "interleaved_1f1b",
-    "zbvzerobubble": "zbv",
-    "zb_v": "zbv",
-    "dualpipe_v": "dualpipev",
-}
-
-
-def schedule_name(name: str) -> str:
-    """The canonical schedule name for `name` (case and the class-name spellings are accepted)."""
-    key = str(name).strip().lower()
-    key = _ALIASES.get(key.replace("_", ""), _ALIASES.get(key, key))
-    if key not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={name!r}; choose one of {list(SCHEDULES)}")
-    return key
+from moevlm.parallel.pipeline_bubble import schedule_bubble
+from moevlm.parallel.pipeline_schedules import SCHEDULES, schedule_name, stage_rank
 
 
 @dataclass(frozen=True)
@@ -90,10 +45,7 @@ class PipelinePlan:
     @property
     def bubble(self) -> float:
         """The schedule's bubble fraction at this pp, vpp and micro-batch count, simulated from
-        torch's action lists under unit costs (moevlm.parallel.pipeline_bubble). Imported here so
-        that planning a layout does not load torch's pipelining."""
-        from moevlm.parallel.pipeline_bubble import schedule_bubble
-
+        torch's action lists under unit costs (moevlm.parallel.pipeline_bubble)."""
         return schedule_bubble(self.schedule, self.pp, self.microbatches, self.vpp)
 
     def layer_range(self, stage: int) -> range:
@@ -101,7 +53,7 @@ class PipelinePlan:
         return range(start, start + self.layers[stage])
 
     def rank_of(self, stage: int) -> int:
-        return _rank_of(self.schedule, self.pp, stage)
+        return stage_rank(self.schedule, self.pp, stage)
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
@@ -172,7 +124,7 @@ def plan_pipeline(
     )
     auto = isinstance(layers, str) and layers.strip().lower() == "auto"
     split = (
-        balance(costs, K, [_rank_of(name, pp, s) for s in range(K)])
+        balance(costs, K, [stage_rank(name, pp, s) for s in range(K)])
         if auto
         else _explicit(layers, K, L)
     )
@@ -316,12 +268,6 @@ def stage_flops(c: StageCosts, split: tuple[int, ...]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _rank_of(schedule: str, pp: int, stage: int) -> int:
-    if SCHEDULES[schedule][1] == "v":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
 def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int, ...]:
     """The contiguous split of the layers into K stages (each >= 1 layer) that minimizes the largest
     stage cost, then the sum of squared stage costs (exact, dynamic programming).  With several
@@ -380,12 +326,10 @@ def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int,
 
 __all__ = [
     "PipelinePlan",
-    "SCHEDULES",
     "StageCosts",
     "balance",
     "budget_grids",
     "plan_pipeline",
-    "schedule_name",
     "stage_costs",
     "stage_flops",
 ]

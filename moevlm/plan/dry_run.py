@@ -3,44 +3,10 @@
     rank = dry_run(job, world=8, rank=0)        # RankPlan: bytes per category, collectives per group
     forward_on_fake_cuda(job)                   # the recipe's forward through its CUDA code paths
 
-Design choices:
-- The model is the trainer's: `moevlm.parallel.build_model` with the arguments the trainer passes,
-  then `materialize_`, the optimizer of `build_optimizer`, the pipeline started as the trainer starts
-  it.  Only the values are fake (`moevlm.plan.fake.PlanMode`), and the process group (`fake`, any size).
-- The step is the trainer's sequence of calls: every micro-batch's forward under autocast and
-  `objective(...).backward()` (or the pipeline schedule), `finish_gradients`, the clip of
-  `clip_grad_norm_`, `opt.step()`.  The host reads that only log (loss, norms) are left out.
-- The micro-batches fill every budget: one image of `max_patches` patches (the largest square grid
-  that the image tokens leave room for) and text up to `seq_len`, built by the packer's `collate`, so
-  shapes and counts are those of a full batch.  Routing is balanced (`PlanMode`).
-- The step runs on the fake *CPU* device in the precision the trainer uses on a GPU (bf16 autocast,
-  FSDP's bf16 parameters), with the GPU's attention memory not yet modelled (the CPU path's
-  per-document attention is what is counted).  The forward alone also runs on fake CUDA
-  (`forward_on_fake_cuda`), through the CUDA code paths, where a backward cannot (`moevlm.plan.fake`).
-- Bytes: parameters, gradients and optimizer state are summed from the tensors themselves after the
-  step (their local shards: exact).  The peak is that of a steady-state step: the largest sum of
-  live storages during the forward/backward plus the optimizer state (made by the first step, alive
-  through every later one), or the optimizer step's own peak if larger.  The activation peak is the
-  peak less the parameters, the gradients and the optimizer state: activations and temporaries
-  (FSDP's unsharded weights, communication buffers) with the gradients counted whole, as they are
-  from the second micro-batch on.
-- Optimizer offload (`parallel.optimizer_offload`): the step runs as without it (the fake device is the
-  CPU, where the copies would be no-ops) and what lives on the host is taken off the device's figures
-  (`offload_figures`): under DDP / one process (a host AdamW) the optimizer state leaves the device
-  (the peak is the forward/backward's; the step runs on the host), and the host holds fp32 masters,
-  gradient buffers and the state; under FSDP (CPU offload policy) the parameter shards, their gradients
-  and the state leave it.  Copies per step: host AdamW, each gradient device->host and each master
-  host->device once; FSDP, every micro-batch's reduced gradient shard device->host, and the fp32
-  shard host->device at each all-gather: forward and backward of every micro-batch (an upper bound:
-  the root unit stays gathered from its forward to its backward), once a step under pipeline stages
-  (kept gathered until the schedule ends).  The transient device copy of one unit's shard before its
-  all-gather is left in the activations.
-- Activation offload (`model.offload_modules`, moevlm/parallel/offload.py) runs as on the GPU: its
-  host copies are made while the tracker is told they are host memory (`allocating_host`), so they
-  leave the device peak, and the device storages they replace are freed at the scope's exit (on a
-  GPU: once the copy has read them, a little later); the prefetched scope in backward is on the
-  device again, as it is there.  `activation_offload_bytes` = bytes copied to the host per step (and back),
-  `activation_host_bytes` = the most host memory they hold at once (per rank; pinned on a GPU).
+The model, optimizer and step are the trainer's (`moevlm.parallel.build_model`, `build_optimizer`,
+the pipeline as the trainer starts it); only the values (`moevlm.plan.fake.PlanMode`) and the
+process group (`fake`, any size) are fake.  The micro-batches fill every budget; routing is
+balanced.  What the bytes mean, and offload in a plan: docs/architecture.md, "The planner".
 """
 
 from __future__ import annotations
@@ -97,7 +63,8 @@ class RankPlan:
 
 
 def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
-    """A micro-batch of `train.micro_batch_size` rows that fill the pack budgets (module docstring)."""
+    """A micro-batch of `train.micro_batch_size` rows that fill the pack budgets
+    (docs/architecture.md)."""
     p, m = job.data.pack, model_cfg.vision.spatial_merge_size
     S, Np = p.seq_len, p.max_patches
     side = int(min(Np, 4 * (S - 16)) ** 0.5) // m * m if Np else 0
@@ -372,8 +339,8 @@ def ctx_offload(job, plan) -> str | None:
 def offload_figures(
     kind: str, sizes: dict, trainable: int, micro_batches: int, pipeline: bool
 ) -> dict:
-    """Bytes of one rank under optimizer offload `kind` (module docstring): taken off the device, needed
-    on the host, copied host->device and device->host per step."""
+    """Bytes of one rank under optimizer offload `kind` (docs/architecture.md): taken off the
+    device, needed on the host, copied host->device and device->host per step."""
     p, g, o = sizes["params_bytes"], sizes["grads_bytes"], sizes["optimizer_bytes"]
     if kind == "host":  # masters, gradient buffers, AdamW state
         return dict(

@@ -8,29 +8,7 @@ Legend: T tokens, E experts, K top-k.
             loss = model(x).sum(); loss.backward()
         mem.peak_bytes, comm.bytes                              # storages and collectives actually issued
 
-Design choices:
-- `PlanMode` is torch's `FakeTensorMode` (shapes, dtypes and devices propagate; nothing is allocated)
-  that also carries a *shadow*: the real value of every small integer tensor whose inputs are known
-  (the batch's grids and document bounds, expert counts), computed on the CPU beside the fake one.
-  The model reads such values on the host (`.tolist()`, boolean masks, split sizes), which a plain
-  fake tensor refuses; with the shadow they behave as on the GPU.
-- Routing is balanced by construction: the router's top-k (`aten.topk` on a tensor of unknown
-  values) gets the shadow token t -> experts (t + j (E // K)) mod E, j < K (`balanced_choices`).  A plan is a statement about a step
-  whose experts are evenly loaded; skew is a separate question (`bench/dispatch.py`).
-- The world is symmetric: every rank of a group holds this rank's values.  A collective's output
-  shadow follows from that (all-gather: copies; all-reduce: sum = size x value; all-to-all: this
-  rank's block for every peer), so received counts and the buffer sizes they set are the ones a
-  balanced step has on every rank.
-- `StorageTracker` and `CollectiveCounter` are plain dispatch modes: they measure a real run the same
-  way as a fake one (the tests compare the two).  Bytes of a collective are what one rank puts in:
-  all-reduce, all-to-all and reduce-scatter their input, all-gather its input shard, send its
-  tensor; a group of one moves nothing.
-- Fake CUDA: the CPU build of torch has no CUDA device guard, so `int(t)`, indexing with a tensor and
-  autograd on fake `cuda` tensors fail in C++ before any mode sees them.  `fake_cuda()` puts the
-  meta device's no-op guard in CUDA's slot for its duration (and `int()`/`float()`/`bool()` of a fake
-  tensor go through `.item()`): enough for a forward without gradients.  A backward on fake CUDA
-  needs CUDA's autograd stream hooks, which no Python API can provide, so the training step of a
-  plan runs on the fake CPU device (`moevlm.plan.dry_run`).
+Routing is balanced and the world symmetric; `fake_cuda()` runs a forward on a CPU build.
 """
 
 from __future__ import annotations
@@ -95,7 +73,7 @@ def _shadowable(t) -> bool:
 
 
 class PlanMode(FakeTensorMode):
-    """FakeTensorMode with host values for small integer tensors (see the module docstring)."""
+    """FakeTensorMode with host values for small integer tensors (docs/architecture.md)."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
@@ -224,7 +202,7 @@ class PlanMode(FakeTensorMode):
         self.shadow[out[1]] = balanced_choices(args[0].shape, args[1])
 
     def _collective_shadow(self, func, args, kwargs, out) -> None:
-        """Received values under the symmetric world (module docstring); unknown where the rule or
+        """Received values under the symmetric world (docs/architecture.md); unknown where the rule or
         the reduction is not one of these (a later host read of them then fails loudly)."""
         named = _arguments(func, args, kwargs)
         if func._opname == "wait_tensor":
@@ -426,7 +404,7 @@ class StorageTracker(TorchDispatchMode):
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Bytes per phase, group role and collective of the collectives issued (module docstring).
+    """Bytes per phase, group role and collective of the collectives issued (docs/architecture.md).
 
     `phase` names what runs now (set by the caller); `as_dict(scale)` sums the phases, each times its
     scale (a phase run once that stands for several: the step's repeated micro-batches)."""
@@ -545,8 +523,8 @@ _CUDA, _META = 1, 14  # c10::DeviceType
 
 @contextlib.contextmanager
 def fake_cuda():
-    """Fake `cuda` tensors usable for a forward without gradients on a CPU-only build (module docstring).
-    On a build with CUDA nothing changes."""
+    """Fake `cuda` tensors usable for a forward without gradients on a CPU-only build
+    (docs/architecture.md).  On a build with CUDA nothing changes."""
     saved = {}
     registry = None
     if not torch.backends.cuda.is_built():

@@ -2,13 +2,8 @@
 
     got = measure_trainer_step(job)     # the Trainer's second step on the plan's budget micro-batches
 
-Design choices:
-- The step is the trainer's own `train_step`, fed the full-budget micro-batches a plan uses and
-  routed as a plan routes (`BalancedRouting`), measured in its second step: the optimizer state then
-  exists, as in every later step.  Parameters and optimizer state are registered with the tracker
-  before it (they live on from the first step); the batch's own tensors are not counted, as in a plan.
-- On a GPU the same step also reports `torch.cuda.max_memory_allocated` of the second step, the
-  figure a plan's peak is compared with there.
+The step is the trainer's own `train_step`, fed a plan's full-budget micro-batches and routed as a
+plan routes (`BalancedRouting`); on a GPU it also reports `torch.cuda.max_memory_allocated`.
 """
 
 from __future__ import annotations

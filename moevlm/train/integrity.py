@@ -1,30 +1,10 @@
 """Checkpoint files: checksums, verification and disk room (no process groups here).
 
-    sums = checksum_files(path, names)       # {name: {"bytes": n, "crc32": "1a2b3c4d"}}
-    problems = file_problems(path, sums)     # [] when every file is there, of its size and checksum
-    need = state_bytes(state)                # bytes DCP will write for this rank's state
-    free_bytes(root)                         # free space of the file system holding `root`
-
-Design choices:
-- One CRC-32 (zlib) and the byte size per stored file, kept in the completion
-  marker.  CRC-32 runs at ~2 GB/s per core here (sha256 ~1.1, blake2b ~0.9),
-  detects flipped bytes, truncation and missing files; it is not a defence
-  against a deliberate forger, who recomputes it (loading runs no code from a
-  checkpoint whatever its checksums: moevlm.train.checkpoint).  Per file rather than per tensor: the files
-  are what a disk, a copy or a network file system damages, and a file
-  checksum does not depend on how the loading layout reshards the tensors.
-- Cheap checks first: a missing file or one of another size is reported from
-  `stat` alone; only files of the right size are read.
-- Files are read in 8 MiB chunks on a few threads (zlib releases the GIL), so
-  memory stays flat whatever the checkpoint size.  The manager splits the
-  files of a checkpoint over its ranks (moevlm.train.checkpoint).
-- A failed write is recognized as a full disk from ENOSPC/EDQUOT anywhere in
-  the exception chain, or in the per-rank errors DCP gathers (torch's zip
-  writer reports a short write as "unexpected pos ...").
-- The size estimate is the bytes of the tensors (local shards of DTensors) and
-  byte values this rank hands DCP, plus a margin for DCP's per-item framing
-  and metadata (measured: ~1.5 KB per item); it is compared with
-  `shutil.disk_usage` of the nearest existing folder.
+sums = checksum_files(path, names)       # {name: {"bytes": n, "crc32": "1a2b3c4d"}}
+problems = file_problems(path, sums)     # [] when every file is there, of its size and checksum
+need = state_bytes(state)                # bytes DCP will write for this rank's state
+free_bytes(root)                         # free space of the file system holding `root`
+looks_like_disk_full(e)                  # ENOSPC/EDQUOT anywhere in a write's exception chain
 """
 
 from __future__ import annotations

@@ -103,7 +103,14 @@ class ComponentTimer:
         self.step_start = self.clock.mark()
 
     def reset(self) -> None:
-        for held in (self.names, self.starts, self.ends, self.parents, self.stack, self.ranges_open):
+        for held in (
+            self.names,
+            self.starts,
+            self.ends,
+            self.parents,
+            self.stack,
+            self.ranges_open,
+        ):
             held.clear()
         self.step_start = self.clock.mark()
 

@@ -41,7 +41,7 @@ def test_1f1b_last_rank_repair_is_reported():
 def test_interleaved_is_below_1f1b(p, m):
     one = schedule_bubble("1f1b", p, m)
     two = schedule_bubble("interleaved_1f1b", p, m, vpp=2)
-    # the aliases of pipeline_plan.schedule_name are accepted
+    # the aliases of pipeline_schedules.schedule_name are accepted
     assert schedule_bubble("Interleaved1F1B", p, m, vpp=2) == two
     assert 0 < two < one
     assert two == float(Fraction(p - 1, 2 * m + p - 1))

@@ -14,13 +14,8 @@ import pytest
 
 from moevlm.model import VLMConfig, count_flops
 from moevlm.errors import ConfigError
-from moevlm.parallel.pipeline_plan import (
-    StageCosts,
-    balance,
-    budget_grids,
-    plan_pipeline,
-    schedule_name,
-)
+from moevlm.parallel.pipeline_plan import StageCosts, balance, budget_grids, plan_pipeline
+from moevlm.parallel.pipeline_schedules import schedule_name
 from moevlm.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from moevlm.plan.__main__ import format_plan, main, parse_only
+from moevlm.plan.cli import main, parse_only
+from moevlm.plan.report import format_plan
 from moevlm.train.exit_codes import ExitCode
 
 TINY = ["train.global_batch_size=4", "data.streams=2"]

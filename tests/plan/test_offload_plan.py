@@ -5,9 +5,9 @@ copies are counted as host memory by the same tracker)."""
 
 from __future__ import annotations
 
-from moevlm.plan.__main__ import format_plan
 from moevlm.plan.dry_run import dry_run
 from moevlm.plan.measure import measure_trainer_step
+from moevlm.plan.report import format_plan
 from moevlm.config import compose_job
 from moevlm.config import validate
 from test_dry_run import COMMON

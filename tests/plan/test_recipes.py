@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moevlm.plan.__main__ import make_plan, role_ranks
 from moevlm.plan.dry_run import forward_on_fake_cuda
+from moevlm.plan.report import make_plan, role_ranks
 from moevlm.config import compose_job
 from moevlm.config import validate
 

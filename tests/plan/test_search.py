@@ -14,22 +14,18 @@ import pytest
 from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
-from moevlm.plan.devices import Gpu, gpu
-from moevlm.plan.dry_run import budget_micro_batch, dry_run
-from moevlm.plan.search import (
-    GIB,
+from moevlm.plan.candidates import (
     NARROWED,
-    Extrapolator,
     Layout,
-    _group_ranks,
     candidate_space,
     enumerate_layouts,
-    format_search,
-    is_exposed,
-    link_gbps,
     resolve_replicas,
-    search,
 )
+from moevlm.plan.devices import Gpu, gpu
+from moevlm.plan.dry_run import budget_micro_batch, dry_run
+from moevlm.plan.extrapolate import Extrapolator
+from moevlm.plan.search import GIB, format_search, search
+from moevlm.plan.step_time import group_ranks, is_exposed, link_gbps
 from moevlm.config import compose_job
 from moevlm.config import validate
 
@@ -156,7 +152,7 @@ def test_hsdp_replicas_in_the_space_layout_and_links():
         "expert_shard",
         "expert_replicate",
     ):
-        assert _group_ranks(role, dims) == g0[role]
+        assert group_ranks(role, dims) == g0[role]
     assert link_gbps("dense_shard", dims, g) == link_gbps("vision_shard", dims, g) == g.nvlink_gbps
     assert link_gbps("dense_replicate/vision_replicate", dims, g) == g.network_gbps
     assert link_gbps("dp/dense/vision", dims, g) == g.network_gbps  # FSDP's group without replicas

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train import integrity
 from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker
+from moevlm.train.checkpoint import retention
 from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import Trainer
@@ -192,7 +193,7 @@ def test_pruning_keeps_the_resumed_checkpoint_until_a_newer_one_is_complete(tmp_
     ckpt.save(1, model=model)
     ckpt.resumed_from = ckpt.step_dir(1)
     ckpt.step_dir(2).mkdir()  # an interrupted save of step 2 (no marker) does not count as newer
-    ckpt._prune()
+    retention.prune(ckpt.root, ckpt.keep, ckpt.resumed_from)
     assert ckpt.complete() == [ckpt.step_dir(1)]
     ckpt.save(2, model=model)
     assert ckpt.complete() == [ckpt.step_dir(2)]

@@ -12,7 +12,7 @@ from moevlm.kernels import GROUPED_GEMMS
 from omegaconf import OmegaConf
 
 from moevlm.errors import ConfigError
-from moevlm.parallel.pipeline_plan import SCHEDULES
+from moevlm.parallel.pipeline_schedules import SCHEDULES
 from moevlm.config import reference as opt
 from moevlm.config import schema
 from moevlm.config import JobConfig, compose_job, validate

@@ -1,22 +1,16 @@
 """Does a checkpoint fit what is loaded into it?  Key and shape checks on DCP's metadata, before any
 tensor is read, so a mismatch names its keys instead of failing deep inside DCP.
 
-Design choices:
-- Keys are compared by dotted prefix: DCP flattens nested values to a depth
-  that may differ between the saving and the loading side ("optim.state.w"
-  against "optim.state.w.exp_avg"), so a key counts as present when a saved
-  key equals it, lies above it or below it.
-- A pipeline rank holds part of the model: a saved key is unexpected only when
-  no rank's model has it (`every_rank`).
-- Extra saved optimizer entries are ignored (as DCP does); missing ones are
-  errors, with a hint when they come from an LR scheduler's initial_lr.
+Keys are compared by dotted prefix (DCP may flatten the two sides to different depths); a pipeline
+rank's saved key is unexpected only when no rank's model has it; extra saved optimizer entries are
+ignored, as DCP does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

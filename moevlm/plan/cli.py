@@ -1,0 +1,108 @@
+"""`python -m moevlm.plan`: a job's memory and communication per rank, from one dry-run step.
+
+    python -m moevlm.plan +experiment=gb200_3d                    # the recipe's launch size and GPU
+    python -m moevlm.plan +experiment=h100_fsdp --gpu h200 --json
+    python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
+    python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
+
+The job is composed and validated as `train.py` composes it (`data.shards` defaults to the sample
+set: a plan reads no data); the plan is `moevlm.plan.report`'s, the search `moevlm.plan.search`'s.
+Exit status: 0 when every rank fits the GPU (--search: a layout fits), 9 when not, 2 for a config
+error (`moevlm.train.exit_codes`).  Every option: docs/plans.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moevlm.plan.devices import gpu as find_gpu
+from moevlm.plan.report import format_plan, make_plan
+from moevlm.train.exit_codes import ExitCode
+
+
+def parse_only(items: list[str]) -> dict[str, list]:
+    """`--only FIELD=V1,V2` options as search's `fields` (numbers as ints, "tp" for etp kept)."""
+    fields: dict[str, list] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"--only {item!r}: expected FIELD=V1,V2 (e.g. --only pp=1,2)")
+        fields[name.strip()] = [
+            int(v) if v.strip().isdigit() else v.strip() for v in values.split(",")
+        ]
+    return fields
+
+
+def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
+    """The search's report (markdown or JSON) and whether a layout fits."""
+    from moevlm.plan.search import format_search, search
+
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    result = search(
+        job,
+        world,
+        gpu_name,
+        top=args.top,
+        full_space=args.full_space,
+        fields=parse_only(args.only),
+        max_dry_runs=args.max_dry_runs,
+        progress=progress,
+    )
+    text = json.dumps(result.as_dict()) if args.json else format_search(result)
+    return text, bool(result.top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moevlm.errors import ConfigError
+    from moevlm.config import check_overrides, compose_job
+
+    ap = argparse.ArgumentParser(
+        prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True
+    )
+    ap.add_argument("--world", type=int, default=None, help="ranks (default parallel.world_size)")
+    ap.add_argument(
+        "--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)"
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--search", action="store_true", help="rank the layouts on --world GPUs")
+    ap.add_argument("--top", type=int, default=10, help="--search: layouts to rank (10)")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="--search: a field's values",
+    )
+    ap.add_argument("--full-space", action="store_true", help="--search: no default reduction")
+    ap.add_argument(
+        "--max-dry-runs", type=int, default=None, help="--search: stop after this many dry runs"
+    )
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        ap.error(f"unknown option(s): {' '.join(bad)}")
+    if not any(o.startswith("data.shards=") for o in overrides):
+        overrides = [*overrides, "data.shards=sample"]  # a plan reads no data
+    try:
+        check_overrides(overrides)
+        job = compose_job(overrides)
+        experiment = next(
+            (o.split("=", 1)[1] for o in overrides if o.startswith("+experiment=")), ""
+        )
+        gpu_name = args.gpu or next(
+            (k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100"
+        )
+        find_gpu(gpu_name)
+        world = args.world or job.parallel.world_size or 1
+        if args.search:
+            text, fits = run_search(job, world, gpu_name, args)
+        else:
+            out = make_plan(job, world, gpu_name)
+            text, fits = json.dumps(out) if args.json else format_plan(out), out["fits"]
+    except (ConfigError, ValueError) as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return ExitCode.CONFIG
+    print(text)
+    return ExitCode.OK if fits else ExitCode.DOES_NOT_FIT
