@@ -19,7 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from moevlm.config.schema import CONF, options, register_schema, sections
 
-REFERENCE = os.path.join(CONF, "..", "docs", "configuration.md")
+REFERENCE = os.path.join(CONF, "..", "docs/configuration.md")
 WIDTH = 100  # the help's columns at most (fewer in a narrower terminal)
 _SHOWN: list[
     str

@@ -7,8 +7,8 @@ vision tower, x0 = min(max(T, 1), x).
     ext.lower(layout, plan)      # quantities at the real depth with one vision block (a lower bound)
     ext.estimate(layout, plan)   # with the vision term added: rank 0 at the real size
 
-Quantities: the memory fields and ("comm", group, kind) bytes, affine in x and y (docs/
-architecture.md, "The planner").
+Quantities: the memory fields and ("comm", group, kind) bytes, affine in x and y
+(docs/architecture.md, "The planner").
 """
 
 from __future__ import annotations

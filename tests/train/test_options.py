@@ -179,7 +179,7 @@ def test_an_enumerated_field_lists_its_values():
 
 
 def test_configuration_reference_is_generated_from_the_dataclasses():
-    path = os.path.join(ROOT, "docs", "configuration.md")
+    path = os.path.join(ROOT, "docs/configuration.md")
     with open(path) as f:
         text = f.read()
     assert opt.with_options(text) == text, (
