@@ -2,7 +2,7 @@
 
 For a recipe (`+experiment=NAME`, any overrides) and several pipeline layouts,
 prints the decoder layers per stage and every stage's (and rank's) share of the
-training FLOPs per micro-batch, as `moevlm.parallel.pipeline_plan` counts them
+training FLOPs per micro-batch, as `moevlm.parallel.pipeline_split` counts them
 (the MFU convention of `moevlm.model.flops`, the vision tower charged to stage
 0 at the recipe's patch budget, the LM head to the last stage), and the largest
 stage over the mean.  Baseline: the even split (layers / stages, the remainder
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from moevlm.parallel.pipeline_plan import stage_flops, stage_costs
+from moevlm.parallel.pipeline_split import stage_flops, stage_costs
 from moevlm.config import compose_job, validate
 
 

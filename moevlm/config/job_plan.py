@@ -14,7 +14,7 @@ from moevlm.dispatch import DispatcherSpec
 from moevlm.model.config import VLMConfig
 from moevlm.parallel.build import BuildOptions
 from moevlm.parallel.mesh import ParallelDims
-from moevlm.parallel.pipeline_plan import PipelinePlan
+from moevlm.parallel.pipeline_split import PipelineSplit
 
 
 @dataclass
@@ -32,7 +32,7 @@ class JobPlan:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def pipeline(self) -> PipelinePlan | None:
+    def pipeline(self) -> PipelineSplit | None:
         return self.build.pipeline
 
     @property

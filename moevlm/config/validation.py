@@ -52,7 +52,7 @@ from moevlm.model.config import VLMConfig
 from moevlm.parallel.build import BuildOptions
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import offload_setting
-from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
 from moevlm.parallel.pipeline_schedules import schedule_name
 from moevlm.parallel.recompute import recompute_setting
 
@@ -155,7 +155,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
         dims=dims,
         grad_accum=grad_accum,
         build=_build_options(
-            sections, model, spec, fp8, _plan_pipeline(job, model, dims, grad_accum)
+            sections, model, spec, fp8, _split_pipeline(job, model, dims, grad_accum)
         ),
         notes=notes,
     )
@@ -206,9 +206,9 @@ def _build_options(job, model: VLMConfig, spec, fp8, pipeline) -> BuildOptions:
     )
 
 
-def _plan_pipeline(
+def _split_pipeline(
     job, model: VLMConfig, dims: ParallelDims, microbatches: int
-) -> Optional[PipelinePlan]:
+) -> Optional[PipelineSplit]:
     p, d = job.parallel, job.data
     schedule_name(p.pp_schedule)  # a misspelt schedule is refused whatever pp is
     if dims.pp == 1:
@@ -218,7 +218,7 @@ def _plan_pipeline(
             "or leave them at auto / null",
         )
         return None
-    return plan_pipeline(
+    return split_pipeline(
         model,
         pp=dims.pp,
         vpp=p.vpp,

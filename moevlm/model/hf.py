@@ -84,7 +84,7 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple]:
     return expected
 
 
-def plan_load(
+def match_checkpoint(
     expected: dict[str, tuple],
     files: list[Path],
     expert_layout: str = "auto",
@@ -201,7 +201,7 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
         config = config.replace(**overrides).validate()
     with torch.device("meta"):
         model = cls(config)
-    plan = plan_load(
+    plan = match_checkpoint(
         expected_shapes(model),
         checkpoint_files(hf_dir),
         expert_layout,
@@ -232,7 +232,7 @@ def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
 
 
 def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
-    """(our name, tensor in our layout) for `names` of a `plan_load` plan, file by file."""
+    """(our name, tensor in our layout) for `names` of a `match_checkpoint` plan, file by file."""
     by_file: dict[Path, list[str]] = {}
     for ours in names:
         by_file.setdefault(plan[ours][0], []).append(ours)
@@ -241,7 +241,7 @@ def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
             for ours in members:
                 _, hf_name, transform = plan[ours]
                 t = f.get_tensor(hf_name)
-                # plan_load refuses these from the headers; a file changed since
+                # match_checkpoint refuses these from the headers; a file changed since
                 if not t.is_floating_point():
                     raise CheckpointError(
                         f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "

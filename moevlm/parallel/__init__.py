@@ -7,7 +7,7 @@ dispatchers of moevlm.dispatch; the overlapped experts runner: ep_overlap.py), t
 recompute (recompute.py), activation offload to host memory (offload.py), per-block compile
 (compile.py), FSDP2 or DDP-style data parallel and the cross-group gradient clipping
 (data_parallel.py), CUDA-graph regions (cuda_graphs.py), pipeline
-stages (pipeline_plan.py: the split and the schedule's rules; pipeline.py: stage modules on
+stages (pipeline_split.py: the split and the schedule's rules; pipeline.py: stage modules on
 torch.distributed.pipelining); Hugging Face checkpoints in and out of a laid-out model (hf_io.py);
 layout-independent initialization and unsharded values (weights.py).
 """
@@ -15,7 +15,7 @@ layout-independent initialization and unsharded values (weights.py).
 from moevlm.parallel.build import ParallelContext, ParallelNotBuilt, build_model, materialize_
 from moevlm.parallel.hf_io import load_hf_weights_, save_hf
 from moevlm.parallel.mesh import ParallelDims
-from moevlm.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
 from moevlm.parallel.weights import (
     copy_full_,
     full_grads,
@@ -28,7 +28,7 @@ __all__ = [
     "ParallelContext",
     "ParallelDims",
     "ParallelNotBuilt",
-    "PipelinePlan",
+    "PipelineSplit",
     "build_model",
     "copy_full_",
     "full_grads",
@@ -37,6 +37,6 @@ __all__ = [
     "init_parameters_",
     "load_hf_weights_",
     "materialize_",
-    "plan_pipeline",
+    "split_pipeline",
     "save_hf",
 ]

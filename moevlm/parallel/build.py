@@ -35,7 +35,7 @@ from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import OffloadState, apply_offload, set_chains
 from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.parallel.pipeline import Pipeline, prune_to_stages, v_schedules_supported
-from moevlm.parallel.pipeline_plan import PipelinePlan
+from moevlm.parallel.pipeline_split import PipelineSplit
 from moevlm.parallel.recompute import apply_recompute
 from moevlm.parallel.tensor_parallel import (
     ParallelLoss,
@@ -108,7 +108,7 @@ class BuildOptions:
     dp_mode: str = "fsdp"  # fsdp | ddp
     device_type: str = "cpu"  # what the model will run on
     bf16: bool = False  # bf16 compute (FSDP's parameter dtype, compile's autocast)
-    pipeline: PipelinePlan | None = None  # the stages; needed when dims.pp > 1
+    pipeline: PipelineSplit | None = None  # the stages; needed when dims.pp > 1
     dispatcher: DispatcherSpec = field(default_factory=DispatcherSpec)  # every MoE block's
     recompute: tuple[str, tuple[str, ...]] = ("none", ())  # mode and selective regions
     offload: tuple[str, ...] = ()  # activation offload scopes
@@ -160,7 +160,7 @@ def build_model(
 def _check(cfg: VLMConfig, dims: ParallelDims, o: BuildOptions) -> None:
     if dims.pp > 1 and (o.pipeline is None or o.pipeline.pp != dims.pp):
         raise ValueError(
-            f"parallel.pp={dims.pp} needs its PipelinePlan (moevlm.parallel.plan_pipeline)"
+            f"parallel.pp={dims.pp} needs its PipelineSplit (moevlm.parallel.split_pipeline)"
         )
     experts_split = cfg.moe.num_experts and dims.ep * dims.etp > 1
     if experts_split and o.dispatcher.name not in DISPATCHERS:
@@ -240,7 +240,7 @@ def _strategies(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Strate
     return Strategies(**fields)
 
 
-def _pipeline(model: nn.Module, plan: PipelinePlan, ctx: ParallelContext) -> Pipeline:
+def _pipeline(model: nn.Module, plan: PipelineSplit, ctx: ParallelContext) -> Pipeline:
     if plan.style == "v" and not v_schedules_supported(dist.get_backend(ctx.pp_group)):
         raise ParallelNotBuilt(
             f"parallel.pp_schedule={plan.schedule} cannot start on gloo with this torch: its pipeline stages "

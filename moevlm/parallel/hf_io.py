@@ -25,7 +25,7 @@ def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> N
     hf_dir = Path(hf_dir)
     hf.check_architecture(hf_dir, model.config)
     expected = hf.expected_shapes(_whole_on_meta(model))
-    plan = hf.plan_load(
+    plan = hf.match_checkpoint(
         expected,
         hf.checkpoint_files(hf_dir),
         expert_layout,

@@ -23,11 +23,11 @@ import torch.nn as nn
 
 from moevlm.model.moe import RouterStats, global_balance_loss, layer_extras, load_balancing_loss
 from moevlm.model.objective import objective
-from moevlm.parallel.pipeline_plan import PipelinePlan
+from moevlm.parallel.pipeline_split import PipelineSplit
 from moevlm.parallel.pipeline_schedules import SCHEDULES
 
 
-def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> list[int]:
+def prune_to_stages(model: nn.Module, plan: PipelineSplit, pp_rank: int) -> list[int]:
     """Keep only the parts of the (meta) model that this pp rank's stages hold; returns the stages."""
     stages = plan.stages_of(pp_rank)
     keep = {i for s in stages for i in plan.layer_range(s)}
@@ -46,7 +46,7 @@ class StageModule(nn.Module):
     """Stage `index` of the pipeline, over the modules of the rank's pruned model."""
 
     def __init__(
-        self, model: nn.Module, plan: PipelinePlan, index: int, batches: list, autocast: Callable
+        self, model: nn.Module, plan: PipelineSplit, index: int, batches: list, autocast: Callable
     ):
         super().__init__()
         self.__dict__["model"] = model  # not a submodule: its parameters are registered below, once
@@ -178,7 +178,7 @@ class StageModule(nn.Module):
 class Pipeline:
     """This rank's stages of the pipeline and the schedule that runs them."""
 
-    def __init__(self, model: nn.Module, plan: PipelinePlan, pp_rank: int, pp_group):
+    def __init__(self, model: nn.Module, plan: PipelineSplit, pp_rank: int, pp_group):
         self.plan, self.pp_rank, self.group = plan, pp_rank, pp_group
         self.batches: list = []  # the step's MicroBatches
         self.modules = [

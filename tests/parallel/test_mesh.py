@@ -206,7 +206,7 @@ def test_vocabulary_must_split_over_tp():
 def test_pipeline_stages_need_their_plan():
     from moevlm.parallel import build_model
 
-    with pytest.raises(ValueError, match="parallel.pp=2 needs its PipelinePlan"):
+    with pytest.raises(ValueError, match="parallel.pp=2 needs its PipelineSplit"):
         build_model(TINY, ParallelDims(4, ep=2, pp=2))
 
 

@@ -15,7 +15,7 @@ from moevlm.parallel.pipeline_bubble import (
     schedule_bubble,
     simulate_schedule,
 )
-from moevlm.parallel.pipeline_plan import plan_pipeline
+from moevlm.parallel.pipeline_split import split_pipeline
 
 PM = [(2, 2), (2, 8), (3, 5), (4, 4), (4, 8)]
 
@@ -80,11 +80,11 @@ def test_unknown_schedule_is_a_value_error():
         schedule_bubble("1f2b", 2, 8)
 
 
-def test_pipeline_plan_reports_its_bubble():
+def test_pipeline_split_reports_its_bubble():
     cfg = VLMConfig.preset("tiny")
     cfg.text.num_layers = 4
     budgets = dict(layers="auto", rows=1, seq_len=256, max_patches=64, image_patches=16)
-    plan = plan_pipeline(cfg, pp=2, vpp=None, schedule="1f1b", microbatches=8, **budgets)
+    plan = split_pipeline(cfg, pp=2, vpp=None, schedule="1f1b", microbatches=8, **budgets)
     assert plan.bubble == float(Fraction(1, 9))
-    zbv = plan_pipeline(cfg, pp=2, vpp=None, schedule="zbv", microbatches=8, **budgets)
+    zbv = split_pipeline(cfg, pp=2, vpp=None, schedule="zbv", microbatches=8, **budgets)
     assert zbv.bubble == schedule_bubble("zbv", 2, 8, vpp=2)

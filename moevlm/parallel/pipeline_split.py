@@ -4,7 +4,7 @@ stage holds, which rank holds each stage, and what every stage costs.
 Legend: pp pipeline ranks, v = vpp stages per rank, K = pp*v (virtual) stages,
 L decoder layers, M micro-batches per optimizer step.
 
-    plan = plan_pipeline(model_cfg, pp=2, vpp=None, schedule="1f1b", layers="auto",
+    plan = split_pipeline(model_cfg, pp=2, vpp=None, schedule="1f1b", layers="auto",
                          microbatches=8, rows=1, seq_len=8192, max_patches=16384, image_patches=4096)
     plan.layers            # decoder layers per stage, e.g. (22, 26)
     plan.stages_of(rank)   # the stages this pp rank holds
@@ -25,7 +25,7 @@ from moevlm.parallel.pipeline_schedules import SCHEDULES, schedule_name, stage_r
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelineSplit:
     pp: int
     vpp: int
     schedule: str
@@ -82,7 +82,7 @@ class PipelinePlan:
 
 
 # ------------------------------------------------------------------ planning
-def plan_pipeline(
+def split_pipeline(
     cfg: VLMConfig,
     *,
     pp: int,
@@ -95,7 +95,7 @@ def plan_pipeline(
     max_patches: int,
     image_patches: int,
     freeze_vision: bool = False,
-) -> PipelinePlan:
+) -> PipelineSplit:
     """Check the pipeline settings against the model and the batch, and choose the split.
     `rows` packed rows of `seq_len` tokens and `max_patches` patches form one micro-batch;
     `image_patches` is the largest image's patch count (data.image.max_pixels / patch^2)."""
@@ -128,7 +128,7 @@ def plan_pipeline(
         if auto
         else _explicit(layers, K, L)
     )
-    return PipelinePlan(
+    return PipelineSplit(
         pp=pp,
         vpp=v,
         schedule=name,
@@ -325,11 +325,11 @@ def balance(c: StageCosts, K: int, ranks: list[int] | None = None) -> tuple[int,
 
 
 __all__ = [
-    "PipelinePlan",
+    "PipelineSplit",
     "StageCosts",
     "balance",
     "budget_grids",
-    "plan_pipeline",
+    "split_pipeline",
     "stage_costs",
     "stage_flops",
 ]

@@ -14,7 +14,7 @@ import pytest
 
 from moevlm.model import VLMConfig, count_flops
 from moevlm.errors import ConfigError
-from moevlm.parallel.pipeline_plan import StageCosts, balance, budget_grids, plan_pipeline
+from moevlm.parallel.pipeline_split import StageCosts, balance, budget_grids, split_pipeline
 from moevlm.parallel.pipeline_schedules import schedule_name
 from moevlm.config import compose_job, validate
 
@@ -45,7 +45,7 @@ def _plan(cfg=None, **kw):
         image_patches=64,
     )
     args.update(kw)
-    return plan_pipeline(cfg or _six_layers(), **args)
+    return split_pipeline(cfg or _six_layers(), **args)
 
 
 def _six_layers() -> VLMConfig:
