@@ -74,7 +74,7 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
             )
             time.sleep(0.05)
         proc.send_signal(send)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=120)  # a hang stops here; a loaded machine takes its time
     requeued = (
         (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
     )

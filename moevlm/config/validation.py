@@ -11,6 +11,7 @@ dispatcher by choose_dispatcher; here, what only the whole job can see.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional, get_type_hints
 
@@ -161,15 +162,15 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
     )
 
 
+@functools.cache
 def choice_fields(cls: type = JobConfig, prefix: str = "") -> dict[str, tuple[str, ...]]:
     """`section.field` -> its values, for every `one_of` field whose values are checked here (not by an
     owner of its own: `checked_by`)."""
-    hints = get_type_hints(cls, include_extras=True)
-    values = allowed(cls)
+    hints, plain, values = get_type_hints(cls, include_extras=True), get_type_hints(cls), allowed(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(get_type_hints(cls)[f.name]):
-            out.update(choice_fields(get_type_hints(cls)[f.name], f"{prefix}{f.name}."))
+        if dataclasses.is_dataclass(plain[f.name]):
+            out.update(choice_fields(plain[f.name], f"{prefix}{f.name}."))
         elif f.name in values and not checked_elsewhere(hints[f.name]):
             out[f"{prefix}{f.name}"] = values[f.name]
     return out

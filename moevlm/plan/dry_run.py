@@ -166,9 +166,10 @@ def dry_run(
         else:
             runs = []
             for m in (m1, m2):
-                shorter = dataclasses.replace(
-                    plan, pipeline=dataclasses.replace(p, microbatches=m), grad_accum=m
+                build = dataclasses.replace(
+                    plan.build, pipeline=dataclasses.replace(p, microbatches=m)
                 )
+                shorter = dataclasses.replace(plan, build=build, grad_accum=m)
                 runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
             (_, peak1, c1, h1), (sizes, peak2, c2, h2) = runs
 

@@ -178,7 +178,7 @@ def test_expert_load_by_layer_and_dropped_share_per_layer():
     TensorBoard tag each; the capacity dispatchers' dropped share per layer (the trainer's reading)."""
     from types import SimpleNamespace
 
-    from moevlm.train.trainer import Trainer
+    from moevlm.train.report import dropped_by_layer
 
     counts_LE = torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0], [0, 0, 0, 0]])
     rec = record(expert_counts=counts_LE)
@@ -200,7 +200,7 @@ def test_expert_load_by_layer_and_dropped_share_per_layer():
         parallel=SimpleNamespace(loss_group=None),
         pipeline=None,
     )
-    assert Trainer._dropped_by_layer(fake) == [0.25, None]
+    assert dropped_by_layer(fake) == [0.25, None]
 
 
 def test_vision_slots_count_the_slowest_rank_of_each_micro_batch():
