@@ -444,7 +444,9 @@ def test_two_ranks_sigterm_on_one_rank_stops_both_after_the_same_step(reference,
         out = proc.communicate(timeout=300)[0]
     finally:
         _kill_tree(proc)
-    assert "rank 1: received SIGTERM: finishing step" in out, out[-3000:]
+    # "finishing step N (phase)" inside a step, "finishing <phase> after step N" between two: either
+    # way rank 1 finishes what it is doing, then both checkpoint and stop (below)
+    assert "rank 1: received SIGTERM: finishing " in out, out[-3000:]
     assert "rank 0: received" not in out
     (ckpt,) = CheckpointManager(run_dir / "checkpoints").complete()
     stopped = int(ckpt.name.split("_")[1])
