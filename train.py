@@ -16,15 +16,15 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
+from moevlm.config import check_overrides, compose_job
+from moevlm.config.reference import register_configs, show_sections
 from moevlm.errors import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
-from moevlm.config import check_overrides, compose_job
-from moevlm.train.exit_codes import ExitCode
 from moevlm.signals import STOP_SIGNALS
+from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import describe_failure
-from moevlm.train.integrity import write_failed_line, looks_like_disk_full
-from moevlm.config.reference import register_configs, show_sections
+from moevlm.train.integrity import looks_like_disk_full, write_failed_line
 from moevlm.train.sweep import run_job, sweep_probes, sweep_root
 from moevlm.train.torchrun_exit import config_error_exit
 

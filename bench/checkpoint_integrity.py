@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from moevlm.config import compose_job
 from moevlm.train import integrity
 from moevlm.train.checkpoint import MARKER, CheckpointManager, read_marker
-from moevlm.config import compose_job
 from moevlm.train.metrics import Window
 from moevlm.train.trainer import Trainer
 

@@ -34,9 +34,9 @@ from moevlm.parallel.cp_layout import (
 
 
 def rows_of(shards: str | None, n: int, seq_len: int | None, max_patches: int | None):
+    from moevlm.config import compose_job, validate
     from moevlm.data.loader import build_loader
     from moevlm.data.sample_cache import ensure_sample
-    from moevlm.config import compose_job, validate
 
     over = ["data.num_workers=0", f"data.shards={shards or ensure_sample()[0]}"]
     over += [f"data.pack.seq_len={seq_len}"] if seq_len else []

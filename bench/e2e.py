@@ -65,11 +65,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moevlm.config import compose_job
 from moevlm.data.batch import row_flops
 from moevlm.data.loader import build_loader
 from moevlm.data.text import IGNORE_INDEX
 from moevlm.parallel.hf_io import save_hf
-from moevlm.config import compose_job
 from moevlm.train.metrics import Window, device_name, device_peak_tflops
 from moevlm.train.trainer import Trainer
 

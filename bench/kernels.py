@@ -20,7 +20,6 @@ import os
 import statistics
 
 import torch
-
 from moevlm.kernels import GROUPED_GEMMS, grouped_mm, grouped_mm_loop
 from moevlm.kernels import fp8_gemm as fg
 from moevlm.kernels import fp8_gemm_torch as fgt

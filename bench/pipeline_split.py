@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from moevlm.parallel.pipeline_split import stage_flops, stage_costs
 from moevlm.config import compose_job, validate
+from moevlm.parallel.pipeline_split import stage_costs, stage_flops
 
 
 def layout(spec: str) -> tuple[int, int, str]:

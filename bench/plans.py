@@ -60,9 +60,9 @@ FOUR_RANKS = {
 def recipes() -> None:
     import importlib.util
 
-    from moevlm.plan.report import make_plan
-    from moevlm.plan.devices import GPUS
     from moevlm.config import compose_job
+    from moevlm.plan.devices import GPUS
+    from moevlm.plan.report import make_plan
 
     names = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
     print(
@@ -106,9 +106,9 @@ def _ratio(plan: float, real: float) -> str:
 
 
 def accuracy() -> None:
+    from moevlm.config import compose_job
     from moevlm.plan.dry_run import dry_run
     from moevlm.plan.measure import measure_trainer_step
-    from moevlm.config import compose_job
 
     print(
         "| job | ranks | rank | params (plan = real) | peak plan MiB | peak real MiB | plan/real | "

@@ -15,7 +15,6 @@ fp8_gemm_triton.py), "torch" (fp8_gemm_torch.py) and "emulate" (fp8_gemm_ref.py)
 from __future__ import annotations
 
 import torch
-
 from moevlm.kernels import fp8_gemm_torch as fp8_torch
 from moevlm.kernels._common import cdiv
 from moevlm.kernels.fp8_gemm_ref import BLOCK, E4M3, SCALE_DTYPE, emulate, operand_blocks

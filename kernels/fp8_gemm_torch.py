@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from moevlm.kernels._common import cdiv
 from moevlm.kernels.fp8_gemm_ref import BLOCK, E4M3, OPS, SCALE_DTYPE, emulate, operand_blocks
 

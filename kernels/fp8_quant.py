@@ -15,7 +15,6 @@ Legend: M rows, K in-features, N out-features, E experts, b the block (128 block
 from __future__ import annotations
 
 import torch
-
 from moevlm.kernels import _common as common
 from moevlm.kernels import fp8_quant_ref as ref
 from moevlm.kernels import fp8_quant_triton as kern

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from moevlm.kernels._common import cdiv
 
 __all__ = [

@@ -15,7 +15,6 @@ backend="triton" then).
 from __future__ import annotations
 
 import torch
-
 from moevlm.kernels._common import cdiv, jit, tl, triton  # triton, tl: None without triton
 from moevlm.kernels.fp8_quant_ref import E8M0, FP8, as_grc, mx_scale_shape, mx_tile, mx_view
 

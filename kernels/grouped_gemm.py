@@ -13,7 +13,6 @@ only when triton imports.
 from __future__ import annotations
 
 import torch
-
 from moevlm.kernels._common import triton
 
 # what other packages import (moevlm, bench, tests)

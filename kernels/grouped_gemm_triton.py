@@ -15,7 +15,6 @@ Importing this module needs `triton`.
 from __future__ import annotations
 
 import torch
-
 from moevlm.kernels import _common as common
 from moevlm.kernels._common import FLOAT_DTYPES, num_programs, require_triton, tl
 

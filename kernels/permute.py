@@ -16,7 +16,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-
 from moevlm.kernels import _common as common
 from moevlm.kernels._common import FLOAT_DTYPES, cdiv, tl  # tl: None without triton
 

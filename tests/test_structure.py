@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from moevlm.parallel.build import BuildOptions
+
 from moevlm.dispatch import DispatcherSpec
+from moevlm.parallel.build import BuildOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "moevlm").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])

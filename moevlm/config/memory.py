@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moevlm.errors import check
 from moevlm.model.config import VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.optimizer_offload import offload_kind
-from moevlm.errors import check
 
 if TYPE_CHECKING:
     from moevlm.config.job_plan import JobPlan

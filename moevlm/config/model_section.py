@@ -18,10 +18,11 @@ from typing import List, Optional
 from omegaconf import OmegaConf
 
 from moevlm.config.dispatcher import choose_dispatcher
-from moevlm.fields import is_int, one_of
-from moevlm.dispatch import dispatcher_names
 from moevlm.data.checks import shown_path
+from moevlm.dispatch import dispatcher_names
+from moevlm.dispatch.base import DEEPEP_APIS
 from moevlm.errors import ConfigError, check
+from moevlm.fields import is_int, one_of
 from moevlm.model.config import (
     ATTN_BACKENDS,
     AUX_LOSSES,
@@ -33,7 +34,6 @@ from moevlm.model.config import (
     PRESETS,
     VLMConfig,
 )
-from moevlm.dispatch.base import DEEPEP_APIS
 from moevlm.parallel.cuda_graphs import SCOPES as GRAPH_SCOPES
 from moevlm.parallel.cuda_graphs import scope_problem
 from moevlm.parallel.offload import MODULES as OFFLOAD_MODULES

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
-from moevlm.fields import allowed
 from moevlm.config.model_section import ModelConfig, model_fields
 from moevlm.config.sections import OptimConfig, ParallelConfig, TrainConfig
 from moevlm.data.config import DataConfig
 from moevlm.errors import ConfigError
+from moevlm.fields import allowed
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 

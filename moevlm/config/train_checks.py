@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from moevlm.fields import is_int, is_real
 from moevlm.errors import ConfigError, check
+from moevlm.fields import is_int, is_real
 from moevlm.parallel.mesh import ParallelDims
 
 

@@ -35,7 +35,6 @@ from moevlm.config.environment import (
     environment_checks,
     wandb_installed,
 )
-from moevlm.fields import allowed, checked_elsewhere
 from moevlm.config.job_plan import JobPlan
 from moevlm.config.model_section import model_config
 from moevlm.config.scale import scale_down
@@ -49,12 +48,13 @@ from moevlm.config.train_checks import (
 )
 from moevlm.data.checks import check_job_data, check_stream_layout, check_tokenizer
 from moevlm.errors import Problems, check
+from moevlm.fields import allowed, checked_elsewhere
 from moevlm.model.config import VLMConfig
 from moevlm.parallel.build import BuildOptions
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import offload_setting
-from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
 from moevlm.parallel.pipeline_schedules import schedule_name
+from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
 from moevlm.parallel.recompute import recompute_setting
 
 
@@ -166,7 +166,11 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
 def choice_fields(cls: type = JobConfig, prefix: str = "") -> dict[str, tuple[str, ...]]:
     """`section.field` -> its values, for every `one_of` field whose values are checked here (not by an
     owner of its own: `checked_by`)."""
-    hints, plain, values = get_type_hints(cls, include_extras=True), get_type_hints(cls), allowed(cls)
+    hints, plain, values = (
+        get_type_hints(cls, include_extras=True),
+        get_type_hints(cls),
+        allowed(cls),
+    )
     out = {}
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(plain[f.name]):

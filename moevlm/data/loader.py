@@ -29,7 +29,8 @@ from moevlm.data.errors import FALLBACKS, DataError
 from moevlm.data.lifetime import WORKER_REAP_GRACE_S, close_at_exit, dead_workers, worker_death
 from moevlm.data.packing import PackedRow, VisionFlops, vision_budget_set
 from moevlm.data.reader import expand_shards, fingerprint, shard_counts, shard_identities
-from moevlm.data.sample_cache import describe as describe_sample, ensure_sample
+from moevlm.data.sample_cache import describe as describe_sample
+from moevlm.data.sample_cache import ensure_sample
 from moevlm.data.state import DataIdentity, StreamState
 from moevlm.data.streams import Delivery, PackedDataset
 from moevlm.data.text import ChatEncoder, load_tokenizer

@@ -18,6 +18,7 @@ from moevlm.dispatch.base import (
     dispatcher_names,
     register_dispatcher,
 )
+
 from moevlm.dispatch.local import LocalDispatcher  # isort: skip
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher

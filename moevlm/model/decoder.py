@@ -21,10 +21,10 @@ import torch.nn as nn
 from moevlm.model.attention import DocMask
 from moevlm.model.config import VLMConfig
 from moevlm.model.linear import Linear
-from moevlm.model.strategies import Strategies, Vocab, add_at_mask
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats, TokenInfo
 from moevlm.model.region import run_region
 from moevlm.model.rope import apply_rotary, mrope
+from moevlm.model.strategies import Strategies, Vocab, add_at_mask
 
 
 class LayerInputs(NamedTuple):

@@ -22,10 +22,9 @@ import torch.nn.functional as F
 
 from moevlm.model.config import MoEConfig
 from moevlm.model.fp8 import Fp8Recipe, expert_mm
-from moevlm.model.strategies import Strategies, local
 from moevlm.model.linear import Linear
 from moevlm.model.region import run_region
-
+from moevlm.model.strategies import Strategies, local
 
 BIAS_BUFFER = "router.expert_bias"
 

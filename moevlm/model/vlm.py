@@ -22,9 +22,9 @@ import torch.nn as nn
 
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
-from moevlm.model.strategies import IGNORE_INDEX, Strategies, next_token_targets, token_loss
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
+from moevlm.model.strategies import IGNORE_INDEX, Strategies, next_token_targets, token_loss
 from moevlm.model.vision import VisionEncoder
 
 

@@ -22,8 +22,8 @@ from moevlm.dispatch.base import constructor_arguments
 from moevlm.model.config import VLMConfig
 from moevlm.model.fp8 import Fp8Recipe
 from moevlm.model.fp8_targets import apply_fp8
-from moevlm.model.strategies import Strategies
 from moevlm.model.moe import MoEBlock
+from moevlm.model.strategies import Strategies
 from moevlm.model.vlm import Qwen3VLMoe
 from moevlm.parallel.compile import apply_compile
 from moevlm.parallel.context_parallel import cp_strategies

@@ -14,7 +14,6 @@ mask preparation stay eager.  Why: docs/architecture.md.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 

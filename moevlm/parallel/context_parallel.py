@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moevlm.model.attention import CoreAttention, DocMask, document_ids
-from moevlm.model.strategies import Images, Sequence
-from moevlm.model.region import run_region
 from moevlm.comm import all_gather_flat, all_reduce_sum
+from moevlm.model.attention import CoreAttention, DocMask, document_ids
+from moevlm.model.image_shares import balance_images
+from moevlm.model.region import run_region
+from moevlm.model.strategies import Images, Sequence
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
-from moevlm.model.image_shares import balance_images
 from moevlm.parallel.cp_layout import split_rows, take_rows
 
 

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from moevlm.model import Qwen3VLMoe
-from moevlm.model import hf
+from moevlm.model import Qwen3VLMoe, hf
 from moevlm.model.moe import is_training_state
 from moevlm.parallel.weights import copy_full_, full_tensor
 

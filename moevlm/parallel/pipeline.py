@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from moevlm.model.moe import RouterStats, global_balance_loss, layer_extras, load_balancing_loss
 from moevlm.model.objective import objective
-from moevlm.parallel.pipeline_split import PipelineSplit
 from moevlm.parallel.pipeline_schedules import SCHEDULES
+from moevlm.parallel.pipeline_split import PipelineSplit
 
 
 def prune_to_stages(model: nn.Module, plan: PipelineSplit, pp_rank: int) -> list[int]:

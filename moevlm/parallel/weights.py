@@ -103,7 +103,6 @@ def storage_view(t: torch.Tensor) -> torch.Tensor:
     Checkpoints always store this 4-D form, so they load under any etp."""
     if isinstance(t, DTensor):
         from torch.distributed.tensor import Shard
-
         from torch.distributed.tensor.placement_types import _StridedShard
 
         loc = t._local_tensor

@@ -55,8 +55,8 @@ def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moevlm.errors import ConfigError
     from moevlm.config import check_overrides, compose_job
+    from moevlm.errors import ConfigError
 
     ap = argparse.ArgumentParser(
         prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True

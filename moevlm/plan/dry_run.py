@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from moevlm.data.batch import MicroBatch
 from moevlm.data.encode import Sample
-from moevlm.data.text import IGNORE_INDEX
 from moevlm.data.packing import collate
+from moevlm.data.text import IGNORE_INDEX
 from moevlm.model.rope import mrope_position_ids
 from moevlm.parallel.optimizer_offload import offload_kind
 from moevlm.plan.fake import (
@@ -32,8 +32,10 @@ from moevlm.plan.fake import (
     emulated_autocast,
     fake_cuda,
     fake_world,
-    local_shard as _local,
     symmetric_objects,
+)
+from moevlm.plan.fake import (
+    local_shard as _local,
 )
 
 
@@ -385,8 +387,8 @@ def _bytes(tensors) -> int:
 def forward_on_fake_cuda(job) -> dict:
     """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
     trainer's GPU precision: the CUDA code paths at the real size, without memory."""
-    from moevlm.parallel.build import materialize_
     from moevlm.config import validate
+    from moevlm.parallel.build import materialize_
 
     plan = validate(job, 1, environment=False)
     bf16 = job.train.precision in ("bf16", "auto")

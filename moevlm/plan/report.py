@@ -31,8 +31,8 @@ def pipeline_bubble(plan) -> float:
 def make_plan(job, world: int, gpu_name: str) -> dict:
     """The plan of every rank role of `job` on `world` ranks against the GPU `gpu_name` (a dict: the
     JSON `--json` prints)."""
-    from moevlm.plan.dry_run import dry_run
     from moevlm.config import validate
+    from moevlm.plan.dry_run import dry_run
 
     plan = validate(job, world, environment=False)
     device = find_gpu(gpu_name)

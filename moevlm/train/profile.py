@@ -21,8 +21,8 @@ import torch
 
 from moevlm.config.train_checks import parse_profile_steps
 from moevlm.model.decoder import Head, TextAttention
-from moevlm.model.strategies import Combine, Dispatch, Loss
 from moevlm.model.moe import Experts, Router
+from moevlm.model.strategies import Combine, Dispatch, Loss
 from moevlm.model.vision import PatchMerger, VisionEncoder
 
 COMPONENTS = (

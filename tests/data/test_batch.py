@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+from data_helpers import small_data_config
 
 from moevlm.data.batch import MicroBatch, row_flops
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import stack_rows
 from moevlm.model import Qwen3VLMoe, VLMConfig, count_flops
 from moevlm.model.objective import objective
-
-from data_helpers import small_data_config
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from moevlm.data.build_shards import build_shards, load_image, main, read_annotations
 from moevlm.data.errors import SkipCounter
-from moevlm.data.sample import sample_photo_paths
 from moevlm.data.records import normalize_record
+from moevlm.data.sample import sample_photo_paths
 
 PHOTOS = {p.name: p for p in sample_photo_paths()}
 

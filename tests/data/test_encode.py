@@ -12,9 +12,9 @@ from PIL import Image
 from moevlm.data.config import ImageConfig, PackConfig
 from moevlm.data.encode import SampleEncoder
 from moevlm.data.errors import SkipSample
-from moevlm.data.sample import sample_photo_paths
-from moevlm.data.sample import sample_tokenizer
-from moevlm.data.text import IGNORE_INDEX as IGNORE, ChatEncoder
+from moevlm.data.sample import sample_photo_paths, sample_tokenizer
+from moevlm.data.text import IGNORE_INDEX as IGNORE
+from moevlm.data.text import ChatEncoder
 from moevlm.model import VLMConfig
 from moevlm.model.rope import mrope_position_ids
 

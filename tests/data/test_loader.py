@@ -7,11 +7,10 @@ from collections import Counter
 
 import pytest
 import torch
+from data_helpers import small_data_config
 
 from moevlm.data.loader import build_loader
 from moevlm.model import VLMConfig
-
-from data_helpers import small_data_config
 
 TINY = VLMConfig.preset("tiny")
 

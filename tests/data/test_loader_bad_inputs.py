@@ -9,13 +9,12 @@ import zlib
 from collections import Counter
 
 import numpy as np
+from data_helpers import encoded, good, small_data_config, text, write_tar
 from PIL import Image
 
-from moevlm.data.sample import sample_photo_paths
 from moevlm.data.loader import build_loader
+from moevlm.data.sample import sample_photo_paths
 from moevlm.model import VLMConfig
-
-from data_helpers import encoded, good, small_data_config, text, write_tar
 
 
 def corrupt_png(png: bytes) -> bytes:

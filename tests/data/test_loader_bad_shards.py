@@ -11,14 +11,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from data_helpers import encoded, good, small_data_config, text, write_tar
 from PIL import Image
 
 from moevlm.data.errors import DataError
 from moevlm.data.loader import build_loader
 from moevlm.data.sample import sample_photo_paths
 from moevlm.model import VLMConfig
-
-from data_helpers import encoded, good, small_data_config, text, write_tar
 
 TINY = VLMConfig.preset("tiny")
 

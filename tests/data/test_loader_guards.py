@@ -12,18 +12,17 @@ import time
 import tracemalloc
 
 import pytest
+from data_helpers import encoded, good, small_data_config, text, write_tar
 from PIL import Image
 
+from moevlm.data.checks import check_config
 from moevlm.data.config import DataConfig
 from moevlm.data.errors import DataError
-from moevlm.data.checks import check_config
 from moevlm.data.loader import build_loader
-from moevlm.data.state import merge_states
 from moevlm.data.reader import Oversize, members, shard_identity
 from moevlm.data.sample import sample_photo_paths
+from moevlm.data.state import merge_states
 from moevlm.model import VLMConfig
-
-from data_helpers import encoded, good, small_data_config, text, write_tar
 
 TINY = VLMConfig.preset("tiny")
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from data_helpers import small_data_config
 
-from moevlm.data.loader import build_loader
-from moevlm.model import VLMConfig
-from moevlm.errors import ConfigError
 from moevlm.config import compose_job, validate
+from moevlm.data.loader import build_loader
+from moevlm.errors import ConfigError
+from moevlm.model import VLMConfig
 
 TINY = VLMConfig.preset("tiny")
 ROWS = 3

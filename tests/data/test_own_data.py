@@ -5,14 +5,13 @@ import json
 import shutil
 
 import pytest
+from data_helpers import small_data_config
 
 from moevlm.data.build_shards import auto_samples_per_shard, main
 from moevlm.data.errors import DataSetupError
 from moevlm.data.loader import build_loader
 from moevlm.data.sample import sample_photo_paths
 from moevlm.model import ConfigError, VLMConfig
-
-from data_helpers import small_data_config
 
 TINY = VLMConfig.preset("tiny")
 

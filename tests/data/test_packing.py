@@ -6,19 +6,18 @@ import dataclasses
 
 import pytest
 import torch
+from data_helpers import small_data_config
 from PIL import Image
 
 from moevlm.data.config import PackConfig
 from moevlm.data.encode import Sample
 from moevlm.data.image import preprocess_image
-from moevlm.data.sample import sample_photo_paths
-from moevlm.data.text import IGNORE_INDEX as IGNORE
 from moevlm.data.loader import build_loader
 from moevlm.data.packing import Packer, VisionFlops, collate, stack_rows, vision_budget
+from moevlm.data.sample import sample_photo_paths
+from moevlm.data.text import IGNORE_INDEX as IGNORE
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.rope import mrope_position_ids, vision_cu_seqlens
-
-from data_helpers import small_data_config
 
 D = 3 * 2 * 16 * 16
 

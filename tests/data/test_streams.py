@@ -5,13 +5,12 @@ exactly on another (the ranks' states merged)."""
 import json
 
 import pytest
+from data_helpers import small_data_config
 
 from moevlm.data.loader import build_loader
 from moevlm.data.state import merge_states
 from moevlm.data.streams import PackedDataset
 from moevlm.model import VLMConfig
-
-from data_helpers import small_data_config
 
 TINY = VLMConfig.preset("tiny")
 L = 4

@@ -20,15 +20,15 @@ import torch
 from data_helpers import small_data_config, write_tar
 from PIL import Image
 
+from moevlm.config import compose_job
 from moevlm.data import build_shards as bs
+from moevlm.data.checks import check_fields
 from moevlm.data.errors import DataError, SkipSample
 from moevlm.data.layouts import read_record
-from moevlm.data.checks import check_fields
 from moevlm.data.loader import build_loader
 from moevlm.data.sample import sample_photo_paths
 from moevlm.data.text import ChatEncoder, load_tokenizer
 from moevlm.model import VLMConfig
-from moevlm.config import compose_job
 from moevlm.train.report import describe_data
 from moevlm.train.trainer import Trainer
 

@@ -7,8 +7,9 @@ rank and a rank that sends nothing."""
 import pytest
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import run_ranks
+from moevlm.kernels.grouped_gemm import grouped_mm_loop
+
 from moevlm.dispatch import DISPATCHERS, LocalDispatcher, build_dispatcher
 from moevlm.dispatch.alltoall import (
     AllToAllDispatcher,
@@ -18,7 +19,6 @@ from moevlm.dispatch.alltoall import (
     regroup_by_local_expert,
     sort_rows_by_expert,
 )
-from moevlm.kernels.grouped_gemm import grouped_mm_loop
 
 # ------------------------------------------------------- index logic, by hand
 

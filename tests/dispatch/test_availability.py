@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from moevlm.config import compose_job, validate
 from moevlm.dispatch import DISPATCHERS
 from moevlm.dispatch.availability import (
     deepep_layout_problem,
@@ -24,7 +25,6 @@ from moevlm.dispatch.availability import (
 from moevlm.dispatch.hybridep import HybridEPDispatcher
 from moevlm.dispatch.local import LocalDispatcher
 from moevlm.errors import ConfigError
-from moevlm.config import compose_job, validate
 
 FAKES = Path(__file__).parent / "fake_deep_ep"
 FALLBACK = "model.dispatcher_fallback=alltoall"

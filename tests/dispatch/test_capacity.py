@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import run_ranks
+from moevlm.kernels.grouped_gemm import grouped_mm_loop
+
+from moevlm.config import compose_job, validate
 from moevlm.dispatch import LocalDispatcher, build_dispatcher
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.capacity import (
@@ -26,9 +28,7 @@ from moevlm.dispatch.capacity import (
     expert_capacity,
     slot_sources,
 )
-from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.errors import ConfigError
-from moevlm.config import compose_job, validate
 
 E, K, D, T = 8, 2, 6, 6
 

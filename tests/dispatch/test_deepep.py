@@ -28,16 +28,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_ranks import run_ranks, write_max_over_ranks
+from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from gloo_ranks import run_ranks, write_max_over_ranks
-from moevlm.dispatch import DISPATCHERS, build_dispatcher
+from moevlm.dispatch import DISPATCHERS, DispatcherSpec, build_dispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher, local_rows_plan, resolve_api
 from moevlm.dispatch.handles import HANDLES, lookup
-from moevlm.kernels.grouped_gemm import grouped_mm_loop
-from moevlm.parallel.recompute import save_communication
 from moevlm.parallel.build import BuildOptions
-from moevlm.dispatch import DispatcherSpec
+from moevlm.parallel.recompute import save_communication
 
 EMULATOR = Path(__file__).parent / "deep_ep_emulator"
 FAKES = Path(__file__).parent / "fake_deep_ep"

@@ -32,17 +32,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_ranks import run_ranks, write_max_over_ranks
+from moevlm.kernels.grouped_gemm import grouped_mm_loop
+
+# the same scenarios and measure as deepep's
+from test_deepep import REL, D, E, K, _model_step, _rel, _scenario
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from gloo_ranks import run_ranks, write_max_over_ranks
 from moevlm.dispatch import DISPATCHERS, build_dispatcher
 from moevlm.dispatch.handles import HANDLES
 from moevlm.dispatch.hybridep import HybridEPDispatcher, dropped_rows, fit_counts, permuted_budget
-from moevlm.kernels.grouped_gemm import grouped_mm_loop
 from moevlm.parallel.recompute import save_communication
-
-# the same scenarios and measure as deepep's
-from test_deepep import D, E, K, REL, _model_step, _rel, _scenario
 
 EMULATOR = Path(__file__).parent / "hybrid_ep_emulator"
 

@@ -3,7 +3,6 @@ gradients, with uneven and empty groups."""
 
 import pytest
 import torch
-
 from moevlm.kernels import grouped_mm
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moevlm.config import compose_job
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.parallel import full_grads, full_state_dict
-from moevlm.config import compose_job
 from moevlm.train.trainer import Trainer
 
 

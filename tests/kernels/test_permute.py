@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-
-from moevlm.dispatch.local import LocalDispatcher
 from moevlm.kernels import _common as common
 from moevlm.kernels.permute import permute, permute_plan, unpermute
+
+from moevlm.dispatch.local import LocalDispatcher
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # rtol / atol relative to the reference's largest entry.  vs_torch: the same fp32

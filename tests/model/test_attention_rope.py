@@ -3,8 +3,8 @@ ids equal the reference's own helpers; meta-device construction."""
 
 import pytest
 import torch
-
 from hf_ref import pair, sample, transformers
+
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.attention import attention, doc_mask, document_ids
 from moevlm.model.rope import mrope_position_ids, pos_embed_taps, vision_patch_rows_cols

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import moevlm.model.attention as A
-from moevlm.model.attention import attention, doc_mask, resolve_backend, static_bounds
-from moevlm.errors import ConfigError
 from moevlm.config import compose_job, validate
+from moevlm.errors import ConfigError
+from moevlm.model.attention import attention, doc_mask, resolve_backend, static_bounds
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from hf_ref import hf_model, sample, transformers
+
 from moevlm.model import ConfigError, Qwen3VLMoe, VLMConfig
 from moevlm.model.hf import CheckpointError
 

@@ -4,10 +4,10 @@ vision and decoder separately, forward and forward+backward.  MFU needs it withi
 
 import pytest
 import torch
+from hf_ref import sample
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_ref import sample
 from moevlm.model import Qwen3VLMoe, VLMConfig, count_flops
 from moevlm.model.flops import doc_lens_of
 

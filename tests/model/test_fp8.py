@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from moevlm.kernels import fp8_quant_ref as Q
-from moevlm.model import fp8 as fp8_mod
+
 from moevlm.errors import ConfigError
+from moevlm.model import fp8 as fp8_mod
 from moevlm.model.config import Fp8Config, VLMConfig
 from moevlm.model.fp8 import Fp8Unavailable, fp8_mm, install_weight_cache, resolve_fp8
 from moevlm.model.fp8_targets import apply_fp8

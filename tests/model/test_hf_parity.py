@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from hf_ref import hf_forward, hf_grads_as_ours, pair, rel_err, sample
+
 from moevlm.model import Qwen3VLMoe, VLMConfig
 
 TOL = 1e-5

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.config import compose_job, validate
 from moevlm.errors import ConfigError
+from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.decoder import document_index
 from moevlm.model.hf import export_state_dict
 from moevlm.model.moe import (
@@ -19,7 +20,6 @@ from moevlm.model.moe import (
     update_router_bias_,
 )
 from moevlm.parallel.balance import StepFrequencies
-from moevlm.config import compose_job, validate
 
 E, K = 8, 2
 

@@ -24,11 +24,11 @@ import copy
 
 import pytest
 import torch
+from test_recompute import image_batch, tiny_config
 
 from moevlm.model import Qwen3VLMoe
 from moevlm.parallel.offload import MODULES, Offload, OffloadState, apply_offload, check
 from moevlm.parallel.recompute import SavedBytes, apply_recompute
-from test_recompute import image_batch, tiny_config
 
 RECOMPUTES = [("none", ()), ("selective", ("core_attn", "moe_act")), ("full", ())]
 
@@ -356,8 +356,8 @@ def test_plain_without_autograd(setup):
     ],
 )
 def test_config_errors(overrides, message):
-    from moevlm.errors import ConfigError
     from moevlm.config import compose_job, validate
+    from moevlm.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         validate(compose_job(overrides), 1, environment=False)

@@ -19,11 +19,6 @@ import sys
 
 import pytest
 import torch
-
-from moevlm.data.sample_cache import ensure_sample
-from moevlm.errors import ConfigError
-from moevlm.config import compose_job, validate
-from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
 from test_layouts import (
     REPO,
@@ -36,6 +31,11 @@ from test_layouts import (
     runs_agree,
     with_options,
 )
+
+from moevlm.config import compose_job, validate
+from moevlm.data.sample_cache import ensure_sample
+from moevlm.errors import ConfigError
+from moevlm.train.trainer import Trainer
 
 WORLD_2 = [
     # with validation (test_layouts.VAL): the held-out loss summed over the cp ranks' halves

@@ -25,16 +25,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import run_ranks
+from test_layouts import compare, run_job
+
+from moevlm.config import compose_job, validate
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.errors import ConfigError
 from moevlm.model.moe import MoEBlock
 from moevlm.model.strategies import ExpertsRunner, Strategies
 from moevlm.parallel.ep_overlap import OverlappedRunner, chunk_bounds
-from moevlm.config import compose_job, validate
-from test_layouts import compare, run_job
 
 TOL = 1e-6
 E, K, D, F = 8, 2, 16, 12

@@ -26,10 +26,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
-from moevlm.data.sample_cache import ensure_sample
 from gloo_ranks import run_ranks
 from test_layouts import rel, run_job
+
+from moevlm.data.sample_cache import ensure_sample
 
 FP8 = ["model.fp8=blockwise", "model.fp8_backend=emulate"]
 LAYOUTS = {  # layout -> relative tolerance of (first loss, every loss, first step's gradients)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from moevlm.config import compose_job, validate
+from moevlm.errors import ConfigError
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.attention import doc_mask
-from moevlm.errors import ConfigError
 from moevlm.parallel.cuda_graphs import apply_cuda_graphs, cuda_graphs
-from moevlm.config import compose_job, validate
 
 SCOPES = [
     ["attn"],

@@ -49,14 +49,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_ranks import run_ranks
 
+from moevlm.config import compose_job
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.model.moe import is_training_state
 from moevlm.parallel import full_grads, full_state_dict
-from moevlm.config import compose_job
-from moevlm.train.trainer import Trainer
-from gloo_ranks import run_ranks
 from moevlm.parallel.build import BuildOptions
+from moevlm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -206,8 +206,8 @@ def check_vision_figures(
     rows, cut into cp shares as the model cuts them (moevlm.data.vision_balance.measure)."""
     from omegaconf import OmegaConf
 
-    from moevlm.data.vision_balance import measure
     from moevlm.config import validate
+    from moevlm.data.vision_balance import measure
 
     options = [x for x in layout if "." in x.split("=", 1)[0]]  # not the REF=, RESUME, VAL marks
     job = compose_job(job_overrides(shards, run_dir, options))

@@ -5,11 +5,11 @@ import pytest
 import torch.distributed as dist
 from gloo_ranks import run_ranks
 
-from moevlm.model import VLMConfig
+from moevlm.dispatch import DispatcherSpec
 from moevlm.errors import ConfigError
+from moevlm.model import VLMConfig
 from moevlm.parallel import ParallelDims
 from moevlm.parallel.build import BuildOptions
-from moevlm.dispatch import DispatcherSpec
 
 
 def test_groups_by_hand_world8_tp2_pp2_ep2():

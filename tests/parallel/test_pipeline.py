@@ -27,14 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from moevlm.data.sample_cache import ensure_sample
-from moevlm.model import VLMConfig
-from moevlm.parallel import full_state_dict
-from moevlm.parallel.pipeline import v_schedules_supported
-from moevlm.config import compose_job
-from moevlm.data.loader import NoData
-from moevlm.train.trainer import Trainer
 from gloo_ranks import run_ranks
 from test_layouts import (
     TOL,
@@ -42,12 +34,20 @@ from test_layouts import (
     check_layouts,
     job_overrides,
     print_report,
-    router_references,
-    with_options,
     rel,
+    router_references,
     run_job,
     runs_agree,
+    with_options,
 )
+
+from moevlm.config import compose_job
+from moevlm.data.loader import NoData
+from moevlm.data.sample_cache import ensure_sample
+from moevlm.model import VLMConfig
+from moevlm.parallel import full_state_dict
+from moevlm.parallel.pipeline import v_schedules_supported
+from moevlm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "model.hf_config=@TMP/pipe_model.json"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from moevlm.model import VLMConfig, count_flops
-from moevlm.errors import ConfigError
-from moevlm.parallel.pipeline_split import StageCosts, balance, budget_grids, split_pipeline
-from moevlm.parallel.pipeline_schedules import schedule_name
 from moevlm.config import compose_job, validate
+from moevlm.errors import ConfigError
+from moevlm.model import VLMConfig, count_flops
+from moevlm.parallel.pipeline_schedules import schedule_name
+from moevlm.parallel.pipeline_split import StageCosts, balance, budget_grids, split_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,9 +20,12 @@ import copy
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moevlm.dispatch import DispatcherSpec
 from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.parallel.build import BuildOptions
 from moevlm.parallel.recompute import (
     COMM_NAMESPACES,
     MODULES,
@@ -31,9 +34,6 @@ from moevlm.parallel.recompute import (
     check,
     describe,
 )
-from gloo_ranks import run_ranks
-from moevlm.parallel.build import BuildOptions
-from moevlm.dispatch import DispatcherSpec
 
 TOL = 1e-6
 SETTINGS = [
@@ -149,7 +149,8 @@ def _two_ranks(rank: int, shards: str, tmp: str) -> None:
 
 def _pp2(shards: str, tmp: str) -> None:
     """Pipeline stages (pp2, 1F1B, the Trainer): full and selective recompute train the steps none trains."""
-    from test_layouts import rel as rel64, run_job
+    from test_layouts import rel as rel64
+    from test_layouts import run_job
 
     runs = {
         mode: run_job(
@@ -234,8 +235,8 @@ def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
     ],
 )
 def test_config_errors_name_the_choices(overrides, message):
-    from moevlm.errors import ConfigError
     from moevlm.config import compose_job, validate
+    from moevlm.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         validate(compose_job(overrides), 1)

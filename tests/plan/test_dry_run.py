@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from moevlm.config import compose_job
 from moevlm.plan.dry_run import dry_run
 from moevlm.plan.measure import measure_trainer_step
-from moevlm.config import compose_job
 
 COMMON = [
     "data.shards=sample",

@@ -5,12 +5,12 @@ copies are counted as host memory by the same tracker)."""
 
 from __future__ import annotations
 
+from test_dry_run import COMMON
+
+from moevlm.config import compose_job, validate
 from moevlm.plan.dry_run import dry_run
 from moevlm.plan.measure import measure_trainer_step
 from moevlm.plan.report import format_plan
-from moevlm.config import compose_job
-from moevlm.config import validate
-from test_dry_run import COMMON
 
 
 def _job(tmp_path, name: str, extra: list[str]):

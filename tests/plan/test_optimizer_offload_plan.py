@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from moevlm.config import compose_job
 from moevlm.plan.dry_run import dry_run
 from moevlm.plan.report import format_plan, make_plan
-from moevlm.config import compose_job
 from moevlm.train.trainer import Trainer
 
 COMMON = [

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from moevlm.config import compose_job, validate
 from moevlm.plan.dry_run import forward_on_fake_cuda
 from moevlm.plan.report import make_plan, role_ranks
-from moevlm.config import compose_job
-from moevlm.config import validate
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
+from moevlm.config import compose_job, validate
 from moevlm.errors import ConfigError
 from moevlm.plan.candidates import (
     NARROWED,
@@ -26,8 +27,6 @@ from moevlm.plan.dry_run import budget_micro_batch, dry_run
 from moevlm.plan.extrapolate import Extrapolator
 from moevlm.plan.search import GIB, format_search, search
 from moevlm.plan.step_time import group_ranks, is_exposed, link_gbps
-from moevlm.config import compose_job
-from moevlm.config import validate
 
 WORLD = 4
 COMMON = ["data.shards=sample", "train.global_batch_size=8", "data.streams=4"]

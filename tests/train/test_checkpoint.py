@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from torch.distributed.checkpoint import FileSystemWriter
 
-from gloo_ranks import run_ranks
 from moevlm.train.checkpoint import (
     HOLD_ENV,
     MARKER,

@@ -19,11 +19,16 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
+from moevlm.config import compose_job
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train import integrity
-from moevlm.train.checkpoint import MARKER, CheckpointError, CheckpointManager, read_marker
-from moevlm.train.checkpoint import retention
-from moevlm.config import compose_job
+from moevlm.train.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CheckpointManager,
+    read_marker,
+    retention,
+)
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import Trainer
 from tests.train.test_checkpoint import assert_same, make, params, train

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from moevlm.config import compose_job, validate
 from moevlm.errors import ConfigError
 from moevlm.model.config import VLMConfig
-from moevlm.config import compose_job, validate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_HF = json.dumps(VLMConfig.preset("tiny").to_hf("float32"))

@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
-
 from gloo_ranks import run_ranks
-from moevlm.model import Qwen3VLMoe, VLMConfig
-from moevlm.errors import ConfigError
-from moevlm.parallel.compile import CompileCounters, apply_compile
+
 from moevlm.config import compose_job, validate
-from moevlm.train.trainer import Trainer
-from moevlm.parallel.build import BuildOptions
 from moevlm.dispatch import DispatcherSpec
+from moevlm.errors import ConfigError
+from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.parallel.build import BuildOptions
+from moevlm.parallel.compile import CompileCounters, apply_compile
+from moevlm.train.trainer import Trainer
 
 STEPS = 21
 LOSS_RTOL = (

@@ -15,11 +15,11 @@ import pytest
 import user_docs
 from omegaconf import OmegaConf
 
-from moevlm.errors import ConfigError
-from moevlm.model.config import VLMConfig
 from moevlm.config import compose_job, validate
 from moevlm.config.model_section import model_fields, spec_fields
 from moevlm.config.schema import options
+from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "conf" / "experiment").glob("*.yaml"))

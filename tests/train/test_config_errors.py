@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moevlm.errors import ConfigError
 from moevlm.config import compose_job, validate
+from moevlm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moevlm.model import Qwen3VLMoe
+from moevlm.config import check_memory, compose_job, estimate_memory, memory_limit, validate
+from moevlm.config.memory import BYTES_FROZEN, BYTES_TRAINED
 from moevlm.errors import ConfigError
+from moevlm.model import Qwen3VLMoe
 from moevlm.model.params import layer_parameters, num_parameters, parameter_counts
 from moevlm.parallel.pipeline import prune_to_stages
-from moevlm.config.memory import BYTES_FROZEN, BYTES_TRAINED
-from moevlm.config import check_memory, compose_job, estimate_memory, memory_limit, validate
 
 REPO = Path(__file__).resolve().parents[2]
 HUGE = "model.num_layers=1000000"  # 86.7B tiny parameters, 1.3 TB of model state: more than any test machine

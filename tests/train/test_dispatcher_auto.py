@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moevlm.errors import ConfigError
 from moevlm.config import ModelConfig, compose_job, validate
+from moevlm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SHARDS = "data.shards='/datasets/shards/{000000..000999}.tar'"

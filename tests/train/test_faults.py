@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from moevlm.config import compose_job
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train.checkpoint import CheckpointManager
-from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import WARMUP_STEPS, StepWatchdog, StopSignals, describe_failure
 from moevlm.train.trainer import Trainer
@@ -252,8 +252,8 @@ def test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes():
 def test_data_workers_and_fork_server_outlive_a_stop_signal(reference):
     """Ctrl-C and a scheduler's SIGTERM reach every process of the job: the loader's fork server and workers
     ignore them (the trainer still needs its step's rows), and end with the trainer (moevlm.data.loader)."""
-    from moevlm.data.loader import build_loader
     from moevlm.config import validate
+    from moevlm.data.loader import build_loader
 
     _, shards = reference
     job = compose_job(COMMON + [f"data.shards={shards}"])

@@ -12,8 +12,8 @@ The curves are printed side by side every 5 steps.
 
 from __future__ import annotations
 
-from moevlm.data.sample_cache import ensure_sample
 from moevlm.config import compose_job
+from moevlm.data.sample_cache import ensure_sample
 from moevlm.train.trainer import Trainer
 
 STEPS = 50

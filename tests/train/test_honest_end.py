@@ -8,13 +8,12 @@ import json
 
 import pytest
 import torch
+from test_trainer import FAST
 
-from moevlm.train.checkpoint import CheckpointError, CheckpointManager, rng_state
 from moevlm.config import compose_job
+from moevlm.train.checkpoint import CheckpointError, CheckpointManager, rng_state
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import NonFiniteWeights, Trainer
-
-from test_trainer import FAST
 
 
 def records(run_dir) -> list[dict]:

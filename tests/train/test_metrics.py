@@ -9,9 +9,9 @@ import torch
 from moevlm.train.metrics import (
     MetricsLogger,
     Window,
+    console_line,
     device_peak_tflops,
     expert_load_max_over_mean,
-    console_line,
     fmt_count,
     fmt_duration,
     peak_memory_gib,

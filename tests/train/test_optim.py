@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.config import OptimConfig
+from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.train.optim import LRSchedule, build_optimizer, build_scheduler, param_groups
 
 

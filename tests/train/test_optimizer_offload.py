@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moevlm.config import compose_job, estimate_memory, validate
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.errors import ConfigError
 from moevlm.parallel.optimizer_offload import HostOffloadAdamW
-from moevlm.config import compose_job
-from moevlm.config import estimate_memory
 from moevlm.train.trainer import Trainer
-from moevlm.config import validate
 
 OFFLOAD = "parallel.optimizer_offload=true"
 STEPS = 3

@@ -11,11 +11,10 @@ import pytest
 from moevlm.kernels import GROUPED_GEMMS
 from omegaconf import OmegaConf
 
+from moevlm.config import JobConfig, compose_job, schema, validate
+from moevlm.config import reference as opt
 from moevlm.errors import ConfigError
 from moevlm.parallel.pipeline_schedules import SCHEDULES
-from moevlm.config import reference as opt
-from moevlm.config import schema
-from moevlm.config import JobConfig, compose_job, validate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

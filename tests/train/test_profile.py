@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moevlm.model import Qwen3VLMoe
-from moevlm.errors import ConfigError
-from moevlm.model.config import VLMConfig
-from moevlm.config.train_checks import check_profile
 from moevlm.config import compose_job, validate
+from moevlm.config.train_checks import check_profile
+from moevlm.errors import ConfigError
+from moevlm.model import Qwen3VLMoe
+from moevlm.model.config import VLMConfig
 from moevlm.train.profile import COMPONENTS, ComponentTimer, WallClock, parse_profile_steps
 from moevlm.train.trainer import Trainer
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from moevlm.errors import ConfigError
 from moevlm.config import OptimConfig, compose_job
+from moevlm.errors import ConfigError
 from moevlm.train.optim import LRSchedule, build_scheduler, fit_resumed_schedule
 from moevlm.train.trainer import Trainer
 

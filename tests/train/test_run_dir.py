@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_trainer import last_loss_per_step, launch
 
 from moevlm.train.run_dir import LOCK, MARKER, RunDir, RunDirError, holder
-
-from test_trainer import launch, last_loss_per_step
 
 HOLD = (
     "import sys, time; from moevlm.train.run_dir import RunDir; RunDir.claim(sys.argv[1]); "

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from moevlm.errors import ConfigError
 from moevlm.config import compose_job, validate
+from moevlm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

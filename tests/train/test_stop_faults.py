@@ -10,14 +10,13 @@ import signal
 import time
 
 import pytest
+from test_trainer import FAST, launch
 
-from moevlm.train.checkpoint import CheckpointError, CheckpointManager
 from moevlm.config import compose_job
+from moevlm.train.checkpoint import CheckpointError, CheckpointManager
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import STOP_SIGNALS, StopSignals
 from moevlm.train.trainer import Trainer
-
-from test_trainer import FAST, launch
 
 
 def test_mistakes_hydra_catches_are_config_errors(tmp_path):

@@ -24,15 +24,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moevlm.data.batch import MicroBatch
-from moevlm.data.loader import build_loader
-from moevlm.data.sample_cache import sample_dir
-from moevlm.model import count_flops
-from moevlm.errors import ConfigError
-from moevlm.train.checkpoint import HOLD_ENV, MARKER, CheckpointManager
 from moevlm.config import compose_job, validate
+from moevlm.data.batch import MicroBatch
+from moevlm.data.loader import NoData, build_loader
+from moevlm.data.sample_cache import sample_dir
+from moevlm.errors import ConfigError
+from moevlm.model import count_flops
+from moevlm.train.checkpoint import HOLD_ENV, MARKER, CheckpointManager
 from moevlm.train.exit_codes import ExitCode
-from moevlm.data.loader import NoData
 from moevlm.train.report import describe_data
 from moevlm.train.trainer import Trainer
 

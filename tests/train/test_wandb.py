@@ -18,8 +18,8 @@ from importlib.machinery import ModuleSpec
 import pytest
 from omegaconf import OmegaConf
 
-from moevlm.errors import ConfigError
 from moevlm.config import compose_job, validate
+from moevlm.errors import ConfigError
 from moevlm.train.metrics import _TB_TAGS, MetricsLogger, step_record
 from moevlm.train.wandb_log import run_id, start_wandb
 

@@ -13,15 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from test_faults import _children, _gone
+from test_trainer import FAST, last_loss_per_step, launch, read_metrics
 
+from moevlm.config import compose_job
 from moevlm.data import loader as loader_module
 from moevlm.data.loader import PackedLoader, worker_death
-from moevlm.config import compose_job
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.trainer import Trainer
-
-from test_faults import _children, _gone
-from test_trainer import FAST, launch, last_loss_per_step, read_metrics
 
 
 def _a_worker_of(trainer_pid: int) -> int | None:

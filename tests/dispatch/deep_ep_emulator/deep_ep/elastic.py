@@ -9,10 +9,9 @@ C num_max_tokens_per_rank, N rows this rank sends (one per (token, destination r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
