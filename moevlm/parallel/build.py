@@ -128,7 +128,7 @@ def build_model(
     """The model of `cfg` laid out over `dims` on the meta device, and its context (see the module
     docstring)."""
     o = options or BuildOptions()
-    _check(cfg, dims, o)
+    _check_buildable(cfg, dims, o)
     ctx = ParallelContext(dims, o.dp_mode, device_type=o.device_type)
     ctx.optimizer_offload = offload_kind(o.optimizer_offload, dims.world, o.dp_mode)
     if dims.world > 1:
@@ -157,7 +157,7 @@ def build_model(
     return model, ctx
 
 
-def _check(cfg: VLMConfig, dims: ParallelDims, o: BuildOptions) -> None:
+def _check_buildable(cfg: VLMConfig, dims: ParallelDims, o: BuildOptions) -> None:
     if dims.pp > 1 and (o.pipeline is None or o.pipeline.pp != dims.pp):
         raise ValueError(
             f"parallel.pp={dims.pp} needs its PipelineSplit (moevlm.parallel.split_pipeline)"

@@ -37,7 +37,7 @@ def cp_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """(B, s, H, hd) attention of this rank's queries to the keys of every rank of `group` (like q)."""
-    _check(q_BsHD, k_BsKD, v_BsKD, pos_Bs, doc_Bs, comm)
+    _check_inputs(q_BsHD, k_BsKD, v_BsKD, pos_Bs, doc_Bs, comm)
     scale = q_BsHD.shape[-1] ** -0.5 if scale is None else scale
     if group is None or dist.get_world_size(group) == 1:
         allowed = allowed_mask(pos_Bs, doc_Bs, pos_Bs, doc_Bs, causal)
@@ -46,7 +46,7 @@ def cp_attention(
     return fn.apply(q_BsHD, k_BsKD, v_BsKD, pos_Bs, doc_Bs, group, causal, scale)
 
 
-def _check(q, k, v, pos, doc, comm: str) -> None:
+def _check_inputs(q, k, v, pos, doc, comm: str) -> None:
     if comm not in COMMS:
         raise ValueError(f"cp_attention comm={comm!r}; choose one of {list(COMMS)}")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:

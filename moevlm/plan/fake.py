@@ -332,6 +332,7 @@ class StorageTracker(TorchDispatchMode):
         self.host_live_bytes = 0
         self.host_peak_bytes = 0
         self.host_total_bytes = 0  # every host copy made (= bytes copied to the host and back)
+        self._resize = torch.UntypedStorage.resize_  # the one `start` wraps and `stop` puts back
 
     def track(self, tensors) -> None:
         for t in tensors:
