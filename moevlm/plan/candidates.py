@@ -170,7 +170,7 @@ def _first_line(err: Exception) -> str:
 
 
 def enumerate_layouts(job, world: int, space: dict) -> tuple[dict, list[Left], list[Layout]]:
-    """(layout -> validated Plan, the invalid ones with validate's first line, all in order)."""
+    """(layout -> its JobPlan, the invalid ones with validate's first line, all in order)."""
     from moevlm.config import validate
 
     plans, invalid = {}, []
