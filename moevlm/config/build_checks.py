@@ -54,10 +54,7 @@ def check_offload(job) -> None:
             "leave those scopes out of one of the two lists",
         ),
     ]
-    check(
-        not any(bad for bad, _ in refusals),
-        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
-    )
+    refuse(key, refusals)
 
 
 def check_ep_overlap(job, model: VLMConfig, dims: ParallelDims, spec: DispatcherSpec) -> None:
@@ -93,10 +90,7 @@ def check_ep_overlap(job, model: VLMConfig, dims: ParallelDims, spec: Dispatcher
             "captured graph cannot replay; leave moe_preprocess out",
         ),
     ]
-    check(
-        not any(bad for bad, _ in refusals),
-        "\n".join(f"parallel.ep_overlap=true {why}" for bad, why in refusals if bad),
-    )
+    refuse("parallel.ep_overlap=true", refusals)
 
 
 def check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims, spec: DispatcherSpec) -> None:
@@ -172,10 +166,7 @@ def check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims, spec: Dispatche
             "moe_router/moe_preprocess: this model has no MoE layers (model.num_experts=0); leave them out",
         ),
     ]
-    check(
-        not any(bad for bad, _ in refusals),
-        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
-    )
+    refuse(key, refusals)
 
 
 def check_fp8(
@@ -209,10 +200,7 @@ def check_fp8(
             "padding",
         ),
     ]
-    check(
-        not any(bad for bad, _ in refusals),
-        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
-    )
+    refuse(key, refusals)
     if f.backend == "torch":
         t, moe = model.text, model.moe
         block = BLOCK[f.recipe]
@@ -291,4 +279,12 @@ def check_context_parallel(job, dims: ParallelDims) -> None:
         not t.compile,
         f"parallel.cp={dims.cp} with train.compile=true is not supported yet (the cp attention's "
         "collectives are not traced); use train.compile=false",
+    )
+
+
+def refuse(key: str, refusals: list[tuple[bool, str]]) -> None:
+    """ConfigError with a line `key why` for each (applies, why) refusal that applies."""
+    check(
+        not any(bad for bad, _ in refusals),
+        "\n".join(f"{key} {why}" for bad, why in refusals if bad),
     )
