@@ -148,7 +148,7 @@ class _Launcher:
 
     def __init__(self, index: int):
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         boot = f"import sys; sys.path[:] = {list(sys.path)!r}; import gloo_ranks; gloo_ranks._serve({theirs.fileno()})"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", boot],
@@ -219,8 +219,8 @@ def _serve(fd: int) -> None:
         except EOFError:
             return
         if message[:1] != b"R":
-            for fd in fds:
-                os.close(fd)
+            for passed in fds:
+                os.close(passed)
             continue  # a kill for a rank that has already ended
         rank = struct.unpack("<I", message[1:5])[0]
         err_file = os.path.join(errors, f"rank{rank}.txt")
@@ -228,8 +228,8 @@ def _serve(fd: int) -> None:
         pid = os.fork() if not problems else -1
         if pid == 0:
             _child(sock, rank, pickle.loads(message[5:]), fds, err_file)
-        for fd in fds:
-            os.close(fd)
+        for passed in fds:
+            os.close(passed)
         if problems:
             _reply(sock, f"not started: the launcher is not fresh: {problems}")
             continue
@@ -307,7 +307,7 @@ def _child(sock: socket.socket, rank: int, request: dict, fds, err_file: str) ->
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         _rank(rank, *pickle.loads(request["payload"]))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (any exception fails the launch with its traceback)
         with open(err_file, "w") as f:
             f.write(traceback.format_exc())
     finally:
