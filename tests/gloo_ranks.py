@@ -43,7 +43,43 @@ def run_ranks(check, world: int, tmp_path, *args, timeout_s: int = 120) -> None:
 
         mp.spawn(_rank, args=(check, world, init, args, timeout_s), nprocs=world, join=True)
         return
-    _launch(world, pickle.dumps((check, world, init, args, timeout_s)))
+    _launch(world, pickle.dumps((_rank, (check, world, init, args, timeout_s))))
+
+
+def run_forked(fn, calls: list[tuple], workers: int = 2) -> list:
+    """[fn(*call) for call in calls], the calls shared by `workers` processes forked as the ranks are
+    (no process group; each takes the next call not yet taken, seeded 0 as a test starts; torch
+    threads split between them).
+    For single-process work that would leave a core idle (fake-tensor dry runs, the Triton
+    interpreter); `fn` must be module-level and its results picklable."""
+    workers = max(1, min(workers, len(calls)))
+    with tempfile.TemporaryDirectory(prefix="forked-") as out:
+        if os.environ.get("GLOO_RANKS_SPAWN") == "1":
+            _worker(0, 1, fn, calls, out)
+        else:
+            _launch(workers, pickle.dumps((_worker, (workers, fn, calls, out))))
+        results = []
+        for i in range(len(calls)):
+            with open(os.path.join(out, f"{i}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _worker(index: int, workers: int, fn, calls: list[tuple], out: str) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    try:
+        for i, call in enumerate(calls):
+            try:  # the first worker to create its claim runs call i
+                os.close(os.open(os.path.join(out, f"{i}.claim"), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue
+            torch.manual_seed(0)
+            result = fn(*call)
+            with open(os.path.join(out, f"{i}.pkl"), "wb") as f:
+                pickle.dump(result, f)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rank(rank: int, check, world: int, init_file: str, args: tuple, timeout_s: int) -> None:
@@ -306,14 +342,15 @@ def _child(sock: socket.socket, rank: int, request: dict, fds, err_file: str) ->
         torch.seed()  # (random reseeds itself at fork)
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        _rank(rank, *pickle.loads(request["payload"]))
+        target, args = pickle.loads(request["payload"])
+        target(rank, *args)
     except BaseException:  # noqa: BLE001 (any exception fails the launch with its traceback)
         with open(err_file, "w") as f:
             f.write(traceback.format_exc())
-    finally:
+    finally:  # _rank leaves by itself; a worker ends here (exit status 0 unless it wrote an error)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(1 if os.path.exists(err_file) else 0)
 
 
 def _die_with_parent(sig: int) -> None:
