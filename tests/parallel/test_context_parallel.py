@@ -1,6 +1,6 @@
 """Context parallel trains exactly the step one process trains, on real packed rows with images.
 
-The same machinery as test_layouts.py: one reference run (one process, tiny model, the embedded sample
+The same machinery as test_layouts.py, and its reference runs (one process, tiny model, the embedded sample
 set, fp32, AdamW, clipping, aux loss on), then each layout through the real Trainer on gloo ranks:
 per-step loss, gathered gradients of every step and the parameters after the last update, each within
 1e-5 relative (AdamW's eps raised as there, so that the parameters do not depend on the CPU kind).
@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from gloo_ranks import run_ranks
 from test_layouts import (
     REPO,
@@ -26,8 +25,6 @@ from test_layouts import (
     UNCLIPPED_EPS,
     check_layouts,
     print_report,
-    router_references,
-    run_job,
     runs_agree,
     with_options,
 )
@@ -60,15 +57,6 @@ WORLD_4 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp")
-    shards = str(ensure_sample()[0])
-    torch.save(run_job(shards, str(tmp / "ref"), ["VAL"]), tmp / "ref.pt")
-    router_references(shards, tmp, names=("sequence", "forced"))
-    return tmp, shards
-
-
 def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     check_layouts(
@@ -76,19 +64,22 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[s
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
-def test_context_parallel_matches_one_process(reference, world, layouts):
-    tmp, shards = reference
-    launch = tmp / f"launch_w{world}"
+def test_context_parallel_matches_one_process(layout_references, world, layouts):
+    """Against test_layouts.py's references (tests/parallel/conftest.py): the same jobs."""
+    tmp, shards = layout_references
+    launch = tmp / f"cp_launch_w{world}"
     launch.mkdir()
     run_ranks(_on_ranks, world, launch, world, shards, str(tmp), layouts, timeout_s=300)
     print_report(tmp / f"cp_w{world}.json", world)
 
 
-def test_torchrun_cp2_tp2_matches_one_process(reference, tmp_path):
+@pytest.mark.slow
+def test_torchrun_cp2_tp2_matches_one_process(tmp_path):
     """`torchrun --standalone --nproc-per-node 4 train.py parallel.cp=2 parallel.tp=2`, 3 steps of the
     embedded default: logged losses and exported weights equal one process's (1e-5 relative)."""
-    _, shards = reference
+    shards = str(ensure_sample()[0])
     common = [
         f"data.shards={shards}",
         "data.num_workers=0",

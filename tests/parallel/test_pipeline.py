@@ -33,10 +33,9 @@ from test_layouts import (
     UNCLIPPED_EPS,
     check_layouts,
     job_overrides,
+    one_process_references,
     print_report,
     rel,
-    router_references,
-    run_job,
     runs_agree,
     with_options,
 )
@@ -62,18 +61,12 @@ def pipe_model() -> VLMConfig:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """ref.pt (validating after every step, test_layouts.VAL), ref_global.pt, ref_sequence.pt and the
+    initial weights as a Hugging Face folder (init_hf, for a layout that starts from one)."""
     tmp = tmp_path_factory.mktemp("pipeline")
     shards = str(ensure_sample()[0])
     (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
-    model = MODEL.replace("@TMP", str(tmp))
-    # the reference's initial
-    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [model])))
-    # weights, for a layout that starts from a Hugging Face folder
-    init.model.save_pretrained(tmp / "init_hf")
-    init.close()
-    # validating after every step (test_layouts.VAL)
-    torch.save(run_job(shards, str(tmp / "ref"), [MODEL, "VAL"]), tmp / "ref.pt")
-    router_references(shards, tmp, [MODEL], names=("global", "sequence"))
+    one_process_references(shards, tmp, [MODEL], names=("global", "sequence"), init=True)
     return tmp, shards
 
 
@@ -189,6 +182,7 @@ def _nonfinite_on_one_stage_skips_on_every_stage(rank: int, shards: str, tmp: st
         tr.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,layouts", [(2, WORLD_2), (4, WORLD_4), (8, WORLD_8)], ids=["world2", "world4", "world8"]
 )
@@ -229,6 +223,7 @@ def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
 GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 
 
+@pytest.mark.slow
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (docs/parallel.md's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
