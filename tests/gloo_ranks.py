@@ -46,18 +46,19 @@ def run_ranks(check, world: int, tmp_path, *args, timeout_s: int = 120) -> None:
     _launch(world, pickle.dumps((_rank, (check, world, init, args, timeout_s))))
 
 
-def run_forked(fn, calls: list[tuple], workers: int = 2) -> list:
+def run_forked(fn, calls: list[tuple], workers: int = 2, keep_errors: bool = False) -> list:
     """[fn(*call) for call in calls], the calls shared by `workers` processes forked as the ranks are
     (no process group; each takes the next call not yet taken, seeded 0 as a test starts; torch
-    threads split between them).
-    For single-process work that would leave a core idle (fake-tensor dry runs, the Triton
-    interpreter); `fn` must be module-level and its results picklable."""
+    threads split between them).  For single-process work that would leave a core idle (fake-tensor
+    dry runs, the Triton interpreter); `fn` must be module-level and its results picklable.  A call
+    that raises fails the whole call, or with `keep_errors` leaves a `CallFailed` in its place (the
+    others still run): `result(x)` raises it where the result is used."""
     workers = max(1, min(workers, len(calls)))
     with tempfile.TemporaryDirectory(prefix="forked-") as out:
         if os.environ.get("GLOO_RANKS_SPAWN") == "1":
-            _worker(0, 1, fn, calls, out)
+            _worker(0, 1, fn, calls, out, keep_errors)
         else:
-            _launch(workers, pickle.dumps((_worker, (workers, fn, calls, out))))
+            _launch(workers, pickle.dumps((_worker, (workers, fn, calls, out, keep_errors))))
         results = []
         for i in range(len(calls)):
             with open(os.path.join(out, f"{i}.pkl"), "rb") as f:
@@ -65,7 +66,32 @@ def run_forked(fn, calls: list[tuple], workers: int = 2) -> list:
         return results
 
 
-def _worker(index: int, workers: int, fn, calls: list[tuple], out: str) -> None:
+class CallFailed:
+    """A `run_forked` call that raised: its traceback."""
+
+    def __init__(self, text: str):
+        self.traceback = text
+
+
+def result(value):
+    """`value`, or the failure of the forked call that should have made it."""
+    if isinstance(value, CallFailed):
+        raise RankFailed(f"the forked call failed:\n{value.traceback}")
+    return value
+
+
+def selected(request, argname: str) -> list:
+    """The values of the parameter `argname` among the tests of the requesting module that this session
+    runs (after -k and -m): a module fixture computes only those."""
+    return [
+        item.callspec.params[argname]
+        for item in request.session.items
+        if item.module is request.module
+        and argname in getattr(getattr(item, "callspec", None), "params", {})
+    ]
+
+
+def _worker(index: int, workers: int, fn, calls: list[tuple], out: str, keep_errors: bool) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
@@ -75,9 +101,14 @@ def _worker(index: int, workers: int, fn, calls: list[tuple], out: str) -> None:
             except FileExistsError:
                 continue
             torch.manual_seed(0)
-            result = fn(*call)
+            try:
+                value = fn(*call)
+            except Exception:
+                if not keep_errors:
+                    raise
+                value = CallFailed(traceback.format_exc())
             with open(os.path.join(out, f"{i}.pkl"), "wb") as f:
-                pickle.dump(result, f)
+                pickle.dump(value, f)
     finally:
         torch.set_num_threads(threads)
 
