@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -502,12 +500,19 @@ def print_report(path, world: int) -> None:
         )
 
 
-# ------------------------------------------------------------- train.py under torchrun, world 8
+# ------------------------------------------------------------- the Trainer's run on 8 ranks
+def trainer_run_on_ranks(rank: int, world: int, overrides: list[str]) -> None:
+    """The job of `overrides` run on every rank as train.py runs it (`Trainer(job).run()`): exit 0."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    assert Trainer(compose_job(overrides)).run() == 0
+
+
 @pytest.mark.slow
-def test_torchrun_world8_folded_layout_matches_one_process(tmp_path):
-    """`torchrun --nproc-per-node 8 train.py` with attention tp2 x dp4 folded onto experts etp2 x ep2 x edp2
-    (FSDP2 over both), 5 steps: the logged per-step losses and the exported Hugging Face weights equal a
-    one-process run's (1e-5 relative); the run also writes its final DCP checkpoint."""
+def test_world8_folded_layout_run_matches_one_process(tmp_path, capfd):
+    """8 gloo ranks running the job as train.py does, attention tp2 x dp4 folded onto experts etp2 x ep2 x
+    edp2 (FSDP2 over both), 5 steps: the logged per-step losses and the exported Hugging Face weights
+    equal a one-process run's (1e-5 relative); the run also writes its final DCP checkpoint.  (train.py
+    itself under torchrun on 8 processes: test_pipeline.py's gb200_3d.)"""
     shards = str(ensure_sample()[0])
     common = [
         f"data.shards={shards}",
@@ -538,36 +543,19 @@ def test_torchrun_world8_folded_layout_matches_one_process(tmp_path):
         "parallel.dp_mode=fsdp",
         "model.dispatcher=alltoall",
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "8",
-            str(REPO / "train.py"),
-            *common,
-            *layout,
-            f"train.run_dir={tmp_path / 'eight'}",
-            f"train.export_hf={tmp_path / 'eight_hf'}",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
+    dirs = [f"train.run_dir={tmp_path / 'eight'}", f"train.export_hf={tmp_path / 'eight_hf'}"]
+    (tmp_path / "launch").mkdir()
+    capfd.readouterr()
+    run_ranks(
+        trainer_run_on_ranks, 8, tmp_path / "launch", 8, [*common, *layout, *dirs], timeout_s=300
     )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in proc.stdout
+    out = "".join(capfd.readouterr())  # the ranks' stdout and stderr
+    assert "world 8 = pp 1 x dp 4 x cp 1 x tp 2 = pp 1 x edp 2 x ep 2 x etp 2" in out, out[-4000:]
     # FSDP2's warning on the experts' output (grouped_gemm.py)
-    assert "returned a view tensor" not in proc.stdout
+    assert "returned a view tensor" not in out
     loss_err, param_err = runs_agree(tmp_path, steps=5)
     print(
-        f"world 8 torchrun [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}"
+        f"world 8 [{' '.join(layout)}]: 5 steps, max rel err loss {loss_err:.1e} params {param_err:.1e}"
     )
     assert loss_err <= TOL and param_err <= TOL
     assert (tmp_path / "eight" / "checkpoints").is_dir()
