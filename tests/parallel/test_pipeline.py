@@ -227,7 +227,8 @@ GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (docs/parallel.md's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
-    Hugging Face weights (gathered from both stages) equal one process's (1e-5): with the default data
+    Hugging Face weights (gathered from both stages) equal one process's (the job run in this process,
+    1e-5): with the default data
     streams every layout trains on the same rows.  (A third launch, the recipe as plain FSDP dp8 x ep8,
     was dropped to save 25 s of the suite: other world-8 launches compare folded layouts with one process,
     test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
@@ -265,24 +266,23 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
         "8",
         str(REPO / "train.py"),
     ]
-    runs = {
-        "one": [sys.executable, str(REPO / "train.py"), *one],
-        "eight": [*torchrun, *common],
+    # one process: the job as train.py runs it, in this process
+    dirs = {
+        name: [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
+        for name in ("one", "eight")
     }
-    out = {}
-    for name, cmd in runs.items():
-        dirs = [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
-        proc = subprocess.run(
-            [*cmd, *dirs],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        out[name] = proc.stdout
+    assert Trainer(compose_job([*one, *dirs["one"]])).run() == 0
+    proc = subprocess.run(
+        [*torchrun, *common, *dirs["eight"]],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    out = {"eight": proc.stdout}
     assert "pipeline: 1f1b, pp 2 x vpp 1 = 2 stages, 4 micro-batches per step" in out["eight"]
     assert "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1" in out["eight"]
     loss_err, param_err = runs_agree(tmp_path, steps=3)
