@@ -229,9 +229,8 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
     Hugging Face weights (gathered from both stages) equal one process's (the job run in this process,
     1e-5): with the default data streams every layout trains on the same rows.  (A third launch, the
-    recipe as plain FSDP dp8 x ep8,
-    was dropped to save 25 s of the suite: other world-8 launches compare folded layouts with one process,
-    test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
+    recipe as plain FSDP dp8 x ep8, was dropped to save 25 s of the suite: other world-8 launches
+    compare folded layouts with one process, test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
     readme = " ".join((REPO / "docs/parallel.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     # eps raised as in test_layouts (UNCLIPPED_EPS: this job is not clipped): with the CPU lr (2e-3) and a
