@@ -369,6 +369,7 @@ def test_bad_inputs_are_named(gen):
         fg.fp8_grouped_dgrad(xq, xs, wq, ws, c)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Every autotune config compiles for sm_90 with ptxas into fp8 wgmma, within an H100's shared memory."""
     stdout = run_compile_script(__file__)

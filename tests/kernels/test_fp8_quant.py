@@ -460,6 +460,7 @@ def test_imports_without_triton():
     assert "needs the `triton` package (pip install triton)" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_with_ieee_division():
     """The interpreter never compiles: compile every kernel variant for sm_90 (ptxas, no GPU) and check the PTX
     divides with IEEE `div.rn.f32` (never the approximate `div.full`), flushes no subnormals and fuses no FMA,

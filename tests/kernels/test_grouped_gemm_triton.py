@@ -180,6 +180,7 @@ def test_registry_without_triton():
     assert "triton" in GROUPED_GEMMS
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The GPU path (bf16 straight into tl.dot, software pipelining) compiles for sm_90 with ptxas: the interpreter
     never compiles, so this is what catches GPU-only compile errors on CPU."""

@@ -26,7 +26,7 @@ COMMON = [
 ]
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute):
     job = compose_job(
         COMMON

@@ -8,7 +8,7 @@ package is absent (deep_ep) runs with moevlm's TEST EMULATOR of that package (te
 which follows the real one's API but says nothing of its speed.  The forward on fake CUDA runs the
 recipe's model as one process (its kernels' and attention's CUDA paths at the real widths; the
 multi-rank parts need CUDA streams a CPU build lacks: moevlm.plan.fake).  The recipes run in two
-forked workers; the three smallest stay in the fast tier."""
+forked workers; two of the smallest stay in the fast tier."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def shallow(name: str) -> list[str]:
 
 
 # the recipes whose dry runs take seconds, not tens: the fast tier's
-FAST = ("h100_1gpu", "h200_1gpu", "sweep_tuning")
+FAST = ("h100_1gpu", "sweep_tuning")
 
 
 @pytest.fixture(scope="module")
