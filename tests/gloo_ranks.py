@@ -9,8 +9,11 @@ Rank i is forked from launcher i: a process of the test session that imported to
 and then only waits (one thread, no op run, no process group), so a launch costs a fork, not an
 interpreter start and `import torch` per rank.  One launcher per rank index keeps what separate
 interpreters differ in (the str hash seed); each rank is given the test's environment, sys.path, cwd,
-stdout and stderr at launch time, and fresh torch, numpy and random seeds.  The launchers restart
-when the environment changes and end with the session.  GLOO_RANKS_SPAWN=1 launches with mp.spawn.
+stdout and stderr at launch time, and fresh torch, numpy and random seeds (numpy's BLAS runs one
+thread, as torch's ops do in a rank).  The launchers restart when the environment changes and end
+with the session.  GLOO_RANKS_SPAWN=1 launches with mp.spawn (and runs run_forked's calls in turn).
+
+    run_forked(fn, [(a,), (b,)])   # [fn(a), fn(b)], shared by two forked workers (no process group)
 """
 
 import atexit
@@ -158,7 +161,9 @@ PRELOAD = (
     "moevlm.plan.measure",
     "moevlm.dispatch.alltoall",
 )
-_VOLATILE = ("PYTEST_CURRENT_TEST",)  # environment that changes per test and is read at no import
+# environment read when used, not at import (the ranks are given the session's at launch time): a
+# change of any other variable restarts the launchers.  The trainer sets CUBLAS_WORKSPACE_CONFIG.
+_VOLATILE = ("PYTEST_CURRENT_TEST", "CUBLAS_WORKSPACE_CONFIG")
 _launchers: list = []
 _launchers_env: dict = {}
 
@@ -279,7 +284,11 @@ def _serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     for name in PRELOAD:
         __import__(name)
-    errors = tempfile.mkdtemp(prefix="gloo-ranks-")
+    with tempfile.TemporaryDirectory(prefix="gloo-ranks-") as errors:
+        _serve_requests(sock, errors)
+
+
+def _serve_requests(sock: socket.socket, errors: str) -> None:
     while True:
         try:
             message, fds = _read_message(sock, fds=2)
