@@ -267,5 +267,6 @@ def _four_rank_checks_etp(rank):
     _check_exchange_over_one_rank(rank, torch.randn(E, D, D, generator=gen) / D**0.5)
 
 
+@pytest.mark.slow
 def test_four_ranks_ep4_and_ep2_match_local(tmp_path):
     run_ranks(_four_rank_checks, 4, tmp_path)

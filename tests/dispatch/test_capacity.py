@@ -185,6 +185,7 @@ def _two_rank_checks(rank, out_dir):
     Path(out_dir, f"errors_rank{rank}.json").write_text(json.dumps(errors))
 
 
+@pytest.mark.slow
 def test_two_ranks_capacity_matches_dropless_and_drops_exactly(tmp_path):
     run_ranks(_two_rank_checks, 2, tmp_path, str(tmp_path))
     worst = {}
@@ -205,6 +206,7 @@ FAST = [
 ]
 
 
+@pytest.mark.slow
 def test_trainer_logs_dropped_tokens_and_error_mode_fails(tmp_path):
     from moevlm.train.trainer import Trainer
 

@@ -396,6 +396,7 @@ def _four_ranks(rank, emulator, out):
     write_max_over_ranks(worst, out)
 
 
+@pytest.mark.slow
 def test_deepep_equals_alltoall_on_4_and_2_ranks(tmp_path):
     out = tmp_path / "errors.json"
     run_ranks(_four_ranks, 4, tmp_path, str(EMULATOR), str(out))

@@ -102,7 +102,10 @@ def _rel(got, want):
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the grouped case in the fast tier, the others in the slow one
+@pytest.mark.parametrize(
+    "case", [c if c == "grouped" else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 @pytest.mark.parametrize("op", ["mm", "dgrad", "wgrad"])
 def test_triton_matches_emulation(op, case, gen):
     counts = CASES[case]
@@ -366,6 +369,7 @@ def test_bad_inputs_are_named(gen):
         fg.fp8_grouped_dgrad(xq, xs, wq, ws, c)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Every autotune config compiles for sm_90 with ptxas into fp8 wgmma, within an H100's shared memory."""
     stdout = run_compile_script(__file__)

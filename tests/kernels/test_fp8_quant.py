@@ -74,7 +74,10 @@ def data(shape, tile, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["scale", "pow2"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# fp32 in the fast tier, bf16 in the slow one
+@pytest.mark.parametrize(
+    "dtype", [DTYPES[0], *(pytest.param(d, marks=pytest.mark.slow) for d in DTYPES[1:])], ids=str
+)
 @pytest.mark.parametrize("layout", ["act", "act_t", "weight", "weight_E"])
 def test_blockwise_triton_matches_torch(layout, dtype, pow2, seed):
     if layout == "act":
@@ -457,6 +460,7 @@ def test_imports_without_triton():
     assert "needs the `triton` package (pip install triton)" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_with_ieee_division():
     """The interpreter never compiles: compile every kernel variant for sm_90 (ptxas, no GPU) and check the PTX
     divides with IEEE `div.rn.f32` (never the approximate `div.full`), flushes no subnormals and fuses no FMA,

@@ -79,7 +79,15 @@ def _compare(got, want, tol, what):
     print(f"max |err| {what}: out {errs[0]:.3g}  dx {errs[1]:.3g}  dw {errs[2]:.3g}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+# fp32 in the fast tier, the 2-byte types in the slow one
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        *(pytest.param(d, marks=pytest.mark.slow) for d in (torch.float16, torch.bfloat16)),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "empty_M"])
 def test_matches_loop_reference(case, dtype, gen):
     counts = _counts(case, gen)
@@ -172,6 +180,7 @@ def test_registry_without_triton():
     assert "triton" in GROUPED_GEMMS
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The GPU path (bf16 straight into tl.dot, software pipelining) compiles for sm_90 with ptxas: the interpreter
     never compiles, so this is what catches GPU-only compile errors on CPU."""

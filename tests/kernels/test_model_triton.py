@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_ranks import run_forked
 
 from moevlm.config import compose_job
 from moevlm.data.sample_cache import ensure_sample
@@ -53,10 +54,17 @@ def _train(shards, run_dir, kernels: list[str], steps: int = 2) -> dict:
         tr.close()
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_with_triton_and_matches_loop(tmp_path):
     shards = ensure_sample()[0]
-    ref = _train(shards, tmp_path / "loop", ["model.grouped_gemm=loop", "model.permute=torch"])
-    got = _train(shards, tmp_path / "triton", ["model.grouped_gemm=triton", "model.permute=triton"])
+    # the two runs side by side, in two forked workers (one torch thread each)
+    ref, got = run_forked(
+        _train,
+        [
+            (shards, tmp_path / "loop", ["model.grouped_gemm=loop", "model.permute=torch"]),
+            (shards, tmp_path / "triton", ["model.grouped_gemm=triton", "model.permute=triton"]),
+        ],
+    )
     for a, b in zip(got["losses"], ref["losses"]):
         assert a == pytest.approx(b, rel=1e-5)
     # per tensor: L2 of the difference over L2 of the reference (as tests/parallel/test_layouts.py)

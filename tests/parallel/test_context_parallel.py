@@ -1,34 +1,29 @@
 """Context parallel trains exactly the step one process trains, on real packed rows with images.
 
-The same machinery as test_layouts.py: one reference run (one process, tiny model, the embedded sample
+The same machinery as test_layouts.py, and its reference runs (one process, tiny model, the embedded sample
 set, fp32, AdamW, clipping, aux loss on), then each layout through the real Trainer on gloo ranks:
 per-step loss, gathered gradients of every step and the parameters after the last update, each within
 1e-5 relative (AdamW's eps raised as there, so that the parameters do not depend on the CPU kind).
 World 2: cp2 (allgather, ring), cp2 x ep2 (all-to-all dispatch of each cp shard's tokens), cp2 with
 full and with selective recompute.  World 4: cp4 (ring), cp2 x tp2 (the sequence over cp x tp),
-cp2 x dp2 (FSDP2 over dp x cp), cp2 x pp2 (pipeline stages pass the cp shard).  Then
-`torchrun --nproc-per-node 4 train.py parallel.cp=2 parallel.tp=2` against one process.  The errors per
-layout go to <tmp>/cp_w<world>.json and are printed.
+cp2 x dp2 (FSDP2 over dp x cp), cp2 x pp2 (pipeline stages pass the cp shard).  Then the job of
+`train.py parallel.cp=2 parallel.tp=2` run on 4 ranks against one process.  The errors per layout go to
+<tmp>/cp_w<world>.json and are printed.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-import torch
 from gloo_ranks import run_ranks
 from test_layouts import (
-    REPO,
     TOL,
     UNCLIPPED_EPS,
     check_layouts,
     print_report,
-    router_references,
-    run_job,
     runs_agree,
+    trainer_run_on_ranks,
     with_options,
 )
 
@@ -60,15 +55,6 @@ WORLD_4 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp")
-    shards = str(ensure_sample()[0])
-    torch.save(run_job(shards, str(tmp / "ref"), ["VAL"]), tmp / "ref.pt")
-    router_references(shards, tmp, names=("sequence", "forced"))
-    return tmp, shards
-
-
 def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     check_layouts(
@@ -76,19 +62,22 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[s
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,layouts", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
-def test_context_parallel_matches_one_process(reference, world, layouts):
-    tmp, shards = reference
-    launch = tmp / f"launch_w{world}"
+def test_context_parallel_matches_one_process(layout_references, world, layouts):
+    """Against test_layouts.py's references (tests/parallel/conftest.py): the same jobs."""
+    tmp, shards = layout_references
+    launch = tmp / f"cp_launch_w{world}"
     launch.mkdir()
     run_ranks(_on_ranks, world, launch, world, shards, str(tmp), layouts, timeout_s=300)
     print_report(tmp / f"cp_w{world}.json", world)
 
 
-def test_torchrun_cp2_tp2_matches_one_process(reference, tmp_path):
-    """`torchrun --standalone --nproc-per-node 4 train.py parallel.cp=2 parallel.tp=2`, 3 steps of the
+@pytest.mark.slow
+def test_cp2_tp2_run_matches_one_process(tmp_path, capfd):
+    """`parallel.cp=2 parallel.tp=2` on 4 gloo ranks running the job as train.py does, 3 steps of the
     embedded default: logged losses and exported weights equal one process's (1e-5 relative)."""
-    _, shards = reference
+    shards = str(ensure_sample()[0])
     common = [
         f"data.shards={shards}",
         "data.num_workers=0",
@@ -109,35 +98,18 @@ def test_torchrun_cp2_tp2_matches_one_process(reference, tmp_path):
         )
     )
     assert one.run() == 0
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(REPO / "train.py"),
-            *common,
-            "parallel.cp=2",
-            "parallel.tp=2",
-            f"train.run_dir={tmp_path / 'eight'}",
-            f"train.export_hf={tmp_path / 'eight_hf'}",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
+    layout = ["parallel.cp=2", "parallel.tp=2"]
+    dirs = [f"train.run_dir={tmp_path / 'eight'}", f"train.export_hf={tmp_path / 'eight_hf'}"]
+    (tmp_path / "launch").mkdir()
+    capfd.readouterr()
+    run_ranks(
+        trainer_run_on_ranks, 4, tmp_path / "launch", 4, [*common, *layout, *dirs], timeout_s=300
     )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "world 4 = pp 1 x dp 1 x cp 2 x tp 2" in proc.stdout
+    out = "".join(capfd.readouterr())  # the ranks' stdout and stderr
+    assert "world 4 = pp 1 x dp 1 x cp 2 x tp 2" in out, out[-4000:]
     loss_err, param_err = runs_agree(tmp_path, steps=3)
     print(
-        f"torchrun world 4 [parallel.cp=2 parallel.tp=2]: 3 steps, max rel err loss {loss_err:.1e} "
+        f"world 4 [parallel.cp=2 parallel.tp=2]: 3 steps, max rel err loss {loss_err:.1e} "
         f"params {param_err:.1e}"
     )
     assert loss_err <= TOL and param_err <= TOL

@@ -311,6 +311,7 @@ def _two_ranks(rank: int, shards: str, tmp: str) -> None:
             json.dump(report, f)
 
 
+@pytest.mark.slow
 def test_overlap_equals_plain_ep2(tmp_path):
     shards = str(ensure_sample()[0])
     run_ranks(_two_ranks, 2, tmp_path, shards, str(tmp_path), timeout_s=300)
@@ -344,6 +345,7 @@ def _four_ranks(rank: int, shards: str, tmp: str) -> None:
             json.dump(report, f)
 
 
+@pytest.mark.slow
 def test_overlap_equals_plain_pp2_ep2(tmp_path):
     run_ranks(_four_ranks, 4, tmp_path, str(ensure_sample()[0]), str(tmp_path), timeout_s=300)
     t = json.loads((tmp_path / "ep_overlap_pp.json").read_text())["pp2_ep2"]

@@ -76,6 +76,7 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, ref_path: str):
             json.dump(report, f, indent=1)
 
 
+@pytest.mark.slow
 def test_fp8_layouts_match_one_process(reference):
     tmp, shards, ref = reference
     launch = tmp / "launch"

@@ -284,6 +284,7 @@ def _mesh_checks(rank: int, world: int) -> None:
     )
 
 
+@pytest.mark.slow
 def test_device_meshes_match_the_arithmetic(tmp_path):
     """torch's meshes and process groups equal ParallelDims.groups, with and without replicas; under HSDP
     FSDP2 shards with (Replicate, Shard) on the 2-D meshes."""

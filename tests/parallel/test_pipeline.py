@@ -33,10 +33,9 @@ from test_layouts import (
     UNCLIPPED_EPS,
     check_layouts,
     job_overrides,
+    one_process_references,
     print_report,
     rel,
-    router_references,
-    run_job,
     runs_agree,
     with_options,
 )
@@ -62,18 +61,12 @@ def pipe_model() -> VLMConfig:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """ref.pt (validating after every step, test_layouts.VAL), ref_global.pt, ref_sequence.pt and the
+    initial weights as a Hugging Face folder (init_hf, for a layout that starts from one)."""
     tmp = tmp_path_factory.mktemp("pipeline")
     shards = str(ensure_sample()[0])
     (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
-    model = MODEL.replace("@TMP", str(tmp))
-    # the reference's initial
-    init = Trainer(compose_job(job_overrides(shards, str(tmp / "init"), [model])))
-    # weights, for a layout that starts from a Hugging Face folder
-    init.model.save_pretrained(tmp / "init_hf")
-    init.close()
-    # validating after every step (test_layouts.VAL)
-    torch.save(run_job(shards, str(tmp / "ref"), [MODEL, "VAL"]), tmp / "ref.pt")
-    router_references(shards, tmp, [MODEL], names=("global", "sequence"))
+    one_process_references(shards, tmp, [MODEL], names=("global", "sequence"), init=True)
     return tmp, shards
 
 
@@ -189,6 +182,7 @@ def _nonfinite_on_one_stage_skips_on_every_stage(rank: int, shards: str, tmp: st
         tr.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,layouts", [(2, WORLD_2), (4, WORLD_4), (8, WORLD_8)], ids=["world2", "world4", "world8"]
 )
@@ -229,13 +223,14 @@ def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):
 GB200_3D_CPU = ["+experiment=gb200_3d", "+scale=cpu"]
 
 
+@pytest.mark.slow
 def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
     """`torchrun --nproc-per-node 8 train.py +experiment=gb200_3d ...` (docs/parallel.md's command; pp2 x dp2 x tp2
     folded onto ep4, FSDP2, 1f1b) for 3 steps: it logs the pipeline plan, its losses and its exported
-    Hugging Face weights (gathered from both stages) equal one process's (1e-5): with the default data
-    streams every layout trains on the same rows.  (A third launch, the recipe as plain FSDP dp8 x ep8,
-    was dropped to save 25 s of the suite: other world-8 launches compare folded layouts with one process,
-    test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
+    Hugging Face weights (gathered from both stages) equal one process's (the job run in this process,
+    1e-5): with the default data streams every layout trains on the same rows.  (A third launch, the
+    recipe as plain FSDP dp8 x ep8, was dropped to save 25 s of the suite: other world-8 launches
+    compare folded layouts with one process, test_layouts.py's etp2 x ep2 x edp2 and WORLD_8 here.)"""
     readme = " ".join((REPO / "docs/parallel.md").read_text().replace("\\\n", " ").split())
     assert "torchrun --standalone --nproc-per-node 8 train.py " + " ".join(GB200_3D_CPU) in readme
     # eps raised as in test_layouts (UNCLIPPED_EPS: this job is not clipped): with the CPU lr (2e-3) and a
@@ -270,24 +265,23 @@ def test_gb200_3d_scaled_down_runs_to_one_process_losses(tmp_path):
         "8",
         str(REPO / "train.py"),
     ]
-    runs = {
-        "one": [sys.executable, str(REPO / "train.py"), *one],
-        "eight": [*torchrun, *common],
+    # one process: the job as train.py runs it, in this process
+    dirs = {
+        name: [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
+        for name in ("one", "eight")
     }
-    out = {}
-    for name, cmd in runs.items():
-        dirs = [f"train.run_dir={tmp_path / name}", f"train.export_hf={tmp_path / (name + '_hf')}"]
-        proc = subprocess.run(
-            [*cmd, *dirs],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        out[name] = proc.stdout
+    assert Trainer(compose_job([*one, *dirs["one"]])).run() == 0
+    proc = subprocess.run(
+        [*torchrun, *common, *dirs["eight"]],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    out = {"eight": proc.stdout}
     assert "pipeline: 1f1b, pp 2 x vpp 1 = 2 stages, 4 micro-batches per step" in out["eight"]
     assert "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1" in out["eight"]
     loss_err, param_err = runs_agree(tmp_path, steps=3)

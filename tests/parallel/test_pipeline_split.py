@@ -197,6 +197,7 @@ def test_tied_embeddings_are_refused_across_stages():
         _plan(cfg)
 
 
+@pytest.mark.slow
 def test_train_py_refuses_a_pipeline_mistake_before_allocating(tmp_path):
     """Through train.py (WORLD_SIZE set as torchrun would): exit 2, the message only, no run directory."""
     env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")

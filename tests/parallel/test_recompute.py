@@ -215,6 +215,7 @@ def _tp2_ep2(rank: int) -> None:
     assert counts["selective"][1] == counts["none"][1] == counts["full"][1], counts
 
 
+@pytest.mark.slow
 def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
     """tp2 x ep2 (FSDP, all-to-all) against one process, then pp2 stages through the Trainer."""
     from moevlm.data.sample_cache import ensure_sample

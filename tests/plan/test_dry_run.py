@@ -26,7 +26,7 @@ COMMON = [
 ]
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute):
     job = compose_job(
         COMMON
@@ -80,16 +80,24 @@ def _measure_layouts(rank: int, tmp: str) -> None:
             json.dump(got, f)
 
 
+def _plan_layout(name: str, run_dir: str, rank: int):
+    return dry_run(_layout_job(name, run_dir), rank=rank, bf16=False)
+
+
+@pytest.mark.slow
 def test_four_rank_layouts_bytes_and_collectives_equal_the_real_run(tmp_path):
     import json
 
-    from gloo_ranks import run_ranks
+    from gloo_ranks import run_forked, run_ranks
 
     run_ranks(_measure_layouts, 4, tmp_path, str(tmp_path), timeout_s=300)
+    # the dry runs of every (layout, rank), in two forked workers
+    calls = [(name, str(tmp_path / "plan"), rank) for name in LAYOUTS for rank in range(4)]
+    plans = dict(zip(((c[0], c[2]) for c in calls), run_forked(_plan_layout, calls)))
     for name in LAYOUTS:
         for rank in range(4):
             real = json.loads((tmp_path / f"{name}.{rank}.json").read_text())
-            plan = dry_run(_layout_job(name, str(tmp_path / "plan")), rank=rank, bf16=False)
+            plan = plans[name, rank]
             where = f"{name} rank {rank}"
             assert plan.params_bytes == real["params_bytes"], where
             assert plan.optimizer_bytes == real["optimizer_bytes"], where
@@ -121,18 +129,28 @@ def test_four_rank_layouts_bytes_and_collectives_equal_the_real_run(tmp_path):
     ), comm
 
 
+def _short_and_full(run_dir: str, layout: list[str], rank: int, every: bool):
+    job = compose_job(
+        COMMON
+        + [f"train.run_dir={run_dir}", "parallel.world_size=2", "data.streams=2"]
+        + ["train.global_batch_size=8", *layout]
+    )
+    return dry_run(job, rank=rank, bf16=False, every_micro_batch=every)
+
+
+@pytest.mark.slow
 def test_micro_batches_not_run_are_extrapolated_exactly(tmp_path):
     """A step's later micro-batches repeat: the dry run runs two (no pipeline) or two short schedules
     (pipeline) and extrapolates; running every micro-batch gives the same bytes and peak."""
-    for layout in (["parallel.ep=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.dp_mode=ddp"]):
-        job = compose_job(
-            COMMON
-            + [f"train.run_dir={tmp_path}", "parallel.world_size=2", "data.streams=2"]
-            + ["train.global_batch_size=8", *layout]
-        )
+    from gloo_ranks import run_forked
+
+    layouts = (["parallel.ep=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.dp_mode=ddp"])
+    # every dry run, in two forked workers (the longer, every micro-batch, first)
+    calls = [(str(tmp_path), x, r, e) for e in (True, False) for x in layouts for r in (0, 1)]
+    runs = dict(zip(((str(c[1]), c[2], c[3]) for c in calls), run_forked(_short_and_full, calls)))
+    for layout in layouts:
         for rank in (0, 1):
-            short = dry_run(job, rank=rank, bf16=False)
-            full = dry_run(job, rank=rank, bf16=False, every_micro_batch=True)
+            short, full = runs[str(layout), rank, False], runs[str(layout), rank, True]
             assert short.comm_bytes == full.comm_bytes and short.comm_bytes, (layout, rank)
             # the peak to within bytes (scalars kept per micro-batch round differently)
             assert abs(short.peak_bytes - full.peak_bytes) <= 1e-4 * full.peak_bytes, (layout, rank)

@@ -28,11 +28,10 @@ OFFLOAD = "parallel.optimizer_offload=true"
 @pytest.mark.parametrize(
     "layout,world,kind",
     [
-        ([], 1, "host"),
-        (["parallel.dp_mode=ddp"], 2, "host"),
-        (["parallel.dp_mode=fsdp"], 2, "fsdp"),
+        pytest.param([], 1, "host", id="one_process"),
+        pytest.param(["parallel.dp_mode=ddp"], 2, "host", id="ddp_dp2", marks=pytest.mark.slow),
+        pytest.param(["parallel.dp_mode=fsdp"], 2, "fsdp", id="fsdp_dp2", marks=pytest.mark.slow),
     ],
-    ids=["one_process", "ddp_dp2", "fsdp_dp2"],
 )
 def test_offload_moves_bytes_to_the_host_and_lowers_the_device_peak(layout, world, kind):
     off = dry_run(compose_job(COMMON + layout), world=world, bf16=False)

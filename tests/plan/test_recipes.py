@@ -7,7 +7,8 @@ printed in docs/plans.md (`python -m moevlm.plan +experiment=NAME`).  A recipe w
 package is absent (deep_ep) runs with moevlm's TEST EMULATOR of that package (tests/dispatch/),
 which follows the real one's API but says nothing of its speed.  The forward on fake CUDA runs the
 recipe's model as one process (its kernels' and attention's CUDA paths at the real widths; the
-multi-rank parts need CUDA streams a CPU build lacks: moevlm.plan.fake)."""
+multi-rank parts need CUDA streams a CPU build lacks: moevlm.plan.fake).  The recipes run in two
+forked workers; two of the smallest stay in the fast tier."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import result, run_forked, selected
 
 from moevlm.config import compose_job, validate
 from moevlm.plan.dry_run import forward_on_fake_cuda
@@ -40,27 +42,26 @@ def shallow(name: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_recipe_dry_run(name, monkeypatch, request):
+# the recipes whose dry runs take seconds, not tens: the fast tier's
+FAST = ("h100_1gpu", "sweep_tuning")
+
+
+@pytest.fixture(scope="module")
+def computed(request):
+    """Each selected recipe's plan and forward on fake CUDA, in two forked workers (the largest first)."""
+    names = sorted(selected(request, "name"), key=lambda n: (n in FAST, n))
+    return dict(zip(names, run_forked(_plan_and_forward, [(n,) for n in names], keep_errors=True)))
+
+
+def _plan_and_forward(name: str) -> tuple[dict, dict]:
+    """make_plan at the recipe's launch size and the one-process forward on fake CUDA."""
     overrides = shallow(name)
     job = compose_job(overrides)
     emulator = EMULATORS.get(job.model.dispatcher)
-    if emulator is not None:
-        request.addfinalizer(lambda: sys.modules.pop("deep_ep", None))  # the emulator stays here
-        monkeypatch.syspath_prepend(str(emulator))
-        monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
-    world = job.parallel.world_size or 1
-    out = make_plan(job, world, "gb200")
-    plan = validate(job, world, environment=False)
-    assert [r["rank"] for r in out["ranks"]] == role_ranks(plan)
-    for r in out["ranks"]:
-        assert 0 < r["params_bytes"] == r["grads_bytes"] < r["peak_bytes"]
-        assert r["optimizer_bytes"] >= 2 * r["params_bytes"]
-        assert r["activation_peak_bytes"] > 0
-        if world > 1:
-            assert r["comm_bytes"], name
-    if plan.dims.ep > 1:  # the token exchange is counted on the expert-parallel group
-        assert any("ep" in group.split("/") for group in out["ranks"][0]["comm_bytes"]), name
+    path = list(sys.path)
+    if emulator is not None:  # this worker's deep_ep is the emulator, for this recipe only
+        sys.path.insert(0, str(emulator))
+        sys.modules.pop("deep_ep", None)
     one = compose_job(
         overrides
         + [
@@ -72,5 +73,28 @@ def test_recipe_dry_run(name, monkeypatch, request):
         ]
         + ["model.dispatcher=auto"]
     )
-    found = forward_on_fake_cuda(one)
+    try:
+        return make_plan(job, job.parallel.world_size or 1, "gb200"), forward_on_fake_cuda(one)
+    finally:
+        sys.path[:] = path
+        sys.modules.pop("deep_ep", None)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in RECIPES]
+)
+def test_recipe_dry_run(name, computed):
+    job = compose_job(shallow(name))
+    world = job.parallel.world_size or 1
+    out, found = result(computed[name])
+    plan = validate(job, world, environment=False)
+    assert [r["rank"] for r in out["ranks"]] == role_ranks(plan)
+    for r in out["ranks"]:
+        assert 0 < r["params_bytes"] == r["grads_bytes"] < r["peak_bytes"]
+        assert r["optimizer_bytes"] >= 2 * r["params_bytes"]
+        assert r["activation_peak_bytes"] > 0
+        if world > 1:
+            assert r["comm_bytes"], name
+    if plan.dims.ep > 1:  # the token exchange is counted on the expert-parallel group
+        assert any("ep" in group.split("/") for group in out["ranks"][0]["comm_bytes"]), name
     assert found["loss_device"] == torch.device("cuda", 0) and found["loss_dtype"] == torch.float32

@@ -11,6 +11,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from gloo_ranks import result, run_forked, selected
 from omegaconf import OmegaConf
 
 from moevlm.config import compose_job, validate
@@ -76,33 +77,70 @@ def test_candidates_cover_the_space_and_invalid_ones_carry_validates_first_line(
 RC = ("none", "selective", "full")
 
 
-@pytest.mark.parametrize(
-    "layout, tolerance",
-    [
-        (Layout(1, 1, 1, 1, 2, 1, "fsdp", "none", 1), 0),
-        (Layout(2, 1, 1, 1, 2, 1, "ddp", "selective", 1), 0),
-        (Layout(1, 1, 2, 1, 2, 1, "fsdp", "full", 1), 1e-4),
-        (Layout(1, 1, 2, 2, 2, 1, "fsdp", "none", 1), 1e-2),
-    ],
-    ids=["fsdp-ep2", "ddp-tp2", "pp2-1f1b", "pp2-interleaved"],
-)
-def test_extrapolation_matches_a_direct_dry_run_at_another_depth(layout, tolerance):
-    """Fits at 1 and 2 layers with a one-block tower, the tower's term at 1 layer (without stages
-    that of the ep=1 twin, computed first), evaluated at 6 layers against the direct run: every byte
-    equal without stages; pipelines within the module docstring's tolerances on the peak (1f1b: a
-    few hundred bytes; interleaved: the tower's term is measured with one layer on rank 0's second
-    stage, and it shifts a little with that stage's layers), everything else equal."""
+# ------------------------------------------------------------------ the dry runs, in two processes
+@pytest.fixture(scope="module")
+def computed(request):
+    """What the module's tests run dry (the searches of `ranked`, each extrapolation, the pipeline's
+    vision term), for the tests this session runs only, shared by two forked workers; each test asserts
+    on its own part (`result` re-raises a part that failed)."""
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    ranked = {
+        "test_search_ranks_by_the_step_model_and_rejects_what_does_not_fit",
+        "test_format_search_prints_the_top_table_and_the_rejection_summary",
+    }
+    # the longest first (the searches), so that the two workers end together
+    work = [("ranked",)] * bool(names & ranked)
+    work += [("vision",)] * (
+        "test_a_pipelines_vision_term_comes_first_and_can_reject_its_whole_key" in names
+    )
+    work += [(key,) for key in selected(request, "layout")]
+    return dict(zip((w[0] for w in work), run_forked(_compute, work, keep_errors=True)))
+
+
+def _compute(key):
+    if key == "ranked":
+        return _ranked()
+    if key == "vision":
+        return _vision_term()
+    return _extrapolation(key)
+
+
+EXTRAPOLATIONS = [
+    pytest.param(Layout(1, 1, 1, 1, 2, 1, "fsdp", "none", 1), 0, id="fsdp-ep2"),
+    pytest.param(Layout(2, 1, 1, 1, 2, 1, "ddp", "selective", 1), 0, id="ddp-tp2"),
+    pytest.param(Layout(1, 1, 2, 1, 2, 1, "fsdp", "full", 1), 1e-4, id="pp2-1f1b"),
+    pytest.param(Layout(1, 1, 2, 2, 2, 1, "fsdp", "none", 1), 1e-2, id="pp2-interleaved"),
+]
+
+
+def _extrapolation(layout: Layout) -> dict:
     job = tiny_job("model.num_layers=6")
     ext = Extrapolator(job, WORLD)
-    assert ext.depth == 2 and ext.reduced_vision == 1 and ext.taps == 1
+    out = {"ext": (ext.depth, ext.reduced_vision, ext.taps)}
     plan = validate(layout.apply(job, WORLD), WORLD, environment=False)
     if layout.pp == 1:  # the tower's term of the ep=1 twin serves this layout
         twin = Layout(**{**layout.__dict__, "ep": 1, "etp": 1})
         ext.estimate(twin, validate(twin.apply(job, WORLD), WORLD, environment=False))
     runs = ext.runs
-    got = ext.estimate(layout, plan)
-    assert ext.runs - runs == 2 + (layout.vpp > 1) + (layout.pp > 1)
-    direct = dry_run(layout.apply(job, WORLD), WORLD, rank=0)
+    out["got"] = ext.estimate(layout, plan)
+    out["runs"] = ext.runs - runs
+    out["direct"] = dry_run(layout.apply(job, WORLD), WORLD, rank=0)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, tolerance", EXTRAPOLATIONS)
+def test_extrapolation_matches_a_direct_dry_run_at_another_depth(computed, layout, tolerance):
+    """Fits at 1 and 2 layers with a one-block tower, the tower's term at 1 layer (without stages
+    that of the ep=1 twin, computed first), evaluated at 6 layers against the direct run: every byte
+    equal without stages; pipelines within the module docstring's tolerances on the peak (1f1b: a
+    few hundred bytes; interleaved: the tower's term is measured with one layer on rank 0's second
+    stage, and it shifts a little with that stage's layers), everything else equal."""
+    run = result(computed[layout])
+    depth, reduced_vision, taps = run["ext"]
+    assert depth == 2 and reduced_vision == 1 and taps == 1
+    got, direct = run["got"], run["direct"]
+    assert run["runs"] == 2 + (layout.vpp > 1) + (layout.pp > 1)
     assert got["peak_bytes"] == pytest.approx(direct.peak_bytes, rel=tolerance, abs=0)
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert round(got[k]) == getattr(direct, k), k
@@ -165,7 +203,11 @@ FIELDS = {"pp": [1], "tp": [1, 2, 8], "cp": [1], "ep": [1, 2], "dp_mode": ["fsdp
 
 
 @pytest.fixture(scope="module")
-def ranked():
+def ranked(computed):
+    return result(computed["ranked"])
+
+
+def _ranked():
     """Searches of one small space sharing their dry runs: exhaustive on a large GPU (every peak),
     exhaustive on a GPU that half of the no-recompute layouts fit, bounded (top 3) on that one."""
     job = tiny_job()
@@ -179,6 +221,7 @@ def ranked():
     return job, g, big, probe, full, bounded
 
 
+@pytest.mark.slow
 def test_search_ranks_by_the_step_model_and_rejects_what_does_not_fit(ranked):
     job, g, big, probe, full, bounded = ranked
     assert full.complete and bounded.complete
@@ -231,6 +274,7 @@ def _all_layouts(job):
     return enumerate_layouts(job, WORLD, space)[2]
 
 
+@pytest.mark.slow
 def test_format_search_prints_the_top_table_and_the_rejection_summary(ranked):
     *_, full, bounded = ranked
     text = format_search(bounded)
@@ -250,25 +294,41 @@ def test_format_search_prints_the_top_table_and_the_rejection_summary(ranked):
     json.dumps(full.as_dict())
 
 
-def test_a_pipelines_vision_term_comes_first_and_can_reject_its_whole_key():
-    """pp 2 (1f1b, M = 4) under ep 1 and 2, which share one vision term: measured once, and on a GPU
-    that the term alone overflows both candidates are rejected by it, without another dry run."""
+def _vision_term() -> dict:
     job = tiny_job()
     ext = Extrapolator(job, WORLD)
     fields = {"pp": [2], "vpp": [1], "tp": [1], "cp": [1], "ep": [1, 2], "recompute": ["none"]}
     big = search(job, WORLD, small_gpu(10_000), fields=fields, extrapolator=ext)
+    estimates = {}
+    for e in big.top:
+        plan = validate(e.layout.apply(job, WORLD), WORLD, environment=False)
+        estimates[e.layout] = ext.estimate(e.layout, plan)["peak_bytes"]
+    plan = validate(big.top[0].layout.apply(job, WORLD), WORLD, environment=False)
+    vision = ext.cached_vision(big.top[0].layout, plan)["peak_bytes"]
+    small = None
+    if vision > 0:
+        small = search(
+            job, WORLD, small_gpu(vision / 2**20 * 0.99), fields=fields, extrapolator=ext
+        )
+    return {"big": big, "estimates": estimates, "vision": vision, "small": small}
+
+
+@pytest.mark.slow
+def test_a_pipelines_vision_term_comes_first_and_can_reject_its_whole_key(computed):
+    """pp 2 (1f1b, M = 4) under ep 1 and 2, which share one vision term: measured once, and on a GPU
+    that the term alone overflows both candidates are rejected by it, without another dry run."""
+    run = result(computed["vision"])
+    big = run["big"]
     assert sorted(e.layout.ep for e in big.top) == [1, 2]
     assert big.dry_runs == 2 * 2 + 1  # each candidate's fit, one vision term
     for e in big.top:
-        plan = validate(e.layout.apply(job, WORLD), WORLD, environment=False)
-        assert e.peak_bytes == round(ext.estimate(e.layout, plan)["peak_bytes"])
+        assert e.peak_bytes == round(run["estimates"][e.layout])
         # torch's 1f1b on 2 ranks with 4 micro-batches idles 1 / (4 + 1) of the step
         assert e.grad_accum == 4 and e.bubble == pytest.approx(1 / 5)
         assert e.busy_s == pytest.approx((e.compute_s + e.recompute_s) / (1 - 1 / 5))
-    plan = validate(big.top[0].layout.apply(job, WORLD), WORLD, environment=False)
-    vision = ext.cached_vision(big.top[0].layout, plan)["peak_bytes"]
+    vision = run["vision"]
     assert 0 < vision < min(e.peak_bytes for e in big.top)
-    small = search(job, WORLD, small_gpu(vision / 2**20 * 0.99), fields=fields, extrapolator=ext)
+    small = run["small"]
     assert small.dry_runs == 0 and not small.top
     assert len(small.rejected) == 2
     assert all("(its vision term alone, a lower bound)" in r.reason for r in small.rejected)

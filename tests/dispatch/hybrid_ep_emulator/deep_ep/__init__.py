@@ -120,22 +120,27 @@ class HybridEPBuffer:
         map_GE = self._gather(routing_map)
         mine_GL = map_GE[:, self.rank * L : (self.rank + 1) * L]
         # permuted order: local expert, then group token (source rank, then its token order); each expert's
-        # block padded with empty rows (source -1) to a multiple of `pad`
-        src, expert = [], []
-        for e in range(L):
-            rows = torch.nonzero(mine_GL[:, e]).flatten().tolist()
-            rows += [-1] * (-len(rows) % pad)
-            src += rows
-            expert += [e] * len(rows)
-        tokens_per_expert = torch.bincount(torch.tensor(expert, dtype=torch.long), minlength=L)
-        M = len(src) if num_permuted_tokens is None else int(num_permuted_tokens)
-        overflow = torch.tensor([int(len(src) > M)], dtype=torch.int32, device=hidden.device)
+        # block padded with empty rows (source -1) to a multiple of `pad`.  Built with tensor ops and
+        # L host values (not a host list of every row: under moevlm.plan's fake tensors each host value
+        # is a dispatched op)
+        counts = mine_GL.sum(0).tolist()
+        padded = [c + (-c % pad) for c in counts]
+        total = sum(padded)
+        pick = torch.nonzero(mine_GL.t())  # (expert, group token), in that order
+        e_of, g_of = pick[:, 0], pick[:, 1]
+        block = torch.tensor([sum(padded[:e]) for e in range(L)], device=hidden.device)
+        first = torch.tensor([sum(counts[:e]) for e in range(L)], device=hidden.device)
+        at = block[e_of] + torch.arange(len(pick), device=hidden.device) - first[e_of]
+        src_all = torch.full((total,), -1, dtype=torch.long, device=hidden.device)
+        src_all[at] = g_of
+        expert = [e for e in range(L) for _ in range(padded[e])]
+        tokens_per_expert = torch.tensor(padded, dtype=torch.long)
+        M = total if num_permuted_tokens is None else int(num_permuted_tokens)
+        overflow = torch.tensor([int(total > M)], dtype=torch.int32, device=hidden.device)
         # rows past the budget are dropped (and flagged); the unused ones are never written
-        used = min(len(src), M)
-        src = (src + [-1] * M)[:M]
-        expert = (expert + [-1] * M)[:M]
-        src_M = torch.tensor(src, dtype=torch.long, device=hidden.device)
-        expert_M = torch.tensor(expert, dtype=torch.long, device=hidden.device)
+        used = min(total, M)
+        src_M = torch.cat([src_all, src_all.new_full((max(M - total, 0),), -1)])[:M]
+        expert_M = torch.tensor((expert + [-1] * M)[:M], dtype=torch.long, device=hidden.device)
         out = _rows(self._gather(hidden), src_M, used)
         out_probs = None
         if probs is not None:
