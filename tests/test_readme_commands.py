@@ -181,6 +181,7 @@ def root(tmp_path):
     return work, shims
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cmd", "code", "text"),
     [pytest.param(c, code, text, id=c) for c, (code, text) in RUN.items()] + _slow_cases(),

@@ -67,7 +67,7 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
         ["bash", str(SCRIPT), *overrides], env=env, stdout=subprocess.PIPE, text=True
     )
     if send is not None:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a hang bound, wide for a busy machine
         while not (tmp_path / "srun.ready").exists():
             assert time.monotonic() < deadline and proc.poll() is None, (
                 "the fake srun never started"
