@@ -11,10 +11,11 @@ def sample_shards():
     return ensure_sample()[0]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():
-    """One torch thread: the tiny model gains nothing from a second, and on a 2-core machine, beside the
-    loader's workers (and other work), two threads fight (tests/train/conftest.py).  Restored after."""
+    """One torch thread per test module: the tiny model gains nothing from a second, and on a 2-core
+    machine, beside the loader's workers (and other work), two threads fight (tests/train/conftest.py);
+    restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
