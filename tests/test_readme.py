@@ -92,7 +92,8 @@ def test_readme_own_data_commands_run(tmp_path):
     assert re.search(r"train\.py data\.shards=\S+\s*$", script), (
         "the README's training command is not `python train.py data.shards=...`"
     )
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    # one torch thread: the tiny model gains nothing from a second (tests/train/conftest.py)
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script],
         cwd=tmp_path,

@@ -31,7 +31,8 @@ def _rows(text: str) -> list[list[str]]:
 @pytest.mark.slow
 def test_a_sweep_outlives_its_failed_job_and_the_table_shows_it(tmp_path):
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # one torch thread: the tiny model gains nothing from a second (tests/train/conftest.py)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         str(REPO / "train.py"),
