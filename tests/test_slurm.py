@@ -63,8 +63,14 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
         "SLURM_GPUS_ON_NODE": "4",
     }
     env.pop("RUN_DIR", None)
+    # as Slurm starts a batch script: the signals at their defaults, whatever this process ignores (a
+    # signal ignored when bash starts cannot be trapped)
     proc = subprocess.Popen(
-        ["bash", str(SCRIPT), *overrides], env=env, stdout=subprocess.PIPE, text=True
+        ["bash", str(SCRIPT), *overrides],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_signals,
     )
     if send is not None:
         # the signal comes while the script waits on srun, as Slurm's warning does (120 s before the
@@ -92,6 +98,11 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
         signals,
         out,
     )
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _waiting(pid: int) -> bool:
