@@ -143,6 +143,7 @@ def test_ep2_alltoall_exchange_outside_the_graph_without_recompiles(tmp_path):
     run_ranks(_ep2_alltoall, 2, tmp_path, timeout_s=300)
 
 
+@pytest.mark.slow
 def test_compile_traces_recompute_regions_in_one_process():
     """Dynamo traces a recompute region (non-reentrant checkpoint with the selective policy) into the
     compiled block: a dense tiny model with every decoder layer recomputed (full) compiles to a graph

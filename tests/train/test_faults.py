@@ -217,6 +217,7 @@ def _python(code: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes():
     abort = _python(
         "import time\nfrom moevlm.train.faults import StepWatchdog\n"
