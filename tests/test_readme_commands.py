@@ -181,6 +181,7 @@ def root(tmp_path):
     return work, shims
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cmd", "code", "text"),
     [pytest.param(c, code, text, id=c) for c, (code, text) in RUN.items()] + _slow_cases(),
@@ -192,6 +193,9 @@ def test_readme_command_runs_as_written(cmd, code, text, root):
         "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
+        # one torch thread, as torchrun gives each of its ranks: the tiny model gains nothing from a
+        # second, which fights the data workers for 2 cores (tests/train/conftest.py)
+        "OMP_NUM_THREADS": "1",
     }
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(

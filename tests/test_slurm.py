@@ -63,12 +63,20 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
         "SLURM_GPUS_ON_NODE": "4",
     }
     env.pop("RUN_DIR", None)
+    # as Slurm starts a batch script: the signals at their defaults, whatever this process ignores (a
+    # signal ignored when bash starts cannot be trapped)
     proc = subprocess.Popen(
-        ["bash", str(SCRIPT), *overrides], env=env, stdout=subprocess.PIPE, text=True
+        ["bash", str(SCRIPT), *overrides],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_signals,
     )
     if send is not None:
-        deadline = time.monotonic() + 20
-        while not (tmp_path / "srun.ready").exists():
+        # the signal comes while the script waits on srun, as Slurm's warning does (120 s before the
+        # limit): on a busy machine the fake srun can be ready before the script has noted its pid
+        deadline = time.monotonic() + 120  # a hang bound, wide for a busy machine
+        while not ((tmp_path / "srun.ready").exists() and _waiting(proc.pid)):
             assert time.monotonic() < deadline and proc.poll() is None, (
                 "the fake srun never started"
             )
@@ -90,6 +98,21 @@ def run_script(tmp_path: Path, srun_mode: str, send: signal.Signals | None, *ove
         signals,
         out,
     )
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _waiting(pid: int) -> bool:
+    """Whether process `pid` sleeps in wait(2) (Linux /proc/PID/wchan; where the kernel does not say,
+    taken as yes)."""
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return True
+    return wchan in ("do_wait", "0", "")
 
 
 def test_script_is_valid_bash_with_the_documented_settings():

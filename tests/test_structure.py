@@ -105,6 +105,7 @@ def test_the_check_above_finds_what_it_forbids(tmp_path):
     assert len(_problems(bad)) == 4, _problems(bad)
 
 
+@pytest.mark.slow
 def test_model_imports_no_parallelism():
     """`moevlm.model` imports nothing from parallel/, train/, data/ or dispatch/, not even lazily."""
     banned = ("moevlm.parallel", "moevlm.train", "moevlm.data", "moevlm.dispatch")

@@ -8,6 +8,11 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
+# the whole smoke suite in subprocesses: left out of the fast tier (`-m "not slow"`)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = ("env", "pytest", "kernels", "e2e", "train", "train_table")
 

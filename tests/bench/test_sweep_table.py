@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,9 +28,11 @@ def _rows(text: str) -> list[list[str]]:
     return [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))] for line in lines[4:]]
 
 
+@pytest.mark.slow
 def test_a_sweep_outlives_its_failed_job_and_the_table_shows_it(tmp_path):
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # one torch thread: the tiny model gains nothing from a second (tests/train/conftest.py)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         str(REPO / "train.py"),

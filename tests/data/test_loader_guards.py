@@ -8,7 +8,6 @@ import logging
 import shutil
 import signal
 import tarfile
-import time
 import tracemalloc
 
 import pytest
@@ -105,6 +104,10 @@ def test_text_only_budget_packs_text_and_counts_image_samples(sample_shards):
     )
 
 
+# the one bound, wide: it only stops a hang (a busy machine starts the workers slowly)
+WIDE_S = 300
+
+
 class Hang(BaseException):
     """Not an Exception: the decoders turn any Exception into a skipped sample."""
 
@@ -134,11 +137,9 @@ def test_budget_no_sample_fits_stops_with_the_skip_counts(sample_shards, workers
         shards, tokenizer=str(sample_shards / "tokenizer.json"), num_workers=workers
     )
     cfg.pack.seq_len, cfg.pack.oversize = 8, "skip"
-    t0 = time.perf_counter()
-    with deadline(60), pytest.raises(DataError) as err:  # a RuntimeError
+    with deadline(WIDE_S), pytest.raises(DataError) as err:  # a RuntimeError
         next(build_loader(cfg, TINY))
     msg = str(err.value)
-    assert time.perf_counter() - t0 < 30
     assert "could pack none in all of epoch 0: every one was skipped (too_long=" in msg, msg
     assert "first: " in msg and "tokens" in msg  # the first example says why
     assert "raise data.pack.seq_len=8" in msg and "data.pack.oversize=truncate" in msg
@@ -153,7 +154,7 @@ def test_stream_that_never_packs_stops_after_a_run_of_skips(sample_shards, monke
     cfg = small_data_config(sample_shards, num_workers=0)
     cfg.pack.seq_len, cfg.pack.oversize = 8, "skip"
     with (
-        deadline(60),
+        deadline(WIDE_S),
         pytest.raises(
             RuntimeError,
             match=r"read \d+ samples but could pack none in its first "

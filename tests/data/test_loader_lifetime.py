@@ -13,7 +13,11 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from processes import processes_with_env
+
+# scripts in their own processes: left out of the fast tier (`-m "not slow"`)
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 # the one bound, wide: it only stops a hang (on a loaded machine the fork server's exit takes seconds)

@@ -38,6 +38,7 @@ def test_photos_exist_and_open():
             assert min(im.size) >= 128
 
 
+@pytest.mark.slow
 def test_photos_found_without_importing_packages():
     code = (
         "import sys; from moevlm.data.sample import packaged_photos; packaged_photos(); "

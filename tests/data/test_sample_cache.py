@@ -84,6 +84,7 @@ print(json.dumps({"path": str(path), "built": built}))
 """
 
 
+@pytest.mark.slow
 def test_concurrent_builders_make_one_set_and_skip_a_crashed_one(tmp_path, monkeypatch):
     """Two processes at once, over the leftovers of a builder that died (its tmp folder and lock file) and a
     final folder damaged by hand: one builds, the other waits and reuses; the leftovers are gone; a later

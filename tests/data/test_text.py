@@ -80,6 +80,7 @@ def test_training_is_deterministic(tok):
     assert again.to_str() == tok.to_str()
 
 
+@pytest.mark.slow
 def test_training_is_deterministic_across_processes(tok):
     """Rust hash maps are seeded per process; a fresh interpreter must agree."""
     code = (

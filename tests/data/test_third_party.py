@@ -207,6 +207,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_every_layout_gives_our_builders_image_tokens_and_trains(data_sets, tmp_path, one_thread):
     sets, photos = data_sets
     ref = _read_all(sets["reference"])

@@ -20,6 +20,9 @@ from moevlm.data.config import DataConfig, ImageConfig, PackConfig
 from moevlm.data.vision_balance import max_over_mean, measure
 from moevlm.model import VLMConfig
 
+# 4 loaders x 8 steps x 2 budgets on a freshly built set: left out of the fast tier (`-m "not slow"`)
+pytestmark = pytest.mark.slow
+
 DP, STEPS, ROWS = 4, 8, 1
 
 

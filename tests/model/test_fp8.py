@@ -80,7 +80,13 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize(
-    "recipe,backend", [("blockwise", "emulate"), ("mxfp8", "emulate"), ("blockwise", "triton")]
+    "recipe,backend",
+    [
+        ("blockwise", "emulate"),
+        ("mxfp8", "emulate"),
+        # Triton's interpreter: seconds a case
+        pytest.param("blockwise", "triton", marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dense"])
 def test_fp8_mm_is_the_recipe_by_hand(recipe, backend, grouped):

@@ -247,6 +247,7 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_save_falls_back_to_previous(tmp_path):
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -368,6 +369,7 @@ def _two_rank_checks(rank, root):
     ckpt_async.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_gloo(tmp_path):
     root = tmp_path / "ck"
     run_ranks(_two_rank_checks, 2, tmp_path, str(root))

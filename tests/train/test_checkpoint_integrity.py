@@ -269,6 +269,7 @@ def test_trainer_resumes_from_the_previous_verified_checkpoint(reference, tmp_pa
     assert sorted(got) == [1, 2, 3, 4] and abs(got[4] - want[4]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, tmp_path, capsys):
     """Resume from step 2 while steps 3 and 4 exist, be killed after saving step 3, relaunch with auto:
     the new line's checkpoints survive pruning, the old line's are moved aside (not picked, not lost),
@@ -325,6 +326,7 @@ def test_restart_from_an_older_checkpoint_keeps_one_line_of_history(reference, t
     assert sorted(p.name for p in abandoned[0].glob("step_*")) == ["step_00000003", "step_00000004"]
 
 
+@pytest.mark.slow
 def test_no_room_for_a_checkpoint_stops_cleanly_and_the_run_continues_later(
     reference, tmp_path, monkeypatch, capsys
 ):
@@ -369,6 +371,7 @@ def test_a_failed_background_write_stops_the_run_at_the_next_save(tmp_path, monk
     assert not trainer.ckpt.step_dir(2).exists() and not trainer.ckpt.step_dir(3).exists()
 
 
+@pytest.mark.slow
 def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_path, capsys):
     """Shards rewritten under the same names since the checkpoint: a CheckpointError naming them (train.py: exit
     7), nothing trained; data where no sample fits the budgets: exit 8 with the skip counts, no hang."""

@@ -179,6 +179,7 @@ def test_a_key_given_more_than_once_is_refused_with_the_quoted_form(
     assert capsys.readouterr().err == f"config error: {says}\n"
 
 
+@pytest.mark.slow
 def test_train_py_says_it_in_one_line_and_builds_nothing(tmp_path):
     """The whole CLI on the first mistake: exit 2, one line (the relative path resolved), no traceback,
     no run directory, no sample set."""

@@ -41,6 +41,7 @@ def _run(tmp_path, compile_: bool) -> tuple[list[dict], Trainer]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()], trainer
 
 
+@pytest.mark.slow
 def test_compiled_training_matches_eager_without_recompiles(tmp_path):
     compiled, trainer = _run(tmp_path, True)
     eager, _ = _run(tmp_path, False)
@@ -80,6 +81,7 @@ def _eager_and_compiled(cfg, build):
     return eager, apply_compile(compiled, bf16=False)
 
 
+@pytest.mark.slow
 def test_triton_custom_ops_compile_fullgraph():
     """One tiny forward/backward with the Triton grouped GEMM and permute (custom ops with fakes, run in
     Triton's interpreter here): every layer compiles with fullgraph=True and matches eager."""
@@ -136,10 +138,12 @@ def _ep2_alltoall(rank: int) -> None:
     assert len(rows) == 3  # the routing (hence the exchanged row counts) really varied
 
 
+@pytest.mark.slow
 def test_ep2_alltoall_exchange_outside_the_graph_without_recompiles(tmp_path):
     run_ranks(_ep2_alltoall, 2, tmp_path, timeout_s=300)
 
 
+@pytest.mark.slow
 def test_compile_traces_recompute_regions_in_one_process():
     """Dynamo traces a recompute region (non-reentrant checkpoint with the selective policy) into the
     compiled block: a dense tiny model with every decoder layer recomputed (full) compiles to a graph

@@ -195,6 +195,7 @@ def test_an_unknown_key_is_refused_naming_the_nearest(override, message):
         compose_job([override])
 
 
+@pytest.mark.slow
 def test_train_py_refuses_an_unknown_key_in_one_line():
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "model.moe.capacity_factor=1.25"],

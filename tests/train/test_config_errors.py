@@ -66,6 +66,7 @@ def test_triton_on_the_cpu_is_allowed_under_the_interpreter(monkeypatch):
     validate(compose_job(["model.grouped_gemm=triton"]))
 
 
+@pytest.mark.slow
 def test_train_py_prints_every_line_and_creates_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if __import__("torch").cuda.is_available():

@@ -214,6 +214,7 @@ def test_trainer_refuses_before_building_anything(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_train_py_prints_one_config_error_line_and_exits_2(tmp_path):
     start = time.perf_counter()
     proc = subprocess.run(

@@ -12,9 +12,14 @@ The curves are printed side by side every 5 steps.
 
 from __future__ import annotations
 
+import pytest
+
 from moevlm.config import compose_job
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.train.trainer import Trainer
+
+# 150 training steps: left out of the fast tier (`-m "not slow"`)
+pytestmark = pytest.mark.slow
 
 STEPS = 50
 RUNS = {

@@ -97,6 +97,7 @@ def _entries(text: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_train_py_help_all_is_wrapped_and_shows_every_field_and_its_values():
     """`--help all`: no line over 100 columns; every section; every field with its description, and every
     enumerated one (allowed_values) with its values; what the command line sets."""

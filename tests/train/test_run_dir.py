@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from test_trainer import last_loss_per_step, launch
 
+from moevlm.config import compose_job
 from moevlm.train.run_dir import LOCK, MARKER, RunDir, RunDirError, holder
+from moevlm.train.trainer import Trainer
 
 HOLD = (
     "import sys, time; from moevlm.train.run_dir import RunDir; RunDir.claim(sys.argv[1]); "
@@ -108,6 +110,7 @@ def test_a_held_directory_is_refused_naming_the_holder_until_it_dies(tmp_path):
     RunDir.claim(run_dir).release()  # the kernel dropped the dead holder's lock: no stale lock
 
 
+@pytest.mark.slow
 def test_a_second_launch_is_refused_and_the_first_runs_as_if_alone(tmp_path):
     """Launch A is paused while it holds the run directory; launch B on the same directory exits 2 naming
     A; A then finishes with the losses of a lone run, bit for bit."""
@@ -131,9 +134,8 @@ def test_a_second_launch_is_refused_and_the_first_runs_as_if_alone(tmp_path):
     assert f"pid {first.pid}" in out and refused_after < 120  # a wide margin: CI may be busy
     out_first = first.communicate(timeout=300)[0]
     assert first.returncode == 0, out_first
-    lone = launch(common + [f"train.run_dir={alone}"])
-    out_lone = lone.communicate(timeout=300)[0]
-    assert lone.returncode == 0, out_lone
+    # the lone run, in this process (one torch thread, as the launches: tests/train/conftest.py)
+    assert Trainer(compose_job(common + [f"train.run_dir={alone}"])).run() == 0
     assert last_loss_per_step(shared) == last_loss_per_step(alone)
     assert sorted(p.name for p in (shared / "checkpoints").iterdir()) == sorted(
         p.name for p in (alone / "checkpoints").iterdir()

@@ -4,9 +4,9 @@ shape kept (moevlm.config.scale).
 Every experiment is composed with the scale and validated for the world size it asks for (no
 processes): tp, cp, pp, etp, the schedule, dp_mode and the dispatcher are the recipe's, ep is the
 recipe's wherever it fits, the batch and streams are legal.  Then the scaled recipes run 2 steps:
-h200_1gpu in one process, h100_fsdp under torchrun on 8 (gb200_fsdp scales to the same job, asserted
+h200_1gpu in this process, h100_fsdp under torchrun on 8 (gb200_fsdp scales to the same job, asserted
 here, so that launch covers it; gb200_3d's launch is tests/parallel/test_pipeline.py's, compared
-there to one process), and h100_deepep is refused in one line with exit code 2.
+there to one process), and h100_deepep is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from moevlm.config import compose_job, validate
 from moevlm.errors import ConfigError
+from moevlm.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -133,10 +134,11 @@ def run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_scaled_recipes_run_two_steps(tmp_path):
-    """h200_1gpu (1 process) and h100_fsdp (torchrun, 8 processes: FSDP2, EP8 all-to-all) run 2 steps
-    scaled down; h100_deepep ends with one line and exit code 2 (no deep_ep package on a CPU machine)."""
-    train = str(REPO / "train.py")
+@pytest.mark.slow
+def test_scaled_recipes_run_two_steps(tmp_path, capsys):
+    """h200_1gpu (1 process, here) and h100_fsdp (torchrun, 8 processes: FSDP2, EP8 all-to-all) run 2 steps
+    scaled down; h100_deepep is refused in one line naming the fallback (no deep_ep package on a CPU
+    machine; train.py prints a config error's lines and exits 2: tests/train/test_trainer.py)."""
     common = [
         "+scale=cpu",
         "train.steps=2",
@@ -144,30 +146,33 @@ def test_scaled_recipes_run_two_steps(tmp_path):
         "train.checkpoint_at_end=false",
         "data.num_workers=0",
     ]  # no loader workers: 8 ranks x 2 workers would crowd a 2-core machine
-    deep = run([sys.executable, train, "+experiment=h100_deepep", *common], tmp_path)
-    assert deep.returncode == 2 and deep.stderr.strip().count("\n") == 0, deep.stderr
-    assert deep.stderr.startswith("config error: model.dispatcher='deepep' cannot run: ")
-    assert "model.dispatcher_fallback=alltoall" in deep.stderr
-    for name, launcher, n in (
-        ("h200_1gpu", [sys.executable], 1),
-        (
-            "h100_fsdp",
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "8",
-            ],
-            8,
-        ),
-    ):
-        proc = run(
-            [*launcher, train, f"+experiment={name}", *common, f"train.run_dir={tmp_path / name}"],
-            tmp_path,
-        )
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
-        assert f"scale (parallel.scale_to=8): tiny model on {n} process" in out
-        assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(ConfigError) as deep:
+        Trainer(compose_job(["+experiment=h100_deepep", *common]))
+    assert str(deep.value).count("\n") == 0, str(deep.value)
+    assert str(deep.value).startswith("model.dispatcher='deepep' cannot run: ")
+    assert "model.dispatcher_fallback=alltoall" in str(deep.value)
+    run_dir = tmp_path / "h200_1gpu"
+    capsys.readouterr()
+    assert (
+        Trainer(compose_job(["+experiment=h200_1gpu", *common, f"train.run_dir={run_dir}"])).run()
+        == 0
+    )
+    assert "scale (parallel.scale_to=8): tiny model on 1 process" in capsys.readouterr().out
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "8",
+    ]
+    train = str(REPO / "train.py")
+    run_dir = tmp_path / "h100_fsdp"
+    proc = run(
+        [*torchrun, train, "+experiment=h100_fsdp", *common, f"train.run_dir={run_dir}"], tmp_path
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "scale (parallel.scale_to=8): tiny model on 8 process" in out
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2

@@ -19,6 +19,7 @@ from moevlm.train.faults import STOP_SIGNALS, StopSignals
 from moevlm.train.trainer import Trainer
 
 
+@pytest.mark.slow
 def test_mistakes_hydra_catches_are_config_errors(tmp_path):
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("mine\n")

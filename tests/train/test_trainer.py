@@ -1,8 +1,8 @@
 """The trainer end to end on the embedded default (tiny model, real sample data, CPU, fp32).
 
 In-process runs check metrics, FLOP, token and image accounting, validation on held-out rows, the
-console line and the non-finite policies; subprocess runs (`train.py` as users launch it) check the
-exact resume after a SIGKILL (with validation on) and a Hydra multirun sweep.
+console line and the non-finite policies; subprocess runs (`train.py` as users launch it) are SIGKILLed
+and resumed (in-process) exactly (with validation on), and run a Hydra multirun sweep.
 """
 
 from __future__ import annotations
@@ -303,7 +303,8 @@ def test_every_experiment_composes_and_validates(name):
 
 # ------------------------------------------------------------------ subprocesses
 def launch(args: list[str], **kw) -> subprocess.Popen:
-    env = dict(kw.pop("env", os.environ), PYTHONUNBUFFERED="1")
+    """`python train.py ARGS` in its own session, on one torch thread (tests/train/conftest.py)."""
+    env = dict(kw.pop("env", os.environ), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=kw.pop("cwd", REPO),
@@ -316,6 +317,7 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
     train.resume=auto: per-step losses and validation losses equal the uninterrupted run's.  The killed
@@ -324,7 +326,8 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     optimizer trains (bit for bit on the CPU, tests/train/test_optimizer_offload.py), so the losses
     must match as closely as a resume of the same setting.  Then with train.async_checkpoint (no
     offload): the kill lands while step 4's write is held mid-way in the background (a test-only
-    hook) and training has gone on; the relaunch resumes from step 3, exactly."""
+    hook) and training has gone on; the relaunch resumes from step 3, exactly.  The killed launches are
+    `train.py` processes; the uninterrupted run and the relaunches run in this process."""
     common = [
         "train.steps=7",
         "train.checkpoint_every=1",
@@ -336,9 +339,8 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
         "train.val_batches=1",
     ]
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    ref = launch(common + [f"train.run_dir={ref_dir}"])
-    out = ref.communicate(timeout=300)[0]
-    assert ref.returncode == 0, out
+    # the uninterrupted reference and the resumes run in this process (the kills need their own)
+    assert Trainer(compose_job(common + [f"train.run_dir={ref_dir}"])).run() == 0
     want = last_loss_per_step(ref_dir)
 
     kill_after = random.Random(time.time_ns()).randint(2, 5)
@@ -353,10 +355,10 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     os.killpg(job.pid, signal.SIGKILL)
     job.communicate()
     assert job.returncode == -signal.SIGKILL, f"the run ended before the kill at step {kill_after}"
-    resumed = launch(common + offload + [f"train.run_dir={cut_dir}", "train.resume=auto"])
-    out = resumed.communicate(timeout=300)[0]
-    assert resumed.returncode == 0, out
-    assert "resumed from" in out
+    capsys.readouterr()
+    resumed = compose_job(common + offload + [f"train.run_dir={cut_dir}", "train.resume=auto"])
+    assert Trainer(resumed).run() == 0
+    assert "resumed from" in capsys.readouterr().out
     got = last_loss_per_step(cut_dir)
     assert sorted(got) == sorted(want) == list(range(1, 8))
     diffs = {s: abs(got[s] - want[s]) for s in want}
@@ -398,6 +400,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     assert [p.name for p in CheckpointManager(ck).complete()] == ["step_00000006", "step_00000007"]
 
 
+@pytest.mark.slow
 def test_multirun_sweep_runs_each_job(tmp_path):
     """Run from an empty directory: the jobs land in the sweep directory, Hydra's multirun.yaml beside them.
     The sample set is built once, in the cache ($MOEVLM_CACHE, fresh here), and the second job reuses it; the
