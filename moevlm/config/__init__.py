@@ -1,5 +1,7 @@
 """The job's configuration: the schema behind `conf/`, the checks, and the one `JobPlan` they decide.
 
+In short:
+
     job = compose_job(["+experiment=h100_fsdp", "data.shards=DIR"])
     plan = validate(job, world_size=8)          # ConfigError: one line a problem
 """
