@@ -399,3 +399,63 @@ def test_the_dispatcher_backend_is_chosen_in_one_function(monkeypatch):
     model, _ = build_model(plan.model, plan.dims, plan.build)
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     assert blocks and all(type(b.dispatcher) is ChosenForTest for b in blocks)
+
+
+# Attributes a foreign base class's own constructor or set-up call creates, which a subclass then
+# assigns again: not born outside a constructor.
+INHERITED = {
+    ("_SafePlanner", "state_dict"): "torch's DefaultLoadPlanner.set_up_planner",
+    ("Scheduler", "last_epoch"): "torch's LRScheduler.__init__",
+    ("Scheduler", "_step_count"): "torch's LRScheduler.__init__",
+    ("Scheduler", "_last_lr"): "torch's LRScheduler.__init__",
+}
+CONSTRUCTORS = {"__init__", "__post_init__", "__new__", "__setstate__"}
+
+
+def _born_outside_constructor(tree: ast.AST) -> list[str]:
+    """`Class.attr (method)` for each `self.attr` first assigned outside the class's constructor and
+    its class body (dataclass fields, class attributes)."""
+    out = []
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        born, later = set(), {}
+        for st in cls.body:
+            targets = st.targets if isinstance(st, ast.Assign) else [getattr(st, "target", None)]
+            born |= {t.id for t in targets if isinstance(t, ast.Name)}
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                if isinstance(node, ast.AugAssign | ast.AnnAssign):
+                    targets = [node.target]
+                for attr in (e for t in targets for e in ast.walk(t)):
+                    if isinstance(attr, ast.Attribute) and getattr(attr.value, "id", "") == "self":
+                        if fn.name in CONSTRUCTORS:
+                            born.add(attr.attr)
+                        else:
+                            later.setdefault(attr.attr, fn.name)
+        out += [
+            f"{cls.name}.{a} ({m})"
+            for a, m in later.items()
+            if a not in born and (cls.name, a) not in INHERITED
+        ]
+    return out
+
+
+def test_no_attribute_is_born_outside_its_constructor():
+    found = {
+        str(p.relative_to(ROOT)): bad
+        for p in SOURCES
+        if (bad := _born_outside_constructor(ast.parse(p.read_text())))
+    }
+    assert found == {}
+
+
+def test_the_attribute_check_finds_a_late_attribute():
+    src = (
+        "class A:\n    x: int = 0\n    def __init__(self):\n        self.y = 1\n"
+        "    def go(self):\n        self.x = self.y = 2\n        self.z = 3\n"
+    )
+    assert _born_outside_constructor(ast.parse(src)) == ["A.z (go)"]
