@@ -42,7 +42,10 @@ BOUND = 2**-6
 # through the Trainer (real data, clipping, several steps) an element's update can flip with a tiny change
 # of its gradient, so the runs are compared per tensor by how far apart they end over how far the fp32
 # run moved it
-MOVED_TOL = 5e-2
+MOVED_TOL = 1e-2
+# master weights vs today's one-process bf16 path (autocast over fp32 weights): the norms and routers, which
+# autocast leaves in fp32, compute with bf16 weights (as under FSDP's bf16 gathers); measured 0.32
+MASTER_TOL = 0.5
 
 
 class _NoWindow:
@@ -259,9 +262,10 @@ def test_bf16_moments_train_within_the_bound_and_resume_exactly(runs, tmp_path):
 
 @pytest.mark.slow
 def test_master_weights_train_near_bf16_compute_and_resume_exactly(tmp_path):
-    """bf16 compute on the CPU: today's (fp32 weights under autocast) and with master weights, each
-    saved after step 1; the masters' run resumes bit for bit, its checkpoint holds fp32 weights, and it
-    trains within 2e-2 relative of today's bf16 run (loss per step; masters vs weights: 1e-2)."""
+    """bf16 compute on the CPU: today's (fp32 weights under autocast) and with master weights, the latter
+    saved after step 1: it resumes bit for bit, its checkpoint holds the fp32 masters, the weights are the
+    masters rounded, its losses are within 2e-2 of today's and its parameters within MASTER_TOL of how far
+    today's run moved them."""
     from torch.distributed.checkpoint import FileSystemReader
 
     today = train(tmp_path / "bf16", [BF16])
@@ -273,11 +277,11 @@ def test_master_weights_train_near_bf16_compute_and_resume_exactly(tmp_path):
     assert abs(master["losses"][0] - today["losses"][0]) <= 2e-2 * abs(today["losses"][0])
     for a, b in zip(master["losses"], today["losses"]):
         assert abs(a - b) <= 2e-2 * abs(b)
-    worst = max(rel(p, today["params"][k]) for k, p in master["params"].items())
+    far = sorted((moved(master, today, k), k) for k in today["params"])[-3:]
     print(
-        f"master weights vs bf16 compute after {STEPS} steps: max rel param difference {worst:.1e}"
+        f"master weights vs bf16 compute, {STEPS} steps: |p - p_bf16| / |p_bf16 - p_0| worst {far}"
     )
-    assert worst <= 1e-2
+    assert far[-1][0] <= MASTER_TOL
     ckpt = tmp_path / "master" / "checkpoints" / "step_00000001"
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     assert all(meta[f"model.{k}"].properties.dtype == torch.float32 for k in master["params"])
@@ -344,16 +348,30 @@ def test_memory_estimate_follows_the_bytes_per_parameter():
 
 # ------------------------------------------------------------------ FSDP dp2 and DDP dp2 on gloo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-# each layout on 2 ranks: (its settings, the one-process reference's settings, tolerance).  bf16 moments:
-# the same rounding of nearly the same values (1e-5, as every layout); bf16 reductions round the summed
-# gradients to bf16 (2^-8 relative) against one process, which sums nothing; master weights: bf16
-# gradients, summed in fp32 over 2 ranks vs accumulated in bf16 over 2 micro-batches in one process
+# each run on 2 ranks: (its settings, what it is compared with, tolerance).  The reference is a
+# one-process run (a tuple of its settings) or an earlier run of the launch (its index).  bf16 moments:
+# the same rounding of nearly the same values (1e-5, as every layout).  bf16 reductions: each rank's
+# gradient rounded to bf16 before the sum, against one process, which sums nothing: 2^-9 of each part,
+# more relative to a sum whose parts cancel (measured: gradients 2.8e-2, parameters 4.7e-3).  Master
+# weights against today's FSDP bf16 path (fp32 shards gathered as bf16): the same bf16 weights in the first
+# forward, so the same first loss; the gradients kept in bf16 after the fp32 reduce-scatter, and summed
+# over a rank's 2 micro-batches in bf16 (measured: gradients 5.7e-2, parameters 2.6e-3, loss 5.4e-6).  A resumed run
+# (RESUME: saved after step 1, a new Trainer) against the same run uninterrupted: bit for bit (0)
+FSDP, DDP = "parallel.dp_mode=fsdp", "parallel.dp_mode=ddp"
 DP2 = [
-    (["parallel.dp_mode=fsdp", STATE, "RESUME"], [STATE], 1e-5),
-    (["parallel.dp_mode=fsdp", REDUCE], [], 1e-2),
-    (["parallel.dp_mode=ddp", REDUCE], [], 1e-2),
-    (["parallel.dp_mode=fsdp", MASTER, BF16, "RESUME"], [MASTER, BF16], 5e-2),
+    ([FSDP, STATE], (STATE,), 1e-5),
+    ([FSDP, STATE, "RESUME"], 0, 0.0),
+    ([FSDP, REDUCE], (), {"loss": 1e-4, "grads": 5e-2, "params": 1e-2}),
+    ([DDP, REDUCE], (), {"loss": 1e-4, "grads": 5e-2, "params": 1e-2}),
+    ([FSDP, BF16], None, None),  # today's bf16 path: the next runs' reference
+    ([FSDP, BF16, MASTER], 4, {"loss": 1e-4, "grads": 1e-1, "params": 1e-2}),
+    ([FSDP, BF16, MASTER, "RESUME"], 5, 0.0),
 ]
+
+
+def _ref_name(settings: tuple) -> str:
+    """A file name for the one-process run of `settings` (no "=": it goes into a Hydra override)."""
+    return "ref_" + ("_".join(x.replace("=", "-") for x in settings) or "fp32")
 
 
 def _dp2_on_ranks(rank: int, world: int, shards: str, tmp: str) -> None:
@@ -363,15 +381,22 @@ def _dp2_on_ranks(rank: int, world: int, shards: str, tmp: str) -> None:
     from test_layouts import compare, run_job
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    report = {}
+    report, runs = {}, []
     for i, (layout, ref, tol) in enumerate(DP2):
-        got = run_job(shards, os.path.join(tmp, f"dp2_{i}"), layout)
-        want = torch.load(
-            os.path.join(tmp, f"ref_{'_'.join(ref) or 'fp32'}.pt"), weights_only=False
+        runs.append(run_job(shards, os.path.join(tmp, f"dp2_{i}"), layout))
+        if ref is None:
+            continue
+        want = (
+            runs[ref]
+            if isinstance(ref, int)
+            else torch.load(os.path.join(tmp, f"{_ref_name(ref)}.pt"), weights_only=False)
         )
-        errors = compare(got, want)
+        errors = compare(runs[-1], want)
         report[" ".join(layout)] = errors
-        assert all(v <= tol for v in errors.values()), (layout, errors)
+        limit = tol if isinstance(tol, dict) else dict.fromkeys(errors, tol)
+        assert all(v <= limit[k] for k, v in errors.items()), (layout, errors)
+        if layout[1:] == [BF16, MASTER]:  # the same bf16 weights in the first forward
+            assert runs[-1]["losses"][0] == want["losses"][0]
         dist.barrier()
     if rank == 0:
         Path(tmp, "dp2.json").write_text(json.dumps(report, indent=1))
@@ -383,11 +408,8 @@ def test_light_state_under_fsdp_and_ddp_dp2_matches_one_process(tmp_path):
     from test_layouts import _one_process
 
     shards = str(ensure_sample()[0])
-    refs = {tuple(ref) for _, ref, _ in DP2}
-    run_forked(
-        _one_process,
-        [(shards, str(tmp_path), f"ref_{'_'.join(r) or 'fp32'}", list(r)) for r in refs],
-    )
+    refs = {ref for _, ref, _ in DP2 if isinstance(ref, tuple)}
+    run_forked(_one_process, [(shards, str(tmp_path), _ref_name(r), list(r)) for r in refs])
     launch = tmp_path / "launch"
     launch.mkdir()
     run_ranks(_dp2_on_ranks, 2, launch, 2, shards, str(tmp_path), timeout_s=600)
