@@ -15,6 +15,17 @@ import torch
 from moevlm.parallel.data_parallel import local_tensor
 
 CHUNK_ELEMS = 1 << 26  # elements upcast at once: bounds the fp32 temporaries of a step
+# the flags of torch's foreach AdamW's parameter groups (this step's arithmetic): checkpoints of either
+# optimizer hold the same keys, so each resumes the other's
+TORCH_FLAGS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": True,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 
 
 class AdamW(torch.optim.Optimizer):
@@ -34,7 +45,7 @@ class AdamW(torch.optim.Optimizer):
         """`grad_of(param)`: where a parameter's gradient is read (default its `.grad`; the bf16
         weights' gradients for fp32 masters: moevlm.parallel.master_weights)."""
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, **TORCH_FLAGS})
         self.state_dtype = state_dtype
         self.chunk_elems = chunk_elems
         self.grad_of = grad_of or _own_grad

@@ -196,16 +196,22 @@ def train(run_dir, extra=(), *, save_after=None) -> dict:
     """Per-step losses, the final weights (the masters under master weights) and optimizer state."""
     tr = Trainer(compose_job(overrides(run_dir, extra)))
     try:
-        start = {n: p.detach().float().clone() for n, p in tr.model.named_parameters()}
-        while tr.step < STEPS:
-            assert tr.train_step(_NoWindow())
-            if tr.step == save_after:
-                tr.save(complete=True)
         view = getattr(tr.opt, "checkpoint_view", None)
         module, opt = view() if view is not None else (tr.model, tr.opt)
+        start = {n: p.detach().float().clone() for n, p in tr.model.named_parameters()}
+        held = {n: p.detach().clone() for n, p in module.named_parameters()}  # (masters: fp32)
+        step1 = None
+        while tr.step < STEPS:
+            assert tr.train_step(_NoWindow())
+            if tr.step == 1:
+                step1 = {n: p.detach().clone() for n, p in module.named_parameters()}
+            if tr.step == save_after:
+                tr.save(complete=True)
         names = {id(p): n for n, p in module.named_parameters()}
         return {
             "start": start,  # the weights before the first step run here
+            "held": held,  # the trained values (masters under master weights) before it
+            "step1": step1,  # and after step 1 (None when resumed after it)
             "losses": list(tr.losses),
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "weights": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
@@ -261,14 +267,30 @@ def test_bf16_moments_train_within_the_bound_and_resume_exactly(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_moments_across_settings_and_with_the_host_optimizer(runs, tmp_path):
+    """Each of fp32 / bf16 moments resumes the other's step-1 checkpoint with its weights exactly (the
+    moments cast on load); under parallel.optimizer_offload (the host AdamW over fp32 masters, here on
+    the same CPU) bf16 moments train exactly what they train without it."""
+    (plain_dir, plain), (state_dir, light) = runs["fp32"], runs["state"]
+    ckpt = "checkpoints/step_00000001"
+    got = train(tmp_path / "a", [f"train.resume={state_dir / ckpt}"])["held"]
+    assert all(torch.equal(got[k], v) for k, v in light["step1"].items())
+    got = train(tmp_path / "b", [STATE, f"train.resume={plain_dir / ckpt}"])["held"]
+    assert all(torch.equal(got[k], v) for k, v in plain["step1"].items())
+    offload = train(tmp_path / "c", [STATE, "parallel.optimizer_offload=true"])
+    assert offload["losses"] == light["losses"]
+    assert all(torch.equal(offload["weights"][k], v) for k, v in light["weights"].items())
+
+
+@pytest.mark.slow
 def test_master_weights_train_near_bf16_compute_and_resume_exactly(tmp_path):
     """bf16 compute on the CPU: today's (fp32 weights under autocast) and with master weights, the latter
     saved after step 1: it resumes bit for bit, its checkpoint holds the fp32 masters, the weights are the
     masters rounded, its losses are within 2e-2 of today's and its parameters within MASTER_TOL of how far
-    today's run moved them."""
+    today's run moved them; each setting resumes the other's checkpoint with its fp32 values exactly."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    today = train(tmp_path / "bf16", [BF16])
+    today = train(tmp_path / "bf16", [BF16], save_after=1)
     master = train(tmp_path / "master", [BF16, MASTER], save_after=1)
     assert all(w.dtype == torch.bfloat16 for w in master["weights"].values())
     assert all(p.dtype == torch.float32 for p in master["params"].values())
@@ -287,6 +309,13 @@ def test_master_weights_train_near_bf16_compute_and_resume_exactly(tmp_path):
     assert all(meta[f"model.{k}"].properties.dtype == torch.float32 for k in master["params"])
     start = f"train.resume={ckpt}"
     assert_same(train(tmp_path / "again", [BF16, MASTER, start]), master)
+    # across settings: each checkpoint's fp32 values are what the other setting resumes with
+    other = f"train.resume={tmp_path / 'bf16' / 'checkpoints' / 'step_00000001'}"
+    masters = train(tmp_path / "from_bf16", [BF16, MASTER, other])["held"]
+    weights = train(tmp_path / "from_master", [BF16, start])["held"]
+    for k in today["step1"]:
+        assert torch.equal(masters[k], today["step1"][k]), k
+        assert torch.equal(weights[k], master["step1"][k]), k
 
 
 # ------------------------------------------------------------------ config
