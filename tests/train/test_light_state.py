@@ -25,6 +25,7 @@ import torch.nn as nn
 from moevlm.config import OptimConfig, compose_job, estimate_memory, validate
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.errors import ConfigError
+from moevlm.parallel.hf_io import save_hf
 from moevlm.parallel.master_weights import MasterWeightsAdamW, cast_parameters_, model_state_bytes
 from moevlm.train.adamw import AdamW
 from moevlm.train.optim import build_optimizer, param_groups
@@ -192,8 +193,9 @@ def overrides(run_dir, extra=()) -> list[str]:
     ]
 
 
-def train(run_dir, extra=(), *, save_after=None) -> dict:
-    """Per-step losses, the final weights (the masters under master weights) and optimizer state."""
+def train(run_dir, extra=(), *, save_after=None, export=None) -> dict:
+    """Per-step losses, the final weights (the masters under master weights) and optimizer state;
+    `export`: a folder the final weights are written to as a Hugging Face checkpoint."""
     tr = Trainer(compose_job(overrides(run_dir, extra)))
     try:
         view = getattr(tr.opt, "checkpoint_view", None)
@@ -208,6 +210,8 @@ def train(run_dir, extra=(), *, save_after=None) -> dict:
             if tr.step == save_after:
                 tr.save(complete=True)
         names = {id(p): n for n, p in module.named_parameters()}
+        if export is not None:
+            save_hf(tr.model, export, ctx=tr.parallel)
         return {
             "start": start,  # the weights before the first step run here
             "held": held,  # the trained values (masters under master weights) before it
@@ -287,11 +291,13 @@ def test_master_weights_train_near_bf16_compute_and_resume_exactly(tmp_path):
     """bf16 compute on the CPU: today's (fp32 weights under autocast) and with master weights, the latter
     saved after step 1: it resumes bit for bit, its checkpoint holds the fp32 masters, the weights are the
     masters rounded, its losses are within 2e-2 of today's and its parameters within MASTER_TOL of how far
-    today's run moved them; each setting resumes the other's checkpoint with its fp32 values exactly."""
+    today's run moved them; each setting resumes the other's checkpoint with its fp32 values exactly; the
+    Hugging Face export writes the bf16 weights."""
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
     today = train(tmp_path / "bf16", [BF16], save_after=1)
-    master = train(tmp_path / "master", [BF16, MASTER], save_after=1)
+    master = train(tmp_path / "master", [BF16, MASTER], save_after=1, export=tmp_path / "hf")
     assert all(w.dtype == torch.bfloat16 for w in master["weights"].values())
     assert all(p.dtype == torch.float32 for p in master["params"].values())
     for k, p in master["params"].items():
@@ -309,6 +315,12 @@ def test_master_weights_train_near_bf16_compute_and_resume_exactly(tmp_path):
     assert all(meta[f"model.{k}"].properties.dtype == torch.float32 for k in master["params"])
     start = f"train.resume={ckpt}"
     assert_same(train(tmp_path / "again", [BF16, MASTER, start]), master)
+    # the export writes the bf16 weights (the masters rounded)
+    exported = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(f))
+    assert exported and all(t.dtype == torch.bfloat16 for t in exported.values())
+    assert torch.equal(exported["lm_head.weight"], master["weights"]["lm_head.weight"])
     # across settings: each checkpoint's fp32 values are what the other setting resumes with
     other = f"train.resume={tmp_path / 'bf16' / 'checkpoints' / 'step_00000001'}"
     masters = train(tmp_path / "from_bf16", [BF16, MASTER, other])["held"]
