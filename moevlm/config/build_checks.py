@@ -1,6 +1,6 @@
 """Checks of the build options against each other and the layout: recompute, activation and
-optimizer offload, CUDA graphs, FP8, context parallel, the EP overlap; each raises ConfigError with
-every refusal of its option, one line each."""
+optimizer offload, lighter model state, CUDA graphs, FP8, context parallel, the EP overlap; each
+raises ConfigError with every refusal of its option, one line each."""
 
 from __future__ import annotations
 
@@ -244,6 +244,47 @@ def check_optimizer_offload(job, dims: ParallelDims) -> None:
         job.optim.implementation != "fused" or cpu_fused_adamw(),
         f"{key} with optim.implementation=fused: this torch has no fused AdamW kernel for the CPU, where the "
         "offloaded step runs; use optim.implementation=auto (foreach there) or foreach",
+    )
+
+
+def check_light_state(job, dims: ParallelDims, cuda: bool) -> None:
+    """optim.state_dtype and optim.master_weights against the rest (moevlm.train.adamw,
+    moevlm.parallel.master_weights): bf16 weights need bf16 compute; what they are not built with."""
+    o, t, p = job.optim, job.train, job.parallel
+    check(
+        o.state_dtype == "float32" or o.implementation != "fused",
+        f"optim.state_dtype={o.state_dtype} with optim.implementation=fused: torch's fused AdamW keeps the "
+        "moments in the weights' dtype; use optim.implementation=auto (moevlm's AdamW then) or "
+        "optim.state_dtype=float32",
+    )
+    if not o.master_weights:
+        return
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and (cuda or t.device == "cuda"))
+    refuse(
+        "optim.master_weights=true",
+        [
+            (
+                not bf16,
+                f"makes the model's weights bf16, which needs bf16 compute, but train.precision={t.precision} "
+                f"computes in fp32 here; set train.precision=bf16 (or auto on CUDA) or "
+                "optim.master_weights=false",
+            ),
+            (
+                o.implementation == "fused",
+                "with optim.implementation=fused: the masters' AdamW is moevlm's (it reads the bf16 "
+                "gradients); use optim.implementation=auto",
+            ),
+            (
+                bool(p.optimizer_offload),
+                "with parallel.optimizer_offload=true is not built (the offload keeps fp32 masters of its "
+                "own); use one of the two",
+            ),
+            (
+                dims.pp > 1,
+                f"with parallel.pp={dims.pp} is not built yet (the stage boundaries' dtypes follow fp32 "
+                "weights); use optim.master_weights=false with pipeline stages",
+            ),
+        ],
     )
 
 

@@ -16,6 +16,7 @@ from moevlm.errors import check
 from moevlm.model.config import VLMConfig
 from moevlm.model.params import layers_parameters, parameter_counts
 from moevlm.parallel.mesh import ParallelDims
+from moevlm.parallel.master_weights import model_state_bytes
 from moevlm.parallel.optimizer_offload import offload_kind
 
 if TYPE_CHECKING:
@@ -58,11 +59,12 @@ class MemoryEstimate:
 
 
 def _bytes_per_parameter(plan: JobPlan, device_type: str) -> tuple[int, int]:
-    """(trained, frozen) bytes a parameter keeps on the device (module docstring)."""
+    """(trained, frozen) bytes a parameter keeps on the device (module docstring; optim.master_weights
+    and optim.state_dtype: moevlm.parallel.master_weights.model_state_bytes)."""
     b = plan.build
     kind = offload_kind(b.optimizer_offload, plan.dims.world, b.dp_mode)
     if kind is None or device_type == "cpu":
-        return BYTES_TRAINED, BYTES_FROZEN
+        return model_state_bytes(b.master_weights, plan.job.optim.state_dtype)
     if kind == "fsdp":
         return 0, 0
     return BYTES_TRAINED - 8, BYTES_FROZEN
@@ -79,7 +81,9 @@ def estimate_memory(plan: JobPlan, device_type: str = "cpu") -> MemoryEstimate:
     whole = parameter_counts(cfg)
     trained_bytes, frozen = _bytes_per_parameter(plan, device_type)
     frozen_bytes = frozen if plan.job.model.freeze_vision else trained_bytes
-    offloaded = (trained_bytes, frozen) != (BYTES_TRAINED, BYTES_FROZEN)
+    offloaded = device_type != "cpu" and (
+        offload_kind(plan.build.optimizer_offload, plan.dims.world, plan.build.dp_mode) is not None
+    )
     best = MemoryEstimate(0, 0, sum(whole.values()), offloaded)
     for r in range(pipe.pp) if pipe else [0]:
         stages = pipe.stages_of(r) if pipe else [0]

@@ -63,6 +63,15 @@ class ParallelConfig:
             "help": "data parallel: fsdp (FSDP2, weights/gradients/optimizer state sharded) or ddp (replicated)"
         },
     )
+    reduce_dtype: one_of("float32", "bfloat16") = field(
+        default="float32",
+        metadata={
+            "help": "dtype of the data-parallel gradient reductions: float32 or bfloat16 (half the traffic, "
+            "sums rounded to bf16). FSDP2's MixedPrecisionPolicy.reduce_dtype (the gradients are then kept in "
+            "the weights' dtype), the dtype of DDP's all-reduce buckets and of the tensor-parallel sums of "
+            "partial gradients"
+        },
+    )
     optimizer_offload: bool = field(
         default=False,
         metadata={
@@ -165,6 +174,26 @@ class OptimConfig:
         metadata={
             "help": "AdamW implementation: auto (fused where the device has the kernel, else foreach), fused, foreach, "
             "for_loop"
+        },
+    )
+    state_dtype: one_of("float32", "bfloat16") = field(
+        default="float32",
+        metadata={
+            "help": "dtype of the AdamW moments: float32 (torch's AdamW) or bfloat16 (moevlm/train/adamw.py: "
+            "4 bytes a parameter less; each step reads them up to fp32, updates in fp32 and writes them back "
+            "rounded to nearest; with beta2 near 1 the second moment's small increments round away, keep "
+            "betas[1] <= 0.99). Not with optim.implementation=fused"
+        },
+    )
+    master_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "the model's weights in bf16 (what the forward computes with, what FSDP gathers) and an fp32 "
+            "master of this rank's shard held by the optimizer (moevlm/parallel/master_weights.py): gradients "
+            "arrive in bf16 (reduced in parallel.reduce_dtype), the AdamW update runs on the master, the result "
+            "is copied down to the weights; checkpoints hold the masters, HF export the bf16 weights. Needs "
+            "bf16 compute (train.precision=bf16, or auto on CUDA); not with parallel.optimizer_offload or "
+            "parallel.pp > 1"
         },
     )
     schedule: one_of("cosine", "wsd", "constant") = field(

@@ -23,6 +23,7 @@ from moevlm.config.build_checks import (
     check_cuda_graphs,
     check_ep_overlap,
     check_fp8,
+    check_light_state,
     check_offload,
     check_optimizer_offload,
     check_recompute,
@@ -139,6 +140,8 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
             fp8 = run(check_fp8, job, model, dims, spec, environment)
     if dims is not None:
         run(check_optimizer_offload, job, dims)
+        # (a recipe checked for another machine: auto precision is bf16 there, as the planner takes it)
+        run(check_light_state, job, dims, not environment or torch.cuda.is_available())
     if environment and dims is not None:
         run(data_problem, check_stream_layout, job.data, dims.dp)
     if environment and model is not None:
@@ -208,6 +211,8 @@ def _build_options(job, model: VLMConfig, spec, fp8, pipeline) -> BuildOptions:
         fp8_modules=tuple(model.fp8.modules),
         cuda_graph_scope=tuple(str(s) for s in m.cuda_graph_scope),
         optimizer_offload=p.optimizer_offload,
+        master_weights=job.optim.master_weights,
+        reduce_dtype=getattr(torch, p.reduce_dtype),
     )
 
 

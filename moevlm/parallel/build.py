@@ -31,6 +31,7 @@ from moevlm.parallel.cuda_graphs import CudaGraphs, apply_cuda_graphs
 from moevlm.parallel.data_parallel import GradSync, apply_fsdp
 from moevlm.parallel.ep_overlap import OverlappedRunner, problem
 from moevlm.parallel.expert_parallel import shard_experts
+from moevlm.parallel.master_weights import cast_parameters_
 from moevlm.parallel.mesh import ParallelDims
 from moevlm.parallel.offload import OffloadState, apply_offload, set_chains
 from moevlm.parallel.optimizer_offload import offload_kind
@@ -120,6 +121,9 @@ class BuildOptions:
     fp8_modules: tuple[str, ...] = ()
     cuda_graph_scope: tuple[str, ...] = ()
     optimizer_offload: bool = False
+    # optim.master_weights: the parameters made bf16 (fp32 masters: moevlm.parallel.master_weights)
+    master_weights: bool = False
+    reduce_dtype: torch.dtype = torch.float32  # parallel.reduce_dtype: gradient reductions
 
 
 def build_model(
@@ -151,7 +155,9 @@ def build_model(
         set_chains(ctx.pipeline.modules)
     if o.compile:  # after the parallelisms (and recompute), before FSDP/DDP
         apply_compile(model, mode=o.compile_mode, bf16=o.bf16)
-    _data_parallel(model, ctx, o.bf16)
+    if o.master_weights:  # before FSDP: its shards (and what it gathers) are then bf16
+        cast_parameters_(model, torch.bfloat16)
+    _data_parallel(model, ctx, o.bf16, o.reduce_dtype)
     # captured at the first training forward
     ctx.cuda_graphs = apply_cuda_graphs(model, o.cuda_graph_scope)
     return model, ctx
@@ -257,7 +263,9 @@ def _check_runners(model: nn.Module) -> None:
             raise ValueError(problem(block.dispatcher))
 
 
-def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
+def _data_parallel(
+    model: nn.Module, ctx: ParallelContext, bf16: bool, reduce_dtype: torch.dtype
+) -> None:
     dims = ctx.dims
     if dims.world == 1:
         ctx.grad_sync = GradSync(
@@ -274,6 +282,7 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
             bf16,
             roots=ctx.pipeline.modules if ctx.pipeline else None,
             offload_policy=_offload_policy(ctx) if ctx.optimizer_offload == "fsdp" else None,
+            reduce_dtype=reduce_dtype,
         )
     ctx.grad_sync = GradSync(
         model,
@@ -284,6 +293,7 @@ def _data_parallel(model: nn.Module, ctx: ParallelContext, bf16: bool) -> None:
         world=dims.world,
         stage_world=dims.world // dims.pp,
         comm_device=ctx.compute_device if ctx.optimizer_offload == "fsdp" else None,
+        reduce_dtype=reduce_dtype,
     )
 
 

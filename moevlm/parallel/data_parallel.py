@@ -36,18 +36,22 @@ def apply_fsdp(
     bf16: bool,
     roots: list[nn.Module] | None = None,
     offload_policy=None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> None:
     """FSDP2 units over the parts of `model` this rank holds; `roots` (default: the model) own what
     is left (embeddings, final norm, LM head).  Pipeline stage modules are roots of their stage: they
     pass their inputs (activations, fp32 router statistics) through uncast.  `offload_policy`
-    (parallel.optimizer_offload): FSDP's CPUOffloadPolicy for every unit."""
+    (parallel.optimizer_offload): FSDP's CPUOffloadPolicy for every unit.  `reduce_dtype`
+    (parallel.reduce_dtype): the reduce-scatters' dtype; the gradients are kept in the weights'
+    dtype (under bf16 weights, optim.master_weights, the gather is not cast)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def policy(cast_inputs: bool = True):
-        if not bf16:
-            return MixedPrecisionPolicy(cast_forward_inputs=cast_inputs)
+        if not bf16:  # fp32 compute: gradients in fp32, reduced in fp32 unless asked otherwise
+            reduce = None if reduce_dtype == torch.float32 else reduce_dtype
+            return MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=cast_inputs)
         return MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs
+            param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_inputs
         )
 
     units: list[tuple[nn.Module, float]] = []
@@ -99,8 +103,11 @@ class GradSync:
         stage_world: int | None = None,
         bucket_mb: float = 64.0,
         comm_device: torch.device | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
     ):
         self.model = model
+        # parallel.reduce_dtype: the dtype of the DDP buckets and the tp sums
+        self.reduce_dtype = reduce_dtype
         # where the process groups' collectives run (NCCL: the GPU); gradients held on the host (FSDP's
         # CPU offload) are moved there for the norm's and the tp sums' all-reduces
         self.comm_device = comm_device
@@ -144,6 +151,7 @@ class GradSync:
                 group,
                 self.bucket_elems,
                 scale,
+                dtype=self.reduce_dtype,
             )
         if self.tp > 1:
             _all_reduce_flat(
@@ -151,6 +159,7 @@ class GradSync:
                 self.tp_group,
                 self.bucket_elems,
                 device=self.comm_device,
+                dtype=self.reduce_dtype,
             )
 
     @torch.no_grad()
@@ -165,7 +174,11 @@ class GradSync:
         total = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
             # empty shards give 0
-            norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2)])
+            # bf16 gradients (optim.master_weights): their norms computed and returned in fp32
+            wide = (
+                {} if all(t.dtype == torch.float32 for t in locals_) else {"dtype": torch.float32}
+            )
+            norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2, **wide)])
             weights = torch.tensor(
                 [1.0 / _copies(g, self.stage_world) for g in grads],
                 dtype=torch.float64,
@@ -213,8 +226,9 @@ def _all_reduce_flat(
     bucket_elems: int,
     scale: float = 1.0,
     device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Sum the local tensors of `grads` over `group`, in flat fp32 buckets (on `device` when the
+    """Sum the local tensors of `grads` over `group`, in flat buckets of `dtype` (on `device` when the
     tensors are elsewhere: host gradients under FSDP's CPU offload, an NCCL group)."""
     locals_ = [local_tensor(g) for g in grads]
     start = 0
@@ -224,7 +238,7 @@ def _all_reduce_flat(
             n += locals_[end].numel()
             end += 1
         chunk = locals_[start:end]
-        flat = torch.cat([t.reshape(-1).float() for t in chunk])
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in chunk])
         if device is not None and flat.device != device:
             flat = flat.to(device)
         dist.all_reduce(flat, group=group)

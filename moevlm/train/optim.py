@@ -5,8 +5,9 @@
     notes = fit_resumed_schedule(sched, job.optim, steps)   # after a resume: rescaled to `steps`
 
 No weight decay for parameters of fewer than 2 dimensions or whose name contains `embed`, unless
-`optim.decay_norms_biases_embeddings=true`; each group is split further by device mesh.  Why:
-docs/architecture.md.
+`optim.decay_norms_biases_embeddings=true`; each group is split further by device mesh.  Moments in
+bf16 (`optim.state_dtype`): moevlm.train.adamw; fp32 masters of bf16 weights (`optim.master_weights`):
+moevlm.parallel.master_weights.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 from moevlm.errors import ConfigError
 from moevlm.parallel.optimizer_offload import fused_adamw_available
+from moevlm.train.adamw import AdamW
 
 
 def param_groups(model: nn.Module, o) -> list[dict]:
@@ -54,18 +56,36 @@ def _by_layout(params: list) -> dict[str, list]:
 def build_optimizer(model: nn.Module, o, offload: bool = False):
     """AdamW over `model`'s trainable parameters.  `offload` (parallel.optimizer_offload under DDP or one
     process): the same AdamW over host fp32 masters (moevlm.parallel.optimizer_offload); under FSDP's
-    CPU offload policy the parameters are on the host already and `offload` stays False."""
+    CPU offload policy the parameters are on the host already and `offload` stays False.
+    `optim.master_weights` (bf16 parameters): the AdamW over fp32 masters of this rank's shards
+    (moevlm.parallel.master_weights); `optim.state_dtype=bfloat16`: moments in bf16 (moevlm.train.adamw)."""
     if offload:
         from moevlm.parallel.optimizer_offload import HostOffloadAdamW
 
         return HostOffloadAdamW(model, lambda module: _adamw(module, o))
+    if o.master_weights:
+        from moevlm.parallel.master_weights import MasterWeightsAdamW
+
+        return MasterWeightsAdamW(model, lambda module, grad_of: _adamw(module, o, grad_of))
     return _adamw(model, o)
 
 
-def _adamw(model: nn.Module, o) -> torch.optim.AdamW:
+def _adamw(model: nn.Module, o, grad_of=None) -> torch.optim.Optimizer:
+    """torch's AdamW, or moevlm's (moevlm.train.adamw) for bf16 moments or gradients read elsewhere
+    (`grad_of`: the fp32 masters of bf16 weights)."""
     groups = param_groups(model, o)
     if not groups:
         raise ConfigError("no trainable parameters (is everything frozen?)")
+    if o.state_dtype != "float32" or grad_of is not None:
+        return AdamW(
+            groups,
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=0.0,  # each group's own (param_groups)
+            state_dtype=getattr(torch, o.state_dtype),
+            grad_of=grad_of,
+        )
     kind = o.implementation
     if kind == "auto":
         device = groups[0]["params"][0].device
@@ -147,7 +167,9 @@ class Scheduler(torch.optim.lr_scheduler.LambdaLR):
 
 def build_scheduler(opt: torch.optim.Optimizer, o, steps: int) -> Scheduler:
     # an offloaded optimizer's lr lives in its host AdamW's param_groups (the ones it exposes)
-    return Scheduler(getattr(opt, "host", opt), LRSchedule(o, steps))
+    # (a master-weights optimizer's: its `inner` AdamW's)
+    inner = getattr(opt, "host", getattr(opt, "inner", opt))
+    return Scheduler(inner, LRSchedule(o, steps))
 
 
 # the optim field each schedule attribute comes from (for the resume notes)

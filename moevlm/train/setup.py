@@ -396,7 +396,7 @@ def make_optimizer(plan: JobPlan, built: Built, log: MetricsLogger):
     offload = built.parallel.optimizer_offload
     opt = build_optimizer(built.model, plan.optim, offload=offload == "host")
     if offload is not None:
-        log.info(_offload_line(offload, built.model))
+        log.info(_offload_line(offload, built.model, plan.optim.state_dtype))
     if plan.build.fp8 is not None and plan.build.fp8.cache_weights:
         install_weight_cache(opt)  # FP8 weight codes live for one optimizer step
     return opt, build_scheduler(opt, plan.optim, plan.train.steps)
@@ -500,10 +500,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _offload_line(kind: str, model: torch.nn.Module) -> str:
+def _offload_line(kind: str, model: torch.nn.Module, state_dtype: str = "float32") -> str:
     """The log line of parallel.optimizer_offload: where the state lives and this rank's host memory
-    (16 bytes a trained element: FSDP's fp32 shard, its gradient and the AdamW state, or the host
-    AdamW's master, gradient buffer and state)."""
+    (16 bytes a trained element, 12 with bf16 moments: FSDP's fp32 shard, its gradient and the AdamW
+    state, or the host AdamW's master, gradient buffer and state)."""
     n = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel()
         for p in model.parameters()
@@ -513,4 +513,5 @@ def _offload_line(kind: str, model: torch.nn.Module) -> str:
         "fsdp": "FSDP2's CPU offload policy: this rank's fp32 parameter shards, their gradients and AdamW state",
         "host": "a host AdamW: fp32 masters, gradient buffers and AdamW state of this rank's parameters",
     }[kind]
-    return f"parallel.optimizer_offload: {what} in host memory ({16 * n / 2**20:.1f} MiB)"
+    per = 12 if state_dtype == "bfloat16" else 16
+    return f"parallel.optimizer_offload: {what} in host memory ({per * n / 2**20:.1f} MiB)"

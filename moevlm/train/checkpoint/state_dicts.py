@@ -40,6 +40,16 @@ def _optimizer_view(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Mo
     return view() if view is not None else (model, optimizer)
 
 
+def _model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The model's state dict; under fp32 masters of bf16 weights (moevlm.parallel.master_weights) the
+    trained parameters' entries are the masters, so a checkpoint holds the fp32 values."""
+    state = get_model_state_dict(model)
+    masters = getattr(optimizer, "master_module", None)
+    if masters is not None:
+        state.update(get_model_state_dict(masters()))
+    return state
+
+
 def state_to_save(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -48,7 +58,7 @@ def state_to_save(
     rank: int,
 ) -> dict[str, Any]:
     """The state dict rank `rank` hands dcp.save."""
-    model_sd = get_model_state_dict(model)
+    model_sd = _model_state(model, optimizer)
     optim_sd = (
         get_optimizer_state_dict(*_optimizer_view(model, optimizer), options=_OPTIM)
         if optimizer is not None
@@ -84,7 +94,7 @@ def load_template(
     """What dcp.load fills (our model/optimizer state dicts in the storage layout, and
     byte placeholders), and the state dicts those views write into.  Checked against the
     checkpoint's index `saved` first; `keys_of_every_rank` is collective."""
-    originals: dict[str, Any] = {"model": get_model_state_dict(model)}
+    originals: dict[str, Any] = {"model": _model_state(model, optimizer)}
     if optimizer is not None:
         originals["optim"] = get_optimizer_state_dict(
             *_optimizer_view(model, optimizer), options=_OPTIM
@@ -128,3 +138,5 @@ def set_loaded(
         )
         if hasattr(optimizer, "load_masters"):  # host masters follow the loaded weights
             optimizer.load_masters()
+        if hasattr(optimizer, "masters_loaded"):  # bf16 weights follow the loaded masters
+            optimizer.masters_loaded()
