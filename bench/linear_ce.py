@@ -102,13 +102,13 @@ def main() -> None:
     T, D, V = a.tokens, a.hidden, a.vocab
     print(f"machine: {machine()}\n")
     print(f"peak memory of the loss, forward + backward, T={T} D={D} V={V} (fake tensors)\n")
-    print("| dtype | path | peak GiB | saved for backward GiB | peak / whole |")
+    print("| dtype | path | peak GiB | saved for backward MiB | peak / whole |")
     print("|---|---|---:|---:|---:|")
     for dtype in (torch.bfloat16, torch.float32):
         rows = [(name, *peak(fn, T, D, V, dtype, fake=True)) for name, fn in paths(a.chunk).items()]
         for name, top, saved in rows:
             print(
-                f"| {str(dtype)[6:]} | {name} | {top / GiB:.2f} | {saved / GiB:.3f} | "
+                f"| {str(dtype)[6:]} | {name} | {top / GiB:.2f} | {saved / 2**20:.2f} | "
                 f"{top / rows[0][1]:.3f} |"
             )
     t, d, v = (int(x) for x in a.small.split(","))
