@@ -6,11 +6,10 @@ Legend: T tokens, D hidden, V vocabulary rows this rank holds, C tokens of a chu
     total = linear_cross_entropy(h_TD, w_VD, target_T, chunk=1024)          # sum over counted tokens
     total = linear_cross_entropy(h_TD, w_VD, target_T, 1024, shard)         # rows split over ranks
 
-A chunk's logits are computed in the inputs' dtype (autocast's where it is on) and promoted to fp32,
-as the whole-logits path does; forward keeps each token's max and sum of exponentials (fp32), backward
-recomputes each chunk's logits for dh and dW (dW summed in fp32).  `VocabShard`: the rows this rank holds and how per-token
-statistics combine over the ranks holding the rest (whole by default; over a process group:
-moevlm.parallel.vocab_parallel.group_shard).  `exp_stats` is shared with the vocab-parallel loss.
+A chunk's logits come from the GEMM in the inputs' dtype (autocast's where on), promoted to fp32 as
+the whole-logits path does; forward keeps each token's max and sum of exponentials, backward
+recomputes each chunk's logits for dh and dW (dW summed in fp32).  `VocabShard`: this rank's rows and
+how per-token statistics combine over the other ranks (moevlm.parallel.vocab_parallel.group_shard).
 """
 
 from __future__ import annotations
