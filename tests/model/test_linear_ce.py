@@ -98,6 +98,21 @@ def test_bf16_logits_are_the_whole_paths_promoted_to_fp32():
     assert rel(got[1], ref[1]) <= 1e-2 and rel(got[2], ref[2]) <= 1e-2
 
 
+def test_under_autocast_the_gemms_run_in_its_dtype():
+    """fp32 inputs under bf16 autocast (the trainer's on CUDA): the chunks' logits are autocast's bf16
+    GEMM's, as F.linear's would be, so the loss equals the whole path's under autocast to fp32
+    summation order; the gradients come back in the inputs' dtype."""
+    h, w, target = inputs(T=23)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = loss_and_grads(whole_logits, h, w, target)
+        got = loss_and_grads(linear_cross_entropy, h, w, target, chunk=6)
+    assert got[1].dtype == got[2].dtype == torch.float32
+    assert rel(got[0], ref[0]) <= TOL
+    assert rel(got[1], ref[1]) <= 1e-2 and rel(got[2], ref[2]) <= 1e-2
+    fp32 = loss_and_grads(whole_logits, h, w, target)
+    assert rel(got[0], fp32[0]) > 1e-5  # it did run in bf16
+
+
 def _model_cfg(tied: bool) -> VLMConfig:
     cfg = VLMConfig.preset("tiny").replace(attn_backend="sdpa", tie_word_embeddings=tied)
     cfg.moe.mlp_only_layers = (1,)
