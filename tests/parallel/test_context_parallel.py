@@ -65,6 +65,10 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[s
         chunked_loss_matches_whole_logits(
             shards, os.path.join(tmp, "cp2_chunks"), ["parallel.cp=2"]
         )
+    if world == 4:  # each cp rank's share with the head vocab-parallel over tp 2
+        chunked_loss_matches_whole_logits(
+            shards, os.path.join(tmp, "cp4_chunks"), ["parallel.cp=2", "parallel.tp=2"]
+        )
 
 
 @pytest.mark.slow
