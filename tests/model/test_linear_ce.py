@@ -2,9 +2,8 @@
 loss and dh, dW of the function against F.cross_entropy over F.linear, then the whole model's loss and
 every gradient (image, packed documents, ignored labels, tied head) with `loss_chunk_tokens` against 0,
 each to 1e-6 relative in fp32; chunk sizes that do not divide the tokens, larger than them, of one.
-Under tp2 (tests/parallel/test_layouts.py, test_vocab_parallel.py), pp2 and pp2 x tp2 (test_pipeline.py),
-cp2 and cp2 x tp2 (test_context_parallel.py)
-the same comparison rides their gloo launches."""
+The same comparison rides gloo launches under tp2 (tests/parallel/test_vocab_parallel.py,
+test_layouts.py), pp2 and pp2 x tp2 (test_pipeline.py), cp2 and cp2 x tp2 (test_context_parallel.py)."""
 
 import pytest
 import torch
