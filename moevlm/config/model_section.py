@@ -274,6 +274,16 @@ class ModelConfig:
             "help": "the whole vision module (tower, merger, deepstack mergers) runs forward only, no gradients"
         },
     )
+    loss_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "sets": "loss_chunk_tokens",
+            "help": "the LM head's loss and its gradients computed this many tokens at a time "
+            "(moevlm.model.linear_ce): a chunk's logits at most, never the micro-batch's (tokens x vocabulary "
+            "in fp32, again for their gradient); the same loss and gradients to fp32 rounding. 0 = the whole "
+            "micro-batch's logits at once",
+        },
+    )
     recompute: one_of(*RECOMPUTE_MODES, checked_by=check_recompute) = field(
         default="none",
         metadata={

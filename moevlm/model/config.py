@@ -128,6 +128,8 @@ class VLMConfig:
     tie_word_embeddings: bool = False
     attn_backend: str = "auto"
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    # the LM head's loss over chunks of this many tokens, without the logits (0: the whole logits)
+    loss_chunk_tokens: int = 0
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -224,6 +226,11 @@ class VLMConfig:
         check(
             self.attn_backend in ATTN_BACKENDS,
             f"attn_backend={self.attn_backend!r}; choose one of {ATTN_BACKENDS}",
+        )
+        chunk = self.loss_chunk_tokens
+        check(
+            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0,
+            f"loss_chunk_tokens={chunk!r} must be an integer >= 0 (0: the whole micro-batch's logits)",
         )
         self._check_fp8()
         for name in (

@@ -243,7 +243,10 @@ class Head(nn.Linear):
         super().__init__(hidden, vocab_size, bias=False)
         self.vocab = vocab or Vocab()
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, as_input: bool = False) -> torch.Tensor:
+        """The logits of h; with `as_input`, h as the weight meets it (a chunked loss takes both)."""
+        if as_input:
+            return self.vocab.head_input(h)
         return self.vocab.head(h, self.weight)
 
 

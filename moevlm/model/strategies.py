@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from moevlm.model.attention import CoreAttention, doc_mask
 from moevlm.model.dispatcher import LocalDispatcher
-
-IGNORE_INDEX = -100
+from moevlm.model.linear_ce import IGNORE_INDEX, VocabShard, linear_cross_entropy
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -92,17 +91,39 @@ class Vocab:
     def embed(self, ids: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, weight_VD)
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """h as the LM head's weight meets it (the tokens of its logits)."""
+        return h
+
     def head(self, h: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, weight_VD)
+        return F.linear(self.head_input(h), weight_VD)
 
 
 class Loss(nn.Module):
-    """(mean next-token cross-entropy, number of counted targets) of the logits this rank holds."""
+    """(mean next-token cross-entropy, number of counted targets) of the logits this rank holds, or
+    of the LM head over its input, chunk by chunk, without them."""
 
     def forward(
-        self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        labels_BS: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        weight_VD: torch.Tensor | None = None,
+        chunk_tokens: int = 0,
     ):
-        return self.token_loss(logits_BSV, self.targets(labels_BS, cu_seqlens))
+        """`x`: the logits (B, S, V); with `weight_VD` the head's input (B, S, D) (`Vocab.head_input`),
+        `chunk_tokens` at a time (moevlm.model.linear_ce)."""
+        targets = self.targets(labels_BS, cu_seqlens)
+        if weight_VD is None:
+            return self.token_loss(x, targets)
+        h_TD = x.reshape(targets.numel(), -1)
+        total = linear_cross_entropy(h_TD, weight_VD, targets, chunk_tokens, self.vocab_shard())
+        n = (targets != IGNORE_INDEX).sum()
+        return total / n.clamp(min=1), n
+
+    def vocab_shard(self) -> VocabShard:
+        """The vocabulary rows this rank's head holds (all of them)."""
+        return VocabShard()
 
     def targets(self, labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return next_token_targets(labels_BS, cu_seqlens)

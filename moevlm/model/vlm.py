@@ -9,7 +9,9 @@ Legend: B batch, S sequence, V vocab, N patches, I images, O text width.
     out = model(input_ids, pixel_values, image_grid_thw, labels=labels)
 
 `labels` follow the Hugging Face convention (same positions as `input_ids`, -100 ignored; the
-shift happens here).  `out.loss = lm_loss + router_aux_loss_coef * aux_loss`.
+shift happens here).  `out.loss = lm_loss + router_aux_loss_coef * aux_loss`.  With labels and
+`config.loss_chunk_tokens` > 0 the LM head's loss runs over token chunks and `out.logits` is None
+(`return_logits=True` computes them, and the loss through them).
 """
 
 from __future__ import annotations
@@ -24,13 +26,20 @@ from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
-from moevlm.model.strategies import IGNORE_INDEX, Strategies, next_token_targets, token_loss
+from moevlm.model.strategies import (
+    IGNORE_INDEX,
+    Strategies,
+    local,
+    next_token_targets,
+    token_loss,
+)
 from moevlm.model.vision import VisionEncoder
 
 
 @dataclass
 class VLMOutput:
-    logits: torch.Tensor
+    # (B, S, V); None when labels were given and config.loss_chunk_tokens > 0 (not materialized)
+    logits: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
@@ -93,9 +102,11 @@ class Qwen3VLMoe(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        return_logits: bool = False,
     ) -> VLMOutput:
         """`token_mask` (B, S), True at real tokens: padding is left out of the
-        router statistics (aux loss, `expert_counts`); it changes nothing else."""
+        router statistics (aux loss, `expert_counts`); it changes nothing else.
+        `return_logits`: the logits even when the loss could be computed without them."""
         cfg = self.config
         check_inputs(
             cfg,
@@ -125,11 +136,16 @@ class Qwen3VLMoe(nn.Module):
         h_BSD, stats = self.text(
             h_BSD, position_ids, cu_seqlens, visual_mask_BS, deepstack, token_mask
         )
-        out = VLMOutput(logits=self.lm_head(h_BSD))
+        chunked = labels is not None and cfg.loss_chunk_tokens > 0 and not return_logits
+        out = VLMOutput(logits=None if chunked else self.lm_head(h_BSD))
         if stats:
             self.router_outputs(out, stats)
         if labels is not None:
-            out.lm_loss, out.num_loss_tokens = self.lm_loss(out.logits, labels, cu_seqlens)
+            out.lm_loss, out.num_loss_tokens = (
+                self.head_loss(h_BSD, labels, cu_seqlens)
+                if chunked
+                else self.lm_loss(out.logits, labels, cu_seqlens)
+            )
             out.loss = out.lm_loss
             if out.aux_loss is not None:
                 out.loss = out.lm_loss + cfg.moe.router_aux_loss_coef * out.aux_loss
@@ -202,6 +218,15 @@ class Qwen3VLMoe(nn.Module):
     def lm_loss(self, logits_BSV, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean next-token loss over the targets this rank holds, their number): the loss strategy's."""
         return self.loss(logits_BSV, labels_BS, cu_seqlens)
+
+    def head_loss(self, h_BSD, labels_BS, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lm_loss` of the LM head over the final hidden states: through the whole logits, or with
+        config.loss_chunk_tokens > 0 that many tokens at a time without them (moevlm.model.linear_ce)."""
+        chunk = self.config.loss_chunk_tokens
+        if chunk <= 0:
+            return self.lm_loss(self.lm_head(h_BSD), labels_BS, cu_seqlens)
+        x = self.lm_head(h_BSD, as_input=True)
+        return self.loss(x, labels_BS, cu_seqlens, local(self.lm_head.weight), chunk)
 
     # ------------------------------------------------------- checkpoints (HF)
     @classmethod

@@ -99,7 +99,7 @@ class StageModule(nn.Module):
             h, layer_stats = model.text.run_layers(h, ctx, visual_mask, here, self.layers)
             stats = self._add_stats(stats, layer_stats, h)
             if self.last and self.evaluating:
-                lm_loss, n = model.lm_loss(self.lm_head(self.norm(h)), b.labels, b.cu_seqlens)
+                lm_loss, n = model.head_loss(self.norm(h), b.labels, b.cu_seqlens)
                 return (lm_loss * n).float().reshape(1)
             if self.last:
                 return self._objective(h, b, stats)
@@ -144,8 +144,7 @@ class StageModule(nn.Module):
 
     def _objective(self, h, b, stats) -> torch.Tensor:
         model, cfg = self.model, self.model.config
-        logits = self.lm_head(self.norm(h))
-        lm_loss, n = model.lm_loss(logits, b.labels, b.cu_seqlens)
+        lm_loss, n = model.head_loss(self.norm(h), b.labels, b.cu_seqlens)
         lm_sum = lm_loss * n
         aux = z = None
         # the load-balancing loss over every layer, from the sums of all stages

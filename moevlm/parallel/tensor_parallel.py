@@ -18,9 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from moevlm.model.linear_ce import VocabShard
 from moevlm.model.strategies import IGNORE_INDEX, Loss, Sequence, Vocab, local
 from moevlm.parallel.comm import gather_seq, reduce_scatter_seq, split_seq, sum_replicated
-from moevlm.parallel.vocab_parallel import vocab_parallel_cross_entropy
+from moevlm.parallel.vocab_parallel import group_shard, vocab_parallel_cross_entropy
 
 
 def shard_param(module: nn.Module, name: str, mesh, placements) -> None:
@@ -71,9 +72,13 @@ class TPVocab(Vocab):
         )
         return sum_replicated(h, self.group)
 
+    def head_input(self, h_BsD):
+        """The whole sequence (B, S, D): the head's logits are over this rank's vocabulary rows."""
+        return gather_seq(h_BsD, self.group)
+
     def head(self, h_BsD, weight_VD):
         """Logits of the whole sequence over this rank's vocabulary rows (B, S, V/tp)."""
-        return F.linear(gather_seq(h_BsD, self.group), local(weight_VD))
+        return F.linear(self.head_input(h_BsD), local(weight_VD))
 
 
 class ParallelLoss(Loss):
@@ -89,6 +94,9 @@ class ParallelLoss(Loss):
         return (
             targets if self.take is None else self.take(targets.view(labels_BS.shape)).reshape(-1)
         )
+
+    def vocab_shard(self) -> VocabShard:
+        return VocabShard() if self.group is None else group_shard(self.group, self.vocab_start)
 
     def token_loss(self, logits_BSV, targets):
         if self.group is None:

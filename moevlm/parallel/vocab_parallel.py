@@ -4,11 +4,12 @@ along the vocabulary; the full (T, V) logits are never gathered.
 Legend: T tokens, V local vocabulary shard.
 
     loss_T = vocab_parallel_cross_entropy(logits_TV, target_T, vocab_start, group)
+    shard = group_shard(group, vocab_start)    # the same reductions for moevlm.model.linear_ce
 
-Three all-reduces of (T,) vectors: the max (for stability), the sum of exponentials, and the
-target's logit (each target lives on exactly one rank).  Backward is local: softmax minus one-hot
-on the shard that holds the target, scaled by the incoming gradient.  `ignore_index` targets give
-0 loss and 0 gradient.  Computed in fp32 whatever the logits' dtype.
+Three all-reduces of (T,) vectors: the max (for stability), the target's logit (each target lives
+on exactly one rank) and the sum of exponentials.  Backward is local: softmax minus one-hot on the
+shard that holds the target, scaled by the incoming gradient.  `ignore_index` targets give 0 loss
+and 0 gradient.  Computed in fp32 whatever the logits' dtype.
 """
 
 from __future__ import annotations
@@ -16,26 +17,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moevlm.model.linear_ce import VocabShard, exp_stats
+
+
+def group_shard(group, vocab_start: int) -> VocabShard:
+    """Rows from `vocab_start` on this rank; per-token statistics all-reduced over `group`."""
+
+    def all_max(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    def all_sum(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return VocabShard(vocab_start, all_max, all_sum)
+
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, target_T, vocab_start: int, group, ignore_index: int):
-        logits_TV = logits_TV.float()
-        max_T = logits_TV.max(dim=-1).values
-        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=group)
-        shifted_TV = logits_TV - max_T[:, None]
-        exp_TV = shifted_TV.exp()
-        sum_T = exp_TV.sum(dim=-1)
-        dist.all_reduce(sum_T, group=group)
-        local_T = target_T - vocab_start
-        here_T = (local_T >= 0) & (local_T < logits_TV.shape[-1]) & (target_T != ignore_index)
-        safe_T = torch.where(here_T, local_T, torch.zeros_like(local_T))
-        target_logit_T = shifted_TV.gather(1, safe_T[:, None]).squeeze(1) * here_T
-        dist.all_reduce(target_logit_T, group=group)
-        valid_T = target_T != ignore_index
-        loss_T = (sum_T.log() - target_logit_T) * valid_T
-        ctx.save_for_backward(exp_TV, sum_T, safe_T, here_T, valid_T)
-        return loss_T
+        exp_TV = logits_TV.to(torch.float32, copy=True)
+        st = exp_stats(exp_TV, target_T, group_shard(group, vocab_start), ignore_index)
+        ctx.save_for_backward(exp_TV, st.sum_C, st.safe_C, st.here_C, st.valid_C)
+        return st.loss()
 
     @staticmethod
     def backward(ctx, grad_T):
@@ -56,3 +61,6 @@ def vocab_parallel_cross_entropy(
     """Per-token cross-entropy (fp32) of logits sharded along the vocabulary: this
     rank holds columns [vocab_start, vocab_start + V).  No reduction over tokens."""
     return _VocabParallelCE.apply(logits_TV, target_T, vocab_start, group, ignore_index)
+
+
+__all__ = ["group_shard", "vocab_parallel_cross_entropy"]

@@ -21,6 +21,7 @@ from test_layouts import (
     TOL,
     UNCLIPPED_EPS,
     check_layouts,
+    chunked_loss_matches_whole_logits,
     print_report,
     runs_agree,
     trainer_run_on_ranks,
@@ -60,6 +61,14 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[s
     check_layouts(
         rank, world, shards, tmp, os.path.join(tmp, "ref.pt"), layouts, "cp", f"cp_w{world}.json"
     )
+    if world == 2:  # the LM head's loss over token chunks of each cp rank's share
+        chunked_loss_matches_whole_logits(
+            shards, os.path.join(tmp, "cp2_chunks"), ["parallel.cp=2"]
+        )
+    if world == 4:  # each cp rank's share with the head vocab-parallel over tp 2
+        chunked_loss_matches_whole_logits(
+            shards, os.path.join(tmp, "cp4_chunks"), ["parallel.cp=2", "parallel.tp=2"]
+        )
 
 
 @pytest.mark.slow

@@ -288,7 +288,8 @@ def compare(got: dict, ref: dict) -> dict:
 def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
     """The model pieces the tiny preset does not have: a dense MLP layer (tensor parallel gate/up/down)
     and tied embeddings (one vocab-parallel weight for both), with an image (deepstack through
-    sequence parallel), against the unsharded model: loss, logits shard, every gathered gradient."""
+    sequence parallel), against the unsharded model: loss, logits shard, every gathered gradient; then
+    the LM head's loss over token chunks against this layout's whole logits."""
     from moevlm.model import Qwen3VLMoe, VLMConfig
     from moevlm.parallel import ParallelDims, build_model, copy_full_, init_parameters_
 
@@ -323,6 +324,50 @@ def _dense_layer_and_tied_head_under_tp(rank: int, world: int) -> None:
     assert grads.keys() == want.keys() and "text.layers.1.mlp.gate_proj.weight" in grads
     bad = {k: rel(grads[k], want[k]) for k in want if rel(grads[k], want[k]) > TOL}
     assert not bad, bad
+    # the LM head's loss over 5-token chunks (moevlm.model.linear_ce: the vocab-parallel reductions per
+    # chunk, the tied weight's gradient from both uses) equals this layout's whole-logits path to 1e-6
+    tp.zero_grad(set_to_none=True)
+    tp.config.loss_chunk_tokens = 5
+    chunked = tp(ids, **kw)
+    chunked.loss.backward()
+    ctx.finish_gradients()
+    assert chunked.logits is None
+    torch.testing.assert_close(chunked.loss, out.loss, rtol=1e-6, atol=0)
+    got = full_grads(tp)
+    bad = {k: rel(got[k], grads[k]) for k in grads if rel(got[k], grads[k]) > 1e-6}
+    assert got.keys() == grads.keys() and not bad, bad
+
+
+def chunked_loss_matches_whole_logits(shards: str, run_dir: str, layout: list[str]) -> None:
+    """One training step of `layout` with the LM head's loss over 100-token chunks (moevlm.model.linear_ce)
+    equals the step through the micro-batch's whole logits (model.loss_chunk_tokens=0): the loss and
+    every gathered gradient to 1e-6 relative (the same layout both times: only the loss differs)."""
+    runs = []
+    for chunk in (0, 100):
+        job = job_overrides(
+            shards, f"{run_dir}_{chunk}", [*layout, f"model.loss_chunk_tokens={chunk}"]
+        )
+        tr = Trainer(compose_job(job))
+        grads = []
+        tr.grad_hook = lambda t: grads.append(
+            every_stage(t, {k: v.clone() for k, v in full_grads(t.model).items()})
+        )
+        try:
+            assert tr.train_step(_NoWindow())
+        finally:
+            tr.close()
+        runs.append((tr.losses[-1], grads[0]))
+    (loss0, want), (loss, got) = runs
+    assert abs(loss - loss0) <= 1e-6 * abs(loss0), (loss, loss0)
+    assert got.keys() == want.keys() and "lm_head.weight" in got
+    errors = {k: rel(got[k], want[k]) for k in want}
+    bad = {k: e for k, e in errors.items() if e > 1e-6}
+    assert not bad, bad
+    if dist.get_rank() == 0:
+        print(
+            f"[{' '.join(layout)}] chunked loss against whole logits: loss "
+            f"{abs(loss - loss0) / abs(loss0):.1e} grads {max(errors.values()):.1e}"
+        )
 
 
 def _dense_on_ranks(rank: int, world: int) -> None:

@@ -32,6 +32,7 @@ from test_layouts import (
     TOL,
     UNCLIPPED_EPS,
     check_layouts,
+    chunked_loss_matches_whole_logits,
     job_overrides,
     one_process_references,
     print_report,
@@ -150,6 +151,16 @@ def _pipelines_on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: l
     )
     if world == 2:
         _nonfinite_on_one_stage_skips_on_every_stage(rank, shards, tmp)
+        # the LM head's loss over token chunks on the last stage, against its whole logits
+        model = MODEL.replace("@TMP", tmp)
+        chunked_loss_matches_whole_logits(
+            shards, os.path.join(tmp, "p2_chunks"), [model, "parallel.pp=2"]
+        )
+    if world == 4:  # and with the last stage's head vocab-parallel over tp 2
+        model = MODEL.replace("@TMP", tmp)
+        chunked_loss_matches_whole_logits(
+            shards, os.path.join(tmp, "p4_chunks"), [model, "parallel.pp=2", "parallel.tp=2"]
+        )
 
 
 def _nonfinite_on_one_stage_skips_on_every_stage(rank: int, shards: str, tmp: str):
