@@ -115,6 +115,7 @@ SET = {
     "deepep_api": "v1",
     "dispatcher_max_tokens_per_rank": 4096,
     "dispatcher_num_sms": 24,
+    "loss_chunk_tokens": 256,
     "vocab_size": 2048,
     "image_token_id": 2000,
     "video_token_id": 2001,
