@@ -92,6 +92,8 @@ class Change:
 
 
 CHANGES = (
+    # the chunked LM-head loss (model.loss_chunk_tokens), once it exists: a step-1 row before recompute
+    # (it frees the logits for the LM head's recomputed chunks: cost="recompute")
     Change(1, "recompute", _recompute, "recompute", nested=True),
     Change(2, "added parallelism", _parallel, "communication", rounds=True),
     # step 3, lighter state: optimizer moments in bf16, bf16 weights with fp32 masters in the optimizer,
