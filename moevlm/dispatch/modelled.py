@@ -233,8 +233,7 @@ class ModelledDispatcher(TokenDispatcher):
         back_SD = _all_to_all_rows(
             y_RD.to(WIRE_DTYPE), handle.send_splits, handle.recv_splits, self.group
         )
-        y_TD = expert_y_MD.new_zeros(handle.num_tokens, expert_y_MD.shape[1])
-        return y_TD.index_add_(0, handle.pair_token_S, back_SD.to(expert_y_MD.dtype))
+        return _SumRows.apply(back_SD.to(expert_y_MD.dtype), handle.pair_token_S, handle.num_tokens)
 
     def _before_exchange(self, topk_idx_TK: Tensor) -> None:
         """What the backend exchanges before the rows (HybridEP: its routing map)."""
@@ -242,6 +241,21 @@ class ModelledDispatcher(TokenDispatcher):
     def _budget(self, num_tokens: int) -> int | None:
         """The static expert-row budget of a capacity mode, None when dropless."""
         return None
+
+
+class _SumRows(torch.autograd.Function):
+    """Rows summed into `num_rows` by index, as the packages' combine kernels reduce: backward keeps the
+    index only (an `index_add_` would keep the rows too)."""
+
+    @staticmethod
+    def forward(ctx, rows_SD: Tensor, index_S: Tensor, num_rows: int) -> Tensor:
+        ctx.save_for_backward(index_S)
+        return rows_SD.new_zeros(num_rows, rows_SD.shape[1]).index_add_(0, index_S, rows_SD)
+
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):
+        (index_S,) = ctx.saved_tensors
+        return grad_TD.index_select(0, index_S), None, None
 
 
 def _clip_counts(counts_L: Tensor, budget: int) -> Tensor:
