@@ -14,6 +14,7 @@ GPU), host copies (bytes per step at HOST_GBPS), each also as seconds added to t
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,9 +62,19 @@ def _parallel(job, world: int, g: Gpu) -> list[dict]:
     rounds, factor = [], 2
     while factor <= world:
         dims = [d for d in PARALLEL if getattr(p, d) * factor <= limit.get(d, world)]
-        rounds.append([{f"parallel.{d}": getattr(p, d) * factor} for d in dims])
+        rounds.append([_times(p, d, factor, world) for d in dims])
         factor *= 2
     return rounds
+
+
+def _times(p, dim: str, factor: int, world: int) -> dict:
+    """`dim` times `factor`; more pipeline stages leave fewer ranks per stage, so ep (x etp) shrinks to
+    what a stage holds."""
+    out = {f"parallel.{dim}": getattr(p, dim) * factor}
+    per_stage = world // (p.pp * factor) if dim == "pp" else None
+    if per_stage and (p.ep * p.etp) > per_stage:
+        out["parallel.ep"] = math.gcd(p.ep, max(per_stage // p.etp, 1))
+    return out
 
 
 def _optimizer_offload(job, world: int, g: Gpu) -> list[dict]:
