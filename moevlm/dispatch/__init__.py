@@ -7,11 +7,14 @@ factor, fixed-size buffers without host sync, overflow dropped and counted:
 when used: `deepep.py`) and `hybridep` (`deep_ep.HybridEPBuffer` from DeepEP's hybrid-ep branch:
 `hybridep.py`), both run here only against test emulators.  `availability.py` answers whether deepep /
 hybridep could run here (the deep_ep package, the adapter, their layout rules) for config validation.
+A plan builds deepep and hybridep as their models, without the package (`modelled.py`).
 """
 
 from moevlm.dispatch.base import (
     DISPATCHERS,
+    MODELS,
     DispatcherSpec,
+    ModelledBuffers,
     TokenDispatcher,
     build_dispatcher,
     dense_routing,
@@ -23,6 +26,7 @@ from moevlm.dispatch.local import LocalDispatcher  # isort: skip
 from moevlm.dispatch.alltoall import AllToAllDispatcher
 from moevlm.dispatch.deepep import DeepEPDispatcher
 from moevlm.dispatch.hybridep import HybridEPDispatcher
+from moevlm.dispatch.modelled import ModelledDeepEP, ModelledHybridEP
 
 __all__ = [
     "DISPATCHERS",
@@ -31,6 +35,10 @@ __all__ = [
     "DeepEPDispatcher",
     "HybridEPDispatcher",
     "LocalDispatcher",
+    "MODELS",
+    "ModelledBuffers",
+    "ModelledDeepEP",
+    "ModelledHybridEP",
     "TokenDispatcher",
     "build_dispatcher",
     "dense_routing",

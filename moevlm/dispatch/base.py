@@ -15,7 +15,7 @@ describes every backend.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -65,9 +65,30 @@ DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
 DEEPEP_APIS = ("auto", "v2", "v1")  # the deepep backend's DeepEP API (moevlm.dispatch.deepep)
 
 
+# backend -> the class a plan builds instead of it (moevlm.dispatch.modelled): the gated backends
+MODELS: dict[str, type[TokenDispatcher]] = {}
+
+
 def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
     DISPATCHERS[cls.name] = cls
     return cls
+
+
+def register_model(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
+    MODELS[cls.name] = cls
+    return cls
+
+
+class ModelledBuffers:
+    """The buffers a plan's modelled backends hold, one per EP group as the packages keep them (one job's
+    build: `DispatcherSpec.for_plan` makes a new one)."""
+
+    def __init__(self):
+        self.held: dict[str, torch.Tensor] = {}  # EP group name -> the buffer (uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.held.values())
 
 
 def dispatcher_names() -> tuple[str, ...]:
@@ -98,10 +119,36 @@ class DispatcherSpec:
     num_sms: int = 0  # deepep / hybridep: SMs of their kernels; 0 = the backend's choice
     # deepep (V2) / hybridep: a static bound on any rank's tokens (no all-reduce of token counts)
     max_tokens_per_rank: int | None = None
+    # a plan's only (`for_plan`): build the backend's model (MODELS), holding its buffers here
+    plan_buffers: ModelledBuffers | None = field(default=None, compare=False)
+
+    def for_plan(self) -> DispatcherSpec:
+        """The spec a plan builds (moevlm.plan.dry_run): a gated backend (deepep, hybridep) as its model,
+        moevlm.dispatch.modelled (the package is never imported), with buffers of its own; any other as
+        it is."""
+        return replace(self, plan_buffers=ModelledBuffers()) if self.name in MODELS else self
+
+    @property
+    def modelled(self) -> bool:
+        return self.plan_buffers is not None
 
     def build(self, moe, ep_group=None, etp_group=None) -> TokenDispatcher:
         """Block's dispatcher for MoE config `moe` over the expert groups (None: one process); the
-        backend takes those of these arguments its constructor has."""
+        backend takes those of these arguments its constructor has.  A `for_plan` spec builds the model."""
+        if self.plan_buffers is not None:
+            return MODELS[self.name](
+                moe.num_experts,
+                moe.top_k,
+                self.plan_buffers,
+                ep_group=ep_group,
+                etp_group=etp_group,
+                permute=moe.permute,
+                api=self.api,
+                num_sms=self.num_sms,
+                max_tokens_per_rank=self.max_tokens_per_rank,
+                capacity_factor=moe.capacity_factor,
+                capacity_overflow=moe.capacity_overflow,
+            )
         offered = {
             "permute": moe.permute,
             "ep_group": ep_group,

@@ -36,6 +36,23 @@ class Layout:
     micro_batch_size: int
     dp_replicate: int = 1  # HSDP replicas (parallel.dp_replicate); 1 = FSDP over all of dp x cp
 
+    @classmethod
+    def of(cls, job) -> Layout:
+        """The layout `job` (a JobConfig object) sets."""
+        p = job.parallel
+        return cls(
+            p.tp,
+            p.cp,
+            p.pp,
+            p.vpp or 1,
+            p.ep,
+            p.etp,
+            p.dp_mode,
+            job.model.recompute,
+            job.train.micro_batch_size,
+            p.dp_replicate,
+        )
+
     @property
     def schedule(self) -> str:
         return SCHEDULE[self.vpp] if self.pp > 1 else "none"

@@ -4,11 +4,12 @@
     python -m moevlm.plan +experiment=h100_fsdp --gpu h200 --json
     python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
     python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
+    python -m moevlm.plan +experiment=h100_fsdp --fit             # the cheapest changes that make it fit
 
 The job is composed and validated as `train.py` composes it (`data.shards` defaults to the sample
 set: a plan reads no data); the plan is `moevlm.plan.report`'s, the search `moevlm.plan.search`'s.
-Exit status: 0 when every rank fits the GPU (--search: a layout fits), 9 when not, 2 for a config
-error (`moevlm.train.exit_codes`).  Every option: docs/plans.md.
+Exit status: 0 when every rank fits the GPU (--search: a layout fits; --fit: as it is or with the
+proposal), 9 when not, 2 for a config error (`moevlm.train.exit_codes`).  Every option: docs/plans.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,33 @@ def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
     return text, bool(result.top)
 
 
+def run_fit(job, world: int, gpu_name: str, args, overrides: list[str]) -> tuple[str, bool]:
+    """The fit check's report (markdown or JSON) and whether the job fits, as it is or changed."""
+    from moevlm.plan.fit import fit, format_fit
+
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    result = fit(job, world, gpu_name, progress=progress)
+    world_arg = [f"--world {world}"] if args.world else []
+    command = " ".join([*(o for o in overrides if o != "data.shards=sample"), *world_arg])
+    command += f" --gpu {gpu_name}"
+    text = json.dumps(result.as_dict()) if args.json else format_fit(result, command)
+    return text, result.fits
+
+
+def dispatcher_note(job, world: int) -> str | None:
+    """The line a plan adds when it models the job's dispatcher instead of its package."""
+    from moevlm.config import validate
+
+    spec = validate(job, world, environment=False).dispatcher
+    if not spec.for_plan().modelled:
+        return None
+    return (
+        f"dispatcher: {spec.name} is modelled (the deep_ep package is not imported by a plan): its "
+        "exchanges at the package's volumes, its buffers at their documented sizes, counted in the "
+        "peaks above (moevlm.dispatch.modelled)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from moevlm.config import check_overrides, compose_job
     from moevlm.errors import ConfigError
@@ -79,7 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-dry-runs", type=int, default=None, help="--search: stop after this many dry runs"
     )
+    ap.add_argument(
+        "--fit",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="GPU",
+        help="the cheapest changes that make the job fit GPU (default --gpu), with their costs",
+    )
     args, overrides = ap.parse_known_args(argv)
+    if args.fit and "=" in args.fit:  # `--fit model.x=y`: an override, not a GPU
+        overrides, args.fit = [*overrides, args.fit], ""
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         ap.error(f"unknown option(s): {' '.join(bad)}")
@@ -91,16 +129,28 @@ def main(argv: list[str] | None = None) -> int:
         experiment = next(
             (o.split("=", 1)[1] for o in overrides if o.startswith("+experiment=")), ""
         )
-        gpu_name = args.gpu or next(
-            (k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100"
+        gpu_name = (
+            args.fit
+            or args.gpu
+            or next(
+                (k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100"
+            )
         )
         find_gpu(gpu_name)
         world = args.world or job.parallel.world_size or 1
-        if args.search:
+        if args.fit is not None:
+            text, fits = run_fit(job, world, gpu_name, args, overrides)
+        elif args.search:
             text, fits = run_search(job, world, gpu_name, args)
         else:
             out = make_plan(job, world, gpu_name)
-            text, fits = json.dumps(out) if args.json else format_plan(out), out["fits"]
+            note = dispatcher_note(job, world)
+            if note is not None:
+                out["dispatcher_note"] = note
+            text = json.dumps(out) if args.json else format_plan(out)
+            if note is not None and not args.json:
+                text = text.replace("\nverdict:", f"\n{note}\n\nverdict:", 1)
+            fits = out["fits"]
     except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return ExitCode.CONFIG

@@ -106,6 +106,7 @@ def _build(job, plan, device_type: str, bf16: bool):
         fp8_modules=(),
         cuda_graph_scope=(),
         optimizer_offload=False,
+        dispatcher=plan.build.dispatcher.for_plan(),  # deepep / hybridep modelled, never imported
     )
     return build_model(plan.model, plan.dims, options)
 

@@ -7,7 +7,7 @@ vision tower, x0 = min(max(T, 1), x).
     ext.lower(layout, plan)      # quantities at the real depth with one vision block (a lower bound)
     ext.estimate(layout, plan)   # with the vision term added: rank 0 at the real size
 
-Quantities: the memory fields and ("comm", group, kind) bytes, affine in x and y
+Quantities: the memory and host-copy fields and ("comm", group, kind) bytes, affine in x and y
 (docs/architecture.md, "The planner").
 """
 
@@ -24,11 +24,13 @@ ATTENTION_ROLES = frozenset(
     | {"dense_replicate", "dense_shard", "vision_replicate", "vision_shard"}
 )
 MEMORY = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes")
+# host<->device copies per step (optimizer offload; the activation offload's copies to the host)
+HOST = ("h2d_bytes", "d2h_bytes", "activation_offload_bytes")
 
 
 def _quantities(r) -> dict[str, float]:
-    """A RankPlan as one flat vector: the memory fields and ("comm", group, kind) bytes."""
-    q = {k: float(getattr(r, k)) for k in MEMORY}
+    """A RankPlan as one flat vector: the memory and host-copy fields and ("comm", group, kind) bytes."""
+    q = {k: float(getattr(r, k)) for k in (*MEMORY, *HOST)}
     for group, kinds in r.comm_bytes.items():
         for kind, nbytes in kinds.items():
             q[("comm", group, kind)] = float(nbytes)
