@@ -88,6 +88,28 @@ def _activation_offload(job, world: int, g: Gpu) -> list[dict]:
     return [{"model.offload_modules": [*(job.model.offload_modules or ()), "layer_input"]}]
 
 
+def _chunked_loss(job, world: int, g: Gpu) -> list[dict]:
+    """The LM head's loss over token chunks (no micro-batch's whole logits), where it is off."""
+    return [{"model.loss_chunk_tokens": 1024}] if job.model.loss_chunk_tokens == 0 else []
+
+
+def _lighter_state(job, world: int, g: Gpu) -> list[dict]:
+    """Nested: bf16 optimizer moments, then bf16 weights with fp32 masters in the optimizer too (where
+    the build takes them: bf16 compute, no pipeline stages, no optimizer offload)."""
+    o, p = job.optim, job.parallel
+    if o.implementation == "fused":
+        return []
+    out = [] if o.state_dtype == "bfloat16" else [{"optim.state_dtype": "bfloat16"}]
+    if (
+        not o.master_weights
+        and p.pp == 1
+        and not p.optimizer_offload
+        and job.train.precision != "fp32"
+    ):
+        out.append({"optim.state_dtype": "bfloat16", "optim.master_weights": True})
+    return out
+
+
 @dataclass(frozen=True)
 class Change:
     """One kind of change: its step in the guidance's order, the settings it tries (job fields ->
@@ -103,13 +125,10 @@ class Change:
 
 
 CHANGES = (
-    # the chunked LM-head loss (model.loss_chunk_tokens), once it exists: a step-1 row before recompute
-    # (it frees the logits for the LM head's recomputed chunks: cost="recompute")
+    Change(1, "chunked loss", _chunked_loss, "recompute"),
     Change(1, "recompute", _recompute, "recompute", nested=True),
     Change(2, "added parallelism", _parallel, "communication", rounds=True),
-    # step 3, lighter state: optimizer moments in bf16, bf16 weights with fp32 masters in the optimizer,
-    # the gradient reduction's dtype, each a Change(3, ..., cost="precision") whose
-    # settings name the option, once those options exist
+    Change(3, "lighter state", _lighter_state, "precision", nested=True),
     Change(4, "optimizer offload", _optimizer_offload, "host copies"),
     Change(4, "activation offload", _activation_offload, "host copies"),
 )
