@@ -8,7 +8,7 @@ XDR/ConnectX-8 port (100 GB/s) on Blackwell systems.
 
 `fits(peak, gpu)`: a plan fits when its peak stays under the device memory less the headroom the
 allocator and the runtime take (`headroom_bytes`: the CUDA context, NCCL's buffers, the caching
-allocator's fragmentation): 8% of the memory, at least 4 GiB.
+allocator's fragmentation): 10% of the memory, at least 4 GiB (a plan that fits peaks at 90% or less).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Gpu:
 
     @property
     def headroom_bytes(self) -> float:
-        return max(4 * 2**30, 0.08 * self.memory_bytes)
+        return max(4 * 2**30, 0.10 * self.memory_bytes)
 
     def fits(self, peak_bytes: float) -> bool:
         return peak_bytes <= self.memory_bytes - self.headroom_bytes
