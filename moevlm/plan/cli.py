@@ -19,6 +19,7 @@ import json
 import sys
 
 from moevlm.plan.devices import gpu as find_gpu
+from moevlm.plan.devices import recipe_gpu
 from moevlm.plan.report import format_plan, make_plan
 from moevlm.train.exit_codes import ExitCode
 
@@ -129,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         experiment = next(
             (o.split("=", 1)[1] for o in overrides if o.startswith("+experiment=")), ""
         )
-        gpu_name = (
-            args.fit
-            or args.gpu
-            or next(
-                (k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100"
-            )
-        )
+        gpu_name = args.fit or args.gpu or recipe_gpu(experiment)
         find_gpu(gpu_name)
         world = args.world or job.parallel.world_size or 1
         if args.fit is not None:

@@ -50,3 +50,9 @@ def gpu(name: str) -> Gpu:
         return GPUS[name.lower()]
     except KeyError:
         raise ValueError(f"--gpu {name!r}: choose one of {', '.join(GPUS)}") from None
+
+
+def recipe_gpu(experiment: str) -> str:
+    """The GPU a recipe is named for (`h100_fsdp` -> h100; a recipe named for none, as a sweep over
+    h100_1gpu: h100)."""
+    return next((k for k in ("gb200", "b200", "h200", "h100") if experiment.startswith(k)), "h100")
