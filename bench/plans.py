@@ -190,9 +190,13 @@ def _four_ranks(rank: int, tmp: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["recipes", "accuracy"])
-    ap.add_argument("--only", metavar="R1,R2", help="recipes: these only, comma-separated (default all)")
     ap.add_argument(
-        "overrides", nargs="*", help="recipes: config overrides added to every recipe, e.g. model.recompute=full"
+        "--only", metavar="R1,R2", help="recipes: these only, comma-separated (default all)"
+    )
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="recipes: config overrides added to every recipe, e.g. model.recompute=full",
     )
     args = ap.parse_args()
     only = args.only.split(",") if args.only else None

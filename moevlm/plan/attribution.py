@@ -243,7 +243,9 @@ class Attribution:
             old = self.label_of.get(key)
             if old is not None:
                 seen = self._grad_paths.get(key)
-                path = self._grad_paths[key] = module if seen is None else _common_path([seen, module])
+                path = self._grad_paths[key] = (
+                    module if seen is None else _common_path([seen, module])
+                )
                 self.relabel(key, "gradients", module_name(path))
 
         return hook
@@ -308,7 +310,7 @@ _OP_NAMES: dict = {}
 
 
 def _op_name(func) -> str:
-    """"aten.sum" for an op; a string stands for itself (a storage made outside the ops)."""
+    """ "aten.sum" for an op; a string stands for itself (a storage made outside the ops)."""
     if func is None:
         return "(made outside an op)"
     if isinstance(func, str):

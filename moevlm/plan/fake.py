@@ -341,14 +341,6 @@ class StorageTracker(TorchDispatchMode):
         self.host_total_bytes = 0  # every host copy made (= bytes copied to the host and back)
         self._resize = torch.UntypedStorage.resize_  # the one `start` wraps and `stop` puts back
 
-    @property
-    def phase(self) -> str:
-        return self.attribution.phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self.attribution.phase = value
-
     def track(self, tensors) -> None:
         self._func = None
         for t in tensors:
