@@ -136,25 +136,8 @@ def _eager_mlp(experts: Experts, x_MD, counts_E):
 
 def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
     """SwiGLU between the two grouped GEMMs (gate columns first)."""
-    return SwiGLUFn.apply(h_MF2)
-
-
-class SwiGLUFn(torch.autograd.Function):
-    """silu(gate) * up: autograd's values and gradients, op for op, keeping only the gate/up rows for
-    backward (silu(gate) is recomputed there instead of kept from the forward)."""
-
-    @staticmethod
-    def forward(ctx, h_MF2):
-        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        ctx.save_for_backward(h_MF2)
-        return F.silu(gate_MF) * up_MF
-
-    @staticmethod
-    def backward(ctx, grad_MF):
-        (h_MF2,) = ctx.saved_tensors
-        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        grad_gate = torch.ops.aten.silu_backward(grad_MF * up_MF, gate_MF)
-        return torch.cat([grad_gate, grad_MF * F.silu(gate_MF)], dim=-1)
+    gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+    return F.silu(gate_MF) * up_MF
 
 
 class MoEBlock(nn.Module):
