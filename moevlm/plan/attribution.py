@@ -380,9 +380,7 @@ def saved_as_activations(mem):
 
     def pack(t):
         mem.attribution.label_tensors((t,), "saved activations", keep=_NOT_ACTIVATIONS)
-        # an alias without autograd history: the tensor itself would hold its own grad_fn (a cycle
-        # for a saved output, freed only by the garbage collector, later than without the hook)
-        return t.detach()
+        return t  # itself: no copy, no op (a saved output is still freed by its backward)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
