@@ -2,7 +2,7 @@
 
     where = ModuleStack(model)                       # the module running now, forward or backward
     mem = StorageTracker(where)                      # every storage labelled when it is born
-    with where, mem, saved_as_activations(mem): ...  # a step; gradients: mem.relabel_grads(model)
+    with where, mem, saved_as_activations(mem): ...  # a step; mem.attribution.label_grads(model)
     split = mem.split_at_peak()                      # {Label: bytes}, summing to mem.peak_bytes
     summarize(split)                                 # by kind, by module, the largest labels
 
