@@ -1,6 +1,7 @@
 """The plans of every recipe at full size, and how plans compare with measured real steps.
 
     python bench/plans.py recipes              # markdown: every recipe's plan, verdicts on H100/H200/own GPU
+    python bench/plans.py recipes --only h100_fsdp model.recompute=full   # one recipe, an override
     python bench/plans.py accuracy             # markdown: plan vs measured step (CPU, fp32; gloo for 4 ranks)
 
 `recipes` runs `moevlm.plan.report.make_plan` (what `python -m moevlm.plan` prints) for each
@@ -57,21 +58,23 @@ FOUR_RANKS = {
 }
 
 
-def recipes() -> None:
+def recipes(only: list[str] | None = None, overrides: list[str] | None = None) -> None:
+    """`only`: these recipes (default every one); `overrides`: added to each recipe's command line."""
     import importlib.util
 
     from moevlm.config import compose_job
     from moevlm.plan.devices import GPUS
     from moevlm.plan.report import make_plan
 
-    names = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+    names = only or sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
     print(
         "| recipe | world | rank (role) | params | grads | optimizer | activations | peak GiB | "
-        "largest collective per step | bubble | H100 | H200 | own GPU | dry run s |"
+        "largest collective per step | bubble | H100 | H200 | own GPU | dry run s | "
+        "three largest at the peak (kind, module: GiB) |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|---|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|---|---:|---|")
     for name in names:
-        job = compose_job([f"+experiment={name}", "data.shards=sample"])
+        job = compose_job([f"+experiment={name}", "data.shards=sample", *(overrides or [])])
         note = ""
         emulator = EMULATORS.get(job.model.dispatcher)
         if emulator and importlib.util.find_spec("deep_ep") is None:
@@ -96,9 +99,18 @@ def recipes() -> None:
                 f"{r['optimizer_bytes'] / GiB:.1f} | {r['activation_peak_bytes'] / GiB:.1f} | "
                 f"{r['peak_bytes'] / GiB:.1f} | {big[1]}: {big[0] / GiB:.1f} GiB | "
                 f"{100 * out['bubble']:.1f}% | {verdict('h100')} | {verdict('h200')} | "
-                f"{own}: {verdict(own)} | {seconds if i == 0 else r['seconds']:.0f} |",
+                f"{own}: {verdict(own)} | {seconds if i == 0 else r['seconds']:.0f} | "
+                f"{_largest(r['attribution'])} |",
                 flush=True,
             )
+
+
+def _largest(attribution: dict, n: int = 3) -> str:
+    """The `n` largest (kind, module) terms of a rank's peak."""
+    terms = attribution.get("by_kind_and_module", [])[:n]
+    return "; ".join(
+        f"{t['kind']}, {t['module'] or '(outside modules)'}: {t['bytes'] / GiB:.1f}" for t in terms
+    )
 
 
 def _ratio(plan: float, real: float) -> str:
@@ -178,8 +190,17 @@ def _four_ranks(rank: int, tmp: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["recipes", "accuracy"])
+    ap.add_argument(
+        "--only", metavar="R1,R2", help="recipes: these only, comma-separated (default all)"
+    )
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="recipes: config overrides added to every recipe, e.g. model.recompute=full",
+    )
     args = ap.parse_args()
-    recipes() if args.what == "recipes" else accuracy()
+    only = args.only.split(",") if args.only else None
+    recipes(only, args.overrides) if args.what == "recipes" else accuracy()
 
 
 if __name__ == "__main__":

@@ -38,17 +38,43 @@ def grouped_mm_torch(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
     device = x_MK.device.type
+    offs = counts_E.cumsum(0, dtype=torch.int32)
     if torch.is_autocast_enabled(device):
         # torch._grouped_mm is on no autocast list: both operands take autocast's dtype here, as
         # F.linear's would (the CUDA kernel takes bf16 only; fp32 master weights would be refused)
         dtype = torch.get_autocast_dtype(device)
-        x_MK, w_EKN = x_MK.to(dtype), w_EKN.to(dtype)
-    offs = counts_E.cumsum(0, dtype=torch.int32)
+        x_MK = x_MK.to(dtype)
+        if w_EKN.dtype != dtype and torch.is_grad_enabled() and w_EKN.requires_grad:
+            return CastWeightGroupedMM.apply(x_MK, w_EKN, offs)
+        w_EKN = w_EKN.to(dtype)
     out = torch._grouped_mm(x_MK, w_EKN, offs=offs)
     if out.requires_grad:
         # runs on the gradient before _grouped_mm's backward sees it
         out.register_hook(_contiguous_grad)
     return out
+
+
+class CastWeightGroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm(x, w.to(x.dtype))` with autograd's values and gradients, op for op, that
+    keeps the weight itself for backward (a parameter, alive anyway) and casts it again there, instead
+    of keeping its cast copy from every layer's forward to its backward."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_EKN, offs):
+        ctx.save_for_backward(x_MK, w_EKN, offs)
+        return torch._grouped_mm(x_MK, w_EKN.to(x_MK.dtype), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        x_MK, w_EKN, offs = ctx.saved_tensors
+        grad_MN = grad_MN.contiguous()  # torch._grouped_mm's backward needs it
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._grouped_mm(x_MK.transpose(-2, -1), grad_MN, offs=offs).to(w_EKN.dtype)
+        if ctx.needs_input_grad[0]:
+            w_c = w_EKN.to(x_MK.dtype)
+            grad_x = torch._grouped_mm(grad_MN, w_c.transpose(-2, -1), offs=offs)
+        return grad_x, grad_w, None
 
 
 GROUPED_GEMMS = {"loop": grouped_mm_loop, "torch": grouped_mm_torch}

@@ -45,9 +45,39 @@ class RMSNorm(nn.Module):
         return run_region(self, "region", self._forward, x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RMSNormFn.apply(x, self.weight, self.eps)
+
+
+class RMSNormFn(torch.autograd.Function):
+    """w * (x32 rsqrt(mean(x32^2) + eps)).to(x.dtype), x32 = x in fp32: autograd's values and
+    gradients, op for op, keeping for backward x, the per-row rsqrt and w instead of the fp32 copy
+    of x and the normalized rows (3x x's bytes in bf16); the cheap part is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x32 = x.float()
+        n = (x32 * rstd).to(x.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:  # summed over the broadcast dims, then cast, as autograd does
+            grad_w = (grad * n).sum(tuple(range(grad.dim() - 1)), keepdim=True)
+            grad_w = grad_w.view(weight.shape).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_n32 = (grad * weight).to(n.dtype).float()
+            grad_rstd = (grad_n32 * x32).sum(-1, keepdim=True)
+            grad_ms = grad_rstd * -0.5 * rstd.pow(3)  # rsqrt's derivative
+            grad_sq = grad_ms.expand(x32.shape) / x32.shape[-1]  # mean's
+            grad_x = (grad_n32 * rstd + grad_sq * (2.0 * x32)).to(
+                x.dtype
+            )  # pow's, and the product's
+        return grad_x, grad_w, None
 
 
 class TextAttention(nn.Module):

@@ -93,7 +93,30 @@ def from_expert_rows(y_ND: torch.Tensor, state: RowsState) -> torch.Tensor:
         from moevlm.kernels.permute import unpermute
 
         return unpermute(y_ND, state.plan, state.topk_w_TK.float(), backend=state.backend)
-    weighted_ND = y_ND * state.weight_N.to(y_ND.dtype)[:, None]
-    return y_ND.new_zeros(state.num_tokens, y_ND.shape[1]).index_add_(
-        0, state.token_idx_N, weighted_ND
-    )
+    return WeightedRowSum.apply(y_ND, state.weight_N, state.token_idx_N, state.num_tokens)
+
+
+class WeightedRowSum(torch.autograd.Function):
+    """y_TD[t] = sum over the rows n of token t, in row order, of w_N[n] y_ND[n] (`index_add_` into
+    zeros).  The values and gradients are autograd's, op for op; what differs is what is kept for
+    backward: y_ND and w_N, not the weighted rows (index_add's derivative keeps its source whole,
+    for its shape alone)."""
+
+    @staticmethod
+    def forward(ctx, y_ND, weight_N, token_idx_N, num_tokens: int):
+        w_N = weight_N.to(y_ND.dtype)
+        ctx.weight_dtype = weight_N.dtype
+        ctx.save_for_backward(y_ND, w_N, token_idx_N)
+        weighted_ND = y_ND * w_N[:, None]
+        return y_ND.new_zeros(num_tokens, y_ND.shape[1]).index_add_(0, token_idx_N, weighted_ND)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_ND, w_N, token_idx_N = ctx.saved_tensors
+        grad_ND = grad_TD.index_select(0, token_idx_N)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = grad_ND * w_N[:, None]
+        if ctx.needs_input_grad[1]:  # the broadcast weight's gradient: summed over D, as autograd's
+            grad_w = (grad_ND * y_ND).sum(1, keepdim=True).squeeze(1).to(ctx.weight_dtype)
+        return grad_y, grad_w, None, None

@@ -24,6 +24,15 @@ from moevlm.data.packing import collate
 from moevlm.data.text import IGNORE_INDEX
 from moevlm.model.rope import mrope_position_ids
 from moevlm.parallel.optimizer_offload import offload_kind
+from moevlm.plan.attribution import (
+    ModuleStack,
+    exact_split,
+    merge_splits,
+    offloaded_split,
+    optimizer_split,
+    saved_as_activations,
+    summarize,
+)
 from moevlm.plan.fake import (
     CollectiveCounter,
     ExpandDynamicOps,
@@ -59,6 +68,8 @@ class RankPlan:
     # activation bytes copied to the host per step (model.offload_modules)
     activation_offload_bytes: int = 0
     activation_host_bytes: int = 0  # the most host memory those copies hold at once
+    # the peak by kind, by module and its largest storages (moevlm.plan.attribution.summarize)
+    attribution: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -155,7 +166,7 @@ def dry_run(
     M, p = plan.grad_accum, plan.pipeline
     if p is None:
         run = M if every_micro_batch else min(M, 2)
-        sizes, peak, comm, host = _step(job, plan, world, rank, bf16, run)
+        sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, run)
         comm_bytes = comm.as_dict({"micro-batches": M / run})
         # the host copies are made per micro-batch and freed by its backward
         offload = round(host.host_total_bytes * M / run), host.host_peak_bytes
@@ -163,7 +174,7 @@ def dry_run(
         m1 = 2 * p.pp * p.vpp  # past the warm-up (pp x vpp deep) on every stage
         m2 = m1 + p.pp
         if every_micro_batch or M <= m2:
-            sizes, peak, comm, host = _step(job, plan, world, rank, bf16, M)
+            sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, M)
             comm_bytes = comm.as_dict()
             offload = host.host_total_bytes, host.host_peak_bytes
         else:
@@ -174,7 +185,7 @@ def dry_run(
                 )
                 shorter = dataclasses.replace(plan, build=build, grad_accum=m)
                 runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
-            (_, peak1, c1, h1), (sizes, peak2, c2, h2) = runs
+            (_, peak1, c1, h1, s1), (sizes, peak2, c2, h2, s2) = runs
 
             def at_m(a: float, b: float) -> int:
                 """The value at M of the line through (m1, a) and (m2, b)."""
@@ -183,6 +194,7 @@ def dry_run(
             # past the warm-up the peak still grows by what the schedule keeps per micro-batch
             # (torch's receive buffers and the losses of each): linear in M too, as the host copies
             peak = at_m(peak1, peak2)
+            split = {k: at_m(s1.get(k, 0), s2.get(k, 0)) for k in s1.keys() | s2.keys()}
             offload = (
                 at_m(h1.host_total_bytes, h2.host_total_bytes),
                 at_m(h1.host_peak_bytes, h2.host_peak_bytes),
@@ -203,6 +215,7 @@ def dry_run(
         seconds=time.perf_counter() - t0,
         activation_offload_bytes=offload[0],
         activation_host_bytes=offload[1],
+        attribution=summarize(exact_split(split, peak)),
     )
 
 
@@ -245,12 +258,16 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
     dtype = torch.bfloat16 if bf16 else None
     with fake_world(world, rank), symmetric_objects(), _one_thread():
         model, ctx = _build(job, plan, device.type, bf16)
-        mem, comm = StorageTracker(), CollectiveCounter(_roles(ctx))
+        where = ModuleStack(model)
+        mem, comm = StorageTracker(where), CollectiveCounter(_roles(ctx))
+        labels = mem.attribution
         real = budget_micro_batch(job, plan.model)  # real tensors: built before the fake mode
         with PlanMode() as mode, mem, comm, ExpandDynamicOps():
             materialize_(model, device, ctx)
             params = [p for p in model.parameters()]
             mem.track(params)
+            labels.label_params(model)
+            labels.phase = "step"
             opt = build_optimizer(model, job.optim)
             pipe = ctx.pipeline
             if pipe is not None:
@@ -285,12 +302,17 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                 )
             comm.phase = "micro-batches"
             loss_sum = aux_sum = torch.zeros((), device=device)
-            if pipe is not None:
-                lm, aux, _ = pipe.forward_backward(micro, loss_tokens, share)
-                sums = sum_over(torch.stack([lm, aux]), ctx.pp_group)
-                loss_sum, aux_sum = sums[0], sums[1]
-            else:
-                for mb in micro:
+            grad_hooks = [
+                p.register_post_accumulate_grad_hook(labels.grad_hook(name))
+                for name, p in model.named_parameters()
+                if p.requires_grad
+            ]
+            with where, saved_as_activations(mem):
+                if pipe is not None:
+                    lm, aux, _ = pipe.forward_backward(micro, loss_tokens, share)
+                    sums = sum_over(torch.stack([lm, aux]), ctx.pp_group)
+                    loss_sum, aux_sum = sums[0], sums[1]
+                for mb in micro if pipe is None else ():
                     with emulated_autocast(device.type, dtype):
                         out = model(**mb.model_inputs())
                     lm_sum = out.lm_loss * out.num_loss_tokens
@@ -305,15 +327,20 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                     if out.aux_loss is not None:
                         aux_sum = aux_sum + out.aux_loss.detach() / share
                     del out, lm_sum
+                    labels.label_grads(model)
+            for h in grad_hooks:
+                h.remove()
             comm.phase = "step"
             ctx.finish_gradients()
+            labels.label_grads(model)
             grads = [p for p in model.parameters() if p.grad is not None]
             clip = job.optim.grad_clip if job.optim.grad_clip > 0 else float("inf")
             ctx.clip_grad_norm_(grads, clip)
             sum_over(loss_sum, ctx.loss_group)  # the trainer's loss and aux reductions
             sum_over(aux_sum, ctx.dp_group)
-            fwd_bwd_peak = mem.peak_bytes
-            mem.peak_bytes = mem.live_bytes
+            fwd_bwd_peak, fwd_bwd_split = mem.peak_bytes, mem.split_at_peak()
+            mem.reset_peak()
+            labels.phase = "optimizer"
             opt.step()  # the first step makes the state: in later steps it lives through all of this
             state = [
                 t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
@@ -325,14 +352,21 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             }
             trainable = _bytes([p for p in params if p.requires_grad])
             kind = ctx_offload(job, plan)
+            state_split = optimizer_split(opt, model)
             if kind is None:
                 peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
+                split = (
+                    merge_splits(fwd_bwd_split, state_split)
+                    if peak == fwd_bwd_peak + sizes["optimizer_bytes"]
+                    else mem.split_at_peak()
+                )
             else:
                 # the steady state's forward/backward (the state alive) less what lives on the host;
                 # the step itself runs on the host
                 moved = offload_figures(kind, sizes, trainable, 1, False)
                 peak = fwd_bwd_peak + sizes["optimizer_bytes"] - moved["offloaded_bytes"]
-    return {**sizes, "trainable_bytes": trainable}, peak, comm, mem
+                split = merge_splits(fwd_bwd_split, offloaded_split(kind, sizes))
+    return {**sizes, "trainable_bytes": trainable}, peak, comm, mem, split
 
 
 def ctx_offload(job, plan) -> str | None:

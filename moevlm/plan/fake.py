@@ -35,10 +35,12 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moevlm.parallel.offload import allocating_host
+from moevlm.plan.attribution import Attribution
 
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 25  # elements: ids, masks, counts, a gathered routing map; never activations
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _LIKE_FACTORIES = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 
 
@@ -96,6 +98,8 @@ class PlanMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _WAIT_TENSOR:  # the real op returns its input (the collective's own output)
+            return args[0]
         if func.namespace in _COLLECTIVE_NAMESPACES:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             self._collective_shadow(func, args, kwargs, out)
@@ -320,13 +324,16 @@ class StorageTracker(TorchDispatchMode):
     """Live bytes of the storages the ops create (real or fake) and their peak; `track(tensors)`
     registers storages made outside (parameters, the batch).  A storage resized in place (FSDP frees
     and refills its unsharded weights so) counts at its new size: `UntypedStorage.resize_` is not an
-    op a dispatch mode sees, so it is wrapped while the tracker is active."""
+    op a dispatch mode sees, so it is wrapped while the tracker is active.  Every storage is labelled
+    when it is born (`moevlm.plan.attribution`: kind, module of `where`, op); `split_at_peak()`."""
 
-    def __init__(self):
+    def __init__(self, where=None):
         super().__init__()
         self.live: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.attribution = Attribution(self.live, where)
+        self._func = None  # the op whose outputs are being added
         # host memory: the activation offload's copies (moevlm.parallel.offload), never device bytes
         self.host_live: dict[int, int] = {}
         self.host_live_bytes = 0
@@ -335,16 +342,22 @@ class StorageTracker(TorchDispatchMode):
         self._resize = torch.UntypedStorage.resize_  # the one `start` wraps and `stop` puts back
 
     def track(self, tensors) -> None:
+        self._func = None
         for t in tensors:
             self._add(t)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._peak()
+
+    def _peak(self) -> None:
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.attribution.new_peak()
 
     def _add(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta" and not is_fake(t):
             return
         self._add_storage(local_shard(t).untyped_storage())
 
-    def _add_storage(self, st) -> None:
+    def _add_storage(self, st, kind: str | None = None) -> None:
         key = st._cdata
         if key in self.live or key in self.host_live:
             return
@@ -353,6 +366,7 @@ class StorageTracker(TorchDispatchMode):
             self._set_host(key, st.nbytes())
             weakref.finalize(st, self._set_host, key, 0)
             return
+        self.attribution.born(key, self._func, kind)
         self._set(key, st.nbytes())
         weakref.finalize(st, self._set, key, 0)
 
@@ -363,14 +377,28 @@ class StorageTracker(TorchDispatchMode):
         self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
 
     def _set(self, key: int, nbytes: int) -> None:
-        self.live_bytes += nbytes - self.live.pop(key, 0)
+        delta = nbytes - self.live.pop(key, 0)
         if nbytes:
             self.live[key] = nbytes
+        self.live_bytes += delta
+        if delta or not nbytes:
+            self.attribution.moved(key, delta, not nbytes)
 
     def observe(self, func, args, kwargs, out) -> None:
+        self._func = func
         for t in _leaves(out):
             self._add(t)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._peak()
+
+    # ------------------------------------------------------------- attribution
+    def split_at_peak(self) -> dict:
+        """{Label: bytes} of the storages live at the peak (sums to `peak_bytes`)."""
+        return self.attribution.split_at_peak()
+
+    def reset_peak(self) -> None:
+        """Measure a new peak from now on (the optimizer step's own)."""
+        self.peak_bytes = self.live_bytes
+        self.attribution.reset_peak()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -394,8 +422,9 @@ class StorageTracker(TorchDispatchMode):
             if st._cdata in tracker.live:
                 tracker._set(st._cdata, st.nbytes())
             else:
-                tracker._add_storage(st)
-            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes)
+                tracker._func = "UntypedStorage.resize_"
+                tracker._add_storage(st, "gathered weights")
+            tracker._peak()
             return out
 
         torch.UntypedStorage.resize_ = tracked_resize

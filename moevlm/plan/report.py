@@ -75,6 +75,33 @@ def comm_groups(comm_bytes: dict, dims, device, rank: int = 0) -> dict:
     return out
 
 
+def format_attribution(r: dict, top: int = 8) -> list[str]:
+    """The rank's peak by kind, by module and its largest storages (kind, module, the op that made
+    them), as markdown lines."""
+    a = r.get("attribution")
+    if not a:
+        return []
+    g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+    peak = r["peak_bytes"] or 1
+    kinds = " · ".join(f"{k} {g(b)}" for k, b in a["by_kind"].items())
+    lines = [
+        "",
+        f"the peak of rank {r['rank']} ({r['role']}), {g(r['peak_bytes'])} GiB, by kind (GiB): {kinds}",
+        "",
+        "| largest at the peak: kind | module | made by | phase | GiB | share |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for x in a["top"][:top]:
+        lines.append(
+            f"| {x['kind']} | {x['module'] or '(outside modules)'} | {x['op']} | {x['phase']} | "
+            f"{g(x['bytes'])} | {100 * x['bytes'] / peak:.1f}% |"
+        )
+    lines += ["", "| by module (every kind) | GiB | share |", "|---|---:|---:|"]
+    for m, b in list(a["by_module"].items())[:top]:
+        lines.append(f"| {m} | {g(b)} | {100 * b / peak:.1f}% |")
+    return lines
+
+
 def format_plan(out: dict) -> str:
     g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
     lines = [
@@ -122,6 +149,8 @@ def format_plan(out: dict) -> str:
             f"| {r['rank']} | {g(r['activation_offload_bytes'])} | {g(r['activation_host_bytes'])} |"
             for r in out["ranks"]
         ]
+    for r in out["ranks"]:
+        lines += format_attribution(r)
     for r in out["ranks"]:
         lines += ["", f"communication per step, rank {r['rank']} ({r['role']}):", ""]
         lines += [
