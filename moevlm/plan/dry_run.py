@@ -269,6 +269,9 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             labels.label_params(model)
             labels.phase = "step"
             opt = build_optimizer(model, job.optim)
+            # state made with the optimizer (optim.master_weights' fp32 masters) is live from here on:
+            # the forward/backward peak holds it already
+            at_build = {k: -b for k, b in optimizer_split(opt, model).items()}
             pipe = ctx.pipeline
             if pipe is not None:
                 d = job.data.pack
@@ -354,10 +357,11 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             kind = ctx_offload(job, plan)
             state_split = optimizer_split(opt, model)
             if kind is None:
-                peak = max(fwd_bwd_peak + sizes["optimizer_bytes"], mem.peak_bytes)
+                steady = fwd_bwd_peak + sizes["optimizer_bytes"] + sum(at_build.values())
+                peak = max(steady, mem.peak_bytes)
                 split = (
-                    merge_splits(fwd_bwd_split, state_split)
-                    if peak == fwd_bwd_peak + sizes["optimizer_bytes"]
+                    merge_splits(fwd_bwd_split, state_split, at_build)
+                    if peak == steady
                     else mem.split_at_peak()
                 )
             else:
