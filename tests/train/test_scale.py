@@ -29,16 +29,16 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
 SHAPE = ("tp", "cp", "pp", "etp", "pp_schedule", "vpp", "dp_mode")
 
 
-def scaled(name: str):
+def scaled(name: str, extra: tuple[str, ...] = ()):
     """(the recipe, the scaled job, its plan) validated for the world size the scale asks for."""
-    recipe = compose_job([f"+experiment={name}"])
-    job = compose_job([f"+experiment={name}", "+scale=cpu"])
+    recipe = compose_job([f"+experiment={name}", *extra])
+    job = compose_job([f"+experiment={name}", "+scale=cpu", *extra])
     if job.model.dispatcher in ("deepep", "hybridep"):
         return recipe, job, None
     with pytest.raises(
         ConfigError, match=r"launch torchrun --standalone --nproc-per-node (\d+) "
     ) as err:
-        validate(compose_job([f"+experiment={name}", "+scale=cpu"]), 1000)  # the launch it asks for
+        validate(compose_job([f"+experiment={name}", "+scale=cpu", *extra]), 1000)  # the launch
     world = int(re.search(r"--nproc-per-node (\d+) ", str(err.value)).group(1))
     return recipe, job, validate(job, world)
 
@@ -81,20 +81,22 @@ def test_every_recipe_scales_down_keeping_its_shape(name):
 
 def test_gb200_3d_and_gb200_fsdp_scaled():
     """The README's gb200_3d numbers (ep 8 -> 4 so that ep divides a stage's 4 ranks), and gb200_fsdp
-    scaling to exactly h100_fsdp's job (one launch below runs both)."""
+    scaling to exactly h100_fsdp's job but for the three settings h100_fsdp takes to fit an H100
+    (full recompute, cp 2, bf16 moments; the launch below runs h100_fsdp's)."""
     _, job, plan = scaled("gb200_3d")
     assert (
         plan.dims.describe() == "world 8 = pp 2 x dp 2 x cp 1 x tp 2 = pp 2 x edp 1 x ep 4 x etp 1"
     )
     assert (job.train.global_batch_size, job.data.streams, plan.grad_accum) == (8, 0, 4)
     assert "world_size 32->8, dp 8->2, ep 8->4" in plan.notes[0]
-    jobs = [OmegaConf.to_container(scaled(n)[1]) for n in ("gb200_fsdp", "h100_fsdp")]
+    fit = ("model.recompute=none", "parallel.cp=1", "optim.state_dtype=float32")
+    jobs = [OmegaConf.to_container(scaled(*n)[1]) for n in (("gb200_fsdp",), ("h100_fsdp", fit))]
     assert jobs[0] == jobs[1]
 
 
 def test_hsdp_replicas_shrink_to_what_the_scaled_layout_divides():
     """A recipe with HSDP replicas keeps them where the scaled dp and edp allow, else fewer."""
-    base = ["+experiment=h100_fsdp", "parallel.world_size=64", "+scale=cpu"]
+    base = ["+experiment=h100_fsdp", "parallel.world_size=64", "+scale=cpu", "parallel.cp=1"]
     # ep 4 -> edp 2 at 8 ranks: 8 replicas become 2
     job = compose_job([*base, "parallel.dp_replicate=8", "parallel.ep=4"])
     plan = validate(job, 8)
@@ -136,7 +138,8 @@ def run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_scaled_recipes_run_two_steps(tmp_path, capsys):
-    """h200_1gpu (1 process, here) and h100_fsdp (torchrun, 8 processes: FSDP2, EP8 all-to-all) run 2 steps
+    """h200_1gpu (1 process, here) and h100_fsdp (torchrun, 8 processes: FSDP2, EP8 all-to-all, CP2,
+    full recompute, bf16 moments) run 2 steps
     scaled down; h100_deepep is refused in one line naming the fallback (no deep_ep package on a CPU
     machine; train.py prints a config error's lines and exits 2: tests/train/test_trainer.py)."""
     common = [
