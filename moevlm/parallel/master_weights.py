@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from moevlm.parallel.data_parallel import local_tensor
+from moevlm.parallel.shadow_optimizer import ShadowOptimizer, register_shadow
 
 # wrapper modules' attribute names, left out of the masters' names (as DCP's state dicts leave them out)
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -58,7 +59,7 @@ def _clean(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
-class MasterWeightsAdamW:
+class MasterWeightsAdamW(ShadowOptimizer):
     """AdamW over fp32 masters of `model`'s trained (bf16) parameters; see the module docstring.
     Quacks as the optimizer the trainer uses: `param_groups`, `state`, `step()`, `zero_grad()`,
     `register_step_post_hook`, `state_dict()` / `load_state_dict()`; `inner` is the AdamW over the
@@ -77,7 +78,7 @@ class MasterWeightsAdamW:
             master = nn.Parameter(
                 _as_param_of(p, local.to(torch.float32, copy=True)), requires_grad=True
             )
-            _register(self.shadow, _clean(name), master)
+            register_shadow(self.shadow, _clean(name), master)
             self._pairs.append((p, master))
             self._model_param[master] = p
         self.inner = make_adamw(self.shadow, self._grad_of)
@@ -90,30 +91,10 @@ class MasterWeightsAdamW:
 
     # ----------------------------------------------------------- optimizer API
     @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
     def state(self) -> dict:
         """A read-only view: the AdamW state of each master, with the master itself (`master`), so the
         bytes the optimizer holds are all listed."""
         return {m: {**self.inner.state.get(m, {}), "master": m} for _, m in self._pairs}
-
-    @property
-    def defaults(self) -> dict:
-        return self.inner.defaults
-
-    def register_step_post_hook(self, hook):
-        return self.inner.register_step_post_hook(hook)
-
-    def register_step_pre_hook(self, hook):
-        return self.inner.register_step_pre_hook(hook)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
@@ -146,19 +127,6 @@ class MasterWeightsAdamW:
     def masters_loaded(self) -> None:
         """After a checkpoint load filled the masters: the model's weights follow them."""
         self.copy_down()
-
-
-def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    """`param` at dotted `name` under `root`, making the empty modules on the way."""
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    module.register_parameter(leaf, param)
 
 
 __all__ = ["MasterWeightsAdamW", "cast_parameters_", "model_state_bytes"]

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from moevlm.parallel.data_parallel import local_tensor
+from moevlm.parallel.shadow_optimizer import ShadowOptimizer, register_shadow
 
 
 def fused_adamw_available(device: torch.device) -> bool:
@@ -55,7 +56,7 @@ def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
 
 
-class HostOffloadAdamW:
+class HostOffloadAdamW(ShadowOptimizer):
     """AdamW over host fp32 masters of `model`'s trainable parameters (see the module docstring).
     Quacks as the optimizer the trainer uses: `param_groups`, `state`, `step()`, `zero_grad()`,
     `register_step_post_hook`, `state_dict()` / `load_state_dict()`."""
@@ -80,36 +81,16 @@ class HostOffloadAdamW:
             master = _host_empty(local_tensor(p), self.pin)
             master.copy_(local_tensor(p).detach())
             param = nn.Parameter(_like(p, master), requires_grad=True)
-            _register(self.shadow, name, param)
+            register_shadow(self.shadow, name, param)
             self._masters.append(master)
             self._grads.append(_host_empty(local_tensor(p), self.pin))
             self._params.append(param)
-        self.host = make_adamw(self.shadow)
+        self.inner = make_adamw(self.shadow)
 
     # ----------------------------------------------------------- optimizer API
     @property
-    def param_groups(self) -> list[dict]:
-        return self.host.param_groups
-
-    @property
     def state(self):
-        return self.host.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.host.defaults
-
-    def register_step_post_hook(self, hook):
-        return self.host.register_step_post_hook(hook)
-
-    def register_step_pre_hook(self, hook):
-        return self.host.register_step_pre_hook(hook)
-
-    def state_dict(self) -> dict:
-        return self.host.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.host.load_state_dict(state)
+        return self.inner.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
@@ -132,7 +113,7 @@ class HostOffloadAdamW:
             param.grad = _like(param, grad)
         if cuda:  # the gradients are on the host before the CPU reads them
             torch.cuda.current_stream().synchronize()
-        self.host.step()
+        self.inner.step()
         for device, master in zip(self._device, self._masters):
             local_tensor(device).copy_(master, non_blocking=self.pin)
 
@@ -140,7 +121,7 @@ class HostOffloadAdamW:
     def checkpoint_view(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(module, optimizer) whose DCP optimizer state dict is this optimizer's, in the device
         optimizer's format (the model's names and placements)."""
-        return self.shadow, self.host
+        return self.shadow, self.inner
 
     @torch.no_grad()
     def load_masters(self) -> None:
@@ -153,7 +134,7 @@ class HostOffloadAdamW:
         """Host bytes of this rank: masters, gradient buffers, AdamW state."""
         state = sum(
             local_tensor(v).numel() * local_tensor(v).element_size()
-            for s in self.host.state.values()
+            for s in self.inner.state.values()
             for v in s.values()
             if isinstance(v, torch.Tensor)
         )
@@ -162,19 +143,6 @@ class HostOffloadAdamW:
             "grads": sum(g.numel() * g.element_size() for g in self._grads),
             "state": state,
         }
-
-
-def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    """`param` at dotted `name` under `root`, making the empty modules on the way."""
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    module.register_parameter(leaf, param)
 
 
 def fsdp_offload_policy(pin: bool | None = None):

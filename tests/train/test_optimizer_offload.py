@@ -112,7 +112,7 @@ class _HostChecks:
         w, master = device[self.name].detach(), shadow[self.name].detach()
         assert master.data_ptr() != w.data_ptr() and master.device.type == "cpu"
         torch.testing.assert_close(w, master, rtol=0, atol=0)
-        assert opt.param_groups is opt.host.param_groups
+        assert opt.param_groups is opt.inner.param_groups
         assert tr.sched.get_last_lr()[0] == opt.param_groups[0]["lr"]
         if self.before is not None:  # the update reached the model
             assert not torch.equal(w, self.before)
