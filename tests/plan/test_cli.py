@@ -24,7 +24,7 @@ HSDP_ONLY = [
 # every command line of each test (the searches and the full-size plan first: the longest)
 CALLS = {
     "test_a_plan_prints_its_verdict_and_exits_by_it": [
-        ["+experiment=h100_1gpu"],
+        ["+experiment=h100_1gpu", "model.loss_chunk_tokens=0"],  # 72 GiB: does not fit
         [*TINY, "--world", "2", "parallel.ep=2", "--json"],
         [*TINY, "--world", "2", "parallel.tp=3"],
         ["--gpu", "a100"],
@@ -84,7 +84,7 @@ def cli(ran):
 
 
 def test_a_plan_prints_its_verdict_and_exits_by_it(cli):
-    assert cli.main(["+experiment=h100_1gpu"]) == ExitCode.DOES_NOT_FIT
+    assert cli.main(["+experiment=h100_1gpu", "model.loss_chunk_tokens=0"]) == ExitCode.DOES_NOT_FIT
     out = cli.readouterr().out
     assert out.startswith("plan: 1 x H100 SXM 80GB") and "verdict: does NOT fit H100" in out
     assert cli.main([*TINY, "--world", "2", "parallel.ep=2", "--json"]) == ExitCode.OK
