@@ -135,20 +135,6 @@ class DispatcherSpec:
     def build(self, moe, ep_group=None, etp_group=None) -> TokenDispatcher:
         """Block's dispatcher for MoE config `moe` over the expert groups (None: one process); the
         backend takes those of these arguments its constructor has.  A `for_plan` spec builds the model."""
-        if self.plan_buffers is not None:
-            return MODELS[self.name](
-                moe.num_experts,
-                moe.top_k,
-                self.plan_buffers,
-                ep_group=ep_group,
-                etp_group=etp_group,
-                permute=moe.permute,
-                api=self.api,
-                num_sms=self.num_sms,
-                max_tokens_per_rank=self.max_tokens_per_rank,
-                capacity_factor=moe.capacity_factor,
-                capacity_overflow=moe.capacity_overflow,
-            )
         offered = {
             "permute": moe.permute,
             "ep_group": ep_group,
@@ -161,6 +147,8 @@ class DispatcherSpec:
             offered.update(
                 capacity_factor=moe.capacity_factor, capacity_overflow=moe.capacity_overflow
             )
+        if self.plan_buffers is not None:  # a model takes every argument of its real adapter
+            return MODELS[self.name](moe.num_experts, moe.top_k, self.plan_buffers, **offered)
         taken = constructor_arguments(self.name)
         kwargs = {key: value for key, value in offered.items() if key in taken}
         return build_dispatcher(self.name, num_experts=moe.num_experts, top_k=moe.top_k, **kwargs)
