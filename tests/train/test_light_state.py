@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from test_optimizer_offload import STEPS, overrides  # the same small job
 
 from moevlm.config import OptimConfig, compose_job, estimate_memory, validate
 from moevlm.data.sample_cache import ensure_sample
@@ -35,7 +36,6 @@ STATE = "optim.state_dtype=bfloat16"
 MASTER = "optim.master_weights=true"
 REDUCE = "parallel.reduce_dtype=bfloat16"
 BF16 = "train.precision=bf16"
-STEPS = 3
 LR = 1e-2
 # bf16 moments: per element |p - p_fp32| <= BOUND * steps * lr.  An AdamW update is about lr in size; the
 # moments rounded to bf16 (8 bits) change it by a few parts in 2^8 per step
@@ -173,26 +173,6 @@ def test_bytes_a_parameter_keeps():
 
 
 # ------------------------------------------------------------------ one process, the Trainer
-def overrides(run_dir, extra=()) -> list[str]:
-    return [
-        f"data.shards={ensure_sample()[0]}",
-        "data.num_workers=0",
-        "data.streams=2",
-        "train.global_batch_size=2",
-        "train.micro_batch_size=1",
-        f"train.steps={STEPS}",
-        f"train.run_dir={run_dir}",
-        "train.tensorboard=false",
-        "train.checkpoint_at_end=false",
-        "train.checkpoint_every=0",
-        "train.require_loss_decrease=false",
-        "train.progress=false",
-        "optim.warmup_steps=2",
-        "optim.grad_clip=0.05",
-        *extra,
-    ]
-
-
 def train(run_dir, extra=(), *, save_after=None, export=None) -> dict:
     """Per-step losses, the final weights (the masters under master weights) and optimizer state;
     `export`: a folder the final weights are written to as a Hugging Face checkpoint."""
