@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # The one command to run on a machine with a GPU and no network (the project and
-# its wheels installed): every GPU check and benchmark, each step's output into
-# one folder, and a markdown summary of them.
+# its wheels installed): every GPU check and benchmark, in priority order, each
+# step's output into one folder as soon as it ends, and a markdown summary.
 #
-#   bench/gpu_suite.sh [--out DIR]      # a GPU: the full suite
-#   bench/gpu_suite.sh --smoke          # any machine (CPU): every step in minimal form
+#   bench/gpu_suite.sh [--out DIR] [--work DIR] [--budget SECONDS]   # a GPU: the full suite
+#   bench/gpu_suite.sh --smoke                                      # any machine (CPU): every step in minimal form
 #
-# Steps (each runs even when an earlier one failed; its status, time and key
-# figure go into DIR/summary.md, its whole output into DIR/<step>.log):
-#   env      nvidia-smi (if present), python, torch, CUDA, triton, transformers versions
-#   pytest   the CUDA tests: python -m pytest -m gpu tests
-#   kernels  bench/kernels.py (grouped GEMM, permute/unpermute vs torch)
-#   e2e      bench/e2e.py --preset h100_1gpu (ours vs HF transformers, real vs mock data)
-#   train    30 bf16 steps of the single-GPU proxy (+experiment=h100_1gpu, data.shards=sample)
-#            with train.compile=true; its figures via bench/sweep_table.py
+# Steps, most important first (each runs even when an earlier one failed; its status,
+# time and key figure go into DIR/summary.md, rewritten after every step, its whole
+# output into DIR/<step>.log):
+#   env            nvidia-smi, versions, and the device's two ceilings: a device-to-device
+#                  copy (GB/s, read + write) and an 8192^3 bf16 matmul (TFLOP/s) on random data
+#   pytest         the CUDA tests, Triton compiled: TRITON_INTERPRET=0 python -m pytest -m gpu tests
+#   kernels        bench/kernels.py at the Qwen3-30B-A3B expert shape (grouped GEMM, FP8, permute)
+#   plan           bench/plans.py device --recipe h100_1gpu: the planner's peak beside
+#                  torch.cuda.max_memory_allocated of the same step
+#   train_eager    20 bf16 steps of the single-GPU proxy (+experiment=h100_1gpu) on the sample
+#                  set, then its figures (bench/sweep_table.py: tokens/s, TFLOP/s, MFU, memory, data wait)
+#   train_compiled the same with train.compile=true
+#   e2e            bench/e2e.py --preset h100_1gpu: ours vs HF transformers, real vs mock data
+# --budget SECONDS: the whole suite's wall-clock limit.  Each step runs under its own time
+# limit, cut to what the budget has left (a step left under 20 s is skipped, and says so), so a
+# cut run still holds every step that finished.  Without --budget only the steps' own limits apply
+# (GPU; --smoke has none).  --work DIR: the training runs' folders and scratch (default
+# DIR/work), apart from the logs, so DIR holds only summary.md and one log per step.
 # --smoke: the same steps on the CPU with tiny presets: the tests (skipped without
-# CUDA), kernels under TRITON_INTERPRET=1 --smoke, e2e --preset tiny --smoke, and 3
-# steps of the embedded tiny model without compile (too slow to be a smoke test).
+# CUDA), kernels under TRITON_INTERPRET=1 --smoke, the plan of the embedded default, 3
+# steps of the embedded tiny model (train_compiled is skipped: compiling is a GPU
+# measurement, too slow for a smoke run), e2e --preset tiny --smoke.
 # Plain bash and python, no network; nothing here depends on the torch or triton
 # version (torch 2.11 + triton 3.6 on the GPU machine, 2.13 on CPU).
 # Exit status: 0 when every step passed, else 1 (the summary says which failed).
@@ -24,105 +35,157 @@ set -u
 
 SMOKE=0
 OUT=""
+WORK=""
+BUDGET=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --out) OUT="${2:?--out needs a folder}"; shift ;;
     --out=*) OUT="${1#--out=}" ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu_suite.sh: unknown argument $1 (use --smoke, --out DIR)" >&2; exit 2 ;;
+    --work) WORK="${2:?--work needs a folder}"; shift ;;
+    --work=*) WORK="${1#--work=}" ;;
+    --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
+    --budget=*) BUDGET="${1#--budget=}" ;;
+    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_suite.sh: unknown argument $1 (use --smoke, --out DIR, --work DIR, --budget SECONDS)" >&2; exit 2 ;;
   esac
   shift
 done
+case "$BUDGET" in
+  *[!0-9]*) echo "gpu_suite.sh: --budget takes whole seconds, got $BUDGET" >&2; exit 2 ;;
+esac
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_suite_out/$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
+WORK="${WORK:-$OUT/work}"
+mkdir -p "$WORK"
+WORK="$(cd "$WORK" && pwd)"
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python}"
+export PYTHONUNBUFFERED=1  # a step cut at its limit keeps everything it printed
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 SUMMARY="$OUT/summary.md"
-ROWS="$OUT/.rows"
+ROWS="$WORK/summary_rows"
 : > "$ROWS"
 FAILED=0
+START=$(date +%s)
+MIN_STEP=20  # seconds: a step the budget leaves less is skipped
+LIMIT=""
 
-# step NAME KEY_COMMAND -- COMMAND...: runs COMMAND into NAME.log; KEY_COMMAND (a shell snippet reading
-# the log, "$LOG") gives the key figure.  pytest's "no tests selected" (exit 5) counts as passed.
+write_summary() {
+  {
+    echo "# GPU suite$([ "$SMOKE" -eq 1 ] && echo ' (--smoke, CPU)')"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), folder $OUT$([ -n "$BUDGET" ] && echo ", budget $BUDGET s")"
+    echo
+    echo "| step | status | seconds | key figure |"
+    echo "|---|---|---:|---|"
+    cat "$ROWS"
+    for name in env kernels plan train_eager train_compiled e2e; do
+      [ -f "$OUT/$name.log" ] || continue
+      echo
+      echo "## $name"
+      echo
+      grep -E '^(\||ours/HF:|device:|LM loss|ceiling:)' "$OUT/$name.log" || echo "(no table: see $name.log)"
+    done
+  } > "$SUMMARY.tmp" && mv "$SUMMARY.tmp" "$SUMMARY"
+}
+
+# limited CMD...: CMD under the current step's time limit ($LIMIT seconds; none when empty).
+limited() {
+  if [ -n "$LIMIT" ]; then timeout -k 15 "$LIMIT" "$@"; else "$@"; fi
+}
+
+# step NAME LIMIT KEY_COMMAND -- COMMAND...: runs COMMAND into NAME.log under min(LIMIT, what the
+# budget has left) seconds (LIMIT "-": none); KEY_COMMAND (a shell snippet reading the log, "$LOG")
+# gives the key figure.  pytest's "no tests selected" (exit 5) counts as passed; exit 124/137 is a
+# cut at the limit.  COMMAND may be a function of this script, which runs its programs `limited`.
 step() {
-  local name="$1" key="$2"; shift 3
-  local log="$OUT/$name.log" t0 t1 rc status
-  echo "== $name: $*" | tee "$log"
+  local name="$1" own="$2" key="$3"; shift 4
+  local log="$OUT/$name.log" t0 t1 rc status left
+  LIMIT=""
+  if [ "$own" != "-" ] && [ "$SMOKE" -eq 0 ]; then LIMIT="$own"; fi
+  if [ -n "$BUDGET" ]; then
+    left=$((BUDGET - ($(date +%s) - START)))
+    if [ "$left" -lt "$MIN_STEP" ]; then
+      printf '| %s | skipped (budget: %s s left) | 0 | |\n' "$name" "$left" >> "$ROWS"
+      echo "== $name: skipped, the budget has $left s left"
+      FAILED=1
+      write_summary
+      return
+    fi
+    if [ -z "$LIMIT" ] || [ "$left" -lt "$LIMIT" ]; then LIMIT="$left"; fi
+  fi
+  echo "== $name (limit ${LIMIT:-none} s): $*" | tee "$log"
   t0=$(date +%s.%N)
-  "$@" >> "$log" 2>&1
+  if [ "$(type -t "$1")" = "function" ]; then "$@" >> "$log" 2>&1; else limited "$@" >> "$log" 2>&1; fi
   rc=$?
   t1=$(date +%s.%N)
   if [ "$rc" -eq 0 ]; then status="ok"
   elif [ "$name" = "pytest" ] && [ "$rc" -eq 5 ]; then status="ok (no gpu tests collected)"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="CUT at its $LIMIT s limit"; FAILED=1
   else status="FAILED (exit $rc)"; FAILED=1
   fi
   local figure
   figure="$(LOG="$log" bash -c "$key" 2>/dev/null | tr '\n|' ' /' | cut -c1-300)"
   printf '| %s | %s | %s | %s |\n' "$name" "$status" "$(awk "BEGIN{printf \"%.1f\", $t1 - $t0}")" "$figure" >> "$ROWS"
   echo "== $name: $status (log: $log)"
+  write_summary
 }
 
 env_report() {
   if command -v nvidia-smi > /dev/null; then nvidia-smi; else echo "nvidia-smi: not found (no NVIDIA driver)"; fi
-  "$PY" - <<'EOF'
-import platform, torch
-print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA available {torch.cuda.is_available()}"
-      + (f" ({torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda})" if torch.cuda.is_available() else ""))
-for name in ("triton", "transformers", "hydra", "webdataset"):
-    try:
-        print(f"{name} {__import__(name).__version__}")
-    except Exception as err:  # noqa: BLE001 - a missing optional package is reported, not fatal
-        print(f"{name}: not importable ({type(err).__name__})")
-EOF
+  limited "$PY" bench/gpu_env.py
+}
+
+# train_run NAME OVERRIDES...: a training run into $WORK/NAME, then its one-row table
+train_run() {
+  local name="$1" rc
+  shift
+  limited "${TRAIN[@]}" "$@" "train.run_dir=$WORK/$name"
+  rc=$?
+  "$PY" bench/sweep_table.py "$WORK/$name" --warmup "$WARMUP"
+  return "$rc"
 }
 
 if [ "$SMOKE" -eq 1 ]; then
   export TRITON_INTERPRET=1
   KERNELS=("$PY" bench/kernels.py --smoke)
+  PLAN=("$PY" bench/plans.py device train.global_batch_size=2)
   E2E=("$PY" bench/e2e.py --preset tiny --smoke data.num_workers=0 data.pack.seq_len=256 data.pack.max_patches=64
        data.image.max_pixels=16384)
   TRAIN=("$PY" train.py train.steps=3 data.num_workers=0 train.checkpoint_at_end=false train.tensorboard=false
-         train.require_loss_decrease=false "train.run_dir=$OUT/train_run")
+         train.require_loss_decrease=false)
   WARMUP=1
 else
-  KERNELS=("$PY" bench/kernels.py)
-  E2E=("$PY" bench/e2e.py --preset h100_1gpu)
+  export TRITON_INTERPRET=0  # the kernels compiled for the GPU (tests/conftest.py defaults it to 1)
+  KERNELS=("$PY" bench/kernels.py --shapes 30b --tokens 16384 --iters 10)
   # the sample set's tokenizer ids, which the random-init proxy takes (docs/training.md, "The command line")
   SAMPLE_IDS=(model.image_token_id=1020 model.video_token_id=1021 model.vision_start_token_id=1018
               model.vision_end_token_id=1019)
-  TRAIN=("$PY" train.py +experiment=h100_1gpu data.shards=sample "${SAMPLE_IDS[@]}" train.steps=30 train.precision=bf16
-         train.compile=true train.log_every=1 train.checkpoint_at_end=false train.tensorboard=false
-         "train.run_dir=$OUT/train_run")
+  PLAN=("$PY" bench/plans.py device --recipe h100_1gpu "${SAMPLE_IDS[@]}")
+  E2E=("$PY" bench/e2e.py --preset h100_1gpu --warmup 2 --iters 5)
+  TRAIN=("$PY" train.py +experiment=h100_1gpu data.shards=sample "${SAMPLE_IDS[@]}" train.steps=20
+         train.precision=bf16 train.log_every=1 train.checkpoint_at_end=false train.tensorboard=false
+         train.progress=false)
   WARMUP=5
 fi
 
-step env 'grep -E "^python |^triton |^transformers " "$LOG"' -- env_report
-step pytest 'grep -E "(passed|failed|skipped|deselected|error)" "$LOG" | tail -1' -- "$PY" -m pytest -m gpu -q -o addopts= tests
-step kernels 'echo "$(grep -c "^|" "$LOG") table lines"' -- "${KERNELS[@]}"
-step e2e 'grep -E "^ours/HF:" "$LOG"; awk -F"|" "/^\| (image_free|random_pixels) /{print \$2 \"vs real\" \$9}" "$LOG"' -- "${E2E[@]}"
-step train 'grep -E "^done:" "$LOG" | cut -d";" -f1' -- "${TRAIN[@]}"
-step train_table 'tail -1 "$LOG"' -- "$PY" bench/sweep_table.py "$OUT/train_run" --warmup "$WARMUP"
-
-{
-  echo "# GPU suite$([ "$SMOKE" -eq 1 ] && echo ' (--smoke, CPU)')"
-  echo
-  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), folder $OUT"
-  echo
-  echo "| step | status | seconds | key figure |"
-  echo "|---|---|---:|---|"
-  cat "$ROWS"
-  for name in e2e kernels train_table; do
-    echo
-    echo "## $name"
-    echo
-    grep -E '^(\||ours/HF:|device:|LM loss)' "$OUT/$name.log" || echo "(no table: see $name.log)"
-  done
-} > "$SUMMARY"
-rm -f "$ROWS"
+TRAIN_KEY='grep -E "^done:" "$LOG" | cut -d";" -f1; grep -E "^\| " "$LOG" | tail -1'
+step env 60 'grep -E "^python |^triton |^transformers |^ceiling: " "$LOG"' -- env_report
+step pytest 150 'grep -E "(passed|failed|skipped|deselected|error)" "$LOG" | tail -1' -- \
+  "$PY" -m pytest -m gpu -q -o addopts= -p no:cacheprovider --basetemp "$WORK/pytest" tests
+step kernels 150 'echo "$(grep -c "^|" "$LOG") table lines"' -- "${KERNELS[@]}"
+step plan 120 'grep -A2 "^| job " "$LOG" | tail -1' -- "${PLAN[@]}"
+step train_eager 150 "$TRAIN_KEY" -- train_run train_eager train.compile=false
+if [ "$SMOKE" -eq 1 ]; then
+  printf '| %s | %s | 0 | |\n' train_compiled "skipped (--smoke: compiling is measured on the GPU)" >> "$ROWS"
+else
+  step train_compiled 240 "$TRAIN_KEY" -- train_run train_compiled train.compile=true
+fi
+step e2e 300 'grep -E "^ours/HF:" "$LOG"; awk -F"|" "/^\| (image_free|random_pixels) /{print \$2 \"vs real\" \$9}" "$LOG"' -- "${E2E[@]}"
+write_summary
 echo "summary: $SUMMARY"
 exit "$FAILED"

@@ -3,6 +3,7 @@
     python bench/plans.py recipes              # markdown: every recipe's plan, verdicts on H100/H200/own GPU
     python bench/plans.py recipes --only h100_fsdp model.recompute=full   # one recipe, an override
     python bench/plans.py accuracy             # markdown: plan vs measured step (CPU, fp32; gloo for 4 ranks)
+    python bench/plans.py device --recipe h100_1gpu   # a GPU: the plan vs torch.cuda.max_memory_allocated
 
 `recipes` runs `moevlm.plan.report.make_plan` (what `python -m moevlm.plan` prints) for each
 conf/experiment/ recipe at its launch size (one training step per rank role on fake tensors),
@@ -15,6 +16,11 @@ table): its collectives are the emulator's, not the real package's.
 (`moevlm.plan.measure`: the Trainer's second step on the plan's budget micro-batches, storages
 tracked, collectives counted) beside the plan, with the ratio; the 4-rank layouts run on gloo in
 4 processes.
+
+`device` is the same comparison for one recipe on this machine's device, at its real size (one
+rank): the plan's peak (dry run on fake CPU tensors) beside the measured step's tracked storages and,
+on CUDA, `torch.cuda.max_memory_allocated` / `max_memory_reserved` of that step.  Without a GPU it
+runs on the CPU (the tracked figure only), which is how `bench/gpu_suite.sh --smoke` rehearses it.
 """
 
 from __future__ import annotations
@@ -155,6 +161,49 @@ def accuracy() -> None:
             )
 
 
+def device(recipe: str | None, overrides: list[str]) -> None:
+    """The plan of `recipe` (None: the embedded default) beside its measured step on this machine."""
+    import torch
+
+    from moevlm.config import compose_job
+    from moevlm.plan.dry_run import dry_run
+    from moevlm.plan.measure import measure_trainer_step
+
+    d = tempfile.mkdtemp()
+    args = [f"+experiment={recipe}"] if recipe else []
+    job = compose_job(args + COMMON + [f"train.run_dir={d}", *overrides])
+    cuda = torch.cuda.is_available() and job.train.device in ("auto", "cuda")
+    where = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if cuda else "CPU"
+    print(
+        f"device: {where}; torch {torch.__version__}; job {recipe or 'the embedded default'} "
+        f"{' '.join(overrides)}; precision {job.train.precision}; "
+        f"micro-batches per step {job.train.global_batch_size // job.train.micro_batch_size}"
+    )
+    t0 = time.perf_counter()
+    plan = dry_run(job)
+    plan_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    real = measure_trainer_step(job)
+    real_s = time.perf_counter() - t0
+    cuda_max = real.get("cuda_max_allocated_bytes")
+    reserved = real.get("cuda_max_reserved_bytes")
+    gib = lambda b: f"{b / GiB:.2f}" if b else "n/a"  # noqa: E731
+    print(
+        "\n| job | params plan = real | optimizer plan = real | peak plan GiB | peak tracked GiB | "
+        "cuda max allocated GiB | cuda max reserved GiB | plan/tracked | plan/cuda allocated | "
+        "dry run s | measured s |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| {recipe or 'default'} | {plan.params_bytes == real['params_bytes']} | "
+        f"{plan.optimizer_bytes == real['optimizer_bytes']} | {gib(plan.peak_bytes)} | "
+        f"{gib(real['peak_bytes'])} | {gib(cuda_max)} | {gib(reserved)} | "
+        f"{_ratio(plan.peak_bytes, real['peak_bytes'])} | "
+        f"{_ratio(plan.peak_bytes, cuda_max) if cuda_max else 'n/a'} | {plan_s:.1f} | {real_s:.1f} |",
+        flush=True,
+    )
+
+
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
@@ -189,18 +238,26 @@ def _four_ranks(rank: int, tmp: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["recipes", "accuracy"])
+    ap.add_argument("what", choices=["recipes", "accuracy", "device"])
     ap.add_argument(
         "--only", metavar="R1,R2", help="recipes: these only, comma-separated (default all)"
     )
     ap.add_argument(
+        "--recipe", help="device: the conf/experiment/ recipe (default: the embedded default job)"
+    )
+    ap.add_argument(
         "overrides",
         nargs="*",
-        help="recipes: config overrides added to every recipe, e.g. model.recompute=full",
+        help="recipes, device: config overrides added to the job(s), e.g. model.recompute=full",
     )
     args = ap.parse_args()
     only = args.only.split(",") if args.only else None
-    recipes(only, args.overrides) if args.what == "recipes" else accuracy()
+    if args.what == "recipes":
+        recipes(only, args.overrides)
+    elif args.what == "device":
+        device(args.recipe, args.overrides)
+    else:
+        accuracy()
 
 
 if __name__ == "__main__":

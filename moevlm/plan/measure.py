@@ -16,7 +16,8 @@ from moevlm.plan.fake import BalancedRouting, CollectiveCounter, StorageTracker
 
 def measure_trainer_step(job) -> dict:
     """params_bytes, optimizer_bytes, peak_bytes (tracked storages), comm_bytes of the Trainer's second
-    step, and on CUDA cuda_max_allocated_bytes; the trainer is closed after."""
+    step, and on CUDA cuda_max_allocated_bytes and cuda_max_reserved_bytes (the caching allocator's
+    peak, fragmentation included); the trainer is closed after."""
     from moevlm.train.metrics import Window
     from moevlm.train.trainer import Trainer
 
@@ -47,6 +48,7 @@ def measure_trainer_step(job) -> dict:
         }
         if cuda:
             got["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
+            got["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(trainer.device)
         return got
     finally:
         trainer.close()

@@ -1,11 +1,13 @@
-"""bench/gpu_suite.sh --smoke on the CPU runs every step (env, the gpu-marked tests, kernels with its FP8 table, e2e,
-a short training run and its table) into one folder with a summary, and bench/e2e.py --preset tiny prints the
-ours-vs-HF and real-vs-mock ratios after checking both models' losses agree.  Slow: one test of ~75 s on a
+"""bench/gpu_suite.sh --smoke on the CPU runs every step (env, the gpu-marked tests, kernels with its FP8 table, the
+plan beside a measured step, a short training run and its table, e2e) into one folder with a summary, and
+bench/e2e.py --preset tiny prints the ours-vs-HF and real-vs-mock ratios after checking both models' losses
+agree; with a spent --budget every step is skipped and said so in the summary, written all the same.  Slow: one test of ~75 s on a
 quiet 2-core machine (most of it the e2e step and the test collection of `pytest -m gpu`)."""
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ("env", "pytest", "kernels", "e2e", "train", "train_table")
+STEPS = ("env", "pytest", "kernels", "plan", "train_eager", "e2e")
 
 
 def test_gpu_suite_smoke_runs_every_step(tmp_path):
     out = tmp_path / "suite"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu_suite.sh"), "--smoke", "--out", str(out)],
         cwd=tmp_path,
@@ -33,7 +35,7 @@ def test_gpu_suite_smoke_runs_every_step(tmp_path):
     assert done.returncode == 0, summary + done.stdout[-3000:] + done.stderr[-3000:]
     rows = [
         line.split("|")[1:3]
-        for line in summary.splitlines()
+        for line in summary.split("\n## ")[0].splitlines()  # the steps' table, not the sections
         if line.startswith("| ")
         and "| seconds |" not in line
         and line.split("|")[1].strip() in STEPS
@@ -63,7 +65,40 @@ def test_gpu_suite_smoke_runs_every_step(tmp_path):
     assert "ours/HF: tokens/s" in e2e and "| image_free |" in e2e and "| random_pixels |" in e2e
     assert "ours/HF: tokens/s" in summary and "random_pixels vs real" in summary
     records = [
-        json.loads(line) for line in (out / "train_run" / "metrics.jsonl").read_text().splitlines()
+        json.loads(line)
+        for line in (out / "work" / "train_eager" / "metrics.jsonl").read_text().splitlines()
     ]
     # the data.mock of the run, in every record
     assert records and all(r["mock"] == "none" for r in records)
+
+
+def test_gpu_suite_budget_spent_skips_every_step(tmp_path):
+    out = tmp_path / "suite"
+    done = subprocess.run(
+        [
+            "bash",
+            str(REPO / "bench" / "gpu_suite.sh"),
+            "--smoke",
+            "--budget",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    summary = (out / "summary.md").read_text()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "budget 0 s" in summary
+    for name in STEPS:
+        assert f"| {name} | skipped (budget: 0 s left) |" in summary, summary
+    bad = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_suite.sh"), "--budget", "ten"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2 and "--budget takes whole seconds, got ten" in bad.stderr
