@@ -22,7 +22,9 @@ from moevlm.parallel.recompute import recompute_setting
 
 
 def check_recompute(m) -> None:
-    reason = recompute_problem(m.recompute, tuple(m.recompute_modules or ()))
+    reason = recompute_problem(
+        m.recompute, tuple(m.recompute_modules or ()), m.recompute_collectives
+    )
     if reason is not None:
         raise ConfigError(reason)
 

@@ -38,6 +38,7 @@ from moevlm.parallel.cuda_graphs import SCOPES as GRAPH_SCOPES
 from moevlm.parallel.cuda_graphs import scope_problem
 from moevlm.parallel.offload import MODULES as OFFLOAD_MODULES
 from moevlm.parallel.offload import check as check_offload
+from moevlm.parallel.recompute import COLLECTIVES as RECOMPUTE_COLLECTIVES
 from moevlm.parallel.recompute import MODES as RECOMPUTE_MODES
 from moevlm.parallel.recompute import MODULES as RECOMPUTE_MODULES
 from moevlm.parallel.recompute import check as check_recompute
@@ -288,7 +289,17 @@ class ModelConfig:
         default="none",
         metadata={
             "help": "activation recompute in backward: none, selective (the regions of model.recompute_modules), full "
-            "(each decoder layer and vision block whole); collective outputs are kept, never re-run"
+            "(each decoder layer and vision block whole); what happens to the collectives inside a recomputed "
+            "region: model.recompute_collectives"
+        },
+    )
+    recompute_collectives: one_of(*RECOMPUTE_COLLECTIVES, checked_by=check_recompute) = field(
+        default="save",
+        metadata={
+            "help": "the collectives inside recomputed regions (expert all-to-all, tensor/context-parallel "
+            "gathers): save keeps their outputs, so backward never exchanges twice; reissue recomputes them "
+            "like any op, as Megatron's full recompute does: a layer keeps only its input, not its dispatched "
+            "rows (about 2 x tokens x top-k x hidden bytes a MoE layer), and backward exchanges again"
         },
     )
     recompute_modules: List[one_of(*RECOMPUTE_MODULES, checked_by=check_recompute)] = field(

@@ -202,6 +202,7 @@ def _build_options(job, model: VLMConfig, spec, fp8, pipeline) -> BuildOptions:
         pipeline=pipeline,
         dispatcher=spec,
         recompute=recompute_setting(m),
+        recompute_collectives=m.recompute_collectives,
         offload=offload_setting(m),
         compile=t.compile,
         compile_mode=t.compile_mode,

@@ -112,6 +112,7 @@ class BuildOptions:
     pipeline: PipelineSplit | None = None  # the stages; needed when dims.pp > 1
     dispatcher: DispatcherSpec = field(default_factory=DispatcherSpec)  # every MoE block's
     recompute: tuple[str, tuple[str, ...]] = ("none", ())  # mode and selective regions
+    recompute_collectives: str = "save"  # save | reissue (moevlm.parallel.recompute)
     offload: tuple[str, ...] = ()  # activation offload scopes
     compile: bool = False
     compile_mode: str | None = None
@@ -147,7 +148,7 @@ def build_model(
         ctx.tp_partial = shard_tensor_parallel(model, ctx.meshes[0]["tp"])
     if cfg.moe.num_experts and dims.ep * dims.etp > 1:
         shard_experts(model, ctx.meshes[1])
-    apply_recompute(model, *o.recompute)
+    apply_recompute(model, *o.recompute, collectives=o.recompute_collectives)
     ctx.offload = apply_offload(model, o.offload, o.device_type, o.recompute)
     ctx.fp8_marked = apply_fp8(model, o.fp8, o.fp8_modules)
     if dims.pp > 1:

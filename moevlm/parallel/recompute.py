@@ -4,12 +4,16 @@
 Legend: T tokens, D hidden, M dispatched rows, F expert hidden.
 
     apply_recompute(model, "selective", ("core_attn", "moe_act"))   # in build_model, after TP/EP
+    apply_recompute(model, "full", collectives="reissue")            # the exchanges run again in backward
     with SavedBytes(model) as meter: loss = model(**batch).loss      # measure what forward keeps
     meter.bytes                                                      # activations held for backward
 
 Modes: none; full (each decoder layer and vision block whole); selective, the regions in `modules`:
-core_attn, layernorm, mlp, moe_act, moe, vision.  Collective outputs are saved, not recomputed
-(`COMM_NAMESPACES`), so backward never issues a collective twice.  Why: docs/architecture.md.
+core_attn, layernorm, mlp, moe_act, moe, vision.  Collectives (`COMM_NAMESPACES`): `save` (the
+default) keeps their outputs, so backward never issues a collective twice; `reissue` recomputes them
+like any op, as Megatron's full recompute does: a region then keeps only its inputs (under full
+recompute with expert parallelism, not each layer's dispatched rows) and backward exchanges again.
+Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from moevlm.model.vision import VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
+COLLECTIVES = (
+    "save",
+    "reissue",
+)  # a region's collective outputs: kept, or issued again in backward
 COMM_NAMESPACES = (
     "_c10d_functional",
     "_c10d_functional_autograd",
@@ -53,9 +61,11 @@ _REGIONS = {
 _OUTER_FIRST = ("full", "vision", "moe", "mlp", "core_attn", "moe_act", "layernorm")
 
 
-def describe(mode: str, modules=()) -> str:
-    """What ran, for the metrics: "none", "full" or "selective:core_attn,moe_act"."""
-    return f"selective:{','.join(modules)}" if mode == "selective" else mode
+def describe(mode: str, modules=(), collectives: str = "save") -> str:
+    """What ran, for the metrics: "none", "full", "selective:core_attn,moe_act", and "+reissue" where
+    the regions' collectives run again in backward."""
+    out = f"selective:{','.join(modules)}" if mode == "selective" else mode
+    return out + "+reissue" if collectives == "reissue" and mode != "none" else out
 
 
 def recompute_setting(model_cfg) -> tuple[str, tuple[str, ...]]:
@@ -64,10 +74,14 @@ def recompute_setting(model_cfg) -> tuple[str, tuple[str, ...]]:
     return mode, tuple(model_cfg.recompute_modules or ()) if mode == "selective" else ()
 
 
-def check(mode: str, modules) -> str | None:
-    """The reason `mode`/`modules` cannot run, or None."""
+def check(mode: str, modules, collectives: str = "save") -> str | None:
+    """The reason `mode`/`modules`/`collectives` cannot run, or None."""
     if mode not in MODES:
         return f"model.recompute={mode!r}; choose one of {', '.join(MODES)}"
+    if collectives not in COLLECTIVES:
+        return (
+            f"model.recompute_collectives={collectives!r}; choose one of {', '.join(COLLECTIVES)}"
+        )
     bad = [m for m in modules if m not in MODULES]
     if bad:
         return f"model.recompute_modules has {bad}; choose from {', '.join(MODULES)}"
@@ -79,9 +93,12 @@ def check(mode: str, modules) -> str | None:
     return None
 
 
-def apply_recompute(model: nn.Module, mode: str = "none", modules=()) -> None:
-    """Install `Recompute` regions at the chosen points of `model` (built, parallelized or not)."""
-    reason = check(mode, tuple(modules))
+def apply_recompute(
+    model: nn.Module, mode: str = "none", modules=(), collectives: str = "save"
+) -> None:
+    """Install `Recompute` regions at the chosen points of `model` (built, parallelized or not);
+    `collectives`: save their outputs or reissue them in backward (module docstring)."""
+    reason = check(mode, tuple(modules), collectives)
     if reason is not None:
         raise ValueError(reason)
     if mode == "none":
@@ -96,20 +113,29 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=()) -> None:
                 and id(m) not in covered
                 and not isinstance(m._modules.get(slot), Recompute)
             ):
-                m.add_module(slot, Recompute())
+                m.add_module(slot, Recompute(reissue=collectives == "reissue"))
                 if slot == "region":
                     covered |= {id(sub) for sub in m.modules()}
 
 
 class Recompute(Region):
     """A region recomputed in backward: torch's non-reentrant checkpoint with the selective cache that
-    keeps collective outputs; plain when autograd is off."""
+    keeps collective outputs (`reissue`: recomputes them too); plain when autograd is off."""
+
+    def __init__(self, reissue: bool = False):
+        super().__init__()
+        self.reissue = reissue
+
+    def extra_repr(self) -> str:
+        return "collectives reissued in backward" if self.reissue else ""
 
     def forward(self, fn, *args):
         # the checkpoint saves its tensor inputs through the saved-tensor hooks active here (SavedBytes's,
         # or an enclosing offload scope's), so a meter sees them there
         if not torch.is_grad_enabled():
             return fn(*args)
+        if self.reissue:  # nothing kept but the inputs: torch's plain non-reentrant checkpoint
+            return checkpoint(fn, *args, use_reentrant=False)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_contexts)
 
 
@@ -165,7 +191,9 @@ class SavedBytes:
     """Bytes of the distinct storages one forward keeps for backward (docs/architecture.md)."""
 
     def __init__(self, model: nn.Module):
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = {  # a DTensor parameter (FSDP, TP) by its local shard
+            getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()
+        }
         # storage pointer -> a tensor on it (kept alive: no reuse)
         self._held: dict[int, torch.Tensor] = {}
         # offloaded tensors (kept alive: no reuse) -> their host copies' bytes

@@ -41,18 +41,23 @@ LAYOUT_FIELDS = frozenset(
 
 # ------------------------------------------------------------------ the table of changes
 def _recompute(job, world: int, g: Gpu) -> list[dict]:
-    """Selective regions (nested, cheapest first: moe_act, + layernorm, + core_attn), then full;
-    only those that recompute more than the job does."""
-    m = job.model
-    if m.recompute == "full":
-        return []
-    have = set(m.recompute_modules or ()) if m.recompute == "selective" else set()
-    out = [
-        {"model.recompute": "selective", "model.recompute_modules": list(mods)}
-        for mods in SELECTIVE
-        if not set(mods) <= have
-    ]
-    return out + [{"model.recompute": "full"}]
+    """Selective regions (nested, cheapest first: moe_act, + layernorm, + core_attn), then full, then
+    full with the collectives reissued (where the layers exchange: ep, tp or cp > 1); only those that
+    recompute more than the job does."""
+    m, p = job.model, job.parallel
+    out = []
+    if m.recompute != "full":
+        have = set(m.recompute_modules or ()) if m.recompute == "selective" else set()
+        out = [
+            {"model.recompute": "selective", "model.recompute_modules": list(mods)}
+            for mods in SELECTIVE
+            if not set(mods) <= have
+        ]
+        out.append({"model.recompute": "full"})
+    if max(p.ep, p.tp, p.cp) > 1 and m.recompute_collectives == "save":
+        # then the layers' exchanges too: each keeps its input only (moevlm.parallel.recompute)
+        out.append({"model.recompute": "full", "model.recompute_collectives": "reissue"})
+    return out
 
 
 def _parallel(job, world: int, g: Gpu) -> list[dict]:

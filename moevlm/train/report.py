@@ -32,7 +32,9 @@ def window_record(tr: Trainer, window: Window) -> dict:
         skipped=tr.loader.stats()["skipped"],
         nonfinite_steps=tr.nonfinite_steps,
     )
-    rec["recompute"] = describe_recompute(*tr.plan.build.recompute)
+    rec["recompute"] = describe_recompute(
+        *tr.plan.build.recompute, tr.plan.build.recompute_collectives
+    )
     rec["offload"] = describe_offload(tr.plan.build.offload)
     # compiled_graphs, graph_breaks, recompiles (moevlm.parallel.compile)
     if tr.compiled is not None:

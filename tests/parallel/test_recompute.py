@@ -8,7 +8,9 @@ selective module and most for full.
 (b) One launch of 2 gloo ranks: tp2 x ep2 (all-to-all dispatcher, FSDP): none,
 selective (all modules) and full match the one-process reference in loss and
 gathered gradients, and backward issues exactly as many collectives with
-recompute as without (forward issues some: the count sees them); then pp2
+recompute as without (forward issues some: the count sees them); full with
+model.recompute_collectives=reissue matches too, issues in backward what
+forward issued on top of none's backward, and keeps fewer bytes than full; then pp2
 (pipeline stages, 1F1B, the real Trainer, 2 steps): selective and full give
 none's losses and gathered gradients.
 (c) The trainer logs which recompute ran, and its FLOPs stay useful work.
@@ -116,8 +118,15 @@ def test_bad_settings_are_named():
         check("full", ()) is None
         and describe("selective", ("core_attn", "moe_act")) == "selective:core_attn,moe_act"
     )
+    assert (
+        describe("full", (), "reissue") == "full+reissue"
+        and describe("none", (), "reissue") == "none"
+    )
+    assert "choose one of save, reissue" in check("full", (), "again")
     with pytest.raises(ValueError, match="model.recompute='x'"):
         apply_recompute(Qwen3VLMoe(tiny_config()), "x")
+    with pytest.raises(ValueError, match="model.recompute_collectives='again'"):
+        apply_recompute(Qwen3VLMoe(tiny_config()), "full", collectives="again")
 
 
 # ------------------------------------------------------------------ 2 ranks
@@ -189,23 +198,33 @@ def _tp2_ep2(rank: int) -> None:
     ref_out = ref(**batch)
     ref_out.loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    counts = {}
-    for mode, modules in (("none", ()), ("selective", MODULES), ("full", ())):
+    counts, kept = {}, {}
+    for mode, modules, collectives in (
+        ("none", (), "save"),
+        ("selective", MODULES, "save"),
+        ("full", (), "save"),
+        ("full", (), "reissue"),
+    ):
         model, ctx = build_model(
             cfg,
             ParallelDims(2, tp=2, ep=2),
             BuildOptions(
-                dp_mode="fsdp", dispatcher=DispatcherSpec("alltoall"), recompute=(mode, modules)
+                dp_mode="fsdp",
+                dispatcher=DispatcherSpec("alltoall"),
+                recompute=(mode, modules),
+                recompute_collectives=collectives,
             ),
         )
         materialize_(model, "cpu", ctx)
         init_parameters_(model, 7, ctx)
-        with CountCollectives() as fwd:
+        if collectives == "reissue":
+            mode = "full reissue"
+        with CountCollectives() as fwd, SavedBytes(model) as meter:
             out = model(**batch)
         with CountCollectives() as bwd:
             out.loss.backward()
         ctx.finish_gradients()
-        counts[mode] = fwd.n, bwd.n
+        counts[mode], kept[mode] = (fwd.n, bwd.n), meter.bytes
         assert rel(out.loss.detach(), ref_out.loss.detach()) <= TOL, (mode, out.loss, ref_out.loss)
         grads = full_grads(model)
         assert grads.keys() == ref_grads.keys()
@@ -213,6 +232,10 @@ def _tp2_ep2(rank: int) -> None:
             assert rel(grads[n], g) <= 1e-5, (mode, n, rel(grads[n], g))
     assert counts["none"][0] > 0 and counts["none"][1] > 0, counts
     assert counts["selective"][1] == counts["none"][1] == counts["full"][1], counts
+    # reissued: each recomputed layer's exchanges run again (the vision tower's gathers too)
+    assert counts["full reissue"][1] > counts["full"][1], counts
+    assert counts["full reissue"][0] == counts["full"][0], counts
+    assert kept["full reissue"] < kept["full"] < kept["none"], kept
 
 
 @pytest.mark.slow
@@ -233,6 +256,7 @@ def test_recompute_two_ranks_same_gradients_no_extra_collectives(tmp_path):
             r"recompute_modules has \['attn'\]",
         ),
         (["model.recompute=selective", "model.recompute_modules=[]"], "name at least one of"),
+        (["model.recompute_collectives=keep"], "recompute_collectives.*save, reissue"),
     ],
 )
 def test_config_errors_name_the_choices(overrides, message):
