@@ -8,9 +8,9 @@
 `recipes` runs `moevlm.plan.report.make_plan` (what `python -m moevlm.plan` prints) for each
 conf/experiment/ recipe at its launch size (one training step per rank role on fake tensors),
 prints one table row per rank role, the largest communication term, the fit on H100 and H200 (and
-the recipe's own GPU) and the dry run's wall time on this machine.  A recipe whose dispatcher
-package is absent runs with moevlm's TEST EMULATOR of it (tests/dispatch/*_emulator; named in the
-table): its collectives are the emulator's, not the real package's.
+the recipe's own GPU) and the dry run's wall time on this machine.  DeepEP and HybridEP are
+modelled, never imported (moevlm.dispatch.modelled: the packages' exchange volumes and documented
+buffer sizes; named in the table).
 
 `accuracy` is the baseline comparison: the same job measured as the trainer really runs it
 (`moevlm.plan.measure`: the Trainer's second step on the plan's budget micro-batches, storages
@@ -35,7 +35,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
-EMULATORS = {"deepep": "deep_ep_emulator", "hybridep": "hybrid_ep_emulator"}
 COMMON = [
     "data.shards=sample",
     "data.num_workers=0",
@@ -66,10 +65,8 @@ FOUR_RANKS = {
 
 def recipes(only: list[str] | None = None, overrides: list[str] | None = None) -> None:
     """`only`: these recipes (default every one); `overrides`: added to each recipe's command line."""
-    import importlib.util
-
     from moevlm.config import compose_job
-    from moevlm.plan.devices import GPUS
+    from moevlm.plan.devices import GPUS, recipe_gpu
     from moevlm.plan.report import make_plan
 
     names = only or sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -81,20 +78,13 @@ def recipes(only: list[str] | None = None, overrides: list[str] | None = None) -
     print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|---|---:|---|")
     for name in names:
         job = compose_job([f"+experiment={name}", "data.shards=sample", *(overrides or [])])
-        note = ""
-        emulator = EMULATORS.get(job.model.dispatcher)
-        if emulator and importlib.util.find_spec("deep_ep") is None:
-            sys.path.insert(0, str(REPO / "tests" / "dispatch" / emulator))
-            sys.modules.pop("deep_ep", None)
-            note = f" ({job.model.dispatcher}: TEST EMULATOR)"
-        own = next((k for k in ("gb200", "b200", "h200", "h100") if name.startswith(k)), "h100")
+        modelled = job.model.dispatcher in ("deepep", "hybridep")
+        note = f" ({job.model.dispatcher}: modelled)" if modelled else ""
+        own = recipe_gpu(name)
         world = job.parallel.world_size or 1
         t0 = time.perf_counter()
         out = make_plan(job, world, own)
         seconds = time.perf_counter() - t0
-        if note:
-            sys.path.pop(0)
-            sys.modules.pop("deep_ep", None)
         for i, r in enumerate(out["ranks"]):
             terms = [(b, f"{g} {k}") for g, ks in r["comm_bytes"].items() for k, b in ks.items()]
             big = max(terms, default=(0, "none"))
