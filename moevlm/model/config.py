@@ -94,6 +94,9 @@ class MoEConfig:
     router_bias_rate: float = 0.0  # aux-loss-free balancing: the expert bias's step (0 = off)
     z_loss_coeff: float = 0.0  # router z-loss weight (0 = off)
     router_force_balance: bool = False  # benchmarks only: even routing whatever the scores
+    # a shared expert beside the routed ones: a SwiGLU of this width over every token, scaled by a
+    # sigmoid gate (Qwen3.5-MoE); 0 = none
+    shared_expert_intermediate_size: int = 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """The reference's rule: sparse unless listed dense or off the sparse step."""

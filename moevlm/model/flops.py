@@ -56,6 +56,8 @@ def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int])
     }
     if m.is_moe_layer(layer_idx):
         parts["moe"] = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
+        if m.shared_expert_intermediate_size:  # the shared expert's SwiGLU and its gate
+            parts["moe"] += 6 * T * D * m.shared_expert_intermediate_size + 2 * T * D
     else:
         parts["mlp"] = 6 * T * D * t.intermediate_size
     return parts

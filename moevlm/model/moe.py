@@ -153,6 +153,10 @@ class MoEBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size, cfg.grouped_gemm)
         self.dispatcher = strategies.dispatcher(layer_idx, cfg)
         self.runner = strategies.experts_runner()
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:  # every token, beside the routed experts
+            self.shared_expert = DenseMLP(hidden, cfg.shared_expert_intermediate_size, strategies)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(
         self,
@@ -183,7 +187,12 @@ class MoEBlock(nn.Module):
                 stats.z_sum = (logits_TE.logsumexp(-1).square() * keep_T).sum()
             if docs is not None:
                 add_doc_stats(stats, topk_idx_TK, probs_TE, keep_T, docs.doc_BS, docs.num_docs)
-        return y_TD.view_as(x_BSD), stats
+        y_BSD = y_TD.view_as(x_BSD)
+        if self.shared_expert is not None:
+            y_BSD = y_BSD + torch.sigmoid(self.shared_expert_gate(x_BSD)) * self.shared_expert(
+                x_BSD
+            )
+        return y_BSD, stats
 
     def stats(self, topk_idx_TK, probs_TE, token_mask_BS) -> RouterStats:
         """Counts by a fixed-size `scatter_add_` (no `bincount`: its output size is data dependent,

@@ -55,6 +55,9 @@ def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
         parts["router"] = m.num_experts * D
         # gate_up (E, D, 2F) + down (E, F, D)
         parts["experts"] = m.num_experts * 3 * D * m.moe_intermediate_size
+        # a shared expert is laid out as a dense MLP, its gate as the router (replicated)
+        parts["dense_mlp"] = 3 * D * m.shared_expert_intermediate_size
+        parts["router"] += D if m.shared_expert_intermediate_size else 0
     else:
         parts["dense_mlp"] = 3 * D * t.intermediate_size
     return parts

@@ -203,13 +203,16 @@ def _shard_layer(layer, p: str, tp_mesh, tp: int, col, row) -> list[str]:
     shard_param(a.o_proj, "weight", tp_mesh, row)
     if a.o_proj.bias is not None:
         partial.append(p + "self_attn.o_proj.bias")
+    dense = layer.mlp
     if layer.is_moe:
         partial.append(p + "mlp.router.weight")
-    else:
-        m = layer.mlp
-        shard_param(m.gate_proj, "weight", tp_mesh, col)
-        shard_param(m.up_proj, "weight", tp_mesh, col)
-        shard_param(m.down_proj, "weight", tp_mesh, row)
+        dense = layer.mlp.shared_expert  # sharded as a dense MLP; its gate replicated as the router
+        if dense is not None:
+            partial.append(p + "mlp.shared_expert_gate.weight")
+    if dense is not None:
+        shard_param(dense.gate_proj, "weight", tp_mesh, col)
+        shard_param(dense.up_proj, "weight", tp_mesh, col)
+        shard_param(dense.down_proj, "weight", tp_mesh, row)
     return partial
 
 

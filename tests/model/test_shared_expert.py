@@ -1,0 +1,137 @@
+"""The MoE block's gated shared expert (`MoEConfig.shared_expert_intermediate_size`, Qwen3.5-MoE's): equal to
+transformers' `Qwen3_5MoeSparseMoeBlock` (routed experts + a SwiGLU over every token scaled by a sigmoid gate)
+in output and every gradient (fp32, CPU, weights copied); its parameters and FLOPs counted in closed form; and
+on 2 gloo ranks, tp2 (sharded as a dense MLP, the gate replicated) and tp2 x ep2 (FSDP, all-to-all) give
+the one-process loss and gradients.  Off (0) the block is the Qwen3-VL-MoE one, which the other model tests hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gloo_ranks import run_ranks
+
+from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.model.config import MoEConfig
+from moevlm.model.moe import MoEBlock
+
+pytestmark = pytest.mark.usefixtures("_fp32_and_seed")
+D, E, K, F, FS = 32, 8, 2, 24, 40
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).norm() / b.norm())
+
+
+def test_equals_the_reference_block_with_gradients():
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    hf_cfg = Qwen3_5MoeTextConfig(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        shared_expert_intermediate_size=FS,
+        num_experts=E,
+        num_experts_per_tok=K,
+    )
+    ref = Qwen3_5MoeSparseMoeBlock(hf_cfg)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = MoEBlock(D, MoEConfig(E, K, F, grouped_gemm="loop", shared_expert_intermediate_size=FS))
+    with torch.no_grad():
+        ours.router.weight.copy_(ref.gate.weight)
+        ours.experts.gate_up_proj.copy_(ref.experts.gate_up_proj.transpose(1, 2))
+        ours.experts.down_proj.copy_(ref.experts.down_proj.transpose(1, 2))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ours.shared_expert, name).weight.copy_(getattr(ref.shared_expert, name).weight)
+        ours.shared_expert_gate.weight.copy_(ref.shared_expert_gate.weight)
+    x = torch.randn(2, 11, D)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, (got, _) = ref(xr), ours(xo)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    assert _rel(got, want) <= 1e-5
+    assert _rel(xo.grad, xr.grad) <= 1e-5
+    pairs = {
+        "router.weight": ref.gate.weight.grad,
+        "experts.gate_up_proj": ref.experts.gate_up_proj.grad.transpose(1, 2),
+        "experts.down_proj": ref.experts.down_proj.grad.transpose(1, 2),
+        "shared_expert_gate.weight": ref.shared_expert_gate.weight.grad,
+        **{
+            f"shared_expert.{n}.weight": getattr(ref.shared_expert, n).weight.grad
+            for n in ("gate_proj", "up_proj", "down_proj")
+        },
+    }
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert grads.keys() == pairs.keys()
+    for name, want_g in pairs.items():
+        assert _rel(grads[name], want_g) <= 1e-5, name
+
+
+def _tiny_with_shared() -> VLMConfig:
+    cfg = VLMConfig.preset("tiny")
+    cfg.moe.shared_expert_intermediate_size = FS
+    return cfg
+
+
+def test_parameters_and_flops_count_it():
+    from moevlm.model.flops import layer_forward_parts
+    from moevlm.model.params import parameter_counts
+
+    cfg = _tiny_with_shared()
+    with torch.device("meta"):
+        model = Qwen3VLMoe(cfg)
+    assert sum(parameter_counts(cfg).values()) == sum(p.numel() for p in model.parameters())
+    plain = layer_forward_parts(VLMConfig.preset("tiny"), 0, [100])["moe"]
+    hd = cfg.text.hidden_size
+    # SwiGLU: 3 matmuls of 2 T D Fs each; the gate: 2 T D
+    assert layer_forward_parts(cfg, 0, [100])["moe"] - plain == 6 * 100 * hd * FS + 2 * 100 * hd
+
+
+def _ranks(rank: int) -> None:
+    import os
+
+    from moevlm.dispatch import DispatcherSpec
+    from moevlm.parallel import (
+        ParallelDims,
+        build_model,
+        full_grads,
+        init_parameters_,
+        materialize_,
+    )
+    from moevlm.parallel.build import BuildOptions
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
+    cfg = _tiny_with_shared()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (1, 48), generator=g)
+    batch = dict(input_ids=ids, labels=ids.clone())
+    ref = Qwen3VLMoe(cfg)
+    init_parameters_(ref, 7)
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+    # text only: the vision tower has no gradient
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert sum("shared_expert" in n for n in ref_grads) == 4 * cfg.text.num_layers
+    for dims, spec in (
+        (ParallelDims(2, tp=2), DispatcherSpec("local")),
+        (ParallelDims(2, tp=2, ep=2), DispatcherSpec("alltoall")),
+    ):
+        model, ctx = build_model(cfg, dims, BuildOptions(dp_mode="fsdp", dispatcher=spec))
+        materialize_(model, "cpu", ctx)
+        init_parameters_(model, 7, ctx)
+        out = model(**batch)
+        out.loss.backward()
+        ctx.finish_gradients()
+        assert _rel(out.loss.detach(), ref_out.loss.detach()) <= 1e-6, dims
+        grads = full_grads(model)
+        assert ref_grads.keys() <= grads.keys()
+        for n, want in ref_grads.items():
+            assert _rel(grads[n], want) <= 1e-5, (dims, n, _rel(grads[n], want))
+
+
+@pytest.mark.slow
+def test_tp2_and_tp2_ep2_match_one_process(tmp_path):
+    run_ranks(_ranks, 2, tmp_path, timeout_s=300)
