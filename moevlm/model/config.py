@@ -73,6 +73,15 @@ class TextConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     initializer_range: float = 0.02
+    # Qwen3.5's attention: q_proj also emits a per-head output gate (the attention output times its
+    # sigmoid before o_proj), and rotary positions on the first partial_rotary_factor of each head
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary positions turn."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 @dataclass
@@ -174,9 +183,14 @@ class VLMConfig:
         )
         check(t.head_dim % 2 == 0, f"text.head_dim={t.head_dim} must be even")
         check(
-            len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2,
+            0 < t.partial_rotary_factor <= 1 and t.rotary_dim % 2 == 0,
+            f"text.partial_rotary_factor={t.partial_rotary_factor} must be in (0, 1] and turn an even "
+            f"number of each head's {t.head_dim} dims",
+        )
+        check(
+            len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2,
             f"text.mrope_section={tuple(t.mrope_section)} must have 3 entries summing to "
-            f"text.head_dim/2={t.head_dim // 2}",
+            f"the rotary dims/2={t.rotary_dim // 2} (text.head_dim x text.partial_rotary_factor / 2)",
         )
         check(m.num_experts >= 0, f"moe.num_experts={m.num_experts} must be >= 0")
         if m.num_experts:

@@ -90,7 +90,9 @@ class TextAttention(nn.Module):
         t = cfg.text
         self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
         self.seq, self.kv_rows = strategies.sequence, strategies.kv_rows(t.num_kv_heads, t.head_dim)
-        self.q_proj = Linear(t.hidden_size, t.num_heads * t.head_dim, bias=t.attention_bias)
+        self.gated = t.attn_output_gate  # q_proj's rows: each head's query, then its output gate
+        q_rows = t.num_heads * t.head_dim * (2 if self.gated else 1)
+        self.q_proj = Linear(t.hidden_size, q_rows, bias=t.attention_bias)
         self.k_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.v_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.o_proj = Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
@@ -101,12 +103,18 @@ class TextAttention(nn.Module):
     def forward(self, x_BsD, rope_cos_sin, mask: DocMask):
         x_BSD = self.seq.gather(x_BsD)
         B, S, _ = x_BSD.shape
-        q = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
+        q = self.q_proj(x_BSD).view(B, S, -1, self.head_dim * (2 if self.gated else 1))
+        gate_BSHd = None
+        if self.gated:
+            q, gate_BSHd = q.chunk(2, dim=-1)
+        q = self.q_norm(q)
         k = self.k_norm(self._kv(self.k_proj, x_BSD).view(B, S, -1, self.head_dim))
         v = self._kv(self.v_proj, x_BSD).view(B, S, -1, self.head_dim)
         cos, sin = (t[:, :, None, :] for t in rope_cos_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v, mask)
+        if gate_BSHd is not None:
+            out = out * torch.sigmoid(gate_BSHd)
         return self.seq.scatter_linear(self.o_proj, out.reshape(B, S, -1))
 
     def _kv(self, proj: Linear, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -207,7 +215,7 @@ class TextDecoder(nn.Module):
         _, B, S = position_ids_3BS.shape
         rope = mrope(
             self.seq.positions(position_ids_3BS),
-            t.head_dim,
+            t.rotary_dim,
             t.rope_theta,
             t.mrope_section,
             t.mrope_interleaved,

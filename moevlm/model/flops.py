@@ -51,7 +51,8 @@ def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int])
     D, hd = t.hidden_size, t.head_dim
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
     parts = {
-        "attn_proj": 2 * T * D * (q + 2 * kv) + 2 * T * q * D,
+        # q_proj emits each head's output gate too under attn_output_gate
+        "attn_proj": 2 * T * D * (q * (2 if t.attn_output_gate else 1) + 2 * kv) + 2 * T * q * D,
         "core_attn": sum(4 * L * L * q for L in doc_lens),
     }
     if m.is_moe_layer(layer_idx):

@@ -44,7 +44,7 @@ def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
         t.attention_bias,
     )
     parts = {
-        "q_o": linear(D, q, bias) + linear(q, D, bias),
+        "q_o": linear(D, q * (2 if t.attn_output_gate else 1), bias) + linear(q, D, bias),
         "k_v": 2 * linear(D, kv, bias),
         "norms": 2 * D + 2 * t.head_dim,
         "router": 0,

@@ -22,8 +22,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., hd); cos/sin broadcastable to x."""
-    return x * cos + rotate_half(x) * sin
+    """x (..., hd); cos/sin broadcastable to x's leading dims, (..., r): the first r <= hd dims turn
+    (partial rotary), the rest pass."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turn, rest = x[..., :r], x[..., r:]
+    return torch.cat((turn * cos + rotate_half(turn) * sin, rest), dim=-1)
 
 
 def _inv_freq(dim: int, theta: float, device) -> torch.Tensor:

@@ -1,8 +1,14 @@
-"""The MoE block's gated shared expert (`MoEConfig.shared_expert_intermediate_size`, Qwen3.5-MoE's): equal to
-transformers' `Qwen3_5MoeSparseMoeBlock` (routed experts + a SwiGLU over every token scaled by a sigmoid gate)
-in output and every gradient (fp32, CPU, weights copied); its parameters and FLOPs counted in closed form; and
-on 2 gloo ranks, tp2 (sharded as a dense MLP, the gate replicated) and tp2 x ep2 (FSDP, all-to-all) give
-the one-process loss and gradients.  Off (0) the block is the Qwen3-VL-MoE one, which the other model tests hold."""
+"""Qwen3.5-MoE's blocks in the Qwen3-VL-MoE model, each equal to its transformers reference in output and
+every gradient (fp32, CPU, weights copied):
+- the MoE block's gated shared expert (`MoEConfig.shared_expert_intermediate_size`) against
+  `Qwen3_5MoeSparseMoeBlock` (routed experts + a SwiGLU over every token scaled by a sigmoid gate);
+- gated attention with partial rotary (`TextConfig.attn_output_gate`, `partial_rotary_factor`) against
+  `Qwen3_5MoeAttention`, its rotary cos/sin against `Qwen3_5MoeTextRotaryEmbedding` (interleaved M-RoPE on
+  the first dims of each head);
+their parameters and FLOPs counted in closed form; on 2 gloo ranks the tiny model with both, tp2 and
+tp2 x ep2 (FSDP, all-to-all; the shared expert sharded as a dense MLP, its gate replicated; q_proj's
+query and gate rows sharded by head), gives the one-process loss and gradients.  Off, the blocks are the
+Qwen3-VL-MoE ones, which the other model tests hold."""
 
 from __future__ import annotations
 
@@ -71,12 +77,76 @@ def test_equals_the_reference_block_with_gradients():
 
 
 def _tiny_with_shared() -> VLMConfig:
+    """The tiny preset with the shared expert, gated attention and rotary on half of each head."""
     cfg = VLMConfig.preset("tiny")
     cfg.moe.shared_expert_intermediate_size = FS
-    return cfg
+    cfg.text.attn_output_gate, cfg.text.partial_rotary_factor = True, 0.5
+    cfg.text.mrope_section = (2, 1, 1)  # half of the rotary dims (16 x 0.5)
+    return cfg.validate()
 
 
-def test_parameters_and_flops_count_it():
+def _hf_text_config(**kw):
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    rope.update(mrope_section=[4, 2, 2], mrope_interleaved=True)
+    return Qwen3_5MoeTextConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_parameters=rope,
+        **kw,
+    )
+
+
+def test_gated_attention_with_partial_rotary_equals_the_reference():
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeAttention,
+        Qwen3_5MoeTextRotaryEmbedding,
+    )
+
+    from moevlm.model.attention import doc_mask
+    from moevlm.model.decoder import TextAttention
+    from moevlm.model.rope import mrope
+
+    hf_cfg = _hf_text_config()
+    hf_cfg._attn_implementation = "sdpa"
+    ref = Qwen3_5MoeAttention(hf_cfg, 0)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    cfg = VLMConfig.preset("tiny")
+    t = cfg.text
+    t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim = 64, 4, 2, 32
+    t.attn_output_gate, t.partial_rotary_factor, t.mrope_section = True, 0.5, (4, 2, 2)
+    t.rope_theta = 10000.0
+    cfg.validate()
+    ours = TextAttention(cfg)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(ours, name).weight.copy_(getattr(ref, name).weight)
+        for name in ("q_norm", "k_norm"):  # the reference's norms are zero-centred: 1 + w
+            getattr(ours, name).weight.copy_(1 + getattr(ref, name).weight)
+    B, S = 2, 13
+    pos = torch.randint(0, 40, (3, B, S))
+    x = torch.randn(B, S, 64)
+    cos, sin = Qwen3_5MoeTextRotaryEmbedding(hf_cfg)(x, pos)
+    ours_cos, ours_sin = mrope(pos, t.rotary_dim, t.rope_theta, t.mrope_section, True)
+    assert ours_cos.shape == (B, S, 16)
+    assert _rel(ours_cos, cos) <= 1e-6 and _rel(ours_sin, sin) <= 1e-6
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = ref(xr, (cos, sin), None)[0]
+    got = ours(xo, (ours_cos, ours_sin), doc_mask(B, S, None, causal=True, backend="sdpa"))
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    assert _rel(got, want) <= 1e-5 and _rel(xo.grad, xr.grad) <= 1e-5
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        assert _rel(getattr(ours, name).weight.grad, getattr(ref, name).weight.grad) <= 1e-5, name
+
+
+def test_parameters_and_flops_count_them():
     from moevlm.model.flops import layer_forward_parts
     from moevlm.model.params import parameter_counts
 
@@ -84,10 +154,12 @@ def test_parameters_and_flops_count_it():
     with torch.device("meta"):
         model = Qwen3VLMoe(cfg)
     assert sum(parameter_counts(cfg).values()) == sum(p.numel() for p in model.parameters())
-    plain = layer_forward_parts(VLMConfig.preset("tiny"), 0, [100])["moe"]
-    hd = cfg.text.hidden_size
+    plain = layer_forward_parts(VLMConfig.preset("tiny"), 0, [100])
+    ours = layer_forward_parts(cfg, 0, [100])
+    hd, q = cfg.text.hidden_size, cfg.text.num_heads * cfg.text.head_dim
     # SwiGLU: 3 matmuls of 2 T D Fs each; the gate: 2 T D
-    assert layer_forward_parts(cfg, 0, [100])["moe"] - plain == 6 * 100 * hd * FS + 2 * 100 * hd
+    assert ours["moe"] - plain["moe"] == 6 * 100 * hd * FS + 2 * 100 * hd
+    assert ours["attn_proj"] - plain["attn_proj"] == 2 * 100 * hd * q  # q_proj's gate rows
 
 
 def _ranks(rank: int) -> None:
