@@ -5,6 +5,9 @@ every gradient (fp32, CPU, weights copied):
 - gated attention with partial rotary (`TextConfig.attn_output_gate`, `partial_rotary_factor`) against
   `Qwen3_5MoeAttention`, its rotary cos/sin against `Qwen3_5MoeTextRotaryEmbedding` (interleaved M-RoPE on
   the first dims of each head);
+- the vision tower without deepstack (`VisionConfig.deepstack_visual_indexes=()`) against
+  `Qwen3_5MoeVisionModel` (learned position grid interpolated to each image, 2-D rotary, the merger), on
+  two images of different grids;
 their parameters and FLOPs counted in closed form; on 2 gloo ranks the tiny model with both, tp2 and
 tp2 x ep2 (FSDP, all-to-all; the shared expert sharded as a dense MLP, its gate replicated; q_proj's
 query and gate rows sharded by head), gives the one-process loss and gradients.  Off, the blocks are the
@@ -207,3 +210,42 @@ def _ranks(rank: int) -> None:
 @pytest.mark.slow
 def test_tp2_and_tp2_ep2_match_one_process(tmp_path):
     run_ranks(_ranks, 2, tmp_path, timeout_s=300)
+
+
+def test_vision_tower_without_deepstack_equals_the_reference():
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    from moevlm.model.config import VisionConfig
+    from moevlm.model.hf import hf_to_ours
+    from moevlm.model.vision import VisionEncoder
+
+    dims = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4)
+    dims.update(out_hidden_size=24, num_position_embeddings=16)
+    hf_cfg = Qwen3_5MoeVisionConfig(**dims)
+    hf_cfg._attn_implementation = "sdpa"
+    ref = Qwen3_5MoeVisionModel(hf_cfg)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = VisionEncoder(VisionConfig(**dims, deepstack_visual_indexes=()), attn_backend="sdpa")
+    state = {}
+    for name, t in ref.state_dict().items():
+        mine = hf_to_ours("model.visual." + name).removeprefix("vision.")
+        state[mine] = t.reshape(t.shape[0], -1) if mine == "patch_embed.weight" else t
+    ours.load_state_dict(state, strict=True)
+    grid = torch.tensor([[1, 4, 6], [2, 2, 4]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), ours.cfg.patch_dim)
+    pr, po = pixels.clone().requires_grad_(), pixels.clone().requires_grad_()
+    want = ref(pr, grid_thw=grid).pooler_output
+    got, deepstack = ours(po, grid)
+    assert deepstack == [] and got.shape == want.shape == (int(grid.prod(-1).sum()) // 4, 24)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    assert _rel(got, want) <= 1e-5 and _rel(po.grad, pr.grad) <= 1e-5
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    for name, p in ref.named_parameters():
+        mine = hf_to_ours("model.visual." + name).removeprefix("vision.")
+        want_g = p.grad.reshape(p.shape[0], -1) if mine == "patch_embed.weight" else p.grad
+        assert _rel(grads[mine], want_g) <= 1e-5, name
