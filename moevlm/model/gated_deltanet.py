@@ -8,8 +8,8 @@ Hk key heads, Kd key head dim, Vd value head dim, N chunks, L chunk length.
     o_THV = chunk_gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, bounds)  # fp32 inside
 
 Backends (`backend`): `torch` (the chunked delta rule here; CPU, tests), `fla` (the optional package
-flash-linear-attention's chunked kernel, imported lazily, CUDA only) and `auto` (`fla` on CUDA
-where it imports, else `torch`).  The causal conv is ours on both.
+flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16) and `auto` (`fla`
+where it imports and fits, else `torch`).  The causal conv is ours on both.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from moevlm.model.attention import static_bounds
 from moevlm.model.region import run_region
 
 GDN_BACKENDS = ("auto", "torch", "fla")
+FLA_DTYPES = (torch.bfloat16, torch.float16)  # its kernel refuses fp32
 
 
 class GatedDeltaNet(nn.Module):
@@ -91,6 +92,8 @@ class GatedDeltaNet(nn.Module):
             bounds,
             self.chunk_size,
             self.backend,
+            # rows alone: exactly ceil(S/L) chunks each, no spare chunk per document
+            B * -(-S // self.chunk_size) if cu_seqlens is None else None,
         )
         z_THV = self.in_proj_z(x_BSD).reshape(B * S, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o_THV, z_THV).reshape(B, S, -1))
@@ -121,26 +124,31 @@ def position_in_document(bounds: torch.Tensor, B: int, S: int) -> torch.Tensor:
 
 def conv_by_doc(x_BSC: torch.Tensor, w_CK: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv whose window never reaches before its token's document start: tap i
-    reads the token K-1-i back, kept only where that token is in the same document."""
+    reads the token K-1-i back, kept only where that token is in the same document.  Summed in fp32
+    (as a conv kernel accumulates), returned in x's dtype."""
     K, S = w_CK.shape[1], x_BSC.shape[1]
-    xpad = F.pad(x_BSC, (0, 0, K - 1, 0))
+    xpad, w_CK = F.pad(x_BSC, (0, 0, K - 1, 0)).float(), w_CK.float()
     out = xpad[:, K - 1 :] * w_CK[:, K - 1]
     for i in range(K - 1):
-        back = K - 1 - i
-        tap = xpad[:, i : i + S] * w_CK[:, i]
-        out = out + tap * (pos_BS >= back).unsqueeze(-1).to(tap.dtype)
-    return out
+        keep_BS1 = (pos_BS >= K - 1 - i).unsqueeze(-1)
+        out = out + xpad[:, i : i + S] * w_CK[:, i] * keep_BS1
+    return out.to(x_BSC.dtype)
 
 
 # ------------------------------------------------------------------ delta rule
-def gated_delta_rule(q, k, v, g, beta, bounds, chunk_size: int = 64, backend: str = "auto"):
+def gated_delta_rule(
+    q, k, v, g, beta, bounds, chunk_size: int = 64, backend: str = "auto", num_chunks=None
+):
     """The delta rule with query/key L2-normalized and queries scaled by Kd^-0.5 (Qwen3.5's use)
     through the chosen backend; flattened tokens, documents between `bounds`."""
     if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_missing() is None else "torch"
+        fla_fits = q.is_cuda and q.dtype in FLA_DTYPES and fla_missing() is None
+        backend = "fla" if fla_fits else "torch"
     if backend == "fla":
         return _fla_chunk(q, k, v, g, beta, bounds)
-    return chunk_gated_delta_rule(q, k, v, g, beta, bounds, chunk_size, qk_l2norm=True)
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, bounds, chunk_size, qk_l2norm=True, num_chunks=num_chunks
+    )
 
 
 def chunk_gated_delta_rule(
@@ -153,13 +161,15 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     scale: float | None = None,
     qk_l2norm: bool = False,
+    num_chunks: int | None = None,
 ) -> torch.Tensor:
     """Per token t of a document: S = exp(g_t) S + k_t beta_t (v_t - S^T k_t)^T, o_t = S^T (scale q_t),
     S (Kd, Vd) per value head starting at zero in every document; computed in chunks of L tokens in
     fp32, the result in v's dtype.  Each document is laid out from a chunk start (zero-padded), so a
     chunk holds one document's tokens and the state is zeroed at a document's first chunk.
     `bounds`: sorted boundaries over T including 0 and T (None: one document); key heads repeat
-    over value heads (head h serves value heads h*H/Hk ...)."""
+    over value heads (head h serves value heads h*H/Hk ...).  `num_chunks`: the grid's N where the
+    caller knows it (at least the documents' chunks), else the bound T // L + documents."""
     T, H = g_TH.shape
     if bounds is None:
         bounds = torch.tensor([0, T], device=g_TH.device)
@@ -167,7 +177,7 @@ def chunk_gated_delta_rule(
     if qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
-    layout = ChunkLayout(bounds.long(), T, chunk_size)
+    layout = ChunkLayout(bounds.long(), T, chunk_size, num_chunks)
     grids = [layout.to_grid(x.float()) for x in (q, k, v_THV, g_TH, beta_TH)]
     o = delta_rule_over_chunks(*grids, layout.first_chunk_N)
     return layout.from_grid(o).to(v_THV.dtype)
@@ -181,7 +191,7 @@ class ChunkLayout:
     """Where each token goes in a grid of N chunks of L slots, each document from a chunk start;
     N = T // L + documents bounds every layout, so nothing waits on the host."""
 
-    def __init__(self, bounds: torch.Tensor, T: int, L: int):
+    def __init__(self, bounds: torch.Tensor, T: int, L: int, num_chunks: int | None = None):
         num_docs = bounds.numel() - 1
         lengths = bounds[1:] - bounds[:-1]
         chunks_D = (lengths + L - 1) // L
@@ -189,7 +199,7 @@ class ChunkLayout:
         t = torch.arange(T, device=bounds.device)
         doc_T = torch.searchsorted(bounds, t, right=True) - 1
         self.slot_T = first_D[doc_T] * L + t - bounds[doc_T]
-        self.N, self.L = T // L + num_docs, L
+        self.N, self.L = num_chunks or T // L + num_docs, L
         first = torch.zeros(self.N + 1, dtype=torch.bool, device=bounds.device)
         self.first_chunk_N = first.index_fill(0, first_D, True)[: self.N]
 
@@ -245,10 +255,10 @@ def fla_missing() -> str | None:
 
 def _fla_chunk(q, k, v, g, beta, bounds):
     """flash-linear-attention's kernel on the flattened tokens as one batch row of documents."""
-    if (why := fla_missing()) is not None or not q.is_cuda:
-        raise RuntimeError(
-            f"gdn backend='fla' needs {why or 'CUDA tensors'}; use backend='torch' or 'auto'"
-        )
+    why = fla_missing() or (not q.is_cuda and "CUDA tensors")
+    why = why or (q.dtype not in FLA_DTYPES and f"bf16 or fp16 inputs (not {q.dtype})")
+    if why:
+        raise RuntimeError(f"gdn backend='fla' needs {why}; use backend='torch' or 'auto'")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
     H = v.shape[1]
