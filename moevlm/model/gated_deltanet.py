@@ -165,7 +165,7 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     """Per token t of a document: S = exp(g_t) S + k_t beta_t (v_t - S^T k_t)^T, o_t = S^T (scale q_t),
     S (Kd, Vd) per value head starting at zero in every document; computed in chunks of L tokens in
-    fp32, the result in v's dtype.  Each document is laid out from a chunk start (zero-padded), so a
+    fp32 (autocast off), the result in v's dtype.  Each document is laid out from a chunk start (zero-padded), so a
     chunk holds one document's tokens and the state is zeroed at a document's first chunk.
     `bounds`: sorted boundaries over T including 0 and T (None: one document); key heads repeat
     over value heads (head h serves value heads h*H/Hk ...).  `num_chunks`: the grid's N where the
@@ -179,7 +179,8 @@ def chunk_gated_delta_rule(
     q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
     layout = ChunkLayout(bounds.long(), T, chunk_size, num_chunks)
     grids = [layout.to_grid(x.float()) for x in (q, k, v_THV, g_TH, beta_TH)]
-    o = delta_rule_over_chunks(*grids, layout.first_chunk_N)
+    with torch.autocast(v_THV.device.type, enabled=False):  # its matmuls stay fp32
+        o = delta_rule_over_chunks(*grids, layout.first_chunk_N)
     return layout.from_grid(o).to(v_THV.dtype)
 
 

@@ -167,6 +167,16 @@ def test_bf16_inputs_accumulate_in_fp32():
     assert torch.equal(got, want.bfloat16())
 
 
+def test_autocast_leaves_the_delta_rule_in_fp32():
+    torch.manual_seed(5)
+    q, k, v = torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    g, beta = -torch.rand(40, 2), torch.rand(40, 2)
+    want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, qk_l2norm=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, qk_l2norm=True)
+    assert torch.equal(got, want)
+
+
 def test_backend_errors_say_what_to_change():
     with pytest.raises(ValueError, match="choose one of"):
         GatedDeltaNet(16, 1, 2, 4, 4, backend="triton")
