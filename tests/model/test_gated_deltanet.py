@@ -10,9 +10,6 @@ import torch
 import moevlm.model.gated_deltanet as gdn
 from moevlm.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule
 
-transformers = pytest.importorskip("transformers")
-hf_gdn = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
-
 # hidden, key heads, value heads, key head dim, value head dim, conv kernel, our chunk
 CONFIGS = [(32, 2, 4, 8, 12, 4, 16), (24, 3, 3, 16, 8, 3, 64), (16, 1, 2, 4, 4, 2, 8)]
 
@@ -23,6 +20,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def pair(hidden, hk, hv, kd, vd, kernel, chunk, seed=0):
     """(transformers' module with every parameter random, ours loaded from its state dict)."""
+    transformers = pytest.importorskip("transformers")
+    hf_gdn = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     cfg = transformers.Qwen3_5MoeTextConfig(
         hidden_size=hidden,
         linear_num_key_heads=hk,
