@@ -1,0 +1,187 @@
+"""Gated DeltaNet: equal to transformers' Qwen3.5-MoE module (forward and every gradient), packed
+documents equal to each document alone (and not without either reset), the chunked delta rule equal
+to a per-token recurrence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moevlm.model.gated_deltanet as gdn
+from moevlm.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule
+
+# hidden, key heads, value heads, key head dim, value head dim, conv kernel, our chunk
+CONFIGS = [(32, 2, 4, 8, 12, 4, 16), (24, 3, 3, 16, 8, 3, 64), (16, 1, 2, 4, 4, 2, 8)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def pair(hidden, hk, hv, kd, vd, kernel, chunk, seed=0):
+    """(transformers' module with every parameter random, ours loaded from its state dict)."""
+    transformers = pytest.importorskip("transformers")
+    hf_gdn = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    cfg = transformers.Qwen3_5MoeTextConfig(
+        hidden_size=hidden,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=kd,
+        linear_value_head_dim=vd,
+        linear_conv_kernel_dim=kernel,
+    )
+    torch.manual_seed(seed)
+    ref = hf_gdn.Qwen3_5MoeGatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(
+                1 + 0.1 * torch.randn_like(p)
+                if name == "norm.weight"
+                else 0.3 * torch.randn_like(p)
+            )
+    ours = GatedDeltaNet(hidden, hk, hv, kd, vd, kernel, cfg.rms_norm_eps, chunk, backend="torch")
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def forward_backward(module, x, dy, **kw):
+    x = x.clone().requires_grad_()
+    y = module(x, **kw)
+    y.backward(dy)
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_equals_transformers_forward_and_gradients(config):
+    ref, ours = pair(*config)
+    assert {n: p.shape for n, p in ours.state_dict().items()} == {
+        n: p.shape for n, p in ref.state_dict().items()
+    }
+    x, dy = torch.randn(2, 45, config[0]), torch.randn(2, 45, config[0])
+    y_ref, dx_ref, g_ref = forward_backward(ref, x, dy)
+    y, dx, g = forward_backward(ours, x, dy)
+    assert rel(y, y_ref) <= 1e-5
+    assert rel(dx, dx_ref) <= 1e-5
+    assert g.keys() == g_ref.keys()
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-5, name
+
+
+def packed_row(lengths, hidden, seed=1):
+    torch.manual_seed(seed)
+    x = torch.randn(1, sum(lengths), hidden)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return x, cu
+
+
+def test_packed_documents_equal_each_document_alone():
+    """Three documents in one row (one shorter than the conv window, one spanning chunks): output
+    and input gradient equal the reference module run on each document alone."""
+    ref, ours = pair(*CONFIGS[0])
+    x, cu = packed_row([19, 2, 30], CONFIGS[0][0])
+    dy = torch.randn_like(x)
+    y, dx, _ = forward_backward(ours, x, dy, cu_seqlens=cu)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        y_doc, dx_doc, _ = forward_backward(ref, x[:, a:b], dy[:, a:b])
+        assert rel(y[:, a:b], y_doc) <= 1e-5
+        assert rel(dx[:, a:b], dx_doc) <= 1e-5
+
+
+def test_documents_over_rows_and_empty_documents():
+    """`cu_seqlens` over the flattened B*S tokens, row ends not listed, one document empty."""
+    _, ours = pair(*CONFIGS[2])
+    torch.manual_seed(2)
+    x = torch.randn(2, 24, CONFIGS[2][0])
+    cu = torch.tensor([0, 5, 5, 30, 48], dtype=torch.int32)  # row 1 starts at 24
+    y = ours(x, cu_seqlens=cu).detach().reshape(48, -1)
+    flat = x.reshape(48, -1)
+    for a, b in [(0, 5), (5, 24), (24, 30), (30, 48)]:
+        assert rel(y[a:b], ours(flat[None, a:b])[0].detach()) <= 1e-5
+
+
+@pytest.mark.parametrize("without", ["conv window", "recurrent state"])
+def test_packed_differs_without_either_reset(monkeypatch, without):
+    """Each reset matters: with one of them taken out, the packed row reads the previous document."""
+    _, ours = pair(*CONFIGS[0])
+    x, cu = packed_row([19, 2, 30], CONFIGS[0][0])
+    alone = torch.cat([ours(x[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
+    assert rel(ours(x, cu_seqlens=cu), alone) <= 1e-5
+    if without == "conv window":
+        monkeypatch.setattr(
+            gdn, "position_in_document", lambda bounds, B, S: torch.arange(S).expand(B, S)
+        )
+    else:
+        run = gdn.delta_rule_over_chunks
+        monkeypatch.setattr(
+            gdn, "delta_rule_over_chunks", lambda *a: run(*a[:-1], torch.arange(a[-1].numel()) == 0)
+        )
+    y = ours(x, cu_seqlens=cu)
+    assert rel(y[:, :19], alone[:, :19]) <= 1e-5  # the first document has nothing before it
+    assert rel(y[:, 19:], alone[:, 19:]) > 1e-3
+
+
+def per_token_recurrence(q, k, v, g, beta, bounds, scale):
+    """The delta rule token by token in fp64, the state zeroed at every document start."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    H = v.shape[1]
+    q, k = q.repeat_interleave(H // q.shape[1], 1), k.repeat_interleave(H // k.shape[1], 1)
+    state = torch.zeros(H, k.shape[-1], v.shape[-1], dtype=torch.float64)
+    out = torch.empty_like(v)
+    for t in range(v.shape[0]):
+        if t in bounds:
+            state.zero_()
+        state = state * g[t].exp()[:, None, None]
+        delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, scale * q[t])
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+@pytest.mark.parametrize("bounds", [[0, 37], [0, 9, 9, 26, 37]], ids=["one doc", "docs"])
+def test_chunked_equals_per_token_recurrence(chunk, bounds):
+    torch.manual_seed(3)
+    T, Hk, H, Kd, Vd = 37, 2, 4, 8, 6
+    q, k = torch.randn(T, Hk, Kd), torch.nn.functional.normalize(torch.randn(T, Hk, Kd), dim=-1)
+    v, beta = torch.randn(T, H, Vd), torch.rand(T, H)
+    g = -torch.rand(T, H)
+    expected = per_token_recurrence(q, k, v, g, beta, bounds, 0.5)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, torch.tensor(bounds), chunk, scale=0.5)
+    assert got.dtype == torch.float32
+    assert rel(got.double(), expected) <= 1e-5
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    """bf16 in, bf16 out, computed in fp32: equal to the fp32 run on the same bf16 values, rounded."""
+    torch.manual_seed(4)
+    q, k = torch.randn(40, 2, 8).bfloat16(), torch.randn(40, 2, 8).bfloat16()
+    v, g, beta = torch.randn(40, 2, 8).bfloat16(), -torch.rand(40, 2), torch.rand(40, 2).bfloat16()
+    got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, qk_l2norm=True)
+    want = chunk_gated_delta_rule(
+        q.float(), k.float(), v.float(), g, beta.float(), chunk_size=16, qk_l2norm=True
+    )
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16())
+
+
+def test_autocast_leaves_the_delta_rule_in_fp32():
+    torch.manual_seed(5)
+    q, k, v = torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    g, beta = -torch.rand(40, 2), torch.rand(40, 2)
+    want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, qk_l2norm=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, qk_l2norm=True)
+    assert torch.equal(got, want)
+
+
+def test_backend_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="choose one of"):
+        GatedDeltaNet(16, 1, 2, 4, 4, backend="triton")
+    with pytest.raises(ValueError, match="multiple of"):
+        GatedDeltaNet(16, 2, 3, 4, 4)
+    x = torch.randn(1, 5, 16)
+    with pytest.raises(RuntimeError, match="backend='torch'"):
+        GatedDeltaNet(16, 1, 2, 4, 4, backend="fla")(x)
+    assert GatedDeltaNet(16, 1, 2, 4, 4, backend="auto")(x).shape == x.shape  # CPU: the torch path
