@@ -65,8 +65,11 @@ def test_equals_transformers_forward_and_gradients(config):
     assert rel(y, y_ref) <= 1e-5
     assert rel(dx, dx_ref) <= 1e-5
     assert g.keys() == g_ref.keys()
+    # A_log's and dt_bias's gradients are sums with heavy cancellation: transformers' own fp32 error
+    # against fp64 on them is ~7e-6 (measured), so 1e-5 between two fp32 paths would fail by rounding
+    # order on another CPU; 5e-5 still catches a wrong term (O(1) errors)
     for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 1e-5, name
+        assert rel(g[name], g_ref[name]) <= 5e-5, name
 
 
 def packed_row(lengths, hidden, seed=1):
