@@ -77,6 +77,8 @@ class TextConfig:
     # sigmoid before o_proj), and rotary positions on the first partial_rotary_factor of each head
     attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0
+    # Qwen3.5's RMSNorms scale by 1 + weight, the weight stored around 0 (moevlm.model.decoder.RMSNorm)
+    norm_zero_centered: bool = False
 
     @property
     def rotary_dim(self) -> int:

@@ -36,15 +36,22 @@ class LayerInputs(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """RMSNorm scaled by `weight`; `zero_centered` (Qwen3.5's): scaled by 1 + weight, the weight
+    stored (and initialised, and decayed) around 0, the product taken in fp32 and cast after."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.zero_centered = eps, zero_centered
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_region(self, "region", self._forward, x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            x32 = x.float()
+            n32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (n32 * (1.0 + self.weight.float())).to(x.dtype)
         return RMSNormFn.apply(x, self.weight, self.eps)
 
 
@@ -96,8 +103,8 @@ class TextAttention(nn.Module):
         self.k_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.v_proj = Linear(t.hidden_size, t.num_kv_heads * t.head_dim, bias=t.attention_bias)
         self.o_proj = Linear(t.num_heads * t.head_dim, t.hidden_size, bias=t.attention_bias)
-        self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
-        self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps)
+        self.q_norm = RMSNorm(t.head_dim, t.rms_norm_eps, t.norm_zero_centered)
+        self.k_norm = RMSNorm(t.head_dim, t.rms_norm_eps, t.norm_zero_centered)
         self.core = strategies.attention()
 
     def forward(self, x_BsD, rope_cos_sin, mask: DocMask):
@@ -129,9 +136,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: VLMConfig, layer_idx: int, strategies: Strategies | None = None):
         super().__init__()
         t = cfg.text
-        self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, t.norm_zero_centered)
         self.self_attn = TextAttention(cfg, strategies)
-        self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, t.norm_zero_centered)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
         self.mlp = (
             MoEBlock(t.hidden_size, cfg.moe, layer_idx, strategies)
@@ -186,7 +193,7 @@ class TextDecoder(nn.Module):
         self.seq, self.router_stats = strategies.sequence, strategies.router_stats
         self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, strategies.vocab)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, strategies) for i in range(t.num_layers))
-        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, t.norm_zero_centered)
 
     def forward(
         self,

@@ -358,8 +358,8 @@ def _init_rules(module: nn.Module, prefix: str, std: float, rules: dict) -> None
                 rules[p + "bias"] = ("zeros", 0.0)
         elif isinstance(m, nn.LayerNorm):
             rules[p + "weight"], rules[p + "bias"] = ("ones", 0.0), ("zeros", 0.0)
-        elif isinstance(m, RMSNorm):
-            rules[p + "weight"] = ("ones", 0.0)
+        elif isinstance(m, RMSNorm):  # a zero-centred norm's scale is 1 + weight
+            rules[p + "weight"] = ("zeros", 0.0) if m.zero_centered else ("ones", 0.0)
         elif isinstance(m, MoEBlock):
             for name in ("router.weight", "experts.gate_up_proj", "experts.down_proj"):
                 rules[p + name] = ("normal", std)

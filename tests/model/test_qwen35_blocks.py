@@ -2,6 +2,8 @@
 every gradient (fp32, CPU, weights copied):
 - the MoE block's gated shared expert (`MoEConfig.shared_expert_intermediate_size`) against
   `Qwen3_5MoeSparseMoeBlock` (routed experts + a SwiGLU over every token scaled by a sigmoid gate);
+- the zero-centred RMSNorm (`TextConfig.norm_zero_centered`: scale 1 + w, w initialised 0) against
+  `Qwen3_5MoeRMSNorm` (fp32 to 1e-6, bf16 bit-equal);
 - gated attention with partial rotary (`TextConfig.attn_output_gate`, `partial_rotary_factor`) against
   `Qwen3_5MoeAttention`, its rotary cos/sin against `Qwen3_5MoeTextRotaryEmbedding` (interleaved M-RoPE on
   the first dims of each head);
@@ -80,10 +82,12 @@ def test_equals_the_reference_block_with_gradients():
 
 
 def _tiny_with_shared() -> VLMConfig:
-    """The tiny preset with the shared expert, gated attention and rotary on half of each head."""
+    """The tiny preset with the shared expert, gated attention, rotary on half of each head and
+    zero-centred norms."""
     cfg = VLMConfig.preset("tiny")
     cfg.moe.shared_expert_intermediate_size = FS
     cfg.text.attn_output_gate, cfg.text.partial_rotary_factor = True, 0.5
+    cfg.text.norm_zero_centered = True
     cfg.text.mrope_section = (2, 1, 1)  # half of the rotary dims (16 x 0.5)
     return cfg.validate()
 
@@ -123,14 +127,15 @@ def test_gated_attention_with_partial_rotary_equals_the_reference():
     t = cfg.text
     t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim = 64, 4, 2, 32
     t.attn_output_gate, t.partial_rotary_factor, t.mrope_section = True, 0.5, (4, 2, 2)
+    t.norm_zero_centered = True
     t.rope_theta = 10000.0
     cfg.validate()
     ours = TextAttention(cfg)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(ours, name).weight.copy_(getattr(ref, name).weight)
-        for name in ("q_norm", "k_norm"):  # the reference's norms are zero-centred: 1 + w
-            getattr(ours, name).weight.copy_(1 + getattr(ref, name).weight)
+        for name in ("q_norm", "k_norm"):  # zero-centred as the reference's: scale 1 + w
+            getattr(ours, name).weight.copy_(getattr(ref, name).weight)
     B, S = 2, 13
     pos = torch.randint(0, 40, (3, B, S))
     x = torch.randn(B, S, 64)
@@ -249,3 +254,31 @@ def test_vision_tower_without_deepstack_equals_the_reference():
         mine = hf_to_ours("model.visual." + name).removeprefix("vision.")
         want_g = p.grad.reshape(p.shape[0], -1) if mine == "patch_embed.weight" else p.grad
         assert _rel(grads[mine], want_g) <= 1e-5, name
+
+
+def test_zero_centred_rmsnorm_equals_the_reference_and_starts_at_zero():
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    from moevlm.model.decoder import RMSNorm
+
+    ref, ours = Qwen3_5MoeRMSNorm(24, eps=1e-6), RMSNorm(24, 1e-6, zero_centered=True)
+    with torch.no_grad():
+        ref.weight.normal_(std=0.3)
+        ours.weight.copy_(ref.weight)
+    x = torch.randn(3, 5, 24) * 4
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = ref(xr), ours(xo)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    assert _rel(got, want) <= 1e-6 and _rel(xo.grad, xr.grad) <= 1e-6
+    assert _rel(ours.weight.grad, ref.weight.grad) <= 1e-6
+    xb = x.bfloat16()
+    assert torch.equal(ours.bfloat16()(xb), ref.bfloat16()(xb))  # the same ops: fp32, then the cast
+    cfg = VLMConfig.preset("tiny")
+    cfg.text.norm_zero_centered = True
+    model = Qwen3VLMoe(cfg)
+    model.init_weights()
+    norms = [m for m in model.text.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.zero_centered and not m.weight.any() for m in norms)
