@@ -36,10 +36,8 @@ from moevlm.model.vision import VisionBlock, VisionMLP
 
 MODES = ("none", "selective", "full")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "vision")
-COLLECTIVES = (
-    "save",
-    "reissue",
-)  # a region's collective outputs: kept, or issued again in backward
+# a region's collective outputs: kept, or issued again in backward
+COLLECTIVES = ("save", "reissue")
 COMM_NAMESPACES = (
     "_c10d_functional",
     "_c10d_functional_autograd",
