@@ -30,6 +30,7 @@ _LAYER_SHARDING = {
     "q_o": "tp",
     "k_v": "kv",
     "norms": "whole",
+    "linear_attn": "whole",  # Gated DeltaNet layers run without tensor parallelism
     "router": "whole",
     "experts": "experts",
     "dense_mlp": "tp",

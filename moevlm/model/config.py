@@ -79,6 +79,18 @@ class TextConfig:
     partial_rotary_factor: float = 1.0
     # Qwen3.5's RMSNorms scale by 1 + weight, the weight stored around 0 (moevlm.model.decoder.RMSNorm)
     norm_zero_centered: bool = False
+    # Qwen3.5's hybrid decoder: per layer "full_attention" or "linear_attention" (Gated DeltaNet,
+    # moevlm.model.gated_deltanet); empty: every layer full attention
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` is a Gated DeltaNet (linear attention) layer."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
 
     @property
     def rotary_dim(self) -> int:
@@ -184,6 +196,15 @@ class VLMConfig:
             f"text.num_heads={t.num_heads} is not divisible by text.num_kv_heads={t.num_kv_heads}",
         )
         check(t.head_dim % 2 == 0, f"text.head_dim={t.head_dim} must be even")
+        check(
+            not t.layer_types
+            or (
+                len(t.layer_types) == t.num_layers
+                and set(t.layer_types) <= {"full_attention", "linear_attention"}
+            ),
+            f"text.layer_types={tuple(t.layer_types)} must name each of the text.num_layers="
+            f"{t.num_layers} layers full_attention or linear_attention (or be empty: all full)",
+        )
         check(
             0 < t.partial_rotary_factor <= 1 and t.rotary_dim % 2 == 0,
             f"text.partial_rotary_factor={t.partial_rotary_factor} must be in (0, 1] and turn an even "

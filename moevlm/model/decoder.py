@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from moevlm.model.attention import DocMask
 from moevlm.model.config import VLMConfig
+from moevlm.model.gated_deltanet import GatedDeltaNet
 from moevlm.model.linear import Linear
 from moevlm.model.moe import DenseMLP, MoEBlock, RouterStats, TokenInfo
 from moevlm.model.region import run_region
@@ -137,7 +138,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         t = cfg.text
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, t.norm_zero_centered)
-        self.self_attn = TextAttention(cfg, strategies)
+        self.self_attn = self.linear_attn = None  # the token mixer: one of them, by layer type
+        if t.is_linear_layer(layer_idx):
+            self.linear_attn = GatedDeltaNet(
+                t.hidden_size,
+                t.linear_num_key_heads,
+                t.linear_num_value_heads,
+                t.linear_key_head_dim,
+                t.linear_value_head_dim,
+                t.linear_conv_kernel_dim,
+                t.rms_norm_eps,
+            )
+        else:
+            self.self_attn = TextAttention(cfg, strategies)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, t.norm_zero_centered)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx)
         self.mlp = (
@@ -166,7 +179,18 @@ class DecoderLayer(nn.Module):
         return run_region(self, "attn_region", self._attention_part, h_BSD, rope_cos_sin, mask)
 
     def _attention_part(self, h_BSD, rope_cos_sin, mask):
-        return self.self_attn(self.input_layernorm(h_BSD), rope_cos_sin, mask)
+        x_BSD = self.input_layernorm(h_BSD)
+        if self.linear_attn is not None:  # the documents' bounds are the attention mask's
+            return self.linear_attn(x_BSD, mask_bounds(mask, h_BSD.device))
+        return self.self_attn(x_BSD, rope_cos_sin, mask)
+
+
+def mask_bounds(mask: DocMask, device) -> torch.Tensor:
+    """The document boundaries a `DocMask` holds, as int32 over the flattened B*S tokens (row ends
+    included): its host list, or the static tensor of the varlen kernels."""
+    if mask.bounds:
+        return torch.tensor(mask.bounds, dtype=torch.int32, device=device)
+    return mask.prepared[0]
 
 
 class Embedding(nn.Embedding):

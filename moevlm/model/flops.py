@@ -44,8 +44,8 @@ def layer_forward_flops(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int])
 
 def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int]) -> dict[str, int]:
     """Decoder layer `layer_idx`'s forward FLOPs by region: attention's projections ("attn_proj"),
-    its QK^T and PV ("core_attn"), and the MoE block with its router ("moe") or the dense MLP
-    ("mlp")."""
+    its QK^T and PV ("core_attn") (a Gated DeltaNet's: `gated_deltanet_parts`), and the MoE block with
+    its router ("moe") or the dense MLP ("mlp")."""
     t, m = cfg.text, cfg.moe
     T = sum(doc_lens)
     D, hd = t.hidden_size, t.head_dim
@@ -55,6 +55,8 @@ def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int])
         "attn_proj": 2 * T * D * (q * (2 if t.attn_output_gate else 1) + 2 * kv) + 2 * T * q * D,
         "core_attn": sum(4 * L * L * q for L in doc_lens),
     }
+    if t.is_linear_layer(layer_idx):  # a Gated DeltaNet instead of attention
+        parts = gated_deltanet_parts(cfg, T)
     if m.is_moe_layer(layer_idx):
         parts["moe"] = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
         if m.shared_expert_intermediate_size:  # the shared expert's SwiGLU and its gate
@@ -62,6 +64,22 @@ def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int])
     else:
         parts["mlp"] = 6 * T * D * t.intermediate_size
     return parts
+
+
+def gated_deltanet_parts(cfg: VLMConfig, T: int) -> dict[str, int]:
+    """A Gated DeltaNet layer's forward over T tokens: its projections and depthwise conv
+    ("attn_proj"), and the delta rule ("core_attn") counted as its recurrence's useful work, per
+    token and value head 6 Kd Vd (read the state with k, write k times the correction into it, read
+    it with q), whatever the chunked form computes on top."""
+    t = cfg.text
+    H, Kd, Vd = t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim
+    key, value = t.linear_num_key_heads * Kd, H * Vd
+    conv = 2 * key + value
+    proj = 2 * T * t.hidden_size * (conv + value + 2 * H) + 2 * T * value * t.hidden_size
+    return {
+        "attn_proj": proj + 2 * T * conv * t.linear_conv_kernel_dim,
+        "core_attn": 6 * T * H * Kd * Vd,
+    }
 
 
 def head_forward_flops(cfg: VLMConfig, tokens: int) -> float:

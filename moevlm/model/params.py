@@ -47,10 +47,15 @@ def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
         "q_o": linear(D, q * (2 if t.attn_output_gate else 1), bias) + linear(q, D, bias),
         "k_v": 2 * linear(D, kv, bias),
         "norms": 2 * D + 2 * t.head_dim,
+        "linear_attn": 0,
         "router": 0,
         "experts": 0,
         "dense_mlp": 0,
     }
+    if t.is_linear_layer(layer_idx):  # a Gated DeltaNet instead of attention
+        parts["q_o"] = parts["k_v"] = 0
+        parts["norms"] = 2 * D
+        parts["linear_attn"] = gated_deltanet_parameters(cfg)
     if m.is_moe_layer(layer_idx):
         parts["router"] = m.num_experts * D
         # gate_up (E, D, 2F) + down (E, F, D)
@@ -63,6 +68,17 @@ def layer_parameters(cfg: VLMConfig, layer_idx: int) -> dict[str, int]:
     return parts
 
 
+def gated_deltanet_parameters(cfg: VLMConfig) -> int:
+    """One Gated DeltaNet layer: in_proj_qkv / z / b / a, the depthwise conv, dt_bias, A_log, the
+    gated norm and out_proj."""
+    t = cfg.text
+    key = t.linear_num_key_heads * t.linear_key_head_dim
+    value = t.linear_num_value_heads * t.linear_value_head_dim
+    conv, H, D = 2 * key + value, t.linear_num_value_heads, t.hidden_size
+    projections = D * (conv + value + 2 * H) + value * D
+    return projections + conv * t.linear_conv_kernel_dim + 2 * H + t.linear_value_head_dim
+
+
 def moe_layer_count(cfg: VLMConfig, layers: range | None = None) -> int:
     """How many of `layers` (default: all) are MoE layers."""
     layers = range(cfg.text.num_layers) if layers is None else layers
@@ -70,22 +86,17 @@ def moe_layer_count(cfg: VLMConfig, layers: range | None = None) -> int:
 
 
 def layers_parameters(cfg: VLMConfig, layers: range | None = None) -> dict[str, int]:
-    """`layer_parameters` summed over `layers` (default: all), without visiting each: every MoE layer
-    has the same parts, and every dense one."""
+    """`layer_parameters` summed over `layers` (default: all): one count per kind of layer (MoE or
+    dense, attention or Gated DeltaNet), times how many there are."""
     layers = range(cfg.text.num_layers) if layers is None else layers
-    n_moe = moe_layer_count(cfg, layers)
-    moe, dense = _moe_and_dense_layer(cfg)
-    return {k: n_moe * moe[k] + (len(layers) - n_moe) * dense[k] for k in moe}
-
-
-def _moe_and_dense_layer(cfg: VLMConfig) -> tuple[dict[str, int], dict[str, int]]:
-    moe_idx = next((i for i in range(cfg.text.num_layers) if cfg.moe.is_moe_layer(i)), None)
-    dense_idx = next((i for i in range(cfg.text.num_layers) if not cfg.moe.is_moe_layer(i)), None)
-    zero = dict.fromkeys(layer_parameters(cfg, 0), 0)
-    return (
-        layer_parameters(cfg, moe_idx) if moe_idx is not None else zero,
-        layer_parameters(cfg, dense_idx) if dense_idx is not None else zero,
-    )
+    kinds: dict[tuple[bool, bool], list[int]] = {}
+    for i in layers:
+        kinds.setdefault((cfg.moe.is_moe_layer(i), cfg.text.is_linear_layer(i)), []).append(i)
+    out = dict.fromkeys(layer_parameters(cfg, 0), 0)
+    for idx in kinds.values():
+        for k, v in layer_parameters(cfg, idx[0]).items():
+            out[k] += v * len(idx)
+    return out
 
 
 def parameter_counts(cfg: VLMConfig) -> dict[str, int]:

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
+from moevlm.model.gated_deltanet import GatedDeltaNet
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.strategies import (
@@ -363,6 +364,10 @@ def _init_rules(module: nn.Module, prefix: str, std: float, rules: dict) -> None
         elif isinstance(m, MoEBlock):
             for name in ("router.weight", "experts.gate_up_proj", "experts.down_proj"):
                 rules[p + name] = ("normal", std)
+        elif isinstance(m, GatedDeltaNet):  # the reference's: A = U(0.01, 16), dt_bias 1
+            rules[p + "conv1d.weight"] = ("normal", std)
+            rules[p + "dt_bias"], rules[p + "norm.weight"] = ("ones", 0.0), ("ones", 0.0)
+            rules[p + "A_log"] = ("log_uniform", 0.0)
 
 
 def fill_(t: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None) -> None:
@@ -370,6 +375,8 @@ def fill_(t: torch.Tensor, kind: str, std: float, generator: torch.Generator | N
         t.normal_(0.0, std, generator=generator)
     elif kind == "ones":
         t.fill_(1.0)
+    elif kind == "log_uniform":  # log of U(0.01, 16): a Gated DeltaNet's A_log
+        t.uniform_(0.01, 16.0, generator=generator).log_()
     else:
         t.zero_()
 

@@ -265,6 +265,11 @@ class ParallelDims:
             "are split along the vocabulary); pad the vocabulary or change parallel.tp",
         )
         check(t.num_layers >= self.pp, f"text.num_layers={t.num_layers} < parallel.pp={self.pp}")
+        check(
+            "linear_attention" not in t.layer_types or self.tp == self.cp == 1,
+            f"Gated DeltaNet layers (text.layer_types) run with parallel.tp=1 and parallel.cp=1 for "
+            f"now (got tp={self.tp}, cp={self.cp}); shard with FSDP, EP or PP instead",
+        )
         if m.num_experts:
             check(
                 m.num_experts % self.ep == 0,

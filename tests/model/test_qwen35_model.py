@@ -1,0 +1,148 @@
+"""The Qwen3.5-MoE hybrid decoder assembled from its blocks (`TextConfig.layer_types`: Gated DeltaNet and
+gated full-attention layers; the shared expert, partial rotary, zero-centred norms; the vision tower
+without deepstack) equals transformers' `Qwen3_5MoeForConditionalGeneration` on a random tiny config:
+logits and every gradient of a text-only batch (fp32, CPU, weights copied by name); its parameters are
+counted in closed form, its layers' FLOPs by hand; tensor and context parallelism are refused with the
+reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moevlm.errors import ConfigError
+from moevlm.model import Qwen3VLMoe, VLMConfig
+
+pytestmark = pytest.mark.usefixtures("_fp32_and_seed")
+LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+)
+
+
+def _ours() -> VLMConfig:
+    cfg = VLMConfig.preset("tiny")
+    t, m = cfg.text, cfg.moe
+    t.num_layers, t.layer_types = len(LAYER_TYPES), LAYER_TYPES
+    t.attn_output_gate, t.partial_rotary_factor, t.norm_zero_centered = True, 0.5, True
+    t.mrope_section = (2, 1, 1)
+    for k, v in GDN.items():
+        setattr(t, k, v)
+    m.shared_expert_intermediate_size = 40
+    cfg.vision.deepstack_visual_indexes = ()
+    return cfg.validate()
+
+
+def _reference(cfg: VLMConfig):
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    t, m, v = cfg.text, cfg.moe, cfg.vision
+    rope = dict(rope_type="default", rope_theta=t.rope_theta, partial_rotary_factor=0.5)
+    rope.update(mrope_section=list(t.mrope_section), mrope_interleaved=True)
+    text = dict(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        layer_types=list(LAYER_TYPES),
+        rope_parameters=rope,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        moe_intermediate_size=m.moe_intermediate_size,
+        shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+        rms_norm_eps=t.rms_norm_eps,
+        router_aux_loss_coef=m.router_aux_loss_coef,
+        **GDN,
+    )
+    vision = dict(
+        depth=v.depth,
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        num_heads=v.num_heads,
+        out_hidden_size=v.out_hidden_size,
+        num_position_embeddings=v.num_position_embeddings,
+    )
+    hf_cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    hf_cfg.image_token_id, hf_cfg.video_token_id = cfg.image_token_id, cfg.video_token_id
+    hf_cfg.vision_start_token_id = cfg.vision_start_token_id
+    hf_cfg._attn_implementation = "sdpa"
+    ref = Qwen3_5MoeForConditionalGeneration(hf_cfg)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.normal_(std=0.1) if "A_log" not in name else p.uniform_(-1, 1)
+    return ref.eval()
+
+
+def _as_ours(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    from moevlm.model.hf import hf_to_ours
+
+    ours = hf_to_ours(name)
+    if ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        t = t.transpose(1, 2)  # transformers keeps (E, 2F, D) / (E, D, F) in memory
+    elif ours == "vision.patch_embed.weight":
+        t = t.reshape(t.shape[0], -1)
+    return ours, t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_hybrid_decoder_equals_the_reference_logits_and_gradients():
+    cfg = _ours()
+    ref = _reference(cfg)
+    ours = Qwen3VLMoe(cfg).eval()
+    state = dict(_as_ours(n, t) for n, t in ref.state_dict().items())
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    ids = torch.randint(0, 1000, (2, 37))
+    want = ref(input_ids=ids).logits
+    got = ours(input_ids=ids).logits
+    assert got.shape == want.shape
+    assert _rel(got, want) <= 1e-5
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    checked = 0
+    for name, p in ref.named_parameters():
+        if p.grad is None:  # the vision tower: no image in the batch
+            continue
+        mine, want_g = _as_ours(name, p.grad)
+        assert _rel(grads[mine], want_g) <= 5e-5, name  # A_log / dt_bias: see test_gated_deltanet
+        checked += 1
+    assert checked > 40
+
+
+def test_parameters_flops_and_refused_layouts():
+    from moevlm.model.flops import layer_forward_parts
+    from moevlm.model.params import parameter_counts
+    from moevlm.parallel import ParallelDims
+
+    cfg = _ours()
+    with torch.device("meta"):
+        model = Qwen3VLMoe(cfg)
+    assert sum(parameter_counts(cfg).values()) == sum(p.numel() for p in model.parameters())
+    assert model.text.layers[0].self_attn is None and model.text.layers[1].linear_attn is None
+    T, D, H, Kd, Vd = 100, cfg.text.hidden_size, 4, 8, 12
+    conv = 2 * 2 * Kd + H * Vd
+    by_hand = {  # in_proj_qkv, z, b, a; out_proj; the depthwise conv (K 4); the recurrence
+        "attn_proj": 2 * T * D * (conv + H * Vd + 2 * H) + 2 * T * H * Vd * D + 2 * T * conv * 4,
+        "core_attn": 6 * T * H * Kd * Vd,
+    }
+    parts = layer_forward_parts(cfg, 0, [T])
+    assert {k: parts[k] for k in by_hand} == by_hand
+    for dims in (ParallelDims(2, tp=2), ParallelDims(2, cp=2)):
+        with pytest.raises(ConfigError, match="Gated DeltaNet layers .* parallel.tp=1 and"):
+            dims.check_model(cfg)
+    ParallelDims(2, ep=2).check_model(cfg)  # FSDP / EP: allowed
