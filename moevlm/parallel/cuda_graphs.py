@@ -267,6 +267,12 @@ def apply_cuda_graphs(model: nn.Module, scope) -> CudaGraphs | None:
         raise ValueError(problem)
     graphs = CudaGraphs(scope)
     for layer in model.text.layers.children():
+        if layer.linear_attn is not None and {"attn", "full_layer"} & set(scope):
+            # a captured region rebuilds the attention mask without the documents' bounds
+            raise ValueError(
+                "model.cuda_graph_scope attn / full_layer cannot capture a Gated DeltaNet layer "
+                "(text.layer_types linear_attention); use moe_router / moe_preprocess"
+            )
         if "full_layer" in scope:
             graphs.install(layer, "region", FullLayerRegion(layer))
             continue

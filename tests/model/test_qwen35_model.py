@@ -2,8 +2,8 @@
 gated full-attention layers; the shared expert, partial rotary, zero-centred norms; the vision tower
 without deepstack) equals transformers' `Qwen3_5MoeForConditionalGeneration` on a random tiny config:
 logits and every gradient of a text-only batch (fp32, CPU, weights copied by name); its parameters are
-counted in closed form, its layers' FLOPs by hand; tensor and context parallelism are refused with the
-reason."""
+counted in closed form, its layers' FLOPs by hand; tensor and context parallelism, and CUDA graphs of its
+attention regions, are refused with the reason."""
 
 from __future__ import annotations
 
@@ -146,3 +146,7 @@ def test_parameters_flops_and_refused_layouts():
         with pytest.raises(ConfigError, match="Gated DeltaNet layers .* parallel.tp=1 and"):
             dims.check_model(cfg)
     ParallelDims(2, ep=2).check_model(cfg)  # FSDP / EP: allowed
+    from moevlm.parallel.cuda_graphs import apply_cuda_graphs
+
+    with pytest.raises(ValueError, match="cannot capture a Gated DeltaNet layer"):
+        apply_cuda_graphs(Qwen3VLMoe(cfg), ("attn",))
