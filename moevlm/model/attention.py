@@ -32,6 +32,8 @@ class DocMask:
     causal: bool
     bounds: list[int]  # document boundaries over the flattened B*S tokens (host)
     prepared: Any = None  # what the backend precomputed: bool mask, block mask, int32 bounds
+    # the packed rows' document starts as given, for layers that read documents, not a mask (Gated DeltaNet)
+    cu_seqlens: torch.Tensor | None = None
 
 
 def doc_mask(
@@ -47,8 +49,10 @@ def doc_mask(
 ) -> DocMask:
     backend = resolve_backend(backend, torch.device(device), dtype, static)
     if backend in VARLEN_KERNELS and (static or backend == "varlen"):
-        return DocMask(backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S))
-    mask = DocMask(backend, causal, doc_bounds(B, S, cu_seqlens))
+        return DocMask(
+            backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S), cu_seqlens
+        )
+    mask = DocMask(backend, causal, doc_bounds(B, S, cu_seqlens), cu_seqlens=cu_seqlens)
     mask.prepared = _PREPARE[backend](B, S, cu_seqlens, causal, mask.bounds, device)
     return mask
 

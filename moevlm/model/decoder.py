@@ -180,17 +180,9 @@ class DecoderLayer(nn.Module):
 
     def _attention_part(self, h_BSD, rope_cos_sin, mask):
         x_BSD = self.input_layernorm(h_BSD)
-        if self.linear_attn is not None:  # the documents' bounds are the attention mask's
-            return self.linear_attn(x_BSD, mask_bounds(mask, h_BSD.device))
+        if self.linear_attn is not None:  # the documents the attention mask was made from
+            return self.linear_attn(x_BSD, mask.cu_seqlens)
         return self.self_attn(x_BSD, rope_cos_sin, mask)
-
-
-def mask_bounds(mask: DocMask, device) -> torch.Tensor:
-    """The document boundaries a `DocMask` holds, as int32 over the flattened B*S tokens (row ends
-    included): its host list, or the static tensor of the varlen kernels."""
-    if mask.bounds:
-        return torch.tensor(mask.bounds, dtype=torch.int32, device=device)
-    return mask.prepared[0]
 
 
 class Embedding(nn.Embedding):

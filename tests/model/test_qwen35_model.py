@@ -124,6 +124,23 @@ def test_hybrid_decoder_equals_the_reference_logits_and_gradients():
     assert checked > 40
 
 
+def test_packed_documents_equal_each_alone():
+    """A row of two documents (positions restarting) gives each document's logits alone: attention's
+    mask and the Gated DeltaNet layers' state and conv reset read the same `cu_seqlens`."""
+    model = Qwen3VLMoe(_ours()).eval()
+    model.init_weights()
+    lengths = (15, 22)
+    ids = torch.randint(0, 1000, (1, sum(lengths)))
+    pos = torch.cat([torch.arange(n) for n in lengths]).expand(3, 1, -1)
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, cu_seqlens=cu, return_logits=True).logits
+        alone = [model(d, return_logits=True).logits for d in ids.split(lengths, dim=1)]
+        crossed = model(ids, position_ids=pos, return_logits=True).logits  # one document
+    assert _rel(packed, torch.cat(alone, dim=1)) <= 1e-5
+    assert _rel(crossed[:, lengths[0] :], alone[1]) > 1e-2  # without the bounds it reads across
+
+
 def test_parameters_flops_and_refused_layouts():
     from moevlm.model.flops import layer_forward_parts
     from moevlm.model.params import parameter_counts
