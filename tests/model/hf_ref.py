@@ -86,15 +86,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
+def as_ours(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A reference parameter (or its gradient) under our name, in our layout."""
+    ours = hf_to_ours(name)
+    if ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        t = t.transpose(1, 2)  # transformers keeps (E, 2F, D) / (E, D, F) in memory
+    elif ours == "vision.patch_embed.weight":
+        t = t.reshape(t.shape[0], -1)
+    return ours, t
+
+
 def hf_grads_as_ours(ref, cfg: VLMConfig) -> dict[str, torch.Tensor]:
     """The reference's parameter gradients, renamed and reshaped to our layout."""
-    out = {}
-    for name, p in ref.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        ours = hf_to_ours(name)
-        if ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            g = g.transpose(1, 2)  # transformers keeps (E, 2F, D) / (E, D, F) in memory
-        elif ours == "vision.patch_embed.weight":
-            g = g.reshape(g.shape[0], -1)
-        out[ours] = g
-    return out
+    return dict(
+        as_ours(name, p.grad if p.grad is not None else torch.zeros_like(p))
+        for name, p in ref.named_parameters()
+    )

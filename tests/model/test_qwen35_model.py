@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_ref import as_ours
 
 from moevlm.errors import ConfigError
 from moevlm.model import Qwen3VLMoe, VLMConfig
@@ -82,17 +83,6 @@ def _reference(cfg: VLMConfig):
     return ref.eval()
 
 
-def _as_ours(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
-    from moevlm.model.hf import hf_to_ours
-
-    ours = hf_to_ours(name)
-    if ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
-        t = t.transpose(1, 2)  # transformers keeps (E, 2F, D) / (E, D, F) in memory
-    elif ours == "vision.patch_embed.weight":
-        t = t.reshape(t.shape[0], -1)
-    return ours, t
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
@@ -102,7 +92,7 @@ def test_hybrid_decoder_equals_the_reference_logits_and_gradients():
     cfg = _ours()
     ref = _reference(cfg)
     ours = Qwen3VLMoe(cfg).eval()
-    state = dict(_as_ours(n, t) for n, t in ref.state_dict().items())
+    state = dict(as_ours(n, t) for n, t in ref.state_dict().items())
     missing, unexpected = ours.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     ids = torch.randint(0, 1000, (2, 37))
@@ -118,7 +108,7 @@ def test_hybrid_decoder_equals_the_reference_logits_and_gradients():
     for name, p in ref.named_parameters():
         if p.grad is None:  # the vision tower: no image in the batch
             continue
-        mine, want_g = _as_ours(name, p.grad)
+        mine, want_g = as_ours(name, p.grad)
         assert _rel(grads[mine], want_g) <= 5e-5, name  # A_log / dt_bias: see test_gated_deltanet
         checked += 1
     assert checked > 40

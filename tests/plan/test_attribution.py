@@ -8,22 +8,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from test_dry_run import COMMON  # a short quiet job (the dry-run tests')
 
 from moevlm.config import compose_job
 from moevlm.plan.attribution import ModuleStack, module_name, saved_as_activations, summarize
 from moevlm.plan.dry_run import dry_run
 from moevlm.plan.fake import StorageTracker
-
-COMMON = [
-    "data.shards=sample",
-    "data.num_workers=0",
-    "train.steps=2",
-    "train.tensorboard=false",
-    "train.checkpoint_at_end=false",
-    "train.checkpoint_every=0",
-    "train.require_loss_decrease=false",
-    "train.progress=false",
-]
 
 
 class _Block(nn.Module):
