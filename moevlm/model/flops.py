@@ -50,13 +50,15 @@ def layer_forward_parts(cfg: VLMConfig, layer_idx: int, doc_lens: Sequence[int])
     T = sum(doc_lens)
     D, hd = t.hidden_size, t.head_dim
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
-    parts = {
-        # q_proj emits each head's output gate too under attn_output_gate
-        "attn_proj": 2 * T * D * (q * (2 if t.attn_output_gate else 1) + 2 * kv) + 2 * T * q * D,
-        "core_attn": sum(4 * L * L * q for L in doc_lens),
-    }
     if t.is_linear_layer(layer_idx):  # a Gated DeltaNet instead of attention
         parts = gated_deltanet_parts(cfg, T)
+    else:
+        parts = {
+            # q_proj emits each head's output gate too under attn_output_gate
+            "attn_proj": 2 * T * D * (q * (2 if t.attn_output_gate else 1) + 2 * kv)
+            + 2 * T * q * D,
+            "core_attn": sum(4 * L * L * q for L in doc_lens),
+        }
     if m.is_moe_layer(layer_idx):
         parts["moe"] = 2 * T * D * m.num_experts + T * m.top_k * 6 * D * m.moe_intermediate_size
         if m.shared_expert_intermediate_size:  # the shared expert's SwiGLU and its gate
