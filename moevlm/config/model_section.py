@@ -61,7 +61,8 @@ class ModelConfig:
     hf_config: str = field(
         default="",
         metadata={
-            "help": "an HF Qwen3-VL-MoE config.json (or its folder) as the architecture; empty = model.preset"
+            "help": "an HF Qwen3-VL-MoE or Qwen3.5-MoE config.json (or its folder) as the architecture; "
+            "empty = model.preset"
         },
     )
     hf_checkpoint: str = field(
@@ -72,7 +73,8 @@ class ModelConfig:
         default=None,
         metadata={
             "edits": "text.num_layers",
-            "help": "proxy: fewer decoder layers; null = the model's own",
+            "help": "proxy: fewer decoder layers (a hybrid model's layer_types cut to them, or repeated "
+            "when more); null = the model's own",
         },
     )
     num_experts: Optional[int] = field(
@@ -403,6 +405,7 @@ def model_config(m: ModelConfig) -> VLMConfig:
         _assign(cfg, path, getattr(m, key))
     if m.num_layers is not None:  # dense layers and deepstack taps beyond a shrunk depth go with it
         cfg.moe.mlp_only_layers = tuple(i for i in cfg.moe.mlp_only_layers if i < m.num_layers)
+        cfg.text.layer_types = layer_types_for(cfg.text.layer_types, m.num_layers)
     if m.vision_depth is not None:
         cfg.vision.deepstack_visual_indexes = tuple(
             i for i in cfg.vision.deepstack_visual_indexes if i < m.vision_depth
@@ -411,6 +414,12 @@ def model_config(m: ModelConfig) -> VLMConfig:
         return cfg.validate()
     except ConfigError as err:
         raise ConfigError(in_job_keys(str(err), m)) from None
+
+
+def layer_types_for(layer_types: tuple[str, ...], num_layers: int) -> tuple[str, ...]:
+    """A hybrid model's per-layer kinds for `num_layers` layers: its own cut, or repeated in order."""
+    n = len(layer_types)
+    return tuple(layer_types[i % n] for i in range(num_layers)) if n else ()
 
 
 def _hf_config(path: str) -> VLMConfig:
@@ -423,7 +432,7 @@ def _hf_config(path: str) -> VLMConfig:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(
-            f"{key} cannot be read as a Qwen3-VL-MoE config.json ({type(err).__name__}: "
+            f"{key} cannot be read as a Qwen3-VL-MoE or Qwen3.5-MoE config.json ({type(err).__name__}: "
             f"{' '.join(str(err).split())})"
         ) from None
 

@@ -1,5 +1,5 @@
-"""Model configuration: vision, text, MoE and the whole VLM, with its presets, its checks and the
-renames to and from a Hugging Face `config.json`.
+"""Model configuration: vision, text, MoE and the whole VLM, with its presets, its checks and its
+entry points to and from a Hugging Face `config.json` (moevlm.model.hf_config).
 
     cfg = VLMConfig.preset("tiny").validate()      # ConfigError naming the field and the fix
     cfg = VLMConfig.from_hf("path/to/config.json")
@@ -16,6 +16,7 @@ from typing import Any
 
 from moevlm.errors import ConfigError, check
 from moevlm.kernels import GROUPED_GEMMS
+from moevlm.model import hf_config
 
 ATTN_BACKENDS = ("auto", "sdpa", "sdpa_per_doc", "flex", "flash", "varlen")
 PERMUTES = ("torch", "triton")  # moe.permute: the token permute/unpermute kernels
@@ -362,137 +363,38 @@ class VLMConfig:
             check(_real(value) and value >= 0, f"{name}={value!r} must be a finite number >= 0")
 
     # ------------------------------------------------------- Hugging Face JSON
+    @property
+    def family(self) -> str:
+        """ "qwen3_5_moe" when any Qwen3.5-MoE option is on (Gated DeltaNet layers, a shared expert,
+        zero-centred norms, gated attention), else "qwen3_vl_moe": the config.json form it writes."""
+        t = self.text
+        qwen35 = (
+            "linear_attention" in t.layer_types
+            or self.moe.shared_expert_intermediate_size > 0
+            or t.norm_zero_centered
+            or t.attn_output_gate
+        )
+        return "qwen3_5_moe" if qwen35 else "qwen3_vl_moe"
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | Path) -> "VLMConfig":
-        """Build from a Hugging Face Qwen3-VL-MoE `config.json` (dict, file or folder)."""
+        """Build from a Hugging Face Qwen3-VL-MoE or Qwen3.5-MoE `config.json` (dict, file or folder);
+        what is read, ignored and refused: moevlm.model.hf_config."""
         if not isinstance(hf, dict):
             path = Path(hf)
             path = path / "config.json" if path.is_dir() else path
             hf = json.loads(path.read_text())
-        if hf.get("model_type") not in (None, "qwen3_vl_moe"):
-            raise ConfigError(
-                f"config.json has model_type={hf.get('model_type')!r}; expected 'qwen3_vl_moe'"
-            )
-        tc, vc = hf.get("text_config", {}), hf.get("vision_config", {})
-        rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", tc.get("rope_theta", TextConfig.rope_theta))
-        num_heads = tc["num_attention_heads"]
-        text = TextConfig(
-            vocab_size=tc["vocab_size"],
-            hidden_size=tc["hidden_size"],
-            intermediate_size=tc.get("intermediate_size", TextConfig.intermediate_size),
-            num_layers=tc["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=tc.get("num_key_value_heads") or num_heads,
-            head_dim=tc.get("head_dim") or tc["hidden_size"] // num_heads,
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            mrope_section=tuple(rope.get("mrope_section", TextConfig.mrope_section)),
-            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-            max_position_embeddings=tc.get(
-                "max_position_embeddings", TextConfig.max_position_embeddings
-            ),
-            attention_bias=tc.get("attention_bias", False),
-            hidden_act=tc.get("hidden_act", "silu"),
-            initializer_range=tc.get("initializer_range", 0.02),
-        )
-        moe = MoEConfig(
-            num_experts=tc.get("num_experts", tc.get("num_local_experts", MoEConfig.num_experts)),
-            top_k=tc.get("num_experts_per_tok", MoEConfig.top_k),
-            moe_intermediate_size=tc.get("moe_intermediate_size", MoEConfig.moe_intermediate_size),
-            decoder_sparse_step=tc.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(tc.get("mlp_only_layers") or ()),
-            router_aux_loss_coef=tc.get("router_aux_loss_coef", 0.001),
-        )
-        vrope = vc.get("rope_parameters") or {}
-        vision = VisionConfig(
-            depth=vc["depth"],
-            hidden_size=vc["hidden_size"],
-            intermediate_size=vc["intermediate_size"],
-            num_heads=vc["num_heads"],
-            in_channels=vc.get("in_channels", 3),
-            patch_size=vc.get("patch_size", 16),
-            temporal_patch_size=vc.get("temporal_patch_size", 2),
-            spatial_merge_size=vc.get("spatial_merge_size", 2),
-            out_hidden_size=vc["out_hidden_size"],
-            num_position_embeddings=vc["num_position_embeddings"],
-            deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", ())),
-            hidden_act=vc.get("hidden_act", "gelu_pytorch_tanh"),
-            rope_theta=float(vrope.get("rope_theta", 10000.0)),
-            initializer_range=vc.get("initializer_range", 0.02),
-        )
+        parts = hf_config.read(hf)
         return cls(
-            vision=vision,
-            text=text,
-            moe=moe,
-            image_token_id=hf.get("image_token_id", 151655),
-            video_token_id=hf.get("video_token_id", 151656),
-            vision_start_token_id=hf.get("vision_start_token_id", 151652),
-            vision_end_token_id=hf.get("vision_end_token_id", 151653),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            vision=VisionConfig(**parts.pop("vision")),
+            text=TextConfig(**parts.pop("text")),
+            moe=MoEConfig(**parts.pop("moe")),
+            **parts,
         ).validate()
 
     def to_hf(self, dtype: str = "bfloat16") -> dict[str, Any]:
-        """The Hugging Face `config.json` dict for this architecture."""
-        v, t, m = self.vision, self.text, self.moe
-        text_config = {
-            "model_type": "qwen3_vl_moe_text",
-            "vocab_size": t.vocab_size,
-            "hidden_size": t.hidden_size,
-            "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_layers,
-            "num_attention_heads": t.num_heads,
-            "num_key_value_heads": t.num_kv_heads,
-            "head_dim": t.head_dim,
-            "rms_norm_eps": t.rms_norm_eps,
-            "max_position_embeddings": t.max_position_embeddings,
-            "attention_bias": t.attention_bias,
-            "hidden_act": t.hidden_act,
-            "initializer_range": t.initializer_range,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": t.rope_theta,
-                "mrope_section": list(t.mrope_section),
-                "mrope_interleaved": t.mrope_interleaved,
-            },
-            "num_experts": m.num_experts,
-            "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.moe_intermediate_size,
-            "decoder_sparse_step": m.decoder_sparse_step,
-            "mlp_only_layers": list(m.mlp_only_layers),
-            "router_aux_loss_coef": m.router_aux_loss_coef,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "dtype": dtype,
-        }
-        vision_config = {
-            "model_type": "qwen3_vl_moe_vision",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "out_hidden_size": v.out_hidden_size,
-            "num_position_embeddings": v.num_position_embeddings,
-            "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
-            "hidden_act": v.hidden_act,
-            "initializer_range": v.initializer_range,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-        }
-        return {
-            "architectures": ["Qwen3VLMoeForConditionalGeneration"],
-            "model_type": "qwen3_vl_moe",
-            "text_config": text_config,
-            "vision_config": vision_config,
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "dtype": dtype,
-        }
+        """The Hugging Face `config.json` dict of this architecture, in its family's form (`family`)."""
+        return hf_config.write(self, dtype)
 
     def replace(self, **changes) -> "VLMConfig":
         """A copy with top-level fields replaced (nested configs are copied too)."""
@@ -572,10 +474,67 @@ def qwen3_vl_235b_a22b() -> VLMConfig:
     )
 
 
+def qwen3_5_tiny() -> VLMConfig:
+    """CPU-test size Qwen3.5-MoE: Gated DeltaNet layers (3 of 4, the reference's interval) beside gated
+    full attention, partial rotary, zero-centred norms, a shared expert, no deepstack; the sizes of
+    `tiny` (no expert weight square), the GDN heads small and unequal."""
+    cfg = tiny()
+    t = dataclasses.replace(
+        cfg.text,
+        intermediate_size=TextConfig.intermediate_size,  # no dense layer: unused, as from_hf leaves it
+        num_layers=4,
+        layer_types=tuple(hf_config.interval_layer_types(4, {})),
+        attn_output_gate=True,
+        partial_rotary_factor=0.5,
+        norm_zero_centered=True,
+        mrope_section=(2, 1, 1),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+    )
+    moe = dataclasses.replace(cfg.moe, shared_expert_intermediate_size=40)
+    vision = dataclasses.replace(cfg.vision, deepstack_visual_indexes=())
+    return dataclasses.replace(cfg, text=t, moe=moe, vision=vision)
+
+
+def qwen3_5_35b_a3b() -> VLMConfig:
+    """Qwen/Qwen3.5-35B-A3B. Sizes, GDN dims, experts and token ids: transformers' Qwen3_5MoeConfig
+    defaults (documented as that checkpoint); rope_theta 1e7, M-RoPE (11, 11, 10) over a quarter of
+    each head, 262144 positions and the vision tower's output width (the text width, 2048): the
+    hub's config.json (the reference's default out_hidden_size, 3584, is not the checkpoint's)."""
+    text = TextConfig(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_layers=40,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        rope_theta=10_000_000.0,
+        mrope_section=(11, 11, 10),
+        max_position_embeddings=262144,
+        attn_output_gate=True,
+        partial_rotary_factor=0.25,
+        norm_zero_centered=True,
+        layer_types=tuple(hf_config.interval_layer_types(40, {})),
+    )
+    moe = MoEConfig(
+        num_experts=256, top_k=8, moe_intermediate_size=512, shared_expert_intermediate_size=512
+    )
+    return VLMConfig(
+        vision=VisionConfig(out_hidden_size=2048, deepstack_visual_indexes=()),
+        text=text,
+        moe=moe,
+        **hf_config.Q35_TOKENS,
+    )
+
+
 PRESETS = {
     "tiny": tiny,
     "qwen3_vl_30b_a3b": qwen3_vl_30b_a3b,
     "qwen3_vl_235b_a22b": qwen3_vl_235b_a22b,
+    "qwen3_5_tiny": qwen3_5_tiny,
+    "qwen3_5_35b_a3b": qwen3_5_35b_a3b,
 }
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3-VL-MoE checkpoints in and out: whole tensors and files only.
+"""Hugging Face Qwen3-VL-MoE and Qwen3.5-MoE checkpoints in and out: whole tensors and files only.
 
 Reads a folder with `config.json` and `model.safetensors` or a sharded
 `model.safetensors.index.json`; writes the same.
@@ -6,13 +6,18 @@ Reads a folder with `config.json` and `model.safetensors` or a sharded
     model = load_pretrained(Qwen3VLMoe, hf_dir, expert_layout="auto")   # headers checked first
     save_pretrained(model, out_dir, expert_layout="hub")     # or "hf": transformers' own layout
 
-Expert layouts: the hub's `gate_up_proj` (E, D, 2F) / `down_proj` (E, F, D) (ours) and
-transformers' (E, 2F, D) / (E, D, F).  Sharded or pipeline-split models: moevlm.parallel.hf_io.
+Expert layouts: Qwen3-VL's hub `gate_up_proj` (E, D, 2F) / `down_proj` (E, F, D) (ours);
+transformers' (E, 2F, D) / (E, D, F); Qwen3.5's hub, one `experts.<e>.{gate,up,down}_proj.weight`
+per expert ((F, D), (F, D), (D, F)), read whatever `expert_layout` says and written as "hub" for a
+Qwen3.5 model. The `mtp.*` tensors of Qwen3.5 checkpoints (multi-token prediction) are not read.
+Sharded or pipeline-split models: moevlm.parallel.hf_io.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -20,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moevlm.model.config import VLMConfig
+from moevlm.model.hf_config import FAMILIES
 from moevlm.model.moe import is_training_state
 
 # (reference prefix, our prefix), most specific first; used in both directions.
@@ -32,6 +38,9 @@ _PREFIXES = [
 _ROUTER = (".mlp.gate.weight", ".mlp.router.weight")  # (reference suffix, ours)
 EXPERT_LAYOUTS = ("auto", "hub", "hf")
 _LAYOUT_KEY = "moevlm_expert_layout"
+# one expert's matrix of a Qwen3.5 checkpoint: (our fused tensor's prefix, expert, which)
+_PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_NOT_READ = ("mtp.",)  # Qwen3.5's multi-token-prediction head: transformers skips it too
 
 
 class CheckpointError(ValueError):
@@ -91,37 +100,80 @@ def match_checkpoint(
     *,
     tie_word_embeddings: bool = False,
 ) -> dict[str, tuple]:
-    """Map every checkpoint tensor to (file, hf name, transform) of our tensor `expected` names
-    (`expected_shapes`), from headers only; raise CheckpointError listing all mismatches."""
+    """Map each of our tensor `expected` names (`expected_shapes`) to (sources, transform): the
+    checkpoint's (file, hf name) pairs it is made of and how; from headers only; raise
+    CheckpointError listing all mismatches."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
-    plan, seen, unexpected, misshaped, not_float = {}, set(), [], [], []
+    plan, pieces, seen = {}, {}, set()
+    bad = {"missing": [], "unexpected": [], "misshaped": [], "not_float": []}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             file_layout = (f.metadata() or {}).get(_LAYOUT_KEY)
             for hf_name in f.keys():
                 ours = hf_to_ours(hf_name)
-                if ours == "lm_head.weight" and tie_word_embeddings:
+                if hf_name.startswith(_NOT_READ) or (
+                    ours == "lm_head.weight" and tie_word_embeddings
+                ):
                     continue  # tied: the embedding is the head; a stored copy is redundant
-                if ours not in expected:
-                    unexpected.append(hf_name)
+                piece = _PER_EXPERT.match(ours)
+                if ours not in expected and not piece:
+                    bad["unexpected"].append(hf_name)
                     continue
                 seen.add(ours)
                 header = f.get_slice(hf_name)
                 shape, dtype = tuple(header.get_shape()), header.get_dtype()
-                transform = _transform_for(ours, shape, expected[ours], expert_layout, file_layout)
                 if not is_floating(dtype):
-                    not_float.append(f"{hf_name}: {dtype} in {path}")
-                elif transform is None:
-                    misshaped.append(
-                        f"{hf_name}: checkpoint {shape}, model expects {_hf_shape(ours, expected[ours])}"
+                    bad["not_float"].append(f"{hf_name}: {dtype} in {path}")
+                elif piece:
+                    pieces.setdefault(piece[1], {})[piece[3], int(piece[2])] = (
+                        path,
+                        hf_name,
+                        shape,
                     )
+                elif t := _transform_for(ours, shape, expected[ours], expert_layout, file_layout):
+                    plan[ours] = (((path, hf_name),), t)
                 else:
-                    plan[ours] = (path, hf_name, transform)
-    missing = [ours_to_hf(k) for k in expected if k not in seen]
-    if missing or unexpected or misshaped or not_float:
-        raise CheckpointError(_mismatch_report(missing, unexpected, misshaped, not_float))
+                    want = _hf_shape(ours, expected[ours])
+                    bad["misshaped"].append(f"{hf_name}: checkpoint {shape}, model expects {want}")
+    seen |= _plan_per_expert(pieces, expected, plan, bad)
+    bad["missing"] += [ours_to_hf(k) for k in expected if k not in seen]
+    if any(bad.values()):
+        raise CheckpointError(_mismatch_report(*bad.values()))
     return plan
+
+
+def _plan_per_expert(pieces: dict, expected: dict, plan: dict, bad: dict) -> set[str]:
+    """Plan our fused expert tensors from a checkpoint's per-expert matrices (Qwen3.5's hub form):
+    gate_up_proj (E, D, 2F) from E gate and E up (F, D); down_proj (E, F, D) from E down (D, F).
+    Returns the names of ours the pieces stand for."""
+    seen = set()
+    for prefix, got in pieces.items():
+        for ours, kinds in (
+            (f"{prefix}.gate_up_proj", ("gate_proj", "up_proj")),
+            (f"{prefix}.down_proj", ("down_proj",)),
+        ):
+            mine = {k: v for k, v in got.items() if k[0] in kinds}
+            if not mine:
+                continue
+            if ours not in expected:
+                bad["unexpected"] += [v[1] for v in mine.values()]
+                continue
+            seen.add(ours)
+            E, a, b = expected[ours]
+            one = (b // 2, a) if kinds[0] == "gate_proj" else (b, a)  # (F, D) / (D, F)
+            need = [(k, e) for e in range(E) for k in kinds]
+            bad["missing"] += [_expert_name(prefix, k, e) for k, e in need if (k, e) not in mine]
+            bad["unexpected"] += [v[1] for k, v in mine.items() if k not in need]
+            wrong = [v for v in mine.values() if v[2] != one]
+            bad["misshaped"] += [f"{v[1]}: checkpoint {v[2]}, model expects {one}" for v in wrong]
+            if all(k in mine for k in need) and not wrong:
+                plan[ours] = (tuple(mine[k][:2] for k in need), f"experts_{len(kinds)}")
+    return seen
+
+
+def _expert_name(prefix: str, kind: str, e: int) -> str:
+    return ours_to_hf(f"{prefix}.{e}.{kind}.weight")
 
 
 def is_floating(safetensors_dtype: str) -> bool:
@@ -186,7 +238,12 @@ def _mismatch_report(missing, unexpected, misshaped, not_float=(), limit: int = 
     return "\n".join(lines)
 
 
-def _apply(transform: str, t: torch.Tensor, want_shape) -> torch.Tensor:
+def _apply(transform: str, ts: list[torch.Tensor], want_shape) -> torch.Tensor:
+    if transform == "experts_2":  # gate_0, up_0, gate_1, up_1, ...: (E, 2F, D) -> ours
+        return torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]).transpose(1, 2)
+    if transform == "experts_1":  # down_0, down_1, ...: (E, D, F) -> ours
+        return torch.stack(ts).transpose(1, 2)
+    (t,) = ts
     if transform == "transpose":
         return t.transpose(1, 2)
     if transform == "flatten":
@@ -219,35 +276,44 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
 def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
     """The checkpoint's architecture must be the model's (weights are copied by name and shape)."""
     theirs = VLMConfig.from_hf(Path(hf_dir) / "config.json")
-    if (theirs.vision, theirs.text, theirs.moe.num_experts, theirs.moe.top_k) != (
-        mine.vision,
-        mine.text,
-        mine.moe.num_experts,
-        mine.moe.top_k,
-    ):
+    if theirs.family != mine.family:
+        raise CheckpointError(
+            f"{hf_dir} holds a {FAMILIES[theirs.family]} checkpoint (model_type {theirs.family}), the "
+            f"configured model is {FAMILIES[mine.family]}; build the model from its config.json "
+            "(model.hf_config) or pick a preset of its family"
+        )
+    key = lambda c: (c.vision, c.text, c.moe.num_experts, c.moe.top_k, _shared(c))  # noqa: E731
+    if key(theirs) != key(mine):
         raise CheckpointError(
             f"{hf_dir} holds a different architecture than the configured model; build the "
             "model from its config.json (model.hf_config) or pick the matching preset"
         )
 
 
+def _shared(cfg: VLMConfig) -> int:
+    return cfg.moe.shared_expert_intermediate_size
+
+
 def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
     """(our name, tensor in our layout) for `names` of a `match_checkpoint` plan, file by file."""
-    by_file: dict[Path, list[str]] = {}
-    for ours in names:
-        by_file.setdefault(plan[ours][0], []).append(ours)
-    for path, members in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for ours in members:
-                _, hf_name, transform = plan[ours]
-                t = f.get_tensor(hf_name)
-                # match_checkpoint refuses these from the headers; a file changed since
-                if not t.is_floating_point():
-                    raise CheckpointError(
-                        f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
-                        "be stored as a float (F32, BF16, F16, F8)"
-                    )
-                yield ours, _apply(transform, t, shapes[ours])
+    with ExitStack() as files:
+        opened = {}
+
+        def read(path: Path, hf_name: str) -> torch.Tensor:
+            if path not in opened:
+                opened[path] = files.enter_context(safe_open(str(path), framework="pt"))
+            t = opened[path].get_tensor(hf_name)
+            # match_checkpoint refuses these from the headers; a file changed since
+            if not t.is_floating_point():
+                raise CheckpointError(
+                    f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
+                    "be stored as a float (F32, BF16, F16, F8)"
+                )
+            return t
+
+        for ours in sorted(names, key=lambda n: str(plan[n][0][0][0])):
+            sources, transform = plan[ours]
+            yield ours, _apply(transform, [read(*s) for s in sources], shapes[ours])
 
 
 def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:
@@ -260,8 +326,9 @@ def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:
 # -------------------------------------------------------------------- export
 def to_hf(
     name: str, t: torch.Tensor, cfg: VLMConfig, expert_layout: str = "hub"
-) -> tuple[str, torch.Tensor]:
-    """One of our (whole, unsharded) tensors as the reference names and stores it."""
+) -> dict[str, torch.Tensor]:
+    """One of our (whole, unsharded) tensors as the reference names and stores it: one tensor, or a
+    Qwen3.5 model's experts one matrix per expert (`expert_layout` "hub")."""
     if expert_layout not in ("hub", "hf"):
         raise ValueError(f"export expert_layout={expert_layout!r}; choose 'hub' or 'hf'")
     if name == "vision.patch_embed.weight":
@@ -269,7 +336,34 @@ def to_hf(
         t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
     elif _is_expert(name) and expert_layout == "hf":
         t = t.transpose(1, 2)
-    return ours_to_hf(name), t.contiguous().cpu()
+    elif _is_expert(name) and per_expert(cfg, expert_layout):
+        return _per_expert_tensors(name, t)
+    return {ours_to_hf(name): t.contiguous().cpu()}
+
+
+def per_expert(cfg: VLMConfig, expert_layout: str) -> bool:
+    """Whether experts are written one matrix per expert: Qwen3.5's hub form."""
+    return cfg.family == "qwen3_5_moe" and expert_layout == "hub"
+
+
+def hf_names(name: str, cfg: VLMConfig, expert_layout: str = "hub") -> list[str]:
+    """The reference's names `to_hf` writes our tensor `name` under (for an index, without data)."""
+    if not (_is_expert(name) and per_expert(cfg, expert_layout)):
+        return [ours_to_hf(name)]
+    prefix, _, which = name.rpartition(".")
+    kinds = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+    E = cfg.moe.num_experts
+    return [_expert_name(prefix, k, e) for e in range(E) for k in kinds]
+
+
+def _per_expert_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    prefix, _, which = name.rpartition(".")
+    out = {}
+    for e, w in enumerate(t.transpose(1, 2).cpu()):  # (2F, D) or (D, F)
+        parts = w.chunk(2) if which == "gate_up_proj" else (w,)
+        kinds = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+        out |= {_expert_name(prefix, k, e): p.contiguous() for k, p in zip(kinds, parts)}
+    return out
 
 
 def export_state_dict(
@@ -286,8 +380,7 @@ def export_state_dict(
                 f"{name} is a {type(t).__name__} (a sharded model): export it with "
                 "moevlm.parallel.save_hf(model, out_dir), which gathers the shards"
             )
-        hf_name, t = to_hf(name, t.detach(), model.config, expert_layout)
-        out[hf_name] = t
+        out |= to_hf(name, t.detach(), model.config, expert_layout)
     return out
 
 

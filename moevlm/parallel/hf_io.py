@@ -61,13 +61,18 @@ def save_hf(
     for fname, (holder, names) in files.items():
         if holder != mine:
             continue
-        tensors = dict(
-            hf.to_hf(n, full_tensor(params[n].detach(), n), cfg, expert_layout) for n in names
-        )
+        tensors = {}
+        for n in names:
+            tensors |= hf.to_hf(n, full_tensor(params[n].detach(), n), cfg, expert_layout)
         if leader:  # every rank of the stage gathered (collectives); one writes
             hf.write_file(out_dir / fname, tensors, expert_layout)
     if rank == 0:
-        weight_map = {hf.ours_to_hf(n): fname for fname, (_, names) in files.items() for n in names}
+        weight_map = {
+            h: fname
+            for fname, (_, names) in files.items()
+            for n in names
+            for h in hf.hf_names(n, cfg, expert_layout)
+        }
         hf.write_index_and_config(out_dir, weight_map, total, cfg, dtype)
     if spread:
         dist.barrier()  # the folder is complete when any rank returns

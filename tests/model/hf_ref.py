@@ -102,3 +102,22 @@ def hf_grads_as_ours(ref, cfg: VLMConfig) -> dict[str, torch.Tensor]:
         as_ours(name, p.grad if p.grad is not None else torch.zeros_like(p))
         for name, p in ref.named_parameters()
     )
+
+
+def qwen35_model(cfg: VLMConfig, seed: int = 0):
+    """A transformers Qwen3_5MoeForConditionalGeneration of our (Qwen3.5-family) config, every
+    parameter randomised (A_log in (-1, 1): decays neither vanishing nor exploding)."""
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    hf_cfg = Qwen3_5MoeConfig(**cfg.to_hf("float32"))
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(hf_cfg).eval()
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(-1, 1) if "A_log" in name else p.normal_(std=0.1)
+    return model
