@@ -149,10 +149,8 @@ def _plan_per_expert(pieces: dict, expected: dict, plan: dict, bad: dict) -> set
     Returns the names of ours the pieces stand for."""
     seen = set()
     for prefix, got in pieces.items():
-        for ours, kinds in (
-            (f"{prefix}.gate_up_proj", ("gate_proj", "up_proj")),
-            (f"{prefix}.down_proj", ("down_proj",)),
-        ):
+        for ours in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+            kinds = _pieces_of(ours)[1]
             mine = {k: v for k, v in got.items() if k[0] in kinds}
             if not mine:
                 continue
@@ -282,16 +280,16 @@ def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
             f"configured model is {FAMILIES[mine.family]}; build the model from its config.json "
             "(model.hf_config) or pick a preset of its family"
         )
-    key = lambda c: (c.vision, c.text, c.moe.num_experts, c.moe.top_k, _shared(c))  # noqa: E731
-    if key(theirs) != key(mine):
+    if _architecture(theirs) != _architecture(mine):
         raise CheckpointError(
             f"{hf_dir} holds a different architecture than the configured model; build the "
             "model from its config.json (model.hf_config) or pick the matching preset"
         )
 
 
-def _shared(cfg: VLMConfig) -> int:
-    return cfg.moe.shared_expert_intermediate_size
+def _architecture(c: VLMConfig) -> tuple:
+    m = c.moe
+    return c.vision, c.text, m.num_experts, m.top_k, m.shared_expert_intermediate_size
 
 
 def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
@@ -350,18 +348,21 @@ def hf_names(name: str, cfg: VLMConfig, expert_layout: str = "hub") -> list[str]
     """The reference's names `to_hf` writes our tensor `name` under (for an index, without data)."""
     if not (_is_expert(name) and per_expert(cfg, expert_layout)):
         return [ours_to_hf(name)]
+    prefix, kinds = _pieces_of(name)
+    return [_expert_name(prefix, k, e) for e in range(cfg.moe.num_experts) for k in kinds]
+
+
+def _pieces_of(name: str) -> tuple[str, tuple[str, ...]]:
+    """(prefix, the per-expert matrices) of our fused expert tensor `name`."""
     prefix, _, which = name.rpartition(".")
-    kinds = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
-    E = cfg.moe.num_experts
-    return [_expert_name(prefix, k, e) for e in range(E) for k in kinds]
+    return prefix, ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
 
 
 def _per_expert_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    prefix, _, which = name.rpartition(".")
+    prefix, kinds = _pieces_of(name)
     out = {}
     for e, w in enumerate(t.transpose(1, 2).cpu()):  # (2F, D) or (D, F)
-        parts = w.chunk(2) if which == "gate_up_proj" else (w,)
-        kinds = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+        parts = w.chunk(len(kinds))
         out |= {_expert_name(prefix, k, e): p.contiguous() for k, p in zip(kinds, parts)}
     return out
 

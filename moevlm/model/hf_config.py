@@ -177,7 +177,10 @@ def _top(hf: dict, tokens: dict) -> dict:
 
 def _read_qwen35(hf: dict) -> dict:
     tc, vc = hf.get("text_config") or {}, hf.get("vision_config") or {}
-    get = lambda k: tc.get(k, Q35_TEXT[k])  # noqa: E731
+
+    def get(key: str):
+        return tc.get(key, Q35_TEXT[key])
+
     rope = _rope(tc)
     _refuse_unmodelled(tc, rope)
     layers, heads = get("num_hidden_layers"), get("num_attention_heads")
