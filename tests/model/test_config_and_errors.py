@@ -26,6 +26,7 @@ def test_public_model_sizes_are_right():
     for name, total_b, active_b in (
         ("qwen3_vl_30b_a3b", 31.1, 3.6),
         ("qwen3_vl_235b_a22b", 235.8, 22.7),
+        ("qwen3_5_35b_a3b", 35.1, 3.9),  # counted the same way: embeddings, head, vision in
     ):
         cfg = VLMConfig.preset(name)
         with torch.device("meta"):
