@@ -133,7 +133,7 @@ def _read_qwen3_vl(hf: dict) -> dict:
         hidden_act=tc.get("hidden_act", "silu"),
         initializer_range=tc.get("initializer_range", 0.02),
     )
-    _some(text, tc, intermediate_size="intermediate_size", max_position_embeddings=None)
+    _some(text, tc, intermediate_size=None, max_position_embeddings=None)
     theta = rope.get("rope_theta", tc.get("rope_theta"))
     if theta is not None:
         text["rope_theta"] = float(theta)
@@ -148,9 +148,10 @@ def _read_qwen3_vl(hf: dict) -> dict:
     if experts is not None:
         moe["num_experts"] = experts
     _some(moe, tc, top_k="num_experts_per_tok", moe_intermediate_size=None)
-    for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size"):
-        vc[key]  # required: a KeyError names the missing key
-    vc["num_position_embeddings"]
+    required = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+    missing = [k for k in (*required, "num_position_embeddings") if k not in vc]
+    if missing:
+        raise KeyError(f"vision_config has no {missing[0]!r}")
     vision = _read_vision(vc, {})
     vision["deepstack_visual_indexes"] = tuple(vc.get("deepstack_visual_indexes", ()))
     return dict(vision=vision, text=text, moe=moe, **_top(hf, VL_TOKENS))

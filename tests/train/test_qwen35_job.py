@@ -1,5 +1,6 @@
 """Qwen3.5-MoE at the job level: `model.preset=qwen3_5_tiny` trains to the end in process, a Qwen3.5
-`config.json` (model.hf_config) and folder (model.hf_checkpoint) compose and load, the proxy depth
+`config.json` (model.hf_config) and folder (model.hf_checkpoint) compose and load (into a model of the
+other family: refused by name), the proxy depth
 keeps the hybrid layer pattern consistent, and an unreadable config names both families."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import math
 
 import pytest
 
-from moevlm.config import compose_job
+from moevlm.config import compose_job, validate
 from moevlm.config.model_section import model_config
 from moevlm.errors import ConfigError
 from moevlm.model import Qwen3VLMoe, VLMConfig
@@ -50,7 +51,10 @@ def test_a_qwen35_folder_composes_and_loads(tmp_path):
         model.config.text,
         40,
     )
-    run = [hf, f"model.hf_checkpoint={tmp_path / 'hf'}", "train.steps=1"]
+    ckpt = f"model.hf_checkpoint={tmp_path / 'hf'}"
+    with pytest.raises(ConfigError, match="holds a Qwen3.5-MoE checkpoint .* is Qwen3-VL-MoE"):
+        validate(compose_job([ckpt]))  # the default preset: the other family
+    run = [hf, ckpt, "train.steps=1"]
     assert all(math.isfinite(x) for x in _losses(tmp_path / "run", run))
 
 
