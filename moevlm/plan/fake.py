@@ -41,6 +41,7 @@ aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 25  # elements: ids, masks, counts, a gathered routing map; never activations
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_DEVICE = torch.ops.prim.device.default  # `t.device` of a fake tensor, asked several times per op
 _LIKE_FACTORIES = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 
 
@@ -97,6 +98,8 @@ class PlanMode(FakeTensorMode):
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            return fake_device(args[0])
         kwargs = kwargs or {}
         if func is _WAIT_TENSOR:  # the real op returns its input (the collective's own output)
             return args[0]
@@ -301,15 +304,32 @@ class BalancedRouting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class ExpandDynamicOps(TorchDispatchMode):
+def fake_device(t: FakeTensor) -> torch.device:
+    """`t.device` as FakeTensor answers it."""
+    return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+
+
+class _Observer(TorchDispatchMode):
+    """A mode stacked over PlanMode: answers `t.device` itself (most dispatches are that query;
+    passed down, each would cross every mode below) and hands every op to `handle`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            return fake_device(args[0])
+        return self.handle(func, args, kwargs or {})
+
+    def handle(self, func, args, kwargs):
+        raise NotImplementedError
+
+
+class ExpandDynamicOps(_Observer):
     """Our custom ops whose fake has a data-dependent output size (the DeepEP and HybridEP exchanges:
     the received row count) run their Python body instead, so its ops see the shadows (the routing)
     and the trackers outside see its collectives and buffers.  Entered last (innermost)."""
 
     NAMESPACES = ("moevlm_deepep", "moevlm_hybridep")
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def handle(self, func, args, kwargs):
         if func.namespace in self.NAMESPACES:
             from torch._library.custom_ops import OPDEFS
 
@@ -320,7 +340,7 @@ class ExpandDynamicOps(TorchDispatchMode):
 
 
 # ----------------------------------------------------------------- measuring
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(_Observer):
     """Live bytes of the storages the ops create (real or fake) and their peak; `track(tensors)`
     registers storages made outside (parameters, the batch).  A storage resized in place (FSDP frees
     and refills its unsharded weights so) counts at its new size: `UntypedStorage.resize_` is not an
@@ -400,8 +420,8 @@ class StorageTracker(TorchDispatchMode):
         self.peak_bytes = self.live_bytes
         self.attribution.reset_peak()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def handle(self, func, args, kwargs):
+        out = func(*args, **kwargs)
         self.observe(func, args, kwargs, out)
         return out
 
@@ -433,7 +453,7 @@ class StorageTracker(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize
 
 
-class CollectiveCounter(TorchDispatchMode):
+class CollectiveCounter(_Observer):
     """Bytes per phase, group role and collective of the collectives issued (docs/architecture.md).
 
     `phase` names what runs now (set by the caller); `as_dict(scale)` sums the phases, each times its
@@ -453,8 +473,7 @@ class CollectiveCounter(TorchDispatchMode):
                 role = self.roles.get(group.group_name, group.group_name)
                 self.bytes[self.phase][role][kind] += _payload(func, args, kwargs)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def handle(self, func, args, kwargs):
         self.observe(func, args, kwargs, None)
         return func(*args, **kwargs)
 
