@@ -1,9 +1,9 @@
-"""The Qwen3-VL-MoE network, free of parallelism (docs/architecture.md)."""
+"""The Qwen3-VL-MoE and Qwen3.5-MoE networks, free of parallelism (docs/architecture.md)."""
 
 from moevlm.errors import ConfigError
 from moevlm.model.config import MoEConfig, TextConfig, VisionConfig, VLMConfig
 from moevlm.model.flops import FlopCount, count_flops
-from moevlm.model.vlm import Qwen3VLMoe, VLMOutput
+from moevlm.model.vlm import Qwen3VLMoe, VLMOutput, from_pretrained
 
 __all__ = [
     "ConfigError",
@@ -15,4 +15,5 @@ __all__ = [
     "VLMOutput",
     "VisionConfig",
     "count_flops",
+    "from_pretrained",
 ]

@@ -257,6 +257,12 @@ class Qwen3VLMoe(nn.Module):
         save_pretrained(self, out_dir, expert_layout=expert_layout, max_shard_bytes=max_shard_bytes)
 
 
+def from_pretrained(hf_dir: str | Path, **kwargs) -> Qwen3VLMoe:
+    """The model of a Hugging Face folder, of the family its config.json names (Qwen3-VL-MoE or
+    Qwen3.5-MoE); `kwargs` as `Qwen3VLMoe.from_pretrained`'s."""
+    return Qwen3VLMoe.from_pretrained(hf_dir, **kwargs)
+
+
 def check_inputs(
     cfg: VLMConfig,
     input_ids,

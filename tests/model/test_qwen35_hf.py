@@ -1,8 +1,8 @@
 """Qwen3.5-MoE folders in and out against transformers' Qwen3_5MoeForConditionalGeneration (fp32,
 CPU, random tiny configs): its saved folder loads into ours with equal logits on text and images
 (M-RoPE position ids equal too), ours saved loads in transformers (one matrix per expert, the fused
-layout, several files) with equal logits, config.json round trips, and a folder of the other family
-is refused by name."""
+layout, several files) with equal logits, config.json round trips, a row of packed documents with images equals each document alone in
+transformers, and a folder of the other family is refused by name."""
 
 from __future__ import annotations
 
@@ -37,7 +37,22 @@ def _full_first_tied() -> VLMConfig:
     return cfg
 
 
-CONFIGS = {"qwen3_5_tiny": _tiny, "full_first_tied_top1": _full_first_tied}
+def _linear_heavy() -> VLMConfig:
+    """Three Gated DeltaNet layers then one full-attention layer, other GDN head counts and widths,
+    a wider conv window, a wider shared expert, top-3."""
+    cfg = _tiny()
+    types = ("linear_attention",) * 3 + ("full_attention",)
+    gdn = dict(linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12)
+    cfg.text = dataclasses.replace(cfg.text, layer_types=types, linear_conv_kernel_dim=3, **gdn)
+    cfg.moe = dataclasses.replace(cfg.moe, top_k=3, shared_expert_intermediate_size=56)
+    return cfg.validate()
+
+
+CONFIGS = {
+    "qwen3_5_tiny": _tiny,
+    "full_first_tied_top1": _full_first_tied,
+    "linear_heavy_top3": _linear_heavy,
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +83,30 @@ def test_transformers_folder_loads_with_equal_logits(reference, config, inputs):
     ours = Qwen3VLMoe.from_pretrained(folder, attn_backend="sdpa").eval()
     assert ours.config == cfg
     assert rel_err(_logits(ours, cfg, INPUTS[inputs]), _logits(ref, cfg, INPUTS[inputs])) < TOL
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_packed_documents_with_images_equal_transformers_on_each_alone(reference, config):
+    """One row of three documents (an image, text only, two images), positions per document and
+    `cu_seqlens` at their bounds, through `moevlm.model.from_pretrained`: each document's logits equal
+    transformers' on that document alone (attention's mask, the GDN state and conv resets)."""
+    import moevlm.model
+
+    ref, folder = reference[config]
+    cfg = CONFIGS[config]()
+    ours = moevlm.model.from_pretrained(folder, attn_backend="sdpa").eval()
+    assert ours.config == cfg and ours.config.family == "qwen3_5_moe"
+    docs = [sample(cfg, g, seed=i) for i, g in enumerate(([(1, 4, 6)], [], [(1, 4, 4), (1, 6, 4)]))]
+    merge, image = cfg.vision.spatial_merge_size, cfg.image_token_id
+    ids = torch.cat([d[0] for d in docs], dim=1)
+    pos = torch.cat([mrope_position_ids(d[0], d[2], image, merge) for d in docs], dim=-1)
+    bounds = torch.tensor([0, *(d[0].shape[1] for d in docs)]).cumsum(0).int()
+    pixels = torch.cat([d[1] for d in docs if d[1] is not None])
+    grid = torch.cat([d[2] for d in docs if d[2] is not None])
+    with torch.no_grad():
+        packed = ours(ids, pixels, grid, position_ids=pos, cu_seqlens=bounds).logits
+        alone = [hf_forward(ref, *d).logits for d in docs]
+    assert rel_err(packed, torch.cat(alone, dim=1)) < TOL
 
 
 def test_mrope_position_ids_equal_the_reference(reference):
