@@ -1,10 +1,11 @@
 """End-to-end training steps on one device: our trainer vs Hugging Face
-transformers' Qwen3VLMoeForConditionalGeneration on the same samples, then our
+transformers' model of the same family (Qwen3VLMoe- or Qwen3_5MoeForConditionalGeneration) on the same samples, then our
 trainer on real vs mock data (data.mock=image_free, random_pixels).
 
 Legend: B samples of a micro-batch (HF's padded batch), L the longest of them.
 
     python bench/e2e.py --preset tiny [--smoke] [OVERRIDE ...]       # CPU, fp32
+    python bench/e2e.py --preset qwen3_5_tiny [--smoke]              # CPU, fp32, the Qwen3.5-MoE family
     python bench/e2e.py --preset h100_1gpu [OVERRIDE ...]            # one 80 GB GPU, bf16
     python bench/e2e.py --preset tiny model.recompute=selective train.compile=true
 
@@ -55,6 +56,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import json
 import statistics
 import sys
 import tempfile
@@ -83,6 +85,17 @@ SAMPLE_IDS = [
 # preset -> (overrides, warm-up steps, timed steps); --smoke: 1 warm-up, 2 timed
 PRESETS = {
     "tiny": (["train.precision=fp32", "train.device=cpu", "data.num_workers=1"], 2, 8),
+    # the Qwen3.5-MoE family (Gated DeltaNet + gated attention + shared expert) at CPU size
+    "qwen3_5_tiny": (
+        [
+            "model.preset=qwen3_5_tiny",
+            "train.precision=fp32",
+            "train.device=cpu",
+            "data.num_workers=1",
+        ],
+        2,
+        8,
+    ),
     "h100_1gpu": (
         ["+experiment=h100_1gpu", "data.shards=sample", *SAMPLE_IDS, "data.num_workers=4"],
         3,
@@ -189,7 +202,12 @@ class HFSide:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-        self.model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        family = json.loads((Path(hf_dir) / "config.json").read_text())["model_type"]
+        cls = {
+            "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+            "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+        }[family]
+        self.model = cls.from_pretrained(
             hf_dir, dtype=torch.float32, attn_implementation="sdpa"
         ).to(device)
         self.model.train()

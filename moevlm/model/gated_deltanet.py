@@ -180,7 +180,7 @@ def chunk_gated_delta_rule(
     layout = ChunkLayout(bounds.long(), T, chunk_size, num_chunks)
     grids = [layout.to_grid(x.float()) for x in (q, k, v_THV, g_TH, beta_TH)]
     with torch.autocast(v_THV.device.type, enabled=False):  # its matmuls stay fp32
-        o = delta_rule_over_chunks(*grids, layout.first_chunk_N)
+        o = delta_rule_over_chunks(*grids, layout.first_chunk_N, waves=layout.waves)
     return layout.from_grid(o).to(v_THV.dtype)
 
 
@@ -190,7 +190,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class ChunkLayout:
     """Where each token goes in a grid of N chunks of L slots, each document from a chunk start;
-    N = T // L + documents bounds every layout, so nothing waits on the host."""
+    N = T // L + documents bounds every layout, so nothing waits on the host.  On the CPU, `waves`
+    also lists the grid's chunks by their place in their document (wave c: chunk c of every document
+    that long, longest documents first), so the recurrence steps through the longest document's
+    chunks, the documents side by side, not through every chunk in turn."""
 
     def __init__(self, bounds: torch.Tensor, T: int, L: int, num_chunks: int | None = None):
         num_docs = bounds.numel() - 1
@@ -203,6 +206,7 @@ class ChunkLayout:
         self.N, self.L = num_chunks or T // L + num_docs, L
         first = torch.zeros(self.N + 1, dtype=torch.bool, device=bounds.device)
         self.first_chunk_N = first.index_fill(0, first_D, True)[: self.N]
+        self.waves = waves(chunks_D.tolist(), first_D.tolist()) if not bounds.is_cuda else None
 
     def to_grid(self, x_T: torch.Tensor) -> torch.Tensor:
         """(T, H, ...) → (H, N, L, ...), zeros in the slots no token fills."""
@@ -216,10 +220,23 @@ class ChunkLayout:
         return grid.movedim(0, 2).reshape(self.N * self.L, H, Vd)[self.slot_T]
 
 
-def delta_rule_over_chunks(q, k, v, g, beta, first_chunk_N: torch.Tensor) -> torch.Tensor:
+def waves(chunks_D: list[int], first_D: list[int]) -> list[torch.Tensor]:
+    """Grid chunk indices by wave: wave c holds chunk c of every document of more than c chunks, the
+    documents in one order (most chunks first), so each wave's documents are a prefix of the last's."""
+    order = sorted(range(len(chunks_D)), key=lambda d: -chunks_D[d])
+    longest = chunks_D[order[0]] if order else 0
+    return [
+        torch.tensor([first_D[d] + c for d in order if chunks_D[d] > c]) for c in range(longest)
+    ]
+
+
+def delta_rule_over_chunks(
+    q, k, v, g, beta, first_chunk_N: torch.Tensor, waves: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """q, k (H, N, L, Kd), v (H, N, L, Vd), g, beta (H, N, L), fp32 → o (H, N, L, Vd).  Inside a
     chunk the L delta-rule writes are one unit-lower-triangular solve (the WY/UT form); across
-    chunks the state is carried in order, zeroed where a document begins."""
+    chunks the state is carried in order, zeroed where a document begins, or with `waves`
+    (ChunkLayout) carried for all documents side by side, each from zero."""
     H, N, L, Kd = k.shape
     causal = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()
     gcum = g.cumsum(-1)  # log decay from the chunk start to each position
@@ -233,6 +250,8 @@ def delta_rule_over_chunks(q, k, v, g, beta, first_chunk_N: torch.Tensor) -> tor
     q_dec = q * gcum.exp().unsqueeze(-1)
     k_dec = k * (gcum[..., -1:] - gcum).exp().unsqueeze(-1)
     chunk_decay = gcum[..., -1].exp()[..., None, None]
+    if waves is not None:
+        return _over_waves(u, w, qk, q_dec, k_dec, chunk_decay, waves)
     keep_N = (~first_chunk_N).to(q.dtype)
     state = q.new_zeros(H, Kd, v.shape[-1])
     out = []
@@ -242,6 +261,21 @@ def delta_rule_over_chunks(q, k, v, g, beta, first_chunk_N: torch.Tensor) -> tor
         out.append(q_dec[:, n] @ state + qk[:, n] @ v_new)
         state = state * chunk_decay[:, n] + k_dec[:, n].transpose(-1, -2) @ v_new
     return torch.stack(out, 1)
+
+
+def _over_waves(u, w, qk, q_dec, k_dec, chunk_decay, waves) -> torch.Tensor:
+    """The state recurrence of delta_rule_over_chunks, one wave of documents' chunks a step."""
+    H, N, L, Vd = u.shape
+    if not waves:
+        return u.new_zeros(H, N, L, Vd)
+    state = u.new_zeros(H, waves[0].numel(), k_dec.shape[-1], Vd)
+    out = []
+    for idx in waves:
+        s = state[:, : idx.numel()]  # the documents still running
+        v_new = u[:, idx] - w[:, idx] @ s
+        out.append(q_dec[:, idx] @ s + qk[:, idx] @ v_new)
+        state = s * chunk_decay[:, idx] + k_dec[:, idx].transpose(-1, -2) @ v_new
+    return u.new_zeros(H, N, L, Vd).index_copy(1, torch.cat(waves), torch.cat(out, 1))
 
 
 # ------------------------------------------------------------------ fla

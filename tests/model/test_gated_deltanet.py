@@ -1,6 +1,6 @@
 """Gated DeltaNet: equal to transformers' Qwen3.5-MoE module (forward and every gradient), packed
-documents equal to each document alone (and not without either reset), the chunked delta rule equal
-to a per-token recurrence."""
+documents equal to each document alone (and not without either reset), the chunked delta rule (documents
+side by side, or chunk by chunk as on CUDA) equal to a per-token recurrence."""
 
 from __future__ import annotations
 
@@ -118,7 +118,9 @@ def test_packed_differs_without_either_reset(monkeypatch, without):
     else:
         run = gdn.delta_rule_over_chunks
         monkeypatch.setattr(
-            gdn, "delta_rule_over_chunks", lambda *a: run(*a[:-1], torch.arange(a[-1].numel()) == 0)
+            gdn,
+            "delta_rule_over_chunks",
+            lambda *a, waves: run(*a[:-1], torch.arange(a[-1].numel()) == 0),  # chunk by chunk
         )
     y = ours(x, cu_seqlens=cu)
     assert rel(y[:, :19], alone[:, :19]) <= 1e-5  # the first document has nothing before it
@@ -142,9 +144,17 @@ def per_token_recurrence(q, k, v, g, beta, bounds, scale):
     return out
 
 
+def _chunk_by_chunk(monkeypatch):
+    """The recurrence through every chunk in turn (the CUDA path's loop) on the CPU too."""
+    monkeypatch.setattr(gdn, "waves", lambda *a: None)
+
+
+@pytest.mark.parametrize("loop", ["waves", "chunk by chunk"])
 @pytest.mark.parametrize("chunk", [1, 4, 16, 64])
 @pytest.mark.parametrize("bounds", [[0, 37], [0, 9, 9, 26, 37]], ids=["one doc", "docs"])
-def test_chunked_equals_per_token_recurrence(chunk, bounds):
+def test_chunked_equals_per_token_recurrence(chunk, bounds, loop, monkeypatch):
+    if loop == "chunk by chunk":
+        _chunk_by_chunk(monkeypatch)
     torch.manual_seed(3)
     T, Hk, H, Kd, Vd = 37, 2, 4, 8, 6
     q, k = torch.randn(T, Hk, Kd), torch.nn.functional.normalize(torch.randn(T, Hk, Kd), dim=-1)
@@ -154,6 +164,24 @@ def test_chunked_equals_per_token_recurrence(chunk, bounds):
     got = chunk_gated_delta_rule(q, k, v, g, beta, torch.tensor(bounds), chunk, scale=0.5)
     assert got.dtype == torch.float32
     assert rel(got.double(), expected) <= 1e-5
+
+
+def test_both_loops_give_the_same_gradients(monkeypatch):
+    """Documents side by side (waves) and chunk by chunk: the same input gradients."""
+    torch.manual_seed(4)
+    T, Hk, H, Kd, Vd = 53, 1, 2, 8, 4
+    leaves = [torch.randn(T, Hk, Kd), torch.randn(T, Hk, Kd), torch.randn(T, H, Vd)]
+    leaves += [-torch.rand(T, H), torch.rand(T, H)]
+    bounds, dy = torch.tensor([0, 3, 20, 20, 53]), torch.randn(T, H, Vd)
+    grads = []
+    for patch in (False, True):
+        if patch:
+            _chunk_by_chunk(monkeypatch)
+        xs = [x.clone().requires_grad_() for x in leaves]
+        (chunk_gated_delta_rule(*xs, bounds, 8, qk_l2norm=True) * dy).sum().backward()
+        grads.append([x.grad for x in xs])
+    for a, b in zip(*grads):
+        assert rel(a, b) <= 1e-5
 
 
 def test_bf16_inputs_accumulate_in_fp32():
