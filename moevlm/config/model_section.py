@@ -58,6 +58,14 @@ class ModelConfig:
         default="tiny",
         metadata={"help": "the architecture by name (ignored when hf_config is set)"},
     )
+    family: one_of("auto", "qwen3_vl_moe", "qwen3_5_moe") = field(
+        default="auto",
+        metadata={
+            "help": "the model family (auto = model.preset's or model.hf_config's); given with the "
+            "default model.preset, that family's tiny preset; refused when the preset or config is "
+            "of the other family"
+        },
+    )
     hf_config: str = field(
         default="",
         metadata={
@@ -400,7 +408,8 @@ def model_config(m: ModelConfig) -> VLMConfig:
     """The model config `m` composes: the preset or HF config, then every declared field of `m`
     (`model_fields`) assigned by path, validated; a ConfigError speaks the job's keys."""
     _check_proxies(m)
-    cfg = _hf_config(m.hf_config) if m.hf_config else VLMConfig.preset(m.preset)
+    cfg = _hf_config(m.hf_config) if m.hf_config else VLMConfig.preset(_preset_of(m))
+    _check_family(m, cfg)
     for key, path in model_fields(m).items():
         _assign(cfg, path, getattr(m, key))
     if m.num_layers is not None:  # dense layers and deepstack taps beyond a shrunk depth go with it
@@ -414,6 +423,30 @@ def model_config(m: ModelConfig) -> VLMConfig:
         return cfg.validate()
     except ConfigError as err:
         raise ConfigError(in_job_keys(str(err), m)) from None
+
+
+# each family's CPU-size preset, which model.family picks with the default model.preset
+FAMILY_TINY = {"qwen3_vl_moe": "tiny", "qwen3_5_moe": "qwen3_5_tiny"}
+
+
+def _preset_of(m: ModelConfig) -> str:
+    """model.preset, or model.family's tiny preset where the preset is the default one."""
+    if m.preset == ModelConfig.preset:
+        return FAMILY_TINY.get(m.family, m.preset)  # a value not allowed: the field's check says so
+    return m.preset
+
+
+def _check_family(m: ModelConfig, cfg: VLMConfig) -> None:
+    source = (
+        f"model.hf_config={shown_path(m.hf_config)}" if m.hf_config else f"model.preset={m.preset}"
+    )
+    check(
+        m.family not in FAMILY_TINY or m.family == cfg.family,
+        f"model.family={m.family} but {source} is a {cfg.family} model; drop model.family or pick "
+        f"a {m.family} architecture (presets: "
+        + ", ".join(n for n in PRESET_NAMES if VLMConfig.preset(n).family == m.family)
+        + ")",
+    )
 
 
 def layer_types_for(layer_types: tuple[str, ...], num_layers: int) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE at the job level: `model.preset=qwen3_5_tiny` trains to the end in process, a Qwen3.5
+"""Qwen3.5-MoE at the job level: `model.preset=qwen3_5_tiny` trains to the end in process, so does
+`model.family=qwen3_5_moe` with the loss falling, a Qwen3.5
 `config.json` (model.hf_config) and folder (model.hf_checkpoint) compose and load (into a model of the
 other family: refused by name), the proxy depth
 keeps the hybrid layer pattern consistent, and an unreadable config names both families."""
@@ -38,6 +39,24 @@ def _losses(run_dir, overrides) -> list[float]:
 def test_the_tiny_preset_trains_to_the_end(tmp_path):
     losses = _losses(tmp_path, ["model.preset=qwen3_5_tiny", "train.steps=2"])
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_model_family_picks_the_tiny_preset_and_its_loss_falls(tmp_path):
+    """`model.family=qwen3_5_moe` with the default preset trains qwen3_5_tiny on the sample set, the
+    trainer's own check that the loss fell passing; a family the preset is not of is refused."""
+    plan = validate(compose_job(["model.family=qwen3_5_moe"]))
+    tiny = VLMConfig.preset("qwen3_5_tiny")
+    assert (plan.model.text, plan.model.moe, plan.model.vision) == (
+        tiny.text,
+        tiny.moe,
+        tiny.vision,
+    )
+    steps = ["model.family=qwen3_5_moe", "train.steps=12", "train.require_loss_decrease=true"]
+    losses = _losses(tmp_path, steps)
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    for family, preset in (("qwen3_5_moe", "qwen3_vl_30b_a3b"), ("qwen3_vl_moe", "qwen3_5_tiny")):
+        with pytest.raises(ConfigError, match=f"model.family={family} but model.preset={preset}"):
+            validate(compose_job([f"model.family={family}", f"model.preset={preset}"]))
 
 
 def test_a_qwen35_folder_composes_and_loads(tmp_path):
