@@ -255,27 +255,35 @@ def delta_rule_over_chunks(
     keep_N = (~first_chunk_N).to(q.dtype)
     state = q.new_zeros(H, Kd, v.shape[-1])
     out = []
-    for n in range(N):
-        state = state * keep_N[n]
-        v_new = u[:, n] - w[:, n] @ state
-        out.append(q_dec[:, n] @ state + qk[:, n] @ v_new)
-        state = state * chunk_decay[:, n] + k_dec[:, n].transpose(-1, -2) @ v_new
+    # one unbind a tensor (its backward one stack), not an index per chunk (a whole-grid gradient each)
+    for keep, u_n, w_n, qd_n, qk_n, cd_n, kd_n in zip(
+        keep_N.unbind(0), *(x.unbind(1) for x in (u, w, q_dec, qk, chunk_decay, k_dec))
+    ):
+        state = state * keep
+        v_new = u_n - w_n @ state
+        out.append(qd_n @ state + qk_n @ v_new)
+        state = state * cd_n + kd_n.transpose(-1, -2) @ v_new
     return torch.stack(out, 1)
 
 
 def _over_waves(u, w, qk, q_dec, k_dec, chunk_decay, waves) -> torch.Tensor:
-    """The state recurrence of delta_rule_over_chunks, one wave of documents' chunks a step."""
+    """The state recurrence of delta_rule_over_chunks, one wave of documents' chunks a step: the
+    chunks gathered wave after wave once and split by wave (backward: one cat, one scatter)."""
     H, N, L, Vd = u.shape
     if not waves:
         return u.new_zeros(H, N, L, Vd)
-    state = u.new_zeros(H, waves[0].numel(), k_dec.shape[-1], Vd)
+    order, sizes = torch.cat(waves), [idx.numel() for idx in waves]
+    parts = [
+        x.index_select(1, order).split(sizes, 1) for x in (u, w, qk, q_dec, k_dec, chunk_decay)
+    ]
+    state = u.new_zeros(H, sizes[0], k_dec.shape[-1], Vd)
     out = []
-    for idx in waves:
-        s = state[:, : idx.numel()]  # the documents still running
-        v_new = u[:, idx] - w[:, idx] @ s
-        out.append(q_dec[:, idx] @ s + qk[:, idx] @ v_new)
-        state = s * chunk_decay[:, idx] + k_dec[:, idx].transpose(-1, -2) @ v_new
-    return u.new_zeros(H, N, L, Vd).index_copy(1, torch.cat(waves), torch.cat(out, 1))
+    for n, u_c, w_c, qk_c, qd_c, kd_c, cd_c in zip(sizes, *parts):
+        s = state[:, :n]  # the documents still running
+        v_new = u_c - w_c @ s
+        out.append(qd_c @ s + qk_c @ v_new)
+        state = s * cd_c + kd_c.transpose(-1, -2) @ v_new
+    return u.new_zeros(H, N, L, Vd).index_copy(1, order, torch.cat(out, 1))
 
 
 # ------------------------------------------------------------------ fla
