@@ -5,7 +5,9 @@ full-attention layer; a shared expert beside the routed ones; fp32): one referen
 then in ONE launch of 2 gloo ranks each layout through the real `Trainer`, compared per step (loss,
 gathered gradients) and after the last update (parameters), each to 1e-5 relative.  Layouts: FSDP
 dp2, DDP dp2, ep2 (all-to-all dispatch; the shared expert replicated beside the routed experts), pp2
-(GDN layers 0-1 on stage 0, GDN layer 2 and the full-attention layer 3 on stage 1).
+(the automatic split: the GDN layers 0-2 on stage 0, the full-attention layer 3 on stage 1), tp2 (GDN
+value heads with their key heads, conv channels and out_proj split as the attention's heads are;
+the sequence parallel between blocks) and tp2 x ep2.
 
 Every run starts from one Hugging Face folder (`conditioned_init`): the Trainer's initial weights
 with each GDN layer's A = exp(A_log) drawn from U(0.01, 0.1) instead of the reference's U(0.01, 16).
@@ -24,7 +26,7 @@ import torch
 from gloo_ranks import run_forked, run_ranks
 from test_layouts import _one_process, check_layouts, job_overrides, print_report
 
-from moevlm.config import compose_job
+from moevlm.config import compose_job, validate
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.train.trainer import Trainer
 
@@ -33,7 +35,11 @@ WORLD_2 = [
     [*QWEN35, "parallel.dp_mode=fsdp"],
     [*QWEN35, "parallel.dp_mode=ddp"],
     [*QWEN35, "parallel.ep=2", "model.dispatcher=alltoall"],
-    [*QWEN35, "parallel.pp=2", "parallel.pp_layers=[2,2]"],
+    # the automatic split (by training FLOPs, GDN layers charged theirs): [3, 1]
+    [*QWEN35, "parallel.pp=2"],
+    # GDN heads: in_proj_z/b/a, dt_bias, A_log and out_proj sharded, in_proj_qkv and conv rows picked
+    [*QWEN35, "parallel.tp=2"],
+    [*QWEN35, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
 ]
 
 
@@ -64,6 +70,10 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[s
 @pytest.mark.slow
 def test_qwen35_layouts_match_one_process(tmp_path):
     shards = str(ensure_sample()[0])
+    pp2 = compose_job(
+        job_overrides(shards, str(tmp_path / "plan"), WORLD_2[3][:1] + WORLD_2[3][2:])
+    )
+    assert validate(pp2, world_size=2, environment=False).pipeline.layers == (3, 1)
     run_forked(_references, [(shards, str(tmp_path))])
     (tmp_path / "launch").mkdir()
     run_ranks(_on_ranks, 2, tmp_path / "launch", 2, shards, str(tmp_path), WORLD_2, timeout_s=300)
