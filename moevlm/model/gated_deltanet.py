@@ -7,9 +7,10 @@ Hk key heads, Kd key head dim, Vd value head dim, N chunks, L chunk length.
     y_BSD = gdn(x_BSD, cu_seqlens)                           # state and conv window reset per document
     o_THV = chunk_gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, bounds)  # fp32 inside
 
-Under tensor parallelism (`share` = (i, n), `sequence` its strategy) the layer gathers the sequence
-and computes value heads [i H/n, (i+1) H/n) with their key heads: rows of the whole in_proj_qkv and
-conv weights, whole heads of the sharded in_proj_z/b/a, dt_bias and A_log, and out_proj row-parallel.
+Split over n ranks (`share` = (i, n); tensor or context parallelism, `sequence` their strategy) the
+layer reads the whole sequence and computes value heads [i H/n, (i+1) H/n) with their key heads: rows
+of the whole in_proj_qkv and conv weights, its heads of in_proj_z/b/a, dt_bias, A_log and out_proj
+(the tensor-parallel shards, or slices); the output is summed over the n ranks.
 
 Backends (`backend`): `torch` (the chunked delta rule here; CPU, tests), `fla` (the optional package
 flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16) and `auto` (`fla`
@@ -85,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         return run_region(self, "region", self._forward, x_BsD, cu_seqlens)
 
     def _forward(self, x_BsD: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        x_BSD = self.seq.gather(x_BsD)
+        x_BSD = self.seq.gather_whole(x_BsD)
         B, S, _ = x_BSD.shape
         hk, h = self.num_k_heads // self.share[1], self.num_v_heads // self.share[1]  # this rank's
         bounds = static_bounds(B, S, cu_seqlens, x_BSD.device)
@@ -100,9 +101,9 @@ class GatedDeltaNet(nn.Module):
             .reshape(B * S, -1)
             .split([hk * self.head_k_dim, hk * self.head_k_dim, h * self.head_v_dim], -1)
         )
-        beta_TH = self.in_proj_b(x_BSD).reshape(B * S, h).sigmoid()
-        a_TH = self.in_proj_a(x_BSD).reshape(B * S, h)
-        A_log, dt_bias = local(self.A_log), local(self.dt_bias)
+        beta_TH = self._project(self.in_proj_b, x_BSD, 1).reshape(B * S, h).sigmoid()
+        a_TH = self._project(self.in_proj_a, x_BSD, 1).reshape(B * S, h)
+        A_log, dt_bias = self._mine(self.A_log, 1), self._mine(self.dt_bias, 1)
         g_TH = -A_log.float().exp() * F.softplus(a_TH.float() + dt_bias)
         o_THV = gated_delta_rule(
             q.reshape(B * S, hk, self.head_k_dim),
@@ -116,9 +117,20 @@ class GatedDeltaNet(nn.Module):
             # rows alone: exactly ceil(S/L) chunks each, no spare chunk per document
             B * -(-S // self.chunk_size) if cu_seqlens is None else None,
         )
-        z_THV = self.in_proj_z(x_BSD).reshape(B * S, h, self.head_v_dim)
+        z_THV = self._project(self.in_proj_z, x_BSD, self.head_v_dim).reshape(B * S, h, -1)
         o_BSV = self.norm(o_THV, z_THV).reshape(B, S, -1)
-        return self.seq.scatter_linear(self.out_proj, o_BSV)
+        w_out = self._mine(self.out_proj.weight, self.head_v_dim, dim=1)
+        return self.seq.scatter_sum(self.out_proj.project(o_BSV, w_out))
+
+    def _mine(self, p: torch.Tensor, per_head: int, dim: int = 0) -> torch.Tensor:
+        """This rank's value heads of `p` along `dim` (`per_head` entries each): its shard under tensor
+        parallelism, else a slice of the whole parameter."""
+        t, (i, n) = local(p), self.share
+        whole = self.num_v_heads * per_head
+        return t if t.shape[dim] != whole or n == 1 else t.narrow(dim, i * whole // n, whole // n)
+
+    def _project(self, linear: Linear, x: torch.Tensor, per_head: int) -> torch.Tensor:
+        return linear.project(x, self._mine(linear.weight, per_head))
 
     def qkv_rows(self) -> torch.Tensor | None:
         """The rows of in_proj_qkv (and conv channels) this rank's heads use: its key heads' q and k rows,

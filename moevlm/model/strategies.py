@@ -71,6 +71,16 @@ class Sequence:
         """A block's row-parallel output projection (bias included), back to the layers' share."""
         return linear(x)
 
+    def gather_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Before a block that reads every token in order (a Gated DeltaNet's recurrence): the whole
+        sequence."""
+        return self.gather(x)
+
+    def scatter_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Such a block's output over the whole sequence, partial over the ranks that split its heads
+        (`Strategies.head_share`): summed, back to the layers' share."""
+        return y
+
 
 class Images:
     """The vision tower runs on every image of the micro-batch here."""

@@ -56,6 +56,9 @@ class TPSequence(Sequence):
         y = reduce_scatter_seq(linear.project(x, local(linear.weight)), self.group)
         return y if linear.bias is None else y + linear.bias
 
+    def scatter_sum(self, y):
+        return reduce_scatter_seq(y, self.group)
+
 
 class TPVocab(Vocab):
     """This rank's rows [vocab_start, vocab_start + V/tp) of the embedding and the LM head."""

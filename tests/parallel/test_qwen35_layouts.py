@@ -40,6 +40,8 @@ WORLD_2 = [
     # GDN heads: in_proj_z/b/a, dt_bias, A_log and out_proj sharded, in_proj_qkv and conv rows picked;
     # the experts over the same two ranks (ep 2, etp 1)
     [*QWEN35, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
+    # the row's zigzag chunks over cp 2: GDN layers gather the row and run half of the heads each
+    [*QWEN35, "parallel.cp=2"],
 ]
 
 
