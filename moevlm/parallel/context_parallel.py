@@ -39,12 +39,14 @@ class CPInfo:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.idx_Bs: torch.Tensor | None = None  # (B, s) this rank's positions of the micro-batch
         self.order_BS: torch.Tensor | None = None  # (B, S) every rank's positions, in rank order
+        self.inverse_BS: torch.Tensor | None = None  # (B, S) where each position sits in order_BS
 
     def set_rows(self, cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> None:
         """Each rank's positions of each row of the micro-batch about to run (cp_layout.split_rows);
         called where a micro-batch enters the model (forward, a pipeline stage)."""
         every = every_rank_rows(B, S, cu_seqlens, self.size, device)
         self.idx_Bs, self.order_BS = every[self.rank], torch.cat(list(every), dim=1)
+        self.inverse_BS = torch.argsort(self.order_BS, dim=1)
 
     def take(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         if self.idx_Bs is None or self.idx_Bs.shape[0] != t.shape[dim - 1]:
@@ -146,8 +148,7 @@ class CPSequence(Sequence):
     def gather_whole(self, x_BsD):
         """Every cp rank's tokens, in row order (the Gated DeltaNet's recurrence; `inner` whole)."""
         every_BSD = gather_seq(self.inner.gather_whole(x_BsD), self.cp.group)  # in rank order
-        inverse_BS = torch.argsort(self.cp.order_BS, dim=1)
-        return take_rows(every_BSD, inverse_BS)
+        return take_rows(every_BSD, self.cp.inverse_BS)
 
     def scatter_sum(self, y_BSD):
         """The row's partial sums (one per cp rank's heads) summed, each rank keeping its tokens."""
