@@ -7,7 +7,8 @@ gathered gradients) and after the last update (parameters), each to 1e-5 relativ
 dp2 with ep2 (all-to-all dispatch; the shared expert beside the routed experts), DDP dp2, pp2 (the
 automatic split: the GDN layers 0-2 on stage 0, the full-attention layer 3 on stage 1), tp2 x ep2
 (GDN value heads with their key heads, conv channels and out_proj split as the attention's heads
-are; the sequence parallel between blocks).  Four layouts, not one per feature: the suite's time.
+are; the sequence parallel between blocks) and cp2 (GDN layers gather the row and run half of the
+heads each).  Five layouts, not one per feature: the suite's time (about 30 s on 2 cores).
 
 Every run starts from one Hugging Face folder (`conditioned_init`): the Trainer's initial weights
 with each GDN layer's A = exp(A_log) drawn from U(0.01, 0.1) instead of the reference's U(0.01, 16).
