@@ -140,6 +140,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, t.norm_zero_centered)
         self.self_attn = self.linear_attn = None  # the token mixer: one of them, by layer type
         if t.is_linear_layer(layer_idx):
+            s = strategies or Strategies()
             self.linear_attn = GatedDeltaNet(
                 t.hidden_size,
                 t.linear_num_key_heads,
@@ -148,6 +149,8 @@ class DecoderLayer(nn.Module):
                 t.linear_value_head_dim,
                 t.linear_conv_kernel_dim,
                 t.rms_norm_eps,
+                sequence=s.sequence,
+                share=s.head_share,
             )
         else:
             self.self_attn = TextAttention(cfg, strategies)

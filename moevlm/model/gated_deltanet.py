@@ -7,6 +7,11 @@ Hk key heads, Kd key head dim, Vd value head dim, N chunks, L chunk length.
     y_BSD = gdn(x_BSD, cu_seqlens)                           # state and conv window reset per document
     o_THV = chunk_gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, bounds)  # fp32 inside
 
+Split over n ranks (`share` = (i, n); tensor or context parallelism, `sequence` their strategy) the
+layer reads the whole sequence and computes value heads [i H/n, (i+1) H/n) with their key heads: rows
+of the whole in_proj_qkv and conv weights, its heads of in_proj_z/b/a, dt_bias, A_log and out_proj
+(the tensor-parallel shards, or slices); the output is summed over the n ranks.
+
 Backends (`backend`): `torch` (the chunked delta rule here; CPU, tests), `fla` (the optional package
 flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16) and `auto` (`fla`
 where it imports and fits, else `torch`).  The causal conv is ours on both.
@@ -19,7 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moevlm.model.attention import static_bounds
+from moevlm.model.linear import Linear
 from moevlm.model.region import run_region
+from moevlm.model.strategies import Sequence, local
 
 GDN_BACKENDS = ("auto", "torch", "fla")
 FLA_DTYPES = (torch.bfloat16, torch.float16)  # its kernel refuses fp32
@@ -40,6 +47,8 @@ class GatedDeltaNet(nn.Module):
         eps: float = 1e-6,
         chunk_size: int = 64,
         backend: str = "auto",
+        sequence: Sequence | None = None,
+        share: tuple[int, int] = (0, 1),
     ):
         super().__init__()
         if num_v_heads % num_k_heads:
@@ -52,12 +61,17 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.chunk_size, self.backend = chunk_size, backend
+        self.seq, self.share = sequence or Sequence(), share
+        if num_k_heads % share[1]:
+            raise ValueError(
+                f"linear_num_key_heads={num_k_heads} is not divisible by {share[1]} ranks"
+            )
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, num_v_heads, bias=False)
         # a container for the weight (C, 1, K) under its checkpoint name; the forward is conv_by_doc
         self.conv1d = nn.Conv1d(
             conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False, padding=conv_kernel - 1
@@ -65,28 +79,36 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.out_proj = Linear(value_dim, hidden, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        return run_region(self, "region", self._forward, x_BSD, cu_seqlens)
+    def forward(self, x_BsD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x as the layers see it (this rank's share of the sequence under sequence parallelism)."""
+        return run_region(self, "region", self._forward, x_BsD, cu_seqlens)
 
-    def _forward(self, x_BSD: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x_BsD: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        x_BSD = self.seq.gather_whole(x_BsD)
         B, S, _ = x_BSD.shape
+        hk, h = self.num_k_heads // self.share[1], self.num_v_heads // self.share[1]  # this rank's
         bounds = static_bounds(B, S, cu_seqlens, x_BSD.device)
         pos_BS = position_in_document(bounds, B, S)
-        qkv_BSC = conv_by_doc(self.in_proj_qkv(x_BSD), self.conv1d.weight[:, 0], pos_BS)
-        qkv_BSC = F.silu(qkv_BSC)
-        key_dim = self.num_k_heads * self.head_k_dim
-        q, k, v = qkv_BSC.reshape(B * S, -1).split(
-            [key_dim, key_dim, qkv_BSC.shape[-1] - 2 * key_dim], -1
+        rows = self.qkv_rows()
+        w_qkv, w_conv = local(self.in_proj_qkv.weight), local(self.conv1d.weight)[:, 0]
+        if rows is not None:
+            w_qkv, w_conv = w_qkv[rows], w_conv[rows]
+        qkv_BSC = conv_by_doc(self.in_proj_qkv.project(x_BSD, w_qkv), w_conv, pos_BS)
+        q, k, v = (
+            F.silu(qkv_BSC)
+            .reshape(B * S, -1)
+            .split([hk * self.head_k_dim, hk * self.head_k_dim, h * self.head_v_dim], -1)
         )
-        beta_TH = self.in_proj_b(x_BSD).reshape(B * S, -1).sigmoid()
-        a_TH = self.in_proj_a(x_BSD).reshape(B * S, -1)
-        g_TH = -self.A_log.float().exp() * F.softplus(a_TH.float() + self.dt_bias)
+        beta_TH = self._project(self.in_proj_b, x_BSD, 1).reshape(B * S, h).sigmoid()
+        a_TH = self._project(self.in_proj_a, x_BSD, 1).reshape(B * S, h)
+        A_log, dt_bias = self._mine(self.A_log, 1), self._mine(self.dt_bias, 1)
+        g_TH = -A_log.float().exp() * F.softplus(a_TH.float() + dt_bias)
         o_THV = gated_delta_rule(
-            q.reshape(B * S, self.num_k_heads, self.head_k_dim),
-            k.reshape(B * S, self.num_k_heads, self.head_k_dim),
-            v.reshape(B * S, self.num_v_heads, self.head_v_dim),
+            q.reshape(B * S, hk, self.head_k_dim),
+            k.reshape(B * S, hk, self.head_k_dim),
+            v.reshape(B * S, h, self.head_v_dim),
             g_TH,
             beta_TH,
             bounds,
@@ -95,8 +117,34 @@ class GatedDeltaNet(nn.Module):
             # rows alone: exactly ceil(S/L) chunks each, no spare chunk per document
             B * -(-S // self.chunk_size) if cu_seqlens is None else None,
         )
-        z_THV = self.in_proj_z(x_BSD).reshape(B * S, self.num_v_heads, self.head_v_dim)
-        return self.out_proj(self.norm(o_THV, z_THV).reshape(B, S, -1))
+        z_THV = self._project(self.in_proj_z, x_BSD, self.head_v_dim).reshape(B * S, h, -1)
+        o_BSV = self.norm(o_THV, z_THV).reshape(B, S, -1)
+        w_out = self._mine(self.out_proj.weight, self.head_v_dim, dim=1)
+        return self.seq.scatter_sum(self.out_proj.project(o_BSV, w_out))
+
+    def _mine(self, p: torch.Tensor, per_head: int, dim: int = 0) -> torch.Tensor:
+        """This rank's value heads of `p` along `dim` (`per_head` entries each): its shard under tensor
+        parallelism, else a slice of the whole parameter."""
+        t, (i, n) = local(p), self.share
+        whole = self.num_v_heads * per_head
+        return t if t.shape[dim] != whole or n == 1 else t.narrow(dim, i * whole // n, whole // n)
+
+    def _project(self, linear: Linear, x: torch.Tensor, per_head: int) -> torch.Tensor:
+        return linear.project(x, self._mine(linear.weight, per_head))
+
+    def qkv_rows(self) -> torch.Tensor | None:
+        """The rows of in_proj_qkv (and conv channels) this rank's heads use: its key heads' q and k rows,
+        its value heads' v rows (None: all of them)."""
+        i, n = self.share
+        if n == 1:
+            return None
+        qk, v = self.num_k_heads * self.head_k_dim // n, self.num_v_heads * self.head_v_dim // n
+        key_dim = self.num_k_heads * self.head_k_dim
+        starts = (i * qk, key_dim + i * qk, 2 * key_dim + i * v)
+        device = self.in_proj_qkv.weight.device
+        return torch.cat(
+            [torch.arange(a, a + m, device=device) for a, m in zip(starts, (qk, qk, v))]
+        )
 
 
 class GatedRMSNorm(nn.Module):

@@ -8,8 +8,8 @@ Legend: B rows, S sequence, s this rank's share of it, D hidden, V vocabulary, N
 
 Fields: `sequence` (what the layers see of (B, S) tensors, gather/scatter around projections,
 positions, the document mask), `attention` (core attention factory), `images`, `vocab`, `loss`,
-`router_stats`, `kv_rows`, `dispatcher` (per MoE block) and `experts_runner` (dispatch -> experts
--> combine).
+`router_stats`, `kv_rows`, `head_share` (a Gated DeltaNet's part of its heads), `dispatcher` (per
+MoE block) and `experts_runner` (dispatch -> experts -> combine).
 """
 
 from __future__ import annotations
@@ -70,6 +70,16 @@ class Sequence:
     def scatter_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A block's row-parallel output projection (bias included), back to the layers' share."""
         return linear(x)
+
+    def gather_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Before a block that reads every token in order (a Gated DeltaNet's recurrence): the whole
+        sequence."""
+        return self.gather(x)
+
+    def scatter_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Such a block's output over the whole sequence, partial over the ranks that split its heads
+        (`Strategies.head_share`): summed, back to the layers' share."""
+        return y
 
 
 class Images:
@@ -200,6 +210,8 @@ class Strategies:
     loss: Callable[[], nn.Module] = Loss
     router_stats: RouterStatsReduction = field(default_factory=RouterStatsReduction)
     kv_rows: Callable[[int, int], tuple[int, int] | None] = lambda num_kv_heads, head_dim: None
+    # (i, n): a Gated DeltaNet computes the i-th of n equal parts of its heads
+    head_share: tuple[int, int] = (0, 1)
     dispatcher: Callable[[int, Any], Any] = _local_dispatcher  # (layer index, MoEConfig)
     experts_runner: Callable[[], nn.Module] = ExpertsRunner
 

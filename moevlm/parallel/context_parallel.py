@@ -9,7 +9,8 @@ token.
 weight changes): the vision tower encodes a share of whole images (moevlm.model.image_shares.balance_images) and
 all-gathers the features; the embedding keeps this rank's tokens of the full row
 (cp_layout.split_rows); attention runs local queries against every rank's keys (cp_attention); each
-rank routes and scores its own tokens.  What changes where, and why: docs/architecture.md.
+rank routes and scores its own tokens; a Gated DeltaNet gathers the whole row and runs 1/cp of its heads
+(`CPSequence.gather_whole` / `scatter_sum`).  What changes where, and why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from moevlm.model.region import run_region
 from moevlm.model.strategies import Images, Sequence
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
-from moevlm.parallel.cp_layout import split_rows, take_rows
+from moevlm.parallel.comm import gather_seq, reduce_scatter_seq
+from moevlm.parallel.cp_layout import every_rank_rows, take_rows
 
 
 class CPInfo:
@@ -35,14 +37,16 @@ class CPInfo:
             raise ValueError(f"parallel.cp_comm={comm!r}; choose one of {CP_COMMS}")
         self.group, self.comm = group, comm
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.idx_Bs: torch.Tensor | None = (
-            None  # (B, s) this rank's positions of the current micro-batch
-        )
+        self.idx_Bs: torch.Tensor | None = None  # (B, s) this rank's positions of the micro-batch
+        self.order_BS: torch.Tensor | None = None  # (B, S) every rank's positions, in rank order
+        self.inverse_BS: torch.Tensor | None = None  # (B, S) where each position sits in order_BS
 
     def set_rows(self, cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> None:
-        """This rank's positions of each row of the micro-batch about to run (cp_layout.split_rows);
+        """Each rank's positions of each row of the micro-batch about to run (cp_layout.split_rows);
         called where a micro-batch enters the model (forward, a pipeline stage)."""
-        self.idx_Bs = split_rows(B, S, cu_seqlens, self.size, self.rank, device)
+        every = every_rank_rows(B, S, cu_seqlens, self.size, device)
+        self.idx_Bs, self.order_BS = every[self.rank], torch.cat(list(every), dim=1)
+        self.inverse_BS = torch.argsort(self.order_BS, dim=1)
 
     def take(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         if self.idx_Bs is None or self.idx_Bs.shape[0] != t.shape[dim - 1]:
@@ -133,13 +137,23 @@ class CPSequence(Sequence):
 
     def mask(self, B, S, cu_seqlens, *, device, **_):
         doc = self.cp.take(document_ids(B, S, cu_seqlens, device))
-        return DocMask("cp", True, [], (self.cp.idx_Bs, doc))
+        return DocMask("cp", True, [], (self.cp.idx_Bs, doc), cu_seqlens)
 
     def gather(self, x):
         return self.inner.gather(x)
 
     def scatter_linear(self, linear, x):
         return self.inner.scatter_linear(linear, x)
+
+    def gather_whole(self, x_BsD):
+        """Every cp rank's tokens, in row order (the Gated DeltaNet's recurrence; `inner` whole)."""
+        every_BSD = gather_seq(self.inner.gather_whole(x_BsD), self.cp.group)  # in rank order
+        return take_rows(every_BSD, self.cp.inverse_BS)
+
+    def scatter_sum(self, y_BSD):
+        """The row's partial sums (one per cp rank's heads) summed, each rank keeping its tokens."""
+        mine = reduce_scatter_seq(take_rows(y_BSD, self.cp.order_BS).contiguous(), self.cp.group)
+        return self.inner.scatter_sum(mine)
 
 
 class CPCoreAttention(CoreAttention):
@@ -177,6 +191,7 @@ def cp_strategies(cp_group, comm: str, inner: Sequence) -> tuple[CPInfo, dict]:
         sequence=CPSequence(info, inner),
         images=CPImages(info),
         attention=lambda: CPCoreAttention(info),
+        head_share=(info.rank, info.size),  # Gated DeltaNet heads (GDN under cp x tp: refused)
     )
 
 

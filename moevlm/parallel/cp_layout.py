@@ -68,12 +68,19 @@ def split_rows(
     """(B, S/cp) the positions rank `rank` keeps of each row (`doc_zigzag_positions` of the row's
     documents; `cu_seqlens` over the flattened B*S tokens, None = one document per row).  Host loop over
     the documents (one device-to-host copy of `cu_seqlens`)."""
+    return every_rank_rows(B, S, cu_seqlens, cp, device)[rank]
+
+
+def every_rank_rows(
+    B: int, S: int, cu_seqlens: torch.Tensor | None, cp: int, device=None
+) -> torch.Tensor:
+    """(cp, B, S/cp) `split_rows` of every rank (one host loop over the documents)."""
     cu = [] if cu_seqlens is None else cu_seqlens.tolist()
     rows = []
     for b in range(B):
         inner = sorted({c - b * S for c in cu if b * S < c < (b + 1) * S} | {0, S})
-        rows.append(doc_zigzag_positions(inner, cp)[rank])
-    return torch.tensor(rows, dtype=torch.long, device=device)
+        rows.append(doc_zigzag_positions(inner, cp))
+    return torch.tensor(rows, dtype=torch.long, device=device).transpose(0, 1)
 
 
 def take_rows(x: torch.Tensor, idx_Bs: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -125,6 +132,7 @@ __all__ = [
     "check_divisible",
     "contiguous_positions",
     "doc_zigzag_positions",
+    "every_rank_rows",
     "inverse_order",
     "split_rows",
     "take_rows",

@@ -265,10 +265,21 @@ class ParallelDims:
             "are split along the vocabulary); pad the vocabulary or change parallel.tp",
         )
         check(t.num_layers >= self.pp, f"text.num_layers={t.num_layers} < parallel.pp={self.pp}")
+        gdn = "linear_attention" in t.layer_types
         check(
-            "linear_attention" not in t.layer_types or self.tp == self.cp == 1,
-            f"Gated DeltaNet layers (text.layer_types) run with parallel.tp=1 and parallel.cp=1 for "
-            f"now (got tp={self.tp}, cp={self.cp}); shard with FSDP, EP or PP instead",
+            not gdn or t.linear_num_key_heads % self.tp == 0,
+            f"text.linear_num_key_heads={t.linear_num_key_heads} is not divisible by parallel.tp={self.tp} "
+            "(the Gated DeltaNet layers split their key heads, each with its value heads, over tp)",
+        )
+        check(
+            not gdn or self.cp == 1 or self.tp == 1,
+            f"Gated DeltaNet layers (text.layer_types) run under parallel.cp or parallel.tp, not both for "
+            f"now (got cp={self.cp}, tp={self.tp})",
+        )
+        check(
+            not gdn or t.linear_num_key_heads % self.cp == 0,
+            f"text.linear_num_key_heads={t.linear_num_key_heads} is not divisible by parallel.cp={self.cp} "
+            "(the Gated DeltaNet layers split their key heads, each with its value heads, over cp)",
         )
         if m.num_experts:
             check(

@@ -56,6 +56,9 @@ class TPSequence(Sequence):
         y = reduce_scatter_seq(linear.project(x, local(linear.weight)), self.group)
         return y if linear.bias is None else y + linear.bias
 
+    def scatter_sum(self, y):
+        return reduce_scatter_seq(y, self.group)
+
 
 class TPVocab(Vocab):
     """This rank's rows [vocab_start, vocab_start + V/tp) of the embedding and the LM head."""
@@ -155,6 +158,7 @@ def tp_strategies(tp_mesh, vocab_size: int) -> dict:
         sequence=TPSequence(g),
         vocab=TPVocab(g, start),
         kv_rows=kv_rows(tp, r),
+        head_share=(r, tp),
         loss_group=(g, start),
     )
 
@@ -183,26 +187,11 @@ def shard_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
 
 
 def _shard_layer(layer, p: str, tp_mesh, tp: int, col, row) -> list[str]:
-    partial = [
-        p + "input_layernorm.weight",
-        p + "post_attention_layernorm.weight",
-        p + "self_attn.q_norm.weight",
-        p + "self_attn.k_norm.weight",
-    ]
-    a = layer.self_attn
-    for proj in (a.q_proj, a.k_proj, a.v_proj) if a.num_kv_heads >= tp else (a.q_proj,):
-        shard_param(proj, "weight", tp_mesh, col)
-        if proj.bias is not None:
-            shard_param(proj, "bias", tp_mesh, col)
-    if a.num_kv_heads < tp:
-        partial += [
-            p + f"self_attn.{n}"
-            for n, _ in list(a.k_proj.named_parameters(prefix="k_proj"))
-            + list(a.v_proj.named_parameters(prefix="v_proj"))
-        ]
-    shard_param(a.o_proj, "weight", tp_mesh, row)
-    if a.o_proj.bias is not None:
-        partial.append(p + "self_attn.o_proj.bias")
+    partial = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    if layer.linear_attn is not None:
+        partial += _shard_gated_deltanet(layer.linear_attn, p + "linear_attn.", tp_mesh, col, row)
+    else:
+        partial += _shard_attention(layer.self_attn, p + "self_attn.", tp_mesh, tp, col, row)
     dense = layer.mlp
     if layer.is_moe:
         partial.append(p + "mlp.router.weight")
@@ -214,6 +203,39 @@ def _shard_layer(layer, p: str, tp_mesh, tp: int, col, row) -> list[str]:
         shard_param(dense.up_proj, "weight", tp_mesh, col)
         shard_param(dense.down_proj, "weight", tp_mesh, row)
     return partial
+
+
+def _shard_attention(a, p: str, tp_mesh, tp: int, col, row) -> list[str]:
+    """q/k/v column-parallel by heads (k/v whole, rows picked by `kv_rows`, when K < tp), o_proj
+    row-parallel; returns the names of its tp-partial parameters."""
+    partial = [p + "q_norm.weight", p + "k_norm.weight"]
+    for proj in (a.q_proj, a.k_proj, a.v_proj) if a.num_kv_heads >= tp else (a.q_proj,):
+        shard_param(proj, "weight", tp_mesh, col)
+        if proj.bias is not None:
+            shard_param(proj, "bias", tp_mesh, col)
+    if a.num_kv_heads < tp:
+        partial += [
+            p + n
+            for n, _ in list(a.k_proj.named_parameters(prefix="k_proj"))
+            + list(a.v_proj.named_parameters(prefix="v_proj"))
+        ]
+    shard_param(a.o_proj, "weight", tp_mesh, row)
+    if a.o_proj.bias is not None:
+        partial.append(p + "o_proj.bias")
+    return partial
+
+
+def _shard_gated_deltanet(g, p: str, tp_mesh, col, row) -> list[str]:
+    """A Gated DeltaNet by value heads (each with its key heads: `GatedDeltaNet.qkv_rows`): in_proj_z/b/a,
+    dt_bias and A_log column-parallel, out_proj row-parallel; in_proj_qkv and the conv stay whole (their
+    q, k and v rows interleave heads) and each rank reads its rows, so they are tp-partial, as the
+    gated norm's weight (shared by the heads)."""
+    for proj in (g.in_proj_z, g.in_proj_b, g.in_proj_a):
+        shard_param(proj, "weight", tp_mesh, col)
+    shard_param(g, "dt_bias", tp_mesh, col)
+    shard_param(g, "A_log", tp_mesh, col)
+    shard_param(g.out_proj, "weight", tp_mesh, row)
+    return [p + "in_proj_qkv.weight", p + "conv1d.weight", p + "norm.weight"]
 
 
 __all__ = [

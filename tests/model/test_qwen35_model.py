@@ -149,10 +149,13 @@ def test_parameters_flops_and_refused_layouts():
     }
     parts = layer_forward_parts(cfg, 0, [T])
     assert {k: parts[k] for k in by_hand} == by_hand
-    for dims in (ParallelDims(2, tp=2), ParallelDims(2, cp=2)):
-        with pytest.raises(ConfigError, match="Gated DeltaNet layers .* parallel.tp=1 and"):
+    with pytest.raises(ConfigError, match="Gated DeltaNet layers .* not both"):
+        ParallelDims(4, cp=2, tp=2).check_model(cfg)
+    for dims, name in ((ParallelDims(4, tp=4), "tp"), (ParallelDims(4, cp=4), "cp")):
+        with pytest.raises(ConfigError, match=f"linear_num_key_heads=2 .* by parallel.{name}=4"):
             dims.check_model(cfg)
-    ParallelDims(2, ep=2).check_model(cfg)  # FSDP / EP: allowed
+    for dims in (ParallelDims(2, ep=2), ParallelDims(2, tp=2), ParallelDims(2, cp=2)):
+        dims.check_model(cfg)  # FSDP / EP; TP and CP by key heads
     from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 
     with pytest.raises(ValueError, match="cannot capture a Gated DeltaNet layer"):
