@@ -30,7 +30,7 @@ _LAYER_SHARDING = {
     "q_o": "tp",
     "k_v": "kv",
     "norms": "whole",
-    "linear_attn": "whole",  # Gated DeltaNet layers run without tensor parallelism
+    "linear_attn": "whole",  # under tp GDN keeps in_proj_qkv and the conv whole (the rest split): a bound
     "router": "whole",
     "experts": "experts",
     "dense_mlp": "tp",
