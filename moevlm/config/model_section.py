@@ -342,9 +342,9 @@ class ModelConfig:
         default_factory=lambda: ["experts", "attn", "mlp"],
         metadata={
             "sets": "fp8.modules",
-            "help": "what runs in FP8 when model.fp8 is set: experts (grouped GEMMs), attn (decoder q/k/v/o), mlp "
-            "(decoder dense MLPs), vision (vision blocks and mergers); router, norms, embeddings and LM head "
-            "never",
+            "help": "what runs in FP8 when model.fp8 is set: experts (grouped GEMMs), attn (decoder q/k/v/o; "
+            "Gated DeltaNet qkv, z and out projections), mlp (decoder dense MLPs, the shared expert), vision "
+            "(vision blocks and mergers); router, gates, norms, embeddings and LM head never",
         },
     )
     fp8_backend: one_of(*FP8_BACKENDS, checked_by=VLMConfig.validate) = field(

@@ -198,6 +198,27 @@ def test_router_stays_fp32_under_bf16_autocast(monkeypatch):
     )
 
 
+def test_qwen35_attn_and_mlp_mark_gdn_projections_and_the_shared_expert_not_their_gates():
+    """`attn` marks a GDN layer's in_proj_qkv, in_proj_z, out_proj (not its per-head gates a, b); `mlp`
+    the shared expert (not its gate); the model then trains a step in FP8 near its fp32 loss."""
+    cfg = VLMConfig.preset("qwen3_5_tiny")
+    model = Qwen3VLMoe(cfg)
+    init_parameters_(model, 0)
+    base = _loss(model).item()
+    plan = resolve_fp8(Fp8Config(recipe="blockwise", backend="emulate"), "cpu")
+    gdn = sum(t == "linear_attention" for t in cfg.text.layer_types)
+    full = cfg.text.num_layers - gdn
+    assert apply_fp8(model, plan, ("attn",)) == 3 * gdn + 4 * full
+    assert apply_fp8(model, plan, ("mlp",)) == 3 * cfg.text.num_layers  # the shared experts
+    apply_fp8(model, plan, ("experts", "attn", "mlp"))
+    marked = {name for name, m in model.named_modules() if m.__dict__.get("fp8") is not None}
+    assert any(n.endswith("linear_attn.in_proj_qkv") for n in marked)
+    assert not any(n.endswith(("in_proj_a", "in_proj_b", "shared_expert_gate")) for n in marked)
+    loss = _loss(model)
+    loss.backward()
+    assert 0 < abs(loss.item() - base) / base < 0.05
+
+
 def test_which_modules_each_entry_marks():
     cfg = VLMConfig.preset("tiny")
     model = Qwen3VLMoe(cfg)
