@@ -316,7 +316,7 @@ class ModelConfig:
         default_factory=lambda: ["core_attn"],
         metadata={
             "help": "regions recomputed when model.recompute=selective (ignored otherwise): core_attn (attention "
-            "kernel), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
+            "kernel; Gated DeltaNet's chunked delta rule), layernorm, mlp (dense MLPs: mlp_only_layers and vision), moe_act (experts' SwiGLU), moe "
             "(whole MoE block), vision (each vision block)"
         },
     )

@@ -105,7 +105,10 @@ class GatedDeltaNet(nn.Module):
         a_TH = self._project(self.in_proj_a, x_BSD, 1).reshape(B * S, h)
         A_log, dt_bias = self._mine(self.A_log, 1), self._mine(self.dt_bias, 1)
         g_TH = -A_log.float().exp() * F.softplus(a_TH.float() + dt_bias)
-        o_THV = gated_delta_rule(
+        o_THV = run_region(
+            self,
+            "core_region",  # the chunked delta rule: recompute's core_attn wraps it here
+            gated_delta_rule,
             q.reshape(B * S, hk, self.head_k_dim),
             k.reshape(B * S, hk, self.head_k_dim),
             v.reshape(B * S, h, self.head_v_dim),

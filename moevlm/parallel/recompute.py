@@ -9,7 +9,8 @@ Legend: T tokens, D hidden, M dispatched rows, F expert hidden.
     meter.bytes                                                      # activations held for backward
 
 Modes: none; full (each decoder layer and vision block whole); selective, the regions in `modules`:
-core_attn, layernorm, mlp, moe_act, moe, vision.  Collectives (`COMM_NAMESPACES`): `save` (the
+core_attn (the attention core; a Gated DeltaNet layer's chunked delta rule), layernorm, mlp, moe_act,
+moe, vision.  Collectives (`COMM_NAMESPACES`): `save` (the
 default) keeps their outputs, so backward never issues a collective twice; `reissue` recomputes them
 like any op, as Megatron's full recompute does: a region then keeps only its inputs (under full
 recompute with expert parallelism, not each layer's dispatched rows) and backward exchanges again.
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import (
 
 from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer, RMSNorm
+from moevlm.model.gated_deltanet import GatedDeltaNet
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock
 from moevlm.model.region import Region
 from moevlm.model.vision import VisionBlock, VisionMLP
@@ -45,16 +47,16 @@ COMM_NAMESPACES = (
     "moevlm_hybridep",
 )  # + DeepEP's, HybridEP's ops
 
-# which (module classes, region slot) each choice wraps (the slot `region` is the module's whole forward);
-# `full` is decoder layers + vision blocks
+# which (module classes, region slot) pairs each choice wraps (the slot `region` is the module's whole
+# forward; a Gated DeltaNet layer's core is its chunked delta rule); `full` is decoder layers + vision blocks
 _REGIONS = {
-    "core_attn": ((CoreAttention,), "region"),
-    "layernorm": ((RMSNorm, nn.LayerNorm), "region"),
-    "mlp": ((DenseMLP, VisionMLP), "region"),
-    "moe_act": ((Experts,), "act_region"),
-    "moe": ((MoEBlock,), "region"),
-    "vision": ((VisionBlock,), "region"),
-    "full": ((DecoderLayer, VisionBlock), "region"),
+    "core_attn": (((CoreAttention,), "region"), ((GatedDeltaNet,), "core_region")),
+    "layernorm": (((RMSNorm, nn.LayerNorm), "region"),),
+    "mlp": (((DenseMLP, VisionMLP), "region"),),
+    "moe_act": (((Experts,), "act_region"),),
+    "moe": (((MoEBlock,), "region"),),
+    "vision": (((VisionBlock,), "region"),),
+    "full": (((DecoderLayer, VisionBlock), "region"),),
 }
 _OUTER_FIRST = ("full", "vision", "moe", "mlp", "core_attn", "moe_act", "layernorm")
 
@@ -103,8 +105,7 @@ def apply_recompute(
         return
     choices = ["full"] if mode == "full" else [c for c in _OUTER_FIRST if c in modules]
     covered: set[int] = set()  # modules inside an already-wrapped region
-    for choice in choices:
-        classes, slot = _REGIONS[choice]
+    for classes, slot in (pair for choice in choices for pair in _REGIONS[choice]):
         for m in list(model.modules()):
             if (
                 isinstance(m, classes)
