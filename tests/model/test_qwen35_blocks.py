@@ -1,7 +1,9 @@
 """Qwen3.5-MoE's blocks in the Qwen3-VL-MoE model, each equal to its transformers reference in output and
 every gradient (fp32, CPU, weights copied):
 - the MoE block's gated shared expert (`MoEConfig.shared_expert_intermediate_size`) against
-  `Qwen3_5MoeSparseMoeBlock` (routed experts + a SwiGLU over every token scaled by a sigmoid gate);
+  `Qwen3_5MoeSparseMoeBlock` (routed experts + a SwiGLU over every token scaled by a sigmoid gate), and
+  under every router option (global-batch and sequence aux loss, expert bias, z-loss, forced balance)
+  the routed output beside the whole gated shared expert;
 - the zero-centred RMSNorm (`TextConfig.norm_zero_centered`: scale 1 + w, w initialised 0) against
   `Qwen3_5MoeRMSNorm` (fp32 to 1e-6, bf16 bit-equal);
 - gated attention with partial rotary (`TextConfig.attn_output_gate`, `partial_rotary_factor`) against
@@ -79,6 +81,41 @@ def test_equals_the_reference_block_with_gradients():
     assert grads.keys() == pairs.keys()
     for name, want_g in pairs.items():
         assert _rel(grads[name], want_g) <= 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(aux_loss="global_batch"),
+        dict(aux_loss="sequence"),
+        dict(router_bias_rate=1e-3),
+        dict(z_loss_coeff=1e-3),
+        dict(router_force_balance=True),
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_router_options_route_beside_a_whole_shared_expert(option):
+    """Under each router option the block is the routed experts' output (the same block without the
+    shared expert) plus the gated shared expert over every token, and both get gradients."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(E, K, F, grouped_gemm="loop", shared_expert_intermediate_size=FS, **option)
+    block = MoEBlock(D, cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for b in block.buffers():  # an expert bias that moves the choices
+        b.normal_(std=0.5) if b.is_floating_point() else None
+    x = torch.randn(2, 11, D)
+    y, _ = block(x)
+    y.square().sum().backward()
+    shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    keep = block.shared_expert, block.shared_expert_gate
+    block.shared_expert = block.shared_expert_gate = None
+    with torch.no_grad():
+        routed, _ = block(x)
+    block.shared_expert, block.shared_expert_gate = keep
+    assert _rel(y.detach() - shared.detach(), routed) <= 1e-6
+    assert block.shared_expert.down_proj.weight.grad.abs().sum() > 0
+    assert block.experts.down_proj.grad.abs().sum() > 0
 
 
 def _tiny_with_shared() -> VLMConfig:
