@@ -297,9 +297,11 @@ def test_every_experiment_composes_and_validates(name):
     dims = plan.dims
     assert job.train.global_batch_size == job.train.micro_batch_size * plan.grad_accum * dims.dp
     if name.startswith(("h100", "gb200", "h200")):
-        # the real widths: 30B-A3B's, or 235B-A22B's for its recipe
-        hidden = 4096 if "235b" in name else 2048
-        assert plan.model.text.hidden_size == hidden and plan.model.moe.num_experts == 128
+        # the real widths: 30B-A3B's, 235B-A22B's for its recipe, Qwen3.5-35B-A3B's for theirs
+        hidden, experts = (4096, 128) if "235b" in name else (2048, 128)
+        if "qwen35" in name:
+            hidden, experts = 2048, 256
+        assert plan.model.text.hidden_size == hidden and plan.model.moe.num_experts == experts
 
 
 # ------------------------------------------------------------------ subprocesses
