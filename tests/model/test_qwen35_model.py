@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_ref import as_ours
+from hf_ref import as_ours, qwen35_model
 
 from moevlm.errors import ConfigError
 from moevlm.model import Qwen3VLMoe, VLMConfig
@@ -39,48 +39,7 @@ def _ours() -> VLMConfig:
 
 def _reference(cfg: VLMConfig):
     pytest.importorskip("transformers.models.qwen3_5_moe")
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
-        Qwen3_5MoeForConditionalGeneration,
-    )
-
-    t, m, v = cfg.text, cfg.moe, cfg.vision
-    rope = dict(rope_type="default", rope_theta=t.rope_theta, partial_rotary_factor=0.5)
-    rope.update(mrope_section=list(t.mrope_section), mrope_interleaved=True)
-    text = dict(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        num_hidden_layers=t.num_layers,
-        num_attention_heads=t.num_heads,
-        num_key_value_heads=t.num_kv_heads,
-        head_dim=t.head_dim,
-        layer_types=list(LAYER_TYPES),
-        rope_parameters=rope,
-        num_experts=m.num_experts,
-        num_experts_per_tok=m.top_k,
-        moe_intermediate_size=m.moe_intermediate_size,
-        shared_expert_intermediate_size=m.shared_expert_intermediate_size,
-        rms_norm_eps=t.rms_norm_eps,
-        router_aux_loss_coef=m.router_aux_loss_coef,
-        **GDN,
-    )
-    vision = dict(
-        depth=v.depth,
-        hidden_size=v.hidden_size,
-        intermediate_size=v.intermediate_size,
-        num_heads=v.num_heads,
-        out_hidden_size=v.out_hidden_size,
-        num_position_embeddings=v.num_position_embeddings,
-    )
-    hf_cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    hf_cfg.image_token_id, hf_cfg.video_token_id = cfg.image_token_id, cfg.video_token_id
-    hf_cfg.vision_start_token_id = cfg.vision_start_token_id
-    hf_cfg._attn_implementation = "sdpa"
-    ref = Qwen3_5MoeForConditionalGeneration(hf_cfg)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.normal_(std=0.1) if "A_log" not in name else p.uniform_(-1, 1)
-    return ref.eval()
+    return qwen35_model(cfg)  # transformers' model of our config.json, every parameter randomised
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
