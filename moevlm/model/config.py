@@ -499,33 +499,19 @@ def qwen3_5_tiny() -> VLMConfig:
 
 
 def qwen3_5_35b_a3b() -> VLMConfig:
-    """Qwen/Qwen3.5-35B-A3B. Sizes, GDN dims, experts and token ids: transformers' Qwen3_5MoeConfig
-    defaults (documented as that checkpoint); rope_theta 1e7, M-RoPE (11, 11, 10) over a quarter of
-    each head, 262144 positions and the vision tower's output width (the text width, 2048): the
-    hub's config.json (the reference's default out_hidden_size, 3584, is not the checkpoint's)."""
-    text = TextConfig(
-        vocab_size=248320,
-        hidden_size=2048,
-        num_layers=40,
-        num_heads=16,
-        num_kv_heads=2,
-        head_dim=256,
-        rope_theta=10_000_000.0,
-        mrope_section=(11, 11, 10),
-        max_position_embeddings=262144,
-        attn_output_gate=True,
-        partial_rotary_factor=0.25,
-        norm_zero_centered=True,
-        layer_types=tuple(hf_config.interval_layer_types(40, {})),
-    )
-    moe = MoEConfig(
-        num_experts=256, top_k=8, moe_intermediate_size=512, shared_expert_intermediate_size=512
-    )
-    return VLMConfig(
-        vision=VisionConfig(out_hidden_size=2048, deepstack_visual_indexes=()),
-        text=text,
-        moe=moe,
-        **hf_config.Q35_TOKENS,
+    """Qwen/Qwen3.5-35B-A3B: transformers' Qwen3_5MoeConfig defaults (documented as that checkpoint:
+    sizes, GDN dims, experts, token ids, M-RoPE (11, 11, 10) over a quarter of each head; read by
+    moevlm.model.hf_config) with the hub config.json's own rope_theta 1e7, 262144 positions and the
+    vision tower's output width, 2048 (the reference's default, 3584, is not the checkpoint's)."""
+    return VLMConfig.from_hf(
+        {
+            "model_type": "qwen3_5_moe",
+            "text_config": {
+                "rope_parameters": {"rope_theta": 10_000_000.0},
+                "max_position_embeddings": 262144,
+            },
+            "vision_config": {"out_hidden_size": 2048},
+        }
     )
 
 
