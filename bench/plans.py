@@ -226,7 +226,7 @@ def _four_ranks(rank: int, tmp: str) -> None:
     os._exit(0)  # no interpreter finalization under live gloo threads (see bench/dispatch.py)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["recipes", "accuracy", "device"])
     ap.add_argument(
@@ -240,7 +240,12 @@ def main() -> None:
         nargs="*",
         help="recipes, device: config overrides added to the job(s), e.g. model.recompute=full",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    # intermixed: overrides may follow --recipe (gpu_suite.sh passes them so)
+    args = parser().parse_intermixed_args()
     only = args.only.split(",") if args.only else None
     if args.what == "recipes":
         recipes(only, args.overrides)

@@ -176,8 +176,23 @@ def _probe_operands(op, recipe, grouped, device):
     return (*out, counts.to(device))
 
 
+def _not_tried(recipe: str, device: str) -> str | None:
+    """Why a torch path is not even probed on `device`: torch's MXFP8 kernels are Blackwell's (sm_100+);
+    on an H200 (sm_90, torch 2.11) they launched anyway and failed, which poisons the CUDA context."""
+    d = torch.device(device)
+    if recipe != "mxfp8" or d.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(d)
+    if major >= 10:
+        return None
+    return f"needs compute capability 10.0+ (Blackwell); {device} is sm_{major}{minor}: not tried"
+
+
 def _probe_one(key: str, device: str) -> tuple[bool, str]:
     _, recipe, grouped = _PROBES[key]
+    why = _not_tried(recipe, device)
+    if why is not None:
+        return False, why
     worst = 0.0
     try:
         for op in ("mm", "dgrad") if grouped else OPS:

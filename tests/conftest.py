@@ -4,6 +4,7 @@ import os
 # set before any @triton.jit runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import random  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -35,3 +36,13 @@ def pytest_unconfigure(config):
 def _fp32_and_seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def seed(_fp32_and_seed):
+    """A fresh seed for the test (printed, so a failure shows it; MOEVLM_TEST_SEED=<seed> replays it).
+    Modules whose inputs are fresh every run apply it to every test: `pytestmark = usefixtures("seed")`."""
+    seed = int(os.environ.get("MOEVLM_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"seed={seed} (MOEVLM_TEST_SEED={seed} replays it)")
+    torch.manual_seed(seed)
+    return seed

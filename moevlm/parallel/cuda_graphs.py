@@ -51,10 +51,19 @@ class _Region:
         self.parts, self.owner = parts, owner
 
     def flatten(self, *args) -> tuple[tuple[torch.Tensor, ...], tuple]:
-        return args, ()
+        """The tensors a capture takes (absent optional inputs, None, left out) and the key of which
+        were present."""
+        return tuple(a for a in args if a is not None), tuple(a is not None for a in args)
 
     def build(self, fn: Callable, key: tuple) -> Callable:
-        return fn
+        if all(key):
+            return fn
+
+        def with_absent(*tensors):
+            given = iter(tensors)
+            return fn(*(next(given) if present else None for present in key))
+
+        return with_absent
 
     def unflatten(self, outputs, args):
         return outputs
@@ -164,15 +173,15 @@ class GraphedRegion(Region):
 
     def forward(self, fn: Callable, *args):
         tensors, key = self.region.flatten(*args)
-        if not (tensors[0].is_cuda and torch.is_grad_enabled() and self.region.owner.training):
-            if self.tensor_form:
-                return self.region.unflatten(self.region.build(fn, key)(*tensors), args)
-            return fn(*args)
         sig = (
             key,
             _autocast_state(),
             tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
         )
+        if not (tensors[0].is_cuda and torch.is_grad_enabled() and self.region.owner.training):
+            if self.tensor_form:
+                return self.region.unflatten(self.region.build(fn, key)(*tensors), args)
+            return fn(*args)
         graphed = self.graphs.get(sig)
         if graphed is None:
             graphed = self.graphs[sig] = self._capture(fn, key, tensors)

@@ -245,14 +245,17 @@ class OffloadState:
             self.events.append((kind, serial, ev, ev))
 
     @contextlib.contextmanager
-    def copying(self, device: torch.device, kind: str, serial: int):
-        """A copy's stream (CUDA: the side stream, timed with `timing`); nothing on the CPU."""
+    def copying(self, device: torch.device, kind: str, serial: int, after=None):
+        """A copy's stream (CUDA: the side stream, timed with `timing`), which first waits for the
+        stream `after` (the producers'); nothing on the CPU.  The timed start follows that wait."""
         if not self.cuda:
             yield None
             return
         streams = self.streams
         side = streams.side(device)
         with streams.using(side):
+            if after is not None:
+                streams.wait_stream(side, after)
             start = streams.record_event(side, timing=True) if self.timing else None
             yield side
             if start is not None:
@@ -368,9 +371,7 @@ class _Group:
         hosts = [_host_buffer(e.span(), pin=streams is not None and streams.pin) for e in moving]
         # the compute stream, taken before `copying` makes the side stream current
         compute = streams.current(device) if streams is not None else None
-        with self.state.copying(device, "d2h", self.serial) as side:
-            if side is not None:  # after the producers, on the compute stream
-                streams.wait_stream(side, compute)
+        with self.state.copying(device, "d2h", self.serial, after=compute) as side:
             for entry, host in zip(moving, hosts):
                 host.copy_(entry.span(), non_blocking=side is not None)
                 if side is not None:  # its memory stays until the copy has read it

@@ -4,7 +4,10 @@ captured exactly once.  Skipped without CUDA (tests/conftest.py).
 
 Tolerances (absolute, scaled by each tensor's largest entry): fp32 1e-5 (the same kernels run, captured
 or not); bf16 weights under autocast 2e-2 (bf16 has 8 mantissa bits; a replay may pick another GEMM
-algorithm than eager after the side-stream warm-up)."""
+algorithm than eager after the side-stream warm-up), or twice what a second eager run differs from the
+first where that is more: CUDA's bf16 embedding backward accumulates by atomics in no fixed order (on an
+H200 two eager runs' embedding gradients differed by more than 2e-2 of the largest entry in a few of
+65536 elements)."""
 
 from __future__ import annotations
 
@@ -80,20 +83,22 @@ def _batches(steps=3, micro=2, B=2, S=64):
 @pytest.mark.parametrize("scope", SCOPES, ids=",".join)
 def test_replay_equals_eager(scope, precision):
     eager = _tiny(precision, "full_layer" in scope)
-    graphed = copy.deepcopy(eager)
+    graphed, again = copy.deepcopy(eager), copy.deepcopy(eager)
     graphs = apply_cuda_graphs(graphed, scope)
     batches = _batches()
     ref, got = _steps(eager, batches, precision), _steps(graphed, batches, precision)
+    noise = _steps(again, batches, precision) if precision == "bf16" else ref
     tol = TOL[precision]
-    for r, g in zip(ref, got):
+    for r, g, n in zip(ref, got, noise):
         if isinstance(r, dict):
             assert r.keys() == g.keys()
             for name in r:
+                eager_noise = float((n[name] - r[name]).abs().max())
                 torch.testing.assert_close(
                     g[name],
                     r[name],
                     rtol=0,
-                    atol=tol * max(r[name].abs().max().item(), 1e-6),
+                    atol=max(tol * max(r[name].abs().max().item(), 1e-6), 2 * eager_noise),
                     msg=lambda m, name=name: f"{scope} {precision} grad {name}: {m}",
                 )
         else:

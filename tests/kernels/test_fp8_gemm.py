@@ -175,6 +175,19 @@ def test_quantization_error_vs_unquantized(recipe, gen):
     assert 1e-3 < worst < QUANT_BOUND[recipe], f"{recipe}: {table} (seed {SEED})"
 
 
+def test_mxfp8_is_not_probed_below_blackwell(monkeypatch):
+    """torch's MXFP8 kernels need sm_100+: on an sm_90 GPU (an H200 with torch 2.11) running them failed
+    the launch and poisoned the CUDA context, so the probe answers without running them there."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(fgt, "_probe_operands", lambda *a: pytest.fail("an MXFP8 kernel was tried"))
+    for key in ("scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"):
+        ok, why = fgt._probe_one(key, "cuda:0")
+        assert not ok and "compute capability 10.0+" in why and "sm_90" in why, why
+    assert fgt._not_tried("blockwise", "cuda:0") is None  # blockwise runs on sm_90
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    assert fgt._not_tried("mxfp8", "cuda:0") is None
+
+
 def test_probe_on_cpu_reports_missing_and_selection_names_it(gen):
     support = fgt.scaled_mm_support("cpu")
     assert set(support) == {"scaled_mm_blockwise", "scaled_mm_mxfp8", "scaled_grouped_mm_mxfp8"}

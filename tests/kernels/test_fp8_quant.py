@@ -30,7 +30,7 @@ M, K = 130, 200  # ragged: neither a multiple of 128 nor of 32
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/kernels/conftest.py)
+pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/conftest.py)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

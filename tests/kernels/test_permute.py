@@ -25,7 +25,7 @@ VS_TORCH = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 VS_LOCAL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/kernels/conftest.py)
+pytestmark = pytest.mark.usefixtures("seed")  # fresh inputs every run (tests/conftest.py)
 
 
 def close(actual, expected, tol, seed, what):

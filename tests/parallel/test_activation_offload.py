@@ -278,6 +278,28 @@ def test_cuda_stream_protocol_on_the_cpu(setup):
         assert back.index(("record_event", "side", c[2])) < back.index(c)
 
 
+def test_timed_copy_starts_after_its_wait_for_the_producers(setup):
+    """With timing on (tests/gpu/test_offload.py reads the events), each copy to host's start event is
+    recorded on the side stream after it waits for the compute stream: the start is the copy's, not
+    the moment the side stream reached the wait."""
+    cfg, base, batch = setup
+    model = copy.deepcopy(base)
+    state = apply_offload(model, ("layer_input", "core_attn", "moe"), "cpu")
+    state.streams = streams = StreamLog()
+    state.timing = True
+    model(**batch).loss.backward()
+    forward = [calls for _, calls in _blocks(streams.log) if calls[0][0] == "wait_stream"]
+    assert len(forward) == state.calls
+    for calls in forward:
+        assert calls[0] == ("wait_stream", "side", "compute") and calls[1][:2] == (
+            "record_event",
+            "side",
+        ), calls
+        assert calls[-1][:2] == ("record_event", "side"), calls  # its end, after the copies
+    d2h = [e for e in state.events if e[0] == "d2h"]
+    assert len(d2h) == state.calls and all(start < end for _, _, start, end in d2h)
+
+
 def test_parameters_views_and_casts_stay_on_the_device():
     """A scope keeps the weights of the module it runs (a transposed view, a dtype cast: not
     nn.Parameter objects, as a tensor-parallel shard's local view is not) and moves the activations."""
