@@ -104,6 +104,9 @@ def test_fp8_blockwise_grouped_gemm_matches_its_emulation():
         got = fn(*args, counts, recipe="blockwise", backend="triton", out_dtype=torch.float32)
         want = fn(*args, counts, recipe="blockwise", backend="emulate", out_dtype=torch.float32)
         assert got.shape == want.shape and torch.isfinite(got).all(), op
-        assert _rel(got, want) < 1e-4, (
+        # Hopper's FP8 tensor-core MMA accumulates with fewer bits than fp32 inside each 128-wide K
+        # block (the kernel promotes to fp32 between blocks): measured on an H200, mm 1.27e-4 here
+        # and 6.9e-4 at the 30B expert shape (bench/kernels.py); a misread scale is O(1)
+        assert _rel(got, want) < 1e-3, (
             f"fp8 {op}: relative error {_rel(got, want):.2e} vs emulation"
         )
