@@ -1,6 +1,7 @@
-"""Gated DeltaNet: equal to transformers' Qwen3.5-MoE module (forward and every gradient), packed
-documents equal to each document alone (and not without either reset), the chunked delta rule (documents
-side by side, or chunk by chunk as on CUDA) equal to a per-token recurrence."""
+"""Gated DeltaNet: equal to transformers' Qwen3.5-MoE module (forward and every gradient; in_proj_qkv
+and the conv permuted to ours, by key head), packed documents equal to each document alone (and not
+without either reset), the chunked delta rule (documents side by side, or chunk by chunk as on CUDA)
+equal to a per-token recurrence, the layer split over ranks' key heads summing to the whole."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 import moevlm.model.gated_deltanet as gdn
-from moevlm.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule
+from moevlm.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, qkv_order
 
 # hidden, key heads, value heads, key head dim, value head dim, conv kernel, our chunk
 CONFIGS = [(32, 2, 4, 8, 12, 4, 16), (24, 3, 3, 16, 8, 3, 64), (16, 1, 2, 4, 4, 2, 8)]
+BY_KEY_HEAD = ("in_proj_qkv.weight", "conv1d.weight")  # ours: rows grouped by key head
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -40,8 +42,13 @@ def pair(hidden, hk, hv, kd, vd, kernel, chunk, seed=0):
                 else 0.3 * torch.randn_like(p)
             )
     ours = GatedDeltaNet(hidden, hk, hv, kd, vd, kernel, cfg.rms_norm_eps, chunk, backend="torch")
-    ours.load_state_dict(ref.state_dict())
+    ours.load_state_dict({n: as_ours(n, t, hk, hv, kd, vd) for n, t in ref.state_dict().items()})
     return ref, ours
+
+
+def as_ours(name: str, t: torch.Tensor, hk: int, hv: int, kd: int, vd: int) -> torch.Tensor:
+    """A reference parameter (or gradient) in our layout."""
+    return t[qkv_order(hk, hv, kd, vd)] if name in BY_KEY_HEAD else t
 
 
 def forward_backward(module, x, dy, **kw):
@@ -69,7 +76,34 @@ def test_equals_transformers_forward_and_gradients(config):
     # against fp64 on them is ~7e-6 (measured), so 1e-5 between two fp32 paths would fail by rounding
     # order on another CPU; 5e-5 still catches a wrong term (O(1) errors)
     for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 5e-5, name
+        assert rel(g[name], as_ours(name, g_ref[name], *config[1:5])) <= 5e-5, name
+
+
+def test_qkv_rows_by_key_head_by_hand():
+    """2 key heads of dim 1, 4 value heads of dim 1: the reference's [q0 q1 | k0 k1 | v0 v1 v2 v3]
+    is ours [q0 k0 v0 v1 | q1 k1 v2 v3]; 3 key heads of dim 2, 3 value heads of dim 1."""
+    assert qkv_order(2, 4, 1, 1).tolist() == [0, 2, 4, 5, 1, 3, 6, 7]
+    assert qkv_order(3, 3, 2, 1).tolist() == [0, 1, 6, 7, 12, 2, 3, 8, 9, 13, 4, 5, 10, 11, 14]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_key_heads_sum_to_the_whole_layer(n):
+    """Each of n ranks (`share`, as context parallelism slices the whole weights) computes its 1/n of
+    the key heads with their value heads; the outputs and weight gradients summed are the whole's."""
+    config = CONFIGS[1] if n == 3 else CONFIGS[0]
+    _, whole = pair(*config)
+    x, cu = packed_row([19, 2, 30], config[0])
+    dy = torch.randn_like(x)
+    y, dx, g = forward_backward(whole, x, dy, cu_seqlens=cu)
+    parts = []
+    for i in range(n):
+        mine = GatedDeltaNet(*config[:6], whole.norm.eps, config[6], backend="torch", share=(i, n))
+        mine.load_state_dict(whole.state_dict())
+        parts.append(forward_backward(mine, x, dy, cu_seqlens=cu))
+    assert rel(sum(p[0] for p in parts), y) <= 1e-5
+    assert rel(sum(p[1] for p in parts), dx) <= 1e-5
+    for name in g:
+        assert rel(sum(p[2][name] for p in parts), g[name]) <= 1e-5, name
 
 
 def packed_row(lengths, hidden, seed=1):
