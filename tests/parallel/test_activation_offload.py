@@ -14,6 +14,9 @@ and none of what the checkpoint recomputes.
 (c) The prefetch: backward copies each scope back when it is first needed and, before that scope
 runs, starts the copy of the scope before it; a scope opening again starts a new chain.
 (d) Every refusal is a config error naming the reason and what to change.
+(e) The Qwen3.5 tiny model (Gated DeltaNet layers, the shared expert): `core_attn` wraps each GDN
+layer's chunked delta rule too (alone or around its recompute), which moves that core's tensors;
+layer_input, mlp, moe and all of them leave the loss and every gradient bit-identical.
 tp2 and pp2 x ep2 run in the layout lists of test_layouts.py and test_pipeline.py.
 """
 
@@ -26,7 +29,7 @@ import pytest
 import torch
 from test_recompute import image_batch, tiny_config
 
-from moevlm.model import Qwen3VLMoe
+from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.parallel.offload import MODULES, Offload, OffloadState, apply_offload, check
 from moevlm.parallel.recompute import SavedBytes, apply_recompute
 
@@ -276,6 +279,53 @@ def test_cuda_stream_protocol_on_the_cpu(setup):
     assert len(waits) == len([c for c in outside if c[0] == "record_stream"]) > len(events)
     for c in waits:  # never before the event was recorded
         assert back.index(("record_event", "side", c[2])) < back.index(c)
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTES[:2], ids=lambda r: r[0])
+def test_qwen35_gdn_core_is_offloaded_bit_identical(recompute):
+    cfg = VLMConfig.preset("qwen3_5_tiny")
+    torch.manual_seed(0)
+    base, batch = Qwen3VLMoe(cfg), image_batch(cfg)
+    ref_loss, ref_grads, *_ = run(base, batch, recompute, ())
+    gdn_layers = sum(t == "linear_attention" for t in cfg.text.layer_types)
+    for offload in [
+        ("core_attn",),
+        ("layer_input", "core_attn", "moe"),
+        allowed(recompute, MODULES),
+    ]:
+        model = copy.deepcopy(base)
+        apply_recompute(model, *recompute)
+        state = apply_offload(model, offload, "cpu", recompute)
+        groups = _recorded_groups(state)
+        with SavedBytes(model) as meter:
+            out = model(**batch)
+        # every GDN core's group moved something to the host, before backward brings it back
+        core = [g for g in groups if g.region in _gdn_cores(model)]
+        core_bytes = [sum(e.host.nbytes for e in _on_host(g)) for g in core]
+        assert len(core) == gdn_layers and min(core_bytes) > 0, (offload, core_bytes)
+        out.loss.backward()
+        assert meter.offloaded_bytes >= sum(core_bytes) > 0
+        assert torch.equal(out.loss.detach(), ref_loss), offload
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, ref_grads[n]), (offload, n)
+        print(f"recompute {recompute[0]} | offload {','.join(offload)} | GDN cores {core_bytes} B")
+
+
+def _recorded_groups(state: OffloadState) -> list:
+    """The list `state` will append each scope call's group to as it opens."""
+    groups, opened = [], state.open
+    state.open = lambda r, a, o=None: groups.append(g := opened(r, a, o)) or g
+    return groups
+
+
+def _on_host(group) -> list:
+    """A scope call's entries alive (saved for backward) and on the host."""
+    return [e for e in (r() for r in group.entries) if e is not None and e.host is not None]
+
+
+def _gdn_cores(model) -> list:
+    """The Offload regions at Gated DeltaNet layers' core_region slots."""
+    return [m for n, m in model.named_modules() if n.endswith("linear_attn.core_region")]
 
 
 def test_parameters_views_and_casts_stay_on_the_device():
