@@ -8,10 +8,10 @@ Hk key heads, Kd key head dim, Vd value head dim, N chunks, L chunk length.
     o_THV = chunk_gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, bounds)  # fp32 inside
 
 in_proj_qkv's rows and the conv's channels are grouped by key head (`qkv_order`: q_j, k_j, then the
-v of j's value heads). Split over n ranks (`share` = (i, n); tensor or context parallelism, `sequence`
-their strategy) the layer reads the whole sequence and computes key heads [i Hk/n, (i+1) Hk/n) with
-their value heads: a contiguous 1/n of every parameter but the norm's (tensor-parallel shards, or
-slices of the whole); the output is summed over the n ranks.
+v of j's value heads). Split over n ranks (`share` = (i, n); tensor and/or context parallelism,
+`sequence` their strategy) the layer reads the whole sequence and computes key heads
+[i Hk/n, (i+1) Hk/n) with their value heads: a contiguous 1/n of every parameter but the norm's
+(slices of the whole, or of a tensor-parallel shard); the output is summed over the n ranks.
 
 Backends (`backend`): `torch` (the chunked delta rule here; CPU, tests), `fla` (the optional package
 flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16) and `auto` (`fla`
@@ -128,10 +128,11 @@ class GatedDeltaNet(nn.Module):
         return self.seq.scatter_sum(self.out_proj.project(o_BSV, w_out))
 
     def _mine(self, p: torch.Tensor, whole: int, dim: int = 0) -> torch.Tensor:
-        """This rank's 1/n of `p` along `dim` (`whole` entries unsplit): its shard under tensor
-        parallelism, else a slice of the whole parameter."""
+        """This rank's 1/n of `p` along `dim` (`whole` entries unsplit), from the whole parameter or
+        from its tensor-parallel shard (rank i // (n/tp) of tp holds parts [i - i % (n/tp), ...))."""
         t, (i, n) = local(p), self.share
-        return t if t.shape[dim] != whole or n == 1 else t.narrow(dim, i * whole // n, whole // n)
+        part = whole // n
+        return t if t.shape[dim] == part else t.narrow(dim, i * part % t.shape[dim], part)
 
     def _project(self, linear: Linear, x: torch.Tensor, whole: int) -> torch.Tensor:
         return linear.project(x, self._mine(linear.weight, whole))

@@ -86,24 +86,55 @@ def test_qkv_rows_by_key_head_by_hand():
     assert qkv_order(3, 3, 2, 1).tolist() == [0, 1, 6, 7, 12, 2, 3, 8, 9, 13, 4, 5, 10, 11, 14]
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_ranks_key_heads_sum_to_the_whole_layer(n):
-    """Each of n ranks (`share`, as context parallelism slices the whole weights) computes its 1/n of
-    the key heads with their value heads; the outputs and weight gradients summed are the whole's."""
-    config = CONFIGS[1] if n == 3 else CONFIGS[0]
+# a tensor-parallel shard's dim per parameter (moevlm.parallel.tensor_parallel); the norm's stays whole
+TP_DIM = {"out_proj.weight": 1, "norm.weight": None}
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (1, 3), (2, 1), (2, 2)])
+def test_ranks_key_heads_sum_to_the_whole_layer(tp, cp):
+    """Each of tp x cp ranks (`share` (r cp + c, tp cp)) computes its part of the key heads with their
+    value heads, from tp rank r's shard of the weights (or the whole ones without tp), cp rank c's
+    slice of it; the outputs summed are the whole's, and so are the weight gradients (summed over cp,
+    each tp rank's those of its shard)."""
+    config = CONFIGS[1] if cp == 3 else CONFIGS[0] if tp * cp < 4 else (32, 4, 8, 8, 6, 4, 16)
     _, whole = pair(*config)
     x, cu = packed_row([19, 2, 30], config[0])
     dy = torch.randn_like(x)
     y, dx, g = forward_backward(whole, x, dy, cu_seqlens=cu)
-    parts = []
-    for i in range(n):
-        mine = GatedDeltaNet(*config[:6], whole.norm.eps, config[6], backend="torch", share=(i, n))
-        mine.load_state_dict(whole.state_dict())
-        parts.append(forward_backward(mine, x, dy, cu_seqlens=cu))
-    assert rel(sum(p[0] for p in parts), y) <= 1e-5
-    assert rel(sum(p[1] for p in parts), dx) <= 1e-5
+    ys, dxs, grads = [], [], {name: 0 for name in g}
+    for r in range(tp):
+        for c in range(cp):
+            mine = GatedDeltaNet(
+                *config[:6], whole.norm.eps, config[6], backend="torch", share=(r * cp + c, tp * cp)
+            )
+            shard = {n: _tp_shard(n, t, r, tp) for n, t in whole.state_dict().items()}
+            for name, t in shard.items():  # as tensor parallel places them: local shapes
+                module, _, leaf = name.rpartition(".")
+                setattr(mine.get_submodule(module), leaf, torch.nn.Parameter(t.clone()))
+            y_i, dx_i, g_i = forward_backward(mine, x, dy, cu_seqlens=cu)
+            ys.append(y_i)
+            dxs.append(dx_i)
+            for name, t in g_i.items():  # each tp rank's shard in place
+                grads[name] = grads[name] + _tp_unshard(name, t, r, tp, g[name])
+    assert rel(sum(ys), y) <= 1e-5
+    assert rel(sum(dxs), dx) <= 1e-5
     for name in g:
-        assert rel(sum(p[2][name] for p in parts), g[name]) <= 1e-5, name
+        assert rel(grads[name], g[name]) <= 1e-5, name
+
+
+def _tp_shard(name: str, t: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    dim = TP_DIM.get(name, 0)
+    return t if dim is None else t.chunk(tp, dim)[r]
+
+
+def _tp_unshard(name: str, t: torch.Tensor, r: int, tp: int, like: torch.Tensor) -> torch.Tensor:
+    """`t` (tp rank r's shard gradient) at its place in a zero tensor of the whole one's shape."""
+    dim = TP_DIM.get(name, 0)
+    if dim is None:
+        return t
+    out = torch.zeros_like(like)
+    out.narrow(dim, r * like.shape[dim] // tp, like.shape[dim] // tp).copy_(t)
+    return out
 
 
 def packed_row(lengths, hidden, seed=1):

@@ -2,8 +2,8 @@
 gated full-attention layers; the shared expert, partial rotary, zero-centred norms; the vision tower
 without deepstack) equals transformers' `Qwen3_5MoeForConditionalGeneration` on a random tiny config:
 logits and every gradient of a text-only batch (fp32, CPU, weights copied by name); its parameters are
-counted in closed form, its layers' FLOPs by hand; tensor and context parallelism, and CUDA graphs of its
-attention regions, are refused with the reason."""
+counted in closed form, its layers' FLOPs by hand; tensor and context parallelism whose ranks do not
+divide the key heads, and CUDA graphs of its attention regions, are refused with the reason."""
 
 from __future__ import annotations
 
@@ -117,13 +117,15 @@ def test_parameters_flops_and_refused_layouts():
     }
     parts = layer_forward_parts(cfg, 0, [T])
     assert {k: parts[k] for k in by_hand} == by_hand
-    with pytest.raises(ConfigError, match="Gated DeltaNet layers .* not both"):
+    with pytest.raises(ConfigError, match=r"linear_num_key_heads=2 .* by parallel.cp x tp=4"):
         ParallelDims(4, cp=2, tp=2).check_model(cfg)
     for dims, name in ((ParallelDims(4, tp=4), "tp"), (ParallelDims(4, cp=4), "cp")):
         with pytest.raises(ConfigError, match=f"linear_num_key_heads=2 .* by parallel.{name}=4"):
             dims.check_model(cfg)
     for dims in (ParallelDims(2, ep=2), ParallelDims(2, tp=2), ParallelDims(2, cp=2)):
         dims.check_model(cfg)  # FSDP / EP; TP and CP by key heads
+    cfg.text.linear_num_key_heads, cfg.text.linear_num_value_heads = 4, 8
+    ParallelDims(4, cp=2, tp=2).check_model(cfg)  # each tp rank's key heads over cp
     from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 
     with pytest.raises(ValueError, match="cannot capture a Gated DeltaNet layer"):
