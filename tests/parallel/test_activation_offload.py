@@ -16,7 +16,8 @@ runs, starts the copy of the scope before it; a scope opening again starts a new
 (d) Every refusal is a config error naming the reason and what to change.
 (e) The Qwen3.5 tiny model (Gated DeltaNet layers, the shared expert): `core_attn` wraps each GDN
 layer's chunked delta rule too (alone or around its recompute), which moves that core's tensors;
-layer_input, mlp, moe and all of them leave the loss and every gradient bit-identical.
+with layer_input and moe, or with mlp (the shared expert), the loss and every gradient stay
+bit-identical.
 tp2 and pp2 x ep2 run in the layout lists of test_layouts.py and test_pipeline.py.
 """
 
@@ -281,34 +282,39 @@ def test_cuda_stream_protocol_on_the_cpu(setup):
         assert back.index(("record_event", "side", c[2])) < back.index(c)
 
 
-@pytest.mark.parametrize("recompute", RECOMPUTES[:2], ids=lambda r: r[0])
-def test_qwen35_gdn_core_is_offloaded_bit_identical(recompute):
+@pytest.mark.parametrize(
+    "recompute, offload",
+    [(RECOMPUTES[0], ("layer_input", "core_attn", "moe")), (RECOMPUTES[1], ("core_attn", "mlp"))],
+    ids=["none", "selective"],
+)
+def test_qwen35_gdn_core_is_offloaded_bit_identical(recompute, offload):
+    """`mlp` wraps the shared expert where `moe` is not chosen; `core_attn` the GDN core, or its
+    Recompute."""
     cfg = VLMConfig.preset("qwen3_5_tiny")
     torch.manual_seed(0)
-    base, batch = Qwen3VLMoe(cfg), image_batch(cfg)
+    base, batch = Qwen3VLMoe(cfg), text_batch()
     ref_loss, ref_grads, *_ = run(base, batch, recompute, ())
+    model = copy.deepcopy(base)
+    apply_recompute(model, *recompute)
+    state = apply_offload(model, offload, "cpu", recompute)
+    groups = _recorded_groups(state)
+    with SavedBytes(model) as meter:
+        out = model(**batch)
+    # every GDN core's group moved something to the host, before backward brings it back
+    core = [g for g in groups if g.region in _gdn_cores(model)]
+    core_bytes = [sum(e.host.nbytes for e in _on_host(g)) for g in core]
     gdn_layers = sum(t == "linear_attention" for t in cfg.text.layer_types)
-    for offload in [
-        ("core_attn",),
-        ("layer_input", "core_attn", "moe"),
-        allowed(recompute, MODULES),
-    ]:
-        model = copy.deepcopy(base)
-        apply_recompute(model, *recompute)
-        state = apply_offload(model, offload, "cpu", recompute)
-        groups = _recorded_groups(state)
-        with SavedBytes(model) as meter:
-            out = model(**batch)
-        # every GDN core's group moved something to the host, before backward brings it back
-        core = [g for g in groups if g.region in _gdn_cores(model)]
-        core_bytes = [sum(e.host.nbytes for e in _on_host(g)) for g in core]
-        assert len(core) == gdn_layers and min(core_bytes) > 0, (offload, core_bytes)
-        out.loss.backward()
-        assert meter.offloaded_bytes >= sum(core_bytes) > 0
-        assert torch.equal(out.loss.detach(), ref_loss), offload
-        for n, p in model.named_parameters():
-            assert torch.equal(p.grad, ref_grads[n]), (offload, n)
-        print(f"recompute {recompute[0]} | offload {','.join(offload)} | GDN cores {core_bytes} B")
+    assert len(core) == gdn_layers and min(core_bytes) > 0, core_bytes
+    scopes = {m.scope for m in model.modules() if isinstance(m, Offload)}
+    assert scopes == set(offload), scopes
+    shared = [n for n, m in model.named_modules() if n.endswith("shared_expert.region")]
+    assert bool(shared) == ("mlp" in offload)
+    out.loss.backward()
+    assert meter.offloaded_bytes > sum(core_bytes)
+    assert torch.equal(out.loss.detach(), ref_loss)
+    for n, p in model.named_parameters():
+        assert (p.grad is None and ref_grads[n] is None) or torch.equal(p.grad, ref_grads[n]), n
+    print(f"recompute {recompute[0]} | offload {','.join(offload)} | GDN cores {core_bytes} B")
 
 
 def _recorded_groups(state: OffloadState) -> list:
