@@ -7,10 +7,11 @@ Hk key heads, Kd key head dim, Vd value head dim, N chunks, L chunk length.
     y_BSD = gdn(x_BSD, cu_seqlens)                           # state and conv window reset per document
     o_THV = chunk_gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, bounds)  # fp32 inside
 
-Split over n ranks (`share` = (i, n); tensor or context parallelism, `sequence` their strategy) the
-layer reads the whole sequence and computes value heads [i H/n, (i+1) H/n) with their key heads: rows
-of the whole in_proj_qkv and conv weights, its heads of in_proj_z/b/a, dt_bias, A_log and out_proj
-(the tensor-parallel shards, or slices); the output is summed over the n ranks.
+in_proj_qkv's rows and the conv's channels are grouped by key head (`qkv_order`: q_j, k_j, then the
+v of j's value heads). Split over n ranks (`share` = (i, n); tensor and/or context parallelism,
+`sequence` their strategy) the layer reads the whole sequence and computes key heads
+[i Hk/n, (i+1) Hk/n) with their value heads: a contiguous 1/n of every parameter but the norm's
+(slices of the whole, or of a tensor-parallel shard); the output is summed over the n ranks.
 
 Backends (`backend`): `torch` (the chunked delta rule here; CPU, tests), `fla` (the optional package
 flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16) and `auto` (`fla`
@@ -91,26 +92,27 @@ class GatedDeltaNet(nn.Module):
         hk, h = self.num_k_heads // self.share[1], self.num_v_heads // self.share[1]  # this rank's
         bounds = static_bounds(B, S, cu_seqlens, x_BSD.device)
         pos_BS = position_in_document(bounds, B, S)
-        rows = self.qkv_rows()
-        w_qkv, w_conv = local(self.in_proj_qkv.weight), local(self.conv1d.weight)[:, 0]
-        if rows is not None:
-            w_qkv, w_conv = w_qkv[rows], w_conv[rows]
+        qk_dim, v_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        whole = 2 * qk_dim + v_dim
+        w_qkv = self._mine(self.in_proj_qkv.weight, whole)
+        w_conv = self._mine(self.conv1d.weight, whole)[:, 0]
         qkv_BSC = conv_by_doc(self.in_proj_qkv.project(x_BSD, w_qkv), w_conv, pos_BS)
         q, k, v = (
             F.silu(qkv_BSC)
-            .reshape(B * S, -1)
-            .split([hk * self.head_k_dim, hk * self.head_k_dim, h * self.head_v_dim], -1)
+            .reshape(B * S, hk, -1)
+            .split([self.head_k_dim, self.head_k_dim, h // hk * self.head_v_dim], -1)
         )
-        beta_TH = self._project(self.in_proj_b, x_BSD, 1).reshape(B * S, h).sigmoid()
-        a_TH = self._project(self.in_proj_a, x_BSD, 1).reshape(B * S, h)
-        A_log, dt_bias = self._mine(self.A_log, 1), self._mine(self.dt_bias, 1)
+        H = self.num_v_heads
+        beta_TH = self._project(self.in_proj_b, x_BSD, H).reshape(B * S, h).sigmoid()
+        a_TH = self._project(self.in_proj_a, x_BSD, H).reshape(B * S, h)
+        A_log, dt_bias = self._mine(self.A_log, H), self._mine(self.dt_bias, H)
         g_TH = -A_log.float().exp() * F.softplus(a_TH.float() + dt_bias)
         o_THV = run_region(
             self,
             "core_region",  # the chunked delta rule: recompute's core_attn wraps it here
             gated_delta_rule,
-            q.reshape(B * S, hk, self.head_k_dim),
-            k.reshape(B * S, hk, self.head_k_dim),
+            q,
+            k,
             v.reshape(B * S, h, self.head_v_dim),
             g_TH,
             beta_TH,
@@ -120,34 +122,29 @@ class GatedDeltaNet(nn.Module):
             # rows alone: exactly ceil(S/L) chunks each, no spare chunk per document
             B * -(-S // self.chunk_size) if cu_seqlens is None else None,
         )
-        z_THV = self._project(self.in_proj_z, x_BSD, self.head_v_dim).reshape(B * S, h, -1)
+        z_THV = self._project(self.in_proj_z, x_BSD, v_dim).reshape(B * S, h, -1)
         o_BSV = self.norm(o_THV, z_THV).reshape(B, S, -1)
-        w_out = self._mine(self.out_proj.weight, self.head_v_dim, dim=1)
+        w_out = self._mine(self.out_proj.weight, v_dim, dim=1)
         return self.seq.scatter_sum(self.out_proj.project(o_BSV, w_out))
 
-    def _mine(self, p: torch.Tensor, per_head: int, dim: int = 0) -> torch.Tensor:
-        """This rank's value heads of `p` along `dim` (`per_head` entries each): its shard under tensor
-        parallelism, else a slice of the whole parameter."""
+    def _mine(self, p: torch.Tensor, whole: int, dim: int = 0) -> torch.Tensor:
+        """This rank's 1/n of `p` along `dim` (`whole` entries unsplit), from the whole parameter or
+        from its tensor-parallel shard (rank i // (n/tp) of tp holds parts [i - i % (n/tp), ...))."""
         t, (i, n) = local(p), self.share
-        whole = self.num_v_heads * per_head
-        return t if t.shape[dim] != whole or n == 1 else t.narrow(dim, i * whole // n, whole // n)
+        part = whole // n
+        return t if t.shape[dim] == part else t.narrow(dim, i * part % t.shape[dim], part)
 
-    def _project(self, linear: Linear, x: torch.Tensor, per_head: int) -> torch.Tensor:
-        return linear.project(x, self._mine(linear.weight, per_head))
+    def _project(self, linear: Linear, x: torch.Tensor, whole: int) -> torch.Tensor:
+        return linear.project(x, self._mine(linear.weight, whole))
 
-    def qkv_rows(self) -> torch.Tensor | None:
-        """The rows of in_proj_qkv (and conv channels) this rank's heads use: its key heads' q and k rows,
-        its value heads' v rows (None: all of them)."""
-        i, n = self.share
-        if n == 1:
-            return None
-        qk, v = self.num_k_heads * self.head_k_dim // n, self.num_v_heads * self.head_v_dim // n
-        key_dim = self.num_k_heads * self.head_k_dim
-        starts = (i * qk, key_dim + i * qk, 2 * key_dim + i * v)
-        device = self.in_proj_qkv.weight.device
-        return torch.cat(
-            [torch.arange(a, a + m, device=device) for a, m in zip(starts, (qk, qk, v))]
-        )
+
+def qkv_order(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """The reference's row of in_proj_qkv (channel of the conv), laid out [q of all key heads | k of
+    all | v of all], at each of ours, laid out by key head j: [q_j | k_j | v of j's H/Hk value heads].
+    A contiguous 1/n of ours is 1/n of the key heads with their value heads."""
+    qk, v = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    q_j, k_j, v_j = (t.view(num_k_heads, -1) for t in torch.arange(2 * qk + v).split([qk, qk, v]))
+    return torch.cat([q_j, k_j, v_j], 1).flatten()
 
 
 class GatedRMSNorm(nn.Module):

@@ -9,7 +9,8 @@ Reads a folder with `config.json` and `model.safetensors` or a sharded
 Expert layouts: Qwen3-VL's hub `gate_up_proj` (E, D, 2F) / `down_proj` (E, F, D) (ours);
 transformers' (E, 2F, D) / (E, D, F); Qwen3.5's hub, one `experts.<e>.{gate,up,down}_proj.weight`
 per expert ((F, D), (F, D), (D, F)), read whatever `expert_layout` says and written as "hub" for a
-Qwen3.5 model. The `mtp.*` tensors of Qwen3.5 checkpoints (multi-token prediction) are not read.
+Qwen3.5 model. A Gated DeltaNet's in_proj_qkv rows and conv channels are ours grouped by key head
+(`gated_deltanet.qkv_order`), the reference's [q | k | v]: permuted in and out. The `mtp.*` tensors of Qwen3.5 checkpoints (multi-token prediction) are not read.
 Sharded or pipeline-split models: moevlm.parallel.hf_io.
 """
 
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moevlm.model.config import VLMConfig
+from moevlm.model.gated_deltanet import qkv_order
 from moevlm.model.hf_config import FAMILIES
 from moevlm.model.moe import is_training_state
 
@@ -41,6 +43,7 @@ _LAYOUT_KEY = "moevlm_expert_layout"
 # one expert's matrix of a Qwen3.5 checkpoint: (our fused tensor's prefix, expert, which)
 _PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _NOT_READ = ("mtp.",)  # Qwen3.5's multi-token-prediction head: transformers skips it too
+_BY_KEY_HEAD = (".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")
 
 
 class CheckpointError(ValueError):
@@ -67,6 +70,22 @@ def _rename(name: str, src: int, dst: int) -> str:
 
 def _is_expert(name: str) -> bool:
     return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def key_head_order(cfg: VLMConfig | None) -> torch.Tensor:
+    """The reference's row at each of ours in a Gated DeltaNet's in_proj_qkv and conv1d."""
+    if cfg is None:
+        raise ValueError(
+            "a Gated DeltaNet's in_proj_qkv and conv1d are permuted on loading: pass the model's "
+            "config to match_checkpoint(..., config=model.config)"
+        )
+    t = cfg.text
+    return qkv_order(
+        t.linear_num_key_heads,
+        t.linear_num_value_heads,
+        t.linear_key_head_dim,
+        t.linear_value_head_dim,
+    )
 
 
 # ---------------------------------------------------------------------- load
@@ -99,10 +118,11 @@ def match_checkpoint(
     expert_layout: str = "auto",
     *,
     tie_word_embeddings: bool = False,
+    config: VLMConfig | None = None,
 ) -> dict[str, tuple]:
     """Map each of our tensor `expected` names (`expected_shapes`) to (sources, transform): the
     checkpoint's (file, hf name) pairs it is made of and how; from headers only; raise
-    CheckpointError listing all mismatches."""
+    CheckpointError listing all mismatches.  `config`: the model's, needed for Gated DeltaNet layers."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
     plan, pieces, seen = {}, {}, set()
@@ -132,6 +152,8 @@ def match_checkpoint(
                         shape,
                     )
                 elif t := _transform_for(ours, shape, expected[ours], expert_layout, file_layout):
+                    if ours.endswith(_BY_KEY_HEAD):
+                        t = ("rows", key_head_order(config))
                     plan[ours] = (((path, hf_name),), t)
                 else:
                     want = _hf_shape(ours, expected[ours])
@@ -242,6 +264,8 @@ def _apply(transform: str, ts: list[torch.Tensor], want_shape) -> torch.Tensor:
     if transform == "experts_1":  # down_0, down_1, ...: (E, D, F) -> ours
         return torch.stack(ts).transpose(1, 2)
     (t,) = ts
+    if isinstance(transform, tuple):  # ("rows", the source row of each of ours)
+        return t[transform[1]]
     if transform == "transpose":
         return t.transpose(1, 2)
     if transform == "flatten":
@@ -261,6 +285,7 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
         checkpoint_files(hf_dir),
         expert_layout,
         tie_word_embeddings=config.tie_word_embeddings,
+        config=config,
     )
     model.to_empty(device=device)
     if dtype is not None:
@@ -336,6 +361,8 @@ def to_hf(
         t = t.transpose(1, 2)
     elif _is_expert(name) and per_expert(cfg, expert_layout):
         return _per_expert_tensors(name, t)
+    elif name.endswith(_BY_KEY_HEAD):
+        t = t[key_head_order(cfg).argsort().to(t.device)]
     return {ours_to_hf(name): t.contiguous().cpu()}
 
 

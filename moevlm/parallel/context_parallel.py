@@ -10,7 +10,7 @@ weight changes): the vision tower encodes a share of whole images (moevlm.model.
 all-gathers the features; the embedding keeps this rank's tokens of the full row
 (cp_layout.split_rows); attention runs local queries against every rank's keys (cp_attention); each
 rank routes and scores its own tokens; a Gated DeltaNet gathers the whole row and runs 1/cp of its heads
-(`CPSequence.gather_whole` / `scatter_sum`).  What changes where, and why: docs/architecture.md.
+(of tp's share under cp x tp; `CPSequence.gather_whole` / `scatter_sum`).  Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -187,11 +187,16 @@ def cp_strategies(cp_group, comm: str, inner: Sequence) -> tuple[CPInfo, dict]:
     """(the cp group's info, the Strategies fields of context parallel over `cp_group`, composed over the
     sequence strategy `inner`: tensor parallel's, or the whole-sequence one)."""
     info = CPInfo(cp_group, comm)
+    # Gated DeltaNet heads: 1/cp of this rank's tensor-parallel share (of all of them without tp)
+    tp_group = getattr(inner, "group", None)
+    tp_rank, tp = (
+        (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    )
     return info, dict(
         sequence=CPSequence(info, inner),
         images=CPImages(info),
         attention=lambda: CPCoreAttention(info),
-        head_share=(info.rank, info.size),  # Gated DeltaNet heads (GDN under cp x tp: refused)
+        head_share=(tp_rank * info.size + info.rank, tp * info.size),
     )
 
 

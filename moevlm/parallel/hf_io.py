@@ -29,6 +29,7 @@ def load_hf_weights_(model: nn.Module, hf_dir, expert_layout: str = "auto") -> N
         hf.checkpoint_files(hf_dir),
         expert_layout,
         tie_word_embeddings=model.config.tie_word_embeddings,
+        config=model.config,
     )
     params = model.state_dict()
     with torch.no_grad():

@@ -272,14 +272,14 @@ class ParallelDims:
             "(the Gated DeltaNet layers split their key heads, each with its value heads, over tp)",
         )
         check(
-            not gdn or self.cp == 1 or self.tp == 1,
-            f"Gated DeltaNet layers (text.layer_types) run under parallel.cp or parallel.tp, not both for "
-            f"now (got cp={self.cp}, tp={self.tp})",
-        )
-        check(
             not gdn or t.linear_num_key_heads % self.cp == 0,
             f"text.linear_num_key_heads={t.linear_num_key_heads} is not divisible by parallel.cp={self.cp} "
             "(the Gated DeltaNet layers split their key heads, each with its value heads, over cp)",
+        )
+        check(
+            not gdn or t.linear_num_key_heads % (self.cp * self.tp) == 0,
+            f"text.linear_num_key_heads={t.linear_num_key_heads} is not divisible by parallel.cp x tp="
+            f"{self.cp * self.tp} (the Gated DeltaNet layers split each tp rank's key heads over cp)",
         )
         if m.num_experts:
             check(

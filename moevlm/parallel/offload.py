@@ -9,7 +9,8 @@ hidden.
     meter.bytes, meter.offloaded_bytes
 
 Scopes, each an `Offload` at a region slot of moevlm.model.strategies: layer_input (what is saved on
-the storage of a decoder layer's input h (B,S,D)), core_attn, mlp, moe_act (h (M,2F)), moe, vision.
+the storage of a decoder layer's input h (B,S,D)), core_attn (attention's core, a Gated DeltaNet's
+chunked delta rule), mlp, moe_act (h (M,2F)), moe, vision.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer
+from moevlm.model.gated_deltanet import GatedDeltaNet
 from moevlm.model.moe import DenseMLP, Experts, MoEBlock
 from moevlm.model.region import Region
 from moevlm.model.vision import VisionBlock, VisionMLP
@@ -33,14 +35,14 @@ from moevlm.parallel.recompute import _METERS, Recompute
 
 MODULES = ("layer_input", "core_attn", "mlp", "moe_act", "moe", "vision")
 
-# which (module classes, region slot) each scope wraps
+# which (module classes, region slot) pairs each scope wraps (core_attn: recompute's regions)
 _SCOPES = {
-    "layer_input": ((DecoderLayer,), "region"),
-    "core_attn": ((CoreAttention,), "region"),
-    "mlp": ((DenseMLP, VisionMLP), "region"),
-    "moe_act": ((Experts,), "act_region"),
-    "moe": ((MoEBlock,), "region"),
-    "vision": ((VisionBlock,), "region"),
+    "layer_input": (((DecoderLayer,), "region"),),
+    "core_attn": (((CoreAttention,), "region"), ((GatedDeltaNet,), "core_region")),
+    "mlp": (((DenseMLP, VisionMLP), "region"),),
+    "moe_act": (((Experts,), "act_region"),),
+    "moe": (((MoEBlock,), "region"),),
+    "vision": (((VisionBlock,), "region"),),
 }
 _OUTER_FIRST = ("vision", "moe", "mlp", "core_attn", "moe_act", "layer_input")
 # chosen scopes that leave nothing to offload under a recompute choice (every instance inside it)
@@ -114,8 +116,8 @@ def apply_offload(
         n for n, m in names.items() if isinstance(_unwrap(m._modules.get("region")), Recompute)
     }
     covered: set[int] = set()
-    for scope in (s for s in _OUTER_FIRST if s in modules):
-        classes, slot = _SCOPES[scope]
+    chosen = ((s, *pair) for s in _OUTER_FIRST if s in modules for pair in _SCOPES[s])
+    for scope, classes, slot in chosen:
         for name, m in list(names.items()):
             if not isinstance(m, classes) or id(m) in covered:
                 continue

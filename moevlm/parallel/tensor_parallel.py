@@ -226,16 +226,16 @@ def _shard_attention(a, p: str, tp_mesh, tp: int, col, row) -> list[str]:
 
 
 def _shard_gated_deltanet(g, p: str, tp_mesh, col, row) -> list[str]:
-    """A Gated DeltaNet by value heads (each with its key heads: `GatedDeltaNet.qkv_rows`): in_proj_z/b/a,
-    dt_bias and A_log column-parallel, out_proj row-parallel; in_proj_qkv and the conv stay whole (their
-    q, k and v rows interleave heads) and each rank reads its rows, so they are tp-partial, as the
-    gated norm's weight (shared by the heads)."""
-    for proj in (g.in_proj_z, g.in_proj_b, g.in_proj_a):
+    """A Gated DeltaNet by key heads with their value heads: in_proj_qkv and the conv (rows grouped
+    by key head, `gated_deltanet.qkv_order`), in_proj_z/b/a, dt_bias and A_log column-parallel,
+    out_proj row-parallel; the gated norm's weight (shared by the heads) is tp-partial."""
+    for proj in (g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a):
         shard_param(proj, "weight", tp_mesh, col)
-    shard_param(g, "dt_bias", tp_mesh, col)
-    shard_param(g, "A_log", tp_mesh, col)
+    for name in ("dt_bias", "A_log"):
+        shard_param(g, name, tp_mesh, col)
+    shard_param(g.conv1d, "weight", tp_mesh, col)
     shard_param(g.out_proj, "weight", tp_mesh, row)
-    return [p + "in_proj_qkv.weight", p + "conv1d.weight", p + "norm.weight"]
+    return [p + "norm.weight"]
 
 
 __all__ = [

@@ -3,8 +3,11 @@ dispatch/combine path (meta device, and patched host reads on 2 gloo ranks, wher
 does read); one 2-rank launch checking, against the unsharded `local` reference and the dropless
 all-to-all, that a capacity nothing overflows changes nothing (outputs and gradients w.r.t. x, router
 weights and expert weights; an idle expert, a rank that receives nothing and a rank whose tokens all go
-elsewhere), and that a small capacity drops exactly the (token, choice) pairs counted by hand; the
-trainer's metrics.jsonl and its config errors."""
+elsewhere), and that a small capacity drops exactly the (token, choice) pairs counted by hand; with a
+shared expert (Qwen3.5's), in one process and on the 2 ranks, the MoE block adds the gated shared
+expert to every token, dropped ones included (a token whose choices are all dropped gets exactly it),
+against the block with `local` dispatch and the dropped choices' weights zeroed; the trainer's
+metrics.jsonl and its config errors."""
 
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from moevlm.dispatch.capacity import (
     slot_sources,
 )
 from moevlm.errors import ConfigError
+from moevlm.model.config import MoEConfig
+from moevlm.model.moe import MoEBlock
+from moevlm.model.strategies import Strategies
 
 E, K, D, T = 8, 2, 6, 6
 
@@ -89,6 +95,75 @@ def test_capacity_path_runs_on_meta_without_data_dependent_shapes():
         and y.shape == (T, D)
         and x.grad.shape == (T, D)
     )
+
+
+# ------------------------------------------------------- the shared expert beside dropped tokens
+
+FS, F_EXPERT, T_SHARED = 5, 4, 12  # shared expert hidden, expert hidden, tokens per rank
+
+
+def _shared_expert_case(rank: int, ep: int) -> dict[str, float]:
+    """The capacity block (factor 0.5: 2 slots per expert for 24 choices; this rank's E/ep experts)
+    against the `local` block holding every expert with the dropped choices' weights zeroed; both with
+    one seeded set of weights and the gated shared expert.  Returns the relative errors."""
+    cfg = MoEConfig(E, K, F_EXPERT, grouped_gemm="loop", shared_expert_intermediate_size=FS)
+    torch.manual_seed(5)
+    ref = MoEBlock(D, cfg)
+    with torch.no_grad():  # (experts are created empty: the model's init fills them)
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape) / D**0.5)
+    dispatch = AllToAllDispatcher(E, K, capacity_factor=0.5)
+    block = MoEBlock(D, cfg, strategies=Strategies(dispatcher=lambda i, c: dispatch))
+    L = E // ep
+    block.load_state_dict(ref.state_dict())
+    for name in ("gate_up_proj", "down_proj"):  # this rank's experts
+        mine = getattr(ref.experts, name).detach()[rank * L : (rank + 1) * L]
+        setattr(block.experts, name, torch.nn.Parameter(mine.clone()))
+    gen = torch.Generator().manual_seed(50 + rank)
+    x0, g = torch.randn(1, T_SHARED, D, generator=gen), torch.randn(1, T_SHARED, D, generator=gen)
+    idx = ref.router(x0[0])[0]
+    keep = _dropped_by_hand(idx, expert_capacity(0.5, T_SHARED, K, E))
+    gone = ~keep.any(1)  # tokens whose choices are all dropped
+    assert gone.any() and not gone.all(), keep
+
+    def masked_local(x):
+        x_TD = x.reshape(-1, D)
+        _, w, *_ = ref.router(x_TD)
+        y = ref.runner(x_TD, idx, w * keep, ref.dispatcher, ref.experts).view_as(x)
+        return y + torch.sigmoid(ref.shared_expert_gate(x)) * ref.shared_expert(x), None
+
+    got, want = (_block_run(b, x0, g) for b in (block, masked_local))
+    assert dispatch.dropped.item() == (~keep).sum().item()
+    shared = torch.sigmoid(ref.shared_expert_gate(x0)) * ref.shared_expert(x0)
+    errors = {
+        "y": _rel(got["y"], want["y"]),
+        "y of all-dropped tokens - shared": _rel(got["y"][0, gone], shared[0, gone].detach()),
+        "grad x": _rel(got["x"], want["x"]),
+    }
+    assert shared[0, gone].abs().min() > 0
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for n, p in block.named_parameters():
+        want_g = grads[n]
+        if ".experts." in f".{n}":  # the reference's experts saw every rank's tokens
+            if ep > 1:
+                dist.all_reduce(want_g)
+            want_g = want_g[rank * L : (rank + 1) * L]
+        errors[f"grad {n}"] = _rel(p.grad, want_g)
+    assert "grad shared_expert.down_proj.weight" in errors
+    bad = {k: v for k, v in errors.items() if not v <= 1e-6}
+    assert not bad, bad
+    return {f"shared expert ep{ep} {k}": v for k, v in errors.items()}
+
+
+def _block_run(block, x0, g) -> dict:
+    x = x0.clone().requires_grad_()
+    y = block(x)[0]
+    (y * g).sum().backward()
+    return {"y": y.detach(), "x": x.grad}
+
+
+def test_shared_expert_reaches_every_token_dropped_ones_included():
+    _shared_expert_case(0, 1)  # asserts each error <= 1e-6
 
 
 # ------------------------------------------------------- 2 ranks, one launch
@@ -182,6 +257,8 @@ def _two_rank_checks(rank, out_dir):
         with pytest.raises(HostRead, match="tolist"):
             build_dispatcher("alltoall", num_experts=E, top_k=K).dispatch(x0, idx, w0)
     assert x.grad is not None
+    # 4. the MoE block with the shared expert over ep 2 (capacity 0.5)
+    errors |= _shared_expert_case(rank, dist.get_world_size())
     Path(out_dir, f"errors_rank{rank}.json").write_text(json.dumps(errors))
 
 

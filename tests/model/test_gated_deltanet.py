@@ -1,6 +1,7 @@
-"""Gated DeltaNet: equal to transformers' Qwen3.5-MoE module (forward and every gradient), packed
-documents equal to each document alone (and not without either reset), the chunked delta rule (documents
-side by side, or chunk by chunk as on CUDA) equal to a per-token recurrence."""
+"""Gated DeltaNet: equal to transformers' Qwen3.5-MoE module (forward and every gradient; in_proj_qkv
+and the conv permuted to ours, by key head), packed documents equal to each document alone (and not
+without either reset), the chunked delta rule (documents side by side, or chunk by chunk as on CUDA)
+equal to a per-token recurrence, the layer split over ranks' key heads summing to the whole."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 import moevlm.model.gated_deltanet as gdn
-from moevlm.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule
+from moevlm.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, qkv_order
 
 # hidden, key heads, value heads, key head dim, value head dim, conv kernel, our chunk
 CONFIGS = [(32, 2, 4, 8, 12, 4, 16), (24, 3, 3, 16, 8, 3, 64), (16, 1, 2, 4, 4, 2, 8)]
+BY_KEY_HEAD = ("in_proj_qkv.weight", "conv1d.weight")  # ours: rows grouped by key head
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -40,8 +42,13 @@ def pair(hidden, hk, hv, kd, vd, kernel, chunk, seed=0):
                 else 0.3 * torch.randn_like(p)
             )
     ours = GatedDeltaNet(hidden, hk, hv, kd, vd, kernel, cfg.rms_norm_eps, chunk, backend="torch")
-    ours.load_state_dict(ref.state_dict())
+    ours.load_state_dict({n: as_ours(n, t, hk, hv, kd, vd) for n, t in ref.state_dict().items()})
     return ref, ours
+
+
+def as_ours(name: str, t: torch.Tensor, hk: int, hv: int, kd: int, vd: int) -> torch.Tensor:
+    """A reference parameter (or gradient) in our layout."""
+    return t[qkv_order(hk, hv, kd, vd)] if name in BY_KEY_HEAD else t
 
 
 def forward_backward(module, x, dy, **kw):
@@ -69,7 +76,65 @@ def test_equals_transformers_forward_and_gradients(config):
     # against fp64 on them is ~7e-6 (measured), so 1e-5 between two fp32 paths would fail by rounding
     # order on another CPU; 5e-5 still catches a wrong term (O(1) errors)
     for name in g_ref:
-        assert rel(g[name], g_ref[name]) <= 5e-5, name
+        assert rel(g[name], as_ours(name, g_ref[name], *config[1:5])) <= 5e-5, name
+
+
+def test_qkv_rows_by_key_head_by_hand():
+    """2 key heads of dim 1, 4 value heads of dim 1: the reference's [q0 q1 | k0 k1 | v0 v1 v2 v3]
+    is ours [q0 k0 v0 v1 | q1 k1 v2 v3]; 3 key heads of dim 2, 3 value heads of dim 1."""
+    assert qkv_order(2, 4, 1, 1).tolist() == [0, 2, 4, 5, 1, 3, 6, 7]
+    assert qkv_order(3, 3, 2, 1).tolist() == [0, 1, 6, 7, 12, 2, 3, 8, 9, 13, 4, 5, 10, 11, 14]
+
+
+# a tensor-parallel shard's dim per parameter (moevlm.parallel.tensor_parallel); the norm's stays whole
+TP_DIM = {"out_proj.weight": 1, "norm.weight": None}
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (1, 3), (2, 1), (2, 2)])
+def test_ranks_key_heads_sum_to_the_whole_layer(tp, cp):
+    """Each of tp x cp ranks (`share` (r cp + c, tp cp)) computes its part of the key heads with their
+    value heads, from tp rank r's shard of the weights (or the whole ones without tp), cp rank c's
+    slice of it; the outputs summed are the whole's, and so are the weight gradients (summed over cp,
+    each tp rank's those of its shard)."""
+    config = CONFIGS[1] if cp == 3 else CONFIGS[0] if tp * cp < 4 else (32, 4, 8, 8, 6, 4, 16)
+    _, whole = pair(*config)
+    x, cu = packed_row([19, 2, 30], config[0])
+    dy = torch.randn_like(x)
+    y, dx, g = forward_backward(whole, x, dy, cu_seqlens=cu)
+    ys, dxs, grads = [], [], {name: 0 for name in g}
+    for r in range(tp):
+        for c in range(cp):
+            mine = GatedDeltaNet(
+                *config[:6], whole.norm.eps, config[6], backend="torch", share=(r * cp + c, tp * cp)
+            )
+            shard = {n: _tp_shard(n, t, r, tp) for n, t in whole.state_dict().items()}
+            for name, t in shard.items():  # as tensor parallel places them: local shapes
+                module, _, leaf = name.rpartition(".")
+                setattr(mine.get_submodule(module), leaf, torch.nn.Parameter(t.clone()))
+            y_i, dx_i, g_i = forward_backward(mine, x, dy, cu_seqlens=cu)
+            ys.append(y_i)
+            dxs.append(dx_i)
+            for name, t in g_i.items():  # each tp rank's shard in place
+                grads[name] = grads[name] + _tp_unshard(name, t, r, tp, g[name])
+    assert rel(sum(ys), y) <= 1e-5
+    assert rel(sum(dxs), dx) <= 1e-5
+    for name in g:
+        assert rel(grads[name], g[name]) <= 1e-5, name
+
+
+def _tp_shard(name: str, t: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    dim = TP_DIM.get(name, 0)
+    return t if dim is None else t.chunk(tp, dim)[r]
+
+
+def _tp_unshard(name: str, t: torch.Tensor, r: int, tp: int, like: torch.Tensor) -> torch.Tensor:
+    """`t` (tp rank r's shard gradient) at its place in a zero tensor of the whole one's shape."""
+    dim = TP_DIM.get(name, 0)
+    if dim is None:
+        return t
+    out = torch.zeros_like(like)
+    out.narrow(dim, r * like.shape[dim] // tp, like.shape[dim] // tp).copy_(t)
+    return out
 
 
 def packed_row(lengths, hidden, seed=1):

@@ -2,8 +2,8 @@
 gated full-attention layers; the shared expert, partial rotary, zero-centred norms; the vision tower
 without deepstack) equals transformers' `Qwen3_5MoeForConditionalGeneration` on a random tiny config:
 logits and every gradient of a text-only batch (fp32, CPU, weights copied by name); its parameters are
-counted in closed form, its layers' FLOPs by hand; tensor and context parallelism, and CUDA graphs of its
-attention regions, are refused with the reason."""
+counted in closed form, its layers' FLOPs by hand; tensor and context parallelism whose ranks do not
+divide the key heads, and CUDA graphs of its attention regions, are refused with the reason."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from hf_ref import as_ours, qwen35_model
 
 from moevlm.errors import ConfigError
-from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.model import Qwen3VLMoe, VLMConfig, hf
 
 pytestmark = pytest.mark.usefixtures("_fp32_and_seed")
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
@@ -47,11 +47,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _as_ours(name: str, t: torch.Tensor, cfg: VLMConfig) -> tuple[str, torch.Tensor]:
+    """`as_ours`, a Gated DeltaNet's in_proj_qkv rows and conv channels grouped by key head as
+    moevlm.model.hf loads them."""
+    ours, t = as_ours(name, t)
+    if ours.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+        t = t[hf.key_head_order(cfg)]
+    return ours, t
+
+
 def test_hybrid_decoder_equals_the_reference_logits_and_gradients():
     cfg = _ours()
     ref = _reference(cfg)
     ours = Qwen3VLMoe(cfg).eval()
-    state = dict(as_ours(n, t) for n, t in ref.state_dict().items())
+    state = dict(_as_ours(n, t, cfg) for n, t in ref.state_dict().items())
     missing, unexpected = ours.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     ids = torch.randint(0, 1000, (2, 37))
@@ -67,7 +76,7 @@ def test_hybrid_decoder_equals_the_reference_logits_and_gradients():
     for name, p in ref.named_parameters():
         if p.grad is None:  # the vision tower: no image in the batch
             continue
-        mine, want_g = as_ours(name, p.grad)
+        mine, want_g = _as_ours(name, p.grad, cfg)
         assert _rel(grads[mine], want_g) <= 5e-5, name  # A_log / dt_bias: see test_gated_deltanet
         checked += 1
     assert checked > 40
@@ -108,13 +117,15 @@ def test_parameters_flops_and_refused_layouts():
     }
     parts = layer_forward_parts(cfg, 0, [T])
     assert {k: parts[k] for k in by_hand} == by_hand
-    with pytest.raises(ConfigError, match="Gated DeltaNet layers .* not both"):
+    with pytest.raises(ConfigError, match=r"linear_num_key_heads=2 .* by parallel.cp x tp=4"):
         ParallelDims(4, cp=2, tp=2).check_model(cfg)
     for dims, name in ((ParallelDims(4, tp=4), "tp"), (ParallelDims(4, cp=4), "cp")):
         with pytest.raises(ConfigError, match=f"linear_num_key_heads=2 .* by parallel.{name}=4"):
             dims.check_model(cfg)
     for dims in (ParallelDims(2, ep=2), ParallelDims(2, tp=2), ParallelDims(2, cp=2)):
         dims.check_model(cfg)  # FSDP / EP; TP and CP by key heads
+    cfg.text.linear_num_key_heads, cfg.text.linear_num_value_heads = 4, 8
+    ParallelDims(4, cp=2, tp=2).check_model(cfg)  # each tp rank's key heads over cp
     from moevlm.parallel.cuda_graphs import apply_cuda_graphs
 
     with pytest.raises(ValueError, match="cannot capture a Gated DeltaNet layer"):

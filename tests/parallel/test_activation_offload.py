@@ -14,6 +14,10 @@ and none of what the checkpoint recomputes.
 (c) The prefetch: backward copies each scope back when it is first needed and, before that scope
 runs, starts the copy of the scope before it; a scope opening again starts a new chain.
 (d) Every refusal is a config error naming the reason and what to change.
+(e) The Qwen3.5 tiny model (Gated DeltaNet layers, the shared expert): `core_attn` wraps each GDN
+layer's chunked delta rule too (alone or around its recompute), which moves that core's tensors;
+with layer_input and moe, or with mlp (the shared expert), the loss and every gradient stay
+bit-identical.
 tp2 and pp2 x ep2 run in the layout lists of test_layouts.py and test_pipeline.py.
 """
 
@@ -26,7 +30,7 @@ import pytest
 import torch
 from test_recompute import image_batch, tiny_config
 
-from moevlm.model import Qwen3VLMoe
+from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.parallel.offload import MODULES, Offload, OffloadState, apply_offload, check
 from moevlm.parallel.recompute import SavedBytes, apply_recompute
 
@@ -298,6 +302,58 @@ def test_timed_copy_starts_after_its_wait_for_the_producers(setup):
         assert calls[-1][:2] == ("record_event", "side"), calls  # its end, after the copies
     d2h = [e for e in state.events if e[0] == "d2h"]
     assert len(d2h) == state.calls and all(start < end for _, _, start, end in d2h)
+
+
+@pytest.mark.parametrize(
+    "recompute, offload",
+    [(RECOMPUTES[0], ("layer_input", "core_attn", "moe")), (RECOMPUTES[1], ("core_attn", "mlp"))],
+    ids=["none", "selective"],
+)
+def test_qwen35_gdn_core_is_offloaded_bit_identical(recompute, offload):
+    """`mlp` wraps the shared expert where `moe` is not chosen; `core_attn` the GDN core, or its
+    Recompute."""
+    cfg = VLMConfig.preset("qwen3_5_tiny")
+    torch.manual_seed(0)
+    base, batch = Qwen3VLMoe(cfg), text_batch()
+    ref_loss, ref_grads, *_ = run(base, batch, recompute, ())
+    model = copy.deepcopy(base)
+    apply_recompute(model, *recompute)
+    state = apply_offload(model, offload, "cpu", recompute)
+    groups = _recorded_groups(state)
+    with SavedBytes(model) as meter:
+        out = model(**batch)
+    # every GDN core's group moved something to the host, before backward brings it back
+    core = [g for g in groups if g.region in _gdn_cores(model)]
+    core_bytes = [sum(e.host.nbytes for e in _on_host(g)) for g in core]
+    gdn_layers = sum(t == "linear_attention" for t in cfg.text.layer_types)
+    assert len(core) == gdn_layers and min(core_bytes) > 0, core_bytes
+    scopes = {m.scope for m in model.modules() if isinstance(m, Offload)}
+    assert scopes == set(offload), scopes
+    shared = [n for n, m in model.named_modules() if n.endswith("shared_expert.region")]
+    assert bool(shared) == ("mlp" in offload)
+    out.loss.backward()
+    assert meter.offloaded_bytes > sum(core_bytes)
+    assert torch.equal(out.loss.detach(), ref_loss)
+    for n, p in model.named_parameters():
+        assert (p.grad is None and ref_grads[n] is None) or torch.equal(p.grad, ref_grads[n]), n
+    print(f"recompute {recompute[0]} | offload {','.join(offload)} | GDN cores {core_bytes} B")
+
+
+def _recorded_groups(state: OffloadState) -> list:
+    """The list `state` will append each scope call's group to as it opens."""
+    groups, opened = [], state.open
+    state.open = lambda r, a, o=None: groups.append(g := opened(r, a, o)) or g
+    return groups
+
+
+def _on_host(group) -> list:
+    """A scope call's entries alive (saved for backward) and on the host."""
+    return [e for e in (r() for r in group.entries) if e is not None and e.host is not None]
+
+
+def _gdn_cores(model) -> list:
+    """The Offload regions at Gated DeltaNet layers' core_region slots."""
+    return [m for n, m in model.named_modules() if n.endswith("linear_attn.core_region")]
 
 
 def test_parameters_views_and_casts_stay_on_the_device():

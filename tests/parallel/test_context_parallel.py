@@ -6,7 +6,9 @@ per-step loss, gathered gradients of every step and the parameters after the las
 1e-5 relative (AdamW's eps raised as there, so that the parameters do not depend on the CPU kind).
 World 2: cp2 (allgather, ring), cp2 x ep2 (all-to-all dispatch of each cp shard's tokens), cp2 with
 full and with selective recompute.  World 4: cp4 (ring), cp2 x tp2 (the sequence over cp x tp),
-cp2 x dp2 (FSDP2 over dp x cp), cp2 x pp2 (pipeline stages pass the cp shard).  Then the job of
+cp2 x dp2 (FSDP2 over dp x cp), cp2 x pp2 (pipeline stages pass the cp shard), and a Gated DeltaNet
+layer built by `build_model` under cp2 x tp2 (each tp rank's key heads split over cp) against the
+whole layer in one process (output, input and weight gradients).  Then the job of
 `train.py parallel.cp=2 parallel.tp=2` run on 4 ranks against one process.  The errors per layout go to
 <tmp>/cp_w<world>.json and are printed.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+import torch.distributed as dist
 from gloo_ranks import run_ranks
 from test_layouts import (
     TOL,
@@ -31,6 +35,12 @@ from test_layouts import (
 from moevlm.config import compose_job, validate
 from moevlm.data.sample_cache import ensure_sample
 from moevlm.errors import ConfigError
+from moevlm.model import VLMConfig
+from moevlm.model.gated_deltanet import GatedDeltaNet
+from moevlm.model.strategies import local
+from moevlm.parallel import ParallelDims, build_model, materialize_
+from moevlm.parallel.build import BuildOptions
+from moevlm.parallel.weights import copy_full_
 from moevlm.train.trainer import Trainer
 
 WORLD_2 = [
@@ -69,6 +79,67 @@ def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[s
         chunked_loss_matches_whole_logits(
             shards, os.path.join(tmp, "cp4_chunks"), ["parallel.cp=2", "parallel.tp=2"]
         )
+        gdn_cp2_tp2_equals_one_process()
+
+
+def gdn_cp2_tp2_equals_one_process() -> dict[str, float]:
+    """Layer 0 (Gated DeltaNet, 4 key heads, 8 value heads) of the Qwen3.5 tiny model laid out over cp 2
+    x tp 2 (DDP): on this rank's tokens of a packed row, its output and input gradient, and its weight
+    gradients summed over cp (and tp for the norm), equal the whole layer's to 1e-5."""
+    cfg = VLMConfig.preset("qwen3_5_tiny")
+    cfg.text.linear_num_key_heads, cfg.text.linear_num_value_heads = 4, 8
+    model, ctx = build_model(cfg.validate(), ParallelDims(4, cp=2, tp=2), BuildOptions("ddp"))
+    materialize_(model, "cpu", ctx)
+    mine = model.text.layers[0].linear_attn
+    t = cfg.text
+    whole = GatedDeltaNet(
+        t.hidden_size, 4, 8, t.linear_key_head_dim, t.linear_value_head_dim,
+        t.linear_conv_kernel_dim, backend="torch",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(whole.named_parameters(), mine.named_parameters()):
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (name == "norm.weight"))
+            copy_full_(q, p)
+    B, S, D = 1, 48, t.hidden_size
+    x, dy = torch.randn(B, S, D, generator=gen), torch.randn(B, S, D, generator=gen)
+    cu = torch.tensor([0, 7, 30, 48], dtype=torch.int32)
+    x_ref = x.clone().requires_grad_()
+    y_ref = whole(x_ref, cu)
+    (y_ref * dy).sum().backward()
+    mine.seq.begin(cu, B, S, "cpu")
+    assert mine.share == (
+        ctx.meshes[0]["tp"].get_local_rank() * 2 + dist.get_rank(ctx.groups["cp"]),
+        4,
+    )
+    x_mine = mine.seq.enter(x).detach().requires_grad_()
+    y = mine(x_mine, cu)
+    (y * mine.seq.enter(dy)).sum().backward()
+    errors = {
+        "y": _rel(y, mine.seq.enter(y_ref)),
+        "dx": _rel(x_mine.grad, mine.seq.enter(x_ref.grad)),
+    }
+    for (name, p), (_, q) in zip(whole.named_parameters(), mine.named_parameters()):
+        g = local(q.grad)
+        dist.all_reduce(g, group=ctx.groups["cp"])
+        if name == "norm.weight":  # shared by the heads: partial over tp too
+            dist.all_reduce(g, group=ctx.groups["tp"])
+            want = p.grad
+        else:
+            want = local(distribute_like(p.grad, q))
+        errors[name] = _rel(g, want)
+    assert all(v <= TOL for v in errors.values()), errors
+    return errors
+
+
+def distribute_like(full: torch.Tensor, param) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ then in ONE launch of 2 gloo ranks each layout through the real `Trainer`, compa
 gathered gradients) and after the last update (parameters), each to 1e-5 relative.  Layouts: FSDP
 dp2 with ep2 (all-to-all dispatch; the shared expert beside the routed experts), DDP dp2, pp2 (the
 automatic split: the GDN layers 0-2 on stage 0, the full-attention layer 3 on stage 1), tp2 x ep2
-(GDN value heads with their key heads, conv channels and out_proj split as the attention's heads
-are; the sequence parallel between blocks) and cp2 (GDN layers gather the row and run half of the
+(GDN key heads with their value heads: every projection, the conv channels and out_proj split as the
+attention's heads are, each rank holding half of in_proj_qkv and the conv; the sequence parallel
+between blocks) and cp2 (GDN layers gather the row and run half of the
 heads each).  Five layouts, not one per feature: the suite's time (about 30 s on 2 cores).
 
 Every run starts from one Hugging Face folder (`conditioned_init`): the Trainer's initial weights
@@ -29,6 +30,10 @@ from test_layouts import _one_process, check_layouts, job_overrides, print_repor
 
 from moevlm.config import compose_job, validate
 from moevlm.data.sample_cache import ensure_sample
+from moevlm.model import VLMConfig
+from moevlm.model.strategies import local
+from moevlm.parallel import ParallelDims, build_model
+from moevlm.parallel.build import BuildOptions
 from moevlm.train.trainer import Trainer
 
 # 2 rows a step (one per dp rank): half the suite's time of test_layouts.py's 4; AdamW's eps 1e-5
@@ -46,8 +51,8 @@ WORLD_2 = [
     [*QWEN35, "parallel.dp_mode=ddp"],
     # the automatic split (by training FLOPs, GDN layers charged theirs): [3, 1]
     [*QWEN35, "parallel.pp=2"],
-    # GDN heads: in_proj_z/b/a, dt_bias, A_log and out_proj sharded, in_proj_qkv and conv rows picked;
-    # the experts over the same two ranks (ep 2, etp 1)
+    # GDN heads: in_proj_qkv/z/b/a, the conv, dt_bias, A_log and out_proj sharded; the experts over
+    # the same two ranks (ep 2, etp 1)
     [*QWEN35, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall"],
     # the row's zigzag chunks over cp 2: GDN layers gather the row and run half of the heads each
     [*QWEN35, "parallel.cp=2"],
@@ -72,8 +77,20 @@ def _references(shards: str, tmp: str) -> None:
     _one_process(shards, tmp, "ref", QWEN35)
 
 
+def _tp_holds_half_of_qkv_and_conv() -> None:
+    """Under tp 2 each rank holds half of every GDN layer's in_proj_qkv rows and conv channels."""
+    cfg = VLMConfig.preset("qwen3_5_tiny")
+    model, _ = build_model(cfg, ParallelDims(2, tp=2), BuildOptions())
+    gdn = [layer.linear_attn for layer in model.text.layers if layer.linear_attn is not None]
+    assert len(gdn) == 3
+    for g in gdn:
+        for w in (g.in_proj_qkv.weight, g.conv1d.weight):
+            assert local(w).shape[0] * 2 == w.shape[0] == g.conv1d.in_channels
+
+
 def _on_ranks(rank: int, world: int, shards: str, tmp: str, layouts: list[list[str]]) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    _tp_holds_half_of_qkv_and_conv()
     ref = os.path.join(tmp, "ref.pt")
     check_layouts(rank, world, shards, tmp, ref, layouts, "q", f"qwen35_w{world}.json", QWEN35)
 
