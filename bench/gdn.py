@@ -28,7 +28,9 @@ import torch
 import transformers
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 
-from moevlm.model.gated_deltanet import FLA_DTYPES, GatedDeltaNet, fla_missing
+from moevlm.model.gated_deltanet import FLA_DTYPES, GatedDeltaNet, fla_missing, qkv_order
+
+BY_KEY_HEAD = ("in_proj_qkv.weight", "conv1d.weight")  # ours: rows grouped by key head
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -53,7 +55,10 @@ def modules(a):
             a.hidden, a.key_heads, a.value_heads, a.head_dim, a.head_dim, a.conv, cfg.rms_norm_eps,
             a.chunk, backend=backend,
         ).to(a.device, DTYPES[a.dtype])  # fmt: skip
-        ours[backend].load_state_dict(ref.state_dict())
+        rows = qkv_order(a.key_heads, a.value_heads, a.head_dim, a.head_dim).to(a.device)
+        ours[backend].load_state_dict(  # our in_proj_qkv rows / conv channels: grouped by key head
+            {k: v[rows] if k in BY_KEY_HEAD else v for k, v in ref.state_dict().items()}
+        )
     return ref, ours
 
 

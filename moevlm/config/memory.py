@@ -30,7 +30,7 @@ _LAYER_SHARDING = {
     "q_o": "tp",
     "k_v": "kv",
     "norms": "whole",
-    "linear_attn": "whole",  # under tp GDN keeps in_proj_qkv and the conv whole (the rest split): a bound
+    "linear_attn": "tp",  # GDN: every projection, the conv and the per-head gates by heads
     "router": "whole",
     "experts": "experts",
     "dense_mlp": "tp",

@@ -325,8 +325,8 @@ class ModelConfig:
         metadata={
             "help": "scopes whose activations saved for backward go to pinned host memory in forward and come back "
             "(prefetched one scope ahead, on a side stream) in backward (moevlm/parallel/offload.py): layer_input "
-            "(each decoder layer's input, e.g. the one model.recompute=full keeps), core_attn, mlp, moe_act, moe, "
-            "vision; a tensor recomputed in backward is never offloaded; [] = none"
+            "(each decoder layer's input, e.g. the one model.recompute=full keeps), core_attn (the attention core, "
+            "and Gated DeltaNet's chunked delta rule), mlp, moe_act, moe, vision; a tensor recomputed in backward is never offloaded; [] = none"
         },
     )
     fp8: one_of(*FP8_RECIPES, checked_by=VLMConfig.validate) = field(
