@@ -325,6 +325,30 @@ def check_context_parallel(job, dims: ParallelDims) -> None:
     )
 
 
+def check_lora(job, dims: ParallelDims) -> None:
+    """model.lora_rank > 0 runs in one process for now: every other layout refused by name."""
+    rank, t = job.model.lora_rank, job.train
+    if not rank:
+        return
+    others = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep, "etp": dims.etp}
+    others["dp"] = dims.dp
+    refusals = [
+        (
+            n > 1,
+            f"with parallel.{name}={n}: adapters under that layout are not built yet; use one process",
+        )
+        for name, n in others.items()
+    ]
+    refusals.append(
+        (bool(t.compile), "with train.compile=true is not tested yet; use train.compile=false")
+    )
+    refuse(f"model.lora_rank={rank}", refusals)
+    check(
+        not t.export_adapter or rank,
+        f"train.export_adapter={t.export_adapter} needs adapters: set model.lora_rank > 0",
+    )
+
+
 def refuse(key: str, refusals: list[tuple[bool, str]]) -> None:
     """ConfigError with a line `key why` for each (applies, why) refusal that applies."""
     check(

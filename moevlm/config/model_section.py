@@ -24,6 +24,7 @@ from moevlm.dispatch.base import DEEPEP_APIS
 from moevlm.errors import ConfigError, check
 from moevlm.fields import is_int, one_of
 from moevlm.model.config import (
+    LORA_ROUTER,
     ATTN_BACKENDS,
     AUX_LOSSES,
     CAPACITY_OVERFLOWS,
@@ -380,6 +381,43 @@ class ModelConfig:
             "experts (local dispatcher: up to block-1 zero rows per expert and a host sync per layer; hybridep: "
             "padded by HybridEP); "
             "fp8_backend=torch always pads",
+        },
+    )
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "sets": "lora.rank",
+            "help": "LoRA adapters of this rank beside the linears of model.lora_modules (moevlm.model.lora); "
+            "every base weight frozen, only adapters (and a trained router) get gradients and optimizer "
+            "state; 0 = off. One process only for now",
+        },
+    )
+    lora_alpha: Optional[float] = field(
+        default=None,
+        metadata={
+            "sets": "lora.alpha",
+            "help": "LoRA scale numerator: the update is (alpha / rank) B A x; null = 2 x lora_rank (a scale "
+            "of 2 at any rank, the common recipe's choice)",
+        },
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"sets": "lora.dropout", "help": "dropout on the adapters' input in training"},
+    )
+    lora_modules: List[one_of(*FP8_MODULES, checked_by=VLMConfig.validate)] = field(
+        default_factory=lambda: ["attn"],
+        metadata={
+            "sets": "lora.modules",
+            "help": "where adapters go: attn (decoder q/k/v/o; Gated DeltaNet in_proj_qkv, in_proj_z, "
+            "out_proj), mlp (dense MLPs, the shared expert), experts (each routed expert's gate/up and down, "
+            "through the grouped GEMM), vision (vision blocks and mergers)",
+        },
+    )
+    lora_router: one_of(*LORA_ROUTER, checked_by=VLMConfig.validate) = field(
+        default="frozen",
+        metadata={
+            "sets": "lora.router",
+            "help": "with LoRA: the MoE routers stay frozen, or are trained full-rank",
         },
     )
     cuda_graph_scope: List[one_of(*GRAPH_SCOPES, checked_by=scope_problem)] = field(

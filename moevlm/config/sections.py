@@ -281,6 +281,13 @@ class TrainConfig:
             "help": "a folder to write the final weights to as HF safetensors; empty = no export"
         },
     )
+    export_adapter: str = field(
+        default="",
+        metadata={
+            "help": "with model.lora_rank > 0: a folder to write the final adapters to in PEFT's format "
+            "(adapter_config.json, adapter_model.safetensors; moevlm.model.lora); empty = none"
+        },
+    )
     log_every: int = field(default=1, metadata={"help": "steps between metric log lines"})
     val_every: int = field(
         default=0,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Optional, get_type_hints
+from typing import get_type_hints
 
 import torch
 from omegaconf import OmegaConf
@@ -24,6 +24,7 @@ from moevlm.config.build_checks import (
     check_ep_overlap,
     check_fp8,
     check_light_state,
+    check_lora,
     check_offload,
     check_optimizer_offload,
     check_recompute,
@@ -133,6 +134,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
     run(check_profile, t)
     if dims is not None:
         run(check_context_parallel, job, dims)
+        run(check_lora, job, dims)
     if dims is not None and model is not None:
         run(data_problem, check_job_data, job.data, model, dims.dp, dims.tp, dims.cp)
         if spec is not None:
@@ -219,7 +221,7 @@ def _build_options(job, model: VLMConfig, spec, fp8, pipeline) -> BuildOptions:
 
 def _split_pipeline(
     job, model: VLMConfig, dims: ParallelDims, microbatches: int
-) -> Optional[PipelineSplit]:
+) -> PipelineSplit | None:
     p, d = job.parallel, job.data
     schedule_name(p.pp_schedule)  # a misspelt schedule is refused whatever pp is
     if dims.pp == 1:

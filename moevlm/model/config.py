@@ -143,6 +143,24 @@ class Fp8Config:
     pad_experts: bool = False  # each expert's rows padded to the scale block (local dispatcher)
 
 
+LORA_ROUTER = ("frozen", "trained")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (moevlm.model.lora): rank 0 = off; alpha None = 2 x rank (scale 2 at any rank)."""
+
+    rank: int = 0
+    alpha: float | None = None
+    dropout: float = 0.0
+    modules: tuple[str, ...] = ("attn",)  # scopes of FP8_MODULES: experts, attn, mlp, vision
+    router: str = "frozen"  # frozen | trained
+
+    @property
+    def scale(self) -> float:
+        return (2.0 * self.rank if self.alpha is None else self.alpha) / self.rank
+
+
 @dataclass
 class VLMConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -155,6 +173,7 @@ class VLMConfig:
     tie_word_embeddings: bool = False
     attn_backend: str = "auto"
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # the LM head's loss over chunks of this many tokens, without the logits (0: the whole logits)
     loss_chunk_tokens: int = 0
 
@@ -274,6 +293,7 @@ class VLMConfig:
             f"loss_chunk_tokens={chunk!r} must be an integer >= 0 (0: the whole micro-batch's logits)",
         )
         self._check_fp8()
+        self._check_lora()
         for name in (
             "image_token_id",
             "video_token_id",
@@ -306,6 +326,39 @@ class VLMConfig:
         check(
             not f.pow2_scales or f.recipe != "mxfp8",
             "fp8.pow2_scales is a blockwise option (MXFP8 scales are powers of two already)",
+        )
+
+    def _check_lora(self) -> None:
+        lo, m = self.lora, self.moe
+        check(
+            isinstance(lo.rank, int) and not isinstance(lo.rank, bool) and lo.rank >= 0,
+            f"lora.rank={lo.rank!r} must be an integer >= 0 (0: no adapters)",
+        )
+        check(
+            lo.alpha is None or _real(lo.alpha) and lo.alpha > 0,
+            f"lora.alpha={lo.alpha!r} must be a number > 0, or null for 2 x lora.rank",
+        )
+        check(
+            _real(lo.dropout) and 0 <= lo.dropout < 1,
+            f"lora.dropout={lo.dropout!r} must be in [0, 1)",
+        )
+        bad = sorted(set(lo.modules) - set(FP8_MODULES))
+        check(not bad, f"lora.modules has {bad}; choose among {list(FP8_MODULES)}")
+        check(
+            lo.router in LORA_ROUTER,
+            f"lora.router={lo.router!r}; choose one of {list(LORA_ROUTER)}",
+        )
+        if not lo.rank:
+            return
+        check(
+            self.fp8.recipe == "none",
+            f"lora.rank={lo.rank} with fp8.recipe={self.fp8.recipe}: adapters over FP8 base GEMMs are "
+            "not built yet; set fp8.recipe=none",
+        )
+        check(
+            "experts" not in lo.modules or m.grouped_gemm != "torch" or lo.rank % 8 == 0,
+            f"lora.rank={lo.rank} with expert adapters and moe.grouped_gemm='torch' (torch._grouped_mm "
+            "needs 16-byte rows): use a multiple of 8, or moe.grouped_gemm='loop'",
         )
 
     def _check_numbers(self) -> None:
@@ -404,6 +457,7 @@ class VLMConfig:
             text=dataclasses.replace(self.text),
             moe=dataclasses.replace(self.moe),
             fp8=dataclasses.replace(self.fp8),
+            lora=dataclasses.replace(self.lora),
         )
         return dataclasses.replace(out, **changes)
 

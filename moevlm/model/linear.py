@@ -5,6 +5,8 @@ Legend: D_in / D_out the in- and out-features.
     lin = Linear(D_in, D_out, bias=False)       # the same parameters and state dict as nn.Linear
     y = lin(x)                                   # F.linear, or FP8 after moevlm.model.fp8_targets marks it
     y = lin.project(x, weight_shard, bias)       # what tensor parallelism calls with its shard
+
+`lin.lora` (None unless model.lora_rank > 0, moevlm.model.lora) adds its low-rank update to `project`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ class Linear(nn.Linear):
 
     fp8: Fp8Recipe | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lora = None  # a moevlm.model.lora.LoraAdapter when the model's config asks for one
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, local(self.weight), local(self.bias))
 
     def project(self, x, weight, bias=None):
         """x @ weight^T + bias: this module's weight, or a shard of it that tensor parallelism passes."""
         if self.fp8 is None:
-            return F.linear(x, weight, bias)
-        return fp8_linear(x, weight, bias, self.fp8, owner=self)
+            y = F.linear(x, weight, bias)
+        else:
+            y = fp8_linear(x, weight, bias, self.fp8, owner=self)
+        return y if self.lora is None else y + self.lora(x)

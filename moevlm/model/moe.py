@@ -8,7 +8,8 @@ Legend: T tokens, D hidden, E experts, K top-k, F expert hidden, M dispatched ro
 
 Expert weights: `gate_up_proj` (E, D, 2F), gate columns first, and `down_proj` (E, F, D).
 Regions a build step may wrap: the whole block (`region`) and the SwiGLU between the two grouped
-GEMMs (`act_region`).
+GEMMs (`act_region`). `experts.lora` (model.lora_rank > 0, moevlm.model.lora) adds each expert's
+low-rank update through the same grouped GEMM.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class RouterStats:
 
 
 def is_training_state(name: str) -> bool:
-    """A state-dict entry that is training state (the router bias), not a weight of the network:
-    kept out of Hugging Face import and export."""
-    return name.endswith(BIAS_BUFFER)
+    """A state-dict entry that is training state (the router bias) or a LoRA adapter
+    (moevlm.model.lora), not a weight of the network: kept out of Hugging Face import and export."""
+    return name.endswith(BIAS_BUFFER) or ".lora." in name
 
 
 class Router(nn.Module):
@@ -112,6 +113,7 @@ class Experts(nn.Module):
         self.grouped_gemm = grouped_gemm
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.down_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.lora = None  # a moevlm.model.lora.ExpertLora when the model's config asks for one
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """Over this rank's shards of the weights (whole without expert parallelism)."""
@@ -125,8 +127,13 @@ class Experts(nn.Module):
         h_MF2 = expert_mm(
             x_MD, gate_up_EDF2, counts_E, self.grouped_gemm, self.fp8, (self, "gate_up")
         )
+        if self.lora is not None:
+            h_MF2 = h_MF2 + self.lora.update("gate_up", x_MD, counts_E, self.grouped_gemm)
         h_MF = run_region(self, "act_region", swiglu, h_MF2)
-        return expert_mm(h_MF, down_EFD, counts_E, self.grouped_gemm, self.fp8, (self, "down"))
+        y_MD = expert_mm(h_MF, down_EFD, counts_E, self.grouped_gemm, self.fp8, (self, "down"))
+        if self.lora is not None:
+            y_MD = y_MD + self.lora.update("down", h_MF, counts_E, self.grouped_gemm)
+        return y_MD
 
 
 @torch.compiler.disable

@@ -25,6 +25,7 @@ import torch.nn as nn
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
 from moevlm.model.gated_deltanet import GatedDeltaNet
+from moevlm.model.lora import attach_lora, lora_init_rules
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.strategies import (
@@ -62,6 +63,8 @@ class Qwen3VLMoe(nn.Module):
         self.loss = strategies.loss()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.text.embed_tokens.weight
+        if config.lora.rank:  # adapters beside the chosen linears and experts, the base frozen
+            attach_lora(self, config.lora)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
@@ -78,6 +81,7 @@ class Qwen3VLMoe(nn.Module):
             _init_rules(tower, prefix, std, rules)
         if not self.config.tie_word_embeddings:
             rules["lm_head.weight"] = ("normal", self.config.text.initializer_range)
+        rules.update(lora_init_rules(self))
         return rules
 
     @torch.no_grad()
@@ -381,6 +385,8 @@ def fill_(t: torch.Tensor, kind: str, std: float, generator: torch.Generator | N
         t.normal_(0.0, std, generator=generator)
     elif kind == "ones":
         t.fill_(1.0)
+    elif kind == "uniform":  # U(-std, std): a LoRA A (moevlm.model.lora)
+        t.uniform_(-std, std, generator=generator)
     elif kind == "log_uniform":  # log of U(0.01, 16): a Gated DeltaNet's A_log
         t.uniform_(0.01, 16.0, generator=generator).log_()
     else:

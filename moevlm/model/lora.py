@@ -1,0 +1,200 @@
+"""LoRA adapters (`model.lora_rank` > 0): a low-rank update beside each targeted linear and each
+expert's grouped GEMMs, merging into the base weights, and export in PEFT's format.
+
+Legend: r rank, E experts, D hidden, F expert hidden, M dispatched rows.
+
+    model = Qwen3VLMoe(cfg)                # cfg.lora.rank > 0: the model attaches adapters, base frozen
+    merge_lora(model)                      # W += (alpha/r) B A, adapters removed
+    save_peft_adapter(model, out_dir)      # adapter_config.json + adapter_model.safetensors
+
+A linear's adapter is PEFT's pair, A (r, in) and B (out, r): y = W x + (alpha/r) B A dropout(x).
+Experts hold one pair per expert, stacked for the grouped GEMM the experts run: gate_up_A (E, D, r),
+gate_up_B (E, r, 2F), down_A (E, F, r), down_B (E, r, D). A starts Kaiming-uniform, B at zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from moevlm.model.config import LoraConfig
+from moevlm.model.fp8 import expert_mm
+from moevlm.model.fp8_targets import fp8_targets
+from moevlm.model.linear import Linear
+from moevlm.model.moe import Experts, Router
+
+__all__ = ["ExpertLora", "LoraAdapter", "attach_lora", "lora_init_rules", "merge_lora"]
+__all__ += ["save_peft_adapter"]
+
+
+class LoraAdapter(nn.Module):
+    """The low-rank update of one linear (in -> out)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int, scale: float, dropout: float):
+        super().__init__()
+        self.scale, self.dropout = scale, nn.Dropout(dropout) if dropout else nn.Identity()
+        self.A = nn.Parameter(torch.empty(rank, d_in))
+        self.B = nn.Parameter(torch.empty(d_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(self.dropout(x), self.A), self.B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """(out, in): what merging adds to the base weight."""
+        return self.scale * self.B @ self.A
+
+
+class ExpertLora(nn.Module):
+    """Each routed expert's low-rank updates, run by the experts' grouped GEMM on the permuted rows."""
+
+    def __init__(self, experts: Experts, rank: int, scale: float, dropout: float):
+        super().__init__()
+        E, D, F2 = experts.gate_up_proj.shape
+        self.scale, self.dropout = scale, nn.Dropout(dropout) if dropout else nn.Identity()
+        self.gate_up_A = nn.Parameter(torch.empty(E, D, rank))
+        self.gate_up_B = nn.Parameter(torch.empty(E, rank, F2))
+        self.down_A = nn.Parameter(torch.empty(E, F2 // 2, rank))
+        self.down_B = nn.Parameter(torch.empty(E, rank, D))
+
+    def update(self, which: str, x_MK: torch.Tensor, counts_E, backend: str) -> torch.Tensor:
+        """(alpha/r) x B_e A_e for each row's expert e, `which` gate_up or down: two grouped GEMMs."""
+        A, B = getattr(self, which + "_A"), getattr(self, which + "_B")
+        h_Mr = expert_mm(self.dropout(x_MK), A, counts_E, backend, None)
+        return expert_mm(h_Mr, B, counts_E, backend, None) * self.scale
+
+    def delta(self, which: str) -> torch.Tensor:
+        """(E, in, out) in the experts' layout: what merging adds to gate_up_proj or down_proj."""
+        return self.scale * getattr(self, which + "_A") @ getattr(self, which + "_B")
+
+
+def attach_lora(model: nn.Module, cfg: LoraConfig) -> int:
+    """Adapters on the linears and experts `cfg.modules` names; every base parameter frozen except the
+    routers with `cfg.router` trained. Returns how many modules got adapters."""
+    scale = cfg.scale
+    model.requires_grad_(False)
+    targets = fp8_targets(model, cfg.modules)
+    for m in targets:
+        if isinstance(m, Experts):
+            m.lora = ExpertLora(m, cfg.rank, scale, cfg.dropout)
+        else:
+            m.lora = LoraAdapter(m.in_features, m.out_features, cfg.rank, scale, cfg.dropout)
+    if cfg.router == "trained":
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.weight.requires_grad_(True)
+    return len(targets)
+
+
+def lora_init_rules(model: nn.Module, prefix: str = "") -> dict[str, tuple[str, float]]:
+    """Init rules (moevlm.model.vlm.fill_ kinds) of every adapter: A uniform in +-1/sqrt(in) (PEFT's
+    Kaiming-uniform with a = sqrt(5)), B zeros, so a fresh adapter changes nothing."""
+    rules = {}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if ".lora." not in name:
+            continue
+        if leaf.endswith("B"):
+            rules[prefix + name] = ("zeros", 0.0)
+        else:
+            fan_in = p.shape[-1] if p.ndim == 2 else p.shape[1]
+            rules[prefix + name] = ("uniform", 1.0 / math.sqrt(fan_in))
+    return rules
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Folds every adapter into its base weight and removes it; returns how many were merged."""
+    n = 0
+    for m in model.modules():
+        lora = m._modules.get("lora")
+        if isinstance(m, Linear) and lora is not None:
+            m.weight.add_(lora.delta().to(m.weight.dtype))
+        elif isinstance(m, Experts) and lora is not None:
+            for which in ("gate_up", "down"):
+                w = getattr(m, which + "_proj")
+                w.add_(lora.delta(which).to(w.dtype))
+        else:
+            continue
+        m.lora, n = None, n + 1
+    return n
+
+
+PEFT_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # ParamWrapper order: gate_up inner
+
+
+@torch.no_grad()
+def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
+    """The adapters as PEFT's LoRA folder, named as transformers' Qwen3VLMoeForConditionalGeneration
+    names its modules. Expert adapters take PEFT's `target_parameters` form on the fused 3-D weights
+    (transformers' (E, out, in)): lora_A (E r, in) with expert e's rows e r .. e r + r - 1, lora_B
+    (out, r E) with expert e's column j at j E + e; the down_proj wrapper outside the gate_up one."""
+    from moevlm.model.hf import ours_to_hf
+
+    cfg = model.config
+    if cfg.family != "qwen3_vl_moe":
+        raise ValueError(
+            f"PEFT export of a {cfg.family} model is not built yet (its Gated DeltaNet rows and "
+            "per-expert checkpoint layout); export a qwen3_vl_moe model or merge (train.export_hf)"
+        )
+    tensors, modules, experts = {}, [], False
+    for name, m in model.named_modules():
+        lora = m._modules.get("lora")
+        if lora is None or not isinstance(m, (Linear, Experts)):
+            continue
+        hf = "base_model.model." + ours_to_hf(name + ".weight")[: -len(".weight")]
+        if isinstance(m, Linear):
+            modules.append(hf[len("base_model.model.") :])
+            tensors[hf + ".lora_A.weight"] = lora.A
+            tensors[hf + ".lora_B.weight"] = lora.B
+            continue
+        experts = True
+        for which, prefix in (("gate_up", hf + ".base_layer"), ("down", hf)):
+            A, B = (
+                getattr(lora, which + "_A"),
+                getattr(lora, which + "_B"),
+            )  # (E, in, r), (E, r, out)
+            E, d_in, r = A.shape
+            tensors[prefix + ".lora_A.weight"] = A.transpose(1, 2).reshape(E * r, d_in)
+            tensors[prefix + ".lora_B.weight"] = B.permute(2, 1, 0).reshape(B.shape[2], r * E)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
+        out / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
+    (out / "adapter_config.json").write_text(
+        json.dumps(_peft_config(cfg, modules, experts), indent=2)
+    )
+    return out
+
+
+def _peft_config(cfg, modules: list[str], experts: bool) -> dict:
+    """adapter_config.json: target_modules a regex of the exact module names."""
+    lo = cfg.lora
+    alpha = 2.0 * lo.rank if lo.alpha is None else lo.alpha
+    target = "^(" + "|".join(re.escape(n) for n in modules) + ")$" if modules else None
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": None,
+        "r": lo.rank,
+        "lora_alpha": alpha,
+        # PEFT refuses dropout on fused expert weights; dropout acts in training only
+        "lora_dropout": 0.0 if experts else lo.dropout,
+        "target_modules": target,
+        "target_parameters": list(PEFT_EXPERTS) if experts else None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }

@@ -1,0 +1,136 @@
+"""LoRA adapters in one process (moevlm.model.lora): zero-initialised adapters change nothing, merging
+equals the unmerged model after training, only adapters train, and PEFT loads the export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moevlm.config.sections import OptimConfig
+from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.model.lora import merge_lora, save_peft_adapter
+from moevlm.train.optim import build_optimizer
+
+ALL = ("attn", "mlp", "experts")
+
+
+def lora_cfg(preset: str, modules=ALL, rank: int = 8) -> VLMConfig:
+    cfg = VLMConfig.preset(preset)
+    cfg.attn_backend = "sdpa"
+    cfg.moe.grouped_gemm = "loop" if "experts" not in modules else cfg.moe.grouped_gemm
+    cfg.lora.rank, cfg.lora.modules = rank, tuple(modules)
+    return cfg.validate()
+
+
+def batch(cfg: VLMConfig, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.text.vocab_size, (2, 12), generator=g)
+    return ids, ids.clone()
+
+
+def pair(preset: str, modules=ALL):
+    """(base model, the same base with fresh adapters)."""
+    torch.manual_seed(0)
+    base = Qwen3VLMoe(lora_cfg(preset, modules, rank=0)).eval()
+    torch.manual_seed(1)
+    lora = Qwen3VLMoe(lora_cfg(preset, modules)).eval()
+    missing, unexpected = lora.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(".lora." in k for k in missing) and missing
+    return base, lora
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3_5_tiny"])
+def test_zero_adapters_equal_the_base_bit_for_bit(preset):
+    base, lora = pair(preset)
+    ids, _ = batch(base.config)
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, lora(ids).logits)
+
+
+def train_steps(model, steps: int = 3):
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.0))
+    model.train()
+    for step in range(steps):
+        ids, labels = batch(model.config, seed=step)
+        model(ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3_5_tiny"])
+def test_merged_equals_unmerged_after_training(preset):
+    _, model = pair(preset)
+    train_steps(model)
+    model.eval()
+    ids, _ = batch(model.config, seed=9)
+    with torch.no_grad():
+        before = model(ids).logits
+        assert merge_lora(model) > 0
+        after = model(ids).logits
+    assert not any(".lora." in n for n, _ in model.named_parameters())
+    assert ((after - before).norm() / before.norm()).item() <= 1e-5
+
+
+def test_only_adapters_train_and_hold_optimizer_state():
+    _, model = pair("tiny")
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.0))
+    ids, labels = batch(model.config)
+    model(ids, labels=labels).loss.backward()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora." in n for n in trainable)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    print(f"trainable parameters: {n_train} of {n_all} ({100 * n_train / n_all:.1f}%)")
+    for n, p in model.named_parameters():
+        assert (p.grad is not None) == (n in trainable), n
+    opt.step()
+    stated = {id(p) for p in opt.state}
+    assert stated == {id(p) for n, p in model.named_parameters() if n in trainable}
+    lora_b = model.text.layers[0].mlp.experts.lora.gate_up_B
+    assert lora_b.abs().sum() > 0  # expert adapters got gradients through the grouped GEMM
+
+
+def test_router_trained_when_asked():
+    cfg = lora_cfg("tiny")
+    cfg.lora.router = "trained"
+    model = Qwen3VLMoe(cfg)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.endswith("router.weight") for n in trainable)
+
+
+@pytest.mark.parametrize("bad", [{"rank": -1}, {"modules": ("attn", "lm_head")}, {"router": "x"}])
+def test_config_errors(bad):
+    cfg = VLMConfig.preset("tiny")
+    cfg.lora.rank = 8
+    for k, v in bad.items():
+        setattr(cfg.lora, k, v)
+    with pytest.raises(ValueError, match="lora"):
+        cfg.validate()
+
+
+def test_peft_loads_the_export_with_the_same_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    _, model = pair("tiny")
+    with torch.no_grad():  # adapters away from zero, as after training
+        for n, p in model.named_parameters():
+            if ".lora." in n:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(tmp_path / "hf")
+    save_peft_adapter(model, tmp_path / "adapter")
+    ref = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    ref.set_experts_implementation("eager")
+    ref = peft.PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
+    ids, _ = batch(model.config)
+    with torch.no_grad():
+        ours = model(ids).logits
+        theirs = ref(input_ids=ids).logits
+        with ref.disable_adapter():
+            base = ref(input_ids=ids).logits
+    wrapped = [n for n, _ in ref.named_modules() if n.endswith("mlp.experts")]
+    assert wrapped and all(type(ref.get_submodule(n)).__name__ == "ParamWrapper" for n in wrapped)
+    assert ((ours - base).norm() / ours.norm()).item() > 1e-2  # the adapters matter
+    assert ((ours - theirs).norm() / ours.norm()).item() <= 1e-5
