@@ -72,6 +72,24 @@ def test_merged_equals_unmerged_after_training(preset):
     assert ((after - before).norm() / before.norm()).item() <= 1e-5
 
 
+def test_vision_adapters_zero_then_merged_with_images():
+    from hf_ref import sample
+
+    modules = ("attn", "vision")
+    base, lora = pair("tiny", modules)
+    ids, pixels, grid = sample(base.config, [(1, 4, 4)])
+    with torch.no_grad():
+        assert torch.equal(base(ids, pixels, grid).logits, lora(ids, pixels, grid).logits)
+        for n, p in lora.named_parameters():
+            if ".lora." in n:
+                p.normal_(0.0, 0.05)
+        assert any(".lora." in n for n, _ in lora.vision.named_parameters())
+        before = lora(ids, pixels, grid).logits
+        merge_lora(lora)
+        after = lora(ids, pixels, grid).logits
+    assert ((after - before).norm() / before.norm()).item() <= 1e-5
+
+
 def test_only_adapters_train_and_hold_optimizer_state():
     _, model = pair("tiny")
     opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.0))
@@ -99,14 +117,40 @@ def test_router_trained_when_asked():
     assert any(n.endswith("router.weight") for n in trainable)
 
 
-@pytest.mark.parametrize("bad", [{"rank": -1}, {"modules": ("attn", "lm_head")}, {"router": "x"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rank": -1},
+        {"modules": ("attn", "lm_head")},
+        {"router": "x"},
+        {"alpha": 0.0},
+        {"dropout": 1.0},
+        {"rank": 4},  # expert adapters through torch._grouped_mm: a multiple of 8
+    ],
+)
 def test_config_errors(bad):
     cfg = VLMConfig.preset("tiny")
-    cfg.lora.rank = 8
+    cfg.moe.grouped_gemm = "torch"
+    cfg.lora.rank, cfg.lora.modules = 8, ALL
     for k, v in bad.items():
         setattr(cfg.lora, k, v)
     with pytest.raises(ValueError, match="lora"):
         cfg.validate()
+
+
+def test_fp8_with_lora_is_refused():
+    cfg = VLMConfig.preset("tiny")
+    cfg.lora.rank, cfg.fp8.recipe = 8, "blockwise"
+    with pytest.raises(ValueError, match="not built yet"):
+        cfg.validate()
+
+
+def test_off_by_default_changes_nothing():
+    cfg = VLMConfig.preset("tiny")
+    assert cfg.lora.rank == 0
+    model = Qwen3VLMoe(cfg)
+    assert all(p.requires_grad for p in model.parameters())
+    assert not any("lora" in n for n in model.state_dict())
 
 
 def test_peft_loads_the_export_with_the_same_logits(tmp_path):

@@ -121,6 +121,11 @@ SET = {
     "video_token_id": 2001,
     "vision_start_token_id": 1998,
     "vision_end_token_id": 1999,
+    "lora_rank": 0,  # off: LoRA over FP8 (set above) is refused; the other lora fields still land
+    "lora_alpha": 4.0,
+    "lora_dropout": 0.1,
+    "lora_modules": ["attn", "experts"],
+    "lora_router": "trained",
 }
 
 
