@@ -31,7 +31,7 @@ from moevlm.model.linear import Linear
 from moevlm.model.moe import Experts, Router
 
 __all__ = ["ExpertLora", "LoraAdapter", "attach_lora", "lora_init_rules", "merge_lora"]
-__all__ += ["save_peft_adapter"]
+__all__ += ["init_lora_", "save_peft_adapter"]
 
 
 class LoraAdapter(nn.Module):
@@ -106,6 +106,15 @@ def lora_init_rules(model: nn.Module, prefix: str = "") -> dict[str, tuple[str, 
             fan_in = p.shape[-1] if p.ndim == 2 else p.shape[1]
             rules[prefix + name] = ("uniform", 1.0 / math.sqrt(fan_in))
     return rules
+
+
+@torch.no_grad()
+def init_lora_(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    """Every adapter to its start (`lora_init_rules`): after loading base weights that hold none."""
+    params = dict(model.named_parameters())
+    for name, (kind, bound) in lora_init_rules(model).items():
+        p = params[name]
+        p.zero_() if kind == "zeros" else p.uniform_(-bound, bound, generator=generator)
 
 
 @torch.no_grad()

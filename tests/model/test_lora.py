@@ -169,8 +169,17 @@ def test_peft_loads_the_export_with_the_same_logits(tmp_path):
     ref.set_experts_implementation("eager")
     ref = peft.PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
     ids, _ = batch(model.config)
+    loaded = Qwen3VLMoe.from_pretrained(
+        tmp_path / "hf", attn_backend="sdpa", lora=model.config.lora
+    )
+    A = loaded.text.layers[0].self_attn.q_proj.lora.A  # initialised, not read: B zero
+    assert 0 < A.abs().max() <= 1 / A.shape[1] ** 0.5
     with torch.no_grad():
         ours = model(ids).logits
+        assert torch.equal(
+            loaded.eval()(ids).logits,
+            Qwen3VLMoe.from_pretrained(tmp_path / "hf", attn_backend="sdpa").eval()(ids).logits,
+        )
         theirs = ref(input_ids=ids).logits
         with ref.disable_adapter():
             base = ref(input_ids=ids).logits
