@@ -7,10 +7,9 @@ Legend: r rank, E experts, D hidden, F expert hidden, M dispatched rows.
     merge_lora(model)                      # W += (alpha/r) B A, adapters removed
     save_peft_adapter(model, out_dir)      # adapter_config.json + adapter_model.safetensors
 
-A linear's adapter is PEFT's pair, A (r, in) and B (out, r): y = W x + (alpha/r) B A dropout(x).
-Experts hold one pair per expert, stacked for the grouped GEMM the experts run: gate_up_A (E, D, r),
-gate_up_B (E, r, 2F), down_A (E, F, r), down_B (E, r, D). A starts Kaiming-uniform, B at zero.
-"""
+A linear's pair is PEFT's, A (r, in), B (out, r): y = W x + (alpha/r) B A dropout(x). Experts stack
+one pair per expert for their grouped GEMM: gate_up_A (E, D, r), gate_up_B (E, r, 2F), down_A
+(E, F, r), down_B (E, r, D). A starts Kaiming-uniform, B at zero."""
 
 from __future__ import annotations
 
@@ -144,34 +143,14 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     names its modules. Expert adapters take PEFT's `target_parameters` form on the fused 3-D weights
     (transformers' (E, out, in)): lora_A (E r, in) with expert e's rows e r .. e r + r - 1, lora_B
     (out, r E) with expert e's column j at j E + e; the down_proj wrapper outside the gate_up one."""
-    from moevlm.model.hf import ours_to_hf
-
     cfg = model.config
     if cfg.family != "qwen3_vl_moe":
         raise ValueError(
             f"PEFT export of a {cfg.family} model is not built yet (its Gated DeltaNet rows and "
             "per-expert checkpoint layout); export a qwen3_vl_moe model or merge (train.export_hf)"
         )
-    tensors, modules, experts = {}, [], False
-    for name, m in model.named_modules():
-        lora = m._modules.get("lora")
-        if lora is None or not isinstance(m, (Linear, Experts)):
-            continue
-        hf = "base_model.model." + ours_to_hf(name + ".weight")[: -len(".weight")]
-        if isinstance(m, Linear):
-            modules.append(hf[len("base_model.model.") :])
-            tensors[hf + ".lora_A.weight"] = lora.A
-            tensors[hf + ".lora_B.weight"] = lora.B
-            continue
-        experts = True
-        for which, prefix in (("gate_up", hf + ".base_layer"), ("down", hf)):
-            A, B = (
-                getattr(lora, which + "_A"),
-                getattr(lora, which + "_B"),
-            )  # (E, in, r), (E, r, out)
-            E, d_in, r = A.shape
-            tensors[prefix + ".lora_A.weight"] = A.transpose(1, 2).reshape(E * r, d_in)
-            tensors[prefix + ".lora_B.weight"] = B.permute(2, 1, 0).reshape(B.shape[2], r * E)
+    tensors, modules = _peft_tensors(model)
+    experts = any(".base_layer." in k for k in tensors)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -183,6 +162,32 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
         json.dumps(_peft_config(cfg, modules, experts), indent=2)
     )
     return out
+
+
+def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """PEFT's saved tensors by name, and the names of the linears with adapters (transformers')."""
+    from moevlm.model.hf import ours_to_hf
+
+    tensors, modules = {}, []
+    for name, m in model.named_modules():
+        lora = m._modules.get("lora")
+        if lora is None or not isinstance(m, (Linear, Experts)):
+            continue
+        hf = ours_to_hf(name + ".weight")[: -len(".weight")]
+        key = "base_model.model." + hf
+        if isinstance(m, Linear):
+            modules.append(hf)
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = lora.A, lora.B
+            continue
+        for which, prefix in (("gate_up", key + ".base_layer"), ("down", key)):
+            A, B = (
+                getattr(lora, which + "_A"),
+                getattr(lora, which + "_B"),
+            )  # (E, in, r), (E, r, out)
+            E, d_in, r = A.shape
+            tensors[prefix + ".lora_A.weight"] = A.transpose(1, 2).reshape(E * r, d_in)
+            tensors[prefix + ".lora_B.weight"] = B.permute(2, 1, 0).reshape(B.shape[2], r * E)
+    return tensors, modules
 
 
 def _peft_config(cfg, modules: list[str], experts: bool) -> dict:

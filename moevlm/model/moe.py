@@ -6,10 +6,9 @@ Legend: T tokens, D hidden, E experts, K top-k, F expert hidden, M dispatched ro
     y_BSD, stats = block(x_BSD, token_mask_BS, tokens)   # stats: RouterStats (sums) of its tokens
     aux = load_balancing_loss(stats_list, E)             # or sequence_ / global_balance_loss
 
-Expert weights: `gate_up_proj` (E, D, 2F), gate columns first, and `down_proj` (E, F, D).
-Regions a build step may wrap: the whole block (`region`) and the SwiGLU between the two grouped
-GEMMs (`act_region`). `experts.lora` (model.lora_rank > 0, moevlm.model.lora) adds each expert's
-low-rank update through the same grouped GEMM.
+Expert weights: `gate_up_proj` (E, D, 2F), gate columns first, and `down_proj` (E, F, D); their
+LoRA updates (`experts.lora`, moevlm.model.lora) run through the same grouped GEMM. Regions a build
+step may wrap: the whole block (`region`) and the SwiGLU between the grouped GEMMs (`act_region`).
 """
 
 from __future__ import annotations

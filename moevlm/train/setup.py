@@ -377,6 +377,9 @@ def materialize(
         log.info(plan.dims.describe_ranks())
     n = sum(p.numel() for p in model.parameters())
     held = " on pp rank 0's stages" if pipeline is not None else ""
+    if plan.model.lora.rank:  # LoRA: the adapters (and a trained router) alone
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        held += f", {trained / 1e6:.2f}M trainable (LoRA rank {plan.model.lora.rank})"
     log.info(
         f"model: {n / 1e6:.1f}M parameters{held} ({plan.dims.describe()}), "
         f"{plan.grad_accum} micro-batches x {t.micro_batch_size} rows per step, run dir {run_dir}"
