@@ -327,26 +327,31 @@ def check_context_parallel(job, dims: ParallelDims) -> None:
 
 def check_lora(job, dims: ParallelDims) -> None:
     """model.lora_rank > 0 runs in one process for now: every other layout refused by name."""
-    rank, t = job.model.lora_rank, job.train
-    if not rank:
+    m, t = job.model, job.train
+    check(
+        not t.export_adapter or m.lora_rank,
+        f"train.export_adapter={t.export_adapter} needs adapters: set model.lora_rank > 0",
+    )
+    if not m.lora_rank:
         return
-    others = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep, "etp": dims.etp}
-    others["dp"] = dims.dp
+    sizes = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep, "etp": dims.etp}
+    sizes["dp"] = dims.dp
     refusals = [
         (
             n > 1,
             f"with parallel.{name}={n}: adapters under that layout are not built yet; use one process",
         )
-        for name, n in others.items()
+        for name, n in sizes.items()
     ]
-    refusals.append(
-        (bool(t.compile), "with train.compile=true is not tested yet; use train.compile=false")
-    )
-    refuse(f"model.lora_rank={rank}", refusals)
-    check(
-        not t.export_adapter or rank,
-        f"train.export_adapter={t.export_adapter} needs adapters: set model.lora_rank > 0",
-    )
+    refusals += [
+        (bool(t.compile), "with train.compile=true is not tested yet; use train.compile=false"),
+        (
+            m.freeze_vision and "vision" in m.lora_modules,
+            "with model.freeze_vision=true and vision in model.lora_modules: a frozen tower trains no "
+            "adapters; drop one of the two",
+        ),
+    ]
+    refuse(f"model.lora_rank={m.lora_rank}", refusals)
 
 
 def refuse(key: str, refusals: list[tuple[bool, str]]) -> None:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from moevlm.config import compose_job
+from moevlm.config import compose_job, validate
 from moevlm.errors import ConfigError
 from moevlm.train.trainer import Trainer
 
@@ -35,9 +35,29 @@ def test_lora_run_trains_adapters_and_exports(tmp_path):
     assert list(hf.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.ep=2", "parallel.pp=2"])
-def test_lora_refuses_layouts_not_built_yet(layout):
-    with pytest.raises(ConfigError, match="not built yet"):
-        from moevlm.config import validate
+@pytest.mark.parametrize(
+    "layout, named",
+    [
+        ([], "parallel.dp=2"),
+        (["parallel.tp=2"], "parallel.tp=2"),
+        (["parallel.ep=2"], "parallel.ep=2"),
+        (["parallel.pp=2"], "parallel.pp=2"),
+        (["parallel.cp=2"], "parallel.cp=2"),
+    ],
+)
+def test_lora_refuses_layouts_not_built_yet(layout, named):
+    with pytest.raises(ConfigError, match=f"{named}: adapters under that layout are not built yet"):
+        validate(compose_job(["model.lora_rank=8", *layout]), world_size=2, environment=False)
 
-        validate(compose_job(["model.lora_rank=8", layout]), world_size=2, environment=False)
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["train.compile=true"], "train.compile=true"),
+        (["model.lora_modules=[vision]", "model.freeze_vision=true"], "freeze_vision"),
+        (["model.lora_rank=0", "train.export_adapter=x"], "needs adapters"),
+    ],
+)
+def test_lora_refusals(extra, says):
+    with pytest.raises(ConfigError, match=says):
+        validate(compose_job(["model.lora_rank=8", *extra]), world_size=1, environment=False)
