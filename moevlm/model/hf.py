@@ -28,7 +28,6 @@ from safetensors.torch import save_file
 from moevlm.model.config import VLMConfig
 from moevlm.model.gated_deltanet import qkv_order
 from moevlm.model.hf_config import FAMILIES
-from moevlm.model.lora import init_lora_
 from moevlm.model.moe import is_training_state
 
 # (reference prefix, our prefix), most specific first; used in both directions.
@@ -294,7 +293,6 @@ def load_pretrained(cls, hf_dir, *, device="cpu", dtype=None, expert_layout="aut
     if config.tie_word_embeddings:
         model.lm_head.weight = model.text.embed_tokens.weight
     _copy_weights(model, plan)
-    init_lora_(model)  # LoRA adapters (config.lora.rank > 0) are not in an HF checkpoint
     return model
 
 

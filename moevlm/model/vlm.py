@@ -25,7 +25,7 @@ import torch.nn as nn
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
 from moevlm.model.gated_deltanet import GatedDeltaNet
-from moevlm.model.lora import attach_lora, lora_init_rules
+from moevlm.model.lora import attach_lora, init_lora_, lora_init_rules
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.strategies import (
@@ -248,9 +248,11 @@ class Qwen3VLMoe(nn.Module):
         `overrides` replace top-level config fields (e.g. attn_backend="sdpa")."""
         from moevlm.model.hf import load_pretrained
 
-        return load_pretrained(
+        model = load_pretrained(
             cls, hf_dir, device=device, dtype=dtype, expert_layout=expert_layout, **overrides
         )
+        init_lora_(model)  # LoRA adapters (config.lora.rank > 0) are not in an HF checkpoint
+        return model
 
     def save_pretrained(
         self, out_dir: str | Path, *, expert_layout: str = "hub", max_shard_bytes: int = 5 << 30
