@@ -21,7 +21,7 @@ def test_lora_run_trains_adapters_and_exports(tmp_path):
     job = compose_job(
         FAST
         + ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]", "optim.lr=1e-2"]
-        + ["train.steps=6", f"train.run_dir={run_dir}", "train.checkpoint_at_end=false"]
+        + ["train.steps=4", f"train.run_dir={run_dir}", "train.checkpoint_at_end=false"]
         + [f"train.export_adapter={adapter}", f"train.export_hf={hf}"]
     )
     trainer = Trainer(job)
@@ -29,7 +29,8 @@ def test_lora_run_trains_adapters_and_exports(tmp_path):
         assert trainer.run() == 0
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [float(r["loss"]) for r in recs]
-    assert len(losses) == 6 and min(losses[-2:]) < losses[0], losses
+    print("LoRA run losses:", losses)
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
     assert (adapter / "adapter_model.safetensors").exists()
     assert list(hf.glob("*.safetensors"))
