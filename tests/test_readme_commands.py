@@ -71,6 +71,12 @@ SLOW = {
         "world 8 = pp 2 x dp 2 x cp 1 x tp 2",
         "8 ranks; tests/parallel/test_pipeline.py launches it under torchrun (with a short run)",
     ),
+    "python train.py model.lora_rank=8": (
+        0,
+        "trainable (LoRA rank 8)",
+        "the embedded default's 20 steps (~15 CPU-s); tests/train/test_lora_train.py trains it 4 steps "
+        "in process",
+    ),
     "python -m moevlm.plan +experiment=gb200_3d": (
         0,
         "verdict",
@@ -104,6 +110,11 @@ SLOW = {
     ),
 }
 SKIP = {
+    "python train.py model.lora_rank=16 model.lora_modules=[attn,mlp,experts] "
+    "model.hf_checkpoint=HF_DIR train.export_adapter=outputs/adapter train.export_hf=outputs/merged": (
+        "the user's Hugging Face checkpoint (HF_DIR); tests/train/test_lora_train.py trains the same "
+        "scopes from random weights and writes both exports"
+    ),
     "python train.py +experiment=h200_1gpu data.shards=DIR": "a GPU and the user's shards (DIR)",
     "torchrun --nproc-per-node 8 train.py +experiment=h100_fsdp data.shards=DIR "
     "model.hf_checkpoint=HF_DIR": "8 GPUs, the user's shards and a Hugging Face checkpoint",
