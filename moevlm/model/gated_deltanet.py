@@ -113,7 +113,7 @@ class GatedDeltaNet(nn.Module):
             gated_delta_rule,
             q,
             k,
-            v.reshape(B * S, h, self.head_v_dim),
+            v,
             g_TH,
             beta_TH,
             bounds,
@@ -188,7 +188,10 @@ def gated_delta_rule(
     q, k, v, g, beta, bounds, chunk_size: int = 64, backend: str = "auto", num_chunks=None
 ):
     """The delta rule with query/key L2-normalized and queries scaled by Kd^-0.5 (Qwen3.5's use)
-    through the chosen backend; flattened tokens, documents between `bounds`."""
+    through the chosen backend; flattened tokens, documents between `bounds`.  `v` may come by key
+    head (T, Hk, H/Hk * Vd): the copy to (T, H, Vd) is made here, inside the core's region, so a
+    recompute of the region saves the projection's output only."""
+    v = v.reshape(v.shape[0], g.shape[-1], -1)
     if backend == "auto":
         fla_fits = q.is_cuda and q.dtype in FLA_DTYPES and fla_missing() is None
         backend = "fla" if fla_fits else "torch"
