@@ -157,8 +157,12 @@ class LoraConfig:
     router: str = "frozen"  # frozen | trained
 
     @property
+    def alpha_value(self) -> float:
+        return 2.0 * self.rank if self.alpha is None else self.alpha
+
+    @property
     def scale(self) -> float:
-        return (2.0 * self.rank if self.alpha is None else self.alpha) / self.rank
+        return self.alpha_value / self.rank
 
 
 @dataclass

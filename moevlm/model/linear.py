@@ -21,6 +21,11 @@ from moevlm.model.strategies import local
 __all__ = ["Linear"]
 
 
+def is_adapter(name: str) -> bool:
+    """A parameter or state-dict name inside a LoRA adapter (moevlm.model.lora)."""
+    return ".lora." in name
+
+
 class Linear(nn.Linear):
     """nn.Linear whose GEMMs run in FP8 once `apply_fp8` marks it (the same parameters and state dict)."""
 

@@ -26,11 +26,11 @@ from torch import nn
 from moevlm.model.config import LoraConfig
 from moevlm.model.fp8 import expert_mm
 from moevlm.model.fp8_targets import fp8_targets
-from moevlm.model.linear import Linear
+from moevlm.model.linear import Linear, is_adapter
 from moevlm.model.moe import Experts, Router
 
 __all__ = ["ExpertLora", "LoraAdapter", "attach_lora", "lora_init_rules", "merge_lora"]
-__all__ += ["init_lora_", "save_peft_adapter"]
+__all__ += ["save_peft_adapter"]
 
 
 class LoraAdapter(nn.Module):
@@ -97,7 +97,7 @@ def lora_init_rules(model: nn.Module, prefix: str = "") -> dict[str, tuple[str, 
     rules = {}
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if ".lora." not in name:
+        if not is_adapter(name):
             continue
         if leaf.endswith("B"):
             rules[prefix + name] = ("zeros", 0.0)
@@ -105,15 +105,6 @@ def lora_init_rules(model: nn.Module, prefix: str = "") -> dict[str, tuple[str, 
             fan_in = p.shape[-1] if p.ndim == 2 else p.shape[1]
             rules[prefix + name] = ("uniform", 1.0 / math.sqrt(fan_in))
     return rules
-
-
-@torch.no_grad()
-def init_lora_(model: nn.Module, generator: torch.Generator | None = None) -> None:
-    """Every adapter to its start (`lora_init_rules`): after loading base weights that hold none."""
-    params = dict(model.named_parameters())
-    for name, (kind, bound) in lora_init_rules(model).items():
-        p = params[name]
-        p.zero_() if kind == "zeros" else p.uniform_(-bound, bound, generator=generator)
 
 
 @torch.no_grad()
@@ -193,14 +184,13 @@ def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]
 def _peft_config(cfg, modules: list[str], experts: bool) -> dict:
     """adapter_config.json: target_modules a regex of the exact module names."""
     lo = cfg.lora
-    alpha = 2.0 * lo.rank if lo.alpha is None else lo.alpha
     target = "^(" + "|".join(re.escape(n) for n in modules) + ")$" if modules else None
     return {
         "peft_type": "LORA",
         "task_type": None,
         "base_model_name_or_path": None,
         "r": lo.rank,
-        "lora_alpha": alpha,
+        "lora_alpha": lo.alpha_value,
         # PEFT refuses dropout on fused expert weights; dropout acts in training only
         "lora_dropout": 0.0 if experts else lo.dropout,
         "target_modules": target,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moevlm.model.config import MoEConfig
 from moevlm.model.fp8 import Fp8Recipe, expert_mm
-from moevlm.model.linear import Linear
+from moevlm.model.linear import Linear, is_adapter
 from moevlm.model.region import run_region
 from moevlm.model.strategies import Strategies, local
 
@@ -45,7 +45,7 @@ class RouterStats:
 def is_training_state(name: str) -> bool:
     """A state-dict entry that is training state (the router bias) or a LoRA adapter
     (moevlm.model.lora), not a weight of the network: kept out of Hugging Face import and export."""
-    return name.endswith(BIAS_BUFFER) or ".lora." in name
+    return name.endswith(BIAS_BUFFER) or is_adapter(name)
 
 
 class Router(nn.Module):

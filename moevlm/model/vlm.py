@@ -16,6 +16,7 @@ shift happens here).  `out.loss = lm_loss + router_aux_loss_coef * aux_loss`.  W
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import torch.nn as nn
 from moevlm.model.config import VLMConfig
 from moevlm.model.decoder import Head, RMSNorm, TextDecoder
 from moevlm.model.gated_deltanet import GatedDeltaNet
-from moevlm.model.lora import attach_lora, init_lora_, lora_init_rules
+from moevlm.model.linear import is_adapter
+from moevlm.model.lora import attach_lora, lora_init_rules
 from moevlm.model.moe import MoEBlock, RouterStats, layer_extras, load_balancing_loss
 from moevlm.model.rope import mrope_position_ids
 from moevlm.model.strategies import (
@@ -85,11 +87,13 @@ class Qwen3VLMoe(nn.Module):
         return rules
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
+    def init_weights(self, only: Callable[[str], bool] | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms (the parameters
+        whose names `only` accepts, default all)."""
         params = dict(self.named_parameters())
         for name, (kind, std) in self.init_rules().items():
-            fill_(params[name], kind, std)
+            if only is None or only(name):
+                fill_(params[name], kind, std)
 
     def set_attn_backend(self, backend: str) -> None:
         """Switch attention backend (the function computed does not change)."""
@@ -251,7 +255,7 @@ class Qwen3VLMoe(nn.Module):
         model = load_pretrained(
             cls, hf_dir, device=device, dtype=dtype, expert_layout=expert_layout, **overrides
         )
-        init_lora_(model)  # LoRA adapters (config.lora.rank > 0) are not in an HF checkpoint
+        model.init_weights(only=is_adapter)  # LoRA adapters (lora.rank > 0) are not in a checkpoint
         return model
 
     def save_pretrained(

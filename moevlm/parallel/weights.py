@@ -41,16 +41,19 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_parameters_(model: nn.Module, seed: int, ctx=None) -> None:
+def init_parameters_(model: nn.Module, seed: int, ctx=None, only=None) -> None:
     """Initialise every parameter by `model.init_rules()` (the whole model's, from `ctx` when `model` holds
     pipeline stages), each drawn whole from its own seeded generator, so the values do not depend on the
-    layout.  Under FSDP's CPU offload (the shards on the host) the values are drawn on the compute
-    device, as without offload, and copied to the host shards."""
+    layout; `only`: the names it accepts (e.g. LoRA adapters after loading a checkpoint), default all.
+    Under FSDP's CPU offload (the shards on the host) the values are drawn on the compute device, as
+    without offload, and copied to the host shards."""
     params = dict(model.named_parameters())
     rules = ctx.init_rules if ctx is not None and ctx.init_rules is not None else model.init_rules()
     offloaded = ctx is not None and getattr(ctx, "optimizer_offload", None) == "fsdp"
     draw_on = ctx.compute_device if offloaded else None
     for name, (kind, std) in rules.items():
+        if only is not None and not only(name):
+            continue
         if name not in params and ctx is not None and ctx.pipeline is not None:
             continue  # held by another pipeline stage
         p = params[name]

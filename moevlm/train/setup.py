@@ -33,7 +33,7 @@ from moevlm.data.sample_cache import ensure_sample
 from moevlm.dispatch.capacity import OverflowCounter
 from moevlm.errors import ConfigError
 from moevlm.model.fp8 import install_weight_cache, weights_changed
-from moevlm.model.lora import init_lora_
+from moevlm.model.linear import is_adapter
 from moevlm.model.moe import Router
 from moevlm.parallel import ParallelContext, build_model, init_parameters_, materialize_
 from moevlm.parallel.balance import StepFrequencies
@@ -344,8 +344,8 @@ def materialize(
     materialize_(model, launch.device, built.parallel)
     if m.hf_checkpoint:  # every parameter comes from it (a missing one is an error)
         load_hf_weights_(model, m.hf_checkpoint)
-        # LoRA adapters are not in the checkpoint
-        init_lora_(model, torch.Generator(launch.device).manual_seed(t.seed))
+        # LoRA adapters are not in the checkpoint: drawn as without one
+        init_parameters_(model, t.seed, built.parallel, only=is_adapter)
     else:
         init_parameters_(model, t.seed, built.parallel)
     for r in built.biased_routers:
