@@ -334,8 +334,14 @@ def check_lora(job, dims: ParallelDims) -> None:
     )
     if not m.lora_rank:
         return
-    sizes = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep, "etp": dims.etp}
-    sizes["dp"] = dims.dp
+    sizes = {
+        "tp": dims.tp,
+        "cp": dims.cp,
+        "pp": dims.pp,
+        "ep": dims.ep,
+        "etp": dims.etp,
+        "dp": dims.dp,
+    }
     refusals = [
         (
             n > 1,

@@ -10,7 +10,8 @@ Expert layouts: Qwen3-VL's hub `gate_up_proj` (E, D, 2F) / `down_proj` (E, F, D)
 transformers' (E, 2F, D) / (E, D, F); Qwen3.5's hub, one `experts.<e>.{gate,up,down}_proj.weight`
 per expert ((F, D), (F, D), (D, F)), read whatever `expert_layout` says and written as "hub" for a
 Qwen3.5 model. A Gated DeltaNet's in_proj_qkv rows and conv channels are ours grouped by key head
-(`gated_deltanet.qkv_order`), the reference's [q | k | v]: permuted in and out. The `mtp.*` tensors of Qwen3.5 checkpoints (multi-token prediction) are not read.
+(`gated_deltanet.qkv_order`), the reference's [q | k | v]: permuted in and out. The `mtp.*` tensors
+of Qwen3.5 checkpoints (multi-token prediction) are not read.
 Sharded or pipeline-split models: moevlm.parallel.hf_io.
 """
 

@@ -24,25 +24,17 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from moevlm.model.attention import CoreAttention
 from moevlm.model.decoder import DecoderLayer
-from moevlm.model.gated_deltanet import GatedDeltaNet
-from moevlm.model.moe import DenseMLP, Experts, MoEBlock
 from moevlm.model.region import Region
-from moevlm.model.vision import VisionBlock, VisionMLP
 from moevlm.parallel.data_parallel import local_tensor
-from moevlm.parallel.recompute import _METERS, Recompute
+from moevlm.parallel.recompute import _METERS, _REGIONS, Recompute
 
 MODULES = ("layer_input", "core_attn", "mlp", "moe_act", "moe", "vision")
 
-# which (module classes, region slot) pairs each scope wraps (core_attn: recompute's regions)
+# which (module classes, region slot) pairs each scope wraps: recompute's regions of the same name
 _SCOPES = {
     "layer_input": (((DecoderLayer,), "region"),),
-    "core_attn": (((CoreAttention,), "region"), ((GatedDeltaNet,), "core_region")),
-    "mlp": (((DenseMLP, VisionMLP), "region"),),
-    "moe_act": (((Experts,), "act_region"),),
-    "moe": (((MoEBlock,), "region"),),
-    "vision": (((VisionBlock,), "region"),),
+    **{s: _REGIONS[s] for s in ("core_attn", "mlp", "moe_act", "moe", "vision")},
 }
 _OUTER_FIRST = ("vision", "moe", "mlp", "core_attn", "moe_act", "layer_input")
 # chosen scopes that leave nothing to offload under a recompute choice (every instance inside it)

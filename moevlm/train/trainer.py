@@ -177,7 +177,8 @@ class Trainer:
 
     def _export_hf(self, out: str) -> None:
         """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
-        stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads.  LoRA adapters are merged into the weights first (the run is over)."""
+        stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads.
+        LoRA adapters are merged into the weights first (the run is over)."""
         if merge_lora(self.model):
             self.log.info("merged the LoRA adapters into the exported weights")
         save_hf(self.model, out, ctx=self.parallel)
