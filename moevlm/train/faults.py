@@ -162,7 +162,7 @@ class StepWatchdog:
         self.abort = abort or self._abort
         self.times: deque[float] = deque(maxlen=WINDOW)
         self.steps_done = 0
-        self.step, self.phase, self.in_step = 0, "set-up", False
+        self.step, self.phase, self.in_step, self.watched = 0, "set-up", False, False
         self.started = clock()
         self.reported = False
         self._stop = threading.Event()
@@ -173,10 +173,11 @@ class StepWatchdog:
         self.step, self.in_step, self.reported = step, True, False
         self.phase, self.started = "data", self.clock()
 
-    def at(self, phase: str, step: int | None = None) -> None:
-        """What the trainer is doing now; outside a step it starts a new phase (with its own clock)."""
+    def at(self, phase: str, step: int | None = None, *, watched: bool = False) -> None:
+        """What the trainer is doing now; outside a step it starts a new phase (with its own clock), which is
+        held to the step limit when `watched` (a collective that normally takes milliseconds)."""
         if not self.in_step:
-            self.started, self.reported = self.clock(), False
+            self.started, self.reported, self.watched = self.clock(), False, watched
             if step is not None:
                 self.step = step
         self.phase = phase
@@ -216,7 +217,8 @@ class StepWatchdog:
             )
             return
         limit = self.limit()
-        if self.in_step and not self.reported and limit is not None and elapsed > limit:
+        watched = self.in_step or self.watched
+        if watched and not self.reported and limit is not None and elapsed > limit:
             self.reported = True
             self.report(
                 f"{self.prefix}watchdog: {what} has run {elapsed:.0f}s, over {self.factor:g} x the median "
@@ -287,7 +289,7 @@ class Faults:
         """Collective over every rank: the largest signal number any rank received (0: none)."""
         flag = self.signals.requested
         if self.world > 1 and dist.is_initialized():
-            self.at("stop-flag all-reduce")
+            self.at("stop-flag all-reduce", watched=True)
             t = torch.tensor([flag], dtype=torch.int32, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = int(t.item())

@@ -146,6 +146,19 @@ def test_watchdog_minimum_warmup_and_phases_outside_steps():
         clock.now += 0.01
         fast.end_step()
     assert fast.limit() == 60  # the minimum, not 10 x 0.01 s
+    fast.at(
+        "stop-flag all-reduce", 4, watched=True
+    )  # a collective between steps: held to the step limit
+    clock.now += 61
+    fast.poll()
+    assert (
+        len(reports) == 1
+        and "watchdog: stop-flag all-reduce after step 4 has run 61s, over 10" in reports[0]
+    )
+    fast.at("logging")  # an unwatched phase: its own clock, not reported
+    clock.now += 100
+    fast.poll()
+    assert len(reports) == 1
 
 
 def test_stop_signals_first_asks_repeat_within_window_is_the_same_and_handlers_come_back(capsys):
@@ -518,14 +531,20 @@ def test_two_ranks_a_stopped_peer_is_reported_then_ends_in_the_timeout_line(refe
     out = "".join(lines)
     failure = [x for x in lines if "collective failure" in x]
     assert failure, out[-4000:]
-    assert failure[0].startswith("rank 0: collective failure during step ")
+    # the stop lands inside a step or in the stop-flag all-reduce that follows it: both are named
+    assert failure[0].startswith(
+        (
+            "rank 0: collective failure during step ",
+            "rank 0: collective failure during stop-flag all-reduce after step ",
+        )
+    ), failure[0]
     assert (
         f"no answer within parallel.timeout_s={timeout_s}s. Likely cause: another rank stopped, crashed"
         in failure[0]
     )
     # the stalled step started at most one step before the stop
     assert waited < timeout_s + 30, waited
-    report = out.index("rank 0: watchdog: step ")
+    report = out.index("rank 0: watchdog: ")
     # reported (with stacks) first
     assert report < out.index(failure[0]) and "Thread 0x" in out[report:]
     assert exit_codes(out)[0] == ExitCode.COLLECTIVE, out[-3000:]
