@@ -23,7 +23,9 @@ z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
 step 2 to match.  Two world-2 entries run `parallel.optimizer_offload=true`: FSDP2's CPU offload
 policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2; a third, DDP without offload,
 resumes the first one's checkpoint.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
-compared with a one-process reference run with the same options.  A summary line per
+compared with a one-process reference run with the same options; `REF=lora` entries train LoRA
+adapters (the base frozen: no gradient on it under any layout), one of them resuming an adapter-only
+checkpoint over a base read from a Hugging Face folder.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
 marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
@@ -51,6 +53,7 @@ from gloo_ranks import run_forked, run_ranks
 
 from moevlm.config import compose_job
 from moevlm.data.sample_cache import ensure_sample
+from moevlm.model.linear import is_adapter
 from moevlm.model.moe import is_training_state
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.parallel.build import BuildOptions
@@ -88,6 +91,11 @@ ROUTER_OPTIONS = {
     # the recipe's largest images (64 patches, 1.1e7 in the tiny tower): it binds on 4 of the 8 rows
     # of the 2 steps (auto, halfway to a row of 4 such images, binds on none of them)
     "vision": ["data.pack.max_vision_flops=1.6e7"],
+    # not a router option either: LoRA adapters on attention and the experts (model.lora_rank), the base
+    # frozen.  AdamW's eps 1e-5 (as "forced"): B starts at zero, so its first update is lr g / (|g| +
+    # eps) on fresh gradients, where eps 1e-6 left o_proj's B 1.1e-5 relative apart under DDP dp2 while
+    # the gradients agreed to 5e-6; with 1e-5, 2.1e-6
+    "lora": ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]", "optim.eps=1e-5"],
 }
 
 
@@ -280,7 +288,7 @@ def compare(got: dict, ref: dict) -> dict:
             for a, b in zip(got["val"], ref["val"])
         )
     # the router biases move by +-rate steps from the same loads: equal bit for bit
-    for k in filter(is_training_state, ref["params"]):
+    for k in (k for k in ref["params"] if is_training_state(k) and not is_adapter(k)):
         assert torch.equal(got["params"][k], ref["params"][k]), k
     return errors
 
@@ -408,6 +416,10 @@ def check_layouts(
             path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
             refs[name] = torch.load(path, weights_only=False)
         errors = compare(got, refs[name])
+        if name == "lora":  # the frozen base has no gradient under any layout (FSDP2, DDP, tp, ep)
+            assert all(is_adapter(k) for g in got["grads"] for k in g), [
+                list(g) for g in got["grads"]
+            ]
         if name == "vision" or "VISION" in layout:  # the logged balance figure
             check_vision_figures(
                 got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world
@@ -461,6 +473,21 @@ WORLD_2 = [
         "parallel.optimizer_offload=true",
     ],
     # (DDP without offload resuming OFFLOAD_FSDP's step-1 checkpoint: appended below, by its index)
+    # LoRA: FSDP2 dp2 (units of frozen and trained parameters) with the expert adapters over ep 2, the
+    # base read from a Hugging Face folder, resumed from an adapter-only checkpoint (the base from the
+    # folder again); tensor parallel adapters; DDP over dp x cp with cp 2
+    with_options(
+        "lora",
+        [
+            "parallel.ep=2",
+            "model.dispatcher=alltoall",
+            "parallel.dp_mode=fsdp",
+            "model.hf_checkpoint=@INIT_HF",
+            "RESUME",
+        ],
+    ),
+    with_options("lora", ["parallel.tp=2"]),
+    with_options("lora", ["parallel.cp=2", "parallel.dp_mode=ddp"]),
     # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
     # core attention's checkpoint inputs, each layer's input and the MoE blocks' tensors go to host
     # copies and come back
@@ -512,6 +539,17 @@ WORLD_4 = [
         "model.dispatcher=alltoall",
         "FROM=w4_6",
     ],
+    # LoRA under DDP dp 2, tp 2 and the experts over ep 2 x etp 2 (adapters whole over etp summed there)
+    with_options(
+        "lora",
+        [
+            "parallel.tp=2",
+            "parallel.ep=2",
+            "parallel.etp=2",
+            "model.dispatcher=alltoall",
+            "parallel.dp_mode=ddp",
+        ],
+    ),
 ]
 
 
