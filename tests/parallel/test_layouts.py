@@ -475,7 +475,8 @@ WORLD_2 = [
     # (DDP without offload resuming OFFLOAD_FSDP's step-1 checkpoint: appended below, by its index)
     # LoRA: FSDP2 dp2 (units of frozen and trained parameters) with the expert adapters over ep 2, the
     # base read from a Hugging Face folder, resumed from an adapter-only checkpoint (the base from the
-    # folder again); tensor parallel adapters; DDP over dp x cp with cp 2
+    # folder again); tensor parallel adapters with the experts' over etp 2 (gate_up's A and down's B
+    # summed over etp); DDP's buckets over dp x cp with cp 2 (the frozen base left out)
     with_options(
         "lora",
         [
@@ -486,7 +487,7 @@ WORLD_2 = [
             "RESUME",
         ],
     ),
-    with_options("lora", ["parallel.tp=2"]),
+    with_options("lora", ["parallel.tp=2", "parallel.etp=2", "model.dispatcher=alltoall"]),
     with_options("lora", ["parallel.cp=2", "parallel.dp_mode=ddp"]),
     # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
     # core attention's checkpoint inputs, each layer's input and the MoE blocks' tensors go to host
@@ -539,17 +540,6 @@ WORLD_4 = [
         "model.dispatcher=alltoall",
         "FROM=w4_6",
     ],
-    # LoRA under DDP dp 2, tp 2 and the experts over ep 2 x etp 2 (adapters whole over etp summed there)
-    with_options(
-        "lora",
-        [
-            "parallel.tp=2",
-            "parallel.ep=2",
-            "parallel.etp=2",
-            "model.dispatcher=alltoall",
-            "parallel.dp_mode=ddp",
-        ],
-    ),
 ]
 
 

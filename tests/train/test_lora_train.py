@@ -107,3 +107,35 @@ def test_lora_attention_adapters_a_layout_slices_are_refused_at_build(change, sa
 def test_lora_refusals(extra, says):
     with pytest.raises(ConfigError, match=says):
         validate(compose_job(["model.lora_rank=8", *extra]), world_size=1, environment=False)
+
+
+def test_base_identity_of_a_folder_changes_with_its_weights(tmp_path):
+    """A Hugging Face base is named by its folder and a hash of sampled bytes: other weights of the same
+    shapes and file sizes give another hash, and the refusal names both."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from moevlm.train.checkpoint.base import base_identity, check_base
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(folder / "model.safetensors"))
+    first = base_identity(str(folder), 0, None)
+    assert first == base_identity(str(folder), 5, None)  # the seed draws no weight of it
+    # another fine-tune of the same architecture: same names, shapes and file sizes, other values
+    save_file(
+        {"w": torch.arange(300_000, dtype=torch.float32) / 2}, str(folder / "model.safetensors")
+    )
+    second = base_identity(str(folder), 0, None)
+    assert second["source"] == first["source"] and second["sha256"] != first["sha256"]
+    check_base({"base": first}, first, Path("ck"))
+    with pytest.raises(CheckpointError, match="another base") as err:
+        check_base({"base": first}, second, Path("ck"))
+    assert first["sha256"][:16] in str(err.value) and second["sha256"][:16] in str(err.value)
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only"):
+        check_base({"base": first}, None, Path("ck"))
+    with pytest.raises(CheckpointError, match="holds a whole model"):
+        check_base({}, first, Path("ck"))
