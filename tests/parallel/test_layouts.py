@@ -25,7 +25,8 @@ policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2; a third,
 resumes the first one's checkpoint.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
 compared with a one-process reference run with the same options; `REF=lora` entries train LoRA
 adapters (the base frozen: no gradient on it under any layout), one of them resuming an adapter-only
-checkpoint over a base read from a Hugging Face folder.  A summary line per
+checkpoint over a base read from a Hugging Face folder; after the world-2 launch that checkpoint resumes
+in one process, which exports the adapters in PEFT's format.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
 marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
@@ -435,6 +436,18 @@ def check_layouts(
 
 # optimizer offload under FSDP2's CPU offload policy, with a checkpoint and a resume
 OFFLOAD_FSDP = ["parallel.dp_mode=fsdp", "parallel.optimizer_offload=true", "RESUME"]
+# LoRA under FSDP2 dp2 (units of frozen and trained parameters), the expert adapters over ep 2, the base
+# read from a Hugging Face folder, resumed from an adapter-only checkpoint (the base read again)
+LORA_FSDP = with_options(
+    "lora",
+    [
+        "parallel.ep=2",
+        "model.dispatcher=alltoall",
+        "parallel.dp_mode=fsdp",
+        "model.hf_checkpoint=@INIT_HF",
+        "RESUME",
+    ],
+)
 WORLD_2 = [
     ["parallel.tp=2"],
     ["parallel.ep=2", "model.dispatcher=alltoall"],
@@ -473,20 +486,9 @@ WORLD_2 = [
         "parallel.optimizer_offload=true",
     ],
     # (DDP without offload resuming OFFLOAD_FSDP's step-1 checkpoint: appended below, by its index)
-    # LoRA: FSDP2 dp2 (units of frozen and trained parameters) with the expert adapters over ep 2, the
-    # base read from a Hugging Face folder, resumed from an adapter-only checkpoint (the base from the
-    # folder again); tensor parallel adapters with the experts' over etp 2 (gate_up's A and down's B
+    # LoRA: LORA_FSDP; tensor parallel adapters with the experts' over etp 2 (gate_up's A and down's B
     # summed over etp); DDP's buckets over dp x cp with cp 2 (the frozen base left out)
-    with_options(
-        "lora",
-        [
-            "parallel.ep=2",
-            "model.dispatcher=alltoall",
-            "parallel.dp_mode=fsdp",
-            "model.hf_checkpoint=@INIT_HF",
-            "RESUME",
-        ],
-    ),
+    LORA_FSDP,
     with_options("lora", ["parallel.tp=2", "parallel.etp=2", "model.dispatcher=alltoall"]),
     with_options("lora", ["parallel.cp=2", "parallel.dp_mode=ddp"]),
     # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
@@ -561,6 +563,38 @@ def test_layouts_match_one_process(layout_references, world, layouts):
         timeout_s=300,
     )
     print_report(tmp / f"layouts_w{world}.json", world)
+    if world == 2:
+        _lora_checkpoint_resumes_and_exports_in_one_process(tmp, shards)
+
+
+def _lora_checkpoint_resumes_and_exports_in_one_process(tmp: Path, shards: str) -> None:
+    """LORA_FSDP's adapter-only checkpoint of step 1 (FSDP dp2, ep 2) resumed by one process over the
+    same Hugging Face base, step 2 run there, the adapters exported (the way docs/training.md exports
+    from a multi-process run): PEFT's tensors are the one-process reference's adapters."""
+    from safetensors.torch import load_file
+
+    ckpt = tmp / f"w2_{WORLD_2.index(LORA_FSDP)}" / "checkpoints" / "step_00000001"
+    out = tmp / "lora_adapter"
+    lora = [x for x in LORA_FSDP if x.startswith(("model.lora", "optim."))]
+    job = job_overrides(
+        shards, str(tmp / "lora_one"), [*lora, f"model.hf_checkpoint={tmp / 'init_hf'}"]
+    )
+    tr = Trainer(compose_job([*job, f"train.resume={ckpt}", f"train.export_adapter={out}"]))
+    assert tr.step == 1 and tr.run() == 0
+    ref = torch.load(tmp / "ref_lora.pt", weights_only=False)
+    got = load_file(str(out / "adapter_model.safetensors"))
+    key = "base_model.model.model.language_model.layers.{}.self_attn.{}_proj.lora_{}.weight"
+    err = max(
+        rel(
+            got[key.format(i, p, ab)],
+            ref["params"][f"text.layers.{i}.self_attn.{p}_proj.lora.{ab}"],
+        )
+        for i in range(3)
+        for p in "qkvo"
+        for ab in "AB"
+    )
+    print(f"LoRA checkpoint of FSDP dp2 x ep2 resumed in one process, exported: rel err {err:.1e}")
+    assert abs(tr.losses[-1] - ref["losses"][-1]) <= TOL * abs(ref["losses"][-1]) and err <= TOL
 
 
 def print_report(path, world: int) -> None:
