@@ -92,11 +92,11 @@ ROUTER_OPTIONS = {
     # the recipe's largest images (64 patches, 1.1e7 in the tiny tower): it binds on 4 of the 8 rows
     # of the 2 steps (auto, halfway to a row of 4 such images, binds on none of them)
     "vision": ["data.pack.max_vision_flops=1.6e7"],
-    # not a router option either: LoRA adapters on attention and the experts (model.lora_rank), the base
-    # frozen.  AdamW's eps 1e-5 (as "forced"): B starts at zero, so its first update is lr g / (|g| +
+    # not a router option either: LoRA adapters (model.lora_rank) on attention, dense MLPs (none in the
+    # tiny model), the experts and the vision tower, the base frozen.  AdamW's eps 1e-5 (as "forced"): B starts at zero, so its first update is lr g / (|g| +
     # eps) on fresh gradients, where eps 1e-6 left o_proj's B 1.1e-5 relative apart under DDP dp2 while
     # the gradients agreed to 5e-6; with 1e-5, 2.1e-6
-    "lora": ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]", "optim.eps=1e-5"],
+    "lora": ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts,vision]", "optim.eps=1e-5"],
 }
 
 
@@ -382,6 +382,43 @@ def chunked_loss_matches_whole_logits(shards: str, run_dir: str, layout: list[st
 def _dense_on_ranks(rank: int, world: int) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     _dense_layer_and_tied_head_under_tp(rank, world)
+    _dense_adapters_under_tp(world)
+
+
+def _dense_adapters_under_tp(world: int) -> None:
+    """LoRA adapters on a dense MLP layer (the tiny preset has none) and on attention and the experts,
+    B drawn non-zero: tensor parallel (gate/up B's rows, down A's columns) against the unsharded model,
+    loss and every gathered adapter gradient; the frozen base has none."""
+    from moevlm.model import Qwen3VLMoe, VLMConfig
+    from moevlm.parallel import ParallelDims, build_model, copy_full_, init_parameters_
+
+    cfg = VLMConfig.preset("tiny")
+    cfg.moe.mlp_only_layers, cfg.attn_backend = (1,), "sdpa"
+    cfg.lora.rank, cfg.lora.modules = 8, ("attn", "mlp", "experts")
+    full = Qwen3VLMoe(cfg)
+    init_parameters_(full, seed=3)
+    g = torch.Generator().manual_seed(6)
+    for n, p in full.named_parameters():
+        if n.endswith(("B", "_B")):  # zero at init: every gradient of A would be zero
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    tp, ctx = build_model(cfg, ParallelDims(world, tp=world), BuildOptions(dp_mode="ddp"))
+    tp.to_empty(device="cpu")
+    for name, p in tp.named_parameters():
+        copy_full_(p, dict(full.named_parameters())[name].detach())
+    ids = torch.randint(0, 900, (1, 32), generator=g)
+    ref, out = full(ids, labels=ids), tp(ids, labels=ids)
+    ref.loss.backward()
+    out.loss.backward()
+    ctx.finish_gradients()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    grads, want = (
+        full_grads(tp),
+        {n: p.grad for n, p in full.named_parameters() if p.grad is not None},
+    )
+    assert grads.keys() == want.keys() and all(is_adapter(k) for k in want)
+    assert "text.layers.1.mlp.down_proj.lora.A" in grads
+    bad = {k: rel(grads[k], want[k]) for k in want if rel(grads[k], want[k]) > TOL}
+    assert not bad, bad
 
 
 def test_dense_layer_and_tied_head_under_tp2(tmp_path):
