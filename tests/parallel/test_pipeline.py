@@ -92,8 +92,8 @@ WORLD_2 = [
     # bias of each stage's layers; the sequence-wise loss travelling between stages
     with_options("global", [*PP2, "parallel.pp_layers=[1,3]"]),
     with_options("sequence", [*PP2, "parallel.pp_layers=[3,1]"]),
-    # LoRA adapters in their layers' stages
-    with_options("lora", [*PP2, "parallel.pp_layers=[1,3]"]),
+    # LoRA adapters in their layers' stages, resumed from each stage's adapter-only checkpoint
+    with_options("lora", [*PP2, "parallel.pp_layers=[1,3]", "RESUME"]),
 ]
 V_SCHEDULES = [
     [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
