@@ -67,10 +67,8 @@ class ExpertLora(nn.Module):
 
     def update(self, which: str, x_MK: torch.Tensor, counts_E, backend: str) -> torch.Tensor:
         """(alpha/r) x B_e A_e for each row's expert e, `which` gate_up or down: two grouped GEMMs."""
-        A, B = (
-            local(getattr(self, which + "_A")),
-            local(getattr(self, which + "_B")),
-        )  # local experts
+        A = local(getattr(self, which + "_A"))  # this rank's experts (and etp shard)
+        B = local(getattr(self, which + "_B"))
         h_Mr = expert_mm(self.dropout(x_MK), A, counts_E, backend, None)
         return expert_mm(h_Mr, B, counts_E, backend, None) * self.scale
 

@@ -116,7 +116,7 @@ class GradSync:
         names = [n for n, _ in model.named_parameters()]
         missing = sorted(set(tp_partial).union(etp_partial) - set(names))
         if missing:
-            raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
+            raise RuntimeError(f"tp- or etp-partial parameters not in the model: {missing[:5]}")
         self.world, self.tp = world, tp
         # the ranks holding this rank's parameters (world / pp)
         self.stage_world = stage_world or world

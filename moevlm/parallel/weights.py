@@ -95,9 +95,8 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------- DCP storage layout
 GATE_UP = "experts.gate_up_proj"
-GATE_UP_B = (
-    "experts.lora.gate_up_B"  # a LoRA adapter's (E, r, 2F), laid out as gate_up_proj over etp
-)
+# a LoRA adapter's (E, r, 2F), laid out as gate_up_proj over etp
+GATE_UP_B = "experts.lora.gate_up_B"
 
 
 def is_gate_up(name: str) -> bool:

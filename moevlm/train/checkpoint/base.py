@@ -28,7 +28,8 @@ def base_identity(hf_checkpoint: str, seed: int, model_cfg) -> dict[str, Any]:
     h = hashlib.sha256()
     if hf_checkpoint:
         folder = Path(hf_checkpoint)
-        h.update((folder / "config.json").read_bytes())
+        config = folder / "config.json"
+        h.update(config.read_bytes() if config.is_file() else b"")
         for f in sorted(folder.glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
             h.update(_sampled_bytes(f))
