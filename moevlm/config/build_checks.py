@@ -326,7 +326,8 @@ def check_context_parallel(job, dims: ParallelDims) -> None:
 
 
 def check_lora(job, dims: ParallelDims) -> None:
-    """model.lora_rank > 0 runs in one process for now: every other layout refused by name."""
+    """model.lora_rank > 0: every layout trains adapters (moevlm.parallel shards them with their base
+    weights); what is not built yet is refused by name."""
     m, t = job.model, job.train
     check(
         not t.export_adapter or m.lora_rank,
@@ -334,22 +335,14 @@ def check_lora(job, dims: ParallelDims) -> None:
     )
     if not m.lora_rank:
         return
-    sizes = {
-        "tp": dims.tp,
-        "cp": dims.cp,
-        "pp": dims.pp,
-        "ep": dims.ep,
-        "etp": dims.etp,
-        "dp": dims.dp,
-    }
+    exports = [f"train.{k}" for k in ("export_adapter", "export_hf") if getattr(t, k)]
     refusals = [
         (
-            n > 1,
-            f"with parallel.{name}={n}: adapters under that layout are not built yet; use one process",
-        )
-        for name, n in sizes.items()
-    ]
-    refusals += [
+            bool(exports) and dims.world > 1,
+            f"with {' and '.join(exports)} on {dims.world} processes: adapters are exported from one "
+            "process for now; train here, then resume the last checkpoint in one process "
+            "(train.resume=PATH, train.steps=its step) with the export",
+        ),
         (bool(t.compile), "with train.compile=true is not tested yet; use train.compile=false"),
         (
             m.freeze_vision and "vision" in m.lora_modules,

@@ -28,6 +28,7 @@ from moevlm.model.fp8 import expert_mm
 from moevlm.model.fp8_targets import fp8_targets
 from moevlm.model.linear import Linear, is_adapter
 from moevlm.model.moe import Experts, Router
+from moevlm.model.strategies import local
 
 __all__ = ["ExpertLora", "LoraAdapter", "attach_lora", "lora_init_rules", "merge_lora"]
 __all__ += ["save_peft_adapter"]
@@ -43,7 +44,9 @@ class LoraAdapter(nn.Module):
         self.B = nn.Parameter(torch.empty(d_out, rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(self.dropout(x), self.A), self.B) * self.scale
+        """On this rank's shards (tensor parallel: B's rows by a column-parallel base, A's columns by a
+        row-parallel one)."""
+        return F.linear(F.linear(self.dropout(x), local(self.A)), local(self.B)) * self.scale
 
     def delta(self) -> torch.Tensor:
         """(out, in): what merging adds to the base weight."""
@@ -64,7 +67,8 @@ class ExpertLora(nn.Module):
 
     def update(self, which: str, x_MK: torch.Tensor, counts_E, backend: str) -> torch.Tensor:
         """(alpha/r) x B_e A_e for each row's expert e, `which` gate_up or down: two grouped GEMMs."""
-        A, B = getattr(self, which + "_A"), getattr(self, which + "_B")
+        A = local(getattr(self, which + "_A"))  # this rank's experts (and etp shard)
+        B = local(getattr(self, which + "_B"))
         h_Mr = expert_mm(self.dropout(x_MK), A, counts_E, backend, None)
         return expert_mm(h_Mr, B, counts_E, backend, None) * self.scale
 

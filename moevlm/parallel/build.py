@@ -57,6 +57,7 @@ class ParallelContext:
     meshes: tuple = ()
     groups: dict = field(default_factory=dict)  # tp, dp (data totals), dense, expert, vision, pp
     tp_partial: list[str] = field(default_factory=list)
+    etp_partial: list[str] = field(default_factory=list)  # expert LoRA adapters whole over etp
     grad_sync: GradSync | None = None
     pipeline: Pipeline | None = None
     init_rules: dict | None = None  # the whole model's (a pipeline rank holds part of it)
@@ -147,7 +148,7 @@ def build_model(
     if dims.tp > 1:
         ctx.tp_partial = shard_tensor_parallel(model, ctx.meshes[0]["tp"])
     if cfg.moe.num_experts and dims.ep * dims.etp > 1:
-        shard_experts(model, ctx.meshes[1])
+        ctx.etp_partial = shard_experts(model, ctx.meshes[1])
     apply_recompute(model, *o.recompute, collectives=o.recompute_collectives)
     ctx.offload = apply_offload(model, o.offload, o.device_type, o.recompute)
     ctx.fp8_marked = apply_fp8(model, o.fp8, o.fp8_modules)
@@ -186,9 +187,30 @@ def _check_buildable(cfg: VLMConfig, dims: ParallelDims, o: BuildOptions) -> Non
             f"parallel.dp_replicate={dims.dp_replicate} shards within replicas (HSDP), but "
             f"parallel.dp_mode={o.dp_mode} replicates every weight on every data rank; use dp_mode=fsdp"
         )
+    _check_lora_buildable(cfg, dims)
     if o.ep_overlap and not (cfg.moe.num_experts and dims.ep > 1):
         raise ValueError(
             "parallel.ep_overlap needs MoE layers and parallel.ep > 1 (nothing to overlap otherwise)"
+        )
+
+
+def _check_lora_buildable(cfg: VLMConfig, dims: ParallelDims) -> None:
+    """Attention adapters whose base rows a layout slices inside the layer (moevlm.model.decoder's
+    k/v rows when kv heads < tp, a Gated DeltaNet's heads under tp or cp) are not built yet."""
+    lo, t = cfg.lora, cfg.text
+    if not (lo.rank and "attn" in lo.modules):
+        return
+    if dims.tp > t.num_kv_heads:
+        raise ParallelNotBuilt(
+            f"model.lora_rank={lo.rank} with attn adapters and parallel.tp={dims.tp} > the "
+            f"{t.num_kv_heads} kv heads (replicated k/v weights sliced per rank) is not built yet; "
+            f"use parallel.tp <= {t.num_kv_heads} or drop attn from model.lora_modules"
+        )
+    if "linear_attention" in t.layer_types and dims.tp * dims.cp > 1:
+        raise ParallelNotBuilt(
+            f"model.lora_rank={lo.rank} with attn adapters on Gated DeltaNet layers under parallel.tp="
+            f"{dims.tp} x cp={dims.cp} is not built yet; use tp = cp = 1 or drop attn from "
+            "model.lora_modules"
         )
 
 
@@ -290,6 +312,7 @@ def _data_parallel(
         fsdp=ctx.dp_mode == "fsdp",
         groups=ctx.groups,
         tp_partial=ctx.tp_partial,
+        etp_partial=ctx.etp_partial if dims.etp > 1 else [],
         tp=dims.tp,
         world=dims.world,
         stage_world=dims.world // dims.pp,

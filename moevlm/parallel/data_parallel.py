@@ -10,6 +10,7 @@ number (why: docs/architecture.md):
     expert mesh edp                experts (each EP/ETP shard with its copies)
     vision mesh (dp x cp x tp)     vision tower, divided by tp (FSDP and DDP)
     tp (after the above)           `tp_partial` weights
+    etp (after the above)          expert LoRA adapters whole over etp (gate_up's A, down's B)
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class GradSync:
         groups: dict,
         tp_partial: list[str],
         tp: int,
+        etp_partial: list[str] = (),
         world: int,
         stage_world: int | None = None,
         bucket_mb: float = 64.0,
@@ -112,15 +114,18 @@ class GradSync:
         # CPU offload) are moved there for the norm's and the tp sums' all-reduces
         self.comm_device = comm_device
         names = [n for n, _ in model.named_parameters()]
-        missing = sorted(set(tp_partial) - set(names))
+        missing = sorted(set(tp_partial).union(etp_partial) - set(names))
         if missing:
-            raise RuntimeError(f"tp-partial parameters not in the model: {missing[:5]}")
+            raise RuntimeError(f"tp- or etp-partial parameters not in the model: {missing[:5]}")
         self.world, self.tp = world, tp
         # the ranks holding this rank's parameters (world / pp)
         self.stage_world = stage_world or world
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
         self.tp_group = groups["tp"]
-        self.tp_partial = list(tp_partial)
+        # (group, names) summed after the data-parallel reductions: tp-partial weights, and expert LoRA
+        # adapters whole over etp (moevlm.parallel.expert_parallel)
+        self.partial = [(self.tp_group, list(tp_partial))] if tp > 1 else []
+        self.partial += [(groups["etp"], list(etp_partial))] if etp_partial else []
         self.ddp_buckets: list[tuple[object, float, list[str]]] = []
         if not fsdp:
             by_group: dict[str, list[str]] = {"dense": [], "expert": [], "vision": []}
@@ -153,10 +158,10 @@ class GradSync:
                 scale,
                 dtype=self.reduce_dtype,
             )
-        if self.tp > 1:
+        for group, partial in self.partial:
             _all_reduce_flat(
-                [params[n].grad for n in self.tp_partial if params[n].grad is not None],
-                self.tp_group,
+                [params[n].grad for n in partial if params[n].grad is not None],
+                group,
                 self.bucket_elems,
                 device=self.comm_device,
                 dtype=self.reduce_dtype,

@@ -192,25 +192,39 @@ def _shard_layer(layer, p: str, tp_mesh, tp: int, col, row) -> list[str]:
         partial += _shard_gated_deltanet(layer.linear_attn, p + "linear_attn.", tp_mesh, col, row)
     else:
         partial += _shard_attention(layer.self_attn, p + "self_attn.", tp_mesh, tp, col, row)
-    dense = layer.mlp
+    dense, dp = layer.mlp, p + "mlp."
     if layer.is_moe:
         partial.append(p + "mlp.router.weight")
-        dense = layer.mlp.shared_expert  # sharded as a dense MLP; its gate replicated as the router
-        if dense is not None:
+        dense, dp = layer.mlp.shared_expert, dp + "shared_expert."  # sharded as a dense MLP
+        if dense is not None:  # its gate replicated as the router
             partial.append(p + "mlp.shared_expert_gate.weight")
     if dense is not None:
-        shard_param(dense.gate_proj, "weight", tp_mesh, col)
-        shard_param(dense.up_proj, "weight", tp_mesh, col)
-        shard_param(dense.down_proj, "weight", tp_mesh, row)
+        for name, placements in (("gate_proj", col), ("up_proj", col), ("down_proj", row)):
+            partial += shard_linear(getattr(dense, name), f"{dp}{name}.", tp_mesh, placements)
     return partial
+
+
+def shard_linear(lin, p: str, tp_mesh, placements) -> list[str]:
+    """A linear's weight column- ([Shard(0)]) or row-parallel ([Shard(1)]), and its LoRA adapter
+    (model.lora_rank > 0) consistently: B's rows beside a column-parallel weight (A whole, its gradient
+    tp-partial), A's columns beside a row-parallel one (B whole, tp-partial).  Returns the names of
+    its tp-partial parameters (`p`: the linear's name with a trailing dot)."""
+    shard_param(lin, "weight", tp_mesh, placements)
+    if lin.lora is None:
+        return []
+    column = placements[0].dim == 0
+    shard_param(lin.lora, "B" if column else "A", tp_mesh, placements)
+    return [p + ("lora.A" if column else "lora.B")]
 
 
 def _shard_attention(a, p: str, tp_mesh, tp: int, col, row) -> list[str]:
     """q/k/v column-parallel by heads (k/v whole, rows picked by `kv_rows`, when K < tp), o_proj
     row-parallel; returns the names of its tp-partial parameters."""
     partial = [p + "q_norm.weight", p + "k_norm.weight"]
-    for proj in (a.q_proj, a.k_proj, a.v_proj) if a.num_kv_heads >= tp else (a.q_proj,):
-        shard_param(proj, "weight", tp_mesh, col)
+    names = ("q_proj", "k_proj", "v_proj") if a.num_kv_heads >= tp else ("q_proj",)
+    for name in names:
+        proj = getattr(a, name)
+        partial += shard_linear(proj, f"{p}{name}.", tp_mesh, col)
         if proj.bias is not None:
             shard_param(proj, "bias", tp_mesh, col)
     if a.num_kv_heads < tp:
@@ -219,7 +233,7 @@ def _shard_attention(a, p: str, tp_mesh, tp: int, col, row) -> list[str]:
             for n, _ in list(a.k_proj.named_parameters(prefix="k_proj"))
             + list(a.v_proj.named_parameters(prefix="v_proj"))
         ]
-    shard_param(a.o_proj, "weight", tp_mesh, row)
+    partial += shard_linear(a.o_proj, p + "o_proj.", tp_mesh, row)
     if a.o_proj.bias is not None:
         partial.append(p + "o_proj.bias")
     return partial
@@ -245,6 +259,7 @@ __all__ = [
     "TPVocab",
     "kv_rows",
     "local",
+    "shard_linear",
     "shard_param",
     "shard_tensor_parallel",
     "tp_strategies",

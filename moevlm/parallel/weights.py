@@ -78,7 +78,7 @@ def full_tensor(t: torch.Tensor, name: str = "") -> torch.Tensor:
     # "2 sequential
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     # all_gathers" for FSDP-over-TP shards, once per tensor: expected here
-    if name.endswith(GATE_UP):
+    if is_gate_up(name):
         return storage_view(t).full_tensor().flatten(2)
     return t.full_tensor()
 
@@ -95,10 +95,17 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------- DCP storage layout
 GATE_UP = "experts.gate_up_proj"
+# a LoRA adapter's (E, r, 2F), laid out as gate_up_proj over etp
+GATE_UP_B = "experts.lora.gate_up_B"
+
+
+def is_gate_up(name: str) -> bool:
+    """An expert tensor whose last dimension is [gate | up] (the weight, or its LoRA B)."""
+    return name.endswith((GATE_UP, GATE_UP_B))
 
 
 def storage_view(t: torch.Tensor) -> torch.Tensor:
-    """An expert gate_up tensor (E, D, 2F) as (E, D, 2, F), sharing its storage.
+    """An expert gate_up tensor (E, D, 2F) as (E, D, 2, F) (a LoRA B: (E, r, 2F)), sharing its storage.
 
     Under ETP the (E, D, 2F) DTensor is `_StridedShard` on its last dimension
     (each rank holds matching gate and up columns), which DCP cannot describe
@@ -139,14 +146,14 @@ def to_storage_layout(
     m = (
         None
         if model_sd is None
-        else {k: storage_view(v) if k.endswith(GATE_UP) else v for k, v in model_sd.items()}
+        else {k: storage_view(v) if is_gate_up(k) else v for k, v in model_sd.items()}
     )
     o = None
     # flattened: "state.<fqn>.<moment>" (DCP's flatten_optimizer_state_dict)
     if optim_sd is not None:
         o = {
             k: storage_view(v)
-            if torch.is_tensor(v) and v.ndim == 3 and k.rsplit(".", 1)[0].endswith(GATE_UP)
+            if torch.is_tensor(v) and v.ndim == 3 and is_gate_up(k.rsplit(".", 1)[0])
             else v
             for k, v in optim_sd.items()
         }
@@ -155,11 +162,13 @@ def to_storage_layout(
 
 __all__ = [
     "GATE_UP",
+    "GATE_UP_B",
     "copy_full_",
     "full_grads",
     "full_state_dict",
     "full_tensor",
     "init_parameters_",
+    "is_gate_up",
     "param_generator",
     "storage_view",
     "to_storage_layout",

@@ -40,6 +40,7 @@ from moevlm.parallel.balance import StepFrequencies
 from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import load_hf_weights_
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, set_rng_state
+from moevlm.train.checkpoint.base import base_identity, check_base
 from moevlm.train.evaluate import HeldOut
 from moevlm.train.faults import Faults, StepWatchdog
 from moevlm.train.metrics import MetricsLogger, device_peak_tflops
@@ -137,6 +138,7 @@ def setup(job, sweep: tuple[str, int] | None = None) -> Run:
         keep=plan.train.keep_checkpoints,
         async_save=plan.train.async_checkpoint,
         timeout=timedelta(seconds=plan.job.parallel.timeout_s),
+        base=lora_base(plan),
     )
     counters = resume(plan, launch, ckpt, built, optimizer, scheduler, loader, log)
     if rank == 0:  # only now: a relaunch refused above leaves the run's record as it was
@@ -149,6 +151,13 @@ def setup(job, sweep: tuple[str, int] | None = None) -> Run:
         plan, launch, run_dir, log, faults, built, loader, held_out, optimizer, scheduler, ckpt,
         counters, peak, prof,
     )  # fmt: skip
+
+
+def lora_base(plan: JobPlan) -> dict | None:
+    """With LoRA, the frozen base's identity: checkpoints then hold the trainable parameters alone."""
+    if not plan.model.lora.rank:
+        return None
+    return base_identity(plan.job.model.hf_checkpoint, plan.train.seed, plan.model)
 
 
 def plan_job(job, world: int) -> JobPlan:
@@ -424,6 +433,8 @@ def resume(
             f"{moved.parent}"
         )
     step = 0 if path is None else read_marker(path)["step"]
+    if path is not None:  # adapters of another base (or none): refused before anything is moved
+        check_base(read_marker(path), ckpt.base, path)
     if step > t.steps:  # before anything is set aside
         raise ConfigError(
             f"train.steps={t.steps} is below step {step} of the checkpoint to resume "

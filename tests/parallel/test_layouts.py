@@ -23,7 +23,10 @@ z-loss): the bias moved by step 1 must come back from the checkpoint exactly for
 step 2 to match.  Two world-2 entries run `parallel.optimizer_offload=true`: FSDP2's CPU offload
 policy (with a checkpoint and a resume) and DDP's host AdamW with ep 2; a third, DDP without offload,
 resumes the first one's checkpoint.  An entry with `REF=<name>` runs `ROUTER_OPTIONS[name]` and is
-compared with a one-process reference run with the same options.  A summary line per
+compared with a one-process reference run with the same options; `REF=lora` entries train LoRA
+adapters (the base frozen: no gradient on it under any layout), one of them resuming an adapter-only
+checkpoint over a base read from a Hugging Face folder; after the world-2 launch that checkpoint resumes
+in one process, which exports the adapters in PEFT's format.  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
 marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
@@ -51,6 +54,7 @@ from gloo_ranks import run_forked, run_ranks
 
 from moevlm.config import compose_job
 from moevlm.data.sample_cache import ensure_sample
+from moevlm.model.linear import is_adapter
 from moevlm.model.moe import is_training_state
 from moevlm.parallel import full_grads, full_state_dict
 from moevlm.parallel.build import BuildOptions
@@ -88,6 +92,11 @@ ROUTER_OPTIONS = {
     # the recipe's largest images (64 patches, 1.1e7 in the tiny tower): it binds on 4 of the 8 rows
     # of the 2 steps (auto, halfway to a row of 4 such images, binds on none of them)
     "vision": ["data.pack.max_vision_flops=1.6e7"],
+    # not a router option either: LoRA adapters (model.lora_rank) on attention, dense MLPs (none in the
+    # tiny model), the experts and the vision tower, the base frozen.  AdamW's eps 1e-5 (as "forced"): B starts at zero, so its first update is lr g / (|g| +
+    # eps) on fresh gradients, where eps 1e-6 left o_proj's B 1.1e-5 relative apart under DDP dp2 while
+    # the gradients agreed to 5e-6; with 1e-5, 2.1e-6
+    "lora": ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts,vision]", "optim.eps=1e-5"],
 }
 
 
@@ -280,7 +289,7 @@ def compare(got: dict, ref: dict) -> dict:
             for a, b in zip(got["val"], ref["val"])
         )
     # the router biases move by +-rate steps from the same loads: equal bit for bit
-    for k in filter(is_training_state, ref["params"]):
+    for k in (k for k in ref["params"] if is_training_state(k) and not is_adapter(k)):
         assert torch.equal(got["params"][k], ref["params"][k]), k
     return errors
 
@@ -373,6 +382,43 @@ def chunked_loss_matches_whole_logits(shards: str, run_dir: str, layout: list[st
 def _dense_on_ranks(rank: int, world: int) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     _dense_layer_and_tied_head_under_tp(rank, world)
+    _dense_adapters_under_tp(world)
+
+
+def _dense_adapters_under_tp(world: int) -> None:
+    """LoRA adapters on a dense MLP layer (the tiny preset has none) and on attention and the experts,
+    B drawn non-zero: tensor parallel (gate/up B's rows, down A's columns) against the unsharded model,
+    loss and every gathered adapter gradient; the frozen base has none."""
+    from moevlm.model import Qwen3VLMoe, VLMConfig
+    from moevlm.parallel import ParallelDims, build_model, copy_full_, init_parameters_
+
+    cfg = VLMConfig.preset("tiny")
+    cfg.moe.mlp_only_layers, cfg.attn_backend = (1,), "sdpa"
+    cfg.lora.rank, cfg.lora.modules = 8, ("attn", "mlp", "experts")
+    full = Qwen3VLMoe(cfg)
+    init_parameters_(full, seed=3)
+    g = torch.Generator().manual_seed(6)
+    for n, p in full.named_parameters():
+        if n.endswith(("B", "_B")):  # zero at init: every gradient of A would be zero
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    tp, ctx = build_model(cfg, ParallelDims(world, tp=world), BuildOptions(dp_mode="ddp"))
+    tp.to_empty(device="cpu")
+    for name, p in tp.named_parameters():
+        copy_full_(p, dict(full.named_parameters())[name].detach())
+    ids = torch.randint(0, 900, (1, 32), generator=g)
+    ref, out = full(ids, labels=ids), tp(ids, labels=ids)
+    ref.loss.backward()
+    out.loss.backward()
+    ctx.finish_gradients()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    grads, want = (
+        full_grads(tp),
+        {n: p.grad for n, p in full.named_parameters() if p.grad is not None},
+    )
+    assert grads.keys() == want.keys() and all(is_adapter(k) for k in want)
+    assert "text.layers.1.mlp.down_proj.lora.A" in grads
+    bad = {k: rel(grads[k], want[k]) for k in want if rel(grads[k], want[k]) > TOL}
+    assert not bad, bad
 
 
 def test_dense_layer_and_tied_head_under_tp2(tmp_path):
@@ -408,6 +454,10 @@ def check_layouts(
             path = os.path.join(os.path.dirname(ref_path), f"ref_{name}.pt")
             refs[name] = torch.load(path, weights_only=False)
         errors = compare(got, refs[name])
+        if name == "lora":  # the frozen base has no gradient under any layout (FSDP2, DDP, tp, ep)
+            assert all(is_adapter(k) for g in got["grads"] for k in g), [
+                list(g) for g in got["grads"]
+            ]
         if name == "vision" or "VISION" in layout:  # the logged balance figure
             check_vision_figures(
                 got, shards, os.path.join(tmp, f"{prefix}{world}_{i}"), layout, world
@@ -423,6 +473,18 @@ def check_layouts(
 
 # optimizer offload under FSDP2's CPU offload policy, with a checkpoint and a resume
 OFFLOAD_FSDP = ["parallel.dp_mode=fsdp", "parallel.optimizer_offload=true", "RESUME"]
+# LoRA under FSDP2 dp2 (units of frozen and trained parameters), the expert adapters over ep 2, the base
+# read from a Hugging Face folder, resumed from an adapter-only checkpoint (the base read again)
+LORA_FSDP = with_options(
+    "lora",
+    [
+        "parallel.ep=2",
+        "model.dispatcher=alltoall",
+        "parallel.dp_mode=fsdp",
+        "model.hf_checkpoint=@INIT_HF",
+        "RESUME",
+    ],
+)
 WORLD_2 = [
     ["parallel.tp=2"],
     ["parallel.ep=2", "model.dispatcher=alltoall"],
@@ -461,6 +523,11 @@ WORLD_2 = [
         "parallel.optimizer_offload=true",
     ],
     # (DDP without offload resuming OFFLOAD_FSDP's step-1 checkpoint: appended below, by its index)
+    # LoRA: LORA_FSDP; tensor parallel adapters with the experts' over etp 2 (gate_up's A and down's B
+    # summed over etp); DDP's buckets over dp x cp with cp 2 (the frozen base left out)
+    LORA_FSDP,
+    with_options("lora", ["parallel.tp=2", "parallel.etp=2", "model.dispatcher=alltoall"]),
+    with_options("lora", ["parallel.cp=2", "parallel.dp_mode=ddp"]),
     # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
     # core attention's checkpoint inputs, each layer's input and the MoE blocks' tensors go to host
     # copies and come back
@@ -533,6 +600,38 @@ def test_layouts_match_one_process(layout_references, world, layouts):
         timeout_s=300,
     )
     print_report(tmp / f"layouts_w{world}.json", world)
+    if world == 2:
+        _lora_checkpoint_resumes_and_exports_in_one_process(tmp, shards)
+
+
+def _lora_checkpoint_resumes_and_exports_in_one_process(tmp: Path, shards: str) -> None:
+    """LORA_FSDP's adapter-only checkpoint of step 1 (FSDP dp2, ep 2) resumed by one process over the
+    same Hugging Face base, step 2 run there, the adapters exported (the way docs/training.md exports
+    from a multi-process run): PEFT's tensors are the one-process reference's adapters."""
+    from safetensors.torch import load_file
+
+    ckpt = tmp / f"w2_{WORLD_2.index(LORA_FSDP)}" / "checkpoints" / "step_00000001"
+    out = tmp / "lora_adapter"
+    lora = [x for x in LORA_FSDP if x.startswith(("model.lora", "optim."))]
+    job = job_overrides(
+        shards, str(tmp / "lora_one"), [*lora, f"model.hf_checkpoint={tmp / 'init_hf'}"]
+    )
+    tr = Trainer(compose_job([*job, f"train.resume={ckpt}", f"train.export_adapter={out}"]))
+    assert tr.step == 1 and tr.run() == 0
+    ref = torch.load(tmp / "ref_lora.pt", weights_only=False)
+    got = load_file(str(out / "adapter_model.safetensors"))
+    key = "base_model.model.model.language_model.layers.{}.self_attn.{}_proj.lora_{}.weight"
+    err = max(
+        rel(
+            got[key.format(i, p, ab)],
+            ref["params"][f"text.layers.{i}.self_attn.{p}_proj.lora.{ab}"],
+        )
+        for i in range(3)
+        for p in "qkvo"
+        for ab in "AB"
+    )
+    print(f"LoRA checkpoint of FSDP dp2 x ep2 resumed in one process, exported: rel err {err:.1e}")
+    assert abs(tr.losses[-1] - ref["losses"][-1]) <= TOL * abs(ref["losses"][-1]) and err <= TOL
 
 
 def print_report(path, world: int) -> None:

@@ -62,12 +62,13 @@ def pipe_model() -> VLMConfig:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """ref.pt (validating after every step, test_layouts.VAL), ref_global.pt, ref_sequence.pt and the
-    initial weights as a Hugging Face folder (init_hf, for a layout that starts from one)."""
+    """ref.pt (validating after every step, test_layouts.VAL), ref_global.pt, ref_sequence.pt,
+    ref_lora.pt and the initial weights as a Hugging Face folder (init_hf, for a layout that starts
+    from one)."""
     tmp = tmp_path_factory.mktemp("pipeline")
     shards = str(ensure_sample()[0])
     (tmp / "pipe_model.json").write_text(json.dumps(pipe_model().to_hf("float32")))
-    one_process_references(shards, tmp, [MODEL], names=("global", "sequence"), init=True)
+    one_process_references(shards, tmp, [MODEL], names=("global", "sequence", "lora"), init=True)
     return tmp, shards
 
 
@@ -91,6 +92,8 @@ WORLD_2 = [
     # bias of each stage's layers; the sequence-wise loss travelling between stages
     with_options("global", [*PP2, "parallel.pp_layers=[1,3]"]),
     with_options("sequence", [*PP2, "parallel.pp_layers=[3,1]"]),
+    # LoRA adapters in their layers' stages, resumed from each stage's adapter-only checkpoint
+    with_options("lora", [*PP2, "parallel.pp_layers=[1,3]", "RESUME"]),
 ]
 V_SCHEDULES = [
     [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moevlm.train import integrity
 from moevlm.train.checkpoint import retention
+from moevlm.train.checkpoint.base import check_base
 from moevlm.train.checkpoint.dcp_io import (
     NO_DIST_WARNING,
     SafeReader,
@@ -72,8 +73,12 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         async_save: bool = False,
         timeout: datetime.timedelta | None = None,
+        base: dict | None = None,
     ):
         self.root = Path(root)
+        # LoRA (moevlm.train.checkpoint.base): checkpoints hold the trainable parameters and their
+        # optimizer state alone, and name the frozen base in the marker; None: the whole model
+        self.base = base
         self.keep = keep
         self.process_group = process_group
         self.async_save = async_save
@@ -237,7 +242,7 @@ class CheckpointManager:
         self.wait()
         path = self.step_dir(step)
         extra, per_rank = dict(extra or {}), dict(per_rank or {})
-        state = state_to_save(model, optimizer, extra, per_rank, self.rank)
+        state = state_to_save(model, optimizer, extra, per_rank, self.rank, self.base is not None)
         need = sum(self._gathered(state_bytes(state)))
         problem = self._from_rank0(
             retention.make_room(self.root, need, path, self.resumed_from)
@@ -308,6 +313,7 @@ class CheckpointManager:
                 path / MARKER,
                 {
                     **new_marker(step, self.world_size, *names),
+                    **({"base": self.base} if self.base is not None else {}),
                     "checksum": "crc32",
                     "files": dict(sorted(files.items())),
                 },
@@ -395,6 +401,7 @@ class CheckpointManager:
         marker = read_marker(path)
         if marker["format"] != FORMAT:
             raise ValueError(format_problem(path, marker))
+        check_base(marker, self.base, path)
         if verify and path.absolute() not in self._verified:
             problems = self.verify(path)
             if problems:
@@ -415,9 +422,10 @@ class CheckpointManager:
             path,
             self.rank,
             self._keys_of_every_rank,
+            self.base is not None,
         )
         dcp_load(state, path, process_group=self.process_group, no_dist=not self.distributed)
-        set_loaded(state, originals, model, optimizer)
+        set_loaded(state, originals, model, optimizer, self.base is not None)
         mine = state.get("per_rank", {}).get(f"rank{self.rank}", {})
         return {
             "step": marker["step"],

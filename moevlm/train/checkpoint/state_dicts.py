@@ -40,10 +40,11 @@ def _optimizer_view(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Mo
     return view() if view is not None else (model, optimizer)
 
 
-def _model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The model's state dict; under fp32 masters of bf16 weights (moevlm.parallel.master_weights) the
-    trained parameters' entries are the masters, so a checkpoint holds the fp32 values."""
-    state = get_model_state_dict(model)
+def _model_state(model: torch.nn.Module, optimizer: Any, trainable: bool) -> dict[str, Any]:
+    """The model's state dict (`trainable`: without the frozen parameters, a LoRA run's base); under
+    fp32 masters of bf16 weights (moevlm.parallel.master_weights) the trained parameters' entries are
+    the masters, so a checkpoint holds the fp32 values."""
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable))
     masters = getattr(optimizer, "master_module", None)
     if masters is not None:
         state.update(get_model_state_dict(masters()))
@@ -56,9 +57,10 @@ def state_to_save(
     extra: dict,
     per_rank: dict,
     rank: int,
+    trainable: bool = False,
 ) -> dict[str, Any]:
-    """The state dict rank `rank` hands dcp.save."""
-    model_sd = _model_state(model, optimizer)
+    """The state dict rank `rank` hands dcp.save (`trainable`: the model's trainable entries alone)."""
+    model_sd = _model_state(model, optimizer, trainable)
     optim_sd = (
         get_optimizer_state_dict(*_optimizer_view(model, optimizer), options=_OPTIM)
         if optimizer is not None
@@ -90,11 +92,12 @@ def load_template(
     path: Path,
     rank: int,
     keys_of_every_rank: Callable[[Mapping[str, Any]], set[str]],
+    trainable: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What dcp.load fills (our model/optimizer state dicts in the storage layout, and
     byte placeholders), and the state dicts those views write into.  Checked against the
     checkpoint's index `saved` first; `keys_of_every_rank` is collective."""
-    originals: dict[str, Any] = {"model": _model_state(model, optimizer)}
+    originals: dict[str, Any] = {"model": _model_state(model, optimizer, trainable)}
     if optimizer is not None:
         originals["optim"] = get_optimizer_state_dict(
             *_optimizer_view(model, optimizer), options=_OPTIM
@@ -124,14 +127,20 @@ def set_loaded(
     originals: dict[str, Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    trainable: bool = False,
 ) -> None:
     """Put what dcp.load filled into `model` and `optimizer` (the tensors were filled through the
-    storage views; DCP replaced the non-tensor values, lr, betas..., in the dict it was given)."""
+    storage views; DCP replaced the non-tensor values, lr, betas..., in the dict it was given);
+    `trainable`: the frozen parameters are not among them and keep their values."""
     for name in ("model", "optim"):
         for k, v in state.get(name, {}).items():
             if not isinstance(v, torch.Tensor):
                 originals[name][k] = v
-    set_model_state_dict(model, originals["model"])
+    set_model_state_dict(
+        model,
+        originals["model"],
+        options=StateDictOptions(ignore_frozen_params=trainable, strict=not trainable),
+    )
     if optimizer is not None:
         set_optimizer_state_dict(
             *_optimizer_view(model, optimizer), originals["optim"], options=_OPTIM
