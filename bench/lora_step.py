@@ -1,4 +1,4 @@
-"""One-device training step: LoRA adapters (issue 44) vs full fine-tuning of the same model.
+"""One-device training step: LoRA adapters vs full fine-tuning of the same model.
 
 Legend: r rank, D hidden, E experts, K top-k, F expert hidden, B batch, S sequence.
 

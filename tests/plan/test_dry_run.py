@@ -46,7 +46,7 @@ def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute)
     assert plan.comm_bytes == real["comm_bytes"] == {}
 
 
-# LoRA (issue 44) with the base frozen in bf16 (optim.master_weights: fp32 masters of the adapters
+# LoRA with the base frozen in bf16 (optim.master_weights: fp32 masters of the adapters
 # alone): attention, dense-MLP and expert adapters; the base gets no gradient and no optimizer state
 LORA = [
     "model.lora_rank=8",
