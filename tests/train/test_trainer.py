@@ -406,7 +406,6 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     # LoRA (attention, dense-MLP and expert adapters; the checkpoints hold the adapters and their
     # optimizer state alone, the frozen base rebuilt from the seed): killed, resumed, equal to an
     # uninterrupted LoRA run
-    t0 = time.perf_counter()
     lora = ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]"]
     lora_ref, lora_cut = tmp_path / "lora_ref", tmp_path / "lora_cut"
     assert Trainer(compose_job(common + lora + [f"train.run_dir={lora_ref}"])).run() == 0
@@ -433,7 +432,6 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     )
     assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
     assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
-    print(f"LoRA kill and resume: {time.perf_counter() - t0:.1f} s")
 
 
 @pytest.mark.slow
