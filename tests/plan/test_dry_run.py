@@ -8,6 +8,7 @@ activations within 15%, the collectives' bytes per group equal."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moevlm.config import compose_job
 from moevlm.plan.dry_run import dry_run
@@ -43,6 +44,46 @@ def test_one_process_bytes_exact_and_peak_within_15_percent(tmp_path, recompute)
         real["peak_bytes"],
     )
     assert plan.comm_bytes == real["comm_bytes"] == {}
+
+
+# LoRA with the base frozen in bf16 (optim.master_weights: fp32 masters of the adapters
+# alone): attention, dense-MLP and expert adapters; the base gets no gradient and no optimizer state
+LORA = [
+    "model.lora_rank=8",
+    "model.lora_modules=[attn,mlp,experts]",
+    "optim.master_weights=true",
+    "train.precision=bf16",
+]
+
+
+def test_lora_bytes_exact_and_peak_within_15_percent(tmp_path, monkeypatch):
+    from moevlm.train.trainer import Trainer
+
+    seen = {}
+    clip = Trainer._clip
+
+    def counted_clip(self):
+        # the real step's gradients (set to None after the step) and trainable weights, at the clip
+        params = list(self.model.parameters())
+        seen["grads"] = sum(p.grad.numel() * p.grad.itemsize for p in params if p.grad is not None)
+        seen["trainable"] = sum(p.numel() * p.itemsize for p in params if p.requires_grad)
+        seen["frozen_dtypes"] = {p.dtype for p in params if not p.requires_grad}
+        return clip(self)
+
+    monkeypatch.setattr(Trainer, "_clip", counted_clip)
+    job = compose_job(COMMON + [f"train.run_dir={tmp_path}", "train.global_batch_size=2"] + LORA)
+    plan = dry_run(job, bf16=True)
+    real = measure_trainer_step(job)
+    assert seen["frozen_dtypes"] == {torch.bfloat16}
+    assert plan.params_bytes == real["params_bytes"] > 0
+    assert plan.grads_bytes == seen["grads"] == seen["trainable"] < plan.params_bytes / 5
+    # the adapters' fp32 masters and two fp32 moments (+ the step counts); nothing of the base
+    assert plan.optimizer_bytes == real["optimizer_bytes"]
+    assert 6 * seen["trainable"] <= plan.optimizer_bytes < 6 * seen["trainable"] + 4096
+    assert abs(plan.peak_bytes - real["peak_bytes"]) <= 0.15 * real["peak_bytes"], (
+        plan.peak_bytes,
+        real["peak_bytes"],
+    )
 
 
 # Layouts of 4 ranks checked in one gloo launch: FSDP with tensor and expert parallelism, pipeline

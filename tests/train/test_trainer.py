@@ -329,8 +329,9 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     optimizer trains (bit for bit on the CPU, tests/train/test_optimizer_offload.py), so the losses
     must match as closely as a resume of the same setting.  Then with train.async_checkpoint (no
     offload): the kill lands while step 4's write is held mid-way in the background (a test-only
-    hook) and training has gone on; the relaunch resumes from step 3, exactly.  The killed launches are
-    `train.py` processes; the uninterrupted run and the relaunches run in this process."""
+    hook) and training has gone on; the relaunch resumes from step 3, exactly.  Then with LoRA adapters
+    (adapter-only checkpoints) against an uninterrupted LoRA run.  The killed launches are
+    `train.py` processes; the uninterrupted runs and the relaunches run in this process."""
     common = [
         "train.steps=7",
         "train.checkpoint_every=1",
@@ -401,6 +402,36 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     assert sorted(got) == list(range(1, 8))
     assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (got, want)
     assert [p.name for p in CheckpointManager(ck).complete()] == ["step_00000006", "step_00000007"]
+
+    # LoRA (attention, dense-MLP and expert adapters; the checkpoints hold the adapters and their
+    # optimizer state alone, the frozen base rebuilt from the seed): killed, resumed, equal to an
+    # uninterrupted LoRA run
+    lora = ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]"]
+    lora_ref, lora_cut = tmp_path / "lora_ref", tmp_path / "lora_cut"
+    assert Trainer(compose_job(common + lora + [f"train.run_dir={lora_ref}"])).run() == 0
+    want = last_loss_per_step(lora_ref)
+    job = launch(common + lora + [f"train.run_dir={lora_cut}"])
+    deadline = time.time() + 300
+    while time.time() < deadline and job.poll() is None:
+        if (lora_cut / "metrics.jsonl").exists() and len(read_metrics(lora_cut)) >= kill_after:
+            break
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+    assert job.returncode == -signal.SIGKILL, f"the LoRA run ended before the kill at {kill_after}"
+    capsys.readouterr()
+    job = compose_job(common + lora + [f"train.run_dir={lora_cut}", "train.resume=auto"])
+    assert Trainer(job).run() == 0
+    assert "resumed from" in capsys.readouterr().out
+    got = last_loss_per_step(lora_cut)
+    assert sorted(got) == sorted(want) == list(range(1, 8))
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (kill_after, got, want)
+    val_got, val_want = (
+        {r["step"]: r["val_loss"] for r in read_metrics(d) if "val_loss" in r}
+        for d in (lora_cut, lora_ref)
+    )
+    assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
+    assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
 
 
 @pytest.mark.slow
