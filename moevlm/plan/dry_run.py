@@ -425,10 +425,17 @@ def _bytes(tensors) -> int:
 
 def forward_on_fake_cuda(job) -> dict:
     """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
-    trainer's GPU precision: the CUDA code paths at the real size, without memory."""
+    trainer's GPU precision: the CUDA code paths at the real size, without memory.  `attn_backend=auto`
+    runs sdpa: for bf16 weights (optim.master_weights) without flash-attn it resolves to compiled flex,
+    which Inductor cannot build for fake CUDA on a CPU-only torch."""
+    import copy
+
     from moevlm.config import validate
     from moevlm.parallel.build import materialize_
 
+    if job.model.attn_backend == "auto":
+        job = copy.deepcopy(job)
+        job.model.attn_backend = "sdpa"
     plan = validate(job, 1, environment=False)
     bf16 = job.train.precision in ("bf16", "auto")
     cuda = torch.device("cuda", 0)
