@@ -35,14 +35,7 @@ import torch.distributed as dist
 from moevlm.dispatch import AllToAllDispatcher, LocalDispatcher
 from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.moe import MoEBlock
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return f"CPU: {names[0] if names else 'unknown'}, {torch.get_num_threads()} threads"
+from moevlm.train.metrics import describe_device
 
 
 def config(preset: str, layers: int) -> VLMConfig:
@@ -125,7 +118,7 @@ def main() -> None:
     base = statistics.median(times["local"])
     t = cfg.text
     print(
-        f"device: {device_name(device)}, torch {torch.__version__}; {a.preset}: {t.num_layers} layers, D={t.hidden_size}, "
+        f"device: {describe_device(device)}, torch {torch.__version__}; {a.preset}: {t.num_layers} layers, D={t.hidden_size}, "
         f"E={cfg.moe.num_experts}, K={cfg.moe.top_k}, F={cfg.moe.moe_intermediate_size}; B={a.batch} S={a.seq} {a.dtype}; "
         f"median of {a.iters}"
     )

@@ -35,14 +35,7 @@ from moevlm.model import Qwen3VLMoe, VLMConfig
 from moevlm.model.config import LoraConfig
 from moevlm.model.linear import is_adapter
 from moevlm.model.lora import attach_lora
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return f"CPU: {names[0] if names else 'unknown'}, {torch.get_num_threads()} threads"
+from moevlm.train.metrics import describe_device
 
 
 def config(preset: str, layers: int, experts: int = 0) -> VLMConfig:
@@ -154,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             s.times.append(time.perf_counter() - t0)
     t = cfg.text
     print(
-        f"device: {device_name(device)}, torch {torch.__version__}; {a.preset}: {t.num_layers} layers, "
+        f"device: {describe_device(device)}, torch {torch.__version__}; {a.preset}: {t.num_layers} layers, "
         f"D={t.hidden_size}, E={cfg.moe.num_experts}, K={cfg.moe.top_k}, F={cfg.moe.moe_intermediate_size}; "
         f"B={a.batch} S={a.seq} {a.dtype}; LoRA on {a.modules}; median of {a.iters}"
     )

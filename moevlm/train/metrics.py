@@ -58,6 +58,18 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def describe_device(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and torch's thread count (the line a benchmark prints)."""
+    if torch.device(device).type == "cuda":
+        return device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"CPU: {names[0] if names else 'unknown'}, {torch.get_num_threads()} threads"
+
+
 def device_peak_tflops(
     device: torch.device, dtype: str = "bf16", override: float | None = None
 ) -> float | None:

@@ -320,6 +320,39 @@ def launch(args: list[str], **kw) -> subprocess.Popen:
     )
 
 
+def _kill_after(job, run_dir: Path, steps: int) -> int:
+    """SIGKILL the whole job (data workers included, as a scheduler kills it) once `steps` steps are
+    logged (or it ended); its return code."""
+    deadline = time.time() + 300
+    while time.time() < deadline and job.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= steps:
+            break
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+    return job.returncode
+
+
+def _killed_and_resumed_equal(args, run_dir: Path, ref_dir: Path, kill_after: int, capsys) -> None:
+    """`args` launched, killed after `kill_after` steps, resumed with train.resume=auto in this
+    process: per-step and validation losses equal the uninterrupted run's in `ref_dir` (1e-6)."""
+    rc = _kill_after(launch(args + [f"train.run_dir={run_dir}"]), run_dir, kill_after)
+    assert rc == -signal.SIGKILL, f"the run ended before the kill at step {kill_after}"
+    capsys.readouterr()
+    assert Trainer(compose_job(args + [f"train.run_dir={run_dir}", "train.resume=auto"])).run() == 0
+    assert "resumed from" in capsys.readouterr().out
+    got, want = last_loss_per_step(run_dir), last_loss_per_step(ref_dir)
+    assert sorted(got) == sorted(want) == list(range(1, 8))
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) <= 1e-6, (kill_after, diffs)
+    val_got, val_want = (
+        {r["step"]: r["val_loss"] for r in read_metrics(d) if "val_loss" in r}
+        for d in (run_dir, ref_dir)
+    )
+    assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
+    assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     """Kill at a random step (checkpoints every step, so the kill may land inside a write), resume with
@@ -349,30 +382,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
 
     kill_after = random.Random(time.time_ns()).randint(2, 5)
     offload = ["parallel.optimizer_offload=true"]
-    job = launch(common + offload + [f"train.run_dir={cut_dir}"])
-    deadline = time.time() + 300
-    while time.time() < deadline and job.poll() is None:
-        if (cut_dir / "metrics.jsonl").exists() and len(read_metrics(cut_dir)) >= kill_after:
-            break
-        time.sleep(0.05)
-    # the whole job, data workers included, as a scheduler kills it
-    os.killpg(job.pid, signal.SIGKILL)
-    job.communicate()
-    assert job.returncode == -signal.SIGKILL, f"the run ended before the kill at step {kill_after}"
-    capsys.readouterr()
-    resumed = compose_job(common + offload + [f"train.run_dir={cut_dir}", "train.resume=auto"])
-    assert Trainer(resumed).run() == 0
-    assert "resumed from" in capsys.readouterr().out
-    got = last_loss_per_step(cut_dir)
-    assert sorted(got) == sorted(want) == list(range(1, 8))
-    diffs = {s: abs(got[s] - want[s]) for s in want}
-    assert max(diffs.values()) <= 1e-6, (kill_after, diffs)
-    val_got, val_want = (
-        {r["step"]: r["val_loss"] for r in read_metrics(d) if "val_loss" in r}
-        for d in (cut_dir, ref_dir)
-    )
-    assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
-    assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
+    _killed_and_resumed_equal(common + offload, cut_dir, ref_dir, kill_after, capsys)
 
     async_dir, hold = tmp_path / "async", tmp_path / "hold"
     hold.mkdir()
@@ -409,29 +419,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     lora = ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]"]
     lora_ref, lora_cut = tmp_path / "lora_ref", tmp_path / "lora_cut"
     assert Trainer(compose_job(common + lora + [f"train.run_dir={lora_ref}"])).run() == 0
-    want = last_loss_per_step(lora_ref)
-    job = launch(common + lora + [f"train.run_dir={lora_cut}"])
-    deadline = time.time() + 300
-    while time.time() < deadline and job.poll() is None:
-        if (lora_cut / "metrics.jsonl").exists() and len(read_metrics(lora_cut)) >= kill_after:
-            break
-        time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.communicate()
-    assert job.returncode == -signal.SIGKILL, f"the LoRA run ended before the kill at {kill_after}"
-    capsys.readouterr()
-    job = compose_job(common + lora + [f"train.run_dir={lora_cut}", "train.resume=auto"])
-    assert Trainer(job).run() == 0
-    assert "resumed from" in capsys.readouterr().out
-    got = last_loss_per_step(lora_cut)
-    assert sorted(got) == sorted(want) == list(range(1, 8))
-    assert max(abs(got[s] - want[s]) for s in want) <= 1e-6, (kill_after, got, want)
-    val_got, val_want = (
-        {r["step"]: r["val_loss"] for r in read_metrics(d) if "val_loss" in r}
-        for d in (lora_cut, lora_ref)
-    )
-    assert sorted(val_got) == sorted(val_want) == [2, 4, 6, 7]
-    assert max(abs(val_got[s] - val_want[s]) for s in val_want) <= 1e-6, (val_got, val_want)
+    _killed_and_resumed_equal(common + lora, lora_cut, lora_ref, kill_after, capsys)
 
 
 @pytest.mark.slow
