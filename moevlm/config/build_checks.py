@@ -343,7 +343,6 @@ def check_lora(job, dims: ParallelDims) -> None:
             "process for now; train here, then resume the last checkpoint in one process "
             "(train.resume=PATH, train.steps=its step) with the export",
         ),
-        (bool(t.compile), "with train.compile=true is not tested yet; use train.compile=false"),
         (
             m.freeze_vision and "vision" in m.lora_modules,
             "with model.freeze_vision=true and vision in model.lora_modules: a frozen tower trains no "

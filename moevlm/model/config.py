@@ -355,11 +355,6 @@ class VLMConfig:
         if not lo.rank:
             return
         check(
-            self.fp8.recipe == "none",
-            f"lora.rank={lo.rank} with fp8.recipe={self.fp8.recipe}: adapters over FP8 base GEMMs are "
-            "not built yet; set fp8.recipe=none",
-        )
-        check(
             "experts" not in lo.modules or m.grouped_gemm != "torch" or lo.rank % 8 == 0,
             f"lora.rank={lo.rank} with expert adapters and moe.grouped_gemm='torch' (torch._grouped_mm "
             "needs 16-byte rows): use a multiple of 8, or moe.grouped_gemm='loop'",

@@ -99,7 +99,6 @@ def test_lora_attention_adapters_a_layout_slices_are_refused_at_build(change, sa
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["train.compile=true"], "train.compile=true"),
         (["model.lora_modules=[vision]", "model.freeze_vision=true"], "freeze_vision"),
         (["model.lora_rank=0", "train.export_adapter=x"], "needs adapters"),
     ],
@@ -107,6 +106,14 @@ def test_lora_attention_adapters_a_layout_slices_are_refused_at_build(change, sa
 def test_lora_refusals(extra, says):
     with pytest.raises(ConfigError, match=says):
         validate(compose_job(["model.lora_rank=8", *extra]), world_size=1, environment=False)
+
+
+def test_lora_validates_with_compile_or_fp8():
+    """Adapters compose with train.compile (tests/train/test_compile.py) and with FP8 base GEMMs
+    (tests/model/test_lora.py): neither is refused."""
+    for extra in (["train.compile=true"], ["model.fp8=blockwise", "model.fp8_backend=emulate"]):
+        job = compose_job(["model.lora_rank=8", *extra])
+        assert validate(job, world_size=1, environment=False).model.lora.rank == 8
 
 
 def test_base_identity_of_a_folder_changes_with_its_weights(tmp_path):
