@@ -44,7 +44,7 @@ _LAYOUT_KEY = "moevlm_expert_layout"
 # one expert's matrix of a Qwen3.5 checkpoint: (our fused tensor's prefix, expert, which)
 _PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _NOT_READ = ("mtp.",)  # Qwen3.5's multi-token-prediction head: transformers skips it too
-_BY_KEY_HEAD = (".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")
+BY_KEY_HEAD = (".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")
 
 
 class CheckpointError(ValueError):
@@ -153,7 +153,7 @@ def match_checkpoint(
                         shape,
                     )
                 elif t := _transform_for(ours, shape, expected[ours], expert_layout, file_layout):
-                    if ours.endswith(_BY_KEY_HEAD):
+                    if ours.endswith(BY_KEY_HEAD):
                         t = ("rows", key_head_order(config))
                     plan[ours] = (((path, hf_name),), t)
                 else:
@@ -362,7 +362,7 @@ def to_hf(
         t = t.transpose(1, 2)
     elif _is_expert(name) and per_expert(cfg, expert_layout):
         return _per_expert_tensors(name, t)
-    elif name.endswith(_BY_KEY_HEAD):
+    elif name.endswith(BY_KEY_HEAD):
         t = t[key_head_order(cfg).argsort().to(t.device)]
     return {ours_to_hf(name): t.contiguous().cpu()}
 

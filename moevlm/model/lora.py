@@ -134,16 +134,12 @@ PEFT_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # ParamWrapper ord
 
 @torch.no_grad()
 def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
-    """The adapters as PEFT's LoRA folder, named as transformers' Qwen3VLMoeForConditionalGeneration
-    names its modules. Expert adapters take PEFT's `target_parameters` form on the fused 3-D weights
+    """The adapters as PEFT's LoRA folder, named as transformers' Qwen3VLMoe- or
+    Qwen3_5MoeForConditionalGeneration names its modules (a Gated DeltaNet in_proj_qkv's B in the
+    reference's [q | k | v] row order). Expert adapters take PEFT's `target_parameters` form on the fused 3-D weights
     (transformers' (E, out, in)): lora_A (E r, in) with expert e's rows e r .. e r + r - 1, lora_B
     (out, r E) with expert e's column j at j E + e; the down_proj wrapper outside the gate_up one."""
     cfg = model.config
-    if cfg.family != "qwen3_vl_moe":
-        raise ValueError(
-            f"PEFT export of a {cfg.family} model is not built yet (its Gated DeltaNet rows and "
-            "per-expert checkpoint layout); export a qwen3_vl_moe model or merge (train.export_hf)"
-        )
     tensors, modules = _peft_tensors(model)
     experts = any(".base_layer." in k for k in tensors)
     out = Path(out_dir)
@@ -161,7 +157,7 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
 
 def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     """PEFT's saved tensors by name, and the names of the linears with adapters (transformers')."""
-    from moevlm.model.hf import ours_to_hf
+    from moevlm.model.hf import BY_KEY_HEAD, key_head_order, ours_to_hf
 
     tensors, modules = {}, []
     for name, m in model.named_modules():
@@ -172,7 +168,12 @@ def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]
         key = "base_model.model." + hf
         if isinstance(m, Linear):
             modules.append(hf)
-            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = lora.A, lora.B
+            B = lora.B
+            if (name + ".weight").endswith(
+                BY_KEY_HEAD
+            ):  # B's rows in the reference's [q | k | v] order
+                B = B[key_head_order(model.config).argsort().to(B.device)]
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = lora.A, B
             continue
         for which, prefix in (("gate_up", key + ".base_layer"), ("down", key)):
             A, B = (

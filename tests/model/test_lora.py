@@ -213,21 +213,27 @@ def test_from_pretrained_initialises_the_adapters(tmp_path):
         assert torch.equal(loaded.eval()(ids).logits, base(ids).logits)
 
 
-def test_peft_loads_the_export_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "qwen3_5_tiny"])
+def test_peft_loads_the_export_with_the_same_logits(tmp_path, preset):
     """Adapters on attn, mlp, experts and vision; PEFT wraps transformers' fused expert weights in
-    ParamWrapper (target_parameters)."""
+    ParamWrapper (target_parameters).  Qwen3.5: the Gated DeltaNet's in_proj_qkv adapter B leaves in
+    the reference's [q | k | v] row order, the shared expert's adapters under `mlp`."""
     from hf_ref import hf_forward, sample
 
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    _, model = pair("tiny", ALL + ("vision",))
+    _, model = pair(preset, ALL + ("vision",))
     with torch.no_grad():  # adapters away from zero, as after training
         for n, p in model.named_parameters():
             if ".lora." in n:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(tmp_path / "hf")
     save_peft_adapter(model, tmp_path / "adapter")
-    ref = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+    hf_class = {
+        "tiny": transformers.Qwen3VLMoeForConditionalGeneration,
+        "qwen3_5_tiny": transformers.Qwen3_5MoeForConditionalGeneration,
+    }[preset]
+    ref = hf_class.from_pretrained(
         tmp_path / "hf", dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     ref.set_experts_implementation("eager")
