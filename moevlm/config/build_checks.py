@@ -335,14 +335,7 @@ def check_lora(job, dims: ParallelDims) -> None:
     )
     if not m.lora_rank:
         return
-    exports = [f"train.{k}" for k in ("export_adapter", "export_hf") if getattr(t, k)]
     refusals = [
-        (
-            bool(exports) and dims.world > 1,
-            f"with {' and '.join(exports)} on {dims.world} processes: adapters are exported from one "
-            "process for now; train here, then resume the last checkpoint in one process "
-            "(train.resume=PATH, train.steps=its step) with the export",
-        ),
         (
             m.freeze_vision and "vision" in m.lora_modules,
             "with model.freeze_vision=true and vision in model.lora_modules: a frozen tower trains no "

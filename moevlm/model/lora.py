@@ -31,7 +31,7 @@ from moevlm.model.moe import Experts, Router
 from moevlm.model.strategies import local
 
 __all__ = ["ExpertLora", "LoraAdapter", "attach_lora", "lora_init_rules", "merge_lora"]
-__all__ += ["save_peft_adapter"]
+__all__ += ["merged_weight", "peft_tensors", "save_peft_adapter", "write_peft_adapter"]
 
 
 class LoraAdapter(nn.Module):
@@ -136,11 +136,15 @@ PEFT_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # ParamWrapper ord
 def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     """The adapters as PEFT's LoRA folder, named as transformers' Qwen3VLMoe- or
     Qwen3_5MoeForConditionalGeneration names its modules (a Gated DeltaNet in_proj_qkv's B in the
-    reference's [q | k | v] row order). Expert adapters take PEFT's `target_parameters` form on the fused 3-D weights
-    (transformers' (E, out, in)): lora_A (E r, in) with expert e's rows e r .. e r + r - 1, lora_B
-    (out, r E) with expert e's column j at j E + e; the down_proj wrapper outside the gate_up one."""
-    cfg = model.config
-    tensors, modules = _peft_tensors(model)
+    reference's [q | k | v] row order). Expert adapters take PEFT's `target_parameters` form on the
+    fused 3-D weights (transformers' (E, out, in)): lora_A (E r, in) with expert e's rows e r .. e r +
+    r - 1, lora_B (out, r E) with expert e's column j at j E + e; the down_proj wrapper outside the
+    gate_up one. A model laid out over ranks writes through moevlm.parallel.hf_io.save_adapter."""
+    return write_peft_adapter(model.config, *peft_tensors(model), out_dir)
+
+
+def write_peft_adapter(cfg, tensors: dict, modules: list[str], out_dir: str | Path) -> Path:
+    """adapter_model.safetensors and adapter_config.json of `peft_tensors`' output."""
     experts = any(".base_layer." in k for k in tensors)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,8 +159,14 @@ def save_peft_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     return out
 
 
-def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """PEFT's saved tensors by name, and the names of the linears with adapters (transformers')."""
+def _whole(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@torch.no_grad()
+def peft_tensors(model: nn.Module, full=_whole) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """PEFT's saved tensors by name, and the names of the linears with adapters (transformers').
+    `full(name, tensor)`: an adapter parameter's whole value (a gather under a layout)."""
     from moevlm.model.hf import BY_KEY_HEAD, key_head_order, ours_to_hf
 
     tensors, modules = {}, []
@@ -166,24 +176,48 @@ def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]
             continue
         hf = ours_to_hf(name + ".weight")[: -len(".weight")]
         key = "base_model.model." + hf
+        whole = _wholes(name, lora, full)
         if isinstance(m, Linear):
             modules.append(hf)
-            B = lora.B
+            B = whole("B")
             if (name + ".weight").endswith(
                 BY_KEY_HEAD
             ):  # B's rows in the reference's [q | k | v] order
                 B = B[key_head_order(model.config).argsort().to(B.device)]
-            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = lora.A, B
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = whole("A"), B
             continue
         for which, prefix in (("gate_up", key + ".base_layer"), ("down", key)):
-            A, B = (
-                getattr(lora, which + "_A"),
-                getattr(lora, which + "_B"),
-            )  # (E, in, r), (E, r, out)
+            A, B = whole(which + "_A"), whole(which + "_B")  # (E, in, r), (E, r, out)
             E, d_in, r = A.shape
             tensors[prefix + ".lora_A.weight"] = A.transpose(1, 2).reshape(E * r, d_in)
             tensors[prefix + ".lora_B.weight"] = B.permute(2, 1, 0).reshape(B.shape[2], r * E)
     return tensors, modules
+
+
+def _wholes(owner: str, lora: nn.Module, full):
+    """leaf -> the whole value of adapter parameter `owner`.lora.`leaf`."""
+    return lambda leaf: full(f"{owner}.lora.{leaf}", getattr(lora, leaf).detach())
+
+
+@torch.no_grad()
+def merged_weight(model: nn.Module, name: str, weight: torch.Tensor, full=_whole) -> torch.Tensor:
+    """`weight`, the whole value of parameter `name`, plus its adapter's update (W + (alpha/r) B A;
+    experts (E, in, out) + (alpha/r) A_e B_e) when it has one: what `merge_lora` writes, from whole
+    values (`full` as in `peft_tensors`), the model unchanged."""
+    owner, leaf = name.rsplit(".", 1)
+    m = model.get_submodule(owner)
+    lora = m._modules.get("lora")
+    if lora is None:
+        return weight
+    whole = _wholes(owner, lora, full)
+    if isinstance(m, Linear) and leaf == "weight":
+        delta = whole("B") @ whole("A")
+    elif isinstance(m, Experts) and leaf in ("gate_up_proj", "down_proj"):
+        which = leaf[: -len("_proj")]
+        delta = whole(which + "_A") @ whole(which + "_B")
+    else:
+        return weight
+    return weight + (lora.scale * delta).to(weight.dtype)
 
 
 def _peft_config(cfg, modules: list[str], experts: bool) -> dict:

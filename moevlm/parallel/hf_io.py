@@ -4,6 +4,7 @@ this module adds which rank holds which tensor, the gathers and who writes.
 
     load_hf_weights_(model, hf_dir)          # each rank copies its own shards; no communication
     save_hf(model, out_dir, ctx=ctx)         # collective when laid out: every rank calls it
+    save_adapter(model, out_dir, ctx=ctx)    # LoRA adapters in PEFT's format; collective likewise
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moevlm.model import Qwen3VLMoe, hf
+from moevlm.model.linear import is_adapter
+from moevlm.model.lora import merged_weight, peft_tensors, write_peft_adapter
 from moevlm.model.moe import is_training_state
 from moevlm.parallel.weights import copy_full_, full_tensor
 
@@ -46,7 +49,7 @@ def save_hf(
     ctx=None,
 ) -> None:
     """Write the model as a Hugging Face folder; collective when the model is laid out over ranks (`ctx`:
-    its ParallelContext)."""
+    its ParallelContext).  LoRA adapters are merged into the weights written (the model unchanged)."""
     out_dir = Path(out_dir)
     spread = ctx is not None and ctx.dims.world > 1 and dist.is_initialized()
     rank = dist.get_rank() if spread else 0
@@ -64,7 +67,8 @@ def save_hf(
             continue
         tensors = {}
         for n in names:
-            tensors |= hf.to_hf(n, full_tensor(params[n].detach(), n), cfg, expert_layout)
+            t = merged_weight(model, n, full_tensor(params[n].detach(), n), _full)
+            tensors |= hf.to_hf(n, t, cfg, expert_layout)
         if leader:  # every rank of the stage gathered (collectives); one writes
             hf.write_file(out_dir / fname, tensors, expert_layout)
     if rank == 0:
@@ -77,6 +81,35 @@ def save_hf(
         hf.write_index_and_config(out_dir, weight_map, total, cfg, dtype)
     if spread:
         dist.barrier()  # the folder is complete when any rank returns
+
+
+def save_adapter(model: nn.Module, out_dir, *, ctx=None) -> Path:
+    """The LoRA adapters as PEFT's folder (moevlm.model.lora.save_peft_adapter); collective when the
+    model is laid out over ranks: each stage gathers its adapters, rank 0 collects the stages' and
+    writes."""
+    spread = ctx is not None and ctx.dims.world > 1 and dist.is_initialized()
+    if not spread:
+        tensors, modules = peft_tensors(model)
+    else:
+        tensors, modules = peft_tensors(model, _full)
+        if ctx.dims.pp > 1:  # the stages' leaders hold the parts; they travel to rank 0
+            leader = dist.get_rank() % (ctx.dims.world // ctx.dims.pp) == 0
+            mine = ({k: v.cpu() for k, v in tensors.items()}, modules) if leader else ({}, [])
+            parts = [None] * ctx.dims.world if dist.get_rank() == 0 else None
+            dist.gather_object(mine, parts, dst=0)
+            if parts is not None:
+                tensors = {k: v for part, _ in parts for k, v in part.items()}
+                modules = [m for _, names in parts for m in names]
+    out = Path(out_dir)
+    if not spread or dist.get_rank() == 0:
+        write_peft_adapter(model.config, tensors, modules, out)
+    if spread:
+        dist.barrier()  # the folder is complete when any rank returns
+    return out
+
+
+def _full(name: str, t: torch.Tensor) -> torch.Tensor:
+    return full_tensor(t, name)
 
 
 def _whole_on_meta(model: nn.Module) -> nn.Module:
@@ -92,7 +125,7 @@ def _file_plan(model: nn.Module, dtype: torch.dtype, max_shard_bytes: int, ctx):
     plan = ctx.pipeline.plan if ctx is not None and ctx.pipeline is not None else None
     by_rank: dict[int, dict[str, int]] = {}
     for name, t in whole.items():
-        if is_training_state(name):  # the router bias: training state, not a weight
+        if is_training_state(name) or is_adapter(name):  # the router bias; LoRA (merged)
             continue
         by_rank.setdefault(_holder(plan, name), {})[name] = t.numel() * dtype.itemsize
     groups = [
@@ -119,4 +152,4 @@ def _my_pp_rank(ctx) -> int:
     return ctx.meshes[0]["pp"].get_local_rank() if ctx.meshes else 0
 
 
-__all__ = ["load_hf_weights_", "save_hf"]
+__all__ = ["load_hf_weights_", "save_adapter", "save_hf"]

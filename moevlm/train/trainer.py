@@ -25,11 +25,10 @@ from moevlm.data.batch import MicroBatch
 from moevlm.data.hf_files import write_processor_files
 from moevlm.data.lifetime import worker_death
 from moevlm.data.loader import NoData
-from moevlm.model.lora import merge_lora, save_peft_adapter
 from moevlm.model.moe import global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
 from moevlm.parallel.balance import step_load
-from moevlm.parallel.hf_io import save_hf
+from moevlm.parallel.hf_io import save_adapter, save_hf
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
@@ -133,11 +132,7 @@ class Trainer:
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
             self._wait_for_checkpoint()
-            if self.t.export_adapter:
-                path = save_peft_adapter(self.model, self.t.export_adapter)
-                self.log.info(f"exported the LoRA adapters to {path} (PEFT format)")
-            if self.t.export_hf:
-                self._export_hf(self.t.export_hf)
+            self.export()
             code = summary(self, time.perf_counter() - t_start, self.step - first_step)
         except NonFiniteWeights as err:  # no checkpoint of them is written
             self.log.info(f"stopping at step {self.step}: {err}")
@@ -175,12 +170,20 @@ class Trainer:
         the same on every rank (collective)."""
         return evaluate(self, self.held_out)
 
+    def export(self) -> None:
+        """train.export_adapter and train.export_hf, at the end of the run (collective under a layout)."""
+        if self.t.export_adapter:
+            path = save_adapter(self.model, self.t.export_adapter, ctx=self.parallel)
+            self.log.info(f"exported the LoRA adapters to {path} (PEFT format)")
+        if self.t.export_hf:
+            self._export_hf(self.t.export_hf)
+
     def _export_hf(self, out: str) -> None:
         """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
         stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads.
-        LoRA adapters are merged into the weights first (the run is over)."""
-        if merge_lora(self.model):
-            self.log.info("merged the LoRA adapters into the exported weights")
+        LoRA adapters are merged into the weights written."""
+        if self.plan.model.lora.rank:
+            self.log.info("merging the LoRA adapters into the exported weights")
         save_hf(self.model, out, ctx=self.parallel)
         if self.rank == 0:
             write_processor_files(

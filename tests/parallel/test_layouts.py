@@ -26,7 +26,9 @@ resumes the first one's checkpoint.  An entry with `REF=<name>` runs `ROUTER_OPT
 compared with a one-process reference run with the same options; `REF=lora` entries train LoRA
 adapters (the base frozen: no gradient on it under any layout), one of them resuming an adapter-only
 checkpoint over a base read from a Hugging Face folder; after the world-2 launch that checkpoint resumes
-in one process, which exports the adapters in PEFT's format.  A summary line per
+in one process, which exports the adapters in PEFT's format.  An `EXPORT` entry (tp2 x etp2 here, pp2
+in test_pipeline.py) exports from every rank at its end; the PEFT and merged HF files must equal one
+process's exports of the reference's final parameters (`check_exports`).  A summary line per
 layout (max relative error of loss, gradients, parameters) is printed, and
 written to `layouts_w<world>.json` under the test's tmp dir.  The `REF=vision` entry and any entry
 marked `VISION` (cp2 x dp2 in test_context_parallel.py) also check the trainer's per-step vision
@@ -160,15 +162,17 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
     With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it.  With
     "VAL": after each step the validation's (val_loss, val_tokens)."""
-    resume, val = "RESUME" in layout, "VAL" in layout
+    resume, val, export = "RESUME" in layout, "VAL" in layout, "EXPORT" in layout
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
     layout = [
         x
         for x in layout
-        if x not in ("RESUME", "VAL", "VISION") and not x.startswith(("FROM=", "REF="))
+        if x not in ("RESUME", "VAL", "VISION", "EXPORT") and not x.startswith(("FROM=", "REF="))
     ]
     layout += [f"data.val_shards={shards}", *VAL] if val else []
+    exports = [f"train.export_adapter={run_dir}/adapter", f"train.export_hf={run_dir}/hf"]
+    layout += exports if export else []
     layout = [
         x.replace("@INIT_HF", os.path.join(os.path.dirname(run_dir), "init_hf")).replace(
             "@TMP", os.path.dirname(run_dir)
@@ -194,6 +198,10 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
             if part < STEPS:
                 tr.save()
             else:
+                if (
+                    export
+                ):  # the run's end: its PEFT adapters and merged HF weights, from every rank
+                    tr.export()
                 # the router biases (model.moe_router_bias_rate): training state beside the weights
                 biases = {k: v.clone() for k, v in tr.model.named_buffers() if is_training_state(k)}
                 return {
@@ -526,7 +534,9 @@ WORLD_2 = [
     # LoRA: LORA_FSDP; tensor parallel adapters with the experts' over etp 2 (gate_up's A and down's B
     # summed over etp); DDP's buckets over dp x cp with cp 2 (the frozen base left out)
     LORA_FSDP,
-    with_options("lora", ["parallel.tp=2", "parallel.etp=2", "model.dispatcher=alltoall"]),
+    with_options(
+        "lora", ["parallel.tp=2", "parallel.etp=2", "model.dispatcher=alltoall", "EXPORT"]
+    ),
     with_options("lora", ["parallel.cp=2", "parallel.dp_mode=ddp"]),
     # activation offload (moevlm/parallel/offload.py) under tp 2, composed with selective recompute: the
     # core attention's checkpoint inputs, each layer's input and the MoE blocks' tensors go to host
@@ -602,6 +612,40 @@ def test_layouts_match_one_process(layout_references, world, layouts):
     print_report(tmp / f"layouts_w{world}.json", world)
     if world == 2:
         _lora_checkpoint_resumes_and_exports_in_one_process(tmp, shards)
+        i = next(i for i, x in enumerate(WORLD_2) if "EXPORT" in x and "REF=lora" in x)
+        check_exports(tmp / f"w2_{i}", tmp / "ref_lora.pt", "tp2 x etp2")
+
+
+def check_exports(run_dir: Path, ref_path: Path, name: str, base: list[str] = ()) -> None:
+    """A layout's exports (EXPORT: train.export_adapter and train.export_hf from every rank) equal one
+    process's exports of the reference's final parameters (its model: `base` overrides and the LoRA
+    options): every PEFT tensor, every merged HF weight."""
+    from safetensors.torch import load_file
+
+    from moevlm.config import model_config
+    from moevlm.model import Qwen3VLMoe
+    from moevlm.model.lora import save_peft_adapter
+    from moevlm.parallel.hf_io import save_hf
+
+    job = compose_job([*base, *ROUTER_OPTIONS["lora"]])
+    ref = Qwen3VLMoe(model_config(job.model))
+    params = torch.load(ref_path, weights_only=False)["params"]
+    missing, _ = ref.load_state_dict(params, strict=False)
+    assert not [k for k in missing if not is_training_state(k)], missing
+    save_peft_adapter(ref, run_dir / "ref_adapter")
+    save_hf(ref, run_dir / "ref_hf")
+    worst = {}
+    for kind in ("adapter", "hf"):  # (under stages the HF tensors are split over other files)
+        got, want = (
+            {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+            for d in (run_dir / kind, run_dir / f"ref_{kind}")
+        )
+        assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+        worst[kind] = max(rel(got[k], want[k]) for k in want)
+    print(
+        f"{name} exports vs one process: PEFT {worst['adapter']:.1e}, merged HF {worst['hf']:.1e}"
+    )
+    assert all(v <= TOL for v in worst.values()), worst
 
 
 def _lora_checkpoint_resumes_and_exports_in_one_process(tmp: Path, shards: str) -> None:

@@ -31,6 +31,7 @@ from gloo_ranks import run_ranks
 from test_layouts import (
     TOL,
     UNCLIPPED_EPS,
+    check_exports,
     check_layouts,
     chunked_loss_matches_whole_logits,
     job_overrides,
@@ -92,8 +93,9 @@ WORLD_2 = [
     # bias of each stage's layers; the sequence-wise loss travelling between stages
     with_options("global", [*PP2, "parallel.pp_layers=[1,3]"]),
     with_options("sequence", [*PP2, "parallel.pp_layers=[3,1]"]),
-    # LoRA adapters in their layers' stages, resumed from each stage's adapter-only checkpoint
-    with_options("lora", [*PP2, "parallel.pp_layers=[1,3]", "RESUME"]),
+    # LoRA adapters in their layers' stages, resumed from each stage's adapter-only checkpoint,
+    # then exported from both stages (PEFT adapters, merged HF weights)
+    with_options("lora", [*PP2, "parallel.pp_layers=[1,3]", "RESUME", "EXPORT"]),
 ]
 V_SCHEDULES = [
     [*PP2, "parallel.pp_schedule=zbv", "parallel.pp_layers=[1,1,1,1]"],
@@ -210,6 +212,10 @@ def test_pipeline_layouts_match_one_process(reference, world, layouts):
     print_report(tmp / f"pipelines_w{world}.json", world)
     if world == 2:
         _pp2_checkpoint_resumes_in_one_process(tmp, shards)
+        i = next(i for i, x in enumerate(layouts) if "EXPORT" in x)
+        check_exports(
+            tmp / f"p2_{i}", tmp / "ref_lora.pt", "pp2", [MODEL.replace("@TMP", str(tmp))]
+        )
 
 
 def _pp2_checkpoint_resumes_in_one_process(tmp: Path, shards: str):

@@ -68,13 +68,11 @@ def adapter_only_checkpoint(path, model, job: list[str]) -> None:
 @pytest.mark.parametrize(
     "layout", [[], ["parallel.tp=2"], ["parallel.ep=2"], ["parallel.pp=2"], ["parallel.cp=2"]]
 )
-def test_lora_layouts_validate_and_exports_stay_in_one_process(layout):
-    validate(compose_job(["model.lora_rank=8", *layout]), world_size=2, environment=False)
-    with pytest.raises(
-        ConfigError, match="train.export_adapter on 2 processes: adapters are exported"
-    ):
-        job = compose_job(["model.lora_rank=8", "train.export_adapter=x", *layout])
-        validate(job, world_size=2, environment=False)
+def test_lora_layouts_validate_with_their_exports(layout):
+    """Every layout trains adapters and exports them (tests/parallel/test_layouts.py and
+    test_pipeline.py export from 2 ranks)."""
+    job = compose_job(["model.lora_rank=8", "train.export_adapter=x", "train.export_hf=y", *layout])
+    validate(job, world_size=2, environment=False)
 
 
 @pytest.mark.parametrize(
