@@ -74,6 +74,22 @@ def _text_batch(cfg, seed: int, S: int = 32):
     return dict(input_ids=ids, labels=ids, cu_seqlens=cu)
 
 
+def _two_steps_beside_eager(eager, model, cfg, *, bf16: bool, rtol: float):
+    """`model` compiled per block, two steps (forward, backward) beside `eager` on the same batches, the
+    losses equal to `rtol`: (the compiled model, the compile counters after its first step)."""
+    counters = CompileCounters()
+    compiled = apply_compile(model, bf16=bf16)
+    for step in range(2):
+        batch = _text_batch(cfg, step)
+        ref, out = eager(**batch), compiled(**batch)
+        ref.loss.backward()
+        out.loss.backward()
+        torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=rtol, atol=0)
+        if step == 0:
+            counters.warm()
+    return compiled, counters.record()
+
+
 def _eager_and_compiled(cfg, build):
     """Two copies of one model (same weights); the second compiled per block."""
     eager, compiled = build(cfg), build(cfg)
@@ -167,17 +183,7 @@ def test_compile_traces_recompute_regions_in_one_process():
     eager = Qwen3VLMoe(cfg)
     compiled_model = build(cfg)
     compiled_model.load_state_dict(eager.state_dict())
-    counters = CompileCounters()
-    compiled = apply_compile(compiled_model, bf16=False)
-    for step in range(2):
-        batch = _text_batch(cfg, step)
-        ref, out = eager(**batch), compiled(**batch)
-        ref.loss.backward()
-        out.loss.backward()
-        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
-        if step == 0:
-            counters.warm()
-    c = counters.record()
+    compiled, c = _two_steps_beside_eager(eager, compiled_model, cfg, bf16=False, rtol=1e-5)
     assert c["compiled_graphs"] >= 1 and c["graph_breaks"] == 0 and c["recompiles"] == 0, c
     w = "text.layers.0.mlp.gate_proj.weight"
     torch.testing.assert_close(
@@ -199,16 +205,7 @@ def test_bf16_moe_layer_compiles_without_graph_breaks():
 
     eager, compiled_model = build(cfg), build(cfg)
     assert any(layer.is_moe for layer in compiled_model.text.layers)
-    counters = CompileCounters()
-    compiled = apply_compile(compiled_model, bf16=True)
-    for step in range(2):
-        batch = _text_batch(cfg, step)
-        ref, out = eager(**batch), compiled(**batch)
-        out.loss.backward()
-        torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=2e-2, atol=0)
-        if step == 0:
-            counters.warm()
-    c = counters.record()
+    _, c = _two_steps_beside_eager(eager, compiled_model, cfg, bf16=True, rtol=2e-2)
     assert c["compiled_graphs"] >= 1 and c["graph_breaks"] == 0 and c["recompiles"] == 0, c
 
 
@@ -236,19 +233,9 @@ def test_lora_adapters_compile_into_the_blocks(bf16):
                     p.normal_(0.0, 0.02)
         return model.to(torch.bfloat16) if bf16 else model
 
-    eager, compiled_model = build(cfg), build(cfg)
-    counters = CompileCounters()
-    compiled = apply_compile(compiled_model, bf16=bf16)
-    for step in range(2):
-        batch = _text_batch(cfg, step)
-        ref, out = eager(**batch), compiled(**batch)
-        ref.loss.backward()
-        out.loss.backward()
-        rtol = 2e-2 if bf16 else 1e-5
-        torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=rtol, atol=0)
-        if step == 0:
-            counters.warm()
-    c = counters.record()
+    rtol = 2e-2 if bf16 else 1e-5
+    eager = build(cfg)
+    compiled, c = _two_steps_beside_eager(eager, build(cfg), cfg, bf16=bf16, rtol=rtol)
     assert c["compiled_graphs"] >= 1 and c["graph_breaks"] == 0 and c["recompiles"] == 0, c
     grads = {n: p.grad for n, p in compiled.named_parameters() if p.grad is not None}
     assert grads and all(".lora." in n for n in grads), sorted(grads)
