@@ -389,7 +389,7 @@ class ModelConfig:
             "sets": "lora.rank",
             "help": "LoRA adapters of this rank beside the linears of model.lora_modules (moevlm.model.lora); "
             "every base weight frozen, only adapters (and a trained router) get gradients and optimizer "
-            "state (checkpoints hold them alone); 0 = off. Every layout; exports from one process",
+            "state (checkpoints hold them alone); 0 = off. Every layout",
         },
     )
     lora_alpha: Optional[float] = field(

@@ -48,10 +48,6 @@ class LoraAdapter(nn.Module):
         row-parallel one)."""
         return F.linear(F.linear(self.dropout(x), local(self.A)), local(self.B)) * self.scale
 
-    def delta(self) -> torch.Tensor:
-        """(out, in): what merging adds to the base weight."""
-        return self.scale * self.B @ self.A
-
 
 class ExpertLora(nn.Module):
     """Each routed expert's low-rank updates, run by the experts' grouped GEMM on the permuted rows."""
@@ -71,10 +67,6 @@ class ExpertLora(nn.Module):
         B = local(getattr(self, which + "_B"))
         h_Mr = expert_mm(self.dropout(x_MK), A, counts_E, backend, None)
         return expert_mm(h_Mr, B, counts_E, backend, None) * self.scale
-
-    def delta(self, which: str) -> torch.Tensor:
-        """(E, in, out) in the experts' layout: what merging adds to gate_up_proj or down_proj."""
-        return self.scale * getattr(self, which + "_A") @ getattr(self, which + "_B")
 
 
 def attach_lora(model: nn.Module, cfg: LoraConfig) -> int:
@@ -113,18 +105,15 @@ def lora_init_rules(model: nn.Module, prefix: str = "") -> dict[str, tuple[str, 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> int:
-    """Folds every adapter into its base weight and removes it; returns how many were merged."""
+    """Folds every adapter into its base weight (`merged_weight`) and removes it; returns how many were
+    merged."""
     n = 0
-    for m in model.modules():
-        lora = m._modules.get("lora")
-        if isinstance(m, Linear) and lora is not None:
-            m.weight.add_(lora.delta().to(m.weight.dtype))
-        elif isinstance(m, Experts) and lora is not None:
-            for which in ("gate_up", "down"):
-                w = getattr(m, which + "_proj")
-                w.add_(lora.delta(which).to(w.dtype))
-        else:
+    for name, m in list(model.named_modules()):
+        if m._modules.get("lora") is None or not isinstance(m, (Linear, Experts)):
             continue
+        for leaf in ("weight",) if isinstance(m, Linear) else ("gate_up_proj", "down_proj"):
+            w = getattr(m, leaf)
+            w.copy_(merged_weight(model, f"{name}.{leaf}", w))
         m.lora, n = None, n + 1
     return n
 
@@ -180,9 +169,8 @@ def peft_tensors(model: nn.Module, full=_whole) -> tuple[dict[str, torch.Tensor]
         if isinstance(m, Linear):
             modules.append(hf)
             B = whole("B")
-            if (name + ".weight").endswith(
-                BY_KEY_HEAD
-            ):  # B's rows in the reference's [q | k | v] order
+            # a Gated DeltaNet's in_proj_qkv: B's rows in the reference's [q | k | v] order
+            if (name + ".weight").endswith(BY_KEY_HEAD):
                 B = B[key_head_order(model.config).argsort().to(B.device)]
             tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = whole("A"), B
             continue
