@@ -119,6 +119,7 @@ step() {
   if [ "$own" != "-" ] && [ "$SMOKE" -eq 0 ]; then LIMIT="$own"; fi
   if [ -n "$BUDGET" ]; then
     left=$((BUDGET - ($(date +%s) - START)))
+    if [ "$left" -lt 0 ]; then left=0; fi  # an overrun budget has nothing left, not a debt
     if [ "$left" -lt "$MIN_STEP" ]; then
       printf '| %s | skipped (budget: %s s left) | 0 | |\n' "$name" "$left" >> "$ROWS"
       echo "== $name: skipped, the budget has $left s left"
