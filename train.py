@@ -25,7 +25,7 @@ from moevlm.signals import STOP_SIGNALS
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import looks_like_disk_full, write_failed_line
-from moevlm.train.sweep import run_job, sweep_probes, sweep_root
+from moevlm.train.sweep import claimed_root, run_job, sweep_probes, sweep_root
 from moevlm.train.torchrun_exit import config_error_exit
 
 register_configs()
@@ -45,8 +45,10 @@ def main(cfg) -> None:
             sys.exit(code)
         return
     # a sweep's job: its outcome is recorded and the sweep goes on (moevlm.train.sweep)
-    root = sweep_root(cfg.train.run_dir, hc.sweep.dir)
-    sweep = (hc.sweep.dir, hc.job.num)
+    # the root rank 0's SweepStatus claimed (a `-1` suffix if another sweep took Hydra's name); the
+    # other ranks receive their run directory from rank 0 (setup.claim_run_dir)
+    root = claimed_root() or sweep_root(cfg.train.run_dir, hc.sweep.dir)
+    sweep = (str(root), hc.job.num)
     run_job(lambda: _job(cfg, sweep), root, hc.job.num, root / str(hc.job.num), hc.overrides.task)
 
 

@@ -55,24 +55,25 @@ class RunDir:
     _fd: int | None = None
 
     @classmethod
-    def claim(cls, path: str | os.PathLike, *, default: bool = False) -> RunDir:
-        """Rank 0's claim: create (a fresh name if `default`), check it is a moevlm run or empty, lock it."""
-        path = _create_unique(Path(path)) if default else Path(path)
+    def claim(
+        cls, path: str | os.PathLike, *, default: bool = False, what: str = "train.run_dir"
+    ) -> RunDir:
+        """Rank 0's claim: create (a fresh name if `default`), check it is a moevlm run or empty, lock it.
+        `what` names the option that chose `path` in the refusals (a sweep's folder: moevlm.train.sweep)."""
+        path = _create_unique(Path(path), what) if default else Path(path)
         path = path.absolute()
         try:
             path.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
             raise RunDirError(
-                f"train.run_dir={path} is a file, not a directory; name a directory"
+                f"{what}={path} is a file, not a directory; name a directory"
             ) from None
         except OSError as err:
-            raise RunDirError(f"train.run_dir={path} cannot be created: {err.strerror}") from None
+            raise RunDirError(f"{what}={path} cannot be created: {err.strerror}") from None
         if not os.access(path, os.W_OK | os.X_OK):
-            raise RunDirError(
-                f"train.run_dir={path} is not writable by this user; name another directory"
-            )
-        _check_ownership(path)
-        run = cls(path, _HELD.get(path) or _lock(path))
+            raise RunDirError(f"{what}={path} is not writable by this user; name another directory")
+        _check_ownership(path, what)
+        run = cls(path, _HELD.get(path) or _lock(path, what))
         _HELD[path] = run._fd
         _write_text(
             path / MARKER, json.dumps({"made_by": "moevlm", "created": _now()}) + "\n", keep=True
@@ -109,7 +110,7 @@ def holder(path: Path) -> str:
 
 
 # ----------------------------------------------------------------- internals
-def _create_unique(path: Path) -> Path:
+def _create_unique(path: Path, what: str) -> Path:
     """`path`, or `path-1`, `path-2`, ... : the first that this call creates."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):
@@ -119,20 +120,25 @@ def _create_unique(path: Path) -> Path:
             return candidate
         except FileExistsError:
             continue
-    raise RunDirError(f"no free run directory name beside {path}; set train.run_dir")
+    raise RunDirError(f"no free directory name beside {path}; set {what}")
 
 
-def _check_ownership(path: Path) -> None:
+def _check_ownership(path: Path, what: str) -> None:
     links = [name for name in OURS if (path / name).is_symlink()]
     if links:
         raise RunDirError(
-            f"train.run_dir={path} holds symbolic links where moevlm writes ({', '.join(links)}): "
+            f"{what}={path} holds symbolic links where moevlm writes ({', '.join(links)}): "
             "moevlm never writes through a link; remove them or name another directory"
         )
-    if (path / MARKER).is_file() or not any(path.iterdir()) or _made_by_old_moevlm(path):
+    if (
+        (path / MARKER).is_file()
+        or not any(path.iterdir())
+        or _made_by_old_moevlm(path)
+        or _old_sweep(path)
+    ):
         return
     raise RunDirError(
-        f"train.run_dir={path} exists, is not empty and was not made by moevlm (no {MARKER} file): "
+        f"{what}={path} exists, is not empty and was not made by moevlm (no {MARKER} file): "
         "nothing in it was touched; name a new or empty directory"
     )
 
@@ -146,7 +152,13 @@ def _made_by_old_moevlm(path: Path) -> bool:
     return isinstance(config, dict) and JOB_GROUPS <= set(config)
 
 
-def _lock(path: Path) -> int:
+def _old_sweep(path: Path) -> bool:
+    """A sweep folder written before the marker existed: job folders, status/ and Hydra's multirun.yaml."""
+    names = {p.name for p in path.iterdir()}
+    return "status" in names and all(n.isdigit() or n in ("status", "multirun.yaml") for n in names)
+
+
+def _lock(path: Path, what: str) -> int:
     fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,9 +168,9 @@ def _lock(path: Path) -> int:
             raise
         who = holder(path) or "another process"
         raise RunDirError(
-            f"train.run_dir={path} is in use by another launch ({who}): two runs in one directory "
+            f"{what}={path} is in use by another launch ({who}): two runs in one directory "
             "would overwrite each other's checkpoints and metrics; wait for it to end, or name "
-            "another train.run_dir"
+            f"another {what}"
         ) from None
     info = {
         "host": socket.gethostname(),

@@ -5,9 +5,11 @@ next job runs, and the sweep ends with one summary line and a non-zero code if a
     cat <sweep dir>/status/0.json    # {"status": "failed", "exit_code": 2, "reason": ...}
     python bench/sweep_table.py <sweep dir>                         # one row per job, with its status
 
-`run_job` wraps each job and writes `<sweep root>/status/<job>.json`; `SweepStatus` (a Hydra
-callback, conf/config.yaml) clears that folder before the first job and prints the summary after
-the last.  An interrupted job (exit 4, 128+signum) ends the sweep.  Why: docs/architecture.md.
+`SweepStatus` (a Hydra callback, conf/config.yaml) claims the sweep root like a run directory
+(moevlm.train.run_dir: the default folder takes a `-1` suffix on collision; a locked one is refused,
+exit 2), clears its status folder before the first job and prints the summary after the last;
+`run_job` wraps each job and writes `<sweep root>/status/<job>.json`.  An interrupted job (exit 4,
+128+signum) ends the sweep.  Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,18 +24,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import open_dict
 
 from moevlm.train.exit_codes import ExitCode
+from moevlm.train.run_dir import RunDir, RunDirError
+from moevlm.train.torchrun_exit import config_error_exit
 
 STATUS_DIR = "status"
 # this process's jobs and their codes: the exit code of a rank that does not write the records (torchrun -m)
 _CODES: dict[int, int] = {}
+_ROOT: list[Path] = []  # the sweep root this process's SweepStatus claimed (rank 0), for train.py
 REASON_CHARS = 400  # a reason is one line: a longer one is cut (the job's own output has it whole)
 
 
 def sweep_root(run_dir: str, sweep_dir: str) -> Path:
     """The folder holding the jobs' run directories: train.run_dir when set, else hydra.sweep.dir."""
     return Path(run_dir or sweep_dir).absolute()
+
+
+def claimed_root() -> Path | None:
+    """The sweep root rank 0's SweepStatus claimed for this sweep (None on the other ranks)."""
+    return _ROOT[-1] if _ROOT else None
 
 
 def status_path(root: Path, job: int) -> Path:
@@ -171,24 +182,53 @@ def summary(root: Path) -> tuple[str, int]:
 
 
 class SweepStatus(Callback):
-    """Hydra callback (conf/config.yaml): a fresh status folder before a sweep, its summary after."""
+    """Hydra callback (conf/config.yaml): the sweep root claimed and a fresh status folder before a
+    sweep, its summary after."""
+
+    def __init__(self) -> None:
+        self.claim: RunDir | None = None
 
     def on_multirun_start(self, config, **kwargs) -> None:
         _CODES.clear()
+        _ROOT.clear()
         if os.environ.get("RANK", "0") != "0":
             return
-        folder = _root(config) / STATUS_DIR
+        self.claim = claim_root(config)
+        _ROOT.append(self.claim.path)
+        folder = self.claim.path / STATUS_DIR
         for old in folder.glob("*.json") if folder.is_dir() else ():
             old.unlink(missing_ok=True)
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        mine = next((c for _, c in sorted(_CODES.items()) if c), 0)
         if os.environ.get("RANK", "0") == "0":
-            line, code = summary(_root(config))
+            line, code = summary(self.claim.path if self.claim else _root(config))
+            if mine and not code:  # never "all ok" after a job of this sweep failed
+                line, code = f"{line}; but a job of this sweep failed (exit {mine})", mine
             print(line, file=sys.stderr if code else sys.stdout, flush=True)
         else:  # rank 0 may still be writing the last record: this rank's own codes
-            code = next((c for _, c in sorted(_CODES.items()) if c), 0)
+            code = mine
+        if self.claim is not None:
+            self.claim.release()
         if code:
             raise SystemExit(code)
+
+
+def claim_root(config) -> RunDir:
+    """Rank 0's claim of the sweep root (moevlm.train.run_dir): train.run_dir as named, refused while
+    another launch holds it; else Hydra's timestamped hydra.sweep.dir, or `<it>-1`, `-2` when another
+    sweep started in the same second (Hydra then writes its multirun.yaml there too).  A refusal is
+    one `config error:` line, exit 2."""
+    run_dir = (config.get("train") or {}).get("run_dir") or ""
+    try:
+        if run_dir:
+            return RunDir.claim(run_dir, what="train.run_dir")
+        claim = RunDir.claim(config.hydra.sweep.dir, default=True, what="hydra.sweep.dir")
+    except RunDirError as err:
+        config_error_exit([str(err)])
+    with open_dict(config):
+        config.hydra.sweep.dir = str(claim.path)
+    return claim
 
 
 def _root(config) -> Path:

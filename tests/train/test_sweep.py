@@ -106,3 +106,130 @@ def test_sweep_probes_use_each_value_once():
         ["a.x=1", "b.y=5", "+experiment=e", "c.z='{p,q}'"],
     ]
     assert sweep_probes(["a.x=interval(1,4)"]) == []  # Hydra's basic sweeper says what it cannot do
+
+
+# ------------------------------------------------ sweeps are ours alone (issue 47, items 1 and 2)
+def _frozen_clock(monkeypatch):
+    """Hydra's ${now:} resolver (which names the default sweep folder) reads this frozen clock: every
+    sweep started now starts "in the same second"."""
+    import datetime as dt
+
+    import hydra.core.utils as hydra_utils
+
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 11, 29, 3, 30, 0)
+
+    monkeypatch.setattr(hydra_utils, "datetime", Frozen)
+    hydra_utils.setup_globals()
+
+
+def _sweep_config(tmp_path, run_dir=""):
+    from omegaconf import OmegaConf
+
+    pattern = str(tmp_path / "multirun" / "${now:%Y-%m-%d}" / "${now:%H-%M-%S}")
+    return OmegaConf.create({"train": {"run_dir": run_dir}, "hydra": {"sweep": {"dir": pattern}}})
+
+
+def _train(lr):
+    """A job as the trainer runs it: claims its run directory, "resumes" a finished run there (0 steps,
+    exit 0: the issue's failure when two sweeps shared a folder), else trains and records its lr."""
+
+    def job(run_dir):
+        from moevlm.train.run_dir import RunDir
+
+        claim = RunDir.claim(run_dir)
+        done = claim.path / "done.json"
+        if not done.exists():
+            done.write_text(json.dumps({"lr": lr}))
+        claim.release()
+        return 0
+
+    return job
+
+
+def test_two_sweeps_in_the_same_second_get_two_folders(tmp_path, monkeypatch, capsys):
+    from moevlm.train.sweep import claimed_root
+
+    _frozen_clock(monkeypatch)
+    first, second = _sweep_config(tmp_path), _sweep_config(tmp_path)
+    assert first.hydra.sweep.dir == second.hydra.sweep.dir  # the clock is frozen
+    named = first.hydra.sweep.dir
+    a, b = SweepStatus(), SweepStatus()
+    a.on_multirun_start(first)
+    root_a = a.claim.path
+    b.on_multirun_start(second)
+    root_b = b.claim.path
+    assert (str(root_a), str(root_b)) == (named, named + "-1") and claimed_root() == root_b
+    # Hydra's launcher writes multirun.yaml in, and train.py's jobs run under, the folder claimed
+    assert (first.hydra.sweep.dir, second.hydra.sweep.dir) == (str(root_a), str(root_b))
+    for root, lr in ((root_a, 1e-3), (root_b, 3e-4)):  # interleaved as two live sweeps would be
+        for job in (0, 1):
+            assert run_job(lambda: _train(lr)(root / str(job)), root, job, root / str(job), []) == 0
+    for root, lr in ((root_a, 1e-3), (root_b, 3e-4)):
+        records = read_statuses(root)
+        assert sorted(records) == [0, 1] and {r["status"] for r in records.values()} == {"ok"}
+        for job, record in records.items():  # every ok job trained in a folder of its own sweep
+            assert record["run_dir"] == str(root / str(job))
+            assert json.loads((root / str(job) / "done.json").read_text()) == {"lr": lr}
+    a.on_multirun_end(first)
+    b.on_multirun_end(second)
+    out = capsys.readouterr().out
+    assert f"all ok (table: python bench/sweep_table.py {root_a})" in out
+    assert f"all ok (table: python bench/sweep_table.py {root_b})" in out
+
+
+SWEEP_HOLD = (
+    "import sys, time; from omegaconf import OmegaConf; from moevlm.train.sweep import SweepStatus, "
+    "run_job; c = OmegaConf.create({'train': {'run_dir': sys.argv[1]}, 'hydra': {'sweep': {'dir': "
+    "'unused'}}}); s = SweepStatus(); s.on_multirun_start(c); run_job(lambda: 0, s.claim.path, 0, "
+    "s.claim.path / '0', []); print('held', flush=True); time.sleep(120)"
+)
+
+
+def test_a_second_sweep_on_one_run_dir_is_refused(tmp_path, capsys):
+    """Sweep A (another process) holds train.run_dir: sweep B is refused with one line and exit 2, and
+    A's status files are left as they were; once A has ended, B may use the folder."""
+    import subprocess
+
+    root = tmp_path / "lr_sweep"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", SWEEP_HOLD, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = (root / "status" / "0.json").read_bytes()
+        config = _sweep_config(tmp_path, run_dir=str(root))
+        b = SweepStatus()
+        with pytest.raises(SystemExit) as stop:
+            b.on_multirun_start(config)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"config error: train.run_dir={root} is in use by another launch (host "
+        )
+        assert f"pid {holder.pid}" in err[0]
+        assert (root / "status" / "0.json").read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    b = SweepStatus()
+    b.on_multirun_start(config)  # A has ended: B takes the folder and starts with no records
+    assert b.claim.path == root and read_statuses(root) == {}
+    b.on_multirun_end(config)
+
+
+def test_a_failed_job_is_never_reported_ok(tmp_path, capsys):
+    """Even if its record were overwritten with `ok`, the sweep's code says a job of this sweep failed."""
+    config = _sweep_config(tmp_path, run_dir=str(tmp_path / "s"))
+    callback = SweepStatus()
+    callback.on_multirun_start(config)
+    root = callback.claim.path
+    assert run_job(_config_error, root, 0, root / "0", []) == 2
+    record = json.loads((root / "status" / "0.json").read_text())
+    (root / "status" / "0.json").write_text(json.dumps({**record, "status": "ok", "exit_code": 0}))
+    with pytest.raises(SystemExit) as stop:
+        callback.on_multirun_end(config)
+    assert stop.value.code == 2
+    assert "but a job of this sweep failed (exit 2)" in capsys.readouterr().err
