@@ -5,16 +5,29 @@ this module adds which rank holds which tensor, the gathers and who writes.
     load_hf_weights_(model, hf_dir)          # each rank copies its own shards; no communication
     save_hf(model, out_dir, ctx=ctx)         # collective when laid out: every rank calls it
     save_adapter(model, out_dir, ctx=ctx)    # LoRA adapters in PEFT's format; collective likewise
+    export_folder(target, write, run_dir=..., step=..., kind="hf", ctx=ctx)  # all or nothing
+
+`export_folder` is how a run exports (train.export_hf, train.export_adapter): `write` fills a hidden
+folder beside the target, rank 0 adds the marker `moevlm_export.json` and swaps it into place; a target
+that is not an earlier export of this run is refused (`check_export_target`).  Why: docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from moevlm.errors import ConfigError
 from moevlm.model import Qwen3VLMoe, hf
 from moevlm.model.linear import is_adapter
 from moevlm.model.lora import merged_weight, peft_tensors, write_peft_adapter
@@ -152,4 +165,200 @@ def _my_pp_rank(ctx) -> int:
     return ctx.meshes[0]["pp"].get_local_rank() if ctx.meshes else 0
 
 
-__all__ = ["load_hf_weights_", "save_adapter", "save_hf"]
+# ------------------------------------------------------------ all-or-nothing exports of a run
+EXPORT_MARKER = "moevlm_export.json"  # written last, inside the folder: what run and step it holds
+_PARTIAL, _OLD = (
+    ".moevlm-partial",
+    ".moevlm-old",
+)  # suffixes of the hidden folders beside the target
+
+
+class ExportTargetError(ConfigError):
+    """An export folder that this run must not write (the message: which, why, what to do): a config
+    error at set-up (exit 2); at the end of a run the trainer says it with exit 7."""
+
+
+def export_marker(target) -> dict | None:
+    """The marker of a moevlm export folder (None: not one)."""
+    try:
+        record = json.loads((Path(target) / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("made_by") == "moevlm" else None
+
+
+def check_export_target(
+    target, run_dir, option: str = "train.export_hf", protected: dict | None = None
+) -> Path:
+    """`target` as an absolute path, if this run may replace it: absent, empty, or an earlier export of
+    the run in `run_dir` (its marker says so; None: a run not yet named, whose folder is new).  Refused: a link, a file, a folder with other files (a
+    user's, another run's export), and any folder that is or holds a `protected` path ({what: path}:
+    the run's model.hf_checkpoint, its run directory)."""
+    target = Path(target).absolute()
+    run_dir = Path(run_dir).absolute() if run_dir else None
+    where = f"{option}={target}"
+    if target.is_symlink():
+        raise ExportTargetError(f"{where} is a symbolic link: moevlm never exports through a link")
+    real = target.resolve()
+    ours = {}
+    if run_dir is not None:
+        ours = {"the run directory": run_dir} | {
+            f"the run's {n}": run_dir / n for n in ("checkpoints", "tb", "profile", "wandb")
+        }
+    for what, path in {**ours, **(protected or {})}.items():
+        if not path:
+            continue
+        path = Path(path).absolute().resolve()
+        if real == path or real in path.parents:
+            same = "is" if real == path else "holds"
+            raise ExportTargetError(
+                f"{where} {same} {what} ({path}): an export replaces its whole folder; name another"
+            )
+    if target.exists() and not target.is_dir():
+        raise ExportTargetError(f"{where} is a file, not a folder; name a new or empty folder")
+    if not target.is_dir() or not any(target.iterdir()):
+        return target
+    marker = export_marker(target)
+    if marker is None:
+        raise ExportTargetError(
+            f"{where} exists, is not empty and is not a moevlm export (no {EXPORT_MARKER}): nothing "
+            "in it was touched; name a new or empty folder"
+        )
+    if run_dir is None or marker.get("run_dir") != str(run_dir):
+        raise ExportTargetError(
+            f"{where} holds the export of another run ({marker.get('run_dir')}, step "
+            f"{marker.get('step')}): nothing in it was touched; name another folder, or remove it"
+        )
+    return target
+
+
+def export_folder(
+    target,
+    write: Callable[[Path], object],
+    *,
+    run_dir,
+    step: int,
+    kind: str,
+    option: str = "train.export_hf",
+    protected: dict | None = None,
+    ctx=None,
+) -> Path:
+    """Export all or nothing; collective when the model is laid out (`ctx`).  Rank 0 checks `target`
+    again (check_export_target: a refusal is an ExportTargetError on every rank) and makes the hidden
+    folder `.<name>.moevlm-partial` beside it; every rank calls `write(folder)` (save_hf, save_adapter:
+    rank 0 and the stages' first ranks write); rank 0 adds the marker, flushes the files to disk and
+    swaps the folder into place, whole (an earlier export of this run is replaced at once, stale files
+    of another layout with it).  A failure or a kill leaves the previous folder, or none: never a
+    partial one at `target`."""
+    spread = ctx is not None and ctx.dims.world > 1 and dist.is_initialized()
+    lead = not spread or dist.get_rank() == 0
+    target = Path(target).absolute()
+    tmp = target.with_name(f".{target.name}{_PARTIAL}")
+    refusal = None
+    if lead:
+        try:
+            check_export_target(target, run_dir, option, protected)
+            _remove_ours(tmp)  # a killed export's
+            tmp.mkdir(parents=True)
+        except ExportTargetError as err:
+            refusal = str(err)
+    if spread:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        raise ExportTargetError(refusal)
+    try:
+        write(tmp)
+        if lead:
+            check_export_target(target, run_dir, option, protected)  # taken while we wrote?
+            files = sorted(p.name for p in tmp.iterdir())
+            record = {"made_by": "moevlm", "kind": kind, "run_dir": str(Path(run_dir).absolute())}
+            record |= {"step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            (tmp / EXPORT_MARKER).write_text(json.dumps(record | {"files": files}, indent=1) + "\n")
+            _flush(tmp)
+            _swap_in(tmp, target)
+    except BaseException:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if spread:
+        dist.barrier()  # the folder is in place when any rank returns
+    return target
+
+
+def _remove_ours(folder: Path) -> None:
+    """Remove a hidden folder that an earlier export left (`folder` is named by us, beside the target)."""
+    if folder.is_symlink():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+
+
+def _flush(folder: Path) -> None:
+    """Each file's bytes on disk before the folder is renamed into place."""
+    for p in folder.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """`tmp` becomes `target` in one step: renamed over an absent or empty folder, exchanged with an
+    earlier export (renameat2 RENAME_EXCHANGE), whose files then go.  Where the exchange is not
+    offered, two renames: a kill between them leaves no `target` (the earlier export is `.<name>.moevlm-old`)."""
+    try:
+        os.rename(tmp, target)
+        _sync_dir(target.parent)
+        return
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if _exchange(tmp, target):
+        _sync_dir(target.parent)
+        shutil.rmtree(tmp)
+        return
+    old = target.with_name(f".{target.name}{_OLD}")
+    _remove_ours(old)
+    os.rename(target, old)
+    os.rename(tmp, target)
+    _sync_dir(target.parent)
+    shutil.rmtree(old)
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2); False where the system does not offer it."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _sync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "EXPORT_MARKER",
+    "ExportTargetError",
+    "check_export_target",
+    "export_folder",
+    "export_marker",
+    "load_hf_weights_",
+    "save_adapter",
+    "save_hf",
+]

@@ -38,7 +38,7 @@ from moevlm.model.moe import Router
 from moevlm.parallel import ParallelContext, build_model, init_parameters_, materialize_
 from moevlm.parallel.balance import StepFrequencies
 from moevlm.parallel.compile import CompileCounters
-from moevlm.parallel.hf_io import load_hf_weights_
+from moevlm.parallel.hf_io import ExportTargetError, check_export_target, load_hf_weights_
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, set_rng_state
 from moevlm.train.checkpoint.base import base_identity, check_base
 from moevlm.train.evaluate import HeldOut
@@ -121,6 +121,7 @@ def setup(job, sweep: tuple[str, int] | None = None) -> Run:
     check_memory(plan, *memory_limit(device), device_type=device.type)
     faults = _faults(plan, rank, world)
     launch = start_launch(plan, rank, world, device)
+    check_export_targets(plan, launch, sweep)
     run_dir = claim_run_dir(plan, launch, sweep)
     log = open_log(plan, launch, run_dir, job)
     torch.manual_seed(plan.train.seed)
@@ -220,6 +221,43 @@ def claim_run_dir(plan: JobPlan, launch: Launch, sweep: tuple[str, int] | None) 
         err.same_on_every_rank = True
         raise err
     return claim if claim is not None else RunDir.joined(path)
+
+
+def export_protected(plan: JobPlan, option: str) -> dict:
+    """What the folder of export `option` must never be or hold, beside the run directory: the weights
+    the run started from, the other export's folder."""
+    t = plan.job.train
+    other = t.export_adapter if option == "train.export_hf" else t.export_hf
+    key = "train.export_adapter" if option == "train.export_hf" else "train.export_hf"
+    return {"model.hf_checkpoint": plan.job.model.hf_checkpoint, key: other}
+
+
+def check_export_targets(plan: JobPlan, launch: Launch, sweep: tuple[str, int] | None) -> None:
+    """train.export_hf and train.export_adapter name folders this run may replace (absent, empty, or
+    an earlier export of this run: moevlm.parallel.hf_io.check_export_target), checked by rank 0
+    before the run directory is claimed or anything is built; a refusal is a config error."""
+    t = plan.train
+    if sweep is not None:
+        run_dir = os.path.join(t.run_dir or sweep[0], str(sweep[1]))
+    else:
+        run_dir = t.run_dir or None  # a default run directory is new: no export is its own yet
+    refusal = None
+    if launch.rank == 0:
+        try:
+            for option in ("train.export_hf", "train.export_adapter"):
+                target = getattr(t, option.split(".")[1])
+                if target:
+                    check_export_target(target, run_dir, option, export_protected(plan, option))
+        except ExportTargetError as err:
+            refusal = str(err)
+    if launch.world > 1:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        err = ExportTargetError(refusal)
+        err.same_on_every_rank = True
+        raise err
 
 
 def open_log(plan: JobPlan, launch: Launch, run_dir: RunDir, job) -> MetricsLogger:

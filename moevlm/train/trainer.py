@@ -28,7 +28,13 @@ from moevlm.data.loader import NoData
 from moevlm.model.moe import global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
 from moevlm.parallel.balance import step_load
-from moevlm.parallel.hf_io import save_adapter, save_hf
+from moevlm.parallel.hf_io import (
+    ExportTargetError,
+    export_folder,
+    export_marker,
+    save_adapter,
+    save_hf,
+)
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
@@ -40,7 +46,19 @@ from moevlm.train.metrics import (
     vision_flops_slots,
 )
 from moevlm.train.report import summary, window_record
-from moevlm.train.setup import Run, autocast, data_rank, setup, weights_finite
+from moevlm.train.setup import (
+    Run,
+    autocast,
+    data_rank,
+    export_protected,
+    setup,
+    weights_finite,
+)
+
+
+class ExportFailed(RuntimeError):
+    """train.export_hf or train.export_adapter refused or not written at the end of a run: one line,
+    ExitCode.CHECKPOINT; the checkpoints (and an earlier export) are intact."""
 
 
 class Trainer:
@@ -142,7 +160,7 @@ class Trainer:
             if code is None:
                 self.log.info(f"stopping at step {self.step}: {err}")
                 code = ExitCode.CHECKPOINT
-        except LogWriteError as err:
+        except (LogWriteError, ExportFailed) as err:
             print(f"stopping at step {self.step}: {err}", file=sys.stderr, flush=True)
             code = ExitCode.CHECKPOINT
         except DataError as err:  # every rank's own stream: printed where it happened
@@ -171,12 +189,47 @@ class Trainer:
         return evaluate(self, self.held_out)
 
     def export(self) -> None:
-        """train.export_adapter and train.export_hf, at the end of the run (collective under a layout)."""
+        """train.export_adapter and train.export_hf, at the end of the run (collective under a layout),
+        each all or nothing (moevlm.parallel.hf_io.export_folder)."""
         if self.t.export_adapter:
-            path = save_adapter(self.model, self.t.export_adapter, ctx=self.parallel)
-            self.log.info(f"exported the LoRA adapters to {path} (PEFT format)")
+            self._export(
+                "train.export_adapter",
+                "peft_adapter",
+                lambda out: save_adapter(self.model, out, ctx=self.parallel),
+            )
+            self.log.info(f"exported the LoRA adapters to {self.t.export_adapter} (PEFT format)")
         if self.t.export_hf:
             self._export_hf(self.t.export_hf)
+
+    def _export(self, option: str, kind: str, write) -> None:
+        """One export into the folder `option` names; its refusal or a failed write: ExportFailed."""
+        target = Path(getattr(self.t, option.split(".")[1])).absolute()
+        try:
+            export_folder(
+                target,
+                write,
+                run_dir=self.run_dir,
+                step=self.step,
+                kind=kind,
+                option=option,
+                protected=export_protected(self.plan, option),
+                ctx=self.parallel,
+            )
+        except (ExportTargetError, OSError, MemoryError) as err:
+            why = str(err) if isinstance(err, ExportTargetError) else write_failed_line(err, target)
+            why = why.split("; the checkpoints are intact")[0]
+            before = (
+                "what was there is intact" if export_marker(target) else "nothing was written there"
+            )
+            kept = self.ckpt.complete()
+            again = (
+                f"the run's checkpoint {kept[-1]} is intact" if kept else "no checkpoint was kept"
+            )
+            raise ExportFailed(
+                f"export {'refused' if isinstance(err, ExportTargetError) else 'failed'}: {why}; "
+                f"{before}; {again} (relaunch with {option} naming a new folder: the run resumes "
+                "at its last step and exports)"
+            ) from None
 
     def _export_hf(self, out: str) -> None:
         """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
@@ -184,14 +237,18 @@ class Trainer:
         LoRA adapters are merged into the weights written."""
         if self.plan.model.lora.rank:
             self.log.info("merging the LoRA adapters into the exported weights")
-        save_hf(self.model, out, ctx=self.parallel)
-        if self.rank == 0:
-            write_processor_files(
-                out,
-                tokenizer=self.loader.tokenizer_path,
-                image=self.plan.data.image,
-                source=self.plan.job.model.hf_checkpoint or None,
-            )
+
+        def write(folder: Path) -> None:
+            save_hf(self.model, folder, ctx=self.parallel)
+            if self.rank == 0:
+                write_processor_files(
+                    folder,
+                    tokenizer=self.loader.tokenizer_path,
+                    image=self.plan.data.image,
+                    source=self.plan.job.model.hf_checkpoint or None,
+                )
+
+        self._export("train.export_hf", "hf", write)
         self.log.info(
             f"exported Hugging Face checkpoint to {out} (weights, config, tokenizer, chat template, "
             "image processor)"

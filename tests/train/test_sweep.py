@@ -108,7 +108,7 @@ def test_sweep_probes_use_each_value_once():
     assert sweep_probes(["a.x=interval(1,4)"]) == []  # Hydra's basic sweeper says what it cannot do
 
 
-# ------------------------------------------------ sweeps are ours alone (issue 47, items 1 and 2)
+# ------------------------------------------------ sweeps are ours alone: a folder and status files each
 def _frozen_clock(monkeypatch):
     """Hydra's ${now:} resolver (which names the default sweep folder) reads this frozen clock: every
     sweep started now starts "in the same second"."""
