@@ -5,12 +5,13 @@
     python train.py -m optim.lr=1e-3,3e-4                  # a sweep, one job each (a failed one is recorded)
 
 Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
-Exit codes: moevlm.train.exit_codes.ExitCode (0 done, 2 config error, ...).
+Exit codes: moevlm.train.exit_codes.ExitCode and MEANINGS (0 done, 2 config error, ..., 70 a bug).
 """
 
 import os
 import signal
 import sys
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,7 +23,7 @@ from moevlm.errors import ConfigError
 from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.signals import STOP_SIGNALS
-from moevlm.train.exit_codes import ExitCode
+from moevlm.train.exit_codes import ExitCode, bug_line
 from moevlm.train.faults import describe_failure
 from moevlm.train.integrity import looks_like_disk_full, write_failed_line
 from moevlm.train.sweep import claimed_root, run_job, sweep_probes, sweep_root
@@ -35,7 +36,12 @@ register_configs()
 def main(cfg) -> None:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
-        code = _job(cfg, None)
+        try:
+            code = _job(cfg, None)
+        except Exception as err:  # noqa: BLE001  (expected failures exit with their code inside _job)
+            traceback.print_exc()
+            print(bug_line(err), file=sys.stderr, flush=True)
+            code = ExitCode.BUG
         # the run is over (checkpointed if it stopped early) and the process exits: a stop signal now,
         # such as torchrun's SIGTERM once another rank has exited, must not turn the code into -15.
         # Ignored, not handled: Python resets its own handlers to the default while it finalises.

@@ -1,8 +1,8 @@
 """The process exit codes of a training run: `Trainer.run` returns them, train.py exits with them.
 
 `ExitCode` is an IntEnum, so `sys.exit(ExitCode.DATA)` exits 8 while the name says what happened;
-the numbers are the public interface and never change.  A second stop signal exits 128+signum
-(`second_signal`).  Why these numbers: docs/architecture.md.
+the numbers are the public interface and never change; `MEANINGS` says each in a line.  A second
+stop signal exits 128+signum (`second_signal`).  Why these numbers: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -32,9 +32,42 @@ class ExitCode(IntEnum):
     DATA = 8
     # a plan (parallel.fake_world, python -m moevlm.plan): a rank's peak exceeds the GPU's usable memory
     DOES_NOT_FIT = 9
+    # an unexpected exception: a bug of moevlm (or of a library under it): its traceback, then one line
+    # saying so.  70 is sysexits.h's EX_SOFTWARE; no expected outcome uses it
+    BUG = 70
+
+
+# The one table of what each code means (README.md's "Exit codes" table is checked against it by
+# tests/train/test_exit_codes.py): ExitCode's members, then the codes a signal or torchrun makes.
+MEANINGS: dict[str, str] = {
+    str(int(ExitCode.OK)): "done",
+    str(int(ExitCode.NO_PROGRESS)): "the loss did not fall (`train.require_loss_decrease`)",
+    str(int(ExitCode.CONFIG)): "config error (one line per problem), a run or sweep directory in "
+    "use or not moevlm's, an export folder this run must not replace",
+    str(int(ExitCode.NONFINITE)): "non-finite loss, gradients or weights: stopped",
+    str(int(ExitCode.INTERRUPTED)): "interrupted by a stop signal, checkpoint written",
+    str(int(ExitCode.COLLECTIVE)): "a collective timed out or lost a peer rank",
+    str(int(ExitCode.WATCHDOG)): "the step watchdog aborted a step",
+    str(int(ExitCode.CHECKPOINT)): "a write failed (checkpoint, metrics, TensorBoard, export: disk "
+    "full, read-only, out of memory while committing; the line names the path and what is intact), "
+    "or a named checkpoint fails verification",
+    str(int(ExitCode.DATA)): "the data cannot feed training, or a data worker died",
+    str(int(ExitCode.DOES_NOT_FIT)): "a plan found a rank that does not fit the GPU",
+    str(int(ExitCode.BUG)): "an unexpected exception (a bug): its traceback and one line",
+    "128+signum": "a second stop signal: exited at once, no checkpoint (130 SIGINT, 143 SIGTERM)",
+    "137": "a config error under torchrun (the launch's status; each rank's line is the same)",
+}
 
 
 def second_signal(signum: int) -> int:
     """A second stop signal exits at once without a checkpoint: 128+signum (130 SIGINT, 143 SIGTERM,
     129 SIGHUP, 138 SIGUSR1, 131 SIGQUIT)."""
     return 128 + signum
+
+
+def bug_line(err: BaseException) -> str:
+    """The one line printed after the traceback of an exception that no failure class expects."""
+    return (
+        f"moevlm stopped on an unexpected {type(err).__name__}: a bug (the traceback above says "
+        f"where; please report it); exit code {ExitCode.BUG:d}"
+    )

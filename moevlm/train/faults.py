@@ -8,6 +8,7 @@ stop signals, the stop agreement over ranks, failed collectives, and the step wa
         save, print, return ExitCode.INTERRUPTED
     code = faults.failure_code(err)      # a failed collective: one line, ExitCode.COLLECTIVE
     faults.close()                       # previous handlers back (library use, sweeps)
+    checkpoint_write_line(err, root, intact)  # a checkpoint write's OSError / MemoryError, one line
 
 Exit codes: moevlm.train.exit_codes.ExitCode.  Why it works this way: docs/architecture.md.
 """
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.exit_codes import ExitCode, second_signal
-from moevlm.train.integrity import errors_in
+from moevlm.train.integrity import errors_in, looks_like_disk_full, one_line
 
 REPEAT_WINDOW_S = 2.0
 WARMUP_STEPS, WINDOW = 2, 20
@@ -338,4 +339,27 @@ def describe_failure(
         f"collective failure during {during}: {what}. Likely cause: another rank stopped, "
         f"crashed or is much slower (see its log: out of memory, a node failure, a hung filesystem); exit code "
         f"{ExitCode.COLLECTIVE:d}, a relaunch resumes from the last checkpoint. [{type(err).__name__}: {first}]"
+    )
+
+
+def checkpoint_write_line(err: BaseException, root, intact) -> str:
+    """The line for a checkpoint write that failed outside DCP's writer (the folder, the marker, the
+    checksums: a read-only or full file system, memory exhausted while committing): what failed, and
+    `intact`, the newest complete checkpoint (None: none yet)."""
+    path = next((x.filename for x in errors_in(err) if isinstance(x, OSError) and x.filename), root)
+    why = (
+        "the disk is full"
+        if looks_like_disk_full(err)
+        else "out of memory while committing it"
+        if any(isinstance(x, MemoryError) for x in errors_in(err))
+        else one_line(err)
+    )
+    kept = (
+        f"{intact} is intact (resume=auto continues from it"
+        if intact
+        else "no earlier checkpoint (a relaunch starts over"
+    )
+    return (
+        f"writing a checkpoint in {root} failed at {path}: {why}; {kept}; a checkpoint "
+        "folder without its marker is never loaded)"
     )

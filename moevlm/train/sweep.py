@@ -26,7 +26,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import open_dict
 
-from moevlm.train.exit_codes import ExitCode
+from moevlm.train.exit_codes import ExitCode, bug_line
 from moevlm.train.run_dir import RunDir, RunDirError
 from moevlm.train.torchrun_exit import config_error_exit
 
@@ -100,7 +100,8 @@ def run_job(
         code, reason = 128 + 2, "interrupted (Ctrl-C) during set-up"
     except Exception as err:  # noqa: BLE001  (a crash: shown as without a sweep, then recorded)
         traceback.print_exc()
-        code = 1
+        print(bug_line(err), file=sys.stderr, flush=True)
+        code = ExitCode.BUG
         reason = traceback.format_exception_only(type(err), err)[-1].strip()
     if code and reason is None:
         reason = tee.last or f"exit code {code}"

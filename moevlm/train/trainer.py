@@ -38,6 +38,7 @@ from moevlm.parallel.hf_io import (
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
+from moevlm.train.faults import checkpoint_write_line
 from moevlm.train.integrity import looks_like_disk_full, write_failed_line
 from moevlm.train.metrics import (
     LogWriteError,
@@ -98,13 +99,18 @@ class Trainer:
         }
         if not self._weights_finite():
             raise NonFiniteWeights(self.ckpt.latest())
-        path = self.ckpt.save(
-            self.step,
-            model=self.model,
-            optimizer=self.opt,
-            extra={"scheduler": self.sched, "counters": counters},
-            per_rank={"data": self.loader.state_dict(), "rng": rng_state()},
-        )
+        try:
+            path = self.ckpt.save(
+                self.step,
+                model=self.model,
+                optimizer=self.opt,
+                extra={"scheduler": self.sched, "counters": counters},
+                per_rank={"data": self.loader.state_dict(), "rng": rng_state()},
+            )
+        except (OSError, MemoryError) as err:  # a read-only or full folder: one line, exit 7
+            raise CheckpointError(
+                checkpoint_write_line(err, self.ckpt.root, self.ckpt.latest())
+            ) from err
         if complete:
             self._wait_for_checkpoint()
         return path
@@ -113,7 +119,12 @@ class Trainer:
         """train.async_checkpoint: until the save in flight is complete (its failure raised here)."""
         if (path := self.ckpt.pending) is not None:
             self.faults.at(f"waiting for the background write of checkpoint {path.name}", self.step)
-            self.ckpt.wait()
+            try:
+                self.ckpt.wait()
+            except (OSError, MemoryError) as err:
+                raise CheckpointError(
+                    checkpoint_write_line(err, self.ckpt.root, self.ckpt.latest())
+                ) from err
 
     # -------------------------------------------------------------------- loop
     def run(self) -> int:

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from moevlm.config import compose_job
 from moevlm.data.sample_cache import sample_dir
 from moevlm.train.checkpoint import CheckpointManager
-from moevlm.train.exit_codes import ExitCode
+from moevlm.train.exit_codes import MEANINGS, ExitCode
 from moevlm.train.faults import WARMUP_STEPS, StepWatchdog, StopSignals, describe_failure
 from moevlm.train.trainer import Trainer
 
@@ -83,11 +83,132 @@ def test_exit_codes_are_the_readme_table():
         "CHECKPOINT": 7,
         "DATA": 8,
         "DOES_NOT_FIT": 9,
+        "BUG": 70,
     }
     assert (
         "Exit codes: 0 done, 1 the loss did not fall" in readme
         and "8 the data cannot feed training" in readme
+        and "70 an unexpected exception" in readme
     )
+    # README.md's table is exit_codes.MEANINGS, row for row; docs/faults.md's lists the same codes
+    assert _table(REPO / "README.md", "## Exit codes") == MEANINGS
+    assert list(_table(REPO / "docs/faults.md", "## Exit codes")) == list(MEANINGS)
+
+
+def _table(path: Path, heading: str) -> dict[str, str]:
+    """{first cell: second cell} of the first Markdown table after `heading`."""
+    text = path.read_text().split(heading, 1)[1]
+    rows = [x for x in text.split("\n\n| ", 1)[1].split("\n\n")[0].splitlines()]
+    cells = [
+        [c.strip() for c in ("| " + r if i == 0 else r).strip("|").split("|")]
+        for i, r in enumerate(rows)
+    ]
+    return {c[0]: c[1] for c in cells[2:]}
+
+
+# each code of the README's table -> tests that assert a launch (or the code path that decides it)
+# ends with it, and a word of that test's source that is the assertion
+PRODUCED_BY = {
+    "0": [
+        (
+            "tests/train/test_export.py",
+            "test_a_refusal_at_the_end_of_a_run_is_one_line_and_exit_7",
+            "== 0",
+        )
+    ],
+    "1": [("tests/train/test_faults.py", "test_a_loss_that_did_not_fall_exits_1", "NO_PROGRESS")],
+    "2": [
+        ("tests/train/test_trainer.py", "test_config_error_exits_2_with_the_message_only", "== 2"),
+        ("tests/train/test_sweep.py", "test_a_second_sweep_on_one_run_dir_is_refused", "== 2"),
+    ],
+    "3": [("tests/train/test_honest_end.py", "", "ExitCode.NONFINITE")],
+    "4": [
+        (
+            "tests/train/test_faults.py",
+            "test_sigterm_checkpoints_after_the_step_and_a_relaunch_continues_exactly",
+            "ExitCode.INTERRUPTED",
+        )
+    ],
+    "5": [("tests/train/test_stop_faults.py", "", "ExitCode.COLLECTIVE")],
+    "6": [
+        (
+            "tests/train/test_faults.py",
+            "test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes",
+            "ExitCode.WATCHDOG",
+        )
+    ],
+    "7": [
+        (
+            "tests/train/test_write_failures.py",
+            "test_a_checkpoint_write_failure_mid_run_is_one_line_and_exit_7",
+            "ExitCode.CHECKPOINT",
+        ),
+        (
+            "tests/train/test_export.py",
+            "test_a_refusal_at_the_end_of_a_run_is_one_line_and_exit_7",
+            "== 7",
+        ),
+    ],
+    "8": [("tests/train/test_worker_death.py", "", "ExitCode.DATA")],
+    "9": [("tests/plan/test_cli.py", "", "ExitCode.DOES_NOT_FIT")],
+    "70": [
+        (
+            "tests/train/test_write_failures.py",
+            "test_an_unexpected_exception_prints_its_traceback_and_exits_70",
+            "ExitCode.BUG",
+        ),
+        ("tests/train/test_sweep.py", "test_each_outcome_is_recorded_and_the_sweep_goes_on", "70"),
+    ],
+    "128+signum": [
+        (
+            "tests/train/test_faults.py",
+            "test_watchdog_abort_and_a_second_signal_end_the_process_with_their_codes",
+            "128 + signal.SIGTERM",
+        )
+    ],
+    "137": [
+        (
+            "tests/train/test_torchrun_config_error.py",
+            "test_config_error_is_the_last_line_under_torchrun",
+            "returncode == -9",
+        )
+    ],
+}
+
+
+def test_every_listed_code_is_produced_by_a_test():
+    """A code of the README's table that no test produces fails here; so does a test named below that
+    is gone or no longer asserts its code."""
+    assert set(PRODUCED_BY) == set(MEANINGS), set(MEANINGS) ^ set(PRODUCED_BY)
+    for code, tests in PRODUCED_BY.items():
+        assert tests, code
+        for path, name, word in tests:
+            source = (REPO / path).read_text()
+            if name:  # the test's own body holds the assertion
+                assert f"def {name}(" in source, (code, path, name)
+                source = source.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]
+            assert word in source, (code, path, name, word)
+
+
+def test_a_loss_that_did_not_fall_exits_1():
+    """The end of a run with train.require_loss_decrease (moevlm.train.report.summary): 1 and the FAIL
+    line when the mean of the last 3 updating steps is not below the first 3's."""
+    from types import SimpleNamespace
+
+    from moevlm.train.report import summary
+
+    said = []
+    tr = SimpleNamespace(
+        updated_losses=[6.9, 6.9, 6.9, 7.0, 7.1, 7.1],
+        plan=SimpleNamespace(train=SimpleNamespace(require_loss_decrease=True)),
+        log=SimpleNamespace(info=said.append),
+        loader=SimpleNamespace(stats=lambda: {}),
+        compiled=None,
+    )
+    assert summary(tr, 1.0, 6) == ExitCode.NO_PROGRESS == 1
+    assert said[-1] == "FAIL: loss did not fall (first 3 steps 6.9000, last 3 7.0667)"
+    tr.updated_losses = tr.updated_losses[::-1]
+    assert summary(tr, 1.0, 6) == ExitCode.OK
 
 
 def test_watchdog_reports_a_slow_step_once_after_warmup_and_aborts_past_abort_s():

@@ -36,17 +36,18 @@ def test_each_outcome_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     root = tmp_path / "sweep"
     jobs = [_fail_loss, _config_error, _crash, _progress_then_ok]
     codes = [run_job(fn, root, i, root / str(i), [f"job={i}"]) for i, fn in enumerate(jobs)]
-    assert codes == [1, 2, 1, 0]
+    assert codes == [1, 2, 70, 0]  # a crash is a bug: 70, never 1 (the loss did not fall)
     got = read_statuses(root)
     assert {j: (r["status"], r["exit_code"], r["reason"]) for j, r in got.items()} == {
         0: ("failed", 1, "FAIL: loss did not fall (first 3 steps 6.9, last 3 7.1)"),
         1: ("failed", 2, "config error: model.num_layers=0 must be an integer >= 1"),
-        2: ("failed", 1, "ValueError: a bug with two lines"),
+        2: ("failed", 70, "ValueError: a bug with two lines"),
         3: ("ok", 0, None),
     }
     assert got[3]["run_dir"] == str(root / "3") and got[3]["overrides"] == ["job=3"]
     err = capsys.readouterr().err
-    assert "Traceback" in err and "sweep job 2 failed (exit 1: ValueError: a bug" in err
+    assert "Traceback" in err and "sweep job 2 failed (exit 70: ValueError: a bug" in err
+    assert "moevlm stopped on an unexpected ValueError: a bug" in err
     line, code = summary(root)
     assert code == 1 and line.startswith(
         "sweep: 4 jobs, 3 failed, 1 ok: job 0 (failed, exit 1: FAIL"
