@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from moevlm.train.exit_codes import ExitCode, bug_line
 from moevlm.train.run_dir import RunDir, RunDirError
@@ -216,15 +216,18 @@ class SweepStatus(Callback):
 
 
 def claim_root(config) -> RunDir:
-    """Rank 0's claim of the sweep root (moevlm.train.run_dir): train.run_dir as named, refused while
-    another launch holds it; else Hydra's timestamped hydra.sweep.dir, or `<it>-1`, `-2` when another
-    sweep started in the same second (Hydra then writes its multirun.yaml there too).  A refusal is
-    one `config error:` line, exit 2."""
+    """Rank 0's claim of the sweep root (moevlm.train.run_dir): train.run_dir, or a hydra.sweep.dir the
+    user set, as named, refused while another launch holds it (a relaunch after it ended resumes its
+    jobs); else Hydra's timestamped hydra.sweep.dir, or `<it>-1`, `-2` when another sweep started in
+    the same second (Hydra then writes its multirun.yaml there too).  A refusal is one `config
+    error:` line, exit 2."""
     run_dir = (config.get("train") or {}).get("run_dir") or ""
+    # Hydra's default names the folder by the clock; a folder the user named is meant as named
+    stamped = "${now:" in str(OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"])
     try:
         if run_dir:
             return RunDir.claim(run_dir, what="train.run_dir")
-        claim = RunDir.claim(config.hydra.sweep.dir, default=True, what="hydra.sweep.dir")
+        claim = RunDir.claim(config.hydra.sweep.dir, default=stamped, what="hydra.sweep.dir")
     except RunDirError as err:
         config_error_exit([str(err)])
     with open_dict(config):

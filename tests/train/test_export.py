@@ -265,5 +265,22 @@ def test_a_refusal_at_the_end_of_a_run_is_one_line_and_exit_7(tmp_path, capsys):
     assert "nothing was written there; the run's checkpoint " in err[0]
     assert [p.name for p in target.iterdir()] == ["notes.txt"]
     fresh = tmp_path / "hf2"
+    # a relaunch (it resumes at step 1 and exports) whose export meets a full disk: one line, 7
+    real = hf.write_file
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(args[0]))
+
+    hf.write_file = full
+    try:
+        assert Trainer(compose_job([*common, f"train.export_hf={fresh}"])).run() == 7
+    finally:
+        hf.write_file = real
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"stopping at step 1: export failed: writing {fresh} failed: the disk is full; nothing "
+        "was written there; the run's checkpoint "
+    ), err
+    assert not fresh.exists() and not list(tmp_path.glob(".hf2*"))
     assert Trainer(compose_job([*common, f"train.export_hf={fresh}"])).run() == 0
     assert export_marker(fresh)["step"] == 1 and (fresh / "model.safetensors").exists()

@@ -219,6 +219,14 @@ def test_a_second_sweep_on_one_run_dir_is_refused(tmp_path, capsys):
     b.on_multirun_start(config)  # A has ended: B takes the folder and starts with no records
     assert b.claim.path == root and read_statuses(root) == {}
     b.on_multirun_end(config)
+    # a hydra.sweep.dir the user named is taken as named too (a relaunch resumes its jobs), not moved
+    from omegaconf import OmegaConf
+
+    named = OmegaConf.create({"train": {"run_dir": ""}, "hydra": {"sweep": {"dir": str(root)}}})
+    c = SweepStatus()
+    c.on_multirun_start(named)
+    assert c.claim.path == root
+    c.on_multirun_end(named)
 
 
 def test_a_failed_job_is_never_reported_ok(tmp_path, capsys):
