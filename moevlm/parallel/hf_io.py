@@ -270,6 +270,8 @@ def export_folder(
         raise ExportTargetError(refusal)
     try:
         write(tmp)
+        if spread:
+            dist.barrier()  # every rank's files are in the folder before it is marked
         if lead:
             check_export_target(target, run_dir, option, protected)  # taken while we wrote?
             files = sorted(p.name for p in tmp.iterdir())

@@ -284,3 +284,35 @@ def test_a_refusal_at_the_end_of_a_run_is_one_line_and_exit_7(tmp_path, capsys):
     assert not fresh.exists() and not list(tmp_path.glob(".hf2*"))
     assert Trainer(compose_job([*common, f"train.export_hf={fresh}"])).run() == 0
     assert export_marker(fresh)["step"] == 1 and (fresh / "model.safetensors").exists()
+
+
+def _export_on_two_ranks(rank: int, target: str, user: str, run_dir: str) -> None:
+    """Each rank writes its own file (as the pipeline stages' first ranks do); rank 0 marks and
+    renames; a refusal is raised on both ranks (no rank left waiting in a collective)."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(dims=SimpleNamespace(world=2, pp=2))
+
+    def write(folder: Path) -> None:
+        (folder / f"part-{rank}.txt").write_text(str(rank))
+
+    export_folder(target, write, run_dir=run_dir, step=1, kind="hf", ctx=ctx)
+    assert sorted(p.name for p in Path(target).iterdir()) == [
+        EXPORT_MARKER,
+        "part-0.txt",
+        "part-1.txt",
+    ]
+    with pytest.raises(ExportTargetError, match="is not a moevlm export"):
+        export_folder(user, write, run_dir=run_dir, step=1, kind="hf", ctx=ctx)
+
+
+def test_an_export_from_two_ranks_is_renamed_by_rank_0(tmp_path):
+    from gloo_ranks import run_ranks
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep\n")
+    run_ranks(
+        _export_on_two_ranks, 2, tmp_path, str(tmp_path / "hf"), str(user), str(tmp_path / "run")
+    )
+    assert (user / "notes.txt").read_text() == "keep\n" and len(list(user.iterdir())) == 1
