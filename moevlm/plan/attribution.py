@@ -21,6 +21,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
 
@@ -278,9 +279,15 @@ class Attribution:
         return Label(kind, module, op, phase)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (read, not made by an op: the planner counts bytes and storages on the
+    path of every op, and `to_local()` would dispatch two more); any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _storage_key(t) -> int:
     t = getattr(t, "elem", t)  # an AsyncCollectiveTensor's data
-    t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
+    t = local_shard(t)
     return t.untyped_storage()._cdata
 
 
@@ -424,7 +431,7 @@ def optimizer_split(opt, model) -> dict[Label, int]:
         label = Label("optimizer state", module, "(kept between steps)", "optimizer")
         for t in state.values():
             if isinstance(t, torch.Tensor):
-                t = t.to_local() if hasattr(t, "to_local") else t
+                t = local_shard(t)
                 out[label] += t.numel() * t.element_size()
     return dict(out)
 

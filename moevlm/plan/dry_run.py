@@ -33,6 +33,7 @@ from moevlm.plan.attribution import (
     saved_as_activations,
     summarize,
 )
+from moevlm.plan.attribution import local_shard as _local
 from moevlm.plan.fake import (
     CollectiveCounter,
     ExpandDynamicOps,
@@ -42,9 +43,6 @@ from moevlm.plan.fake import (
     fake_cuda,
     fake_world,
     symmetric_objects,
-)
-from moevlm.plan.fake import (
-    local_shard as _local,
 )
 
 

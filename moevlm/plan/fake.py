@@ -35,13 +35,14 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moevlm.parallel.offload import allocating_host
-from moevlm.plan.attribution import Attribution
+from moevlm.plan.attribution import Attribution, local_shard
 
 aten = torch.ops.aten
 SHADOW_LIMIT = 1 << 25  # elements: ids, masks, counts, a gathered routing map; never activations
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _DEVICE = torch.ops.prim.device.default  # `t.device` of a fake tensor, asked several times per op
+_ITEM = aten._local_scalar_dense.default
 _LIKE_FACTORIES = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
 
 
@@ -59,11 +60,6 @@ def _leaves(x) -> list:
         else:
             out.append(v)
     return out
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _shadowable(t) -> bool:
@@ -100,6 +96,10 @@ class PlanMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and isinstance(args[0], FakeTensor):
             return fake_device(args[0])
+        if func is _ITEM:  # .item(), and .tolist() element by element: the value, when it is known
+            known = self.value(args[0])
+            if known is not None:
+                return known.item()
         kwargs = kwargs or {}
         if func is _WAIT_TENSOR:  # the real op returns its input (the collective's own output)
             return args[0]
