@@ -121,7 +121,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _shown(v: Any) -> str:
-    """A value as the command line writes it (null, "" for an empty string, lists as JSON)."""
-    if v is None or v == "" or isinstance(v, (list, dict)):
+    """A value as the command line writes it (null, true, "" for an empty string, lists as JSON)."""
+    if v is None or v == "" or isinstance(v, (bool, list, dict)):
         return json.dumps(v)
     return str(v)
