@@ -32,7 +32,12 @@ def test_most_and_collapsed_are_defined_exactly():
 def test_a_huge_lr_exits_3_naming_why(tmp_path, capsys):
     """optim.lr=1e6 (the issue's trial): step 1 collapses the model (loss ln(1024), gradient norm 0),
     later steps are non-finite and skipped.  2 steps: the collapse; 6 steps: most skipped."""
-    common = FAST + ["optim.lr=1e6", "train.checkpoint_at_end=false", "train.tensorboard=false"]
+    common = FAST + [
+        "optim.lr=1e6",
+        "train.checkpoint_at_end=false",
+        "train.tensorboard=false",
+        "data.num_workers=0",
+    ]
     short = Trainer(compose_job(common + ["train.steps=2", f"train.run_dir={tmp_path / 'a'}"]))
     assert short.run() == ExitCode.NONFINITE and short.nonfinite_steps == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("stopping")]
