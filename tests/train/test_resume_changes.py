@@ -17,6 +17,9 @@ from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_mar
 from moevlm.train.trainer import Trainer
 
 
+marker_record = ("config", "architecture", "tokenizer")
+
+
 def test_noted_refused_and_allowed_changes(tmp_path, capsys):
     common = FAST + [
         f"train.run_dir={tmp_path / 'run'}",
@@ -87,3 +90,12 @@ def test_noted_refused_and_allowed_changes(tmp_path, capsys):
     allowed.close()
     out = capsys.readouterr().out
     assert "resume: tokenizer: sha256" in out and "resumed from" in out
+
+    # a checkpoint of an older version (no record in its marker): resumed, one line says so
+    path = ck.latest() / "COMPLETE.json"
+    old_marker = {k: v for k, v in json.loads(path.read_text()).items() if k not in marker_record}
+    path.write_text(json.dumps(old_marker))
+    Trainer(compose_job(common + ["train.steps=4", "optim.lr=0.001"])).close()
+    out = capsys.readouterr().out
+    assert "records no config (an older version wrote it): not compared" in out
+    assert "resume: optim.lr" not in out and "resumed from" in out

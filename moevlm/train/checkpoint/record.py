@@ -73,7 +73,7 @@ def resume_changes(marker: dict, record: dict) -> list[Change]:
     [] when the checkpoint records none (an older version wrote it)."""
     out = []
     old_cfg, new_cfg = _flat(marker.get("config")), _flat(record["config"])
-    for key in sorted(set(old_cfg) | set(new_cfg)):
+    for key in sorted(set(old_cfg) | set(new_cfg)) if old_cfg else []:
         if key not in IGNORED and old_cfg.get(key) != new_cfg.get(key):
             out.append(Change(key, old_cfg.get(key), new_cfg.get(key), None))
     old_arch, new_arch = _flat(marker.get("architecture")), _flat(record["architecture"])
