@@ -71,20 +71,15 @@ class Change:
 def resume_changes(marker: dict, record: dict) -> list[Change]:
     """Every difference between the launch that wrote checkpoint `marker` and this one (`record`);
     [] when the checkpoint records none (an older version wrote it)."""
-    out = []
-    old_cfg, new_cfg = _flat(marker.get("config")), _flat(record["config"])
-    for key in sorted(set(old_cfg) | set(new_cfg)) if old_cfg else []:
-        if key not in IGNORED and old_cfg.get(key) != new_cfg.get(key):
-            out.append(Change(key, old_cfg.get(key), new_cfg.get(key), None))
-    old_arch, new_arch = _flat(marker.get("architecture")), _flat(record["architecture"])
-    if old_arch:
-        for key in sorted(set(old_arch) | set(new_arch)):
-            if old_arch.get(key) != new_arch.get(key):
-                out.append(
-                    Change(
-                        f"architecture.{key}", old_arch.get(key), new_arch.get(key), "architecture"
-                    )
-                )
+    out = [
+        Change(key, old, new, None)
+        for key, old, new in _differences(marker.get("config"), record["config"])
+        if key not in IGNORED
+    ]
+    out += [
+        Change(f"architecture.{key}", old, new, "architecture")
+        for key, old, new in _differences(marker.get("architecture"), record["architecture"])
+    ]
     old_tok, new_tok = marker.get("tokenizer") or {}, record["tokenizer"]
     if old_tok and new_tok and old_tok["sha256"] != new_tok["sha256"]:
         out.append(Change("tokenizer", _tok(old_tok), _tok(new_tok), "tokenizer"))
@@ -105,6 +100,14 @@ def refusal(path: Path, changes: list[Change], allowed: list[str]) -> str | None
         "start over (train.resume=none, or another train.run_dir), or accept it with "
         f"train.resume_allow_changes=[{','.join(kinds)}]"
     )
+
+
+def _differences(saved: dict | None, now: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, value now) where they differ; [] when nothing was saved."""
+    old, new = _flat(saved), _flat(now)
+    if not old:
+        return []
+    return [(k, old.get(k), new.get(k)) for k in sorted(old | new) if old.get(k) != new.get(k)]
 
 
 def _tok(fp: dict) -> str:
