@@ -4,12 +4,14 @@ the `model` section moevlm.config.model_section.ModelConfig)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from moevlm.fields import one_of
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.pipeline_schedules import SCHEDULES, schedule_name
 
+# train.resume_allow_changes: what a resume refuses unless told (moevlm.train.checkpoint.record)
+RESUME_CHANGES = ("tokenizer", "architecture")
 WANDB_MODES = ("disabled", "online", "offline")  # train.wandb (moevlm.train.wandb_log)
 GPUS = (
     "h100",
@@ -256,6 +258,17 @@ class TrainConfig:
         default="auto",
         metadata={
             "help": "auto (the newest complete checkpoint in run_dir, if any), none, or a checkpoint path"
+        },
+    )
+    resume_allow_changes: List[
+        one_of(*RESUME_CHANGES, checked_by="moevlm.config.train_checks.check_batch")
+    ] = field(
+        default_factory=list,
+        metadata={
+            "help": "what a resume may change that it otherwise refuses (exit 7): tokenizer (another "
+            "vocabulary: a sha256 of the tokenizer's vocabulary, merges and added tokens differs from "
+            "the checkpoint's), architecture (the model's config: family, shapes, routing); every "
+            "change is logged as `resume: <key>: <old> -> <new>` either way; [] = refuse both"
         },
     )
     checkpoint_every: int = field(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from moevlm.config.sections import RESUME_CHANGES
 from moevlm.errors import ConfigError, check
 from moevlm.fields import is_int, is_real
 from moevlm.parallel.mesh import ParallelDims
@@ -30,6 +31,12 @@ def check_batch(t, dims: ParallelDims) -> None:
     check(
         t.resume in ("auto", "none") or bool(t.resume),
         "train.resume must be auto, none or a checkpoint path",
+    )
+    allow = list(t.resume_allow_changes or [])
+    check(
+        set(allow) <= set(RESUME_CHANGES),
+        f"train.resume_allow_changes={allow}: each must be tokenizer or architecture (what a resume "
+        "refuses unless told; every other change is only noted)",
     )
     check(
         t.max_nonfinite_steps >= 1,

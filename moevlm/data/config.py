@@ -215,7 +215,8 @@ class DataConfig:
     allow_changed_shards: bool = field(
         default=False,
         metadata={
-            "help": "resume on shards whose size or content changed since the checkpoint (logged as a warning); "
+            "help": "resume on shards whose size or content changed since the checkpoint (logged as a warning; "
+            "samples the checkpoint held that a shard no longer has are skipped, counted as gone_on_resume); "
             "false: such a resume is refused, naming the changed shards"
         },
     )

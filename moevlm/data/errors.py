@@ -36,6 +36,8 @@ REASONS = {
     "unreadable_shard": "a shard could not be opened",
     "unreadable_input": "a builder input (a Parquet file or row group) could not be opened or read to its "
     "end; the rows before the damage were kept",
+    "gone_on_resume": "a sample held (shuffle buffer or packer) at the checkpoint is no longer in its shard "
+    "at the resume (the shard was rewritten shorter; data.allow_changed_shards=true skips it)",
     # packing
     "too_long": "the sample exceeds the token, patch or image budget of a micro-batch",
     "empty_sample": "the sample has no tokens to train on",

@@ -83,12 +83,39 @@ class Stream:
         return ShuffleBuffer(self.cfg.shuffle_buffer, (self.cfg.seed, epoch, self.stream), draws)
 
     def _restore(self) -> None:
+        """The samples the shuffle buffer and the packer held at the checkpoint, read again.  Ones
+        their shard no longer holds: DataError naming data.allow_changed_shards, or with it, skipped
+        (counted as gone_on_resume, one warning)."""
         held = self.st.shuffle + self.st.packer
         raw = self.plan.fetch(held) if held else {}
-        self.shuffle.items = [(p, raw[p]) for p in self.st.shuffle]
+        gone = [p for p in held if p not in raw]
+        if gone:
+            self._skip_gone(gone)
+        self.shuffle.items = [(p, raw[p]) for p in self.st.shuffle if p in raw]
         for p in self.st.packer:
-            # encoded fine before the checkpoint
-            self.packer.push(self.encode(raw[p], p))
+            if p in raw:  # encoded fine before the checkpoint
+                self.packer.push(self.encode(raw[p], p))
+
+    def _skip_gone(self, gone: list) -> None:
+        where = ", ".join(
+            f"{os.path.basename(self.plan.mine(p.epoch)[p.shard])}:{p.sample}" for p in gone[:3]
+        ) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        what = (
+            f"data stream {self.stream}: {len(gone)} sample(s) held at the checkpoint (shuffle buffer "
+            f"or packer) are gone from their shards ({where}): the shards were rewritten shorter since"
+        )
+        if not self.cfg.allow_changed_shards:
+            raise DataError(
+                f"{what}; set data.allow_changed_shards=true to skip them and continue, or put the "
+                "original shards back"
+            )
+        for p in gone:
+            self.skips.add(SkipSample("gone_on_resume", f"position {list(p)}"))
+            if p in self.st.shuffle:  # (the packer's were settled when they were encoded)
+                self._settle_sample(p.shard, usable=False)
+        self.st.shuffle = [p for p in self.st.shuffle if p not in gone]
+        self.st.packer = [p for p in self.st.packer if p not in gone]
+        log.warning("%s; skipped (data.allow_changed_shards=true), counted as gone_on_resume", what)
 
     def __iter__(self):
         epochs = self.cfg.epochs

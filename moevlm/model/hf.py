@@ -333,11 +333,21 @@ def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):
                     f"{hf_name} in {path} is {t.dtype}, not floating point; a weight must "
                     "be stored as a float (F32, BF16, F16, F8)"
                 )
+            if not _finite(t):  # NaN or inf in a source: no update made it so
+                raise CheckpointError(
+                    f"non-finite values in {path}:{hf_name} (NaN or inf in the stored weights): "
+                    "the checkpoint is damaged; re-download or re-export it"
+                )
             return t
 
         for ours in sorted(names, key=lambda n: str(plan[n][0][0][0])):
             sources, transform = plan[ours]
             yield ours, _apply(transform, [read(*s) for s in sources], shapes[ours])
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every value of `t` finite (FP8 kinds, which torch's isfinite lacks, are read as FP16)."""
+    return bool(torch.isfinite(t.to(torch.float16) if t.element_size() == 1 else t).all())
 
 
 def _copy_weights(model: torch.nn.Module, plan: dict[str, tuple]) -> None:

@@ -182,14 +182,17 @@ _FIELDS = {
 }
 
 
-def fit_resumed_schedule(sched: Scheduler, o, steps: int) -> list[str]:
+def fit_resumed_schedule(
+    sched: Scheduler, o, steps: int, saved_lr: float | None = None
+) -> list[str]:
     """After `sched` was loaded from a checkpoint: run it to `steps` (train.steps), and return lines for
     the log.  A changed length rescales the schedule: it is rebuilt for `steps` and keeps its position
     (`last_epoch`, the updates taken), so the lr from here on is the one a fresh `steps`-long run has at
     the same step (warmup is counted in steps and unchanged; extending a cosine lifts the lr from the old
     curve's value to the new one's; extending a wsd run whose decay had begun returns it to the plateau).
     The other schedule fields stay the checkpoint's; a differing one is noted.  A state without its
-    length (not written by this trainer) is assumed to be `steps` long."""
+    length (not written by this trainer) is assumed to be `steps` long.  `saved_lr`: the checkpoint's
+    optim.lr (None: not recorded, taken as `o.lr`), so that "was" is the lr its run had next."""
     fn, fresh = sched.lr_lambdas[0], LRSchedule(o, steps)
     lines = [
         (
@@ -209,7 +212,8 @@ def fit_resumed_schedule(sched: Scheduler, o, steps: int) -> list[str]:
         ]
     if old == steps:
         return lines
-    before = sched.get_last_lr()[0]
+    # the loaded position on the old curve, scaled to the old run's peak lr (optim.lr may change too)
+    before = sched.get_last_lr()[0] * (saved_lr / o.lr if saved_lr else 1.0)
     for f in sched.lr_lambdas:
         f.steps = steps
     sched._set_lrs()

@@ -41,6 +41,7 @@ from moevlm.parallel.compile import CompileCounters
 from moevlm.parallel.hf_io import ExportTargetError, check_export_target, load_hf_weights_
 from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_marker, set_rng_state
 from moevlm.train.checkpoint.base import base_identity, check_base
+from moevlm.train.checkpoint.record import launch_record, refusal, resume_changes
 from moevlm.train.evaluate import HeldOut
 from moevlm.train.faults import Faults, StepWatchdog
 from moevlm.train.metrics import MetricsLogger, device_peak_tflops
@@ -140,6 +141,7 @@ def setup(job, sweep: tuple[str, int] | None = None) -> Run:
         async_save=plan.train.async_checkpoint,
         timeout=timedelta(seconds=plan.job.parallel.timeout_s),
         base=lora_base(plan),
+        record=launch_record(job, plan.model, tokenizer_of(launch, loader)),
     )
     counters = resume(plan, launch, ckpt, built, optimizer, scheduler, loader, log)
     if rank == 0:  # only now: a relaunch refused above leaves the run's record as it was
@@ -473,6 +475,7 @@ def resume(
     step = 0 if path is None else read_marker(path)["step"]
     if path is not None:  # adapters of another base (or none): refused before anything is moved
         check_base(read_marker(path), ckpt.base, path)
+        check_changes(path, ckpt.record, t.resume_allow_changes, log)
     if step > t.steps:  # before anything is set aside
         raise ConfigError(
             f"train.steps={t.steps} is below step {step} of the checkpoint to resume "
@@ -506,7 +509,9 @@ def resume(
     counters = Counters(
         saved["step"], saved["nonfinite_steps"], saved.get("in_a_row", 0), list(saved["losses"])
     )
-    for line in fit_resumed_schedule(sched, plan.optim, t.steps):  # a changed train.steps
+    # a changed train.steps; the lr the checkpoint's run would have used: its optim.lr's
+    saved_lr = read_marker(path).get("config", {}).get("optim", {}).get("lr")
+    for line in fit_resumed_schedule(sched, plan.optim, t.steps, saved_lr):
         log.info(line)
     try:
         loader.load_state_dict(
@@ -519,6 +524,31 @@ def resume(
         set_rng_state(got["per_rank"]["rng"])
     log.info(f"resumed from {path} at step {counters.step}")
     return counters
+
+
+def check_changes(path: Path, record: dict, allowed: list[str], log) -> None:
+    """Each difference between checkpoint `path`'s launch and this one in a line; a tokenizer or
+    architecture change train.resume_allow_changes does not name: CheckpointError (exit 7)."""
+    marker = read_marker(path)
+    if "config" not in marker:
+        log.info(
+            f"resume: checkpoint {path} records no config (an older version wrote it): not compared"
+        )
+    changes = resume_changes(marker, record)
+    for change in changes:
+        log.info(change.line())
+    if why := refusal(path, changes, list(allowed)):
+        raise CheckpointError(why)
+
+
+def tokenizer_of(launch: Launch, loader) -> str:
+    """The tokenizer.json the data is read with, as rank 0 (which reads the data) has it."""
+    path = getattr(loader, "tokenizer_path", "") or ""
+    if launch.world > 1:
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
 
 
 def weights_finite(model: torch.nn.Module, launch: Launch) -> bool:

@@ -82,6 +82,8 @@ class Trainer:
         self.step, self.nonfinite_steps, self.in_a_row = c.step, c.nonfinite_steps, c.in_a_row
         self.losses: list[float] = list(c.losses)
         self.updated_losses: list[float] = []  # this launch's steps that changed the weights
+        # this launch's last step with a finite loss: (loss, gradient norm), for the collapse check
+        self.last_finite: tuple[float, float] | None = None
         self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self._lr_used = self.opt.param_groups[0]["lr"]
 
@@ -331,6 +333,8 @@ class Trainer:
         self.losses.append(float(loss))
         if ok:
             self.updated_losses.append(float(loss))
+        if math.isfinite(float(loss)):
+            self.last_finite = (float(loss), float(grad_norm))
         with self._phase("optimizer step", span="optimizer"):
             self._update(ok)
         rate = self.plan.model.moe.router_bias_rate
@@ -466,15 +470,16 @@ class Trainer:
         return weights_finite(self.model, self.launch)
 
     def _ruined(self, first_step: int) -> str | None:
-        """Why this launch cannot end well although it ran to the end: weights that are not finite, or
-        no step of this launch that changed them."""
+        """Why this launch cannot end well although it ran to the end (exit 3, however few steps it
+        took): weights that are not finite; most of its steps skipped (more than half of them, as
+        `ruined_by_skips` counts); or the model collapsed (`collapsed`)."""
         if not self._weights_finite():
             return NonFiniteWeights.message(self.ckpt.latest())
-        if self.step > first_step and not self.updated_losses:
-            return (
-                f"every step of this launch ({first_step + 1}..{self.step}) was skipped for non-finite "
-                "loss or gradients: nothing was trained. Lower optim.lr or check the data"
-            )
+        ran = self.step - first_step
+        if why := ruined_by_skips(ran, ran - len(self.updated_losses), first_step):
+            return why
+        if self.last_finite is not None:
+            return collapsed(*self.last_finite, self.plan.model.text.vocab_size)
         return None
 
     def close(self) -> None:
@@ -513,6 +518,37 @@ class NonFiniteWeights(RuntimeError):
             "the weights are non-finite (an update made them so: lower optim.lr or check the data); "
             f"no checkpoint of them is written ({last})"
         )
+
+
+def ruined_by_skips(ran: int, skipped: int, first_step: int) -> str | None:
+    """ "Most steps skipped": more than half of a launch's `ran` steps were skipped as non-finite (one
+    of one, two of three, six of ten): what training the launch did is outweighed by what it lost."""
+    if ran == 0 or 2 * skipped <= ran:
+        return None
+    what = "every step" if skipped == ran else f"{skipped} of the {ran} steps"
+    return (
+        f"{what} of this launch ({first_step + 1}..{first_step + ran}) "
+        f"{'was' if skipped == ran else 'were'} skipped for non-finite loss or gradients: the "
+        "weights are ruined (more than half skipped). Lower optim.lr or check the data"
+    )
+
+
+# a loss within this fraction of ln(vocabulary) is the uniform prediction's
+COLLAPSE_RTOL = 1e-3
+
+
+def collapsed(loss: float, grad_norm: float, vocab_size: int) -> str | None:
+    """ "Collapsed to a constant prediction": the launch's last step with a finite loss had a gradient
+    norm of exactly 0 (no update can change the model any more) and a loss within COLLAPSE_RTOL of
+    ln(vocabulary), the loss of a uniform prediction over every token id."""
+    uniform = math.log(vocab_size)
+    if grad_norm != 0.0 or abs(loss - uniform) > COLLAPSE_RTOL * uniform:
+        return None
+    return (
+        f"the model collapsed to a constant prediction (loss {loss:.4f} = ln(vocabulary "
+        f"{vocab_size}) = {uniform:.4f}, gradient norm 0: nothing can train it further). Lower "
+        "optim.lr or check the data"
+    )
 
 
 def all_reduce_values(values: list[float], device: torch.device, group) -> list[float]:

@@ -121,7 +121,14 @@ PRODUCED_BY = {
         ("tests/train/test_trainer.py", "test_config_error_exits_2_with_the_message_only", "== 2"),
         ("tests/train/test_sweep.py", "test_a_second_sweep_on_one_run_dir_is_refused", "== 2"),
     ],
-    "3": [("tests/train/test_honest_end.py", "", "ExitCode.NONFINITE")],
+    "3": [
+        ("tests/train/test_honest_end.py", "", "ExitCode.NONFINITE"),
+        (
+            "tests/train/test_ruined_runs.py",
+            "test_a_huge_lr_exits_3_naming_why",
+            "ExitCode.NONFINITE",
+        ),
+    ],
     "4": [
         (
             "tests/train/test_faults.py",

@@ -74,8 +74,12 @@ class CheckpointManager:
         async_save: bool = False,
         timeout: datetime.timedelta | None = None,
         base: dict | None = None,
+        record: dict | None = None,
     ):
         self.root = Path(root)
+        # what each marker records of the launch (moevlm.train.checkpoint.record): its config, the
+        # model's architecture, the tokenizer's fingerprint; compared when a later launch resumes
+        self.record = record
         # LoRA (moevlm.train.checkpoint.base): checkpoints hold the trainable parameters and their
         # optimizer state alone, and name the frozen base in the marker; None: the whole model
         self.base = base
@@ -314,6 +318,7 @@ class CheckpointManager:
                 {
                     **new_marker(step, self.world_size, *names),
                     **({"base": self.base} if self.base is not None else {}),
+                    **(self.record or {}),
                     "checksum": "crc32",
                     "files": dict(sorted(files.items())),
                 },

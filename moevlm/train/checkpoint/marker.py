@@ -3,7 +3,8 @@
     checkpoints/step_00000100/__0_0.distcp ... .metadata  COMPLETE.json
     COMPLETE.json = {"format": 2, "step": 100, "world_size": 2, "time": <unix s>,
                      "time_utc": "...", "extra": [names], "per_rank": [names],
-                     "checksum": "crc32", "files": {name: {"bytes": n, "crc32": hex}}}
+                     "checksum": "crc32", "files": {name: {"bytes": n, "crc32": hex}},
+                     "config", "architecture", "tokenizer": the launch (checkpoint/record.py)}
 
 A directory is a complete checkpoint when `read_marker` accepts its marker; the marker is written
 last (atomically) and removed first.
