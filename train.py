@@ -73,9 +73,11 @@ def _job(cfg, sweep: tuple[str, int] | None) -> int:
         same = getattr(err, "same_on_every_rank", False)
         config_error_exit(str(err).splitlines(), same, end_launch=sweep is None)
     # train.resume names a checkpoint that is damaged or does not fit
+    # or its data state does not fit the shards (DataResumeRefused: exit 8, the data's code)
     except CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        sys.exit(ExitCode.CHECKPOINT)
+        code = getattr(err, "exit_code", ExitCode.CHECKPOINT)
+        print(f"{'data' if code == ExitCode.DATA else 'checkpoint'} error: {err}", file=sys.stderr)
+        sys.exit(code)
     # a collective failed during set-up, or the disk is full: one line, not a traceback
     except Exception as err:
         if looks_like_disk_full(err):

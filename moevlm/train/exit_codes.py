@@ -50,8 +50,10 @@ MEANINGS: dict[str, str] = {
     str(int(ExitCode.WATCHDOG)): "the step watchdog aborted a step",
     str(int(ExitCode.CHECKPOINT)): "a write failed (checkpoint, metrics, TensorBoard, export: disk "
     "full, read-only, out of memory while committing; the line names the path and what is intact), "
-    "or a named checkpoint fails verification",
-    str(int(ExitCode.DATA)): "the data cannot feed training, or a data worker died",
+    "or a named checkpoint fails verification, or a resume is refused (tokenizer or architecture "
+    "changed: the line names train.resume_allow_changes)",
+    str(int(ExitCode.DATA)): "the data cannot feed training, a data worker died, or a checkpoint's "
+    "data state does not fit the shards (the line names the option that continues)",
     str(int(ExitCode.DOES_NOT_FIT)): "a plan found a rank that does not fit the GPU",
     str(int(ExitCode.BUG)): "an unexpected exception (a bug): its traceback and one line",
     "128+signum": "a second stop signal: exited at once, no checkpoint (130 SIGINT, 143 SIGTERM)",

@@ -43,6 +43,7 @@ from moevlm.train.checkpoint import CheckpointError, CheckpointManager, read_mar
 from moevlm.train.checkpoint.base import base_identity, check_base
 from moevlm.train.checkpoint.record import launch_record, refusal, resume_changes
 from moevlm.train.evaluate import HeldOut
+from moevlm.train.exit_codes import ExitCode
 from moevlm.train.faults import Faults, StepWatchdog
 from moevlm.train.metrics import MetricsLogger, device_peak_tflops
 from moevlm.train.optim import build_optimizer, build_scheduler, fit_resumed_schedule
@@ -519,11 +520,18 @@ def resume(
         )
     # other shards, seed or streams than the checkpoint's: what to change
     except ValueError as err:
-        raise CheckpointError(f"cannot resume the data from {path}: {err}") from None
+        raise DataResumeRefused(f"cannot resume the data from {path}: {err}") from None
     if got["per_rank"].get("rng") is not None:
         set_rng_state(got["per_rank"]["rng"])
     log.info(f"resumed from {path} at step {counters.step}")
     return counters
+
+
+class DataResumeRefused(CheckpointError):
+    """The checkpoint's data state does not fit these shards (others, another seed or stream count,
+    changed contents): the message names what continues; train.py exits with `exit_code`."""
+
+    exit_code = ExitCode.DATA
 
 
 def check_changes(path: Path, record: dict, allowed: list[str], log) -> None:

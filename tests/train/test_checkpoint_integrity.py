@@ -373,8 +373,8 @@ def test_a_failed_background_write_stops_the_run_at_the_next_save(tmp_path, monk
 
 @pytest.mark.slow
 def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_path, capsys):
-    """Shards rewritten under the same names since the checkpoint: a CheckpointError naming them (train.py: exit
-    7), nothing trained; data where no sample fits the budgets: exit 8 with the skip counts, no hang."""
+    """Shards rewritten under the same names since the checkpoint: a CheckpointError naming them and the
+    option that continues (DataResumeRefused, train.py: exit 8), nothing trained; data where no sample fits the budgets: exit 8 with the skip counts, no hang."""
     ref_dir, _ = reference
     run_dir, shards = tmp_path / "run", tmp_path / "shards"
     shutil.copytree(ref_dir, run_dir)
@@ -386,8 +386,9 @@ def test_data_problems_on_resume_or_in_training_end_in_one_line(reference, tmp_p
         CheckpointError,
         match=f"cannot resume the data from .*step_00000004: .*{shard.name}.*"
         "allow_changed_shards=true",
-    ):
+    ) as refused:
         Trainer(job)
+    assert refused.value.exit_code == ExitCode.DATA
     # the user's choice
     trainer, code = run(run_dir, 5, f"data.shards={shards}", "data.allow_changed_shards=true")
     assert code == 0 and trainer.step == 5

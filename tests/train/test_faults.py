@@ -156,7 +156,14 @@ PRODUCED_BY = {
             "== 7",
         ),
     ],
-    "8": [("tests/train/test_worker_death.py", "", "ExitCode.DATA")],
+    "8": [
+        ("tests/train/test_worker_death.py", "", "ExitCode.DATA"),
+        (
+            "tests/train/test_checkpoint_integrity.py",
+            "test_data_problems_on_resume_or_in_training_end_in_one_line",
+            "exit_code == ExitCode.DATA",
+        ),
+    ],
     "9": [("tests/plan/test_cli.py", "", "ExitCode.DOES_NOT_FIT")],
     "70": [
         (
