@@ -131,6 +131,45 @@ def _type_name(tp) -> str:
 
 
 # ------------------------------------------------------------------ unknown keys
+# the names users bring from other trainers (HF Trainer, torchtitan, Megatron, NeMo), under any section:
+# their option here (difflib's nearest names miss them: `learning_rate` is nearer `min_lr_ratio` than `lr`)
+FOREIGN_NAMES: dict[str, list[str]] = {
+    "lr": ["optim.lr"],
+    "learning_rate": ["optim.lr"],
+    "max_lr": ["optim.lr"],
+    "min_lr": ["optim.min_lr_ratio"],
+    "lr_warmup_steps": ["optim.warmup_steps"],
+    "warmup_iters": ["optim.warmup_steps"],
+    "max_grad_norm": ["optim.grad_clip"],
+    "clip_grad": ["optim.grad_clip"],
+    "max_norm": ["optim.grad_clip"],
+    "batch_size": ["train.global_batch_size", "train.micro_batch_size"],
+    "global_batch_size": ["train.global_batch_size"],
+    "micro_batch_size": ["train.micro_batch_size"],
+    "local_batch_size": ["train.micro_batch_size"],
+    "per_device_train_batch_size": ["train.micro_batch_size"],
+    "gradient_accumulation_steps": ["train.global_batch_size", "train.micro_batch_size"],
+    "max_steps": ["train.steps"],
+    "train_iters": ["train.steps"],
+    "training_steps": ["train.steps"],
+    "num_train_epochs": ["data.epochs", "train.steps"],
+    "seq_length": ["data.pack.seq_len"],
+    "seq_len": ["data.pack.seq_len"],
+    "max_seq_len": ["data.pack.seq_len"],
+    "max_seq_length": ["data.pack.seq_len"],
+    "max_length": ["data.pack.seq_len"],
+    "model_max_length": ["data.pack.seq_len"],
+    "output_dir": ["train.run_dir"],
+    "save_steps": ["train.checkpoint_every"],
+    "save_interval": ["train.checkpoint_every"],
+    "logging_steps": ["train.log_every"],
+    "eval_steps": ["train.val_every"],
+    "resume_from_checkpoint": ["train.resume"],
+    "bf16": ["train.precision"],
+    "mixed_precision": ["train.precision"],
+}
+
+
 def check_overrides(overrides, repeats: bool = True) -> None:
     """Refuse a command-line override of a field the schema lacks, naming the nearest ones (Hydra's own
     refusal names neither the fields nor the model config's names); a VLMConfig path such as
@@ -138,21 +177,46 @@ def check_overrides(overrides, repeats: bool = True) -> None:
     twice too (on a command line a mistake, often the shell's brace expansion)."""
     if repeats:
         _check_repeats(overrides)
+    _check_group_choices(overrides)
     known = {o.path for o in options()}
     by_model_path = {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
     for item in overrides:
         key = _override_key(str(item))
         if key is None or key in known:
             continue
+        name = key.rsplit(".", 1)[-1]
         near = (
             [by_model_path[key]]
             if key in by_model_path
+            else FOREIGN_NAMES[name]
+            if name in FOREIGN_NAMES
             else difflib.get_close_matches(key, known, n=3)
         )
         raise ConfigError(
             f"{key} is not an option"
             + (f"; did you mean {' or '.join(near)}?" if near else "")
             + " (python train.py --help lists them all)"
+        )
+
+
+def _check_group_choices(overrides) -> None:
+    """A config group's choice (`+experiment=NAME`, `model=NAME`, `scale=NAME`) that conf/ lacks, named
+    with the nearest and every choice there is (Hydra's refusal lists neither)."""
+    for item in overrides:
+        match = re.match(r"(\+{0,2})([A-Za-z_]\w*)=([\w.-]+)$", str(item))
+        folder = os.path.join(CONF, match.group(2)) if match else None
+        if folder is None or not os.path.isdir(folder):
+            continue
+        plus, group, name = match.groups()
+        choices = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+        if name in choices or name == "null":
+            continue
+        near = difflib.get_close_matches(name, choices, n=1)
+        what = "a recipe of" if group == "experiment" else "a choice in"
+        raise ConfigError(
+            f"{plus}{group}={name} is not {what} conf/{group}/"
+            + (f"; did you mean {plus}{group}={near[0]}?" if near else "")
+            + f" ({group}: {', '.join(choices)})"
         )
 
 
@@ -180,10 +244,12 @@ def _check_repeats(overrides) -> None:
 
 
 def _override_key(item: str) -> str | None:
-    """`section.field` of a plain override `section.field=value`; None for group choices, `+`/`~` edits,
-    hydra.* and flags."""
+    """`section.field` of a plain override `section.field=value` (or a bare name another trainer uses,
+    FOREIGN_NAMES); None for group choices, `+`/`~` edits, hydra.* and flags."""
     match = re.match(r"([A-Za-z_][\w.]*)=", item)
-    if not match or "." not in match.group(1):
+    if not match:
         return None
     key = match.group(1)
+    if "." not in key:  # a config group's choice (model=..., scale=...), or a name from elsewhere
+        return key if key in FOREIGN_NAMES else None
     return key if key.split(".")[0] in {f.name for f in dataclasses.fields(JobConfig)} else None

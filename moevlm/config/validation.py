@@ -60,6 +60,13 @@ from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
 from moevlm.parallel.recompute import recompute_setting
 
 
+# the last line of a GPU recipe's refusal on a machine without CUDA: how to run its shape here
+CPU_TRY = (
+    "on this machine (no CUDA) a recipe runs scaled down with its parallel shape kept: add +scale=cpu after "
+    "+experiment=NAME (python train.py +experiment=NAME +scale=cpu prints the torchrun line it needs)"
+)
+
+
 def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
     """Every check that needs no allocation (config values, the launch, and with `environment` the
     device, packages and files the config names), all at once: ConfigError with one line per problem
@@ -152,6 +159,8 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
             os.path.join(job.model.hf_checkpoint, "config.json")
         ):
             run(check_hf_architecture, job.model.hf_checkpoint, model)
+    if problems.lines and environment and not torch.cuda.is_available() and p.scale_to is None:
+        run(check, p.world_size in (None, world_size), CPU_TRY)  # a recipe's launch size
     problems.raise_any()
     grad_accum = t.global_batch_size // (t.micro_batch_size * dims.dp)
     sections = OmegaConf.to_object(job) if OmegaConf.is_config(job) else job

@@ -26,7 +26,9 @@ def test_mistakes_hydra_catches_are_config_errors(tmp_path):
     cases = {
         "train.steps=abc": "config error: Error merging override train.steps=abc; Value 'abc' of type "
         "'str' could not be converted to Integer",
-        "+experiment=nope": "config error: In 'config': Could not find 'experiment/nope'",
+        # (Hydra's own words were "In 'config': Could not find 'experiment/nope'", without the list)
+        "+experiment=nope": "config error: +experiment=nope is not a recipe of conf/experiment/ "
+        "(experiment: gb200_3d,",
         f"train.run_dir={a_file}": f"config error: train.run_dir={a_file} is a file, not a directory",
     }
     for arg, first_line in cases.items():
