@@ -42,10 +42,11 @@ def test_metrics_deleted_mid_run_are_written_again_and_logging_goes_on(tmp_path,
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     said = [x for x in (out + err).splitlines() if "was deleted during the run" in x]
-    assert said == [
+    want = (
         f"{run_dir / 'metrics.jsonl'} was deleted during the run: written again with its 2 earlier "
         "records, and logging goes on there"
-    ], out + err
+    )
+    assert said == [want], out + err
     assert "Traceback" not in out + err
 
 
@@ -67,10 +68,11 @@ def test_a_tensorboard_failure_never_skips_the_due_checkpoint(tmp_path, capsys):
     assert trainer.run() == ExitCode.CHECKPOINT == 7
     out, err = capsys.readouterr()
     lines = [x for x in (out + err).splitlines() if "stopping at step" in x]
-    assert lines == [
+    want = (
         f"stopping at step 4: writing {run_dir / 'tb'} failed: OSError: [Errno 5] Input/output "
         "error; the checkpoints are intact (a relaunch with room resumes from the last one)"
-    ], out + err
+    )
+    assert lines == [want], out + err
     assert "Traceback" not in out + err
     ck = CheckpointManager(run_dir / "checkpoints")
     # step 4's checkpoint was due: written, complete, before the run stopped
