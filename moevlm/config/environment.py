@@ -163,8 +163,12 @@ def check_hf_architecture(path: str, model: VLMConfig) -> None:
     """The checkpoint's config.json describes the model being built (weights are copied by name and
     shape), then every weight file's safetensors header is sound (a truncated download, an absurd
     header: one line naming the file, not the library's error once the model is built)."""
-    from moevlm.model.hf import CheckpointError, check_architecture, checkpoint_files
-    from moevlm.model.hf import safetensors_problem
+    from moevlm.model.hf import (
+        CheckpointError,
+        check_architecture,
+        checkpoint_files,
+        safetensors_problem,
+    )
 
     key = f"model.hf_checkpoint={shown_path(path)}"
     try:

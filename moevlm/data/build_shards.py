@@ -19,7 +19,6 @@ import io
 import json
 import os
 import shutil
-import stat
 import sys
 import time
 from collections import deque
@@ -37,6 +36,7 @@ from moevlm.data.build_inputs import (
     DEFAULT_MAX_TEXT_BYTES,
     check_annotation_files,
     check_image_bytes,
+    check_regular_files,
     count_records,
     display_path,
     load_image,
@@ -564,7 +564,6 @@ def _build_from_files(args: argparse.Namespace) -> dict:
     if args.images is not None and not args.images.is_dir():
         raise FileNotFoundError(f"--images {args.images} is not a folder")
     skips = SkipCounter()
-    check_regular_files(args.annotations or [], "annotation file")
     check_regular_files(args.parquet or [], "--parquet file")
     if args.annotations:
         check_annotation_files(args.annotations)
@@ -597,28 +596,6 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         max_text_bytes=args.max_text_bytes,
         total=total,
     )
-
-
-_KINDS = {
-    stat.S_ISFIFO: "a FIFO (named pipe)",
-    stat.S_ISSOCK: "a socket",
-    stat.S_ISCHR: "a character device",
-    stat.S_ISBLK: "a block device",
-    stat.S_ISDIR: "a folder",
-}
-
-
-def check_regular_files(paths: list[Path], what: str) -> None:
-    """A ValueError naming what an input that exists but is not a regular file is (a FIFO would block
-    the build, a folder would read as nothing); checked without opening it."""
-    for path in paths:
-        try:
-            mode = os.stat(path).st_mode
-        except OSError:
-            continue  # missing: the readers' own message
-        if not stat.S_ISREG(mode):
-            kind = next((k for test, k in _KINDS.items() if test(mode)), "not a regular file")
-            raise ValueError(f"{what} {path} is {kind}, not a regular file: give a file")
 
 
 def auto_samples_per_shard(records: int) -> int:

@@ -24,7 +24,6 @@ from moevlm.plan.devices import recipe_gpu
 from moevlm.plan.report import format_plan, make_plan
 from moevlm.train.exit_codes import ExitCode
 
-
 # the words --only takes beside positive numbers, by field (moevlm.plan.candidates)
 WORDS = {
     "etp": ("tp",),
