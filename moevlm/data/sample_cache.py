@@ -94,8 +94,10 @@ def damage(path: Path) -> list[str]:
         return ["not built"]
     try:
         want = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return [f"no {MANIFEST} (built by an earlier moevlm, or damaged)"]
     except (OSError, ValueError, KeyError, TypeError):
-        return [f"{MANIFEST} missing or unreadable"]
+        return [f"{MANIFEST} unreadable"]
     have = {p.name: p for p in path.iterdir() if p.name != MANIFEST}
     problems = [f"{n}: missing" for n in sorted(set(want) - set(have))]
     problems += [f"{n}: not in the manifest" for n in sorted(set(have) - set(want))]

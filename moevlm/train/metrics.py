@@ -529,7 +529,8 @@ class MetricsLogger:
         """Raises the TensorBoard write failure `log` met, if any (LogWriteError: exit 7).  The trainer
         calls it after the checkpoint due at the step, so that a failure there never skips one."""
         if self.tb_failed is not None:
-            raise self.tb_failed
+            err, self.tb_failed = self.tb_failed, None
+            raise err
 
     def _eta(self, record: dict) -> float | None:
         """Seconds to train.steps: the steps left at the mean wall time per step since this launch's
@@ -555,6 +556,11 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def close(self) -> None:
+        if (
+            self.tb_failed is not None
+        ):  # the run ended another way first (a signal, non-finite values)
+            print(f"TensorBoard: {self.tb_failed}", file=sys.stderr, flush=True)
+            self.tb_failed = None
         for h in (self._bar, self._tb, self._file):
             if h is not None:
                 try:
