@@ -133,6 +133,44 @@ def _check_command_line() -> None:
         _config_error(lines[0] if lines else type(err).__name__, cause[0] if cause else None)
 
 
+TORCHRUN = (
+    "launch with torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank)"
+)
+
+
+def launch_problem(env=os.environ) -> str | None:
+    """What is wrong with a launch's environment variables (torchrun's, or set by hand as srun scripts
+    do), found before any process group waits for peers that cannot come: counts that are not whole
+    numbers, RANK outside 0..WORLD_SIZE-1, several ranks without MASTER_ADDR / MASTER_PORT."""
+    values = {}
+    for name, least in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
+        text = env.get(name)
+        if text is None:
+            continue
+        if not text.strip().isdigit() or int(text) < least:
+            return f"{name}={text!r} is not a whole number >= {least}; {TORCHRUN}"
+        values[name] = int(text)
+    world, rank = values.get("WORLD_SIZE", 1), values.get("RANK", 0)
+    if rank >= world:
+        return f"RANK={rank} but WORLD_SIZE={world}: ranks are 0..{world - 1}; {TORCHRUN}"
+    local, local_world = values.get("LOCAL_RANK", 0), values.get("LOCAL_WORLD_SIZE")
+    if local_world is not None and local >= local_world:
+        return f"LOCAL_RANK={local} but LOCAL_WORLD_SIZE={local_world}; {TORCHRUN}"
+    if world > 1:
+        missing = [n for n in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+        if missing:
+            return (
+                f"WORLD_SIZE={world} but {', '.join(missing[:-1])}{' and ' if len(missing) > 1 else ''}"
+                f"{missing[-1]} {'is' if len(missing) == 1 else 'are'} "
+                f"not set: the ranks could not find each other; {TORCHRUN}, or set them by hand "
+                "(MASTER_ADDR and MASTER_PORT: rank 0's host and a free port)"
+            )
+        port = env["MASTER_PORT"]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            return f"MASTER_PORT={port!r} is not a port number (1..65535); {TORCHRUN}"
+    return None
+
+
 def _config_error(*lines: str | None) -> None:
     config_error_exit(["; ".join(x for x in lines if x)])
 
@@ -153,6 +191,8 @@ def _help_sections() -> None:
 
 
 if __name__ == "__main__":
+    if (problem := launch_problem()) is not None:  # each rank finds its own
+        config_error_exit([problem], same_on_every_rank=False)
     _help_sections()
     _check_command_line()
     main()

@@ -160,8 +160,15 @@ def _check_hf_checkpoint(path: str) -> None:
 
 
 def check_hf_architecture(path: str, model: VLMConfig) -> None:
-    """The checkpoint's config.json describes the model being built (weights are copied by name and shape)."""
-    from moevlm.model.hf import CheckpointError, check_architecture
+    """The checkpoint's config.json describes the model being built (weights are copied by name and
+    shape), then every weight file's safetensors header is sound (a truncated download, an absurd
+    header: one line naming the file, not the library's error once the model is built)."""
+    from moevlm.model.hf import (
+        CheckpointError,
+        check_architecture,
+        checkpoint_files,
+        safetensors_problem,
+    )
 
     key = f"model.hf_checkpoint={shown_path(path)}"
     try:
@@ -173,6 +180,13 @@ def check_hf_architecture(path: str, model: VLMConfig) -> None:
             f"{key}: its config.json is not a Qwen3-VL-MoE config ({type(err).__name__}: "
             f"{' '.join(str(err).split())})"
         ) from None
+    try:
+        files = [f for f in checkpoint_files(Path(path)) if f.is_file()]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no weights, or an unreadable index: _check_hf_checkpoint's line
+    for file in files:
+        if (problem := safetensors_problem(file)) is not None:
+            raise ConfigError(f"{key}: {file.name} {problem}; download or export it again")
 
 
 def data_problem(check, *args) -> None:

@@ -197,7 +197,30 @@ def count_records(paths: list[Path]) -> int:
     return n
 
 
+_KINDS = {
+    stat.S_ISFIFO: "a FIFO (named pipe)",
+    stat.S_ISSOCK: "a socket",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISDIR: "a folder",
+}
+
+
+def check_regular_files(paths: list[Path], what: str) -> None:
+    """A ValueError naming what an input that exists but is not a regular file is (a FIFO would block
+    the build, a folder would read as nothing); checked without opening it."""
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # missing: the readers' own message
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS.items() if test(mode)), "not a regular file")
+            raise ValueError(f"{what} {path} is {kind}, not a regular file: give a file")
+
+
 def check_annotation_files(paths: list[Path]) -> None:
+    check_regular_files(paths, "annotation file")
     for path in paths:
         if path.suffix not in (".json", ".jsonl"):
             raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from PIL import Image
 from tqdm import tqdm
 from webdataset import TarWriter
 
@@ -34,6 +36,7 @@ from moevlm.data.build_inputs import (
     DEFAULT_MAX_TEXT_BYTES,
     check_annotation_files,
     check_image_bytes,
+    check_regular_files,
     count_records,
     display_path,
     load_image,
@@ -42,6 +45,7 @@ from moevlm.data.build_inputs import (
 )
 from moevlm.data.build_sources import EnergonSource, Inline, check_parquet, parquet_records
 from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.image import check_image_shape
 from moevlm.data.records import KINDS, Record, normalize_record
 
 SHARD_NAME = "shard-{:06d}.tar"
@@ -245,12 +249,18 @@ def _encoder(
 
     def image(p: str, k: int, rid: str, blobs: dict) -> tuple[bytes, str]:
         if p in blobs:
-            return check_image_bytes(blobs[p], max_image_bytes, f"image #{k} of record {rid!r}")
-        if root is None:
+            shown = f"image #{k} of record {rid!r}"
+            data, ext = check_image_bytes(blobs[p], max_image_bytes, shown)
+        elif root is None:
             raise SkipSample(
                 "missing_image", f"image #{k} of record {rid!r} is a path: give --images DIR"
             )
-        return load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
+        else:
+            shown = f"image path #{k} of record {rid!r}"
+            data, ext = load_image(p, root, max_image_bytes, shown)
+        with Image.open(io.BytesIO(data)) as im:  # the header only: the loader's shape rule
+            check_image_shape(*im.size, shown)
+        return data, ext
 
     def encode(item):
         where, obj = item
@@ -554,6 +564,7 @@ def _build_from_files(args: argparse.Namespace) -> dict:
     if args.images is not None and not args.images.is_dir():
         raise FileNotFoundError(f"--images {args.images} is not a folder")
     skips = SkipCounter()
+    check_regular_files(args.parquet or [], "--parquet file")
     if args.annotations:
         check_annotation_files(args.annotations)
         build_args = {"annotations": [str(a) for a in args.annotations]}

@@ -216,6 +216,17 @@ def decode_bytes(image: Image.Image) -> int:
     return image.width * image.height * (stored + extra)
 
 
+def check_image_shape(width: int, height: int, shown: str = "") -> None:
+    """SkipSample("bad_image_size") for an image no config can train on (a zero side, an aspect ratio
+    above MAX_ASPECT_RATIO): the loader's rule, which the shard builder applies too."""
+    if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise SkipSample(
+            "bad_image_size",
+            f"{shown}{': ' if shown else ''}{width}x{height}: a zero side or an aspect ratio above "
+            f"{MAX_ASPECT_RATIO}",
+        )
+
+
 def _open_header(data: bytes, cfg: ImageConfig) -> tuple[Image.Image, int]:
     """Parse the header (no pixels yet for JPEG): (image, EXIF orientation).  Skips an image above
     the pixel guard or whose decoding would hold more than max_decode_bytes."""
@@ -235,11 +246,7 @@ def _open_header(data: bytes, cfg: ImageConfig) -> tuple[Image.Image, int]:
             f"{width}x{height} = {width * height:,} pixels, above "
             f"max_image_pixels={max_image_pixels:,}",
         )
-    if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-        raise SkipSample(
-            "bad_image_size",
-            f"{width}x{height}: a zero side or an aspect ratio above {MAX_ASPECT_RATIO}",
-        )
+    check_image_shape(width, height)
     if (need := decode_bytes(image)) > cfg.max_decode_bytes:
         raise SkipSample(
             "decode_too_large",

@@ -103,6 +103,59 @@ def checkpoint_files(hf_dir: Path) -> list[Path]:
     )
 
 
+# bytes per element of the safetensors dtypes; the library's own bound on a header's length
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
+_DTYPE_BYTES |= {"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MAX_HEADER_BYTES = 100_000_000
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What makes `path` unreadable as a safetensors file, from its header alone (a length word, a JSON
+    header, each tensor's byte range and size against the file's), or None: a truncated download or an
+    absurd header is found here, before the model is built.  The weights themselves are not read."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else None
+            if n is None or n > MAX_HEADER_BYTES or 8 + n > size:
+                return (
+                    f"{size} bytes, too short for a safetensors header (truncated?)"
+                    if n is None
+                    else f"its header claims {n:,} bytes (the file has {size:,}): not a safetensors "
+                    "file, or truncated"
+                )
+            header = json.loads(f.read(n))
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except (ValueError, UnicodeDecodeError):
+        return "its header is not JSON: not a safetensors file, or damaged"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object: not a safetensors file"
+    data, end = size - 8 - n, 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            (b, e), shape, dtype = t["data_offsets"], t["shape"], t["dtype"]
+            count = 1
+            for d in shape:
+                count *= int(d)
+            ok = 0 <= int(b) <= int(e) and all(int(d) >= 0 for d in shape)
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {name!r} has no valid dtype, shape and data_offsets in the header"
+        b, e = int(b), int(e)
+        want = count * _DTYPE_BYTES[dtype] if dtype in _DTYPE_BYTES else e - b
+        if not ok or e - b != want:
+            return (
+                f"tensor {name!r}: shape {shape} {dtype} does not match its byte range [{b}, {e})"
+            )
+        end = max(end, e)
+    if end > data:
+        return f"its tensors need {end:,} bytes of data, the file holds {data:,} (truncated)"
+    return None
+
+
 def expected_shapes(model: torch.nn.Module) -> dict[str, tuple]:
     """Our tensor names and (global) shapes that a checkpoint must provide (a tied head is the embedding)."""
     expected = {

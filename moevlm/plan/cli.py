@@ -18,23 +18,63 @@ import argparse
 import json
 import sys
 
+from moevlm.plan.candidates import NODES, RECOMPUTE
 from moevlm.plan.devices import gpu as find_gpu
 from moevlm.plan.devices import recipe_gpu
 from moevlm.plan.report import format_plan, make_plan
 from moevlm.train.exit_codes import ExitCode
 
+# the words --only takes beside positive numbers, by field (moevlm.plan.candidates)
+WORDS = {
+    "etp": ("tp",),
+    "dp_replicate": (NODES,),
+    "dp_mode": ("fsdp", "ddp"),
+    "recompute": RECOMPUTE,
+}
+NO_NUMBERS = ("dp_mode", "recompute")
+
 
 def parse_only(items: list[str]) -> dict[str, list]:
-    """`--only FIELD=V1,V2` options as search's `fields` (numbers as ints, "tp" for etp kept)."""
+    """`--only FIELD=V1,V2` options as search's `fields` (numbers as ints, "tp" for etp kept); a value
+    the field cannot take is a ValueError naming what it takes (an unknown field is search's)."""
     fields: dict[str, list] = {}
     for item in items:
         name, sep, values = item.partition("=")
+        name = name.strip()
         if not sep or not values:
             raise ValueError(f"--only {item!r}: expected FIELD=V1,V2 (e.g. --only pp=1,2)")
-        fields[name.strip()] = [
-            int(v) if v.strip().isdigit() else v.strip() for v in values.split(",")
-        ]
+        words = WORDS.get(name, ())
+        out = []
+        for v in (v.strip() for v in values.split(",")):
+            number = v.isdigit() and int(v) >= 1 and name not in NO_NUMBERS
+            if not number and v not in words:
+                takes = [] if name in NO_NUMBERS else ["positive whole numbers"]
+                raise ValueError(
+                    f"--only {item!r}: {name} takes {' or '.join([*takes, *map(repr, words)])}, "
+                    f"not {v!r}"
+                )
+            out.append(int(v) if number else v)
+        fields[name] = out
     return fields
+
+
+def positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one `config error:` line and exit 2 (no usage block)."""
+
+    def error(self, message: str):
+        print(f"config error: {self.prog}: {message} (--help lists the options)", file=sys.stderr)
+        raise SystemExit(ExitCode.CONFIG)
 
 
 def run_search(job, world: int, gpu_name: str, args) -> tuple[str, bool]:
@@ -87,16 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     from moevlm.config import check_overrides, compose_job
     from moevlm.errors import ConfigError
 
-    ap = argparse.ArgumentParser(
-        prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True
+    ap = Parser(prog="python -m moevlm.plan", description=__doc__.split("\n")[0], add_help=True)
+    ap.add_argument(
+        "--world", type=positive, default=None, help="ranks (default parallel.world_size)"
     )
-    ap.add_argument("--world", type=int, default=None, help="ranks (default parallel.world_size)")
     ap.add_argument(
         "--gpu", default=None, help="h100 | h200 | b200 | gb200 (default from the recipe)"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--search", action="store_true", help="rank the layouts on --world GPUs")
-    ap.add_argument("--top", type=int, default=10, help="--search: layouts to rank (10)")
+    ap.add_argument("--top", type=positive, default=10, help="--search: layouts to rank (10)")
     ap.add_argument(
         "--only",
         action="append",
@@ -106,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--full-space", action="store_true", help="--search: no default reduction")
     ap.add_argument(
-        "--max-dry-runs", type=int, default=None, help="--search: stop after this many dry runs"
+        "--max-dry-runs",
+        type=positive,
+        default=None,
+        help="--search: stop after this many dry runs",
     )
     ap.add_argument(
         "--fit",

@@ -417,18 +417,48 @@ class MetricsLogger:
         self._since: tuple[float, int] | None = None
         self.active = rank == 0
         self._file = self._tb = self._bar = None
+        self.tb_failed: LogWriteError | None = None
         self._wandb = wandb if self.active else None
         if not self.active:
             return
         self.run_dir = run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._file = self._open()
         if tensorboard:
             self._tb = self._writer()
         if progress if progress is not None else sys.stdout.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, dynamic_ncols=True)
+
+    def _open(self):
+        """metrics.jsonl for appending, readable too: if the file is deleted mid-run, what it held is
+        still read through this handle (`_reopen_if_gone`)."""
+        return open(self.run_dir / "metrics.jsonl", "a+", buffering=1)
+
+    def _reopen_if_gone(self) -> None:
+        """metrics.jsonl deleted or renamed away since it was opened (the handle's inode no longer at the
+        path): write what the handle holds to a new file there and append to that; one line says so.  A
+        stat and an fstat per logged record."""
+        path = self.run_dir / "metrics.jsonl"
+        held = os.fstat(self._file.fileno())
+        try:
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return
+            replaced = True  # another file at the path: it is kept, ours is appended to it
+        except FileNotFoundError:
+            replaced = False
+        self._file.seek(0)
+        old = self._file.read()
+        self._file.close()
+        self._file = self._open()
+        self._file.write(old)
+        self.info(
+            f"{path} was {'replaced' if replaced else 'deleted'} during the run: "
+            f"{'appended' if replaced else 'written again'} with its {old.count(chr(10))} earlier "
+            "records, and logging goes on there"
+        )
 
     def _writer(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
@@ -463,7 +493,7 @@ class MetricsLogger:
                     f"W&B cannot drop history: its steps {step + 1}..{last} keep the values logged before "
                     "this resume (metrics.jsonl and TensorBoard have the new ones)"
                 )
-        self._file = open(path, "a", buffering=1)
+        self._file = self._open()
         return len(lines) - len(keep)
 
     def should_log(self, step: int) -> bool:
@@ -475,6 +505,7 @@ class MetricsLogger:
             return
         step, values = record["step"], scalars(record)
         try:
+            self._reopen_if_gone()
             self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
         except OSError as err:
@@ -485,13 +516,21 @@ class MetricsLogger:
                     self._tb.add_scalar(tag, value, step)
                 self._tb.flush()
             except OSError as err:
+                # raised by `check_tensorboard` once a checkpoint due at this step is written
                 self._tb = None  # closing it would only fail again
-                raise LogWriteError(write_failed_line(err, self.run_dir / "tb")) from None
+                self.tb_failed = LogWriteError(write_failed_line(err, self.run_dir / "tb"))
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._bar is not None:
             self._bar.update(max(0, step - self._bar.n))
         self.info(console_line(record, self.total_steps, self._eta(record), self.world_size))
+
+    def check_tensorboard(self) -> None:
+        """Raises the TensorBoard write failure `log` met, if any (LogWriteError: exit 7).  The trainer
+        calls it after the checkpoint due at the step, so that a failure there never skips one."""
+        if self.tb_failed is not None:
+            err, self.tb_failed = self.tb_failed, None
+            raise err
 
     def _eta(self, record: dict) -> float | None:
         """Seconds to train.steps: the steps left at the mean wall time per step since this launch's
@@ -517,6 +556,11 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def close(self) -> None:
+        if (
+            self.tb_failed is not None
+        ):  # the run ended another way first (a signal, non-finite values)
+            print(f"TensorBoard: {self.tb_failed}", file=sys.stderr, flush=True)
+            self.tb_failed = None
         for h in (self._bar, self._tb, self._file):
             if h is not None:
                 try:

@@ -157,12 +157,15 @@ class Trainer:
                     return self._interrupted(signum)
                 if self._checkpoint_due():
                     self.save()
+                if self.step < self.t.steps:
+                    self.log.check_tensorboard()  # a TensorBoard failure: after the due checkpoint
             if ruined := self._ruined(first_step):
                 self.log.info(f"stopping at step {self.step}: {ruined}")
                 return ExitCode.NONFINITE
             if self.t.checkpoint_at_end and self.step > first_step and not self._checkpoint_due():
                 self.save()
             self._wait_for_checkpoint()
+            self.log.check_tensorboard()
             self.export()
             code = summary(self, time.perf_counter() - t_start, self.step - first_step)
         except NonFiniteWeights as err:  # no checkpoint of them is written

@@ -120,6 +120,31 @@ PRODUCED_BY = {
     "2": [
         ("tests/train/test_trainer.py", "test_config_error_exits_2_with_the_message_only", "== 2"),
         ("tests/train/test_sweep.py", "test_a_second_sweep_on_one_run_dir_is_refused", "== 2"),
+        (
+            "tests/train/test_launch_mistakes.py",
+            "test_a_launch_environment_mistake_is_one_line_at_once",
+            "== 2",
+        ),
+        (
+            "tests/train/test_launch_mistakes.py",
+            "test_train_py_says_a_truncated_weight_file_in_one_line",
+            "== 2",
+        ),
+        (
+            "tests/data/test_sample_cache_damage.py",
+            "test_a_cache_that_is_a_file_is_one_line_and_exit_2",
+            "== 2",
+        ),
+        (
+            "tests/plan/test_cli_options.py",
+            "test_a_bad_option_is_one_line_and_exit_2",
+            "ExitCode.CONFIG",
+        ),
+        (
+            "tests/data/test_build_shards_inputs.py",
+            "test_a_non_regular_annotation_file_says_what_it_is",
+            "== 2",
+        ),
     ],
     "3": [
         ("tests/train/test_honest_end.py", "", "ExitCode.NONFINITE"),
@@ -154,6 +179,11 @@ PRODUCED_BY = {
             "tests/train/test_export.py",
             "test_a_refusal_at_the_end_of_a_run_is_one_line_and_exit_7",
             "== 7",
+        ),
+        (
+            "tests/train/test_nothing_lost.py",
+            "test_a_tensorboard_failure_never_skips_the_due_checkpoint",
+            "ExitCode.CHECKPOINT",
         ),
     ],
     "8": [
