@@ -40,8 +40,9 @@ from moevlm.data.build_inputs import (
     read_annotations,
     text_bytes,
 )
-from moevlm.data.build_sources import EnergonSource, Inline, check_parquet, parquet_records
+from moevlm.data.build_sources import EnergonSource, Inline
 from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.hf_datasets import PathPolicy, open_dataset
 from moevlm.data.records import KINDS, Record, normalize_record
 
 SHARD_NAME = "shard-{:06d}.tar"
@@ -430,8 +431,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         nargs="+",
         metavar="FILE",
-        help="Parquet files (Hugging Face datasets style: an image column of bytes or paths, and "
-        "messages/conversations/caption/text); needs pyarrow (the parquet extra)",
+        help="Parquet files or folders of them (Hugging Face datasets style: an image column of bytes or "
+        "paths, and messages/conversations/caption/text); needs pyarrow (the parquet extra)",
+    )
+    p.add_argument(
+        "--dataset",
+        type=Path,
+        metavar="PATH",
+        help="what Hugging Face datasets saves: a save_to_disk or DatasetDict folder, Parquet file(s)",
+    )
+    p.add_argument(
+        "--images-root-only",
+        action="store_true",
+        help="--parquet/--dataset: absolute image paths must lie inside --images (default: read where they point)",
     )
     p.add_argument(
         "--energon",
@@ -439,7 +451,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="a Megatron-Energon WebDataset folder (.nv-meta/dataset.yaml with a field_map, split.yaml)",
     )
-    p.add_argument("--split", default="train", help="--energon: the split part to read")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="--energon, --dataset, --parquet DIR: the split to read (default train, or the only one)",
+    )
     p.add_argument("--out", type=Path, help="output folder for shard-NNNNNN.tar and summary.json")
     p.add_argument(
         "--sample",
@@ -492,7 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB",
     )
     args = p.parse_args(argv)
-    inputs = [a for a in ("annotations", "parquet", "energon") if getattr(args, a)]
+    inputs = [a for a in ("annotations", "parquet", "energon", "dataset") if getattr(args, a)]
     if args.sample is not None and (
         args.images or inputs or args.out or args.caption_prompt or args.tokenizer
     ):
@@ -507,6 +523,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "give one input and --out DIR: --images DIR --annotations FILE [FILE ...], --parquet FILE "
             "[FILE ...] or --energon DIR (or --sample OUT)"
         )
+    if args.images_root_only and not args.images:
+        p.error("--images-root-only needs --images DIR (the folder absolute paths must lie in)")
     if args.annotations and not args.images:
         p.error("--annotations needs --images DIR (the folder image paths are resolved in)")
     return args
@@ -559,13 +577,11 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         build_args = {"annotations": [str(a) for a in args.annotations]}
         total = count_records(args.annotations)
         records = read_annotations(args.annotations, skips, args.max_text_bytes)
-    elif args.parquet:
-        build_args = {"parquet": [str(a) for a in args.parquet]}
-        total = check_parquet(args.parquet)
-        records = parquet_records(args.parquet, skips)
+    elif args.parquet or args.dataset:
+        build_args, total, records = _hf_records(args, skips)
     else:
-        source = EnergonSource(args.energon, args.split)
-        build_args = {"energon": str(args.energon), "split": args.split}
+        source = EnergonSource(args.energon, args.split or "train")
+        build_args = {"energon": str(args.energon), "split": args.split or "train"}
         total = source.total
         records = source.records(skips)
     per_shard = args.samples_per_shard or "auto"
@@ -585,6 +601,21 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         max_text_bytes=args.max_text_bytes,
         total=total,
     )
+
+
+def _hf_records(args: argparse.Namespace, skips: SkipCounter):
+    """(build args, rows, records) of --dataset or --parquet (moevlm.data.hf_datasets)."""
+    sources = [open_dataset(p, args.split) for p in args.parquet or [args.dataset]]
+    build_args = {"parquet" if args.parquet else "dataset": [str(s.path) for s in sources]}
+    records = (
+        r
+        for s in sources
+        for r in s.records(
+            skips,
+            PathPolicy(args.images or s.folder, args.images_root_only, args.max_image_bytes),
+        )
+    )
+    return build_args, sum(s.total for s in sources), records
 
 
 def auto_samples_per_shard(records: int) -> int:
