@@ -42,7 +42,7 @@ from moevlm.data.build_inputs import (
 )
 from moevlm.data.build_sources import EnergonSource, Inline
 from moevlm.data.errors import SkipCounter, SkipSample
-from moevlm.data.hf_datasets import PathPolicy, open_dataset
+from moevlm.data.hf_datasets import add_builder_arguments, builder_records
 from moevlm.data.records import KINDS, Record, normalize_record
 
 SHARD_NAME = "shard-{:06d}.tar"
@@ -434,28 +434,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Parquet files or folders of them (Hugging Face datasets style: an image column of bytes or "
         "paths, and messages/conversations/caption/text); needs pyarrow (the parquet extra)",
     )
-    p.add_argument(
-        "--dataset",
-        type=Path,
-        metavar="PATH",
-        help="what Hugging Face datasets saves: a save_to_disk or DatasetDict folder, Parquet file(s)",
-    )
-    p.add_argument(
-        "--images-root-only",
-        action="store_true",
-        help="--parquet/--dataset: absolute image paths must lie inside --images (default: read where they point)",
-    )
+    add_builder_arguments(p)
     p.add_argument(
         "--energon",
         type=Path,
         metavar="DIR",
         help="a Megatron-Energon WebDataset folder (.nv-meta/dataset.yaml with a field_map, split.yaml)",
     )
-    p.add_argument(
-        "--split",
-        default=None,
-        help="--energon, --dataset, --parquet DIR: the split to read (default train, or the only one)",
-    )
+    p.add_argument("--split", help="--energon, --dataset, --parquet DIR: the split (default train)")
     p.add_argument("--out", type=Path, help="output folder for shard-NNNNNN.tar and summary.json")
     p.add_argument(
         "--sample",
@@ -578,7 +564,7 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         total = count_records(args.annotations)
         records = read_annotations(args.annotations, skips, args.max_text_bytes)
     elif args.parquet or args.dataset:
-        build_args, total, records = _hf_records(args, skips)
+        build_args, total, records = builder_records(args, skips)
     else:
         source = EnergonSource(args.energon, args.split or "train")
         build_args = {"energon": str(args.energon), "split": args.split or "train"}
@@ -601,21 +587,6 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         max_text_bytes=args.max_text_bytes,
         total=total,
     )
-
-
-def _hf_records(args: argparse.Namespace, skips: SkipCounter):
-    """(build args, rows, records) of --dataset or --parquet (moevlm.data.hf_datasets)."""
-    sources = [open_dataset(p, args.split) for p in args.parquet or [args.dataset]]
-    build_args = {"parquet" if args.parquet else "dataset": [str(s.path) for s in sources]}
-    records = (
-        r
-        for s in sources
-        for r in s.records(
-            skips,
-            PathPolicy(args.images or s.folder, args.images_root_only, args.max_image_bytes),
-        )
-    )
-    return build_args, sum(s.total for s in sources), records
 
 
 def auto_samples_per_shard(records: int) -> int:

@@ -5,7 +5,6 @@ alone (no `datasets` import).  Each yields (where, Inline) records for build_sha
 
     src = open_dataset(Path("ds"), split=None)        # DatasetSource, or ValueError / FileNotFoundError
     for where, item in src.records(skips, PathPolicy(base, root_only, max_bytes)): ...
-    folder, built = ensure_converted(src)             # data.shards=ds: shards built once in the cache
 
 Paths: relative ones resolve in `base` (--images, else the dataset's folder) and stay inside it;
 absolute ones are read where they point, or only inside `base` with `root_only`.
@@ -13,12 +12,8 @@ absolute ones are read where they point, or only inside `base` with `root_only`.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +34,6 @@ from moevlm.data.build_sources import (
 )
 from moevlm.data.errors import SkipCounter, SkipSample
 
-CONVERT_FORMAT = 1  # bump when a conversion's output changes for the same input
 DEFAULT_SPLIT = "train"
 ROWS_PER_BATCH = 16
 
@@ -281,70 +275,34 @@ def _parquet_split(folder: Path, split: str | None) -> tuple[list[Path], str | N
     return files, None
 
 
-# ---- data.shards=<a datasets output>: converted once, in the cache -------------
+# ---- the shard builder's --dataset / --parquet ---------------------------------
 
 
-def conversion_key(src: DatasetSource) -> str:
-    """12 hex digits of what the conversion follows from: the files read (real path, size, mtime), the
-    split, the format.  Images named by absolute path are not part of it."""
-    files = [[os.path.realpath(f), f.stat().st_size, f.stat().st_mtime_ns] for f in src.files]
-    key = {"format": CONVERT_FORMAT, "kind": src.kind, "split": src.split, "files": files}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+def add_builder_arguments(p) -> None:
+    """build_shards' options for `datasets` outputs (beside its --parquet, --images and --split)."""
+    p.add_argument(
+        "--dataset",
+        type=Path,
+        metavar="PATH",
+        help="what Hugging Face datasets saves: a save_to_disk or DatasetDict folder, Parquet file(s)",
+    )
+    p.add_argument(
+        "--images-root-only",
+        action="store_true",
+        help="--parquet/--dataset: absolute image paths must lie inside --images (default: read "
+        "where they point)",
+    )
 
 
-def converted_dir(src: DatasetSource) -> Path:
-    from moevlm.data.sample_cache import cache_root
-
-    return cache_root() / f"dataset-{conversion_key(src)}"
-
-
-def ensure_converted(src: DatasetSource, say=print) -> tuple[Path, bool]:
-    """(folder of shards, built): `src` converted into the cache here (True) or earlier (False);
-    `say` gets one line before a conversion (the builder shows its progress) and one after."""
-    final = converted_dir(src)
-    if (final / "summary.json").is_file():
-        return final, False
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f"{final.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
-        if (final / "summary.json").is_file():
-            return final, False
-        say(f"converting {src.describe()} once into {final}")
-        t0 = time.perf_counter()
-        summary = _convert_locked(src, final)
-        say(
-            f"converted {summary['samples']} samples, {summary['images']} images into "
-            f"{len(summary['shards'])} shards in {time.perf_counter() - t0:.1f} s"
-            + (f" ({sum(summary['skipped'].values())} rows skipped)" if summary["skipped"] else "")
+def builder_records(args, skips: SkipCounter) -> tuple[dict, int, Iterator]:
+    """(build args, rows, records) of build_shards' --dataset or --parquet (files or folders)."""
+    sources = [open_dataset(p, args.split) for p in args.parquet or [args.dataset]]
+    build_args = {"parquet" if args.parquet else "dataset": [str(s.path) for s in sources]}
+    records = (
+        r
+        for s in sources
+        for r in s.records(
+            skips, PathPolicy(args.images or s.folder, args.images_root_only, args.max_image_bytes)
         )
-    return final, True
-
-
-def _convert_locked(src: DatasetSource, final: Path) -> dict:
-    from moevlm.data.build_shards import auto_samples_per_shard, build_shards
-    from moevlm.data.errors import DataSetupError
-
-    for stale in final.parent.glob(f"{final.name}.tmp-*"):
-        shutil.rmtree(stale)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
-    skips = SkipCounter()
-    try:
-        summary = build_shards(
-            src.records(skips),
-            None,
-            tmp,
-            auto_samples_per_shard(max(src.total, 1)),
-            skips=skips,
-            build_args={"dataset": str(src.path), "split": src.split},
-            total=src.total,
-        )
-        if not summary["samples"]:
-            skipped = ", ".join(f"{k} {n}" for k, n in summary["skipped"].items()) or "no rows"
-            raise DataSetupError(f"data.shards={src.path}: no usable row ({skipped})")
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return summary
+    )
+    return build_args, sum(s.total for s in sources), records

@@ -5,18 +5,25 @@ Every form gives the same image tokens as the same samples built from embedded b
 
 from __future__ import annotations
 
+import copy
 import io
 import json
+import logging
+import shutil
 
 import pytest
-from data_helpers import small_data_config
+from data_helpers import small_data_config, write_tar
 from PIL import Image as PILImage
 
+from moevlm.config import compose_job
 from moevlm.data import build_shards as bs
+from moevlm.data import loader as loader_module
+from moevlm.data.errors import DataSetupError
 from moevlm.data.hf_datasets import is_dataset, open_dataset
 from moevlm.data.loader import build_loader
 from moevlm.data.text import ChatEncoder, load_tokenizer
 from moevlm.model import VLMConfig
+from moevlm.train.trainer import Trainer
 
 datasets = pytest.importorskip("datasets")
 TINY = VLMConfig.preset("tiny")
@@ -158,3 +165,82 @@ def test_splits_paths_and_detection(forms, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bs.main([*args, "--images-root-only"])
     assert "--images-root-only needs --images DIR" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_data_shards_trains_on_datasets_outputs_converted_once(forms, tmp_path, caplog):
+    """data.shards=<a datasets output>, default settings and no tokenizer: converted once into the
+    cache (a line, then reused), the tiny model takes the sample set's tokenizer (a line), 3 steps."""
+    root, _ = forms
+    for name, spec in (("abs", "abs.parquet"), ("disk", "disk"), ("dict", "dict")):
+        for attempt in ("converted", "reused"):
+            run_dir = tmp_path / f"{name}-{attempt}"
+            job = compose_job(
+                [f"data.shards={root / spec}", "data.num_workers=0", "train.steps=3"]
+                + [f"train.run_dir={run_dir}", "train.checkpoint_every=0"]
+            )
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="moevlm.data.loader"):
+                trainer = Trainer(job)
+                assert trainer.run() == 0, name
+            assert trainer.loader.stats()["images_packed"] > 0, name
+            said = caplog.text
+            if attempt == "converted":
+                assert (
+                    f"converting {root / spec} (" in said
+                    and "converted 4 samples, 4 images" in said
+                )
+            else:
+                assert "reusing its conversion" in said and "converting" not in said, name
+            assert "tokenizer: the sample set's " in said, name
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            assert json.loads(lines[-1])["step"] == 3, name
+            if name != "abs":
+                break  # reuse is shown once
+
+
+@pytest.mark.slow
+def test_tiny_model_trains_on_img2dataset_shards_without_a_tokenizer(tmp_path, caplog):
+    """img2dataset's layout (KEY.png + KEY.txt + KEY.json), no tokenizer anywhere: the tiny preset
+    takes the sample set's and says so in one line."""
+    folder = tmp_path / "img2dataset"
+    folder.mkdir()
+    samples = [
+        {
+            "__key__": f"{i:09d}",
+            "png": _png(i),
+            "txt": f"photo {i}".encode(),
+            "json": json.dumps({"caption": f"photo {i}", "url": f"http://x/{i}"}).encode(),
+        }
+        for i in range(N)
+    ]
+    write_tar(folder / "00000.tar", samples[:2])
+    write_tar(folder / "00001.tar", samples[2:])
+    run_dir = tmp_path / "run"
+    job = compose_job(
+        [f"data.shards={folder}", "train.steps=3", f"train.run_dir={run_dir}"]
+        + ["data.num_workers=0", "train.checkpoint_every=0"]
+    )
+    with caplog.at_level(logging.INFO, logger="moevlm.data.loader"):
+        trainer = Trainer(job)
+        assert trainer.run() == 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizer:")]
+    assert len(said) == 1 and "the sample set's" in said[0] and "no model.hf_checkpoint" in said[0]
+    assert trainer.loader.stats()["images_packed"] > 0
+
+
+def test_the_tokenizer_chosen_is_said(sample_shards, tmp_path, caplog):
+    """A checkpoint's tokenizer is named in a line; a model the tiny ids do not fit gets no sample
+    tokenizer but the message naming the three places."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(sample_shards / "tokenizer.json", ckpt)
+    cfg = small_data_config(tmp_path / "none.tar")
+    with caplog.at_level(logging.INFO, logger="moevlm.data.loader"):
+        tok = loader_module._tokenizer(cfg, TINY, str(ckpt), [], 0)
+    assert tok == str(ckpt / "tokenizer.json")
+    assert f"tokenizer: {ckpt / 'tokenizer.json'} (model.hf_checkpoint's)" in caplog.text
+    other = copy.deepcopy(TINY)
+    other.image_token_id += 1
+    with pytest.raises(DataSetupError, match="^no tokenizer: data.tokenizer is not set, "):
+        loader_module._tokenizer(cfg, other, "", [], 0)
