@@ -19,7 +19,7 @@ from omegaconf import MISSING
 
 from moevlm.data.config import DEFAULT_STREAMS, FORMATS, MOCK, OVERSIZE, PIN_MEMORY, DataConfig
 from moevlm.data.errors import DataSetupError
-from moevlm.data.hf_datasets import is_dataset
+from moevlm.data.hf_datasets import is_dataset, open_dataset
 from moevlm.data.packing import vision_budget
 from moevlm.data.reader import expand_shards
 from moevlm.data.text import TINY_SPECIAL_IDS, ChatEncoder, load_tokenizer, model_mismatches
@@ -418,10 +418,17 @@ def shown_path(path: str) -> str:
     return path if os.path.isabs(path) else f"{path} (= {os.path.abspath(path)})"
 
 
-def check_shards(spec: str) -> None:
-    """A shard spec that names nothing readable (the sample set and the empty value are checked elsewhere)."""
-    if spec in ("", "sample", MISSING) or not isinstance(spec, str) or is_dataset(spec):
-        return  # a datasets output: opened (and its problems said) when it is converted
+def check_shards(spec: str, split: str = "") -> None:
+    """A shard spec that names nothing readable (the sample set and the empty value are checked
+    elsewhere); a `datasets` output is opened (its split, its files' columns), not converted yet."""
+    if spec in ("", "sample", MISSING) or not isinstance(spec, str):
+        return
+    if is_dataset(spec):
+        try:
+            open_dataset(spec, split or None)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"data.shards={shown_path(spec)}: {err}") from None
+        return
     if (
         "{" not in spec
         and "," not in spec

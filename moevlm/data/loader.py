@@ -289,17 +289,25 @@ def converted(cfg: DataConfig, log_it: bool = True) -> Path:
 
 
 def _tokenizer(cfg: DataConfig, model_cfg, hf_checkpoint: str, shards, rank: int) -> str:
-    """tokenizer_choice for the loader (`shards` None: cfg's; [] a conversion's: none beside), the sample set's for a model its ids
-    fit when nothing else is there; where it came from said in a line unless data.tokenizer set it."""
+    """tokenizer_choice for the loader (`shards` None: cfg's; []: none beside), the sample set's for a
+    model its ids fit when nothing else is there; where it came from said in a line unless
+    data.tokenizer set it."""
     fits = model_cfg is not None and not hf_checkpoint and sample_tokenizer_fits(model_cfg)
-    sample = (lambda: str(ensure_sample()[0] / "tokenizer.json")) if fits else None
+    built = []
+
+    def sample() -> str:
+        path, now = ensure_sample()
+        built.append(now)
+        return str(path / "tokenizer.json")
+
     listed = expand_shards(cfg.shards) if shards is None else shards
-    tok, source = tokenizer_choice(cfg, listed, hf_checkpoint, sample)
+    tok, source = tokenizer_choice(cfg, listed, hf_checkpoint, sample if fits else None)
     if rank == 0 and source == SAMPLE_TOKENIZER:
         log.info(
-            "tokenizer: the sample set's %s (no data.tokenizer, none beside the shards, no "
-            "model.hf_checkpoint; the tiny model's ids)",
+            "tokenizer: the sample set's %s (%s; no data.tokenizer, none beside the shards, no "
+            "model.hf_checkpoint: the tiny model's ids)",
             tok,
+            "built now" if built[0] else "reused",
         )
     elif rank == 0 and source != "data.tokenizer":
         log.info("tokenizer: %s (%s)", tok, source)

@@ -15,14 +15,14 @@ import pytest
 from data_helpers import small_data_config, write_tar
 from PIL import Image as PILImage
 
-from moevlm.config import compose_job
+from moevlm.config import compose_job, validate
 from moevlm.data import build_shards as bs
 from moevlm.data import loader as loader_module
 from moevlm.data.errors import DataSetupError
 from moevlm.data.hf_datasets import is_dataset, open_dataset
 from moevlm.data.loader import build_loader
 from moevlm.data.text import ChatEncoder, load_tokenizer
-from moevlm.model import VLMConfig
+from moevlm.model import ConfigError, VLMConfig
 from moevlm.train.trainer import Trainer
 
 datasets = pytest.importorskip("datasets")
@@ -244,3 +244,12 @@ def test_the_tokenizer_chosen_is_said(sample_shards, tmp_path, caplog):
     other.image_token_id += 1
     with pytest.raises(DataSetupError, match="^no tokenizer: data.tokenizer is not set, "):
         loader_module._tokenizer(cfg, other, "", [], 0)
+
+
+def test_a_datasets_split_that_is_not_there_is_one_config_line(forms):
+    root, _ = forms
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job([f"data.shards={root / 'dict'}", "data.split=validation"]))
+    (line,) = str(err.value).splitlines()
+    assert line.startswith(f"data.shards={root / 'dict'}: ") and "splits ['train', 'test']" in line
+    validate(compose_job([f"data.shards={root / 'dict'}", "data.split=test"]))
