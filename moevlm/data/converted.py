@@ -16,7 +16,6 @@ import shutil
 import time
 from pathlib import Path
 
-from moevlm.data.build_shards import auto_samples_per_shard, build_shards
 from moevlm.data.errors import DataSetupError, SkipCounter
 from moevlm.data.hf_datasets import DatasetSource
 from moevlm.data.sample_cache import cache_root
@@ -59,6 +58,9 @@ def ensure_converted(src: DatasetSource, say=print) -> tuple[Path, bool]:
 
 
 def _convert_locked(src: DatasetSource, final: Path) -> dict:
+    # late: `python -m moevlm.data.build_shards` imports moevlm.data (this module) first
+    from moevlm.data.build_shards import auto_samples_per_shard, build_shards
+
     for stale in final.parent.glob(f"{final.name}.tmp-*"):
         shutil.rmtree(stale)
     if final.exists():

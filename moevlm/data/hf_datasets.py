@@ -152,12 +152,6 @@ def _batches(file: Path, kind: str):
     return reader, reader.schema.names
 
 
-def _rows_in(file: Path, kind: str) -> int:
-    if kind == "parquet":
-        return _pyarrow_parquet().ParquetFile(file).metadata.num_rows
-    return sum(b.num_rows for b in _batches(file, kind)[0])
-
-
 # ---- finding what a path holds ---------------------------------------------
 
 
@@ -215,14 +209,11 @@ def _opened(path: Path, kind: str, files: list[Path], split: str | None) -> Data
     total = 0
     for file in files:
         try:
-            total += _rows_in(file, kind)
-            _columns(_batches(file, kind)[1], file)
-        except ValueError as e:
-            if "no text column" in str(e):
-                raise
-            raise ValueError(f"{file} is not a readable {kind} file ({str(e)[:120]})") from None
-        except Exception as e:  # pyarrow raises ArrowInvalid and others
-            raise ValueError(f"{file} is not a readable {kind} file ({str(e)[:120]})") from None
+            batches, names = _batches(file, kind)
+            total += sum(b.num_rows for b in batches)
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others
+            raise ValueError(f"{file} is not a readable Arrow file ({str(e)[:120]})") from None
+        _columns(names, file)  # no text column: ValueError
     return DatasetSource(path, kind, files, split, total)
 
 
