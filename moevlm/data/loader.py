@@ -246,11 +246,12 @@ def build_loader(
     (`find_tokenizer`)."""
     check_config(cfg, model_cfg, world)
     beside = None  # the shards whose folder may hold a tokenizer.json: cfg's
+    say = rank == 0 and cfg.shards != "sample"  # the sample set's line names its folder
     if cfg.shards == "sample":
         cfg = dataclasses.replace(cfg, shards=str(sample_set(log_it=rank == 0)))
     elif is_dataset(cfg.shards):
         cfg, beside = dataclasses.replace(cfg, shards=str(converted(cfg, rank == 0))), []
-    tok = _tokenizer(cfg, model_cfg, hf_checkpoint, beside, rank)
+    tok = _tokenizer(cfg, model_cfg, hf_checkpoint, beside, say)
     if model_cfg is not None:
         ChatEncoder(load_tokenizer(tok)).check_model(model_cfg)
     im = cfg.image
@@ -288,10 +289,10 @@ def converted(cfg: DataConfig, log_it: bool = True) -> Path:
     return folder
 
 
-def _tokenizer(cfg: DataConfig, model_cfg, hf_checkpoint: str, shards, rank: int) -> str:
+def _tokenizer(cfg: DataConfig, model_cfg, hf_checkpoint: str, shards, say: bool) -> str:
     """tokenizer_choice for the loader (`shards` None: cfg's; []: none beside), the sample set's for a
     model its ids fit when nothing else is there; where it came from said in a line unless
-    data.tokenizer set it."""
+    data.tokenizer set it (and `say`)."""
     fits = model_cfg is not None and not hf_checkpoint and sample_tokenizer_fits(model_cfg)
     built = []
 
@@ -302,14 +303,14 @@ def _tokenizer(cfg: DataConfig, model_cfg, hf_checkpoint: str, shards, rank: int
 
     listed = expand_shards(cfg.shards) if shards is None else shards
     tok, source = tokenizer_choice(cfg, listed, hf_checkpoint, sample if fits else None)
-    if rank == 0 and source == SAMPLE_TOKENIZER:
+    if say and source == SAMPLE_TOKENIZER:
         log.info(
             "tokenizer: the sample set's %s (%s; no data.tokenizer, none beside the shards, no "
             "model.hf_checkpoint: the tiny model's ids)",
             tok,
             "built now" if built[0] else "reused",
         )
-    elif rank == 0 and source != "data.tokenizer":
+    elif say and source != "data.tokenizer":
         log.info("tokenizer: %s (%s)", tok, source)
     return tok
 

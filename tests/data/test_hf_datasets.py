@@ -237,13 +237,13 @@ def test_the_tokenizer_chosen_is_said(sample_shards, tmp_path, caplog):
     shutil.copy(sample_shards / "tokenizer.json", ckpt)
     cfg = small_data_config(tmp_path / "none.tar")
     with caplog.at_level(logging.INFO, logger="moevlm.data.loader"):
-        tok = loader_module._tokenizer(cfg, TINY, str(ckpt), [], 0)
+        tok = loader_module._tokenizer(cfg, TINY, str(ckpt), [], True)
     assert tok == str(ckpt / "tokenizer.json")
     assert f"tokenizer: {ckpt / 'tokenizer.json'} (model.hf_checkpoint's)" in caplog.text
     other = copy.deepcopy(TINY)
     other.image_token_id += 1
     with pytest.raises(DataSetupError, match="^no tokenizer: data.tokenizer is not set, "):
-        loader_module._tokenizer(cfg, other, "", [], 0)
+        loader_module._tokenizer(cfg, other, "", [], True)
 
 
 def test_a_datasets_split_that_is_not_there_is_one_config_line(forms):
