@@ -92,8 +92,8 @@ def environment_checks(job) -> list:
             "a checkpoint folder (checkpoints/step_NNNNNNNN), auto or none",
             folder=True,
         ),
-        lambda: data_problem(check_shards, job.data.shards),
-        lambda: data_problem(check_val_shards, job.data.val_shards),
+        lambda: data_problem(check_shards, job.data.shards, job.data.split),
+        lambda: data_problem(check_val_shards, job.data.val_shards, job.data.split),
     ]
     return checks
 
@@ -199,10 +199,10 @@ def data_problem(check, *args) -> None:
         raise ConfigError(str(err)) from None
 
 
-def check_val_shards(spec: str) -> None:
+def check_val_shards(spec: str, split: str = "") -> None:
     """data.val_shards as data.shards is checked, its messages naming data.val_shards."""
     try:
-        check_shards(spec)
+        check_shards(spec, split)
     except ValueError as err:
         raise ConfigError(str(err).replace("data.shards=", "data.val_shards=")) from None
 

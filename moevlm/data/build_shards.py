@@ -43,8 +43,9 @@ from moevlm.data.build_inputs import (
     read_annotations,
     text_bytes,
 )
-from moevlm.data.build_sources import EnergonSource, Inline, check_parquet, parquet_records
+from moevlm.data.build_sources import EnergonSource, Inline
 from moevlm.data.errors import SkipCounter, SkipSample
+from moevlm.data.hf_datasets import add_builder_arguments, builder_records
 from moevlm.data.image import check_image_shape
 from moevlm.data.records import KINDS, Record, normalize_record
 
@@ -440,16 +441,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         nargs="+",
         metavar="FILE",
-        help="Parquet files (Hugging Face datasets style: an image column of bytes or paths, and "
-        "messages/conversations/caption/text); needs pyarrow (the parquet extra)",
+        help="Parquet files or folders of them (Hugging Face datasets style: an image column of bytes or "
+        "paths, and messages/conversations/caption/text); needs pyarrow (the parquet extra)",
     )
+    add_builder_arguments(p)
     p.add_argument(
         "--energon",
         type=Path,
         metavar="DIR",
         help="a Megatron-Energon WebDataset folder (.nv-meta/dataset.yaml with a field_map, split.yaml)",
     )
-    p.add_argument("--split", default="train", help="--energon: the split part to read")
+    p.add_argument("--split", help="--energon, --dataset, --parquet DIR: the split (default train)")
     p.add_argument("--out", type=Path, help="output folder for shard-NNNNNN.tar and summary.json")
     p.add_argument(
         "--sample",
@@ -502,7 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB",
     )
     args = p.parse_args(argv)
-    inputs = [a for a in ("annotations", "parquet", "energon") if getattr(args, a)]
+    inputs = [a for a in ("annotations", "parquet", "energon", "dataset") if getattr(args, a)]
     if args.sample is not None and (
         args.images or inputs or args.out or args.caption_prompt or args.tokenizer
     ):
@@ -517,6 +519,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "give one input and --out DIR: --images DIR --annotations FILE [FILE ...], --parquet FILE "
             "[FILE ...] or --energon DIR (or --sample OUT)"
         )
+    if args.images_root_only and not args.images:
+        p.error("--images-root-only needs --images DIR (the folder absolute paths must lie in)")
     if args.annotations and not args.images:
         p.error("--annotations needs --images DIR (the folder image paths are resolved in)")
     return args
@@ -570,13 +574,11 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         build_args = {"annotations": [str(a) for a in args.annotations]}
         total = count_records(args.annotations)
         records = read_annotations(args.annotations, skips, args.max_text_bytes)
-    elif args.parquet:
-        build_args = {"parquet": [str(a) for a in args.parquet]}
-        total = check_parquet(args.parquet)
-        records = parquet_records(args.parquet, skips)
+    elif args.parquet or args.dataset:
+        build_args, total, records = builder_records(args, skips)
     else:
-        source = EnergonSource(args.energon, args.split)
-        build_args = {"energon": str(args.energon), "split": args.split}
+        source = EnergonSource(args.energon, args.split or "train")
+        build_args = {"energon": str(args.energon), "split": args.split or "train"}
         total = source.total
         records = source.records(skips)
     per_shard = args.samples_per_shard or "auto"

@@ -19,6 +19,7 @@ from omegaconf import MISSING
 
 from moevlm.data.config import DEFAULT_STREAMS, FORMATS, MOCK, OVERSIZE, PIN_MEMORY, DataConfig
 from moevlm.data.errors import DataSetupError
+from moevlm.data.hf_datasets import is_dataset, open_dataset
 from moevlm.data.packing import vision_budget
 from moevlm.data.reader import expand_shards
 from moevlm.data.text import TINY_SPECIAL_IDS, ChatEncoder, load_tokenizer, model_mismatches
@@ -242,23 +243,44 @@ def _workers(cfg: DataConfig, per_rank: int) -> int:
     return w
 
 
+SAMPLE_TOKENIZER = "the sample set's"  # tokenizer_choice's source when it falls back to it
+
+
+def sample_tokenizer_fits(model) -> bool:
+    """The sample set's tokenizer (TINY_SPECIAL_IDS) fits `model` (the tiny preset's ids)."""
+    return not model_mismatches(TINY_SPECIAL_IDS, max(TINY_SPECIAL_IDS.values()) + 1, model)
+
+
 def find_tokenizer(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "") -> str:
-    """The tokenizer.json to use: data.tokenizer, else the one beside the (first) shards, else the
-    checkpoint's; one message naming all three when none is there."""
+    """The tokenizer.json to use (tokenizer_choice, without the sample set's)."""
+    return tokenizer_choice(cfg, shards, hf_checkpoint)[0]
+
+
+def tokenizer_choice(cfg: DataConfig, shards: list[str], hf_checkpoint: str = "", sample=None):
+    """(tokenizer.json, where from): data.tokenizer, else the one beside the (first) shards (none for
+    []), else the checkpoint's, else `sample()` (the sample set's, when given); one message naming all
+    three when none is there."""
     if cfg.tokenizer:
         if not os.path.isfile(cfg.tokenizer):
             raise DataSetupError(
                 f"data.tokenizer={shown_path(cfg.tokenizer)} is not a file; point it at a tokenizer.json "
                 "(e.g. the checkpoint's) or leave it empty to use <shards folder>/tokenizer.json"
             )
-        return cfg.tokenizer
-    beside = os.path.join(os.path.dirname(os.path.abspath(shards[0])), "tokenizer.json")
+        return cfg.tokenizer, "data.tokenizer"
+    beside = (
+        os.path.join(os.path.dirname(os.path.abspath(shards[0])), "tokenizer.json")
+        if shards
+        else ""
+    )
     ckpt = os.path.join(hf_checkpoint, "tokenizer.json") if hf_checkpoint else ""
-    for path in (beside, ckpt):
+    for path, source in ((beside, "beside the shards"), (ckpt, "model.hf_checkpoint's")):
         if path and os.path.isfile(path):
-            return path
+            return path, source
+    if sample is not None:
+        return sample(), SAMPLE_TOKENIZER
     raise DataSetupError(
-        f"no tokenizer: data.tokenizer is not set, {beside} does not exist and "
+        "no tokenizer: data.tokenizer is not set, "
+        + (f"{beside} does not exist and " if beside else "")
         + (f"{ckpt} does not either" if ckpt else "model.hf_checkpoint is not set")
         + "; do one of: set data.tokenizer=FILE (a tokenizer.json, e.g. the checkpoint's), rebuild the shards "
         "with `python -m moevlm.data.build_shards ... --tokenizer FILE` (copies it beside them), or set "
@@ -306,8 +328,8 @@ def check_stream_layout(d: DataConfig, dp: int) -> None:
     it would come too late on a pipeline: only the first stage's ranks build a loader, and the other
     stages would wait for them until the collective timeout."""
     for key, spec in (("data.shards", d.shards), ("data.val_shards", d.val_shards)):
-        if spec in ("", "sample", MISSING) or not isinstance(spec, str):
-            continue
+        if spec in ("", "sample", MISSING) or not isinstance(spec, str) or is_dataset(spec):
+            continue  # a datasets output's shards are counted when it is converted
         try:
             shards = expand_shards(spec)
         except ValueError:
@@ -329,11 +351,12 @@ def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
     expects them: ValueError, one line saying which keys fix it."""
     if data.shards in ("", MISSING):
         return
-    if data.shards == "sample" and not data.tokenizer:
+    sample = data.shards == "sample" and not data.tokenizer
+    path = None if sample else _find_tokenizer(data, hf_checkpoint, model)
+    if sample or path == SAMPLE_TOKENIZER:
         ids, vocab = TINY_SPECIAL_IDS, max(TINY_SPECIAL_IDS.values()) + 1
         source = "the sample set's tokenizer (data.shards=sample: a small BPE for the tiny model)"
     else:
-        path = _find_tokenizer(data, hf_checkpoint)
         if path is None:
             return  # check_shards says why the shards cannot be read
         ids, vocab = _tokenizer_ids(path)
@@ -362,16 +385,19 @@ def check_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> None:
     raise ValueError(f"{source} does not fit the model: {', '.join(found)}; {fix}")
 
 
-def _find_tokenizer(data: DataConfig, hf_checkpoint: str) -> str | None:
-    """The tokenizer.json the loader will use; None when the shards cannot be listed (reported elsewhere).
-    DataSetupError (a ConfigError) names the three places when there is none."""
-    if data.tokenizer or data.shards == "sample":
-        return find_tokenizer(data, [], hf_checkpoint)
+def _find_tokenizer(data: DataConfig, hf_checkpoint: str, model) -> str | None:
+    """The tokenizer.json the loader will use (SAMPLE_TOKENIZER: the sample set's); None when the
+    shards cannot be listed (reported elsewhere).  DataSetupError (a ConfigError) names the three
+    places when there is none."""
+    fits = not hf_checkpoint and sample_tokenizer_fits(model)
+    sample = (lambda: SAMPLE_TOKENIZER) if fits else None
+    if data.tokenizer or data.shards == "sample" or is_dataset(data.shards):
+        return tokenizer_choice(data, [], hf_checkpoint, sample)[0]
     try:
         shards = expand_shards(data.shards)
     except FileNotFoundError:
         return None
-    return find_tokenizer(data, shards, hf_checkpoint)
+    return tokenizer_choice(data, shards, hf_checkpoint, sample)[0]
 
 
 def _tokenizer_ids(path: str) -> tuple[dict[str, int], int]:
@@ -392,9 +418,16 @@ def shown_path(path: str) -> str:
     return path if os.path.isabs(path) else f"{path} (= {os.path.abspath(path)})"
 
 
-def check_shards(spec: str) -> None:
-    """A shard spec that names nothing readable (the sample set and the empty value are checked elsewhere)."""
+def check_shards(spec: str, split: str = "") -> None:
+    """A shard spec that names nothing readable (the sample set and the empty value are checked
+    elsewhere); a `datasets` output is opened (its split, its files' columns), not converted yet."""
     if spec in ("", "sample", MISSING) or not isinstance(spec, str):
+        return
+    if is_dataset(spec):
+        try:
+            open_dataset(spec, split or None)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"data.shards={shown_path(spec)}: {err}") from None
         return
     if (
         "{" not in spec

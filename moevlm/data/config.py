@@ -132,7 +132,16 @@ class DataConfig:
         default="",
         metadata={
             "help": "WebDataset shards: a folder of *.tar, a brace pattern (dir/shard-{000000..000099}.tar), a comma "
-            "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards"
+            "list, or sample (the embedded set); build them with python -m moevlm.data.build_shards; or what "
+            "Hugging Face datasets saves (a Parquet file or folder, a save_to_disk or DatasetDict folder), "
+            "converted once into shards in the cache ($MOEVLM_CACHE) and reused"
+        },
+    )
+    split: str = field(
+        default="",
+        metadata={
+            "help": "the split read when data.shards (or val_shards) is a DatasetDict folder or a Parquet folder "
+            "named by split; empty = train, or the only split"
         },
     )
     format: one_of(*FORMATS, checked_by="moevlm.data.checks.check_fields") = field(
@@ -155,7 +164,8 @@ class DataConfig:
     tokenizer: str = field(
         default="",
         metadata={
-            "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json, else <model.hf_checkpoint>/tokenizer.json"
+            "help": "a tokenizer.json; empty = <shards folder>/tokenizer.json, else <model.hf_checkpoint>/tokenizer.json, "
+            "else (no checkpoint, a model the tiny ids fit) the sample set's"
         },
     )
     image: ImageConfig = field(default_factory=ImageConfig)

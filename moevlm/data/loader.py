@@ -19,13 +19,22 @@ import logging
 import multiprocessing as mp
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from moevlm.data.checks import check_config, find_tokenizer, resolve_streams
+from moevlm.data.checks import (
+    SAMPLE_TOKENIZER,
+    check_config,
+    resolve_streams,
+    sample_tokenizer_fits,
+    tokenizer_choice,
+)
 from moevlm.data.config import DataConfig
-from moevlm.data.errors import FALLBACKS, DataError
+from moevlm.data.converted import ensure_converted
+from moevlm.data.errors import FALLBACKS, DataError, DataSetupError
+from moevlm.data.hf_datasets import is_dataset, open_dataset
 from moevlm.data.lifetime import WORKER_REAP_GRACE_S, close_at_exit, dead_workers, worker_death
 from moevlm.data.packing import PackedRow, VisionFlops, vision_budget_set
 from moevlm.data.reader import expand_shards, fingerprint, shard_counts, shard_identities
@@ -236,9 +245,13 @@ def build_loader(
     `hf_checkpoint` is the model.hf_checkpoint folder, the tokenizer's last fallback
     (`find_tokenizer`)."""
     check_config(cfg, model_cfg, world)
+    beside = None  # the shards whose folder may hold a tokenizer.json: cfg's
+    say = rank == 0 and cfg.shards != "sample"  # the sample set's line names its folder
     if cfg.shards == "sample":
         cfg = dataclasses.replace(cfg, shards=str(sample_set(log_it=rank == 0)))
-    tok = find_tokenizer(cfg, expand_shards(cfg.shards), hf_checkpoint)
+    elif is_dataset(cfg.shards):
+        cfg, beside = dataclasses.replace(cfg, shards=str(converted(cfg, rank == 0))), []
+    tok = _tokenizer(cfg, model_cfg, hf_checkpoint, beside, say)
     if model_cfg is not None:
         ChatEncoder(load_tokenizer(tok)).check_model(model_cfg)
     im = cfg.image
@@ -261,6 +274,45 @@ def build_loader(
     return PackedLoader(
         cfg, tokenizer_path=tok, patch_dim=patch_dim, rank=rank, world=world, vision=vision
     )
+
+
+def converted(cfg: DataConfig, log_it: bool = True) -> Path:
+    """data.shards=<a datasets output>: its shards, converted once into the cache (moevlm.data.hf_datasets;
+    safe when several processes ask at once), and said in a line (the builder shows progress)."""
+    try:
+        src = open_dataset(Path(cfg.shards), cfg.split or None)
+    except (ValueError, FileNotFoundError) as err:
+        raise DataSetupError(f"data.shards={cfg.shards}: {err}") from None
+    folder, built = ensure_converted(src, say=log.info)
+    if log_it and not built:
+        log.info("data.shards=%s: reusing its conversion %s", cfg.shards, folder)
+    return folder
+
+
+def _tokenizer(cfg: DataConfig, model_cfg, hf_checkpoint: str, shards, say: bool) -> str:
+    """tokenizer_choice for the loader (`shards` None: cfg's; []: none beside), the sample set's for a
+    model its ids fit when nothing else is there; where it came from said in a line unless
+    data.tokenizer set it (and `say`)."""
+    fits = model_cfg is not None and not hf_checkpoint and sample_tokenizer_fits(model_cfg)
+    built = []
+
+    def sample() -> str:
+        path, now = ensure_sample()
+        built.append(now)
+        return str(path / "tokenizer.json")
+
+    listed = expand_shards(cfg.shards) if shards is None else shards
+    tok, source = tokenizer_choice(cfg, listed, hf_checkpoint, sample if fits else None)
+    if say and source == SAMPLE_TOKENIZER:
+        log.info(
+            "tokenizer: the sample set's %s (%s; no data.tokenizer, none beside the shards, no "
+            "model.hf_checkpoint: the tiny model's ids)",
+            tok,
+            "built now" if built[0] else "reused",
+        )
+    elif say and source != "data.tokenizer":
+        log.info("tokenizer: %s (%s)", tok, source)
+    return tok
 
 
 def sample_set(log_it: bool = True):

@@ -1,6 +1,7 @@
 """A user's own data: the builder's automatic shard size and --tokenizer, where the
 loader finds the tokenizer, and what a missing shards folder or tokenizer says."""
 
+import dataclasses
 import json
 import shutil
 
@@ -73,8 +74,12 @@ def test_tokenizer_is_found_in_order_and_its_absence_names_every_place(tmp_path,
         r"data.tokenizer=FILE .* --tokenizer FILE.* model.hf_checkpoint=DIR",
     ):
         build_loader(small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt))
+    # no checkpoint: the tiny model takes the sample set's; a model its ids do not fit, nothing
+    sample = str(sample_shards / "tokenizer.json")
+    assert build_loader(small_data_config(tmp_path), TINY).tokenizer_path == sample
+    other = dataclasses.replace(TINY, image_token_id=TINY.image_token_id + 1)
     with pytest.raises(DataSetupError, match="model.hf_checkpoint is not set"):
-        build_loader(small_data_config(tmp_path), TINY)
+        build_loader(small_data_config(tmp_path), other)
     shutil.copy(sample_shards / "tokenizer.json", ckpt / "tokenizer.json")
     assert build_loader(
         small_data_config(tmp_path), TINY, hf_checkpoint=str(ckpt)

@@ -325,7 +325,8 @@ def test_builder_counts_bad_parquet_rows_and_energon_samples(data_sets, tmp_path
     s = json.loads((out / "summary.json").read_text())
     assert s["samples"] == 1 and s["kinds"] == {"chat": 0, "caption": 1, "text": 0}
     assert s["skipped"] == {"bad_record": 2, "missing_image": 1, "not_an_image": 1}
-    assert "give --images DIR" in s["skipped_examples"]["missing_image"][0]
+    # a relative path with no --images: looked for beside the Parquet file
+    assert "(chelsea.png) does not exist" in s["skipped_examples"]["missing_image"][0]
     # a row group whose page header is damaged: counted, the other group's rows written
     two = tmp_path / "two.parquet"
     pq.write_table(
