@@ -206,15 +206,16 @@ _KINDS = {
 }
 
 
-def check_regular_files(paths: list[Path], what: str) -> None:
+def check_regular_files(paths: list[Path], what: str, folders: bool = False) -> None:
     """A ValueError naming what an input that exists but is not a regular file is (a FIFO would block
-    the build, a folder would read as nothing); checked without opening it."""
+    the build, a folder would read as nothing unless `folders`: a folder of Parquet files); checked
+    without opening it."""
     for path in paths:
         try:
             mode = os.stat(path).st_mode
         except OSError:
             continue  # missing: the readers' own message
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(mode) and not (folders and stat.S_ISDIR(mode)):
             kind = next((k for test, k in _KINDS.items() if test(mode)), "not a regular file")
             raise ValueError(f"{what} {path} is {kind}, not a regular file: give a file")
 

@@ -568,7 +568,7 @@ def _build_from_files(args: argparse.Namespace) -> dict:
     if args.images is not None and not args.images.is_dir():
         raise FileNotFoundError(f"--images {args.images} is not a folder")
     skips = SkipCounter()
-    check_regular_files(args.parquet or [], "--parquet file")
+    check_regular_files(args.parquet or [], "--parquet input", folders=True)
     if args.annotations:
         check_annotation_files(args.annotations)
         build_args = {"annotations": [str(a) for a in args.annotations]}
