@@ -188,6 +188,13 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+# how the tools that write shards make more of them (whichever wrote these)
+SMALLER_SHARDS = (
+    "moevlm.data.build_shards --samples-per-shard, img2dataset --number_sample_per_shard, "
+    "webdataset's ShardWriter maxcount"
+)
+
+
 def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> tuple[int, int]:
     """(L, workers): the job's logical streams and this rank's worker processes, fitted to the shards
     and the layout (a warning for each reduction; an error only where no stream layout can work)."""
@@ -199,12 +206,14 @@ def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> 
     if L < asked:
         log.warning(
             "%d shards cannot feed %d data streams (each needs a shard): reading them as %d streams "
-            "(data.streams=%d%s); for more, rebuild with a smaller --samples-per-shard",
+            "(data.streams=%d%s); for more, rebuild the shards as more, smaller ones with the tool that "
+            "wrote them: %s",
             num_shards,
             asked,
             L,
             cfg.streams,
             " (auto)" if not cfg.streams else "",
+            SMALLER_SHARDS,
         )
     if L % world and not cfg.streams and world <= num_shards:
         L = world * (min(max(DEFAULT_STREAMS, world), num_shards) // world)
@@ -220,7 +229,8 @@ def resolve_streams(cfg: DataConfig, rank: int, world: int, num_shards: int) -> 
         raise ValueError(
             f"{num_shards} shards cannot feed {world} data-parallel ranks with data.streams={asked}"
             f"{' (auto)' if not cfg.streams else ''}: they give {L} streams, not a multiple of {world}; "
-            f"rebuild the shards with a smaller --samples-per-shard (at least {asked} shards), or "
+            f"rebuild the shards as more, smaller ones with the tool that wrote them: {SMALLER_SHARDS} "
+            f"(at least {asked} shards), or "
             f"set data.streams to a multiple of {world} that is at most {num_shards}"
         )
     return L, _workers(cfg, L // world)
@@ -260,13 +270,20 @@ def tokenizer_choice(cfg: DataConfig, shards: list[str], hf_checkpoint: str = ""
     """(tokenizer.json, where from): data.tokenizer, else the one beside the (first) shards (none for
     []), else the checkpoint's, else `sample()` (the sample set's, when given); one message naming all
     three when none is there."""
-    if cfg.tokenizer:
-        if not os.path.isfile(cfg.tokenizer):
+    if (
+        cfg.tokenizer
+    ):  # a file, or a folder holding tokenizer.json (as build_shards --tokenizer takes)
+        file = cfg.tokenizer
+        if os.path.isdir(file):
+            file = os.path.join(file, "tokenizer.json")
+        if not os.path.isfile(file):
             raise DataSetupError(
-                f"data.tokenizer={shown_path(cfg.tokenizer)} is not a file; point it at a tokenizer.json "
-                "(e.g. the checkpoint's) or leave it empty to use <shards folder>/tokenizer.json"
+                f"data.tokenizer={shown_path(cfg.tokenizer)} is not a file"
+                + (" and the folder has no tokenizer.json" if file != cfg.tokenizer else "")
+                + "; point it at a tokenizer.json (e.g. the checkpoint's) or a folder holding one, or "
+                "leave it empty to use <shards folder>/tokenizer.json"
             )
-        return cfg.tokenizer, "data.tokenizer"
+        return file, "data.tokenizer"
     beside = (
         os.path.join(os.path.dirname(os.path.abspath(shards[0])), "tokenizer.json")
         if shards

@@ -35,6 +35,11 @@ from moevlm.signals import STOP_SIGNALS
 
 # the loader's warnings keep one logger name for all of its parts
 log = logging.getLogger("moevlm.data.loader")
+# a shard with no sample in it: what usually wrote one
+EMPTY_SHARD = (
+    "it holds no sample: an empty tar, as img2dataset writes when every download of a shard failed "
+    "(its *_stats.json beside the shards counts them), or a tool that stopped before writing"
+)
 
 NO_PROGRESS_SAMPLES = 10_000  # skipped in a row by a stream that never packed: check the data set
 IMAGELESS_SAMPLES = 1_000  # samples with images read by a stream that used none: check the data set
@@ -210,8 +215,8 @@ class Stream:
             "(skipped so far: %s)",
             self.stream,
             name,
-            f"all {tally.read} samples skipped" if tally.read else "no sample could be read",
-            ", ".join(f"{r}={n}" for r, n in self.skips.most_common()),
+            f"all {tally.read} samples skipped" if tally.read else EMPTY_SHARD,
+            ", ".join(f"{r}={n}" for r, n in self.skips.most_common()) or "none",
         )
 
     def _end_epoch(self, epoch: int, last: bool) -> None:
@@ -289,6 +294,11 @@ class Stream:
                 )
                 return
             unusable += 1
+        if read == 0 and not sum(probe.values()):  # no sample in any shard, none unreadable
+            raise DataError(
+                f"no shard of the data set holds a sample ({len(self.plan.shards)} shards, 0 samples "
+                f"read): {EMPTY_SHARD}"
+            )
         if need_image:
             raise self._imageless(probe, read)
         raise self._stuck(when, probe, read, unusable)

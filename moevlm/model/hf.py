@@ -17,6 +17,7 @@ Sharded or pipeline-split models: moevlm.parallel.hf_io.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from contextlib import ExitStack
@@ -360,15 +361,31 @@ def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
             "(model.hf_config) or pick a preset of its family"
         )
     if _architecture(theirs) != _architecture(mine):
+        diff = architecture_differences(theirs, mine)
+        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
         raise CheckpointError(
             f"{hf_dir} holds a different architecture than the configured model; build the "
-            "model from its config.json (model.hf_config) or pick the matching preset"
+            f"model from its config.json (model.hf_config) or pick the matching preset ({shown})"
         )
 
 
 def _architecture(c: VLMConfig) -> tuple:
     m = c.moe
     return c.vision, c.text, m.num_experts, m.top_k, m.shared_expert_intermediate_size
+
+
+def architecture_differences(theirs: VLMConfig, mine: VLMConfig) -> list[str]:
+    """`section.field: checkpoint X, configured Y` for each field of `_architecture` that differs."""
+    out = []
+    for section in ("vision", "text"):
+        a, b = getattr(theirs, section), getattr(mine, section)
+        for f in dataclasses.fields(a):
+            if (x := getattr(a, f.name)) != (y := getattr(b, f.name)):
+                out.append(f"{section}.{f.name}: checkpoint {x}, configured {y}")
+    for name in ("num_experts", "top_k", "shared_expert_intermediate_size"):
+        if (x := getattr(theirs.moe, name)) != (y := getattr(mine.moe, name)):
+            out.append(f"moe.{name}: checkpoint {x}, configured {y}")
+    return out
 
 
 def read_tensors(plan: dict[str, tuple], names, shapes: dict[str, tuple]):

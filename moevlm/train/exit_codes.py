@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+import torch
+
 
 class ExitCode(IntEnum):
     OK = 0  # done
@@ -32,6 +34,9 @@ class ExitCode(IntEnum):
     DATA = 8
     # a plan (parallel.fake_world, python -m moevlm.plan): a rank's peak exceeds the GPU's usable memory
     DOES_NOT_FIT = 9
+    # the device or host ran out of memory during a step (one line: where, the checkpoint that is
+    # intact, what lowers the peak); a checkpoint commit that runs out of memory is CHECKPOINT's
+    OUT_OF_MEMORY = 10
     # an unexpected exception: a bug of moevlm (or of a library under it): its traceback, then one line
     # saying so.  70 is sysexits.h's EX_SOFTWARE; no expected outcome uses it
     BUG = 70
@@ -55,6 +60,8 @@ MEANINGS: dict[str, str] = {
     str(int(ExitCode.DATA)): "the data cannot feed training, a data worker died, or a checkpoint's "
     "data state does not fit the shards (the line names the option that continues)",
     str(int(ExitCode.DOES_NOT_FIT)): "a plan found a rank that does not fit the GPU",
+    str(int(ExitCode.OUT_OF_MEMORY)): "out of device or host memory during a step (the line names "
+    "the intact checkpoint and what lowers the peak)",
     str(int(ExitCode.BUG)): "an unexpected exception (a bug): its traceback and one line",
     "128+signum": "a second stop signal: exited at once, no checkpoint (130 SIGINT, 143 SIGTERM)",
     "137": "a config error under torchrun (the launch's status; each rank's line is the same)",
@@ -73,3 +80,13 @@ def bug_line(err: BaseException) -> str:
         f"moevlm stopped on an unexpected {type(err).__name__}: a bug (the traceback above says "
         f"where; please report it); exit code {ExitCode.BUG:d}"
     )
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """ "device" or "host" when `err` is running out of memory (torch's OutOfMemoryError, the CPU
+    allocator's refusal, MemoryError), else None."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return "device"
+    if isinstance(err, MemoryError) or "can't allocate memory" in str(err):
+        return "host"
+    return None

@@ -534,18 +534,15 @@ class MetricsLogger:
 
     def _eta(self, record: dict) -> float | None:
         """Seconds to train.steps: the steps left at the mean wall time per step since this launch's
-        first record (validation and checkpoints included); at that first record, its own step time."""
+        first record (validation and checkpoints included); None (shown `?`) at that first record,
+        whose step time holds the warm-up (compilation, the first allocations, the loader's start)."""
         now, step = time.perf_counter(), record["step"]
         if self._since is None:
             self._since = (now, step)
         t0, step0 = self._since
-        if step > step0:
-            per_step = (now - t0) / (step - step0)
-        else:
-            per_step = record.get("step_time_s", math.nan) / max(
-                record.get("steps_in_window", 1), 1
-            )
-        return per_step * max(self.total_steps - step, 0)
+        if step <= step0:
+            return None
+        return (now - t0) / (step - step0) * max(self.total_steps - step, 0)
 
     def info(self, msg: str) -> None:
         if not self.active:

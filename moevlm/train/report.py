@@ -4,6 +4,7 @@ times), the data line and the end-of-run summary."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,8 +141,41 @@ def describe_data(stats: dict) -> str:
         else ""
     )
     images = f" with {stats['images_packed']} images" if "images_packed" in stats else ""
+    # read counts what the shuffle buffer and the packer read ahead of the rows trained, epochs too
     return (
-        f"{stats['samples_read']} samples read, {stats['samples_packed']} packed{images} into "
-        f"{stats['batches']} batches (epoch {stats['epoch']}); skipped: {skips}{shards}{fell}; waited "
+        f"{stats['samples_packed']} samples trained{images} in {stats['batches']} batches; "
+        f"{stats['samples_read']} samples read (the shuffle buffer and packer read ahead: the streams "
+        f"are in data epoch {stats['epoch']}); skipped: {skips}{shards}{fell}; waited "
         f"{stats['data_wait_s']:.1f}s for data"
+    )
+
+
+def ruined_by_skips(ran: int, skipped: int, first_step: int) -> str | None:
+    """ "Most steps skipped": more than half of a launch's `ran` steps were skipped as non-finite (one
+    of one, two of three, six of ten): what training the launch did is outweighed by what it lost."""
+    if ran == 0 or 2 * skipped <= ran:
+        return None
+    what = "every step" if skipped == ran else f"{skipped} of the {ran} steps"
+    return (
+        f"{what} of this launch ({first_step + 1}..{first_step + ran}) "
+        f"{'was' if skipped == ran else 'were'} skipped for non-finite loss or gradients: the "
+        "weights are ruined (more than half skipped). Lower optim.lr or check the data"
+    )
+
+
+# a loss within this fraction of ln(vocabulary) is the uniform prediction's
+COLLAPSE_RTOL = 1e-3
+
+
+def collapsed(loss: float, grad_norm: float, vocab_size: int) -> str | None:
+    """ "Collapsed to a constant prediction": the launch's last step with a finite loss had a gradient
+    norm of exactly 0 (no update can change the model any more) and a loss within COLLAPSE_RTOL of
+    ln(vocabulary), the loss of a uniform prediction over every token id."""
+    uniform = math.log(vocab_size)
+    if grad_norm != 0.0 or abs(loss - uniform) > COLLAPSE_RTOL * uniform:
+        return None
+    return (
+        f"the model collapsed to a constant prediction (loss {loss:.4f} = ln(vocabulary "
+        f"{vocab_size}) = {uniform:.4f}, gradient norm 0: nothing can train it further). Lower "
+        "optim.lr or check the data"
     )

@@ -35,6 +35,7 @@ from moevlm.errors import ConfigError
 from moevlm.model.fp8 import install_weight_cache, weights_changed
 from moevlm.model.linear import is_adapter
 from moevlm.model.moe import Router
+from moevlm.model.params import num_parameters
 from moevlm.parallel import ParallelContext, build_model, init_parameters_, materialize_
 from moevlm.parallel.balance import StepFrequencies
 from moevlm.parallel.compile import CompileCounters
@@ -394,6 +395,10 @@ def materialize(
     materialize_(model, launch.device, built.parallel)
     if m.hf_checkpoint:  # every parameter comes from it (a missing one is an error)
         load_hf_weights_(model, m.hf_checkpoint)
+        log.info(
+            f"loaded weights from {os.path.abspath(m.hf_checkpoint)} "
+            f"({num_parameters(plan.model):,} parameters)"
+        )
         # LoRA adapters are not in the checkpoint: drawn as without one
         init_parameters_(model, t.seed, built.parallel, only=is_adapter)
     else:

@@ -22,22 +22,15 @@ import torch.distributed as dist
 
 from moevlm.data import DataError
 from moevlm.data.batch import MicroBatch
-from moevlm.data.hf_files import write_processor_files
 from moevlm.data.lifetime import worker_death
 from moevlm.data.loader import NoData
 from moevlm.model.moe import global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
 from moevlm.parallel.balance import step_load
-from moevlm.parallel.hf_io import (
-    ExportTargetError,
-    export_folder,
-    export_marker,
-    save_adapter,
-    save_hf,
-)
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
-from moevlm.train.exit_codes import ExitCode
+from moevlm.train.exit_codes import ExitCode, out_of_memory
+from moevlm.train.export import ExportFailed, export_run
 from moevlm.train.faults import checkpoint_write_line
 from moevlm.train.integrity import looks_like_disk_full, write_failed_line
 from moevlm.train.metrics import (
@@ -46,20 +39,8 @@ from moevlm.train.metrics import (
     slowest_over_micro_batches,
     vision_flops_slots,
 )
-from moevlm.train.report import summary, window_record
-from moevlm.train.setup import (
-    Run,
-    autocast,
-    data_rank,
-    export_protected,
-    setup,
-    weights_finite,
-)
-
-
-class ExportFailed(RuntimeError):
-    """train.export_hf or train.export_adapter refused or not written at the end of a run: one line,
-    ExitCode.CHECKPOINT; the checkpoints (and an earlier export) are intact."""
+from moevlm.train.report import collapsed, ruined_by_skips, summary, window_record
+from moevlm.train.setup import Run, autocast, data_rank, setup, weights_finite
 
 
 class Trainer:
@@ -188,6 +169,11 @@ class Trainer:
             if (line := worker_death(err)) is not None:  # (torch raises it wherever the step was)
                 print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
                 return ExitCode.DATA
+            if (where := out_of_memory(err)) is not None:
+                print(
+                    f"stopping at step {self.step}: {self._oom_line(where, err)}", file=sys.stderr
+                )
+                return ExitCode.OUT_OF_MEMORY
             if looks_like_disk_full(err):  # a write of ours other than a checkpoint or the metrics
                 line = write_failed_line(err)
                 print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
@@ -199,76 +185,24 @@ class Trainer:
             self.close()
         return code
 
+    def _oom_line(self, where: str, err: BaseException) -> str:
+        first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
+        kept = self.ckpt.complete()
+        intact = f"checkpoint {kept[-1]} is intact" if kept else "no checkpoint was written yet"
+        return (
+            f"out of {where} memory during step {self.step + 1} ({first.strip()[:200]}); {intact}; "
+            "lower train.micro_batch_size or data.pack.seq_len, or recompute more (model.recompute); "
+            "`python -m moevlm.plan ... --fit GPU` proposes the cheapest change"
+        )
+
     def validate(self) -> dict:
         """The held-out loss of the current weights (moevlm.train.evaluate): {"val_loss", "val_tokens"},
         the same on every rank (collective)."""
         return evaluate(self, self.held_out)
 
     def export(self) -> None:
-        """train.export_adapter and train.export_hf, at the end of the run (collective under a layout),
-        each all or nothing (moevlm.parallel.hf_io.export_folder)."""
-        if self.t.export_adapter:
-            self._export(
-                "train.export_adapter",
-                "peft_adapter",
-                lambda out: save_adapter(self.model, out, ctx=self.parallel),
-            )
-            self.log.info(f"exported the LoRA adapters to {self.t.export_adapter} (PEFT format)")
-        if self.t.export_hf:
-            self._export_hf(self.t.export_hf)
-
-    def _export(self, option: str, kind: str, write) -> None:
-        """One export into the folder `option` names; its refusal or a failed write: ExportFailed."""
-        target = Path(getattr(self.t, option.split(".")[1])).absolute()
-        try:
-            export_folder(
-                target,
-                write,
-                run_dir=self.run_dir,
-                step=self.step,
-                kind=kind,
-                option=option,
-                protected=export_protected(self.plan, option),
-                ctx=self.parallel,
-            )
-        except (ExportTargetError, OSError, MemoryError) as err:
-            why = str(err) if isinstance(err, ExportTargetError) else write_failed_line(err, target)
-            why = why.split("; the checkpoints are intact")[0]
-            before = (
-                "what was there is intact" if export_marker(target) else "nothing was written there"
-            )
-            kept = self.ckpt.complete()
-            again = (
-                f"the run's checkpoint {kept[-1]} is intact" if kept else "no checkpoint was kept"
-            )
-            raise ExportFailed(
-                f"export {'refused' if isinstance(err, ExportTargetError) else 'failed'}: {why}; "
-                f"{before}; {again} (relaunch with {option} naming a new folder: the run resumes "
-                "at its last step and exports)"
-            ) from None
-
-    def _export_hf(self, out: str) -> None:
-        """Weights and config (collective under a layout), then rank 0 (which reads the data: the first
-        stage) adds the tokenizer, chat template and image-processor files: a folder transformers loads.
-        LoRA adapters are merged into the weights written."""
-        if self.plan.model.lora.rank:
-            self.log.info("merging the LoRA adapters into the exported weights")
-
-        def write(folder: Path) -> None:
-            save_hf(self.model, folder, ctx=self.parallel)
-            if self.rank == 0:
-                write_processor_files(
-                    folder,
-                    tokenizer=self.loader.tokenizer_path,
-                    image=self.plan.data.image,
-                    source=self.plan.job.model.hf_checkpoint or None,
-                )
-
-        self._export("train.export_hf", "hf", write)
-        self.log.info(
-            f"exported Hugging Face checkpoint to {out} (weights, config, tokenizer, chat template, "
-            "image processor)"
-        )
+        """train.export_adapter and train.export_hf, at the end of the run (moevlm.train.export)."""
+        export_run(self)
 
     def _interrupted(self, signum: int) -> int:
         path = self.save(complete=True)
@@ -521,37 +455,6 @@ class NonFiniteWeights(RuntimeError):
             "the weights are non-finite (an update made them so: lower optim.lr or check the data); "
             f"no checkpoint of them is written ({last})"
         )
-
-
-def ruined_by_skips(ran: int, skipped: int, first_step: int) -> str | None:
-    """ "Most steps skipped": more than half of a launch's `ran` steps were skipped as non-finite (one
-    of one, two of three, six of ten): what training the launch did is outweighed by what it lost."""
-    if ran == 0 or 2 * skipped <= ran:
-        return None
-    what = "every step" if skipped == ran else f"{skipped} of the {ran} steps"
-    return (
-        f"{what} of this launch ({first_step + 1}..{first_step + ran}) "
-        f"{'was' if skipped == ran else 'were'} skipped for non-finite loss or gradients: the "
-        "weights are ruined (more than half skipped). Lower optim.lr or check the data"
-    )
-
-
-# a loss within this fraction of ln(vocabulary) is the uniform prediction's
-COLLAPSE_RTOL = 1e-3
-
-
-def collapsed(loss: float, grad_norm: float, vocab_size: int) -> str | None:
-    """ "Collapsed to a constant prediction": the launch's last step with a finite loss had a gradient
-    norm of exactly 0 (no update can change the model any more) and a loss within COLLAPSE_RTOL of
-    ln(vocabulary), the loss of a uniform prediction over every token id."""
-    uniform = math.log(vocab_size)
-    if grad_norm != 0.0 or abs(loss - uniform) > COLLAPSE_RTOL * uniform:
-        return None
-    return (
-        f"the model collapsed to a constant prediction (loss {loss:.4f} = ln(vocabulary "
-        f"{vocab_size}) = {uniform:.4f}, gradient norm 0: nothing can train it further). Lower "
-        "optim.lr or check the data"
-    )
 
 
 def all_reduce_values(values: list[float], device: torch.device, group) -> list[float]:

@@ -163,3 +163,25 @@ def test_an_image_over_the_decode_byte_budget_is_skipped_and_the_next_arrives(
     assert seen == Counter(["rgb", "t"])
     assert loader.stats()["skipped"] == {"decode_too_large": 1}
     assert loader.stats()["shards_all_skipped"] == {}
+
+
+def test_empty_shards_are_named_as_empty_not_as_skipped(tmp_path, sample_shards, caplog):
+    """Shards with no sample in them (img2dataset writes such tars when every download of a shard
+    failed): the data set is refused as empty, and among good shards an empty one is passed over with
+    a warning that says it is empty, not "skipped (nothing)"."""
+    shards_with(tmp_path, sample_shards, n_good=0, bad_shards=0)  # the tokenizer beside them
+    empty = [tmp_path / f"empty-{i}.tar" for i in range(3)]
+    for p in empty:
+        write_tar(p, [])
+    with pytest.raises(DataError) as err:
+        next(build_loader(config(tmp_path, [str(p) for p in empty], num_workers=0), TINY))
+    msg = str(err.value)
+    assert msg.startswith("no shard of the data set holds a sample (3 shards, 0 samples read): ")
+    assert "img2dataset" in msg and "nothing" not in msg and "\n" not in msg
+    paths, ids = shards_with(tmp_path, sample_shards, n_good=2, bad_shards=0)
+    order = [str(empty[0]), *paths]
+    cfg = config(tmp_path, order, epochs=1, num_workers=0, streams=1, shuffle_shards=False)
+    seen = Counter(sid for batch in build_loader(cfg, TINY) for sid in batch["sample_ids"])
+    assert seen == Counter(ids)  # nothing lost
+    warned = [r.getMessage() for r in caplog.records if "empty-0.tar" in r.getMessage()]
+    assert warned and "it holds no sample" in warned[0] and "(skipped so far: none)" in warned[0]

@@ -83,6 +83,7 @@ def test_exit_codes_are_the_readme_table():
         "CHECKPOINT": 7,
         "DATA": 8,
         "DOES_NOT_FIT": 9,
+        "OUT_OF_MEMORY": 10,
         "BUG": 70,
     }
     assert (
@@ -195,6 +196,13 @@ PRODUCED_BY = {
         ),
     ],
     "9": [("tests/plan/test_cli.py", "", "ExitCode.DOES_NOT_FIT")],
+    "10": [
+        (
+            "tests/train/test_write_failures.py",
+            "test_out_of_memory_in_a_step_is_one_line_and_exit_10",
+            "ExitCode.OUT_OF_MEMORY",
+        )
+    ],
     "70": [
         (
             "tests/train/test_write_failures.py",

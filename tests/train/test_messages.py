@@ -1,9 +1,13 @@
 """Mistakes a user brings from elsewhere, each refused in one `config error:` line that names the fix:
 option names of other trainers (HF Trainer, torchtitan, Megatron) under any section or none, a recipe or
-group choice that conf/ lacks (the nearest and the whole list), and a GPU recipe launched on a machine
-without CUDA (the `+scale=cpu` way to run its shape there, after the refusal's own lines)."""
+group choice that conf/ lacks (the nearest and the whole list), a GPU recipe launched on a machine
+without CUDA (the `+scale=cpu` way to run its shape there, after the refusal's own lines), and an HF
+checkpoint of another architecture (the fields that differ, both values)."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch
 from moevlm.config import check_overrides, compose_job, validate
 from moevlm.config.validation import CPU_TRY
 from moevlm.errors import ConfigError
+from moevlm.model.config import VLMConfig
 
 
 def _refusal(overrides: list[str]) -> str:
@@ -61,3 +66,31 @@ def test_a_gpu_recipe_on_a_cpu_machine_ends_with_the_scale_line():
     with pytest.raises(ConfigError) as err:
         validate(compose_job(["data.shards=sample", "model.attn_backend=nope"]), 1)
     assert CPU_TRY not in str(err.value)
+
+
+def test_an_hf_checkpoint_of_another_architecture_names_the_fields(tmp_path):
+    tiny = VLMConfig.preset("tiny")
+    deeper = dataclasses.replace(tiny, text=dataclasses.replace(tiny.text, num_layers=5))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(deeper.to_hf("float32")))
+    (folder / "model.safetensors").write_text("")
+    with pytest.raises(ConfigError) as err:
+        validate(compose_job(["data.shards=sample", f"model.hf_checkpoint={folder}"]))
+    (line,) = str(err.value).splitlines()
+    assert "holds a different architecture than the configured model" in line
+    assert f"(text.num_layers: checkpoint 5, configured {tiny.text.num_layers})" in line
+
+
+def test_data_tokenizer_takes_a_folder_holding_tokenizer_json(tmp_path):
+    from moevlm.data.checks import tokenizer_choice
+    from moevlm.data.config import DataConfig
+    from moevlm.data.errors import DataSetupError
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    chosen = tokenizer_choice(DataConfig(shards="x", tokenizer=str(tmp_path / "tok")), [])
+    assert chosen == (str(tmp_path / "tok" / "tokenizer.json"), "data.tokenizer")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataSetupError, match="is not a file and the folder has no tokenizer.json"):
+        tokenizer_choice(DataConfig(shards="x", tokenizer=str(tmp_path / "empty")), [])

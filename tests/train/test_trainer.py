@@ -164,16 +164,16 @@ def test_validation_is_the_loss_of_the_first_held_out_rows(default_run):
 
 def test_console_line_shows_step_eta_tokens_per_s(default_run):
     """One line per step: `step i/4 | eta T | loss L | [val_loss V |] ... | N tok/s/dev | ...`, the
-    validation loss on the validated steps, an ETA of 0s at the last step."""
+    validation loss on the validated steps, no ETA at the first step (`?`), 0s at the last."""
     _, _, _, _, out = default_run
     pattern = re.compile(
-        r"step (\d)/4 \| eta (\d+s|\d+m\d\ds) \| loss \d+\.\d{4} \| (val_loss \d+\.\d{4} \| )?"
+        r"step (\d)/4 \| eta (\?|\d+s|\d+m\d\ds) \| loss \d+\.\d{4} \| (val_loss \d+\.\d{4} \| )?"
         r"aux .* \| lr \S+ \| \d+(\.\d)?k? tok/s/dev \| \S+ TFLOP/s \| "
     )
     lines = [m for m in map(pattern.match, out.splitlines()) if m]
     assert [int(m.group(1)) for m in lines] == [1, 2, 3, 4], out
     assert [m.group(3) is not None for m in lines] == [False, False, True, True]
-    assert lines[-1].group(2) == "0s"
+    assert lines[0].group(2) == "?" and lines[-1].group(2) == "0s"
 
 
 def _nan_at(trainer: Trainer, bad_steps: set[int]) -> None:
@@ -577,9 +577,11 @@ def test_end_of_run_data_line_is_text():
         "epoch": 1,
         "data_wait_s": 0.5,
     }
+    # what was trained first; what was read is more (read ahead), its epoch the streams'
     assert describe_data(stats) == (
-        "40 samples read, 31 packed into 4 batches (epoch 1); skipped: bad_image 2, "
-        "too_long 5; waited 0.5s for data"
+        "31 samples trained in 4 batches; 40 samples read (the shuffle buffer and packer read "
+        "ahead: the streams are in data epoch 1); skipped: bad_image 2, too_long 5; waited 0.5s "
+        "for data"
     )
     assert "skipped: none" in describe_data({**stats, "skipped": {}, "skipped_total": 0})
     assert describe_data(NoData().stats()) == "read on the first pipeline stage"

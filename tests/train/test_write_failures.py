@@ -1,11 +1,13 @@
 """A checkpoint write that fails outside DCP's writer (the checkpoints folder turned read-only mid-run,
 memory exhausted while the checkpoint is committed), sync or in the background: one line naming the
 path and what is intact, exit 7, the earlier checkpoint byte for byte as it was; and an unexpected
-exception in train.py: its traceback, one line saying it is a bug, exit 70."""
+exception in train.py: its traceback, one line saying it is a bug, exit 70; out of memory in a step:
+one line, exit 10."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 from pathlib import Path
@@ -101,6 +103,40 @@ def test_a_checkpoint_write_failure_mid_run_is_one_line_and_exit_7(
     assert [p.name for p in trainer.ckpt.complete()] == ["step_00000001"]
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_out_of_memory_in_a_step_is_one_line_and_exit_10(tmp_path, monkeypatch, capsys, where):
+    """Step 2 runs out of memory (torch's OutOfMemoryError as CUDA raises it; the CPU allocator's
+    refusal): one line naming it, the intact step-1 checkpoint and what lowers the peak; exit 10."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    job = compose_job(
+        [*FAST, "train.steps=3", "train.checkpoint_every=1", f"train.run_dir={run_dir}"]
+    )
+    trainer = Trainer(job)
+    real_step = trainer.train_step
+
+    def step(window, micro=None):
+        if trainer.step == 1:
+            if where == "device":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"
+            )
+        return real_step(window, micro)
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    capsys.readouterr()
+    code = trainer.run()
+    out, err = capsys.readouterr()
+    assert code == ExitCode.OUT_OF_MEMORY == 10, out + err
+    (line,) = [x for x in (out + err).splitlines() if "stopping at step" in x]
+    assert "Traceback" not in out + err
+    assert line.startswith(f"stopping at step 1: out of {where} memory during step 2 (")
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step_00000001'} is intact" in line
+    assert "train.micro_batch_size" in line and "--fit" in line
+
+
 def test_an_unexpected_exception_prints_its_traceback_and_exits_70(tmp_path, monkeypatch, capsys):
     """train.py (in process): a bug in set-up is not exit 1 (the loss did not fall)."""
     import runpy
@@ -111,6 +147,10 @@ def test_an_unexpected_exception_prints_its_traceback_and_exits_70(tmp_path, mon
         raise KeyError("a bug")
 
     monkeypatch.setattr(trainer_module, "Trainer", crash)
+    # Hydra's job logging adds handlers on this test's captured streams: gone with the test
+    for logger in [logging.getLogger(), *logging.root.manager.loggerDict.values()]:
+        if isinstance(logger, logging.Logger):
+            monkeypatch.setattr(logger, "handlers", list(logger.handlers))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train.py", f"train.run_dir={tmp_path / 'run'}"])
     with pytest.raises(SystemExit) as stop:  # as `python train.py ...` runs it
