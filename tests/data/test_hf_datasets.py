@@ -169,10 +169,23 @@ def test_splits_paths_and_detection(forms, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_data_shards_trains_on_datasets_outputs_converted_once(forms, tmp_path, caplog):
-    """data.shards=<a datasets output>, default settings and no tokenizer: converted once into the
-    cache (a line, then reused), the tiny model takes the sample set's tokenizer (a line), 3 steps."""
+    """data.shards=<a datasets output> in every form the module writes, default settings and no
+    tokenizer: converted once into the cache (a line, then reused), the tiny model takes the sample
+    set's tokenizer (a line), 3 steps."""
     root, _ = forms
-    for name, spec in (("abs", "abs.parquet"), ("disk", "disk"), ("dict", "dict")):
+    every_form = {
+        "abs": "abs.parquet",
+        "disk": "disk",
+        "dict": "dict",
+        "bytes": "bytes.parquet",
+        "rel": "rel.parquet",
+        "folder": "multi",
+        "pairs_bytes": "pairs_bytes.parquet",
+        "pairs_disk": "pairs_disk",
+        "sharegpt_bytes": "sharegpt_bytes.parquet",
+        "sharegpt_rel": "sharegpt_rel.parquet",
+    }
+    for name, spec in every_form.items():
         for attempt in ("converted", "reused"):
             run_dir = tmp_path / f"{name}-{attempt}"
             job = compose_job(
@@ -186,10 +199,11 @@ def test_data_shards_trains_on_datasets_outputs_converted_once(forms, tmp_path, 
             assert trainer.loader.stats()["images_packed"] > 0, name
             said = caplog.text
             if attempt == "converted":
+                images = 8 if name.startswith("pairs") else 4
                 assert (
                     f"converting {root / spec} (" in said
-                    and "converted 4 samples, 4 images" in said
-                )
+                    and f"converted 4 samples, {images} images" in said
+                ), (name, said)
             else:
                 assert "reusing its conversion" in said and "converting" not in said, name
             assert "tokenizer: the sample set's " in said, name
