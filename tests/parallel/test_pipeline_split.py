@@ -200,7 +200,14 @@ def test_tied_embeddings_are_refused_across_stages():
 @pytest.mark.slow
 def test_train_py_refuses_a_pipeline_mistake_before_allocating(tmp_path):
     """Through train.py (WORLD_SIZE set as torchrun would): exit 2, the message only, no run directory."""
-    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    env = dict(
+        os.environ,
+        WORLD_SIZE="2",
+        RANK="0",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29511",  # (never reached: the refusal comes before the rendezvous)
+    )
     proc = subprocess.run(
         [
             sys.executable,
