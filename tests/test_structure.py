@@ -191,13 +191,13 @@ def test_dispatcher_built_once_per_moe_layer(monkeypatch, name):
 
 # ------------------------------------------------------------------ the layout of the files
 # package -> the moevlm packages its files may import (its own included); top-level modules are
-# moevlm.errors, moevlm.fields, moevlm.comm, moevlm.signals, moevlm.kernels
+# moevlm.errors, moevlm.fields, moevlm.comm, moevlm.signals, moevlm.files, moevlm.kernels
 MAY_IMPORT = {
     "kernels": {"kernels"},
     "model": {"model", "kernels", "errors"},
     "dispatch": {"dispatch", "model", "kernels", "comm", "errors"},
-    "parallel": {"parallel", "dispatch", "model", "kernels", "comm", "errors"},
-    "data": {"data", "model", "kernels", "errors", "fields", "signals"},
+    "parallel": {"parallel", "dispatch", "model", "kernels", "comm", "errors", "files"},
+    "data": {"data", "model", "kernels", "errors", "fields", "signals", "files"},
     "config": {"config", "data", "dispatch", "parallel", "model", "kernels", "errors", "fields"},
 }
 

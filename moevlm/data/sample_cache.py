@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from moevlm.errors import ConfigError
+from moevlm.files import fsync_path
 
 CACHE_ENV = "MOEVLM_CACHE"
 SAMPLE_FORMAT = 1  # bump when build_sample's output changes for the same records and packages
@@ -179,11 +180,7 @@ def _build_locked(final: Path, damaged: list[str] | None = None) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename reaches the disk before anyone is told the set is there
-    finally:
-        os.close(fd)
+    fsync_path(final.parent)  # the rename reaches the disk before anyone is told the set is there
 
 
 def describe(path: Path, built: bool) -> str:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moevlm.errors import ConfigError
+from moevlm.files import fsync_path
 from moevlm.model import Qwen3VLMoe, hf
 from moevlm.model.linear import is_adapter
 from moevlm.model.lora import merged_weight, peft_tensors, write_peft_adapter
@@ -300,11 +301,7 @@ def _remove_ours(folder: Path) -> None:
 def _flush(folder: Path) -> None:
     """Each file's bytes on disk before the folder is renamed into place."""
     for p in folder.iterdir():
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(p)
 
 
 def _swap_in(tmp: Path, target: Path) -> None:
@@ -313,20 +310,20 @@ def _swap_in(tmp: Path, target: Path) -> None:
     offered, two renames: a kill between them leaves no `target` (the earlier export is `.<name>.moevlm-old`)."""
     try:
         os.rename(tmp, target)
-        _sync_dir(target.parent)
+        fsync_path(target.parent)
         return
     except OSError as err:
         if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
     if _exchange(tmp, target):
-        _sync_dir(target.parent)
+        fsync_path(target.parent)
         shutil.rmtree(tmp)
         return
     old = target.with_name(f".{target.name}{_OLD}")
     _remove_ours(old)
     os.rename(target, old)
     os.rename(tmp, target)
-    _sync_dir(target.parent)
+    fsync_path(target.parent)
     shutil.rmtree(old)
 
 
@@ -344,14 +341,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
     raise OSError(code, os.strerror(code), str(b))
-
-
-def _sync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = [

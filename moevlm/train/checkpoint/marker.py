@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from moevlm.files import fsync_path as fsync_dir  # (the checkpoint's name for it)
 from moevlm.train.integrity import CheckpointError, one_line
 
 MARKER = "COMPLETE.json"
@@ -37,14 +38,6 @@ def step_of(path: Path) -> int:
 def utc_now(compact: bool = False) -> str:
     now = datetime.datetime.now(datetime.timezone.utc)
     return now.strftime("%Y%m%dT%H%M%SZ") if compact else now.isoformat(timespec="seconds")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
