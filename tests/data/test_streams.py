@@ -112,7 +112,8 @@ def test_layouts_are_fitted_with_a_warning_or_refused_in_one_line(sample_shards,
     with pytest.raises(
         ValueError,
         match=r"23 shards cannot feed 8 data-parallel ranks with data.streams=24: they "
-        r"give 12 streams, not a multiple of 8; rebuild .*\(at least 24 shards\)",
+        r"give 12 streams, not a multiple of 8; rebuild .*img2dataset --number_sample_per_shard.*"
+        r"\(at least 24 shards\)",
     ):
         loader(sample_shards, world=8, streams=24)
     with pytest.raises(

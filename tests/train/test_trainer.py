@@ -510,8 +510,9 @@ def test_accumulation_and_micro_batch_size_give_the_same_step(tmp_path):
         torch.testing.assert_close(g1[k], g2[k], rtol=1e-4, atol=1e-7)
 
 
-def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path):
+def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path, capsys):
     from moevlm.model import Qwen3VLMoe, VLMConfig
+    from moevlm.model.params import num_parameters
 
     torch.manual_seed(123)
     src = Qwen3VLMoe(VLMConfig.preset("tiny"))
@@ -531,6 +532,8 @@ def test_hf_checkpoint_in_frozen_vision_and_hf_export_out(tmp_path):
     start = _params(trainer.model)
     for k, v in src.state_dict().items():
         assert torch.equal(start[k], v), k  # the weights came from the HF folder
+    said = f"loaded weights from {tmp_path / 'hf_in'} ({num_parameters(src.config):,} parameters)"
+    assert said in capsys.readouterr().out  # and the run says so
     assert trainer.run() == 0
     end = _params(trainer.model)
     vision = [k for k in start if k.startswith("vision.")]
