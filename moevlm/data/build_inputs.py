@@ -22,7 +22,7 @@ from typing import Iterator
 from PIL import Image, UnidentifiedImageError
 
 from moevlm.data.errors import SkipCounter, SkipSample
-from moevlm.data.image import allowed_formats
+from moevlm.data.image import allowed_formats, check_image_shape
 from moevlm.data.records import Record, parse_json_bytes
 
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
@@ -124,10 +124,11 @@ def display_path(p: str, limit: int = 80) -> str:
 
 
 def verify_image(data: bytes, shown: str) -> str:
-    """Header + structure check (see module docstring); returns PIL's format name."""
+    """Header + structure check (see module docstring), and the loader's shape rule (an image it would
+    always skip: bad_image_size); returns PIL's format name."""
     try:
         with Image.open(io.BytesIO(data), formats=allowed_formats()) as im:
-            fmt = im.format
+            fmt, size = im.format, im.size
             im.verify()
         if fmt == "JPEG":
             _decode_small(data)
@@ -139,6 +140,7 @@ def verify_image(data: bytes, shown: str) -> str:
         ) from None
     except Exception as e:  # PIL reports damage with many exception types
         raise SkipSample("bad_image", f"{shown}: {type(e).__name__}: {e}") from None
+    check_image_shape(*size, shown)
     return fmt
 
 

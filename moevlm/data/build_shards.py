@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -27,7 +26,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from PIL import Image
 from tqdm import tqdm
 from webdataset import TarWriter
 
@@ -46,7 +44,6 @@ from moevlm.data.build_inputs import (
 from moevlm.data.build_sources import EnergonSource, Inline
 from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.hf_datasets import add_builder_arguments, builder_records
-from moevlm.data.image import check_image_shape
 from moevlm.data.records import KINDS, Record, normalize_record
 
 SHARD_NAME = "shard-{:06d}.tar"
@@ -250,18 +247,12 @@ def _encoder(
 
     def image(p: str, k: int, rid: str, blobs: dict) -> tuple[bytes, str]:
         if p in blobs:
-            shown = f"image #{k} of record {rid!r}"
-            data, ext = check_image_bytes(blobs[p], max_image_bytes, shown)
-        elif root is None:
+            return check_image_bytes(blobs[p], max_image_bytes, f"image #{k} of record {rid!r}")
+        if root is None:
             raise SkipSample(
                 "missing_image", f"image #{k} of record {rid!r} is a path: give --images DIR"
             )
-        else:
-            shown = f"image path #{k} of record {rid!r}"
-            data, ext = load_image(p, root, max_image_bytes, shown)
-        with Image.open(io.BytesIO(data)) as im:  # the header only: the loader's shape rule
-            check_image_shape(*im.size, shown)
-        return data, ext
+        return load_image(p, root, max_image_bytes, f"image path #{k} of record {rid!r}")
 
     def encode(item):
         where, obj = item

@@ -270,9 +270,8 @@ def tokenizer_choice(cfg: DataConfig, shards: list[str], hf_checkpoint: str = ""
     """(tokenizer.json, where from): data.tokenizer, else the one beside the (first) shards (none for
     []), else the checkpoint's, else `sample()` (the sample set's, when given); one message naming all
     three when none is there."""
-    if (
-        cfg.tokenizer
-    ):  # a file, or a folder holding tokenizer.json (as build_shards --tokenizer takes)
+    # data.tokenizer: a file, or a folder holding tokenizer.json (as build_shards --tokenizer takes)
+    if cfg.tokenizer:
         file = cfg.tokenizer
         if os.path.isdir(file):
             file = os.path.join(file, "tokenizer.json")

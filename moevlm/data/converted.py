@@ -1,6 +1,6 @@
 """data.shards=<what Hugging Face datasets saves>: converted once into shards in the moevlm cache
 (moevlm.data.sample_cache.cache_root), keyed by the input files' real paths, sizes and mtimes, and
-reused; builders serialise on an flock and rename a finished folder into place.
+reused; built as the sample set is (moevlm.data.sample_cache.build_once).
 
     src = open_dataset(Path("ds"), split=None)    # moevlm.data.hf_datasets
     folder, built = ensure_converted(src, say=log.info)
@@ -8,17 +8,15 @@ reused; builders serialise on an flock and rename a finished folder into place.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 from moevlm.data.errors import DataSetupError, SkipCounter
 from moevlm.data.hf_datasets import DatasetSource
-from moevlm.data.sample_cache import cache_root
+from moevlm.data.sample_cache import build_once, cache_root
 
 CONVERT_FORMAT = 1  # bump when a conversion's output changes for the same input
 
@@ -39,49 +37,40 @@ def ensure_converted(src: DatasetSource, say=print) -> tuple[Path, bool]:
     """(folder of shards, built): `src` converted into the cache here (True) or earlier (False);
     `say` gets one line before a conversion (the builder shows its progress) and one after."""
     final = converted_dir(src)
-    if (final / "summary.json").is_file():
-        return final, False
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f"{final.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
-        if (final / "summary.json").is_file():
-            return final, False
+
+    def convert(tmp: Path, _found) -> None:
         say(f"converting {src.describe()} once into {final}")
         t0 = time.perf_counter()
-        summary = _convert_locked(src, final)
+        summary = _convert(src, tmp)
         say(
             f"converted {summary['samples']} samples, {summary['images']} images into "
             f"{len(summary['shards'])} shards in {time.perf_counter() - t0:.1f} s"
             + (f" ({sum(summary['skipped'].values())} rows skipped)" if summary["skipped"] else "")
         )
-    return final, True
+
+    return final, build_once(final, _unconverted, convert)
 
 
-def _convert_locked(src: DatasetSource, final: Path) -> dict:
+def _unconverted(final: Path) -> list[str]:
+    return [] if (final / "summary.json").is_file() else ["not converted"]
+
+
+def _convert(src: DatasetSource, tmp: Path) -> dict:
+    """The builder's shards of `src` in `tmp`; DataSetupError when no row is usable."""
     # late: `python -m moevlm.data.build_shards` imports moevlm.data (this module) first
     from moevlm.data.build_shards import auto_samples_per_shard, build_shards
 
-    for stale in final.parent.glob(f"{final.name}.tmp-*"):
-        shutil.rmtree(stale)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     skips = SkipCounter()
-    try:
-        summary = build_shards(
-            src.records(skips),
-            None,
-            tmp,
-            auto_samples_per_shard(max(src.total, 1)),
-            skips=skips,
-            build_args={"dataset": str(src.path), "split": src.split},
-            total=src.total,
-        )
-        if not summary["samples"]:
-            skipped = ", ".join(f"{k} {n}" for k, n in summary["skipped"].items()) or "no rows"
-            raise DataSetupError(f"data.shards={src.path}: no usable row ({skipped})")
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    summary = build_shards(
+        src.records(skips),
+        None,
+        tmp,
+        auto_samples_per_shard(max(src.total, 1)),
+        skips=skips,
+        build_args={"dataset": str(src.path), "split": src.split},
+        total=src.total,
+    )
+    if not summary["samples"]:
+        skipped = ", ".join(f"{k} {n}" for k, n in summary["skipped"].items()) or "no rows"
+        raise DataSetupError(f"data.shards={src.path}: no usable row ({skipped})")
     return summary

@@ -150,37 +150,44 @@ def ensure_sample(version: str | None = None) -> tuple[Path, bool]:
     """(folder, built): the sample set's folder, built here (True) or reused (False).  A set damaged since
     it was built (its manifest says) is built again; `describe` says why."""
     final = sample_dir(version)
-    if is_complete(final):
-        return final, False
+    return final, build_once(final, damage, _build_sample)
+
+
+def build_once(final: Path, problems, build) -> bool:
+    """The cache folder `final`, unless `problems(final)` is empty, built by `build(tmp, found)` into a
+    fresh folder beside it and renamed into place; `problems` is asked again under an flock, so several
+    processes may ask at once.  True when this call built it."""
+    if not problems(final):
+        return False
     make_cache_root(final.parent)
     with open(final.parent / f"{final.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
-        problems = damage(final)
-        if not problems:
-            return final, False  # another process built it while this one waited
-        _build_locked(final, None if problems == ["not built"] else problems)
-    return final, True
+        found = problems(final)
+        if not found:
+            return False  # another process built it while this one waited
+        for stale in final.parent.glob(f"{final.name}.tmp-*"):
+            shutil.rmtree(stale)  # an interrupted build: only the lock holder writes there
+        if final.exists():
+            shutil.rmtree(final)  # incomplete or damaged; renaming onto it would fail
+        tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
+        try:
+            build(tmp, found)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_path(final.parent)  # the rename reaches the disk before anyone is told it is there
+    return True
 
 
-def _build_locked(final: Path, damaged: list[str] | None = None) -> None:
-    """Build into a fresh tmp folder beside `final`, write its manifest (with `damaged`: what was wrong
-    with the set it replaces) and rename it into place (the lock is held)."""
+def _build_sample(tmp: Path, found: list[str]) -> None:
+    """The sample set into `tmp` with its manifest (`found`: what was wrong with the set it replaces)."""
     from moevlm.data.build_shards import build_sample
 
-    for stale in final.parent.glob(f"{final.name}.tmp-*"):
-        shutil.rmtree(stale)  # an interrupted build: only the lock holder writes there
-    if final.exists():
-        shutil.rmtree(final)  # incomplete by hand; renaming onto it would fail
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
-    try:
-        build_sample(tmp, progress=False, overwrite=True)
-        manifest = {"files": file_sums(tmp), "replaced_damaged": damaged}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_path(final.parent)  # the rename reaches the disk before anyone is told the set is there
+    build_sample(tmp, progress=False, overwrite=True)
+    damaged = None if found == ["not built"] else found
+    manifest = {"files": file_sums(tmp), "replaced_damaged": damaged}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 def describe(path: Path, built: bool) -> str:

@@ -360,8 +360,7 @@ def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
             f"configured model is {FAMILIES[mine.family]}; build the model from its config.json "
             "(model.hf_config) or pick a preset of its family"
         )
-    if _architecture(theirs) != _architecture(mine):
-        diff = architecture_differences(theirs, mine)
+    if diff := architecture_differences(theirs, mine):
         shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
         raise CheckpointError(
             f"{hf_dir} holds a different architecture than the configured model; build the "
@@ -369,13 +368,9 @@ def check_architecture(hf_dir: Path, mine: VLMConfig) -> None:
         )
 
 
-def _architecture(c: VLMConfig) -> tuple:
-    m = c.moe
-    return c.vision, c.text, m.num_experts, m.top_k, m.shared_expert_intermediate_size
-
-
 def architecture_differences(theirs: VLMConfig, mine: VLMConfig) -> list[str]:
-    """`section.field: checkpoint X, configured Y` for each field of `_architecture` that differs."""
+    """`section.field: checkpoint X, configured Y` for each field that decides the weights' names and
+    shapes (the vision and text configs, the routed and shared experts) and differs."""
     out = []
     for section in ("vision", "text"):
         a, b = getattr(theirs, section), getattr(mine, section)

@@ -168,10 +168,8 @@ def _my_pp_rank(ctx) -> int:
 
 # ------------------------------------------------------------ all-or-nothing exports of a run
 EXPORT_MARKER = "moevlm_export.json"  # written last, inside the folder: what run and step it holds
-_PARTIAL, _OLD = (
-    ".moevlm-partial",
-    ".moevlm-old",
-)  # suffixes of the hidden folders beside the target
+# suffixes of the hidden folders beside the target: the export being written, the one it replaces
+_PARTIAL, _OLD = ".moevlm-partial", ".moevlm-old"
 
 
 class ExportTargetError(ConfigError):
@@ -192,9 +190,10 @@ def check_export_target(
     target, run_dir, option: str = "train.export_hf", protected: dict | None = None
 ) -> Path:
     """`target` as an absolute path, if this run may replace it: absent, empty, or an earlier export of
-    the run in `run_dir` (its marker says so; None: a run not yet named, whose folder is new).  Refused: a link, a file, a folder with other files (a
-    user's, another run's export), and any folder that is or holds a `protected` path ({what: path}:
-    the run's model.hf_checkpoint, its run directory)."""
+    the run in `run_dir` (its marker says so; None: a run not yet named, whose folder is new).
+    Refused: a link, a file, a folder with other files (a user's, another run's export), and any
+    folder that is or holds a `protected` path ({what: path}: the run's model.hf_checkpoint, its run
+    directory)."""
     target = Path(target).absolute()
     run_dir = Path(run_dir).absolute() if run_dir else None
     where = f"{option}={target}"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-import torch
-
 
 class ExitCode(IntEnum):
     OK = 0  # done
@@ -43,7 +41,7 @@ class ExitCode(IntEnum):
 
 
 # The one table of what each code means (README.md's "Exit codes" table is checked against it by
-# tests/train/test_exit_codes.py): ExitCode's members, then the codes a signal or torchrun makes.
+# tests/train/test_faults.py): ExitCode's members, then the codes a signal or torchrun makes.
 MEANINGS: dict[str, str] = {
     str(int(ExitCode.OK)): "done",
     str(int(ExitCode.NO_PROGRESS)): "the loss did not fall (`train.require_loss_decrease`)",
@@ -80,13 +78,3 @@ def bug_line(err: BaseException) -> str:
         f"moevlm stopped on an unexpected {type(err).__name__}: a bug (the traceback above says "
         f"where; please report it); exit code {ExitCode.BUG:d}"
     )
-
-
-def out_of_memory(err: BaseException) -> str | None:
-    """ "device" or "host" when `err` is running out of memory (torch's OutOfMemoryError, the CPU
-    allocator's refusal, MemoryError), else None."""
-    if isinstance(err, torch.OutOfMemoryError):
-        return "device"
-    if isinstance(err, MemoryError) or "can't allocate memory" in str(err):
-        return "host"
-    return None

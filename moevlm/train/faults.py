@@ -9,6 +9,7 @@ stop signals, the stop agreement over ranks, failed collectives, and the step wa
     code = faults.failure_code(err)      # a failed collective: one line, ExitCode.COLLECTIVE
     faults.close()                       # previous handlers back (library use, sweeps)
     checkpoint_write_line(err, root, intact)  # a checkpoint write's OSError / MemoryError, one line
+    out_of_memory(err)                   # "device" / "host" when a step ran out of memory, else None
 
 Exit codes: moevlm.train.exit_codes.ExitCode.  Why it works this way: docs/architecture.md.
 """
@@ -363,3 +364,13 @@ def checkpoint_write_line(err: BaseException, root, intact) -> str:
         f"writing a checkpoint in {root} failed at {path}: {why}; {kept}; a checkpoint "
         "folder without its marker is never loaded)"
     )
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """ "device" or "host" when `err` is running out of memory (torch's OutOfMemoryError, the CPU
+    allocator's refusal, MemoryError), else None."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return "device"
+    if isinstance(err, MemoryError) or "can't allocate memory" in str(err):
+        return "host"
+    return None

@@ -553,9 +553,8 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def close(self) -> None:
-        if (
-            self.tb_failed is not None
-        ):  # the run ended another way first (a signal, non-finite values)
+        # a TensorBoard failure the run never reached check_tensorboard for (a signal, non-finite values)
+        if self.tb_failed is not None:
             print(f"TensorBoard: {self.tb_failed}", file=sys.stderr, flush=True)
             self.tb_failed = None
         for h in (self._bar, self._tb, self._file):

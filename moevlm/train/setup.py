@@ -478,10 +478,11 @@ def resume(
             f"checkpoint {moved.name} failed verification ({'; '.join(problems[:3])}); moved to "
             f"{moved.parent}"
         )
-    step = 0 if path is None else read_marker(path)["step"]
+    marker = {} if path is None else read_marker(path)
+    step = 0 if path is None else marker["step"]
     if path is not None:  # adapters of another base (or none): refused before anything is moved
-        check_base(read_marker(path), ckpt.base, path)
-        check_changes(path, ckpt.record, t.resume_allow_changes, log)
+        check_base(marker, ckpt.base, path)
+        check_changes(path, marker, ckpt.record, t.resume_allow_changes, log)
     if step > t.steps:  # before anything is set aside
         raise ConfigError(
             f"train.steps={t.steps} is below step {step} of the checkpoint to resume "
@@ -516,7 +517,7 @@ def resume(
         saved["step"], saved["nonfinite_steps"], saved.get("in_a_row", 0), list(saved["losses"])
     )
     # a changed train.steps; the lr the checkpoint's run would have used: its optim.lr's
-    saved_lr = read_marker(path).get("config", {}).get("optim", {}).get("lr")
+    saved_lr = marker.get("config", {}).get("optim", {}).get("lr")
     for line in fit_resumed_schedule(sched, plan.optim, t.steps, saved_lr):
         log.info(line)
     try:
@@ -539,10 +540,10 @@ class DataResumeRefused(CheckpointError):
     exit_code = ExitCode.DATA
 
 
-def check_changes(path: Path, record: dict, allowed: list[str], log) -> None:
-    """Each difference between checkpoint `path`'s launch and this one in a line; a tokenizer or
-    architecture change train.resume_allow_changes does not name: CheckpointError (exit 7)."""
-    marker = read_marker(path)
+def check_changes(path: Path, marker: dict, record: dict, allowed: list[str], log) -> None:
+    """Each difference between the launch that wrote checkpoint `path` (its `marker`) and this one in
+    a line; a tokenizer or architecture change train.resume_allow_changes does not name:
+    CheckpointError (exit 7)."""
     if "config" not in marker:
         log.info(
             f"resume: checkpoint {path} records no config (an older version wrote it): not compared"

@@ -29,9 +29,9 @@ from moevlm.model.objective import objective
 from moevlm.parallel.balance import step_load
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
-from moevlm.train.exit_codes import ExitCode, out_of_memory
+from moevlm.train.exit_codes import ExitCode
 from moevlm.train.export import ExportFailed, export_run
-from moevlm.train.faults import checkpoint_write_line
+from moevlm.train.faults import checkpoint_write_line, out_of_memory
 from moevlm.train.integrity import looks_like_disk_full, write_failed_line
 from moevlm.train.metrics import (
     LogWriteError,
