@@ -149,6 +149,7 @@ class DecoderLayer(nn.Module):
                 t.linear_value_head_dim,
                 t.linear_conv_kernel_dim,
                 t.rms_norm_eps,
+                backend=s.gdn_backend,
                 sequence=s.sequence,
                 share=s.head_share,
             )

@@ -14,8 +14,9 @@ v of j's value heads). Split over n ranks (`share` = (i, n); tensor and/or conte
 (slices of the whole, or of a tensor-parallel shard); the output is summed over the n ranks.
 
 Backends (`backend`): `torch` (the chunked delta rule here; CPU, tests), `fla` (the optional package
-flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16) and `auto` (`fla`
-where it imports and fits, else `torch`).  The causal conv is ours on both.
+flash-linear-attention's chunked kernel, imported lazily; CUDA, bf16/fp16), `auto` (`fla` where it
+imports and fits, else `torch`) and `modelled` (fla's kernel as a plan models it:
+`moevlm.model.gdn_modelled`).  The causal conv is ours on all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from moevlm.model.linear import Linear
 from moevlm.model.region import run_region
 from moevlm.model.strategies import Sequence, local
 
-GDN_BACKENDS = ("auto", "torch", "fla")
+GDN_BACKENDS = ("auto", "torch", "fla", "modelled")
 FLA_DTYPES = (torch.bfloat16, torch.float16)  # its kernel refuses fp32
 
 
@@ -197,6 +198,10 @@ def gated_delta_rule(
         backend = "fla" if fla_fits else "torch"
     if backend == "fla":
         return _fla_chunk(q, k, v, g, beta, bounds)
+    if backend == "modelled":
+        from moevlm.model.gdn_modelled import modelled_fla_chunk
+
+        return modelled_fla_chunk(q, k, v, g, beta, bounds)
     return chunk_gated_delta_rule(
         q, k, v, g, beta, bounds, chunk_size, qk_l2norm=True, num_chunks=num_chunks
     )

@@ -8,8 +8,8 @@ Legend: B rows, S sequence, s this rank's share of it, D hidden, V vocabulary, N
 
 Fields: `sequence` (what the layers see of (B, S) tensors, gather/scatter around projections,
 positions, the document mask), `attention` (core attention factory), `images`, `vocab`, `loss`,
-`router_stats`, `kv_rows`, `head_share` (a Gated DeltaNet's part of its heads), `dispatcher` (per
-MoE block) and `experts_runner` (dispatch -> experts -> combine).
+`router_stats`, `kv_rows`, `head_share` (a Gated DeltaNet's part of its heads), `gdn_backend` (its
+kernel), `dispatcher` (per MoE block) and `experts_runner` (dispatch -> experts -> combine).
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ class Strategies:
     kv_rows: Callable[[int, int], tuple[int, int] | None] = lambda num_kv_heads, head_dim: None
     # (i, n): a Gated DeltaNet computes the i-th of n equal parts of its heads
     head_share: tuple[int, int] = (0, 1)
+    gdn_backend: str = "auto"  # the chunked delta rule's (moevlm.model.gated_deltanet.GDN_BACKENDS)
     dispatcher: Callable[[int, Any], Any] = _local_dispatcher  # (layer index, MoEConfig)
     experts_runner: Callable[[], nn.Module] = ExpertsRunner
 

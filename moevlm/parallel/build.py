@@ -126,6 +126,7 @@ class BuildOptions:
     # optim.master_weights: the parameters made bf16 (fp32 masters: moevlm.parallel.master_weights)
     master_weights: bool = False
     reduce_dtype: torch.dtype = torch.float32  # parallel.reduce_dtype: gradient reductions
+    gdn_backend: str = "auto"  # the Gated DeltaNet kernel; a plan sets `modelled`
 
 
 def build_model(
@@ -243,7 +244,7 @@ def _groups(ctx: ParallelContext, device_type: str) -> None:
 
 def _strategies(cfg: VLMConfig, ctx: ParallelContext, o: BuildOptions) -> Strategies:
     """The strategies of this layout: tensor parallel under context parallel, the dispatchers, the runner."""
-    dims, fields = ctx.dims, {}
+    dims, fields = ctx.dims, {"gdn_backend": o.gdn_backend}
     loss = {}
     if dims.tp > 1:
         tp = tp_strategies(ctx.meshes[0]["tp"], cfg.text.vocab_size)

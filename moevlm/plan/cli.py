@@ -123,6 +123,18 @@ def dispatcher_note(job, world: int) -> str | None:
     )
 
 
+def gdn_note(job, world: int) -> str | None:
+    """The line a plan adds when the model has Gated DeltaNet layers: their kernel is modelled."""
+    from moevlm.config import validate
+
+    if "linear_attention" not in validate(job, world, environment=False).model.text.layer_types:
+        return None
+    return (
+        "gated deltanet: its chunked delta rule is planned as flash-linear-attention's kernel runs it "
+        "in bf16 (moevlm.model.gdn_modelled); without that package on the GPU the layers keep more"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from moevlm.config import check_overrides, compose_job
     from moevlm.errors import ConfigError
@@ -182,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             text, fits = run_search(job, world, gpu_name, args)
         else:
             out = make_plan(job, world, gpu_name)
-            note = dispatcher_note(job, world)
-            if note is not None:
-                out["dispatcher_note"] = note
+            notes = {
+                "dispatcher_note": dispatcher_note(job, world),
+                "gdn_note": gdn_note(job, world),
+            }
+            out.update((k, v) for k, v in notes.items() if v is not None)
             text = json.dumps(out) if args.json else format_plan(out)
-            if note is not None and not args.json:
-                text = text.replace("\nverdict:", f"\n{note}\n\nverdict:", 1)
+            lines = "\n".join(v for v in notes.values() if v is not None)
+            if lines and not args.json:
+                text = text.replace("\nverdict:", f"\n{lines}\n\nverdict:", 1)
             fits = out["fits"]
     except (ConfigError, ValueError) as err:
         print(f"config error: {err}", file=sys.stderr)

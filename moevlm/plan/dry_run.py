@@ -116,6 +116,7 @@ def _build(job, plan, device_type: str, bf16: bool):
         cuda_graph_scope=(),
         optimizer_offload=False,
         dispatcher=plan.build.dispatcher.for_plan(),  # deepep / hybridep modelled, never imported
+        gdn_backend="modelled" if bf16 else "auto",  # fla's kernel, as a bf16 GPU run takes it
     )
     return build_model(plan.model, plan.dims, options)
 

@@ -281,3 +281,37 @@ def test_backend_errors_say_what_to_change():
     with pytest.raises(RuntimeError, match="backend='torch'"):
         GatedDeltaNet(16, 1, 2, 4, 4, backend="fla")(x)
     assert GatedDeltaNet(16, 1, 2, 4, 4, backend="auto")(x).shape == x.shape  # CPU: the torch path
+
+
+def test_modelled_fla_keeps_what_fla_keeps_and_refuses_real_tensors():
+    """The plan's model of fla's kernel (moevlm.model.gdn_modelled): real tensors are refused; on fake
+    ones the layer's output and every gradient have the torch path's shapes and dtypes, and the kernel
+    keeps for the backward what fla's ChunkGatedDeltaRuleFunction saves: l2-normed q and k by value
+    head, their fp32 norms, v, the fp32 cumsum of g, beta and A (T, H, 64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(RuntimeError, match="fake tensors"):
+        GatedDeltaNet(16, 1, 2, 4, 4, backend="modelled")(torch.randn(1, 5, 16))
+    T, (hk, H, kd, vd) = 200, (2, 4, 8, 12)
+    shapes = {}
+    with FakeTensorMode():
+        q, k = (torch.randn(T, hk, kd, dtype=torch.bfloat16, requires_grad=True) for _ in "qk")
+        v = torch.randn(T, H, vd, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(T, H, requires_grad=True)
+        beta = torch.rand(T, H, dtype=torch.bfloat16, requires_grad=True)
+        bounds = torch.tensor([0, 70, T])
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            o = gdn.gated_delta_rule(q, k, v, g, beta, bounds, backend="modelled")
+        o.sum().backward()
+        for name, t in dict(o=o, q=q.grad, k=k.grad, v=v.grad, g=g.grad, beta=beta.grad).items():
+            shapes[name] = (tuple(t.shape), t.dtype)
+    kept = sorted((tuple(t.shape), str(t.dtype)) for t in saved)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert shapes == dict(
+        o=((T, H, vd), bf16), q=((T, hk, kd), bf16), k=((T, hk, kd), bf16),
+        v=((T, H, vd), bf16), g=((T, H), fp32), beta=((T, H), bf16),
+    )  # fmt: skip
+    fla_saves = [((T, H, kd), bf16)] * 2 + [((T * H,), fp32)] * 2
+    fla_saves += [((T, H, vd), bf16), ((T, H), fp32), ((T, H), bf16), ((T, H, 64), bf16)]
+    assert kept == sorted((s, str(d)) for s, d in fla_saves)

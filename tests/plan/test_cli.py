@@ -28,6 +28,7 @@ CALLS = {
         [*TINY, "--world", "2", "parallel.ep=2", "--json"],
         [*TINY, "--world", "2", "parallel.tp=3"],
         ["--gpu", "a100"],
+        [*TINY, "model.family=qwen3_5_moe"],
     ],
     "test_search_ranks_the_layouts_of_the_space_it_is_given": [
         [*TINY, "--world", "2", "--search", "--top", "3", *ONLY],
@@ -98,6 +99,12 @@ def test_a_plan_prints_its_verdict_and_exits_by_it(cli):
     assert cli.readouterr().err.startswith("config error: ")
     assert cli.main(["--gpu", "a100"]) == ExitCode.CONFIG
     assert "choose one of h100, h200, b200, gb200" in cli.readouterr().err
+    # a model with Gated DeltaNet layers: the plan says their kernel is modelled (the others do not)
+    assert "gdn_note" not in plan
+    assert cli.main([*TINY, "model.family=qwen3_5_moe"]) == ExitCode.OK
+    assert "gated deltanet: its chunked delta rule is planned as flash-linear-attention" in (
+        cli.readouterr().out
+    )
 
 
 @pytest.mark.slow
