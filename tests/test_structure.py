@@ -194,10 +194,10 @@ def test_dispatcher_built_once_per_moe_layer(monkeypatch, name):
 # moevlm.errors, moevlm.fields, moevlm.comm, moevlm.signals, moevlm.files, moevlm.kernels
 MAY_IMPORT = {
     "kernels": {"kernels"},
-    "model": {"model", "kernels", "errors"},
+    "model": {"model", "kernels", "errors", "exports"},
     "dispatch": {"dispatch", "model", "kernels", "comm", "errors"},
-    "parallel": {"parallel", "dispatch", "model", "kernels", "comm", "errors", "files"},
-    "data": {"data", "model", "kernels", "errors", "fields", "signals", "files"},
+    "parallel": {"parallel", "dispatch", "model", "kernels", "comm", "errors", "files", "exports"},
+    "data": {"data", "model", "kernels", "errors", "fields", "signals", "files", "exports"},
     "config": {"config", "data", "dispatch", "parallel", "model", "kernels", "errors", "fields"},
 }
 

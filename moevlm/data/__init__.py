@@ -10,13 +10,20 @@ config:  config (DataConfig and its parts), checks (each field, the model, the l
 other:   errors (skip reasons, DataError), hf_files (processor files of an HF export), vision_balance
 """
 
-from moevlm.data.batch import MicroBatch
-from moevlm.data.config import DataConfig, ImageConfig, PackConfig
-from moevlm.data.errors import REASONS, DataError, SkipSample
-from moevlm.data.lifetime import worker_death
-from moevlm.data.loader import PackedLoader, build_loader
-from moevlm.data.packing import PackedRow, stack_rows
-from moevlm.data.state import merge_states
+from moevlm.exports import lazy_exports
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "MicroBatch": "moevlm.data.batch",
+        **dict.fromkeys(("DataConfig", "ImageConfig", "PackConfig"), "moevlm.data.config"),
+        **dict.fromkeys(("REASONS", "DataError", "SkipSample"), "moevlm.data.errors"),
+        "worker_death": "moevlm.data.lifetime",
+        **dict.fromkeys(("PackedLoader", "build_loader"), "moevlm.data.loader"),
+        **dict.fromkeys(("PackedRow", "stack_rows"), "moevlm.data.packing"),
+        "merge_states": "moevlm.data.state",
+    },
+)
 
 __all__ = [
     "MicroBatch",

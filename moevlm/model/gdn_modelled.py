@@ -72,7 +72,7 @@ class _Modelled(torch.autograd.Function):
             torch.empty_like(beta),
             torch.empty_like(g_cum),
         )
-        del dk2, dg2  # added into dk and dg in place
+        del dk2, dg2, dw  # dk2 and dg2 added into dk and dg in place
         dg = torch.empty_like(dg)  # the reverse cumsum
         dq, dk = torch.empty_like(dq), torch.empty_like(dk)  # l2norm_bwd
         return dq, dk, dv, dg, db, None

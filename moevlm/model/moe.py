@@ -135,7 +135,7 @@ class Experts(nn.Module):
         return y_MD
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, dynamo imported at the first call, not here
 def _eager_mlp(experts: Experts, x_MD, counts_E):
     return experts.mlp(x_MD, counts_E)
 

@@ -14,13 +14,13 @@ kernel), `dispatcher` (per MoE block) and `experts_runner` (dispatch -> experts 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from moevlm.model.attention import CoreAttention, doc_mask
 from moevlm.model.dispatcher import LocalDispatcher
@@ -29,7 +29,9 @@ from moevlm.model.linear_ce import IGNORE_INDEX, VocabShard, linear_cross_entrop
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The shard of a parameter this rank computes with (differentiable); the tensor itself when whole."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    # a DTensor exists only once its module is imported: a one-process model never imports it
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 # ------------------------------------------------------------------ strategies
@@ -183,14 +185,14 @@ class Combine(nn.Module):
         return dispatcher.combine(expert_y_MD, handle)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, dynamo imported at the first call, not here
 def _dispatch_eager(dispatcher, x_TD, topk_idx_TK, topk_w_TK):
     rows_MD, counts, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
     torch._dynamo.maybe_mark_dynamic(rows_MD, 0)
     return rows_MD, counts, handle
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, dynamo imported at the first call, not here
 def _combine_eager(dispatcher, expert_y_MD, handle):
     return dispatcher.combine(expert_y_MD, handle)
 

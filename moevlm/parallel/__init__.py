@@ -12,16 +12,23 @@ torch.distributed.pipelining); Hugging Face checkpoints in and out of a laid-out
 layout-independent initialization and unsharded values (weights.py).
 """
 
-from moevlm.parallel.build import ParallelContext, ParallelNotBuilt, build_model, materialize_
-from moevlm.parallel.hf_io import load_hf_weights_, save_hf
-from moevlm.parallel.mesh import ParallelDims
-from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
-from moevlm.parallel.weights import (
-    copy_full_,
-    full_grads,
-    full_state_dict,
-    full_tensor,
-    init_parameters_,
+from moevlm.exports import lazy_exports
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("ParallelContext", "ParallelNotBuilt", "build_model", "materialize_"),
+            "moevlm.parallel.build",
+        ),
+        **dict.fromkeys(("load_hf_weights_", "save_hf"), "moevlm.parallel.hf_io"),
+        "ParallelDims": "moevlm.parallel.mesh",
+        **dict.fromkeys(("PipelineSplit", "split_pipeline"), "moevlm.parallel.pipeline_split"),
+        **dict.fromkeys(
+            ("copy_full_", "full_grads", "full_state_dict", "full_tensor", "init_parameters_"),
+            "moevlm.parallel.weights",
+        ),
+    },
 )
 
 __all__ = [
