@@ -262,3 +262,95 @@ def test_bad_inputs_raise_readable_errors():
         video_smart_resize(4, 32, 32 * 300, VideoConfig())
     with pytest.raises(ValueError, match="at least one frame"):
         sample_frame_indices(0, 30.0, VideoConfig())
+
+
+# ---------------------------------------------------------------------- prompt
+VS, VE, VPAD, IPAD = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>", "<|image_pad|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from moevlm.data.sample import shipped_texts
+    from moevlm.data.text import TINY_SPECIAL_IDS, train_bpe
+
+    return train_bpe(shipped_texts(200), TINY_SPECIAL_IDS)
+
+
+def processor_video_text(grid, indices, video_fps) -> str:
+    """Qwen3VLProcessor.replace_video_token's text for one video (the processor without its tokenizer
+    and video processor: only the attributes that method reads)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    proc = types.SimpleNamespace(
+        video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        vision_start_token=VS,
+        vision_end_token=VE,
+        video_token=VPAD,
+        _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a),
+    )
+    inputs = {
+        "video_grid_thw": torch.tensor([grid]),
+        "video_metadata": [types.SimpleNamespace(fps=video_fps, frames_indices=indices)],
+    }
+    return Qwen3VLProcessor.replace_video_token(proc, inputs, 0)
+
+
+def video_span(grid, indices, video_fps):
+    from moevlm.data.text import VideoSpan
+
+    t, h, w = grid
+    return VideoSpan(tuple(frame_timestamps(indices, video_fps)), h * w // 4)
+
+
+def test_video_prompt_equals_processor_text(tok):
+    from moevlm.data.text import ChatEncoder
+
+    cfg = VideoConfig()
+    i1, i2 = sample_frame_indices(100, 29.97, cfg), sample_frame_indices(300, 25.0, cfg)
+    assert (len(i1), len(i2)) == (6, 24)
+    i1 = i1[:5]  # an odd count: the last temporal patch repeats its frame
+    v1, v2 = (i1, 29.97, (3, 4, 6)), (i2, 25.0, (12, 2, 2))
+    chat = [
+        {"role": "system", "content": "You watch videos."},
+        {"role": "user", "content": "Watch:<video>and this <image> then<video>\nWhich is longer?"},
+        {"role": "assistant", "content": "The second."},
+    ]
+    texts = iter([processor_video_text(g, i, f) for i, f, g in (v1, v2)])
+    rendered = ""
+    for m in chat:
+        content = m["content"].replace("<image>", f"{VS}{IPAD * 6}{VE}")
+        content = re.sub("<video>", lambda _: next(texts), content)
+        rendered += f"<|im_start|>{m['role']}\n{content}<|im_end|>\n"
+    assert "Watch:<0.3 seconds><|vision_start|>" in rendered
+    want = tok.encode(rendered, add_special_tokens=False).ids
+    spans = [video_span(g, i, f) for i, f, g in (v1, v2)]
+    ids, labels = ChatEncoder(tok).encode_chat(chat, [6], spans)
+    assert ids == want
+    n_vpad = sum(i == tok.token_to_id(VPAD) for i in ids)
+    assert n_vpad == spans[0].tokens + spans[1].tokens == 3 * 6 + 12 * 1
+    trained = tok.decode([t for t in labels if t != -100], skip_special_tokens=False)
+    assert trained == "The second.<|im_end|>"
+
+
+def test_video_timestamps_are_never_targets(tok):
+    from moevlm.data.text import ChatEncoder, VideoSpan
+
+    enc = ChatEncoder(tok)
+    chat = [
+        {"role": "user", "content": "Show me."},
+        {"role": "assistant", "content": "Here it is:<video> done"},
+    ]
+    ids, labels = enc.encode_chat(chat, videos=[VideoSpan((0.5, 1.5), 2)])
+    trained = tok.decode([t for t in labels if t != -100], skip_special_tokens=False)
+    assert "seconds" not in trained and trained.startswith("Here it is") and "done" in trained
+
+
+def test_video_tag_count_must_match(tok):
+    from moevlm.data.errors import SkipSample
+    from moevlm.data.text import ChatEncoder, VideoSpan
+
+    chat = [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(SkipSample, match="1 <video> tags in the text, 0 videos"):
+        ChatEncoder(tok).encode_chat(chat)
+    with pytest.raises(ValueError, match="at least one temporal patch"):
+        VideoSpan((), 4)
