@@ -157,3 +157,48 @@ def test_video_inputs_are_checked(models):
         ours(ids)
     with pytest.raises(ValueError, match="pixel_values_videos has .* but video_grid_thw describes"):
         ours(ids, pixel_values_videos=pxv[:-4], video_grid_thw=vgrid)
+
+
+def test_vision_flops_count_video_frames():
+    from moevlm.model.flops import count_flops
+
+    cfg = _qwen3vl()
+    frame = count_flops(cfg, [], [(1, 4, 6)]).vision
+    assert frame > 0 and count_flops(cfg, [], [(3, 4, 6)]).vision == pytest.approx(3 * frame)
+
+
+def test_micro_batch_carries_videos_to_the_model(models):
+    from moevlm.data.batch import MicroBatch
+    from moevlm.model.flops import count_flops
+
+    cfg, _, ours = models["qwen3_vl_moe"]
+    ids, _, px, grid, pxv, vgrid = sample(cfg, MIXED)
+    S = ids.shape[1]
+    mb = MicroBatch(
+        input_ids=ids,
+        labels=ids.clone(),
+        position_ids=mrope_position_ids(
+            ids, grid, cfg.image_token_id, 2, None, vgrid, cfg.video_token_id
+        ),
+        cu_seqlens=torch.tensor([0, S], dtype=torch.int32),
+        token_mask=torch.ones_like(ids, dtype=torch.bool),
+        pixel_values=px,
+        image_grid_thw=grid,
+        loss_tokens=S - 1,
+        useful_tokens=S,
+        flops=0.0,
+        n_image=int(grid.prod(-1).sum()) // 4,
+        images=len(grid),
+    )
+    assert "pixel_values_videos" not in mb.model_inputs()
+    padded = torch.cat([vgrid, torch.zeros(1, 3, dtype=torch.long)])
+    mbv = mb.with_videos(pxv, padded, cfg, cp=2)
+    assert (mbv.videos, mbv.n_video) == (2, int(vgrid.prod(-1).sum()) // 4)
+    assert mbv.flops == pytest.approx(count_flops(cfg, [], vgrid.tolist()).vision)
+    both = count_flops(cfg, [], grid.tolist() + vgrid.tolist()).vision
+    assert sum(mbv.vision_flops_cp) == pytest.approx(both) and len(mbv.vision_flops_cp) == 2
+    assert mbv.without_images().pixel_values_videos is None
+    with torch.no_grad():
+        via_batch = ours(**mbv.model_inputs()).logits
+        direct = ours(ids, px, grid, pixel_values_videos=pxv, video_grid_thw=vgrid).logits
+    torch.testing.assert_close(via_batch, direct, rtol=0, atol=0)
