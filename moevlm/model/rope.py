@@ -162,9 +162,9 @@ def mrope_position_ids(
                 kind = 1 if 1 in kinds and bool(kinds[1][i]) else 0
                 grid = next(grids[kind], None)
                 if grid is None:
+                    name = ("image", "video")[kind]
                     raise ValueError(
-                        f"token {i} is an {('image', 'video')[kind]} token but every "
-                        f"{('image', 'video frame')[kind]} grid given is used up"
+                        f"token {i} is a {name} token but every {name} grid given is used up"
                     )
                 n, image_pos, advance = _image_positions(grid, merge, pos, i, end, kinds[kind])
                 out[:, i : i + n] = image_pos

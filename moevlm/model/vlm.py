@@ -328,7 +328,12 @@ def check_inputs(
         f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}",
     )
     B, S = input_ids.shape
-    n_img_tokens = int((input_ids == cfg.image_token_id).sum())
+    # both counts in one host read: image tokens * (B*S + 1) + video tokens
+    both = int(
+        (input_ids == cfg.image_token_id).sum() * (B * S + 1)
+        + (input_ids == cfg.video_token_id).sum()
+    )
+    n_img_tokens, n_vid_tokens = divmod(both, B * S + 1)
     if (pixel_values is None) != (image_grid_thw is None):
         missing = "image_grid_thw" if image_grid_thw is None else "pixel_values"
         raise ValueError(f"{missing} is missing: pixel_values and image_grid_thw come together")
@@ -340,7 +345,6 @@ def check_inputs(
         )
     else:
         _check_images(cfg, pixel_values, image_grid_thw, n_img_tokens)
-    n_vid_tokens = int((input_ids == cfg.video_token_id).sum())
     if (pixel_values_videos is None) != (video_grid_thw is None):
         missing = "video_grid_thw" if video_grid_thw is None else "pixel_values_videos"
         raise ValueError(
