@@ -1,7 +1,7 @@
 """Rotary embeddings and position ids: 2-D rotary for the vision tower, interleaved 3-D M-RoPE for
 the decoder, and the 3-D position ids of a (packed) sequence.
 
-Legend: B batch, S sequence, N vision patches, I images, hd head dim.
+Legend: B batch, S sequence, N vision patches, I images, V videos, hd head dim.
 
     pos_3BS = mrope_position_ids(input_ids_BS, grid_thw_I3, image_token_id, merge, cu_seqlens)
     pos_3BS = mrope_position_ids(ids_BS, image_grid, image_id, merge, cu, video_grid, video_id)
