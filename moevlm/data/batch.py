@@ -7,7 +7,8 @@ Legend: B rows, S seq_len, J max_samples, Np max_patches, I max_images, D patch 
     out = model(**mb.model_inputs())
     mb.loss_tokens, mb.useful_tokens, mb.flops, mb.images, mb.n_image          # the counts ride along
 
-A text-only patch budget gives `pixel_values = image_grid_thw = None`.  FLOPs count the real documents
+A text-only patch budget gives `pixel_values = image_grid_thw = None`; videos ride in
+`pixel_values_videos`/`video_grid_thw` (`mb.with_videos(...)`, None without).  FLOPs count the real documents
 and images only; `vision_flops_cp` is each context-parallel rank's share (image_shares.balance_images).
 """
 
@@ -42,6 +43,11 @@ class MicroBatch:
     # training vision FLOPs each context-parallel rank's tower spends on this micro-batch (its share of the
     # images, image_shares.balance_images; one entry without CP)
     vision_flops_cp: tuple[float, ...] = (0.0,)
+    # videos, laid out as the images are; None without videos (with_videos attaches them)
+    pixel_values_videos: torch.Tensor | None = None  # (B Nv, D), real patches first
+    video_grid_thw: torch.Tensor | None = None  # (B V, 3), real grids first, zero rows after
+    n_video: int = 0  # merged video rows (= video tokens in the text)
+    videos: int = 0  # real videos (grids)
 
     MODEL_INPUTS: ClassVar[tuple[str, ...]] = (
         "input_ids",
@@ -52,6 +58,7 @@ class MicroBatch:
         "labels",
         "token_mask",
     )
+    VIDEO_INPUTS: ClassVar[tuple[str, ...]] = ("pixel_values_videos", "video_grid_thw")
 
     @classmethod
     def read(
@@ -89,8 +96,9 @@ class MicroBatch:
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor | None]:
-        """The keyword arguments of the model's forward."""
-        return {k: getattr(self, k) for k in self.MODEL_INPUTS}
+        """The keyword arguments of the model's forward (the video ones only with videos)."""
+        videos = self.VIDEO_INPUTS if self.pixel_values_videos is not None else ()
+        return {k: getattr(self, k) for k in self.MODEL_INPUTS + videos}
 
     def to(self, device: torch.device) -> MicroBatch:
         """A copy with the tensors on `device` (non-blocking; counts unchanged)."""
@@ -101,8 +109,39 @@ class MicroBatch:
         return dataclasses.replace(self, **moved)
 
     def without_images(self) -> MicroBatch:
-        """A copy without the pixels and grids: what a pipeline stage after the first needs."""
-        return dataclasses.replace(self, pixel_values=None, image_grid_thw=None)
+        """A copy without the pixels and grids (images and videos): what a pipeline stage after the
+        first needs."""
+        return dataclasses.replace(
+            self,
+            pixel_values=None,
+            image_grid_thw=None,
+            pixel_values_videos=None,
+            video_grid_thw=None,
+        )
+
+    def with_videos(
+        self,
+        pixel_values_videos: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+        model,
+        freeze_vision: bool = False,
+        cp: int = 1,
+    ) -> MicroBatch:
+        """A copy carrying the micro-batch's videos (real patches and grids first, zero grid rows
+        after), their training vision FLOPs added to `flops` and to `vision_flops_cp` (images and
+        videos balanced over the context-parallel ranks together)."""
+        real = video_grid_thw[video_grid_thw.prod(-1) > 0].tolist()
+        images = [] if self.image_grid_thw is None else self.image_grid_thw[: self.images].tolist()
+        added = count_flops(model, [], real, training=True, freeze_vision=freeze_vision).vision
+        return dataclasses.replace(
+            self,
+            pixel_values_videos=pixel_values_videos,
+            video_grid_thw=video_grid_thw,
+            n_video=sum(t * h * w for t, h, w in real) // model.vision.spatial_merge_size**2,
+            videos=len(real),
+            flops=self.flops + added,
+            vision_flops_cp=vision_flops_by_cp(images + real, model, cp, freeze_vision),
+        )
 
 
 def vision_flops_by_cp(grids: list, model, cp: int, freeze_vision: bool = False) -> tuple:

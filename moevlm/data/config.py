@@ -77,6 +77,54 @@ class ImageConfig:
 
 
 @dataclass
+class VideoConfig:
+    """Video frame sampling and preprocessing, named as transformers' Qwen3VLVideoProcessor names them
+    (min_pixels/max_pixels are its size["shortest_edge"]/size["longest_edge"]: pixels of all frames)."""
+
+    fps: float = field(default=2.0, metadata={"help": "frames sampled per second of video"})
+    min_frames: int = field(default=4, metadata={"help": "fewest frames sampled from a video"})
+    max_frames: int = field(default=768, metadata={"help": "most frames sampled from a video"})
+    min_pixels: int = field(
+        default=128 * 32 * 32,
+        metadata={
+            "help": "smaller videos are upscaled to at least this many pixels, all frames together"
+        },
+    )
+    max_pixels: int = field(
+        default=768 * 32 * 32,
+        metadata={
+            "help": "larger videos are downscaled to at most this many pixels, all frames together"
+        },
+    )
+    cap_pixels_per_frame: bool = field(
+        default=True,
+        metadata={
+            "help": "each frame's pixels at most max_video_tokens merged patches and max_pixels / frames "
+            "(qwen-vl-utils' rule; transformers' coming default)"
+        },
+    )
+    max_video_tokens: int = field(
+        default=768,
+        metadata={"help": "per-frame ceiling of cap_pixels_per_frame, in merged patches"},
+    )
+    patch_size: int = field(default=16, metadata={"help": "vision patch side in pixels"})
+    temporal_patch_size: int = field(
+        default=2, metadata={"help": "frames per patch (an odd last frame is repeated)"}
+    )
+    merge_size: int = field(
+        default=2, metadata={"help": "merge_size x merge_size patches become one text-width token"}
+    )
+    mean: tuple[float, float, float] = field(
+        default=(0.5, 0.5, 0.5),
+        metadata={"help": "per-channel (R, G, B) mean subtracted from pixels in [0, 1]"},
+    )
+    std: tuple[float, float, float] = field(
+        default=(0.5, 0.5, 0.5),
+        metadata={"help": "per-channel (R, G, B) std pixels are divided by, each > 0"},
+    )
+
+
+@dataclass
 class PackConfig:
     """Packing budgets per micro-batch row: fixed, so every tensor shape is static."""
 

@@ -81,20 +81,37 @@ def smart_resize(
             f"image of height={height}, width={width} has aspect ratio {ratio:.1f}, above the "
             f"{MAX_ASPECT_RATIO} Qwen3-VL accepts; crop or pad it first"
         )
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    h_bar, w_bar = fit_area(height, width, factor, min_pixels, max_pixels)
     if h_bar == 0 or w_bar == 0:  # only possible when min_pixels < factor**2
         raise ValueError(
             f"height={height}, width={width} rounds to {h_bar}x{w_bar} pixels; "
             f"raise min_pixels={min_pixels} to at least factor**2={factor * factor}"
         )
+    return h_bar, w_bar
+
+
+def fit_area(
+    height: int,
+    width: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    frames: int = 1,
+    temporal_factor: int = 1,
+) -> tuple[int, int]:
+    """smart_resize's rounding, shared with the video's (moevlm.data.video.video_smart_resize): sides
+    rounded to multiples of `factor`; the area of `frames` frames (their count rounded to a multiple of
+    `temporal_factor`) kept within [min_pixels, max_pixels] by one common scale of both sides."""
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
 

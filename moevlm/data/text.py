@@ -6,15 +6,19 @@ turns them into tensors).
     enc = ChatEncoder(load_tokenizer("shards/tokenizer.json"))
     enc.check_model(cfg)                          # before any weight exists
     input_ids_L, labels_L = enc.encode_chat(messages, image_tokens=[64, 16])
+    input_ids_L, labels_L = enc.encode_chat(messages, videos=[VideoSpan((0.5, 1.5), 64)])
     input_ids_L, labels_L = enc.encode_text("a plain document")
 
-Labels are the token where trained (the assistant's content and its <|im_end|>), IGNORE_INDEX (-100)
+A <video> tag becomes, per temporal patch, its `<t seconds>` text and a vision span of that many
+<|video_pad|> tokens (Qwen3VLProcessor's text).  Labels are the token where trained (the assistant's content and its <|im_end|>), IGNORE_INDEX (-100)
 elsewhere; the model shifts.  `train_bpe` makes the tiny preset's byte-level BPE.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import (
@@ -64,7 +68,9 @@ TINY_SPECIAL_IDS = {
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 ROLES = ("system", "user", "assistant")
+_TAGS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 # model config field -> the token whose id it must equal
 _MODEL_TOKEN_FIELDS = {
     "image_token_id": "<|image_pad|>",
@@ -157,6 +163,32 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 # --------------------------------------------------------------- chat encoder
+@dataclass(frozen=True)
+class VideoSpan:
+    """What one <video> tag expands to: each temporal patch's time in seconds
+    (moevlm.data.video.frame_timestamps) and its tokens (grid h * w / merge**2)."""
+
+    seconds: tuple[float, ...]
+    frame_tokens: int
+
+    def __post_init__(self):
+        if not self.seconds or self.frame_tokens < 1:
+            raise ValueError(
+                f"a video needs at least one temporal patch and one token per patch, got "
+                f"{len(self.seconds)} timestamps and frame_tokens={self.frame_tokens}"
+            )
+
+    @property
+    def tokens(self) -> int:
+        """<|video_pad|> tokens of the whole video (its merged patches)."""
+        return len(self.seconds) * self.frame_tokens
+
+
+def timestamp_text(seconds: float) -> str:
+    """A temporal patch's time as Qwen3VLProcessor writes it before the patch's vision span."""
+    return f"<{seconds:.1f} seconds>"
+
+
 def _check_messages(messages) -> None:
     """Raise SkipSample("bad_record") unless `messages` is a list of
     {"role": one of ROLES, "content": str}, a system message only first."""
@@ -211,7 +243,7 @@ class ChatEncoder:
             ids["<|im_end|>"],
         )
         self.vision_start_id, self.vision_end_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
-        self.image_pad_id = ids["<|image_pad|>"]
+        self.image_pad_id, self.video_pad_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self._text_tok = _plain_text_copy(tokenizer)
         self._newline = self._text("\n")
@@ -250,47 +282,77 @@ class ChatEncoder:
         return self._text_tok.encode(text, add_special_tokens=False).ids if text else []
 
     def _content(
-        self, content: str, images: Iterator[int], trained: bool
+        self, content: str, images: Iterator[int], videos: Iterator[VideoSpan], trained: bool
     ) -> tuple[list[int], list[int]]:
-        """Ids and labels of one message's content, each <image> expanded to its span."""
+        """Ids and labels of one message's content, each <image> and <video> expanded to its spans.
+        A video's first timestamp is tokenized with the text before it (one piece, as the reference's
+        tokenizer sees it between special tokens)."""
         ids: list[int] = []
         labels: list[int] = []
-        for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
-            if i > 0:
-                span = (
-                    [self.vision_start_id]
-                    + [self.image_pad_id] * next(images)
-                    + [self.vision_end_id]
-                )
-                ids += span
-                labels += [IGNORE_INDEX] * len(span)
-            piece_ids = self._text(piece)
-            ids += piece_ids
-            labels += piece_ids if trained else [IGNORE_INDEX] * len(piece_ids)
+        text = ""
+        for piece in _TAGS.split(content):
+            if piece == IMAGE_PLACEHOLDER:
+                self._add_text(ids, labels, text, "", trained)
+                self._add_span(ids, labels, self.image_pad_id, next(images))
+            elif piece == VIDEO_PLACEHOLDER:
+                video = next(videos)
+                for seconds in video.seconds:
+                    self._add_text(ids, labels, text, timestamp_text(seconds), trained)
+                    self._add_span(ids, labels, self.video_pad_id, video.frame_tokens)
+                    text = ""
+            else:
+                text += piece
+                continue
+            text = ""
+        self._add_text(ids, labels, text, "", trained)
         return ids, labels
 
+    def _add_text(self, ids: list, labels: list, text: str, stamp: str, trained: bool) -> None:
+        """`text` + a video timestamp `stamp` as one piece; trained (if `trained`) as far as its ids
+        are those of `text` alone: a timestamp is never a target."""
+        piece_ids = self._text(text + stamp)
+        n = 0
+        if trained:
+            own = self._text(text) if stamp else piece_ids
+            while n < min(len(own), len(piece_ids)) and own[n] == piece_ids[n]:
+                n += 1
+        ids += piece_ids
+        labels += piece_ids[:n] + [IGNORE_INDEX] * (len(piece_ids) - n)
+
+    def _add_span(self, ids: list, labels: list, pad_id: int, n: int) -> None:
+        span = [self.vision_start_id] + [pad_id] * n + [self.vision_end_id]
+        ids += span
+        labels += [IGNORE_INDEX] * len(span)
+
     def encode_chat(
-        self, messages: list[dict], image_tokens: Sequence[int] = ()
+        self,
+        messages: list[dict],
+        image_tokens: Sequence[int] = (),
+        videos: Sequence[VideoSpan] = (),
     ) -> tuple[list[int], list[int]]:
         """(input_ids, labels) of a conversation; the i-th <image> placeholder
-        becomes image_tokens[i] <|image_pad|> tokens inside a vision span."""
+        becomes image_tokens[i] <|image_pad|> tokens inside a vision span, the i-th
+        <video> placeholder videos[i]'s timestamped spans of <|video_pad|> tokens."""
         _check_messages(messages)
-        n_tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-        if n_tags != len(image_tokens):
-            raise SkipSample(
-                "image_tag_mismatch",
-                f"{n_tags} {IMAGE_PLACEHOLDER} tags in the text, {len(image_tokens)} images",
-            )
+        for tag, media, name in (
+            (IMAGE_PLACEHOLDER, image_tokens, "images"),
+            (VIDEO_PLACEHOLDER, videos, "videos"),
+        ):
+            n_tags = sum(m["content"].count(tag) for m in messages)
+            if n_tags != len(media):
+                raise SkipSample(
+                    "image_tag_mismatch", f"{n_tags} {tag} tags in the text, {len(media)} {name}"
+                )
         counts = [int(n) for n in image_tokens]
         if any(n < 1 for n in counts):
             raise ValueError(f"image_tokens must be positive, got {counts}")
-        images = iter(counts)
+        images, video_iter = iter(counts), iter(videos)
         ids: list[int] = []
         labels: list[int] = []
         n_trained = 0
         for msg in messages:
             trained = msg["role"] == "assistant"
-            body_ids, body_labels = self._content(msg["content"], images, trained)
+            body_ids, body_labels = self._content(msg["content"], images, video_iter, trained)
             n_trained += sum(label != IGNORE_INDEX for label in body_labels)
             head = self._headers[msg["role"]]
             ids += head + body_ids + [self.im_end_id] + self._newline

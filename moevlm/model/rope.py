@@ -1,9 +1,10 @@
 """Rotary embeddings and position ids: 2-D rotary for the vision tower, interleaved 3-D M-RoPE for
 the decoder, and the 3-D position ids of a (packed) sequence.
 
-Legend: B batch, S sequence, N vision patches, I images, hd head dim.
+Legend: B batch, S sequence, N vision patches, I images, V videos, hd head dim.
 
     pos_3BS = mrope_position_ids(input_ids_BS, grid_thw_I3, image_token_id, merge, cu_seqlens)
+    pos_3BS = mrope_position_ids(ids_BS, image_grid, image_id, merge, cu, video_grid, video_id)
     cos, sin = mrope(pos_3BS, head_dim, theta, mrope_section);  q = apply_rotary(q, cos, sin)
 
 Packed documents (`cu_seqlens`) restart positions at every document start.
@@ -125,27 +126,47 @@ def mrope_position_ids(
     image_token_id: int,
     merge: int,
     cu_seqlens: torch.Tensor | None = None,
+    video_grid_thw_V3: torch.Tensor | None = None,
+    video_token_id: int | None = None,
 ) -> torch.Tensor:
     """3-D (t, h, w) position ids of every token, as the reference computes them.
 
     Text advances all three by one per token.  An image of llm grid (t, h', w')
     starting at position p gets t-index p + frame, h-index p + row, w-index p + col;
-    the text after it continues at p + max(h', w').  `cu_seqlens` (flat over B*S)
-    restarts positions at each document.  Returns (3, B, S) long."""
+    the text after it continues at p + max(h', w').  A video's temporal patches are
+    placed one by one as images of grid (1, h, w) (their timestamps are text between
+    them), in the order of the video tokens.  `cu_seqlens` (flat over B*S) restarts
+    positions at each document.  Returns (3, B, S) long."""
     B, S = input_ids_BS.shape
-    is_img = (input_ids_BS.reshape(-1) == image_token_id).cpu()
-    img_at = is_img.nonzero().squeeze(-1).tolist()  # Python work is per image, not per token
-    grids = iter(image_grid_thw_I3.tolist() if image_grid_thw_I3 is not None else [])
+    flat = input_ids_BS.reshape(-1).cpu()
+    kinds = {0: flat == image_token_id}
+    frames = []
+    if video_grid_thw_V3 is not None and video_token_id is not None:
+        kinds[1] = flat == video_token_id
+        frames = [[1, h, w] for t, h, w in video_grid_thw_V3.tolist() for _ in range(t)]
+    is_vis = kinds[0] | kinds[1] if 1 in kinds else kinds[0]
+    vis_at = is_vis.nonzero().squeeze(-1).tolist()  # Python work is per image, not per token
+    grids = {
+        0: iter(image_grid_thw_I3.tolist() if image_grid_thw_I3 is not None else []),
+        1: iter(frames),
+    }
     out = torch.empty(3, B * S, dtype=torch.long)
     bounds, k = doc_bounds(B, S, cu_seqlens), 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         pos, i = 0, start
         while i < end:
-            nxt = img_at[k] if k < len(img_at) and img_at[k] < end else end
+            nxt = vis_at[k] if k < len(vis_at) and vis_at[k] < end else end
             out[:, i:nxt] = torch.arange(pos, pos + nxt - i)  # a text run
             pos, i = pos + nxt - i, nxt
             if i < end:
-                n, image_pos, advance = _image_positions(next(grids), merge, pos, i, end, is_img)
+                kind = 1 if 1 in kinds and bool(kinds[1][i]) else 0
+                grid = next(grids[kind], None)
+                if grid is None:
+                    name = ("image", "video")[kind]
+                    raise ValueError(
+                        f"token {i} is a {name} token but every {name} grid given is used up"
+                    )
+                n, image_pos, advance = _image_positions(grid, merge, pos, i, end, kinds[kind])
                 out[:, i : i + n] = image_pos
                 pos, i, k = pos + advance, i + n, k + n
     return out.view(3, B, S).to(input_ids_BS.device)

@@ -112,10 +112,15 @@ class Qwen3VLMoe(nn.Module):
         labels: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         return_logits: bool = False,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> VLMOutput:
         """`token_mask` (B, S), True at real tokens: padding is left out of the
         router statistics (aux loss, `expert_counts`); it changes nothing else.
-        `return_logits`: the logits even when the loss could be computed without them."""
+        `return_logits`: the logits even when the loss could be computed without them.
+        `pixel_values_videos` (N, C*T*P*P) and `video_grid_thw` (V, 3): videos, as transformers
+        takes them (their tokens are `video_token_id`; trailing padding patches and zero grid rows
+        allowed as for images)."""
         cfg = self.config
         check_inputs(
             cfg,
@@ -126,10 +131,12 @@ class Qwen3VLMoe(nn.Module):
             cu_seqlens,
             labels,
             token_mask,
+            pixel_values_videos,
+            video_grid_thw,
         )
         self.strategies.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
         h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
-            input_ids, pixel_values, image_grid_thw
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
         )
         deepstack = [d[:n_image] for d in deepstack]
         if position_ids is None:
@@ -139,6 +146,8 @@ class Qwen3VLMoe(nn.Module):
                 cfg.image_token_id,
                 cfg.vision.spatial_merge_size,
                 cu_seqlens,
+                video_grid_thw,
+                cfg.video_token_id,
             )
         elif position_ids.ndim == 2:
             position_ids = position_ids[None].expand(3, -1, -1)
@@ -182,24 +191,38 @@ class Qwen3VLMoe(nn.Module):
         input_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ):
-        """Token embeddings with the image features scattered in at the image tokens.
+        """Token embeddings with the image and video features scattered in at their tokens.
 
         Returns (h_BSD, visual mask or None, deepstack features, n): the deepstack
-        features keep the rows of the padding patches after their first n rows (one
-        per image token), so their shape depends only on `pixel_values`' (a pipeline
-        stage sends them whole; `forward` keeps the first n)."""
+        features' first n rows are the visual tokens' (images and videos, in token order), then
+        the rows of the padding patches (the images', then the videos'), so their shape depends
+        only on the pixel tensors' (a pipeline stage sends them whole; `forward` keeps the first n)."""
         h_BSD = self.text.embed_tokens(input_ids)
-        if pixel_values is None:
+        cfg = self.config
+        kinds = [
+            (pixels, grid[grid.prod(-1) > 0], input_ids == token_id)  # a packed batch's unused rows
+            for pixels, grid, token_id in (
+                (pixel_values, image_grid_thw, cfg.image_token_id),
+                (pixel_values_videos, video_grid_thw, cfg.video_token_id),
+            )
+            if pixels is not None
+        ]
+        if not kinds:
             return h_BSD, None, [], 0
-        image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]  # a packed batch's unused rows
-        image_NO, deepstack, n = self.encode_images(pixel_values, image_grid_thw)
+        encoded = [self.encode_images(pixels, grid) for pixels, grid, _ in kinds]
         # An exact 0 that depends on every vision output: the whole tower is in the graph even when a
         # micro-batch holds only padding patches, so data-parallel ranks run the same backward
         # (same FSDP reduce-scatters) whether or not they drew an image.
-        padding_zero = sum(t[n:].sum() for t in [image_NO, *deepstack]) * 0.0
-        visual_mask_BS = input_ids == self.config.image_token_id
-        h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], image_NO[:n].to(h_BSD.dtype))
+        padding_zero = sum(t[n:].sum() for out, ds, n in encoded for t in [out, *ds]) * 0.0
+        for (_, _, mask_BS), (out_NO, _, n) in zip(kinds, encoded):
+            h_BSD = h_BSD.masked_scatter(mask_BS[..., None], out_NO[:n].to(h_BSD.dtype))
+        if len(kinds) == 1:
+            visual_mask_BS, (_, deepstack, n) = kinds[0][2], encoded[0]
+        else:
+            visual_mask_BS, deepstack, n = _joint_deepstack(kinds[0][2], kinds[1][2], *encoded)
         return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, deepstack, n
 
     def encode_images(self, pixel_values_NP, grid_thw_I3):
@@ -273,6 +296,20 @@ def from_pretrained(hf_dir: str | Path, **kwargs) -> Qwen3VLMoe:
     return Qwen3VLMoe.from_pretrained(hf_dir, **kwargs)
 
 
+def _joint_deepstack(image_mask_BS, video_mask_BS, images, videos):
+    """(visual mask, deepstack features, n) of images and videos together: each layer's rows of the
+    visual tokens in token order (the reference's), then the images' and the videos' padding rows."""
+    (_, ds_img, n_img), (_, ds_vid, n_vid) = images, videos
+    visual_mask_BS = image_mask_BS | video_mask_BS
+    is_img = image_mask_BS[visual_mask_BS]
+    deepstack = []
+    for img, vid in zip(ds_img, ds_vid):
+        joint = img.new_zeros(n_img + n_vid, img.shape[-1])
+        joint = joint.index_put((is_img,), img[:n_img]).index_put((~is_img,), vid[:n_vid])
+        deepstack.append(torch.cat([joint, img[n_img:], vid[n_vid:]]))
+    return visual_mask_BS, deepstack, n_img + n_vid
+
+
 def check_inputs(
     cfg: VLMConfig,
     input_ids,
@@ -282,6 +319,8 @@ def check_inputs(
     cu_seqlens,
     labels,
     token_mask=None,
+    pixel_values_videos=None,
+    video_grid_thw=None,
 ):
     """Shape and consistency checks, on the host, before any activation is allocated."""
     _require(
@@ -289,7 +328,12 @@ def check_inputs(
         f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}",
     )
     B, S = input_ids.shape
-    n_img_tokens = int((input_ids == cfg.image_token_id).sum())
+    # both counts in one host read: image tokens * (B*S + 1) + video tokens
+    both = int(
+        (input_ids == cfg.image_token_id).sum() * (B * S + 1)
+        + (input_ids == cfg.video_token_id).sum()
+    )
+    n_img_tokens, n_vid_tokens = divmod(both, B * S + 1)
     if (pixel_values is None) != (image_grid_thw is None):
         missing = "image_grid_thw" if image_grid_thw is None else "pixel_values"
         raise ValueError(f"{missing} is missing: pixel_values and image_grid_thw come together")
@@ -301,6 +345,19 @@ def check_inputs(
         )
     else:
         _check_images(cfg, pixel_values, image_grid_thw, n_img_tokens)
+    if (pixel_values_videos is None) != (video_grid_thw is None):
+        missing = "video_grid_thw" if video_grid_thw is None else "pixel_values_videos"
+        raise ValueError(
+            f"{missing} is missing: pixel_values_videos and video_grid_thw come together"
+        )
+    if pixel_values_videos is None:
+        _require(
+            n_vid_tokens == 0,
+            f"input_ids has {n_vid_tokens} video tokens (video_token_id={cfg.video_token_id}) but no "
+            "pixel_values_videos/video_grid_thw were given",
+        )
+    else:
+        _check_images(cfg, pixel_values_videos, video_grid_thw, n_vid_tokens, _VIDEO_NAMES)
     if cu_seqlens is not None:
         c = cu_seqlens.tolist()
         _require(
@@ -329,35 +386,44 @@ def check_inputs(
         )
 
 
-def _check_images(cfg: VLMConfig, pixel_values, image_grid_thw, n_img_tokens: int) -> None:
-    v = cfg.vision
+_IMAGE_NAMES = dict(pixels="pixel_values", grid="image_grid_thw", n="num_images", token="image")
+_VIDEO_NAMES = dict(
+    pixels="pixel_values_videos", grid="video_grid_thw", n="num_videos", token="video"
+)
+
+
+def _check_images(
+    cfg: VLMConfig, pixel_values, image_grid_thw, n_img_tokens: int, names=_IMAGE_NAMES
+) -> None:
+    v, pixels, grid, token = cfg.vision, names["pixels"], names["grid"], names["token"]
     _require(
         image_grid_thw.ndim == 2 and image_grid_thw.shape[1] == 3,
-        f"image_grid_thw must be (num_images, 3), got {tuple(image_grid_thw.shape)}",
+        f"{grid} must be ({names['n']}, 3), got {tuple(image_grid_thw.shape)}",
     )
     merge = v.spatial_merge_size
     for i, (t, h, w) in enumerate(image_grid_thw.tolist()):
         _require(
             (t, h, w) == (0, 0, 0)
             or (t >= 1 and h > 0 and w > 0 and h % merge == 0 and w % merge == 0),
-            f"image_grid_thw[{i}]=({t}, {h}, {w}): t >= 1 and h, w positive multiples of "
+            f"{grid}[{i}]=({t}, {h}, {w}): t >= 1 and h, w positive multiples of "
             f"spatial_merge_size={merge} are required (or all zeros: an unused row of a packed batch)",
         )
     n_patches = int(image_grid_thw.prod(-1).sum())
     _require(
         pixel_values.ndim == 2 and pixel_values.shape[1] == v.patch_dim,
-        f"pixel_values must be (num_patches, {v.patch_dim}) = (N, C*T*P*P), got {tuple(pixel_values.shape)}",
+        f"{pixels} must be (num_patches, {v.patch_dim}) = (N, C*T*P*P), got {tuple(pixel_values.shape)}",
     )
     pad = pixel_values.shape[0] - n_patches
     _require(
         pad >= 0 and pad % merge**2 == 0,
-        f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {n_patches} "
+        f"{pixels} has {pixel_values.shape[0]} patches but {grid} describes {n_patches} "
         f"(trailing padding patches are allowed in multiples of spatial_merge_size^2={merge**2})",
     )
     _require(
         n_img_tokens * merge**2 == n_patches,
-        f"input_ids has {n_img_tokens} image tokens (image_token_id={cfg.image_token_id}) but image_grid_thw "
-        f"gives {n_patches // merge**2} (patches / spatial_merge_size^2)",
+        f"input_ids has {n_img_tokens} {token} tokens ({token}_token_id="
+        f"{getattr(cfg, token + '_token_id')}) but {grid} gives {n_patches // merge**2} "
+        "(patches / spatial_merge_size^2)",
     )
 
 
