@@ -148,6 +148,8 @@ def cut_short(data: bytes) -> bool:
     top-level boxes, or a matroska segment of known size, running past the end of `data`."""
     if data[:4] == _EBML:
         return _ebml_cut_short(data)
+    if data[4:8] not in _MP4_BOXES:
+        return False  # neither container
     off = 0
     while off + 8 <= len(data):
         size = struct.unpack(">I", data[off : off + 4])[0]

@@ -257,6 +257,7 @@ def test_cut_short_reads_the_containers_own_sizes(clips):
         data = clips[name]
         assert not cut_short(data) and cut_short(data[: len(data) - 10]), name
     assert not cut_short(clips["webm_no_cues"][:-10])  # a live webm's size is unknown
+    assert not cut_short(b"plain text, no container\n" * 4)
 
 
 # ---------------------------------------------------------------- the sample clips
