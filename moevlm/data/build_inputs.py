@@ -18,14 +18,16 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from PIL import Image, UnidentifiedImageError
 
 from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.image import allowed_formats, check_image_shape
 from moevlm.data.records import Record, parse_json_bytes
-from moevlm.data.video_decode import VideoDecodeConfig, cut_short, decode_frames
+
+if TYPE_CHECKING:
+    from moevlm.data.video_decode import VideoDecodeConfig
 
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
 DEFAULT_MAX_VIDEO_BYTES = 256 << 20
@@ -128,6 +130,8 @@ def load_video(
         path = resolve_image(p, root)
     except SkipSample as e:
         raise SkipSample(e.reason, f"{label} {e.detail.replace('--images', '--videos')}") from None
+    from moevlm.data.video_decode import VideoDecodeConfig, cut_short, decode_frames  # PyAV: ~0.1 s
+
     shown = f"{label} ({display_path(p)})"
     data = read_capped(path, max_bytes, shown, "video")
     try:
