@@ -46,6 +46,9 @@ class VideoDecodeConfig:
         None  # wall-clock cap; off: a skip would then depend on the machine
     )
     threads: int = 1  # decoder threads: the loader's workers are the parallelism
+    # a wanted frame at most this far past the stream's real end gets its last frame: the count a
+    # header gives mkv/webm is duration * fps, which may overshoot by a frame or so
+    end_slack_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class DecodeStats:
     decoded: int = 0  # frames the decoder produced
     seeks: int = 0
     mode: str = "seek"  # "seek" (the container has an index of key frames) or "linear"
+    past_end: int = 0  # wanted frames past the stream's real end given its last (end_slack_s)
 
 
 def probe_video(data: bytes, cfg: VideoDecodeConfig) -> VideoInfo:
@@ -237,8 +241,15 @@ def _check_size(width: int, height: int, cfg: VideoDecodeConfig) -> None:
 
 
 def _duration(container, stream) -> float:
+    """The video stream's duration: its own, else its matroska DURATION tag, else the container's."""
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
+    tag = stream.metadata.get("DURATION", "")
+    if len(parts := tag.split(":")) == 3:
+        try:
+            return int(parts[0]) * 3600 + int(parts[1]) * 60 + float(parts[2])
+        except ValueError:
+            pass
     return container.duration / av.time_base if container.duration else 0.0
 
 
@@ -282,6 +293,7 @@ class _Decoder:
         self.at = -1  # index of the last frame decoded in the current run
         self.fresh = False  # no frame decoded since the last seek yet
         self.started = False  # the demuxer has read (a seek to the start is needed to restart)
+        self.last = None  # the last frame decoded in the current run
         self.t0 = time.perf_counter()
 
     def _key_frames(self) -> list[tuple[int, int]]:
@@ -309,7 +321,7 @@ class _Decoder:
         for frame in self.frames:
             self._count()
             index = self._index_of(frame.pts) if frame.pts is not None else self.at + 1
-            landed, self.fresh, self.at = self.fresh, False, index
+            landed, self.fresh, self.at, self.last = self.fresh, False, index, frame
             if index < target:
                 continue
             if index > target and landed and key is not None:  # an open GOP: an earlier key frame
@@ -317,6 +329,10 @@ class _Decoder:
                 self.frames = None
                 return self._frame(target)
             return frame.to_ndarray(format="rgb24")
+        slack = self.cfg.end_slack_s * self.info.fps
+        if self.last is not None and target - self.at <= slack and not cut_short(self.data):
+            self.stats.past_end += 1
+            return self.last.to_ndarray(format="rgb24")  # the header's count overshot the stream
         if cut_short(self.data):
             reason = "video_truncated"
         elif self.stats.decoded == 0 and self.stats.seeks == 0:

@@ -140,6 +140,18 @@ def test_a_webm_without_cues_or_duration(clips):
     assert info.frames == T and (frames[0] == ref[25]).all() and (frames[1] == ref[3]).all()
 
 
+def test_a_header_count_past_the_real_end_gives_the_last_frame(clips):
+    """mkv/webm give a count of duration * fps: one frame too many (the track's DURATION tag made
+    1.04 s) gets the last frame, counted; the same past end_slack_s is a skip."""
+    data = clips["webm"].replace(b"00:00:01.000000000", b"00:00:01.040000000")
+    assert probe_video(data, CFG).frames == T + 1
+    stats = DecodeStats()
+    frames, _ = decode_frames(data, [T - 1, T], CFG, stats)
+    assert (frames[0] == frames[1]).all() and stats.past_end == 1
+    with pytest.raises(SkipSample, match="bad_video"):
+        decode_frames(data, [T], VideoDecodeConfig(end_slack_s=0))
+
+
 def test_index_outside_the_video_is_a_caller_error(clips):
     with pytest.raises(ValueError, match="not within"):
         decode_frames(clips["mp4"], [T], CFG)
