@@ -3,6 +3,7 @@ seeking to the key frame before each wanted frame, and the guards that turn bad 
 
     info = probe_video(mp4_bytes, VideoDecodeConfig())              # header only: no frame decoded
     frames_THWC, info = decode_frames(mp4_bytes, [0, 15, 29], cfg)   # uint8 RGB, in the order asked
+    frames_THWC, info = decode_frames(mp4_bytes, sampler, cfg)       # sampler(info) -> the indices
 
 Legend: T frames returned, H, W frame height/width, C channels (3).  Containers: mp4/mov and mkv/webm
 (sniffed from their magic bytes, nothing else is probed); codecs: CODECS.  Frame i is the one shown
@@ -16,6 +17,7 @@ import io
 import struct
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import av
 import numpy as np
@@ -81,7 +83,7 @@ def probe_video(data: bytes, cfg: VideoDecodeConfig) -> VideoInfo:
 
 def decode_frames(
     data: bytes,
-    indices: list[int],
+    indices: list[int] | Callable[[VideoInfo], list[int]],
     cfg: VideoDecodeConfig,
     stats: DecodeStats | None = None,
 ) -> tuple[np.ndarray, VideoInfo]:
@@ -89,10 +91,12 @@ def decode_frames(
     before each wanted frame (mp4's sample table, mkv/webm's cues) and decodes forward only to it,
     staying in the current run when no key frame lies between; with no index of key frames (a webm
     without cues) it makes one linear pass from the start.  At most cfg.max_decoded_frames decoded.
+    `indices` may be a function of the probed VideoInfo (the sampler: one open, one probe).
     An index outside [0, info.frames) is a ValueError (the caller's bug, not the data's)."""
     stats = stats if stats is not None else DecodeStats()
     with _open(data) as container:
         info = _probe(container, data, cfg)
+        indices = list(indices(info) if callable(indices) else indices)
         wanted = sorted(set(indices))
         if not wanted or wanted[0] < 0 or wanted[-1] >= info.frames:
             raise ValueError(

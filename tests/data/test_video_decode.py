@@ -111,6 +111,12 @@ def test_decode_seeks_to_the_wanted_frames(clips, container):
     assert (stats.mode, stats.wanted, stats.decoded, stats.seeks) == ("seek", 2, 12, 1)
 
 
+def test_indices_from_the_probed_header(clips):
+    """The sampler can be given instead of indices: it sees the probed header (one open)."""
+    frames, info = decode_frames(clips["mkv"], lambda info: [0, info.frames - 1], CFG)
+    assert frames.shape[0] == 2 and (frames[1] == linear(clips["mkv"])[T - 1]).all()
+
+
 def test_frame_i_is_the_source_frame_i(clips):
     """Index i is the i-th frame shown: each decoded frame is nearest to source frame i."""
     src = pattern().astype(np.float32)
