@@ -1,8 +1,9 @@
-"""The untrusted inputs of a shard build: annotation files and the image files they name.
+"""The untrusted inputs of a shard build: annotation files and the image and video files they name.
 
     for where, obj in read_annotations(paths, skips, max_text_bytes): ...
     n = count_records(paths)              # an upper bound, for the automatic shard size
     data, fmt = load_image(path_as_written, images_root, max_image_bytes)   # or SkipSample
+    data, ext = load_video(path_as_written, videos_root, max_video_bytes)   # or SkipSample
 
 Image paths stay inside --images, byte caps are checked before anything is read, images are
 identified among image.allowed_formats and verified; bad input is skipped and counted by reason
@@ -17,7 +18,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from PIL import Image, UnidentifiedImageError
 
@@ -25,7 +26,12 @@ from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.image import allowed_formats, check_image_shape
 from moevlm.data.records import Record, parse_json_bytes
 
+if TYPE_CHECKING:
+    from moevlm.data.video_decode import VideoDecodeConfig
+
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20  # the loader's data.max_image_bytes default
+DEFAULT_MAX_VIDEO_BYTES = 256 << 20
+VIDEO_EXTS = ("mp4", "m4v", "mov", "mkv", "webm")
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
 # JSONL line cap = 6 x max_text_bytes (JSON escapes) + this, for keys, id, paths
 LINE_SLACK = 64 << 10
@@ -76,36 +82,66 @@ def check_image_bytes(data: bytes, max_bytes: int, shown: str) -> tuple[bytes, s
     return data, image_ext(Path(""), verify_image(data, shown))
 
 
-def read_capped(path: Path, max_bytes: int, shown: str) -> bytes:
-    """A regular file's bytes, refused (file_too_large) from its size before any is read."""
+def read_capped(path: Path, max_bytes: int, shown: str, kind: str = "image") -> bytes:
+    """A regular file's bytes, refused (file_too_large) from its size before any is read; `kind`
+    ("image" or "video") names the missing_<kind> reason and the --max-<kind>-bytes option."""
     try:
         # before opening: no FIFO or device is ever opened
-        _check_size(os.stat(path), max_bytes, shown)
+        _check_size(os.stat(path), max_bytes, shown, kind)
         fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
     except FileNotFoundError:
-        raise SkipSample("missing_image", f"{shown} does not exist") from None
+        raise SkipSample(f"missing_{kind}", f"{shown} does not exist") from None
     except OSError as e:
         raise SkipSample(
-            "missing_image", f"{shown} cannot be read: {e.strerror or type(e).__name__}"
+            f"missing_{kind}", f"{shown} cannot be read: {e.strerror or type(e).__name__}"
         ) from None
     with os.fdopen(fd, "rb", buffering=0) as f:
-        _check_size(os.fstat(fd), max_bytes, shown)  # the file opened is the file checked
+        _check_size(os.fstat(fd), max_bytes, shown, kind)  # the file opened is the file checked
         data = _read_at_most(f, max_bytes + 1)
     if len(data) > max_bytes:  # it grew after the check
-        raise SkipSample("file_too_large", f"{shown} is larger than --max-image-bytes {max_bytes}")
+        raise SkipSample("file_too_large", f"{shown} is larger than --max-{kind}-bytes {max_bytes}")
     return data
 
 
 _OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
-def _check_size(st: os.stat_result, max_bytes: int, shown: str) -> None:
+def _check_size(st: os.stat_result, max_bytes: int, shown: str, kind: str) -> None:
     if not stat.S_ISREG(st.st_mode):
-        raise SkipSample("missing_image", f"{shown} is not a file")
+        raise SkipSample(f"missing_{kind}", f"{shown} is not a file")
     if st.st_size > max_bytes:
         raise SkipSample(
-            "file_too_large", f"{shown} has {st.st_size} bytes, above --max-image-bytes {max_bytes}"
+            "file_too_large",
+            f"{shown} has {st.st_size} bytes, above --max-{kind}-bytes {max_bytes}",
         )
+
+
+def load_video(
+    p: str,
+    root: Path,
+    max_bytes: int,
+    label: str = "video path",
+    cfg: VideoDecodeConfig | None = None,
+) -> tuple[bytes, str]:
+    """The bytes and member extension of video `p` inside `root` (as load_image), checked as the
+    loader would use it: its header's guards (video_decode.probe_video), not cut short, and its
+    first frame decoding; SkipSample with the video reasons otherwise."""
+    try:
+        path = resolve_image(p, root)
+    except SkipSample as e:
+        raise SkipSample(e.reason, f"{label} {e.detail.replace('--images', '--videos')}") from None
+    from moevlm.data.video_decode import VideoDecodeConfig, cut_short, decode_frames  # PyAV: ~0.1 s
+
+    shown = f"{label} ({display_path(p)})"
+    data = read_capped(path, max_bytes, shown, "video")
+    try:
+        if cut_short(data):
+            raise SkipSample("video_truncated", "the file ends before its container says")
+        _, info = decode_frames(data, [0], cfg or VideoDecodeConfig())
+    except SkipSample as e:
+        raise SkipSample(e.reason, f"{shown}: {e.detail}") from None
+    ext = path.suffix.lower().lstrip(".")
+    return data, ext if ext in VIDEO_EXTS else {"matroska": "mkv"}.get(info.container, "mp4")
 
 
 def _read_at_most(f, n: int) -> bytes:

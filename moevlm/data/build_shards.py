@@ -1,14 +1,15 @@
-"""Build WebDataset tar shards from images and annotation files, Parquet files or Energon folders.
+"""Build WebDataset tar shards from images (and videos) and annotation files, Parquet files or Energon folders.
 
     python -m moevlm.data.build_shards --images DIR --annotations a.json b.jsonl --out SHARDS
-        [--tokenizer tokenizer.json|HF_DIR] [--samples-per-shard auto|N]
+        [--videos DIR] [--tokenizer tokenizer.json|HF_DIR] [--samples-per-shard auto|N]
     python -m moevlm.data.build_shards --parquet train-*.parquet --out SHARDS [--images DIR]
     python -m moevlm.data.build_shards --energon ENERGON_DIR [--split train] --out SHARDS
     python -m moevlm.data.build_shards --sample SHARDS      # the bundled sample set + tokenizer.json
 
 Layout: OUT/shard-000000.tar, ... and OUT/summary.json (counts, samples per shard, the arguments).
 Sample i (a running count) is the members 000000042.json (the canonical record: records.py, with
-`images` naming its image members in tag order) and 000000042.img0.jpg, ... (the original bytes).
+`images` naming its image members in tag order) and 000000042.img0.jpg, ... (the original bytes);
+videos likewise (`videos`, 000000042.vid0.mp4, ...).
 """
 
 from __future__ import annotations
@@ -32,19 +33,22 @@ from webdataset import TarWriter
 from moevlm.data.build_inputs import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_TEXT_BYTES,
+    DEFAULT_MAX_VIDEO_BYTES,
     check_annotation_files,
     check_image_bytes,
     check_regular_files,
     count_records,
     display_path,
     load_image,
+    load_video,
     read_annotations,
     text_bytes,
 )
 from moevlm.data.build_sources import EnergonSource, Inline
+from moevlm.data.build_summary import BuildStats, format_summary
 from moevlm.data.errors import SkipCounter, SkipSample
 from moevlm.data.hf_datasets import add_builder_arguments, builder_records
-from moevlm.data.records import KINDS, Record, normalize_record
+from moevlm.data.records import Record, normalize_record
 
 SHARD_NAME = "shard-{:06d}.tar"
 SHARD_GLOB = "shard-*.tar"
@@ -116,16 +120,19 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         path.unlink(missing_ok=True)
 
 
-def tar_sample(index: int, rec: Record, files: list[tuple[bytes, str]], bake_prompt: bool) -> dict:
-    """The tar members of sample `index`: canonical json + original image bytes."""
+def tar_sample(
+    index: int, rec: Record, files: list[tuple[bytes, str]], bake_prompt: bool, videos=()
+) -> dict:
+    """The tar members of sample `index`: canonical json + original image and video bytes."""
     names = [f"img{k}.{ext}" for k, (_, ext) in enumerate(files)]
+    vnames = [f"vid{k}.{ext}" for k, (_, ext) in enumerate(videos)]
     if bake_prompt and rec.caption is not None:
         rec = replace(rec, caption=None)  # written as the chat that carries the prompt
     doc = json.dumps(
-        rec.canonical(names), sort_keys=True, ensure_ascii=False, separators=(",", ":")
+        rec.canonical(names, vnames), sort_keys=True, ensure_ascii=False, separators=(",", ":")
     )
     sample = {"__key__": f"{index:09d}", "json": doc.encode("utf-8")}
-    sample.update((name, data) for name, (data, _) in zip(names, files))
+    sample.update((name, data) for name, (data, _) in zip(names + vnames, [*files, *videos]))
     return sample
 
 
@@ -147,13 +154,16 @@ def build_shards(
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
     total: int | None = None,
+    video_root: Path | None = None,
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
 ) -> dict:
     """Writes shards from `records` and returns the summary (also OUT/summary.json).
 
     `records` yields annotation dicts, Records (images as paths), or (where,
     dict | Record) pairs; `where` labels skip examples and is the fallback id.
     Image paths are relative to `image_root` and must stay inside it
-    (`outside_images` otherwise).  `skips` may already be shared with the
+    (`outside_images` otherwise); video paths likewise relative to `video_root`
+    (default `image_root`).  `skips` may already be shared with the
     annotation reader, which counts its bad lines there."""
     if samples_per_shard < 1 or max_image_bytes < 1 or max_text_bytes < 1:
         raise ValueError(
@@ -161,20 +171,22 @@ def build_shards(
             f"max_text_bytes={max_text_bytes}; each must be at least 1"
         )
     root = None if image_root is None else _real_root(image_root)
+    vroot = root if video_root is None else _real_root(video_root)
     out, skips = Path(out), skips if skips is not None else SkipCounter()
     prepare_out(out, overwrite)
     encode = _encoder(root, caption_prompt, max_image_bytes, max_text_bytes)
-    stats = _Stats()
+    encode_videos = _video_encoder(encode, vroot, max_video_bytes)
+    stats = BuildStats()
     sink = ShardSink(out, samples_per_shard)
     try:
-        results = _ordered_map(encode, _located(records), workers)
+        results = _ordered_map(encode_videos, _located(records), workers)
         for where, result in show_progress(results, total, progress):
             if isinstance(result, SkipSample):
                 skips.add(result, where)
                 continue
-            rec, files = result
-            sink.write(tar_sample(stats.samples, rec, files, bool(caption_prompt)))
-            stats.count(rec, files)
+            rec, files, videos = result
+            sink.write(tar_sample(stats.samples, rec, files, bool(caption_prompt), videos))
+            stats.count(rec, files, videos)
         sink.close()
     except BaseException:
         sink.discard()  # no .tmp is left behind, whatever stopped the build
@@ -185,6 +197,7 @@ def build_shards(
         "caption_prompt": caption_prompt,
         "max_image_bytes": max_image_bytes,
         "max_text_bytes": max_text_bytes,
+        **({"video_root": str(vroot), "max_video_bytes": max_video_bytes} if stats.videos else {}),
         **(build_args or {}),
     }
     summary = stats.summary(out, sink.shards, skips, args)
@@ -280,6 +293,29 @@ def _encoder(
     return encode
 
 
+def _video_encoder(encode: Callable, root: Path | None, max_bytes: int) -> Callable:
+    """encode, with the record's videos loaded and checked (build_inputs.load_video) after its images."""
+
+    def video(p: str, k: int, rid: str) -> tuple[bytes, str]:
+        if root is None:
+            raise SkipSample("missing_video", f"video #{k} of record {rid!r}: give --videos DIR")
+        return load_video(p, root, max_bytes, f"video path #{k} of record {rid!r}")
+
+    def encode_videos(item):
+        where, result = encode(item)
+        if isinstance(result, SkipSample):
+            return where, result
+        rec, rid = result[0], display_path(result[0].id, 40)
+        try:
+            return where, (*result, [video(p, k, rid) for k, p in enumerate(rec.videos)])
+        except SkipSample as e:
+            return where, e
+        except Exception as e:  # one odd file never stops the build
+            return where, SkipSample("bad_video", f"{type(e).__name__}: {str(e)[:120]}")
+
+    return encode_videos
+
+
 def _ordered_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
     """map(fn, items) on a thread pool, in order, at most 4*workers in flight."""
     if workers <= 1:
@@ -293,57 +329,6 @@ def _ordered_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
-
-
-class _Stats:
-    """Running counts of what was written."""
-
-    def __init__(self):
-        self.samples, self.images, self.image_bytes = 0, 0, 0
-        self.kinds = dict.fromkeys(KINDS, 0)
-        self.seen_ids: set[str] = set()
-        self.duplicates: list[str] = []
-
-    def count(self, rec: Record, files: list[tuple[bytes, str]]) -> None:
-        self.samples += 1
-        self.kinds[rec.kind] += 1
-        self.images += len(files)
-        self.image_bytes += sum(len(data) for data, _ in files)
-        if rec.id in self.seen_ids:
-            self.duplicates.append(rec.id)
-        self.seen_ids.add(rec.id)
-
-    def summary(self, out: Path, shards: list[dict], skips: SkipCounter, args: dict) -> dict:
-        return {
-            "samples": self.samples,
-            "kinds": self.kinds,
-            "images": self.images,
-            "image_bytes": self.image_bytes,
-            "bytes": sum((out / s["name"]).stat().st_size for s in shards),
-            "skipped": dict(sorted(skips.items())),
-            "skipped_examples": dict(sorted(skips.examples.items())),
-            "duplicate_ids": len(self.duplicates),
-            "duplicate_id_examples": self.duplicates[:3],
-            "shards": shards,
-            "args": args,
-        }
-
-
-def format_summary(s: dict, out: Path) -> str:
-    kinds = ", ".join(f"{k} {n}" for k, n in s["kinds"].items())
-    lines = [
-        f"wrote {s['samples']} samples ({kinds}), {s['images']} images, {s['bytes'] / 1e6:.1f} MB "
-        f"in {len(s['shards'])} shard(s) to {out}"
-    ]
-    skipped = sum(s["skipped"].values())
-    lines.append(f"skipped {skipped} record(s)" + (":" if skipped else ""))
-    for reason, n in s["skipped"].items():
-        lines.append(f"  {reason}: {n}   e.g. " + " | ".join(s["skipped_examples"].get(reason, [])))
-    if s["duplicate_ids"]:
-        lines.append(
-            f"duplicate ids (kept): {s['duplicate_ids']}, e.g. {s['duplicate_id_examples']}"
-        )
-    return "\n".join(lines)
 
 
 # ---- the sample set ------------------------------------------------------
@@ -421,6 +406,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--images", type=Path, help="folder that relative image paths are resolved against"
     )
     p.add_argument(
+        "--videos",
+        type=Path,
+        help="folder that relative video paths are resolved against (default --images)",
+    )
+    p.add_argument(
         "--annotations",
         type=Path,
         nargs="+",
@@ -494,6 +484,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="skip records with more UTF-8 text than this (text_too_large); default 1 MiB",
     )
+    p.add_argument(
+        "--max-video-bytes",
+        type=int,
+        default=DEFAULT_MAX_VIDEO_BYTES,
+        metavar="N",
+        help="skip video files larger than this (file_too_large), checked before reading; default 256 MiB",
+    )
     args = p.parse_args(argv)
     inputs = [a for a in ("annotations", "parquet", "energon", "dataset") if getattr(args, a)]
     if args.sample is not None and (
@@ -512,8 +509,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.images_root_only and not args.images:
         p.error("--images-root-only needs --images DIR (the folder absolute paths must lie in)")
-    if args.annotations and not args.images:
-        p.error("--annotations needs --images DIR (the folder image paths are resolved in)")
+    if args.annotations and not (args.images or args.videos):
+        p.error(
+            "--annotations needs --images DIR (the folder image paths are resolved in) or --videos DIR"
+        )
     return args
 
 
@@ -556,8 +555,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_from_files(args: argparse.Namespace) -> dict:
-    if args.images is not None and not args.images.is_dir():
-        raise FileNotFoundError(f"--images {args.images} is not a folder")
+    for name, folder in (("--images", args.images), ("--videos", args.videos)):
+        if folder is not None and not folder.is_dir():
+            raise FileNotFoundError(f"{name} {folder} is not a folder")
     skips = SkipCounter()
     check_regular_files(args.parquet or [], "--parquet input", folders=True)
     if args.annotations:
@@ -588,6 +588,8 @@ def _build_from_files(args: argparse.Namespace) -> dict:
         max_image_bytes=args.max_image_bytes,
         max_text_bytes=args.max_text_bytes,
         total=total,
+        video_root=args.videos,
+        max_video_bytes=args.max_video_bytes,
     )
 
 

@@ -31,6 +31,21 @@ REASONS = {
     "image_too_large": "width*height is above the decompression-bomb limit",
     "decode_too_large": "decoding would hold more bytes than data.image.max_decode_bytes (size x bytes per pixel of its mode)",
     "bad_image_size": "the image is degenerate (a zero side or an aspect ratio above 200)",
+    # videos (moevlm.data.video_decode; header guards are checked before any frame is decoded)
+    "empty_video": "the video file has zero bytes",
+    "not_a_video": "the bytes are not an mp4/mov or mkv/webm container, or it holds no video stream",
+    "unsupported_video_codec": "the video stream's codec is not one the decoder accepts "
+    "(moevlm.data.video_decode.CODECS)",
+    "bad_video": "the video is corrupt (its container or a frame failed to decode, or no frame rate)",
+    "video_truncated": "the video ends before the frames its header promises (a file cut short)",
+    "no_video_frames": "the video stream holds no decodable frame",
+    "video_too_large": "a frame's width*height, or the wanted frames' decoded bytes, above the decode guard",
+    "bad_video_size": "the video is degenerate (a zero side or an aspect ratio above 200)",
+    "video_too_long": "the header's duration or frame count is above its cap (absurd or hostile)",
+    "video_decode_budget": "reaching the wanted frames would decode more frames (or take longer) than the "
+    "per-sample budget",
+    "video_tag_mismatch": "the text has a different number of <video> tags than the sample has videos",
+    "missing_video": "the record names a video file that is missing or not a regular file",
     # shards
     "truncated_shard": "a tar shard ended early or is corrupt; samples before the damage were kept",
     "unreadable_shard": "a shard could not be opened",
