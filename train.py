@@ -23,7 +23,7 @@ from moevlm.errors import ConfigError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.exit_codes import ExitCode, bug_line
-from moevlm.train.faults import CONFIG_LINES, SETUP, FailureContext, classify
+from moevlm.train.failures import CONFIG_LINES, SETUP, FailureContext, classify
 from moevlm.train.sweep import claimed_root, run_job, sweep_probes, sweep_root
 from moevlm.train.torchrun_exit import config_error_exit
 
@@ -64,7 +64,7 @@ def _job(cfg, sweep: tuple[str, int] | None) -> int:
         sys.exit(_plan(cfg))
     try:
         trainer = Trainer(cfg, sweep=sweep)
-    # each failure class (moevlm.train.faults.failure_rules): one line, not a traceback, and its code
+    # each failure class (moevlm.train.failures.FAILURES): one line, not a traceback, and its code
     except Exception as err:
         failure = classify(err, phase=SETUP, ctx=FailureContext(timeout_s=cfg.parallel.timeout_s))
         if failure.code == ExitCode.BUG:

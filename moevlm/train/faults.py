@@ -1,6 +1,5 @@
 """Faults the trainer turns into a checkpoint or one clear line, not a lost run or a silent hang:
-stop signals, the stop agreement over ranks, failed collectives, the step watchdog, and the one table
-of failure classes (`failure_rules`): each exception's exit code and line, at set-up and in the run.
+stop signals, the stop agreement over ranks, failed collectives, and the step watchdog.
 
     faults = Faults(rank, world, timeout_s=600, watchdog=StepWatchdog(10, 60, None))
     faults.start()                       # in Trainer.run: signal handlers + watchdog thread
@@ -10,8 +9,7 @@ of failure classes (`failure_rules`): each exception's exit code and line, at se
     faults.close()                       # previous handlers back (library use, sweeps)
     checkpoint_write_line(err, root, intact)  # a checkpoint write's OSError / MemoryError, one line
     out_of_memory(err)                   # "device" / "host" when a step ran out of memory, else None
-    failure = classify(err, phase=RUN, ctx=FailureContext(step=7))  # every failure class, one table
-    failure.code, failure.line, failure.say(log)  # its exit code, its first line, printed where it goes
+    oom_line(where, err, step, intact)   # its line: the intact checkpoint, what lowers the peak
 
 Exit codes: moevlm.train.exit_codes.ExitCode.  Why it works this way: docs/architecture.md.
 """
@@ -19,7 +17,6 @@ Exit codes: moevlm.train.exit_codes.ExitCode.  Why it works this way: docs/archi
 from __future__ import annotations
 
 import faulthandler
-import functools
 import os
 import signal
 import statistics
@@ -27,15 +24,14 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from moevlm.signals import STOP_SIGNALS
-from moevlm.train.exit_codes import ExitCode, bug_line, second_signal
-from moevlm.train.integrity import errors_in, looks_like_disk_full, one_line, write_failed_line
+from moevlm.train.exit_codes import ExitCode, second_signal
+from moevlm.train.integrity import errors_in, looks_like_disk_full, one_line
 
 REPEAT_WINDOW_S = 2.0
 WARMUP_STEPS, WINDOW = 2, 20
@@ -380,134 +376,3 @@ def oom_line(where: str, err: BaseException, step: int | None, intact) -> str:
         "lower train.micro_batch_size or data.pack.seq_len, or recompute more (model.recompute); "
         "`python -m moevlm.plan ... --fit GPU` proposes the cheapest change"
     )
-
-
-# ---------------------------------------------------------------- the failure classes, in one table
-SETUP, RUN = "set-up", "run"  # the phases: Trainer construction (train.py `_job`), Trainer.run
-# who prints a failure's line: the run's log (rank 0's console), each rank's stderr (the rank named
-# when there are several: EACH_RANK), or moevlm.train.torchrun_exit.config_error_exit (CONFIG_LINES)
-LOG, STDERR, EACH_RANK, CONFIG_LINES, TRACEBACK = (
-    "log",
-    "stderr",
-    "each rank",
-    "config",
-    "traceback",
-)
-STOPPING = "stopping at step {step}"  # the run's prefix; "" below: the message is the whole line
-SETUP_DOING = "set-up (process group, run directory, sample data, checkpoint load)"
-
-
-@dataclass(frozen=True)
-class FailureContext:
-    """What a failure's message names: the step (None at set-up), what was being done and for how
-    long (a collective's), parallel.timeout_s, and `intact()`: the newest complete checkpoint."""
-
-    step: int | None = None
-    doing: str = SETUP_DOING
-    elapsed_s: float | None = None
-    timeout_s: float = 600.0
-    intact: Callable[[], object] = lambda: None
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One failure: the process's exit code, the first line (`prefix: message`, or the message alone
-    when `prefix` is ""), and who prints it (LOG, STDERR, EACH_RANK, CONFIG_LINES, TRACEBACK: a bug)."""
-
-    code: ExitCode
-    prefix: str
-    message: str
-    where: str
-
-    @property
-    def line(self) -> str:
-        return f"{self.prefix}: {self.message}" if self.prefix else self.message
-
-    def say(self, log: Callable[[str], None] | None = None, rank_prefix: str = "") -> None:
-        """Print the line where it belongs (LOG: `log`; EACH_RANK: after `rank_prefix`)."""
-        if self.where == LOG and log is not None:
-            log(self.line)
-        else:
-            _say((rank_prefix if self.where == EACH_RANK else "") + self.line)
-
-
-class Rule(NamedTuple):
-    """A failure class: `match(err, ctx)` is its message (None: not this class), `code` its exit
-    code, and in each phase (prefix, who prints), or None where the phase does not expect it (an
-    exception no rule of its phase matches is a bug: ExitCode.BUG)."""
-
-    what: str
-    match: Callable[[BaseException, FailureContext], str | None]
-    code: ExitCode
-    setup: tuple[str, str] | None
-    run: tuple[str, str] | None
-
-
-def _is(*classes: type) -> Callable[[BaseException, FailureContext], str | None]:
-    return lambda err, ctx: str(err) if isinstance(err, classes) else None
-
-
-def _collective(err: BaseException, ctx: FailureContext) -> str | None:
-    return describe_failure(err, ctx.doing, ctx.elapsed_s, ctx.timeout_s)
-
-
-def _collective_in(cls: type) -> Callable[[BaseException, FailureContext], str | None]:
-    return lambda err, ctx: _collective(err, ctx) if isinstance(err, cls) else None
-
-
-def _oom(err: BaseException, ctx: FailureContext) -> str | None:
-    where = out_of_memory(err)
-    return None if where is None else oom_line(where, err, ctx.step, ctx.intact())
-
-
-def _disk_full(err: BaseException, ctx: FailureContext) -> str | None:
-    return write_failed_line(err) if looks_like_disk_full(err) else None
-
-
-def _worker_death(err: BaseException, ctx: FailureContext) -> str | None:
-    from moevlm.data.lifetime import worker_death
-
-    return worker_death(err)
-
-
-@functools.cache
-def failure_rules() -> tuple[Rule, ...]:
-    """Every failure class, the first that matches wins: what it is, its code, its line in each
-    phase.  (Imported here: these modules import this one.)"""
-    from moevlm.data.errors import DataError
-    from moevlm.errors import ConfigError
-    from moevlm.model.hf import CheckpointError as HFCheckpointError
-    from moevlm.parallel.build import ParallelNotBuilt
-    from moevlm.train.export import ExportFailed
-    from moevlm.train.integrity import CheckpointError
-    from moevlm.train.metrics import LogWriteError
-    from moevlm.train.setup import DataResumeRefused
-    from moevlm.train.trainer import NonFiniteWeights
-
-    config = _is(ConfigError, HFCheckpointError, ParallelNotBuilt)
-    C = ExitCode
-    return (
-        Rule("a setting is wrong", config, C.CONFIG, ("config error", CONFIG_LINES), None),
-        Rule("the weights are not finite", _is(NonFiniteWeights), C.NONFINITE, None, (STOPPING, LOG)),
-        Rule("a peer lost in a save", _collective_in(CheckpointError), C.COLLECTIVE, None, ("", EACH_RANK)),
-        Rule("resume's data does not fit", _is(DataResumeRefused), C.DATA, ("data error", STDERR), (STOPPING, LOG)),
-        Rule("a checkpoint write or load", _is(CheckpointError), C.CHECKPOINT, ("checkpoint error", STDERR), (STOPPING, LOG)),
-        Rule("a metrics or export write", _is(LogWriteError, ExportFailed), C.CHECKPOINT, None, (STOPPING, STDERR)),
-        Rule("the data cannot feed", _is(DataError), C.DATA, None, (STOPPING, EACH_RANK)),
-        Rule("a data worker died", _worker_death, C.DATA, None, (STOPPING, STDERR)),
-        Rule("out of memory in a step", _oom, C.OUT_OF_MEMORY, None, (STOPPING, STDERR)),
-        Rule("another write, disk full", _disk_full, C.CHECKPOINT, ("set-up stopped", STDERR), (STOPPING, STDERR)),
-        Rule("a collective failed", _collective, C.COLLECTIVE, ("", STDERR), ("", EACH_RANK)),
-    )  # fmt: skip
-
-
-def classify(err: BaseException, *, phase: str, ctx: FailureContext | None = None) -> Failure:
-    """The failure `err` is in `phase` (SETUP or RUN): the first rule of that phase that matches it,
-    else ExitCode.BUG with moevlm.train.exit_codes.bug_line (after its traceback)."""
-    ctx = ctx or FailureContext()
-    for rule in failure_rules():
-        said = rule.setup if phase == SETUP else rule.run
-        if said is not None and (message := rule.match(err, ctx)) is not None:
-            prefix, where = said
-            return Failure(rule.code, prefix.format(step=ctx.step), message, where)
-    return Failure(ExitCode.BUG, "", bug_line(err), TRACEBACK)

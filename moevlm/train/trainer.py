@@ -28,7 +28,8 @@ from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
 from moevlm.train.export import export_run
-from moevlm.train.faults import RUN, FailureContext, checkpoint_write_line, classify
+from moevlm.train.failures import RUN, FailureContext, NonFiniteWeights, classify
+from moevlm.train.faults import checkpoint_write_line
 from moevlm.train.metrics import (
     Window,
     slowest_over_micro_batches,
@@ -144,7 +145,7 @@ class Trainer:
             self.log.check_tensorboard()
             self.export()
             code = summary(self, time.perf_counter() - t_start, self.step - first_step)
-        # every failure class (moevlm.train.faults.failure_rules): one line and its code; else a bug
+        # every failure class (moevlm.train.failures.FAILURES): one line and its code; else a bug
         except Exception as err:
             failure = classify(err, phase=RUN, ctx=self._failure_context())
             if failure.code == ExitCode.BUG:
@@ -410,21 +411,6 @@ class Trainer:
         # (a failed write: CheckpointError; a failed collective or file: those of torch and the OS)
         except (OSError, RuntimeError) as err:
             self.log.info(f"the checkpoint written in the background failed: {err}")
-
-
-class NonFiniteWeights(RuntimeError):
-    """The weights themselves are not finite: no checkpoint of them is written."""
-
-    def __init__(self, newest: Path | None):
-        super().__init__(self.message(newest))
-
-    @staticmethod
-    def message(newest: Path | None) -> str:
-        last = f"the newest checkpoint is {newest}" if newest else "there is no earlier checkpoint"
-        return (
-            "the weights are non-finite (an update made them so: lower optim.lr or check the data); "
-            f"no checkpoint of them is written ({last})"
-        )
 
 
 def all_reduce_values(values: list[float], device: torch.device, group) -> list[float]:

@@ -1,4 +1,4 @@
-"""The one table of failure classes (moevlm.train.faults.failure_rules): each exception the product
+"""The one table of failure classes (moevlm.train.failures.FAILURES): each exception the product
 raises for a failure maps, at set-up (train.py `_job`) and in the run (Trainer.run), to its documented
 exit code, first line and printer; anything else is a bug (ExitCode.BUG and the bug line).  In process,
 no launch: the launches that produce each code are tests/train/test_faults.py's PRODUCED_BY."""
@@ -20,9 +20,10 @@ from moevlm.parallel.build import ParallelNotBuilt
 from moevlm.parallel.hf_io import ExportTargetError
 from moevlm.train.exit_codes import MEANINGS, ExitCode, bug_line
 from moevlm.train.export import ExportFailed
-from moevlm.train.faults import (
+from moevlm.train.failures import (
     CONFIG_LINES,
     EACH_RANK,
+    FAILURES,
     LOG,
     RUN,
     SETUP,
@@ -30,13 +31,12 @@ from moevlm.train.faults import (
     TRACEBACK,
     Failure,
     FailureContext,
+    NonFiniteWeights,
     classify,
-    failure_rules,
 )
 from moevlm.train.integrity import CheckpointError
 from moevlm.train.metrics import LogWriteError
 from moevlm.train.setup import DataResumeRefused
-from moevlm.train.trainer import NonFiniteWeights
 
 REPO = Path(__file__).resolve().parents[2]
 C = ExitCode
@@ -104,7 +104,7 @@ def test_the_worded_lines_are_those_the_docs_name():
 def test_every_rule_is_exercised_and_every_code_is_documented():
     readme = _table(REPO / "README.md", "## Exit codes")
     docs = _table(REPO / "docs/faults.md", "## Exit codes")
-    for rule in failure_rules():
+    for rule in FAILURES:
         assert rule.setup is not None or rule.run is not None, rule.what
         assert any(rule.match(err, CTX) is not None for err, *_ in CASES), rule.what
         code = str(int(rule.code))
