@@ -23,7 +23,6 @@ from moevlm.errors import ConfigError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.exit_codes import ExitCode, bug_line
-from moevlm.train.failures import CONFIG_LINES, SETUP, FailureContext, classify
 from moevlm.train.sweep import claimed_root, run_job, sweep_probes, sweep_root
 from moevlm.train.torchrun_exit import config_error_exit
 
@@ -58,6 +57,7 @@ def main(cfg) -> None:
 
 def _job(cfg, sweep: tuple[str, int] | None) -> int:
     """One job (the run, or one of a sweep): its exit code; set-up failures exit with theirs."""
+    from moevlm.train.failures import CONFIG_LINES, SETUP, FailureContext, classify
     from moevlm.train.trainer import Trainer
 
     if cfg.parallel.fake_world:
