@@ -20,12 +20,9 @@ from hydra.types import RunMode
 from moevlm.config import check_overrides, compose_job
 from moevlm.config.reference import register_configs, show_sections
 from moevlm.errors import ConfigError
-from moevlm.model.hf import CheckpointError as HFCheckpointError
 from moevlm.parallel import ParallelNotBuilt
 from moevlm.signals import STOP_SIGNALS
 from moevlm.train.exit_codes import ExitCode, bug_line
-from moevlm.train.faults import describe_failure
-from moevlm.train.integrity import looks_like_disk_full, write_failed_line
 from moevlm.train.sweep import claimed_root, run_job, sweep_probes, sweep_root
 from moevlm.train.torchrun_exit import config_error_exit
 
@@ -60,39 +57,25 @@ def main(cfg) -> None:
 
 def _job(cfg, sweep: tuple[str, int] | None) -> int:
     """One job (the run, or one of a sweep): its exit code; set-up failures exit with theirs."""
-    from moevlm.train.checkpoint import CheckpointError
+    from moevlm.train.failures import CONFIG_LINES, SETUP, FailureContext, classify
     from moevlm.train.trainer import Trainer
 
     if cfg.parallel.fake_world:
         sys.exit(_plan(cfg))
     try:
         trainer = Trainer(cfg, sweep=sweep)
-    except (ConfigError, HFCheckpointError, ParallelNotBuilt) as err:
-        # each says what to change; a traceback would bury them (torchrun's too: torchrun_exit)
-        # a sweep's job fails alone (recorded, the sweep goes on): its launch is not ended
-        same = getattr(err, "same_on_every_rank", False)
-        config_error_exit(str(err).splitlines(), same, end_launch=sweep is None)
-    # train.resume names a checkpoint that is damaged or does not fit
-    # or its data state does not fit the shards (DataResumeRefused: exit 8, the data's code)
-    except CheckpointError as err:
-        code = getattr(err, "exit_code", ExitCode.CHECKPOINT)
-        print(f"{'data' if code == ExitCode.DATA else 'checkpoint'} error: {err}", file=sys.stderr)
-        sys.exit(code)
-    # a collective failed during set-up, or the disk is full: one line, not a traceback
+    # each failure class (moevlm.train.failures.FAILURES): one line, not a traceback, and its code
     except Exception as err:
-        if looks_like_disk_full(err):
-            print(f"set-up stopped: {write_failed_line(err)}", file=sys.stderr)
-            sys.exit(ExitCode.CHECKPOINT)
-        line = describe_failure(
-            err,
-            "set-up (process group, run directory, sample data, checkpoint load)",
-            None,
-            cfg.parallel.timeout_s,
-        )
-        if line is None:
+        failure = classify(err, phase=SETUP, ctx=FailureContext(timeout_s=cfg.parallel.timeout_s))
+        if failure.code == ExitCode.BUG:
             raise
-        print(line, file=sys.stderr)
-        sys.exit(ExitCode.COLLECTIVE)
+        if failure.where == CONFIG_LINES:
+            # torchrun's traceback too would bury the lines (torchrun_exit); a sweep's job fails alone
+            # (recorded, the sweep goes on): its launch is not ended
+            same = getattr(err, "same_on_every_rank", False)
+            config_error_exit(failure.message.splitlines(), same, end_launch=sweep is None)
+        failure.say()
+        sys.exit(failure.code)
     return trainer.run()
 
 

@@ -6,10 +6,10 @@ stop signals, the stop agreement over ranks, failed collectives, and the step wa
     faults.begin_step(n); faults.at("forward/backward"); ...; faults.end_step()
     if faults.stop_requested(device):    # collective, after each step
         save, print, return ExitCode.INTERRUPTED
-    code = faults.failure_code(err)      # a failed collective: one line, ExitCode.COLLECTIVE
     faults.close()                       # previous handlers back (library use, sweeps)
     checkpoint_write_line(err, root, intact)  # a checkpoint write's OSError / MemoryError, one line
     out_of_memory(err)                   # "device" / "host" when a step ran out of memory, else None
+    oom_line(where, err, step, intact)   # its line: the intact checkpoint, what lowers the peak
 
 Exit codes: moevlm.train.exit_codes.ExitCode.  Why it works this way: docs/architecture.md.
 """
@@ -297,16 +297,6 @@ class Faults:
             flag = int(t.item())
         return flag
 
-    def failure_code(self, err: BaseException) -> int | None:
-        """A failed collective: one line to stderr and ExitCode.COLLECTIVE; None for anything else."""
-        line = describe_failure(
-            err, self.watchdog.describe(), self.watchdog.elapsed(), self.timeout_s
-        )
-        if line is None:
-            return None
-        _say(self.prefix + line)
-        return ExitCode.COLLECTIVE
-
 
 _TIMEOUT = ("timed out", "timeout")
 _PEER_LOST = (
@@ -374,3 +364,15 @@ def out_of_memory(err: BaseException) -> str | None:
     if isinstance(err, MemoryError) or "can't allocate memory" in str(err):
         return "host"
     return None
+
+
+def oom_line(where: str, err: BaseException, step: int | None, intact) -> str:
+    """The line for running out of `where` ("device" / "host") memory during step `step` + 1: the
+    error's first line, `intact` (the newest complete checkpoint, None: none yet), what lowers the peak."""
+    first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
+    kept = f"checkpoint {intact} is intact" if intact else "no checkpoint was written yet"
+    return (
+        f"out of {where} memory during step {step + 1} ({first.strip()[:200]}); {kept}; "
+        "lower train.micro_batch_size or data.pack.seq_len, or recompute more (model.recompute); "
+        "`python -m moevlm.plan ... --fit GPU` proposes the cheapest change"
+    )

@@ -13,16 +13,13 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moevlm.data import DataError
 from moevlm.data.batch import MicroBatch
-from moevlm.data.lifetime import worker_death
 from moevlm.data.loader import NoData
 from moevlm.model.moe import global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
@@ -30,11 +27,10 @@ from moevlm.parallel.balance import step_load
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
-from moevlm.train.export import ExportFailed, export_run
-from moevlm.train.faults import checkpoint_write_line, out_of_memory
-from moevlm.train.integrity import looks_like_disk_full, write_failed_line
+from moevlm.train.export import export_run
+from moevlm.train.failures import RUN, FailureContext, NonFiniteWeights, classify
+from moevlm.train.faults import checkpoint_write_line
 from moevlm.train.metrics import (
-    LogWriteError,
     Window,
     slowest_over_micro_batches,
     vision_flops_slots,
@@ -149,50 +145,25 @@ class Trainer:
             self.log.check_tensorboard()
             self.export()
             code = summary(self, time.perf_counter() - t_start, self.step - first_step)
-        except NonFiniteWeights as err:  # no checkpoint of them is written
-            self.log.info(f"stopping at step {self.step}: {err}")
-            code = ExitCode.NONFINITE
-        except CheckpointError as err:  # no room, or the write failed: earlier ones are intact
-            code = self.faults.failure_code(err)  # a peer lost during the save: its code
-            if code is None:
-                self.log.info(f"stopping at step {self.step}: {err}")
-                code = ExitCode.CHECKPOINT
-        except (LogWriteError, ExportFailed) as err:
-            print(f"stopping at step {self.step}: {err}", file=sys.stderr, flush=True)
-            code = ExitCode.CHECKPOINT
-        except DataError as err:  # every rank's own stream: printed where it happened
-            where = f"rank {self.rank}: " if self.world > 1 else ""
-            print(f"{where}stopping at step {self.step}: {err}", file=sys.stderr, flush=True)
-            code = ExitCode.DATA
-        # a failed collective or a dead data worker: one line, not a traceback
+        # every failure class (moevlm.train.failures.FAILURES): one line and its code; else a bug
         except Exception as err:
-            if (line := worker_death(err)) is not None:  # (torch raises it wherever the step was)
-                print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
-                return ExitCode.DATA
-            if (where := out_of_memory(err)) is not None:
-                print(
-                    f"stopping at step {self.step}: {self._oom_line(where, err)}", file=sys.stderr
-                )
-                return ExitCode.OUT_OF_MEMORY
-            if looks_like_disk_full(err):  # a write of ours other than a checkpoint or the metrics
-                line = write_failed_line(err)
-                print(f"stopping at step {self.step}: {line}", file=sys.stderr, flush=True)
-                return ExitCode.CHECKPOINT
-            code = self.faults.failure_code(err)
-            if code is None:
+            failure = classify(err, phase=RUN, ctx=self._failure_context())
+            if failure.code == ExitCode.BUG:
                 raise
+            failure.say(self.log.info, self.faults.prefix)
+            code = failure.code
         finally:
             self.close()
         return code
 
-    def _oom_line(self, where: str, err: BaseException) -> str:
-        first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
-        kept = self.ckpt.complete()
-        intact = f"checkpoint {kept[-1]} is intact" if kept else "no checkpoint was written yet"
-        return (
-            f"out of {where} memory during step {self.step + 1} ({first.strip()[:200]}); {intact}; "
-            "lower train.micro_batch_size or data.pack.seq_len, or recompute more (model.recompute); "
-            "`python -m moevlm.plan ... --fit GPU` proposes the cheapest change"
+    def _failure_context(self) -> FailureContext:
+        w = self.faults.watchdog
+        return FailureContext(
+            step=self.step,
+            doing=w.describe(),
+            elapsed_s=w.elapsed(),
+            timeout_s=self.faults.timeout_s,
+            intact=lambda: (self.ckpt.complete() or [None])[-1],
         )
 
     def validate(self) -> dict:
@@ -440,21 +411,6 @@ class Trainer:
         # (a failed write: CheckpointError; a failed collective or file: those of torch and the OS)
         except (OSError, RuntimeError) as err:
             self.log.info(f"the checkpoint written in the background failed: {err}")
-
-
-class NonFiniteWeights(RuntimeError):
-    """The weights themselves are not finite: no checkpoint of them is written."""
-
-    def __init__(self, newest: Path | None):
-        super().__init__(self.message(newest))
-
-    @staticmethod
-    def message(newest: Path | None) -> str:
-        last = f"the newest checkpoint is {newest}" if newest else "there is no earlier checkpoint"
-        return (
-            "the weights are non-finite (an update made them so: lower optim.lr or check the data); "
-            f"no checkpoint of them is written ({last})"
-        )
 
 
 def all_reduce_values(values: list[float], device: torch.device, group) -> list[float]:
