@@ -1,5 +1,7 @@
-"""Video rows under every layout equal one process (fp32, the tiny model with 4 layers and deepstack on
-layers 0 and 1, micro-batches built by hand as tests/model/test_video_parity.py builds its inputs).
+"""Video rows under every layout equal one process, and a trainer step counts their FLOPs.
+
+fp32, the tiny model with 4 layers and deepstack on layers 0 and 1, micro-batches built by hand as
+tests/model/test_video_parity.py builds its inputs.
 
 Two micro-batches of one packed row: row 0 holds an image and two videos (one of two temporal patches)
 in two documents, row 1 an image and a text-only document and no video.  Each layout runs them as the
@@ -8,16 +10,20 @@ trainer does (each rank its micro-batches, objective = its token-loss sum / the 
 dp2 FSDP (rank 0 draws the videos, rank 1 none: one tower run each, the same reduce-scatters), cp2
 (the images and video frames shared over the context ranks), tp2, and pp2 (split [1, 3]: the first
 stage embeds the videos; deepstack feature 1 crosses with the video rows, padded to the boundary's
-image + video budgets for row 1).  Called from test_layouts.py's world-2 launch of hand-built models.
+image + video budgets for row 1).  `video_rows_under_layouts` runs in test_layouts.py's world-2 launch
+of hand-built models (no launch of its own).  In one process: a Trainer step on a micro-batch with
+videos counts their vision FLOPs in its FLOPs (hence MFU) and in its per-rank vision figures.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from moevlm.data.batch import MicroBatch
 from moevlm.model import Qwen3VLMoe, VLMConfig
+from moevlm.model.flops import count_flops
 from moevlm.model.rope import mrope_position_ids
 from moevlm.parallel import ParallelDims, build_model, full_grads, init_parameters_, materialize_
 from moevlm.parallel.build import BuildOptions
@@ -96,7 +102,7 @@ def video_micro_batch(cfg: VLMConfig, docs, seed: int) -> MicroBatch:
         image_grid_thw=grid,
         loss_tokens=useful - len(docs),
         useful_tokens=useful,
-        flops=0.0,
+        flops=count_flops(cfg, [b - a for a, b in zip(bounds, bounds[1:])], grids["image"]).total,
         n_image=int(grid.prod(-1).sum()) // merge2,
         images=len(grids["image"]),
     )
@@ -179,6 +185,42 @@ def video_rows_under_layouts(rank: int) -> dict[str, dict[str, float]]:
             )
         )
     return report
+
+
+def test_a_trainer_step_counts_the_video_flops(tmp_path):
+    """The step's FLOPs (MFU's numerator) and its vision figures are the documents', the images' and the
+    videos' (every frame); without the videos they would be the video FLOPs short."""
+    from moevlm.config import compose_job
+    from moevlm.data.sample_cache import ensure_sample
+    from moevlm.train.trainer import Trainer
+
+    job = [f"data.shards={ensure_sample()[0]}", "data.num_workers=0", "train.global_batch_size=1"]
+    tr = Trainer(compose_job([*job, f"train.run_dir={tmp_path}", "train.tensorboard=false"]))
+    try:
+        cfg, window = tr.plan.model, _Recorder()
+        mb = video_micro_batch(cfg, ROWS[0], seed=0)
+        assert tr.train_step(window, [mb])
+    finally:
+        tr.close()
+    docs = [b - a for a, b in zip(mb.cu_seqlens.tolist(), mb.cu_seqlens.tolist()[1:-1])]
+    images, videos = [(1, 4, 4)], [(2, 4, 4), (1, 4, 6)]
+    want = count_flops(cfg, docs, images + videos)
+    video = count_flops(cfg, [], videos).vision
+    assert video > 0.2 * want.vision
+    assert window.seen["flops"] == pytest.approx(want.total, rel=1e-12)
+    assert window.seen["vision_max"] == pytest.approx(want.vision, rel=1e-12)
+    assert window.seen["vision_mean"] == pytest.approx(want.vision, rel=1e-12)
+    # under cp 2 each rank's share is whole frames (as context parallel encodes them): they add up
+    shares = mb.with_videos(mb.pixel_values_videos, mb.video_grid_thw, cfg, cp=2).vision_flops_cp
+    assert sum(shares) == pytest.approx(want.vision) and min(shares) > 0.3 * want.vision
+
+
+class _Recorder:
+    def __init__(self):
+        self.seen = {}
+
+    def add(self, **kw):
+        self.seen = kw
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
