@@ -393,7 +393,7 @@ def _dense_on_ranks(rank: int, world: int) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     _dense_layer_and_tied_head_under_tp(rank, world)
     _dense_adapters_under_tp(world)
-    video_rows_under_layouts(rank)  # video rows under dp2 FSDP, cp2, tp2 and pp2 (test_video_layouts.py)
+    video_rows_under_layouts(rank)  # under dp2 FSDP, cp2, tp2 and pp2 (test_video_layouts.py)
 
 
 def _dense_adapters_under_tp(world: int) -> None:
