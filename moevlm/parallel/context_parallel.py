@@ -65,8 +65,9 @@ class CPImages(Images):
 
     def encode(self, encode_fn, pixel_values_NP, grid_thw_I3, merge: int):
         merge2 = merge**2
-        grid_thw_I3 = grid_thw_I3.new_tensor(frame_grids(grid_thw_I3.tolist())).reshape(-1, 3)
-        sizes = grid_thw_I3.prod(-1).tolist()
+        frames = frame_grids(grid_thw_I3.tolist())  # one host read
+        grid_thw_I3 = grid_thw_I3.new_tensor(frames).reshape(-1, 3)
+        sizes = [t * h * w for t, h, w in frames]
         n = sum(sizes) // merge2
         per_rank = balance_images(sizes, self.cp.size)
         mine = per_rank[self.cp.rank]
