@@ -1,18 +1,13 @@
 """Video rows under every layout equal one process, and a trainer step counts their FLOPs.
 
-fp32, the tiny model with 4 layers and deepstack on layers 0 and 1, micro-batches built by hand as
-tests/model/test_video_parity.py builds its inputs.
-
-Two micro-batches of one packed row: row 0 holds an image and two videos (one of two temporal patches)
-in two documents, row 1 an image and a text-only document and no video.  Each layout runs them as the
-trainer does (each rank its micro-batches, objective = its token-loss sum / the step's loss tokens,
-`finish_gradients`) and must give one process's loss and every gathered gradient to 1e-5 relative:
-dp2 FSDP (rank 0 draws the videos, rank 1 none: one tower run each, the same reduce-scatters), cp2
-(the images and video frames shared over the context ranks), tp2, and pp2 (split [1, 3]: the first
-stage embeds the videos; deepstack feature 1 crosses with the video rows, padded to the boundary's
-image + video budgets for row 1).  `video_rows_under_layouts` runs in test_layouts.py's world-2 launch
-of hand-built models (no launch of its own).  In one process: a Trainer step on a micro-batch with
-videos counts their vision FLOPs in its FLOPs (hence MFU) and in its per-rank vision figures.
+fp32, the tiny model with 4 layers and deepstack on layers 0 and 1; two one-row micro-batches built by
+hand (as tests/model/test_video_parity.py builds inputs): an image and two videos in two documents, and
+an image beside a text-only document.  Each layout runs them as the trainer does and gives one
+process's loss and every gathered gradient to 1e-5: dp2 FSDP (only rank 0 draws videos), cp2 (images
+and video frames shared over the cp ranks), tp2, pp2 (split [1, 3]: stage 0 embeds the videos, the
+deepstack rows padded to the image + video budgets cross; validation's forward-only path too).
+`video_rows_under_layouts` runs in test_layouts.py's world-2 launch of hand-built models (no launch of
+its own).  In one process: a Trainer step counts the videos' vision FLOPs (hence MFU).
 """
 
 from __future__ import annotations
@@ -140,9 +135,11 @@ def under_layout(cfg, name: str, micro: list[MicroBatch], tokens: float) -> tupl
             cpu, rows=1, seq_len=S, max_patches=NP, max_video_patches=NV, seq_shards=1,
             h_dtype=torch.float32, vision_dtype=torch.float32,
         )  # fmt: skip
-        lm_sum, _, _ = pipe.forward_backward(
-            pipe.share(mine if rank == 0 else None, cpu), tokens, 2
-        )
+        shared = pipe.share(mine if rank == 0 else None, cpu)
+        lm_sum, _, _ = pipe.forward_backward(shared, tokens, 2)
+        with torch.no_grad():  # validation's path (send/recv, no schedule): the same token losses
+            val_sum = pipe.forward_only(shared)
+        dist.all_reduce(val_sum, group=ctx.pp_group)
         group = ctx.pp_group
     else:
         lm_sum = torch.zeros(())
@@ -154,6 +151,8 @@ def under_layout(cfg, name: str, micro: list[MicroBatch], tokens: float) -> tupl
         group = ctx.loss_group
     ctx.finish_gradients()
     dist.all_reduce(lm_sum, group=group)
+    if ctx.pipeline is not None:
+        assert abs(float(val_sum) - float(lm_sum)) <= TOL * abs(float(lm_sum)), (val_sum, lm_sum)
     grads = full_grads(model)
     if ctx.pipeline is not None:  # each rank holds its stage's
         every = [None, None]
