@@ -22,7 +22,7 @@ import torch
 
 from moevlm.data.packing import PackedRow, stack_rows
 from moevlm.model.flops import count_flops
-from moevlm.model.image_shares import balance_images
+from moevlm.model.image_shares import balance_images, frame_grids
 
 
 @dataclass
@@ -146,7 +146,9 @@ class MicroBatch:
 
 def vision_flops_by_cp(grids: list, model, cp: int, freeze_vision: bool = False) -> tuple:
     """Training vision FLOPs of each context-parallel rank's share of the images `grids` (whole images,
-    as moevlm.model.image_shares.balance_images hands them out); one entry for cp = 1."""
+    as moevlm.model.image_shares.balance_images hands them out, a video's frames as images); one entry
+    for cp = 1."""
+    grids = frame_grids(grids) if cp > 1 else grids
     shares = balance_images([t * h * w for t, h, w in grids], cp) if cp > 1 else [range(len(grids))]
     return tuple(
         count_flops(model, [], [grids[i] for i in share], freeze_vision=freeze_vision).vision

@@ -212,18 +212,19 @@ class Qwen3VLMoe(nn.Module):
         ]
         if not kinds:
             return h_BSD, None, [], 0
-        encoded = [self.encode_images(pixels, grid) for pixels, grid, _ in kinds]
+        pixels_NP, grid_I3 = _one_tower_input(kinds)
+        out_NO, deepstack, n = self.encode_images(pixels_NP, grid_I3)
+        visual_mask_BS = kinds[0][2] if len(kinds) == 1 else kinds[0][2] | kinds[1][2]
+        rows = [out_NO, *deepstack]
+        if len(kinds) == 2:  # the tower's rows are the images' then the videos': to token order
+            is_image = kinds[0][2][visual_mask_BS]
+            rows = [_in_token_order(t, is_image, n) for t in rows]
         # An exact 0 that depends on every vision output: the whole tower is in the graph even when a
         # micro-batch holds only padding patches, so data-parallel ranks run the same backward
         # (same FSDP reduce-scatters) whether or not they drew an image.
-        padding_zero = sum(t[n:].sum() for out, ds, n in encoded for t in [out, *ds]) * 0.0
-        for (_, _, mask_BS), (out_NO, _, n) in zip(kinds, encoded):
-            h_BSD = h_BSD.masked_scatter(mask_BS[..., None], out_NO[:n].to(h_BSD.dtype))
-        if len(kinds) == 1:
-            visual_mask_BS, (_, deepstack, n) = kinds[0][2], encoded[0]
-        else:
-            visual_mask_BS, deepstack, n = _joint_deepstack(kinds[0][2], kinds[1][2], *encoded)
-        return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, deepstack, n
+        padding_zero = sum(t[n:].sum() for t in rows) * 0.0
+        h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], rows[0][:n].to(h_BSD.dtype))
+        return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, rows[1:], n
 
     def encode_images(self, pixel_values_NP, grid_thw_I3):
         """(image tokens, deepstack features, n) of every image, the work shared as the strategies'
@@ -296,18 +297,24 @@ def from_pretrained(hf_dir: str | Path, **kwargs) -> Qwen3VLMoe:
     return Qwen3VLMoe.from_pretrained(hf_dir, **kwargs)
 
 
-def _joint_deepstack(image_mask_BS, video_mask_BS, images, videos):
-    """(visual mask, deepstack features, n) of images and videos together: each layer's rows of the
-    visual tokens in token order (the reference's), then the images' and the videos' padding rows."""
-    (_, ds_img, n_img), (_, ds_vid, n_vid) = images, videos
-    visual_mask_BS = image_mask_BS | video_mask_BS
-    is_img = image_mask_BS[visual_mask_BS]
-    deepstack = []
-    for img, vid in zip(ds_img, ds_vid):
-        joint = img.new_zeros(n_img + n_vid, img.shape[-1])
-        joint = joint.index_put((is_img,), img[:n_img]).index_put((~is_img,), vid[:n_vid])
-        deepstack.append(torch.cat([joint, img[n_img:], vid[n_vid:]]))
-    return visual_mask_BS, deepstack, n_img + n_vid
+def _one_tower_input(kinds) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patches, grids) of images and videos for one run of the tower (one set of collectives under any
+    layout): every kind's real patches, then every kind's padding patches."""
+    if len(kinds) == 1:
+        return kinds[0][0], kinds[0][1]
+    used = [int(n) for n in torch.stack([grid.prod(-1).sum() for _, grid, _ in kinds]).tolist()]
+    pixels = [p[:u] for (p, _, _), u in zip(kinds, used)] + [
+        p[u:] for (p, _, _), u in zip(kinds, used)
+    ]
+    return torch.cat(pixels), torch.cat([grid for _, grid, _ in kinds])
+
+
+def _in_token_order(t_NO: torch.Tensor, is_image_n: torch.Tensor, n: int) -> torch.Tensor:
+    """The tower's first n rows (the images' then the videos') in the visual tokens' order, given
+    which visual token is an image's; the padding rows after them unchanged."""
+    n_image = is_image_n.sum()
+    src_n = torch.where(is_image_n, is_image_n.cumsum(0) - 1, n_image + (~is_image_n).cumsum(0) - 1)
+    return torch.cat([t_NO[:n][src_n], t_NO[n:]])
 
 
 def check_inputs(

@@ -6,7 +6,8 @@ sequence parallel), D hidden, O text width, N patches, I images, m = merge^2 pat
 token.
 
 `cp_strategies` gives the strategies a model is built with, composed over tensor parallel's (no
-weight changes): the vision tower encodes a share of whole images (moevlm.model.image_shares.balance_images) and
+weight changes): the vision tower encodes a share of whole images and video frames
+(moevlm.model.image_shares.balance_images, frame_grids) and
 all-gathers the features; the embedding keeps this rank's tokens of the full row
 (cp_layout.split_rows); attention runs local queries against every rank's keys (cp_attention); each
 rank routes and scores its own tokens; a Gated DeltaNet gathers the whole row and runs 1/cp of its heads
@@ -20,12 +21,12 @@ import torch.distributed as dist
 
 from moevlm.comm import all_gather_flat, all_reduce_sum
 from moevlm.model.attention import CoreAttention, DocMask, document_ids
-from moevlm.model.image_shares import balance_images
+from moevlm.model.image_shares import balance_images, frame_grids
 from moevlm.model.region import run_region
 from moevlm.model.strategies import Images, Sequence
+from moevlm.parallel.comm import gather_seq, reduce_scatter_seq
 from moevlm.parallel.cp_attention import COMMS as CP_COMMS
 from moevlm.parallel.cp_attention import cp_attention
-from moevlm.parallel.comm import gather_seq, reduce_scatter_seq
 from moevlm.parallel.cp_layout import every_rank_rows, take_rows
 
 
@@ -57,14 +58,16 @@ class CPInfo:
 
 
 class CPImages(Images):
-    """Images encoded in shares (balanced by patches) and gathered back in image order."""
+    """Images and video frames encoded in shares (balanced by patches) and gathered back in order."""
 
     def __init__(self, cp: CPInfo):
         self.cp = cp
 
     def encode(self, encode_fn, pixel_values_NP, grid_thw_I3, merge: int):
         merge2 = merge**2
-        sizes = grid_thw_I3.prod(-1).tolist()
+        frames = frame_grids(grid_thw_I3.tolist())  # one host read
+        grid_thw_I3 = grid_thw_I3.new_tensor(frames).reshape(-1, 3)
+        sizes = [t * h * w for t, h, w in frames]
         n = sum(sizes) // merge2
         per_rank = balance_images(sizes, self.cp.size)
         mine = per_rank[self.cp.rank]

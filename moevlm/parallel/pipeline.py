@@ -1,9 +1,10 @@
 """Pipeline parallelism: the model cut into stages, run by torch.distributed.pipelining.
-Legend: B rows per micro-batch, S sequence, D hidden, Np patches per micro-batch, E experts.
+Legend: B rows per micro-batch, S sequence, D hidden, Np (Nv) image (video) patches per row, E experts.
 
     prune_to_stages(model, plan, pp_rank)              # on meta, before TP/EP/FSDP (build_model)
     pipe = Pipeline(model, plan, pp_rank, pp_group)     # build_model; FSDP roots on its stages
     pipe.start(device, rows=B, seq_len=S, max_patches=Np, seq_shards=cp*tp, ...)  # torch's schedule
+                                                        # (max_video_patches=Nv with videos)
     micro = pipe.share(micro if pp_rank == 0 else None, device)   # the step's inputs, every pp rank
     lm_sum, aux, counts = pipe.forward_backward(micro_batches, loss_tokens, aux_divisor)
     lm_sum = pipe.forward_only(micro_batches)           # validation: no backward, no schedule
@@ -71,8 +72,9 @@ class StageModule(nn.Module):
         self.moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.text.num_layers))
         # moe.aux_loss=global_batch: a StepFrequencies (Pipeline.frequencies sets it)
         self.frequencies = None
-        # what crosses the boundary (Pipeline.start sets them)
+        # what crosses the boundary (Pipeline.start sets them): dtypes, deepstack rows
         self.h_dtype = self.vision_dtype = torch.float32
+        self.ds_rows = 0
         self.records: list[dict] = []
         self.loss_tokens, self.aux_divisor = (
             1.0,
@@ -85,15 +87,23 @@ class StageModule(nn.Module):
         with self.autocast():
             if self.first:
                 h, visual_mask, ds_list, n = model.embed(
-                    b.input_ids, b.pixel_values, b.image_grid_thw
+                    b.input_ids,
+                    b.pixel_values,
+                    b.image_grid_thw,
+                    b.pixel_values_videos,
+                    b.video_grid_thw,
                 )
-                deepstack = dict(enumerate(ds_list))
+                deepstack = dict(enumerate(self._boundary_rows(ds_list)))
                 h = model.text.seq.enter(h)
                 stats = None
             else:
                 h, *rows, stats = acts if self.num_experts else (*acts, None)
                 deepstack = dict(zip(self.ds_in, rows))
-                visual_mask, n = b.input_ids == model.config.image_token_id, b.n_image
+                cfg = model.config
+                visual_mask = (b.input_ids == cfg.image_token_id) | (
+                    b.input_ids == cfg.video_token_id
+                )
+                n = b.n_image + b.n_video
             ctx = model.text.layer_inputs(b.position_ids, b.cu_seqlens, b.token_mask, h.dtype)
             here = {k: deepstack[k][:n] for k in deepstack if str(k) in self.layers}
             h, layer_stats = model.text.run_layers(h, ctx, visual_mask, here, self.layers)
@@ -105,6 +115,20 @@ class StageModule(nn.Module):
                 return self._objective(h, b, stats)
         out = [h.to(self.h_dtype), *(deepstack[k].to(self.vision_dtype) for k in self.ds_out)]
         return tuple(_not_a_view(t) for t in (out if stats is None else [*out, stats]))
+
+    def _boundary_rows(self, ds_list: list) -> list:
+        """The first stage's deepstack features at the boundary's static row count: the images' and
+        videos' rows, then zero rows up to the patch budgets (a micro-batch without videos)."""
+        if not self.ds_out:
+            return ds_list
+        have = ds_list[0].shape[0]
+        if have > self.ds_rows:
+            raise ValueError(
+                f"pipeline: a micro-batch's images and videos make {have} deepstack rows, above the "
+                f"{self.ds_rows} its stage boundary was built for (Pipeline.start's max_patches + "
+                "max_video_patches, per row): raise the budget given there"
+            )
+        return [torch.cat([d, d.new_zeros(self.ds_rows - have, d.shape[1])]) for d in ds_list]
 
     def _add_stats(self, stats, layer_stats: list[RouterStats], h) -> torch.Tensor | None:
         """Accumulate this stage's router statistics into the travelling (2E+3,) vector."""
@@ -208,9 +232,11 @@ class Pipeline:
         h_dtype: torch.dtype,
         vision_dtype: torch.dtype,
         autocast: Callable | None = None,
+        max_video_patches: int = 0,
     ) -> None:
         """Build torch's PipelineStage for every local stage (with the static boundary shapes) and the
-        schedule.  `autocast` (a context factory) wraps every stage's forward."""
+        schedule.  `autocast` (a context factory) wraps every stage's forward; `max_patches` and
+        `max_video_patches`: a row's image and video patch budgets (the deepstack rows that cross)."""
         from torch.distributed import pipelining
 
         self.device = device
@@ -223,7 +249,8 @@ class Pipeline:
         meta = dict(device="meta", requires_grad=True)
         # the sequence over cp x tp
         h = torch.empty(rows, seq_len // seq_shards, D, dtype=h_dtype, **meta)
-        ds = torch.empty(rows * max_patches // merge**2, D, dtype=vision_dtype, **meta)
+        ds_rows = rows * (max_patches + max_video_patches) // merge**2
+        ds = torch.empty(ds_rows, D, dtype=vision_dtype, **meta)
         stats = (
             [torch.empty(2 * cfg.moe.num_experts + 3, dtype=torch.float32, **meta)]
             if cfg.moe.num_experts
@@ -231,7 +258,8 @@ class Pipeline:
         )
         stages = []
         for m in self.modules:
-            if not max_patches:  # text-only budgets: no image, no deepstack
+            m.ds_rows = ds_rows
+            if not ds_rows:  # text-only budgets: no image, no video, no deepstack
                 m.ds_in, m.ds_out = [], []
             ins = (
                 (torch.empty(1, dtype=torch.long, device="meta"),)

@@ -4,7 +4,7 @@ inverse, the attention work it balances, and the image shares of the vision towe
 import pytest
 import torch
 
-from moevlm.model.image_shares import balance_images
+from moevlm.model.image_shares import balance_images, frame_grids
 from moevlm.parallel.cp_layout import (
     attention_work,
     check_divisible,
@@ -75,6 +75,14 @@ def test_images_balanced_largest_first():
         [],
         [],
     ]  # a rank without an image still runs its tower (padding)
+
+
+def test_video_frames_are_shared_as_images():
+    """A video (t, h, w) is t frames (1, h, w) to the balance: one 4-frame video and an image spread
+    over 2 ranks instead of landing whole on one."""
+    grids = frame_grids([(1, 4, 4), (4, 4, 8), (1, 2, 2)])
+    assert grids == [(1, 4, 4), *[(1, 4, 8)] * 4, (1, 2, 2)]
+    assert balance_images([t * h * w for t, h, w in grids], 2) == [[0, 1, 3], [2, 4, 5]]
 
 
 def test_per_document_split_by_hand():

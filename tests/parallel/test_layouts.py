@@ -388,9 +388,12 @@ def chunked_loss_matches_whole_logits(shards: str, run_dir: str, layout: list[st
 
 
 def _dense_on_ranks(rank: int, world: int) -> None:
+    from test_video_layouts import video_rows_under_layouts
+
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     _dense_layer_and_tied_head_under_tp(rank, world)
     _dense_adapters_under_tp(world)
+    video_rows_under_layouts(rank)  # under dp2 FSDP, cp2, tp2 and pp2 (test_video_layouts.py)
 
 
 def _dense_adapters_under_tp(world: int) -> None:
