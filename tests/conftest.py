@@ -3,6 +3,10 @@ import os
 # The Triton kernels (kernels/) run on CPU only under the interpreter; it must be
 # set before any @triton.jit runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: a thread waiting at a barrier sleeps rather than spins (set before torch
+    # starts OpenMP); a test that asks for two threads (test_fp8_training) does not steal the other's core
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import random  # noqa: E402
 import shutil  # noqa: E402
@@ -12,14 +16,53 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # The sample set's cache (moevlm.data.sample_cache) is one folder per test session, built by the first test that
-# needs it and reused by the rest, subprocesses included (they inherit the environment): the user's cache is
-# neither read nor written, and CI leaves nothing behind.
-_SAMPLE_CACHE = tempfile.mkdtemp(prefix="moevlm-test-cache-")
+# needs it and reused by the rest, subprocesses and pytest-xdist's workers included (they inherit the
+# environment): the user's cache is neither read nor written, and CI leaves nothing behind.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_SAMPLE_CACHE = os.environ.get("MOEVLM_TEST_SESSION_CACHE") if _WORKER else None
+_OWN_CACHE = _SAMPLE_CACHE is None
+if _OWN_CACHE:
+    _SAMPLE_CACHE = os.environ["MOEVLM_TEST_SESSION_CACHE"] = tempfile.mkdtemp(
+        prefix="moevlm-test-cache-"
+    )
 os.environ["MOEVLM_CACHE"] = _SAMPLE_CACHE
+if _WORKER:  # one of `-n 2`'s workers (pyproject's addopts): a core each, its subprocesses too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# Modules first by their cost (CPU seconds on 2 cores, most first), so that xdist's two workers end
+# together: each module runs whole on one worker (--dist loadscope), the costliest started first.
+FIRST = (
+    "tests/plan/test_recipe_fit.py",
+    "tests/parallel/test_layouts.py",
+    "tests/parallel/test_pipeline.py",
+    "tests/test_readme_commands.py",
+    "tests/plan/test_recipes.py",
+    "tests/parallel/test_context_parallel.py",
+    "tests/plan/test_search.py",
+    "tests/plan/test_fit.py",
+    "tests/plan/test_dry_run.py",
+    "tests/train/test_compile.py",
+    "tests/train/test_trainer.py",
+    "tests/bench/test_gpu_suite.py",
+    "tests/train/test_fp8_training.py",
+    "tests/train/test_faults.py",
+    "tests/kernels/test_model_triton.py",
+    "tests/train/test_scale.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where there is none."""
+    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where there is none.  The
+    costliest modules first (FIRST), then the other modules with slow tests, then the rest."""
+    slow = {item.path for item in items if "slow" in item.keywords}
+    rank = {name: i for i, name in enumerate(FIRST)}
+
+    def key(item):
+        name = item.path.relative_to(config.rootpath).as_posix()
+        return rank.get(name, len(FIRST) if item.path in slow else len(FIRST) + 1)
+
+    items.sort(key=key)  # stable: each module keeps its own order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu_suite.sh on a GPU machine)")
@@ -29,7 +72,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_SAMPLE_CACHE, ignore_errors=True)
+    if _OWN_CACHE:
+        shutil.rmtree(_SAMPLE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
