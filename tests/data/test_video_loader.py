@@ -161,3 +161,28 @@ def test_resume_with_videos_continues_exactly(mixed):
         assert a.sample_ids == b.sample_ids
         assert torch.equal(a.pixel_values_videos, b.pixel_values_videos)
         assert torch.equal(a.video_grid_thw, b.video_grid_thw)
+
+
+@pytest.mark.slow
+def test_training_on_a_mixed_webdataset_with_defaults_reports_videos(mixed, tmp_path):
+    """`python train.py data.shards=DIR` on image + video shards: every step's record (metrics.jsonl) and
+    console line count the videos and video tokens trained on; the end-of-run line names the videos."""
+    import contextlib
+    import io
+
+    from moevlm.config import compose_job
+    from moevlm.train.trainer import Trainer
+
+    folder, _ = mixed
+    job = compose_job(
+        [f"data.shards={folder}", "train.steps=4", f"train.run_dir={tmp_path}", "train.log_every=1"]
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        assert Trainer(job).run() == 0
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("videos" in r and "video_tokens" in r for r in recs)
+    assert sum(r["videos"] for r in recs) > 0 and sum(r["video_tokens"] for r in recs) > 0
+    assert all((r["videos"] > 0) == (r["video_tokens"] > 0) for r in recs)
+    text = out.getvalue()
+    assert " vid " in text and "videos" in text, text[-2000:]
