@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from moevlm.data.sample_video import SAMPLE_CLIPS
+from moevlm.data.sample_video import SAMPLE_CLIPS, make_sample_clips
 from moevlm.data.text import (
     IMAGE_PLACEHOLDER,
     ROLES,
@@ -471,3 +471,8 @@ def sample_photo_paths() -> list[Path]:
             f"none of {_TEST_PHOTOS} found in scikit-image's data folder; reinstall it"
         )
     return paths
+
+
+def write_sample_clips(out_dir: Path) -> list[Path]:
+    """The clips the video records name (SAMPLE_CLIPS over sample_photo_paths) into `out_dir`."""
+    return make_sample_clips(sample_photo_paths(), out_dir)
