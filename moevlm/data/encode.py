@@ -101,7 +101,7 @@ class SampleEncoder:
         loaded = [self._load_video(raw[p.name], p, rec.id) for p in plans]
         vgrids = [g for _, g in loaded]
         if vgrids:
-            self._fit_videos(ids_L, vgrids, rec.id)
+            self._fit_videos(ids_L, grids, vgrids, rec.id)
         ids_L, labels_L, pixels, grids = self._fit(ids_L, labels_L, pixels, grids, rec.id)
         grid_I3 = torch.tensor(grids, dtype=torch.long).view(-1, 3)
         vgrid_V3 = torch.tensor(vgrids, dtype=torch.long).view(-1, 3)
@@ -175,10 +175,14 @@ class SampleEncoder:
         pixels, grid, _ = plan.load(bytes(data), self.video, seed)
         return pixels, grid
 
-    def _fit_videos(self, ids_L, vgrids, sid: str) -> None:
+    def _fit_videos(self, ids_L, grids, vgrids, sid: str) -> None:
+        """A sample with videos over a budget after sampling down is too_long (never cut mid-video)."""
         p = self.pack
         n = sum(t * h * w for t, h, w in vgrids)
-        if n > p.max_video_patches or ids_L.numel() > p.seq_len:
+        images_over = (
+            sum(t * h * w for t, h, w in grids) > p.max_patches or len(grids) > p.max_images
+        )
+        if n > p.max_video_patches or ids_L.numel() > p.seq_len or images_over:
             raise SkipSample(
                 "too_long",
                 f"{sid}: {ids_L.numel()} tokens, {n} video patches in {len(vgrids)} video(s), sampled "
