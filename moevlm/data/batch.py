@@ -77,7 +77,7 @@ class MicroBatch:
         b = stack_rows(rows)
         S = b.input_ids.shape[1]
         text_only = b.pixel_values.shape[0] == 0
-        return cls(
+        mb = cls(
             input_ids=b.input_ids,
             labels=b.labels,
             position_ids=b.position_ids,
@@ -94,6 +94,9 @@ class MicroBatch:
                 b.image_grid_thw[: b.num_images].tolist(), model, cp, freeze_vision
             ),
         )
+        if b.pixel_values_videos is None:
+            return mb
+        return mb.with_videos(b.pixel_values_videos, b.video_grid_thw, model, freeze_vision, cp)
 
     def model_inputs(self) -> dict[str, torch.Tensor | None]:
         """The keyword arguments of the model's forward (the video ones only with videos)."""

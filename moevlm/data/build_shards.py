@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -346,25 +348,29 @@ def build_sample(
     only the records that carry photos (captions, chats and pairs; no text-only documents), one per
     shard by default so the set still feeds every data stream: image-text data, where the vision
     tower's work per row depends on the photos' resolutions alone (bench/vision_balance.py)."""
-    from moevlm.data.sample import sample_records, sample_tokenizer
+    sample_set = importlib.import_module("moevlm.data.sample")  # (a stand-in in tests)
 
-    records = list(sample_records())
+    records = list(sample_set.sample_records())
     if images_only:
-        records = [r for r in records if r.get("images")]
+        records = [r for r in records if r.get("images") and not r.get("videos")]
     root, records = relative_to_common_root(interleave(records))
-    tokenizer = sample_tokenizer()
+    tokenizer = sample_set.sample_tokenizer()
     if samples_per_shard is None:
         samples_per_shard = 1 if images_only else max(1, min(16, len(records) // SAMPLE_SHARDS_MIN))
-    summary = build_shards(
-        records,
-        root,
-        Path(out),
-        samples_per_shard,
-        overwrite=overwrite,
-        build_args={"sample": True, "images_only": images_only},
-        workers=workers,
-        progress=progress,
-    )
+    with tempfile.TemporaryDirectory() as clips:  # the clips' files, written from the photographs
+        if any(r.get("videos") for r in records):
+            sample_set.write_sample_clips(Path(clips))
+        summary = build_shards(
+            records,
+            root,
+            Path(out),
+            samples_per_shard,
+            overwrite=overwrite,
+            build_args={"sample": True, "images_only": images_only},
+            workers=workers,
+            progress=progress,
+            video_root=Path(clips),
+        )
     tokenizer.save(str(Path(out) / "tokenizer.json"))
     return summary
 

@@ -17,7 +17,15 @@ import os
 
 from omegaconf import MISSING
 
-from moevlm.data.config import DEFAULT_STREAMS, FORMATS, MOCK, OVERSIZE, PIN_MEMORY, DataConfig
+from moevlm.data.config import (
+    DEFAULT_STREAMS,
+    FORMATS,
+    MOCK,
+    OVERSIZE,
+    PIN_MEMORY,
+    VIDEO_FIT,
+    DataConfig,
+)
 from moevlm.data.errors import DataSetupError
 from moevlm.data.hf_datasets import is_dataset, open_dataset
 from moevlm.data.packing import vision_budget
@@ -67,6 +75,61 @@ def _require(ok: bool, field: str, value, want: str) -> None:
 def _one_of(values) -> str:
     *head, last = map(repr, values)
     return f"{', '.join(head)} or {last}" if head else last
+
+
+def check_video(cfg: DataConfig) -> None:
+    """data.video and data.max_video_bytes: positive sizes, frame bounds in order, the patch geometry
+    of data.image (one vision tower reads both)."""
+    v, im, d = cfg.video, cfg.image, cfg.video.decode
+    for name in ("patch_size", "temporal_patch_size", "merge_size"):
+        want = getattr(im, name)
+        _require(
+            getattr(v, name) == want, f"video.{name}", getattr(v, name), f"data.image.{name}={want}"
+        )
+    _require(v.fps > 0, "video.fps", v.fps, "a positive frame rate")
+    _require(
+        v.temporal_patch_size <= v.min_frames <= v.max_frames,
+        "video.min_frames",
+        v.min_frames,
+        f"at least temporal_patch_size={v.temporal_patch_size} and at most video.max_frames={v.max_frames}",
+    )
+    _require(
+        1 <= v.min_pixels <= v.max_pixels,
+        "video.min_pixels",
+        v.min_pixels,
+        f"a positive pixel count at most video.max_pixels={v.max_pixels}",
+    )
+    _require(v.max_video_tokens >= 1, "video.max_video_tokens", v.max_video_tokens, "at least 1")
+    _require(v.fit in VIDEO_FIT, "video.fit", v.fit, _one_of(VIDEO_FIT))
+    _require(
+        len(v.std) == 3 and all(x > 0 for x in v.std),
+        "video.std",
+        list(v.std),
+        "three positive values",
+    )
+    _require(len(v.mean) == 3, "video.mean", list(v.mean), "three per-channel values (R, G, B)")
+    for name in (
+        "max_frame_pixels",
+        "max_decode_bytes",
+        "max_frames",
+        "max_decoded_frames",
+        "threads",
+    ):
+        _require(
+            getattr(d, name) >= 1, f"video.decode.{name}", getattr(d, name), "a positive number"
+        )
+    _require(
+        d.max_duration_s > 0, "video.decode.max_duration_s", d.max_duration_s, "positive seconds"
+    )
+    _require(
+        d.max_decode_s is None or d.max_decode_s > 0,
+        "video.decode.max_decode_s",
+        d.max_decode_s,
+        "null (off) or positive seconds",
+    )
+    _require(
+        cfg.max_video_bytes >= 1, "max_video_bytes", cfg.max_video_bytes, "a positive byte cap"
+    )
 
 
 def check_fields(cfg: DataConfig) -> None:
@@ -132,6 +195,7 @@ def check_fields(cfg: DataConfig) -> None:
         cfg.max_image_bytes,
         "a positive byte cap (default 33554432)",
     )
+    check_video(cfg)
     _require(
         cfg.num_workers >= 0,
         "num_workers",

@@ -15,6 +15,7 @@ from moevlm.fields import one_of
 # allowed values, checked by moevlm.data.checks.check_fields and listed by `python train.py --help`
 OVERSIZE = ("skip", "truncate")
 PIN_MEMORY = ("auto", "true", "false")
+VIDEO_FIT = ("frames", "resolution", "skip")
 MOCK = ("none", "image_free", "random_pixels")
 FORMATS = ("auto", "moevlm", "image_caption")
 START_METHODS = tuple(sorted(mp.get_all_start_methods()))  # data.start_method: this platform's
@@ -77,6 +78,58 @@ class ImageConfig:
 
 
 @dataclass
+class VideoDecodeConfig:
+    """Video decode guards (checked on the header, before any frame is decoded) and the per-sample
+    budget; over any of them a video is skipped by its reason (moevlm.data.video_decode)."""
+
+    max_frame_pixels: int = field(
+        default=8192 * 8192, metadata={"help": "width*height of one frame; above: video_too_large"}
+    )
+    max_decode_bytes: int = field(
+        default=400_000_000,
+        metadata={
+            "help": "bytes of the decoded frames a sample uses (frames x width x height x 3); above: "
+            "video_too_large"
+        },
+    )
+    max_frames: int = field(
+        default=1 << 20,
+        metadata={
+            "help": "the header's frame count (about 9.7 h at 30 fps); above: video_too_long"
+        },
+    )
+    max_duration_s: float = field(
+        default=4 * 3600.0,
+        metadata={"help": "the header's duration in seconds; above: video_too_long"},
+    )
+    max_decoded_frames: int = field(
+        default=4096,
+        metadata={
+            "help": "frames decoded for one video, the used ones included (seeking keeps it low); above: "
+            "video_decode_budget"
+        },
+    )
+    max_decode_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "wall-clock seconds to decode one video; null = off (a skip would then depend on the "
+            "machine)"
+        },
+    )
+    threads: int = field(
+        default=1,
+        metadata={"help": "decoder threads per video (the loader's workers are the parallelism)"},
+    )
+    end_slack_s: float = field(
+        default=0.5,
+        metadata={
+            "help": "a wanted frame at most this far past the stream's real end gets its last frame (the "
+            "count mkv/webm headers give may overshoot by a frame)"
+        },
+    )
+
+
+@dataclass
 class VideoConfig:
     """Video frame sampling and preprocessing, named as transformers' Qwen3VLVideoProcessor names them
     (min_pixels/max_pixels are its size["shortest_edge"]/size["longest_edge"]: pixels of all frames)."""
@@ -122,6 +175,16 @@ class VideoConfig:
         default=(0.5, 0.5, 0.5),
         metadata={"help": "per-channel (R, G, B) std pixels are divided by, each > 0"},
     )
+    fit: one_of(*VIDEO_FIT, checked_by="moevlm.data.checks.check_fields") = field(
+        default="frames",
+        metadata={
+            "help": "a sample whose videos overflow a row's patch or token budget: frames (fewer frames "
+            "first, down to temporal_patch_size, then lower resolution), resolution (lower resolution first, "
+            "down to one merge block a side, then fewer frames), skip (as data.pack.oversize says); each "
+            "video sampled down is counted (video_fewer_frames, video_lower_resolution)"
+        },
+    )
+    decode: VideoDecodeConfig = field(default_factory=VideoDecodeConfig)
 
 
 @dataclass
@@ -145,6 +208,20 @@ class PackConfig:
         default=32,
         metadata={
             "help": "images per micro-batch (fixes image_grid_thw and the vision cu_seqlens)"
+        },
+    )
+    max_videos: int = field(
+        default=0,
+        metadata={
+            "help": "videos per micro-batch (fixes video_grid_thw); 0 = rows carry no video (a sample with one is "
+            "skipped as videos_off)"
+        },
+    )
+    max_video_patches: int = field(
+        default=16384,
+        metadata={
+            "help": "video patches per micro-batch (fixes pixel_values_videos; beside max_patches, which counts "
+            "image patches); a longer video is sampled down (data.video.fit)"
         },
     )
     lookahead: int = field(
@@ -217,6 +294,7 @@ class DataConfig:
         },
     )
     image: ImageConfig = field(default_factory=ImageConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     pack: PackConfig = field(default_factory=PackConfig)
     num_workers: int = field(
         default=2, metadata={"help": "loader worker processes per rank; 0 = in the trainer"}
@@ -267,7 +345,15 @@ class DataConfig:
     max_image_bytes: int = field(
         default=33554432,
         metadata={
-            "help": "any other tar member above this many bytes skips its sample as file_too_large (32 MiB)"
+            "help": "any other tar member (an image) above this many bytes skips its sample as file_too_large "
+            "(32 MiB)"
+        },
+    )
+    max_video_bytes: int = field(
+        default=268435456,
+        metadata={
+            "help": "a video tar member (mp4, mov, mkv, webm, avi) above this many bytes skips its sample as "
+            "file_too_large (256 MiB, as build_shards' --max-video-bytes)"
         },
     )
     allow_changed_shards: bool = field(

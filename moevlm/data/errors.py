@@ -46,6 +46,8 @@ REASONS = {
     "per-sample budget",
     "video_tag_mismatch": "the text has a different number of <video> tags than the sample has videos",
     "missing_video": "the record names a video file that is missing or not a regular file",
+    "video_too_short": "the video has fewer frames than a temporal patch (2): train a single frame as an image",
+    "videos_off": "the sample has videos but data.pack.max_videos=0 (its rows carry no video)",
     # shards
     "truncated_shard": "a tar shard ended early or is corrupt; samples before the damage were kept",
     "unreadable_shard": "a shard could not be opened",
@@ -62,6 +64,8 @@ REASONS = {
 FALLBACKS = {
     "images_unused": "the sample carries image members its record does not use (e.g. data.format=moevlm on a "
     "third-party shard whose json names no image); it trained without them",
+    "video_fewer_frames": "a video over a row's budget trained on fewer frames (data.video.fit)",
+    "video_lower_resolution": "a video over a row's budget trained at a lower resolution (data.video.fit)",
 }
 
 

@@ -226,6 +226,7 @@ class PackedLoader:
             "skipped_total": sum(skipped.values()),
             "fell_back": fell_back,
             "images_packed": sum(s.images_packed for s in states),
+            "videos_packed": sum(s.videos_packed for s in states),
             "over_vision_budget": sum(s.over_vision_budget for s in states),
             "shards_all_skipped": dict(sorted(unusable.items())),
             "samples_read": sum(s.read for s in states),

@@ -2,10 +2,11 @@
 (and the optional vision-FLOPs budget), `collate` into one `PackedRow`, `stack_rows` for B of them.
 
 Legend: S seq_len (token budget), Np max_patches (patch budget), D patch dim, I max_images,
-J max_samples (documents), L one sample's tokens, B rows.
+J max_samples (documents), L one sample's tokens, B rows, Nv max_video_patches, V max_videos.
 
     input_ids (B, S)  labels (B, S)  position_ids (3, B, S)  cu_seqlens (B(J+2),)
     pixel_values (B Np, D)  image_grid_thw (B I, 3)          (one row: B = 1)
+    pixel_values_videos (B Nv, D)  video_grid_thw (B V, 3)   (pack.max_videos > 0; else None)
 
 A row's documents lie back to back, then one padding document up to S; its images' patches back to
 back, then zero patches up to Np; unused grid rows are zeros.  Stacked rows keep every real patch and
@@ -126,7 +127,8 @@ class Packer:
 
     def push(self, sample: Sample) -> None:
         self.held.append(sample)
-        self.costs.append(self.vision(sample.grids) if self.budget is not None else 0.0)
+        grids = sample.grids + sample.video_grids
+        self.costs.append(self.vision(grids) if self.budget is not None else 0.0)
 
     def full(self) -> bool:
         """Ready to emit: the held samples overflow one micro-batch (so it can be
@@ -139,13 +141,15 @@ class Packer:
             sum(s.tokens for s in h) <= c.seq_len
             and sum(s.patches for s in h) <= c.max_patches
             and sum(len(s.grids) for s in h) <= c.max_images
+            and sum(s.video_patches for s in h) <= c.max_video_patches
+            and sum(len(s.video_grids) for s in h) <= c.max_videos
             and len(h) <= c.max_samples
             and (self.budget is None or sum(self.costs) <= self.budget)
         )
 
     def pop(self) -> list[Sample]:
         c, F = self.cfg, self.budget
-        tokens = patches = images = 0
+        tokens = patches = images = vpatches = videos = 0
         flops = 0.0
         take, keep, kept_costs = [], [], []
         for s, cost in zip(self.held, self.costs):
@@ -153,6 +157,8 @@ class Packer:
                 tokens + s.tokens <= c.seq_len
                 and patches + s.patches <= c.max_patches
                 and images + len(s.grids) <= c.max_images
+                and vpatches + s.video_patches <= c.max_video_patches
+                and videos + len(s.video_grids) <= c.max_videos
                 and len(take) < c.max_samples
                 # the oldest always goes in: alone when its own vision work is over the budget
                 and (F is None or flops + cost <= F or not take)
@@ -164,6 +170,7 @@ class Packer:
                     patches + s.patches,
                     images + len(s.grids),
                 )
+                vpatches, videos = vpatches + s.video_patches, videos + len(s.video_grids)
                 flops += cost
             else:
                 keep.append(s)
@@ -193,6 +200,11 @@ class PackedRow(Mapping):
     useful_patches: int
     padded_patches: int
     sample_ids: list[str]
+    # videos as the images (pack.max_videos > 0; None and 0 otherwise)
+    pixel_values_videos: torch.Tensor | None = None  # (B Nv, D), real patches first
+    video_grid_thw: torch.Tensor | None = None  # (B V, 3), real grids first, zero rows after
+    num_videos: int = 0
+    video_patches: int = 0  # real video patches
 
     def __getitem__(self, name: str):
         if name not in _ROW_FIELDS:
@@ -207,11 +219,14 @@ class PackedRow(Mapping):
 
     def pin_memory(self) -> PackedRow:
         """A copy with the tensors in page-locked memory (torch's DataLoader calls it)."""
-        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in _ROW_TENSORS})
+        tensors = {k: getattr(self, k) for k in _ROW_TENSORS}
+        return dataclasses.replace(
+            self, **{k: v.pin_memory() for k, v in tensors.items() if v is not None}
+        )
 
 
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(PackedRow))
-_ROW_TENSORS = _ROW_FIELDS[:6]
+_ROW_TENSORS = _ROW_FIELDS[:6] + ("pixel_values_videos", "video_grid_thw")
 COUNTS = (
     "num_samples",
     "num_images",
@@ -220,6 +235,8 @@ COUNTS = (
     "loss_tokens",
     "useful_patches",
     "padded_patches",
+    "num_videos",
+    "video_patches",
 )
 
 
@@ -250,6 +267,7 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
     grid_thw = torch.zeros(I, 3, dtype=torch.long)
     if grids:
         grid_thw[: len(grids)] = torch.tensor(grids, dtype=torch.long)
+    videos = _videos(samples, cfg, patch_dim)
     return PackedRow(
         input_ids=input_ids[None],
         labels=labels[None],
@@ -265,6 +283,25 @@ def collate(samples: list[Sample], cfg: PackConfig, patch_dim: int, pad_id: int)
         useful_patches=patches,
         padded_patches=Np - patches,
         sample_ids=[s.id for s in samples],
+        **videos,
+    )
+
+
+def _videos(samples: list[Sample], cfg: PackConfig, patch_dim: int) -> dict:
+    """The row's video fields: pixels (Nv, D) and grids (V, 3), real first; none when max_videos=0."""
+    if not cfg.max_videos:
+        return {}
+    pixels = torch.zeros(cfg.max_video_patches, patch_dim, dtype=torch.float32)
+    pieces = [s.video_pixels_ND for s in samples if s.video_pixels_ND is not None]
+    n = sum(p.shape[0] for p in pieces)
+    if pieces:
+        torch.cat(pieces, out=pixels[:n])
+    grids = [g for s in samples for g in s.video_grids]
+    grid_thw = torch.zeros(cfg.max_videos, 3, dtype=torch.long)
+    if grids:
+        grid_thw[: len(grids)] = torch.tensor(grids, dtype=torch.long)
+    return dict(
+        pixel_values_videos=pixels, video_grid_thw=grid_thw, num_videos=len(grids), video_patches=n
     )
 
 
@@ -288,6 +325,18 @@ def stack_rows(rows: list[PackedRow]) -> PackedRow:
         [r.image_grid_thw[: r.num_images] for r in rows],
         sum(r.image_grid_thw.shape[0] for r in rows),
     )
+    videos = {}
+    if rows[0].pixel_values_videos is not None:
+        videos = dict(
+            pixel_values_videos=_real_first(
+                [r.pixel_values_videos[: r.video_patches] for r in rows],
+                sum(r.pixel_values_videos.shape[0] for r in rows),
+            ),
+            video_grid_thw=_real_first(
+                [r.video_grid_thw[: r.num_videos] for r in rows],
+                sum(r.video_grid_thw.shape[0] for r in rows),
+            ),
+        )
     return PackedRow(
         input_ids=torch.cat([r.input_ids for r in rows]),
         labels=torch.cat([r.labels for r in rows]),
@@ -297,4 +346,5 @@ def stack_rows(rows: list[PackedRow]) -> PackedRow:
         image_grid_thw=grid_thw,
         **{k: sum(getattr(r, k) for r in rows) for k in COUNTS},
         sample_ids=[sid for r in rows for sid in r.sample_ids],
+        **videos,
     )

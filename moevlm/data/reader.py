@@ -174,10 +174,27 @@ def is_text_member(name: str) -> bool:
     return name.rsplit(".", 1)[-1].lower() in ("json", "txt")
 
 
+VIDEO_EXTS = ("mp4", "mov", "m4v", "mkv", "webm", "avi")
+
+
+def is_video_member(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].lower() in VIDEO_EXTS
+
+
+def member_cap(name: str, max_text: int, max_file: int, max_video: int | None = None) -> int:
+    """The byte cap of a tar member: data.max_text_bytes (json, txt), data.max_video_bytes (videos),
+    else data.max_image_bytes."""
+    if is_text_member(name):
+        return max_text
+    return max_file if max_video is None or not is_video_member(name) else max_video
+
+
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (skipped, as webdataset does)
 
 
-def members(url: str, stream, max_text: int, max_file: int, damaged: list) -> Iterator[dict]:
+def members(
+    url: str, stream, max_text: int, max_file: int, damaged: list, max_video: int | None = None
+) -> Iterator[dict]:
     """{fname, data, __url__} for each regular member of the tar `stream` (data: the
     bytes, or an `Oversize` marker for a member over its cap), then {} (end of
     shard).  The first error ends the shard and is appended to `damaged`."""
@@ -186,7 +203,7 @@ def members(url: str, stream, max_text: int, max_file: int, damaged: list) -> It
             for info in tar:
                 if not info.isreg() or _META.match(info.name):
                     continue
-                cap = max_text if is_text_member(info.name) else max_file
+                cap = member_cap(info.name, max_text, max_file, max_video)
                 data = (
                     Oversize(info.name, info.size, cap)
                     if info.size > cap
@@ -223,6 +240,7 @@ class ShardPlan:
     counts: dict[str, int] = field(default_factory=dict)
     max_text_bytes: int = 1 << 20  # member caps (data.max_text_bytes / data.max_image_bytes)
     max_file_bytes: int = 32 << 20
+    max_video_bytes: int | None = None  # data.max_video_bytes; None: videos capped as other files
 
     def __post_init__(self):
         if not 0 <= self.stream < self.streams <= len(self.shards):
@@ -272,7 +290,14 @@ class ShardPlan:
         n = 0
         with stream:
             for raw in group_by_keys(
-                members(url, stream, self.max_text_bytes, self.max_file_bytes, damaged),
+                members(
+                    url,
+                    stream,
+                    self.max_text_bytes,
+                    self.max_file_bytes,
+                    damaged,
+                    self.max_video_bytes,
+                ),
                 handler=handler,
             ):
                 n += 1

@@ -6,7 +6,8 @@ caption, chat and text records plus a small tokenizer; nothing is downloaded.
     tok = sample_tokenizer()              # byte-level BPE fitting the tiny preset
 
 Records are the canonical forms (records.py) with absolute file paths in `images` (the builder
-swaps them for tar member names).  The same installed packages give the same records.
+swaps them for tar member names); `videos` name the sample clips (moevlm.data.sample_video), made
+from the photographs when the set is built.  The same installed packages give the same records.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from moevlm.data.text import IMAGE_PLACEHOLDER, ROLES, TINY_SPECIAL_IDS, train_bpe
+from moevlm.data.sample_video import SAMPLE_CLIPS, make_sample_clips
+from moevlm.data.text import (
+    IMAGE_PLACEHOLDER,
+    ROLES,
+    TINY_SPECIAL_IDS,
+    VIDEO_PLACEHOLDER,
+    train_bpe,
+)
 
 DOC_MIN_CHARS, DOC_MAX_CHARS = 400, 2000
 TEXT_RECORDS = 300  # plain-text records in sample_records()
@@ -350,13 +358,71 @@ def _text_chat_records() -> list[dict]:
     return records
 
 
+def _clip_file(spec) -> str:
+    return f"{spec.name}.{spec.container}"
+
+
+_MOVES = {"pan": "pans slowly from left to right across", "zoom": "zooms slowly in on"}
+
+
+def sample_video_records() -> list[dict]:
+    """Chats over the sample clips: each clip alone, one clip beside its photograph, two clips."""
+    photos = {p.path: p for p in packaged_photos()}
+    paths = sample_photo_paths()
+
+    def about(spec) -> str:
+        photo = photos[paths[spec.photo % len(paths)]]
+        return f"The camera {_MOVES[spec.motion]} a photograph: {photo.caption}"
+
+    records = [
+        _chat(f"video-{s.name}", [], [_clip_file(s)], "<video>\nWhat does the camera do?", about(s))
+        for s in SAMPLE_CLIPS
+    ]
+    a, b, c = SAMPLE_CLIPS[0], SAMPLE_CLIPS[1], SAMPLE_CLIPS[3]
+    photo = str(paths[a.photo % len(paths)])
+    records.append(
+        _chat(
+            f"video-image-{a.name}",
+            [photo],
+            [_clip_file(a)],
+            "<image>\n<video>\nWas the video filmed from this picture?",
+            "Yes. " + about(a),
+        )
+    )
+    records.append(
+        _chat(
+            f"videos-{b.name}-{c.name}",
+            [],
+            [_clip_file(b), _clip_file(c)],
+            "<video>\n<video>\nHow do the two videos differ?",
+            f"In the first, {about(b)[0].lower()}{about(b)[1:]} In the second, {about(c)[0].lower()}"
+            f"{about(c)[1:]}",
+        )
+    )
+    return records
+
+
+def _chat(rid: str, images: list[str], videos: list[str], question: str, answer: str) -> dict:
+    return {
+        "id": rid,
+        "images": images,
+        "videos": videos,
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ],
+    }
+
+
 def sample_records() -> list[dict]:
-    """Caption, chat and text records over the packaged photos and pydoc prose."""
+    """Caption, chat and text records over the packaged photos and pydoc prose, chats over the
+    sample clips."""
     photos = packaged_photos()
     records = [_caption_record(p) for p in photos]
     records += [_chat_record(i, p) for i, p in enumerate(photos)]
     records += [_pair_record(a, b) for a, b in _pairs(photos)]
     records += _text_chat_records()
+    records += sample_video_records()
     records += [
         {"id": f"text-{i:05d}", "text": doc} for i, doc in enumerate(shipped_texts(TEXT_RECORDS))
     ]
@@ -370,7 +436,10 @@ def sample_records() -> list[dict]:
 
 def _record_texts(record: dict) -> list[str]:
     if "messages" in record:
-        return [m["content"].replace(IMAGE_PLACEHOLDER, "") for m in record["messages"]]
+        return [
+            m["content"].replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
+            for m in record["messages"]
+        ]
     return [record["caption"]] if "caption" in record else [record["text"]]
 
 
@@ -402,3 +471,8 @@ def sample_photo_paths() -> list[Path]:
             f"none of {_TEST_PHOTOS} found in scikit-image's data folder; reinstall it"
         )
     return paths
+
+
+def write_sample_clips(out_dir: Path) -> list[Path]:
+    """The clips the video records name (SAMPLE_CLIPS over sample_photo_paths) into `out_dir`."""
+    return make_sample_clips(sample_photo_paths(), out_dir)

@@ -26,8 +26,8 @@ from moevlm.errors import ConfigError
 from moevlm.files import fsync_path
 
 CACHE_ENV = "MOEVLM_CACHE"
-SAMPLE_FORMAT = 1  # bump when build_sample's output changes for the same records and packages
-_PACKAGES = ("tokenizers", "webdataset")
+SAMPLE_FORMAT = 2  # bump when build_sample's output changes for the same records and packages
+_PACKAGES = ("tokenizers", "webdataset", "av")  # av: the sample clips' encoder
 _REQUIRED = ("summary.json", "tokenizer.json")
 MANIFEST = "manifest.json"
 

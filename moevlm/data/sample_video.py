@@ -13,7 +13,6 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -87,6 +86,8 @@ def encode_clip(
 ) -> bytes:
     """uint8 RGB frames -> the bytes of an mp4 (H.264), mkv (H.264) or webm (VP9) file, one key frame
     every `gop` frames (default: one a second); muxed bit-exact, so the same frames give the same bytes."""
+    import av  # (PyAV's import stays out of the sample set's records)
+
     muxer, codec, options = ENCODERS[container]
     T, H, W, _ = frames_THWC.shape
     buf = io.BytesIO()

@@ -58,6 +58,7 @@ class StreamState:
     image_samples: int = 0  # samples read that carry image members
     images_used: int = 0  # images of the samples that encoded
     images_packed: int = 0  # images in the rows produced
+    videos_packed: int = 0  # videos in the rows produced
     images_checked: bool = False  # the whole data set was seen to hold a usable image
     over_vision_budget: int = (
         0  # rows of one sample over data.pack.max_vision_flops (it went alone)
@@ -86,6 +87,7 @@ class StreamState:
             "image_samples": self.image_samples,
             "images_used": self.images_used,
             "images_packed": self.images_packed,
+            "videos_packed": self.videos_packed,
             "images_checked": self.images_checked,
             "over_vision_budget": self.over_vision_budget,
         }

@@ -73,6 +73,7 @@ class Stream:
             ds.counts,
             cfg.max_text_bytes,
             cfg.max_image_bytes,
+            cfg.max_video_bytes,
         )
         self.pad_id = encode.chat.eot_id
         self.packer = Packer(cfg.pack, ds.vision)
@@ -176,6 +177,8 @@ class Stream:
             self.skips.add(
                 SkipSample("images_unused", f"{sample.unused[:3]} not named by the record"), where
             )
+        for choice in sample.fallbacks:
+            self.skips.add(SkipSample(choice, "sampled down to fit a row"), where)
         self.st.images_used += len(sample.grids)
         self._check_images(at_end=False)
         self._settle_sample(pos.shard, usable=True)
@@ -380,6 +383,7 @@ class Stream:
             )
         self.st.packed += len(samples)
         self.st.images_packed += sum(len(s.grids) for s in samples)
+        self.st.videos_packed += sum(len(s.video_grids) for s in samples)
         self.st.batches += 1
         row = collate(samples, self.cfg.pack, self.ds.patch_dim, self.pad_id)
         return Delivery(self._state(), row)
@@ -434,5 +438,6 @@ class PackedDataset(IterableDataset):
             cfg.caption_prompt,
             cfg.mock,
             cfg.format,
+            cfg.video,
         )
         return round_robin([iter(Stream(self, s, encode)) for s in self.mine(p, workers)])

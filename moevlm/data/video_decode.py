@@ -22,6 +22,7 @@ from typing import Callable
 import av
 import numpy as np
 
+from moevlm.data.config import VideoDecodeConfig  # the guards: data.video.decode
 from moevlm.data.errors import SkipSample
 
 # decoder names (as PyAV reports the stream's codec) accepted from untrusted files
@@ -33,24 +34,6 @@ _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
 av.logging.set_level(
     None
 )  # FFmpeg's messages dropped: a bad file is one counted skip, not log lines
-
-
-@dataclass(frozen=True)
-class VideoDecodeConfig:
-    """Decode guards (checked on the header, before any frame is decoded) and the per-sample budget."""
-
-    max_frame_pixels: int = 8192 * 8192  # width * height of one frame
-    max_decode_bytes: int = 400_000_000  # the frames returned, T * H * W * 3 (images' default)
-    max_frames: int = 1 << 20  # the header's frame count (about 9.7 h at 30 fps)
-    max_duration_s: float = 4 * 3600.0  # the header's duration
-    max_decoded_frames: int = 4096  # frames decoded for one call, the returned ones included
-    max_decode_s: float | None = (
-        None  # wall-clock cap; off: a skip would then depend on the machine
-    )
-    threads: int = 1  # decoder threads: the loader's workers are the parallelism
-    # a wanted frame at most this far past the stream's real end gets its last frame: the count a
-    # header gives mkv/webm is duration * fps, which may overshoot by a frame or so
-    end_slack_s: float = 0.5
 
 
 @dataclass(frozen=True)

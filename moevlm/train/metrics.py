@@ -191,6 +191,7 @@ class Window:
         self.steps, self.loss, self.aux, self.tokens = 0, 0.0, 0.0, 0
         self.flops, self.seconds, self.wait = 0.0, 0.0, 0.0
         self.images, self.image_tokens = 0, 0
+        self.videos, self.video_tokens = 0, 0
         self.vision_max, self.vision_mean = 0.0, 0.0
         self.counts, self.last, self.skipped_steps = None, {}, 0
 
@@ -209,11 +210,13 @@ class Window:
         updated=True,
         images=0,
         image_tokens=0,
+        videos=0,
+        video_tokens=0,
         vision_max=0.0,
         vision_mean=0.0,
     ) -> None:
         """`updated`: the step changed the weights (False: skipped for non-finite values); `images`,
-        `image_tokens`: the global batch's real images and their tokens; `vision_max`, `vision_mean`: the
+        `image_tokens` (`videos`, `video_tokens`): the global batch's real images (videos) and their tokens; `vision_max`, `vision_mean`: the
         step's vision FLOPs of the slowest data-parallel (x cp) rank of each micro-batch and of the mean
         rank, summed over its micro-batches."""
         self.steps += 1
@@ -221,6 +224,7 @@ class Window:
         self.loss, self.aux = self.loss + loss, self.aux + aux
         self.tokens, self.flops = self.tokens + useful_tokens, self.flops + flops
         self.images, self.image_tokens = self.images + images, self.image_tokens + image_tokens
+        self.videos, self.video_tokens = self.videos + videos, self.video_tokens + video_tokens
         self.seconds, self.wait = self.seconds + seconds, self.wait + wait
         self.vision_max, self.vision_mean = (
             self.vision_max + vision_max,
@@ -266,6 +270,7 @@ class Window:
             rec["mem_gib_by_pp_rank"] = mem_gib_by_pp_rank
         rec["tokens"], rec["images"] = int(self.tokens), int(self.images)
         rec["image_tokens"] = int(self.image_tokens)
+        rec["videos"], rec["video_tokens"] = int(self.videos), int(self.video_tokens)
         rec["steps_in_window"] = self.steps
         rec["vision_flops_max_over_mean"] = (
             self.vision_max / self.vision_mean if self.vision_mean > 0 else None
@@ -315,6 +320,8 @@ _TB_TAGS = {
     "tokens": "data/tokens",
     "images": "data/images",
     "image_tokens": "data/image_tokens",
+    "videos": "data/videos",
+    "video_tokens": "data/video_tokens",
     "vision_flops_max_over_mean": "data/vision_flops_max_over_mean",
     "val_loss": "val/loss",
     "val_tokens": "val/tokens",
@@ -377,6 +384,10 @@ def console_line(r: dict, total_steps: int, eta_s: float | None = None, world_si
         parts.append(f"data {100 * r['data_wait_frac']:.0f}%")
     if r.get("expert_load_max_over_mean") is not None:
         parts.append(f"load {r['expert_load_max_over_mean']:.1f}x")
+    if r.get("videos"):  # what the step trained on, beside the images, where it had videos
+        parts.append(
+            f"img {r.get('images', 0)} vid {r['videos']} ({fmt_count(r['video_tokens'])} tok)"
+        )
     parts.append(f"skipped {r.get('bad_samples', 0)}")
     if r.get("nonfinite_steps"):
         parts.append(f"nonfinite {r['nonfinite_steps']}")

@@ -135,12 +135,17 @@ def describe_data(stats: dict) -> str:
     bad = stats.get("shards_all_skipped") or {}
     shards = f"; shards with no usable sample: {', '.join(sorted(bad))}" if bad else ""
     fell = stats.get("fell_back") or {}
+    down = {r: fell.pop(r) for r in ("video_fewer_frames", "video_lower_resolution") if r in fell}
     fell = (
         "; trained without their images: " + ", ".join(f"{r} {n}" for r, n in fell.items())
         if fell
         else ""
     )
+    if down:
+        fell += "; videos sampled down to fit: " + ", ".join(f"{r} {n}" for r, n in down.items())
     images = f" with {stats['images_packed']} images" if "images_packed" in stats else ""
+    if stats.get("videos_packed"):
+        images += f" and {stats['videos_packed']} videos"
     # read counts what the shuffle buffer and the packer read ahead of the rows trained, epochs too
     return (
         f"{stats['samples_packed']} samples trained{images} in {stats['batches']} batches; "

@@ -212,6 +212,8 @@ class Trainer:
                     sum(m.images for m in micro),
                     sum(m.n_image for m in micro),
                     sum(sum(m.vision_flops_cp) for m in micro),
+                    sum(m.videos for m in micro),
+                    sum(m.n_video for m in micro),
                     *vision_slots,
                 ],
                 self.device,
@@ -264,8 +266,10 @@ class Trainer:
             updated=ok,
             images=int(totals[3]),
             image_tokens=int(totals[4]),
+            videos=int(totals[6]),
+            video_tokens=int(totals[7]),
             # the slowest (dp, cp) rank's vision FLOPs summed over the micro-batches, and the mean rank's
-            vision_max=slowest_over_micro_batches(totals[6:], dp),
+            vision_max=slowest_over_micro_batches(totals[8:], dp),
             vision_mean=totals[5] / (dp * self.plan.dims.cp),
         )
         if self.compiled is not None and self.compiled.warm_at is None:

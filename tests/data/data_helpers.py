@@ -6,17 +6,25 @@ import json
 import webdataset as wds
 from PIL import Image
 
-from moevlm.data.config import DataConfig, ImageConfig, PackConfig
+from moevlm.data.config import DataConfig, ImageConfig, PackConfig, VideoConfig
 
 
 def small_data_config(shards, **kw) -> DataConfig:
-    """Small images and budgets: the loader tests decode every photo of the set."""
+    """Small images, videos and budgets: the loader tests decode every photo and clip of the set."""
     pack = PackConfig(
-        seq_len=512, max_patches=64, max_samples=16, max_images=8, lookahead=4, oversize="truncate"
+        seq_len=512,
+        max_patches=64,
+        max_samples=16,
+        max_images=8,
+        lookahead=4,
+        oversize="truncate",
+        max_videos=2,
+        max_video_patches=64,
     )
     cfg = DataConfig(
         shards=str(shards),
         image=ImageConfig(min_pixels=32 * 32, max_pixels=64 * 64),
+        video=VideoConfig(min_pixels=32 * 32, max_pixels=4 * 64 * 64, max_frames=8),
         pack=pack,
         num_workers=2,
         shuffle_buffer=8,

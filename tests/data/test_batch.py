@@ -36,7 +36,8 @@ def test_micro_batch_stacks_rows_and_counts_useful_work(rows):
     assert row_flops(rows[0], cfg) == want and mb.flops == pytest.approx(
         sum(row_flops(r, cfg) for r in rows)
     )
-    assert list(mb.model_inputs()) == list(MicroBatch.MODEL_INPUTS)
+    # (small_data_config turns video on: its rows carry the video fields, zero grids without videos)
+    assert list(mb.model_inputs()) == list(MicroBatch.MODEL_INPUTS + MicroBatch.VIDEO_INPUTS)
     assert (
         mb.without_images().pixel_values is None and mb.without_images().input_ids is mb.input_ids
     )

@@ -10,7 +10,7 @@ from PIL import Image
 
 from moevlm.data import sample
 from moevlm.data.sample import packaged_photos, sample_records, sample_tokenizer, shipped_texts
-from moevlm.data.text import IGNORE_INDEX, ROLES, ChatEncoder
+from moevlm.data.text import IGNORE_INDEX, ROLES, ChatEncoder, VideoSpan
 from moevlm.model.config import VLMConfig
 
 
@@ -71,7 +71,8 @@ def _check_record(r: dict) -> str:
             set(r) == {"id", "images", "caption"} and len(r["images"]) == 1 and r["caption"].strip()
         )
         return "caption"
-    assert set(r) == {"id", "images", "messages"}
+    assert set(r) - {"videos"} == {"id", "images", "messages"}
+    assert sum(m["content"].count("<video>") for m in r["messages"]) == len(r.get("videos", []))
     assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in r["messages"])
     assert sum(m["content"].count("<image>") for m in r["messages"]) == len(r["images"])
     assert r["messages"][-1]["role"] == "assistant"
@@ -88,7 +89,7 @@ def test_records_are_well_formed(records):
     chats = [r for r in records if "messages" in r]
     assert any(len(r["images"]) == 2 for r in chats)
     assert any(sum(m["role"] == "assistant" for m in r["messages"]) >= 2 for r in chats)
-    text_only = [r for r in chats if not r["images"]]
+    text_only = [r for r in chats if not r["images"] and not r.get("videos")]
     docs = set(shipped_texts())
     assert text_only and all(
         any(r["messages"][-1]["content"] in d for d in docs) for r in text_only
@@ -106,7 +107,8 @@ def test_every_record_encodes(records, tok):
     enc = ChatEncoder(tok)
     for r in records:
         if "messages" in r:
-            ids_L, labels_L = enc.encode_chat(r["messages"], [4] * len(r["images"]))
+            videos = [VideoSpan((0.5, 1.5), 4)] * len(r.get("videos", []))
+            ids_L, labels_L = enc.encode_chat(r["messages"], [4] * len(r["images"]), videos)
         else:
             ids_L, labels_L = enc.encode_text(r.get("caption") or r["text"])
         assert len(ids_L) == len(labels_L) and any(label != IGNORE_INDEX for label in labels_L)

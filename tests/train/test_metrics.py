@@ -98,6 +98,8 @@ def test_window_means_loss_sums_work_and_takes_the_moment_from_the_caller():
         "tokens": 40_000,
         "images": 5,
         "image_tokens": 80,
+        "videos": 0,
+        "video_tokens": 0,
         # steps weighted by their vision work, not a mean of the ratios (1.5 and 2.0)
         "vision_flops_max_over_mean": 13.0 / 8.0,
     }
