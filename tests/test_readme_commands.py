@@ -44,6 +44,8 @@ ELSEWHERE = {
     "python -m moevlm.data.build_shards --images photos --annotations captions.jsonl --out my_shards "
     "--tokenizer sample_shards/tokenizer.json": "test_readme.py::test_readme_own_data_commands_run",
     "python train.py data.shards=my_shards": "test_readme.py::test_readme_own_data_commands_run",
+    "python -m moevlm.data.build_shards --images frames --videos clips --annotations llava_video.json "
+    "--out my_shards --tokenizer HF_DIR": "data/test_video_records.py::test_builder_videos_folder_apart_from_images",
     "python train.py": "CI runs the Quick start's `python train.py` (the embedded default)",
     'pip install torch==2.13.0 -e ".[dev]" && python train.py': "CI's set-up and embedded default",
     "python -m pytest": "the suite itself",

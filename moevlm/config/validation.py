@@ -249,7 +249,8 @@ def _split_pipeline(
         microbatches=microbatches,
         rows=job.train.micro_batch_size,
         seq_len=d.pack.seq_len,
-        max_patches=d.pack.max_patches,
+        # the vision work stage 0 carries: images' and videos' patches alike
+        max_patches=d.pack.max_patches + (d.pack.max_video_patches if d.pack.max_videos else 0),
         image_patches=d.image.max_pixels // d.image.patch_size**2,
         freeze_vision=job.model.freeze_vision,
     )

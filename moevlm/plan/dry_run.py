@@ -74,26 +74,40 @@ class RankPlan:
 
 
 def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
-    """A micro-batch of `train.micro_batch_size` rows that fill the pack budgets
-    (docs/architecture.md)."""
+    """A micro-batch of `train.micro_batch_size` rows that fill the pack budgets: one image of
+    `pack.max_patches` and, where `pack.max_videos` > 0, one video of two temporal patches filling
+    `pack.max_video_patches` in what the sequence leaves (docs/architecture.md)."""
     p, m = job.data.pack, model_cfg.vision.spatial_merge_size
     S, Np = p.seq_len, p.max_patches
     side = int(min(Np, 4 * (S - 16)) ** 0.5) // m * m if Np else 0
     n_img = side * side // (m * m)
+    Nv, room = (p.max_video_patches if p.max_videos else 0), S - 24 - n_img
+    vside = int(min(Nv // 2, 2 * room) ** 0.5) // m * m if Nv and room > 0 else 0
+    n_vid = 2 * vside * vside // (m * m)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (S,), generator=gen)
     labels = ids.clone()
-    grids = []
-    pixels = None
+    grids, vgrids, pixels, vpixels = [], [], None, None
+    for n, token, at in (
+        (n_img, model_cfg.image_token_id, 8),
+        (n_vid, model_cfg.video_token_id, 12 + n_img),
+    ):
+        if n:
+            ids[at] = model_cfg.vision_start_token_id
+            ids[at + 1 : at + 1 + n] = token
+            labels[at : at + 1 + n] = IGNORE_INDEX
     if n_img:
-        ids[8] = model_cfg.vision_start_token_id
-        ids[9 : 9 + n_img] = model_cfg.image_token_id
-        labels[8 : 9 + n_img] = IGNORE_INDEX
         grids = [(1, side, side)]
         pixels = torch.randn(side * side, model_cfg.vision.patch_dim, generator=gen)
+    if n_vid:
+        vgrids = [(2, vside, vside)]
+        vpixels = torch.randn(2 * vside * vside, model_cfg.vision.patch_dim, generator=gen)
     grid_t = torch.tensor(grids, dtype=torch.long) if grids else None
-    pos = mrope_position_ids(ids[None], grid_t, model_cfg.image_token_id, m)[:, 0]
-    sample = Sample("budget", None, ids, labels, pos, pixels, grids)
+    vgrid_t = torch.tensor(vgrids, dtype=torch.long) if vgrids else None
+    pos = mrope_position_ids(
+        ids[None], grid_t, model_cfg.image_token_id, m, None, vgrid_t, model_cfg.video_token_id
+    )[:, 0]
+    sample = Sample("budget", None, ids, labels, pos, pixels, grids, [], vpixels, vgrids)
     row = collate([sample], p, model_cfg.vision.patch_dim, pad_id=0)
     return MicroBatch.from_rows([row] * (rows or job.train.micro_batch_size), model_cfg)
 
@@ -279,6 +293,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
                     rows=job.train.micro_batch_size,
                     seq_len=d.seq_len,
                     max_patches=d.max_patches,
+                    max_video_patches=d.max_video_patches if d.max_videos else 0,
                     seq_shards=plan.dims.tp * plan.dims.cp,
                     autocast=lambda: emulated_autocast(device.type, dtype),
                     **boundary_dtypes(bf16, job.parallel.dp_mode),

@@ -423,6 +423,7 @@ def materialize(
             rows=t.micro_batch_size,
             seq_len=d.seq_len,
             max_patches=d.max_patches,
+            max_video_patches=d.max_video_patches if d.max_videos else 0,
             seq_shards=plan.dims.tp * plan.dims.cp,
             autocast=lambda: autocast(plan, launch.device),
             **boundary_dtypes(plan.build.bf16, plan.build.dp_mode),
