@@ -37,7 +37,7 @@ def measure(
     cfg.num_workers=0 for no worker processes) and returns the balance and fill figures.  Each
     micro-batch of `micro_batch_size` rows (`micro_batches` per step, micro-batch j of step k at
     `per_micro[k * micro_batches + j]`) has dp x cp figures, rank r's cp share c at r * cp + c: it hands
-    its images out to the cp ranks as the model does (`moevlm.data.batch.vision_flops_by_cp`)."""
+    its images and videos out to the cp ranks as the model does (`moevlm.data.batch.vision_flops_by_cp`)."""
     vision = VisionFlops.for_images(model, cfg.image)
     micro_batches = -(-rows_per_step // micro_batch_size)
     per_micro = [[0.0] * (dp * cp) for _ in range(steps * micro_batches)]
@@ -46,16 +46,20 @@ def measure(
     for r in range(dp):
         with build_loader(cfg, model, rank=r, world=dp) as loader:
             for k in range(steps):
-                micro, j = [], k * micro_batches
+                micro, videos, j = [], [], k * micro_batches
                 for i in range(rows_per_step):
                     row = next(loader)
                     grids = row.image_grid_thw[: row.num_images].tolist()
-                    forward.append((vision(grids), len(grids)))
-                    micro += grids
+                    vgrids = (
+                        [] if not row.num_videos else row.video_grid_thw[: row.num_videos].tolist()
+                    )
+                    forward.append((vision(grids + vgrids), len(grids) + len(vgrids)))
+                    micro, videos = micro + grids, videos + vgrids
                     if (i + 1) % micro_batch_size == 0 or i + 1 == rows_per_step:
-                        for c, flops in enumerate(vision_flops_by_cp(micro, model, cp)):
+                        # the micro-batch's images, then its videos, as MicroBatch.with_videos counts them
+                        for c, flops in enumerate(vision_flops_by_cp(micro + videos, model, cp)):
                             per_micro[j][r * cp + c] = flops
-                        micro, j = [], j + 1
+                        micro, videos, j = [], [], j + 1
                     tokens += row.useful_tokens
                     patches += row.useful_patches
                     rows += 1

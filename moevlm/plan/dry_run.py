@@ -310,11 +310,12 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
             loss_tokens = float(real.loss_tokens * M * plan.dims.dp)
             share = M * plan.dims.dp
             # the trainer's token-count all-reduce (its values are read on the host there, not here):
-            # loss tokens, useful tokens, FLOPs, images, image tokens, vision FLOPs, and one vision
-            # FLOPs slot per data-parallel rank and micro-batch (vision_flops_max_over_mean)
+            # loss tokens, useful tokens, FLOPs, images, image tokens, vision FLOPs, videos, video
+            # tokens, and one vision FLOPs slot per data-parallel rank and micro-batch
+            # (vision_flops_max_over_mean)
             if ctx.dp_group is not None:
                 dist.all_reduce(
-                    torch.zeros(6 + plan.dims.dp * M, dtype=torch.float64, device=device),
+                    torch.zeros(8 + plan.dims.dp * M, dtype=torch.float64, device=device),
                     group=ctx.dp_group,
                 )
             comm.phase = "micro-batches"
@@ -430,7 +431,16 @@ def _decide_static_vote(schedule) -> None:
     schedule._warmup_p2p = vote
 
 
-_COUNTS = ("loss_tokens", "useful_tokens", "flops", "n_image", "images", "vision_flops_cp")
+_COUNTS = (
+    "loss_tokens",
+    "useful_tokens",
+    "flops",
+    "n_image",
+    "images",
+    "vision_flops_cp",
+    "n_video",
+    "videos",
+)
 
 
 def _bytes(tensors) -> int:

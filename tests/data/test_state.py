@@ -28,6 +28,7 @@ SAVED = {
     "image_samples": 1,
     "images_used": 1,
     "images_packed": 1,
+    "videos_packed": 0,
     "images_checked": False,
     "over_vision_budget": 0,
 }
@@ -73,6 +74,7 @@ def test_a_fresh_state_has_every_key_of_the_checkpoint():
         "image_samples": 0,
         "images_used": 0,
         "images_packed": 0,
+        "videos_packed": 0,
         "images_checked": False,
         "over_vision_budget": 0,
     }
