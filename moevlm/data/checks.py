@@ -72,6 +72,19 @@ def _require(ok: bool, field: str, value, want: str) -> None:
         raise ValueError(f"data.{field}={value!r} is invalid: set it to {want}")
 
 
+def _check_normalisation(section: str, c) -> None:
+    """data.image's or data.video's per-channel mean and std."""
+    _require(
+        len(c.mean) == 3, f"{section}.mean", list(c.mean), "three per-channel values (R, G, B)"
+    )
+    _require(
+        len(c.std) == 3 and all(x > 0 for x in c.std),
+        f"{section}.std",
+        list(c.std),
+        "three positive per-channel values (pixels are divided by them)",
+    )
+
+
 def _one_of(values) -> str:
     *head, last = map(repr, values)
     return f"{', '.join(head)} or {last}" if head else last
@@ -101,13 +114,7 @@ def check_video(cfg: DataConfig) -> None:
     )
     _require(v.max_video_tokens >= 1, "video.max_video_tokens", v.max_video_tokens, "at least 1")
     _require(v.fit in VIDEO_FIT, "video.fit", v.fit, _one_of(VIDEO_FIT))
-    _require(
-        len(v.std) == 3 and all(x > 0 for x in v.std),
-        "video.std",
-        list(v.std),
-        "three positive values",
-    )
-    _require(len(v.mean) == 3, "video.mean", list(v.mean), "three per-channel values (R, G, B)")
+    _check_normalisation("video", v)
     for name in (
         "max_frame_pixels",
         "max_decode_bytes",
@@ -176,13 +183,7 @@ def check_fields(cfg: DataConfig) -> None:
         im.max_decode_bytes,
         "a positive byte budget (default 400000000)",
     )
-    _require(len(im.mean) == 3, "image.mean", list(im.mean), "three per-channel values (R, G, B)")
-    _require(
-        len(im.std) == 3 and all(x > 0 for x in im.std),
-        "image.std",
-        list(im.std),
-        "three positive per-channel values (pixels are divided by them)",
-    )
+    _check_normalisation("image", im)
     _require(
         cfg.max_text_bytes >= 1,
         "max_text_bytes",

@@ -233,12 +233,14 @@ def decode_bytes(image: Image.Image) -> int:
     return image.width * image.height * (stored + extra)
 
 
-def check_image_shape(width: int, height: int, shown: str = "") -> None:
-    """SkipSample("bad_image_size") for an image no config can train on (a zero side, an aspect ratio
-    above MAX_ASPECT_RATIO): the loader's rule, which the shard builder applies too."""
+def check_image_shape(
+    width: int, height: int, shown: str = "", reason: str = "bad_image_size"
+) -> None:
+    """SkipSample(`reason`) for an image (or a video's frames) no config can train on (a zero side, an
+    aspect ratio above MAX_ASPECT_RATIO): the loader's rule, which the shard builder applies too."""
     if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise SkipSample(
-            "bad_image_size",
+            reason,
             f"{shown}{': ' if shown else ''}{width}x{height}: a zero side or an aspect ratio above "
             f"{MAX_ASPECT_RATIO}",
         )

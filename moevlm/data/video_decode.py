@@ -24,10 +24,10 @@ import numpy as np
 
 from moevlm.data.config import VideoDecodeConfig  # the guards: data.video.decode
 from moevlm.data.errors import SkipSample
+from moevlm.data.image import check_image_shape  # the images' shape rule, for every frame
 
 # decoder names (as PyAV reports the stream's codec) accepted from untrusted files
 CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "mpeg4")
-MAX_ASPECT_RATIO = 200  # as images (moevlm.data.image.MAX_ASPECT_RATIO)
 _EBML = b"\x1a\x45\xdf\xa3"
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")
 
@@ -214,11 +214,7 @@ def _probe(container, data: bytes, cfg: VideoDecodeConfig) -> VideoInfo:
 
 
 def _check_size(width: int, height: int, cfg: VideoDecodeConfig) -> None:
-    if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-        raise SkipSample(
-            "bad_video_size",
-            f"{width}x{height}: a zero side or an aspect ratio above {MAX_ASPECT_RATIO}",
-        )
+    check_image_shape(width, height, reason="bad_video_size")
     if width * height > cfg.max_frame_pixels:
         raise SkipSample(
             "video_too_large",

@@ -109,30 +109,26 @@ def run_fit(job, world: int, gpu_name: str, args, overrides: list[str]) -> tuple
     return text, result.fits
 
 
-def dispatcher_note(job, world: int) -> str | None:
-    """The line a plan adds when it models the job's dispatcher instead of its package."""
+def modelled_notes(job, world: int) -> dict[str, str]:
+    """The lines a plan adds for what it models instead of running: the job's dispatcher where its
+    package is not imported (deepep, hybridep), the Gated DeltaNet layers' kernel (fla)."""
     from moevlm.config import validate
 
-    spec = validate(job, world, environment=False).dispatcher
-    if not spec.for_plan().modelled:
-        return None
-    return (
-        f"dispatcher: {spec.name} is modelled (the deep_ep package is not imported by a plan): its "
-        "exchanges at the package's volumes, its buffers at their documented sizes, counted in the "
-        "peaks above (moevlm.dispatch.modelled)"
-    )
-
-
-def gdn_note(job, world: int) -> str | None:
-    """The line a plan adds when the model has Gated DeltaNet layers: their kernel is modelled."""
-    from moevlm.config import validate
-
-    if "linear_attention" not in validate(job, world, environment=False).model.text.layer_types:
-        return None
-    return (
-        "gated deltanet: its chunked delta rule is planned as flash-linear-attention's kernel runs it "
-        "in bf16 (moevlm.model.gdn_modelled); without that package on the GPU the layers keep more"
-    )
+    plan, notes = validate(job, world, environment=False), {}
+    spec = plan.dispatcher
+    if spec.for_plan().modelled:
+        notes["dispatcher_note"] = (
+            f"dispatcher: {spec.name} is modelled (the deep_ep package is not imported by a plan): "
+            "its exchanges at the package's volumes, its buffers at their documented sizes, counted "
+            "in the peaks above (moevlm.dispatch.modelled)"
+        )
+    if "linear_attention" in plan.model.text.layer_types:
+        notes["gdn_note"] = (
+            "gated deltanet: its chunked delta rule is planned as flash-linear-attention's kernel runs "
+            "it in bf16 (moevlm.model.gdn_modelled); without that package on the GPU the layers keep "
+            "more"
+        )
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,13 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             text, fits = run_search(job, world, gpu_name, args)
         else:
             out = make_plan(job, world, gpu_name)
-            notes = {
-                "dispatcher_note": dispatcher_note(job, world),
-                "gdn_note": gdn_note(job, world),
-            }
-            out.update((k, v) for k, v in notes.items() if v is not None)
+            notes = modelled_notes(job, world)
+            out.update(notes)
             text = json.dumps(out) if args.json else format_plan(out)
-            lines = "\n".join(v for v in notes.values() if v is not None)
+            lines = "\n".join(notes.values())
             if lines and not args.json:
                 text = text.replace("\nverdict:", f"\n{lines}\n\nverdict:", 1)
             fits = out["fits"]
