@@ -8,6 +8,7 @@ Everything else lives in moevlm/train/ (config, trainer, checkpoint, metrics).
 Exit codes: moevlm.train.exit_codes.ExitCode and MEANINGS (0 done, 2 config error, ..., 70 a bug).
 """
 
+import logging
 import os
 import signal
 import sys
@@ -44,6 +45,8 @@ def main(cfg) -> None:
         # Ignored, not handled: Python resets its own handlers to the default while it finalises.
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _exit_now(code)
         if code:
             sys.exit(code)
         return
@@ -53,6 +56,17 @@ def main(cfg) -> None:
     root = claimed_root() or sweep_root(cfg.train.run_dir, hc.sweep.dir)
     sweep = (str(root), hc.job.num)
     run_job(lambda: _job(cfg, sweep), root, hc.job.num, root / str(hc.job.num), hc.overrides.task)
+
+
+def _exit_now(code: int) -> None:
+    """A rank of a multi-process launch whose run has closed (checkpoint settled, loaders and logs
+    closed, process group destroyed) exits without the interpreter's finalisation: there the
+    communication library's threads can be torn down under it, which aborts a run that finished
+    (gloo: `terminate called without an active exception`, SIGABRT, torchrun reports a failure)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
 
 
 def _job(cfg, sweep: tuple[str, int] | None) -> int:
