@@ -66,8 +66,11 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torc
     """fp32 values of codes `q` whose scales `s` cover blocks of shape `block` (trailing dims of q)."""
     s = s.float()
     for dim, b in zip(range(q.dim() - len(block), q.dim()), block):
-        if b > 1:
-            s = s.repeat_interleave(b, dim).narrow(dim, 0, q.shape[dim])
+        if b > 1:  # each scale repeated b times along dim (a broadcast, then one copy)
+            shape = list(s.shape)
+            each = s.unsqueeze(dim + 1).expand(*shape[: dim + 1], b, *shape[dim + 1 :])
+            shape[dim] *= b
+            s = each.reshape(shape).narrow(dim, 0, q.shape[dim])
     return q.float() * s
 
 

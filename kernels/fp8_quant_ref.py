@@ -40,8 +40,9 @@ def _exp2i(n: torch.Tensor) -> torch.Tensor:
 
 def _expand(t_GRbCb: torch.Tensor, tile: tuple[int, int], R: int, C: int) -> torch.Tensor:
     """Per-tile values -> per-element (G, R, C)."""
-    tr, tc = tile
-    return t_GRbCb.repeat_interleave(tr, 1).repeat_interleave(tc, 2)[:, :R, :C]
+    (G, Rb, Cb), (tr, tc) = t_GRbCb.shape, tile
+    each = t_GRbCb[:, :, None, :, None].expand(G, Rb, tr, Cb, tc)
+    return each.reshape(G, Rb * tr, Cb * tc)[:, :R, :C]
 
 
 def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow2: bool):
@@ -52,7 +53,7 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
     # zero padding never raises an amax
     t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(G, Rb, tr, Cb, tc)
     amax = t.abs().amax(dim=(2, 4))
-    bad = ~t.isfinite().all(dim=4).all(dim=2)
+    bad = ~amax.isfinite()  # a tile holding a NaN or an infinity (amax propagates NaN)
     if mx:
         e = (torch.frexp(amax).exponent - 1 - 8).clamp(-127, 127)  # floor(log2 amax) - 8
         e = torch.where((amax == 0) | bad, -127, e)
