@@ -303,13 +303,16 @@ def _warm_up() -> None:
     on the first open.  None of it starts a thread or leaves state a rank would not set up itself
     (Hydra's ConfigStore holds the job schema, as after any compose; `_not_fresh` checks before every
     fork)."""
-    import PIL.Image
-    import torch._inductor  # noqa: F401
+    try:  # only a saving: a launcher that cannot warm up still serves (its ranks pay as before)
+        import PIL.Image
+        import torch._inductor  # noqa: F401
 
-    from moevlm.config import compose_job
+        from moevlm.config import compose_job
 
-    PIL.Image.init()
-    compose_job([])
+        PIL.Image.init()
+        compose_job([])
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
 
 
 def _serve_requests(sock: socket.socket, errors: str) -> None:
