@@ -211,6 +211,9 @@ def _launch(world: int, payload: bytes) -> None:
 
 @atexit.register
 def _close_launchers() -> None:
+    """Every launcher told to leave first, then each waited for: they leave together."""
+    for launcher in _launchers:
+        launcher.sock.close()
     while _launchers:
         _launchers.pop().close()
 
@@ -284,8 +287,32 @@ def _serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     for name in PRELOAD:
         __import__(name)
+    _warm_up()
     with tempfile.TemporaryDirectory(prefix="gloo-ranks-") as errors:
         _serve_requests(sock, errors)
+    # the session is gone or done: leave without finalizing torch's modules (seconds of CPU a launcher)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _warm_up() -> None:
+    """What every rank's first Trainer would otherwise pay for once per launch (about 0.7 CPU-s a
+    rank, measured): torch.use_deterministic_algorithms imports torch._inductor (and _dynamo), the
+    first Hydra compose discovers its plugins and builds its parser, PIL registers its image plugins
+    on the first open.  None of it starts a thread or leaves state a rank would not set up itself
+    (Hydra's ConfigStore holds the job schema, as after any compose; `_not_fresh` checks before every
+    fork)."""
+    try:  # only a saving: a launcher that cannot warm up still serves (its ranks pay as before)
+        import PIL.Image
+        import torch._inductor  # noqa: F401
+
+        from moevlm.config import compose_job
+
+        PIL.Image.init()
+        compose_job([])
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
 
 
 def _serve_requests(sock: socket.socket, errors: str) -> None:

@@ -4,7 +4,7 @@ shape kept (moevlm.config.scale).
 Every experiment is composed with the scale and validated for the world size it asks for (no
 processes): tp, cp, pp, etp, the schedule, dp_mode and the dispatcher are the recipe's, ep is the
 recipe's wherever it fits, the batch and streams are legal.  Then the scaled recipes run 2 steps:
-h200_1gpu in this process, h100_fsdp under torchrun on 8 (gb200_fsdp scales to the same job, asserted
+h200_1gpu in this process, h100_fsdp on 8 gloo ranks as train.py runs it (gb200_fsdp scales to the same job, asserted
 here, so that launch covers it; gb200_3d's launch is tests/parallel/test_pipeline.py's, compared
 there to one process), and h100_deepep is refused in one line.
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from gloo_ranks import run_ranks
 from omegaconf import OmegaConf
 
 from moevlm.config import compose_job, validate
@@ -122,23 +121,15 @@ def test_scale_before_the_experiment_and_a_shape_too_big_are_refused():
     assert job.model.num_layers == 4 and plan.pipeline.num_stages == 4 and plan.grad_accum == 8
 
 
-def run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=600,
-    )
+def _run_on_ranks(rank: int, world: int, overrides: list[str]) -> None:
+    """The job of `overrides` run on every rank as train.py runs it (`Trainer(job).run()`): exit 0."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    assert Trainer(compose_job(overrides)).run() == 0
 
 
 @pytest.mark.slow
-def test_scaled_recipes_run_two_steps(tmp_path, capsys):
-    """h200_1gpu (1 process, here) and h100_fsdp (torchrun, 8 processes: FSDP2, EP8 all-to-all, CP2,
+def test_scaled_recipes_run_two_steps(tmp_path, capfd, monkeypatch):
+    """h200_1gpu (1 process, here) and h100_fsdp (8 gloo ranks: FSDP2, EP8 all-to-all, CP2,
     full recompute, bf16 moments) run 2 steps
     scaled down; h100_deepep is refused in one line naming the fallback (no deep_ep package on a CPU
     machine; train.py prints a config error's lines and exits 2: tests/train/test_trainer.py)."""
@@ -155,27 +146,22 @@ def test_scaled_recipes_run_two_steps(tmp_path, capsys):
     assert str(deep.value).startswith("model.dispatcher='deepep' cannot run: ")
     assert "model.dispatcher_fallback=alltoall" in str(deep.value)
     run_dir = tmp_path / "h200_1gpu"
-    capsys.readouterr()
+    capfd.readouterr()
     assert (
         Trainer(compose_job(["+experiment=h200_1gpu", *common, f"train.run_dir={run_dir}"])).run()
         == 0
     )
-    assert "scale (parallel.scale_to=8): tiny model on 1 process" in capsys.readouterr().out
+    assert "scale (parallel.scale_to=8): tiny model on 1 process" in capfd.readouterr().out
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "8",
-    ]
-    train = str(REPO / "train.py")
+    # 8 gloo ranks forked from the test session's launchers (tests/gloo_ranks.py), each running the job as
+    # train.py runs it (`Trainer(job).run()`, exit 0): 8 interpreters starting and importing torch cost
+    # ~40 CPU-s on 2 cores.  train.py itself under torchrun on 8 processes: test_pipeline.py's gb200_3d
     run_dir = tmp_path / "h100_fsdp"
-    proc = run(
-        [*torchrun, train, "+experiment=h100_fsdp", *common, f"train.run_dir={run_dir}"], tmp_path
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "scale (parallel.scale_to=8): tiny model on 8 process" in out
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "launch").mkdir()
+    capfd.readouterr()
+    job = ["+experiment=h100_fsdp", *common, f"train.run_dir={run_dir}"]
+    run_ranks(_run_on_ranks, 8, tmp_path / "launch", 8, job, timeout_s=300)
+    out = "".join(capfd.readouterr())  # the ranks' stdout and stderr
+    assert "scale (parallel.scale_to=8): tiny model on 8 process" in out, out[-4000:]
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
