@@ -36,7 +36,7 @@ from moevlm.plan.attribution import (
 from moevlm.plan.attribution import local_shard as _local
 from moevlm.plan.fake import (
     CollectiveCounter,
-    ExpandDynamicOps,
+    DryRunObservers,
     PlanMode,
     StorageTracker,
     emulated_autocast,
@@ -275,7 +275,7 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
         mem, comm = StorageTracker(where), CollectiveCounter(_roles(ctx))
         labels = mem.attribution
         real = budget_micro_batch(job, plan.model)  # real tensors: built before the fake mode
-        with PlanMode() as mode, mem, comm, ExpandDynamicOps():
+        with PlanMode() as mode, DryRunObservers(mem, comm):
             materialize_(model, device, ctx)
             params = [p for p in model.parameters()]
             mem.track(params)

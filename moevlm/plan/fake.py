@@ -168,11 +168,10 @@ class PlanMode(FakeTensorMode):
 
     def _run_on_shadows(self, func, args, kwargs, tensors):
         """The op on the inputs' values (CPU), or None when an input's value is unknown or large."""
-        values = [self.value(a) for a in tensors]
-        if any(v is None for v in values) or not all(
-            _shadowable(v) or v.numel() <= 1 for v in values
-        ):
-            return None
+        for a in tensors:  # most ops stop at their first input (an activation: no value)
+            v = self.value(a)
+            if v is None or not (_shadowable(v) or v.numel() <= 1):
+                return None
 
         def real(a):
             if isinstance(a, torch.Tensor):
@@ -322,21 +321,17 @@ class _Observer(TorchDispatchMode):
         raise NotImplementedError
 
 
-class ExpandDynamicOps(_Observer):
-    """Our custom ops whose fake has a data-dependent output size (the DeepEP and HybridEP exchanges:
-    the received row count) run their Python body instead, so its ops see the shadows (the routing)
-    and the trackers outside see its collectives and buffers.  Entered last (innermost)."""
+_EXPANDED = ("moevlm_deepep", "moevlm_hybridep")
 
-    NAMESPACES = ("moevlm_deepep", "moevlm_hybridep")
 
-    def handle(self, func, args, kwargs):
-        if func.namespace in self.NAMESPACES:
-            from torch._library.custom_ops import OPDEFS
+def _python_body(func):
+    """The Python body of one of our custom ops with a data-dependent output size, else None."""
+    if func.namespace not in _EXPANDED:
+        return None
+    from torch._library.custom_ops import OPDEFS
 
-            opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")
-            if opdef is not None:
-                return opdef._init_fn(*args, **kwargs)
-        return func(*args, **kwargs)
+    opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")
+    return None if opdef is None else opdef._init_fn
 
 
 # ----------------------------------------------------------------- measuring
@@ -491,6 +486,39 @@ class CollectiveCounter(_Observer):
                 for kind, b in kinds.items():
                     total[role][kind] += b * k
         return {g: {c: round(b) for c, b in sorted(k.items())} for g, k in sorted(total.items())}
+
+
+class DryRunObservers(_Observer):
+    """A dry run's `comm` (CollectiveCounter) and `mem` (StorageTracker) as one dispatch mode over
+    PlanMode (each mode stacked costs every op one more dispatch).  Our custom ops whose fake has a
+    data-dependent output size (the DeepEP and HybridEP exchanges: the received row count) run their
+    Python body instead, through this mode again: its ops see the shadows (the routing) and the
+    trackers see its collectives and buffers."""
+
+    def __init__(self, mem: StorageTracker, comm: CollectiveCounter):
+        super().__init__()
+        self.mem, self.comm = mem, comm
+
+    def handle(self, func, args, kwargs):
+        body = _python_body(func)
+        if body is not None:
+            TorchDispatchMode.__enter__(self)  # re-entered: the trackers see the body's ops
+            try:
+                return body(*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
+        self.comm.observe(func, args, kwargs, None)
+        out = func(*args, **kwargs)
+        self.mem.observe(func, args, kwargs, out)
+        return out
+
+    def __enter__(self):
+        self.mem.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.mem.stop()
+        return super().__exit__(*exc)
 
 
 _KINDS = (
