@@ -5,11 +5,13 @@
     python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
     python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
     python -m moevlm.plan +experiment=h100_fsdp --fit             # the cheapest changes that make it fit
+    python -m moevlm.plan +experiment=h100_1gpu --strict-syncs    # the step's device-to-host reads
 
 The job is composed and validated as `train.py` composes it (`data.shards` defaults to the sample
 set: a plan reads no data); the plan is `moevlm.plan.report`'s, the search `moevlm.plan.search`'s.
 Exit status: 0 when every rank fits the GPU (--search: a layout fits; --fit: as it is or with the
-proposal), 9 when not, 2 for a config error (`moevlm.train.exit_codes`).  Every option: docs/plans.md.
+proposal), 9 when not, 2 for a config error (`moevlm.train.exit_codes`); --strict-syncs: 1 when the
+step reads the device from the host (`moevlm.plan.syncs`), --syncs: 0.  Every option: docs/plans.md.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ WORDS = {
     "recompute": RECOMPUTE,
 }
 NO_NUMBERS = ("dp_mode", "recompute")
+SYNCS_FOUND = 1  # --strict-syncs: the step has a device-to-host read
 
 
 def parse_only(items: list[str]) -> dict[str, list]:
@@ -109,6 +112,18 @@ def run_fit(job, world: int, gpu_name: str, args, overrides: list[str]) -> tuple
     return text, result.fits
 
 
+def run_syncs(job, world: int, args) -> int:
+    """Prints the step's device-to-host reads (`moevlm.plan.syncs`); the exit status by them."""
+    from moevlm.plan.syncs import format_syncs, step_syncs
+
+    found = step_syncs(job, world)
+    if args.json:
+        print(json.dumps({**found._asdict(), "records": [r._asdict() for r in found.records]}))
+    else:
+        print(format_syncs(found))
+    return SYNCS_FOUND if args.strict_syncs and found.records else ExitCode.OK
+
+
 def modelled_notes(job, world: int) -> dict[str, str]:
     """The lines a plan adds for what it models instead of running: the job's dispatcher where its
     package is not imported (deepep, hybridep), the Gated DeltaNet layers' kernel (fla)."""
@@ -167,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GPU",
         help="the cheapest changes that make the job fit GPU (default --gpu), with their costs",
     )
+    ap.add_argument(
+        "--strict-syncs",
+        action="store_true",
+        help="the step's device-to-host reads by line; exit 1 when there is one",
+    )
+    ap.add_argument("--syncs", action="store_true", help="--strict-syncs' report, exit 0")
     args, overrides = ap.parse_known_args(argv)
     if args.fit and "=" in args.fit:  # `--fit model.x=y`: an override, not a GPU
         overrides, args.fit = [*overrides, args.fit], ""
@@ -184,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu_name = args.fit or args.gpu or recipe_gpu(experiment)
         find_gpu(gpu_name)
         world = args.world or job.parallel.world_size or 1
+        if args.strict_syncs or args.syncs:
+            return run_syncs(job, world, args)
         if args.fit is not None:
             text, fits = run_fit(job, world, gpu_name, args, overrides)
         elif args.search:

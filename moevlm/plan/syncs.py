@@ -1,0 +1,236 @@
+"""Device-to-host reads in a training step: every op whose result the host must wait for.
+
+    with PlanMode() as mode, SyncCounter("cuda") as syncs:    # entered above the fake mode
+        model(**inputs).lm_loss.backward()
+    syncs.records, syncs.by_line()                          # Sync(op, where, function), counts per line
+    SyncCounter("cuda", strict=True)                        # SyncError at the first, naming its line
+
+An op is a sync when torch tags its output data-dependent (`.item()`, `bool(t)`, `.tolist()`,
+`equal`) or its output shape dynamic (`nonzero`, `masked_select`, `unique`, `bincount`, a boolean
+index, `repeat_interleave` without `output_size`, `one_hot` without `num_classes`), or it copies a
+device tensor to the host blocking, and one of its tensors is on the step's device (docs/plans.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import sysconfig
+from typing import NamedTuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moevlm.plan.fake import _arguments, _leaves, fake_device
+
+aten = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default
+_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+_COPIES = (aten._to_copy.default, aten.copy_.default)
+_ITEM = aten._local_scalar_dense.default
+_TOLIST = FakeTensor.tolist.__code__
+# where the harness and torch live: a record names the first frame outside them
+_SKIP = (
+    os.path.dirname(torch.__file__) + os.sep,
+    sysconfig.get_paths()["stdlib"] + os.sep,
+    os.path.join(os.path.dirname(__file__), "syncs.py"),
+    os.path.join(os.path.dirname(__file__), "fake.py"),
+)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+class SyncError(RuntimeError):
+    """A device-to-host read under `SyncCounter(strict=True)`."""
+
+
+class Sync(NamedTuple):
+    op: str  # aten.nonzero.default
+    where: str  # moevlm/model/vlm.py:123, relative to the repository where it is inside it
+    function: str
+
+
+def needs_host(func, args, kwargs) -> bool:
+    """Whether the op's result (or its output's size) is read from its inputs' values on the host."""
+    if func in _COPIES:
+        return not _arguments(func, args, kwargs).get("non_blocking", False)
+    if not any(tag in func.tags for tag in _TAGS):
+        return False
+    named = _arguments(func, args, kwargs)
+    if func is aten.index.Tensor:  # a boolean mask: its count of True is the output's size
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in named.get("indices") or ()
+        )
+    if func is aten.repeat_interleave.Tensor:
+        return named.get("output_size") is None
+    if func is aten.one_hot.default:
+        return named.get("num_classes", -1) == -1
+    return True
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    return fake_device(t) if isinstance(t, FakeTensor) else t.device
+
+
+def caller(skip: tuple[str, ...] = _SKIP) -> tuple[str, str]:
+    """(file:line, function) of the innermost frame outside torch, the standard library and this
+    harness: the model's line that asked for the value."""
+    frame = sys._getframe(1)
+    first = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if first is None:
+            first = frame
+        if not name.startswith(skip) and not name.startswith("<"):
+            break
+        frame = frame.f_back
+    frame = frame or first
+    name = frame.f_code.co_filename
+    shown = name[len(_ROOT) :] if name.startswith(_ROOT) else name
+    return f"{shown}:{frame.f_lineno}", frame.f_code.co_name
+
+
+def _listing_frame():
+    """The outermost `FakeTensor.tolist` call on the stack, if any."""
+    frame, found = sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code is _TOLIST:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records each device-to-host read of the ops below it (enter it above `PlanMode`).
+
+    The step's device: on fake CUDA, a tensor whose device type is `device_type` ("cuda"); for a CPU
+    step (`device_type="cpu"`), a fake tensor (what `PlanMode.fake` copied from the loader's batch,
+    the parameters, what a factory made) not computed from real tensors alone (the loader's host
+    tensors and what is made from them stay on the host)."""
+
+    def __init__(self, device_type: str = "cuda", strict: bool = False):
+        super().__init__()
+        self.device_type, self.strict = device_type, strict
+        self.records: list[Sync] = []
+        self._list_frame = None  # the tolist() whose element reads are one read, recorded
+        self._host = WeakIdKeyDictionary()  # a CPU step's fake tensors made from host ones only
+
+    def on_device(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        if self.device_type == "cpu":
+            return isinstance(t, FakeTensor) and t not in self._host
+        # a fake `cuda` tensor made without an index lands on meta on a CPU-only build
+        return _device(t).type in (self.device_type, "meta")
+
+    def on_host(self, t) -> bool:
+        """A host tensor (a copy's destination)."""
+        if self.device_type == "cpu":
+            return not self.on_device(t)
+        return _device(t).type == "cpu"
+
+    def record(self, op: str) -> None:
+        where, function = caller()
+        self.records.append(Sync(op, where, function))
+        if self.strict:
+            raise SyncError(
+                f"device-to-host read: {op} at {where} (in {function}); "
+                "a training step must not wait on the device (docs/plans.md)"
+            )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            return fake_device(args[0])
+        if needs_host(func, args, kwargs) and self._reads_device(func, args, kwargs):
+            listing = _listing_frame() if func is _ITEM else None
+            if listing is None:
+                self.record(str(func))
+            elif listing is not self._list_frame:  # a fake tensor's tolist reads each element
+                self._list_frame = listing
+                self.record("Tensor.tolist")
+        out = func(*args, **kwargs)
+        if self.device_type == "cpu":
+            self._follow_host(args, kwargs, out)
+        return out
+
+    def _follow_host(self, args, kwargs, out) -> None:
+        """On a CPU step, what is made from host tensors only (the loader's real ones; the fake mode
+        makes an op's output on them fake) is on the host too."""
+        tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(self.on_device(t) for t in tensors):
+            for o in _leaves(out):
+                if isinstance(o, FakeTensor):
+                    self._host[o] = True
+
+    def _reads_device(self, func, args, kwargs) -> bool:
+        named = _arguments(func, args, kwargs)
+        if func is aten.copy_.default:
+            return self.on_device(named["src"]) and self.on_host(named["self"])
+        if func is aten._to_copy.default:  # a CPU step's copies stay on its device
+            to = named.get("device")
+            host = to is not None and torch.device(to).type == "cpu" != self.device_type
+            return host and self.on_device(named["self"])
+        tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        return any(self.on_device(t) for t in tensors)
+
+    def __exit__(self, *exc):
+        self._list_frame = None
+        return super().__exit__(*exc)
+
+    def by_line(self) -> list[tuple[str, str, int]]:
+        """(file:line, ops, count) per line, the most first, then by line."""
+        counts = collections.Counter(r.where for r in self.records)
+        ops: dict[str, set] = collections.defaultdict(set)
+        for r in self.records:
+            ops[r.where].add(r.op.removeprefix("aten.").removesuffix(".default"))
+        return sorted(
+            ((w, ", ".join(sorted(ops[w])), n) for w, n in counts.items()),
+            key=lambda x: (-x[2], x[0]),
+        )
+
+
+class StepSyncs(NamedTuple):
+    records: list[Sync]
+    lines: list[tuple[str, str, int]]  # SyncCounter.by_line
+    micro_batches: int
+    world: int
+    how: str
+    seconds: float
+
+
+def step_syncs(job, world: int | None = None, strict: bool = False) -> StepSyncs:
+    """The device-to-host reads of rank 0's whole training step (every micro-batch, the backward,
+    the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
+    (`moevlm.plan.dry_run`) on fake CPU tensors, where the step's device tensors are the fake ones."""
+    import time
+
+    from moevlm.config import validate
+    from moevlm.plan.dry_run import dry_run
+
+    world = world or job.parallel.world_size or 1
+    micro_batches = validate(job, world, environment=False).grad_accum
+    counter = SyncCounter("cpu", strict=strict)
+    t0 = time.perf_counter()
+    dry_run(job, world, every_micro_batch=True, watch=counter)
+    how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
+    seconds = time.perf_counter() - t0
+    return StepSyncs(counter.records, counter.by_line(), micro_batches, world, how, seconds)
+
+
+def format_syncs(found: StepSyncs) -> str:
+    """The report: the reads per step, grouped by line, the most first."""
+    n = len(found.records)
+    head = (
+        f"device-to-host syncs per training step: {n} ({found.micro_batches} micro-batches; "
+        f"{found.how}; {found.seconds:.1f} s)"
+    )
+    if not n:
+        return head
+    width = max(len(w) for w, _, _ in found.lines)
+    rows = [f"  {'count':>5}  {'line':<{width}}  ops"]
+    rows += [f"  {c:>5}  {w:<{width}}  {ops}" for w, ops, c in found.lines]
+    return "\n".join([head, *rows])

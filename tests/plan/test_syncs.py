@@ -1,0 +1,164 @@
+"""The step's device-to-host reads (`moevlm.plan.syncs`): the detector names the line of each read
+added to a tiny module, on fake CPU and fake CUDA tensors, records none for a function without one,
+and `python -m moevlm.plan --strict-syncs` reports today's reads of moevlm's step by line, its exit
+status by them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from moevlm.plan.cli import SYNCS_FOUND, main
+from moevlm.plan.fake import PlanMode, fake_cuda
+from moevlm.plan.syncs import SyncCounter, SyncError
+from moevlm.train.exit_codes import ExitCode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.relpath(os.path.abspath(__file__), ROOT)
+
+
+def line_of(marker: str) -> str:
+    """`tests/plan/test_syncs.py:N` of the line that ends with `# marker`."""
+    with open(__file__) as f:
+        for n, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return f"{HERE}:{n}"
+    raise LookupError(marker)
+
+
+class Reads(nn.Module):
+    """Reads the device three ways, and once through `tolist`."""
+
+    def forward(self, x, ids):
+        n = ids.sum().item()  # item
+        picked = x[ids > 2]  # mask
+        where = torch.nonzero(ids)  # nonzero
+        rows = ids.tolist()  # tolist
+        return x * n, picked, where, rows
+
+
+def no_reads(x, ids, host):
+    """Sizes given from the host: nothing waits on the device."""
+    rep = torch.repeat_interleave(ids, ids, output_size=10)
+    picked = x[torch.tensor([0, 2], device=x.device)]
+    flat = torch.nonzero_static(ids, size=4)
+    return x.sum() * 2, rep, picked, flat, host.tolist(), int(host[0])
+
+
+def fake_inputs(mode, device):
+    """x (float) and ids (1, 2, 3, 4) on `device`, made from real tensors before the mode."""
+    return mode.fake(X, device), mode.fake(IDS, device)
+
+
+X, IDS = torch.randn(4), torch.tensor([1, 2, 3, 4])
+EXPECTED = [
+    ("aten._local_scalar_dense.default", "item"),
+    ("aten.index.Tensor", "mask"),
+    ("aten.nonzero.default", "nonzero"),
+    ("Tensor.tolist", "tolist"),
+]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_each_read_is_named_by_its_line(device_type):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    with place, PlanMode() as mode:
+        x, ids = fake_inputs(mode, device)
+        with SyncCounter(device_type) as syncs:
+            out = Reads()(x, ids)
+    assert out[3] == [1, 2, 3, 4]  # the shadows answer the reads: the step goes on
+    found = [(r.op, r.where, r.function) for r in syncs.records]
+    assert found == [(op, line_of(m), "forward") for op, m in EXPECTED]
+    assert [n for _, _, n in syncs.by_line()] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_strict_stops_at_the_first_read_naming_it(device_type):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    with place, PlanMode() as mode:
+        x, ids = fake_inputs(mode, device)
+        with pytest.raises(SyncError, match=line_of("item")) as err:
+            with SyncCounter(device_type, strict=True):
+                Reads()(x, ids)
+    assert "_local_scalar_dense" in str(err.value) and "forward" in str(err.value)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_function_without_reads_records_none(device_type):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    host = torch.tensor([5, 6])  # the loader's: read on the host, not a sync
+    with place, PlanMode() as mode:
+        x, ids = fake_inputs(mode, device)
+        with SyncCounter(device_type) as syncs:
+            out = no_reads(x, ids, host)
+    assert out[4:] == ([5, 6], 5)
+    assert syncs.records == []
+
+
+def test_a_device_tensor_copied_to_the_host_is_a_read_on_fake_cuda():
+    with fake_cuda(), PlanMode() as mode:
+        x, _ = fake_inputs(mode, torch.device("cuda", 0))
+        with SyncCounter("cuda") as syncs:
+            x.cpu()  # copy
+            x.to("cpu", non_blocking=True)  # an asynchronous copy does not wait
+    assert [(r.op, r.where) for r in syncs.records] == [("aten._to_copy.default", line_of("copy"))]
+
+
+@pytest.fixture(scope="module")
+def tiny_step():
+    """The tiny default job's step, run once for the command lines below."""
+    from moevlm.config import compose_job
+    from moevlm.plan.syncs import step_syncs
+
+    return step_syncs(compose_job(["data.shards=sample"]))
+
+
+def _run(argv: list[str], found, monkeypatch) -> tuple[int, str]:
+    """`main(argv)`'s status and stdout, its step the tiny one already run (`tiny_step`)."""
+    import moevlm.plan.syncs
+
+    monkeypatch.setattr(moevlm.plan.syncs, "step_syncs", lambda job, world: found)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    return status, out.getvalue()
+
+
+def test_strict_syncs_reports_the_tiny_steps_reads_by_moevlm_line(tiny_step, monkeypatch):
+    """Today's reads (the forward's checks, tolist of grids and cu_seqlens, masks, nonzero...): not
+    their count, which goes down, but that each names a moevlm line and the exit status follows."""
+    status, out = _run(["--strict-syncs"], tiny_step, monkeypatch)
+    head, *rows = out.strip().splitlines()
+    assert head.startswith("device-to-host syncs per training step: ")
+    total = int(head.split(": ")[1].split()[0])
+    assert "2 micro-batches" in head and "fake-world dry run" in head
+    assert status == (SYNCS_FOUND if total else ExitCode.OK)
+    counted = 0
+    for row in rows[1:]:
+        count, where, ops = row.split(maxsplit=2)
+        path, line = where.rsplit(":", 1)
+        assert path.startswith(("moevlm/", "kernels/")) and path.endswith(".py"), row
+        with open(os.path.join(ROOT, path)) as f:
+            source = f.read().splitlines()
+        text = source[int(line) - 1].strip()
+        assert text and not text.startswith("#"), row
+        assert ops, row
+        counted += int(count)
+    assert counted == total and total > 0  # there are some today
+
+
+def test_syncs_reports_and_exits_0(tiny_step, monkeypatch):
+    status, out = _run(["--syncs", "--json"], tiny_step, monkeypatch)
+    found = json.loads(out)
+    assert status == ExitCode.OK
+    assert len(found["records"]) == sum(n for _, _, n in found["lines"]) > 0
+    assert all(r["where"].startswith("moevlm/") for r in found["records"])
