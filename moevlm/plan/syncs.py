@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -117,6 +118,7 @@ class SyncCounter(TorchDispatchMode):
         self.records: list[Sync] = []
         self._list_frame = None  # the tolist() whose element reads are one read, recorded
         self._host = WeakIdKeyDictionary()  # a CPU step's fake tensors made from host ones only
+        self._copies = None  # a CPU step's _HostCopies
 
     def on_device(self, t) -> bool:
         if not isinstance(t, torch.Tensor):
@@ -177,9 +179,18 @@ class SyncCounter(TorchDispatchMode):
         tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         return any(self.on_device(t) for t in tensors)
 
+    def __enter__(self):
+        if self.device_type == "cpu":
+            self._copies = _HostCopies(self).__enter__()
+        return super().__enter__()
+
     def __exit__(self, *exc):
         self._list_frame = None
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        if self._copies is not None:
+            self._copies.__exit__(*exc)
+            self._copies = None
+        return out
 
     def by_line(self) -> list[tuple[str, str, int]]:
         """(file:line, ops, count) per line, the most first, then by line."""
@@ -191,6 +202,65 @@ class SyncCounter(TorchDispatchMode):
             ((w, ", ".join(sorted(ops[w])), n) for w, n in counts.items()),
             key=lambda x: (-x[2], x[0]),
         )
+
+
+class _HostCopies(TorchFunctionMode):
+    """A CPU step's host tensors, seen at the torch call (on the CPU the copies dispatch nothing):
+    `.cpu()` / `.to("cpu")` of a device tensor is a read and makes a host alias; `.to(device)` of a
+    host tensor makes a device alias (a copy to the device); a factory without `device` (or with
+    "cpu") makes a host tensor, as on a GPU."""
+
+    def __init__(self, counter: SyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        on_device, host = self.counter.on_device, self.counter._host
+        if func in _FACTORIES:
+            to = kwargs.get("device")
+            if isinstance(out, torch.Tensor) and (to is None or to == "cpu"):
+                host[out] = True
+        elif func is torch.Tensor.cpu or (func is torch.Tensor.to and _named_host(args, kwargs)):
+            if on_device(args[0]):
+                if not kwargs.get("non_blocking", False):
+                    self.counter.record(f"Tensor.{func.__name__}")
+                out = out.view_as(out) if out is args[0] else out
+                host[out] = True
+        elif func is torch.Tensor.to and isinstance(args[0], FakeTensor) and not on_device(args[0]):
+            if _device_arg(args, kwargs) is not None and out is args[0]:
+                out = out.view_as(out)  # to the device: not in `host`
+        return out
+
+
+_FACTORIES = {
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.tensor,
+    torch.as_tensor,
+    torch.randn,
+    torch.rand,
+    torch.randint,
+    torch.linspace,
+    torch.eye,
+}
+
+
+def _device_arg(args, kwargs):
+    """The device a `Tensor.to` call names, if any."""
+    for a in (*args[1:], kwargs.get("device")):
+        if isinstance(a, (str, torch.device)):
+            return a
+    return None
+
+
+def _named_host(args, kwargs) -> bool:
+    """`Tensor.to("cpu")`: the host named as a string (a `torch.device` on a CPU step is the step's)."""
+    return isinstance(to := _device_arg(args, kwargs), str) and torch.device(to).type == "cpu"
 
 
 class StepSyncs(NamedTuple):

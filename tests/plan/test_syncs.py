@@ -104,13 +104,21 @@ def test_a_function_without_reads_records_none(device_type):
     assert syncs.records == []
 
 
-def test_a_device_tensor_copied_to_the_host_is_a_read_on_fake_cuda():
-    with fake_cuda(), PlanMode() as mode:
-        x, _ = fake_inputs(mode, torch.device("cuda", 0))
-        with SyncCounter("cuda") as syncs:
-            x.cpu()  # copy
-            x.to("cpu", non_blocking=True)  # an asynchronous copy does not wait
-    assert [(r.op, r.where) for r in syncs.records] == [("aten._to_copy.default", line_of("copy"))]
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_copy_to_the_host_is_one_read_and_what_it_made_is_on_the_host(device_type):
+    """On fake CUDA the copy dispatches; on a CPU step `.cpu()` is the tensor itself (an alias)."""
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    with place, PlanMode() as mode:
+        _, ids = fake_inputs(mode, device)
+        with SyncCounter(device_type) as syncs:
+            on_host = ids.cpu()  # copy
+            ids.to("cpu", non_blocking=True)  # an asynchronous copy does not wait
+            rows = on_host.tolist()
+            first, big = int(on_host[0]), on_host[on_host > 2]
+    assert (rows, first, big.shape) == ([1, 2, 3, 4], 1, (2,))
+    op = "aten._to_copy.default" if device_type == "cuda" else "Tensor.cpu"
+    assert [(r.op, r.where) for r in syncs.records] == [(op, line_of("copy"))]
 
 
 @pytest.fixture(scope="module")
