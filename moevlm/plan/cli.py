@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import NamedTuple
 
 from moevlm.plan.candidates import NODES, RECOMPUTE
 from moevlm.plan.devices import gpu as find_gpu
@@ -112,10 +114,52 @@ def run_fit(job, world: int, gpu_name: str, args, overrides: list[str]) -> tuple
     return text, result.fits
 
 
+class StepSyncs(NamedTuple):
+    """A step's device-to-host reads (`moevlm.plan.syncs`)."""
+
+    records: list  # moevlm.plan.syncs.Sync
+    lines: list[tuple[str, str, int]]  # SyncCounter.by_line
+    micro_batches: int
+    world: int
+    how: str
+    seconds: float
+
+
+def step_syncs(job, world: int | None = None, strict: bool = False) -> StepSyncs:
+    """The device-to-host reads of rank 0's whole training step (every micro-batch, the backward,
+    the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
+    (`moevlm.plan.dry_run`) on fake CPU tensors, the host's told apart as docs/plans.md says."""
+    from moevlm.config import validate
+    from moevlm.plan.dry_run import dry_run
+    from moevlm.plan.syncs import SyncCounter
+
+    world = world or job.parallel.world_size or 1
+    micro_batches = validate(job, world, environment=False).grad_accum
+    counter = SyncCounter("cpu", strict=strict)
+    t0 = time.perf_counter()
+    dry_run(job, world, every_micro_batch=True, watch=counter)
+    how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
+    seconds = time.perf_counter() - t0
+    return StepSyncs(counter.records, counter.by_line(), micro_batches, world, how, seconds)
+
+
+def format_syncs(found: StepSyncs) -> str:
+    """The report: the reads per step, grouped by line, the most first."""
+    n = len(found.records)
+    head = (
+        f"device-to-host syncs per training step: {n} ({found.micro_batches} micro-batches; "
+        f"{found.how}; {found.seconds:.1f} s)"
+    )
+    if not n:
+        return head
+    width = max(len(w) for w, _, _ in found.lines)
+    rows = [f"  {'count':>5}  {'line':<{width}}  ops"]
+    rows += [f"  {c:>5}  {w:<{width}}  {ops}" for w, ops, c in found.lines]
+    return "\n".join([head, *rows])
+
+
 def run_syncs(job, world: int, args) -> int:
     """Prints the step's device-to-host reads (`moevlm.plan.syncs`); the exit status by them."""
-    from moevlm.plan.syncs import format_syncs, step_syncs
-
     found = step_syncs(job, world)
     if args.json:
         print(json.dumps({**found._asdict(), "records": [r._asdict() for r in found.records]}))

@@ -39,6 +39,7 @@ _SKIP = (
     sysconfig.get_paths()["stdlib"] + os.sep,
     os.path.join(os.path.dirname(__file__), "syncs.py"),
     os.path.join(os.path.dirname(__file__), "fake.py"),
+    "<",  # <frozen runpy>, <string>
 )
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
@@ -61,10 +62,8 @@ def needs_host(func, args, kwargs) -> bool:
         return False
     named = _arguments(func, args, kwargs)
     if func is aten.index.Tensor:  # a boolean mask: its count of True is the output's size
-        return any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-            for i in named.get("indices") or ()
-        )
+        masks = (i for i in named.get("indices") or () if isinstance(i, torch.Tensor))
+        return any(i.dtype in (torch.bool, torch.uint8) for i in masks)
     if func is aten.repeat_interleave.Tensor:
         return named.get("output_size") is None
     if func is aten.one_hot.default:
@@ -79,16 +78,10 @@ def _device(t: torch.Tensor) -> torch.device:
 def caller(skip: tuple[str, ...] = _SKIP) -> tuple[str, str]:
     """(file:line, function) of the innermost frame outside torch, the standard library and this
     harness: the model's line that asked for the value."""
-    frame = sys._getframe(1)
-    first = None
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if first is None:
-            first = frame
-        if not name.startswith(skip) and not name.startswith("<"):
-            break
+    frame = start = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
-    frame = frame or first
+    frame = frame or start
     name = frame.f_code.co_filename
     shown = name[len(_ROOT) :] if name.startswith(_ROOT) else name
     return f"{shown}:{frame.f_lineno}", frame.f_code.co_name
@@ -105,12 +98,9 @@ def _listing_frame():
 
 
 class SyncCounter(TorchDispatchMode):
-    """Records each device-to-host read of the ops below it (enter it above `PlanMode`).
-
-    The step's device: on fake CUDA, a tensor whose device type is `device_type` ("cuda"); for a CPU
-    step (`device_type="cpu"`), a fake tensor (what `PlanMode.fake` copied from the loader's batch,
-    the parameters, what a factory made) not computed from real tensors alone (the loader's host
-    tensors and what is made from them stay on the host)."""
+    """Records each device-to-host read of the ops below it (enter it above `PlanMode`).  On fake
+    CUDA a tensor's device type says where it is; on a CPU step (`device_type="cpu"`) the host's
+    tensors are those `_HostCopies` finds and what is computed from them alone (docs/plans.md)."""
 
     def __init__(self, device_type: str = "cuda", strict: bool = False):
         super().__init__()
@@ -130,9 +120,7 @@ class SyncCounter(TorchDispatchMode):
 
     def on_host(self, t) -> bool:
         """A host tensor (a copy's destination)."""
-        if self.device_type == "cpu":
-            return not self.on_device(t)
-        return _device(t).type == "cpu"
+        return not self.on_device(t) if self.device_type == "cpu" else _device(t).type == "cpu"
 
     def record(self, op: str) -> None:
         where, function = caller()
@@ -185,11 +173,10 @@ class SyncCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._list_frame = None
-        out = super().__exit__(*exc)
+        out, self._list_frame = super().__exit__(*exc), None
         if self._copies is not None:
-            self._copies.__exit__(*exc)
-            self._copies = None
+            self._copies, copies = None, self._copies
+            copies.__exit__(*exc)
         return out
 
     def by_line(self) -> list[tuple[str, str, int]]:
@@ -234,73 +221,20 @@ class _HostCopies(TorchFunctionMode):
         return out
 
 
-_FACTORIES = {
-    torch.arange,
-    torch.zeros,
-    torch.ones,
-    torch.empty,
-    torch.full,
-    torch.tensor,
-    torch.as_tensor,
-    torch.randn,
-    torch.rand,
-    torch.randint,
-    torch.linspace,
-    torch.eye,
-}
+# factories that make a host tensor unless given a device, as on a GPU
+_FACTORIES = frozenset(
+    getattr(torch, name)
+    for name in "arange zeros ones empty full tensor as_tensor randn rand randint linspace eye".split()
+)
 
 
 def _device_arg(args, kwargs):
     """The device a `Tensor.to` call names, if any."""
-    for a in (*args[1:], kwargs.get("device")):
-        if isinstance(a, (str, torch.device)):
-            return a
-    return None
+    return next(
+        (a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))), None
+    )
 
 
 def _named_host(args, kwargs) -> bool:
     """`Tensor.to("cpu")`: the host named as a string (a `torch.device` on a CPU step is the step's)."""
     return isinstance(to := _device_arg(args, kwargs), str) and torch.device(to).type == "cpu"
-
-
-class StepSyncs(NamedTuple):
-    records: list[Sync]
-    lines: list[tuple[str, str, int]]  # SyncCounter.by_line
-    micro_batches: int
-    world: int
-    how: str
-    seconds: float
-
-
-def step_syncs(job, world: int | None = None, strict: bool = False) -> StepSyncs:
-    """The device-to-host reads of rank 0's whole training step (every micro-batch, the backward,
-    the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
-    (`moevlm.plan.dry_run`) on fake CPU tensors, where the step's device tensors are the fake ones."""
-    import time
-
-    from moevlm.config import validate
-    from moevlm.plan.dry_run import dry_run
-
-    world = world or job.parallel.world_size or 1
-    micro_batches = validate(job, world, environment=False).grad_accum
-    counter = SyncCounter("cpu", strict=strict)
-    t0 = time.perf_counter()
-    dry_run(job, world, every_micro_batch=True, watch=counter)
-    how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
-    seconds = time.perf_counter() - t0
-    return StepSyncs(counter.records, counter.by_line(), micro_batches, world, how, seconds)
-
-
-def format_syncs(found: StepSyncs) -> str:
-    """The report: the reads per step, grouped by line, the most first."""
-    n = len(found.records)
-    head = (
-        f"device-to-host syncs per training step: {n} ({found.micro_batches} micro-batches; "
-        f"{found.how}; {found.seconds:.1f} s)"
-    )
-    if not n:
-        return head
-    width = max(len(w) for w, _, _ in found.lines)
-    rows = [f"  {'count':>5}  {'line':<{width}}  ops"]
-    rows += [f"  {c:>5}  {w:<{width}}  {ops}" for w, ops, c in found.lines]
-    return "\n".join([head, *rows])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from moevlm.plan.cli import SYNCS_FOUND, main
+from moevlm.plan.cli import SYNCS_FOUND, main, step_syncs
 from moevlm.plan.fake import PlanMode, fake_cuda
 from moevlm.plan.syncs import SyncCounter, SyncError
 from moevlm.train.exit_codes import ExitCode
@@ -125,16 +125,39 @@ def test_a_copy_to_the_host_is_one_read_and_what_it_made_is_on_the_host(device_t
 def tiny_step():
     """The tiny default job's step, run once for the command lines below."""
     from moevlm.config import compose_job
-    from moevlm.plan.syncs import step_syncs
 
     return step_syncs(compose_job(["data.shards=sample"]))
 
 
+def test_the_cpu_step_finds_the_fake_cuda_forwards_reads_in_every_micro_batch(tiny_step):
+    """The CPU step's device rule against the device's own: the tiny job's forward on fake CUDA
+    (`forward_on_fake_cuda`'s set-up) reads at the same lines, as many times per micro-batch."""
+    from moevlm.config import compose_job, validate
+    from moevlm.parallel.build import materialize_
+    from moevlm.plan.dry_run import _build, budget_micro_batch
+
+    job = compose_job(["data.shards=sample", "model.attn_backend=sdpa"])
+    plan = validate(job, 1, environment=False)
+    model, ctx = _build(job, plan, "cuda", bf16=False)
+    real, cuda = budget_micro_batch(job, plan.model), torch.device("cuda", 0)
+    with fake_cuda(), PlanMode() as mode, torch.no_grad():
+        materialize_(model, cuda, ctx)
+        inputs = {
+            k: None if v is None else mode.fake(v, cuda) for k, v in real.model_inputs().items()
+        }
+        with SyncCounter("cuda") as syncs:
+            model(**inputs)
+    on_cpu = {where: n for where, _, n in tiny_step.lines}
+    assert syncs.records
+    for where, _, n in syncs.by_line():
+        assert on_cpu.get(where) == n * tiny_step.micro_batches, where
+
+
 def _run(argv: list[str], found, monkeypatch) -> tuple[int, str]:
     """`main(argv)`'s status and stdout, its step the tiny one already run (`tiny_step`)."""
-    import moevlm.plan.syncs
+    import moevlm.plan.cli
 
-    monkeypatch.setattr(moevlm.plan.syncs, "step_syncs", lambda job, world: found)
+    monkeypatch.setattr(moevlm.plan.cli, "step_syncs", lambda job, world: found)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = main(argv)
