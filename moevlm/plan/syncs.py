@@ -1,7 +1,7 @@
 """Device-to-host reads in a training step: every op whose result the host must wait for.
 
     with PlanMode() as mode, SyncCounter("cuda") as syncs:    # entered above the fake mode
-        model(**inputs).lm_loss.backward()
+        model(**inputs)                                         # a forward (fake CUDA: no backward)
     syncs.records, syncs.by_line()                          # Sync(op, where, function), counts per line
     SyncCounter("cuda", strict=True)                        # SyncError at the first, naming its line
 
