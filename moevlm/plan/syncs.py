@@ -79,7 +79,10 @@ def caller(skip: tuple[str, ...] = _SKIP) -> tuple[str, str]:
     """(file:line, function) of the innermost frame outside torch, the standard library and this
     harness: the model's line that asked for the value."""
     frame = start = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
+    # a dispatch mode's handler (recompute's) forwards the op: the line that asked is further out
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(skip) or frame.f_code.co_name == "__torch_dispatch__"
+    ):
         frame = frame.f_back
     frame = frame or start
     name = frame.f_code.co_filename
