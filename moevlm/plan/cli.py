@@ -5,11 +5,13 @@
     python -m moevlm.plan +experiment=h100_fsdp --world 64 --search              # the top 10 layouts
     python -m moevlm.plan +experiment=h100_fsdp --world 16 --search --only pp=1 --only dp_mode=fsdp,ddp
     python -m moevlm.plan +experiment=h100_fsdp --fit             # the cheapest changes that make it fit
+    python -m moevlm.plan +experiment=h100_1gpu --strict-syncs    # the step's device-to-host reads
 
 The job is composed and validated as `train.py` composes it (`data.shards` defaults to the sample
 set: a plan reads no data); the plan is `moevlm.plan.report`'s, the search `moevlm.plan.search`'s.
 Exit status: 0 when every rank fits the GPU (--search: a layout fits; --fit: as it is or with the
-proposal), 9 when not, 2 for a config error (`moevlm.train.exit_codes`).  Every option: docs/plans.md.
+proposal), 9 when not, 2 for a config error (`moevlm.train.exit_codes`); --strict-syncs: 1 when the
+step reads the device from the host (`moevlm.plan.syncs`), --syncs: 0.  Every option: docs/plans.md.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import NamedTuple
 
 from moevlm.plan.candidates import NODES, RECOMPUTE
 from moevlm.plan.devices import gpu as find_gpu
@@ -32,6 +36,7 @@ WORDS = {
     "recompute": RECOMPUTE,
 }
 NO_NUMBERS = ("dp_mode", "recompute")
+SYNCS_FOUND = 1  # --strict-syncs: the step has a device-to-host read
 
 
 def parse_only(items: list[str]) -> dict[str, list]:
@@ -109,6 +114,60 @@ def run_fit(job, world: int, gpu_name: str, args, overrides: list[str]) -> tuple
     return text, result.fits
 
 
+class StepSyncs(NamedTuple):
+    """A step's device-to-host reads (`moevlm.plan.syncs`)."""
+
+    records: list  # moevlm.plan.syncs.Sync
+    lines: list[tuple[str, str, int]]  # SyncCounter.by_line
+    micro_batches: int
+    world: int
+    how: str
+    seconds: float
+
+
+def step_syncs(job, world: int | None = None, strict: bool = False) -> StepSyncs:
+    """The device-to-host reads of rank 0's whole training step (every micro-batch, the backward,
+    the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
+    (`moevlm.plan.dry_run`) on fake CPU tensors, the host's told apart as docs/plans.md says."""
+    from moevlm.config import validate
+    from moevlm.plan.dry_run import dry_run
+    from moevlm.plan.syncs import SyncCounter
+
+    world = world or job.parallel.world_size or 1
+    micro_batches = validate(job, world, environment=False).grad_accum
+    counter = SyncCounter("cpu", strict=strict)
+    t0 = time.perf_counter()
+    dry_run(job, world, every_micro_batch=True, watch=counter)
+    how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
+    seconds = time.perf_counter() - t0
+    return StepSyncs(counter.records, counter.by_line(), micro_batches, world, how, seconds)
+
+
+def format_syncs(found: StepSyncs) -> str:
+    """The report: the reads per step, grouped by line, the most first."""
+    n = len(found.records)
+    head = (
+        f"device-to-host syncs per training step: {n} ({found.micro_batches} micro-batches; "
+        f"{found.how}; {found.seconds:.1f} s)"
+    )
+    if not n:
+        return head
+    width = max(len(w) for w, _, _ in found.lines)
+    rows = [f"  {'count':>5}  {'line':<{width}}  ops"]
+    rows += [f"  {c:>5}  {w:<{width}}  {ops}" for w, ops, c in found.lines]
+    return "\n".join([head, *rows])
+
+
+def run_syncs(job, world: int, args) -> int:
+    """Prints the step's device-to-host reads (`moevlm.plan.syncs`); the exit status by them."""
+    found = step_syncs(job, world)
+    if args.json:
+        print(json.dumps({**found._asdict(), "records": [r._asdict() for r in found.records]}))
+    else:
+        print(format_syncs(found))
+    return SYNCS_FOUND if args.strict_syncs and found.records else ExitCode.OK
+
+
 def modelled_notes(job, world: int) -> dict[str, str]:
     """The lines a plan adds for what it models instead of running: the job's dispatcher where its
     package is not imported (deepep, hybridep), the Gated DeltaNet layers' kernel (fla)."""
@@ -167,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="GPU",
         help="the cheapest changes that make the job fit GPU (default --gpu), with their costs",
     )
+    ap.add_argument(
+        "--strict-syncs",
+        action="store_true",
+        help="the step's device-to-host reads by line; exit 1 when there is one",
+    )
+    ap.add_argument("--syncs", action="store_true", help="--strict-syncs' report, exit 0")
     args, overrides = ap.parse_known_args(argv)
     if args.fit and "=" in args.fit:  # `--fit model.x=y`: an override, not a GPU
         overrides, args.fit = [*overrides, args.fit], ""
@@ -184,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu_name = args.fit or args.gpu or recipe_gpu(experiment)
         find_gpu(gpu_name)
         world = args.world or job.parallel.world_size or 1
+        if args.strict_syncs or args.syncs:
+            return run_syncs(job, world, args)
         if args.fit is not None:
             text, fits = run_fit(job, world, gpu_name, args, overrides)
         elif args.search:

@@ -156,7 +156,12 @@ def rank_role(plan, rank: int) -> str:
 
 
 def dry_run(
-    job, world: int | None = None, rank: int = 0, bf16: bool | None = None, every_micro_batch=False
+    job,
+    world: int | None = None,
+    rank: int = 0,
+    bf16: bool | None = None,
+    every_micro_batch=False,
+    watch=None,
 ) -> RankPlan:
     """One training step of `job` for `rank` of a `world`-rank launch, on fake CPU tensors.
 
@@ -166,7 +171,8 @@ def dry_run(
     state).  A pipeline schedule runs twice, with 2 pp x vpp and 2 pp x vpp + pp micro-batches (both
     past the warm-up): every collective's bytes are then a + b x M exactly, and the peak to within
     bytes (it grows by what the schedule keeps per micro-batch), a from the step's once-only work (FSDP's
-    gathers and reductions, the loss) and b per micro-batch, M the step's count."""
+    gathers and reductions, the loss) and b per micro-batch, M the step's count.  `watch`: a dispatch
+    mode entered above the fake one for the step (`moevlm.plan.syncs.SyncCounter`)."""
     import dataclasses
 
     from moevlm.config import validate
@@ -179,7 +185,7 @@ def dry_run(
     M, p = plan.grad_accum, plan.pipeline
     if p is None:
         run = M if every_micro_batch else min(M, 2)
-        sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, run)
+        sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, run, watch=watch)
         comm_bytes = comm.as_dict({"micro-batches": M / run})
         # the host copies are made per micro-batch and freed by its backward
         offload = round(host.host_total_bytes * M / run), host.host_peak_bytes
@@ -187,7 +193,7 @@ def dry_run(
         m1 = 2 * p.pp * p.vpp  # past the warm-up (pp x vpp deep) on every stage
         m2 = m1 + p.pp
         if every_micro_batch or M <= m2:
-            sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, M)
+            sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, M, watch=watch)
             comm_bytes = comm.as_dict()
             offload = host.host_total_bytes, host.host_peak_bytes
         else:
@@ -197,7 +203,9 @@ def dry_run(
                     plan.build, pipeline=dataclasses.replace(p, microbatches=m)
                 )
                 shorter = dataclasses.replace(plan, build=build, grad_accum=m)
-                runs.append(_step(job, shorter, world, rank, bf16, m, step_micro_batches=M))
+                runs.append(
+                    _step(job, shorter, world, rank, bf16, m, step_micro_batches=M, watch=watch)
+                )
             (_, peak1, c1, h1, s1), (sizes, peak2, c2, h2, s2) = runs
 
             def at_m(a: float, b: float) -> int:
@@ -256,7 +264,7 @@ def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
     return out
 
 
-def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_batches=None):
+def _step(job, plan, world, rank, bf16, run: int, step_micro_batches=None, watch=None):
     """`run` micro-batches of the trainer's step on fake tensors: (bytes of parameters, gradients and
     optimizer state; the steady-state peak; the CollectiveCounter; the StorageTracker, whose host_*
     fields count the activation offload's host copies).  `step_micro_batches`: the step's
@@ -275,7 +283,8 @@ def _step(job, plan, world: int, rank: int, bf16: bool, run: int, step_micro_bat
         mem, comm = StorageTracker(where), CollectiveCounter(_roles(ctx))
         labels = mem.attribution
         real = budget_micro_batch(job, plan.model)  # real tensors: built before the fake mode
-        with PlanMode() as mode, DryRunObservers(mem, comm):
+        watching = watch if watch is not None else contextlib.nullcontext()
+        with PlanMode() as mode, watching, DryRunObservers(mem, comm):
             materialize_(model, device, ctx)
             params = [p for p in model.parameters()]
             mem.track(params)

@@ -1,0 +1,195 @@
+"""The step's device-to-host reads (`moevlm.plan.syncs`): the detector names the line of each read
+added to a tiny module, on fake CPU and fake CUDA tensors, records none for a function without one,
+and `python -m moevlm.plan --strict-syncs` reports today's reads of moevlm's step by line, its exit
+status by them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from moevlm.plan.cli import SYNCS_FOUND, main, step_syncs
+from moevlm.plan.fake import PlanMode, fake_cuda
+from moevlm.plan.syncs import SyncCounter, SyncError
+from moevlm.train.exit_codes import ExitCode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.relpath(os.path.abspath(__file__), ROOT)
+
+
+def line_of(marker: str) -> str:
+    """`tests/plan/test_syncs.py:N` of the line that ends with `# marker`."""
+    with open(__file__) as f:
+        for n, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return f"{HERE}:{n}"
+    raise LookupError(marker)
+
+
+class Reads(nn.Module):
+    """Reads the device three ways, and once through `tolist`."""
+
+    def forward(self, x, ids):
+        n = ids.sum().item()  # item
+        picked = x[ids > 2]  # mask
+        where = torch.nonzero(ids)  # nonzero
+        rows = ids.tolist()  # tolist
+        return x * n, picked, where, rows
+
+
+def no_reads(x, ids, host):
+    """Sizes given from the host: nothing waits on the device."""
+    rep = torch.repeat_interleave(ids, ids, output_size=10)
+    picked = x[torch.tensor([0, 2], device=x.device)]
+    flat = torch.nonzero_static(ids, size=4)
+    return x.sum() * 2, rep, picked, flat, host.tolist(), int(host[0])
+
+
+def fake_inputs(mode, device):
+    """x (float) and ids (1, 2, 3, 4) on `device`, made from real tensors before the mode."""
+    return mode.fake(X, device), mode.fake(IDS, device)
+
+
+X, IDS = torch.randn(4), torch.tensor([1, 2, 3, 4])
+EXPECTED = [
+    ("aten._local_scalar_dense.default", "item"),
+    ("aten.index.Tensor", "mask"),
+    ("aten.nonzero.default", "nonzero"),
+    ("Tensor.tolist", "tolist"),
+]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_each_read_is_named_by_its_line(device_type):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    with place, PlanMode() as mode:
+        x, ids = fake_inputs(mode, device)
+        with SyncCounter(device_type) as syncs:
+            out = Reads()(x, ids)
+    assert out[3] == [1, 2, 3, 4]  # the shadows answer the reads: the step goes on
+    found = [(r.op, r.where, r.function) for r in syncs.records]
+    assert found == [(op, line_of(m), "forward") for op, m in EXPECTED]
+    assert [n for _, _, n in syncs.by_line()] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_strict_stops_at_the_first_read_naming_it(device_type):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    with place, PlanMode() as mode:
+        x, ids = fake_inputs(mode, device)
+        with pytest.raises(SyncError, match=line_of("item")) as err:
+            with SyncCounter(device_type, strict=True):
+                Reads()(x, ids)
+    assert "_local_scalar_dense" in str(err.value) and "forward" in str(err.value)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_function_without_reads_records_none(device_type):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    host = torch.tensor([5, 6])  # the loader's: read on the host, not a sync
+    with place, PlanMode() as mode:
+        x, ids = fake_inputs(mode, device)
+        with SyncCounter(device_type) as syncs:
+            out = no_reads(x, ids, host)
+    assert out[4:] == ([5, 6], 5)
+    assert syncs.records == []
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_copy_to_the_host_is_one_read_and_what_it_made_is_on_the_host(device_type):
+    """On fake CUDA the copy dispatches; on a CPU step `.cpu()` is the tensor itself (an alias)."""
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    with place, PlanMode() as mode:
+        _, ids = fake_inputs(mode, device)
+        with SyncCounter(device_type) as syncs:
+            on_host = ids.cpu()  # copy
+            ids.to("cpu", non_blocking=True)  # an asynchronous copy does not wait
+            rows = on_host.tolist()
+            first, big = int(on_host[0]), on_host[on_host > 2]
+    assert (rows, first, big.shape) == ([1, 2, 3, 4], 1, (2,))
+    op = "aten._to_copy.default" if device_type == "cuda" else "Tensor.cpu"
+    assert [(r.op, r.where) for r in syncs.records] == [(op, line_of("copy"))]
+
+
+@pytest.fixture(scope="module")
+def tiny_step():
+    """The tiny default job's step, run once for the command lines below."""
+    from moevlm.config import compose_job
+
+    return step_syncs(compose_job(["data.shards=sample"]))
+
+
+def test_the_cpu_step_finds_the_fake_cuda_forwards_reads_in_every_micro_batch(tiny_step):
+    """The CPU step's device rule against the device's own: the tiny job's forward on fake CUDA
+    (`forward_on_fake_cuda`'s set-up) reads at the same lines, as many times per micro-batch."""
+    from moevlm.config import compose_job, validate
+    from moevlm.parallel.build import materialize_
+    from moevlm.plan.dry_run import _build, budget_micro_batch
+
+    job = compose_job(["data.shards=sample", "model.attn_backend=sdpa"])
+    plan = validate(job, 1, environment=False)
+    model, ctx = _build(job, plan, "cuda", bf16=False)
+    real, cuda = budget_micro_batch(job, plan.model), torch.device("cuda", 0)
+    with fake_cuda(), PlanMode() as mode, torch.no_grad():
+        materialize_(model, cuda, ctx)
+        inputs = {
+            k: None if v is None else mode.fake(v, cuda) for k, v in real.model_inputs().items()
+        }
+        with SyncCounter("cuda") as syncs:
+            model(**inputs)
+    on_cpu = {where: n for where, _, n in tiny_step.lines}
+    assert syncs.records
+    for where, _, n in syncs.by_line():
+        assert on_cpu.get(where) == n * tiny_step.micro_batches, where
+
+
+def _run(argv: list[str], found, monkeypatch) -> tuple[int, str]:
+    """`main(argv)`'s status and stdout, its step the tiny one already run (`tiny_step`)."""
+    import moevlm.plan.cli
+
+    monkeypatch.setattr(moevlm.plan.cli, "step_syncs", lambda job, world: found)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    return status, out.getvalue()
+
+
+def test_strict_syncs_reports_the_tiny_steps_reads_by_moevlm_line(tiny_step, monkeypatch):
+    """Today's reads (the forward's checks, tolist of grids and cu_seqlens, masks, nonzero...): not
+    their count, which goes down, but that each names a moevlm line and the exit status follows."""
+    status, out = _run(["--strict-syncs"], tiny_step, monkeypatch)
+    head, *rows = out.strip().splitlines()
+    assert head.startswith("device-to-host syncs per training step: ")
+    total = int(head.split(": ")[1].split()[0])
+    assert "2 micro-batches" in head and "fake-world dry run" in head
+    assert status == (SYNCS_FOUND if total else ExitCode.OK)
+    counted = 0
+    for row in rows[1:]:
+        count, where, ops = row.split(maxsplit=2)
+        path, line = where.rsplit(":", 1)
+        assert path.startswith(("moevlm/", "kernels/")) and path.endswith(".py"), row
+        with open(os.path.join(ROOT, path)) as f:
+            source = f.read().splitlines()
+        text = source[int(line) - 1].strip()
+        assert text and not text.startswith("#"), row
+        assert ops, row
+        counted += int(count)
+    assert counted == total and total > 0  # there are some today
+
+
+def test_syncs_reports_and_exits_0(tiny_step, monkeypatch):
+    status, out = _run(["--syncs", "--json"], tiny_step, monkeypatch)
+    found = json.loads(out)
+    assert status == ExitCode.OK
+    assert len(found["records"]) == sum(n for _, _, n in found["lines"]) > 0
+    assert all(r["where"].startswith("moevlm/") for r in found["records"])
