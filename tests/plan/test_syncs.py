@@ -57,6 +57,15 @@ def fake_inputs(mode, device):
 
 
 X, IDS = torch.randn(4), torch.tensor([1, 2, 3, 4])
+
+
+def on(device_type: str):
+    """The step's device and the context that makes it (fake CUDA on a CPU-only build)."""
+    if device_type == "cuda":
+        return torch.device("cuda", 0), fake_cuda()
+    return torch.device("cpu"), contextlib.nullcontext()
+
+
 EXPECTED = [
     ("aten._local_scalar_dense.default", "item"),
     ("aten.index.Tensor", "mask"),
@@ -67,8 +76,7 @@ EXPECTED = [
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_each_read_is_named_by_its_line(device_type):
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    device, place = on(device_type)
     with place, PlanMode() as mode:
         x, ids = fake_inputs(mode, device)
         with SyncCounter(device_type) as syncs:
@@ -81,8 +89,7 @@ def test_each_read_is_named_by_its_line(device_type):
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_strict_stops_at_the_first_read_naming_it(device_type):
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    device, place = on(device_type)
     with place, PlanMode() as mode:
         x, ids = fake_inputs(mode, device)
         with pytest.raises(SyncError, match=line_of("item")) as err:
@@ -93,8 +100,7 @@ def test_strict_stops_at_the_first_read_naming_it(device_type):
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_a_function_without_reads_records_none(device_type):
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    device, place = on(device_type)
     host = torch.tensor([5, 6])  # the loader's: read on the host, not a sync
     with place, PlanMode() as mode:
         x, ids = fake_inputs(mode, device)
@@ -107,8 +113,7 @@ def test_a_function_without_reads_records_none(device_type):
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_a_copy_to_the_host_is_one_read_and_what_it_made_is_on_the_host(device_type):
     """On fake CUDA the copy dispatches; on a CPU step `.cpu()` is the tensor itself (an alias)."""
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    place = fake_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    device, place = on(device_type)
     with place, PlanMode() as mode:
         _, ids = fake_inputs(mode, device)
         with SyncCounter(device_type) as syncs:
