@@ -125,7 +125,7 @@ class StepSyncs(NamedTuple):
     seconds: float
 
 
-def step_syncs(job, world: int | None = None, strict: bool = False) -> StepSyncs:
+def step_syncs(job, world: int | None = None) -> StepSyncs:
     """The device-to-host reads of rank 0's whole training step (every micro-batch, the backward,
     the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
     (`moevlm.plan.dry_run`) on fake CPU tensors, the host's told apart as docs/plans.md says."""
@@ -135,7 +135,7 @@ def step_syncs(job, world: int | None = None, strict: bool = False) -> StepSyncs
 
     world = world or job.parallel.world_size or 1
     micro_batches = validate(job, world, environment=False).grad_accum
-    counter = SyncCounter("cpu", strict=strict)
+    counter = SyncCounter("cpu")
     t0 = time.perf_counter()
     dry_run(job, world, every_micro_batch=True, watch=counter)
     how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"

@@ -456,11 +456,12 @@ def _bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def forward_on_fake_cuda(job) -> dict:
+def forward_on_fake_cuda(job, watch=None) -> dict:
     """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
     trainer's GPU precision: the CUDA code paths at the real size, without memory.  `attn_backend=auto`
     runs sdpa: for bf16 weights (optim.master_weights) without flash-attn it resolves to compiled flex,
-    which Inductor cannot build for fake CUDA on a CPU-only torch."""
+    which Inductor cannot build for fake CUDA on a CPU-only torch.  `watch`: a dispatch mode entered
+    above the fake one for the forward (`moevlm.plan.syncs.SyncCounter`)."""
     import copy
 
     from moevlm.config import validate
@@ -480,7 +481,8 @@ def forward_on_fake_cuda(job) -> dict:
         inputs = {
             k: None if v is None else mode.fake(v, cuda) for k, v in real.model_inputs().items()
         }
-        with emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
+        watching = watch if watch is not None else contextlib.nullcontext()
+        with watching, emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
             out = model(**inputs)
         found = {"loss_dtype": out.lm_loss.dtype, "loss_device": out.lm_loss.device}
     found["seconds"] = time.perf_counter() - t0

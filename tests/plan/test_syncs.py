@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moevlm.plan.cli import SYNCS_FOUND, main, step_syncs
+from moevlm.plan.dry_run import forward_on_fake_cuda
 from moevlm.plan.fake import PlanMode, fake_cuda
 from moevlm.plan.syncs import SyncCounter, SyncError
 from moevlm.train.exit_codes import ExitCode
@@ -136,22 +137,11 @@ def tiny_step():
 
 def test_the_cpu_step_finds_the_fake_cuda_forwards_reads_in_every_micro_batch(tiny_step):
     """The CPU step's device rule against the device's own: the tiny job's forward on fake CUDA
-    (`forward_on_fake_cuda`'s set-up) reads at the same lines, as many times per micro-batch."""
-    from moevlm.config import compose_job, validate
-    from moevlm.parallel.build import materialize_
-    from moevlm.plan.dry_run import _build, budget_micro_batch
+    (`forward_on_fake_cuda`) reads at the same lines, as many times per micro-batch."""
+    from moevlm.config import compose_job
 
-    job = compose_job(["data.shards=sample", "model.attn_backend=sdpa"])
-    plan = validate(job, 1, environment=False)
-    model, ctx = _build(job, plan, "cuda", bf16=False)
-    real, cuda = budget_micro_batch(job, plan.model), torch.device("cuda", 0)
-    with fake_cuda(), PlanMode() as mode, torch.no_grad():
-        materialize_(model, cuda, ctx)
-        inputs = {
-            k: None if v is None else mode.fake(v, cuda) for k, v in real.model_inputs().items()
-        }
-        with SyncCounter("cuda") as syncs:
-            model(**inputs)
+    syncs = SyncCounter("cuda")
+    forward_on_fake_cuda(compose_job(["data.shards=sample"]), watch=syncs)
     on_cpu = {where: n for where, _, n in tiny_step.lines}
     assert syncs.records
     for where, _, n in syncs.by_line():
