@@ -52,19 +52,19 @@ def no_reads(x, ids, host):
     return x.sum() * 2, rep, picked, flat, host.tolist(), int(host[0])
 
 
-def fake_inputs(mode, device):
-    """x (float) and ids (1, 2, 3, 4) on `device`, made from real tensors before the mode."""
-    return mode.fake(X, device), mode.fake(IDS, device)
-
-
 X, IDS = torch.randn(4), torch.tensor([1, 2, 3, 4])
 
 
-def on(device_type: str):
-    """The step's device and the context that makes it (fake CUDA on a CPU-only build)."""
-    if device_type == "cuda":
-        return torch.device("cuda", 0), fake_cuda()
-    return torch.device("cpu"), contextlib.nullcontext()
+@contextlib.contextmanager
+def watched(device_type: str, strict: bool = False):
+    """(x, ids, counter): x (float) and ids (1, 2, 3, 4) fake on the step's device (fake CUDA on a
+    CPU-only build), made from real tensors, and a SyncCounter entered above the fake mode."""
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    with fake_cuda() if cuda else contextlib.nullcontext(), PlanMode() as mode:
+        x, ids = mode.fake(X, device), mode.fake(IDS, device)
+        with SyncCounter(device_type, strict=strict) as syncs:
+            yield x, ids, syncs
 
 
 EXPECTED = [
@@ -77,11 +77,8 @@ EXPECTED = [
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_each_read_is_named_by_its_line(device_type):
-    device, place = on(device_type)
-    with place, PlanMode() as mode:
-        x, ids = fake_inputs(mode, device)
-        with SyncCounter(device_type) as syncs:
-            out = Reads()(x, ids)
+    with watched(device_type) as (x, ids, syncs):
+        out = Reads()(x, ids)
     assert out[3] == [1, 2, 3, 4]  # the shadows answer the reads: the step goes on
     found = [(r.op, r.where, r.function) for r in syncs.records]
     assert found == [(op, line_of(m), "forward") for op, m in EXPECTED]
@@ -90,23 +87,17 @@ def test_each_read_is_named_by_its_line(device_type):
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_strict_stops_at_the_first_read_naming_it(device_type):
-    device, place = on(device_type)
-    with place, PlanMode() as mode:
-        x, ids = fake_inputs(mode, device)
-        with pytest.raises(SyncError, match=line_of("item")) as err:
-            with SyncCounter(device_type, strict=True):
-                Reads()(x, ids)
+    with pytest.raises(SyncError, match=line_of("item")) as err:
+        with watched(device_type, strict=True) as (x, ids, _):
+            Reads()(x, ids)
     assert "_local_scalar_dense" in str(err.value) and "forward" in str(err.value)
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_a_function_without_reads_records_none(device_type):
-    device, place = on(device_type)
     host = torch.tensor([5, 6])  # the loader's: read on the host, not a sync
-    with place, PlanMode() as mode:
-        x, ids = fake_inputs(mode, device)
-        with SyncCounter(device_type) as syncs:
-            out = no_reads(x, ids, host)
+    with watched(device_type) as (x, ids, syncs):
+        out = no_reads(x, ids, host)
     assert out[4:] == ([5, 6], 5)
     assert syncs.records == []
 
@@ -114,14 +105,11 @@ def test_a_function_without_reads_records_none(device_type):
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_a_copy_to_the_host_is_one_read_and_what_it_made_is_on_the_host(device_type):
     """On fake CUDA the copy dispatches; on a CPU step `.cpu()` is the tensor itself (an alias)."""
-    device, place = on(device_type)
-    with place, PlanMode() as mode:
-        _, ids = fake_inputs(mode, device)
-        with SyncCounter(device_type) as syncs:
-            on_host = ids.cpu()  # copy
-            ids.to("cpu", non_blocking=True)  # an asynchronous copy does not wait
-            rows = on_host.tolist()
-            first, big = int(on_host[0]), on_host[on_host > 2]
+    with watched(device_type) as (_, ids, syncs):
+        on_host = ids.cpu()  # copy
+        ids.to("cpu", non_blocking=True)  # an asynchronous copy does not wait
+        rows = on_host.tolist()
+        first, big = int(on_host[0]), on_host[on_host > 2]
     assert (rows, first, big.shape) == ([1, 2, 3, 4], 1, (2,))
     op = "aten._to_copy.default" if device_type == "cuda" else "Tensor.cpu"
     assert [(r.op, r.where) for r in syncs.records] == [(op, line_of("copy"))]
