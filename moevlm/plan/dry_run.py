@@ -264,7 +264,16 @@ def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
     return out
 
 
-def _step(job, plan, world, rank, bf16, run: int, step_micro_batches=None, watch=None):
+def _step(
+    job,
+    plan,
+    world: int,
+    rank: int,
+    bf16: bool,
+    run: int,
+    step_micro_batches: int | None = None,
+    watch=None,
+):
     """`run` micro-batches of the trainer's step on fake tensors: (bytes of parameters, gradients and
     optimizer state; the steady-state peak; the CollectiveCounter; the StorageTracker, whose host_*
     fields count the activation offload's host copies).  `step_micro_batches`: the step's
