@@ -40,8 +40,11 @@ class JobConfig:
 
 def register_schema() -> None:
     """The schema behind conf/config.yaml (its first default): every group file and override is
-    checked against these types."""
-    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    checked against these types.  Once per process: storing converts the dataclass tree again
+    (a fifth of a compose)."""
+    store = ConfigStore.instance()
+    if "job_schema.yaml" not in store.repo:
+        store.store(name="job_schema", node=JobConfig)
 
 
 def compose_job(overrides: list[str] = (), config_dir: str | None = None):

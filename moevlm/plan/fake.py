@@ -38,7 +38,11 @@ from moevlm.parallel.offload import allocating_host
 from moevlm.plan.attribution import Attribution, local_shard
 
 aten = torch.ops.aten
-SHADOW_LIMIT = 1 << 25  # elements: ids, masks, counts, a gathered routing map; never activations
+# elements: ids, counts, routing maps; never activations, nor the attention's (B, s, s) document masks,
+# which no host read needs (a recipe's masks of 17-34M elements cost a fifth of its dry run).  The
+# largest value a recipe's host reads come from: 524,288 elements (the DeepEP/HybridEP recipes'
+# routing maps)
+SHADOW_LIMIT = 1 << 23
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _DEVICE = torch.ops.prim.device.default  # `t.device` of a fake tensor, asked several times per op
@@ -60,6 +64,12 @@ def _leaves(x) -> list:
         else:
             out.append(v)
     return out
+
+
+def _keeps_value(out) -> bool:
+    """Whether an op's output gets a shadow: a small integer tensor among its outputs, or a scalar."""
+    tensors = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
+    return not tensors or any(_shadowable(o) for o in tensors)
 
 
 def _shadowable(t) -> bool:
@@ -111,15 +121,22 @@ class PlanMode(FakeTensorMode):
             return self._grouped_mm_other_dtype(types, args, kwargs)
         tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         factory = not tensors
-        known = None if factory else self._run_on_shadows(func, args, kwargs, tensors)
-        if isinstance(known, (bool, int, float)):  # .item(), bool(), is_nonzero: the value itself
-            return known
+        known = None
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
+            known = None if factory else self._run_on_shadows(func, args, kwargs, tensors)
+            if isinstance(known, (bool, int, float)):  # bool(), is_nonzero, equal: the value itself
+                return known
             if known is None:
                 raise
             out = self._fake_like(known, args, kwargs)
+        else:
+            # the value only where it is kept: not for an output over SHADOW_LIMIT (a document mask)
+            if not factory and _keeps_value(out):
+                known = self._run_on_shadows(func, args, kwargs, tensors)
+                if isinstance(known, (bool, int, float)):
+                    return known
         if factory and _shadowable(out) and torch.Tag.nondeterministic_seeded not in func.tags:
             # zeros, ranges: small, so made for real
             known = self._run_on_shadows(func, args, kwargs, tensors)
