@@ -8,8 +8,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # starts OpenMP); a test that asks for two threads (test_fp8_training) does not steal the other's core
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
+import compileall  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -19,6 +21,7 @@ import torch  # noqa: E402
 # needs it and reused by the rest, subprocesses and pytest-xdist's workers included (they inherit the
 # environment): the user's cache is neither read nor written, and CI leaves nothing behind.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SAMPLE_CACHE = os.environ.get("MOEVLM_TEST_SESSION_CACHE") if _WORKER else None
 _OWN_CACHE = _SAMPLE_CACHE is None
 if _OWN_CACHE:
@@ -26,6 +29,13 @@ if _OWN_CACHE:
         prefix="moevlm-test-cache-"
     )
 os.environ["MOEVLM_CACHE"] = _SAMPLE_CACHE
+if _OWN_CACHE and sys.dont_write_bytecode:
+    # PYTHONDONTWRITEBYTECODE (set in some CI images): the suite starts about 500 Python processes,
+    # and each would compile every moevlm module it imports from source (0.5 CPU-s of `import
+    # train`'s 3.6, measured); compiled once here, into the __pycache__ folders .gitignore covers
+    for _folder in ("moevlm", "tests", "bench"):
+        compileall.compile_dir(os.path.join(_REPO, _folder), quiet=1)
+    compileall.compile_file(os.path.join(_REPO, "train.py"), quiet=1)
 if _WORKER:  # one of `-n 2`'s workers (pyproject's addopts): a core each, its subprocesses too
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

@@ -74,12 +74,12 @@ def _problems(path: Path) -> list[str]:
 # a context manager and restoring it after; never a model.  Exactly these, by file and target:
 PLANNER_PATCHES = {
     ("dry_run.py", "schedule._warmup_p2p"),  # the pipeline schedule's first-step vote over p2p
-    ("fake.py", "dist.all_gather_object"),  # objects travel as tensors fake tensors cannot give
+    ("environments.py", "dist.all_gather_object"),  # objects travel as tensors fake tensors lack
     ("fake.py", "torch.UntypedStorage.resize_"),  # FSDP's in-place storage resizes, tracked
-    ("fake.py", "FakeTensor.__int__"),  # fake CUDA: C++ needs a CUDA device guard for these
-    ("fake.py", "FakeTensor.__float__"),
-    ("fake.py", "FakeTensor.__bool__"),
-    ("fake.py", "FakeTensor.__index__"),
+    ("environments.py", "FakeTensor.__int__"),  # fake CUDA: C++ needs a CUDA device guard for these
+    ("environments.py", "FakeTensor.__float__"),
+    ("environments.py", "FakeTensor.__bool__"),
+    ("environments.py", "FakeTensor.__index__"),
 }
 
 

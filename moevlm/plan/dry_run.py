@@ -34,16 +34,8 @@ from moevlm.plan.attribution import (
     summarize,
 )
 from moevlm.plan.attribution import local_shard as _local
-from moevlm.plan.fake import (
-    CollectiveCounter,
-    DryRunObservers,
-    PlanMode,
-    StorageTracker,
-    emulated_autocast,
-    fake_cuda,
-    fake_world,
-    symmetric_objects,
-)
+from moevlm.plan.environments import emulated_autocast, fake_cuda, fake_world, symmetric_objects
+from moevlm.plan.fake import CollectiveCounter, DryRunObservers, PlanMode, StorageTracker
 
 
 @dataclass

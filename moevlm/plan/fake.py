@@ -8,15 +8,12 @@ Legend: T tokens, E experts, K top-k.
             loss = model(x).sum(); loss.backward()
         mem.peak_bytes, comm.bytes                              # storages and collectives actually issued
 
-Routing is balanced and the world symmetric; `fake_cuda()` runs a forward on a CPU build.
+Routing is balanced and the world symmetric (moevlm.plan.environments: the process group, CUDA).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-import os
 import weakref
 from collections import defaultdict
 
@@ -38,10 +35,8 @@ from moevlm.parallel.offload import allocating_host
 from moevlm.plan.attribution import Attribution, local_shard
 
 aten = torch.ops.aten
-# elements: ids, counts, routing maps; never activations, nor the attention's (B, s, s) document masks,
-# which no host read needs (a recipe's masks of 17-34M elements cost a fifth of its dry run).  The
-# largest value a recipe's host reads come from: 524,288 elements (the DeepEP/HybridEP recipes'
-# routing maps)
+# elements: ids, counts, routing maps (524,288 at most in a recipe's host reads); never activations or
+# the attention's document masks (no host read needs them; a fifth of a recipe's dry run at 2^25)
 SHADOW_LIMIT = 1 << 23
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
@@ -121,22 +116,18 @@ class PlanMode(FakeTensorMode):
             return self._grouped_mm_other_dtype(types, args, kwargs)
         tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         factory = not tensors
-        known = None
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             known = None if factory else self._run_on_shadows(func, args, kwargs, tensors)
-            if isinstance(known, (bool, int, float)):  # bool(), is_nonzero, equal: the value itself
-                return known
             if known is None:
                 raise
             out = self._fake_like(known, args, kwargs)
-        else:
-            # the value only where it is kept: not for an output over SHADOW_LIMIT (a document mask)
-            if not factory and _keeps_value(out):
-                known = self._run_on_shadows(func, args, kwargs, tensors)
-                if isinstance(known, (bool, int, float)):
-                    return known
+        else:  # the value where it is kept: not for an output over SHADOW_LIMIT (a document mask)
+            keep = not factory and _keeps_value(out)
+            known = self._run_on_shadows(func, args, kwargs, tensors) if keep else None
+        if isinstance(known, (bool, int, float)):  # bool(), is_nonzero, equal: the value itself
+            return known
         if factory and _shadowable(out) and torch.Tag.nondeterministic_seeded not in func.tags:
             # zeros, ranges: small, so made for real
             known = self._run_on_shadows(func, args, kwargs, tensors)
@@ -571,93 +562,3 @@ def _payload(func, args, kwargs) -> int:
     named = _arguments(func, args, kwargs)
     sent = next((named[k] for k in _SENT if k in named), None)
     return sum(t.numel() * t.element_size() for t in _leaves(sent) if isinstance(t, torch.Tensor))
-
-
-# ------------------------------------------------------------- environments
-@contextlib.contextmanager
-def symmetric_objects():
-    """`dist.all_gather_object` as the symmetric world answers it (every rank's object is this one's):
-    torch pickles objects through tensors, which fake tensors cannot give bytes for."""
-    saved = dist.all_gather_object
-
-    def all_gather_object(object_list, obj, group=None):
-        object_list[:] = [obj] * len(object_list)
-
-    dist.all_gather_object = all_gather_object
-    try:
-        yield
-    finally:
-        dist.all_gather_object = saved
-
-
-@contextlib.contextmanager
-def fake_world(world: int, rank: int):
-    """The `fake` process group of `world` ranks, this process being `rank` (no communication)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if world <= 1:
-        yield
-        return
-    if dist.is_initialized():
-        raise RuntimeError("a plan needs its own process group: this process already has one")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _guard_registry():
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    return (ctypes.c_void_p * 64).in_dll(lib, "_ZN3c104impl26device_guard_impl_registryE")
-
-
-_CUDA, _META = 1, 14  # c10::DeviceType
-
-
-@contextlib.contextmanager
-def fake_cuda():
-    """Fake `cuda` tensors usable for a forward without gradients on a CPU-only build
-    (docs/architecture.md).  On a build with CUDA nothing changes."""
-    saved = {}
-    registry = None
-    if not torch.backends.cuda.is_built():
-        registry = _guard_registry()
-        if not registry[_CUDA]:
-            registry[_CUDA] = registry[_META]
-        else:
-            registry = None
-        for name in ("__int__", "__float__", "__bool__", "__index__"):
-            saved[name] = FakeTensor.__dict__.get(name)
-        FakeTensor.__int__ = lambda self: int(self.item())
-        FakeTensor.__float__ = lambda self: float(self.item())
-        FakeTensor.__bool__ = lambda self: bool(self.item())
-        FakeTensor.__index__ = lambda self: int(self.item())
-    try:
-        yield
-    finally:
-        for name, f in saved.items():
-            if f is None:
-                delattr(FakeTensor, name)
-            else:
-                setattr(FakeTensor, name, f)
-        if registry is not None:
-            registry[_CUDA] = None
-
-
-@contextlib.contextmanager
-def emulated_autocast(device_type: str, dtype: torch.dtype | None):
-    """Autocast for `device_type` as the trainer sets it (`torch.autocast` refuses CUDA on a build
-    without it; the C++ switch underneath does not)."""
-    if dtype is None:
-        yield
-        return
-    was, was_dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    torch.set_autocast_enabled(device_type, True)
-    torch.set_autocast_dtype(device_type, dtype)
-    try:
-        yield
-    finally:
-        torch.set_autocast_enabled(device_type, was)
-        torch.set_autocast_dtype(device_type, was_dtype)
-        torch.clear_autocast_cache()

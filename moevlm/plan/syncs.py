@@ -39,6 +39,7 @@ _SKIP = (
     sysconfig.get_paths()["stdlib"] + os.sep,
     os.path.join(os.path.dirname(__file__), "syncs.py"),
     os.path.join(os.path.dirname(__file__), "fake.py"),
+    os.path.join(os.path.dirname(__file__), "environments.py"),
     "<",  # <frozen runpy>, <string>
 )
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep

@@ -16,7 +16,8 @@ from torch import nn
 
 from moevlm.plan.cli import SYNCS_FOUND, main, step_syncs
 from moevlm.plan.dry_run import forward_on_fake_cuda
-from moevlm.plan.fake import PlanMode, fake_cuda
+from moevlm.plan.environments import fake_cuda
+from moevlm.plan.fake import PlanMode
 from moevlm.plan.syncs import SyncCounter, SyncError
 from moevlm.train.exit_codes import ExitCode
 
