@@ -17,6 +17,7 @@ step reads the device from the host (`moevlm.plan.syncs`), --syncs: 0.  Every op
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -117,35 +118,73 @@ def run_fit(job, world: int, gpu_name: str, args, overrides: list[str]) -> tuple
 class StepSyncs(NamedTuple):
     """A step's device-to-host reads (`moevlm.plan.syncs`)."""
 
-    records: list  # moevlm.plan.syncs.Sync
-    lines: list[tuple[str, str, int]]  # SyncCounter.by_line
+    records: list  # moevlm.plan.syncs.Sync of the micro-batches run (the last run's)
+    lines: list[tuple[str, str, int]]  # (line, ops, count per step), as SyncCounter.by_line
     micro_batches: int
     world: int
     how: str
     seconds: float
 
+    @property
+    def count(self) -> int:
+        return sum(n for _, _, n in self.lines)
 
-def step_syncs(job, world: int | None = None) -> StepSyncs:
-    """The device-to-host reads of rank 0's whole training step (every micro-batch, the backward,
-    the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
-    (`moevlm.plan.dry_run`) on fake CPU tensors, the host's told apart as docs/plans.md says."""
-    from moevlm.config import validate
+
+def _syncs_run(job, world: int, micro_batches: int, dp: int):
+    """A SyncCounter over the dry run of every micro-batch of `job` cut to `micro_batches`."""
     from moevlm.plan.dry_run import dry_run
     from moevlm.plan.syncs import SyncCounter
 
-    world = world or job.parallel.world_size or 1
-    micro_batches = validate(job, world, environment=False).grad_accum
+    shorter = copy.deepcopy(job)
+    shorter.train.global_batch_size = micro_batches * job.train.micro_batch_size * dp
     counter = SyncCounter("cpu")
-    t0 = time.perf_counter()
-    dry_run(job, world, every_micro_batch=True, watch=counter)
-    how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
+    dry_run(shorter, world, every_micro_batch=True, watch=counter)
+    return counter
+
+
+def step_syncs(job, world: int | None = None, every_micro_batch: bool = False) -> StepSyncs:
+    """The device-to-host reads of rank 0's whole training step (its micro-batches, the backward,
+    the gradient clipping and the optimizer step) at the job's real size: the fake-world dry run
+    (`moevlm.plan.dry_run`) on fake CPU tensors, the host's told apart as docs/plans.md says.  As
+    the dry run does, not every micro-batch runs: steps of m1 and m2 micro-batches (2 and 3; with
+    pipeline stages 2 pp x vpp and that + pp, past the schedule's warm-up) give each line's count
+    a + b m, taken at the step's M when every b is whole (else every micro-batch runs)."""
+    from moevlm.config import validate
+
+    world = world or job.parallel.world_size or 1
+    plan = validate(job, world, environment=False)
+    M, p, dp = plan.grad_accum, plan.pipeline, plan.dims.dp
+    m1 = 2 * p.pp * p.vpp if p is not None else 2
+    m2 = m1 + (p.pp if p is not None else 1)
+    t0, lines = time.perf_counter(), None
+    if not every_micro_batch and M > m2:
+        runs = [_syncs_run(job, world, m, dp) for m in (m1, m2)]
+        counts = [{(w, ops): n for w, ops, n in r.by_line()} for r in runs]
+        lines = _extrapolated(*counts, m1, m2, M)
+        how = f"rank 0 of {world}, {m1} and {m2} micro-batches on fake CPU tensors, extrapolated"
+    if lines is None:
+        runs = [_syncs_run(job, world, M, dp)]
+        lines = runs[0].by_line()
+        how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
     seconds = time.perf_counter() - t0
-    return StepSyncs(counter.records, counter.by_line(), micro_batches, world, how, seconds)
+    return StepSyncs(runs[-1].records, lines, M, world, how, seconds)
+
+
+def _extrapolated(c1: dict, c2: dict, m1: int, m2: int, M: int) -> list | None:
+    """Each line's count at M from its counts at m1 and m2 micro-batches (a + b m); None when a
+    line's b is not whole (the micro-batches do not repeat each other's reads)."""
+    out = []
+    for key in c1.keys() | c2.keys():
+        b, rest = divmod(c2.get(key, 0) - c1.get(key, 0), m2 - m1)
+        if rest or b < 0:
+            return None
+        out.append((*key, c1.get(key, 0) + b * (M - m1)))
+    return sorted(out, key=lambda x: (-x[2], x[0]))
 
 
 def format_syncs(found: StepSyncs) -> str:
     """The report: the reads per step, grouped by line, the most first."""
-    n = len(found.records)
+    n = found.count
     head = (
         f"device-to-host syncs per training step: {n} ({found.micro_batches} micro-batches; "
         f"{found.how}; {found.seconds:.1f} s)"
@@ -162,10 +201,11 @@ def run_syncs(job, world: int, args) -> int:
     """Prints the step's device-to-host reads (`moevlm.plan.syncs`); the exit status by them."""
     found = step_syncs(job, world)
     if args.json:
-        print(json.dumps({**found._asdict(), "records": [r._asdict() for r in found.records]}))
+        records = [r._asdict() for r in found.records]
+        print(json.dumps({**found._asdict(), "count": found.count, "records": records}))
     else:
         print(format_syncs(found))
-    return SYNCS_FOUND if args.strict_syncs and found.records else ExitCode.OK
+    return SYNCS_FOUND if args.strict_syncs and found.count else ExitCode.OK
 
 
 def modelled_notes(job, world: int) -> dict[str, str]:
