@@ -130,15 +130,16 @@ class StepSyncs(NamedTuple):
         return sum(n for _, _, n in self.lines)
 
 
-def _syncs_run(job, world: int, micro_batches: int, dp: int):
-    """A SyncCounter over the dry run of every micro-batch of `job` cut to `micro_batches`."""
+def _syncs_run(job, world: int, micro_batches: int | None = None, dp: int = 1):
+    """A SyncCounter over the dry run of every micro-batch of `job` (cut to `micro_batches`)."""
     from moevlm.plan.dry_run import dry_run
     from moevlm.plan.syncs import SyncCounter
 
-    shorter = copy.deepcopy(job)
-    shorter.train.global_batch_size = micro_batches * job.train.micro_batch_size * dp
+    if micro_batches is not None:
+        job = copy.deepcopy(job)
+        job.train.global_batch_size = micro_batches * job.train.micro_batch_size * dp
     counter = SyncCounter("cpu")
-    dry_run(shorter, world, every_micro_batch=True, watch=counter)
+    dry_run(job, world, every_micro_batch=True, watch=counter)
     return counter
 
 
@@ -163,7 +164,7 @@ def step_syncs(job, world: int | None = None, every_micro_batch: bool = False) -
         lines = _extrapolated(*counts, m1, m2, M)
         how = f"rank 0 of {world}, {m1} and {m2} micro-batches on fake CPU tensors, extrapolated"
     if lines is None:
-        runs = [_syncs_run(job, world, M, dp)]
+        runs = [_syncs_run(job, world)]
         lines = runs[0].by_line()
         how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
     seconds = time.perf_counter() - t0
