@@ -12,8 +12,8 @@ them fails `test_every_readme_command_is_run_or_listed`:
   costs 25 s to minutes on 2 cores); the suite's own launches of the same layouts, or in-process
   tests of the same code, are named beside each.
 
-RUN costs about 90 CPU-seconds (measured: the two 4-rank torchrun lines ~21 each, the 20-step
-resume line ~46).
+RUN costs about 125 CPU-seconds (measured, every process of each: the 4-rank ep 4 line ~64 with its
+data workers, the 4-rank pp 4 line ~46, the 20-step resume line ~16).
 - SKIP: cannot run on a CPU machine, or would take hours on one (the reason).
 """
 
