@@ -151,12 +151,12 @@ def step_syncs(job, world: int | None = None, every_micro_batch: bool = False) -
     pipeline stages 2 pp x vpp and that + pp, past the schedule's warm-up) give each line's count
     a + b m, taken at the step's M when every b is whole (else every micro-batch runs)."""
     from moevlm.config import validate
+    from moevlm.plan.dry_run import short_steps
 
     world = world or job.parallel.world_size or 1
     plan = validate(job, world, environment=False)
     M, p, dp = plan.grad_accum, plan.pipeline, plan.dims.dp
-    m1 = 2 * p.pp * p.vpp if p is not None else 2
-    m2 = m1 + (p.pp if p is not None else 1)
+    m1, m2 = short_steps(p) if p is not None else (2, 3)
     t0, lines = time.perf_counter(), None
     if not every_micro_batch and M > m2:
         runs = [_syncs_run(job, world, m, dp) for m in (m1, m2)]

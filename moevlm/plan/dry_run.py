@@ -182,8 +182,7 @@ def dry_run(
         # the host copies are made per micro-batch and freed by its backward
         offload = round(host.host_total_bytes * M / run), host.host_peak_bytes
     else:
-        m1 = 2 * p.pp * p.vpp  # past the warm-up (pp x vpp deep) on every stage
-        m2 = m1 + p.pp
+        m1, m2 = short_steps(p)
         if every_micro_batch or M <= m2:
             sizes, peak, comm, host, split = _step(job, plan, world, rank, bf16, M, watch=watch)
             comm_bytes = comm.as_dict()
@@ -242,6 +241,13 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def short_steps(pipeline) -> tuple[int, int]:
+    """The micro-batches of a pipeline's two short steps: 2 pp x vpp and that + pp, both past the
+    warm-up (pp x vpp deep) on every stage."""
+    m1 = 2 * pipeline.pp * pipeline.vpp
+    return m1, m1 + pipeline.pp
 
 
 def _extrapolate(c1: dict, c2: dict, m1: int, m2: int, m: int) -> dict:
