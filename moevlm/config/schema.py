@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
+import pickle
 import re
 import types
 from collections.abc import Iterator
@@ -50,27 +52,84 @@ def register_schema() -> None:
 def compose_job(overrides: list[str] = (), config_dir: str | None = None):
     """The job config as `train.py` would compose it (for notebooks and tests).  Unlike the command
     line, a list built in code may give a key again to change it: the last value wins, as in Hydra.
-    Each call returns its own copy; the package's own `conf/` composes once per override list
-    (Hydra's composition costs ~20x the copy; the files do not change under a running process)."""
-    import copy
-
-    from hydra import compose, initialize_config_dir
-
+    Each call returns its own copy.  With the package's own `conf/`, the config groups' composition
+    is kept per choice of groups and plain `section.field=value` overrides are applied to a copy of
+    it, by Hydra's own parser and override step (what Hydra does after composing: they never change
+    which files compose); any other override list composes whole."""
     key = None if config_dir is not None else tuple(overrides)
     if key in _COMPOSED:
-        return copy.deepcopy(_COMPOSED[key])
+        return pickle.loads(_COMPOSED[key])
     register_schema()
     check_overrides(overrides, repeats=False)
-    with initialize_config_dir(config_dir=os.path.abspath(config_dir or CONF), version_base=None):
-        job = compose("config", overrides=list(overrides))
+    split = _groups_and_values(overrides) if key is not None else None
+    try:
+        job = None if split is None else _compose_split(*split)
+    except Exception:  # a mistake: Hydra's own error, from composing the whole list
+        job = None
+    if job is None:
+        job = _compose(overrides, config_dir)
     if key is not None:
-        if len(_COMPOSED) >= 256:
-            _COMPOSED.pop(next(iter(_COMPOSED)))
-        _COMPOSED[key] = copy.deepcopy(job)
+        _remember(key, job)
     return job
 
 
-_COMPOSED: dict = {}  # override tuple -> the composed job (compose_job's copies are made from it)
+def _compose(overrides, config_dir: str | None):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir or CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def _remember(key: tuple, job) -> None:
+    """Keeps `job` pickled: a copy is one unpickling (a fifth of a deep copy)."""
+    if len(_COMPOSED) >= 256:
+        _COMPOSED.pop(next(iter(_COMPOSED)))
+    _COMPOSED[key] = pickle.dumps(job)
+
+
+def _groups_and_values(overrides) -> tuple[tuple, list] | None:
+    """(the group choices, the plain `section.field=value` overrides), or None where the list holds
+    anything else (a `+`/`~` edit of a field, hydra.*, a whole section): Hydra applies field overrides
+    after the groups compose, in their order, so only a list of these two kinds splits."""
+    groups, values = [], []
+    for item in map(str, overrides):
+        name, eq, value = item.partition("=")
+        if not eq:
+            return None
+        if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", name) and name.split(".")[0] != "hydra":
+            values.append(item)
+        elif re.fullmatch(r"\+{0,2}[A-Za-z_][\w/]*", name) and not value.startswith(("{", "[")):
+            group = name.lstrip("+")
+            if not (group.startswith("hydra/") or os.path.isdir(os.path.join(CONF, group))):
+                return None
+            groups.append(item)
+        else:
+            return None
+    return tuple(groups), values
+
+
+def _compose_split(groups: tuple, values: list[str]):
+    """The groups' composition (kept) with `values` applied to a copy; None for a sweep."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    new = [v for v in dict.fromkeys(values) if v not in _PARSED]
+    for item, parsed in zip(new, OverridesParser.create().parse_overrides(new) if new else ()):
+        if len(_PARSED) >= 4096:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[item] = parsed
+    parsed = [_PARSED[v] for v in values]
+    if any(o.is_sweep_override() for o in parsed):
+        return None
+    if groups not in _COMPOSED:
+        _remember(groups, _compose(groups, None))
+    job = pickle.loads(_COMPOSED[groups])
+    ConfigLoaderImpl._apply_overrides_to_config(parsed, job)
+    return job
+
+
+_COMPOSED: dict = {}  # override tuple -> the composed job, pickled (compose_job's copies)
+_PARSED: dict = {}  # override -> Hydra's parse of it (Override objects are only read)
 
 
 # ------------------------------------------------------------------ the options
@@ -195,8 +254,7 @@ def check_overrides(overrides, repeats: bool = True) -> None:
     if repeats:
         _check_repeats(overrides)
     _check_group_choices(overrides)
-    known = {o.path for o in options()}
-    by_model_path = {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
+    known, by_model_path = _known_paths()
     for item in overrides:
         key = _override_key(str(item))
         if key is None or key in known:
@@ -214,6 +272,13 @@ def check_overrides(overrides, repeats: bool = True) -> None:
             + (f"; did you mean {' or '.join(near)}?" if near else "")
             + " (python train.py --help lists them all)"
         )
+
+
+@functools.cache
+def _known_paths() -> tuple[frozenset[str], dict[str, str]]:
+    """Every option's path, and each model-config path's job key (the schema is fixed in a process)."""
+    known = frozenset(o.path for o in options())
+    return known, {f"model.{path}": f"model.{key}" for key, path in model_fields().items()}
 
 
 def _check_group_choices(overrides) -> None:
