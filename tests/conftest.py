@@ -40,39 +40,11 @@ if _WORKER:  # one of `-n 2`'s workers (pyproject's addopts): a core each, its s
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# Modules first by their cost (CPU seconds on 2 cores, most first), so that xdist's two workers end
-# together: each module runs whole on one worker (--dist loadscope), the costliest started first.
-FIRST = (
-    "tests/plan/test_recipe_fit.py",
-    "tests/parallel/test_layouts.py",
-    "tests/parallel/test_pipeline.py",
-    "tests/test_readme_commands.py",
-    "tests/plan/test_recipes.py",
-    "tests/parallel/test_context_parallel.py",
-    "tests/plan/test_search.py",
-    "tests/plan/test_fit.py",
-    "tests/plan/test_dry_run.py",
-    "tests/train/test_compile.py",
-    "tests/train/test_trainer.py",
-    "tests/bench/test_gpu_suite.py",
-    "tests/train/test_fp8_training.py",
-    "tests/train/test_faults.py",
-    "tests/kernels/test_model_triton.py",
-    "tests/train/test_scale.py",
-)
-
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where there is none.  The
-    costliest modules first (FIRST), then the other modules with slow tests, then the rest."""
-    slow = {item.path for item in items if "slow" in item.keywords}
-    rank = {name: i for i, name in enumerate(FIRST)}
-
-    def key(item):
-        name = item.path.relative_to(config.rootpath).as_posix()
-        return rank.get(name, len(FIRST) if item.path in slow else len(FIRST) + 1)
-
-    items.sort(key=key)  # stable: each module keeps its own order
+    """Tests marked `gpu` need a CUDA device: skipped, with the reason, where there is none.  (The
+    modules run in xdist's order: under --dist loadscope, those with the most tests first, which
+    spreads the costly multi-process modules among light ones.)"""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu_suite.sh on a GPU machine)")
