@@ -17,7 +17,6 @@ step reads the device from the host (`moevlm.plan.syncs`), --syncs: 0.  Every op
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -130,16 +129,13 @@ class StepSyncs(NamedTuple):
         return sum(n for _, _, n in self.lines)
 
 
-def _syncs_run(job, world: int, micro_batches: int | None = None, dp: int = 1):
-    """A SyncCounter over the dry run of every micro-batch of `job` (cut to `micro_batches`)."""
-    from moevlm.plan.dry_run import dry_run
+def _syncs_run(job, plan, world: int, micro_batches: int):
+    """A SyncCounter over `micro_batches` of the step's dry run."""
+    from moevlm.plan.dry_run import run_micro_batches
     from moevlm.plan.syncs import SyncCounter
 
-    if micro_batches is not None:
-        job = copy.deepcopy(job)
-        job.train.global_batch_size = micro_batches * job.train.micro_batch_size * dp
     counter = SyncCounter("cpu")
-    dry_run(job, world, every_micro_batch=True, watch=counter)
+    run_micro_batches(job, plan, world, micro_batches, counter)
     return counter
 
 
@@ -155,16 +151,16 @@ def step_syncs(job, world: int | None = None, every_micro_batch: bool = False) -
 
     world = world or job.parallel.world_size or 1
     plan = validate(job, world, environment=False)
-    M, p, dp = plan.grad_accum, plan.pipeline, plan.dims.dp
+    M, p = plan.grad_accum, plan.pipeline
     m1, m2 = short_steps(p) if p is not None else (2, 3)
     t0, lines = time.perf_counter(), None
     if not every_micro_batch and M > m2:
-        runs = [_syncs_run(job, world, m, dp) for m in (m1, m2)]
+        runs = [_syncs_run(job, plan, world, m) for m in (m1, m2)]
         counts = [{(w, ops): n for w, ops, n in r.by_line()} for r in runs]
         lines = _extrapolated(*counts, m1, m2, M)
         how = f"rank 0 of {world}, {m1} and {m2} micro-batches on fake CPU tensors, extrapolated"
     if lines is None:
-        runs = [_syncs_run(job, world)]
+        runs = [_syncs_run(job, plan, world, M)]
         lines = runs[0].by_line()
         how = f"rank 0 of {world}, fake-world dry run on fake CPU tensors"
     seconds = time.perf_counter() - t0

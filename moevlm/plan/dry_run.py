@@ -165,14 +165,12 @@ def dry_run(
     bytes (it grows by what the schedule keeps per micro-batch), a from the step's once-only work (FSDP's
     gathers and reductions, the loss) and b per micro-batch, M the step's count.  `watch`: a dispatch
     mode entered above the fake one for the step (`moevlm.plan.syncs.SyncCounter`)."""
-    import dataclasses
-
     from moevlm.config import validate
 
     world = world or job.parallel.world_size or 1
     plan = validate(job, world, environment=False)
     if bf16 is None:
-        bf16 = job.train.precision in ("bf16", "auto")
+        bf16 = _bf16(job)
     t0 = time.perf_counter()
     M, p = plan.grad_accum, plan.pipeline
     if p is None:
@@ -188,15 +186,10 @@ def dry_run(
             comm_bytes = comm.as_dict()
             offload = host.host_total_bytes, host.host_peak_bytes
         else:
-            runs = []
-            for m in (m1, m2):
-                build = dataclasses.replace(
-                    plan.build, pipeline=dataclasses.replace(p, microbatches=m)
-                )
-                shorter = dataclasses.replace(plan, build=build, grad_accum=m)
-                runs.append(
-                    _step(job, shorter, world, rank, bf16, m, step_micro_batches=M, watch=watch)
-                )
+            runs = [
+                _step(job, _cut(plan, m), world, rank, bf16, m, step_micro_batches=M, watch=watch)
+                for m in (m1, m2)
+            ]
             (_, peak1, c1, h1, s1), (sizes, peak2, c2, h2, s2) = runs
 
             def at_m(a: float, b: float) -> int:
@@ -241,6 +234,30 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def run_micro_batches(job, plan, world: int, micro_batches: int, watch) -> None:
+    """`micro_batches` of rank 0's training step (`plan` = validate(job, world)) on fake tensors under
+    the dispatch mode `watch`, as the dry run's short steps run them: a pipeline's schedule cut to
+    them, the loss normalized as the whole step's (`moevlm.plan.cli.step_syncs`)."""
+    M = plan.grad_accum
+    _step(job, _cut(plan, micro_batches), world, 0, _bf16(job), micro_batches, M, watch=watch)
+
+
+def _cut(plan, micro_batches: int):
+    """`plan` with its pipeline schedule cut to `micro_batches` (without stages: `plan` itself, whose
+    step simply runs fewer)."""
+    import dataclasses
+
+    if plan.pipeline is None:
+        return plan
+    pipeline = dataclasses.replace(plan.pipeline, microbatches=micro_batches)
+    build = dataclasses.replace(plan.build, pipeline=pipeline)
+    return dataclasses.replace(plan, build=build, grad_accum=micro_batches)
+
+
+def _bf16(job) -> bool:
+    return job.train.precision in ("bf16", "auto")
 
 
 def short_steps(pipeline) -> tuple[int, int]:
