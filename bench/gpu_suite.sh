@@ -17,6 +17,10 @@
 #                  torch.cuda.max_memory_allocated of the same step
 #   train_eager    20 bf16 steps of the single-GPU proxy (+experiment=h100_1gpu) on the sample
 #                  set, then its figures (bench/sweep_table.py: tokens/s, TFLOP/s, MFU, memory, data wait)
+#                  and where the step's time goes: train.profile_components (CUDA events around each
+#                  part, one sync per step) and the last step's torch.profiler trace summarised by
+#                  bench/trace_top.py (device busy/idle, time by kind of kernel, by part, top kernels;
+#                  the medians skip nothing for it: one step in 15)
 #   train_compiled the same with train.compile=true
 #   e2e            bench/e2e.py --preset h100_1gpu: ours vs HF transformers, real vs mock data
 # --budget SECONDS: the whole suite's wall-clock limit.  Each step runs under its own time
@@ -151,12 +155,16 @@ env_report() {
   limited "$PY" bench/gpu_env.py
 }
 
-# train_run NAME OVERRIDES...: a training run into $WORK/NAME, then its one-row table
+# train_run NAME OVERRIDES...: a training run into $WORK/NAME, a summary of its trace if it made one,
+# then its one-row table (last: the step's key figure is the log's last table line)
 train_run() {
-  local name="$1" rc
+  local name="$1" rc trace
   shift
   limited "${TRAIN[@]}" "$@" "train.run_dir=$WORK/$name"
   rc=$?
+  for trace in "$WORK/$name"/profile/*.json; do
+    [ -f "$trace" ] && limited "$PY" bench/trace_top.py "$trace"
+  done
   "$PY" bench/sweep_table.py "$WORK/$name" --warmup "$WARMUP"
   return "$rc"
 }
@@ -170,6 +178,7 @@ if [ "$SMOKE" -eq 1 ]; then
   TRAIN=("$PY" train.py train.steps=3 data.num_workers=0 train.checkpoint_at_end=false train.tensorboard=false
          train.require_loss_decrease=false)
   WARMUP=1
+  LAST=3
 else
   export TRITON_INTERPRET=0  # the kernels compiled for the GPU (tests/conftest.py defaults it to 1)
   KERNELS=("$PY" bench/kernels.py --shapes 30b --tokens 16384 --iters 10)
@@ -182,6 +191,7 @@ else
          train.precision=bf16 train.log_every=1 train.checkpoint_at_end=false train.tensorboard=false
          train.progress=false)
   WARMUP=5
+  LAST=20
 fi
 
 TRAIN_KEY='grep -E "^done:" "$LOG" | cut -d";" -f1; grep -E "^\| " "$LOG" | tail -1'
@@ -190,7 +200,8 @@ step pytest 150 'grep -E "(passed|failed|skipped|deselected|error)" "$LOG" | tai
   "$PY" -m pytest -m gpu -q -o addopts= -p no:cacheprovider --basetemp "$WORK/pytest" tests
 step kernels 150 'echo "$(grep -c "^|" "$LOG") table lines"' -- "${KERNELS[@]}"
 step plan 120 'grep -A2 "^| job " "$LOG" | tail -1' -- "${PLAN[@]}"
-step train_eager 150 "$TRAIN_KEY" -- train_run train_eager train.compile=false
+step train_eager 150 "$TRAIN_KEY" -- train_run train_eager train.compile=false \
+  train.profile_components=true "train.profile_steps=[$LAST,$LAST]"
 if [ "$SMOKE" -eq 1 ]; then
   printf '| %s | %s | 0 | |\n' train_compiled "skipped (--smoke: compiling is measured on the GPU)" >> "$ROWS"
 else

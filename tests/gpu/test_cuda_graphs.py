@@ -2,12 +2,16 @@
 several optimizer steps of two micro-batches each (same shapes, different data), and each region is
 captured exactly once.  Skipped without CUDA (tests/conftest.py).
 
-Tolerances (absolute, scaled by each tensor's largest entry): fp32 1e-5 (the same kernels run, captured
-or not); bf16 weights under autocast 2e-2 (bf16 has 8 mantissa bits; a replay may pick another GEMM
-algorithm than eager after the side-stream warm-up), or twice what a second eager run differs from the
-first where that is more: CUDA's bf16 embedding backward accumulates by atomics in no fixed order (on an
-H200 two eager runs' embedding gradients differed by more than 2e-2 of the largest entry in a few of
-65536 elements)."""
+Tolerances: the loss and fp32 gradients elementwise, 1e-5 (absolute, scaled by each tensor's largest
+entry: the same kernels run, captured or not).  bf16 gradients (bf16 weights under autocast, so the
+gradients themselves are bf16) by their relative norm, ||replay - eager|| / ||eager|| <= 2e-2, or twice
+what a second eager run differs from the first where that is more.  Elementwise bounds do not hold in
+bf16: a replay may pick another GEMM algorithm than eager after the side-stream warm-up, a router
+logit that rounds differently flips a top-k tie and moves the gradients of every layer below it, and
+CUDA's bf16 embedding backward accumulates by atomics in no fixed order.  Measured on an H200 under
+the old elementwise bound (2e-2 of the largest entry): one of q_norm.weight's 16 elements 1.17x over it
+(moe_router scopes), six of 65,536 embedding-gradient elements 1.5x over (full_layer).  A replay that
+reads stale or wrong inputs is off by the order of the gradient itself, a hundred times this bound."""
 
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ SCOPES = [
     ["full_layer"],
 ]
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _tiny(precision: str = "fp32", full_layer: bool = False) -> Qwen3VLMoe:
@@ -93,13 +101,18 @@ def test_replay_equals_eager(scope, precision):
         if isinstance(r, dict):
             assert r.keys() == g.keys()
             for name in r:
-                eager_noise = float((n[name] - r[name]).abs().max())
-                torch.testing.assert_close(
-                    g[name],
-                    r[name],
-                    rtol=0,
-                    atol=max(tol * max(r[name].abs().max().item(), 1e-6), 2 * eager_noise),
-                    msg=lambda m, name=name: f"{scope} {precision} grad {name}: {m}",
+                if precision == "fp32":
+                    torch.testing.assert_close(
+                        g[name],
+                        r[name],
+                        rtol=0,
+                        atol=tol * max(r[name].abs().max().item(), 1e-6),
+                        msg=lambda m, name=name: f"{scope} fp32 grad {name}: {m}",
+                    )
+                    continue
+                bound = max(tol, 2 * _rel(n[name], r[name]))
+                assert _rel(g[name], r[name]) <= bound, (
+                    f"{scope} bf16 grad {name}: relative norm {_rel(g[name], r[name]):.3g} > {bound:.3g}"
                 )
         else:
             torch.testing.assert_close(g[0], r[0], rtol=tol, atol=tol)
