@@ -12,6 +12,7 @@
 #   env            nvidia-smi, versions, and the device's two ceilings: a device-to-device
 #                  copy (GB/s, read + write) and an 8192^3 bf16 matmul (TFLOP/s) on random data
 #   pytest         the CUDA tests, Triton compiled: TRITON_INTERPRET=0 python -m pytest -m gpu tests
+#                  (240 s: on a fresh machine the Triton compiles take ~2 min of it; warm, 42 s)
 #   kernels        bench/kernels.py at the Qwen3-30B-A3B expert shape (grouped GEMM, FP8, permute)
 #   plan           bench/plans.py device --recipe h100_1gpu: the planner's peak beside
 #                  torch.cuda.max_memory_allocated of the same step
@@ -55,7 +56,7 @@ while [ $# -gt 0 ]; do
     --budget=*) BUDGET="${1#--budget=}" ;;
     --steps) STEPS="${2:?--steps needs names}"; shift ;;
     --steps=*) STEPS="${1#--steps=}" ;;
-    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_suite.sh: unknown argument $1 (use --smoke, --out DIR, --work DIR, --budget SECONDS, --steps A,B)" >&2; exit 2 ;;
   esac
   shift
@@ -196,7 +197,7 @@ fi
 
 TRAIN_KEY='grep -E "^done:" "$LOG" | cut -d";" -f1; grep -E "^\| " "$LOG" | tail -1'
 step env 60 'grep -E "^python |^triton |^transformers |^ceiling: " "$LOG"' -- env_report
-step pytest 150 'grep -E "(passed|failed|skipped|deselected|error)" "$LOG" | tail -1' -- \
+step pytest 240 'grep -E "(passed|failed|skipped|deselected|error)" "$LOG" | tail -1' -- \
   "$PY" -m pytest -m gpu -q -o addopts= -p no:cacheprovider --basetemp "$WORK/pytest" tests
 step kernels 150 'echo "$(grep -c "^|" "$LOG") table lines"' -- "${KERNELS[@]}"
 step plan 120 'grep -A2 "^| job " "$LOG" | tail -1' -- "${PLAN[@]}"

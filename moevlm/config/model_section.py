@@ -142,8 +142,8 @@ class ModelConfig:
         default="auto",
         metadata={
             "sets": "attn_backend",
-            "help": "attention kernel: auto (on CUDA in bf16/fp16 the first available of flash, varlen, flex, sdpa; "
-            "sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or sdpa under train.compile), sdpa (one call, dense "
+            "help": "attention kernel: auto (on CUDA in bf16/fp16, autocast's dtype counted, the first "
+            "available of flash, varlen, flex, sdpa; sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or sdpa under train.compile), sdpa (one call, dense "
             "document mask), sdpa_per_doc (one call per document: only the useful scores, a host loop), flex "
             "(FlexAttention), flash (flash-attn varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra "
             "package)",

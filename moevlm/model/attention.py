@@ -8,7 +8,8 @@ Legend: B batch, S sequence, H query heads, K key/value heads, hd head dim.
 Tokens attend only within their document; `cu_seqlens` are int32 boundaries over the flattened
 B*S tokens (None: one document per row).  Backends: `sdpa` (boolean document mask), `sdpa_per_doc`
 (one call per document), `flex` (FlexAttention), `flash` (flash-attn varlen), `varlen` (torch's
-varlen_attn) and `auto`, which picks one per device and dtype (`resolve_backend`).  `static=True`
+varlen_attn) and `auto`, which picks one per device and the dtype attention runs in (autocast's where
+it is on: `attention_dtype`; `resolve_backend`).  `static=True`
 (under torch.compile) keeps host values out of what the layers see.
 """
 
@@ -47,7 +48,7 @@ def doc_mask(
     dtype: torch.dtype = torch.float32,
     static: bool = False,
 ) -> DocMask:
-    backend = resolve_backend(backend, torch.device(device), dtype, static)
+    backend = resolve_backend(backend, torch.device(device), attention_dtype(device, dtype), static)
     if backend in VARLEN_KERNELS and (static or backend == "varlen"):
         return DocMask(
             backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S), cu_seqlens
@@ -69,6 +70,13 @@ class CoreAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask
     ) -> torch.Tensor:
         return run_region(self, "region", attention, q, k, v, mask)
+
+
+def attention_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention runs in: autocast's where autocast is on for the device (q, k and v come out
+    of its linears in that dtype whatever the weights' and the residual stream's), else `dtype`."""
+    kind = torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else dtype
 
 
 def resolve_backend(

@@ -2,16 +2,22 @@
 several optimizer steps of two micro-batches each (same shapes, different data), and each region is
 captured exactly once.  Skipped without CUDA (tests/conftest.py).
 
-Tolerances: the loss and fp32 gradients elementwise, 1e-5 (absolute, scaled by each tensor's largest
-entry: the same kernels run, captured or not).  bf16 gradients (bf16 weights under autocast, so the
-gradients themselves are bf16) by their relative norm, ||replay - eager|| / ||eager|| <= 2e-2, or twice
-what a second eager run differs from the first where that is more.  Elementwise bounds do not hold in
-bf16: a replay may pick another GEMM algorithm than eager after the side-stream warm-up, a router
-logit that rounds differently flips a top-k tie and moves the gradients of every layer below it, and
-CUDA's bf16 embedding backward accumulates by atomics in no fixed order.  Measured on an H200 under
-the old elementwise bound (2e-2 of the largest entry): one of q_norm.weight's 16 elements 1.17x over it
-(moe_router scopes), six of 65,536 embedding-gradient elements 1.5x over (full_layer).  A replay that
-reads stale or wrong inputs is off by the order of the gradient itself, a hundred times this bound."""
+Tolerances: the loss 1e-5 (fp32) and 2e-2 (bf16); fp32 gradients elementwise, 1e-5 (absolute,
+scaled by each tensor's largest entry: the same kernels run, captured or not).  bf16 gradients (bf16
+weights under autocast, so the gradients themselves are bf16) by relative norm, ||replay - eager|| /
+||eager||: at most 5e-2 for each tensor and 2e-2 for all of them together, or twice what a second
+eager run differs from the first where that is more.  Every step's gradients are taken at the same
+weights: the graphed run takes the eager run's weights (in place) after each of its steps, since two
+bf16 trajectories drift apart step by step.  Elementwise bounds do not hold in bf16: a replay may pick
+another GEMM algorithm than eager after the side-stream warm-up, a router logit that rounds
+differently flips a top-k tie and moves the gradients of every layer below it, and CUDA's bf16
+embedding backward accumulates by atomics in no fixed order.  Measured on an H200: under the old
+elementwise bound (2e-2 of the largest entry) one of q_norm.weight's 16 elements was 1.17x over it
+(moe_router scopes) and six of 65,536 embedding-gradient elements 1.5x over (full_layer); along two
+trajectories the worst tensors reached 6.7e-2 (moe_router) and 0.11 (full_layer) by the last step; at
+the first step (the same weights) the worst tensor was 9.0e-3 and all gradients 4.8e-3, where two
+eager runs agreed exactly.  A replay that reads stale or wrong inputs is off by the order of the
+gradient itself.  The test prints each step's worst tensor and the whole set's relative norm (-s)."""
 
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ SCOPES = [
     ["attn", "moe_router", "moe_preprocess"],
     ["full_layer"],
 ]
-TOL = {"fp32": 1e-5, "bf16": 2e-2}
+TOL = {"fp32": 1e-5, "bf16": 5e-2}  # gradients
+LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
+WHOLE_TOL = 2e-2  # bf16: all gradients together
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,17 +60,20 @@ def _tiny(precision: str = "fp32", full_layer: bool = False) -> Qwen3VLMoe:
     return model.to(torch.bfloat16) if precision == "bf16" else model
 
 
-def _steps(model, batches, precision):
+def _steps(model, batches, precision, weights=None):
     """Per step: forward+backward per micro-batch (gradients accumulate), then an SGD step.  Losses,
-    expert counts and the gradients before each update."""
+    expert counts and the gradients before each update.  `weights` (another run's weights after each
+    of its steps): copied in place over this model's after its own step, so every step's gradients
+    are compared at the same weights (the graphs read the parameters' storages, updated in place
+    either way), not along two bf16 trajectories drifting apart step by step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         if precision == "bf16"
         else contextlib.nullcontext()
     )
-    log = []
-    for step in batches:
+    log, log_weights = [], []
+    for i, step in enumerate(batches):
         opt.zero_grad(set_to_none=True)
         for ids, cu, token_mask in step:
             with amp:
@@ -73,7 +84,13 @@ def _steps(model, batches, precision):
             {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         )
         opt.step()
-    return log
+        if weights is not None:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(weights[i][n])
+        else:
+            log_weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return log, log_weights
 
 
 def _batches(steps=3, micro=2, B=2, S=64):
@@ -94,9 +111,11 @@ def test_replay_equals_eager(scope, precision):
     graphed, again = copy.deepcopy(eager), copy.deepcopy(eager)
     graphs = apply_cuda_graphs(graphed, scope)
     batches = _batches()
-    ref, got = _steps(eager, batches, precision), _steps(graphed, batches, precision)
-    noise = _steps(again, batches, precision) if precision == "bf16" else ref
+    ref, weights = _steps(eager, batches, precision)
+    got = _steps(graphed, batches, precision, weights)[0]
+    noise = _steps(again, batches, precision, weights)[0] if precision == "bf16" else ref
     tol = TOL[precision]
+    worst = (0.0, "")
     for r, g, n in zip(ref, got, noise):
         if isinstance(r, dict):
             assert r.keys() == g.keys()
@@ -110,12 +129,22 @@ def test_replay_equals_eager(scope, precision):
                         msg=lambda m, name=name: f"{scope} fp32 grad {name}: {m}",
                     )
                     continue
-                bound = max(tol, 2 * _rel(n[name], r[name]))
-                assert _rel(g[name], r[name]) <= bound, (
-                    f"{scope} bf16 grad {name}: relative norm {_rel(g[name], r[name]):.3g} > {bound:.3g}"
+                bound, rel = max(tol, 2 * _rel(n[name], r[name])), _rel(g[name], r[name])
+                worst = max(worst, (rel, name))
+                assert rel <= bound, (
+                    f"{scope} bf16 grad {name}: relative norm {rel:.3g} > {bound:.3g}"
                 )
+            if precision == "bf16":
+                flat = [torch.cat([t[k].flatten() for k in sorted(r)]) for t in (g, r, n)]
+                whole = _rel(flat[0], flat[1])
+                print(
+                    f"{scope} bf16: worst tensor {worst[1]} {worst[0]:.3g}, all gradients {whole:.3g}"
+                )
+                assert whole <= max(WHOLE_TOL, 2 * _rel(flat[2], flat[1])), (scope, whole)
         else:
-            torch.testing.assert_close(g[0], r[0], rtol=tol, atol=tol)
+            torch.testing.assert_close(
+                g[0], r[0], rtol=LOSS_TOL[precision], atol=LOSS_TOL[precision]
+            )
             assert torch.equal(g[1], r[1]) or precision == "bf16"  # routing may flip on a bf16 tie
     layers = len(graphed.text.layers)
     moe = sum(layer.is_moe for layer in graphed.text.layers)

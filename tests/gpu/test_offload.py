@@ -18,7 +18,10 @@ their offload only where they outweigh what backward allocates as it goes: that 
 smaller experts (3.4 MB of gradients a layer against 8 MiB of input) on 4 x 1024 tokens (a quarter of
 the attention's per-layer transient).  With the wide experts, gradients (12.4 MB a layer) grow faster
 than the inputs are freed, the step peaks at the last layer's backward, where the offloaded inputs are
-gone in both runs, and the peak cannot fall (measured on an H200: 690.0 MB off, 690.5 on)."""
+gone in both runs, and the peak cannot fall (measured on an H200: 690.0 MB off, 690.5 on).  The peak
+falls by at least half of what left the device, except under full recompute: there the forward is
+so light that the copies to host trail it, and about half the inputs are still on their way out when
+backward starts (on an H200: 45 of 96 MiB, at 12 layers); a quarter is asked there."""
 
 from __future__ import annotations
 
@@ -84,14 +87,14 @@ def _peak(model, batch) -> int:
 
 
 CASES = [
-    (("none", ()), ("core_attn", "moe_act", "moe", "layer_input"), WIDE),
-    (("full", ()), ("layer_input",), INPUTS_DOMINATE),
-    (("selective", ("core_attn",)), ("core_attn", "moe"), WIDE),
+    (("none", ()), ("core_attn", "moe_act", "moe", "layer_input"), WIDE, 0.5),
+    (("full", ()), ("layer_input",), INPUTS_DOMINATE, 0.25),
+    (("selective", ("core_attn",)), ("core_attn", "moe"), WIDE, 0.5),
 ]
 
 
-@pytest.mark.parametrize("recompute,offload,shape", CASES, ids=lambda c: str(c))
-def test_offload_same_numbers_lower_peak(recompute, offload, shape):
+@pytest.mark.parametrize("recompute,offload,shape,fall", CASES, ids=lambda c: str(c))
+def test_offload_same_numbers_lower_peak(recompute, offload, shape, fall):
     base, batch = _model(**shape), _batch(**shape)
     ref_model, _ = _build(base, recompute, ())
     model, state = _build(base, recompute, offload)
@@ -102,7 +105,7 @@ def test_offload_same_numbers_lower_peak(recompute, offload, shape):
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
     for n, g in ref_grads.items():
         assert torch.allclose(grads[n], g, rtol=1e-5, atol=1e-7 * g.abs().max().item()), n
-    # what left the device (the meter), and the peak falls by at least half of it (the prefetched
+    # what left the device (the meter), and the peak falls by at least `fall` of it (the prefetched
     # scope and the copies in flight hold some back)
     with SavedBytes(ref_model) as off:
         ref_model(**batch).loss.backward()
@@ -115,7 +118,10 @@ def test_offload_same_numbers_lower_peak(recompute, offload, shape):
     torch.cuda.empty_cache()
     peak_off = _peak(ref_model, batch)
     peak_on = _peak(model, batch)
-    assert peak_off - peak_on >= 0.5 * moved, (peak_off, peak_on, moved, off.bytes)
+    print(
+        f"{recompute} {offload}: peak fell {(peak_off - peak_on) / moved:.2f} of the {moved} B moved"
+    )
+    assert peak_off - peak_on >= fall * moved, (peak_off, peak_on, moved, off.bytes)
 
 
 def _timed(state, model, batch) -> dict:

@@ -36,6 +36,23 @@ def test_auto_order_on_cuda_half(monkeypatch, flash, varlen, flex, expect):
     assert resolve_backend("auto", CPU, torch.float32, static=True) == "sdpa"
 
 
+def test_auto_chooses_by_the_dtype_attention_runs_in(monkeypatch):
+    """fp32 weights under bf16 autocast (train.precision=bf16's default): q, k and v come out of the
+    autocast linears in bf16, so `auto` chooses as for bf16 (an H200 run of h100_1gpu chose the
+    boolean-mask sdpa, because the residual stream's dtype, fp32, was asked)."""
+    seen = []
+    monkeypatch.setattr(
+        A, "resolve_backend", lambda b, device, dtype, static=False: seen.append(dtype) or "sdpa"
+    )
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    doc_mask(1, 8, cu, causal=True, device="cpu", dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        doc_mask(1, 8, cu, causal=True, device="cpu", dtype=torch.float32)
+        assert A.attention_dtype("cpu", torch.float32) == torch.bfloat16
+        assert A.attention_dtype("cuda", torch.float32) == torch.float32  # not on for cuda
+    assert seen == [torch.float32, torch.bfloat16]
+
+
 def test_varlen_refused_on_cpu():
     with pytest.raises(RuntimeError, match="attn_backend='varlen' needs"):
         resolve_backend("varlen", CPU, torch.bfloat16)
