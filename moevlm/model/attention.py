@@ -197,9 +197,21 @@ def _sdpa_per_doc(q, k, v, mask: DocMask):
     return torch.cat(outs).view(B, S, H, -1)
 
 
+def _autocast_inputs(q, k, v):
+    """q, k, v in autocast's dtype where autocast is on, as autocast casts them for SDPA.  The kernels
+    below are not on autocast's lists, and under bf16 autocast with fp32 weights q and k leave their
+    RMSNorms in fp32 while v leaves its linear in bf16: flash-attention takes neither fp32 nor a mix."""
+    kind = q.device.type
+    if not torch.is_autocast_enabled(kind):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(kind)
+    return (t.to(dtype) for t in (q, k, v))
+
+
 def _flex(q, k, v, mask: DocMask):
     from torch.nn.attention.flex_attention import flex_attention
 
+    q, k, v = _autocast_inputs(q, k, v)
     kernel = _compiled_flex() if q.is_cuda else flex_attention  # eager flex materializes the scores
     out = kernel(
         q.transpose(1, 2),
@@ -212,6 +224,7 @@ def _flex(q, k, v, mask: DocMask):
 
 
 def _flash(q, k, v, mask: DocMask):
+    q, k, v = _autocast_inputs(q, k, v)
     B, S, H, hd = q.shape
     bounds, max_len = mask.prepared
     out = _flash_varlen()(
@@ -228,6 +241,7 @@ def _flash(q, k, v, mask: DocMask):
 
 
 def _varlen(q, k, v, mask: DocMask):
+    q, k, v = _autocast_inputs(q, k, v)
     B, S, H, hd = q.shape
     bounds, max_len = mask.prepared
     fn, has_window, has_gqa = _varlen_api()

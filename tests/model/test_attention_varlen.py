@@ -128,6 +128,29 @@ def test_varlen_plumbing_matches_sdpa(monkeypatch, api, causal):
     torch.testing.assert_close(attention(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_varlen_takes_autocast_dtype(monkeypatch):
+    """fp32 weights under bf16 autocast hand attention fp32 q and k (out of their RMSNorms) and bf16
+    v: the flash-attention kernels get all three in bf16, as SDPA does under autocast."""
+    seen = []
+
+    def api(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size == (-1, 0))
+
+    monkeypatch.setattr(A, "_varlen_api", lambda: (api, True, True))
+    monkeypatch.setattr(A, "resolve_backend", lambda backend, device, dtype, static=False: backend)
+    q, k, v = torch.randn(1, 16, 4, 8), torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+    mask = doc_mask(1, 16, cu, causal=True, backend="varlen")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q, k, v.bfloat16(), mask)
+        ref = attention(q, k, v.bfloat16(), doc_mask(1, 16, cu, causal=True, backend="sdpa"))
+    attention(q, k, v, mask)  # no autocast: as given
+    assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 def test_varlen_matches_sdpa_on_gpu_bf16_gqa_packed():
     if not A.varlen_available():
