@@ -5,9 +5,10 @@
 Prints markdown tables: the device's busy time against the traced span (the union of kernel, copy
 and memset intervals: idle is what the host left the device waiting), the busy time by kind of
 kernel (matrix products, attention, Triton, elementwise, reductions, copies, communication, other),
-by the step's parts (each kernel counted in the innermost `moevlm.<part>` range on the device's
-timeline, the ranges train.profile_components and the trace put there; backward is one part), and the
-kernels that took most.  A trace without device work (a CPU run) lists the parts' host times instead.
+by the step's parts (each kernel counted in the innermost `moevlm.<part>` range open on the host when
+it was launched, on any thread: backward's kernels are launched by autograd's device thread while
+the main thread waits in `moevlm.backward`; a kernel without its launch in the trace falls back to the
+ranges on the device's timeline), and the kernels that took most.  A trace without device work (a CPU run) lists the parts' host times instead.
 """
 
 from __future__ import annotations
@@ -63,18 +64,36 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def innermost(kernels: list[dict], ranges: list[dict]) -> list[str | None]:
-    """Per kernel (sorted by start), the name of the shortest range holding its start, else None."""
+def innermost(points: list[float], ranges: list[dict]) -> list[str | None]:
+    """Per time point, the name of the shortest range holding it, else None."""
     ranges = sorted(ranges, key=lambda r: r["ts"])
-    out, open_, i = [], [], 0
-    for k in kernels:
-        ts = k["ts"]
+    out: list[str | None] = [None] * len(points)
+    open_, i = [], 0
+    for j in sorted(range(len(points)), key=points.__getitem__):
+        ts = points[j]
         while i < len(ranges) and ranges[i]["ts"] <= ts:
             open_.append(ranges[i])
             i += 1
         open_ = [r for r in open_ if r["ts"] + r["dur"] > ts]
-        out.append(min(open_, key=lambda r: r["dur"])["name"] if open_ else None)
+        out[j] = min(open_, key=lambda r: r["dur"])["name"] if open_ else None
     return out
+
+
+def parts_of(dev: list[dict], xs: list[dict]) -> list[str | None]:
+    """Each device operation's part: the innermost host `moevlm.*` range at its launch (matched by
+    the trace's correlation id), else the innermost device-timeline range at its start."""
+    launched = {
+        e["args"]["correlation"]: e["ts"]
+        for e in xs
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    ranges = [e for e in xs if e["name"].startswith("moevlm.")]
+    host = [e for e in ranges if e.get("cat") == "user_annotation"]
+    device = [e for e in ranges if e.get("cat") == "gpu_user_annotation"]
+    at = [launched.get(e.get("args", {}).get("correlation")) for e in dev]
+    by_host = innermost([t if t is not None else float("-inf") for t in at], host)
+    by_device = innermost([e["ts"] for e in dev], device)
+    return [h if t is not None else d for t, h, d in zip(at, by_host, by_device)]
 
 
 def table(title: tuple[str, ...], rows: list[tuple]) -> list[str]:
@@ -105,7 +124,7 @@ def summarize(events: list[dict], top: int = 15) -> str:
         defaultdict(float),
         defaultdict(int),
     )
-    where = innermost(dev, [e for e in parts if e.get("cat") == "gpu_user_annotation"])
+    where = parts_of(dev, xs)
     for e, part in zip(dev, where):
         by_kind[kind_of(e["name"], e["cat"])] += e["dur"]
         by_part[part[len("moevlm.") :] if part else "(outside the parts)"] += e["dur"]

@@ -39,6 +39,45 @@ EVENTS = [
 ]
 
 
+def test_kernels_belong_to_the_host_range_open_at_their_launch():
+    """Backward's kernels: launched by autograd's thread (tid 9) while the main thread (tid 7) waits
+    in moevlm.backward, whose device-timeline range is empty; a kernel without its launch in the
+    trace falls back to the device ranges."""
+
+    def launch(ts, corr, tid=9):
+        e = _x("cuda_runtime", "cudaLaunchKernel", ts, 2)
+        e["tid"], e["args"] = tid, {"correlation": corr}
+        return e
+
+    def kernel(name, ts, dur, corr=None):
+        e = _x("kernel", name, ts, dur)
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        _x("user_annotation", "moevlm.backward", 1000, 500),
+        _x("user_annotation", "moevlm.attention", 100, 50),
+        _x(
+            "gpu_user_annotation", "moevlm.backward", 1100, 1
+        ),  # the main thread's own launches only
+        _x("gpu_user_annotation", "moevlm.optimizer", 3000, 100),
+        launch(1010, 1),
+        launch(1200, 2),
+        launch(120, 3, tid=7),
+        kernel("flash_bwd", 1600, 80, corr=1),  # runs after the host range closed: still backward
+        kernel("sm90_gemm_bwd", 1700, 20, corr=2),
+        kernel("flash_fwd", 130, 10, corr=3),
+        kernel("multi_tensor_apply_kernel", 3010, 30),  # no launch: the device range
+    ]
+    lines = trace_top.summarize(events).splitlines()
+    table = lines[lines.index("| part | device ms | % of device time |") + 2 :]
+    table = table[: next(i for i, line in enumerate(table) if line.startswith("| kernel |"))]
+    part = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in table}
+    assert part["backward"] == "0.10" and part["attention"] == "0.01"
+    assert part["optimizer"] == "0.03" and "(outside the parts)" not in part
+
+
 def test_device_time_by_kind_part_and_kernel(tmp_path, capsys):
     text = trace_top.summarize(EVENTS, top=3)
     lines = text.splitlines()
