@@ -3,8 +3,8 @@
 Legend: B rows, S seq_len, J max_samples, Np max_patches, I max_images, D patch dim.
 
     mb = MicroBatch.read(loader, rows_per_batch=B, model=model_cfg, freeze_vision=False)   # B rows
-    mb = mb.to(device)
-    out = model(**mb.model_inputs())
+    mb = mb.to(device)                 # grids and cu_seqlens stay on the host (HOST_INPUTS)
+    out = model(**mb.forward_kwargs())  # model_inputs() and the visual token counts
     mb.loss_tokens, mb.useful_tokens, mb.flops, mb.images, mb.n_image          # the counts ride along
 
 A text-only patch budget gives `pixel_values = image_grid_thw = None`; videos ride in
@@ -59,6 +59,10 @@ class MicroBatch:
         "token_mask",
     )
     VIDEO_INPUTS: ClassVar[tuple[str, ...]] = ("pixel_values_videos", "video_grid_thw")
+    # stay on the host in `to(device)`: the model reads their values on the host (shapes, checks,
+    # rotary tables, document bounds, the context-parallel split), so a device copy would cost a
+    # device-to-host read each; where a kernel needs them on the device the model copies them there
+    HOST_INPUTS: ClassVar[tuple[str, ...]] = ("image_grid_thw", "video_grid_thw", "cu_seqlens")
 
     @classmethod
     def read(
@@ -103,11 +107,17 @@ class MicroBatch:
         videos = self.VIDEO_INPUTS if self.pixel_values_videos is not None else ()
         return {k: getattr(self, k) for k in self.MODEL_INPUTS + videos}
 
+    def forward_kwargs(self) -> dict:
+        """`model_inputs()` and the visual token counts the loader placed (`visual_tokens`): what the
+        trainer passes the model, whose input checks then read nothing from the device."""
+        return {**self.model_inputs(), "visual_tokens": (self.n_image, self.n_video)}
+
     def to(self, device: torch.device) -> MicroBatch:
-        """A copy with the tensors on `device` (non-blocking; counts unchanged)."""
+        """A copy with the tensors on `device` (non-blocking; counts unchanged), but `HOST_INPUTS`."""
         moved = {
             k: None if v is None else v.to(device, non_blocking=True)
             for k, v in self.model_inputs().items()
+            if k not in self.HOST_INPUTS
         }
         return dataclasses.replace(self, **moved)
 

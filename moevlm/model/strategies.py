@@ -220,9 +220,17 @@ class Strategies:
 
 
 # ------------------------------------------------------------------ shared pure functions
+def true_positions(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The flat positions of `mask`'s n true entries, in order, without a device-to-host read (the
+    caller knows n on the host: the merged rows the vision tower made, which the input checks match
+    to the visual tokens)."""
+    return torch.nonzero_static(mask.reshape(-1), size=n).squeeze(-1)
+
+
 def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
-    """h with `rows` added, in order, at the positions where mask is true (out of place)."""
-    idx = mask_BS.reshape(-1).nonzero().squeeze(-1)
+    """h with `rows` added, in order, at the positions where mask is true (out of place); the mask
+    holds as many as `rows` has."""
+    idx = true_positions(mask_BS, rows_ND.shape[0])
     flat = h_BSD.reshape(-1, h_BSD.shape[-1]).index_add(0, idx, rows_ND.to(h_BSD.dtype))
     return flat.view_as(h_BSD)
 

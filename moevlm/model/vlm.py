@@ -36,6 +36,7 @@ from moevlm.model.strategies import (
     local,
     next_token_targets,
     token_loss,
+    true_positions,
 )
 from moevlm.model.vision import VisionEncoder
 
@@ -114,13 +115,17 @@ class Qwen3VLMoe(nn.Module):
         return_logits: bool = False,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        visual_tokens: tuple[int, int] | None = None,
     ) -> VLMOutput:
         """`token_mask` (B, S), True at real tokens: padding is left out of the
         router statistics (aux loss, `expert_counts`); it changes nothing else.
         `return_logits`: the logits even when the loss could be computed without them.
         `pixel_values_videos` (N, C*T*P*P) and `video_grid_thw` (V, 3): videos, as transformers
         takes them (their tokens are `video_token_id`; trailing padding patches and zero grid rows
-        allowed as for images)."""
+        allowed as for images).  `visual_tokens`: the numbers of image and video tokens in
+        `input_ids` where the caller knows them on the host (the trainer's micro-batches: the
+        loader placed them), so the input checks read nothing from the device; None counts them
+        here (one device-to-host read when input_ids is on a GPU)."""
         cfg = self.config
         check_inputs(
             cfg,
@@ -133,6 +138,7 @@ class Qwen3VLMoe(nn.Module):
             token_mask,
             pixel_values_videos,
             video_grid_thw,
+            visual_tokens,
         )
         self.strategies.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
         h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
@@ -217,7 +223,7 @@ class Qwen3VLMoe(nn.Module):
         visual_mask_BS = kinds[0][2] if len(kinds) == 1 else kinds[0][2] | kinds[1][2]
         rows = [out_NO, *deepstack]
         if len(kinds) == 2:  # the tower's rows are the images' then the videos': to token order
-            is_image = kinds[0][2][visual_mask_BS]
+            is_image = kinds[0][2].reshape(-1)[true_positions(visual_mask_BS, n)]
             rows = [_in_token_order(t, is_image, n) for t in rows]
         # An exact 0 that depends on every vision output: the whole tower is in the graph even when a
         # micro-batch holds only padding patches, so data-parallel ranks run the same backward
@@ -328,19 +334,23 @@ def check_inputs(
     token_mask=None,
     pixel_values_videos=None,
     video_grid_thw=None,
+    visual_tokens: tuple[int, int] | None = None,
 ):
-    """Shape and consistency checks, on the host, before any activation is allocated."""
+    """Shape and consistency checks, on the host, before any activation is allocated.
+    `visual_tokens`: the image and video token counts as the caller knows them (else counted)."""
     _require(
         input_ids.ndim == 2 and not input_ids.is_floating_point(),
         f"input_ids must be a 2-D integer tensor (batch, seq), got {tuple(input_ids.shape)} {input_ids.dtype}",
     )
     B, S = input_ids.shape
-    # both counts in one host read: image tokens * (B*S + 1) + video tokens
-    both = int(
-        (input_ids == cfg.image_token_id).sum() * (B * S + 1)
-        + (input_ids == cfg.video_token_id).sum()
-    )
-    n_img_tokens, n_vid_tokens = divmod(both, B * S + 1)
+    if visual_tokens is not None:
+        n_img_tokens, n_vid_tokens = visual_tokens
+    else:  # both counts in one host read: image tokens * (B*S + 1) + video tokens
+        both = int(
+            (input_ids == cfg.image_token_id).sum() * (B * S + 1)
+            + (input_ids == cfg.video_token_id).sum()
+        )
+        n_img_tokens, n_vid_tokens = divmod(both, B * S + 1)
     if (pixel_values is None) != (image_grid_thw is None):
         missing = "image_grid_thw" if image_grid_thw is None else "pixel_values"
         raise ValueError(f"{missing} is missing: pixel_values and image_grid_thw come together")

@@ -335,10 +335,7 @@ def _step(
             M = step_micro_batches or plan.grad_accum
             micro = []
             for _ in range(run):
-                fields = {
-                    k: None if v is None else mode.fake(v, device)
-                    for k, v in real.model_inputs().items()
-                }
+                fields = {k: _placed(mode, k, v, device) for k, v in real.model_inputs().items()}
                 micro.append(MicroBatch(**fields, **{k: getattr(real, k) for k in _COUNTS}))
             loss_tokens = float(real.loss_tokens * M * plan.dims.dp)
             share = M * plan.dims.dp
@@ -365,7 +362,7 @@ def _step(
                     loss_sum, aux_sum = sums[0], sums[1]
                 for mb in micro if pipe is None else ():
                     with emulated_autocast(device.type, dtype):
-                        out = model(**mb.model_inputs())
+                        out = model(**mb.forward_kwargs())
                     lm_sum = out.lm_loss * out.num_loss_tokens
                     objective(
                         lm_sum,
@@ -480,6 +477,14 @@ def _bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
+def _placed(mode, name: str, value, device):
+    """A model input where the trainer's `MicroBatch.to` puts it: fake on the step's device, or the
+    loader's real tensor where it stays on the host (`MicroBatch.HOST_INPUTS`)."""
+    if value is None or name in MicroBatch.HOST_INPUTS or not torch.is_tensor(value):
+        return value
+    return mode.fake(value, device)
+
+
 def forward_on_fake_cuda(job, watch=None) -> dict:
     """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
     trainer's GPU precision: the CUDA code paths at the real size, without memory.  `attn_backend=auto`
@@ -502,9 +507,7 @@ def forward_on_fake_cuda(job, watch=None) -> dict:
     real = budget_micro_batch(job, plan.model)
     with fake_cuda(), PlanMode() as mode, torch.no_grad():
         materialize_(model, cuda, ctx)
-        inputs = {
-            k: None if v is None else mode.fake(v, cuda) for k, v in real.model_inputs().items()
-        }
+        inputs = {k: _placed(mode, k, v, cuda) for k, v in real.forward_kwargs().items()}
         watching = watch if watch is not None else contextlib.nullcontext()
         with watching, emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
             out = model(**inputs)

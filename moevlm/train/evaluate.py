@@ -111,7 +111,7 @@ def _forward(tr, held: HeldOut) -> tuple[torch.Tensor, torch.Tensor]:
             continue
         for mb in on_device:
             with tr._autocast():
-                out = tr.model(**mb.model_inputs())
+                out = tr.model(**mb.forward_kwargs())
             lm_sum += (out.lm_loss * out.num_loss_tokens).double()
     return lm_sum, tokens
 

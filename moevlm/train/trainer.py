@@ -309,7 +309,7 @@ class Trainer:
         moe = self.plan.model.moe
         for mb in micro:
             with self._autocast():
-                out = self.model(**mb.to(self.device).model_inputs())
+                out = self.model(**mb.to(self.device).forward_kwargs())
             lm_sum = out.lm_loss * out.num_loss_tokens
             if out.router_totals is not None:
                 # moe.aux_loss=global_batch: the step's frequencies so far (moevlm.parallel.balance)
