@@ -126,7 +126,9 @@ def static_bounds(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> to
     rows = torch.arange(0, B * S + 1, S, dtype=torch.int32, device=device)
     if cu_seqlens is None:
         return rows
-    return torch.sort(torch.cat([cu_seqlens.to(device=device, dtype=torch.int32), rows])).values
+    return torch.sort(
+        torch.cat([cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True), rows])
+    ).values
 
 
 def document_ids(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -134,7 +136,7 @@ def document_ids(B: int, S: int, cu_seqlens: torch.Tensor | None, device) -> tor
     flat = torch.arange(B * S, device=device)
     if cu_seqlens is None:
         return (flat // S).view(B, S)
-    starts = cu_seqlens[1:-1].to(device=device, dtype=torch.long)
+    starts = cu_seqlens[1:-1].to(device=device, dtype=torch.long, non_blocking=True)
     return torch.bucketize(flat, starts, right=True).view(B, S)
 
 

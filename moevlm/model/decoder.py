@@ -296,7 +296,7 @@ def document_index(cu_seqlens: torch.Tensor | None, B: int, S: int, device) -> t
     the flattened B*S tokens (padding is a segment too; its tokens are masked), or one per row."""
     if cu_seqlens is None:
         return torch.arange(B, device=device)[:, None].expand(B, S), B
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    cu = cu_seqlens.to(device=device, dtype=torch.long, non_blocking=True)
     doc = torch.searchsorted(cu[1:], torch.arange(B * S, device=device), right=True)
     return doc.clamp(max=cu.numel() - 2).view(B, S), cu.numel() - 1
 

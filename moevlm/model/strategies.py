@@ -256,7 +256,7 @@ def next_token_targets(labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None)
     position of every row and of every packed document."""
     targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
     if cu_seqlens is not None:
-        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long) - 1
+        last_of_doc = cu_seqlens[1:].to(targets.device, torch.long, non_blocking=True) - 1
         targets[last_of_doc] = IGNORE_INDEX
     return targets
 

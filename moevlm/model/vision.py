@@ -138,10 +138,13 @@ class VisionEncoder(nn.Module):
         x_Nd = self.patch_embed(pixel_values_NP.to(self.patch_embed.weight.dtype))
         rows_cols_N2 = vision_patch_rows_cols(grid_cpu, merge)
         idx_N4, wts_N4 = (
-            t.to(x_Nd.device) for t in pos_embed_taps(rows_cols_N2, grid_cpu, self.side)
+            t.to(x_Nd.device, non_blocking=True)
+            for t in pos_embed_taps(rows_cols_N2, grid_cpu, self.side)
         )
         x_Nd = x_Nd + (self.pos_embed(idx_N4) * wts_N4[..., None].to(x_Nd.dtype)).sum(1)
-        cos_sin = vision_rotary(rows_cols_N2.to(x_Nd.device), cfg.head_dim, cfg.rope_theta)
+        cos_sin = vision_rotary(
+            rows_cols_N2.to(x_Nd.device, non_blocking=True), cfg.head_dim, cfg.rope_theta
+        )
         mask = doc_mask(
             1,
             x_Nd.shape[0],

@@ -80,7 +80,8 @@ def every_rank_rows(
     for b in range(B):
         inner = sorted({c - b * S for c in cu if b * S < c < (b + 1) * S} | {0, S})
         rows.append(doc_zigzag_positions(inner, cp))
-    return torch.tensor(rows, dtype=torch.long, device=device).transpose(0, 1)
+    every = torch.tensor(rows, dtype=torch.long)  # on the host; no stream sync for the copy
+    return (every if device is None else every.to(device, non_blocking=True)).transpose(0, 1)
 
 
 def take_rows(x: torch.Tensor, idx_Bs: torch.Tensor, dim: int = 1) -> torch.Tensor:
