@@ -143,10 +143,10 @@ class ModelConfig:
         metadata={
             "sets": "attn_backend",
             "help": "attention kernel: auto (on CUDA in bf16/fp16, autocast's dtype counted, the first "
-            "available of flash, varlen, flex, sdpa; sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or sdpa under train.compile), sdpa (one call, dense "
-            "document mask), sdpa_per_doc (one call per document: only the useful scores, a host loop), flex "
-            "(FlexAttention), flash (flash-attn varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra "
-            "package)",
+            "available of flash, varlen, flex, sdpa; sdpa on CUDA in fp32; on the CPU sdpa_per_doc, or "
+            "sdpa under train.compile), sdpa (one call, dense document mask), sdpa_per_doc (one call "
+            "per document: only the useful scores, a host loop), flex (FlexAttention), flash (flash-attn "
+            "varlen), varlen (torch.nn.attention.varlen, CUDA only, no extra package)",
         },
     )
     grouped_gemm: one_of(*GROUPED_GEMM_BACKENDS, checked_by=VLMConfig.validate) = field(
