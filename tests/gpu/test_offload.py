@@ -15,7 +15,7 @@ The model is the tiny preset widened so activations dominate (hidden 512, 8 laye
 fp32 with the loop grouped GEMM (torch._grouped_mm takes bf16 only on CUDA), sdpa attention.  Under
 full recompute the only saved tensors are the layer inputs (8 MiB a layer here), so the peak can show
 their offload only where they outweigh what backward allocates as it goes: that case runs 12 layers of
-smaller experts (3.4 MB of gradients a layer against 8 MiB of input) on 4 x 1024 tokens (a quarter of
+smaller experts (3.4 MB of gradients a layer against 8 MiB of input) on 4 x 1024 tokens (half
 the attention's per-layer transient).  With the wide experts, gradients (12.4 MB a layer) grow faster
 than the inputs are freed, the step peaks at the last layer's backward, where the offloaded inputs are
 gone in both runs, and the peak cannot fall (measured on an H200: 690.0 MB off, 690.5 on).  The peak
