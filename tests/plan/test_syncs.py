@@ -230,3 +230,29 @@ def test_two_short_runs_count_what_every_micro_batch_reads(layout, micro_batches
     assert "extrapolated" in short.how and "extrapolated" not in full.how
     assert short.micro_batches == full.micro_batches == micro_batches
     assert short.lines == full.lines and short.count == len(full.records) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe",
+    [["h100_1gpu"], ["h200_1gpu"], ["h100_fsdp", "model.moe_capacity_factor=1.25"]],
+    ids=["h100_1gpu", "h200_1gpu", "h100_fsdp-capacity"],
+)
+def test_recipes_read_nothing_at_their_widths(recipe):
+    """The one-GPU proxies and an FSDP + cp 2 + EP 8 layout with the capacity-bounded all-to-all
+    (h100_fsdp's dropless exchange reads its split sizes: the one inherent read) at their real widths
+    and budgets, 2 decoder layers per stage and the tower's first 9 blocks (every layer reads alike;
+    block 8 feeds the first deepstack layer, whose positions were a read; the full depth:
+    `python -m moevlm.plan +experiment=NAME --strict-syncs`, docs/plans.md).  With the read put back
+    the same step finds it."""
+    from moevlm.config import compose_job
+
+    name, *more = recipe
+    job = compose_job([f"+experiment={name}", "data.shards=sample", *more])
+    shallow = [f"model.num_layers={2 * job.parallel.pp}", "model.vision_depth=9"]
+    job = compose_job([f"+experiment={name}", "data.shards=sample", *more, *shallow])
+    found = step_syncs(job)
+    assert found.count == 0, found.lines
+    if name == "h100_1gpu":
+        with with_a_read():
+            assert [w for w, _, _ in step_syncs(job).lines] == [line_of("injected")]
