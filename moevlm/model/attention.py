@@ -9,7 +9,7 @@ Tokens attend only within their document; `cu_seqlens` are int32 boundaries over
 B*S tokens (None: one document per row).  Backends: `sdpa` (boolean document mask), `sdpa_per_doc`
 (one call per document), `flex` (FlexAttention), `flash` (flash-attn varlen), `varlen` (torch's
 varlen_attn) and `auto`, which picks one per device and the dtype attention runs in (autocast's where
-it is on: `attention_dtype`; `resolve_backend`).  `static=True`
+it is on: `moevlm.model.autocast.compute_dtype`; `resolve_backend`).  `static=True`
 (under torch.compile) keeps host values out of what the layers see.
 """
 
@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moevlm.model.autocast import compute_dtype
 from moevlm.model.region import run_region
 
 
@@ -48,7 +49,10 @@ def doc_mask(
     dtype: torch.dtype = torch.float32,
     static: bool = False,
 ) -> DocMask:
-    backend = resolve_backend(backend, torch.device(device), attention_dtype(device, dtype), static)
+    # the dtype attention runs in (q, k and v come out of autocast's linears in its dtype, whatever
+    # the weights' and the residual stream's)
+    attn_dtype = compute_dtype(torch.device(device).type, dtype)
+    backend = resolve_backend(backend, torch.device(device), attn_dtype, static)
     if backend in VARLEN_KERNELS and (static or backend == "varlen"):
         return DocMask(
             backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S), cu_seqlens
@@ -70,13 +74,6 @@ class CoreAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask
     ) -> torch.Tensor:
         return run_region(self, "region", attention, q, k, v, mask)
-
-
-def attention_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention runs in: autocast's where autocast is on for the device (q, k and v come out
-    of its linears in that dtype whatever the weights' and the residual stream's), else `dtype`."""
-    kind = torch.device(device).type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else dtype
 
 
 def resolve_backend(
@@ -203,10 +200,9 @@ def _autocast_inputs(q, k, v):
     """q, k, v in autocast's dtype where autocast is on, as autocast casts them for SDPA.  The kernels
     below are not on autocast's lists, and under bf16 autocast with fp32 weights q and k leave their
     RMSNorms in fp32 while v leaves its linear in bf16: flash-attention takes neither fp32 nor a mix."""
-    kind = q.device.type
-    if not torch.is_autocast_enabled(kind):
+    if not torch.is_autocast_enabled(q.device.type):
         return q, k, v
-    dtype = torch.get_autocast_dtype(kind)
+    dtype = compute_dtype(q.device.type, q.dtype)
     return (t.to(dtype) for t in (q, k, v))
 
 

@@ -21,6 +21,7 @@ import torch
 from moevlm.kernels import grouped_mm
 from moevlm.kernels.fp8_gemm_ref import BLOCK
 from moevlm.kernels.fp8_gemm_torch import scaled_mm_support
+from moevlm.model.autocast import compute_dtype
 
 
 class Fp8Unavailable(RuntimeError):
@@ -262,15 +263,9 @@ class _Fp8Mm(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 def fp8_mm(x_MK, w, counts_E, recipe: Fp8Recipe, owner=None):
     """x_MK @ w[e] per expert (counts_E given, w (E, K, N)) or x_MK @ w (w (K, N)), in FP8."""
-    dtype = _compute_dtype(x_MK)
+    dtype = compute_dtype(x_MK.device.type, x_MK.dtype)
     with torch.autocast(x_MK.device.type, enabled=False):
         return _Fp8Mm.apply(x_MK.to(dtype), w, counts_E, recipe, owner, dtype)
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moevlm.model.autocast import compute_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -155,8 +157,7 @@ def linear_cross_entropy(
     0-dim), `chunk` tokens at a time (<= 0: all at once); `shard` when w holds part of the rows.  The
     GEMMs run in autocast's dtype where it is on (as F.linear would), else in the inputs'."""
     device = h_TD.device.type
-    on = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if on else h_TD.dtype
+    dtype = compute_dtype(device, h_TD.dtype)
     with _no_autocast(device):
         return _LinearCrossEntropy.apply(
             h_TD, w_VD, target_T, int(chunk), shard or VocabShard(), ignore_index, dtype

@@ -500,7 +500,7 @@ def forward_on_fake_cuda(job, watch=None) -> dict:
         job = copy.deepcopy(job)
         job.model.attn_backend = "sdpa"
     plan = validate(job, 1, environment=False)
-    bf16 = job.train.precision in ("bf16", "auto")
+    bf16 = _bf16(job)
     cuda = torch.device("cuda", 0)
     t0 = time.perf_counter()
     model, ctx = _build(job, plan, "cuda", bf16)

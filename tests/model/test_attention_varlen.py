@@ -10,6 +10,7 @@ import moevlm.model.attention as A
 from moevlm.config import compose_job, validate
 from moevlm.errors import ConfigError
 from moevlm.model.attention import attention, doc_mask, resolve_backend, static_bounds
+from moevlm.model.autocast import compute_dtype
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -48,8 +49,8 @@ def test_auto_chooses_by_the_dtype_attention_runs_in(monkeypatch):
     doc_mask(1, 8, cu, causal=True, device="cpu", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         doc_mask(1, 8, cu, causal=True, device="cpu", dtype=torch.float32)
-        assert A.attention_dtype("cpu", torch.float32) == torch.bfloat16
-        assert A.attention_dtype("cuda", torch.float32) == torch.float32  # not on for cuda
+        assert compute_dtype("cpu", torch.float32) == torch.bfloat16
+        assert compute_dtype("cuda", torch.float32) == torch.float32  # not on for cuda
     assert seen == [torch.float32, torch.bfloat16]
 
 
