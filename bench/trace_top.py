@@ -79,6 +79,12 @@ def innermost(points: list[float], ranges: list[dict]) -> list[str | None]:
     return out
 
 
+def part_ranges(xs: list[dict], cat: str) -> list[dict]:
+    """The `moevlm.<part>` ranges of one category: host (`user_annotation`) or device timeline
+    (`gpu_user_annotation`)."""
+    return [e for e in xs if e.get("cat") == cat and e["name"].startswith("moevlm.")]
+
+
 def parts_of(dev: list[dict], xs: list[dict]) -> list[str | None]:
     """Each device operation's part: the innermost host `moevlm.*` range at its launch (matched by
     the trace's correlation id), else the innermost device-timeline range at its start."""
@@ -87,12 +93,11 @@ def parts_of(dev: list[dict], xs: list[dict]) -> list[str | None]:
         for e in xs
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    ranges = [e for e in xs if e["name"].startswith("moevlm.")]
-    host = [e for e in ranges if e.get("cat") == "user_annotation"]
-    device = [e for e in ranges if e.get("cat") == "gpu_user_annotation"]
     at = [launched.get(e.get("args", {}).get("correlation")) for e in dev]
-    by_host = innermost([t if t is not None else float("-inf") for t in at], host)
-    by_device = innermost([e["ts"] for e in dev], device)
+    by_host = innermost(
+        [t if t is not None else float("-inf") for t in at], part_ranges(xs, "user_annotation")
+    )
+    by_device = innermost([e["ts"] for e in dev], part_ranges(xs, "gpu_user_annotation"))
     return [h if t is not None else d for t, h, d in zip(at, by_host, by_device)]
 
 
@@ -104,12 +109,10 @@ def table(title: tuple[str, ...], rows: list[tuple]) -> list[str]:
 def summarize(events: list[dict], top: int = 15) -> str:
     xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
     dev = sorted((e for e in xs if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
-    parts = [e for e in xs if e["name"].startswith("moevlm.")]
     if not dev:
         host = defaultdict(float)
-        for e in parts:
-            if e.get("cat") == "user_annotation":
-                host[e["name"][len("moevlm.") :]] += e["dur"]
+        for e in part_ranges(xs, "user_annotation"):
+            host[e["name"][len("moevlm.") :]] += e["dur"]
         rows = [(n, f"{us / 1e3:.2f}") for n, us in sorted(host.items(), key=lambda x: -x[1])]
         return "\n".join(
             ["no device work in this trace (a CPU run): the parts' host times"]
