@@ -171,6 +171,76 @@ def check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims, spec: Dispatche
     refuse(key, refusals)
 
 
+def check_step_graph(job, model: VLMConfig, dims: ParallelDims, spec: DispatcherSpec) -> None:
+    """What `train.cuda_graph=step` cannot capture (moevlm.train.step_graph), each with its reason."""
+    t, m, d = job.train, job.model, job.data
+    if t.cuda_graph == "off":
+        return
+    check(
+        t.cuda_graph_warmup >= 1,
+        "train.cuda_graph_warmup must be >= 1 (eager steps before capture)",
+    )
+    refusals = [
+        (
+            d.pack.max_patches > 0 or d.pack.max_videos > 0,
+            "captures text rows only (data.pack.max_patches=0, data.pack.max_videos=0): the vision tower "
+            "lays out each image's patches from its grid on the host, which a replay would not redo",
+        ),
+        (
+            dims.world > 1 and dims.pp * dims.tp * dims.cp * dims.ep * dims.etp == 1,
+            "runs one process for now: capturing the data-parallel reductions (FSDP2's all-gathers and "
+            "reduce-scatters, DDP's buckets) is not verified on several GPUs yet; use one GPU, or "
+            "train.cuda_graph=off",
+        ),
+        (
+            dims.pp > 1,
+            "cannot capture a pipeline schedule (parallel.pp>1): its stages exchange micro-batches by "
+            "point-to-point sends the host orders; use parallel.pp=1",
+        ),
+        (
+            dims.tp * dims.cp > 1,
+            "reads the documents' bounds on the host to split the sequence (context parallel) and is not "
+            "built for tensor parallel yet; use parallel.tp=1 and parallel.cp=1",
+        ),
+        (
+            dims.ep * dims.etp > 1,
+            "cannot capture the expert all-to-all: the dropless one exchanges its split sizes through the "
+            "host, the capacity one keeps its dropped-row counters between steps on the host; use "
+            "parallel.ep=1 (the local dispatcher)",
+        ),
+        (
+            any(kind == "linear_attention" for kind in model.text.layer_types),
+            "cannot capture Gated DeltaNet layers (their kernels read the documents' lengths on the "
+            "host); use train.cuda_graph=off",
+        ),
+        (
+            bool(m.cuda_graph_scope),
+            "already holds every region model.cuda_graph_scope would capture; use model.cuda_graph_scope=[]",
+        ),
+        (
+            bool(m.offload_modules) or job.parallel.optimizer_offload,
+            "cannot capture the host copies of model.offload_modules or parallel.optimizer_offload; "
+            "leave them off",
+        ),
+        (
+            job.optim.master_weights or job.optim.state_dtype != "float32",
+            "steps torch's capturable AdamW (fp32 state, the parameters' own dtype); "
+            "optim.master_weights and optim.state_dtype=bfloat16 use moevlm's AdamW, not captured",
+        ),
+        (
+            model.fp8.recipe != "none",
+            "with model.fp8: a replay would reuse the weight codes of the step it was captured in; "
+            "use model.fp8=none",
+        ),
+        (
+            bool(t.profile_components),
+            "and train.profile_components=true: the components' timers run on the host, which a replay "
+            "skips; profile with train.cuda_graph=off",
+        ),
+    ]
+    refuse("train.cuda_graph=step", refusals)
+
+
 def check_fp8(
     job, model: VLMConfig, dims: ParallelDims, spec: DispatcherSpec, environment: bool
 ) -> Fp8Recipe | None:

@@ -71,6 +71,13 @@ def environment_checks(job) -> list:
     )
     checks.append(
         lambda: check(
+            t.cuda_graph == "off" or not on_cpu,
+            "train.cuda_graph=step captures CUDA graphs, which need a CUDA device; this job runs on the "
+            "CPU: use train.cuda_graph=off (or train.device=cuda on a GPU machine)",
+        )
+    )
+    checks.append(
+        lambda: check(
             m.attn_backend != "flash" or importlib.util.find_spec("flash_attn") is not None,
             "model.attn_backend=flash needs the flash-attn package, which is not installed "
             "(pip install flash-attn, CUDA only); use model.attn_backend=auto",

@@ -384,6 +384,20 @@ class TrainConfig:
             "model.cuda_graph_scope's)"
         },
     )
+    cuda_graph: one_of("off", "step") = field(
+        default="off",
+        metadata={
+            "help": "step: after train.cuda_graph_warmup eager steps, capture the whole step (every micro-batch's "
+            "forward and backward, the gradient reduction and clip as one CUDA graph, the optimizer step as a "
+            "second) and replay it (moevlm/train/step_graph.py); text rows on one GPU"
+        },
+    )
+    cuda_graph_warmup: int = field(
+        default=3,
+        metadata={
+            "help": "train.cuda_graph=step: eager steps (on a side stream) before the capture"
+        },
+    )
     profile_components: bool = field(
         default=False,
         metadata={

@@ -28,6 +28,7 @@ from moevlm.config.build_checks import (
     check_offload,
     check_optimizer_offload,
     check_recompute,
+    check_step_graph,
 )
 from moevlm.config.dispatcher import choose_dispatcher, gate
 from moevlm.config.environment import (
@@ -58,7 +59,6 @@ from moevlm.parallel.offload import offload_setting
 from moevlm.parallel.pipeline_schedules import schedule_name
 from moevlm.parallel.pipeline_split import PipelineSplit, split_pipeline
 from moevlm.parallel.recompute import recompute_setting
-
 
 # the last line of a GPU recipe's refusal on a machine without CUDA: how to run its shape here
 CPU_TRY = (
@@ -146,6 +146,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
         run(data_problem, check_job_data, job.data, model, dims.dp, dims.tp, dims.cp)
         if spec is not None:
             run(check_cuda_graphs, job, model, dims, spec)
+            run(check_step_graph, job, model, dims, spec)
             fp8 = run(check_fp8, job, model, dims, spec, environment)
     if dims is not None:
         run(check_optimizer_offload, job, dims)

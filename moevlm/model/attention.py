@@ -57,7 +57,9 @@ def doc_mask(
         return DocMask(
             backend, causal, [], (static_bounds(B, S, cu_seqlens, device), S), cu_seqlens
         )
-    mask = DocMask(backend, causal, doc_bounds(B, S, cu_seqlens), cu_seqlens=cu_seqlens)
+    # the fixed-size masks read no host bounds: only sdpa_per_doc loops over them
+    bounds = [] if static and backend != "sdpa_per_doc" else doc_bounds(B, S, cu_seqlens)
+    mask = DocMask(backend, causal, bounds, cu_seqlens=cu_seqlens)
     mask.prepared = _PREPARE[backend](B, S, cu_seqlens, causal, mask.bounds, device)
     return mask
 

@@ -116,6 +116,7 @@ class Qwen3VLMoe(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         visual_tokens: tuple[int, int] | None = None,
+        inputs_checked: bool = False,
     ) -> VLMOutput:
         """`token_mask` (B, S), True at real tokens: padding is left out of the
         router statistics (aux loss, `expert_counts`); it changes nothing else.
@@ -125,21 +126,23 @@ class Qwen3VLMoe(nn.Module):
         allowed as for images).  `visual_tokens`: the numbers of image and video tokens in
         `input_ids` where the caller knows them on the host (the trainer's micro-batches: the
         loader placed them), so the input checks read nothing from the device; None counts them
-        here (one device-to-host read when input_ids is on a GPU)."""
+        here (one device-to-host read when input_ids is on a GPU).  `inputs_checked`: the caller ran
+        `check_inputs` on host copies of these inputs (a captured step: nothing is read here)."""
         cfg = self.config
-        check_inputs(
-            cfg,
-            input_ids,
-            pixel_values,
-            image_grid_thw,
-            position_ids,
-            cu_seqlens,
-            labels,
-            token_mask,
-            pixel_values_videos,
-            video_grid_thw,
-            visual_tokens,
-        )
+        if not inputs_checked:
+            check_inputs(
+                cfg,
+                input_ids,
+                pixel_values,
+                image_grid_thw,
+                position_ids,
+                cu_seqlens,
+                labels,
+                token_mask,
+                pixel_values_videos,
+                video_grid_thw,
+                visual_tokens,
+            )
         self.strategies.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
         h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
             input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw

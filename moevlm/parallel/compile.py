@@ -26,6 +26,14 @@ RECOMPILE_LIMIT = (
 )
 
 
+def use_static_masks(model: nn.Module) -> None:
+    """Masks built from fixed-size device tensors only (no host bounds): what compiled blocks and a
+    captured step (moevlm.train.step_graph) need."""
+    for m in model.modules():
+        if isinstance(m, (TextDecoder, VisionEncoder)):
+            m.static_mask = True
+
+
 def apply_compile(model: nn.Module, *, mode: str | None = None, bf16: bool = True) -> nn.Module:
     """Compile every vision block and decoder layer of `model` in place (why: docs/architecture.md).
     `bf16`: the experts compute in bf16 (autocast); otherwise the `torch` grouped GEMM stays eager."""
@@ -33,9 +41,7 @@ def apply_compile(model: nn.Module, *, mode: str | None = None, bf16: bool = Tru
         torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
     )
     backend = model.config.attn_backend
-    for m in model.modules():
-        if isinstance(m, (TextDecoder, VisionEncoder)):
-            m.static_mask = True
+    use_static_masks(model)
     for m in list(model.modules()):
         if isinstance(m, VisionBlock):
             m.compile(fullgraph=backend != "flash", mode=mode)

@@ -121,6 +121,8 @@ class GradSync:
         # the ranks holding this rank's parameters (world / pp)
         self.stage_world = stage_world or world
         self.bucket_elems = int(bucket_mb * (1 << 20) / 4)
+        # the clip's per-gradient weights (1 / copies) by their values: made once, no host copy per step
+        self.shard_weights: dict[tuple, torch.Tensor] = {}
         self.tp_group = groups["tp"]
         # (group, names) summed after the data-parallel reductions: tp-partial weights, and expert LoRA
         # adapters whole over etp (moevlm.parallel.expert_parallel)
@@ -183,13 +185,8 @@ class GradSync:
             wide = (
                 {} if all(t.dtype == torch.float32 for t in locals_) else {"dtype": torch.float32}
             )
-            norms = torch.stack([n.double() for n in torch._foreach_norm(locals_, 2, **wide)])
-            weights = torch.tensor(
-                [1.0 / _copies(g, self.stage_world) for g in grads],
-                dtype=torch.float64,
-                device=device,
-            )
-            total = (norms.pow(2) * weights).sum()
+            norms = torch.stack(torch._foreach_norm(locals_, 2, **wide)).double()
+            total = (norms.pow(2) * self._weights(grads, device)).sum()
         if dist.is_initialized() and self.world > 1:
             # host gradients (FSDP's CPU offload): the sum runs on the group's device
             total = total.to(self.comm_device or device)
@@ -200,6 +197,15 @@ class GradSync:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
         return norm
+
+    def _weights(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """1 / (copies of each gradient's shard) as a float64 device tensor, made once per set of
+        values (a captured step replays it; no host-to-device copy per step)."""
+        key = (device, tuple(_copies(g, self.stage_world) for g in grads))
+        if key not in self.shard_weights:
+            values = [1.0 / c for c in key[1]]
+            self.shard_weights[key] = torch.tensor(values, dtype=torch.float64, device=device)
+        return self.shard_weights[key]
 
 
 def _device(model: nn.Module) -> torch.device:

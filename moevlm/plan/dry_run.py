@@ -295,6 +295,7 @@ def _step(
     real count, for the loss normalization (default `plan.grad_accum`)."""
     from moevlm.model.objective import objective
     from moevlm.parallel.build import materialize_
+    from moevlm.parallel.compile import use_static_masks
     from moevlm.train.optim import build_optimizer
     from moevlm.train.setup import boundary_dtypes
     from moevlm.train.trainer import sum_over
@@ -485,16 +486,19 @@ def _placed(mode, name: str, value, device):
     return mode.fake(value, device)
 
 
-def forward_on_fake_cuda(job, watch=None) -> dict:
+def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
     """The forward of one full-budget micro-batch on fake CUDA, one process (world 1 recipes), in the
     trainer's GPU precision: the CUDA code paths at the real size, without memory.  `attn_backend=auto`
     runs sdpa: for bf16 weights (optim.master_weights) without flash-attn it resolves to compiled flex,
     which Inductor cannot build for fake CUDA on a CPU-only torch.  `watch`: a dispatch mode entered
-    above the fake one for the forward (`moevlm.plan.syncs.SyncCounter`)."""
+    above the fake one for the forward (`moevlm.plan.syncs.SyncCounter`).  `captured`: the inputs as a
+    captured step passes them (moevlm.train.step_graph: every tensor on the device, checked on the host,
+    static masks)."""
     import copy
 
     from moevlm.config import validate
     from moevlm.parallel.build import materialize_
+    from moevlm.parallel.compile import use_static_masks
 
     if job.model.attn_backend == "auto":
         job = copy.deepcopy(job)
@@ -508,6 +512,10 @@ def forward_on_fake_cuda(job, watch=None) -> dict:
     with fake_cuda(), PlanMode() as mode, torch.no_grad():
         materialize_(model, cuda, ctx)
         inputs = {k: _placed(mode, k, v, cuda) for k, v in real.forward_kwargs().items()}
+        if captured:
+            use_static_masks(model)
+            inputs["cu_seqlens"] = mode.fake(real.cu_seqlens, cuda)
+            inputs["inputs_checked"] = True
         watching = watch if watch is not None else contextlib.nullcontext()
         with watching, emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
             out = model(**inputs)

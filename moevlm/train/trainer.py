@@ -24,6 +24,7 @@ from moevlm.data.loader import NoData
 from moevlm.model.moe import global_balance_loss, update_router_bias_
 from moevlm.model.objective import objective
 from moevlm.parallel.balance import step_load
+from moevlm.parallel.compile import use_static_masks
 from moevlm.train.checkpoint import CheckpointError, rng_state
 from moevlm.train.evaluate import evaluate, val_due
 from moevlm.train.exit_codes import ExitCode
@@ -37,6 +38,7 @@ from moevlm.train.metrics import (
 )
 from moevlm.train.report import collapsed, ruined_by_skips, summary, window_record
 from moevlm.train.setup import Run, autocast, data_rank, setup, weights_finite
+from moevlm.train.step_graph import StepGraph
 
 
 class Trainer:
@@ -63,6 +65,19 @@ class Trainer:
         self.last_finite: tuple[float, float] | None = None
         self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self._lr_used = self.opt.param_groups[0]["lr"]
+        if self.t.cuda_graph == "step":
+            use_static_masks(self.model)
+        self.step_graph = (
+            StepGraph(
+                self._step_gradients,
+                self.opt,
+                self.plan.model,
+                self.device,
+                warmup=self.t.cuda_graph_warmup,
+            )
+            if self.t.cuda_graph == "step"
+            else None
+        )
 
     # ------------------------------------------------------------- checkpoints
     def save(self, complete: bool = False) -> Path:
@@ -222,16 +237,22 @@ class Trainer:
         loss_tokens = max(totals[0], 1.0)
         if self.frequencies is not None:
             self.frequencies.begin_step()
-        with self._phase("forward/backward"):
-            fb = self._pipeline_forward_backward if self.pipeline else self._forward_backward
-            loss_sum, aux_sum, counts = fb(micro, loss_tokens)
-        if self.overflow is not None and self.overflow.overflow == "error":
-            # before the update: the step changes nothing
-            with self._phase("expert-capacity overflow check"):
-                self.overflow.check(self.device, self.step + 1)
-        with self._phase("gradient reduction and clipping", span="grad_reduce_clip"):
-            self.parallel.finish_gradients()
-            grad_norm = self._clip()
+        if self.step_graph is not None:
+            with self._phase(
+                "forward/backward, gradient reduction and clipping (train.cuda_graph=step)"
+            ):
+                loss_sum, aux_sum, counts, grad_norm = self.step_graph.gradients(micro, loss_tokens)
+        else:
+            with self._phase("forward/backward"):
+                fb = self._pipeline_forward_backward if self.pipeline else self._forward_backward
+                loss_sum, aux_sum, counts = fb(micro, loss_tokens)
+            if self.overflow is not None and self.overflow.overflow == "error":
+                # before the update: the step changes nothing
+                with self._phase("expert-capacity overflow check"):
+                    self.overflow.check(self.device, self.step + 1)
+            with self._phase("gradient reduction and clipping", span="grad_reduce_clip"):
+                self.parallel.finish_gradients()
+                grad_norm = self._clip()
         if self.grad_hook is not None:
             self.grad_hook(self)
         with self._phase("data-parallel loss all-reduce"):
@@ -302,14 +323,27 @@ class Trainer:
 
     def _forward_backward(self, micro: list[MicroBatch], loss_tokens: float):
         """Every micro-batch through the whole model: (sum of token losses, aux share, expert counts)."""
+        inputs = (mb.to(self.device).forward_kwargs() for mb in micro)  # each copied when it runs
+        return self._run_micro_batches(inputs, len(micro), loss_tokens)
+
+    def _step_gradients(self, inputs: list[dict], loss_tokens: torch.Tensor):
+        """What train.cuda_graph=step captures (moevlm.train.step_graph): the micro-batches' forward
+        and backward, the gradient reduction and the clip: (loss sum, aux share, counts, norm)."""
+        loss_sum, aux_sum, counts = self._run_micro_batches(inputs, len(inputs), loss_tokens)
+        self.parallel.finish_gradients()
+        return loss_sum, aux_sum, counts, self._clip()
+
+    def _run_micro_batches(self, inputs, n: int, loss_tokens: float | torch.Tensor):
+        """The model's inputs of `n` micro-batches (an iterable of keyword arguments), each forward
+        then backward: (sum of token losses, aux share, expert counts)."""
         loss_sum = torch.zeros((), device=self.device)
         aux_sum, counts = torch.zeros((), device=self.device), None
         # the aux loss is averaged over micro-batches and ranks
-        share = len(micro) * self.plan.dims.dp
+        share = n * self.plan.dims.dp
         moe = self.plan.model.moe
-        for mb in micro:
+        for kwargs in inputs:
             with self._autocast():
-                out = self.model(**mb.to(self.device).forward_kwargs())
+                out = self.model(**kwargs)
             lm_sum = out.lm_loss * out.num_loss_tokens
             if out.router_totals is not None:
                 # moe.aux_loss=global_batch: the step's frequencies so far (moevlm.parallel.balance)
@@ -351,13 +385,14 @@ class Trainer:
     def _update(self, ok: bool) -> None:
         self._lr_used = self.opt.param_groups[0]["lr"]
         if ok:
-            self.opt.step()
+            self.step_graph.update() if self.step_graph is not None else self.opt.step()
             self.sched.step()
             self.in_a_row = 0
         else:
             self.nonfinite_steps += 1
             self.in_a_row += 1
-        self.opt.zero_grad(set_to_none=True)
+        if self.step_graph is None or not self.step_graph.captured:
+            self.opt.zero_grad(set_to_none=True)  # (a captured step's graph rewrites its gradients)
 
     def _clip(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
