@@ -257,7 +257,7 @@ def next_token_targets(labels_BS: torch.Tensor, cu_seqlens: torch.Tensor | None)
     targets = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).clone()
     if cu_seqlens is not None:
         last_of_doc = cu_seqlens[1:].to(targets.device, torch.long, non_blocking=True) - 1
-        targets[last_of_doc] = IGNORE_INDEX
+        targets.index_fill_(0, last_of_doc, IGNORE_INDEX)  # (a scalar: no host tensor to copy in)
     return targets
 
 

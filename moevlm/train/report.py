@@ -23,6 +23,8 @@ def window_record(tr: Trainer, window: Window) -> dict:
     """The log record of `window` with what only the trainer knows.  Collective under pipeline stages
     and expert capacity: every rank builds it, rank 0 writes it."""
     mem = peak_memory_gib(tr.device)
+    if tr.step_graph is not None:  # replays use the memory their capture took
+        mem = max(mem, tr.step_graph.peak_gib)
     rec = window.record(
         step=tr.step,
         world_size=tr.world,

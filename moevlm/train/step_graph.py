@@ -58,6 +58,9 @@ class StepGraph:
         self.lrs: list[torch.Tensor] = []  # each parameter group's lr, read by the update graph
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.side = torch.cuda.Stream(device) if self.capture else None
+        # the device memory a replay uses: its capture's peak (replays allocate nothing the
+        # allocator sees, but run in the pool the capture filled)
+        self.peak_gib = 0.0
         if self.capture:
             _capturable(self.opt)
 
@@ -158,6 +161,8 @@ class StepGraph:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         graph.replay()  # a capture records without running
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.peak_gib = max(self.peak_gib, peak)
         return out, graph
 
     def _on_side_stream(self):
