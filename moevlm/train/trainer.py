@@ -242,6 +242,10 @@ class Trainer:
                 "forward/backward, gradient reduction and clipping (train.cuda_graph=step)"
             ):
                 loss_sum, aux_sum, counts, grad_norm = self.step_graph.gradients(micro, loss_tokens)
+            if self.step_graph.replays == 1 and self.step_graph.grads_graph is not None:
+                self.log.info(
+                    f"train.cuda_graph=step: step {self.step + 1} captured; later steps replay it"
+                )
         else:
             with self._phase("forward/backward"):
                 fb = self._pipeline_forward_backward if self.pipeline else self._forward_backward
