@@ -171,7 +171,7 @@ def check_cuda_graphs(job, model: VLMConfig, dims: ParallelDims, spec: Dispatche
     refuse(key, refusals)
 
 
-def check_step_graph(job, model: VLMConfig, dims: ParallelDims, spec: DispatcherSpec) -> None:
+def check_step_graph(job, model: VLMConfig, dims: ParallelDims) -> None:
     """What `train.cuda_graph=step` cannot capture (moevlm.train.step_graph), each with its reason."""
     t, m, d = job.train, job.model, job.data
     if t.cuda_graph == "off":

@@ -146,7 +146,7 @@ def validate(job, world_size: int = 1, environment: bool = True) -> JobPlan:
         run(data_problem, check_job_data, job.data, model, dims.dp, dims.tp, dims.cp)
         if spec is not None:
             run(check_cuda_graphs, job, model, dims, spec)
-            run(check_step_graph, job, model, dims, spec)
+            run(check_step_graph, job, model, dims)
             fp8 = run(check_fp8, job, model, dims, spec, environment)
     if dims is not None:
         run(check_optimizer_offload, job, dims)
