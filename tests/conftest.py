@@ -3,6 +3,11 @@ import os
 # The Triton kernels (kernels/) run on CPU only under the interpreter; it must be
 # set before any @triton.jit runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's CPU kernels built scalar, in every process of the session: the tests check graphs (breaks,
+# recompiles) and parity with eager at fixed tolerances, not how a fused CPU kernel is written, and g++
+# on the vectorized kernels was most of a compile test's time (tests/train/test_compile.py: 676 s ->
+# 316 s cold with this and one compile thread).  CUDA kernels are not affected.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers on two cores: a thread waiting at a barrier sleeps rather than spins (set before torch
     # starts OpenMP); a test that asks for two threads (test_fp8_training) does not steal the other's core
