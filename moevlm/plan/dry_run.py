@@ -199,7 +199,10 @@ def dry_run(
             # past the warm-up the peak still grows by what the schedule keeps per micro-batch
             # (torch's receive buffers and the losses of each): linear in M too, as the host copies
             peak = at_m(peak1, peak2)
-            split = {k: at_m(s1.get(k, 0), s2.get(k, 0)) for k in s1.keys() | s2.keys()}
+            # in the runs' order (a set's order would follow string hashes: the attribution's ties
+            # listed differently from one process to the next)
+            labels = dict.fromkeys([*s1, *s2])
+            split = {k: at_m(s1.get(k, 0), s2.get(k, 0)) for k in labels}
             offload = (
                 at_m(h1.host_total_bytes, h2.host_total_bytes),
                 at_m(h1.host_peak_bytes, h2.host_peak_bytes),

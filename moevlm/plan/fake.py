@@ -83,6 +83,15 @@ class PlanMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.shadow = WeakIdKeyDictionary()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # see _Observer: a plan never compiles
+
+    def _fake_op(self, func, types, args, kwargs):
+        """FakeTensorMode's op, called without its `__torch_dispatch__`'s wrappers (a per-op statistics
+        counter and the Dynamo guard, which a plan, never compiled, does not need)."""
+        return self.dispatch(func, types, args, kwargs)
+
     def fake(self, t: torch.Tensor, device: torch.device) -> FakeTensor:
         """A fake copy of the real tensor `t` on `device`, its value kept when it is small and integer."""
         f = self.from_tensor(t).to(device)
@@ -109,7 +118,7 @@ class PlanMode(FakeTensorMode):
         if func is _WAIT_TENSOR:  # the real op returns its input (the collective's own output)
             return args[0]
         if func.namespace in _COLLECTIVE_NAMESPACES:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            out = self._fake_op(func, types, args, kwargs)
             self._collective_shadow(func, args, kwargs, out)
             return out
         if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
@@ -117,7 +126,7 @@ class PlanMode(FakeTensorMode):
         tensors = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         factory = not tensors
         try:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            out = self._fake_op(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             known = None if factory else self._run_on_shadows(func, args, kwargs, tensors)
             if known is None:
@@ -157,17 +166,17 @@ class PlanMode(FakeTensorMode):
         def as_bf16(t):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 return t
-            return super(PlanMode, self).__torch_dispatch__(
+            return self._fake_op(
                 aten.empty_strided.default,
                 (),
                 (t.shape, t.stride()),
                 {"dtype": torch.bfloat16, "device": t.device},
             )
 
-        shaped = super().__torch_dispatch__(
+        shaped = self._fake_op(
             aten._grouped_mm.default, types, tuple(as_bf16(a) for a in args), kwargs
         )
-        return super().__torch_dispatch__(
+        return self._fake_op(
             aten.empty_strided.default,
             (),
             (shaped.shape, shaped.stride()),
@@ -203,7 +212,7 @@ class PlanMode(FakeTensorMode):
         def fake(r):
             if not isinstance(r, torch.Tensor):
                 return r
-            return super(PlanMode, self).__torch_dispatch__(
+            return self._fake_op(
                 aten.empty_strided.default,
                 (),
                 (r.shape, r.stride()),
@@ -318,7 +327,13 @@ def fake_device(t: FakeTensor) -> torch.device:
 
 class _Observer(TorchDispatchMode):
     """A mode stacked over PlanMode: answers `t.device` itself (most dispatches are that query;
-    passed down, each would cross every mode below) and hands every op to `handle`."""
+    passed down, each would cross every mode below) and hands every op to `handle`.  Its
+    `__torch_dispatch__` is not wrapped in torch's Dynamo guard (`_should_skip_dynamo`): the dry runs
+    never compile, and the guard costs every op a frame-evaluation switch on each mode it crosses."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and isinstance(args[0], FakeTensor):
