@@ -298,7 +298,6 @@ def _step(
     real count, for the loss normalization (default `plan.grad_accum`)."""
     from moevlm.model.objective import objective
     from moevlm.parallel.build import materialize_
-    from moevlm.parallel.compile import use_static_masks
     from moevlm.train.optim import build_optimizer
     from moevlm.train.setup import boundary_dtypes
     from moevlm.train.trainer import sum_over
