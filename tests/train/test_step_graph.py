@@ -1,7 +1,7 @@
 """train.cuda_graph=step on the CPU: what it refuses (every reason at once), the step a capture would
 record run eagerly over the static buffers equals the plain step bit for bit, and the inputs as a
 captured step passes them read nothing from the device (fake CUDA, real size).  The capture itself
-is tests/gpu/test_step_graph.py."""
+is tests/gpu/test_step_graph_cuda.py."""
 
 from __future__ import annotations
 
