@@ -100,11 +100,8 @@ class StepGraph:
                 self.opt.step()
             return
         if self.update_graph is None and self.capture:
-            self.lrs = [
-                torch.tensor(float(g["lr"]), device=self.device) for g in self.opt.param_groups
-            ]
             floats = [g["lr"] for g in self.opt.param_groups]
-            _capturable(self.opt)  # (a resumed optimizer's groups carry the checkpoint's flags)
+            self.lrs = [torch.tensor(float(lr), device=self.device) for lr in floats]
             for g, lr in zip(self.opt.param_groups, self.lrs):
                 g["lr"] = lr
             try:

@@ -65,19 +65,16 @@ class Trainer:
         self.last_finite: tuple[float, float] | None = None
         self.grad_hook = None  # called with the trainer after clipping, before the update (tests)
         self._lr_used = self.opt.param_groups[0]["lr"]
+        self.step_graph: StepGraph | None = None
         if self.t.cuda_graph == "step":
             use_static_masks(self.model)
-        self.step_graph = (
-            StepGraph(
+            self.step_graph = StepGraph(
                 self._step_gradients,
                 self.opt,
                 self.plan.model,
                 self.device,
                 warmup=self.t.cuda_graph_warmup,
             )
-            if self.t.cuda_graph == "step"
-            else None
-        )
 
     # ------------------------------------------------------------- checkpoints
     def save(self, complete: bool = False) -> Path:
