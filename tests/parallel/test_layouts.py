@@ -158,10 +158,13 @@ def job_overrides(shards: str, run_dir: str, layout: list[str]) -> list[str]:
 VAL = ["train.val_every=1", "train.val_batches=2"]
 
 
-def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
+def run_job(
+    shards: str, run_dir: str, layout: list[str], grad_steps: int = STEPS, params: bool = True
+) -> dict:
     """Train STEPS steps; per step the loss and the (gathered, clipped) gradients; the final parameters.
     With "RESUME" in the layout: a DCP checkpoint after step 1, and a new Trainer resumes from it.  With
-    "VAL": after each step the validation's (val_loss, val_tokens)."""
+    "VAL": after each step the validation's (val_loss, val_tokens).  A caller that reads less gathers
+    less: the gradients of the first `grad_steps` steps only, no final parameters without `params`."""
     resume, val, export = "RESUME" in layout, "VAL" in layout, "EXPORT" in layout
     # another layout's checkpoint
     start = [x.split("=", 1)[1] for x in layout if x.startswith("FROM=")]
@@ -187,8 +190,10 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
     for part in (1, STEPS) if resume else (STEPS,):
         tr = Trainer(compose_job(job_overrides(shards, run_dir, layout)))
         assert tr.step == 1 or not start
-        tr.grad_hook = lambda t: grads.append(
-            every_stage(t, {k: v.clone() for k, v in full_grads(t.model).items()})
+        tr.grad_hook = lambda t: (
+            grads.append(every_stage(t, {k: v.clone() for k, v in full_grads(t.model).items()}))
+            if len(grads) < grad_steps
+            else None
         )
         try:
             while tr.step < part:
@@ -209,7 +214,9 @@ def run_job(shards: str, run_dir: str, layout: list[str]) -> dict:
                     "grads": grads,
                     "val": vals,
                     "vision": window.vision,
-                    "params": every_stage(tr, {**full_state_dict(tr.model), **biases}),
+                    "params": every_stage(tr, {**full_state_dict(tr.model), **biases})
+                    if params
+                    else {},
                 }
         finally:
             tr.close()

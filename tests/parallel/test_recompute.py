@@ -198,6 +198,7 @@ def _pp2(shards: str, tmp: str) -> None:
                 f"model.recompute={mode}",
                 "model.recompute_modules=[core_attn,moe,vision]",
             ],
+            params=False,  # the losses and every step's gradients are compared, not the weights
         )
         for mode in ("none", "selective", "full")
     }
