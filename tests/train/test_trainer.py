@@ -375,9 +375,12 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
         "train.val_every=2",
         "train.val_batches=1",
     ]
+    # the uninterrupted references write no checkpoint (nothing reads theirs; a write moves no loss)
+    uncut = [o for o in common if not o.startswith("train.checkpoint_every=")]
+    uncut += ["train.checkpoint_every=0", "train.checkpoint_at_end=false"]
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     # the uninterrupted reference and the resumes run in this process (the kills need their own)
-    assert Trainer(compose_job(common + [f"train.run_dir={ref_dir}"])).run() == 0
+    assert Trainer(compose_job(uncut + [f"train.run_dir={ref_dir}"])).run() == 0
     want = last_loss_per_step(ref_dir)
 
     kill_after = random.Random(time.time_ns()).randint(2, 5)
@@ -418,7 +421,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     # uninterrupted LoRA run
     lora = ["model.lora_rank=8", "model.lora_modules=[attn,mlp,experts]"]
     lora_ref, lora_cut = tmp_path / "lora_ref", tmp_path / "lora_cut"
-    assert Trainer(compose_job(common + lora + [f"train.run_dir={lora_ref}"])).run() == 0
+    assert Trainer(compose_job(uncut + lora + [f"train.run_dir={lora_ref}"])).run() == 0
     _killed_and_resumed_equal(common + lora, lora_cut, lora_ref, kill_after, capsys)
 
 
