@@ -24,13 +24,13 @@ from moevlm.dispatch.base import DEEPEP_APIS
 from moevlm.errors import ConfigError, check
 from moevlm.fields import is_int, one_of
 from moevlm.model.config import (
-    LORA_ROUTER,
     ATTN_BACKENDS,
     AUX_LOSSES,
     CAPACITY_OVERFLOWS,
     FP8_BACKENDS,
     FP8_MODULES,
     FP8_RECIPES,
+    LORA_ROUTER,
     PERMUTES,
     PRESETS,
     VLMConfig,
@@ -98,6 +98,14 @@ class ModelConfig:
         metadata={
             "edits": "vision.depth",
             "help": "proxy: fewer vision blocks (deepstack taps beyond it dropped); null = the model's own",
+        },
+    )
+    vision_taps: Optional[List[int]] = field(
+        default=None,
+        metadata={
+            "edits": "vision.deepstack_visual_indexes",
+            "help": "proxy: the vision blocks whose outputs feed the deepstack mergers, in order (with "
+            "model.vision_depth: the planner's short towers); null = the model's own",
         },
     )
     # the token ids: a randomly initialized model can take the ids of the data's tokenizer (the sample
@@ -453,7 +461,7 @@ def model_config(m: ModelConfig) -> VLMConfig:
     if m.num_layers is not None:  # dense layers and deepstack taps beyond a shrunk depth go with it
         cfg.moe.mlp_only_layers = tuple(i for i in cfg.moe.mlp_only_layers if i < m.num_layers)
         cfg.text.layer_types = layer_types_for(cfg.text.layer_types, m.num_layers)
-    if m.vision_depth is not None:
+    if m.vision_depth is not None and m.vision_taps is None:
         cfg.vision.deepstack_visual_indexes = tuple(
             i for i in cfg.vision.deepstack_visual_indexes if i < m.vision_depth
         )
@@ -537,6 +545,12 @@ def _check_proxies(m: ModelConfig) -> None:
             value is None or is_int(value) and value >= least,
             f"model.{name}={value!r} must be an integer >= {least}{what}, or null for the model's own",
         )
+    taps = m.vision_taps
+    check(
+        taps is None or all(is_int(i) and i >= 0 for i in taps) and list(taps) == sorted(set(taps)),
+        f"model.vision_taps={taps!r} must be vision block indexes in increasing order, or null for the "
+        "model's own",
+    )
 
 
 def spec_fields() -> dict[str, str]:

@@ -209,7 +209,8 @@ class VLMConfig:
         for i in v.deepstack_visual_indexes:
             check(
                 0 <= i < v.depth,
-                f"vision.deepstack_visual_indexes has {i}, outside 0..vision.depth-1={v.depth - 1}",
+                f"vision.deepstack_visual_indexes={list(v.deepstack_visual_indexes)} has {i}, outside "
+                f"0..vision.depth-1={v.depth - 1}",
             )
         check(
             len(v.deepstack_visual_indexes) <= t.num_layers,

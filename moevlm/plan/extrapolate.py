@@ -86,24 +86,37 @@ class Extrapolator:
         self.cfg = model_config(job.model)
         self.depth = self.cfg.vision.depth
         self.reduced_vision = min(vision_layers, self.depth)
-        self.taps = len(self.cfg.vision.deepstack_visual_indexes)
+        self.real_taps = self.cfg.vision.deepstack_visual_indexes
+        self.taps = len(self.real_taps)
         self.fits: dict = {}
         self.visions: dict = {}
         self.runs = 0
         self.run_s = 0.0
+        self.runs_done: dict = {}  # (layout, stage layers, vision depth, taps) -> quantities
 
     # -- the runs
-    def _run(self, layout: Layout, stage_layers: list[int], vision_depth: int | None) -> dict:
+    def _run(
+        self, layout: Layout, stage_layers: list[int], vision_depth: int | None, taps=None
+    ) -> dict:
+        """Rank 0's quantities with `stage_layers` decoder layers per stage and a tower of
+        `vision_depth` blocks (None: the real one) tapped at `taps` (None: the real taps within it)."""
+        depth = self.depth if vision_depth is None else vision_depth
+        taps = tuple(i for i in self.real_taps if i < depth) if taps is None else tuple(taps)
+        key = (layout, tuple(stage_layers), depth, taps)
+        if key in self.runs_done:
+            return self.runs_done[key]
         job = layout.apply(self.job, self.world)
         job.model.num_layers = sum(stage_layers)
-        job.model.vision_depth = vision_depth
+        job.model.vision_depth = depth
+        job.model.vision_taps = list(taps)
         if layout.pp > 1:
             job.parallel.pp_layers = ",".join(map(str, stage_layers))
         t0 = time.perf_counter()
         r = dry_run(job, self.world, rank=0)
         self.runs += 1
         self.run_s += time.perf_counter() - t0
-        return _quantities(r)
+        self.runs_done[key] = _quantities(r)
+        return self.runs_done[key]
 
     def _split(self, layout: Layout, x: int, y: int = 1) -> list[int]:
         """Decoder layers per stage of a reduced run: x on stage 0, y on stage pp (rank 0's second
@@ -167,10 +180,22 @@ class Extrapolator:
                 split = self._split(layout, x0)
                 if sum(split) < self.taps:  # the taps need that many layers: after stage 0
                     split[1] += self.taps - sum(split)
-                full = self._run(layout, split, None)
+                full = self.tower(layout, split)
                 fit = self.fit(layout, self.steady_start(*self.real_layers(layout, plan)))
                 self.visions[key] = _axpy(-1.0, fit.at(x0), full)
         return self.visions[key]
+
+    def tower(self, layout: Layout, split: list[int]) -> dict:
+        """Rank 0's quantities at `split` with the real tower, from two short towers: d = max(T, 1)
+        blocks and d + 1, the T taps on the first blocks; the real depth D is d + (D - d) untapped
+        blocks, each adding what the (d + 1)-th adds.  A tower of at most d + 1 blocks is run whole."""
+        d = max(self.taps, 1)
+        if self.depth <= d + 1:
+            return self._run(layout, split, None)
+        taps = range(self.taps)
+        short = self._run(layout, split, d, taps)
+        block = _axpy(-1.0, short, self._run(layout, split, d + 1, taps))
+        return _axpy(self.depth - d, block, short)
 
     def estimate(self, layout: Layout, plan) -> dict:
         """Rank 0's quantities at the real size."""

@@ -335,3 +335,26 @@ def test_a_pipelines_vision_term_comes_first_and_can_reject_its_whole_key(comput
     assert small.dry_runs == 0 and not small.top
     assert len(small.rejected) == 2
     assert all("(its vision term alone, a lower bound)" in r.reason for r in small.rejected)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(1, 1, 1, 1, 2, 1, "fsdp", "none", 1), Layout(1, 1, 2, 1, 1, 1, "fsdp", "none", 1)],
+    ids=["fsdp-ep2", "pp2-1f1b"],
+)
+def test_the_real_tower_from_two_short_towers_equals_its_direct_run(layout):
+    """A 6-block tower tapped at blocks 1 and 4 (model.vision_taps) is not run: towers of 2 and 3
+    blocks tapped at 0 and 1 give it, every quantity equal to the real tower's run, byte for byte."""
+    job = tiny_job("model.num_layers=3", "model.vision_depth=6", "model.vision_taps=[1,4]")
+    ext = Extrapolator(job, WORLD)
+    assert (ext.depth, ext.real_taps) == (6, (1, 4))
+    split = ext._split(layout, 2)
+    ext._run(layout, split, 1)  # a process's first dry run (a few bytes of its own) out of the way
+    direct = ext._run(layout, split, None)
+    runs = ext.runs
+    got = ext.tower(layout, split)
+    assert ext.runs - runs == 2 and set(ext.runs_done) >= {
+        (layout, tuple(split), 2, (0, 1)),
+        (layout, tuple(split), 3, (0, 1)),
+    }
+    assert {k: round(v) for k, v in got.items()} == {k: round(v) for k, v in direct.items()}
