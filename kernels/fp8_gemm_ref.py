@@ -64,14 +64,22 @@ def unquantized_reference(op: str, x, w, dy, counts: list[int] | None) -> torch.
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """fp32 values of codes `q` whose scales `s` cover blocks of shape `block` (trailing dims of q)."""
-    s = s.float()
-    for dim, b in zip(range(q.dim() - len(block), q.dim()), block):
-        if b > 1:  # each scale repeated b times along dim (a broadcast, then one copy)
-            shape = list(s.shape)
-            each = s.unsqueeze(dim + 1).expand(*shape[: dim + 1], b, *shape[dim + 1 :])
-            shape[dim] *= b
-            s = each.reshape(shape).narrow(dim, 0, q.shape[dim])
-    return q.float() * s
+    lead = q.dim() - len(block)
+    if any(q.shape[lead + i] % b for i, b in enumerate(block)):  # partial blocks: scales repeated
+        s = s.float()
+        for dim, b in zip(range(lead, q.dim()), block):
+            if b > 1:  # each scale repeated b times along dim (a broadcast, then one copy)
+                shape = list(s.shape)
+                each = s.unsqueeze(dim + 1).expand(*shape[: dim + 1], b, *shape[dim + 1 :])
+                shape[dim] *= b
+                s = each.reshape(shape).narrow(dim, 0, q.shape[dim])
+        return q.float() * s
+    # whole blocks: each blocked dim split in (blocks, b), the scales broadcast over b
+    tiles, scale = list(q.shape[:lead]), list(s.shape[:lead])
+    for i, b in enumerate(block):
+        tiles += [q.shape[lead + i] // b, b]
+        scale += [s.shape[lead + i], 1]
+    return (q.float().reshape(tiles) * s.float().reshape(scale)).reshape(q.shape)
 
 
 def emulate(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):

@@ -38,26 +38,43 @@ def _exp2i(n: torch.Tensor) -> torch.Tensor:
     return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def _tiles(x_GRC: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """x (G, R, C) zero-padded to whole tiles, viewed (G, Rb, tr, Cb, tc) (no copy when whole)."""
+    (G, R, C), (tr, tc) = x_GRC.shape, tile
+    Rb, Cb = cdiv(R, tr), cdiv(C, tc)
+    if Rb * tr != R or Cb * tc != C:  # zero padding never raises an amax
+        x_GRC = F.pad(x_GRC, (0, Cb * tc - C, 0, Rb * tr - R))
+    return x_GRC.contiguous().view(G, Rb, tr, Cb, tc)
+
+
 def _expand(t_GRbCb: torch.Tensor, tile: tuple[int, int], R: int, C: int) -> torch.Tensor:
-    """Per-tile values -> per-element (G, R, C)."""
+    """Per-tile values -> per-element (G, R, C) (a copy)."""
     (G, Rb, Cb), (tr, tc) = t_GRbCb.shape, tile
     each = t_GRbCb[:, :, None, :, None].expand(G, Rb, tr, Cb, tc)
     return each.reshape(G, Rb * tr, Cb * tc)[:, :R, :C]
 
 
+def _untile(t: torch.Tensor, R: int, C: int) -> torch.Tensor:
+    """(G, Rb, tr, Cb, tc) tiles -> (G, R, C), contiguous."""
+    G, Rb, tr, Cb, tc = t.shape
+    return t.reshape(G, Rb * tr, Cb * tc)[:, :R, :C].contiguous()
+
+
+def _each(t_GRbCb: torch.Tensor) -> torch.Tensor:
+    """Per-tile values broadcast over the tiles' elements."""
+    return t_GRbCb[:, :, None, :, None]
+
+
 def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow2: bool):
     """The spec for every layout: (G, R, C) in, tiles (tr, tc); codes (G, R, C), scales (G, Rb, Cb)."""
-    (G, R, C), (tr, tc) = x_GRC.shape, tile
-    Rb, Cb = cdiv(R, tr), cdiv(C, tc)
-    x = x_GRC.float().contiguous()  # codes come out contiguous whatever x's strides
-    # zero padding never raises an amax
-    t = F.pad(x, (0, Cb * tc - C, 0, Rb * tr - R)).view(G, Rb, tr, Cb, tc)
+    _, R, C = x_GRC.shape
+    t = _tiles(x_GRC.float(), tile)  # codes come out contiguous whatever x's strides
     amax = t.abs().amax(dim=(2, 4))
     bad = ~amax.isfinite()  # a tile holding a NaN or an infinity (amax propagates NaN)
     if mx:
         e = (torch.frexp(amax).exponent - 1 - 8).clamp(-127, 127)  # floor(log2 amax) - 8
         e = torch.where((amax == 0) | bad, -127, e)
-        scaled = x * _expand(_exp2i(-e), tile, R, C)
+        scaled = t * _each(_exp2i(-e))
         scales = torch.where(bad, 0xFF, e + 127).to(torch.uint8).view(E8M0)
     else:
         s = (amax / E4M3_MAX).clamp_min(_MIN_SCALE)
@@ -66,15 +83,15 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
             m, ex = torch.frexp(s)
             s = _exp2i(torch.where(bad, 0, torch.where(m == 0.5, ex - 1, ex)))
         scales = torch.where(bad, torch.nan, torch.where(amax == 0, 1.0, s))
-        scaled = x / _expand(scales, tile, R, C)
+        scaled = t / _each(scales)
     codes = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8).view(torch.uint8)
-    codes = codes.masked_fill(_expand(bad, tile, R, C), _NAN_CODE).view(FP8)
-    return codes, scales
+    codes = codes.masked_fill(_each(bad), _NAN_CODE)
+    return _untile(codes, R, C).view(FP8), scales
 
 
 def _dequant_tiles_torch(codes_GRC, scales_GRbCb, tile):
-    G, R, C = codes_GRC.shape
-    return codes_GRC.float() * _expand(scales_GRbCb.float(), tile, R, C)
+    _, R, C = codes_GRC.shape
+    return _untile(_tiles(codes_GRC.float(), tile) * _each(scales_GRbCb.float()), R, C)
 
 
 def row_block_starts(counts_E: torch.Tensor, block: int = 128) -> torch.Tensor:
