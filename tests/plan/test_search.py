@@ -337,6 +337,7 @@ def test_a_pipelines_vision_term_comes_first_and_can_reject_its_whole_key(comput
     assert all("(its vision term alone, a lower bound)" in r.reason for r in small.rejected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [Layout(1, 1, 1, 1, 2, 1, "fsdp", "none", 1), Layout(1, 1, 2, 1, 1, 1, "fsdp", "none", 1)],

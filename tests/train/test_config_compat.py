@@ -107,6 +107,7 @@ SET = {
     "num_layers": 2,
     "num_experts": 4,
     "vision_depth": 1,
+    "vision_taps": [0],
     "aux_loss_coef": 0.01,
     "moe_aux_loss": "sequence",
     "moe_router_bias_rate": 0.001,
@@ -131,7 +132,7 @@ SET = {
 
 def _override(key: str, value) -> str:
     if isinstance(value, list):
-        return f"model.{key}=[{','.join(value)}]"
+        return f"model.{key}=[{','.join(map(str, value))}]"
     return f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
 
 
