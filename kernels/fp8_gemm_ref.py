@@ -12,6 +12,7 @@ block along the reduction dim (BLOCK: 128 blockwise, 32 MXFP8).  Suffix q: e4m3 
 from __future__ import annotations
 
 import torch
+from moevlm.kernels.fp8_quant_ref import dequant_tiles_torch
 
 __all__ = [
     "BLOCK",
@@ -62,24 +63,12 @@ def unquantized_reference(op: str, x, w, dy, counts: list[int] | None) -> torch.
     )
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
-    """fp32 values of codes `q` whose scales `s` cover blocks of shape `block` (trailing dims of q)."""
-    lead = q.dim() - len(block)
-    if any(q.shape[lead + i] % b for i, b in enumerate(block)):  # partial blocks: scales repeated
-        s = s.float()
-        for dim, b in zip(range(lead, q.dim()), block):
-            if b > 1:  # each scale repeated b times along dim (a broadcast, then one copy)
-                shape = list(s.shape)
-                each = s.unsqueeze(dim + 1).expand(*shape[: dim + 1], b, *shape[dim + 1 :])
-                shape[dim] *= b
-                s = each.reshape(shape).narrow(dim, 0, q.shape[dim])
-        return q.float() * s
-    # whole blocks: each blocked dim split in (blocks, b), the scales broadcast over b
-    tiles, scale = list(q.shape[:lead]), list(s.shape[:lead])
-    for i, b in enumerate(block):
-        tiles += [q.shape[lead + i] // b, b]
-        scale += [s.shape[lead + i], 1]
-    return (q.float().reshape(tiles) * s.float().reshape(scale)).reshape(q.shape)
+def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 values of codes `q` whose scales `s` cover blocks of shape `block` (the last two dims of
+    q; any leading dims are groups): fp8_quant_ref's tile dequantization."""
+    R, C = q.shape[-2:]
+    grc = q.reshape(-1, R, C), s.reshape(-1, *s.shape[-2:])
+    return dequant_tiles_torch(*grc, block).view(q.shape)
 
 
 def emulate(op, recipe, a, a_s, b, b_s, counts_E, out_dtype):

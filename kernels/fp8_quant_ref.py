@@ -19,6 +19,7 @@ from moevlm.kernels._common import cdiv
 __all__ = [
     "dequant_blockwise_torch",
     "dequant_mxfp8_torch",
+    "dequant_tiles_torch",
     "quant_blockwise_act_t_torch",
     "quant_blockwise_act_torch",
     "quant_blockwise_weight_torch",
@@ -50,8 +51,7 @@ def _tiles(x_GRC: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
 def _expand(t_GRbCb: torch.Tensor, tile: tuple[int, int], R: int, C: int) -> torch.Tensor:
     """Per-tile values -> per-element (G, R, C) (a copy)."""
     (G, Rb, Cb), (tr, tc) = t_GRbCb.shape, tile
-    each = t_GRbCb[:, :, None, :, None].expand(G, Rb, tr, Cb, tc)
-    return each.reshape(G, Rb * tr, Cb * tc)[:, :R, :C]
+    return _untile(_each(t_GRbCb).expand(G, Rb, tr, Cb, tc), R, C)
 
 
 def _untile(t: torch.Tensor, R: int, C: int) -> torch.Tensor:
@@ -89,7 +89,8 @@ def _quant_tiles_torch(x_GRC: torch.Tensor, tile: tuple[int, int], mx: bool, pow
     return _untile(codes, R, C).view(FP8), scales
 
 
-def _dequant_tiles_torch(codes_GRC, scales_GRbCb, tile):
+def dequant_tiles_torch(codes_GRC, scales_GRbCb, tile):
+    """fp32 values of codes (G, R, C) with one scale per (tr, tc) tile, scales (G, Rb, Cb)."""
     _, R, C = codes_GRC.shape
     return _untile(_tiles(codes_GRC.float(), tile) * _each(scales_GRbCb.float()), R, C)
 
@@ -171,7 +172,7 @@ def dequant_blockwise_torch(
     codes: torch.Tensor, scales: torch.Tensor, block: int = 128, layout: str = "act"
 ):
     tile = (block, block) if layout == "weight" else (1, block)
-    return _dequant_tiles_torch(as_grc(codes), as_grc(scales), tile).view(codes.shape)
+    return dequant_tiles_torch(as_grc(codes), as_grc(scales), tile).view(codes.shape)
 
 
 def quant_mxfp8_torch(x: torch.Tensor, block: int = 32, dim: int = -1):
@@ -183,4 +184,4 @@ def quant_mxfp8_torch(x: torch.Tensor, block: int = 32, dim: int = -1):
 def dequant_mxfp8_torch(codes: torch.Tensor, scales: torch.Tensor, block: int = 32, dim: int = -1):
     codes_GRC, dim = mx_view(codes, dim)
     scales_GRC = mx_view(scales, dim)[0]
-    return _dequant_tiles_torch(codes_GRC, scales_GRC, mx_tile(dim, block)).view(codes.shape)
+    return dequant_tiles_torch(codes_GRC, scales_GRC, mx_tile(dim, block)).view(codes.shape)
