@@ -48,6 +48,13 @@ def last_loss_per_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: float(r["loss"]) for r in read_metrics(run_dir)}
 
 
+def uncheckpointed(overrides: list[str]) -> list[str]:
+    """`overrides` writing no checkpoint: an uninterrupted reference whose checkpoints nothing reads
+    (a write moves no loss)."""
+    kept = [o for o in overrides if not o.startswith("train.checkpoint_every=")]
+    return kept + ["train.checkpoint_every=0", "train.checkpoint_at_end=false"]
+
+
 # validation after step 3 and after the last step (4), on 2 global batches of the sample set
 VAL = ["data.val_shards=sample", "train.val_every=3", "train.val_batches=2"]
 
@@ -375,9 +382,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
         "train.val_every=2",
         "train.val_batches=1",
     ]
-    # the uninterrupted references write no checkpoint (nothing reads theirs; a write moves no loss)
-    uncut = [o for o in common if not o.startswith("train.checkpoint_every=")]
-    uncut += ["train.checkpoint_every=0", "train.checkpoint_at_end=false"]
+    uncut = uncheckpointed(common)  # the uninterrupted references
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     # the uninterrupted reference and the resumes run in this process (the kills need their own)
     assert Trainer(compose_job(uncut + [f"train.run_dir={ref_dir}"])).run() == 0

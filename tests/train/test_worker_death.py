@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_faults import _children, _gone
-from test_trainer import FAST, last_loss_per_step, launch, read_metrics
+from test_trainer import FAST, last_loss_per_step, launch, read_metrics, uncheckpointed
 
 from moevlm.config import compose_job
 from moevlm.data import loader as loader_module
@@ -42,11 +42,8 @@ def test_a_killed_worker_ends_the_run_in_seconds_and_the_relaunch_resumes_exactl
     common = ["train.steps=10", "train.checkpoint_every=1", "train.tensorboard=false"]
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     # the run whose worker is killed is train.py's; the uninterrupted reference and the relaunch (the
-    # same command again) run in this process.  The reference writes no checkpoint (nothing reads
-    # one; a write moves no loss)
-    uncut = [o for o in common if not o.startswith("train.checkpoint_every=")]
-    uncut += ["train.checkpoint_every=0", "train.checkpoint_at_end=false"]
-    assert Trainer(compose_job(uncut + [f"train.run_dir={ref_dir}"])).run() == 0
+    # same command again) run in this process
+    assert Trainer(compose_job(uncheckpointed(common) + [f"train.run_dir={ref_dir}"])).run() == 0
     job = launch(common + [f"train.run_dir={cut_dir}"])
     deadline, worker = time.time() + 300, None
     while time.time() < deadline and job.poll() is None and worker is None:
