@@ -182,9 +182,11 @@ def check_step_graph(job, model: VLMConfig, dims: ParallelDims) -> None:
     )
     refusals = [
         (
-            d.pack.max_patches > 0 or d.pack.max_videos > 0,
-            "captures text rows only (data.pack.max_patches=0, data.pack.max_videos=0): the vision tower "
-            "lays out each image's patches from its grid on the host, which a replay would not redo",
+            d.pack.max_patches > 0 and d.pack.max_videos > 0,
+            "captures text rows with images or with videos, not both (data.pack.max_videos=0, or "
+            "data.pack.max_patches=0): a micro-batch's images (videos) are laid out on the host into "
+            "fixed-size buffers, but a row mixing them orders the tower's patches by counts the host "
+            "would read each step",
         ),
         (
             dims.world > 1 and dims.pp * dims.tp * dims.cp * dims.ep * dims.etp == 1,

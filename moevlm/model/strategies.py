@@ -220,19 +220,30 @@ class Strategies:
 
 
 # ------------------------------------------------------------------ shared pure functions
-def true_positions(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """The flat positions of `mask`'s n true entries, in order, without a device-to-host read (the
-    caller knows n on the host: the merged rows the vision tower made, which the input checks match
-    to the visual tokens)."""
-    return torch.nonzero_static(mask.reshape(-1), size=n).squeeze(-1)
+def true_positions(mask: torch.Tensor, n: int, fill: int = -1) -> torch.Tensor:
+    """The flat positions of `mask`'s first n true entries, in order, without a device-to-host read
+    (the caller knows n on the host: the merged rows the vision tower made, which the input checks
+    match to the visual tokens); `fill` where the mask holds fewer."""
+    return torch.nonzero_static(mask.reshape(-1), size=n, fill_value=fill).squeeze(-1)
+
+
+def place_rows(
+    h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_RD: torch.Tensor, add: bool = False
+) -> torch.Tensor:
+    """h with `rows` put (`add`: added), in order, at the positions where mask is true (out of
+    place).  Rows past the mask's count (a captured step's padding rows: their number is fixed, the
+    mask's is not) land on a spare row that is dropped."""
+    flat = h_BSD.reshape(-1, h_BSD.shape[-1])
+    idx = true_positions(mask_BS, rows_RD.shape[0], fill=flat.shape[0])
+    spare = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
+    rows = rows_RD.to(h_BSD.dtype)
+    out = spare.index_add(0, idx, rows) if add else spare.index_copy(0, idx, rows)
+    return out[:-1].view_as(h_BSD)
 
 
 def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
-    """h with `rows` added, in order, at the positions where mask is true (out of place); the mask
-    holds as many as `rows` has."""
-    idx = true_positions(mask_BS, rows_ND.shape[0])
-    flat = h_BSD.reshape(-1, h_BSD.shape[-1]).index_add(0, idx, rows_ND.to(h_BSD.dtype))
-    return flat.view_as(h_BSD)
+    """h with `rows` added, in order, at the positions where mask is true (out of place)."""
+    return place_rows(h_BSD, mask_BS, rows_ND, add=True)
 
 
 def token_loss(
@@ -273,6 +284,7 @@ __all__ = [
     "Sequence",
     "Vocab",
     "add_at_mask",
+    "place_rows",
     "local",
     "next_token_targets",
     "token_loss",

@@ -14,6 +14,7 @@ kernel (`attn.core`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -131,24 +132,29 @@ class VisionEncoder(nn.Module):
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
         )
 
-    def forward(self, pixel_values_NP: torch.Tensor, grid_thw_I3: torch.Tensor):
-        """Returns (merged tokens (N/4, O), [deepstack features (N/4, O)])."""
-        cfg, merge = self.cfg, self.cfg.spatial_merge_size
-        grid_cpu = grid_thw_I3.cpu()
+    def forward(
+        self,
+        pixel_values_NP: torch.Tensor,
+        grid_thw_I3: torch.Tensor | None,
+        layout: VisionLayout | None = None,
+    ):
+        """Returns (merged tokens (N/4, O), [deepstack features (N/4, O)]).  `layout`: the patches'
+        positions and segments already on the device (a captured step's static buffers); without it
+        they are laid out here from the host grid."""
+        cfg = self.cfg
         x_Nd = self.patch_embed(pixel_values_NP.to(self.patch_embed.weight.dtype))
-        rows_cols_N2 = vision_patch_rows_cols(grid_cpu, merge)
-        idx_N4, wts_N4 = (
-            t.to(x_Nd.device, non_blocking=True)
-            for t in pos_embed_taps(rows_cols_N2, grid_cpu, self.side)
-        )
-        x_Nd = x_Nd + (self.pos_embed(idx_N4) * wts_N4[..., None].to(x_Nd.dtype)).sum(1)
-        cos_sin = vision_rotary(
-            rows_cols_N2.to(x_Nd.device, non_blocking=True), cfg.head_dim, cfg.rope_theta
-        )
+        if layout is None:
+            host = vision_layout(grid_thw_I3.cpu(), cfg.spatial_merge_size, self.side)
+            # the segment bounds stay on the host: a mask built from a list reads nothing back
+            layout = replace(host.to(x_Nd.device), cu_seqlens=host.cu_seqlens)
+        x_Nd = x_Nd + (
+            self.pos_embed(layout.pos_idx_N4) * layout.pos_wts_N4[..., None].to(x_Nd.dtype)
+        ).sum(1)
+        cos_sin = vision_rotary(layout.rows_cols_N2, cfg.head_dim, cfg.rope_theta)
         mask = doc_mask(
             1,
             x_Nd.shape[0],
-            vision_cu_seqlens(grid_cpu),
+            layout.cu_seqlens,
             causal=False,
             backend=self.attn_backend,
             device=x_Nd.device,
@@ -163,3 +169,49 @@ class VisionEncoder(nn.Module):
                     self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)](x_Nd)
                 )
         return self.merger(x_Nd), deepstack
+
+
+@dataclass
+class VisionLayout:
+    """Where each patch sits, laid out on the host from the grids: the learned table's 4 bilinear taps
+    (indices, weights), the (row, col) the rotary turns by, and the attention segments (one per frame).
+    `segments`: cu_seqlens padded to that many entries with empty segments (fixed shapes for a
+    captured step)."""
+
+    pos_idx_N4: torch.Tensor
+    pos_wts_N4: torch.Tensor
+    rows_cols_N2: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def to(self, device: torch.device) -> VisionLayout:
+        return VisionLayout(
+            *(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self))
+        )
+
+    def copy_(self, other: VisionLayout) -> None:
+        """Copy `other` into these tensors (a captured step's static buffers)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine.shape != theirs.shape:
+                raise RuntimeError(
+                    f"the vision layout's {f.name} is {tuple(theirs.shape)}, captured as "
+                    f"{tuple(mine.shape)}; the packer's budgets fix every shape"
+                )
+            mine.copy_(theirs, non_blocking=True)
+
+
+def vision_layout(
+    grid_thw_I3: torch.Tensor, merge: int, side: int, segments: int | None = None
+) -> VisionLayout:
+    """The VisionLayout of the patches of `grid_thw_I3` (host; zero rows are no image), in order."""
+    grid = grid_thw_I3[grid_thw_I3.prod(-1) > 0]
+    rows_cols_N2 = vision_patch_rows_cols(grid, merge)
+    idx, wts = pos_embed_taps(rows_cols_N2, grid, side)
+    cu = vision_cu_seqlens(grid)
+    if segments is not None:
+        if cu.shape[0] > segments:
+            raise ValueError(
+                f"{cu.shape[0] - 1} frames need {cu.shape[0]} segment bounds, over {segments}"
+            )
+        cu = torch.cat([cu, cu[-1:].expand(segments - cu.shape[0])])
+    return VisionLayout(idx, wts, rows_cols_N2, cu)

@@ -16,6 +16,7 @@ shift happens here).  `out.loss = lm_loss + router_aux_loss_coef * aux_loss`.  W
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,11 @@ from moevlm.model.strategies import (
     Strategies,
     local,
     next_token_targets,
+    place_rows,
     token_loss,
     true_positions,
 )
-from moevlm.model.vision import VisionEncoder
+from moevlm.model.vision import VisionEncoder, VisionLayout, vision_layout
 
 
 @dataclass
@@ -117,6 +119,7 @@ class Qwen3VLMoe(nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         visual_tokens: tuple[int, int] | None = None,
         inputs_checked: bool = False,
+        vision_layout: VisionLayout | None = None,
     ) -> VLMOutput:
         """`token_mask` (B, S), True at real tokens: padding is left out of the
         router statistics (aux loss, `expert_counts`); it changes nothing else.
@@ -127,7 +130,11 @@ class Qwen3VLMoe(nn.Module):
         `input_ids` where the caller knows them on the host (the trainer's micro-batches: the
         loader placed them), so the input checks read nothing from the device; None counts them
         here (one device-to-host read when input_ids is on a GPU).  `inputs_checked`: the caller ran
-        `check_inputs` on host copies of these inputs (a captured step: nothing is read here)."""
+        `check_inputs` on host copies of these inputs (a captured step: nothing is read here).
+        `vision_layout`: the images' (or the videos') layout on the device, laid out on the host from
+        their grids (`image_layout`; a captured step's static buffers): every shape is then fixed by
+        the pixel tensor's, the padding patches' rows included, and the grid is not read (one kind:
+        images or videos)."""
         cfg = self.config
         if not inputs_checked:
             check_inputs(
@@ -144,10 +151,19 @@ class Qwen3VLMoe(nn.Module):
                 visual_tokens,
             )
         self.strategies.sequence.begin(cu_seqlens, *input_ids.shape, input_ids.device)
-        h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
-            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-        )
-        deepstack = [d[:n_image] for d in deepstack]
+        if vision_layout is not None:
+            if (pixel_values is None) == (pixel_values_videos is None):
+                raise ValueError(
+                    "vision_layout lays out one kind: pixel_values or pixel_values_videos, not both"
+                )
+            h_BSD, visual_mask_BS, deepstack = self.embed_laid_out(
+                input_ids, pixel_values, pixel_values_videos, vision_layout
+            )
+        else:
+            h_BSD, visual_mask_BS, deepstack, n_image = self.embed(
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+            )
+            deepstack = [d[:n_image] for d in deepstack]
         if position_ids is None:
             position_ids = mrope_position_ids(
                 input_ids,
@@ -232,8 +248,20 @@ class Qwen3VLMoe(nn.Module):
         # micro-batch holds only padding patches, so data-parallel ranks run the same backward
         # (same FSDP reduce-scatters) whether or not they drew an image.
         padding_zero = sum(t[n:].sum() for t in rows) * 0.0
-        h_BSD = h_BSD.masked_scatter(visual_mask_BS[..., None], rows[0][:n].to(h_BSD.dtype))
+        h_BSD = place_rows(h_BSD, visual_mask_BS, rows[0][:n])
         return h_BSD + padding_zero.to(h_BSD.dtype), visual_mask_BS, rows[1:], n
+
+    def embed_laid_out(self, input_ids, pixel_values, pixel_values_videos, layout: VisionLayout):
+        """`embed` of images, or videos, laid out on the host (`forward`'s `vision_layout`): (h_BSD,
+        visual mask, deepstack features), every output of the tower whole.  Its padding rows land on
+        no token (`place_rows`), which keeps the whole tower in the graph, as `embed`'s exact 0 does."""
+        h_BSD = self.text.embed_tokens(input_ids)
+        images = pixel_values is not None
+        token_id = self.config.image_token_id if images else self.config.video_token_id
+        visual_mask_BS = input_ids == token_id
+        pixels = pixel_values if images else pixel_values_videos
+        out_NO, deepstack = self.vision(pixels, None, layout)
+        return place_rows(h_BSD, visual_mask_BS, out_NO), visual_mask_BS, deepstack
 
     def encode_images(self, pixel_values_NP, grid_thw_I3):
         """(image tokens, deepstack features, n) of every image, the work shared as the strategies'
@@ -304,6 +332,19 @@ def from_pretrained(hf_dir: str | Path, **kwargs) -> Qwen3VLMoe:
     """The model of a Hugging Face folder, of the family its config.json names (Qwen3-VL-MoE or
     Qwen3.5-MoE); `kwargs` as `Qwen3VLMoe.from_pretrained`'s."""
     return Qwen3VLMoe.from_pretrained(hf_dir, **kwargs)
+
+
+def image_layout(cfg: VLMConfig, pixel_values_NP: torch.Tensor, image_grid_thw_I3: torch.Tensor):
+    """The VisionLayout of a micro-batch's images (or videos) on the host (`forward`'s
+    `vision_layout`): their patches, then the padding patches as one segment, the segment bounds padded to a number fixed by
+    the pixel tensor's shape (a frame has at least merge^2 patches)."""
+    merge, N = cfg.vision.spatial_merge_size, pixel_values_NP.shape[0]
+    grid = image_grid_thw_I3.cpu()
+    pad = N - int(grid.prod(-1).sum())
+    if pad:
+        grid = torch.cat([grid, grid.new_tensor([[1, merge, pad // merge]])])
+    side = math.isqrt(cfg.vision.num_position_embeddings)
+    return vision_layout(grid, merge, side, segments=N // merge**2 + 2)
 
 
 def _one_tower_input(kinds) -> tuple[torch.Tensor, torch.Tensor]:

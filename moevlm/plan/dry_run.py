@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -494,11 +494,13 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
     runs sdpa: for bf16 weights (optim.master_weights) without flash-attn it resolves to compiled flex,
     which Inductor cannot build for fake CUDA on a CPU-only torch.  `watch`: a dispatch mode entered
     above the fake one for the forward (`moevlm.plan.syncs.SyncCounter`).  `captured`: the inputs as a
-    captured step passes them (moevlm.train.step_graph: every tensor on the device, checked on the host,
-    static masks)."""
+    captured step passes them (moevlm.train.step_graph: every tensor on the device, the images laid
+    out, checked on the host, static masks)."""
     import copy
 
     from moevlm.config import validate
+    from moevlm.model.vision import VisionLayout
+    from moevlm.model.vlm import image_layout
     from moevlm.parallel.build import materialize_
     from moevlm.parallel.compile import use_static_masks
 
@@ -511,6 +513,9 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
     t0 = time.perf_counter()
     model, ctx = _build(job, plan, "cuda", bf16)
     real = budget_micro_batch(job, plan.model)
+    layout = None  # the images laid out on the host, as a captured step fills its buffers
+    if captured and real.pixel_values is not None:
+        layout = image_layout(plan.model, real.pixel_values, real.image_grid_thw)
     with fake_cuda(), PlanMode() as mode, torch.no_grad():
         materialize_(model, cuda, ctx)
         inputs = {k: _placed(mode, k, v, cuda) for k, v in real.forward_kwargs().items()}
@@ -518,6 +523,10 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
             use_static_masks(model)
             inputs["cu_seqlens"] = mode.fake(real.cu_seqlens, cuda)
             inputs["inputs_checked"] = True
+            if layout is not None:
+                inputs["vision_layout"] = VisionLayout(
+                    *(mode.fake(getattr(layout, f.name), cuda) for f in fields(layout))
+                )
         watching = watch if watch is not None else contextlib.nullcontext()
         with watching, emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
             out = model(**inputs)

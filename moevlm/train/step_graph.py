@@ -7,8 +7,9 @@ second, replayed from then on.
     graph.update()                                                            # optimizer.step(), likewise
 
 Static inputs: one device buffer per micro-batch input, filled by a host-to-device copy before each
-replay; `cu_seqlens` goes to the device too and the model reads nothing back (`inputs_checked`: the
-checks ran here on the host copies).  Off CUDA (`capture=False`) the same buffers and functions run
+replay; `cu_seqlens` and the images' layout (`vision_layout`, laid out here from the grids) go to
+the device too and the model reads nothing back (`inputs_checked`: the checks ran here on the host
+copies).  Off CUDA (`capture=False`) the same buffers and functions run
 eagerly: the CPU tests check what a capture would record.  Why and what is refused: docs/architecture.md.
 """
 
@@ -20,16 +21,35 @@ from typing import Callable
 import torch
 
 from moevlm.data.batch import MicroBatch
-from moevlm.model.vlm import check_inputs
+from moevlm.model.vision import VisionLayout
+from moevlm.model.vlm import check_inputs, image_layout
 
 
-def captured_inputs(mb: MicroBatch, device: torch.device) -> dict:
-    """The model's keyword arguments as a captured step passes them: every tensor on `device`
-    (`cu_seqlens` included), the host checks done (`inputs_checked`)."""
-    kwargs = mb.to(device).forward_kwargs()
+def host_inputs(mb: MicroBatch, model_cfg) -> dict:
+    """The model's keyword arguments as a captured step fills them, on the host: the micro-batch's
+    tensors, its images or videos laid out (`vision_layout`), the host checks done (`inputs_checked`; the
+    visual token counts, which vary, are then not needed)."""
+    kwargs = {**mb.forward_kwargs(), "visual_tokens": None, "inputs_checked": True}
+    if mb.pixel_values is not None and mb.pixel_values_videos is not None:
+        raise RuntimeError(
+            "train.cuda_graph=step lays out images or videos, not a micro-batch holding both"
+        )
+    if mb.pixel_values is not None:
+        kwargs["vision_layout"] = image_layout(model_cfg, mb.pixel_values, mb.image_grid_thw)
+    elif mb.pixel_values_videos is not None:
+        kwargs["vision_layout"] = image_layout(model_cfg, mb.pixel_values_videos, mb.video_grid_thw)
+    return kwargs
+
+
+def captured_inputs(mb: MicroBatch, model_cfg, device: torch.device) -> dict:
+    """`host_inputs` with every tensor on `device` (`cu_seqlens` and the layout included), but the
+    image grids: what the model is called with (shapes only are read from the grids)."""
+    kwargs = host_inputs(mb.to(device), model_cfg)
     if kwargs["cu_seqlens"] is not None:
         kwargs["cu_seqlens"] = kwargs["cu_seqlens"].to(device, non_blocking=True)
-    return {**kwargs, "inputs_checked": True}
+    if "vision_layout" in kwargs:
+        kwargs["vision_layout"] = kwargs["vision_layout"].to(device)
+    return kwargs
 
 
 class StepGraph:
@@ -77,7 +97,8 @@ class StepGraph:
             self.eager_steps += 1
             tokens = torch.tensor(float(loss_tokens), device=self.device)
             with self._on_side_stream():
-                return self.gradients_fn([captured_inputs(mb, self.device) for mb in micro], tokens)
+                inputs = [captured_inputs(mb, self.cfg, self.device) for mb in micro]
+                return self.gradients_fn(inputs, tokens)
         self._fill(micro, loss_tokens)
         if self.outputs is None:
             self.outputs, self.grads_graph = self._record(
@@ -126,16 +147,18 @@ class StepGraph:
         """This step's host inputs copied into the static buffers (the first captured step makes them)."""
         self.loss_tokens.fill_(float(loss_tokens))
         if self.static is None:
-            self.static = [captured_inputs(mb, self.device) for mb in micro]
+            self.static = [captured_inputs(mb, self.cfg, self.device) for mb in micro]
             return
         if len(micro) != len(self.static):
             raise RuntimeError(
                 f"train.cuda_graph=step captured {len(self.static)} micro-batches per step, got {len(micro)}"
             )
         for static, mb in zip(self.static, micro):
-            for key, value in mb.forward_kwargs().items():
-                held = static[key]
-                if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor):
+            for key, value in host_inputs(mb, self.cfg).items():
+                held = static.get(key)
+                if isinstance(held, VisionLayout) and isinstance(value, VisionLayout):
+                    held.copy_(value)
+                elif isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor):
                     if value.shape != held.shape or value.dtype != held.dtype:
                         raise RuntimeError(
                             f"train.cuda_graph=step: {key} is {tuple(value.shape)} {value.dtype}, captured "
@@ -189,4 +212,4 @@ def _capturable(opt: torch.optim.Optimizer) -> None:
                 state["step"] = step.to(p.device, torch.float32)
 
 
-__all__ = ["StepGraph", "captured_inputs"]
+__all__ = ["StepGraph", "captured_inputs", "host_inputs"]

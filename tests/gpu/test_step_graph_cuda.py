@@ -1,6 +1,7 @@
 """train.cuda_graph=step on one GPU: the trainer with the whole step captured (gradients graph and
-optimizer graph) equals the eager trainer, step by step, on the tiny model's text rows from the
-sample set; each graph is captured once and replayed every later step.  Skipped without CUDA.
+optimizer graph) equals the eager trainer, step by step, on the tiny model's text rows, then its
+image rows and video rows (the layout refilled each step), from the sample set; each graph is captured once and
+replayed every later step.  Skipped without CUDA.
 
 Tolerances: fp32 losses 1e-5 relative and weights 1e-4 relative / 1e-6 absolute (the same kernels run,
 captured or not; the MoE combine and the embedding backward add by atomics in no fixed order); bf16
@@ -20,6 +21,8 @@ from moevlm.train.trainer import Trainer
 pytestmark = pytest.mark.gpu
 
 TEXT = ["data.pack.max_patches=0", "data.pack.max_videos=0", "data.pack.oversize=truncate"]
+IMAGES = ["data.pack.max_videos=0"]  # text and image rows
+VIDEOS = ["data.pack.max_patches=0", "data.pack.oversize=truncate"]  # text and video rows
 STEPS, WARMUP = 6, 2
 # torch._grouped_mm takes bf16 only on CUDA: fp32 experts run the Triton kernel (sync-free)
 FP32 = ["train.precision=fp32", "model.grouped_gemm=triton"]
@@ -27,7 +30,7 @@ FP32 = ["train.precision=fp32", "model.grouped_gemm=triton"]
 
 def _run(tmp_path, name: str, extra: list[str], graphed: bool):
     job = compose_job(
-        ["data.shards=sample", *TEXT, "data.num_workers=1", "train.device=cuda"]
+        ["data.shards=sample", "data.num_workers=1", "train.device=cuda"]
         + [f"train.steps={STEPS}", "train.log_every=1", "train.global_batch_size=2"]
         + [f"train.run_dir={tmp_path / name}", "train.checkpoint_at_end=false"]
         + ["train.require_loss_decrease=false", "train.seed=3", *extra]
@@ -44,13 +47,25 @@ def _run(tmp_path, name: str, extra: list[str], graphed: bool):
 @pytest.mark.parametrize(
     "extra",
     [
-        [*FP32],
-        [*FP32, "model.recompute=full"],
-        [*FP32, "optim.implementation=foreach"],
-        ["train.precision=bf16"],
-        ["train.precision=bf16", "train.compile=true"],
+        [*TEXT, *FP32],
+        [*TEXT, *FP32, "model.recompute=full"],
+        [*TEXT, *FP32, "optim.implementation=foreach"],
+        [*TEXT, "train.precision=bf16"],
+        [*TEXT, "train.precision=bf16", "train.compile=true"],
+        [*IMAGES, *FP32],
+        [*IMAGES, "train.precision=bf16"],
+        [*VIDEOS, *FP32],
     ],
-    ids=["fp32", "fp32-recompute", "fp32-foreach", "bf16", "bf16-compile"],
+    ids=[
+        "fp32",
+        "fp32-recompute",
+        "fp32-foreach",
+        "bf16",
+        "bf16-compile",
+        "fp32-images",
+        "bf16-images",
+        "fp32-videos",
+    ],
 )
 def test_captured_step_equals_eager(tmp_path, extra):
     eager, w_eager, _ = _run(tmp_path, "eager", extra, graphed=False)

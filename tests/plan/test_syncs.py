@@ -117,7 +117,7 @@ def test_a_copy_to_the_host_is_one_read_and_what_it_made_is_on_the_host(device_t
     assert [(r.op, r.where) for r in syncs.records] == [(op, line_of("copy"))]
 
 
-def reading_positions(mask, n):
+def reading_positions(mask, n, fill=-1):
     """The visual tokens' positions as the model took them before `nonzero_static`: a read."""
     return mask.reshape(-1).nonzero().squeeze(-1)  # injected
 
