@@ -2,10 +2,11 @@
 MFU and the trainer's peak memory of the steps after the capture, and the ratio
 (moevlm.train.step_graph).
 
-    python bench/step_graph.py [--steps 20] [--warmup 3] KEY=VALUE...     # CUDA; text rows are forced
+    python bench/step_graph.py [--steps 20] [--warmup 3] [--rows text|images|videos] KEY=VALUE...  # CUDA
 
 Both runs build the masks a captured step builds (static, device-only), read the same rows from the
-same loader seed and log every step; the graph run's first `warmup` steps (eager) and its capture
+same loader seed and log every step (`--rows`: text rows, the default, or text rows with images
+or with videos); the graph run's first `warmup` steps (eager) and its capture
 step are left out of its medians, the same steps of the eager run out of its.
 """
 
@@ -21,10 +22,16 @@ from pathlib import Path
 
 import torch
 
-TEXT = ["data.pack.max_patches=0", "data.pack.max_videos=0", "data.pack.oversize=truncate"]
+ROWS = {
+    "text": ["data.pack.max_patches=0", "data.pack.max_videos=0", "data.pack.oversize=truncate"],
+    "images": ["data.pack.max_videos=0"],
+    "videos": ["data.pack.max_patches=0", "data.pack.oversize=truncate"],
+}
 
 
-def run(overrides: list[str], steps: int, warmup: int, graphed: bool, root: Path) -> dict:
+def run(
+    overrides: list[str], steps: int, warmup: int, graphed: bool, root: Path, rows: str = "text"
+) -> dict:
     from moevlm.config import compose_job
     from moevlm.parallel.compile import use_static_masks
     from moevlm.train.trainer import Trainer
@@ -32,7 +39,7 @@ def run(overrides: list[str], steps: int, warmup: int, graphed: bool, root: Path
     name = "graph" if graphed else "eager"
     mode = ["train.cuda_graph=step", f"train.cuda_graph_warmup={warmup}"] if graphed else []
     job = compose_job(
-        [*overrides, *TEXT, *mode, f"train.steps={steps}", "train.log_every=1"]
+        [*overrides, *ROWS[rows], *mode, f"train.steps={steps}", "train.log_every=1"]
         + [f"train.run_dir={root / name}", "train.checkpoint_at_end=false"]
         + ["train.require_loss_decrease=false", "train.tensorboard=false"]
     )
@@ -57,15 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rows", choices=sorted(ROWS), default="text")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/step_graph.py needs a CUDA device (CUDA graphs)")
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run(a.overrides, a.steps, a.warmup, g, Path(tmp)) for g in (False, True)]
+        rows = [run(a.overrides, a.steps, a.warmup, g, Path(tmp), a.rows) for g in (False, True)]
     print(
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; job: {' '.join(a.overrides)}"
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {a.rows} rows; "
+        f"job: {' '.join(a.overrides)}"
     )
     print("| mode | exit | steps | median step s | tokens/s | MFU | peak GiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
