@@ -5,6 +5,7 @@ Legend: N patches (all images), I images, d vision width, P patch dim (C*T*p*p),
 O text width (merger output).
 
     tokens_O, deepstack = VisionEncoder(cfg)(pixel_values_NP, grid_thw_I3)   # N/4 rows each
+    VisionEncoder(cfg)(pixel_values_NP, None, layout.to(device))  # vision_layout(grid, ...) on the host
 
 The patch embedding is a (d, P) linear weight (the reference's Conv3d with stride = kernel).
 Regions a build step may wrap: each block, its MLP, each LayerNorm (`region`), the attention
@@ -174,9 +175,7 @@ class VisionEncoder(nn.Module):
 @dataclass
 class VisionLayout:
     """Where each patch sits, laid out on the host from the grids: the learned table's 4 bilinear taps
-    (indices, weights), the (row, col) the rotary turns by, and the attention segments (one per frame).
-    `segments`: cu_seqlens padded to that many entries with empty segments (fixed shapes for a
-    captured step)."""
+    (indices, weights), the (row, col) the rotary turns by, and the attention segments (one per frame)."""
 
     pos_idx_N4: torch.Tensor
     pos_wts_N4: torch.Tensor
@@ -203,7 +202,8 @@ class VisionLayout:
 def vision_layout(
     grid_thw_I3: torch.Tensor, merge: int, side: int, segments: int | None = None
 ) -> VisionLayout:
-    """The VisionLayout of the patches of `grid_thw_I3` (host; zero rows are no image), in order."""
+    """The VisionLayout of the patches of `grid_thw_I3` (host; zero rows are no image), in order;
+    `segments`: the bounds padded to that many with empty segments (a captured step's fixed shapes)."""
     grid = grid_thw_I3[grid_thw_I3.prod(-1) > 0]
     rows_cols_N2 = vision_patch_rows_cols(grid, merge)
     idx, wts = pos_embed_taps(rows_cols_N2, grid, side)
