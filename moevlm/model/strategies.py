@@ -228,22 +228,32 @@ def true_positions(mask: torch.Tensor, n: int, fill: int = -1) -> torch.Tensor:
 
 
 def place_rows(
-    h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_RD: torch.Tensor, add: bool = False
+    h_BSD: torch.Tensor, where: torch.Tensor, rows_RD: torch.Tensor, add: bool = False
 ) -> torch.Tensor:
-    """h with `rows` put (`add`: added), in order, at the positions where mask is true (out of
-    place).  Rows past the mask's count (a captured step's padding rows: their number is fixed, the
-    mask's is not) land on a spare row that is dropped."""
+    """h with `rows` put (`add`: added), in order, at the positions `where` says (out of place):
+    a (B, S) bool mask holding as many as `rows` has, or the R flat positions (`laid_out_positions`:
+    a captured step's, where B*S marks a padding row, which lands on a spare row that is dropped)."""
     flat = h_BSD.reshape(-1, h_BSD.shape[-1])
-    idx = true_positions(mask_BS, rows_RD.shape[0], fill=flat.shape[0])
-    spare = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
     rows = rows_RD.to(h_BSD.dtype)
-    out = spare.index_add(0, idx, rows) if add else spare.index_copy(0, idx, rows)
+    if where.dtype == torch.bool:
+        idx = true_positions(where, rows.shape[0])
+        return (flat.index_add(0, idx, rows) if add else flat.index_copy(0, idx, rows)).view_as(
+            h_BSD
+        )
+    spare = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
+    out = spare.index_add(0, where, rows) if add else spare.index_copy(0, where, rows)
     return out[:-1].view_as(h_BSD)
 
 
-def add_at_mask(h_BSD: torch.Tensor, mask_BS: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
-    """h with `rows` added, in order, at the positions where mask is true (out of place)."""
-    return place_rows(h_BSD, mask_BS, rows_ND, add=True)
+def laid_out_positions(mask_BS: torch.Tensor, rows: int) -> torch.Tensor:
+    """The flat positions of `mask`'s true entries for `rows` rows, B*S past its count: every shape
+    fixed, nothing read from the device (`place_rows`)."""
+    return true_positions(mask_BS, rows, fill=mask_BS.numel())
+
+
+def add_at_mask(h_BSD: torch.Tensor, where: torch.Tensor, rows_ND: torch.Tensor) -> torch.Tensor:
+    """h with `rows` added, in order, at the positions `where` says (`place_rows`)."""
+    return place_rows(h_BSD, where, rows_ND, add=True)
 
 
 def token_loss(
@@ -284,6 +294,7 @@ __all__ = [
     "Sequence",
     "Vocab",
     "add_at_mask",
+    "laid_out_positions",
     "place_rows",
     "local",
     "next_token_targets",

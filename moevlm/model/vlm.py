@@ -34,6 +34,7 @@ from moevlm.model.rope import mrope_position_ids
 from moevlm.model.strategies import (
     IGNORE_INDEX,
     Strategies,
+    laid_out_positions,
     local,
     next_token_targets,
     place_rows,
@@ -253,15 +254,16 @@ class Qwen3VLMoe(nn.Module):
 
     def embed_laid_out(self, input_ids, pixel_values, pixel_values_videos, layout: VisionLayout):
         """`embed` of images, or videos, laid out on the host (`forward`'s `vision_layout`): (h_BSD,
-        visual mask, deepstack features), every output of the tower whole.  Its padding rows land on
+        the visual tokens' positions (`laid_out_positions`), deepstack features), every output of the
+        tower whole.  Its padding rows land on
         no token (`place_rows`), which keeps the whole tower in the graph, as `embed`'s exact 0 does."""
         h_BSD = self.text.embed_tokens(input_ids)
         images = pixel_values is not None
         token_id = self.config.image_token_id if images else self.config.video_token_id
-        visual_mask_BS = input_ids == token_id
         pixels = pixel_values if images else pixel_values_videos
         out_NO, deepstack = self.vision(pixels, None, layout)
-        return place_rows(h_BSD, visual_mask_BS, out_NO), visual_mask_BS, deepstack
+        where = laid_out_positions(input_ids == token_id, out_NO.shape[0])
+        return place_rows(h_BSD, where, out_NO), where, deepstack
 
     def encode_images(self, pixel_values_NP, grid_thw_I3):
         """(image tokens, deepstack features, n) of every image, the work shared as the strategies'
