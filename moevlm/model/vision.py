@@ -15,7 +15,7 @@ kernel (`attn.core`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -147,7 +147,7 @@ class VisionEncoder(nn.Module):
         if layout is None:
             host = vision_layout(grid_thw_I3.cpu(), cfg.spatial_merge_size, self.side)
             # the segment bounds stay on the host: a mask built from a list reads nothing back
-            layout = replace(host.to(x_Nd.device), cu_seqlens=host.cu_seqlens)
+            layout = host.map(lambda t: t.to(x_Nd.device, non_blocking=True), bounds=False)
         x_Nd = x_Nd + (
             self.pos_embed(layout.pos_idx_N4) * layout.pos_wts_N4[..., None].to(x_Nd.dtype)
         ).sum(1)
@@ -182,10 +182,19 @@ class VisionLayout:
     rows_cols_N2: torch.Tensor
     cu_seqlens: torch.Tensor
 
-    def to(self, device: torch.device) -> VisionLayout:
+    def map(self, fn, bounds: bool = True) -> VisionLayout:
+        """fn of every tensor (`bounds=False`: cu_seqlens as it is)."""
         return VisionLayout(
-            *(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self))
+            *(
+                getattr(self, f.name)
+                if f.name == "cu_seqlens" and not bounds
+                else fn(getattr(self, f.name))
+                for f in fields(self)
+            )
         )
+
+    def to(self, device: torch.device) -> VisionLayout:
+        return self.map(lambda t: t.to(device, non_blocking=True))
 
     def copy_(self, other: VisionLayout) -> None:
         """Copy `other` into these tensors (a captured step's static buffers)."""

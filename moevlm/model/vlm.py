@@ -255,8 +255,8 @@ class Qwen3VLMoe(nn.Module):
     def embed_laid_out(self, input_ids, pixel_values, pixel_values_videos, layout: VisionLayout):
         """`embed` of images, or videos, laid out on the host (`forward`'s `vision_layout`): (h_BSD,
         the visual tokens' positions (`laid_out_positions`), deepstack features), every output of the
-        tower whole.  Its padding rows land on
-        no token (`place_rows`), which keeps the whole tower in the graph, as `embed`'s exact 0 does."""
+        tower whole.  Its padding rows land on no token (`place_rows`), which keeps the whole tower in
+        the graph, as `embed`'s exact 0 does."""
         h_BSD = self.text.embed_tokens(input_ids)
         images = pixel_values is not None
         token_id = self.config.image_token_id if images else self.config.video_token_id
@@ -278,12 +278,7 @@ class Qwen3VLMoe(nn.Module):
         batch's padding) run as one extra segment, isolated in attention; their merged
         tokens are the rows after the first n of every output."""
         merge = self.config.vision.spatial_merge_size
-        used = int(grid_thw_I3.prod(-1).sum())
-        pad = pixel_values_NP.shape[0] - used
-        if pad:
-            grid_thw_I3 = torch.cat(
-                [grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])]
-            )
+        grid_thw_I3, used = _with_padding_segment(grid_thw_I3, pixel_values_NP.shape[0], merge)
         image_NO, deepstack = self.vision(pixel_values_NP, grid_thw_I3)
         return image_NO, deepstack, used // merge**2
 
@@ -338,15 +333,22 @@ def from_pretrained(hf_dir: str | Path, **kwargs) -> Qwen3VLMoe:
 
 def image_layout(cfg: VLMConfig, pixel_values_NP: torch.Tensor, image_grid_thw_I3: torch.Tensor):
     """The VisionLayout of a micro-batch's images (or videos) on the host (`forward`'s
-    `vision_layout`): their patches, then the padding patches as one segment, the segment bounds padded to a number fixed by
-    the pixel tensor's shape (a frame has at least merge^2 patches)."""
+    `vision_layout`): their patches, then the padding patches as one segment, the segment bounds
+    padded to a number fixed by the pixel tensor's shape (a frame has at least merge^2 patches)."""
     merge, N = cfg.vision.spatial_merge_size, pixel_values_NP.shape[0]
-    grid = image_grid_thw_I3.cpu()
-    pad = N - int(grid.prod(-1).sum())
-    if pad:
-        grid = torch.cat([grid, grid.new_tensor([[1, merge, pad // merge]])])
+    grid, _ = _with_padding_segment(image_grid_thw_I3.cpu(), N, merge)
     side = math.isqrt(cfg.vision.num_position_embeddings)
     return vision_layout(grid, merge, side, segments=N // merge**2 + 2)
+
+
+def _with_padding_segment(grid_thw_I3: torch.Tensor, patches: int, merge: int):
+    """(the grids and, when the pixel tensor's `patches` are more than theirs, one more grid for the
+    padding patches: their own segment, isolated in attention; the grids' patches)."""
+    used = int(grid_thw_I3.prod(-1).sum())
+    pad = patches - used
+    if pad:
+        grid_thw_I3 = torch.cat([grid_thw_I3, grid_thw_I3.new_tensor([[1, merge, pad // merge]])])
+    return grid_thw_I3, used
 
 
 def _one_tower_input(kinds) -> tuple[torch.Tensor, torch.Tensor]:

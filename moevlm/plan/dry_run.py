@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -499,7 +499,6 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
     import copy
 
     from moevlm.config import validate
-    from moevlm.model.vision import VisionLayout
     from moevlm.model.vlm import image_layout
     from moevlm.parallel.build import materialize_
     from moevlm.parallel.compile import use_static_masks
@@ -524,9 +523,7 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
             inputs["cu_seqlens"] = mode.fake(real.cu_seqlens, cuda)
             inputs["inputs_checked"] = True
             if layout is not None:
-                inputs["vision_layout"] = VisionLayout(
-                    *(mode.fake(getattr(layout, f.name), cuda) for f in fields(layout))
-                )
+                inputs["vision_layout"] = layout.map(lambda t: mode.fake(t, cuda))
         watching = watch if watch is not None else contextlib.nullcontext()
         with watching, emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
             out = model(**inputs)

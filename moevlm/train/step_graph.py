@@ -9,8 +9,8 @@ second, replayed from then on.
 Static inputs: one device buffer per micro-batch input, filled by a host-to-device copy before each
 replay; `cu_seqlens` and the images' layout (`vision_layout`, laid out here from the grids) go to
 the device too and the model reads nothing back (`inputs_checked`: the checks ran here on the host
-copies).  Off CUDA (`capture=False`) the same buffers and functions run
-eagerly: the CPU tests check what a capture would record.  Why and what is refused: docs/architecture.md.
+copies).  Off CUDA (`capture=False`) the same buffers and functions run eagerly: the CPU tests
+check what a capture would record.  Why and what is refused: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from moevlm.model.vlm import check_inputs, image_layout
 
 def host_inputs(mb: MicroBatch, model_cfg) -> dict:
     """The model's keyword arguments as a captured step fills them, on the host: the micro-batch's
-    tensors, its images or videos laid out (`vision_layout`), the host checks done (`inputs_checked`; the
-    visual token counts, which vary, are then not needed)."""
+    tensors, its images or videos laid out (`vision_layout`), the host checks done (`inputs_checked`;
+    the visual token counts, which vary, are then not needed)."""
     kwargs = {**mb.forward_kwargs(), "visual_tokens": None, "inputs_checked": True}
     if mb.pixel_values is not None and mb.pixel_values_videos is not None:
         raise RuntimeError(

@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moevlm.config import compose_job, validate
@@ -21,8 +20,9 @@ from moevlm.model import Qwen3VLMoe
 from moevlm.model.vision import VisionLayout
 from moevlm.parallel.compile import use_static_masks
 from moevlm.plan.dry_run import forward_on_fake_cuda
-from moevlm.plan.fake import _leaves, fake_device
+from moevlm.plan.fake import _leaves
 from moevlm.plan.syncs import SyncCounter, SyncError
+from moevlm.plan.syncs import _device as device_of
 from moevlm.train.step_graph import StepGraph, host_inputs
 from moevlm.train.trainer import Trainer
 
@@ -148,13 +148,9 @@ class Uploads(TorchDispatchMode):
             src, dst = (
                 (args[1], args[0]) if func is torch.ops.aten.copy_.default else (args[0], out)
             )
-            if _device(src).type == "cpu" and _device(dst).type != "cpu":
+            if device_of(src).type == "cpu" and device_of(dst).type != "cpu":
                 self.found.append((str(func), tuple(src.shape)))
         return out
-
-
-def _device(t: torch.Tensor) -> torch.device:
-    return fake_device(t) if isinstance(t, FakeTensor) else t.device
 
 
 def test_the_captured_inputs_read_nothing_at_real_size(monkeypatch):
