@@ -76,6 +76,25 @@ def _shadowable(t) -> bool:
     )
 
 
+_PLAIN_SCALARS = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
+
+
+def _dense(t: FakeTensor) -> bool:
+    return t.layout == torch.strided and not t._has_symbolic_sizes_strides
+
+
 class PlanMode(FakeTensorMode):
     """FakeTensorMode with host values for small integer tensors (docs/architecture.md)."""
 
@@ -91,6 +110,39 @@ class PlanMode(FakeTensorMode):
         """FakeTensorMode's op, called without its `__torch_dispatch__`'s wrappers (a per-op statistics
         counter and the Dynamo guard, which a plan, never compiled, does not need)."""
         return self.dispatch(func, types, args, kwargs)
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
+        """FakeTensorMode's op-cache key, built cheaper for what a plan passes: a dense fake tensor of
+        this mode (no symbolic sizes: a plan has no shape environment) is one tuple of what its output
+        depends on; its memory format, which the base class also derives, follows from its sizes and
+        strides.  Anything else (nested containers, dicts, other tensors) goes to the base class."""
+        if isinstance(args, dict):
+            super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            return
+        if isinstance(args, (list, tuple)):
+            result.append(type(args))
+            result.append(len(args))
+        for a in args:
+            if type(a) is FakeTensor and a.fake_mode is self and a.constant is None and _dense(a):
+                result.append(
+                    (
+                        a.dtype,
+                        tuple(a.shape),
+                        a.stride(),
+                        a.fake_device,
+                        a.storage_offset(),
+                        a.untyped_storage().nbytes(),
+                        a.requires_grad,
+                        a.is_conj(),
+                        a.is_neg(),
+                        a.is_inference(),
+                    )
+                )
+            elif type(a) in _PLAIN_SCALARS:
+                result.append(type(a))
+                result.append(a)
+            else:
+                super()._prep_args_for_hash(result, (a,), state, id_hashed_objects)
 
     def fake(self, t: torch.Tensor, device: torch.device) -> FakeTensor:
         """A fake copy of the real tensor `t` on `device`, its value kept when it is small and integer."""
