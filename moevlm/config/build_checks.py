@@ -189,12 +189,6 @@ def check_step_graph(job, model: VLMConfig, dims: ParallelDims) -> None:
             "would read each step",
         ),
         (
-            dims.world > 1 and dims.pp * dims.tp * dims.cp * dims.ep * dims.etp == 1,
-            "runs one process for now: capturing the data-parallel reductions (FSDP2's all-gathers and "
-            "reduce-scatters, DDP's buckets) is not verified on several GPUs yet; use one GPU, or "
-            "train.cuda_graph=off",
-        ),
-        (
             dims.pp > 1,
             "cannot capture a pipeline schedule (parallel.pp>1): its stages exchange micro-batches by "
             "point-to-point sends the host orders; use parallel.pp=1",

@@ -389,7 +389,8 @@ class TrainConfig:
         metadata={
             "help": "step: after train.cuda_graph_warmup eager steps, capture the whole step (every micro-batch's "
             "forward and backward, the gradient reduction and clip as one CUDA graph, the optimizer step as a "
-            "second) and replay it (moevlm/train/step_graph.py); text rows with images or videos, on one GPU"
+            "second) and replay it (moevlm/train/step_graph.py); text rows with images or videos, on one GPU or "
+            "under FSDP2, HSDP or DDP"
         },
     )
     cuda_graph_warmup: int = field(
