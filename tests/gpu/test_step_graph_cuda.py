@@ -101,10 +101,11 @@ def _compare(tmp_path, extra: list[str]) -> None:
     trainer.close()
 
 
-# two ranks, one row each a step: FSDP2 (all-gathers in the forward and backward, reduce-scatters in
-# the backward), HSDP (and the replicas' all-reduce), DDP (GradSync's bucketed all-reduce after it)
+# two ranks, one row each a step: FSDP2 with selective recompute (all-gathers in the forward and
+# backward, reduce-scatters in the backward, the attention cores again in the backward), HSDP (and
+# the replicas' all-reduce), DDP (GradSync's bucketed all-reduce after it)
 DP2 = {
-    "fsdp": ["parallel.dp_mode=fsdp"],
+    "fsdp-selective": ["parallel.dp_mode=fsdp", "model.recompute=selective"],
     "hsdp": ["parallel.dp_mode=fsdp", "parallel.dp_replicate=2"],
     "ddp": ["parallel.dp_mode=ddp"],
 }

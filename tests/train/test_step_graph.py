@@ -140,10 +140,11 @@ def test_the_step_over_static_buffers_equals_the_plain_step(tmp_path, rows):
     trainer.close()
 
 
-# data parallel in the step: FSDP2 (its all-gathers and reduce-scatters in the forward and backward),
+# data parallel in the step: FSDP2 with selective recompute (its all-gathers and reduce-scatters in the
+# forward and backward, the attention cores run again in the backward),
 # HSDP (the replicas' all-reduce too) and DDP (GradSync's bucketed all-reduce), each rank 1 row a step
 DP2 = {
-    "fsdp": ["parallel.dp_mode=fsdp"],
+    "fsdp-selective": ["parallel.dp_mode=fsdp", "model.recompute=selective"],
     "hsdp": ["parallel.dp_mode=fsdp", "parallel.dp_replicate=2"],
     "ddp": ["parallel.dp_mode=ddp"],
 }
@@ -173,8 +174,9 @@ def _dp2_on_ranks(rank: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_the_step_over_static_buffers_equals_the_plain_step_under_fsdp_hsdp_and_ddp(tmp_path):
     """Two gloo ranks, FSDP2, HSDP and DDP: one eager warm-up step then three over the static buffers
-    (the data-parallel reductions inside what a capture records), each rank's losses and its shard
-    of the final weights bit for bit those of the plain step; nothing refuses these layouts."""
+    (the data-parallel reductions inside what a capture records; FSDP2 with selective recompute), each
+    rank's losses and its shard of the final weights bit for bit those of the plain step; nothing
+    refuses these layouts."""
     from gloo_ranks import run_ranks
 
     for extra in DP2.values():
