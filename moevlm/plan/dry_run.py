@@ -494,14 +494,14 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
     runs sdpa: for bf16 weights (optim.master_weights) without flash-attn it resolves to compiled flex,
     which Inductor cannot build for fake CUDA on a CPU-only torch.  `watch`: a dispatch mode entered
     above the fake one for the forward (`moevlm.plan.syncs.SyncCounter`).  `captured`: the inputs as a
-    captured step passes them (moevlm.train.step_graph: every tensor on the device, the images laid
-    out, checked on the host, static masks)."""
+    captured step passes them (moevlm.train.step_graph: every tensor on the device, the images or
+    videos laid out, checked on the host, static masks)."""
     import copy
 
     from moevlm.config import validate
-    from moevlm.model.vlm import image_layout
     from moevlm.parallel.build import materialize_
     from moevlm.parallel.compile import use_static_masks
+    from moevlm.train.step_graph import host_inputs
 
     if job.model.attn_backend == "auto":
         job = copy.deepcopy(job)
@@ -512,18 +512,17 @@ def forward_on_fake_cuda(job, watch=None, captured: bool = False) -> dict:
     t0 = time.perf_counter()
     model, ctx = _build(job, plan, "cuda", bf16)
     real = budget_micro_batch(job, plan.model)
-    layout = None  # the images laid out on the host, as a captured step fills its buffers
-    if captured and real.pixel_values is not None:
-        layout = image_layout(plan.model, real.pixel_values, real.image_grid_thw)
+    # a captured step's inputs as it fills its buffers on the host (`host_inputs`), then on the device
+    # as `captured_inputs` puts them: cu_seqlens and the images' (videos') layout included
+    kwargs = host_inputs(real, plan.model) if captured else real.forward_kwargs()
     with fake_cuda(), PlanMode() as mode, torch.no_grad():
         materialize_(model, cuda, ctx)
-        inputs = {k: _placed(mode, k, v, cuda) for k, v in real.forward_kwargs().items()}
+        inputs = {k: _placed(mode, k, v, cuda) for k, v in kwargs.items()}
         if captured:
             use_static_masks(model)
             inputs["cu_seqlens"] = mode.fake(real.cu_seqlens, cuda)
-            inputs["inputs_checked"] = True
-            if layout is not None:
-                inputs["vision_layout"] = layout.map(lambda t: mode.fake(t, cuda))
+            if "vision_layout" in kwargs:
+                inputs["vision_layout"] = kwargs["vision_layout"].map(lambda t: mode.fake(t, cuda))
         watching = watch if watch is not None else contextlib.nullcontext()
         with watching, emulated_autocast("cuda", torch.bfloat16 if bf16 else None):
             out = model(**inputs)
