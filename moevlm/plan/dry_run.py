@@ -69,7 +69,33 @@ def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
     """A micro-batch of `train.micro_batch_size` rows that fill the pack budgets: one image of
     `pack.max_patches` and, where `pack.max_videos` > 0, one video of two temporal patches filling
     `pack.max_video_patches` in what the sequence leaves (docs/architecture.md)."""
-    p, m = job.data.pack, model_cfg.vision.spatial_merge_size
+    row = _budget_row(job.data.pack, model_cfg)
+    return MicroBatch.from_rows([row] * (rows or job.train.micro_batch_size), model_cfg)
+
+
+# The last budget row made, by everything it is made of: a fit or a search dry-runs one job at several
+# depths and layouts, and the row (a real tensor of up to ~100 MB of random pixels) is the same for all
+_LAST_ROW: dict = {}
+
+
+def _budget_row(p, model_cfg):
+    v = model_cfg.vision
+    key = (
+        repr(p),
+        v.spatial_merge_size,
+        v.patch_dim,
+        model_cfg.image_token_id,
+        model_cfg.video_token_id,
+        model_cfg.vision_start_token_id,
+    )
+    if key not in _LAST_ROW:
+        _LAST_ROW.clear()
+        _LAST_ROW[key] = _make_budget_row(p, model_cfg)
+    return _LAST_ROW[key]
+
+
+def _make_budget_row(p, model_cfg):
+    m = model_cfg.vision.spatial_merge_size
     S, Np = p.seq_len, p.max_patches
     side = int(min(Np, 4 * (S - 16)) ** 0.5) // m * m if Np else 0
     n_img = side * side // (m * m)
@@ -100,8 +126,7 @@ def budget_micro_batch(job, model_cfg, rows: int | None = None) -> MicroBatch:
         ids[None], grid_t, model_cfg.image_token_id, m, None, vgrid_t, model_cfg.video_token_id
     )[:, 0]
     sample = Sample("budget", None, ids, labels, pos, pixels, grids, [], vpixels, vgrids)
-    row = collate([sample], p, model_cfg.vision.patch_dim, pad_id=0)
-    return MicroBatch.from_rows([row] * (rows or job.train.micro_batch_size), model_cfg)
+    return collate([sample], p, model_cfg.vision.patch_dim, pad_id=0)
 
 
 def _build(job, plan, device_type: str, bf16: bool):
