@@ -78,6 +78,23 @@ def _cpu_refusal() -> ConfigError:
     return err.value
 
 
+def _plain_equals_graphed(tmp_path, rows=TEXT, extra=(), what: str = "") -> Trainer:
+    """The plain run, then the run over the static buffers (one eager step, three replays): every
+    step's loss (four, each step its own data) and every final weight (on ranks: this rank's shard)
+    bit for bit.  Returns the graphed trainer, open."""
+    plain, w_plain, first = _run(tmp_path, "plain", graphed=False, rows=rows, extra=extra)
+    first.close()
+    graphed, w_graph, trainer = _run(tmp_path, "graphed", graphed=True, rows=rows, extra=extra)
+    assert len(plain) == 4 and len(set(plain)) == 4, (what, plain)
+    assert graphed == plain, (what, graphed, plain)
+    assert w_graph.keys() == w_plain.keys()
+    differ = [k for k in w_plain if not torch.equal(w_graph[k], w_plain[k])]
+    assert not differ, (what, differ[:5])
+    g = trainer.step_graph
+    assert (g.eager_steps, g.replays, g.captured) == (1, 3, True), what
+    return trainer
+
+
 def _run(
     tmp_path, name: str, graphed: bool, rows=TEXT, extra=()
 ) -> tuple[list[float], dict, Trainer]:
@@ -118,15 +135,8 @@ def test_the_step_over_static_buffers_equals_the_plain_step(tmp_path, rows):
     """One eager warm-up step, then three over the same buffers (the copies a replay reads; image
     rows: their layout too): every step's loss and the final weights bit for bit; the gradients stay
     (the graph would rewrite them)."""
-    plain, w_plain, first = _run(tmp_path, "plain", graphed=False, rows=rows)
-    first.close()
-    graphed, w_graph, trainer = _run(tmp_path, "graphed", graphed=True, rows=rows)
-    assert len(plain) == 4 and len(set(plain)) == 4  # each step its own data
-    assert graphed == plain
-    assert w_graph.keys() == w_plain.keys()
-    assert all(torch.equal(w_graph[k], w_plain[k]) for k in w_plain)
+    trainer = _plain_equals_graphed(tmp_path, rows=rows)
     g = trainer.step_graph
-    assert (g.eager_steps, g.replays, g.captured) == (1, 3, True)
     held = [n for n, p in trainer.model.named_parameters() if p.grad is not None]
     towers = ("text.", "lm_head.") + (("vision.",) if rows is not TEXT else ())
     assert len(held) > 10 and all(n.startswith(towers) for n in held), held
@@ -157,18 +167,8 @@ def _dp2_on_ranks(rank: int, tmp: str) -> None:
 
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
     for mode, extra in DP2.items():
-        extra = [*extra, *ON_RANKS]
-        plain, w_plain, first = _run(Path(tmp) / mode, "plain", graphed=False, extra=extra)
-        first.close()
-        graphed, w_graph, trainer = _run(Path(tmp) / mode, "graphed", graphed=True, extra=extra)
-        assert len(plain) == 4 and len(set(plain)) == 4, (mode, plain)
-        assert graphed == plain, (mode, rank, graphed, plain)
-        assert w_graph.keys() == w_plain.keys()
-        differ = [k for k in w_plain if not torch.equal(w_graph[k], w_plain[k])]
-        assert not differ, (mode, rank, differ[:5])
-        g = trainer.step_graph
-        assert (g.eager_steps, g.replays, g.captured) == (1, 3, True), mode
-        trainer.close()
+        what = f"{mode}, rank {rank}"
+        _plain_equals_graphed(Path(tmp) / mode, extra=[*extra, *ON_RANKS], what=what).close()
 
 
 @pytest.mark.slow
