@@ -8,9 +8,9 @@ for 50 steps).  Bounds on |loss - fp32 loss| (the loss is near 6): the mean over
 within 0.03, every step within 0.05 and the last within 0.02; the FP8 runs must also have learned
 (last loss below the first by more than 1).  The curves drift apart as float32 summation order
 (which differs between CPU kinds and thread counts) flips FP8 roundings, so single steps spike:
-measured max step / max window / last for blockwise and mxfp8, on an Intel Xeon (2026-11-29)
-0.0130 / - / 0.0044 and 0.0181 / - / 0.0034; on an AMD EPYC (2026-11-30) 0.0323 / 0.0155 / 0.0108
-and 0.0098 / 0.0073 / 0.0041.  The curves are printed side by side every 5 steps.
+measured max step / max window / last for blockwise and mxfp8, on 2026-11-29 (CPU kind not
+recorded) 0.0130 / - / 0.0044 and 0.0181 / - / 0.0034; on an AMD EPYC (2026-11-30) 0.0323 /
+0.0155 / 0.0108 and 0.0098 / 0.0073 / 0.0041.  The curves are printed side by side every 5 steps.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ WINDOW, WINDOW_GAP, STEP_GAP, LAST_GAP = 5, 0.03, 0.05, 0.02
 def _one_torch_thread():
     """Two torch threads here, not the package's one: the curves' gaps depend on the reductions'
     order, and the figures above were measured with two threads (CI's two cores).  With one thread
-    (Intel Xeon) mxfp8's largest step gap was 0.0318 (the last 0.0037)."""
+    mxfp8's largest step gap was 0.0318 (the last 0.0037) on an earlier machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
