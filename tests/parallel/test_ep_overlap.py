@@ -176,11 +176,12 @@ def _time_layer(reps: int = 5) -> dict[str, float]:
     return out
 
 
-# AdamW's eps for both runs of every layout (test_layouts.py's remedy, its "forced" and "lora" entries):
-# the overlapped run sums the experts' outputs in two chunks, so its gradients differ from the plain
-# run's by float32 summation-order noise; with job_overrides' eps 1e-6 the clipped gradients' smallest
-# elements sit near eps, where AdamW's update is most sensitive, and on an AMD EPYC tp2 x ep2's
-# parameters came 1.4e-6 relative apart after 2 steps while its gradients agreed to 6.8e-7
+# AdamW's eps for both runs of every layout (test_layouts.py's remedy for its "forced" and "lora"
+# entries): the overlapped run sums the experts' outputs in two chunks, so its gradients differ from
+# the plain run's by float32 summation-order noise; with job_overrides' eps 1e-6 the clipped
+# gradients' smallest elements sit near eps, where AdamW's update is most sensitive, and on an AMD
+# EPYC tp2 x ep2's parameters came 1.4e-6 relative apart after 2 steps while its gradients agreed
+# to 6.8e-7
 EPS = "optim.eps=1e-5"
 LAYOUTS = [  # name, the layout both runs share, what only the overlapped run adds
     ("ep2", ["parallel.ep=2", "model.dispatcher=alltoall", EPS], []),
