@@ -176,25 +176,25 @@ def _time_layer(reps: int = 5) -> dict[str, float]:
     return out
 
 
-# AdamW's eps for both runs of every layout (test_layouts.py's remedy for its "forced" and "lora"
-# entries): the overlapped run sums the experts' outputs in two chunks, so its gradients differ from
-# the plain run's by float32 summation-order noise; with job_overrides' eps 1e-6 the clipped
-# gradients' smallest elements sit near eps, where AdamW's update is most sensitive, and on an AMD
-# EPYC tp2 x ep2's parameters came 1.4e-6 relative apart after 2 steps while its gradients agreed
-# to 6.8e-7
+# AdamW's eps for both runs of every layout, added by `_trainer_runs` (test_layouts.py's remedy for
+# its "forced" and "lora" entries): the overlapped run sums the experts' outputs in two chunks, so
+# its gradients differ from the plain run's by float32 summation-order noise; with job_overrides'
+# eps 1e-6 the clipped gradients' smallest elements sit near eps, where AdamW's update is most
+# sensitive, and on an AMD EPYC tp2 x ep2's parameters came 1.4e-6 relative apart after 2 steps
+# while its gradients agreed to 6.8e-7
 EPS = "optim.eps=1e-5"
 LAYOUTS = [  # name, the layout both runs share, what only the overlapped run adds
-    ("ep2", ["parallel.ep=2", "model.dispatcher=alltoall", EPS], []),
+    ("ep2", ["parallel.ep=2", "model.dispatcher=alltoall"], []),
     # the capacity mode where nothing can overflow (f = E/K = 4): per-chunk capacity drops nothing either
     (
         "ep2_capacity",
-        ["parallel.ep=2", "model.dispatcher=alltoall", "model.moe_capacity_factor=4", EPS],
+        ["parallel.ep=2", "model.dispatcher=alltoall", "model.moe_capacity_factor=4"],
         [],
     ),
     # SPMoEBlock (router statistics summed over tp), and the block recomputed in backward
     (
         "tp2_ep2_recompute_moe",
-        ["parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall", EPS],
+        ["parallel.tp=2", "parallel.ep=2", "model.dispatcher=alltoall"],
         ["model.recompute=selective", "model.recompute_modules=[moe]"],
     ),
 ]
@@ -219,6 +219,7 @@ def _trainer_runs(shards: str, tmp: str, layouts) -> dict:
     """Each layout trained plain and overlapped on these ranks: the max relative errors, by name."""
     calls, report = _count_overlapped_chunks(), {}
     for name, layout, extra in layouts:
+        layout = [*layout, EPS]
         ref = run_job(shards, os.path.join(tmp, f"plain_{name}"), layout)
         before = calls[0]
         got = run_job(
@@ -346,7 +347,7 @@ def _four_ranks(rank: int, shards: str, tmp: str) -> None:
     report = _trainer_runs(
         shards,
         tmp,
-        [("pp2_ep2", ["parallel.pp=2", "parallel.ep=2", "model.dispatcher=alltoall", EPS], [])],
+        [("pp2_ep2", ["parallel.pp=2", "parallel.ep=2", "model.dispatcher=alltoall"], [])],
     )
     if rank == 0:
         with open(os.path.join(tmp, "ep_overlap_pp.json"), "w") as f:
